@@ -1,0 +1,14 @@
+"""Token embedding: a lookup, no FLOPs; backward needs only the token ids."""
+from __future__ import annotations
+
+from anatomy.calculator.types import Component, Saved
+from anatomy.config import ModelConfig, Run
+
+
+def params(cfg: ModelConfig) -> int:
+    return cfg.vocab * cfg.hidden
+
+
+def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
+    ids = Saved("embedding.ids", (run.batch, run.seq), "int64", 1, "embedding_backward scatters into these rows")
+    return Component("embedding", 1, params(cfg), 0, 0, 0, 0, saved=[ids])

@@ -1,0 +1,23 @@
+"""lm_head + cross-entropy: the full (B*S, V) logits, upcast to fp32."""
+from __future__ import annotations
+
+from anatomy.calculator.dtypes import dtypes
+from anatomy.calculator.linear import linears_saved
+from anatomy.calculator.types import Component, Saved
+from anatomy.config import ModelConfig, Run
+
+
+def params(cfg: ModelConfig) -> int:
+    return 0 if cfg.tie_embeddings else cfg.vocab * cfg.hidden  # a tied head is the embedding's matrix
+
+
+def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
+    dt, T, H, V = dtypes(run), run.tokens, cfg.hidden, cfg.vocab
+    saved = linears_saved("loss", T, H, {"lm_head": V}, dt, 1, dt.compute)
+    saved += [
+        Saved("loss.log_probs", (T, V), "float32", 1, "log_softmax keeps its output; nll_loss reads it too"),
+        Saved("loss.targets", (run.batch, run.seq), "int64", 1, "nll_loss keeps the targets"),
+        Saved("loss.total_weight", (), "float32", 1, "nll_loss keeps the count it divided by"),
+    ]
+    f = 2 * T * H * V
+    return Component("loss", 1, params(cfg), f, 2 * f, f, 2 * f, T * V * 5, saved)

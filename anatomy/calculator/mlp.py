@@ -1,0 +1,35 @@
+"""The gated MLP: SwiGLU, or gpt-oss's (clamp(up) + 1) * silu(clamp(gate))."""
+from __future__ import annotations
+
+from anatomy.calculator.dtypes import dtypes
+from anatomy.calculator.linear import linears_saved
+from anatomy.calculator.types import Component, Saved
+from anatomy.config import ModelConfig, Run
+
+
+def params(cfg: ModelConfig) -> int:
+    return cfg.layers * 3 * cfg.hidden * cfg.intermediate
+
+
+def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
+    dt, L, T, H, I = dtypes(run), cfg.layers, run.tokens, cfg.hidden, cfg.intermediate
+    B, S, c = run.batch, run.seq, dtypes(run).compute
+    saved = linears_saved("mlp", T, H, {"gate": I, "up": I}, dt, L, c)
+    if cfg.mlp == "gpt-oss":
+        saved += [
+            Saved("mlp.gate_raw", (B, S, I), c, L, "clamp keeps its input for the pass-through mask"),
+            Saved("mlp.up_raw", (B, S, I), c, L, "clamp keeps its input for the pass-through mask"),
+            Saved("mlp.gate", (B, S, I), c, L, "silu keeps the clamped gate"),
+            Saved("mlp.up_plus_1", (B, S, I), c, L, "the product keeps the +1 output"),
+        ]
+    else:
+        saved += [Saved("mlp.gate", (B, S, I), c, L, "silu keeps its input"),
+                  Saved("mlp.up", (B, S, I), c, L, "the product keeps up")]
+    saved.append(Saved("mlp.silu_gate", (B, S, I), c, L, "the product keeps silu(gate)"))
+    saved.append(Saved("mlp.act", (B, S, I), c, L, "down keeps its input") if not dt.autocast else
+                 Saved("mlp.act", (T, I), c, L, "down keeps its input (already bf16: no cast)"))
+    if dt.autocast:
+        saved.append(Saved("mlp.down.weight_bf16", (I, H), "bfloat16", L, "autocast's cached weight cast"))
+    f = L * 2 * T * H * I * 3
+    ew = L * T * I * (5 + (3 if cfg.mlp == "gpt-oss" else 0))  # silu 4 + mul 1 (+ 2 clamps, +1)
+    return Component("mlp", L, params(cfg), f, 2 * f, f, 2 * f, ew, saved)

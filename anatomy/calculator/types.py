@@ -1,0 +1,80 @@
+"""The calculator's result types. Pure Python: no torch."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from math import prod
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "bool": 1}
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor autograd keeps for backward: `count` instances across the whole model."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    count: int = 1
+    why: str = ""  # which op saves it, and why it exists at all
+
+    @property
+    def bytes(self) -> int:  # all instances
+        return prod(self.shape) * BYTES[self.dtype] * self.count
+
+
+@dataclass
+class Component:
+    """One component summed over the model (e.g. all L attention layers)."""
+
+    name: str
+    instances: int
+    params: int
+    flops_counter_fwd: int  # FlopCounterMode convention
+    flops_counter_bwd: int
+    flops_model_fwd: int  # causal attention halved, no recompute: feeds MFU
+    flops_model_bwd: int
+    flops_elementwise_fwd: int = 0  # ~1 FLOP per elementwise op per element; an estimate, not a count
+    saved: list[Saved] = field(default_factory=list)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(s.bytes for s in self.saved)
+
+
+@dataclass
+class Estimate:
+    config: dict
+    run: dict
+    variant: str
+    device: str
+    components: dict[str, Component]
+
+    def total(self, attr: str) -> int:
+        return sum(getattr(c, attr) for c in self.components.values())
+
+    @property
+    def params(self) -> int:
+        return self.total("params")
+
+    def to_dict(self) -> dict:
+        comps = self.components.values()
+        return {
+            "config": self.config, "run": self.run, "variant": self.variant, "device": self.device,
+            "params": self.params,
+            "flops": {
+                "counter": {"forward": self.total("flops_counter_fwd"), "backward": self.total("flops_counter_bwd")},
+                "model": {"forward": self.total("flops_model_fwd"), "backward": self.total("flops_model_bwd")},
+                "elementwise": {"forward": self.total("flops_elementwise_fwd")},
+            },
+            "memory": {"saved": {
+                "total": self.total("saved_bytes"),
+                "by_component": {c.name: c.saved_bytes for c in comps},
+                "tensors": [dict(asdict(s), component=c.name, bytes=s.bytes) for c in comps for s in c.saved],
+            }},
+            "components": {c.name: {
+                "instances": c.instances, "params": c.params,
+                "flops": {"counter": {"forward": c.flops_counter_fwd, "backward": c.flops_counter_bwd},
+                          "model": {"forward": c.flops_model_fwd, "backward": c.flops_model_bwd},
+                          "elementwise": {"forward": c.flops_elementwise_fwd}},
+                "saved_bytes": c.saved_bytes} for c in comps},
+        }

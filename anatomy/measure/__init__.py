@@ -1,0 +1,1 @@
+"""Instruments: they measure a real model and never read the calculator."""

@@ -1,0 +1,67 @@
+"""build_model(cfg, variant): the one place that maps a variant name to its module tree."""
+from __future__ import annotations
+
+import torch
+
+from anatomy.config import ConfigError, ModelConfig, Run
+
+VARIANTS = ("baseline", "efficient")
+
+
+def build_model(cfg: ModelConfig, variant: str = "baseline", device="cpu", dtype=None, seed: int | None = 0):
+    """Build a model on `device`; dtype defaults to fp32 (master weights). Meta builds allocate nothing."""
+    if variant == "baseline":
+        from anatomy.baseline.transformer import Transformer
+    elif variant == "efficient":
+        try:
+            from anatomy.efficient.transformer import Transformer
+        except ImportError as e:
+            raise ConfigError(f"the efficient variant is not available: {e}") from None
+    else:
+        raise ConfigError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    if seed is not None and str(device) != "meta":
+        torch.manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(cfg)
+    init_weights(model, seed)
+    return model.to(dtype) if dtype is not None else model
+
+
+def init_weights(model: torch.nn.Module, seed: int | None = 0) -> None:
+    """Normal(0, 0.02) for matrices, ones for norm weights: identical across variants for the same seed."""
+    gen = None
+    for name, p in model.named_parameters():  # named_parameters skips a tied weight's second name
+        if p.device.type == "meta":
+            continue
+        if gen is None:
+            gen = torch.Generator(device=p.device)
+            gen.manual_seed(seed or 0)
+        with torch.no_grad():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def param_dtype(run: Run) -> torch.dtype:
+    return torch.bfloat16 if run.dtype == "bf16" else torch.float32
+
+
+def autocast_ctx(run: Run, device_type: str):
+    """The forward context for a dtype policy: bf16 autocast for 'amp', nothing otherwise."""
+    import contextlib
+
+    if run.dtype == "amp":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def make_batch(cfg: ModelConfig, run: Run, device="cpu", seed: int = 0):
+    """Random token ids and targets, (B, S) int64 each (separate storages, as a loader's x and y would be)."""
+    if str(device) == "meta":
+        return (torch.empty(run.batch, run.seq, dtype=torch.long, device="meta"),
+                torch.empty(run.batch, run.seq, dtype=torch.long, device="meta"))
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab, (run.batch, run.seq), generator=g)
+    targets = torch.randint(0, cfg.vocab, (run.batch, run.seq), generator=g)
+    return ids.to(device), targets.to(device)

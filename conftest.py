@@ -1,0 +1,110 @@
+"""Markers, device fixtures, hypothesis profiles and the claims-report plugin.
+
+Nothing here queries CUDA at import: the GPU check happens when a gpu-marked test runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+# Triton kernels run on CPU under the interpreter. The switch is read when a kernel module is
+# imported, so it is set here, before any test imports one; a machine with an NVIDIA driver
+# keeps compiled kernels. (nvidia-smi on PATH is the check: it does not initialise CUDA.)
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=50, derandomize=True, print_blob=True, **_common)
+settings.register_profile("dev", max_examples=20, **_common)
+settings.register_profile("thorough", max_examples=250, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--claims-report", default=".anatomy/claims.json",
+                     help="where the claim rows (predicted vs measured) are written as JSON")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.usefixtures("cuda_device"))
+
+
+@pytest.fixture(scope="session")
+def cuda_device():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine")
+    return torch.device("cuda")
+
+
+# ---- claims report ---------------------------------------------------------------------------
+_ROWS: list[dict] = []
+
+
+class Claims:
+    """Records one row per checked claim, then asserts it. The row is written whether or not it passes."""
+
+    def __init__(self, test_id: str):
+        self.test_id = test_id
+
+    def check(self, claim: str, *, component: str, config: str, variant: str, predicted, measured,
+              tolerance: float = 0.0, device: str = "cpu", unit: str = "", note: str = "") -> None:
+        err = (measured - predicted) / predicted if predicted else float(measured != predicted)
+        ok = measured == predicted if tolerance == 0 else abs(err) <= tolerance
+        _ROWS.append(dict(test=self.test_id, claim=claim, component=component, config=config, variant=variant,
+                          predicted=predicted, measured=measured, error=err, tolerance=tolerance,
+                          unit=unit, device=device, passed=bool(ok), note=note))
+        assert ok, (f"{claim} [{component}, {config}, {variant}, {device}]: predicted {predicted:,} {unit}, "
+                    f"measured {measured:,} {unit}, error {err:+.4%} (tolerance {tolerance:.2%})")
+
+
+@pytest.fixture
+def claims(request) -> Claims:
+    return Claims(request.node.nodeid)
+
+
+def _machine() -> dict:
+    info = dict(python=platform.python_version(), platform=platform.platform())
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _ROWS:
+        return
+    path = Path(session.config.getoption("--claims-report"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=_machine(),
+                  command="pytest " + " ".join(session.config.invocation_params.args), rows=_ROWS)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    tmp.replace(path)  # atomic: a reader never sees half a report
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    machine_info.update({f"anatomy_{k}": v for k, v in _machine().items()})
