@@ -1,0 +1,211 @@
+"""`anatomy`: estimate (calculator only), measure (this device), compare (both, with relative errors).
+
+Bad input gets one line on stderr and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from anatomy.config import ConfigError, ModelConfig, Run, PRESETS, from_hf_config
+
+DEFAULT_PRESET = "seed"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own usage errors: one line, exit 2
+        print(f"anatomy: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (a preset, an HF config.json, or explicit fields; fields override)")
+    g.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
+    g.add_argument("--hf-config", metavar="PATH", help="a Hugging Face Llama-family config.json or its folder")
+    for f in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab"):
+        g.add_argument(f"--{f}", type=int)
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--mlp", choices=("swiglu", "gpt-oss"))
+    r = p.add_argument_group("run")
+    r.add_argument("--batch", type=int, default=16)
+    r.add_argument("--seq", type=int, default=4096)
+    r.add_argument("--dtype", default="amp", help="amp (bf16 autocast, fp32 master weights) | bf16 | fp32")
+    r.add_argument("--variant", default="baseline", help="baseline | efficient")
+    p.add_argument("--json", action="store_true", help="machine-readable output (keys in the README)")
+
+
+def config_from_args(a) -> ModelConfig:
+    if a.preset and a.hf_config:
+        raise ConfigError("give --preset or --hf-config, not both")
+    explicit = {k: getattr(a, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab",
+                                           "tie_embeddings", "mlp") if getattr(a, k) is not None}
+    if a.hf_config:
+        base = from_hf_config(a.hf_config)
+    elif a.preset or not explicit:
+        base = ModelConfig.from_name(a.preset or DEFAULT_PRESET)
+    else:
+        base = None
+    if base is None:
+        missing = [k for k in ("hidden", "layers", "heads", "intermediate", "vocab") if k not in explicit]
+        if missing:
+            raise ConfigError(f"without --preset, give --{' --'.join(m.replace('_', '-') for m in missing)}")
+        return ModelConfig(**explicit)
+    d = base.to_dict()
+    if "heads" in explicit and "kv_heads" not in explicit:
+        d["kv_heads"] = None
+    d.update(explicit)
+    if explicit:
+        d["name"] = f"{base.name}+custom"
+    return ModelConfig(**d)
+
+
+def _check_variant(v: str) -> str:
+    if v not in ("baseline", "efficient"):
+        raise ConfigError(f"unknown variant {v!r}; choose baseline or efficient")
+    return v
+
+
+def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
+    from anatomy.calculator import estimate
+
+    return estimate(cfg, run, _check_variant(a.variant), device=a.device or "cuda").to_dict()
+
+
+def _fits(cfg, run, variant, device) -> bool:
+    """A predicted OOM is avoided, not crashed into: will the saved tensors fit in a quarter of memory?"""
+    from anatomy.calculator import estimate
+
+    need = estimate(cfg, run, variant).to_dict()["memory"]["saved"]["total"] + 4 * 4 * estimate(cfg, run).params
+    if device == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return need < 0.8 * free
+    return need < 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _measurable_run(cfg, run, variant, device) -> Run:
+    r = run
+    while not _fits(cfg, r, variant, device):
+        if r.batch > 1:
+            r = Run(batch=1, seq=r.seq, dtype=r.dtype)
+        elif r.seq > 16:
+            r = Run(batch=1, seq=r.seq // 2, dtype=r.dtype)
+        else:
+            break
+    return r
+
+
+def _device(a) -> str:
+    import torch
+
+    if a.device:
+        if a.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda asked for, but this machine has no CUDA GPU")
+        return a.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cmd_measure(a, cfg: ModelConfig, run: Run) -> dict:
+    from anatomy.measure.run import measure
+
+    dev = _device(a)
+    sr = _measurable_run(cfg, run, _check_variant(a.variant), dev)
+    return measure(cfg, run, a.variant, dev, saved_run=sr)
+
+
+def _rel(p, m):
+    return (m - p) / p if p else float(m != p)
+
+
+def cmd_compare(a, cfg: ModelConfig, run: Run) -> dict:
+    from anatomy.calculator import estimate
+
+    meas = cmd_measure(a, cfg, run)
+    est = estimate(cfg, run, a.variant, device=meas["device"]).to_dict()
+    sr = Run(**meas["memory"]["saved"]["run"])
+    est_saved = estimate(cfg, sr, a.variant, device=meas["device"]).to_dict()["memory"]["saved"]
+    rows = [("params", est["params"], meas["params"], "")]
+    for d in ("forward", "backward"):
+        rows.append((f"flops.counter.{d}", est["flops"]["counter"][d], meas["flops"]["counter"][d], "FLOP"))
+    rows.append(("memory.saved.total", est_saved["total"], meas["memory"]["saved"]["total"], "B"))
+    for comp, b in est_saved["by_component"].items():
+        rows.append((f"memory.saved.by_component.{comp}", b, meas["memory"]["saved"]["by_component"].get(comp, 0), "B"))
+    return {"config": cfg.to_dict(), "run": est["run"], "saved_run": meas["memory"]["saved"]["run"],
+            "device": meas["device"], "variant": a.variant,
+            "rows": [dict(key=k, predicted=p, measured=m, error=_rel(p, m), unit=u) for k, p, m, u in rows]}
+
+
+def _fmt(n, unit="") -> str:
+    if unit == "B":
+        return f"{n / 2**20:,.2f} MiB"
+    if unit == "FLOP":
+        return f"{n / 1e9:,.3f} GFLOP"
+    return f"{n:,}"
+
+
+def _print(cmd: str, out: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    if cmd == "compare":
+        sr = out["saved_run"]
+        t = Table(title=f"{out['config']['name']} · {out['variant']} · B={out['run']['batch']} S={out['run']['seq']} "
+                        f"{out['run']['dtype']} · measured on {out['device']}")
+        for c in ("quantity", "predicted", "measured", "error"):
+            t.add_column(c, justify="left" if c == "quantity" else "right")
+        for r in out["rows"]:
+            t.add_row(r["key"].replace("memory.saved.by_component.", "saved · "), _fmt(r["predicted"], r["unit"]), _fmt(r["measured"], r["unit"]), f"{r['error']:+.3%}")
+        con.print(t)
+        if (sr["batch"], sr["seq"]) != (out["run"]["batch"], out["run"]["seq"]):
+            con.print(f"saved tensors compared at B={sr['batch']} S={sr['seq']}: the full run's activations do not "
+                      f"fit this {out['device']} device (params and FLOPs are at full size, counted on meta).")
+        return
+    if cmd == "measure":
+        con.print_json(json.dumps(out))
+        return
+    t = Table(title=f"{out['config']['name']} · {out['variant']} · B={out['run']['batch']} S={out['run']['seq']} "
+                    f"{out['run']['dtype']}")
+    for c in ("component", "params", "fwd GFLOP (counter)", "bwd GFLOP (counter)", "fwd GFLOP (model)", "saved MiB"):
+        t.add_column(c, justify="left" if c == "component" else "right")
+    for name, c in out["components"].items():
+        t.add_row(name, f"{c['params']:,}", f"{c['flops']['counter']['forward'] / 1e9:,.2f}",
+                  f"{c['flops']['counter']['backward'] / 1e9:,.2f}", f"{c['flops']['model']['forward'] / 1e9:,.2f}",
+                  f"{c['saved_bytes'] / 2**20:,.2f}")
+    f, s = out["flops"], out["memory"]["saved"]
+    t.add_row("total", f"{out['params']:,}", f"{f['counter']['forward'] / 1e9:,.2f}",
+              f"{f['counter']['backward'] / 1e9:,.2f}", f"{f['model']['forward'] / 1e9:,.2f}",
+              f"{s['total'] / 2**20:,.2f}", style="bold")
+    con.print(t)
+
+
+COMMANDS = {"estimate": cmd_estimate, "measure": cmd_measure, "compare": cmd_compare}
+
+
+def main(argv=None) -> int:
+    p = _Parser(prog="anatomy", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    for name in COMMANDS:
+        sp = sub.add_parser(name, help=COMMANDS[name].__name__)
+        _add_config_flags(sp)
+        sp.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if present, else cpu")
+    a = p.parse_args(argv)
+    try:
+        cfg = config_from_args(a)
+        run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype)
+        out = COMMANDS[a.cmd](a, cfg, run)
+    except ConfigError as e:
+        print(f"anatomy: error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        _print(a.cmd, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

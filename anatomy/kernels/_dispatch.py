@@ -1,0 +1,130 @@
+"""How a kernel op picks its implementation (Triton or plain torch) and its dtype under autocast.
+
+Every op in this package is a ``torch.library.custom_op`` with:
+  * a default implementation: the plain-torch reference (CPU in CI, and any device without Triton);
+  * a CUDA implementation: the Triton launcher;
+  * a fake implementation, so meta tensors, FakeTensorMode and torch.compile see shapes and dtypes;
+  * an autocast rule, registered on the AutocastCPU / AutocastCUDA dispatch keys (see below);
+  * a backward that is itself a custom op with the same three implementations.
+
+Triton on CPU. With TRITON_INTERPRET=1 in the environment *before triton is imported*, every
+``@triton.jit`` kernel becomes an interpreted function that runs on CPU tensors through numpy.
+The launchers (``*_triton`` functions) accept CPU tensors then; inside ``triton_on_cpu()`` the ops'
+CPU implementations route to them too, so a test can drive the whole autograd path through the
+real kernels. Kernels avoid what the interpreter cannot run: no inline asm, no atomics, no loops
+whose trip count is a tensor (row loops run a fixed count and mask the tail).
+
+Autocast. ``torch.library.register_autocast`` casts *every* floating input to one dtype fixed at
+registration. That is wrong here: RMSNorm must keep x in fp32 (it is the residual stream and the
+saved tensor) and only write its output in the autocast dtype; RoPE must keep its fp32 cos/sin
+tables. ``register_autocast_rule`` therefore registers a kernel on the Autocast dispatch key that
+reads the *current* autocast dtype, lets the op's own rule rewrite the arguments, and re-enters the
+op with autocast disabled. Autocast sits above Autograd in the dispatcher, so the casts it issues
+are recorded by autograd (their backward casts the gradient back), and it also runs while
+torch.compile traces, so eager and compiled code agree. Backward ops need no rule: they take
+explicit tensors and return gradients in the dtypes of the forward inputs.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+try:  # Triton is a Linux dependency; the plain-torch references work without it.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = SimpleNamespace(constexpr=int)
+    HAS_TRITON = False
+
+# triton.jit reads TRITON_INTERPRET when a kernel is decorated, i.e. when our kernel modules are
+# imported, right after this one: so the value read here is the one the kernels were built with.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+LIB = torch.library.Library("anatomy", "FRAGMENT")  # holds the autocast kernels
+
+_triton_on_cpu = False
+
+
+def jit(fn):
+    """``triton.jit`` where Triton is installed; otherwise the plain function (never launched)."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+@contextlib.contextmanager
+def triton_on_cpu():
+    """Route the ops' CPU implementations through the Triton kernels (interpreter) for this block."""
+    if not (HAS_TRITON and INTERPRET):
+        raise RuntimeError("Triton kernels run on CPU only under TRITON_INTERPRET=1, set before triton "
+                           "is imported (the repo's conftest.py does this on machines without nvidia-smi)")
+    global _triton_on_cpu
+    old, _triton_on_cpu = _triton_on_cpu, True
+    try:
+        yield
+    finally:
+        _triton_on_cpu = old
+
+
+def cpu_uses_triton() -> bool:
+    return _triton_on_cpu
+
+
+def check_launchable(t: torch.Tensor) -> None:
+    """Raise one clear line when a Triton launcher cannot run on this tensor's device."""
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed; use the op (it falls back to the plain-torch reference)")
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and INTERPRET:
+        return
+    raise RuntimeError(f"Triton launchers need CUDA tensors, or CPU tensors under TRITON_INTERPRET=1 "
+                       f"(got {t.device.type}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')})")
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., N) -> (M, N) with unit stride along N: a view whenever the leading dims merge (as for a
+    contiguous tensor or a column slice such as ``gate_up[..., :I]``), a copy otherwise."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
+def num_warps(block: int) -> int:
+    """Warps for a one-row-per-program kernel of `block` elements (Liger's calculate_settings)."""
+    return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
+def reduction_programs(device: torch.device, n_rows: int) -> int:
+    """Programs for a kernel that reduces over rows (an RMSNorm weight gradient): a few per SM so
+    the (programs, N) fp32 partials stay small; 8 under the interpreter, which runs them serially."""
+    if device.type == "cuda":
+        return max(1, min(n_rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(n_rows, 8))
+
+
+def autocast_floating(t: torch.Tensor, device_type: str, dtype: torch.dtype) -> torch.Tensor:
+    """Autocast's own eligibility rule: floating, on this device type, not float64."""
+    if t.is_floating_point() and t.device.type == device_type and t.dtype is not torch.float64:
+        return t.to(dtype)
+    return t
+
+
+def register_autocast_rule(op, rule: Callable[..., tuple], device_types=("cpu", "cuda")) -> None:
+    """On each device type's Autocast key, call ``op(*rule(autocast_dtype, device_type, *args))``
+    with autocast disabled. The rule returns the rewritten positional arguments."""
+    name = op._name if hasattr(op, "_name") else op.name()
+    overload = op._opoverload if hasattr(op, "_opoverload") else op
+
+    for device_type in device_types:
+        def kernel(_keyset, *args, _device_type=device_type):
+            dtype = torch.get_autocast_dtype(_device_type)
+            new_args = rule(dtype, _device_type, *args)
+            with torch.autocast(_device_type, enabled=False):
+                return overload(*new_args)
+
+        LIB.impl(name, kernel, "Autocast" + torch._C._dispatch_key_for_device(device_type), with_keyset=True)

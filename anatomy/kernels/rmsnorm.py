@@ -1,0 +1,201 @@
+"""Fused RMSNorm: y = x * rsqrt(mean(x^2) + eps) * weight, one read of x and one write of y.
+
+Why fused. Unfused, RMSNorm is pow, mean, add, rsqrt, mul, mul (and casts): each op writes a
+full (M, N) tensor to memory and autograd saves most of them (x, x^2's input, rstd, x*rstd, ...).
+Here one program holds one row in registers, reduces it in fp32 and writes y once.
+
+What is saved. Only x (in its input dtype, fp32 for the residual stream under amp) and weight.
+rstd is one number per row, but recomputing it in backward costs one extra reduction over a row
+that backward must read anyway, so saving it would buy nothing but bookkeeping; x*rstd (the
+"normalized" tensor the unfused graph saves) is never materialized.
+Saved bytes = M*N*x.element_size() + N*weight.element_size()   (the weight is a parameter).
+
+Dtype rule. Math is fp32 whatever the inputs (fp64 inputs: fp64 in the plain-torch reference).
+  * Outside autocast: y has x's dtype; the weight's dtype (fp32 master or bf16) never changes it.
+  * Under autocast: y has the autocast dtype (bf16). Its only consumer is a matmul, which would cast
+    it anyway; writing bf16 directly saves that cast kernel and half of y's bytes. x is NOT cast:
+    it stays the saved tensor at full precision.
+  dx has x's dtype, dweight has weight's dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from anatomy.kernels._dispatch import (check_launchable, cpu_uses_triton, jit, num_warps, reduction_programs,
+                                       register_autocast_rule, rows, tl, triton)
+
+MAX_BLOCK = 65536  # a row lives in one program's registers; hidden sizes of real models are <= 16K
+
+
+# ---- Triton kernels --------------------------------------------------------------------------
+@jit
+def _rms_norm_fwd_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_N,)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)  # scalar
+    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+
+
+@jit
+def _rms_norm_bwd_kernel(DY, X, W, DX, DW, stride_dy, stride_x, stride_dx, M, N, eps, rows_per_program,
+                         BLOCK_N: tl.constexpr):
+    # Each program owns `rows_per_program` consecutive rows and accumulates their share of dweight
+    # in fp32 registers; the (programs, N) partials are summed by the launcher.
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for i in range(0, rows_per_program):  # fixed trip count: the tail is masked, not skipped
+        row = (pid * rows_per_program + i).to(tl.int64)
+        m = cols < tl.where(row < M, N, 0)  # (the interpreter rejects `vector_mask & scalar_bool`)
+        x = tl.load(X + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)  # recomputed: rstd is not saved
+        xhat = x * rstd
+        g = dy * w  # d loss / d xhat
+        # d/dx of xhat = x*rstd(x): rstd * (g - xhat * mean(g * xhat))
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=m)
+        dw += dy * xhat
+    tl.store(DW + pid * N + cols, dw, mask=mask)
+
+
+# ---- launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) ------------------------
+def _block(N: int) -> int:
+    block = triton.next_power_of_2(N)
+    if block > MAX_BLOCK:
+        raise ValueError(f"rms_norm: hidden size {N} exceeds the one-block limit {MAX_BLOCK}")
+    return block
+
+
+def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    check_launchable(x)
+    N = x.shape[-1]
+    x2 = rows(x)  # (M, N)
+    y = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)  # (M, N)
+    if x2.shape[0]:
+        block = _block(N)
+        _rms_norm_fwd_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, x2.stride(0), y.stride(0), N, eps,
+                                             BLOCK_N=block, num_warps=num_warps(block))
+    return y.view(x.shape)
+
+
+def rms_norm_backward_triton(dy: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    check_launchable(x)
+    N = x.shape[-1]
+    x2, dy2 = rows(x), rows(dy)  # (M, N) each
+    M = x2.shape[0]
+    dx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return dx.view(x.shape), torch.zeros_like(weight)
+    block = _block(N)
+    programs = reduction_programs(x.device, M)
+    per = triton.cdiv(M, programs)
+    programs = triton.cdiv(M, per)
+    dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)  # transient
+    _rms_norm_bwd_kernel[(programs,)](dy2, x2, weight.contiguous(), dx, dw_partial, dy2.stride(0), x2.stride(0),
+                                      dx.stride(0), M, N, eps, per, BLOCK_N=block, num_warps=num_warps(block))
+    return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
+
+
+# ---- plain-torch references (the CPU implementation) -----------------------------------------
+def _acc(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    acc = _acc(x)
+    xf = x.to(acc)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+    return (xf * rstd * weight.to(acc)).to(out_dtype or x.dtype).contiguous()
+
+
+def rms_norm_backward_reference(dy: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    acc = _acc(x)
+    xf, g0 = x.to(acc), dy.to(acc)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = xf * rstd
+    g = g0 * weight.to(acc)
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    dw = (g0 * xhat).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype).contiguous(), dw.to(weight.dtype)
+
+
+# ---- custom ops --------------------------------------------------------------------------------
+def _check(x: Tensor, weight: Tensor) -> None:
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
+
+
+@torch.library.custom_op("anatomy::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
+    _check(x, weight)
+    if cpu_uses_triton():
+        return rms_norm_triton(x, weight, eps, out_dtype)
+    return rms_norm_reference(x, weight, eps, out_dtype)
+
+
+@_rms_norm_op.register_kernel("cuda")
+def _(x, weight, eps, out_dtype=None):
+    _check(x, weight)
+    return rms_norm_triton(x, weight, eps, out_dtype)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, out_dtype=None):
+    _check(x, weight)
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+
+
+@torch.library.custom_op("anatomy::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if cpu_uses_triton():
+        return rms_norm_backward_triton(dy, x, weight, eps)
+    return rms_norm_backward_reference(dy, x, weight, eps)
+
+
+@_rms_norm_backward_op.register_kernel("cuda")
+def _(dy, x, weight, eps):
+    return rms_norm_backward_triton(dy, x, weight, eps)
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, x, weight, eps):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, eps = inputs[:3]
+    ctx.save_for_backward(x, weight)  # x in its own dtype; rstd and x*rstd are recomputed
+    ctx.eps = eps
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw = _rms_norm_backward_op(dy, x, weight, ctx.eps)
+    return dx, (dw if ctx.needs_input_grad[1] else None), None, None
+
+
+_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _autocast_rule(dtype, device_type, x, weight, eps, out_dtype=None):
+    # Only the output dtype changes: x stays full precision (it is what backward reads).
+    if out_dtype is None and x.device.type == device_type and x.dtype is not torch.float64:
+        out_dtype = dtype
+    return x, weight, eps, out_dtype
+
+
+register_autocast_rule(_rms_norm_op, _autocast_rule)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
+    """RMSNorm over the last dim. x (..., N), weight (N,) -> y (..., N), contiguous.
+
+    y has x's dtype, or the autocast dtype under autocast. Saves x and weight only."""
+    return _rms_norm_op(x, weight, eps)

@@ -1,0 +1,268 @@
+"""Fused SwiGLU activation: h = act(gate) * up, one read of gate and up and one write of h.
+
+variant "swiglu":  h = silu(gate) * up
+variant "gpt-oss": h = (clamp(up, -7, 7) + 1) * silu(clamp(gate, max=7))
+(gpt-oss's released code scales the sigmoid's argument by alpha=1.702; this project's "gpt-oss"
+MLP, as ModelConfig documents it, is the clamped, shifted form above with a plain silu.)
+
+Why fused. Unfused, silu(gate) * up saves gate (for silu), silu(gate) and up (for the mul):
+three (M, I) tensors. The gpt-oss form adds a saved input for each clamp and an output for the
++1: up to five. The kernel computes everything in fp32 registers and rounds h once.
+
+What is saved. Only gate and up, in their own dtypes: backward recomputes sigmoid, silu and the
+clamp masks from them (a few FLOPs per element against reading two extra tensors).
+Saved bytes = M*I*(gate.element_size() + up.element_size()).
+
+In-place backward. dgate and dup have exactly gate's and up's shapes and dtypes, and each element
+of them depends only on the same element of (dh, gate, up). So backward may overwrite the saved
+gate and up with dgate and dup and return those buffers: no new (M, I) allocations at the peak of
+backward. It does so only when it is safe:
+  * gate and up are non-leaf tensors (activations autograd produced, not a user's data), do not
+    share any memory location (the two column halves of one fused gate_up projection are fine),
+    and the caller did not pass inplace_backward=False;
+  * grad mode is off (no create_graph) and we are not being traced by torch.compile (there
+    AOTAutograd functionalizes the mutation into a copy and Inductor reuses buffers itself).
+The mutation bumps the tensors' version counters, so any other autograd node that saved gate or
+up (or a second backward under retain_graph=True) fails loudly with autograd's "modified by an
+inplace operation" error instead of reading gradients as activations. Pass inplace_backward=False
+when you need retain_graph. After backward, the caller's references to gate/up hold gradients.
+
+Dtype rule. Math is fp32. h has promote(gate, up)'s dtype; under autocast, gate and up are first
+cast to the autocast dtype (they come from autocast matmuls, so this is normally a no-op, and
+casting keeps the saved tensors in bf16). dgate/dup have gate's/up's dtypes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from anatomy.kernels._dispatch import (autocast_floating, check_launchable, cpu_uses_triton, jit, register_autocast_rule,
+                                       rows, tl, triton)
+
+VARIANTS = ("swiglu", "gpt-oss")
+LIMIT = 7.0  # gpt-oss clamp
+BLOCK = 1024  # columns per program: elementwise, so any power of two that fills a warp works
+
+
+# ---- Triton kernels (grid: rows x column blocks) ---------------------------------------------
+@jit
+def _swiglu_fwd_kernel(G, U, H, stride_g, stride_u, stride_h, I, GPT_OSS: tl.constexpr, BLOCK_I: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = cols < I
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    if GPT_OSS:
+        g = tl.minimum(g, 7.0)
+        u = tl.minimum(tl.maximum(u, -7.0), 7.0) + 1.0
+    h = g * tl.sigmoid(g) * u
+    tl.store(H + row * stride_h + cols, h.to(H.dtype.element_ty), mask=mask)
+
+
+@jit
+def _swiglu_bwd_kernel(DH, G, U, DG, DU, stride_dh, stride_g, stride_u, stride_dg, stride_du, I,
+                       GPT_OSS: tl.constexpr, BLOCK_I: tl.constexpr):
+    # DG/DU may be G/U themselves (in-place backward): every element is loaded before it is stored.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = cols < I
+    dh = tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    if GPT_OSS:
+        # torch's clamp_backward: the gradient passes where min <= x <= max (inclusive)
+        g_pass = g <= 7.0
+        u_pass = (u >= -7.0) & (u <= 7.0)
+        g = tl.minimum(g, 7.0)
+        u = tl.minimum(tl.maximum(u, -7.0), 7.0) + 1.0
+    s = tl.sigmoid(g)
+    silu = g * s
+    dg = dh * u * s * (1.0 + g * (1.0 - s))  # d silu/dg = s * (1 + g * (1 - s))
+    du = dh * silu
+    if GPT_OSS:
+        dg = tl.where(g_pass, dg, 0.0)
+        du = tl.where(u_pass, du, 0.0)
+    tl.store(DG + row * stride_dg + cols, dg.to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + row * stride_du + cols, du.to(DU.dtype.element_ty), mask=mask)
+
+
+# ---- launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) ------------------------
+def _grid(M: int, I: int) -> tuple[tuple[int, int], int]:
+    block = min(BLOCK, triton.next_power_of_2(I))
+    return (M, triton.cdiv(I, block)), block
+
+
+def swiglu_triton(gate: Tensor, up: Tensor, variant: str = "swiglu") -> Tensor:
+    check_launchable(gate)
+    g2, u2 = rows(gate), rows(up)  # (M, I) views for contiguous tensors and column slices
+    h = torch.empty(g2.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+    if h.numel():
+        grid, block = _grid(*g2.shape)
+        _swiglu_fwd_kernel[grid](g2, u2, h, g2.stride(0), u2.stride(0), h.stride(0), g2.shape[1],
+                                 GPT_OSS=variant == "gpt-oss", BLOCK_I=block)
+    return h.view(gate.shape)
+
+
+def swiglu_backward_triton(dh: Tensor, gate: Tensor, up: Tensor, variant: str = "swiglu",
+                           inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """(dgate, dup). inplace=True writes them into gate and up and returns gate and up."""
+    check_launchable(gate)
+    d2, g2, u2 = rows(dh), rows(gate), rows(up)
+    if inplace:
+        dg, du = g2, u2
+    else:
+        dg, du = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device), torch.empty_like(u2)
+    if dg.numel():
+        grid, block = _grid(*g2.shape)
+        _swiglu_bwd_kernel[grid](d2, g2, u2, dg, du, d2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0),
+                                 du.stride(0), g2.shape[1], GPT_OSS=variant == "gpt-oss", BLOCK_I=block)
+    if not inplace:
+        return dg.view(gate.shape), du.view(up.shape)
+    for t, t2 in ((gate, g2), (up, u2)):
+        if t2.data_ptr() != t.data_ptr():  # rows() had to copy: write the result back
+            t.copy_(t2.view(t.shape))
+    return gate, up
+
+
+# ---- plain-torch references (the CPU implementation) -----------------------------------------
+def _acts(gate: Tensor, up: Tensor, variant: str):
+    acc = torch.promote_types(torch.promote_types(gate.dtype, up.dtype), torch.float32)
+    g, u = gate.to(acc), up.to(acc)
+    if variant == "gpt-oss":
+        return g.clamp(max=LIMIT), u.clamp(-LIMIT, LIMIT) + 1
+    return g, u
+
+
+def swiglu_reference(gate: Tensor, up: Tensor, variant: str = "swiglu") -> Tensor:
+    g, u = _acts(gate, up, variant)
+    return (torch.nn.functional.silu(g) * u).to(torch.promote_types(gate.dtype, up.dtype)).contiguous()
+
+
+def swiglu_backward_reference(dh: Tensor, gate: Tensor, up: Tensor, variant: str = "swiglu") -> tuple[Tensor, Tensor]:
+    g, u = _acts(gate, up, variant)
+    d = dh.to(g.dtype)
+    s = torch.sigmoid(g)
+    dg, du = d * u * s * (1 + g * (1 - s)), d * g * s
+    if variant == "gpt-oss":
+        dg = dg * (gate <= LIMIT)
+        du = du * ((up >= -LIMIT) & (up <= LIMIT))
+    return dg.to(gate.dtype).contiguous(), du.to(up.dtype).contiguous()
+
+
+# ---- custom ops --------------------------------------------------------------------------------
+def _check(gate: Tensor, up: Tensor, variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"swiglu: variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+
+
+@torch.library.custom_op("anatomy::swiglu", mutates_args=())
+def _swiglu_op(gate: Tensor, up: Tensor, variant: str = "swiglu", inplace_backward: bool = True) -> Tensor:
+    _check(gate, up, variant)
+    return swiglu_triton(gate, up, variant) if cpu_uses_triton() else swiglu_reference(gate, up, variant)
+
+
+@_swiglu_op.register_kernel("cuda")
+def _(gate, up, variant="swiglu", inplace_backward=True):
+    _check(gate, up, variant)
+    return swiglu_triton(gate, up, variant)
+
+
+@_swiglu_op.register_fake
+def _(gate, up, variant="swiglu", inplace_backward=True):
+    _check(gate, up, variant)
+    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
+
+
+@torch.library.custom_op("anatomy::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(dh: Tensor, gate: Tensor, up: Tensor, variant: str) -> tuple[Tensor, Tensor]:
+    if cpu_uses_triton():
+        return swiglu_backward_triton(dh, gate, up, variant)
+    return swiglu_backward_reference(dh, gate, up, variant)
+
+
+@_swiglu_backward_op.register_kernel("cuda")
+def _(dh, gate, up, variant):
+    return swiglu_backward_triton(dh, gate, up, variant)
+
+
+@_swiglu_backward_op.register_fake
+def _(dh, gate, up, variant):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+@torch.library.custom_op("anatomy::swiglu_backward_", mutates_args=("gate", "up"))
+def _swiglu_backward_inplace_op(dh: Tensor, gate: Tensor, up: Tensor, variant: str) -> None:
+    """Overwrites gate with dgate and up with dup."""
+    if cpu_uses_triton():
+        swiglu_backward_triton(dh, gate, up, variant, inplace=True)
+        return
+    dg, du = swiglu_backward_reference(dh, gate, up, variant)  # the reference allocates; CPU is not the target
+    gate.copy_(dg)
+    up.copy_(du)
+
+
+@_swiglu_backward_inplace_op.register_kernel("cuda")
+def _(dh, gate, up, variant):
+    swiglu_backward_triton(dh, gate, up, variant, inplace=True)
+
+
+@_swiglu_backward_inplace_op.register_fake
+def _(dh, gate, up, variant):
+    return None
+
+
+def _disjoint(a: Tensor, b: Tensor) -> bool:
+    """True when no memory location belongs to both a and b (a, b of one shape)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True
+    if a.stride() != b.stride() or a.stride(-1) != 1:
+        return False
+    # Same layout: element addresses are offset + (multiple of R) + column, R = gcd of the leading
+    # strides. Modulo R, a covers I columns from a's offset and b I columns from b's: disjoint iff
+    # the two arcs do not meet (the halves of gate_up (.., 2I) have d = I, R = 2I).
+    I = a.shape[-1]
+    d = b.storage_offset() - a.storage_offset()
+    R = math.gcd(*(s for s, n in zip(a.stride()[:-1], a.shape[:-1]) if n > 1))
+    if R == 0:  # a single row
+        return abs(d) >= I
+    return I <= d % R <= R - I
+
+
+def _setup_context(ctx, inputs, output):
+    gate, up, variant, inplace_backward = inputs
+    ctx.save_for_backward(gate, up)  # everything else is recomputed from these two
+    ctx.variant = variant
+    ctx.inplace = (inplace_backward and gate.grad_fn is not None and up.grad_fn is not None
+                   and _disjoint(gate, up))
+
+
+def _backward(ctx, dh):
+    gate, up = ctx.saved_tensors
+    if ctx.inplace and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        gate, up = gate.detach(), up.detach()  # aliases: the version counter bump stays visible
+        _swiglu_backward_inplace_op(dh, gate, up, ctx.variant)
+        dgate, dup = gate, up
+    else:
+        dgate, dup = _swiglu_backward_op(dh, gate, up, ctx.variant)
+    return dgate, dup, None, None
+
+
+_swiglu_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _autocast_rule(dtype, device_type, gate, up, variant="swiglu", inplace_backward=True):
+    return autocast_floating(gate, device_type, dtype), autocast_floating(up, device_type, dtype), variant, inplace_backward
+
+
+register_autocast_rule(_swiglu_op, _autocast_rule)
+
+
+def swiglu(gate: Tensor, up: Tensor, variant: str = "swiglu", inplace_backward: bool = True) -> Tensor:
+    """gate, up (..., I) -> h (..., I), contiguous. variant "swiglu" or "gpt-oss".
+
+    Saves gate and up only; backward may overwrite them with their gradients (module docstring)."""
+    return _swiglu_op(gate, up, variant, inplace_backward)

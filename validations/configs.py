@@ -1,0 +1,33 @@
+"""Named CPU-sized configs (stable parametrize ids) and hypothesis strategies that respect divisibility."""
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from anatomy.config import ModelConfig, Run
+
+NAMED = {
+    "tiny": ModelConfig(name="tiny", hidden=64, layers=2, heads=4, intermediate=96, vocab=128),
+    "tiny-gqa": ModelConfig(name="tiny-gqa", hidden=64, layers=2, heads=8, kv_heads=2, intermediate=160, vocab=97),
+    "tiny-gptoss-tied": ModelConfig(name="tiny-gptoss-tied", hidden=48, layers=3, heads=3, kv_heads=1,
+                                    intermediate=80, vocab=211, mlp="gpt-oss", tie_embeddings=True),
+    "seed-narrow": ModelConfig(name="seed-narrow", hidden=512, layers=1, heads=8, intermediate=1024, vocab=16000),
+}
+RUNS = {"B2S16": Run(batch=2, seq=16), "B1S33": Run(batch=1, seq=33), "B3S8": Run(batch=3, seq=8)}
+POLICIES = ("amp", "bf16", "fp32")
+
+
+@st.composite
+def configs(draw) -> ModelConfig:
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+    kv_heads = draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0]))
+    head_dim = draw(st.sampled_from([2, 4, 8, 16]))
+    return ModelConfig(
+        name="hypothesis", hidden=heads * head_dim, layers=draw(st.integers(1, 2)), heads=heads, kv_heads=kv_heads,
+        intermediate=draw(st.integers(1, 96)), vocab=draw(st.integers(2, 300)),
+        tie_embeddings=draw(st.booleans()), mlp=draw(st.sampled_from(["swiglu", "gpt-oss"])),
+        rope_theta=draw(st.sampled_from([1e4, 5e5])))
+
+
+@st.composite
+def runs(draw) -> Run:
+    return Run(batch=draw(st.integers(1, 3)), seq=draw(st.integers(1, 24)), dtype=draw(st.sampled_from(POLICIES)))
