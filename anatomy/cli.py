@@ -185,13 +185,39 @@ def _print(cmd: str, out: dict) -> None:
 COMMANDS = {"estimate": cmd_estimate, "measure": cmd_measure, "compare": cmd_compare}
 
 
+def cmd_report(argv) -> int:
+    """anatomy report [--readme README.md] CLAIMS.json...: regenerate the README's claim tables."""
+    from pathlib import Path
+
+    from anatomy import report
+
+    p = _Parser(prog="anatomy report", description=cmd_report.__doc__)
+    p.add_argument("claims", nargs="+", help="claims JSON files written by the validation suite")
+    p.add_argument("--readme", default="README.md")
+    p.add_argument("--marker", default="claims-h200")
+    a = p.parse_args(argv)
+    try:
+        reports = report.load(a.claims)
+        readme = Path(a.readme)
+        report.write_atomic(readme, report.replace_between(readme.read_text(), a.marker, report.claims_table(reports)))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"anatomy report: error: {e}", file=sys.stderr)
+        return 2
+    print(f"updated {a.readme} ({a.marker}) from {len(reports)} report(s)")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        return cmd_report(argv[1:])
     p = _Parser(prog="anatomy", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     for name in COMMANDS:
         sp = sub.add_parser(name, help=COMMANDS[name].__name__)
         _add_config_flags(sp)
         sp.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if present, else cpu")
+    sub.add_parser("report", help="regenerate README tables from claims JSON (see: anatomy report -h)")
     a = p.parse_args(argv)
     try:
         cfg = config_from_args(a)

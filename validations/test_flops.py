@@ -70,3 +70,10 @@ def test_model_flops_halve_causal_attention():
     scores_and_av = L * 4 * B * nh * S * S * hd
     assert a.flops_counter_fwd - a.flops_model_fwd == scores_and_av // 2
     assert a.flops_model_bwd == 2 * a.flops_model_fwd
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+def test_flops_exact_on_cuda(policy, claims):
+    """The instrument on real CUDA kernels (the baseline uses no SDPA, so the count is device-independent)."""
+    _check(claims, NAMED["tiny-gqa"], Run(2, 128, policy), f"tiny-gqa/B2S128/{policy}", device="cuda")

@@ -20,7 +20,7 @@ def measure_flops(cfg: ModelConfig, run: Run, variant: str = "baseline", device=
     dev = torch.device(device).type
 
     def fwd():
-        with autocast_ctx(run, dev) if dev != "meta" else torch.enable_grad():
+        with autocast_ctx(run, dev) if dev != "meta" else torch.enable_grad():  # no autocast on meta
             return model(ids, targets)
 
     return count_flops(model, fwd)

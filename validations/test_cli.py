@@ -1,0 +1,60 @@
+"""The `anatomy` command: documented JSON keys, one-line errors with exit code 2, never a traceback."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from anatomy.cli import main
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "anatomy.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def _get(d, dotted):
+    for k in dotted.split("."):
+        d = d[k]
+    return d
+
+
+def test_estimate_json_keys_and_llama2_params(capsys):
+    assert main(["estimate", "--preset", "llama2-7b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == 6_738_415_616
+    for key in ("flops.counter.forward", "flops.counter.backward", "flops.model.forward", "flops.model.backward",
+                "memory.saved.total", "memory.saved.by_component.attention", "memory.saved.by_component.loss"):
+        assert isinstance(_get(out, key), int), key
+
+
+def test_fields_override_a_preset(capsys):
+    assert main(["estimate", "--preset", "seed", "--layers", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["layers"] == 2 and out["config"]["hidden"] == 512
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["estimate", "--hidden", "500", "--heads", "8", "--layers", "2", "--intermediate", "64", "--vocab", "10"],
+     "hidden=500"),
+    (["estimate", "--hf-config", "/no/such/config.json"], "no Hugging Face config"),
+    (["estimate", "--preset", "nope"], "unknown preset"),
+    (["estimate", "--batch", "0"], "batch"),
+    (["estimate", "--dtype", "fp16"], "dtype"),
+    (["estimate", "--variant", "turbo"], "variant"),
+    (["estimate", "--hidden", "64"], "without --preset"),
+    (["estimate", "--no-such-flag"], "unrecognized"),
+    (["report", "/no/such/claims.json"], "No such file"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle):
+    r = _run(*args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_compare_small_config_is_exact():
+    r = _run("compare", "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "96",
+             "--vocab", "128", "--batch", "2", "--seq", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert len(rows) == 9 and all(row["predicted"] == row["measured"] for row in rows), rows
