@@ -32,6 +32,17 @@ IMPLS = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_cpu_thread():
+    """These tensors are tiny, and two OpenMP threads on 2 shared cores are fragile: while another
+    process holds a core, each parallel region waits a scheduler slice (measured: 50 steps of the
+    test MLP took 3.4 s instead of 0.03 s). One intra-op thread is also what such sizes want."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---- the paper's Algorithm 1, transcribed in float64 -----------------------------------------
 def _f_alpha(t, alpha, T):
     return alpha if T is None else min(t * alpha / T, alpha)
@@ -185,6 +196,8 @@ def test_efficient_matches_baseline_50_steps(request, impl, device):
     moved = _max_err(runs["ref"], [p.double() for p in model.to(device).parameters()])
     err_base, err_eff = _max_err(runs["baseline"], runs["ref"]), _max_err(runs[impl], runs["ref"])
     assert moved > 0.1, "the parameters barely moved: the comparison would prove nothing"
+    # the 2x rule compares rounding with rounding: fp32 rounding over 50 steps is ~1e-6 of the motion
+    # (measured 7e-7); a gap of 1e-4 would mean a chaotic trajectory, where the rule compares noise
     assert 0 < err_base < 1e-4 * moved, f"baseline fp32 drifted from fp64 by {err_base:.3e}: not rounding"
     assert err_eff <= 2 * err_base, f"{impl}: {err_eff:.3e} from fp64, baseline's own fp32 error {err_base:.3e}"
 
@@ -280,8 +293,9 @@ def test_changing_python_float_recompiles_zero_dim_tensor_does_not():
     lrs = [1e-3 * (i + 1) for i in range(5)]
     # static: the float is a constant of the graph, one graph per value (and eager past the limit)
     assert _graphs_for(scaled, [(x, lr) for lr in lrs], dynamic=False) == len(lrs)
-    # torch's default (automatic dynamic) still recompiles once, on the first change
-    assert _graphs_for(scaled, [(x, lr) for lr in lrs]) == 2
+    # torch's default (automatic dynamic) still recompiles at least once: on the first change it
+    # retraces with a symbolic float (torch 2.13: exactly once)
+    assert _graphs_for(scaled, [(x, lr) for lr in lrs]) >= 2
     # a 0-dim tensor is data: one graph, whatever its value
     assert _graphs_for(scaled, [(x, torch.tensor(lr)) for lr in lrs], dynamic=False) == 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.linear import linears_saved
 from anatomy.calculator.types import Component, Saved
-from anatomy.config import ModelConfig, Run
+from anatomy.config import ConfigError, ModelConfig, Run
 
 
 def params(cfg: ModelConfig) -> int:
@@ -27,8 +27,8 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     # repeat_kv is expand + reshape. With one kv head and batch 1 every reshape down to the bmm stays a
     # stride-0 view, so k and v are kept at kv-head size; otherwise a reshape must copy to all nh heads.
     kv_saved = (B * cfg.kv_heads if B == 1 and cfg.kv_heads == 1 else B * nh)
-    # fp32: the norm output is saved as it is; bf16: the norm's bf16 output; amp: one bf16 cast per projection
-    saved = linears_saved("attention", T, H, {"q": H, "k": cfg.kv_dim, "v": cfg.kv_dim}, dt, L, c)
+    # the baseline norm returns the residual's dtype: fp32 under amp, so each projection casts it
+    saved = linears_saved("attention", T, H, {"q": H, "k": cfg.kv_dim, "v": cfg.kv_dim}, dt, L, dt.residual)
     saved += [
         # built once per step by the model and shared by every layer, so saved once
         Saved("attention.rope_cos", (S, hd), c, 1, "q*cos and k*cos keep the table (q, k need no saving)"),
@@ -40,8 +40,43 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     if c != "float32":  # the cast for P@V is a second S×S copy; under fp32 it is the same tensor
         saved.append(Saved("attention.probs_cast", (B * nh, S, S), c, L, "P@V keeps the cast probabilities"))
     saved.append(Saved("attention.v", (kv_saved, S, hd), c, L, "P@V keeps v"))
-    saved += linears_saved("attention", T, H, {"o": H}, dt, L, c)  # o keeps the merged heads
+    saved += linears_saved("attention", T, H, {"o": H}, dt, L, c)  # o keeps the merged heads (a copy)
     proj, sdpa = _flops(cfg, run)
     ew = L * (3 * T * (H + cfg.kv_dim) + 7 * B * nh * S * S)  # RoPE: 3/element; scale, mask, softmax: 7/score
     return Component("attention", L, params(cfg), proj + sdpa, 2 * (proj + sdpa),
                      proj + sdpa // 2, 2 * (proj + sdpa // 2), ew, saved)
+
+
+def _sdpa_saved(cfg: ModelConfig, run: Run, device: str, c: str) -> list[Saved]:
+    """What the SDPA kernel keeps, per device (read off each backend; see reports/h200/probe_sdpa_h200.json)."""
+    B, S, nh, nkv, hd, L = run.batch, run.seq, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.layers
+    saved = [Saved("attention.sdpa.q", (B, nh, S, hd), c, L, "SDPA backward recomputes P from q, k"),
+             Saved("attention.sdpa.k", (B, nkv, S, hd), c, L, "kept at kv-head size: GQA goes to the kernel"),
+             Saved("attention.sdpa.v", (B, nkv, S, hd), c, L, "P@V's backward needs v"),
+             Saved("attention.sdpa.out", (B, nh, S, hd), c, L, "dP needs out (rowsum(dO·O)); o reads a view of it")]
+    if device == "cpu":  # the CPU flash-style kernel
+        return saved + [Saved("attention.sdpa.logsumexp", (B, nh, S), "float32", L, "softmax statistics per row")]
+    if device == "cuda":  # cuDNN, the first choice on Hopper
+        if c != "bfloat16":
+            raise ConfigError("efficient attention on CUDA is modelled for bf16 (amp or bf16), where cuDNN runs")
+        return saved + [Saved("attention.sdpa.stats", (B, nh, S, 1), "float32", L, "softmax statistics per row"),
+                        Saved("attention.sdpa.philox_seed", (), "int64", L, "cuDNN keeps its RNG state"),
+                        Saved("attention.sdpa.philox_offset", (), "int64", L, "even without dropout")]
+    raise ConfigError(f"no SDPA model for device {device!r} (cpu or cuda)")
+
+
+def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
+    dt, L, T, H, S, hd = dtypes(run), cfg.layers, run.tokens, cfg.hidden, run.seq, cfg.head_dim
+    c = dt.compute
+    qkv = (cfg.heads + 2 * cfg.kv_heads) * hd
+    # the fused norm already returns the compute dtype: one saved input for the single qkv matmul
+    saved = linears_saved("attention", T, H, {"qkv": qkv}, dt, L, c)
+    saved += [Saved("attention.rope_cos", (S, hd), "float32", 1, "rope_qkv keeps only the fp32 tables"),
+              Saved("attention.rope_sin", (S, hd), "float32", 1, "built once per step, shared by all layers")]
+    saved += _sdpa_saved(cfg, run, device, c)
+    if dt.autocast:  # o's input is a view of SDPA's out (laid out (B, S, nh, hd)): only its weight cast is new
+        saved.append(Saved("attention.o.weight_cast", (H, H), c, L, "autocast's cached cast of the fp32 weight"))
+    proj, sdpa = _flops(cfg, run)
+    counted = sdpa if device == "cuda" else 0  # FlopCounterMode has no formula for the CPU SDPA kernel
+    return Component("attention", L, params(cfg), proj + counted, 2 * proj + counted * 5 // 2,
+                     proj + sdpa // 2, 2 * (proj + sdpa // 2), L * 3 * T * (H + cfg.kv_dim), saved)

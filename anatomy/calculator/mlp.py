@@ -14,7 +14,7 @@ def params(cfg: ModelConfig) -> int:
 def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     dt, L, T, H, I = dtypes(run), cfg.layers, run.tokens, cfg.hidden, cfg.intermediate
     B, S, c = run.batch, run.seq, dtypes(run).compute
-    saved = linears_saved("mlp", T, H, {"gate": I, "up": I}, dt, L, c)
+    saved = linears_saved("mlp", T, H, {"gate": I, "up": I}, dt, L, dt.residual)
     if cfg.mlp == "gpt-oss":
         saved += [
             Saved("mlp.gate_raw", (B, S, I), c, L, "clamp keeps its input for the pass-through mask"),
@@ -26,10 +26,19 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
         saved += [Saved("mlp.gate", (B, S, I), c, L, "silu keeps its input"),
                   Saved("mlp.up", (B, S, I), c, L, "the product keeps up")]
     saved.append(Saved("mlp.silu_gate", (B, S, I), c, L, "the product keeps silu(gate)"))
-    saved.append(Saved("mlp.act", (B, S, I), c, L, "down keeps its input") if not dt.autocast else
-                 Saved("mlp.act", (T, I), c, L, "down keeps its input (already bf16: no cast)"))
-    if dt.autocast:
-        saved.append(Saved("mlp.down.weight_bf16", (I, H), "bfloat16", L, "autocast's cached weight cast"))
+    saved += linears_saved("mlp", T, I, {"down": H}, dt, L, c)  # the product, in the compute dtype
     f = L * 2 * T * H * I * 3
     ew = L * T * I * (5 + (3 if cfg.mlp == "gpt-oss" else 0))  # silu 4 + mul 1 (+ 2 clamps, +1)
+    return Component("mlp", L, params(cfg), f, 2 * f, f, 2 * f, ew, saved)
+
+
+def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
+    dt, L, T, H, I = dtypes(run), cfg.layers, run.tokens, cfg.hidden, cfg.intermediate
+    c = dt.compute
+    saved = linears_saved("mlp", T, H, {"gate_up": 2 * I}, dt, L, c)
+    saved.append(Saved("mlp.gate_up", (run.batch, run.seq, 2 * I), c, L,
+                       "the fused activation keeps gate and up (two views of one tensor); silu is recomputed"))
+    saved += linears_saved("mlp", T, I, {"down": H}, dt, L, c)
+    f = L * 2 * T * H * I * 3
+    ew = L * T * I * (5 + (3 if cfg.mlp == "gpt-oss" else 0))
     return Component("mlp", L, params(cfg), f, 2 * f, f, 2 * f, ew, saved)

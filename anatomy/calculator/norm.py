@@ -24,3 +24,11 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     ]
     return Component("norm", n, params(cfg), 0, 0, 0, 0,
                      flops_elementwise_fwd=n * B * S * (4 * H + 2), saved=saved)
+
+
+def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
+    n = instances(cfg)
+    x = Saved("norm.x", (run.batch, run.seq, cfg.hidden), dtypes(run).residual, n,
+              "the fused kernel keeps only its input (and the weight); rstd is recomputed in backward")
+    return Component("norm", n, params(cfg), 0, 0, 0, 0, flops_elementwise_fwd=n * run.tokens * (4 * cfg.hidden + 2),
+                     saved=[x])
