@@ -55,6 +55,10 @@ def cuda_device():
 _ROWS: list[dict] = []
 
 
+def _show(v) -> str:
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
 class Claims:
     """Records one row per checked claim, then asserts it. The row is written whether or not it passes."""
 
@@ -63,13 +67,14 @@ class Claims:
 
     def check(self, claim: str, *, component: str, config: str, variant: str, predicted, measured,
               tolerance: float = 0.0, device: str = "cpu", unit: str = "", note: str = "") -> None:
-        err = (measured - predicted) / predicted if predicted else float(measured != predicted)
+        err = float((measured - predicted) / predicted) if predicted else float(measured != predicted)
         ok = measured == predicted if tolerance == 0 else abs(err) <= tolerance
+        num = (lambda v: v if isinstance(v, (int, float)) else float(v))  # e.g. an exact Fraction ratio
         _ROWS.append(dict(test=self.test_id, claim=claim, component=component, config=config, variant=variant,
-                          predicted=predicted, measured=measured, error=err, tolerance=tolerance,
+                          predicted=num(predicted), measured=num(measured), error=err, tolerance=tolerance,
                           unit=unit, device=device, passed=bool(ok), note=note))
-        assert ok, (f"{claim} [{component}, {config}, {variant}, {device}]: predicted {predicted:,} {unit}, "
-                    f"measured {measured:,} {unit}, error {err:+.4%} (tolerance {tolerance:.2%})")
+        assert ok, (f"{claim} [{component}, {config}, {variant}, {device}]: predicted {_show(predicted)} {unit}, "
+                    f"measured {_show(measured)} {unit}, error {err:+.4%} (tolerance {tolerance:.2%})")
 
 
 @pytest.fixture

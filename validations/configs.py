@@ -31,3 +31,20 @@ def configs(draw) -> ModelConfig:
 @st.composite
 def runs(draw) -> Run:
     return Run(batch=draw(st.integers(1, 3)), seq=draw(st.integers(1, 24)), dtype=draw(st.sampled_from(POLICIES)))
+
+
+@st.composite
+def accuracy_configs(draw) -> ModelConfig:
+    """For error-ratio claims: every tensor has enough elements (≥ 128) that its rounding error is an
+    average over many roundings, not one draw (a 2×2 gradient's error is as noisy as a coin flip)."""
+    heads = draw(st.sampled_from([2, 4]))
+    return ModelConfig(
+        name="hypothesis-accuracy", hidden=heads * draw(st.sampled_from([8, 16])), layers=draw(st.integers(1, 2)),
+        heads=heads, kv_heads=draw(st.sampled_from([d for d in (1, 2, 4) if heads % d == 0])),
+        intermediate=draw(st.integers(16, 96)), vocab=draw(st.integers(32, 300)),
+        tie_embeddings=draw(st.booleans()), mlp=draw(st.sampled_from(["swiglu", "gpt-oss"])))
+
+
+@st.composite
+def accuracy_runs(draw) -> Run:
+    return Run(batch=draw(st.integers(1, 3)), seq=draw(st.integers(8, 32)), dtype=draw(st.sampled_from(POLICIES)))

@@ -11,7 +11,7 @@ class LMHeadLoss(nn.Module):
         super().__init__()
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # x: (B, S, H), targets: (B, S)
-        logits = self.lm_head(x)  # (B, S, V), bf16 under autocast
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        logits = self.lm_head(x)  # x: (B, S, H) -> (B, S, V), bf16 under autocast
         # upcast as HF does: log_softmax saves its fp32 (B*S, V) output, nll_loss saves targets
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), reduction=reduction)

@@ -57,7 +57,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.head.lm_head.weight = self.embed.weight
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:  # ids, targets: (B, S)
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         S = ids.shape[1]
         x = self.embed(ids)  # (B, S, H), in the parameters' dtype
         dt = compute_dtype(x)
@@ -65,4 +65,4 @@ class Transformer(nn.Module):
         causal_bias = torch.full((S, S), float("-inf"), device=ids.device, dtype=dt).triu(1)
         for layer in self.layers:
             x = layer(x, cos, sin, causal_bias)
-        return self.head(self.norm(x), targets)
+        return self.head(self.norm(x), targets, reduction)  # ids, targets: (B, S); "none": (B*S,) losses

@@ -1,0 +1,26 @@
+"""Fused kernels of the efficient model, each a torch custom op (namespace ``anatomy``).
+
+    rms_norm(x, weight, eps)                    -> y                 saves x, weight
+    swiglu(gate, up, variant)                   -> h                 saves gate, up
+    rope_qkv(qkv, cos, sin, heads, kv_heads)    -> (q, k, v)         saves cos, sin
+
+Each op: plain-torch reference on CPU (and any non-CUDA device), Triton kernel on CUDA, fake
+implementation for meta/fake tensors and torch.compile, an explicit autocast rule, and a backward
+that is itself a custom op. ``*_triton`` are the Triton launchers, callable on CPU tensors under
+TRITON_INTERPRET=1; ``triton_on_cpu()`` routes the ops themselves through them. ``_dispatch.py``
+documents the dispatch and autocast design; each op's module documents its fusion and savings.
+"""
+from anatomy.kernels._dispatch import HAS_TRITON, INTERPRET, triton_on_cpu
+from anatomy.kernels.rmsnorm import (rms_norm, rms_norm_backward_reference, rms_norm_backward_triton,
+                                     rms_norm_reference, rms_norm_triton)
+from anatomy.kernels.rope import (rope_qkv, rope_qkv_backward_reference, rope_qkv_backward_triton, rope_qkv_reference,
+                                  rope_qkv_triton)
+from anatomy.kernels.swiglu import (VARIANTS as SWIGLU_VARIANTS, swiglu, swiglu_backward_reference,
+                                    swiglu_backward_triton, swiglu_reference, swiglu_triton)
+
+__all__ = [
+    "HAS_TRITON", "INTERPRET", "triton_on_cpu", "SWIGLU_VARIANTS",
+    "rms_norm", "rms_norm_reference", "rms_norm_backward_reference", "rms_norm_triton", "rms_norm_backward_triton",
+    "swiglu", "swiglu_reference", "swiglu_backward_reference", "swiglu_triton", "swiglu_backward_triton",
+    "rope_qkv", "rope_qkv_reference", "rope_qkv_backward_reference", "rope_qkv_triton", "rope_qkv_backward_triton",
+]

@@ -38,8 +38,8 @@ import math
 import torch
 from torch import Tensor
 
-from anatomy.kernels._dispatch import (autocast_floating, check_launchable, cpu_uses_triton, jit, register_autocast_rule,
-                                       rows, tl, triton)
+from anatomy.kernels._dispatch import (autocast_floating, check_launchable, cpu_uses_triton, jit,
+                                       register_autocast_rule, rows, tl, triton)
 
 VARIANTS = ("swiglu", "gpt-oss")
 LIMIT = 7.0  # gpt-oss clamp
@@ -48,6 +48,14 @@ BLOCK = 1024  # columns per program: elementwise, so any power of two that fills
 
 # ---- Triton kernels (grid: rows x column blocks) ---------------------------------------------
 @jit
+def _gpt_oss_clamps(g, u):
+    # (clamp(gate, max=7), clamp(up, -7, 7) + 1). NaN in, NaN out, as torch.clamp: the hardware
+    # min/max would return the bound instead.
+    u = tl.minimum(tl.maximum(u, -7.0, propagate_nan=tl.PropagateNan.ALL), 7.0, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(g, 7.0, propagate_nan=tl.PropagateNan.ALL), u + 1.0
+
+
+@jit
 def _swiglu_fwd_kernel(G, U, H, stride_g, stride_u, stride_h, I, GPT_OSS: tl.constexpr, BLOCK_I: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -55,8 +63,7 @@ def _swiglu_fwd_kernel(G, U, H, stride_g, stride_u, stride_h, I, GPT_OSS: tl.con
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     if GPT_OSS:
-        g = tl.minimum(g, 7.0)
-        u = tl.minimum(tl.maximum(u, -7.0), 7.0) + 1.0
+        g, u = _gpt_oss_clamps(g, u)
     h = g * tl.sigmoid(g) * u
     tl.store(H + row * stride_h + cols, h.to(H.dtype.element_ty), mask=mask)
 
@@ -75,8 +82,7 @@ def _swiglu_bwd_kernel(DH, G, U, DG, DU, stride_dh, stride_g, stride_u, stride_d
         # torch's clamp_backward: the gradient passes where min <= x <= max (inclusive)
         g_pass = g <= 7.0
         u_pass = (u >= -7.0) & (u <= 7.0)
-        g = tl.minimum(g, 7.0)
-        u = tl.minimum(tl.maximum(u, -7.0), 7.0) + 1.0
+        g, u = _gpt_oss_clamps(g, u)
     s = tl.sigmoid(g)
     silu = g * s
     dg = dh * u * s * (1.0 + g * (1.0 - s))  # d silu/dg = s * (1 + g * (1 - s))
@@ -219,25 +225,32 @@ def _disjoint(a: Tensor, b: Tensor) -> bool:
     """True when no memory location belongs to both a and b (a, b of one shape)."""
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return True
+    (a0, b0) = a.storage_offset(), b.storage_offset()
+    a1 = a0 + sum((n - 1) * s for n, s in zip(a.shape, a.stride()))  # last element, in elements
+    b1 = b0 + sum((n - 1) * s for n, s in zip(b.shape, b.stride()))
+    if a1 < b0 or b1 < a0:
+        return True
     if a.stride() != b.stride() or a.stride(-1) != 1:
         return False
-    # Same layout: element addresses are offset + (multiple of R) + column, R = gcd of the leading
-    # strides. Modulo R, a covers I columns from a's offset and b I columns from b's: disjoint iff
-    # the two arcs do not meet (the halves of gate_up (.., 2I) have d = I, R = 2I).
+    # Interleaved, same layout: element addresses are offset + (multiple of R) + column, R = gcd of
+    # the leading strides. Modulo R, a covers I columns from a0 and b I columns from b0: disjoint iff
+    # the two arcs do not meet (the halves of gate_up (.., 2I) have b0 - a0 = I, R = 2I).
     I = a.shape[-1]
-    d = b.storage_offset() - a.storage_offset()
     R = math.gcd(*(s for s, n in zip(a.stride()[:-1], a.shape[:-1]) if n > 1))
-    if R == 0:  # a single row
-        return abs(d) >= I
-    return I <= d % R <= R - I
+    return R > 0 and I <= (b0 - a0) % R <= R - I
+
+
+def _eager(t: Tensor) -> bool:
+    """A plain tensor with real memory: not a fake/functional tensor of a trace, not meta."""
+    return type(t) is torch.Tensor and t.device.type != "meta"
 
 
 def _setup_context(ctx, inputs, output):
     gate, up, variant, inplace_backward = inputs
     ctx.save_for_backward(gate, up)  # everything else is recomputed from these two
     ctx.variant = variant
-    ctx.inplace = (inplace_backward and gate.grad_fn is not None and up.grad_fn is not None
-                   and _disjoint(gate, up))
+    ctx.inplace = (inplace_backward and not torch.compiler.is_compiling() and _eager(gate) and _eager(up)
+                   and gate.grad_fn is not None and up.grad_fn is not None and _disjoint(gate, up))
 
 
 def _backward(ctx, dh):
@@ -255,10 +268,13 @@ _swiglu_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _autocast_rule(dtype, device_type, gate, up, variant="swiglu", inplace_backward=True):
-    return autocast_floating(gate, device_type, dtype), autocast_floating(up, device_type, dtype), variant, inplace_backward
+    cast = lambda t: autocast_floating(t, device_type, dtype)  # noqa: E731
+    return cast(gate), cast(up), variant, inplace_backward
 
 
 register_autocast_rule(_swiglu_op, _autocast_rule)
+register_autocast_rule(_swiglu_backward_op)
+register_autocast_rule(_swiglu_backward_inplace_op)
 
 
 def swiglu(gate: Tensor, up: Tensor, variant: str = "swiglu", inplace_backward: bool = True) -> Tensor:

@@ -1,0 +1,82 @@
+"""The efficient transformer: the baseline's structure with fused attention, norm, MLP and loss.
+
+It loads a baseline state dict directly (load_state_dict maps q/k/v -> qkv and gate/up -> gate_up),
+and to_baseline_state_dict() maps back, so both variants run from the same weights."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from anatomy.baseline.transformer import Embedding, rope_tables
+from anatomy.config import ModelConfig
+from anatomy.efficient.attention import Attention
+from anatomy.efficient.loss import LMHeadLoss
+from anatomy.efficient.norm import RMSNorm
+from anatomy.efficient.swiglu import MLP
+
+# (fused key, baseline keys in concatenation order)
+FUSED = (("attn.qkv.weight", ("attn.q.weight", "attn.k.weight", "attn.v.weight")),
+         ("mlp.gate_up.weight", ("mlp.gate.weight", "mlp.up.weight")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp)
+        self.register_load_state_dict_pre_hook(_fuse_baseline_keys)
+
+    def forward(self, x, cos, sin):  # x: (B, S, H) fp32 residual under amp
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _fuse_baseline_keys(module, state_dict, prefix, *args) -> None:
+    for fused, parts in FUSED:
+        if prefix + parts[0] in state_dict:
+            state_dict[prefix + fused] = torch.cat([state_dict.pop(prefix + p) for p in parts])
+
+
+def to_baseline_state_dict(model: "Transformer") -> dict[str, torch.Tensor]:
+    """The efficient model's weights under the baseline's keys (split along dim 0, exact)."""
+    return to_baseline_names(model.state_dict(), model.cfg)
+
+
+def to_baseline_names(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename/split any name -> tensor map (weights, or their gradients) to the baseline's names."""
+    sizes = {"attn.qkv.weight": [cfg.hidden, cfg.kv_dim, cfg.kv_dim],
+             "mlp.gate_up.weight": [cfg.intermediate, cfg.intermediate]}
+    out = {}
+    for k, v in tensors.items():
+        fused = next(((f, parts) for f, parts in FUSED if k.endswith(f)), None)
+        if fused is None:
+            out[k] = v
+            continue
+        prefix = k[: -len(fused[0])]
+        for part, t in zip(fused[1], v.split(sizes[fused[0]])):
+            out[prefix + part] = t
+    return out
+
+
+class Transformer(nn.Module):
+    variant = "efficient"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.head = LMHeadLoss(cfg.hidden, cfg.vocab)
+        if cfg.tie_embeddings:
+            self.head.lm_head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        x = self.embed(ids)  # (B, S, H)
+        # fp32 tables: the RoPE kernel rotates in fp32 registers and keeps only these two (S, hd) tables
+        cos, sin = rope_tables(ids.shape[1], self.cfg.head_dim, self.cfg.rope_theta, ids.device, torch.float32)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.head(self.norm(x), targets, reduction)  # ids, targets: (B, S); "none": (B*S,) losses

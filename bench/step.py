@@ -1,0 +1,117 @@
+"""Time one training-step variant (forward + backward) on the GPU, in its own process for a clean peak.
+
+python3 bench/step.py --peer efficient --preset seed --batch 16 --seq 4096 [--repeats 10] [--json OUT]
+
+Peers: baseline, baseline-compile, efficient, efficient-compile (ours); hf, hf-compile, hf-liger
+(transformers' LlamaForCausalLM with SDPA, optionally Liger's instance patch). Autocast bf16 over fp32
+weights, as in ANCHORS.md. Median of `repeats` CUDA-event timings after warm-up; peak is
+torch.cuda.max_memory_allocated over the timed steps. MFU: the calculator's model FLOPs (causal
+attention halved) over the bf16 matmul ceiling measured in this process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from anatomy.config import ModelConfig, Run
+
+
+def matmul_ceiling(n: int = 8192, reps: int = 20) -> float:
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3)
+
+
+def build(peer: str, cfg: ModelConfig):
+    if peer.startswith("hf"):
+        import transformers
+
+        hf = transformers.LlamaConfig(hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                                      num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                                      intermediate_size=cfg.intermediate, vocab_size=cfg.vocab,
+                                      tie_word_embeddings=cfg.tie_embeddings, max_position_embeddings=1 << 17,
+                                      rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+                                      attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(hf).cuda()
+        if peer == "hf-liger":
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+            apply_liger_kernel_to_llama(model=model)
+        step = lambda ids, tgt: model(input_ids=ids, labels=tgt).loss  # noqa: E731  (HF shifts labels itself)
+    else:
+        from anatomy.models import build_model
+
+        model = build_model(cfg, peer.removesuffix("-compile"), device="cuda")
+        step = model
+    if peer.endswith("-compile"):
+        step = torch.compile(step)
+    return model, step
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser()
+    p.add_argument("--peer", required=True)
+    p.add_argument("--preset", default="seed")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp")
+    torch.manual_seed(0)
+    ceiling = matmul_ceiling()
+    model, step = build(a.peer, cfg)
+    ids = [torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda") for _ in range(2)]
+    times = []
+    t_compile = time.perf_counter()
+    for i in range(a.warmup + a.repeats):
+        if i == a.warmup:
+            torch.cuda.synchronize()
+            t_compile = time.perf_counter() - t_compile
+            torch.cuda.reset_peak_memory_stats()
+        x = ids[i % 2]  # rotate inputs: never time the same batch twice in a row
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step(x, x)
+        loss.backward()
+        end.record()
+        model.zero_grad(set_to_none=True)
+        if i >= a.warmup:
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    from anatomy.calculator import estimate
+
+    est = estimate(cfg, run).to_dict()["flops"]["model"]
+    model_flops = est["forward"] + est["backward"]
+    ms = statistics.median(times)
+    res = dict(peer=a.peer, preset=a.preset, batch=run.batch, seq=run.seq, median_ms=ms, times_ms=times,
+               tokens_per_s=run.tokens / (ms / 1e3), peak_mib=torch.cuda.max_memory_allocated() / 2**20,
+               reserved_mib=torch.cuda.max_memory_reserved() / 2**20, mfu=model_flops / (ms / 1e3) / ceiling,
+               model_flops=model_flops, matmul_ceiling_tflops=ceiling / 1e12, warmup_s=t_compile,
+               loss=float(loss), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
+               cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+               command="python3 bench/step.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    print(f"{a.peer:18s} {ms:8.2f} ms  {res['tokens_per_s'] / 1e6:6.3f} Mtok/s  peak {res['peak_mib']:9,.0f} MiB  "
+          f"MFU {res['mfu']:.1%}  (ceiling {ceiling / 1e12:.0f} TFLOP/s)")
+    return res
+
+
+if __name__ == "__main__":
+    main()

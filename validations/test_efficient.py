@@ -1,0 +1,150 @@
+"""The efficient model: same function as the baseline (to within the baseline's own error), and the
+calculator's saved bytes and FLOPs for it, exact per component."""
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from anatomy.calculator import estimate
+from anatomy.config import ModelConfig, Run
+from anatomy.efficient.transformer import to_baseline_names
+from anatomy.measure.run import measure_flops, measure_saved
+from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
+from validations.configs import NAMED, POLICIES, accuracy_configs, accuracy_runs, configs, runs
+
+EFFICIENT = ["tiny", "tiny-gqa", "tiny-gptoss-tied"]
+
+
+def _loss_and_grads(model, ids, targets, run, device):
+    model.zero_grad(set_to_none=True)
+    with autocast_ctx(run, torch.device(device).type):
+        loss = model(ids, targets)
+    loss.backward()
+    grads = {n: p.grad.double() for n, p in model.named_parameters()}
+    if model.variant == "efficient":
+        grads = to_baseline_names(grads, model.cfg)
+    return loss.double(), grads
+
+
+def _rel(a, b) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _token_losses(model, ids, targets, run, device):
+    with torch.no_grad(), autocast_ctx(run, torch.device(device).type):
+        return model(ids, targets, reduction="none").double()
+
+
+def check_matches_baseline(cfg: ModelConfig, run: Run, device="cpu"):
+    """error(efficient) <= 2 × error(baseline, same dtype), both against the baseline in float64.
+
+    Outputs are the (B·S,) per-token losses; every parameter gradient is checked too. (The mean loss
+    alone is one number: its rounding error is one draw, too noisy for a 2× ratio.) The floor,
+    4 × fp32 epsilon, covers the fp32 policy, where the baseline's own error can be zero by accident
+    of summation order while the fused kernels sum in another order."""
+    ref = build_model(cfg, "baseline", device=device, dtype=torch.float64)
+    base = build_model(cfg, "baseline", device=device, dtype=param_dtype(run))
+    eff = build_model(cfg, "efficient", device=device, dtype=param_dtype(run))
+    eff.load_state_dict(base.state_dict())
+    ids, targets = make_batch(cfg, run, device)
+    fp64 = Run(run.batch, run.seq, "fp32")
+    l_ref, l_b, l_e = (_token_losses(m, ids, targets, r, device) for m, r in ((ref, fp64), (base, run), (eff, run)))
+    _, g_ref = _loss_and_grads(ref, ids, targets, fp64, device)
+    _, g_b = _loss_and_grads(base, ids, targets, run, device)
+    _, g_e = _loss_and_grads(eff, ids, targets, run, device)
+    floor = 4 * torch.finfo(torch.float32).eps
+    worst = {}
+    for name in ["token losses", *g_ref]:
+        r, b, e = (l_ref, l_b, l_e) if name == "token losses" else (g_ref[name], g_b[name], g_e[name])
+        err_b, err_e = _rel(b, r), _rel(e, r)
+        assert err_e <= 2 * err_b + floor, f"{name}: efficient error {err_e:.3e} > 2 × baseline's {err_b:.3e}"
+        worst[name] = (err_e, err_b)
+    return worst
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", EFFICIENT)
+def test_matches_baseline_named(name, policy):
+    check_matches_baseline(NAMED[name], Run(2, 24, policy))
+
+
+@settings(max_examples=25)
+@given(cfg=accuracy_configs(), run=accuracy_runs())
+def test_matches_baseline_hypothesis(cfg, run):
+    check_matches_baseline(cfg, run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+@pytest.mark.parametrize("name", EFFICIENT)
+def test_matches_baseline_cuda(name, policy):
+    check_matches_baseline(NAMED[name], Run(2, 128, policy), device="cuda")
+
+
+# ---- exact accounting ------------------------------------------------------------------------
+
+def check_saved(claims, cfg, run, name, device="cpu"):
+    est = estimate(cfg, run, "efficient", device=device)
+    report = measure_saved(cfg, run, "efficient", device=device).report
+    measured = report.by_component()
+    assert set(measured) <= set(est.components), f"saved outside any component: {measured}"
+    claims.check("memory.saved.total", component="model", config=name, variant="efficient",
+                 predicted=est.total("saved_bytes"), measured=report.storage_bytes(), device=device, unit="B")
+    for comp, c in est.components.items():
+        claims.check("memory.saved", component=comp, config=name, variant="efficient",
+                     predicted=c.saved_bytes, measured=measured.get(comp, 0), device=device, unit="B")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", EFFICIENT)
+def test_saved_bytes_exact_named(name, policy, claims):
+    check_saved(claims, NAMED[name], Run(2, 16, policy), f"{name}/B2S16/{policy}")
+
+
+@given(cfg=configs(), run=runs())
+def test_saved_bytes_exact_hypothesis(cfg, run, claims):
+    check_saved(claims, cfg, run, f"{cfg}/{run}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+@pytest.mark.parametrize("name", EFFICIENT + ["seed-narrow"])
+def test_saved_bytes_exact_cuda(name, policy, claims):
+    check_saved(claims, NAMED[name], Run(2, 256, policy), f"{name}/B2S256/{policy}", device="cuda")
+
+
+def check_flops(claims, cfg, run, name, device="cpu"):
+    est = estimate(cfg, run, "efficient", device=device)
+    meas = measure_flops(cfg, run, "efficient", device=device)
+    for d, attr in (("forward", "flops_counter_fwd"), ("backward", "flops_counter_bwd")):
+        claims.check(f"flops.counter.{d}", component="model", config=name, variant="efficient",
+                     predicted=est.total(attr), measured=meas[d]["total"], device=device, unit="FLOP")
+        for comp, c in est.components.items():
+            claims.check(f"flops.counter.{d}", component=comp, config=name, variant="efficient",
+                         predicted=getattr(c, attr), measured=meas[d].get(comp, 0), device=device, unit="FLOP")
+
+
+@pytest.mark.parametrize("name", EFFICIENT)
+def test_flops_exact_cpu(name, claims):
+    check_flops(claims, NAMED[name], Run(2, 16, "fp32"), f"{name}/B2S16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", EFFICIENT + ["seed-narrow"])
+def test_flops_exact_cuda(name, claims):
+    check_flops(claims, NAMED[name], Run(2, 256, "amp"), f"{name}/B2S256/amp", device="cuda")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_reduction_ratios_match_prediction(policy, claims):
+    """Per component: baseline saved bytes / efficient saved bytes, measured vs predicted (exact fractions)."""
+    cfg, run = NAMED["tiny-gqa"], Run(2, 16, policy)
+    b, e = (measure_saved(cfg, run, v).report.by_component() for v in ("baseline", "efficient"))
+    pb, pe = (estimate(cfg, run, v, device="cpu").components for v in ("baseline", "efficient"))
+    for comp in pb:
+        if pe[comp].saved_bytes == 0:
+            continue
+        claims.check("saved-bytes reduction (baseline / efficient)", component=comp, config=f"tiny-gqa/{policy}",
+                     variant="ratio", predicted=Fraction(pb[comp].saved_bytes, pe[comp].saved_bytes),
+                     measured=Fraction(b.get(comp, 0), e.get(comp, 0)))
