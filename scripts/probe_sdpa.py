@@ -30,7 +30,7 @@ def probe(backend, B=2, S=256, nh=8, nkv=8, hd=64, q_layout="bhsd", dtype=torch.
     res = dict(backend=str(backend), B=B, S=S, nh=nh, nkv=nkv, hd=hd, q_layout=q_layout)
     try:
         ctx = sdpa_kernel([backend]) if backend is not None else torch.enable_grad()
-        with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as fc:
+        with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter() as fc:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
         fwd = fc.get_total_flops()
         with flop_counter() as fc2:
