@@ -1,0 +1,254 @@
+"""Claims: data-parallel collectives and per-rank bytes, predicted (anatomy.calculator.comm, .sharding)
+vs what DDP and FSDP2 actually do.
+
+  gloo, 2 and 4 real processes   every collective of every step (op, dtype, bytes; counted as the
+                                 process group ran it), and each rank's param/grad/optimizer bytes
+  fake process group, 8..1024    the same claims for one rank of a large job (llama3-8b for FSDP)
+  bad input                      one-line ConfigError
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from anatomy.calculator.comm import collective_counts, estimate_distributed
+from anatomy.calculator.sharding import per_rank_memory
+from anatomy.config import PRESETS, ConfigError, ModelConfig, Run
+
+# odd row counts, so FSDP pads: vocab 8191 (and its 1.5 MiB head makes DDP's default buckets two)
+SMALL = ModelConfig(name="dist-small", hidden=48, layers=2, heads=4, kv_heads=2, intermediate=90, vocab=8191)
+TIED = ModelConfig(name="dist-tied", hidden=48, layers=3, heads=3, kv_heads=1, intermediate=80, vocab=211,
+                   mlp="gpt-oss", tie_embeddings=True)
+B2S16 = dict(batch=2, seq=16)
+
+# keyword arguments of train_step.train(); every rank runs all of them in one launch
+SCENARIOS = {
+    "ddp-fp32-default-buckets": dict(cfg=SMALL, run=Run(**B2S16, dtype="fp32"), strategy="ddp", steps=3),
+    "ddp-amp-20KiB-buckets": dict(cfg=TIED, run=Run(**B2S16, dtype="amp"), strategy="ddp", steps=3,
+                                  bucket_cap_mb=0.02),
+    "fsdp-amp-reshard": dict(cfg=SMALL, run=Run(**B2S16, dtype="amp"), strategy="fsdp", steps=2),
+    "fsdp-fp32-bf16reduce-noreshard": dict(cfg=TIED, run=Run(**B2S16, dtype="fp32"), strategy="fsdp", steps=2,
+                                           reduce_dtype="bfloat16", reshard_after_forward=False),
+    "fsdp-bf16": dict(cfg=SMALL, run=Run(**B2S16, dtype="bf16"), strategy="fsdp", steps=1),
+    "fsdp-amp-ademamix": dict(cfg=TIED, run=Run(**B2S16, dtype="amp"), strategy="fsdp", steps=1,
+                              optimizer="ademamix"),
+}
+
+
+def _predict(sc: dict, world: int, rank: int, step: int) -> dict:
+    return estimate_distributed(sc["cfg"], sc["run"], world, sc["strategy"], rank=rank,
+                                optimizer=sc.get("optimizer", "adamw"), reduce_dtype=sc.get("reduce_dtype"),
+                                param_dtype=sc.get("param_dtype"),
+                                reshard_after_forward=sc.get("reshard_after_forward", True),
+                                bucket_cap_mb=sc.get("bucket_cap_mb"), step=step if sc["strategy"] == "ddp" else None)
+
+
+def _measured_counts(rec: dict) -> dict:
+    return {(op, dt, b): n for op, dt, b, n in rec["collectives"]}
+
+
+def _check_collectives(claims, *, pred: dict, meas: dict, config: str, variant: str, device: str, note: str):
+    claims.check("collective calls per step", component="comm", config=config, variant=variant, device=device,
+                 predicted=sum(pred.values()), measured=sum(meas.values()), unit="calls", note=note)
+    claims.check("collective bytes per step", component="comm", config=config, variant=variant, device=device,
+                 predicted=sum(b * n for (_, _, b), n in pred.items()),
+                 measured=sum(b * n for (_, _, b), n in meas.items()), unit="B", note=note)
+    assert meas == pred, f"{note}: (op, dtype, bytes) -> calls differ\n measured  {meas}\n predicted {pred}"
+
+
+def _check_memory(claims, *, pred: dict, meas: dict, config: str, variant: str, device: str, note: str):
+    for what, component in (("params", "comm"), ("grads", "comm"), ("optimizer", "optimizer")):
+        claims.check(f"per-rank {what} bytes", component=component, config=config, variant=variant, device=device,
+                     predicted=pred[what], measured=meas[what], unit="B", note=note)
+
+
+# ---- real processes, gloo -----------------------------------------------------------------------
+@pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
+def gloo_run(request):
+    from anatomy.distributed.train_step import spawn
+
+    world = request.param
+    results = spawn(world, list(SCENARIOS.values()), timeout_s=90)
+    return world, {name: [results[r][i] for r in range(world)] for i, name in enumerate(SCENARIOS)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_gloo_collectives_exact(gloo_run, name, claims):
+    world, res = gloo_run
+    sc = SCENARIOS[name]
+    for step, rec in enumerate(res[name][0], start=1):
+        for r in range(1, world):  # a collective is one call on every rank, the same everywhere
+            assert res[name][r][step - 1]["collectives"] == rec["collectives"], f"rank {r} step {step} differs"
+        pred = collective_counts(_predict(sc, world, 0, step)["collectives"])
+        _check_collectives(claims, pred=pred, meas=_measured_counts(rec), config=sc["cfg"].name,
+                           variant=sc["strategy"], device="cpu",
+                           note=f"{name}, gloo, W={world}, step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_gloo_per_rank_bytes_exact(gloo_run, name, claims):
+    world, res = gloo_run
+    sc = SCENARIOS[name]
+    for r in range(world):
+        pred = per_rank_memory(sc["cfg"], sc["run"], world, sc["strategy"], rank=r,
+                               optimizer=sc.get("optimizer", "adamw"))
+        for rec in res[name][r]:
+            _check_memory(claims, pred=pred, meas=rec["memory"], config=sc["cfg"].name, variant=sc["strategy"],
+                          device="cpu", note=f"{name}, gloo, W={world}, rank {r}, after step {rec['step']}")
+
+
+@pytest.mark.distributed
+def test_torchrun_fsdp_two_ranks(tmp_path, claims):
+    """The documented launch works on CPU: torchrun, gloo, FSDP2, loss printed by rank 0 each step."""
+    report = tmp_path / "report"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "anatomy.distributed.train_step", "--strategy", "fsdp", "--hidden", "48", "--layers", "2",
+           "--heads", "4", "--kv-heads", "2", "--intermediate", "90", "--vocab", "8191", "--batch", "2",
+           "--seq", "16", "--steps", "2", "--report", str(report)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=os.path.dirname(__file__) + "/..")
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and all(" loss " in s for s in steps), out.stdout
+    pred = collective_counts(estimate_distributed(SMALL, Run(**B2S16, dtype="amp"), 2, "fsdp")["collectives"])
+    for r in range(2):
+        recs = json.loads((report / f"rank{r}.json").read_text())["steps"]
+        _check_collectives(claims, pred=pred, meas=_measured_counts(recs[-1]), config=SMALL.name, variant="fsdp",
+                           device="cpu", note=f"torchrun, gloo, W=2, rank {r}")
+
+
+# ---- one rank of many: fake process group ------------------------------------------------------
+LLAMA = PRESETS["llama3-8b"]
+SIM_RUN = Run(batch=1, seq=16, dtype="amp")
+
+
+@pytest.mark.parametrize("world,rank", [(8, 0), (64, 0), (1024, 0), (1024, 1023)],
+                         ids=["W8", "W64", "W1024", "W1024-last-rank"])
+def test_fake_pg_fsdp_llama3_8b(world, rank, claims):
+    """FSDP2's real code on fake tensors: llama3-8b sharded for one rank, one full step.
+    The last rank of 1024 holds no embedding rows at all (chunk 126, 1018 ranks suffice)."""
+    from anatomy.distributed.simulate import simulate
+
+    rec = simulate(LLAMA, SIM_RUN, world, "fsdp", rank=rank)[-1]
+    e = estimate_distributed(LLAMA, SIM_RUN, world, "fsdp", rank=rank)
+    note = f"fsdp amp, fake PG, W={world}, rank {rank}"
+    _check_collectives(claims, pred=collective_counts(e["collectives"]), meas=_measured_counts(rec),
+                       config=LLAMA.name, variant="fsdp", device="cpu-fake-pg", note=note)
+    _check_memory(claims, pred=e["memory"], meas=rec["memory"], config=LLAMA.name, variant="fsdp",
+                  device="cpu-fake-pg", note=note)
+
+
+@pytest.mark.parametrize("world", [8, 64, 1024], ids=["W8", "W64", "W1024"])
+def test_fake_pg_ddp(world, claims):
+    from anatomy.distributed.simulate import simulate
+
+    run = Run(**B2S16, dtype="amp")
+    for rec in simulate(SMALL, run, world, "ddp", steps=3):
+        e = estimate_distributed(SMALL, run, world, "ddp", step=rec["step"])
+        note = f"ddp amp, fake PG, W={world}, step {rec['step']}"
+        _check_collectives(claims, pred=collective_counts(e["collectives"]), meas=_measured_counts(rec),
+                           config=SMALL.name, variant="ddp", device="cpu-fake-pg", note=note)
+        _check_memory(claims, pred=e["memory"], meas=rec["memory"], config=SMALL.name, variant="ddp",
+                      device="cpu-fake-pg", note=note)
+
+
+def test_fake_pg_covers_what_gloo_lacks(claims):
+    """A custom gradient divide factor makes FSDP2 reduce with PREMUL_SUM. Gloo has none (shown on a
+    one-rank gloo group); the fake group runs it, with the same collectives as the default mean."""
+    import torch.distributed as dist
+
+    from anatomy.distributed.simulate import simulate
+    from anatomy.distributed.strategies import wrap
+    from anatomy.models import build_model
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="PREMUL_SUM"):
+            dist.reduce_scatter_single(torch.zeros(2), torch.ones(2), op=dist._make_nccl_premul_sum(0.5))
+        with pytest.raises(ConfigError, match="PREMUL_SUM") as e:
+            wrap(build_model(SMALL), "fsdp", gradient_divide_factor=3.0)
+        assert "\n" not in str(e.value)
+    finally:
+        dist.destroy_process_group()
+    run = Run(**B2S16, dtype="amp")
+    rec = simulate(SMALL, run, 8, "fsdp", gradient_divide_factor=1024.0)[-1]
+    pred = collective_counts(estimate_distributed(SMALL, run, 8, "fsdp")["collectives"])
+    _check_collectives(claims, pred=pred, meas=_measured_counts(rec), config=SMALL.name, variant="fsdp",
+                       device="cpu-fake-pg", note="fsdp amp, PREMUL_SUM divide factor, fake PG, W=8")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # CommDebugMode's module hooks; FSDP's note on a view output
+def test_counter_agrees_with_comm_debug_mode():
+    """The counting mode sees the calls CommDebugMode counts (one FSDP2 step, real tensors, fake PG)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from anatomy.distributed.counting import CollectiveCounter
+    from anatomy.distributed.simulate import fake_process_group
+    from anatomy.distributed.strategies import wrap
+    from anatomy.models import build_model, make_batch
+
+    run = Run(**B2S16, dtype="fp32")
+    with fake_process_group(4):
+        model = wrap(build_model(SMALL), "fsdp")
+        ids, targets = make_batch(SMALL, run)
+        with CommDebugMode() as debug, CollectiveCounter() as counter:
+            model(ids, targets).backward()
+    assert debug.get_total_counts() == len(counter.calls) == 2 * SMALL.layers + 1 + SMALL.layers + 1
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("call", [
+    lambda: estimate_distributed(SMALL, Run(), 0, "fsdp"),
+    lambda: estimate_distributed(SMALL, Run(), 4, "zero3"),
+    lambda: estimate_distributed(TIED, Run(), 4096, "fsdp"),  # largest dim 0 is 211 rows
+    lambda: estimate_distributed(SMALL, Run(), 4, "fsdp", reduce_dtype="float16"),
+    lambda: estimate_distributed(SMALL, Run(), 4, "ddp", bucket_cap_mb=0),
+    lambda: estimate_distributed(SMALL, Run(), 4, "ddp", reduce_dtype="float32"),
+    lambda: estimate_distributed(SMALL, Run(), 4, "fsdp", optimizer="lion"),
+    lambda: per_rank_memory(SMALL, Run(), 4, "fsdp", rank=4),
+], ids=["world-0", "unknown-strategy", "world-exceeds-rows", "reduce-dtype", "bucket-cap", "ddp-mp", "optimizer",
+        "rank"])
+def test_calculator_bad_input_one_line(call):
+    with pytest.raises(ConfigError) as e:
+        call()
+    assert str(e.value) and "\n" not in str(e.value)
+
+
+def test_wrap_and_simulate_bad_input_one_line():
+    from anatomy.distributed.simulate import simulate
+    from anatomy.distributed.strategies import wrap
+    from anatomy.models import build_model
+
+    for call in (lambda: wrap(build_model(SMALL, device="meta"), "zero3"),
+                 lambda: wrap(build_model(SMALL, device="meta"), "fsdp"),  # no process group
+                 lambda: wrap(build_model(SMALL, device="meta"), "ddp", reshard_after_forward="yes"),
+                 lambda: simulate(SMALL, Run(), 0, "fsdp"),
+                 lambda: simulate(TIED, Run(**B2S16), 4096, "fsdp")):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--strategy", "zero3", "--preset", "seed"],
+    ["--strategy", "fsdp", "--hidden", "64"],
+    ["--strategy", "ddp", "--preset", "seed", "--reduce-dtype", "bfloat16"],
+    ["--strategy", "fsdp", "--preset", "nope"],
+    ["--strategy"],
+], ids=["strategy", "missing-shape", "ddp-mp-flag", "preset", "argparse"])
+def test_train_step_cli_bad_input(argv, capsys):
+    from anatomy.distributed.train_step import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("train_step: error:") and "\n" not in err, err
