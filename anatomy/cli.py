@@ -70,7 +70,15 @@ def _check_variant(v: str) -> str:
 def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
     from anatomy.calculator import estimate
 
-    return estimate(cfg, run, _check_variant(a.variant), device=a.device or "cuda").to_dict()
+    out = estimate(cfg, run, _check_variant(a.variant), device=a.device or "cuda").to_dict()
+    if a.world_size != 1 or a.strategy:
+        from anatomy.calculator.comm import estimate_distributed
+
+        if a.world_size < 1:
+            raise ConfigError(f"--world-size must be >= 1, got {a.world_size}")
+        strategy = a.strategy or ("fsdp" if a.variant == "efficient" else "ddp")
+        out["distributed"] = estimate_distributed(cfg, run, a.world_size, strategy)
+    return out
 
 
 def _fits(cfg, run, variant, device) -> bool:
@@ -180,6 +188,9 @@ def _print(cmd: str, out: dict) -> None:
               f"{f['counter']['backward'] / 1e9:,.2f}", f"{f['model']['forward'] / 1e9:,.2f}",
               f"{s['total'] / 2**20:,.2f}", style="bold")
     con.print(t)
+    if "distributed" in out:
+        d = out["distributed"]
+        con.print_json(json.dumps({k: d[k] for k in ("memory", "collectives", "comm") if k in d}))
 
 
 COMMANDS = {"estimate": cmd_estimate, "measure": cmd_measure, "compare": cmd_compare}
@@ -211,13 +222,22 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
         return cmd_report(argv[1:])
+    if argv[:1] == ["train"]:
+        from anatomy.train.cli import main as train_main
+
+        return train_main(argv[1:])
     p = _Parser(prog="anatomy", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     for name in COMMANDS:
         sp = sub.add_parser(name, help=COMMANDS[name].__name__)
         _add_config_flags(sp)
         sp.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if present, else cpu")
+        if name == "estimate":
+            sp.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (per-rank memory, comm)")
+            sp.add_argument("--strategy", choices=("ddp", "fsdp"),
+                            help="default: ddp for the baseline, fsdp for the efficient variant")
     sub.add_parser("report", help="regenerate README tables from claims JSON (see: anatomy report -h)")
+    sub.add_parser("train", help="train a model (see: anatomy train -h)")
     a = p.parse_args(argv)
     try:
         cfg = config_from_args(a)

@@ -1,0 +1,5 @@
+import sys
+
+from anatomy.train.cli import main
+
+sys.exit(main())
