@@ -203,10 +203,20 @@ def cmd_report(argv) -> int:
     from anatomy import report
 
     p = _Parser(prog="anatomy report", description=cmd_report.__doc__)
-    p.add_argument("claims", nargs="+", help="claims JSON files written by the validation suite")
+    p.add_argument("claims", nargs="*", help="claims JSON files written by the validation suite; with none, "
+                                             "every generated README section is rebuilt from reports/")
     p.add_argument("--readme", default="README.md")
     p.add_argument("--marker", default="claims-h200")
     a = p.parse_args(argv)
+    if not a.claims:
+        from anatomy.report.readme import regenerate
+
+        try:
+            print("regenerated:", ", ".join(regenerate(Path(a.readme))))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"anatomy report: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         reports = report.load(a.claims)
         readme = Path(a.readme)
