@@ -148,3 +148,82 @@ def test_reduction_ratios_match_prediction(policy, claims):
         claims.check("saved-bytes reduction (baseline / efficient)", component=comp, config=f"tiny-gqa/{policy}",
                      variant="ratio", predicted=Fraction(pb[comp].saved_bytes, pe[comp].saved_bytes),
                      measured=Fraction(b.get(comp, 0), e.get(comp, 0)))
+
+
+# ---- seed insights, as executable claims -----------------------------------------------------
+
+def test_fused_ce_computes_gradients_in_forward(claims):
+    """The gradients exist when forward returns; backward only scales them by the incoming gradient."""
+    from anatomy.efficient.loss import fused_linear_cross_entropy
+    from anatomy.measure.flops import flop_counter
+
+    g = torch.Generator().manual_seed(0)
+    T, H, V = 64, 32, 300
+    x = torch.randn(T, H, generator=g, requires_grad=True)
+    w = (torch.randn(V, H, generator=g) * 0.1).requires_grad_()
+    t = torch.randint(0, V, (T,), generator=g)
+    with flop_counter() as fwd:
+        loss = fused_linear_cross_entropy(x, w, t)
+    grad_x, grad_w = loss.grad_fn.saved_tensors  # what forward left for backward: the two gradients
+    with flop_counter() as bwd:
+        (loss * 3.0).backward()
+    ref_x, ref_w = torch.autograd.grad(torch.nn.functional.cross_entropy(x @ w.t(), t), (x, w))
+    torch.testing.assert_close(grad_x, ref_x)  # already the full gradient before backward ran
+    torch.testing.assert_close(grad_w, ref_w)
+    torch.testing.assert_close(x.grad, 3.0 * ref_x)  # backward distributed it, scaled
+    claims.check("fused CE: matmul FLOPs in forward (logits, grad_input, grad_weight)", component="loss",
+                 config=f"T{T}H{H}V{V}", variant="efficient", predicted=3 * 2 * T * H * V,
+                 measured=fwd.get_total_flops(), unit="FLOP")
+    claims.check("fused CE: matmul FLOPs in backward", component="loss", config=f"T{T}H{H}V{V}",
+                 variant="efficient", predicted=0, measured=bwd.get_total_flops(), unit="FLOP")
+
+
+class _BareKernel(torch.autograd.Function):
+    """Stands for a Triton kernel behind Function.apply: it computes in whatever dtype its inputs have.
+    Autocast does not intercept .apply(), so under autocast the fp32 inputs arrive as fp32."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0  # a kernel writing its output in its input's dtype
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0
+
+
+class _OptedInKernel(_BareKernel):
+    forward = staticmethod(torch.amp.custom_fwd(_BareKernel.forward, device_type="cpu", cast_inputs=torch.bfloat16))
+    backward = staticmethod(torch.amp.custom_bwd(_BareKernel.backward, device_type="cpu"))
+
+
+def test_autocast_does_not_see_a_bare_function_but_sees_our_ops():
+    from anatomy.kernels import rms_norm, swiglu
+
+    x, w = torch.randn(4, 16, requires_grad=True), torch.ones(16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _BareKernel.apply(x).dtype == torch.float32  # silently fp32 under autocast
+        assert _OptedInKernel.apply(x).dtype == torch.bfloat16  # custom_fwd opts the Function in
+        assert rms_norm(x, w).dtype == torch.bfloat16  # ours: registered autocast rules
+        assert swiglu(x, x).dtype == torch.bfloat16
+
+
+def test_efficient_attention_keeps_no_view_of_the_fused_qkv(claims):
+    """Views that aren't free: nothing saved in the efficient attention is a view of the fused QKV
+    output (rope_qkv writes fresh q, k, v), while the baseline chunk-free path needs no such care."""
+    from anatomy.measure.saved import SavedTensorTracer
+
+    cfg, run = NAMED["tiny-gqa"], Run(2, 16, "fp32")
+    model = build_model(cfg, "efficient")
+    ids, targets = make_batch(cfg, run)
+    qkv_keys = set()
+    hook = model.layers[0].attn.qkv.register_forward_hook(
+        lambda m, a, out: qkv_keys.add(out.untyped_storage()._cdata))
+    with SavedTensorTracer(model) as tr:
+        loss = model(ids, targets)
+    hook.remove()
+    attn = [r for r in tr.report.records if r.component == "attention"]
+    claims.check("saved storages aliasing the fused QKV output", component="attention", config="tiny-gqa/B2S16",
+                 variant="efficient", predicted=0, measured=sum(r.storage_key in qkv_keys for r in attn))
+    # and each saved q/k/v storage is exactly its own size (no hidden larger base)
+    assert all(r.storage_bytes in (0, r.tensor_bytes) for r in attn), [r for r in attn if r.storage_bytes]
+    del loss
