@@ -69,6 +69,7 @@ def per_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     return out
 
 
+@torch.compiler.disable  # Liger's addmm(out_dtype=, out=) fails under fake tensors (torch 2.11): run it eagerly
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                reduction: str = "mean") -> torch.Tensor:
     """x: (T, H), weight: (V, H), targets: (T,) -> mean loss (fp32 scalar), or (T,) losses for "none"."""

@@ -137,9 +137,10 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
     gpu_claims = sorted(H200.glob("session1/claims-gpu.json"))  # the latest full GPU run
     if gpu_claims:
         put("claims-h200", claims_table(load(gpu_claims)))
-    steps = sorted(H200.glob("session1/step-*.json"))
-    if steps:
-        put("bench-steps", steps_table(steps))
+    for marker, session in (("bench-steps", "session1"), ("bench-steps-rerun", "session3")):
+        steps = sorted(H200.glob(f"{session}/step-*.json"))
+        if steps:
+            put(marker, steps_table(steps))
     if (H200 / "session1/kernels-seed.json").exists():
         put("bench-kernels", kernels_table(H200 / "session1/kernels-seed.json"))
     curves = H200 / "session2/loss-curves-seed.json"
