@@ -136,8 +136,9 @@ def cmd_compare(a, cfg: ModelConfig, run: Run) -> dict:
     sr = Run(**meas["memory"]["saved"]["run"])
     est_saved = estimate(cfg, sr, a.variant, device=meas["device"]).to_dict()["memory"]["saved"]
     rows = [("params", est["params"], meas["params"], "")]
+    est_flops = estimate(cfg, Run(**meas["flops"]["run"]), a.variant, device=meas["device"]).to_dict()["flops"]
     for d in ("forward", "backward"):
-        rows.append((f"flops.counter.{d}", est["flops"]["counter"][d], meas["flops"]["counter"][d], "FLOP"))
+        rows.append((f"flops.counter.{d}", est_flops["counter"][d], meas["flops"]["counter"][d], "FLOP"))
     rows.append(("memory.saved.total", est_saved["total"], meas["memory"]["saved"]["total"], "B"))
     for comp, b in est_saved["by_component"].items():
         rows.append((f"memory.saved.by_component.{comp}", b, meas["memory"]["saved"]["by_component"].get(comp, 0), "B"))
@@ -169,8 +170,10 @@ def _print(cmd: str, out: dict) -> None:
             t.add_row(r["key"].replace("memory.saved.by_component.", "saved · "), _fmt(r["predicted"], r["unit"]), _fmt(r["measured"], r["unit"]), f"{r['error']:+.3%}")
         con.print(t)
         if (sr["batch"], sr["seq"]) != (out["run"]["batch"], out["run"]["seq"]):
+            how = ("FLOPs at full size, counted on meta" if out["variant"] == "baseline" else
+                   "the efficient variant's FLOPs at that size too: its SDPA kernel differs by device")
             con.print(f"saved tensors compared at B={sr['batch']} S={sr['seq']}: the full run's activations do not "
-                      f"fit this {out['device']} device (params and FLOPs are at full size, counted on meta).")
+                      f"fit this {out['device']} device ({how}).")
         return
     if cmd == "measure":
         con.print_json(json.dumps(out))

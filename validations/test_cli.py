@@ -52,9 +52,10 @@ def test_bad_input_is_one_line_exit_2(args, needle):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_compare_small_config_is_exact():
+@pytest.mark.parametrize("variant", ["baseline", "efficient"])
+def test_compare_small_config_is_exact(variant):
     r = _run("compare", "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "96",
-             "--vocab", "128", "--batch", "2", "--seq", "16", "--json")
+             "--vocab", "128", "--batch", "2", "--seq", "16", "--variant", variant, "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["rows"]
     assert len(rows) == 9 and all(row["predicted"] == row["measured"] for row in rows), rows

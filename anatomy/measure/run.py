@@ -36,15 +36,20 @@ def measure_saved(cfg: ModelConfig, run: Run, variant: str = "baseline", device=
 
 
 def measure(cfg: ModelConfig, run: Run, variant: str = "baseline", device="cpu", saved_run: Run | None = None) -> dict:
-    """The same keys as Estimate.to_dict(). saved_run: a smaller run for the saved-tensor pass when the
-    requested one does not fit this device (params and FLOPs are still measured at full size, on meta)."""
-    flops = measure_flops(cfg, run, variant, device="meta")
+    """The same keys as Estimate.to_dict(). saved_run: a smaller run for the passes that need real tensors
+    when the requested one does not fit this device. The baseline's FLOPs are counted at full size on
+    meta tensors (its matmuls count the same on every device); the efficient variant's SDPA is a
+    different kernel on every device (meta falls back to the math path), so its FLOPs are counted on
+    the device itself, at saved_run."""
     sr = saved_run or run
+    flops_run, flops_dev = (run, "meta") if variant == "baseline" else (sr, device)
+    flops = measure_flops(cfg, flops_run, variant, device=flops_dev)
     saved = measure_saved(cfg, sr, variant, device).report
     return {
         "device": str(device), "variant": variant, "params": measure_params(cfg, variant),
         "flops": {"counter": {"forward": flops["forward"]["total"], "backward": flops["backward"]["total"]},
-                  "by_component": flops},
+                  "by_component": flops, "device": str(flops_dev),
+                  "run": dict(batch=flops_run.batch, seq=flops_run.seq, dtype=flops_run.dtype)},
         "memory": {"saved": {"total": saved.storage_bytes(), "by_component": saved.by_component(),
                              "tensor_bytes": saved.tensor_bytes(),
                              "run": dict(batch=sr.batch, seq=sr.seq, dtype=sr.dtype)}},
