@@ -67,7 +67,8 @@ class Claims:
 
     def check(self, claim: str, *, component: str, config: str, variant: str, predicted, measured,
               tolerance: float = 0.0, device: str = "cpu", unit: str = "", note: str = "") -> None:
-        err = float((measured - predicted) / predicted) if predicted else float(measured != predicted)
+        # prediction error relative to the measurement: (predicted - measured) / measured
+        err = float((predicted - measured) / measured) if measured else float(measured != predicted)
         ok = measured == predicted if tolerance == 0 else abs(err) <= tolerance
         num = (lambda v: v if isinstance(v, (int, float)) else float(v))  # e.g. an exact Fraction ratio
         _ROWS.append(dict(test=self.test_id, claim=claim, component=component, config=config, variant=variant,

@@ -78,6 +78,12 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
             raise ConfigError(f"--world-size must be >= 1, got {a.world_size}")
         strategy = a.strategy or ("fsdp" if a.variant == "efficient" else "ddp")
         out["distributed"] = estimate_distributed(cfg, run, a.world_size, strategy)
+    if a.gpu:
+        from anatomy.calculator.timing import estimate_time
+
+        t = estimate_time(cfg, run, a.variant, gpu=a.gpu)
+        out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "mfu", "components", "sources")
+                       if k in t} | {"gpu": a.gpu}
     return out
 
 
@@ -124,8 +130,8 @@ def cmd_measure(a, cfg: ModelConfig, run: Run) -> dict:
     return measure(cfg, run, a.variant, dev, saved_run=sr)
 
 
-def _rel(p, m):
-    return (m - p) / p if p else float(m != p)
+def _rel(p, m):  # the same convention as the claims report: (predicted - measured) / measured
+    return (p - m) / m if m else float(m != p)
 
 
 def cmd_compare(a, cfg: ModelConfig, run: Run) -> dict:
@@ -191,6 +197,10 @@ def _print(cmd: str, out: dict) -> None:
               f"{f['counter']['backward'] / 1e9:,.2f}", f"{f['model']['forward'] / 1e9:,.2f}",
               f"{s['total'] / 2**20:,.2f}", style="bold")
     con.print(t)
+    if "time" in out:
+        tm = out["time"]
+        con.print(f"predicted step on {tm['gpu']}: {tm['step_s'] * 1e3:,.1f} ms (forward+backward "
+                  f"{tm['forward_backward_s'] * 1e3:,.1f} ms, optimizer {tm['optimizer_s'] * 1e3:,.2f} ms)")
     if "distributed" in out:
         d = out["distributed"]
         con.print_json(json.dumps({k: d[k] for k in ("memory", "collectives", "comm") if k in d}))
@@ -239,6 +249,10 @@ def main(argv=None) -> int:
         from anatomy.train.cli import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["calibrate"]:
+        from anatomy.measure.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     p = _Parser(prog="anatomy", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     for name in COMMANDS:
@@ -249,8 +263,11 @@ def main(argv=None) -> int:
             sp.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (per-rank memory, comm)")
             sp.add_argument("--strategy", choices=("ddp", "fsdp"),
                             help="default: ddp for the baseline, fsdp for the efficient variant")
+            sp.add_argument("--gpu", help="predict step time on this GPU: a name (H200, H100, A100-80GB, RTX4090, "
+                                          "h200-measured, ...) or a profile JSON from `anatomy calibrate`")
     sub.add_parser("report", help="regenerate README tables from claims JSON (see: anatomy report -h)")
     sub.add_parser("train", help="train a model (see: anatomy train -h)")
+    sub.add_parser("calibrate", help="measure this GPU's profile for the timing model (see: anatomy calibrate -h)")
     a = p.parse_args(argv)
     try:
         cfg = config_from_args(a)

@@ -1,0 +1,285 @@
+"""GPU profiles for the timing model: datasheet peaks (each with its source) and measured profiles.
+
+Pure Python: no torch. A profile is a plain dict (so it round-trips through JSON):
+
+  name, display, kind        "h200-sxm", "NVIDIA H200 SXM", "datasheet" | "measured"
+  sms                        streaming multiprocessors: the unit of wave quantization
+  peak_flops[dtype]          dense datasheet peak (no 2:4 sparsity), FLOP/s; "bfloat16" is tensor-core
+                             bf16 with fp32 accumulate, "float32" is plain fp32 (CUDA cores; torch's
+                             default keeps TF32 off for matmuls)
+  matmul_flops[dtype]        the asymptotic GEMM rate the efficiency model scales down (see
+                             matmul_efficiency); datasheet: the peak; measured: fitted to the points
+  matmul_k_half              K at which a GEMM's main loop reaches half its rate (prologue/epilogue
+                             cost per output tile); 0 = none (datasheet: unknown, so not modelled)
+  mfu_peak_flops             the denominator of MFU: datasheet peak, or the measured ceiling
+  hbm_Bps                    bandwidth of memory-bound kernels (bytes read + written per second)
+  launch_s                   GPU-side cost per kernel launch on a full queue
+  host_op_s, host_custom_s   CPU time to issue one eager ATen op / one custom op call (fwd, bwd)
+  attention[backend][hd]     SDPA rates (causal FLOPs, fwd and fwd+bwd) normalised to a full wave
+  sources[key]               where each figure comes from
+
+Lookup is case-insensitive: "H200", "h200-sxm", "NVIDIA H200" name the datasheet profile;
+"h200-measured" (or "h200:measured") the measured one; a path to a .json loads a profile written
+by `anatomy calibrate`. An unknown name is a ConfigError (one line, exit 2 at the CLI).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from anatomy.config import ConfigError
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+
+# ---- sources -----------------------------------------------------------------------------------
+A100_DS = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), "
+           "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+           "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf: BF16 Tensor Core 312 TFLOPS (624 sparse), "
+           "FP32 19.5 TFLOPS; SXM bandwidth 1,555 GB/s (40GB) / 2,039 GB/s (80GB)")
+A100_WP = ("NVIDIA A100 Tensor Core GPU Architecture whitepaper, https://images.nvidia.com/aem-dam/en-zz/"
+           "Solutions/data-center/nvidia-ampere-architecture-whitepaper.pdf: 108 SMs")
+H100_DS = ("NVIDIA H100 Tensor Core GPU datasheet, https://resources.nvidia.com/en-us-tensor-core/"
+           "nvidia-tensor-core-gpu-datasheet: H100 SXM BF16 Tensor Core 1,979 TFLOPS with sparsity "
+           "(989.4 dense), FP32 67 TFLOPS, 3.35 TB/s, 80 GB")
+HOPPER_WP = ("NVIDIA H100 Tensor Core GPU Architecture whitepaper, https://resources.nvidia.com/"
+             "en-us-tensor-core/gtc22-whitepaper-hopper: H100 SXM5 132 SMs, dense BF16 989.4 TFLOPS, "
+             "FP32 66.9 TFLOPS")
+H200_DS = ("NVIDIA H200 Tensor Core GPU datasheet / product page, https://www.nvidia.com/en-us/data-center/h200/: "
+           "H200 SXM BF16 Tensor Core 1,979 TFLOPS with sparsity (989.4 dense: the H100's GH100 die and "
+           "clocks), FP32 67 TFLOPS, 4.8 TB/s HBM3e, 141 GB")
+GA102_WP = ("NVIDIA Ampere GA102 GPU Architecture whitepaper v2, https://www.nvidia.com/content/PDF/"
+            "nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf: RTX 3090 peak BF16 Tensor TFLOPS with "
+            "FP32 accumulate 71 (142 sparse), FP32 35.6 TFLOPS, 936 GB/s, 82 SMs, 24 GB")
+ADA_WP = ("NVIDIA Ada GPU Architecture whitepaper v2.1, https://images.nvidia.com/aem-dam/Solutions/geforce/ada/"
+          "nvidia-ada-gpu-architecture.pdf: RTX 4090 peak BF16 Tensor TFLOPS with FP32 accumulate 165.2 "
+          "(330.4 sparse), FP32 82.6 TFLOPS, 1,008 GB/s, 128 SMs, 24 GB")
+ASSUMED_LAUNCH = ("assumption, not a measurement: ~3 us per kernel back to back on a full launch queue "
+                  "(typical of recent NVIDIA GPUs); `anatomy calibrate` measures it (tiny kernels queued behind a long one)")
+ASSUMED_HOST = ("assumption, not a measurement: ~10 us of CPU per eager ATen op under autograd (dispatch, "
+                "autograd node, cudaLaunchKernel); `anatomy calibrate` measures it")
+ASSUMED_ATTENTION = ("no measured attention throughput in a datasheet profile: SDPA is timed as a matmul at "
+                     "the bf16 peak (a pure roofline, optimistic by design)")
+
+
+def _ds(name, display, sms, bf16_tflops, fp32_tflops, hbm_GBps, memory_GB, src, sms_src=None) -> dict:
+    return dict(
+        name=name, display=display, kind="datasheet", sms=sms, memory_GB=memory_GB,
+        peak_flops={"bfloat16": bf16_tflops * 1e12, "float32": fp32_tflops * 1e12},
+        matmul_flops={"bfloat16": bf16_tflops * 1e12, "float32": fp32_tflops * 1e12},
+        matmul_k_half=0.0, mfu_peak_flops=bf16_tflops * 1e12, hbm_Bps=hbm_GBps * 1e9,
+        launch_s=3e-6, host_op_s=10e-6, host_custom_s={}, attention={},
+        sources=dict(peak_flops=src, hbm_Bps=src, memory_GB=src, sms=sms_src or src, launch_s=ASSUMED_LAUNCH,
+                     host_op_s=ASSUMED_HOST, attention=ASSUMED_ATTENTION,
+                     matmul_k_half="not modelled without measurements (0)"),
+    )
+
+
+DATASHEET: dict[str, dict] = {p["name"]: p for p in (
+    _ds("a100-40gb-sxm", "NVIDIA A100 SXM 40GB", 108, 312.0, 19.5, 1555.0, 40, A100_DS, A100_WP),
+    _ds("a100-80gb-sxm", "NVIDIA A100 SXM 80GB", 108, 312.0, 19.5, 2039.0, 80, A100_DS, A100_WP),
+    _ds("h100-sxm", "NVIDIA H100 SXM", 132, 989.4, 66.9, 3350.0, 80, H100_DS, HOPPER_WP),
+    _ds("h200-sxm", "NVIDIA H200 SXM", 132, 989.4, 66.9, 4800.0, 141, H200_DS, HOPPER_WP),
+    _ds("rtx-3090", "NVIDIA GeForce RTX 3090", 82, 71.0, 35.6, 936.0, 24, GA102_WP),
+    _ds("rtx-4090", "NVIDIA GeForce RTX 4090", 128, 165.2, 82.6, 1008.0, 24, ADA_WP),
+)}
+
+# measured profiles: profiles/<stem>.json is named "<stem>-measured" (`anatomy calibrate` writes them)
+MEASURED_FILES = {f"{f.stem}-measured": f for f in sorted(PROFILE_DIR.glob("*.json"))}
+
+
+def profile_stem(base: str) -> str:
+    """The file stem a measured profile of a datasheet base is written under: h200-sxm -> h200."""
+    return base.removesuffix("-sxm")
+
+ALIASES = {
+    "a100": "a100-80gb-sxm", "a100-sxm": "a100-80gb-sxm", "a100-80gb": "a100-80gb-sxm", "a100-40gb": "a100-40gb-sxm",
+    "nvidia a100-sxm4-80gb": "a100-80gb-sxm", "nvidia a100-sxm4-40gb": "a100-40gb-sxm",
+    "h100": "h100-sxm", "nvidia h100": "h100-sxm", "nvidia h100 80gb hbm3": "h100-sxm",
+    "h200": "h200-sxm", "nvidia h200": "h200-sxm",
+    "h200:measured": "h200-measured", "h200-sxm-measured": "h200-measured",
+    "3090": "rtx-3090", "rtx3090": "rtx-3090", "nvidia geforce rtx 3090": "rtx-3090",
+    "4090": "rtx-4090", "rtx4090": "rtx-4090", "nvidia geforce rtx 4090": "rtx-4090",
+}
+
+
+def names() -> list[str]:
+    return [*DATASHEET, *MEASURED_FILES]
+
+
+def get(gpu: str | dict | Path) -> dict:
+    """A normalised profile: a datasheet name, a measured name, a profile .json path, or a dict
+    (a full profile, or a measured-profile JSON object with "measurements")."""
+    if isinstance(gpu, dict):
+        return from_measured(gpu) if "measurements" in gpu else _check(gpu)
+    s = str(gpu)
+    if s.endswith(".json"):
+        return load(s)
+    key = s.strip().lower().replace("_", "-")
+    key = ALIASES.get(key, key)
+    if key in DATASHEET:
+        return json.loads(json.dumps(DATASHEET[key]))  # a deep copy: callers may edit theirs
+    if key in MEASURED_FILES:
+        return load(MEASURED_FILES[key])
+    if key.endswith("-measured") and (PROFILE_DIR / f"{key.removesuffix('-measured')}.json").exists():
+        return load(PROFILE_DIR / f"{key.removesuffix('-measured')}.json")
+    raise ConfigError(f"unknown gpu {gpu!r}; choose from {', '.join(names())}, or a profile .json path")
+
+
+def load(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read gpu profile {str(path)!r}: {e}") from None
+    if not isinstance(data, dict) or "measurements" not in data:
+        raise ConfigError(f"{p}: not a measured gpu profile (no 'measurements')")
+    return from_measured(data)
+
+
+_REQUIRED = ("name", "kind", "sms", "peak_flops", "matmul_flops", "matmul_k_half", "mfu_peak_flops", "hbm_Bps",
+             "launch_s", "host_op_s", "host_custom_s", "attention", "sources")
+
+
+def _check(p: dict) -> dict:
+    missing = [k for k in _REQUIRED if k not in p]
+    if missing:
+        raise ConfigError(f"gpu profile {p.get('name', '?')!r} lacks {', '.join(missing)}")
+    return p
+
+
+# ---- the GEMM efficiency model -------------------------------------------------------------------
+TILES = ((128, 128), (128, 256), (256, 128))  # CTA output tiles cuBLAS/CUTLASS pick among on Hopper
+MAX_SPLIT_K = 16
+
+
+def matmul_efficiency(m: int, n: int, k: int, sms: int, k_half: float = 0.0, batch: int = 1) -> float:
+    """Fraction of the asymptotic GEMM rate a (batch x) m x n x k matmul can reach.
+
+    Tile and wave quantization: C is cut into tm x tn tiles, one CTA per tile, `sms` CTAs per wave;
+    the last wave is partly idle and edge tiles are partly padding, so the useful fraction is
+    m*n / (waves * sms * tm * tn). Split-K: when the tiles are fewer than the SMs (a weight
+    gradient: m*n small, k = tokens large), K is split s ways so tiles * s fill the waves (the
+    partial sums' reduction is small against the main loop and not counted). The library is
+    assumed to pick the best tile and split. Then k / (k + k_half) charges each tile's prologue and
+    epilogue against its main loop."""
+    best = 0.0
+    for tm, tn in TILES:
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        for s in range(1, MAX_SPLIT_K + 1):
+            if s > 1 and (tiles >= sms or k // s < 256):
+                break
+            waves = math.ceil(tiles * s / sms)
+            eff = batch * m * n * s / (waves * sms * tm * tn)
+            kk = k / s
+            best = max(best, eff * kk / (kk + k_half) if k_half else eff)
+    return best
+
+
+def attention_wave_efficiency(batch: int, heads: int, seq: int, sms: int, block_q: int = 128) -> float:
+    """Flash-style SDPA runs one CTA per (batch, head, 128-query block): wave quantization only."""
+    tiles = batch * heads * math.ceil(seq / block_q)
+    return tiles / (math.ceil(tiles / sms) * sms)
+
+
+def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> int:
+    """Forward FLOPs of causal SDPA, causal convention (ANCHORS.md): QKᵀ and PV, half the square."""
+    return 2 * batch * heads * seq * seq * head_dim
+
+
+# ---- measured profiles ---------------------------------------------------------------------------
+def fit_matmul(points: list[dict], sms: int) -> tuple[float, float]:
+    """(asymptotic rate FLOP/s, k_half) fitted to measured GEMM points {m, n, k, tflops}.
+
+    For each k_half on a grid, the rate is the geometric mean of measured / efficiency; k_half is
+    the grid value with the least squared log error. One point fixes the rate only (k_half = 0)."""
+    def rate_and_err(kh):
+        logs = [math.log(p["tflops"] * 1e12 / matmul_efficiency(p["m"], p["n"], p["k"], sms, kh, p.get("batch", 1)))
+                for p in points]
+        mu = sum(logs) / len(logs)
+        return math.exp(mu), sum((x - mu) ** 2 for x in logs)
+
+    if not points:
+        raise ConfigError("no matmul measurements to fit")
+    if len({p["k"] for p in points}) < 2:
+        return rate_and_err(0.0)[0], 0.0
+    best = min((rate_and_err(kh)[1], kh) for kh in range(0, 1025, 8))
+    return rate_and_err(best[1])[0], float(best[1])
+
+
+def from_measured(data: dict) -> dict:
+    """A measured profile: its base datasheet profile, with every measured figure replacing the
+    datasheet one (and its source saying so). Figures the file does not measure stay datasheet
+    figures or assumptions, and their sources say that too."""
+    base = get(data.get("base", "h200-sxm"))
+    if base["kind"] != "datasheet":
+        raise ConfigError("a measured profile's base must be a datasheet profile")
+    m, prov = data["measurements"], data.get("provenance", {})
+    where = f"measured ({prov.get('date', 'undated')}, {prov.get('gpu', '?')}, torch {prov.get('torch', '?')})"
+    p = dict(base, name=data.get("name", base["name"] + "-measured"), kind="measured",
+             display=f"{base['display']} (measured)", provenance=prov, sources=dict(base["sources"]))
+    sms = p["sms"]
+    if m.get("matmul_bf16"):
+        rate, kh = fit_matmul(m["matmul_bf16"], sms)
+        p["matmul_flops"] = dict(p["matmul_flops"], bfloat16=rate)
+        p["matmul_k_half"] = kh
+        p["matmul_fit"] = [dict(m=x["m"], n=x["n"], k=x["k"], measured_tflops=x["tflops"], model_tflops=rate / 1e12 *
+                                matmul_efficiency(x["m"], x["n"], x["k"], sms, kh, x.get("batch", 1)))
+                           for x in m["matmul_bf16"]]
+        best = max(x["tflops"] for x in m["matmul_bf16"]) * 1e12
+        p["mfu_peak_flops"] = best
+        shapes = ", ".join(f"{x['m']}x{x['n']}x{x['k']}: {x['tflops']:g}" for x in m["matmul_bf16"][:4])
+        p["sources"].update(matmul_flops=f"{where}: bf16 GEMM TFLOP/s {shapes}"
+                                         + (" ..." if len(m["matmul_bf16"]) > 4 else ""),
+                            matmul_k_half=f"fitted to {len(m['matmul_bf16'])} measured GEMM shape(s)",
+                            mfu_peak_flops=f"{where}: the best measured bf16 GEMM (MFU against a measured ceiling)")
+    if m.get("copy_tbps"):
+        p["hbm_Bps"] = m["copy_tbps"] * 1e12
+        p["sources"]["hbm_Bps"] = f"{where}: device-to-device copy, bytes read + written"
+    if m.get("launch_us"):
+        p["launch_s"] = m["launch_us"] * 1e-6
+        p["sources"]["launch_s"] = f"{where}: tiny kernels on a full eager queue"
+    if m.get("host_op_us"):
+        p["host_op_s"] = m["host_op_us"] * 1e-6
+        p["sources"]["host_op_s"] = f"{where}: CPU time per eager op under autograd"
+    if m.get("host_custom_us"):
+        p["host_custom_s"] = {k: {ph: us * 1e-6 for ph, us in v.items() if isinstance(us, (int, float))}
+                              for k, v in m["host_custom_us"].items() if isinstance(v, dict)}
+        p["sources"]["host_custom_s"] = m["host_custom_us"].get("source", where)
+    if m.get("attention"):
+        p["attention"] = attention_table(m["attention"], sms)
+        p["sources"]["attention"] = f"{where}: causal SDPA per backend, " + "; ".join(
+            f"{a['backend']} hd{a['hd']} fwd {a['fwd_ms']} ms, fwd+bwd {a['fwd_bwd_ms']} ms" for a in m["attention"])
+    return _check(p)
+
+
+def attention_table(rows: list[dict], sms: int) -> dict:
+    """{backend: {head_dim: {fwd, fwd_bwd}}}: FLOP/s at a full wave, causal convention (fwd+bwd counts
+    3.5x the forward, as ANCHORS.md does), from measured {backend, B, heads, S, hd, fwd_ms, fwd_bwd_ms}."""
+    out: dict = {}
+    for r in rows:
+        f = causal_attention_flops(r["B"], r["heads"], r["S"], r["hd"])
+        eff = attention_wave_efficiency(r["B"], r["heads"], r["S"], sms)
+        out.setdefault(r["backend"], {})[str(r["hd"])] = dict(
+            fwd=f / (r["fwd_ms"] * 1e-3) / eff, fwd_bwd=3.5 * f / (r["fwd_bwd_ms"] * 1e-3) / eff)
+    return out
+
+
+def write_atomic(path: str | Path, data: dict) -> Path:
+    """Write JSON via a temp file and a rename, so a reader never sees half a profile."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(p)
+    return p
+
+
+def interconnect(name: str) -> dict | None:
+    """Link figures (NVLink / IB per direction, collective latency) live in comm.py's GPU_PROFILES;
+    this maps a timing profile name onto them (None where comm.py has no entry)."""
+    from anatomy.calculator.comm import GPU_PROFILES
+
+    key = get(name)["name"].removesuffix("-measured")
+    key = {"a100-40gb-sxm": "a100-sxm", "a100-80gb-sxm": "a100-sxm"}.get(key, key)
+    return GPU_PROFILES.get(key)

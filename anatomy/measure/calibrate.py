@@ -1,0 +1,289 @@
+"""anatomy calibrate: measure this GPU's timing profile (what anatomy/calculator/timing.py needs) in
+under two minutes, and write it as JSON, atomically.
+
+    anatomy calibrate [--out PATH] [--base h200-sxm] [--budget-s 100]
+
+What is measured (CUDA events after warm-up, median of several batches; operands rotated so no
+timing reuses one L2-resident input):
+  matmul_bf16     the GEMMs this model family launches: for the seed, anchor-1b and llama2-7b
+                  shapes at 16,384 tokens, the forward (T, out, in), grad-input (T, in, out) and
+                  grad-weight (out, in, T) of qkv, o, gate_up, down, and Liger's chunk GEMMs; plus
+                  8192³ (the ANCHORS ceiling) and 4096³. The profile fits a rate and k_half to them.
+  attention       causal SDPA fwd and fwd+bwd per backend (cudnn, flash, memory-efficient) at head
+                  dim 64 (B=16, 8 heads, S=4096: the seed) and 128 (B=4, 16 heads: anchor-1b)
+  copy_tbps       a 2 GiB device copy, bytes read + written
+  launch_us       GPU time per tiny kernel on a full queue (queued behind a long kernel: no host cost)
+  host_op_us      CPU time per eager op that records autograd (1-element tensors: the GPU is idle)
+  host_custom_us  CPU time per call of our custom ops (rms_norm, swiglu, rope_qkv), fwd and bwd
+Measurements never read the calculator; the profile is only *loaded* by it (gpus.from_measured).
+On a machine without CUDA it prints one line and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from anatomy.calculator import gpus
+from anatomy.config import PRESETS
+
+GRID_PRESETS = ("seed", "anchor-1b", "llama2-7b")
+GRID_TOKENS = 16384
+ATTENTION_SHAPES = ((16, 8, 4096, 64), (4, 16, 4096, 128))  # (B, heads, S, head_dim)
+BACKENDS = ("cudnn", "flash", "memory-efficient")
+L2_ROTATE_BYTES = 256 * 2**20  # rotate enough operand sets to exceed the L2 (50-60 MB) several times
+
+
+# ---- pure parts (unit-tested on CPU) ---------------------------------------------------------------
+def liger_chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
+    inc = math.ceil(vocab / hidden)
+    return min(1 << max(0, math.ceil(tokens / inc) - 1).bit_length(), tokens)
+
+
+def gemm_grid(presets=GRID_PRESETS, tokens: int = GRID_TOKENS) -> list[tuple[int, int, int]]:
+    """(m, n, k) of every GEMM a training step of these presets launches, at `tokens` tokens."""
+    shapes = {(8192, 8192, 8192), (4096, 4096, 4096)}
+    for name in presets:
+        c = PRESETS[name]
+        H, I, V = c.hidden, c.intermediate, c.vocab
+        for n_out, k_in in ((H + 2 * c.kv_dim, H), (H, H), (2 * I, H), (H, I)):
+            shapes |= {(tokens, n_out, k_in), (tokens, k_in, n_out), (n_out, k_in, tokens)}
+        C = liger_chunk_rows(tokens, H, V)
+        shapes |= {(C, V, H), (C, H, V), (V, H, C)}
+    return sorted(shapes)
+
+
+def guess_base(device_name: str) -> str | None:
+    """The datasheet profile a CUDA device name belongs to (None if no datasheet profile matches)."""
+    n = device_name.lower()
+    for key, base in (("h200", "h200-sxm"), ("h100", "h100-sxm"), ("a100", None), ("3090", "rtx-3090"),
+                      ("4090", "rtx-4090")):
+        if key in n:
+            if key == "a100":
+                return "a100-40gb-sxm" if "40gb" in n else "a100-80gb-sxm"
+            return base
+    return None
+
+
+def build_profile(measurements: dict, provenance: dict, base: str) -> dict:
+    """The profile JSON object; loading it through gpus.from_measured checks it is complete."""
+    data = dict(name=f"{gpus.profile_stem(base)}-measured", base=base, kind="measured", provenance=provenance,
+                measurements=measurements)
+    gpus.from_measured(data)  # raises ConfigError if anything is malformed
+    return data
+
+
+def default_out(base: str) -> Path:
+    return gpus.PROFILE_DIR / f"{gpus.profile_stem(base)}.json"
+
+
+# ---- measurements (CUDA) ---------------------------------------------------------------------------
+def _median_ms(fn, batches: int = 5, per_batch: int = 10, warmup: int = 3) -> float:
+    """Median over batches of the mean CUDA-event time of `per_batch` back-to-back calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(batches):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(per_batch):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / per_batch)
+    return statistics.median(out)
+
+
+def _rotating_matmul(m: int, n: int, k: int):
+    """A closure computing A_i @ B_i over enough (A, B) pairs that their total exceeds the L2, so no
+    timing reuses operands still in the cache (pairs already far past it: one pair)."""
+    import itertools
+
+    import torch
+
+    sets = max(1, min(8, L2_ROTATE_BYTES // ((m * k + k * n + m * n) * 2)))
+    pairs = itertools.cycle([(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                              torch.randn(k, n, device="cuda", dtype=torch.bfloat16)) for _ in range(sets)])
+    return lambda: (lambda ab: ab[0] @ ab[1])(next(pairs))
+
+
+def measure_matmuls(shapes, deadline: float) -> list[dict]:
+    import torch
+
+    rows = []
+    for m, n, k in shapes:
+        if time.monotonic() > deadline:
+            break
+        ms = _median_ms(_rotating_matmul(m, n, k))
+        rows.append(dict(m=m, n=n, k=k, ms=ms, tflops=2 * m * n * k / (ms * 1e-3) / 1e12))
+    torch.cuda.empty_cache()
+    return rows
+
+
+def measure_attention(deadline: float) -> tuple[list[dict], list[str]]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kinds = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "memory-efficient": SDPBackend.EFFICIENT_ATTENTION}
+    rows, skipped = [], []
+    for B, nh, S, hd in ATTENTION_SHAPES:
+        q, k, v = (torch.randn(B, nh, S, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        g = torch.randn(B, nh, S, hd, device="cuda", dtype=torch.bfloat16)
+        for name in BACKENDS:
+            if time.monotonic() > deadline:
+                skipped.append(f"{name} hd{hd}: over the time budget")
+                continue
+            try:
+                with sdpa_kernel([kinds[name]]):
+                    fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+                    fwd_ms = _median_ms(fwd, batches=5, per_batch=5)
+                    # autograd.grad, not .backward: no accumulation kernels into q.grad, k.grad, v.grad
+                    fb_ms = _median_ms(lambda: torch.autograd.grad(fwd(), (q, k, v), g), batches=5, per_batch=5)
+            except RuntimeError as e:  # this backend does not run this shape/dtype here
+                skipped.append(f"{name} hd{hd}: {str(e).splitlines()[0][:120]}")
+                continue
+            rows.append(dict(backend=name, B=B, heads=nh, S=S, hd=hd, causal=True, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms))
+    return rows, skipped
+
+
+def measure_copy() -> float:
+    import torch
+
+    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB: far past the L2
+    y = torch.empty_like(x)
+    ms = _median_ms(lambda: y.copy_(x), batches=5, per_batch=3)
+    return 2 * x.numel() * 2 / (ms * 1e-3) / 1e12
+
+
+def measure_launch(n: int = 500) -> float:
+    """GPU-side µs per kernel on a full eager queue: while the GPU spins in one long kernel, the host
+    queues n tiny dependent kernels between two events; the events then time only the GPU running them."""
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    for _ in range(10):
+        x.add_(1)
+    out = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s at H200 clocks: far longer than queueing n ops takes
+        a.record()
+        for _ in range(n):
+            x.add_(1)
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / n)
+    return statistics.median(out)
+
+
+def _host_us(fn, n: int) -> float:
+    import torch
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    wall = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return wall / n * 1e6
+
+
+def measure_host() -> tuple[float, dict]:
+    """CPU µs per eager op (recording autograd) and per custom-op call, fwd and bwd, on tensors so
+    small that the GPU finishes each kernel before the CPU issues the next."""
+    import torch
+
+    from anatomy.kernels import rms_norm, rope_qkv, swiglu
+
+    x = torch.randn(8, device="cuda", requires_grad=True)
+    op_us = _host_us(lambda: x * 1.0, 2000)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    H, nh, hd = 512, 8, 64
+    xs = torch.randn(8, H, **bf, requires_grad=True)
+    w = torch.ones(H, **bf, requires_grad=True)
+    g_, u_ = (torch.randn(8, 1024, **bf, requires_grad=True) for _ in range(2))
+    qkv = torch.randn(1, 8, 3 * H, **bf, requires_grad=True)
+    cos, sin = torch.ones(8, hd, device="cuda"), torch.zeros(8, hd, device="cuda")
+    calls = {"rms_norm": lambda: rms_norm(xs, w, 1e-5), "swiglu": lambda: swiglu(g_, u_, "swiglu", False),
+             "rope_qkv": lambda: rope_qkv(qkv, cos, sin, nh, nh)}
+    out = {}
+    for name, f0 in calls.items():
+        def f(f0=f0):  # as in the training step: under bf16 autocast (its dispatch layer costs host time)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return f0()
+
+        fwd = _host_us(f, 200)
+
+        def both():
+            o = f()
+            torch.autograd.backward(list(o) if isinstance(o, tuple) else [o],
+                                    [torch.ones_like(t) for t in (o if isinstance(o, tuple) else (o,))])
+        both_us = _host_us(both, 200)
+        out[name] = dict(forward=fwd, backward=max(0.0, both_us - fwd - op_us * (3 if name == "rope_qkv" else 1)))
+    out["source"] = "measured by anatomy calibrate (CPU time per call, tiny tensors, fwd; bwd = fwd+bwd - fwd)"
+    return op_us, out
+
+
+def _env(argv) -> dict:
+    import torch
+
+    try:
+        import triton
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    return dict(gpu=torch.cuda.get_device_name(0), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                torch=torch.__version__, cuda=torch.version.cuda, triton=tv,
+                cudnn=torch.backends.cudnn.version(), host=platform.platform(),
+                command="anatomy calibrate " + " ".join(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="anatomy calibrate", description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="profile path (default: anatomy/calculator/profiles/<gpu>.json)")
+    p.add_argument("--base", help="datasheet profile it refines (default: from the device name)")
+    p.add_argument("--budget-s", type=float, default=100.0, help="stop starting new measurements after this")
+    a = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("anatomy calibrate: no CUDA GPU on this machine; nothing measured", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(0)
+    base = a.base or guess_base(name)
+    if base is None or base not in gpus.DATASHEET:
+        print(f"anatomy calibrate: no datasheet profile for {name!r}; pass --base "
+              f"({', '.join(gpus.DATASHEET)})", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    deadline = t0 + a.budget_s
+    torch.manual_seed(0)
+    m: dict = dict(copy_tbps=measure_copy(), launch_us=measure_launch())
+    m["host_op_us"], m["host_custom_us"] = measure_host()
+    m["attention"], skipped = measure_attention(deadline - 0.5 * a.budget_s)  # leave half for the GEMM grid
+    m["matmul_bf16"] = measure_matmuls(gemm_grid(), deadline)
+    prov = dict(_env(argv), seconds=round(time.monotonic() - t0, 1), skipped=skipped,
+                gemm_grid=f"{len(m['matmul_bf16'])} of {len(gemm_grid())} shapes")
+    data = build_profile(m, prov, base)
+    out = gpus.write_atomic(a.out or default_out(base), data)
+    prof = gpus.from_measured(data)
+    print(f"{name}: bf16 GEMM {prof['matmul_flops']['bfloat16'] / 1e12:.0f} TFLOP/s "
+          f"(k_half {prof['matmul_k_half']:.0f}), copy {m['copy_tbps']:.2f} TB/s, launch {m['launch_us']:.2f} us, host op {m['host_op_us']:.1f} us, "
+          f"{len(m['attention'])} attention rows; {prov['seconds']} s -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
