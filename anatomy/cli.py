@@ -249,6 +249,14 @@ def main(argv=None) -> int:
         from anatomy.train.cli import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["sweep"]:
+        from anatomy.sweep import main as sweep_main
+
+        return sweep_main(argv[1:])
+    if argv[:1] == ["forensics"]:
+        from anatomy.measure.forensics import main as forensics_main
+
+        return forensics_main(argv[1:])
     if argv[:1] == ["calibrate"]:
         from anatomy.measure.calibrate import main as calibrate_main
 
@@ -267,6 +275,8 @@ def main(argv=None) -> int:
                                           "h200-measured, ...) or a profile JSON from `anatomy calibrate`")
     sub.add_parser("report", help="regenerate README tables from claims JSON (see: anatomy report -h)")
     sub.add_parser("train", help="train a model (see: anatomy train -h)")
+    sub.add_parser("sweep", help="estimate (and measure) over a config grid (see: anatomy sweep -h)")
+    sub.add_parser("forensics", help="on a GPU: memory phases and what is live at the peak (see: anatomy forensics -h)")
     sub.add_parser("calibrate", help="measure this GPU's profile for the timing model (see: anatomy calibrate -h)")
     a = p.parse_args(argv)
     try:

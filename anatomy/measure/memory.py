@@ -4,6 +4,9 @@ Phases: init (model + inputs), forward (saved activations live), backward peak (
 after backward (gradients live), after the optimizer step (optimizer state live). Figures are
 torch.cuda.memory_allocated / max_memory_allocated (what the caching allocator handed out, in
 512-byte-rounded blocks) and memory_reserved (what it holds from the driver: looser).
+
+record_step() records the allocator's history over a step, with markers naming the running
+component and phase; anatomy.measure.forensics replays it to attribute the peak (pure Python).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from anatomy.config import ModelConfig, Run
+from anatomy.measure.components import ComponentTracker
 from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
 
 
@@ -66,20 +70,84 @@ def measure_phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimi
     return out
 
 
-def peak_forensics(cfg: ModelConfig, run: Run, variant: str = "baseline", top: int = 12) -> dict:
-    """Record the allocation history of one fwd+bwd and return the largest allocations live at the peak,
-    with the Python frame that made each (for attribution to components)."""
-    model = build_model(cfg, variant, device="cuda", dtype=param_dtype(run))
-    ids, targets = make_batch(cfg, run, "cuda")
-    with autocast_ctx(run, "cuda"):  # warm-up: kernels, cuBLAS workspace, autocast caches
-        model(ids, targets).backward()
-    model.zero_grad(set_to_none=True)
-    torch.cuda.memory._record_memory_history(max_entries=200_000)
+class _MarkingTracker(ComponentTracker):
+    """ComponentTracker that leaves a marker in the allocator trace whenever the running component
+    changes, so the replay (anatomy.measure.forensics) can credit allocations that carry no Python
+    frames of ours: the built-in backward ops, which run on the autograd engine's device thread."""
+
+    @property
+    def label(self) -> str:
+        return self._label
+
+    @label.setter
+    def label(self, value: str) -> None:
+        if value != getattr(self, "_label", None):
+            _anatomy_marker(value)
+        self._label = value
+
+
+def _anatomy_marker(label: str) -> None:
+    """Allocate and drop a block whose size encodes `label` (forensics.MARKER_LABELS); this function's
+    name in the allocation's frames is what tells the replay it is a marker. 0.5-6 KiB, freed at once."""
+    from anatomy.measure.forensics import marker_size
+
+    torch.empty(marker_size(label), dtype=torch.uint8, device="cuda")
+
+
+def record_step(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = "adamw",
+                steps: int = 2, max_entries: int = 1_000_000) -> dict:
+    """The allocator snapshot (torch.cuda.memory._snapshot()) of a model build and `steps` training steps
+    (the first warms up kernels and allocates optimizer state), with component and phase markers.
+
+    History is recorded from before the model is built, so parameters, inputs and optimizer state
+    carry the frames that made them; context="alloc" keeps frames on allocations only and
+    stacks="python" skips C++ frames (markers and file paths are all the replay needs)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                             max_entries=max_entries, clear_history=True)
     try:
-        with autocast_ctx(run, "cuda"):
-            loss = model(ids, targets)
-        loss.backward()
+        model = build_model(cfg, variant, device="cuda", dtype=param_dtype(run))
+        ids, targets = make_batch(cfg, run, "cuda")
+        opt = None
+        if optimizer == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        elif optimizer == "ademamix":
+            from anatomy.optim import FusedAdEMAMix
+
+            opt = FusedAdEMAMix(model.parameters(), lr=1e-4)
+        with _MarkingTracker(model, track_backward=True) as tracker:
+            for _ in range(steps):
+                _anatomy_marker("phase:forward")
+                with autocast_ctx(run, "cuda"):
+                    loss = model(ids, targets)
+                tracker.tag_backward()
+                _anatomy_marker("phase:backward")
+                loss.backward()
+                del loss
+                tracker._calls.clear()  # this step's graph is gone; the next forward records its own
+                if opt is not None:
+                    _anatomy_marker("phase:optimizer")
+                    tracker.label = "optimizer"
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    tracker.label = "other"
+                else:
+                    model.zero_grad(set_to_none=True)
+                _anatomy_marker("phase:end")
+        torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    return dict(snapshot_traces=len(snap.get("device_traces", [[]])[0]), snapshot=snap)
+    del model, opt, ids, targets
+    torch.cuda.empty_cache()
+    return snap
+
+
+def peak_forensics(cfg: ModelConfig, run: Run, variant: str = "baseline", top: int = 12,
+                   optimizer: str | None = "adamw") -> dict:
+    """The largest allocations live at the peak of a training step, each attributed to a component
+    (anatomy.measure.forensics.attribute_peak over record_step's snapshot)."""
+    from anatomy.measure.forensics import attribute_peak
+
+    return attribute_peak(record_step(cfg, run, variant, optimizer), top)

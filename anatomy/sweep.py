@@ -1,0 +1,338 @@
+"""`anatomy sweep`: the calculator over a grid of configs, and optionally a measurement of each.
+
+    anatomy sweep [--preset seed llama2-7b] [--hidden 512,1024] [--layers 2,4] [--batch 1,16] [--seq 1024,4096]
+                  [--dtype amp] [--variant baseline,efficient] [--measure [on|off]] [--device auto|cpu|cuda]
+                  [--mem-limit GIB] [--out .anatomy/sweep.json] [--quiet]
+
+Lists take commas or spaces. --hidden/--layers reshape each preset: layers is replaced; hidden is
+replaced keeping the preset's head_dim (heads = hidden / head_dim), its GQA group size and its
+intermediate/hidden ratio (rounded), so "seed at hidden 1024" is the seed's shape, twice as wide.
+
+Each (config, batch, seq, dtype, variant) point yields claim rows in the validation suite's shape
+(test, claim, component, config, variant, predicted, measured, error, tolerance, unit, device,
+passed, note; plus batch, seq, dtype and status): params, counter FLOPs forward/backward (model and
+per component), saved bytes (total and per component), and the calculator's forward-peak bytes.
+Without --measure, measured/error/passed are null and status is "predicted". With --measure, a
+point whose predicted need (the calculator's forward peak; see need_bytes) is over this device's
+available memory is not run: status "skipped", the reason quotes the predicted bytes. An
+out-of-memory error the calculator did not predict is caught: status "failed", the error in the
+note. The report (date, machine, command, grid, rows) is written atomically to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from anatomy.config import PRESETS, ConfigError, ModelConfig, Run
+
+VARIANTS = ("baseline", "efficient")
+COMPONENTS = ("embedding", "attention", "norm", "mlp", "loss")
+GiB = 2**30
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's usage errors: one line, exit 2
+        print(f"anatomy sweep: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _list(kind):
+    def parse(text: str):
+        try:
+            return [kind(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {kind.__name__} list: {text!r}") from None
+    parse.__name__ = f"{kind.__name__} list"
+    return parse
+
+
+def _flat(values, default):
+    out = [v for group in (values or []) for v in group]
+    return out or list(default)
+
+
+# ---- the grid ----------------------------------------------------------------------------------
+def reshape(base: ModelConfig, hidden: int | None = None, layers: int | None = None) -> ModelConfig:
+    """`base` at another width and/or depth, keeping head_dim, the GQA group and the MLP ratio."""
+    d = base.to_dict()
+    name = base.name
+    if hidden is not None and hidden != base.hidden:
+        if hidden % base.head_dim:
+            raise ConfigError(f"--hidden {hidden} is not a multiple of {base.name}'s head_dim {base.head_dim}")
+        heads = hidden // base.head_dim
+        group = base.heads // base.kv_heads
+        if heads % group:
+            raise ConfigError(f"--hidden {hidden} gives {heads} heads, not a multiple of {base.name}'s "
+                              f"GQA group of {group}")
+        d.update(hidden=hidden, heads=heads, kv_heads=heads // group,
+                 intermediate=max(1, round(base.intermediate * hidden / base.hidden)))
+        name += f"-h{hidden}"
+    if layers is not None and layers != base.layers:
+        d["layers"] = layers
+        name += f"-l{layers}"
+    d["name"] = name
+    return ModelConfig(**d)
+
+
+def grid(presets, hiddens, layers, batches, seqs, dtypes, variants) -> list[tuple[ModelConfig, Run, str]]:
+    for v in variants:
+        if v not in VARIANTS:
+            raise ConfigError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
+    cfgs = []
+    for p in presets:
+        base = ModelConfig.from_name(p)
+        for h, n in itertools.product(hiddens or [None], layers or [None]):
+            cfg = reshape(base, h, n)
+            if cfg not in cfgs:
+                cfgs.append(cfg)
+    runs = [Run(batch=b, seq=s, dtype=d) for b, s, d in itertools.product(batches, seqs, dtypes)]
+    return [(c, r, v) for c in cfgs for r in runs for v in variants]
+
+
+# ---- memory: does a point fit? -------------------------------------------------------------------
+def need_bytes(cfg: ModelConfig, run: Run, variant: str, device: str) -> int:
+    """What measuring the point needs at its peak, by the calculator (anatomy.calculator.memory.phases).
+    The baseline's forward peak is modelled; the efficient variant's is not yet, so its need is the
+    forward end plus one gradient per parameter: a floor (its peak is in backward), stated as such."""
+    from anatomy.calculator.memory import phases
+
+    ph = phases(cfg, run, variant, device=device)
+    return ph["forward_peak"] if ph["forward_peak"] is not None else ph["forward_end"] + ph["params"]
+
+
+def available_bytes(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+# ---- rows ----------------------------------------------------------------------------------------
+def _row(claim, component, cfg, run, variant, predicted, measured, unit, device, status, note="") -> dict:
+    if measured is None:
+        err = passed = None
+    else:
+        err = float((measured - predicted) / predicted) if predicted else float(measured != predicted)
+        passed = measured == predicted
+    return dict(test="anatomy sweep", claim=claim, component=component, config=cfg.name, variant=variant,
+                predicted=predicted, measured=measured, error=err, tolerance=0.0, unit=unit, device=device,
+                passed=passed, note=note, batch=run.batch, seq=run.seq, dtype=run.dtype, status=status)
+
+
+def point_rows(cfg: ModelConfig, run: Run, variant: str, device: str, meas: dict | None, status: str,
+               note: str = "", need: int | None = None) -> list[dict]:
+    """Claim rows for one point: every prediction, with its measurement where `meas` has one."""
+    from anatomy.calculator import estimate
+
+    est = estimate(cfg, run, variant, device=device).to_dict()
+    m = meas or {}
+    mf = (m.get("flops") or {}).get("by_component", {})
+    ms = (m.get("memory") or {}).get("saved", {})
+    mget = (lambda f: f() if meas else None)
+    rows = [_row("params", "model", cfg, run, variant, est["params"], mget(lambda: m["params"]), "", device, status, note)]
+    for d in ("forward", "backward"):
+        rows.append(_row(f"flops.counter.{d}", "model", cfg, run, variant, est["flops"]["counter"][d],
+                         mget(lambda: m["flops"]["counter"][d]), "FLOP", device, status, note))
+        for comp in COMPONENTS:
+            rows.append(_row(f"flops.counter.{d}", comp, cfg, run, variant,
+                             est["components"][comp]["flops"]["counter"][d],
+                             mget(lambda: mf.get(d, {}).get(comp, 0)), "FLOP", device, status, note))
+    rows.append(_row("memory.saved.total", "model", cfg, run, variant, est["memory"]["saved"]["total"],
+                     mget(lambda: ms["total"]), "B", device, status, note))
+    for comp in COMPONENTS:
+        rows.append(_row("memory.saved", comp, cfg, run, variant, est["memory"]["saved"]["by_component"][comp],
+                         mget(lambda: ms["by_component"].get(comp, 0)), "B", device, status, note))
+    if need is not None:  # a prediction only: anatomy.measure.run does not measure the peak
+        rows.append(_row("memory.need (forward peak, calculator)", "model", cfg, run, variant, need, None, "B",
+                         device, status, note or "predicted only"))
+    return rows
+
+
+def _is_oom(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))  # the CPU allocator's OOM
+
+
+def sweep(points, *, measure: bool = False, device: str = "cpu", limit: int | None = None, progress=None,
+          measure_fn=None) -> list[dict]:
+    """Rows for every point. `limit`: the bytes a measurement may use (default: available_bytes(device)).
+    `measure_fn` (tests): replaces anatomy.measure.run.measure."""
+    rows = []
+    for cfg, run, variant in points:
+        if progress:
+            progress(f"{cfg.name} B={run.batch} S={run.seq} {run.dtype} {variant}")
+        need = need_bytes(cfg, run, variant, device)
+        if not measure:
+            rows += point_rows(cfg, run, variant, device, None, "predicted", need=need)
+            continue
+        avail = limit if limit is not None else available_bytes(device)
+        if need > avail:
+            rows += point_rows(cfg, run, variant, device, None, "skipped", need=need,
+                               note=f"predicted to need {need / GiB:,.2f} GiB ({need:,} B) at its forward peak; "
+                                    f"{avail / GiB:,.2f} GiB available on {device}: not run")
+            continue
+        if measure_fn is None:
+            from anatomy.measure.run import measure as measure_fn
+        try:
+            meas = measure_fn(cfg, run, variant, device)
+        except Exception as e:  # noqa: BLE001 - only an OOM is recorded; anything else is a bug and re-raised
+            if not _is_oom(e):
+                raise
+            meas = None
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            rows += point_rows(cfg, run, variant, device, None, "failed", need=need,
+                               note=f"out of memory although predicted to need {need / GiB:,.2f} GiB of "
+                                    f"{avail / GiB:,.2f} GiB: {msg}")
+        else:
+            rows += point_rows(cfg, run, variant, device, meas, "measured", need=need)
+        finally:
+            gc.collect()
+            if device == "cuda":
+                import torch
+
+                torch.cuda.empty_cache()
+    return rows
+
+
+def machine() -> dict:
+    info = dict(python=platform.python_version(), platform=platform.platform())
+    try:
+        import torch
+
+        info.update(torch=torch.__version__, cuda=torch.version.cuda)
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def write_report(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)  # atomic: a reader never sees half a report
+
+
+def _summary(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="anatomy sweep (MiB = 2^20 B)")
+    for c in ("config", "B", "S", "variant", "params", "fwd GFLOP", "saved MiB", "need MiB", "status"):
+        t.add_column(c, justify="left" if c in ("config", "variant", "status") else "right")
+    for r in rows:
+        if r["claim"] != "memory.saved.total":
+            continue
+        key = (r["config"], r["batch"], r["seq"], r["dtype"], r["variant"])
+        same = [x for x in rows if (x["config"], x["batch"], x["seq"], x["dtype"], x["variant"]) == key]
+        get = {(x["claim"], x["component"]): x for x in same}
+        fwd, params = get[("flops.counter.forward", "model")], get[("params", "model")]
+        need = get.get(("memory.need (forward peak, calculator)", "model"))
+        saved = f"{r['predicted'] / 2**20:,.1f}"
+        if r["measured"] is not None:
+            saved += f" / {r['measured'] / 2**20:,.1f}"
+        bad = [x for x in same if x["passed"] is False]
+        status = r["status"] + (f" ({len(bad)} mismatched)" if bad else "")
+        t.add_row(r["config"], str(r["batch"]), str(r["seq"]), r["variant"], f"{params['predicted']:,}",
+                  f"{fwd['predicted'] / 1e9:,.2f}", saved, f"{need['predicted'] / 2**20:,.1f}" if need else "",
+                  status)
+    Console().print(t)
+
+
+def main(argv=None) -> int:
+    """anatomy sweep: the calculator (and optionally a measurement) over a grid of configs."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = _Parser(prog="anatomy sweep", description=main.__doc__)
+    p.add_argument("--preset", nargs="+", type=_list(str), help=f"presets (default seed): {', '.join(PRESETS)}")
+    p.add_argument("--hidden", nargs="+", type=_list(int), help="widths (keeps head_dim, GQA group, MLP ratio)")
+    p.add_argument("--layers", nargs="+", type=_list(int), help="depths")
+    p.add_argument("--batch", nargs="+", type=_list(int), help="batch sizes (default 16)")
+    p.add_argument("--seq", nargs="+", type=_list(int), help="sequence lengths (default 4096)")
+    p.add_argument("--dtype", nargs="+", type=_list(str), help="amp | bf16 | fp32 (default amp)")
+    p.add_argument("--variant", nargs="+", type=_list(str), help="baseline, efficient (default both)")
+    p.add_argument("--measure", nargs="?", const="on", default="off", choices=("on", "off"),
+                   help="also measure each point that fits this device (default off)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="the device predicted for and measured on (auto: cuda if present, else cpu)")
+    p.add_argument("--mem-limit", type=float, metavar="GIB",
+                   help="memory a measurement may use, GiB (default: what this device has available)")
+    p.add_argument("--out", default=".anatomy/sweep.json", help="the JSON report (written atomically)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary table")
+    a = p.parse_args(argv)
+    measure = a.measure == "on"
+    try:
+        dev = a.device
+        if dev == "auto" or (measure and dev == "cuda"):
+            import torch
+
+            has_cuda = torch.cuda.is_available()
+            if dev == "cuda" and not has_cuda:
+                raise ConfigError("--device cuda --measure asked for, but this machine has no CUDA GPU")
+            dev = "cuda" if dev == "cuda" or has_cuda else "cpu"
+        if a.mem_limit is not None and not a.mem_limit > 0:
+            raise ConfigError(f"--mem-limit must be > 0 GiB, got {a.mem_limit}")
+        points = grid(_flat(a.preset, ["seed"]), _flat(a.hidden, []), _flat(a.layers, []), _flat(a.batch, [16]),
+                      _flat(a.seq, [4096]), _flat(a.dtype, ["amp"]), _flat(a.variant, VARIANTS))
+        out = Path(a.out)
+        if out.is_dir():
+            raise ConfigError(f"--out {a.out} is a directory; give a file path")
+    except ConfigError as e:
+        print(f"anatomy sweep: error: {e}", file=sys.stderr)
+        return 2
+    limit = int(a.mem_limit * GiB) if a.mem_limit is not None else None
+    t0 = time.time()
+    if a.quiet:
+        rows = sweep(points, measure=measure, device=dev, limit=limit)
+    else:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.description}"), console=Console(stderr=True)) as bar:
+            task = bar.add_task("", total=len(points))
+            started = [False]
+
+            def tick(desc: str) -> None:
+                if started[0]:
+                    bar.advance(task)
+                started[0] = True
+                bar.update(task, description=desc)
+
+            rows = sweep(points, measure=measure, device=dev, limit=limit, progress=tick)
+            bar.update(task, completed=len(points), description="done")
+    report = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=machine(),
+                  command="anatomy sweep " + " ".join(argv), seconds=round(time.time() - t0, 3),
+                  grid=dict(points=len(points), device=dev, measure=measure, mem_limit_bytes=limit),
+                  rows=rows)
+    try:
+        write_report(Path(a.out), report)
+    except OSError as e:
+        print(f"anatomy sweep: error: cannot write {a.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    if not a.quiet:
+        _summary(rows)
+        print(f"{len(rows)} rows for {len(points)} points -> {a.out}")
+    # exit 1 when a measurement contradicts a prediction: a mismatched exact quantity or an unpredicted OOM
+    return 1 if any(r["passed"] is False or r["status"] == "failed" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
