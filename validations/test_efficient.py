@@ -215,12 +215,12 @@ def test_efficient_attention_keeps_no_view_of_the_fused_qkv(claims):
     cfg, run = NAMED["tiny-gqa"], Run(2, 16, "fp32")
     model = build_model(cfg, "efficient")
     ids, targets = make_batch(cfg, run)
-    qkv_keys = set()
-    hook = model.layers[0].attn.qkv.register_forward_hook(
-        lambda m, a, out: qkv_keys.add(out.untyped_storage()._cdata))
+    qkv_outs = []  # kept alive, so no later storage can reuse a freed StorageImpl's address
+    hook = model.layers[0].attn.qkv.register_forward_hook(lambda m, a, out: qkv_outs.append(out))
     with SavedTensorTracer(model) as tr:
         loss = model(ids, targets)
     hook.remove()
+    qkv_keys = {t.untyped_storage()._cdata for t in qkv_outs}
     attn = [r for r in tr.report.records if r.component == "attention"]
     claims.check("saved storages aliasing the fused QKV output", component="attention", config="tiny-gqa/B2S16",
                  variant="efficient", predicted=0, measured=sum(r.storage_key in qkv_keys for r in attn))
