@@ -34,12 +34,8 @@ def _phase(name: str) -> Phase:
     return p
 
 
-def measure_phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = "adamw",
-                   steps: int = 2) -> list[dict]:
-    """Phases of the last of `steps` steps (the first allocates optimizer state and warms up kernels)."""
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+def _setup(cfg: ModelConfig, run: Run, variant: str, optimizer: str | None):
+    """The model, a batch and the optimizer on the GPU, as a training step would have them."""
     model = build_model(cfg, variant, device="cuda", dtype=param_dtype(run))
     ids, targets = make_batch(cfg, run, "cuda")
     opt = None
@@ -49,6 +45,16 @@ def measure_phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimi
         from anatomy.optim import FusedAdEMAMix
 
         opt = FusedAdEMAMix(model.parameters(), lr=1e-4)
+    return model, ids, targets, opt
+
+
+def measure_phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = "adamw",
+                   steps: int = 2) -> list[dict]:
+    """Phases of the last of `steps` steps (the first allocates optimizer state and warms up kernels)."""
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model, ids, targets, opt = _setup(cfg, run, variant, optimizer)
     phases = [_phase("init")]
     for _ in range(steps):
         phases = phases[:1]
@@ -107,15 +113,7 @@ def record_step(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                              max_entries=max_entries, clear_history=True)
     try:
-        model = build_model(cfg, variant, device="cuda", dtype=param_dtype(run))
-        ids, targets = make_batch(cfg, run, "cuda")
-        opt = None
-        if optimizer == "adamw":
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        elif optimizer == "ademamix":
-            from anatomy.optim import FusedAdEMAMix
-
-            opt = FusedAdEMAMix(model.parameters(), lr=1e-4)
+        model, ids, targets, opt = _setup(cfg, run, variant, optimizer)
         with _MarkingTracker(model, track_backward=True) as tracker:
             for _ in range(steps):
                 _anatomy_marker("phase:forward")
