@@ -252,3 +252,21 @@ def test_train_step_cli_bad_input(argv, capsys):
         code = e.code
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("train_step: error:") and "\n" not in err, err
+
+
+@pytest.mark.distributed
+def test_a_failing_rank_brings_the_job_down_and_is_named():
+    """Rank 1 dies after step 2 (ANATOMY_DIST_FAULT): torchrun must end the job promptly, not hang in
+    the next collective, and its summary must name rank 1 as the root cause."""
+    import re
+
+    env = {**os.environ, "ANATOMY_DIST_FAULT": "1:2"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+                        "anatomy.distributed.train_step", "--strategy", "ddp", "--hidden", "48", "--layers", "2",
+                        "--heads", "4", "--intermediate", "90", "--vocab", "500", "--batch", "2", "--seq", "16",
+                        "--steps", "5", "--timeout-s", "30"], env=env, capture_output=True, text=True, timeout=150)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert "injected failure on rank 1 after step 2" in out
+    assert re.search(r"Root Cause.*?rank\s*:\s*1\b", out, re.S), out[-2000:]
+    assert "step 5" not in r.stdout  # the surviving rank did not carry on alone

@@ -185,7 +185,11 @@ def main(argv=None) -> int:
         return 2
     rank, world = dist.get_rank(), dist.get_world_size()
 
+    fault = os.environ.get("ANATOMY_DIST_FAULT", "")  # "RANK:STEP": a test seam, that rank dies after that step
+
     def show(rec):
+        if fault == f"{rank}:{rec['step']}":
+            raise RuntimeError(f"injected failure on rank {rank} after step {rec['step']} (ANATOMY_DIST_FAULT)")
         if rank == 0:
             n = sum(c[3] for c in rec["collectives"])
             b = sum(c[2] * c[3] for c in rec["collectives"])
