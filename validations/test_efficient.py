@@ -142,6 +142,10 @@ def test_reduction_ratios_match_prediction(policy, claims):
     cfg, run = NAMED["tiny-gqa"], Run(2, 16, policy)
     b, e = (measure_saved(cfg, run, v).report.by_component() for v in ("baseline", "efficient"))
     pb, pe = (estimate(cfg, run, v, device="cpu").components for v in ("baseline", "efficient"))
+    claims.check("saved-bytes reduction (baseline / efficient)", component="model", config=f"tiny-gqa/{policy}",
+                 variant="ratio", predicted=Fraction(sum(c.saved_bytes for c in pb.values()),
+                                                     sum(c.saved_bytes for c in pe.values())),
+                 measured=Fraction(sum(b.values()), sum(e.values())))
     for comp in pb:
         if pe[comp].saved_bytes == 0:
             continue
