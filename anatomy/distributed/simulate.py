@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 
 from anatomy.config import ConfigError, ModelConfig, Run
-from anatomy.distributed.counting import CollectiveCounter, rank_memory
 from anatomy.distributed.strategies import check_strategy, default_mixed_precision, wrap
-from anatomy.distributed.train_step import make_optimizer
+from anatomy.distributed.train_step import counted_steps, make_optimizer
 from anatomy.models import build_model
 
 DDP_MAX_PARAMS = 50_000_000  # the DDP simulation allocates real tensors: ~16 B per parameter
@@ -61,17 +60,7 @@ def simulate(cfg: ModelConfig, run: Run, world_size: int, strategy: str, *, rank
 
 
 def _steps(model, opt, ids, targets, steps: int, ctx) -> list[dict]:
-    records = []
-    for step in range(1, steps + 1):
-        with CollectiveCounter() as counter:
-            with ctx():
-                loss = model(ids, targets)
-            loss.backward()
-            opt.step()
-        mem = rank_memory(model, opt)
-        opt.zero_grad(set_to_none=True)
-        records.append(dict(step=step, memory=mem, collectives=[[*k, n] for k, n in sorted(counter.counts().items())]))
-    return records
+    return counted_steps(model, opt, ids, targets, steps, ctx, with_loss=False)
 
 
 def _fsdp(cfg, run, steps, optimizer, param_dtype, reduce_dtype, reshard_after_forward, divide) -> list[dict]:

@@ -71,6 +71,12 @@ def train(cfg: ModelConfig, run: Run, strategy: str, *, steps: int = 3, optimize
     ids, targets = make_batch(cfg, run, device, seed=seed + 1 + rank)  # each rank its own data
     # FSDP's MixedPrecisionPolicy is its amp; DDP takes autocast
     ctx = (lambda: autocast_ctx(run, device.type)) if strategy == "ddp" else contextlib.nullcontext
+    return counted_steps(model, opt, ids, targets, steps, ctx, on_step=on_step)
+
+
+def counted_steps(model, opt, ids, targets, steps: int, ctx, *, with_loss: bool = True, on_step=None) -> list[dict]:
+    """`steps` training steps, each with the collectives the process group ran and this rank's bytes.
+    with_loss=False for fake tensors (the simulation), whose loss has no value to read."""
     records = []
     for step in range(1, steps + 1):
         with CollectiveCounter() as counter:
@@ -80,8 +86,9 @@ def train(cfg: ModelConfig, run: Run, strategy: str, *, steps: int = 3, optimize
             opt.step()
         mem = rank_memory(model, opt)
         opt.zero_grad(set_to_none=True)
-        rec = dict(step=step, loss=float(loss.detach().float()), memory=mem,
-                   collectives=[[*k, n] for k, n in sorted(counter.counts().items())])
+        rec = dict(step=step, memory=mem, collectives=[[*k, n] for k, n in sorted(counter.counts().items())])
+        if with_loss:
+            rec["loss"] = float(loss.detach().float())
         records.append(rec)
         if on_step is not None:
             on_step(rec)
