@@ -257,16 +257,29 @@ def test_train_step_cli_bad_input(argv, capsys):
 @pytest.mark.distributed
 def test_a_failing_rank_brings_the_job_down_and_is_named():
     """Rank 1 dies after step 2 (ANATOMY_DIST_FAULT): torchrun must end the job promptly, not hang in
-    the next collective, and its summary must name rank 1 as the root cause."""
+    the next collective, and its failure summary must list rank 1 with its own traceback (via @record).
+
+    Which rank torchrun calls the "Root Cause" is not asserted: it picks the smallest failure timestamp,
+    kept in whole seconds, so rank 1 and the peer that fails right after it usually tie and the lower
+    local rank wins (seen in CI: rank 0's SIGABRT named as root cause)."""
     import re
+    import time
 
     env = {**os.environ, "ANATOMY_DIST_FAULT": "1:2"}
+    t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
                         "anatomy.distributed.train_step", "--strategy", "ddp", "--hidden", "48", "--layers", "2",
                         "--heads", "4", "--intermediate", "90", "--vocab", "500", "--batch", "2", "--seq", "16",
                         "--steps", "5", "--timeout-s", "30"], env=env, capture_output=True, text=True, timeout=150)
+    wall = time.perf_counter() - t0
     out = r.stdout + r.stderr
     assert r.returncode != 0
-    assert "injected failure on rank 1 after step 2" in out
-    assert re.search(r"Root Cause.*?rank\s*:\s*1\b", out, re.S), out[-2000:]
+    assert wall < 60, f"the job took {wall:.0f} s to end: a rank hung in a collective"
+    summary = out[out.index("anatomy.distributed.train_step FAILED"):]
+    entries = re.split(r"\n\s*\[\d+\]:\n", summary)[1:]  # one block per failed rank
+    rank1 = [e for e in entries if re.search(r"rank\s*:\s*1 \(local_rank: 1\)", e)]
+    assert len(rank1) == 1, summary
+    # its own traceback, from the error file @record wrote before the process exited (its exit code may
+    # still read SIGTERM if torchrun reaps the peer first while this rank is finalizing)
+    assert "injected failure on rank 1 after step 2" in rank1[0], summary
     assert "step 5" not in r.stdout  # the surviving rank did not carry on alone

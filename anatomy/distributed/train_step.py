@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from anatomy.config import ConfigError, ModelConfig, Run
 from anatomy.distributed.counting import CollectiveCounter, rank_memory
@@ -174,6 +175,7 @@ def _dtype_arg(v: str):
     return None if v in ("none", "None") else v
 
 
+@record  # a failing rank writes its traceback to torchrun's error file, so the job summary shows it
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     try:
@@ -223,10 +225,13 @@ def main(argv=None) -> int:
                                       indent=1))
             tmp.replace(out / f"rank{rank}.json")
     except ConfigError as e:
+        dist.destroy_process_group()
         print(f"train_step: error: {e}", file=sys.stderr)
         return 2
-    finally:
-        dist.destroy_process_group()
+    # Only the clean path tears the group down. A failing rank exits with its group still open: tearing it
+    # down first would make its peers fail in the collective they are in before this rank has exited, and
+    # torchrun would then see a peer's failure first and could end this rank with SIGTERM, losing its error.
+    dist.destroy_process_group()
     return 0
 
 
