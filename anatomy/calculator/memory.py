@@ -1,22 +1,26 @@
-"""CUDA memory of a training step, phase by phase, as torch.cuda.memory_allocated reports it.
+"""Memory of a training step, phase by phase, as torch.cuda.memory_allocated reports it.
 
-Pure Python. The caching allocator hands out blocks rounded up to 512 bytes, so every tensor is
-rounded before it is summed. Modelled so far (checked against the H200 probe in
-reports/h200/session1/probe_memory.json by validations/test_memory_model.py):
+Pure Python. On CUDA the caching allocator hands out blocks rounded up to 512 bytes, so every
+tensor is rounded before it is summed (device="cpu" sums exact storage bytes: what a live-storage
+tracer sees there). The phases:
   - init: parameters + the (B, S) int64 ids and targets;
-  - forward end: + every saved tensor (the saved-tensor list of the calculator) + the loss scalar;
+  - forward end: + every saved tensor (the calculator's saved list; the ids and targets it names are
+    the inputs themselves) + the loss scalar;
   - forward peak, baseline: + what lives only while the loss is computed: the final norm's output
-    (held by the caller), the bf16 logits and their fp32 copy, and the (S, S) causal bias.
-  - optimizer state (AdamW / AdEMAMix), added to every phase after the first step.
-Not modelled yet: the efficient variant's forward peak (Liger's chunk buffers and the weight cast
-inside the fused loss) and the backward peak of either variant (it needs an op-by-op walk of the
-backward's gradient buffers); they are reported as None rather than guessed.
+    (held by the caller), the bf16 logits and their fp32 copy, and the (S, S) causal bias;
+  - backward peak: the largest candidate of anatomy.calculator.backward.walk, starting from forward end;
+  - backward end: parameters + inputs + one gradient per parameter (saved tensors all released);
+  - optimizer end: the gradients set to None, the state stays.
+Optimizer state (AdamW / AdEMAMix) is added to every phase, as in a step after the first.
+Not modelled yet: the efficient variant's forward peak on CUDA (Liger's chunk buffers and the weight
+cast inside the fused loss), reported as None rather than guessed.
 """
 from __future__ import annotations
 
 from math import prod
 
 from anatomy.calculator import estimate
+from anatomy.calculator.backward import INPUTS, walk
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.optimizer import state_breakdown
 from anatomy.calculator.types import BYTES
@@ -42,22 +46,29 @@ def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[int]:
 def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
            device: str = "cuda") -> dict:
     dt = dtypes(run)
+    rnd = rounded if device == "cuda" else (lambda n: n)
     tensors = param_tensors(cfg, variant)
-    params = sum(rounded(n * BYTES[dt.param]) for n in tensors)
-    inputs = 2 * rounded(8 * run.tokens)
+    params = sum(rnd(n * BYTES[dt.param]) for n in tensors)
+    inputs = 2 * rnd(8 * run.tokens)
     opt = 0
     if optimizer:
         per = state_breakdown(optimizer)
-        opt = sum(rounded(n * b) for n in tensors for b in per.values())
-        opt += len(tensors) * BLOCK if optimizer == "adamw" else 0  # torch's 0-dim fp32 `step` per tensor
+        # AdamW keeps its moments in the parameter's dtype; AdEMAMix keeps fp32 (calculator.optimizer)
+        scale = BYTES[dt.param] / 4 if optimizer == "adamw" else 1
+        opt = sum(rnd(int(n * b * scale)) for n in tensors for b in per.values())
+        opt += len(tensors) * rnd(4) if optimizer == "adamw" else 0  # torch's 0-dim fp32 `step` per tensor
     est = estimate(cfg, run, variant, device=device)
-    saved = sum(rounded(prod(s.shape) * BYTES[s.dtype]) * s.count for c in est.components.values() for s in c.saved)
-    fwd_end = params + inputs + opt + saved + BLOCK  # + the loss scalar
+    saved = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for c in est.components.values() for s in c.saved
+                if s.name not in INPUTS)
+    fwd_end = params + inputs + opt + saved + rnd(4)  # + the loss scalar
     fwd_peak = None
     if variant == "baseline":
         T, V, S, c = run.tokens, cfg.vocab, run.seq, dt.compute
-        logits = rounded(T * V * BYTES[c]) + (rounded(T * V * 4) if c != "float32" else 0)
-        fwd_peak = (fwd_end - BLOCK + rounded(T * cfg.hidden * BYTES[dt.residual]) + logits
-                    + rounded(S * S * BYTES[c]))
+        logits = rnd(T * V * BYTES[c]) + (rnd(T * V * 4) if c != "float32" else 0)
+        fwd_peak = fwd_end - rnd(4) + rnd(T * cfg.hidden * BYTES[dt.residual]) + logits + rnd(S * S * BYTES[c])
+    stages = walk(cfg, run, variant, est, fwd_end, rnd)
+    top = max(stages, key=lambda st: st.live)
+    bwd_end = params + inputs + opt + params  # one gradient per parameter, in the parameter's dtype
     return dict(params=params, inputs=inputs, optimizer=opt, saved=saved, init=params + inputs,
-                forward_end=fwd_end, forward_peak=fwd_peak, backward_peak=None)
+                forward_end=fwd_end, forward_peak=fwd_peak, backward_peak=top.live, backward_peak_at=top.name,
+                backward_end=bwd_end, optimizer_end=bwd_end - params)

@@ -1,0 +1,194 @@
+"""The peak inside backward: a walk over the backward pass, stage by stage, in the order autograd runs it.
+
+Pure Python. It starts from the live set at the end of forward (parameters, inputs, every saved
+tensor, the loss) and, for each stage from the loss down to the embedding:
+  - adds the stage's transients at their largest moment (the gradients it makes before it frees
+    what it read) and records that as a candidate peak;
+  - frees the stage's saved tensors (autograd releases a node's saved tensors once it has run);
+  - allocates the parameter gradients the stage produces (they stay: no optimizer step inside backward);
+  - keeps one residual-stream gradient live between stages.
+The peak is the largest candidate. Read off op-by-op traces of the live storages on CPU; a stage's
+transients are the tensors of its largest moment, not every temporary, so the walk is a bound on the
+stages that do not hold the peak and exact-in-form on those that do (usually the loss's two fp32
+(T, V) gradients, or the baseline's fp32 (B, nh, S, S) score gradients in the last layer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from anatomy.calculator.dtypes import dtypes
+from anatomy.calculator.types import BYTES, Estimate
+from anatomy.config import ModelConfig, Run
+
+INPUTS = ("embedding.ids", "loss.targets")  # saved, but they are the step's inputs: no new storage
+
+
+@dataclass
+class Stage:
+    name: str  # e.g. "layer 3 attention.softmax"
+    live: int  # bytes live at the stage's largest moment
+
+
+class _Walk:
+    def __init__(self, est: Estimate, rnd, start: int):
+        self.rnd, self.live, self.stages, self.freed = rnd, start, [], set()
+        self.one = {}  # saved name -> bytes of one instance
+        for comp in est.components.values():
+            for s in comp.saved:
+                if s.name not in INPUTS:
+                    self.one[s.name] = rnd(prod(s.shape) * BYTES[s.dtype])
+
+    def peak(self, name: str, *transients: int) -> None:
+        self.stages.append(Stage(name, self.live + sum(self.rnd(t) for t in transients)))
+
+    def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:
+        """Free one instance of each saved tensor named (a name ending in '.' or '_' is a prefix),
+        once per layer (begin() starts a layer)."""
+        for n, b in self.one.items():
+            hit = any(n == x or (x[-1] in "._" and n.startswith(x)) for x in names)
+            if hit and n not in self.freed and not n.startswith(keep):
+                self.freed.add(n)
+                self.live -= b
+
+    def begin(self) -> None:
+        self.freed = set()
+
+    def alloc(self, *nbytes: int) -> None:
+        """Allocate tensors of these sizes; a negative size frees one (each rounded on its own)."""
+        self.live += sum(self.rnd(b) if b >= 0 else -self.rnd(-b) for b in nbytes)
+
+
+def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, forward_end: int, rnd) -> list[Stage]:
+    """Candidate peaks of one backward, in execution order. forward_end: bytes live when it starts."""
+    dt = dtypes(run)
+    c, r, p, amp = BYTES[dt.compute], BYTES[dt.residual], BYTES[dt.param], dt.autocast
+    T, H, I, V, L = run.tokens, cfg.hidden, cfg.intermediate, cfg.vocab, cfg.layers
+    B, S, nh, nkv, hd = run.batch, run.seq, cfg.heads, cfg.kv_heads, cfg.head_dim
+    scores = B * nh * S * S
+    w = _Walk(est, rnd, forward_end)
+
+    def linear(tag: str, din: int, dout: int, grad_out: int, *saved: str, to_residual: bool = False) -> int:
+        """One matmul's backward: the weight gradient (the compute dtype under autocast) and the input
+        gradient, then the incoming gradient and the saved tensors go; under autocast the weight
+        gradient is copied to the parameter's dtype. Returns the bytes of the gradient passed on."""
+        wg = din * dout * (c if amp else p)
+        w.alloc(wg, T * din * c)
+        w.peak(tag)
+        w.alloc(-grad_out)
+        w.free(*saved)
+        dx = T * din * c
+        if to_residual and r != c:  # the input was an autocast copy of the residual: back to its dtype
+            w.alloc(T * din * r)
+            w.alloc(-dx)
+            dx = T * din * r
+        if amp:
+            w.alloc(din * dout * p)
+            w.peak(tag + " grad to fp32")
+            w.alloc(-wg)
+        return dx
+
+    def norm(tag: str, g_in: int) -> int:
+        """RMSNorm's backward: takes the output's gradient, leaves the input's (residual dtype)."""
+        if variant == "baseline":  # x̂·g, g·w and the rstd terms in fp32; a bf16 residual adds its fp32 copies
+            w.peak(tag, *([T * H * 4] * (3 if r == 4 else 4)))
+            w.alloc(T * H * r, H * p)
+        else:  # rms_norm_backward: dx in the residual dtype and dw in fp32, cast to the weight's dtype
+            w.alloc(T * H * r, H * 4)
+            w.peak(tag)
+            w.alloc(H * p, -H * 4)
+        w.live -= sum(b for n, b in w.one.items() if n.startswith("norm."))  # one instance
+        w.alloc(-g_in)
+        return T * H * r
+
+    def residual_add(tag: str, g: int, branch: int) -> int:
+        w.alloc(T * H * r)
+        w.peak(tag)
+        w.alloc(-g, -branch)
+        return T * H * r
+
+    if variant == "baseline":
+        # nll_loss_backward makes the fp32 (T, V) gradient, log_softmax's backward a second one
+        w.peak("loss", 4, T * V * 4, T * V * 4)
+        w.free("loss.log_probs", "loss.total_weight")
+        w.alloc(T * V * c)  # the logits' gradient in the compute dtype (the fp32 ones are gone)
+        g = linear("loss.lm_head", H, V, T * V * c, "loss.", to_residual=True)
+    else:
+        # Liger's backward only scales what forward made: grad_input·g and grad_weight·g
+        w.alloc(T * H * c, V * H * p)
+        w.peak("loss")
+        w.free("loss.")
+        g = T * H * c
+    g = norm("final norm", g)
+    kv_exp = B * nh * S * hd * c  # one (B, nh, S, hd) tensor: q's size, or k/v expanded to all heads
+    for layer in reversed(range(L)):
+        w.begin()
+        tag = f"layer {layer} "
+        # ---- mlp branch: gradient of the block output -> gradient of norm 2's output
+        gc = T * H * c if r != c else 0  # the residual gradient cast for the bf16 matmul (a view when r == c)
+        w.alloc(gc)
+        gi = linear(tag + "mlp.down", I, H, gc, "mlp.down.")
+        if variant == "baseline":
+            w.peak(tag + "mlp.act", T * I * c, T * I * c)  # d(silu(gate)), d(up), d(gate) at once
+            w.free("mlp.gate", "mlp.up", "mlp.silu_gate", "mlp.gate_raw", "mlp.up_raw", "mlp.up_plus_1")
+            w.alloc(T * I * c, -gi)  # d(gate), d(up) live, d(h) gone
+            gu = linear(tag + "mlp.up", H, I, T * I * c, "mlp.up.", to_residual=True)
+            gg = linear(tag + "mlp.gate", H, I, T * I * c, "mlp.gate.", to_residual=True)
+            w.alloc(T * H * r)  # their sum
+            w.peak(tag + "mlp.sum")
+            w.alloc(-gu, -gg)
+            gn = T * H * r
+        else:
+            w.alloc(2 * T * I * c, -gi)  # swiglu_backward: d(gate_up), (T, 2I)
+            w.peak(tag + "mlp.act")
+            w.free("mlp.gate_up")
+            gn = linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.")
+        g = residual_add(tag + "mlp residual add", g, norm(tag + "norm 2", gn))
+        # ---- attention branch
+        w.begin()
+        w.alloc(gc)
+        go = linear(tag + "attention.o", H, H, gc, "attention.o.")  # d(merged heads), (T, H)
+        if variant == "baseline":
+            w.alloc(T * H * c, -go)  # made contiguous as (B, nh, S, hd)
+            w.alloc(kv_exp, scores * c)  # P@V's backward: d(v) expanded, d(P)
+            w.peak(tag + "attention.pv")
+            w.free("attention.probs_cast", "attention.v")
+            w.alloc(-T * H * c)
+            w.alloc(scores * 4, -scores * c)  # d(P) to fp32
+            w.alloc(scores * 4)  # softmax's backward
+            w.peak(tag + "attention.softmax")
+            w.free("attention.probs_fp32")
+            w.alloc(scores * c, -scores * 4, -scores * 4)  # back to the scores' dtype, then scaled
+            w.alloc(2 * kv_exp)  # QKᵀ's backward: d(q), d(k) expanded
+            w.peak(tag + "attention.qk")
+            w.free("attention.q", "attention.k")
+            w.alloc(-scores * c)
+            dqkv = T * (nh + 2 * nkv) * hd * c
+            w.alloc(dqkv)  # d(k), d(v) summed over each group; RoPE's backward for q and k
+            w.peak(tag + "attention.rope")
+            w.alloc(-kv_exp, -kv_exp, -kv_exp)
+            gq = linear(tag + "attention.q", H, nh * hd, T * nh * hd * c, "attention.q.", to_residual=True)
+            gk = linear(tag + "attention.k", H, nkv * hd, T * nkv * hd * c, "attention.k.", to_residual=True)
+            gv = linear(tag + "attention.v", H, nkv * hd, T * nkv * hd * c, "attention.v.", to_residual=True)
+            w.alloc(T * H * r)
+            w.peak(tag + "attention.sum")
+            w.alloc(-gq, -gk, -gv)
+            gn = T * H * r
+        else:
+            w.alloc(kv_exp, B * nkv * S * hd * c, B * nkv * S * hd * c)  # SDPA's backward: dq, dk, dv
+            w.peak(tag + "attention.sdpa")
+            w.alloc(-go)
+            w.free("attention.sdpa.")
+            dqkv = T * (nh + 2 * nkv) * hd * c
+            w.alloc(dqkv)  # rope_qkv's backward: d(qkv)
+            w.peak(tag + "attention.rope")
+            w.alloc(-kv_exp, -B * nkv * S * hd * c, -B * nkv * S * hd * c)
+            gn = linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.")
+        if layer == 0:
+            w.free("attention.rope_")  # the tables are shared by every layer
+        g = residual_add(tag + "attention residual add", g, norm(tag + "norm 1", gn))
+    w.alloc(V * H * p)  # embedding_dense_backward's (V, H) gradient
+    if cfg.tie_embeddings:  # the head already left a gradient in the shared weight: their sum is a third
+        w.alloc(V * H * p)
+    w.peak("embedding")
+    return w.stages

@@ -1,0 +1,99 @@
+"""Live tensor storage on any device, phase by phase: the CPU's stand-in for torch.cuda.max_memory_allocated.
+
+A TorchDispatchMode sees every op's outputs; each new storage is counted until a weakref finalizer
+says it is gone. So `allocated` is the bytes of the storages alive now and `peak` the largest such
+sum since the last phase boundary, checked after every op. Outputs are counted at their exact size
+(no allocator rounding, no workspace inside a kernel): a tensor-level figure, which the calculator
+predicts with device="cpu".
+
+torch.distributed._tools.mem_tracker.MemTracker counts the same storages, but its peak is one
+figure per tracker with no public reset between phases, and the backward's own peak is what the
+memory model is checked on; this instrument keeps one peak per phase.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from anatomy.config import ModelConfig, Run
+from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
+
+
+class LiveStorage(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self._live: dict[int, int] = {}  # storage id -> bytes
+        self.allocated = 0
+        self.peak = 0
+        self.peak_op = ""  # the op after which the phase's peak was reached
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        """Count tensors made outside the mode (parameters, inputs)."""
+        for t in tensors:
+            self._add(t)
+
+    def _add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._live:
+            return
+        self._live[key] = st.nbytes()
+        self.allocated += st.nbytes()
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.allocated -= self._live.pop(key)
+
+    def phase(self, name: str) -> dict:
+        """The phase that ends now: bytes alive, and the peak since the last boundary; resets the peak."""
+        row = dict(name=name, allocated=self.allocated, peak=max(self.peak, self.allocated), peak_op=self.peak_op)
+        self.peak, self.peak_op = self.allocated, ""
+        return row
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        if self.allocated > self.peak:
+            self.peak, self.peak_op = self.allocated, str(func)
+        return out
+
+
+def measure_phases_live(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
+                        device: str = "cpu", steps: int = 2) -> list[dict]:
+    """The phases of measure.memory.measure_phases, counted by LiveStorage on `device` (CPU by default):
+    init, forward, backward (its peak is the peak inside backward), optimizer. The last of `steps` steps."""
+    model = build_model(cfg, variant, device=device, dtype=param_dtype(run))
+    ids, targets = make_batch(cfg, run, device)
+    opt = None
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    elif optimizer == "ademamix":
+        from anatomy.optim import AdEMAMix
+
+        opt = AdEMAMix(model.parameters(), lr=1e-4)
+    elif optimizer is not None:
+        raise ValueError(f"unknown optimizer {optimizer!r}")
+    live = LiveStorage()
+    live.track(*model.parameters(), ids, targets)
+    with live:
+        phases = [live.phase("init")]
+        for _ in range(steps):
+            phases = phases[:1]
+            with autocast_ctx(run, torch.device(device).type):
+                loss = model(ids, targets)
+            phases.append(live.phase("forward"))
+            loss.backward()
+            del loss
+            phases.append(live.phase("backward"))
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                phases.append(live.phase("optimizer"))
+            else:
+                model.zero_grad(set_to_none=True)
+    return phases
