@@ -98,13 +98,12 @@ def grid(presets, hiddens, layers, batches, seqs, dtypes, variants) -> list[tupl
 
 # ---- memory: does a point fit? -------------------------------------------------------------------
 def need_bytes(cfg: ModelConfig, run: Run, variant: str, device: str) -> int:
-    """What measuring the point needs at its peak, by the calculator (anatomy.calculator.memory.phases).
-    The baseline's forward peak is modelled; the efficient variant's is not yet, so its need is the
-    forward end plus one gradient per parameter: a floor (its peak is in backward), stated as such."""
+    """What measuring the point needs at its peak, by the calculator (anatomy.calculator.memory.phases):
+    the larger of the forward peak (where modelled) and the peak inside backward."""
     from anatomy.calculator.memory import phases
 
     ph = phases(cfg, run, variant, device=device)
-    return ph["forward_peak"] if ph["forward_peak"] is not None else ph["forward_end"] + ph["params"]
+    return max(ph["forward_peak"] or 0, ph["backward_peak"])
 
 
 def available_bytes(device: str) -> int:

@@ -10,16 +10,38 @@ from anatomy.calculator.memory import phases
 from anatomy.config import ModelConfig, Run
 
 PROBE = Path(__file__).parent.parent / "reports/h200/session1/probe_memory.json"
-ROWS = [r for r in json.loads(PROBE.read_text())["rows"] if "error" not in r and r["optimizer"] is None]
+ALL = [r for r in json.loads(PROBE.read_text())["rows"] if "error" not in r]
+ROWS = [r for r in ALL if r["optimizer"] is None]
 TOL = 0.03  # the claim's bound for physical memory (DESIGN: relative, justified; the goal is 1%)
 
 
 def _ids(r):
-    return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}"
+    return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}" + (f"-{r['optimizer']}" if r["optimizer"] else "")
 
 
 def _predicted(r):
-    return phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"]), r["variant"])
+    return phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"]), r["variant"], r["optimizer"])
+
+
+def _known(rows, misses: dict):
+    """Rows whose miss is known and explained: strict xfail, so a fix that brings one within the
+    tolerance turns XPASS into a failure and the mark must come off."""
+    return [pytest.param(r, id=_ids(r), marks=pytest.mark.xfail(strict=True, reason=misses[_ids(r)]))
+            if _ids(r) in misses else pytest.param(r, id=_ids(r)) for r in rows]
+
+
+# The first case of the probe's process carries a constant ~69 MB in every phase (forward end -2.7%,
+# backward end -11.9%): one-time CUDA allocations of the process's first steps, not in its baseline.
+_FIRST = {"seed-B4S1024-baseline-adamw": "first case in the probe process: +69 MB in every phase"}
+_BWD_MISSES = {
+    # CPU's live storages match the walk exactly here (loss-bound there); on the H200 the S=4096
+    # attention backward holds about 1 GB more: the CUDA score gradients' lifetimes differ (open)
+    "seed-B2S4096-baseline": "CUDA attention backward at S=4096 holds ~1 GB more than the CPU walk (-7.2%)",
+    "seed-B2S4096-baseline-adamw": "CUDA attention backward at S=4096 holds ~1 GB more than the CPU walk (-7.1%)",
+    # small model, where ~3 MB of cuDNN/Liger transients not in the CPU walk is 4-6% of the total
+    "tiny-gqa-B4S512-efficient": "cuDNN/Liger transients not in the CPU-derived walk (-4.3%)",
+    "tiny-gqa-B4S512-efficient-adamw": "cuDNN/Liger transients not in the CPU-derived walk (-6.5%)",
+}
 
 
 @pytest.mark.parametrize("row", ROWS, ids=_ids)
@@ -39,9 +61,37 @@ def test_forward_peak_matches_h200_probe_baseline(row, claims):
                  device="cuda", unit="B", note=f"recorded H200 probe: {PROBE.name}")
 
 
+@pytest.mark.parametrize("row", _known(ALL, _BWD_MISSES))
+def test_backward_peak_matches_h200_probe(row, claims):
+    ph = {p["name"]: p for p in row["phases"]}
+    pred = _predicted(row)
+    claims.check("memory.peak in backward", component="model", config=_ids(row), variant=row["variant"],
+                 predicted=pred["backward_peak"], measured=ph["backward"]["peak"], tolerance=TOL, device="cuda",
+                 unit="B", note=f"recorded H200 probe: {PROBE.name}; predicted at {pred['backward_peak_at']}")
+
+
+# After backward the efficient model holds 1.9-10 MiB more than parameters + gradients on the H200
+# (10 MiB at B4S1024, 5.3 MiB at B2S4096, 1.9 MiB for tiny-gqa; none on CPU): not yet attributed.
+_EFF_END = "efficient: 2-10 MiB beyond parameters + gradients after backward on CUDA, unattributed"
+_END_MISSES = {**_FIRST, **{k: _EFF_END for k in ("tiny-gqa-B4S512-efficient", "tiny-gqa-B4S512-efficient-adamw",
+                                                  "seed-B4S1024-efficient", "seed-B4S1024-efficient-adamw")}}
+
+
+@pytest.mark.parametrize("row", _known(ALL, _END_MISSES))
+def test_phase_ends_match_h200_probe(row, claims):
+    """After backward: parameters + gradients (+ optimizer state); after the step: the gradients gone."""
+    ph = {p["name"]: p for p in row["phases"]}
+    pred = _predicted(row)
+    for phase, key in (("backward", "backward_end"), ("optimizer", "optimizer_end")):
+        if phase in ph:
+            claims.check(f"memory.allocated after {phase}", component="model", config=_ids(row),
+                         variant=row["variant"], predicted=pred[key], measured=ph[phase]["allocated"], tolerance=TOL,
+                         device="cuda", unit="B", note=f"recorded H200 probe: {PROBE.name}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["baseline", "efficient"])
-def test_forward_phases_on_this_gpu(variant, claims):
+def test_phases_on_this_gpu(variant, claims):
     from anatomy.measure.memory import measure_phases
 
     cfg = ModelConfig(name="mem", hidden=256, layers=2, heads=8, kv_heads=2, intermediate=640, vocab=5000)
@@ -51,6 +101,9 @@ def test_forward_phases_on_this_gpu(variant, claims):
     claims.check("memory.allocated after forward", component="model", config="mem-B4S512", variant=variant,
                  predicted=pred["forward_end"], measured=ph["forward"]["allocated"], tolerance=TOL, device="cuda",
                  unit="B")
+    claims.check("memory.peak in backward", component="model", config="mem-B4S512", variant=variant,
+                 predicted=pred["backward_peak"], measured=ph["backward"]["peak"], tolerance=TOL, device="cuda",
+                 unit="B", note=f"predicted at {pred['backward_peak_at']}")
     if pred["forward_peak"] is not None:
         claims.check("memory.peak in forward", component="model", config="mem-B4S512", variant=variant,
                      predicted=pred["forward_peak"], measured=ph["forward"]["peak"], tolerance=TOL, device="cuda",
