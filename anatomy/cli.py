@@ -70,7 +70,15 @@ def _check_variant(v: str) -> str:
 def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
     from anatomy.calculator import estimate
 
-    out = estimate(cfg, run, _check_variant(a.variant), device=a.device or "cuda").to_dict()
+    from anatomy.calculator.memory import phases
+
+    device = a.device or "cuda"
+    out = estimate(cfg, run, _check_variant(a.variant), device=device).to_dict()
+    if device == "cuda" or a.variant == "baseline":  # efficient attention is modelled for bf16 on CUDA only
+        ph = phases(cfg, run, a.variant, optimizer="adamw", device=device)
+        out["memory"]["phases"] = {k: ph[k] for k in ("init", "forward_end", "forward_peak", "backward_peak",
+                                                      "backward_peak_at", "backward_end", "optimizer_end")}
+        out["memory"]["phases"]["optimizer"] = "adamw"
     if a.world_size != 1 or a.strategy:
         from anatomy.calculator.comm import estimate_distributed
 
@@ -84,6 +92,12 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
         t = estimate_time(cfg, run, a.variant, gpu=a.gpu)
         out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "mfu", "components", "sources")
                        if k in t} | {"gpu": a.gpu}
+        if "phases" in out["memory"]:
+            from anatomy.calculator import gpus
+
+            ph, cap = out["memory"]["phases"], gpus.get(a.gpu)["memory_GB"] * 1e9
+            need = max(ph["forward_peak"] or 0, ph["backward_peak"])
+            out["memory"]["fits"] = dict(gpu=a.gpu, need_bytes=need, capacity_bytes=int(cap), fits=need <= cap)
     return out
 
 
@@ -197,6 +211,18 @@ def _print(cmd: str, out: dict) -> None:
               f"{f['counter']['backward'] / 1e9:,.2f}", f"{f['model']['forward'] / 1e9:,.2f}",
               f"{s['total'] / 2**20:,.2f}", style="bold")
     con.print(t)
+    if "phases" in out["memory"]:
+        ph = out["memory"]["phases"]
+        gib = lambda b: f"{b / 2**30:,.2f} GiB" if b is not None else "not modelled"  # noqa: E731
+        con.print(f"memory with AdamW ({'CUDA, 512 B blocks' if out['device'] == 'cuda' else out['device']}): "
+                  f"init {gib(ph['init'])} · forward end {gib(ph['forward_end'])} · forward peak "
+                  f"{gib(ph['forward_peak'])} · backward peak {gib(ph['backward_peak'])} (at {ph['backward_peak_at']})"
+                  f" · after backward {gib(ph['backward_end'])} · after the step {gib(ph['optimizer_end'])}")
+    if "fits" in out["memory"]:
+        f = out["memory"]["fits"]
+        verdict = "fits" if f["fits"] else "predicted OOM"
+        con.print(f"{verdict} on {f['gpu']}: needs {gib(f['need_bytes'])} of {gib(f['capacity_bytes'])}",
+                  style=None if f["fits"] else "bold red")
     if "time" in out:
         tm = out["time"]
         con.print(f"predicted step on {tm['gpu']}: {tm['step_s'] * 1e3:,.1f} ms (forward+backward "
