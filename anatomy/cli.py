@@ -74,11 +74,10 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
 
     device = a.device or "cuda"
     out = estimate(cfg, run, _check_variant(a.variant), device=device).to_dict()
-    if device == "cuda" or a.variant == "baseline":  # efficient attention is modelled for bf16 on CUDA only
-        ph = phases(cfg, run, a.variant, optimizer="adamw", device=device)
-        out["memory"]["phases"] = {k: ph[k] for k in ("init", "forward_end", "forward_peak", "backward_peak",
-                                                      "backward_peak_at", "backward_end", "optimizer_end")}
-        out["memory"]["phases"]["optimizer"] = "adamw"
+    ph = phases(cfg, run, a.variant, optimizer="adamw", device=device)
+    out["memory"]["phases"] = {k: ph[k] for k in ("init", "forward_end", "forward_peak", "backward_peak",
+                                                  "backward_peak_at", "backward_end", "optimizer_end")}
+    out["memory"]["phases"]["optimizer"] = "adamw"
     if a.world_size != 1 or a.strategy:
         from anatomy.calculator.comm import estimate_distributed
 
@@ -92,12 +91,11 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
         t = estimate_time(cfg, run, a.variant, gpu=a.gpu)
         out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "mfu", "components", "sources")
                        if k in t} | {"gpu": a.gpu}
-        if "phases" in out["memory"]:
-            from anatomy.calculator import gpus
+        from anatomy.calculator import gpus
 
-            ph, cap = out["memory"]["phases"], gpus.get(a.gpu)["memory_GB"] * 1e9
-            need = max(ph["forward_peak"] or 0, ph["backward_peak"])
-            out["memory"]["fits"] = dict(gpu=a.gpu, need_bytes=need, capacity_bytes=int(cap), fits=need <= cap)
+        cap = gpus.get(a.gpu)["memory_GB"] * 1e9  # does the predicted peak fit the GPU's memory?
+        need = max(ph["forward_peak"] or 0, ph["backward_peak"])
+        out["memory"]["fits"] = dict(gpu=a.gpu, need_bytes=need, capacity_bytes=int(cap), fits=need <= cap)
     return out
 
 
