@@ -14,7 +14,7 @@ for peer in efficient hf-liger hf baseline; do
 done
 part kernels-seed python3 bench/kernels.py --json "$R/kernels-seed.json"
 part probe-sdpa bash -c "python3 scripts/probe_sdpa.py > $R/probe_sdpa.json"
-part probe-memory bash -c "python3 scripts/probe_memory.py > $R/probe_memory.json"
+part probe-memory python3 scripts/probe_memory.py --hypothesis 32 --seed 2026 --out "$R/probe_memory_hypothesis.json"
 for peer in efficient hf-liger; do
   part "step-1b-$peer" python3 bench/step.py --peer $peer --preset anchor-1b --batch 4 --json "$R/step-1b-$peer.json"
 done

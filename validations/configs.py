@@ -48,3 +48,38 @@ def accuracy_configs(draw) -> ModelConfig:
 @st.composite
 def accuracy_runs(draw) -> Run:
     return Run(batch=draw(st.integers(1, 3)), seq=draw(st.integers(8, 32)), dtype=draw(st.sampled_from(POLICIES)))
+
+
+@st.composite
+def gpu_configs(draw) -> ModelConfig:
+    """GPU-sized configs for the H200 memory probe: head_dim 64 or 128 (cuDNN attention), hidden up to
+    2048, a few distinct hidden sizes so the Triton kernels compile once per size."""
+    head_dim = draw(st.sampled_from([64, 128]))
+    heads = draw(st.sampled_from([h for h in (2, 4, 8, 16) if h * head_dim <= 2048]))
+    return ModelConfig(
+        name="hypothesis-gpu", hidden=heads * head_dim, layers=draw(st.integers(1, 4)), heads=heads,
+        kv_heads=draw(st.sampled_from([d for d in (1, 2, 4, 8, 16) if heads % d == 0])),
+        intermediate=64 * draw(st.integers(2, 64)), vocab=draw(st.integers(1000, 50000)),
+        tie_embeddings=draw(st.booleans()), mlp=draw(st.sampled_from(["swiglu", "gpt-oss"])))
+
+
+@st.composite
+def gpu_runs(draw) -> Run:
+    return Run(batch=draw(st.integers(1, 4)), seq=draw(st.sampled_from([128, 256, 512, 1024, 2048])), dtype="amp")
+
+
+def draw_examples(strategy, n: int, seed_: int) -> list:
+    """n examples of a strategy, the same for a given hypothesis version and seed (derandomized)."""
+    from hypothesis import HealthCheck, Phase, given, seed, settings
+
+    out = []
+
+    @seed(seed_)
+    @settings(max_examples=n, derandomize=True, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(x):
+        out.append(x)
+
+    collect()
+    return out[:n]

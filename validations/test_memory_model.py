@@ -108,3 +108,18 @@ def test_phases_on_this_gpu(variant, claims):
         claims.check("memory.peak in forward", component="model", config="mem-B4S512", variant=variant,
                      predicted=pred["forward_peak"], measured=ph["forward"]["peak"], tolerance=TOL, device="cuda",
                      unit="B")
+
+
+# Drawn GPU configs (scripts/probe_memory.py --hypothesis N --seed S), once an H200 session has run it:
+# every row is compared; until then this collects nothing and pytest reports the empty set as a skip.
+HYP_ROWS = [r for f in sorted(PROBE.parent.parent.glob("*/probe_memory_hypothesis.json"))
+            for r in json.loads(f.read_text())["rows"] if "error" not in r]
+
+
+@pytest.mark.parametrize("row", HYP_ROWS, ids=_ids)
+def test_backward_peak_matches_h200_probe_hypothesis(row, claims):
+    ph = {p["name"]: p for p in row["phases"]}
+    pred = _predicted(row)
+    claims.check("memory.peak in backward", component="model", config=_ids(row) + str(row["cfg"]),
+                 variant=row["variant"], predicted=pred["backward_peak"], measured=ph["backward"]["peak"],
+                 tolerance=TOL, device="cuda", unit="B", note=f"drawn config; predicted at {pred['backward_peak_at']}")
