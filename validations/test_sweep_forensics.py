@@ -111,16 +111,39 @@ def test_forensics_plot_of_a_synthetic_snapshot(tmp_path):
     assert not list(tmp_path.glob("*.tmp*"))
 
 
-def test_forensics_cli_needs_cuda(capsys):
+def test_forensics_cli_asks_for_cuda_only_when_told(capsys):
     from anatomy.measure.forensics import main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the CPU exit is what is tested here")
-    assert main(["--preset", "seed", "--batch", "1", "--seq", "8"]) == 2
+    assert main(["--preset", "seed", "--batch", "1", "--seq", "8", "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "needs a CUDA GPU" in err
     assert main(["--preset", "nope"]) == 2
     assert "unknown preset" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variant", ["baseline", "efficient"])
+def test_forensics_on_cpu_live_storage(variant, tmp_path, capsys):
+    """`anatomy forensics --device cpu`: the live-storage trace goes through the CUDA path's replay,
+    attribution and plot. The replayed peak must equal LiveStorage's own per-phase peaks of the same
+    steps, and what is live at the peak must be credited to components, not left unattributed."""
+    from anatomy.measure.forensics import main
+
+    png, out = tmp_path / "f.png", tmp_path / "f.json"
+    argv = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "160",
+            "--vocab", "1000", "--batch", "2", "--seq", "64", "--variant", variant, "--device", "cpu",
+            "--png", str(png), "--out", str(out)]
+    assert main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pk = rep["peak"]
+    assert pk["peak_bytes"] == max(p["peak"] for p in rep["phases"])
+    assert pk["pre_existing_bytes"] == 0  # the recording starts before the model is built
+    assert sum(pk["by_component"].values()) == pk["peak_bytes"]
+    assert pk["attributed_by"]["none"] <= 0.05 * pk["peak_bytes"], pk["attributed_by"]
+    assert {"embedding", "attention", "mlp", "loss", "optimizer"} <= set(pk["by_component"])
+    assert "CPU live tensor storage" in rep["title"]
 
 
 # ---- CPU: anatomy sweep ------------------------------------------------------------------------------

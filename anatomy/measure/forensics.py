@@ -16,8 +16,9 @@ and replays it here:
     requested, as torch.cuda.memory_allocated counts it); the peak is its maximum, and the live
     allocations at that event are the peak's contents, ranked by size;
   - a PNG shows allocated memory over the last step, stacked by component (matplotlib Agg).
-The replay, the attribution and the plot are pure functions of the snapshot dict, so CPU tests
-drive them with a synthetic snapshot; only the recording needs CUDA (on CPU: one line, exit 2).
+The replay, the attribution and the plot are pure functions of the snapshot dict. On CPU
+(--device cpu, the default without a GPU) anatomy.measure.liveness records the same kind of trace
+from live tensor storage: exact sizes, no allocator rounding, no reserved figure.
 """
 from __future__ import annotations
 
@@ -323,7 +324,7 @@ def _print(report: dict) -> None:
     for c in ("phase", "allocated", "peak in phase", "reserved"):
         t.add_column(c, justify="left" if c == "phase" else "right")
     for p in report["phases"]:
-        t.add_row(p["name"], _mib(p["allocated"]), _mib(p["peak"]), _mib(p["reserved"]))
+        t.add_row(p["name"], _mib(p["allocated"]), _mib(p["peak"]), _mib(p["reserved"]) if "reserved" in p else "-")
     con.print(t)
     pk = report["peak"]
     con.print(f"peak {_mib(pk['peak_bytes'])} MiB in step {pk['peak_step']}, {pk['peak_phase']} "
@@ -344,7 +345,7 @@ def _print(report: dict) -> None:
 
 
 def main(argv=None) -> int:
-    """anatomy forensics: the phase table and the contents of the peak of a training step (CUDA only)."""
+    """anatomy forensics: the phase table and the contents of the peak of a training step (CUDA, or CPU)."""
     from anatomy.cli import _add_config_flags, config_from_args
     from anatomy.config import ConfigError, Run
 
@@ -355,6 +356,8 @@ def main(argv=None) -> int:
     p.add_argument("--png", help="plot path (default .anatomy/forensics/<config>-<variant>-B<b>-S<s>.png)")
     p.add_argument("--out", help="JSON report path (default: the plot's path with .json)")
     p.add_argument("--snapshot", help="also pickle the raw snapshot here (for pytorch.org/memory_viz)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if present, else cpu (live tensor "
+                   "storage, anatomy.measure.liveness: exact sizes, no allocator rounding)")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = config_from_args(a)
@@ -368,11 +371,16 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    if not torch.cuda.is_available():
-        print("anatomy forensics: error: needs a CUDA GPU (it records the CUDA caching allocator); this machine "
-              "has none", file=sys.stderr)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("anatomy forensics: error: --device cuda needs a CUDA GPU; this machine has none (use --device cpu)",
+              file=sys.stderr)
         return 2
-    from anatomy.measure.memory import measure_phases, record_step
+    if device == "cuda":
+        from anatomy.measure.memory import measure_phases, record_step
+    else:
+        from anatomy.measure.liveness import measure_phases_live as measure_phases
+        from anatomy.measure.liveness import record_step_live as record_step
 
     opt = None if a.optimizer == "none" else a.optimizer
     stem = f"{cfg.name}-{a.variant}-B{run.batch}-S{run.seq}"
@@ -390,11 +398,12 @@ def main(argv=None) -> int:
         Path(a.snapshot).parent.mkdir(parents=True, exist_ok=True)
         Path(a.snapshot).write_bytes(pickle.dumps(snap))
     r = replay(snap)
-    title = f"{cfg.name} · {a.variant} · B={run.batch} S={run.seq} {run.dtype} · {torch.cuda.get_device_name(0)}"
+    where = torch.cuda.get_device_name(0) if device == "cuda" else "CPU live tensor storage"
+    title = f"{cfg.name} · {a.variant} · B={run.batch} S={run.seq} {run.dtype} · {where}"
     plot_timeline(r, png, title)
     report = dict(title=title, config=cfg.to_dict(), run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype),
                   variant=a.variant, optimizer=opt, phases=phases, peak=attribute_peak(snap, a.top),
-                  png=str(png), out=str(out), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
+                  png=str(png), out=str(out), device=where, torch=torch.__version__,
                   cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                   command="anatomy forensics " + " ".join(sys.argv[1:] if argv is None else argv))
     out.parent.mkdir(parents=True, exist_ok=True)

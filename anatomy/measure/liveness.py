@@ -9,9 +9,16 @@ predicts with device="cpu".
 torch.distributed._tools.mem_tracker.MemTracker counts the same storages, but its peak is one
 figure per tracker with no public reset between phases, and the backward's own peak is what the
 memory model is checked on; this instrument keeps one peak per phase.
+
+With record=True it also writes a trace in the format of torch.cuda.memory._snapshot()
+(device_traces of alloc / free_requested entries with Python frames, innermost first), with the
+same component and phase markers anatomy.measure.memory.record_step leaves, so `anatomy forensics`
+replays, attributes and plots a CPU step with the code it uses for a CUDA one.
 """
 from __future__ import annotations
 
+import itertools
+import sys
 import weakref
 
 import torch
@@ -23,12 +30,14 @@ from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
 
 
 class LiveStorage(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, record: bool = False):
         super().__init__()
         self._live: dict[int, int] = {}  # storage id -> bytes
         self.allocated = 0
         self.peak = 0
         self.peak_op = ""  # the op after which the phase's peak was reached
+        self.trace: list[dict] | None = [] if record else None
+        self._marker_addr = itertools.count(-1, -1)  # markers get addresses no storage has
 
     def track(self, *tensors: torch.Tensor) -> None:
         """Count tensors made outside the mode (parameters, inputs)."""
@@ -42,10 +51,29 @@ class LiveStorage(TorchDispatchMode):
             return
         self._live[key] = st.nbytes()
         self.allocated += st.nbytes()
+        if self.trace is not None:
+            self.trace.append(dict(action="alloc", addr=key, size=st.nbytes(), frames=_frames()))
         weakref.finalize(st, self._free, key)
 
     def _free(self, key: int) -> None:
-        self.allocated -= self._live.pop(key)
+        n = self._live.pop(key)
+        self.allocated -= n
+        if self.trace is not None:
+            self.trace.append(dict(action="free_requested", addr=key, size=n))
+
+    def marker(self, label: str) -> None:
+        """A zero-cost marker in the trace (forensics.MARKER_LABELS): the running component or phase."""
+        from anatomy.measure.forensics import MARKER_FUNC, marker_size
+
+        if self.trace is not None:
+            addr = next(self._marker_addr)
+            self.trace.append(dict(action="alloc", addr=addr, size=marker_size(label),
+                                   frames=[dict(name=MARKER_FUNC, filename=__file__, line=0)]))
+            self.trace.append(dict(action="free_requested", addr=addr, size=marker_size(label)))
+
+    def snapshot(self) -> dict:
+        """The trace as torch.cuda.memory._snapshot() lays it out (one device, no segments)."""
+        return {"device_traces": [list(self.trace or [])], "segments": []}
 
     def phase(self, name: str) -> dict:
         """The phase that ends now: bytes alive, and the peak since the last boundary; resets the peak."""
@@ -61,6 +89,16 @@ class LiveStorage(TorchDispatchMode):
         if self.allocated > self.peak:
             self.peak, self.peak_op = self.allocated, str(func)
         return out
+
+
+def _frames(limit: int = 40) -> list[dict]:
+    """Python frames of the caller, innermost first, as the CUDA allocator's history records them."""
+    out, f = [], sys._getframe(3)
+    while f is not None and len(out) < limit:
+        if f.f_code.co_filename != __file__:  # the instrument's own frames say nothing about the tensor
+            out.append(dict(filename=f.f_code.co_filename, line=f.f_lineno, name=f.f_code.co_name))
+        f = f.f_back
+    return out
 
 
 def measure_phases_live(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
@@ -97,3 +135,55 @@ def measure_phases_live(cfg: ModelConfig, run: Run, variant: str = "baseline", o
             else:
                 model.zero_grad(set_to_none=True)
     return phases
+
+
+def record_step_live(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = "adamw",
+                     steps: int = 2, device: str = "cpu") -> dict:
+    """The CPU counterpart of anatomy.measure.memory.record_step: a model build and `steps` training
+    steps recorded by LiveStorage, with component and phase markers, as a snapshot dict."""
+    from anatomy.measure.components import ComponentTracker
+
+    live = LiveStorage(record=True)
+
+    class Marking(ComponentTracker):  # leaves a marker whenever the running component changes
+        @property
+        def label(self) -> str:
+            return self._label
+
+        @label.setter
+        def label(self, value: str) -> None:
+            if value != getattr(self, "_label", None):
+                live.marker(value)
+            self._label = value
+
+    with live:
+        model = build_model(cfg, variant, device=device, dtype=param_dtype(run))
+        ids, targets = make_batch(cfg, run, device)
+        opt = None
+        if optimizer == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+        elif optimizer == "ademamix":
+            from anatomy.optim import AdEMAMix
+
+            opt = AdEMAMix(model.parameters(), lr=1e-4)
+        with Marking(model, track_backward=True) as tracker:
+            for _ in range(steps):
+                live.marker("phase:forward")
+                with autocast_ctx(run, torch.device(device).type):
+                    loss = model(ids, targets)
+                tracker.tag_backward()
+                live.marker("phase:backward")
+                loss.backward()
+                del loss
+                tracker._calls.clear()
+                if opt is not None:
+                    live.marker("phase:optimizer")
+                    tracker.label = "optimizer"
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    tracker.label = "other"
+                else:
+                    model.zero_grad(set_to_none=True)
+                live.marker("phase:end")
+        del model, opt, ids, targets
+    return live.snapshot()
