@@ -38,9 +38,12 @@ _BWD_MISSES = {
     # attention backward holds about 1 GB more: the CUDA score gradients' lifetimes differ (open)
     "seed-B2S4096-baseline": "CUDA attention backward at S=4096 holds ~1 GB more than the CPU walk (-7.2%)",
     "seed-B2S4096-baseline-adamw": "CUDA attention backward at S=4096 holds ~1 GB more than the CPU walk (-7.1%)",
-    # small model, where ~3 MB of cuDNN/Liger transients not in the CPU walk is 4-6% of the total
-    "tiny-gqa-B4S512-efficient": "cuDNN/Liger transients not in the CPU-derived walk (-4.3%)",
-    "tiny-gqa-B4S512-efficient-adamw": "cuDNN/Liger transients not in the CPU-derived walk (-6.5%)",
+    # Started from the measured forward end, the walk is short at its peak stage by a fixed amount:
+    # 11 MiB for both seed runs, 5.2 MiB for tiny-gqa, 0 for anchor-1b (the probe's last case). A CUDA
+    # allocation made once inside backward (a workspace, suspected), not yet attributed.
+    "seed-B4S1024-efficient": "a fixed ~11 MiB CUDA allocation inside backward, unattributed (-3.0%)",
+    "tiny-gqa-B4S512-efficient": "a fixed ~5 MiB CUDA allocation inside backward, unattributed (-9.0%)",
+    "tiny-gqa-B4S512-efficient-adamw": "a fixed ~5 MiB CUDA allocation inside backward, unattributed (-9.6%)",
 }
 
 
@@ -57,6 +60,17 @@ def test_forward_end_matches_h200_probe(row, claims):
 def test_forward_peak_matches_h200_probe_baseline(row, claims):
     ph = {p["name"]: p for p in row["phases"]}
     claims.check("memory.peak in forward", component="model", config=_ids(row), variant="baseline",
+                 predicted=_predicted(row)["forward_peak"], measured=ph["forward"]["peak"], tolerance=TOL,
+                 device="cuda", unit="B", note=f"recorded H200 probe: {PROBE.name}")
+
+
+@pytest.mark.parametrize("row", _known([r for r in ALL if r["variant"] == "efficient"], {
+    "tiny-gqa-B4S512-efficient-adamw": "the -4.7% its forward end already has on CUDA (unattributed)"}))
+def test_forward_peak_matches_h200_probe_efficient(row, claims):
+    """Liger's fused CE transients: the norm output, loss_1d, one logits chunk and, under autocast,
+    two bf16 casts of the head weight (memory._liger_forward_transient)."""
+    ph = {p["name"]: p for p in row["phases"]}
+    claims.check("memory.peak in forward", component="model", config=_ids(row), variant="efficient",
                  predicted=_predicted(row)["forward_peak"], measured=ph["forward"]["peak"], tolerance=TOL,
                  device="cuda", unit="B", note=f"recorded H200 probe: {PROBE.name}")
 

@@ -113,8 +113,15 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, forward_end: i
         w.free("loss.log_probs", "loss.total_weight")
         w.alloc(T * V * c)  # the logits' gradient in the compute dtype (the fp32 ones are gone)
         g = linear("loss.lm_head", H, V, T * V * c, "loss.", to_residual=True)
+    elif est.device == "cuda":
+        # Liger's backward hands back what forward made (scaled in place unless the incoming gradient
+        # is 1, which it compares against a new 0-dim tensor): no new (T, H) or (V, H) buffer
+        w.peak("loss", 4, 4)
+        w.free("loss.")
+        w.alloc(T * H * c, V * H * p)  # the same storages, now the flowing gradient and lm_head's .grad
+        g = T * H * c
     else:
-        # Liger's backward only scales what forward made: grad_input·g and grad_weight·g
+        # the CPU mirror returns grad_input·g and grad_weight·g: new tensors, then the saved ones go
         w.alloc(T * H * c, V * H * p)
         w.peak("loss")
         w.free("loss.")

@@ -12,8 +12,9 @@ tracer sees there). The phases:
   - backward end: parameters + inputs + one gradient per parameter (saved tensors all released);
   - optimizer end: the gradients set to None, the state stays.
 Optimizer state (AdamW / AdEMAMix) is added to every phase, as in a step after the first.
-Not modelled yet: the efficient variant's forward peak on CUDA (Liger's chunk buffers and the weight
-cast inside the fused loss), reported as None rather than guessed.
+  - forward peak, efficient on CUDA: + Liger's fused CE transients (_liger_forward_transient).
+Not modelled: the efficient variant's forward peak on CPU, where a plain-torch mirror of the fused CE
+stands in for Liger (None, not guessed).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from math import prod
 
 from anatomy.calculator import estimate
 from anatomy.calculator.backward import INPUTS, walk
+from anatomy.calculator.loss import chunk_rows
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.optimizer import state_breakdown
 from anatomy.calculator.types import BYTES
@@ -41,6 +43,24 @@ def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[int]:
     else:
         layer = [H, H * H, kv * H, kv * H, H * H, H, I * H, I * H, H * I]
     return [cfg.vocab * H] + layer * L + [H] + ([] if cfg.tie_embeddings else [cfg.vocab * H])
+
+
+def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
+    """What lives only while Liger's fused linear CE runs its forward on CUDA (read off
+    liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5), at its largest: the second chunk's
+    logits matmul.
+      - the final norm's output (T, H), held by the caller;
+      - loss_1d (T,) fp32 and the target mask (T,) bool;
+      - one (chunk, V) logits buffer: chunk = next_pow2(ceil(T / ceil(V / H))), capped at T;
+      - under autocast, the weight's bf16 cast, twice: `grad_logits @ weight` casts the leaf weight
+        once and autocast caches it for the whole forward, while `x @ weight.t()` casts the
+        transposed view, which is not a leaf, anew in every chunk."""
+    dt = dtypes(run)
+    T, H, V, c = run.tokens, cfg.hidden, cfg.vocab, BYTES[dt.compute]
+    out = rnd(T * H * c) + rnd(T * 4) + rnd(T) + rnd(chunk_rows(T, H, V) * V * c)
+    if dt.autocast:
+        out += 2 * rnd(V * H * c)
+    return out
 
 
 def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
@@ -66,6 +86,8 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
         T, V, S, c = run.tokens, cfg.vocab, run.seq, dt.compute
         logits = rnd(T * V * BYTES[c]) + (rnd(T * V * 4) if c != "float32" else 0)
         fwd_peak = fwd_end - rnd(4) + rnd(T * cfg.hidden * BYTES[dt.residual]) + logits + rnd(S * S * BYTES[c])
+    elif device == "cuda":
+        fwd_peak = fwd_end - rnd(4) + _liger_forward_transient(cfg, run, rnd)
     stages = walk(cfg, run, variant, est, fwd_end, rnd)
     top = max(stages, key=lambda st: st.live)
     bwd_end = params + inputs + opt + params  # one gradient per parameter, in the parameter's dtype
