@@ -73,7 +73,19 @@ def test_datasheet_figures():
     """Dense (no 2:4 sparsity) bf16 with fp32 accumulate, and HBM bandwidth, as the sources print them."""
     got = {n: (p["peak_flops"]["bfloat16"] / 1e12, p["hbm_Bps"] / 1e9) for n, p in gpus.DATASHEET.items()}
     assert got == {"a100-40gb-sxm": (312.0, 1555.0), "a100-80gb-sxm": (312.0, 2039.0), "h100-sxm": (989.4, 3350.0),
-                   "h200-sxm": (989.4, 4800.0), "rtx-3090": (71.0, 936.0), "rtx-4090": (165.2, 1008.0)}
+                   "h200-sxm": (989.4, 4800.0), "rtx-3090": (71.0, 936.0), "rtx-4090": (165.2, 1008.0),
+                   "h100-pcie": (756.5, 2000.0), "l40s": (362.05, 864.0), "l4": (121.0, 300.0)}
+
+
+@pytest.mark.parametrize("device_name, profile", [
+    ("NVIDIA H200", "h200-sxm"), ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA A100-SXM4-40GB", "a100-40gb-sxm"), ("NVIDIA A100-SXM4-80GB", "a100-80gb-sxm"), ("NVIDIA L40S", "l40s"),
+    ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("Tesla T4", None)])
+def test_device_names_map_to_one_datasheet_table(device_name, profile):
+    """torch's device names pick a datasheet profile (first match wins: "H100 PCIe" before "H100",
+    "L40S" before "L4"); `anatomy train`'s MFU reads its peak from the same table."""
+    p = gpus.for_device_name(device_name)
+    assert (p and p["name"]) == profile
 
 
 def test_measured_profile_is_the_recorded_h200_figures():

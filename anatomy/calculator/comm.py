@@ -45,13 +45,13 @@ REDUCE_DTYPES = ("float32", "bfloat16")
 #   IB:     DGX H100/H200 give every GPU its own ConnectX-7 NIC at 400 Gb/s = 50 GB/s (DGX H100/H200
 #           user guide, "8x single-port ConnectX-7 400Gb/s InfiniBand"); DGX A100: 8x ConnectX-6
 #           HDR 200 Gb/s = 25 GB/s per GPU.
-#   bf16:   dense peak TFLOP/s, datasheets (H100 SXM 989, H200 SXM 989: the same GH100 die; A100 312).
+#   peak FLOP/s come from anatomy.calculator.gpus (the one datasheet table).
 #   alpha:  per-collective latency, a rough figure of NCCL-tests' small-message times (tens of
 #           microseconds inside a node, more across); an assumption, not a measurement here.
 GPU_PROFILES: dict[str, dict] = {
-    "h200-sxm": dict(nvlink_GBps=450.0, ib_GBps=50.0, bf16_tflops=989.0, alpha_intra_us=10.0, alpha_inter_us=25.0),
-    "h100-sxm": dict(nvlink_GBps=450.0, ib_GBps=50.0, bf16_tflops=989.0, alpha_intra_us=10.0, alpha_inter_us=25.0),
-    "a100-sxm": dict(nvlink_GBps=300.0, ib_GBps=25.0, bf16_tflops=312.0, alpha_intra_us=10.0, alpha_inter_us=25.0),
+    "h200-sxm": dict(nvlink_GBps=450.0, ib_GBps=50.0, alpha_intra_us=10.0, alpha_inter_us=25.0),
+    "h100-sxm": dict(nvlink_GBps=450.0, ib_GBps=50.0, alpha_intra_us=10.0, alpha_inter_us=25.0),
+    "a100-sxm": dict(nvlink_GBps=300.0, ib_GBps=25.0, alpha_intra_us=10.0, alpha_inter_us=25.0),
 }
 
 
@@ -197,7 +197,10 @@ def _compute_seconds(cfg: ModelConfig, run: Run, gpu: str, mfu: float) -> dict:
     from anatomy.calculator import estimate
 
     f = estimate(cfg, run, "baseline").to_dict()["flops"]["model"]
-    peak = _profile(gpu)["bf16_tflops"] * 1e12 * mfu
+    from anatomy.calculator import gpus
+
+    _profile(gpu)  # a clear error for an unknown name
+    peak = gpus.get(gpu)["mfu_peak_flops"] * mfu  # the datasheet table's dense bf16 peak
     return dict(forward=f["forward"] / peak, backward=f["backward"] / peak)
 
 

@@ -54,6 +54,14 @@ GA102_WP = ("NVIDIA Ampere GA102 GPU Architecture whitepaper v2, https://www.nvi
 ADA_WP = ("NVIDIA Ada GPU Architecture whitepaper v2.1, https://images.nvidia.com/aem-dam/Solutions/geforce/ada/"
           "nvidia-ada-gpu-architecture.pdf: RTX 4090 peak BF16 Tensor TFLOPS with FP32 accumulate 165.2 "
           "(330.4 sparse), FP32 82.6 TFLOPS, 1,008 GB/s, 128 SMs, 24 GB")
+H100_PCIE_DS = ("NVIDIA H100 Tensor Core GPU datasheet, https://resources.nvidia.com/en-us-tensor-core/"
+                "nvidia-tensor-core-gpu-datasheet: H100 PCIe BF16 Tensor Core 1,513 TFLOPS with sparsity "
+                "(756.5 dense), FP32 51 TFLOPS, 2 TB/s, 80 GB; 114 SMs (14,592 CUDA cores / 128)")
+L40S_DS = ("NVIDIA L40S product page / datasheet, https://www.nvidia.com/en-us/data-center/l40s/: BF16 Tensor "
+           "Core 733 TFLOPS with sparsity (362.05 dense), FP32 91.6 TFLOPS, 864 GB/s, 48 GB; 142 SMs "
+           "(18,176 CUDA cores / 128)")
+L4_DS = ("NVIDIA L4 product page / datasheet, https://www.nvidia.com/en-us/data-center/l4/: BF16 Tensor Core "
+         "242 TFLOPS with sparsity (121 dense), FP32 30.3 TFLOPS, 300 GB/s, 24 GB; 58 SMs (7,424 CUDA cores / 128)")
 ASSUMED_LAUNCH = ("assumption, not a measurement: ~3 us per kernel back to back on a full launch queue "
                   "(typical of recent NVIDIA GPUs); `anatomy calibrate` measures it (tiny kernels queued behind a long one)")
 ASSUMED_HOST = ("assumption, not a measurement: ~10 us of CPU per eager ATen op under autograd (dispatch, "
@@ -79,7 +87,10 @@ DATASHEET: dict[str, dict] = {p["name"]: p for p in (
     _ds("a100-40gb-sxm", "NVIDIA A100 SXM 40GB", 108, 312.0, 19.5, 1555.0, 40, A100_DS, A100_WP),
     _ds("a100-80gb-sxm", "NVIDIA A100 SXM 80GB", 108, 312.0, 19.5, 2039.0, 80, A100_DS, A100_WP),
     _ds("h100-sxm", "NVIDIA H100 SXM", 132, 989.4, 66.9, 3350.0, 80, H100_DS, HOPPER_WP),
+    _ds("h100-pcie", "NVIDIA H100 PCIe", 114, 756.5, 51.2, 2000.0, 80, H100_PCIE_DS),
     _ds("h200-sxm", "NVIDIA H200 SXM", 132, 989.4, 66.9, 4800.0, 141, H200_DS, HOPPER_WP),
+    _ds("l40s", "NVIDIA L40S", 142, 362.05, 91.6, 864.0, 48, L40S_DS),
+    _ds("l4", "NVIDIA L4", 58, 121.0, 30.3, 300.0, 24, L4_DS),
     _ds("rtx-3090", "NVIDIA GeForce RTX 3090", 82, 71.0, 35.6, 936.0, 24, GA102_WP),
     _ds("rtx-4090", "NVIDIA GeForce RTX 4090", 128, 165.2, 82.6, 1008.0, 24, ADA_WP),
 )}
@@ -101,6 +112,22 @@ ALIASES = {
     "3090": "rtx-3090", "rtx3090": "rtx-3090", "nvidia geforce rtx 3090": "rtx-3090",
     "4090": "rtx-4090", "rtx4090": "rtx-4090", "nvidia geforce rtx 4090": "rtx-4090",
 }
+
+
+# torch.cuda.get_device_name() substring (lower case) -> datasheet profile; the first match wins
+_DEVICE_NAMES = (("h200", "h200-sxm"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("a100-sxm4-40gb", "a100-40gb-sxm"),
+                 ("a100", "a100-80gb-sxm"), ("l40s", "l40s"), ("l4", "l4"), ("rtx 3090", "rtx-3090"),
+                 ("rtx 4090", "rtx-4090"))
+
+
+def for_device_name(device_name: str) -> dict | None:
+    """The datasheet profile of a CUDA device by its reported name, or None if it is not in the table
+    (the one table of peak FLOP/s: `anatomy train`'s MFU and the comm model read it too)."""
+    low = device_name.lower()
+    for sub, key in _DEVICE_NAMES:
+        if sub in low:
+            return get(key)
+    return None
 
 
 def names() -> list[str]:

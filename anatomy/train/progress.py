@@ -15,26 +15,15 @@ import sys
 
 import torch
 
-# name substring (lower case, first match wins) -> (bf16 dense FLOP/s, fp32 FLOP/s), with source
-PEAK_FLOPS: list[tuple[str, float, float, str]] = [
-    ("h200", 989.4e12, 66.9e12, "NVIDIA H200 datasheet (SXM): 1,979 TFLOPS bf16 with sparsity; 67 fp32"),
-    ("h100 pcie", 756.5e12, 51.2e12, "NVIDIA H100 datasheet (PCIe): 1,513 sparse bf16; 51 fp32"),
-    ("h100", 989.4e12, 66.9e12, "NVIDIA H100 datasheet (SXM): 1,979 sparse bf16; 67 fp32"),
-    ("a100", 312e12, 19.5e12, "NVIDIA A100 datasheet: 312 TFLOPS bf16 dense; 19.5 fp32"),
-    ("l40s", 362.05e12, 91.6e12, "NVIDIA L40S datasheet: 733 sparse bf16; 91.6 fp32"),
-    ("l4", 121e12, 30.3e12, "NVIDIA L4 datasheet: 242 sparse bf16; 30.3 fp32"),
-]
-
-
 def peak_flops(device: torch.device, dtype_policy: str) -> float | None:
-    """Peak FLOP/s of this device for the policy's matmul dtype, or None (CPU, or not in the table)."""
+    """Peak FLOP/s of this device for the policy's matmul dtype, from the calculator's datasheet table
+    (anatomy.calculator.gpus), or None (CPU, or a GPU not in the table)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).lower()
-    for key, bf16, fp32, _ in PEAK_FLOPS:
-        if key in name:
-            return fp32 if dtype_policy == "fp32" else bf16
-    return None
+    from anatomy.calculator import gpus
+
+    prof = gpus.for_device_name(torch.cuda.get_device_name(device))
+    return None if prof is None else prof["peak_flops"]["float32" if dtype_policy == "fp32" else "bfloat16"]
 
 
 def memory_str(device: torch.device) -> str:
