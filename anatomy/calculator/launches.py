@@ -1,0 +1,344 @@
+"""The kernels each variant's training step launches, with their FLOPs and minimal HBM bytes.
+
+Pure Python over the config (no torch, no model), read off anatomy/baseline, anatomy/efficient and
+Liger's fused linear CE. anatomy.calculator.timing times each one on a roofline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from anatomy.calculator import gpus
+from anatomy.calculator.dtypes import dtypes
+from anatomy.calculator.loss import chunk_rows as liger_chunk_rows
+from anatomy.calculator.optimizer import step_bytes_moved
+from anatomy.calculator.types import BYTES
+from anatomy.config import ConfigError, ModelConfig, Run
+
+VARIANTS = ("baseline", "efficient")
+SDPA_BACKENDS = ("cudnn", "flash", "memory-efficient")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    component: str
+    phase: str
+    kind: str  # matmul | sdpa | memory
+    count: int = 1  # launches per step
+    flops: int = 0  # per launch
+    bytes: int = 0  # per launch: minimal HBM bytes read + written
+    shape: tuple = ()  # matmul (batch, m, n, k); sdpa (B, heads, S, head_dim)
+    dtype: str = "bfloat16"
+    backend: str = ""
+    host: str | None = "op"  # "op": one eager op; "rms_norm.forward": a custom-op call; None: inside another's
+    sync: bool = False  # the host waits for the GPU before this kernel (a new segment starts)
+    order: int = 1  # execution order within the phase: 0 before the layers, 1 the layers, 2 after
+
+
+class _Ops:
+    """Collects kernels; sizes in elements are turned into bytes with the policy's dtypes."""
+
+    def __init__(self, cfg: ModelConfig, run: Run):
+        self.cfg, self.run, self.k = cfg, run, []
+        self.dt = dtypes(run)
+        self.c, self.r, self.p = BYTES[self.dt.compute], BYTES[self.dt.residual], BYTES[self.dt.param]
+        self.amp = self.dt.autocast
+
+    def mem(self, name, comp, phase, read, write, count=1, host="op", sync=False, order=1):
+        """A memory-bound kernel launched `count` times, each reading and writing these bytes."""
+        self.k.append(Kernel(name, comp, phase, "memory", count, 0, int(read + write), host=host, sync=sync,
+                             order=order))
+
+    def mm(self, name, comp, phase, m, n, k, count=1, batch=1, out=None, extra=0, host="op", order=1):
+        c = self.c
+        nbytes = batch * ((m * k + k * n) * c + m * n * (out or c)) + extra
+        self.k.append(Kernel(name, comp, phase, "matmul", count, 2 * batch * m * n * k, nbytes,
+                             (batch, m, n, k), self.dt.compute, host=host, order=order))
+
+    def linear(self, name, comp, d_in, d_out, count, in_bytes=None, order=(1, 1)):
+        """An nn.Linear on T tokens. Under autocast an fp32 input is cast per call (in_bytes=4) and
+        the fp32 weight is cast once per step; backward casts dW (bf16) back to fp32 and, for a cast
+        input, dX back to the input's dtype."""
+        T, c, p = self.run.tokens, self.c, self.p
+        cast_in = self.amp and in_bytes is not None and in_bytes != c
+        of, ob = order
+        if cast_in:
+            self.mem(f"{name}.input_cast", comp, "forward", T * d_in * in_bytes, T * d_in * c, count, order=of)
+        if self.amp:
+            self.mem(f"{name}.weight_cast", comp, "forward", d_out * d_in * p, d_out * d_in * c, count, order=of)
+        self.mm(name, comp, "forward", T, d_out, d_in, count, order=of)
+        self.mm(f"{name}.grad_input", comp, "backward", T, d_in, d_out, count, order=ob)
+        self.mm(f"{name}.grad_weight", comp, "backward", d_out, d_in, T, count, order=ob)
+        if self.amp:
+            self.mem(f"{name}.grad_weight_cast", comp, "backward", d_out * d_in * c, d_out * d_in * p, count, order=ob)
+        if cast_in:
+            self.mem(f"{name}.grad_input_cast", comp, "backward", T * d_in * c, T * d_in * in_bytes, count, order=ob)
+
+
+# ---- the kernels each variant launches ---------------------------------------------------------
+def _embedding(o: _Ops) -> None:
+    T, H, V, p = o.run.tokens, o.cfg.hidden, o.cfg.vocab, o.p
+    o.mem("embedding.gather", "embedding", "forward", T * 8 + T * H * p, T * H * p, order=0)
+    # embedding_dense_backward on CUDA: sort the ids, count, zero the (V, H) grad, then a segmented
+    # row sum: ~8 launches (their bytes spread evenly); the sort's passes count as 4 x (ids + positions)
+    moved = T * H * o.r + 4 * T * 16 + V * H * p + min(T, V) * H * p
+    o.mem("embedding.backward", "embedding", "backward", moved // 8, 0, 8, order=2)
+    if o.cfg.tie_embeddings:
+        o.mem("embedding.tied_grad_accumulate", "embedding", "backward", 2 * V * H * p, V * H * p, order=2)
+
+
+def _rope_tables(o: _Ops, cast: bool) -> None:
+    S, hd = o.run.seq, o.cfg.head_dim
+    n = 9 + (2 if cast else 0)  # arange, div, pow, reciprocal, arange, outer, cat, cos, sin (+ casts)
+    o.mem("attention.rope_tables", "attention", "forward", 4 * S * hd, 4 * S * hd, n, order=0)
+
+
+def _residual(o: _Ops, comp: str, L: int) -> None:
+    """x + branch(x): the branch output is in the compute dtype, the stream in the residual dtype.
+    Backward: the stream's gradient is cast to the branch's dtype (when they differ), and the
+    gradients of the block input from its two readers (the add and the norm) are summed."""
+    T, H, c, r = o.run.tokens, o.cfg.hidden, o.c, o.r
+    o.mem(f"{comp}.residual_add", comp, "forward", T * H * (r + c), T * H * r, L)
+    if c != r:
+        o.mem(f"{comp}.residual_grad_cast", comp, "backward", T * H * r, T * H * c, L)
+    o.mem(f"norm.{comp}_input_grad_sum", "norm", "backward", 2 * T * H * r, T * H * r, L)
+
+
+def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -> list[Kernel]:
+    """anatomy/efficient under the run's policy, on CUDA (cuDNN SDPA unless told otherwise)."""
+    o = _Ops(cfg, run)
+    if o.dt.compute != "bfloat16":
+        raise ConfigError("the efficient variant's timing is modelled for bf16 compute (amp or bf16), where "
+                          "its SDPA backends run")
+    B, S, T, H, L = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers
+    nh, hd, Hkv, I = cfg.heads, cfg.head_dim, cfg.kv_dim, cfg.intermediate
+    D, c, r = H + 2 * Hkv, o.c, o.r
+    _embedding(o)
+    _rope_tables(o, cast=False)  # fp32 tables, built once per step
+    # norms: read x (residual dtype), write y (compute dtype); backward reads dy, x, writes dx, and a
+    # second launch sums the (programs, H) fp32 partials of dw
+    n_norms = 2 * L + 1
+    o.mem("norm.rms_norm", "norm", "forward", T * H * r, T * H * c, n_norms, host="rms_norm.forward")
+    o.mem("norm.rms_norm.backward", "norm", "backward", T * H * (c + r), T * H * r, n_norms, host="rms_norm.backward")
+    o.mem("norm.rms_norm.dw_sum", "norm", "backward", 4 * rms_norm_programs(H) * H, 4 * H, n_norms, host=None)
+    # attention: one qkv matmul, fused split + RoPE, SDPA, o
+    o.linear("attention.qkv", "attention", H, D, L)
+    o.mem("attention.rope_qkv", "attention", "forward", T * D * c, T * D * c, L, host="rope_qkv.forward")
+    o.mem("attention.rope_qkv.backward", "attention", "backward", T * D * c, T * D * c, L, host="rope_qkv.backward")
+    F = gpus.causal_attention_flops(B, nh, S, hd)
+    io = T * (H + 2 * Hkv) * c  # q, k, v
+    o.k.append(Kernel("attention.sdpa", "attention", "forward", "sdpa", L, F, io + T * H * c + B * nh * S * 4,
+                      (B, nh, S, hd), "bfloat16", sdpa_backend))
+    o.k.append(Kernel("attention.sdpa.backward", "attention", "backward", "sdpa", L, 5 * F // 2,
+                      2 * io + 2 * T * H * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend))
+    o.linear("attention.o", "attention", H, H, L)  # its input is a view of SDPA's output: no copy
+    _residual(o, "attention", L)
+    # MLP: one gate_up matmul, the fused activation (saves gate_up; backward writes dgate/dup in place)
+    o.linear("mlp.gate_up", "mlp", H, 2 * I, L)
+    o.mem("mlp.swiglu", "mlp", "forward", T * 2 * I * c, T * I * c, L, host="swiglu.forward")
+    o.mem("mlp.swiglu.backward", "mlp", "backward", T * I * c + T * 2 * I * c, T * 2 * I * c, L,
+          host="swiglu.backward")
+    # gate and up are the two halves of one tensor: split's backward cats their gradients (a copy)
+    o.mem("mlp.gate_up.split_backward", "mlp", "backward", T * 2 * I * c, T * 2 * I * c, L)
+    o.linear("mlp.down", "mlp", I, H, L)
+    _residual(o, "mlp", L)
+    _liger_loss(o)
+    return o.k
+
+
+def rms_norm_programs(H: int, sms: int = 132) -> int:
+    """Programs of the fused rms_norm backward, each writing an fp32 row of dw partials: max(1, 8192 // H)
+    per SM (anatomy/kernels/rmsnorm.py; the H200's 132 SMs: the partials are tiny whatever the GPU)."""
+    return sms * max(1, 8192 // H)
+
+
+def _liger_loss(o: _Ops) -> None:
+    """Liger's fused linear CE (liger_kernel 0.8.x, ops/fused_linear_cross_entropy.py): per chunk of C
+    rows, logits = x_c Wᵀ (C, V); one Triton kernel reads each row twice (max/sum, then the gradient)
+    and writes d(logits) in place; grad_input rows = d(logits) W; grad_weight += d(logits)ᵀ x_c. All
+    three matmuls run in forward; backward only checks that the incoming gradient is 1."""
+    T, H, V, c, p = o.run.tokens, o.cfg.hidden, o.cfg.vocab, o.c, o.p
+    o.mem("loss.count_targets", "loss", "forward", T * 8, 8, 2, sync=True, order=2)  # target != -100, sum, .item()
+    o.mem("loss.zero_grad_input", "loss", "forward", 0, T * H * c, order=2)
+    o.mem("loss.zero_grad_weight", "loss", "forward", 0, V * H * p, order=2)
+    o.mem("loss.zero_losses", "loss", "forward", 0, T * 4, order=2)
+    if o.amp:  # the fp32 weight reaches an autocast mm inside the Function: cast once (cached)
+        o.mem("loss.lm_head.weight_cast", "loss", "forward", V * H * p, V * H * c, order=2)
+    C = liger_chunk_rows(T, H, V)
+    full, rest = divmod(T, C)
+    for rows, n in ((C, full), (rest, 1 if rest else 0)):
+        if not n:
+            continue
+        o.mm("loss.logits", "loss", "forward", rows, V, H, n, order=2)
+        o.mem("loss.cross_entropy", "loss", "forward", 2 * rows * V * c + rows * 8, rows * V * c + rows * 4, n, order=2)
+        o.mm("loss.grad_input", "loss", "forward", rows, H, V, n, order=2)
+        if o.amp:  # fp32 weight: no mm(out=), so the product is copied into grad_input's rows
+            o.mem("loss.grad_input_copy", "loss", "forward", rows * H * c, rows * H * c, n, order=2)
+        # addmm into grad_weight (the weight's dtype): reads and writes the (V, H) accumulator every chunk
+        o.mm("loss.grad_weight", "loss", "forward", V, H, rows, n, extra=2 * V * H * p - V * H * c, order=2)
+    o.mem("loss.sum", "loss", "forward", T * 4, 4, order=2)
+    o.mem("loss.backward_check", "loss", "backward", 8, 8, 2, sync=True, order=0)  # ones_like seed; torch.equal(g, 1)
+
+
+def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
+    """anatomy/baseline: every elementwise op is its own kernel, attention materialises S x S."""
+    o = _Ops(cfg, run)
+    B, S, T, H, L = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers
+    nh, nkv, Hkv, I, V = cfg.heads, cfg.kv_heads, cfg.kv_dim, cfg.intermediate, cfg.vocab
+    c, r = o.c, o.r
+    _embedding(o)
+    _rope_tables(o, cast=c != 4)  # the tables are cast to the compute dtype
+    # norm in fp32 ops on a (T, H) stream of dtype r. f = one fp32 (T, H) pass.
+    n, f, tiny = 2 * L + 1, T * H * 4, T * 4
+    fwd = [("pow", f, f), ("mean", f, tiny), ("add_eps", tiny, tiny), ("rsqrt", tiny, tiny),
+           ("mul_rstd", f + tiny, f), ("mul_weight", f, f)]
+    bwd = [("mul_weight.grad_x", f, f), ("mul_weight.grad_w", 2 * f, f), ("mul_weight.grad_w_sum", f, H * 4),
+           ("mul_rstd.grad_x", f + tiny, f), ("mul_rstd.grad_rstd", 2 * f, f), ("mul_rstd.grad_rstd_sum", f, tiny),
+           ("rsqrt.backward", 3 * tiny, 3 * tiny), ("mean.backward", tiny, f), ("pow.backward_pow1", f, f),
+           ("pow.backward_scale", f, f), ("pow.backward_mul", 2 * f, f), ("grad_sum", 2 * f, f)]
+    if r != 4:  # x.float() and .to(x.dtype) are casts (no-ops on an fp32 stream)
+        fwd += [("float", T * H * r, f), ("to", f, T * H * r)]
+        bwd += [("to.backward", T * H * r, f), ("float.backward", f, T * H * r)]
+    for name, rd, wr in fwd:
+        o.mem(f"norm.{name}", "norm", "forward", rd, wr, n)
+    for name, rd, wr in bwd:
+        o.mem(f"norm.{name}", "norm", "backward", rd, wr, n)
+    # attention: q, k, v each cast the stream's normed x under amp; RoPE as 5 ops per tensor
+    for name, width in (("q", H), ("k", Hkv), ("v", Hkv)):
+        o.linear(f"attention.{name}", "attention", H, width, L, in_bytes=r)
+    o.mem("attention.qkv_input_grad_sum", "attention", "backward", 2 * T * H * r, T * H * r, 2 * L)  # 3 grads: 2 adds
+    for name, width in (("q", H), ("k", Hkv)):
+        W = T * width * c
+        five = [("mul_cos", W, W), ("neg", W / 2, W / 2), ("cat", W, W), ("mul_sin", W, W), ("add", 2 * W, W)]
+        for op, rd, wr in five:  # x*cos + cat(-x2, x1)*sin; backward: g*sin, -g, cat, g*cos, the two paths' sum
+            o.mem(f"attention.rope_{name}.{op}", "attention", "forward", rd, wr, L)
+            o.mem(f"attention.rope_{name}.{op}.backward", "attention", "backward", rd, wr, L)
+    # torch.matmul reshapes (B, nh, S, hd) operands laid out (B, S, nh, hd) to (B*nh, S, hd): a copy
+    # each (repeat_kv's copy replaces it for k, v under GQA); their gradients' views copy back
+    for name, width in (("q", H), ("k", Hkv), ("v", Hkv)):
+        full = T * H * c
+        if name != "q" and nkv != nh:
+            o.mem(f"attention.repeat_kv_{name}", "attention", "forward", T * width * c, full, L)
+            o.mem(f"attention.repeat_kv_{name}.backward", "attention", "backward", full, T * width * c, L)
+        else:
+            o.mem(f"attention.{name}_layout_copy", "attention", "forward", T * width * c, T * width * c, L)
+        o.mem(f"attention.{name}_grad_layout_copy", "attention", "backward", T * width * c, T * width * c, L)
+    U = B * nh * S * S  # one S x S score tensor, in elements
+    o.mem("attention.causal_mask_full", "attention", "forward", 0, S * S * c, order=0)  # once per step
+    o.mem("attention.causal_mask_triu", "attention", "forward", S * S * c, S * S * c, order=0)
+    o.mm("attention.scores", "attention", "forward", S, S, cfg.head_dim, L, batch=B * nh)
+    casts = c != 4  # scores.float() and probs.to(q.dtype) copy unless the compute dtype is fp32
+    for op, rd, wr in (("scale", U * c, U * c), ("mask_add", U * c, U * c), ("float", U * c, U * 4),
+                       ("softmax", U * 4, U * 4), ("to_compute", U * 4, U * c)):
+        if casts or op not in ("float", "to_compute"):
+            o.mem(f"attention.{op}", "attention", "forward", rd, wr, L)
+    o.mm("attention.probs_v", "attention", "forward", S, cfg.head_dim, S, L, batch=B * nh)
+    o.mem("attention.merge_heads_copy", "attention", "forward", T * H * c, T * H * c, L)
+    o.mem("attention.grad_out_layout_copy", "attention", "backward", T * H * c, T * H * c, L)
+    o.mm("attention.probs_v.grad_probs", "attention", "backward", S, S, cfg.head_dim, L, batch=B * nh)
+    o.mm("attention.probs_v.grad_v", "attention", "backward", S, cfg.head_dim, S, L, batch=B * nh)
+    for op, rd, wr in (("to_compute.backward", U * c, U * 4), ("softmax.backward", 2 * U * 4, U * 4),
+                       ("float.backward", U * 4, U * c), ("scale.backward", U * c, U * c)):
+        if casts or op not in ("float.backward", "to_compute.backward"):
+            o.mem(f"attention.{op}", "attention", "backward", rd, wr, L)
+    o.mm("attention.scores.grad_q", "attention", "backward", S, cfg.head_dim, S, L, batch=B * nh)
+    o.mm("attention.scores.grad_k", "attention", "backward", S, cfg.head_dim, S, L, batch=B * nh)
+    o.linear("attention.o", "attention", H, H, L)  # its input (merged heads) is already compute dtype
+    _residual(o, "attention", L)
+    # MLP: gate and up each cast x under amp; silu and mul are separate kernels
+    TI = T * I * c
+    o.linear("mlp.gate", "mlp", H, I, L, in_bytes=r)
+    o.linear("mlp.up", "mlp", H, I, L, in_bytes=r)
+    o.mem("mlp.gate_up_input_grad_sum", "mlp", "backward", 2 * T * H * r, T * H * r, L)
+    ops_f = [("silu", TI, TI), ("mul", 2 * TI, TI)]
+    ops_b = [("mul.grad_silu", 2 * TI, TI), ("mul.grad_up", 2 * TI, TI), ("silu.backward", 2 * TI, TI)]
+    if cfg.mlp == "gpt-oss":
+        ops_f += [("clamp_gate", TI, TI), ("clamp_up", TI, TI), ("add_one", TI, TI)]
+        ops_b += [("clamp_gate.backward", 2 * TI, TI), ("clamp_up.backward", 2 * TI, TI)]
+    for op, rd, wr in ops_f:
+        o.mem(f"mlp.{op}", "mlp", "forward", rd, wr, L)
+    for op, rd, wr in ops_b:
+        o.mem(f"mlp.{op}", "mlp", "backward", rd, wr, L)
+    o.linear("mlp.down", "mlp", I, H, L)
+    _residual(o, "mlp", L)
+    # loss: lm_head on the normed stream (cast under amp), logits upcast to fp32, log_softmax + nll
+    TV = T * V
+    o.linear("loss.lm_head", "loss", H, V, 1, in_bytes=r, order=(2, 0))
+    for op, rd, wr, ph in (("logits_float", TV * c, TV * 4, "forward"), ("log_softmax", TV * 4, TV * 4, "forward"),
+                           ("nll_loss", T * 12, 8, "forward"), ("nll_loss.backward_zeros", 0, TV * 4, "backward"),
+                           ("nll_loss.backward_scatter", T * 8, T * 4, "backward"),
+                           ("log_softmax.backward", 2 * TV * 4, TV * 4, "backward"),
+                           ("logits_float.backward", TV * 4, TV * c, "backward")):
+        if casts or not op.startswith("logits_float"):
+            o.mem(f"loss.{op}", "loss", ph, rd, wr, order=2 if ph == "forward" else 0)
+    return o.k
+
+
+def param_sizes(cfg: ModelConfig, variant: str) -> dict[int, int]:
+    """{elements: how many parameter tensors of that size} in the variant's module tree (the efficient
+    model holds qkv and gate_up as one tensor each; a tied head is the embedding's tensor)."""
+    H, I, V, kv, L = cfg.hidden, cfg.intermediate, cfg.vocab, cfg.kv_dim, cfg.layers
+    per_layer = ([(H + 2 * kv) * H, H * H, 2 * I * H, I * H] if variant == "efficient"
+                 else [H * H, kv * H, kv * H, H * H, I * H, I * H, H * I])
+    sizes = [V * H] * (1 if cfg.tie_embeddings else 2) + [H] * (2 * L + 1) + per_layer * L
+    out: dict[int, int] = {}
+    for n in sizes:
+        out[n] = out.get(n, 0) + 1
+    return out
+
+
+def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str = "ademamix") -> list[Kernel]:
+    """One optimizer step, per group of same-size parameter tensors. efficient: AdEMAMix compiled (or
+    a fused torch optimizer) makes one read-modify-write pass per tensor, the minimum of
+    calculator/optimizer.py. baseline: the AdEMAMix loop, 15 kernels per tensor that move 38 fp32
+    passes per element between them (bf16 params: 3 casts and 18 B more)."""
+    pb = BYTES[dtypes(run).param]
+    out = []
+    for numel, n in sorted(param_sizes(cfg, variant).items()):
+        if variant == "baseline" and optimizer == "ademamix":
+            launches = 15 + (3 if pb != 4 else 0)
+            per = numel * (38 * 4 + (18 if pb != 4 else 0)) // launches
+            out.append(Kernel(f"optimizer.ademamix_loop[{numel}]", "optimizer", "optimizer", "memory", n * launches, 0,
+                              per))
+        else:
+            nbytes = step_bytes_moved(numel, optimizer, param_bytes=pb, grad_bytes=pb)
+            out.append(Kernel(f"optimizer.{optimizer}_fused[{numel}]", "optimizer", "optimizer", "memory", n, 0,
+                              nbytes))
+    return out
+
+
+def kernels(cfg: ModelConfig, run: Run, variant: str, sdpa_backend: str | None = None,
+            optimizer: str | None = "ademamix") -> list[Kernel]:
+    if sdpa_backend is not None and sdpa_backend not in SDPA_BACKENDS:
+        raise ConfigError(f"unknown SDPA backend {sdpa_backend!r}; choose from {', '.join(SDPA_BACKENDS)}")
+    if variant == "efficient":
+        ks = efficient_kernels(cfg, run, sdpa_backend or "cudnn")
+    elif variant == "baseline":
+        ks = baseline_kernels(cfg, run)
+    else:
+        raise ConfigError(f"timing has no {variant!r} variant; choose from {', '.join(VARIANTS)}")
+    return ks + (optimizer_kernels(cfg, run, variant, optimizer) if optimizer else [])
+
+
+def standalone_kernels(op: str, cfg: ModelConfig, batch: int, seq: int) -> list[Kernel]:
+    """One bf16 fused op, forward + backward, as bench/kernels.py times it (leaves, no autocast,
+    a random upstream gradient): "rmsnorm", "swiglu", "rope_qkv" (ours) or "linear_ce" (Liger)."""
+    o = _Ops(cfg, Run(batch, seq, "bf16"))
+    T, H, I, D, c = o.run.tokens, cfg.hidden, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim, o.c
+    if op == "rmsnorm":
+        o.mem("rms_norm", "norm", "forward", T * H * c, T * H * c, host="rms_norm.forward")
+        o.mem("rms_norm.backward", "norm", "backward", 2 * T * H * c, T * H * c, host="rms_norm.backward")
+        o.mem("rms_norm.dw_sum", "norm", "backward", 4 * rms_norm_programs(H) * H, 4 * H, host=None)
+    elif op == "swiglu":  # gate and up are separate leaves here: backward writes new dgate, dup
+        o.mem("swiglu", "mlp", "forward", 2 * T * I * c, T * I * c, host="swiglu.forward")
+        o.mem("swiglu.backward", "mlp", "backward", 3 * T * I * c, 2 * T * I * c, host="swiglu.backward")
+    elif op == "rope_qkv":
+        o.mem("rope_qkv", "attention", "forward", T * D * c, T * D * c, host="rope_qkv.forward")
+        o.mem("rope_qkv.backward", "attention", "backward", T * D * c, T * D * c, host="rope_qkv.backward")
+    elif op == "linear_ce":
+        _liger_loss(o)  # a random upstream gradient: backward scales grad_input and grad_weight
+        o.mem("loss.grad_input_mul", "loss", "backward", T * H * c, T * H * c)
+        o.mem("loss.grad_weight_mul", "loss", "backward", cfg.vocab * H * c, cfg.vocab * H * c)
+    else:
+        raise ConfigError(f"no standalone model for {op!r}")
+    return o.k
