@@ -137,3 +137,23 @@ def test_backward_peak_matches_h200_probe_hypothesis(row, claims):
     claims.check("memory.peak in backward", component="model", config=_ids(row) + str(row["cfg"]),
                  variant=row["variant"], predicted=pred["backward_peak"], measured=ph["backward"]["peak"],
                  tolerance=TOL, device="cuda", unit="B", note=f"drawn config; predicted at {pred['backward_peak_at']}")
+
+
+# The step benchmarks (bench/step.py, committed under reports/h200/) record max_memory_allocated over
+# 10 timed steps of configs the probe never ran: an independent check of the whole-step peak.
+STEPS = {"session1/step-seed-efficient.json": "efficient", "session3/step-seed-efficient.json": "efficient",
+         "session1/step-1b-efficient.json": "efficient", "session1/step-seed-baseline.json": "baseline"}
+_STEP_MISSES = {"session1/step-seed-baseline.json": "the same CUDA attention backward at S=4096 as the probe's "
+                "seed B2S4096 rows (-7.2%)"}
+
+
+@pytest.mark.parametrize("rel", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=_STEP_MISSES[r]))
+                                 if r in _STEP_MISSES else r for r in STEPS])
+def test_step_peak_matches_committed_step_benchmarks(rel, claims):
+    rec = json.loads((PROBE.parent.parent / rel).read_text())
+    cfg, run = ModelConfig.from_name(rec["preset"]), Run(rec["batch"], rec["seq"], "amp")
+    ph = phases(cfg, run, STEPS[rel])  # no optimizer: bench/step.py times forward + backward
+    pred = max(ph["forward_peak"] or 0, ph["backward_peak"])
+    claims.check("memory.peak of a fwd+bwd step", component="model", config=f"{rec['preset']}/B{run.batch}S{run.seq}",
+                 variant=STEPS[rel], predicted=pred, measured=int(rec["peak_mib"] * 2**20), tolerance=TOL,
+                 device="cuda (recorded)", unit="B", note=f"{rel}: {rec.get('gpu', 'H200')}, bench/step.py")
