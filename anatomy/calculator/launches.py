@@ -162,10 +162,15 @@ def _liger_loss(o: _Ops) -> None:
     o.mem("loss.zero_grad_input", "loss", "forward", 0, T * H * c, order=2)
     o.mem("loss.zero_grad_weight", "loss", "forward", 0, V * H * p, order=2)
     o.mem("loss.zero_losses", "loss", "forward", 0, T * 4, order=2)
-    if o.amp:  # the fp32 weight reaches an autocast mm inside the Function: cast once (cached)
-        o.mem("loss.lm_head.weight_cast", "loss", "forward", V * H * p, V * H * c, order=2)
     C = liger_chunk_rows(T, H, V)
     full, rest = divmod(T, C)
+    if o.amp:
+        # the fp32 weight reaches autocast mms inside the Function. `grad_logits @ weight` casts the
+        # leaf once and autocast caches it; `x @ weight.t()` casts the transposed view, not a leaf,
+        # anew in every chunk (both casts show in the H200 memory probe: calculator/memory.py)
+        o.mem("loss.lm_head.weight_cast", "loss", "forward", V * H * p, V * H * c, order=2)
+        o.mem("loss.lm_head.weight_t_cast", "loss", "forward", V * H * p, V * H * c, full + (1 if rest else 0),
+              order=2)
     for rows, n in ((C, full), (rest, 1 if rest else 0)):
         if not n:
             continue

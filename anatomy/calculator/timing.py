@@ -243,9 +243,20 @@ def breakdown_table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """python3 -m anatomy.calculator.timing [GPU...]: predictions against the committed H200 records."""
+    import argparse
     import sys
 
-    for gpu in (sys.argv[1:] if argv is None else argv) or ["h200-measured", "h200-sxm"]:
+    ap = argparse.ArgumentParser(prog="python3 -m anatomy.calculator.timing", description=main.__doc__)
+    ap.add_argument("gpus", nargs="*", default=["h200-measured", "h200-sxm"],
+                    help=f"profiles ({', '.join(gpus.names())}) or profile .json paths")
+    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        for gpu in a.gpus:
+            gpus.get(gpu)
+    except ConfigError as e:
+        print(f"timing: error: {e}", file=sys.stderr)
+        return 2
+    for gpu in a.gpus:
         print(f"\n### gpu profile: {gpu}\n\nTraining step, forward + backward (bench/step.py):\n")
         print(_table(compare_committed(gpu)))
         print("\nFused kernels (fwd + bwd, bench/kernels.py) and optimizer steps (validations/test_optim.py):\n")
