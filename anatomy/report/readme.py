@@ -132,11 +132,23 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
         text = replace_between(text, marker, body)
         done.append(marker)
 
-    if Path("reports/cpu/claims.json").exists():
-        put("claims-cpu", claims_table(load([Path("reports/cpu/claims.json")])))
+    cpu_claims = [Path("reports/cpu/claims.json")] if Path("reports/cpu/claims.json").exists() else []
+    if cpu_claims:
+        put("claims-cpu", claims_table(load(cpu_claims)))
     gpu_claims = sorted(H200.glob("session1/claims-gpu.json"))  # the latest full GPU run
     if gpu_claims:
         put("claims-h200", claims_table(load(gpu_claims)))
+    if cpu_claims or gpu_claims:
+        from anatomy.report.plots import error_distribution, predicted_vs_measured
+
+        reps = load(cpu_claims + gpu_claims)
+        predicted_vs_measured(reps, Path("docs/img/claims-predicted-vs-measured.png"))
+        error_distribution(reps, Path("docs/img/claims-error-distribution.png"))
+        srcs = ", ".join(f"`{p}`" for p in cpu_claims + gpu_claims)
+        put("claims-plots", f"From {srcs}. Rows whose device reads `cuda (recorded)` or `cuda` in the CPU report "
+            "compare against committed H200 measurements.\n\n"
+            "![predicted against measured](docs/img/claims-predicted-vs-measured.png)\n"
+            "![error distribution of the bounded claims](docs/img/claims-error-distribution.png)")
     for marker, session in (("bench-steps", "session1"), ("bench-steps-rerun", "session3")):
         steps = sorted(H200.glob(f"{session}/step-*.json"))
         if steps:

@@ -1,0 +1,48 @@
+"""`anatomy report`: claims JSON -> README tables and plots, on a synthetic report."""
+import pytest
+
+from anatomy.report import claims_table, replace_between
+from anatomy.report.plots import error_distribution, family, predicted_vs_measured
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _report():
+    row = dict(test="t", component="model", config="c", variant="baseline", unit="B", note="")
+    rows = [dict(row, claim="memory.peak in backward", device="cpu", predicted=103, measured=100, error=0.03,
+                 tolerance=0.03, passed=True),
+            dict(row, claim="memory.peak in backward", device="cpu", predicted=90, measured=100, error=-0.10,
+                 tolerance=0.03, passed=False),
+            dict(row, claim="flops.counter.forward", device="cpu", predicted=5e9, measured=5e9, error=0.0,
+                 tolerance=0.0, passed=True)]
+    return dict(rows=rows, machine=dict(torch="2.13.0+cpu", triton="3.9.0", cuda=None), date="2026-11-29",
+                command="pytest validations")
+
+
+def test_claims_table_groups_and_reports_the_worst_error():
+    table = claims_table([_report()])
+    assert "| memory.peak in backward | cpu | model | 2 | 1 | 10.0000% | ±3.0% |" in table
+    assert "| flops.counter.forward | cpu | model | 1 | 1 | 0.0000% | exact |" in table
+    assert "CPU, torch 2.13.0+cpu, triton 3.9.0, CUDA None, 2026-11-29: `pytest validations`" in table
+
+
+def test_replace_between_needs_its_markers():
+    text = "a\n<!-- x:start -->\nold\n<!-- x:end -->\nb"
+    assert replace_between(text, "x", "new") == "a\n<!-- x:start -->\nnew\n<!-- x:end -->\nb"
+    with pytest.raises(ValueError, match="no <!-- y:start -->"):
+        replace_between(text, "y", "new")
+
+
+@pytest.mark.parametrize("claim, fam", [("memory.saved.total", "memory"), ("saved-bytes reduction", "memory"),
+                                        ("flops.counter.backward", "flops"), ("per-rank grads bytes", "params / state"),
+                                        ("step time (fwd+bwd)", "time"), ("collective calls per step", "comm"),
+                                        ("mean train loss over 30 steps", "training")])
+def test_claim_families(claim, fam):
+    assert family(claim) == fam
+
+
+def test_plots_are_written_atomically(tmp_path):
+    a = predicted_vs_measured([_report()], tmp_path / "pvm.png")
+    b = error_distribution([_report()], tmp_path / "err.png")
+    assert a.read_bytes()[:8] == PNG and b.read_bytes()[:8] == PNG
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["err.png", "pvm.png"]  # no .tmp left behind
