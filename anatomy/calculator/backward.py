@@ -91,7 +91,8 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, forward_end: i
     def norm(tag: str, g_in: int) -> int:
         """RMSNorm's backward: takes the output's gradient, leaves the input's (residual dtype)."""
         if variant == "baseline":  # x̂·g, g·w and the rstd terms in fp32; a bf16 residual adds its fp32 copies
-            w.peak(tag, *([T * H * 4] * (3 if r == 4 else 4)))
+            # under bf16 the incoming gradient is first copied to fp32 and then freed
+            w.peak(tag, *([T * H * 4] * 3 + ([] if r == 4 else [T * H * 4 - T * H * r])))
             w.alloc(T * H * r, H * p)
         else:  # rms_norm_backward: dx in the residual dtype and dw in fp32, cast to the weight's dtype
             w.alloc(T * H * r, H * 4)
@@ -138,9 +139,10 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, forward_end: i
         if variant == "baseline":
             w.peak(tag + "mlp.act", T * I * c, T * I * c)  # d(silu(gate)), d(up), d(gate) at once
             w.free("mlp.gate", "mlp.up", "mlp.silu_gate", "mlp.gate_raw", "mlp.up_raw", "mlp.up_plus_1")
-            w.alloc(T * I * c, -gi)  # d(gate), d(up) live, d(h) gone
+            w.alloc(T * I * c, T * I * c, -gi)  # d(gate), d(up) live, d(h) gone
             gu = linear(tag + "mlp.up", H, I, T * I * c, "mlp.up.", to_residual=True)
             gg = linear(tag + "mlp.gate", H, I, T * I * c, "mlp.gate.", to_residual=True)
+            w.free("mlp.")  # without autocast gate and up share one saved input ("mlp.gate+up.input")
             w.alloc(T * H * r)  # their sum
             w.peak(tag + "mlp.sum")
             w.alloc(-gu, -gg)
@@ -177,6 +179,8 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, forward_end: i
             gq = linear(tag + "attention.q", H, nh * hd, T * nh * hd * c, "attention.q.", to_residual=True)
             gk = linear(tag + "attention.k", H, nkv * hd, T * nkv * hd * c, "attention.k.", to_residual=True)
             gv = linear(tag + "attention.v", H, nkv * hd, T * nkv * hd * c, "attention.v.", to_residual=True)
+            # without autocast q, k and v share one saved input ("attention.q+k+v.input")
+            w.free("attention.", keep=() if layer == 0 else ("attention.rope_",))
             w.alloc(T * H * r)
             w.peak(tag + "attention.sum")
             w.alloc(-gq, -gk, -gv)
