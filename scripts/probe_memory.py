@@ -33,6 +33,10 @@ def main() -> int:
     ap.add_argument("--skip-named", action="store_true")
     ap.add_argument("--out", help="write the JSON here after every row (default: stdout at the end)")
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("probe_memory: error: needs a CUDA GPU (it reads the CUDA caching allocator); this machine has none",
+              file=sys.stderr)
+        return 2
     cases = [] if a.skip_named else [(n, c, r, opt) for n, c, r in CASES for opt in ("adamw", None)]
     if a.hypothesis:
         from hypothesis import strategies as st
