@@ -76,7 +76,8 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
     out = estimate(cfg, run, _check_variant(a.variant), device=device).to_dict()
     ph = phases(cfg, run, a.variant, optimizer="adamw", device=device)
     out["memory"]["phases"] = {k: ph[k] for k in ("init", "forward_end", "forward_peak", "backward_peak",
-                                                  "backward_peak_at", "backward_end", "optimizer_end")}
+                                                  "backward_peak_at", "backward_peak_by_kind", "backward_end",
+                                                  "optimizer_end")}
     out["memory"]["phases"]["optimizer"] = "adamw"
     if a.world_size != 1 or a.strategy:
         from anatomy.calculator.comm import estimate_distributed
@@ -216,6 +217,9 @@ def _print(cmd: str, out: dict) -> None:
                   f"init {gib(ph['init'])} · forward end {gib(ph['forward_end'])} · forward peak "
                   f"{gib(ph['forward_peak'])} · backward peak {gib(ph['backward_peak'])} (at {ph['backward_peak_at']})"
                   f" · after backward {gib(ph['backward_end'])} · after the step {gib(ph['optimizer_end'])}")
+        con.print("at the backward peak: " + " · ".join(
+            f"{k} {v / 2**30:,.2f} GiB ({v / ph['backward_peak']:.0%})" for k, v in ph["backward_peak_by_kind"].items()
+            if v))
     if "fits" in out["memory"]:
         f = out["memory"]["fits"]
         verdict = "fits" if f["fits"] else "predicted OOM"

@@ -59,6 +59,60 @@ def test_phases_hypothesis(cfg, run, claims):
         _check(claims, cfg, run, variant, "adamw", f"hypothesis {cfg.to_dict()} {run}")
 
 
+def _backward_peak_by_kind(snapshot) -> tuple[int, dict]:
+    """The last step's peak inside backward in a forensics replay, and what is live there by kind."""
+    from collections import defaultdict
+
+    from anatomy.measure.forensics import replay
+
+    r = replay(snapshot)
+    total, best, pos = r.pre_existing, -1, -1
+    for i, ev in enumerate(r.events):
+        total += ev.delta
+        if ev.step == r.steps and ev.phase == "backward" and total > best:
+            best, pos = total, i
+    by = defaultdict(int)
+    for a in r.live_at(pos):
+        by[a.kind] += a.size
+    return best, dict(by)
+
+
+# one case per regime of where the backward peak sits
+REGIMES = {"loss-bound": ("seed-narrow", Run(2, 64)), "attention-bound": ("tiny-gqa", Run(2, 256)),
+           "mlp-bound": ("tiny-gqa", Run(4, 96)), "gradient-bound": ("tiny-gptoss-tied", Run(1, 8))}
+
+
+@pytest.mark.parametrize("policy, optimizer", [("amp", "adamw"), ("bf16", None), ("fp32", "ademamix")])
+@pytest.mark.parametrize("regime", list(REGIMES))
+@pytest.mark.parametrize("variant", ["baseline", "efficient"])
+def test_backward_peak_composition_matches_forensics(regime, policy, optimizer, variant, claims):
+    """What is live at the backward peak, by kind (parameters, inputs, optimizer state, saved
+    activations, gradients and backward buffers): the walk's breakdown at its peak stage against
+    `anatomy forensics`' attribution of the live storages at the measured peak (CPU)."""
+    from anatomy.calculator.backward import KINDS
+    from anatomy.measure.liveness import record_step_live
+
+    name, r = REGIMES[regime]
+    cfg, run = NAMED[name], Run(r.batch, r.seq, policy)
+    pred = phases(cfg, run, variant, optimizer=optimizer, device="cpu")
+    # A composition is only comparable where the walk predicts one peak: if a stage with a different
+    # make-up (another kind off by more than 3% of the peak) comes within 3% of it, the measured peak
+    # may be that one. Stages next to each other in time share their make-up and are no rivals.
+    top, mix = pred["backward_peak"], pred["backward_peak_by_kind"]
+    rivals = [st["name"] for st in pred["backward_stages"] if st["live"] > (1 - TOL) * top
+              and max(abs(st["by_kind"][k] - mix[k]) for k in KINDS) > TOL * top]
+    if rivals:
+        pytest.skip(f"no single predicted peak: {pred['backward_peak_at']} and {rivals[0]} (another make-up) "
+                    f"within {TOL:.0%}")
+    total, meas = _backward_peak_by_kind(record_step_live(cfg, run, variant, optimizer))
+    assert set(meas) <= set(KINDS), meas
+    for kind in KINDS:
+        if meas.get(kind, 0) or pred["backward_peak_by_kind"][kind]:
+            claims.check(f"memory.peak in backward: {kind}", component="model", config=f"{name}/B{r.batch}S{r.seq}/{policy}",
+                         variant=variant, predicted=pred["backward_peak_by_kind"][kind], measured=meas.get(kind, 0),
+                         tolerance=TOL, device="cpu", unit="B", note=f"peak {total} B; forensics replay on CPU")
+
+
 def test_live_storage_counts_a_known_sequence():
     """The instrument itself: a view costs nothing, a freed tensor leaves, and the peak is per phase."""
     import torch

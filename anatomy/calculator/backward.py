@@ -14,7 +14,7 @@ stages that do not hold the peak and exact-in-form on those that do (usually the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 
 from anatomy.calculator.dtypes import dtypes
@@ -24,23 +24,36 @@ from anatomy.config import ModelConfig, Run
 INPUTS = ("embedding.ids", "loss.targets")  # saved, but they are the step's inputs: no new storage
 
 
+# what is live, by kind: the same kinds `anatomy forensics` gives each allocation
+KINDS = ("parameter", "input", "optimizer state", "activation", "gradient / backward buffer")
+GRAD = "gradient / backward buffer"
+
+
 @dataclass
 class Stage:
     name: str  # e.g. "layer 3 attention.softmax"
     live: int  # bytes live at the stage's largest moment
+    by_kind: dict[str, int] = field(default_factory=dict)  # the same bytes by KINDS
 
 
 class _Walk:
-    def __init__(self, est: Estimate, rnd, start: int):
-        self.rnd, self.live, self.stages, self.freed = rnd, start, [], set()
+    def __init__(self, est: Estimate, rnd, start: dict[str, int]):
+        self.rnd, self.stages, self.freed = rnd, [], set()
+        self.by = {k: start.get(k, 0) for k in KINDS}
         self.one = {}  # saved name -> bytes of one instance
         for comp in est.components.values():
             for s in comp.saved:
                 if s.name not in INPUTS:
                     self.one[s.name] = rnd(prod(s.shape) * BYTES[s.dtype])
 
+    @property
+    def live(self) -> int:
+        return sum(self.by.values())
+
     def peak(self, name: str, *transients: int) -> None:
-        self.stages.append(Stage(name, self.live + sum(self.rnd(t) for t in transients)))
+        by = dict(self.by)
+        by[GRAD] += sum(self.rnd(t) for t in transients)
+        self.stages.append(Stage(name, sum(by.values()), by))
 
     def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:
         """Free one instance of each saved tensor named (a name ending in '.' or '_' is a prefix),
@@ -49,24 +62,29 @@ class _Walk:
             hit = any(n == x or (x[-1] in "._" and n.startswith(x)) for x in names)
             if hit and n not in self.freed and not n.startswith(keep):
                 self.freed.add(n)
-                self.live -= b
+                self.by["activation"] -= b
+
+    def free_norm(self) -> None:
+        """One RMSNorm instance's saved tensors (2 per layer + the final one share the names)."""
+        self.by["activation"] -= sum(b for n, b in self.one.items() if n.startswith("norm."))
 
     def begin(self) -> None:
         self.freed = set()
 
     def alloc(self, *nbytes: int) -> None:
-        """Allocate tensors of these sizes; a negative size frees one (each rounded on its own)."""
-        self.live += sum(self.rnd(b) if b >= 0 else -self.rnd(-b) for b in nbytes)
+        """Allocate gradients or backward buffers of these sizes; a negative size frees one (each
+        rounded on its own)."""
+        self.by[GRAD] += sum(self.rnd(b) if b >= 0 else -self.rnd(-b) for b in nbytes)
 
 
-def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, forward_end: int, rnd) -> list[Stage]:
-    """Candidate peaks of one backward, in execution order. forward_end: bytes live when it starts."""
+def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[str, int], rnd) -> list[Stage]:
+    """Candidate peaks of one backward, in execution order. start: bytes live when it starts, by KINDS."""
     dt = dtypes(run)
     c, r, p, amp = BYTES[dt.compute], BYTES[dt.residual], BYTES[dt.param], dt.autocast
     T, H, I, V, L = run.tokens, cfg.hidden, cfg.intermediate, cfg.vocab, cfg.layers
     B, S, nh, nkv, hd = run.batch, run.seq, cfg.heads, cfg.kv_heads, cfg.head_dim
     scores = B * nh * S * S
-    w = _Walk(est, rnd, forward_end)
+    w = _Walk(est, rnd, start)
 
     def linear(tag: str, din: int, dout: int, grad_out: int, *saved: str, to_residual: bool = False) -> int:
         """One matmul's backward: the weight gradient (the compute dtype under autocast) and the input
@@ -98,7 +116,7 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, forward_end: i
             w.alloc(T * H * r, H * 4)
             w.peak(tag)
             w.alloc(H * p, -H * 4)
-        w.live -= sum(b for n, b in w.one.items() if n.startswith("norm."))  # one instance
+        w.free_norm()
         w.alloc(-g_in)
         return T * H * r
 

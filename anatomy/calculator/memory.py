@@ -18,6 +18,7 @@ stands in for Liger (None, not guessed).
 """
 from __future__ import annotations
 
+from dataclasses import asdict
 from math import prod
 
 from anatomy.calculator import estimate
@@ -88,9 +89,11 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
         fwd_peak = fwd_end - rnd(4) + rnd(T * cfg.hidden * BYTES[dt.residual]) + logits + rnd(S * S * BYTES[c])
     elif device == "cuda":
         fwd_peak = fwd_end - rnd(4) + _liger_forward_transient(cfg, run, rnd)
-    stages = walk(cfg, run, variant, est, fwd_end, rnd)
+    start = {"parameter": params, "input": inputs, "optimizer state": opt, "activation": saved + rnd(4)}
+    stages = walk(cfg, run, variant, est, start, rnd)
     top = max(stages, key=lambda st: st.live)
     bwd_end = params + inputs + opt + params  # one gradient per parameter, in the parameter's dtype
     return dict(params=params, inputs=inputs, optimizer=opt, saved=saved, init=params + inputs,
                 forward_end=fwd_end, forward_peak=fwd_peak, backward_peak=top.live, backward_peak_at=top.name,
+                backward_peak_by_kind=top.by_kind, backward_stages=[asdict(st) for st in stages],
                 backward_end=bwd_end, optimizer_end=bwd_end - params)
