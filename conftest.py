@@ -83,6 +83,59 @@ def claims(request) -> Claims:
     return Claims(request.node.nodeid)
 
 
+# ---- GPU memory: skip a predicted OOM, record an unpredicted one ------------------------------------
+_NEED = pytest.StashKey[dict]()
+
+
+@pytest.fixture
+def gpu_fits(request):
+    """gpu_fits(cfg, run, variant, optimizer=None): skip the test when the calculator's peak for this
+    step (anatomy.calculator.memory.phases: the larger of the forward and backward peaks) exceeds the
+    GPU's free memory, quoting both; otherwise remember the prediction, so an out-of-memory error the
+    calculator did not predict becomes a failed claim with the prediction beside the limit."""
+    def check(cfg, run, variant, optimizer=None):
+        import torch
+
+        from anatomy.calculator.memory import phases
+
+        ph = phases(cfg, run, variant, optimizer=optimizer, device="cuda")
+        need = max(ph["forward_peak"] or 0, ph["backward_peak"])
+        free, total = torch.cuda.mem_get_info()
+        request.node.stash[_NEED] = dict(config=f"{cfg.name} B{run.batch}S{run.seq} {run.dtype}", variant=variant,
+                                         need=need, free=free, total=total)
+        if need > free:
+            pytest.skip(f"predicted OOM: the step needs {need / 2**30:,.2f} GiB at its peak "
+                        f"({ph['backward_peak_at'] if need == ph['backward_peak'] else 'forward'}); "
+                        f"{free / 2**30:,.2f} GiB free of {total / 2**30:,.2f}")
+        return need
+    return check
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if call.when != "call" or call.excinfo is None or call.excinfo.typename != "OutOfMemoryError":
+        return
+    need = item.stash.get(_NEED, None)
+    _ROWS.append(dict(test=item.nodeid, claim="the step fits in GPU memory", component="model",
+                      config=need["config"] if need else "", variant=need["variant"] if need else "",
+                      predicted=need["need"] if need else None, measured=need["free"] if need else None,
+                      error=None, tolerance=0.0, unit="B", device="cuda", passed=False,
+                      note="unpredicted out-of-memory: " + str(call.excinfo.value).splitlines()[0][:200]
+                      + ("" if need else " (the test declared no prediction: use the gpu_fits fixture)")))
+    rep.longrepr = (f"unpredicted OOM: {str(call.excinfo.value).splitlines()[0][:200]}"
+                    + (f"; the calculator predicted {need['need'] / 2**30:,.2f} GiB against "
+                       f"{need['free'] / 2**30:,.2f} GiB free" if need else ""))
+    try:  # leave the allocator usable for the tests after this one
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
 def _machine() -> dict:
     info = dict(python=platform.python_version(), platform=platform.platform())
     try:

@@ -278,8 +278,9 @@ def test_component(benchmark, free_cuda, config, variant, component, phase):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config,variant,component,phase", _cases(("model",), MODEL_PHASES))
-def test_model(benchmark, free_cuda, config, variant, component, phase):
+def test_model(benchmark, free_cuda, gpu_fits, config, variant, component, phase):
     bc = CONFIGS[config]
+    gpu_fits(bc.cfg, bc.run, variant, optimizer="adamw" if phase == "fwd+bwd+adamw" else None)
     slowdown = _slowdowns().get("model", 1.0)
     case = model_case(bc.cfg, bc.run, variant, "cuda", optimizer=phase == "fwd+bwd+adamw")
     benchmark.group = f"{config}/model/{phase}"

@@ -157,3 +157,58 @@ def test_step_peak_matches_committed_step_benchmarks(rel, claims):
     claims.check("memory.peak of a fwd+bwd step", component="model", config=f"{rec['preset']}/B{run.batch}S{run.seq}",
                  variant=STEPS[rel], predicted=pred, measured=int(rec["peak_mib"] * 2**20), tolerance=TOL,
                  device="cuda (recorded)", unit="B", note=f"{rel}: {rec.get('gpu', 'H200')}, bench/step.py")
+
+
+OOM_TESTS = """
+import torch
+from conftest import _NEED
+
+
+def test_predicted_to_fit(request):
+    request.node.stash[_NEED] = dict(config="seed B2S64 amp", variant="baseline", need=1000, free=5000, total=8000)
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_undeclared():
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+
+def test_other_error():
+    raise ValueError("not an OOM")
+"""
+
+
+def test_an_unpredicted_oom_is_a_failed_claim_not_a_crash(tmp_path):
+    """conftest's hook: a torch.OutOfMemoryError in a test becomes a failed claims row (the
+    prediction beside the free memory, when the test declared one through gpu_fits), the run goes
+    on to the next test, and other errors are left alone."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(Path(__file__).parent.parent / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_oom.py").write_text(OOM_TESTS)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--claims-report",
+                        str(tmp_path / "claims.json")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "3 failed" in r.stdout, r.stdout[-1500:]
+    assert "unpredicted OOM: CUDA out of memory. Tried to allocate 2.00 GiB; the calculator predicted" in r.stdout
+    rows = {row["test"].split("::")[1]: row for row in json.loads((tmp_path / "claims.json").read_text())["rows"]}
+    assert set(rows) == {"test_predicted_to_fit", "test_undeclared"}
+    assert rows["test_predicted_to_fit"]["predicted"] == 1000 and rows["test_predicted_to_fit"]["measured"] == 5000
+    assert not rows["test_predicted_to_fit"]["passed"] and not rows["test_undeclared"]["passed"]
+    assert "use the gpu_fits fixture" in rows["test_undeclared"]["note"]
+
+
+def test_a_predicted_oom_is_skipped_with_the_prediction(gpu_fits, monkeypatch):
+    """gpu_fits skips before building anything when the calculator's peak exceeds the free memory
+    (mem_get_info faked to a 16 GiB card with 10 GiB free), and lets a step that fits through."""
+    import torch
+
+    from anatomy.config import PRESETS
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10 * 2**30, 16 * 2**30))
+    need = gpu_fits(PRESETS["seed"], Run(2, 256), "efficient")
+    assert 0 < need < 10 * 2**30
+    with pytest.raises(pytest.skip.Exception, match=r"predicted OOM: the step needs 9[0-9.]+ GiB .* 10.00 GiB free "
+                                                    r"of 16.00"):
+        gpu_fits(PRESETS["seed"], Run(16, 4096), "baseline")

@@ -20,10 +20,11 @@ def claims_table(reports: list[dict]) -> str:
     lines = ["| claim | device | components | checks | passed | worst \\|error\\| | tolerance |",
              "|---|---|---|---:|---:|---:|---:|"]
     for (claim, dev, tol), rows in sorted(groups.items()):
-        worst = max(abs(r["error"]) for r in rows)
+        errs = [abs(r["error"]) for r in rows if r["error"] is not None]  # None: no figure to compare (an OOM)
+        worst = f"{max(errs):.4%}" if errs else "–"
         comps = ", ".join(sorted({r["component"] for r in rows}))
         lines.append(f"| {claim} | {dev} | {comps} | {len(rows)} | {sum(r['passed'] for r in rows)} | "
-                     f"{worst:.4%} | {'exact' if tol == 0 else f'±{tol:.1%}'} |")
+                     f"{worst} | {'exact' if tol == 0 else f'±{tol:.1%}'} |")
     srcs = sorted({f"{rep['machine'].get('gpu', 'CPU')}, torch {rep['machine'].get('torch')}, "
                    f"triton {rep['machine'].get('triton')}, CUDA {rep['machine'].get('cuda')}, {rep['date']}: "
                    f"`{rep['command']}`" for rep in reports})
