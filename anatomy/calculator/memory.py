@@ -66,6 +66,9 @@ def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
 
 def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
            device: str = "cuda") -> dict:
+    """Bytes live at each phase boundary of a training step after the first (the optimizer's state
+    exists), and the peaks inside forward and backward, on `device` ("cuda": 512-byte blocks; "cpu":
+    exact storage sizes). backward_stages lists every candidate of the walk, in execution order."""
     dt = dtypes(run)
     rnd = rounded if device == "cuda" else (lambda n: n)
     tensors = param_tensors(cfg, variant)
