@@ -26,7 +26,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from anatomy.config import ModelConfig, Run
-from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
 
 
 class LiveStorage(TorchDispatchMode):
@@ -105,85 +104,24 @@ def measure_phases_live(cfg: ModelConfig, run: Run, variant: str = "baseline", o
                         device: str = "cpu", steps: int = 2) -> list[dict]:
     """The phases of measure.memory.measure_phases, counted by LiveStorage on `device` (CPU by default):
     init, forward, backward (its peak is the peak inside backward), optimizer. The last of `steps` steps."""
-    model = build_model(cfg, variant, device=device, dtype=param_dtype(run))
-    ids, targets = make_batch(cfg, run, device)
-    opt = None
-    if optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-    elif optimizer == "ademamix":
-        from anatomy.optim import AdEMAMix
+    from anatomy.measure.memory import phased_steps, setup_step
 
-        opt = AdEMAMix(model.parameters(), lr=1e-4)
-    elif optimizer is not None:
-        raise ValueError(f"unknown optimizer {optimizer!r}")
+    model, ids, targets, opt = setup_step(cfg, run, variant, optimizer, device)
     live = LiveStorage()
     live.track(*model.parameters(), ids, targets)
     with live:
-        phases = [live.phase("init")]
-        for _ in range(steps):
-            phases = phases[:1]
-            with autocast_ctx(run, torch.device(device).type):
-                loss = model(ids, targets)
-            phases.append(live.phase("forward"))
-            loss.backward()
-            del loss
-            phases.append(live.phase("backward"))
-            if opt is not None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                phases.append(live.phase("optimizer"))
-            else:
-                model.zero_grad(set_to_none=True)
-    return phases
+        return phased_steps(model, ids, targets, opt, run, steps, live.phase, torch.device(device).type)
 
 
 def record_step_live(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = "adamw",
                      steps: int = 2, device: str = "cpu") -> dict:
     """The CPU counterpart of anatomy.measure.memory.record_step: a model build and `steps` training
     steps recorded by LiveStorage, with component and phase markers, as a snapshot dict."""
-    from anatomy.measure.components import ComponentTracker
+    from anatomy.measure.memory import marked_steps, setup_step
 
     live = LiveStorage(record=True)
-
-    class Marking(ComponentTracker):  # leaves a marker whenever the running component changes
-        @property
-        def label(self) -> str:
-            return self._label
-
-        @label.setter
-        def label(self, value: str) -> None:
-            if value != getattr(self, "_label", None):
-                live.marker(value)
-            self._label = value
-
     with live:
-        model = build_model(cfg, variant, device=device, dtype=param_dtype(run))
-        ids, targets = make_batch(cfg, run, device)
-        opt = None
-        if optimizer == "adamw":
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-        elif optimizer == "ademamix":
-            from anatomy.optim import AdEMAMix
-
-            opt = AdEMAMix(model.parameters(), lr=1e-4)
-        with Marking(model, track_backward=True) as tracker:
-            for _ in range(steps):
-                live.marker("phase:forward")
-                with autocast_ctx(run, torch.device(device).type):
-                    loss = model(ids, targets)
-                tracker.tag_backward()
-                live.marker("phase:backward")
-                loss.backward()
-                del loss
-                tracker._calls.clear()
-                if opt is not None:
-                    live.marker("phase:optimizer")
-                    tracker.label = "optimizer"
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    tracker.label = "other"
-                else:
-                    model.zero_grad(set_to_none=True)
-                live.marker("phase:end")
+        model, ids, targets, opt = setup_step(cfg, run, variant, optimizer, device)
+        marked_steps(model, ids, targets, opt, run, steps, live.marker, torch.device(device).type)
         del model, opt, ids, targets
     return live.snapshot()

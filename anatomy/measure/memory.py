@@ -34,18 +34,43 @@ def _phase(name: str) -> Phase:
     return p
 
 
-def _setup(cfg: ModelConfig, run: Run, variant: str, optimizer: str | None):
-    """The model, a batch and the optimizer on the GPU, as a training step would have them."""
-    model = build_model(cfg, variant, device="cuda", dtype=param_dtype(run))
-    ids, targets = make_batch(cfg, run, "cuda")
+def setup_step(cfg: ModelConfig, run: Run, variant: str, optimizer: str | None, device: str = "cuda"):
+    """The model, a batch and the optimizer on `device`, as a training step would have them (fused
+    optimizers on CUDA, plain ones elsewhere)."""
+    model = build_model(cfg, variant, device=device, dtype=param_dtype(run))
+    ids, targets = make_batch(cfg, run, device)
     opt = None
     if optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        kw = dict(fused=True) if device == "cuda" else dict(foreach=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **kw)
     elif optimizer == "ademamix":
-        from anatomy.optim import FusedAdEMAMix
+        from anatomy.optim import AdEMAMix, FusedAdEMAMix
 
-        opt = FusedAdEMAMix(model.parameters(), lr=1e-4)
+        opt = (FusedAdEMAMix if device == "cuda" else AdEMAMix)(model.parameters(), lr=1e-4)
+    elif optimizer is not None:
+        raise ValueError(f"unknown optimizer {optimizer!r}")
     return model, ids, targets, opt
+
+
+def phased_steps(model, ids, targets, opt, run: Run, steps: int, phase, device: str = "cuda") -> list:
+    """`steps` training steps; phase(name) is called at every phase boundary and its results of the
+    last step are returned (the first step warms up kernels and allocates optimizer state)."""
+    phases = [phase("init")]
+    for _ in range(steps):
+        phases = phases[:1]
+        with autocast_ctx(run, device):
+            loss = model(ids, targets)
+        phases.append(phase("forward"))
+        loss.backward()
+        del loss
+        phases.append(phase("backward"))
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            phases.append(phase("optimizer"))
+        else:
+            model.zero_grad(set_to_none=True)
+    return phases
 
 
 def measure_phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = "adamw",
@@ -54,42 +79,54 @@ def measure_phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimi
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    model, ids, targets, opt = _setup(cfg, run, variant, optimizer)
-    phases = [_phase("init")]
-    for _ in range(steps):
-        phases = phases[:1]
-        with autocast_ctx(run, "cuda"):
-            loss = model(ids, targets)
-        phases.append(_phase("forward"))
-        loss.backward()
-        del loss
-        phases.append(_phase("backward"))
-        if opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            phases.append(_phase("optimizer"))
-        else:
-            model.zero_grad(set_to_none=True)
+    model, ids, targets, opt = setup_step(cfg, run, variant, optimizer)
+    phases = phased_steps(model, ids, targets, opt, run, steps, _phase)
     out = [dict(asdict(p), allocated=p.allocated - base, peak=p.peak - base) for p in phases]
     del model, opt, ids, targets
     torch.cuda.empty_cache()
     return out
 
 
-class _MarkingTracker(ComponentTracker):
-    """ComponentTracker that leaves a marker in the allocator trace whenever the running component
-    changes, so the replay (anatomy.measure.forensics) can credit allocations that carry no Python
-    frames of ours: the built-in backward ops, which run on the autograd engine's device thread."""
+def marking_tracker(mark):
+    """A ComponentTracker that calls mark(label) whenever the running component changes, so a replay
+    (anatomy.measure.forensics) can credit allocations that carry no Python frames of ours: the
+    built-in backward ops, which run on the autograd engine's device thread."""
 
-    @property
-    def label(self) -> str:
-        return self._label
+    class Marking(ComponentTracker):
+        @property
+        def label(self) -> str:
+            return self._label
 
-    @label.setter
-    def label(self, value: str) -> None:
-        if value != getattr(self, "_label", None):
-            _anatomy_marker(value)
-        self._label = value
+        @label.setter
+        def label(self, value: str) -> None:
+            if value != getattr(self, "_label", None):
+                mark(value)
+            self._label = value
+
+    return Marking
+
+
+def marked_steps(model, ids, targets, opt, run: Run, steps: int, mark, device: str = "cuda") -> None:
+    """`steps` training steps with component markers (marking_tracker) and phase markers."""
+    with marking_tracker(mark)(model, track_backward=True) as tracker:
+        for _ in range(steps):
+            mark("phase:forward")
+            with autocast_ctx(run, device):
+                loss = model(ids, targets)
+            tracker.tag_backward()
+            mark("phase:backward")
+            loss.backward()
+            del loss
+            tracker._calls.clear()  # this step's graph is gone; the next forward records its own
+            if opt is not None:
+                mark("phase:optimizer")
+                tracker.label = "optimizer"
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                tracker.label = "other"
+            else:
+                model.zero_grad(set_to_none=True)
+            mark("phase:end")
 
 
 def _anatomy_marker(label: str) -> None:
@@ -113,26 +150,8 @@ def record_step(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                              max_entries=max_entries, clear_history=True)
     try:
-        model, ids, targets, opt = _setup(cfg, run, variant, optimizer)
-        with _MarkingTracker(model, track_backward=True) as tracker:
-            for _ in range(steps):
-                _anatomy_marker("phase:forward")
-                with autocast_ctx(run, "cuda"):
-                    loss = model(ids, targets)
-                tracker.tag_backward()
-                _anatomy_marker("phase:backward")
-                loss.backward()
-                del loss
-                tracker._calls.clear()  # this step's graph is gone; the next forward records its own
-                if opt is not None:
-                    _anatomy_marker("phase:optimizer")
-                    tracker.label = "optimizer"
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    tracker.label = "other"
-                else:
-                    model.zero_grad(set_to_none=True)
-                _anatomy_marker("phase:end")
+        model, ids, targets, opt = setup_step(cfg, run, variant, optimizer)
+        marked_steps(model, ids, targets, opt, run, steps, _anatomy_marker)
         torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
     finally:
