@@ -12,7 +12,7 @@ The peak is the largest candidate. The stages were read off op-by-op traces of t
 CPU (anatomy.measure.liveness). A stage's transients are the tensors of its largest moment, not every
 temporary: exact where the peak usually is (the loss's two fp32 (T, V) gradients, the baseline's
 fp32 (B, nh, S, S) score gradients in the last layer, the first MLP of the efficient model), close
-elsewhere (validations/test_memory_walk.py: within ±3%, mean 0.2%, on CPU).
+elsewhere (validations/test_memory_walk.py: within ±3% on CPU; see reports/cpu/claims.json).
 """
 from __future__ import annotations
 
