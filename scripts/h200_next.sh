@@ -15,6 +15,8 @@ part() {  # part NAME SECONDS CMD...
   echo "   rc=$? $name $((SECONDS - t0)) s"; tail -3 "$R/$name.log"; pack
 }
 python3 scripts/env_json.py > "$R/env.json"; cat "$R/env.json"
+# 0. where the efficient seed step's time goes (issues 3 and 5)
+part profile-seed-efficient 90 python3 bench/profile_step.py --peer efficient --json "$R/profile-seed-efficient.json"
 # 1. peak memory (issue 4): the CUDA attention hypothesis and the efficient model's fixed ~11 MiB
 part forensics-seed-b2s4096-baseline 90 python3 -m anatomy.cli forensics --preset seed --batch 2 --seq 4096 \
   --variant baseline --optimizer none --device cuda --png "$R/forensics-seed-b2s4096-baseline.png" \
@@ -27,8 +29,4 @@ part probe-memory-hypothesis 120 python3 scripts/probe_memory.py --skip-named --
   --out "$R/probe_memory_hypothesis.json"
 # 3. the timing model's measured profile (issue 5)
 part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 100
-# 4. baselines.json and the regression gate (issue 4)
-part baselines 80 python3 -m pytest validations/test_benchmarks.py -m gpu -q -p no:cacheprovider \
-  --benchmark-enable --benchmark-json="$R/baselines.json"
-part gate-demo 90 env DIR="$R/gate" bash scripts/bench_gate_demo.sh
 echo done

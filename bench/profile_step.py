@@ -1,0 +1,113 @@
+"""Where one training step's GPU time goes: torch.profiler over a few steps of one peer.
+
+python3 bench/profile_step.py --peer efficient --preset seed --batch 16 --seq 4096 --json OUT.json [--trace T.json.gz]
+
+Writes, per step: wall time (CUDA events), GPU busy time (the union of kernel intervals, so that idle
+gaps where the GPU waits for the host show up as wall - busy), and every kernel name with its count
+and device time, grouped into families by name (GEMM, attention, Triton, elementwise, reduction,
+copy). The peers and the step are bench/step.py's; nothing here reads the calculator.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).parent))
+from step import build  # noqa: E402
+
+from anatomy.config import ModelConfig, Run  # noqa: E402
+
+FAMILIES = (("attention", r"cudnn|fmha|flash|attention|sdpa"), ("gemm", r"gemm|sm90|cutlass|nvjet|xmma|gemv"),
+            ("triton", r"^triton|_kernel$|liger"), ("reduction", r"reduce|sum|norm"),
+            ("copy", r"copy|memcpy|memset|cat|fill"), ("elementwise", r"elementwise|vectorized|unrolled"))
+
+
+def family(name: str) -> str:
+    return next((f for f, rx in FAMILIES if re.search(rx, name, re.I)), "other")
+
+
+def busy_union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -1.0
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--peer", default="efficient")
+    p.add_argument("--preset", default="seed")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--json", required=True)
+    p.add_argument("--trace")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_step: no CUDA device", file=sys.stderr)
+        return 2
+    cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp")
+    torch.manual_seed(0)
+    model, step = build(a.peer, cfg)
+    ids = torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda")
+
+    def one():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step(ids, ids)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        one()
+    torch.cuda.synchronize()
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.steps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            one()
+            e.record()
+            torch.cuda.synchronize()
+            walls.append(s.elapsed_time(e))
+    kernels = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = busy_union([(ev.time_range.start, ev.time_range.end) for ev in kernels]) / 1e3 / a.steps
+    table = defaultdict(lambda: [0, 0.0])
+    for ev in kernels:
+        table[ev.name][0] += 1
+        table[ev.name][1] += ev.device_time / 1e3
+    rows = sorted(({"name": n, "family": family(n), "count": c / a.steps, "ms": t / a.steps}
+                   for n, (c, t) in table.items()), key=lambda r: -r["ms"])
+    fams = defaultdict(float)
+    for r in rows:
+        fams[r["family"]] += r["ms"]
+    res = dict(peer=a.peer, preset=a.preset, batch=run.batch, seq=run.seq, steps=a.steps, wall_ms=walls,
+               gpu_busy_ms=busy_ms, kernel_ms=sum(r["ms"] for r in rows), kernels_per_step=len(kernels) / a.steps,
+               families=dict(sorted(fams.items(), key=lambda kv: -kv[1])), kernels=rows,
+               gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,
+               date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+               command="python3 bench/profile_step.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    Path(a.json).write_text(json.dumps(res, indent=1))
+    if a.trace:
+        prof.export_chrome_trace(a.trace)
+    print(f"{a.peer} {a.preset} B{run.batch} S{run.seq}: wall {min(walls):.2f} ms, GPU busy {busy_ms:.2f} ms, "
+          f"{res['kernels_per_step']:.0f} kernels/step")
+    for f, ms in res["families"].items():
+        print(f"  {f:12s} {ms:8.2f} ms")
+    for r in rows[:25]:
+        print(f"  {r['ms']:8.3f} ms  x{r['count']:5.0f}  {r['family']:11s} {r['name'][:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
