@@ -34,10 +34,6 @@ def _known(rows, misses: dict):
 # backward end -11.9%): one-time CUDA allocations of the process's first steps, not in its baseline.
 _FIRST = {"seed-B4S1024-baseline-adamw": "first case in the probe process: +69 MB in every phase"}
 _BWD_MISSES = {
-    # CPU's live storages match the walk exactly here (loss-bound there); on the H200 the S=4096
-    # attention backward holds about 1 GB more: the CUDA score gradients' lifetimes differ (open)
-    "seed-B2S4096-baseline": "CUDA attention backward at S=4096 holds ~1 GB more than the CPU walk (-7.2%)",
-    "seed-B2S4096-baseline-adamw": "CUDA attention backward at S=4096 holds ~1 GB more than the CPU walk (-7.1%)",
     # Started from the measured forward end, the walk is short at its peak stage by a fixed amount:
     # 11 MiB for both seed runs, 5.2 MiB for tiny-gqa, 0 for anchor-1b (the probe's last case). A CUDA
     # allocation made once inside backward (a workspace, suspected), not yet attributed.
@@ -143,8 +139,7 @@ def test_backward_peak_matches_h200_probe_hypothesis(row, claims):
 # 10 timed steps of configs the probe never ran: an independent check of the whole-step peak.
 STEPS = {"session1/step-seed-efficient.json": "efficient", "session3/step-seed-efficient.json": "efficient",
          "session1/step-1b-efficient.json": "efficient", "session1/step-seed-baseline.json": "baseline"}
-_STEP_MISSES = {"session1/step-seed-baseline.json": "the same CUDA attention backward at S=4096 as the probe's "
-                "seed B2S4096 rows (-7.2%)"}
+_STEP_MISSES: dict[str, str] = {}  # (seed baseline at S=4096 was one until the CUDA softmax tmp)
 
 
 @pytest.mark.parametrize("rel", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=_STEP_MISSES[r]))
@@ -209,6 +204,6 @@ def test_a_predicted_oom_is_skipped_with_the_prediction(gpu_fits, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10 * 2**30, 16 * 2**30))
     need = gpu_fits(PRESETS["seed"], Run(2, 256), "efficient")
     assert 0 < need < 10 * 2**30
-    with pytest.raises(pytest.skip.Exception, match=r"predicted OOM: the step needs 9[0-9.]+ GiB .* 10.00 GiB free "
+    with pytest.raises(pytest.skip.Exception, match=r"predicted OOM: the step needs [0-9.]+ GiB .* 10.00 GiB free "
                                                     r"of 16.00"):
         gpu_fits(PRESETS["seed"], Run(16, 4096), "baseline")

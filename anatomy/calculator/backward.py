@@ -167,9 +167,12 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
             w.alloc(-gu, -gg)
             gn = T * H * r
         else:
-            w.alloc(2 * T * I * c, -gi)  # swiglu_backward: d(gate_up), (T, 2I)
-            w.peak(tag + "mlp.act")
+            # swiglu_packed's backward writes d(gate_up) into the saved gate_up storage: the same
+            # (T, 2I) bytes change kind from activation to gradient, and nothing is allocated
             w.free("mlp.gate_up")
+            w.alloc(2 * T * I * c)
+            w.peak(tag + "mlp.act")
+            w.alloc(-gi)  # d(h) gone
             gn = linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.")
         g = residual_add(tag + "mlp residual add", g, norm(tag + "norm 2", gn))
         # ---- attention branch
@@ -183,8 +186,12 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
             w.free("attention.probs_cast", "attention.v")
             w.alloc(-T * H * c)
             w.alloc(scores * 4, -scores * c)  # d(P) to fp32
-            w.alloc(scores * 4)  # softmax's backward
+            # softmax's backward; on CUDA it first makes tmp = grad * output, a third fp32 (B, nh, S, S)
+            # (aten/src/ATen/native/cuda/SoftMax.cu, softmax_backward_cuda_out), freed when it returns
+            tmp = scores * 4 if est.device == "cuda" else 0
+            w.alloc(scores * 4, tmp)
             w.peak(tag + "attention.softmax")
+            w.alloc(-tmp)
             w.free("attention.probs_fp32")
             w.alloc(scores * c, -scores * 4, -scores * 4)  # back to the scores' dtype, then scaled
             w.alloc(2 * kv_exp)  # QKᵀ's backward: d(q), d(k) expanded

@@ -138,8 +138,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     o.mem("mlp.swiglu", "mlp", "forward", T * 2 * I * c, T * I * c, L, host="swiglu.forward")
     o.mem("mlp.swiglu.backward", "mlp", "backward", T * I * c + T * 2 * I * c, T * 2 * I * c, L,
           host="swiglu.backward")
-    # gate and up are the two halves of one tensor: split's backward cats their gradients (a copy)
-    o.mem("mlp.gate_up.split_backward", "mlp", "backward", T * 2 * I * c, T * 2 * I * c, L)
+    # (swiglu_packed owns the split, so no SplitBackward cats dgate and dup: d(gate_up) is gate_up's storage)
     o.linear("mlp.down", "mlp", I, H, L)
     _residual(o, "mlp", L)
     _liger_loss(o)

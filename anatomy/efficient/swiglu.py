@@ -1,13 +1,13 @@
 """The MLP: one gate_up matmul, one fused activation kernel (anatomy.kernels.swiglu), then down.
 
 gate and up come from one (H -> 2I) projection and are read as the two column halves of its
-output: one matmul launch instead of two, and one saved storage. The activation kernel saves
-only gate and up (silu and the gpt-oss clamp masks are recomputed in backward) and writes
-dgate/dup in place into that storage. State dict: gate_up.weight = cat(gate.weight, up.weight)."""
+output: one matmul launch instead of two, and one saved storage. The activation op takes the
+whole gate_up tensor (so no SplitBackward has to cat the two gradients), saves only it (silu and
+the gpt-oss clamp masks are recomputed in backward) and writes d(gate_up) in place into it. State dict: gate_up.weight = cat(gate.weight, up.weight)."""
 import torch
 from torch import nn
 
-from anatomy.kernels import swiglu
+from anatomy.kernels import swiglu_packed
 
 
 class MLP(nn.Module):
@@ -20,5 +20,5 @@ class MLP(nn.Module):
         self.down = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, H)
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)  # views of one (B, S, 2I) tensor
-        return self.down(swiglu(gate, up, self.variant))  # down keeps the (B, S, I) activation
+        gate_up = self.gate_up(x)  # (B, S, 2I): gate and up are its column halves
+        return self.down(swiglu_packed(gate_up, self.variant))  # (B, S, I); down keeps it

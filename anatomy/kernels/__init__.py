@@ -2,6 +2,7 @@
 
     rms_norm(x, weight, eps)                    -> y                 saves x, weight
     swiglu(gate, up, variant)                   -> h                 saves gate, up
+    swiglu_packed(gate_up, variant)             -> h                 saves gate_up; d(gate_up) in place
     rope_qkv(qkv, cos, sin, heads, kv_heads)    -> (q, k, v)         saves cos, sin
 
 Each op: plain-torch reference on CPU (and any non-CUDA device), Triton kernel on CUDA, fake
@@ -15,12 +16,12 @@ from anatomy.kernels.rmsnorm import (rms_norm, rms_norm_backward_reference, rms_
                                      rms_norm_reference, rms_norm_triton)
 from anatomy.kernels.rope import (rope_qkv, rope_qkv_backward_reference, rope_qkv_backward_triton, rope_qkv_reference,
                                   rope_qkv_triton)
-from anatomy.kernels.swiglu import (VARIANTS as SWIGLU_VARIANTS, swiglu, swiglu_backward_reference,
+from anatomy.kernels.swiglu import (VARIANTS as SWIGLU_VARIANTS, swiglu, swiglu_backward_reference, swiglu_packed,
                                     swiglu_backward_triton, swiglu_reference, swiglu_triton)
 
 __all__ = [
     "HAS_TRITON", "INTERPRET", "triton_on_cpu", "SWIGLU_VARIANTS",
     "rms_norm", "rms_norm_reference", "rms_norm_backward_reference", "rms_norm_triton", "rms_norm_backward_triton",
-    "swiglu", "swiglu_reference", "swiglu_backward_reference", "swiglu_triton", "swiglu_backward_triton",
+    "swiglu", "swiglu_packed", "swiglu_reference", "swiglu_backward_reference", "swiglu_triton", "swiglu_backward_triton",
     "rope_qkv", "rope_qkv_reference", "rope_qkv_backward_reference", "rope_qkv_triton", "rope_qkv_backward_triton",
 ]

@@ -1,0 +1,143 @@
+"""Per-component GPU time of a training step, measured in place (no calculator import).
+
+Method: the component markers of anatomy.measure.memory.marked_steps (module hooks in forward,
+autograd-node pre-hooks in backward) call mark(label) whenever the running component changes and
+at every phase boundary. Each mark records a timestamp: on CUDA a torch.cuda.Event recorded on the
+current stream (so the interval between two marks is the GPU time of the work enqueued between
+them, idle gaps included), on CPU time.perf_counter(). attribute() turns consecutive marks into
+intervals and credits each one to (phase, component): the phase of the last "phase:*" mark, the
+component of the last component label (what ComponentTracker.label holds at that moment; it is
+not reset by a phase mark, because the tracker only marks changes: a forward that starts in the
+component the backward ended in emits no label). Intervals before the first phase mark and after
+"phase:end" are not part of a step. Steps are the same loop without marks, timed around forward +
+backward and around the whole step, so the markers' overhead shows as marked - plain.
+
+Reported (milliseconds, the median over `steps` timed steps of each entry separately, so the
+medians need not add up; every entry of `per_step` does):
+  components  {phase: {component: ms}}   phases  {phase: ms}
+  forward_backward_ms, step_ms            (marked)
+  plain_forward_backward_ms, plain_step_ms  (unmarked)
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from anatomy.config import ModelConfig, Run
+from anatomy.measure.memory import marked_steps, setup_step
+from anatomy.models import autocast_ctx
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def attribute(marks: list[tuple[str, float]], label: str = "other") -> dict[str, dict[str, float]]:
+    """{phase: {component: summed interval}} over a mark sequence [(label, time)], in the marks' time
+    unit. `label` is the component running before the first mark."""
+    out: dict[str, dict[str, float]] = {}
+    phase = None
+    for (name, t), (_, t_next) in zip(marks, marks[1:] + [(None, None)]):
+        if name.startswith("phase:"):
+            phase = None if name == "phase:end" else name[len("phase:"):]
+        else:
+            label = name
+        if phase is not None and t_next is not None:
+            comps = out.setdefault(phase, {})
+            comps[label] = comps.get(label, 0.0) + (t_next - t)
+    return out
+
+
+class _Clock:
+    """now() stamps the current point of the device's work; ms(a, b) is the time from a to b (after sync())."""
+
+    def __init__(self, device: str):
+        self.cuda = str(device).startswith("cuda")
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()  # on the calling thread's current stream (the autograd engine sets the node's stream)
+        return ev
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+
+def _split_steps(marks: list[tuple[str, float]]) -> list[list[tuple[str, float]]]:
+    """One mark list per step, each from its "phase:forward" to its "phase:end", led by the component
+    label carried in from before (at the step's start time, so it spans nothing)."""
+    steps, label, cur = [], "other", None
+    for name, t in marks:
+        if name == "phase:forward":
+            cur = [(label, t)]
+        if cur is not None:
+            cur.append((name, t))
+        if name == "phase:end" and cur is not None:
+            steps.append(cur)
+            cur = None
+        if not name.startswith("phase:"):
+            label = name
+    return steps
+
+
+def _one_step(comps: dict[str, dict[str, float]]) -> dict:
+    phases = {ph: sum(comps.get(ph, {}).values(), 0.0) for ph in PHASES}
+    return dict(components=comps, phases=phases, forward_backward_ms=phases["forward"] + phases["backward"],
+                step_ms=sum(phases.values()))
+
+
+def _median(per_step: list[dict]) -> dict:
+    med = statistics.median
+    keys = {(ph, c) for s in per_step for ph, cs in s["components"].items() for c in cs}
+    comps: dict[str, dict[str, float]] = {}
+    for ph, c in sorted(keys):
+        comps.setdefault(ph, {})[c] = med(s["components"].get(ph, {}).get(c, 0.0) for s in per_step)
+    return dict(components=comps, phases={ph: med(s["phases"][ph] for s in per_step) for ph in PHASES},
+                forward_backward_ms=med(s["forward_backward_ms"] for s in per_step),
+                step_ms=med(s["step_ms"] for s in per_step))
+
+
+def _plain_steps(model, ids, targets, opt, run: Run, steps: int, clock: _Clock, device: str) -> list[tuple]:
+    """`steps` unmarked steps: (start, after backward, end) stamps of each."""
+    stamps = []
+    for _ in range(steps):
+        t0 = clock.now()
+        with autocast_ctx(run, device):
+            loss = model(ids, targets)
+        loss.backward()
+        del loss
+        t1 = clock.now()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+        stamps.append((t0, t1, clock.now()))
+    return stamps
+
+
+def component_times(cfg: ModelConfig, run: Run, variant: str, optimizer: str | None = "adamw", steps: int = 6,
+                    warmup: int = 2, device: str = "cuda") -> dict:
+    """Median per-step times (ms) per phase and component, marked, and of plain unmarked steps."""
+    clock = _Clock(device)
+    model, ids, targets, opt = setup_step(cfg, run, variant, optimizer, device)  # ids, targets: (B, S) int64
+    marked_steps(model, ids, targets, opt, run, warmup, lambda label: None, device)
+    raw: list[tuple[str, object]] = []  # (label, Event or perf_counter seconds), in call order
+    marked_steps(model, ids, targets, opt, run, steps, lambda label: raw.append((label, clock.now())), device)
+    plain = _plain_steps(model, ids, targets, opt, run, steps, clock, device)
+    clock.sync()
+    marks = [(name, clock.ms(raw[0][1], t)) for name, t in raw]  # ms since the first mark
+    per_step = [_one_step(attribute(s)) for s in _split_steps(marks)]
+    out = dict(_median(per_step), steps=steps, warmup=warmup, device=str(device), marks_per_step=len(raw) // steps,
+               plain_forward_backward_ms=statistics.median(clock.ms(a, b) for a, b, _ in plain),
+               plain_step_ms=statistics.median(clock.ms(a, c) for a, _, c in plain), per_step=per_step)
+    del model, opt, ids, targets, plain
+    if clock.cuda:
+        torch.cuda.empty_cache()
+    return out
