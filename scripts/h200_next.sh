@@ -19,23 +19,21 @@ part() {  # part NAME SECONDS CMD...
   echo "   rc=$? $name $((SECONDS - t0)) s"; tail -2 "$R/$name.log"; pack
 }
 python3 scripts/env_json.py > "$R/env.json"; cat "$R/env.json"
-# where the efficient seed step's time goes, and this machine's profile (issues 3, 5)
-part profile-seed-efficient 60 python3 bench/profile_step.py --peer efficient --json "$R/profile-seed-efficient.json" \
-  --trace "$R/trace-seed-efficient.json.gz"
+# where the efficient model's backward peak differs from the walk on small configs (issue 4): the
+# peak inside backward, with the raw snapshot for an offline replay
+fx() {  # fx NAME CONFIG-FLAGS...
+  local name=$1; shift
+  part "forensics-$name" 40 python3 -m anatomy.cli forensics "$@" --variant efficient --optimizer none --device cuda \
+    --peak-phase backward --png "$R/forensics-$name.png" --out "$R/forensics-$name.json" --snapshot "$R/snap-$name.pkl"
+}
+fx hyp31 --hidden 128 --layers 1 --heads 2 --kv-heads 1 --intermediate 256 --vocab 49999 --batch 4 --seq 2048
+fx hyp23 --hidden 512 --layers 3 --heads 8 --kv-heads 8 --intermediate 192 --vocab 1000 --tie-embeddings --batch 4 --seq 256
+fx tiny-gqa --hidden 256 --layers 2 --heads 8 --kv-heads 2 --intermediate 640 --vocab 5000 --batch 4 --seq 512
+fx hyp10 --hidden 1024 --layers 2 --heads 8 --kv-heads 1 --intermediate 2432 --vocab 3128 --batch 1 --seq 128
+fx seed-b4s1024 --preset seed --batch 4 --seq 1024
+# this machine's profile, then per-component GPU and host time on named and drawn configs (issue 5)
 part calibrate 60 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 40
-# per-component time on named and drawn configs (issue 5)
 part probe-timing 150 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
 part probe-timing-hypothesis 120 python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed 2026 \
   --out "$R/probe_timing_hypothesis.json"
-# peak memory with this tree's MLP (issue 4)
-part probe-memory 60 python3 scripts/probe_memory.py --out "$R/probe_memory.json"
-part probe-memory-hypothesis 60 python3 scripts/probe_memory.py --skip-named --hypothesis 32 --seed 2026 \
-  --out "$R/probe_memory_hypothesis.json"
-# the peers, one process each, in one session (issue 3)
-for peer in efficient hf-liger hf efficient-compile; do
-  part "step-seed-$peer" 60 python3 bench/step.py --peer "$peer" --json "$R/step-seed-$peer.json"
-done
-for peer in efficient hf-liger; do
-  part "step-1b-$peer" 60 python3 bench/step.py --peer "$peer" --preset anchor-1b --batch 4 --json "$R/step-1b-$peer.json"
-done
 echo done

@@ -163,7 +163,7 @@ class Replay:
         return list(live.values())
 
 
-def replay(snapshot: dict, device: int = 0) -> Replay:
+def replay(snapshot: dict, device: int = 0, peak_phase: str | None = None) -> Replay:
     """Replay device `device`'s allocator trace (torch.cuda.memory._snapshot()["device_traces"]).
 
     Memory allocated before the trace began shows up as frees with no recorded alloc, or as blocks
@@ -214,14 +214,14 @@ def replay(snapshot: dict, device: int = 0) -> Replay:
     total, r.peak, r.peak_pos = r.pre_existing, r.pre_existing, -1
     for i, ev in enumerate(r.events):
         total += ev.delta
-        if total > r.peak:
+        if total > r.peak and peak_phase in (None, ev.phase):  # peak_phase: the peak inside that phase
             r.peak, r.peak_pos = total, i
     return r
 
 
-def attribute_peak(snapshot: dict, top: int = 12, device: int = 0) -> dict:
+def attribute_peak(snapshot: dict, top: int = 12, device: int = 0, phase: str | None = None) -> dict:
     """The peak's contents: bytes live at the peak by component and by kind, and the `top` largest."""
-    r = replay(snapshot, device)
+    r = replay(snapshot, device, phase)  # the peak inside `phase` when given
     live = r.live_at(r.peak_pos)
     by_comp: dict[str, int] = defaultdict(int)
     by_kind: dict[str, int] = defaultdict(int)
@@ -355,6 +355,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=12, help="how many of the largest live allocations to list")
     p.add_argument("--png", help="plot path (default .anatomy/forensics/<config>-<variant>-B<b>-S<s>.png)")
     p.add_argument("--out", help="JSON report path (default: the plot's path with .json)")
+    p.add_argument("--peak-phase", choices=("forward", "backward", "optimizer"),
+                   help="attribute the peak inside this phase instead of the step's overall peak")
     p.add_argument("--snapshot", help="also pickle the raw snapshot here (for pytorch.org/memory_viz)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if present, else cpu (live tensor "
                    "storage, anatomy.measure.liveness: exact sizes, no allocator rounding)")
@@ -397,12 +399,13 @@ def main(argv=None) -> int:
 
         Path(a.snapshot).parent.mkdir(parents=True, exist_ok=True)
         Path(a.snapshot).write_bytes(pickle.dumps(snap))
-    r = replay(snap)
+    r = replay(snap, peak_phase=a.peak_phase)
     where = torch.cuda.get_device_name(0) if device == "cuda" else "CPU live tensor storage"
     title = f"{cfg.name} · {a.variant} · B={run.batch} S={run.seq} {run.dtype} · {where}"
     plot_timeline(r, png, title)
     report = dict(title=title, config=cfg.to_dict(), run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype),
-                  variant=a.variant, optimizer=opt, phases=phases, peak=attribute_peak(snap, a.top),
+                  variant=a.variant, optimizer=opt, phases=phases,
+                  peak=attribute_peak(snap, a.top, phase=a.peak_phase),
                   png=str(png), out=str(out), device=where, torch=torch.__version__,
                   cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                   command="anatomy forensics " + " ".join(sys.argv[1:] if argv is None else argv))

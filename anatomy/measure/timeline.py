@@ -12,6 +12,9 @@ component the backward ended in emits no label). Intervals before the first phas
 "phase:end" are not part of a step. Steps are the same loop without marks, timed around forward +
 backward and around the whole step, so the markers' overhead shows as marked - plain.
 
+The same marks also stamp the host clock (time.perf_counter), so `host` holds the same breakdown
+of when the host issued each component's work: host-bound where it matches the GPU figure.
+
 Reported (milliseconds, the median over `steps` timed steps of each entry separately, so the
 medians need not add up; every entry of `per_step` does):
   components  {phase: {component: ms}}   phases  {phase: ms}
@@ -128,13 +131,20 @@ def component_times(cfg: ModelConfig, run: Run, variant: str, optimizer: str | N
     clock = _Clock(device)
     model, ids, targets, opt = setup_step(cfg, run, variant, optimizer, device)  # ids, targets: (B, S) int64
     marked_steps(model, ids, targets, opt, run, warmup, lambda label: None, device)
-    raw: list[tuple[str, object]] = []  # (label, Event or perf_counter seconds), in call order
-    marked_steps(model, ids, targets, opt, run, steps, lambda label: raw.append((label, clock.now())), device)
+    # (label, Event or perf_counter seconds, host perf_counter seconds), in call order
+    raw: list[tuple[str, object, float]] = []
+    marked_steps(model, ids, targets, opt, run, steps,
+                 lambda label: raw.append((label, clock.now(), time.perf_counter())), device)
     plain = _plain_steps(model, ids, targets, opt, run, steps, clock, device)
     clock.sync()
-    marks = [(name, clock.ms(raw[0][1], t)) for name, t in raw]  # ms since the first mark
+    marks = [(name, clock.ms(raw[0][1], t)) for name, t, _ in raw]  # device ms since the first mark
+    # the host's side: when the Python thread (or autograd's device thread) reached each mark. While
+    # the host runs ahead of the GPU this is issue time; a host sync (Liger's .item()) adds the wait.
+    host = [(name, (h - raw[0][2]) * 1e3) for name, _, h in raw]
     per_step = [_one_step(attribute(s)) for s in _split_steps(marks)]
-    out = dict(_median(per_step), steps=steps, warmup=warmup, device=str(device), marks_per_step=len(raw) // steps,
+    host_steps = [_one_step(attribute(s)) for s in _split_steps(host)]
+    out = dict(_median(per_step), host=_median(host_steps), steps=steps, warmup=warmup, device=str(device),
+               marks_per_step=len(raw) // steps,
                plain_forward_backward_ms=statistics.median(clock.ms(a, b) for a, b, _ in plain),
                plain_step_ms=statistics.median(clock.ms(a, c) for a, _, c in plain), per_step=per_step)
     del model, opt, ids, targets, plain
