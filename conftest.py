@@ -32,6 +32,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_addoption(parser):
     parser.addoption("--claims-report", default=".anatomy/claims.json",
                      help="where the claim rows (predicted vs measured) are written as JSON")
+    parser.addoption("--quick", action="store_true",
+                     help="the quick subset: leave out tests marked slow (on the H200, the seed config at "
+                          "B=16 S=4096); with -m gpu, the GPU suite's fast gate")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--quick"):
+        keep = [it for it in items if "slow" not in it.keywords]
+        config.hook.pytest_deselected(items=[it for it in items if "slow" in it.keywords])
+        items[:] = keep
 
 
 def pytest_runtest_setup(item):

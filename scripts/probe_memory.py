@@ -4,6 +4,8 @@
     PYTHONPATH=. python3 scripts/probe_memory.py --hypothesis 32 --seed 2026 \\
         --out $OUT/probe_memory_hypothesis.json                                  # + 32 drawn GPU configs
 
+Each row also holds `trace`: the same phase figures from the allocator trace's live bytes (requested
+sizes), without the slack of reused unsplit blocks that max_memory_allocated counts.
 The drawn configs come from validations.configs.gpu_configs/gpu_runs with a fixed seed; each row
 records the config it ran, so the comparison (validations/test_memory_model.py) reads the rows and
 never re-draws. With --out the JSON is rewritten after every row: a run cut short keeps its rows.
@@ -17,7 +19,7 @@ from pathlib import Path
 import torch
 
 from anatomy.config import ModelConfig, PRESETS, Run
-from anatomy.measure.memory import measure_phases
+from anatomy.measure.memory import measure_phases, trace_phases
 
 CASES = [("seed", PRESETS["seed"], Run(4, 1024)),
          ("seed", PRESETS["seed"], Run(2, 4096)),
@@ -59,7 +61,8 @@ def main() -> int:
         for variant in ("baseline", "efficient"):
             try:
                 row = dict(config=name, cfg=cfg.to_dict(), batch=run.batch, seq=run.seq, variant=variant, optimizer=opt,
-                           phases=measure_phases(cfg, run, variant, opt))
+                           phases=measure_phases(cfg, run, variant, opt),
+                           trace=trace_phases(cfg, run, variant, opt))
             except torch.OutOfMemoryError as e:
                 torch.cuda.empty_cache()
                 row = dict(config=name, cfg=cfg.to_dict(), batch=run.batch, seq=run.seq, variant=variant,

@@ -1,6 +1,16 @@
 """The phase memory model against the H200 probe committed in reports/ (a record of a real run:
-scripts/probe_memory.py; its header gives GPU, versions, date and command). A fresh GPU run of the
-same comparison is the `gpu`-marked test below."""
+scripts/probe_memory.py; its header gives GPU, versions, date and command): four named configs and
+32 configs drawn with a fixed seed, both variants, with and without AdamW for the named ones.
+
+Each phase figure is checked twice:
+  * against the allocator trace's live bytes (`trace`: every block at its requested size), ±1%:
+    what the walk models, allocation by allocation;
+  * against max_memory_allocated / memory_allocated, ±3%: what a user sees. It adds the slack of
+    cached blocks reused without being split (the caching allocator splits a large block only when
+    more than 1 MiB would remain), which no first-principles count can know: up to a few MiB.
+    A miss there is an expected failure only when the slack explains it: the trace check holds and
+    the allocator's figure is above the trace's. The claims report keeps the failed row either way.
+A fresh GPU run of the same comparison is the `gpu`-marked test below."""
 import json
 from pathlib import Path
 
@@ -9,10 +19,24 @@ import pytest
 from anatomy.calculator.memory import phases
 from anatomy.config import ModelConfig, Run
 
-PROBE = Path(__file__).parent.parent / "reports/h200/session4b/probe_memory.json"
-ALL = [r for r in json.loads(PROBE.read_text())["rows"] if "error" not in r]
-ROWS = [r for r in ALL if r["optimizer"] is None]
+PROBE_DIR = Path(__file__).parent.parent / "reports/h200/session4d"
+PROBE = PROBE_DIR / "probe_memory.json"
+
+
+def _rows(name: str) -> list[dict]:
+    f = PROBE_DIR / name
+    return [r for r in json.loads(f.read_text())["rows"] if "error" not in r] if f.exists() else []
+
+
+ALL = _rows("probe_memory.json") + _rows("probe_memory_hypothesis.json")
 TOL = 0.03  # the claim's bound for physical memory (DESIGN: relative, justified; the goal is 1%)
+TRACE_TOL = 0.01  # the goal, held against the allocator's requested bytes
+# (claim, the calculator's key, the probe's phase, "allocated" at its end or its "peak")
+FIGURES = (("memory.allocated after forward", "forward_end", "forward", "allocated"),
+           ("memory.peak in forward", "forward_peak", "forward", "peak"),
+           ("memory.peak in backward", "backward_peak", "backward", "peak"),
+           ("memory.allocated after backward", "backward_end", "backward", "allocated"),
+           ("memory.allocated after the optimizer step", "optimizer_end", "optimizer", "allocated"))
 
 
 def _ids(r):
@@ -23,129 +47,73 @@ def _predicted(r):
     return phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"]), r["variant"], r["optimizer"])
 
 
-def _known(rows, misses: dict):
-    """Rows whose miss is known and explained: strict xfail, so a fix that brings one within the
-    tolerance turns XPASS into a failure and the mark must come off."""
-    return [pytest.param(r, id=_ids(r), marks=pytest.mark.xfail(strict=True, reason=misses[_ids(r)]))
-            if _ids(r) in misses else pytest.param(r, id=_ids(r)) for r in rows]
+def _cases(trace: bool):
+    out = [pytest.param(r, f, id=f"{_ids(r)}-{f[1]}") for r in ALL for f in FIGURES
+           if f[2] in {p["name"] for p in r["phases"]} and (not trace or f[1] in r.get("trace", {}))]
+    return out or [pytest.param(None, None, marks=pytest.mark.skip(reason=f"no probe rows in {PROBE_DIR.name}: run "
+                                                                   "scripts/probe_memory.py on an H200"))]
 
 
-# The first case of the probe's process carries a constant ~69 MB in every phase (forward end -2.7%,
-# backward end -11.9%): one-time CUDA allocations of the process's first steps, not in its baseline.
-_FIRST = {"seed-B4S1024-baseline-adamw": "first case in the probe process: +69 MB in every phase"}
-_BWD_MISSES = {
-    # Started from the measured forward end, the walk is short at its peak stage by a fixed amount:
-    # 11 MiB for both seed runs, 5.2 MiB for tiny-gqa, 0 for anchor-1b (the probe's last case). A CUDA
-    # allocation made once inside backward (a workspace, suspected), not yet attributed.
-    "seed-B4S1024-efficient": "a fixed ~11 MiB CUDA allocation inside backward, unattributed (-3.0%)",
-    "tiny-gqa-B4S512-efficient": "a fixed ~5 MiB CUDA allocation inside backward, unattributed (-9.0%)",
-    "tiny-gqa-B4S512-efficient-adamw": "a fixed ~5 MiB CUDA allocation inside backward, unattributed (-9.6%)",
-}
+def check_phase(claims, row: dict, figure: tuple, pred: dict, measured: int, trace: dict | None, source: str):
+    """The ±3% claim on the allocator's figure; an expected failure only when the trace explains it."""
+    claim, key, _, _ = figure
+    config = _ids(row) + ("" if row["config"] in ("seed", "tiny-gqa", "anchor-1b") else str(row["cfg"]))
+    try:
+        claims.check(claim, component="model", config=config, variant=row["variant"], predicted=pred[key],
+                     measured=measured, tolerance=TOL, device="cuda", unit="B", note=source)
+    except AssertionError:
+        t = (trace or {}).get(key)
+        if t and abs(pred[key] - t) <= TRACE_TOL * t and measured > t:
+            pytest.xfail(f"allocator slack: the allocator's figure is {(measured - t) / 2**20:.2f} MiB above the "
+                         f"trace's live bytes, which the walk is {(pred[key] - t) / t:+.3%} from")
+        raise
 
 
-@pytest.mark.parametrize("row", ROWS, ids=_ids)
-def test_forward_end_matches_h200_probe(row, claims):
+@pytest.mark.parametrize("row,figure", _cases(trace=False))
+def test_phase_matches_h200_probe(row, figure, claims):
     ph = {p["name"]: p for p in row["phases"]}
-    pred = _predicted(row)
-    claims.check("memory.allocated after forward", component="model", config=_ids(row), variant=row["variant"],
-                 predicted=pred["forward_end"], measured=ph["forward"]["allocated"], tolerance=TOL, device="cuda",
-                 unit="B", note=f"recorded H200 probe: {PROBE.name}")
+    check_phase(claims, row, figure, _predicted(row), ph[figure[2]][figure[3]], row.get("trace"),
+                f"recorded H200 probe: {PROBE_DIR.name}")
 
 
-@pytest.mark.parametrize("row", [r for r in ROWS if r["variant"] == "baseline"], ids=_ids)
-def test_forward_peak_matches_h200_probe_baseline(row, claims):
-    ph = {p["name"]: p for p in row["phases"]}
-    claims.check("memory.peak in forward", component="model", config=_ids(row), variant="baseline",
-                 predicted=_predicted(row)["forward_peak"], measured=ph["forward"]["peak"], tolerance=TOL,
-                 device="cuda", unit="B", note=f"recorded H200 probe: {PROBE.name}")
-
-
-@pytest.mark.parametrize("row", _known([r for r in ALL if r["variant"] == "efficient"], {
-    "tiny-gqa-B4S512-efficient-adamw": "the -4.7% its forward end already has on CUDA (unattributed)"}))
-def test_forward_peak_matches_h200_probe_efficient(row, claims):
-    """Liger's fused CE transients: the norm output, loss_1d, one logits chunk and, under autocast,
-    two bf16 casts of the head weight (memory._liger_forward_transient)."""
-    ph = {p["name"]: p for p in row["phases"]}
-    claims.check("memory.peak in forward", component="model", config=_ids(row), variant="efficient",
-                 predicted=_predicted(row)["forward_peak"], measured=ph["forward"]["peak"], tolerance=TOL,
-                 device="cuda", unit="B", note=f"recorded H200 probe: {PROBE.name}")
-
-
-@pytest.mark.parametrize("row", _known(ALL, _BWD_MISSES))
-def test_backward_peak_matches_h200_probe(row, claims):
-    ph = {p["name"]: p for p in row["phases"]}
-    pred = _predicted(row)
-    claims.check("memory.peak in backward", component="model", config=_ids(row), variant=row["variant"],
-                 predicted=pred["backward_peak"], measured=ph["backward"]["peak"], tolerance=TOL, device="cuda",
-                 unit="B", note=f"recorded H200 probe: {PROBE.name}; predicted at {pred['backward_peak_at']}")
-
-
-# After backward the efficient model holds 1.9-10 MiB more than parameters + gradients on the H200
-# (10 MiB at B4S1024, 5.3 MiB at B2S4096, 1.9 MiB for tiny-gqa; none on CPU): not yet attributed.
-_EFF_END = "efficient: 2-10 MiB beyond parameters + gradients after backward on CUDA, unattributed"
-_END_MISSES = {**_FIRST, **{k: _EFF_END for k in ("tiny-gqa-B4S512-efficient", "tiny-gqa-B4S512-efficient-adamw",
-                                                  "seed-B4S1024-efficient", "seed-B4S1024-efficient-adamw")}}
-
-
-@pytest.mark.parametrize("row", _known(ALL, _END_MISSES))
-def test_phase_ends_match_h200_probe(row, claims):
-    """After backward: parameters + gradients (+ optimizer state); after the step: the gradients gone."""
-    ph = {p["name"]: p for p in row["phases"]}
-    pred = _predicted(row)
-    for phase, key in (("backward", "backward_end"), ("optimizer", "optimizer_end")):
-        if phase in ph:
-            claims.check(f"memory.allocated after {phase}", component="model", config=_ids(row),
-                         variant=row["variant"], predicted=pred[key], measured=ph[phase]["allocated"], tolerance=TOL,
-                         device="cuda", unit="B", note=f"recorded H200 probe: {PROBE.name}")
+@pytest.mark.parametrize("row,figure", _cases(trace=True))
+def test_phase_matches_h200_allocator_trace(row, figure, claims):
+    claim, key = figure[0], figure[1]
+    claims.check(claim + " (allocator trace)", component="model", config=_ids(row), variant=row["variant"],
+                 predicted=_predicted(row)[key], measured=row["trace"][key], tolerance=TRACE_TOL, device="cuda",
+                 unit="B", note=f"recorded H200 probe: {PROBE_DIR.name}; requested bytes, no allocator slack")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["baseline", "efficient"])
 def test_phases_on_this_gpu(variant, claims):
-    from anatomy.measure.memory import measure_phases
+    from anatomy.measure.memory import measure_phases, trace_phases
 
     cfg = ModelConfig(name="mem", hidden=256, layers=2, heads=8, kv_heads=2, intermediate=640, vocab=5000)
     run = Run(4, 512)
-    ph = {p["name"]: p for p in measure_phases(cfg, run, variant, optimizer=None)}
-    pred = phases(cfg, run, variant)
-    claims.check("memory.allocated after forward", component="model", config="mem-B4S512", variant=variant,
-                 predicted=pred["forward_end"], measured=ph["forward"]["allocated"], tolerance=TOL, device="cuda",
-                 unit="B")
-    claims.check("memory.peak in backward", component="model", config="mem-B4S512", variant=variant,
-                 predicted=pred["backward_peak"], measured=ph["backward"]["peak"], tolerance=TOL, device="cuda",
-                 unit="B", note=f"predicted at {pred['backward_peak_at']}")
-    if pred["forward_peak"] is not None:
-        claims.check("memory.peak in forward", component="model", config="mem-B4S512", variant=variant,
-                     predicted=pred["forward_peak"], measured=ph["forward"]["peak"], tolerance=TOL, device="cuda",
-                     unit="B")
-
-
-# Drawn GPU configs (scripts/probe_memory.py --hypothesis N --seed S), once an H200 session has run it:
-# every row is compared; until then this collects nothing and pytest reports the empty set as a skip.
-HYP_ROWS = [r for f in sorted(PROBE.parent.parent.glob("*/probe_memory_hypothesis.json"))
-            for r in json.loads(f.read_text())["rows"] if "error" not in r]
-
-
-@pytest.mark.parametrize("row", HYP_ROWS, ids=_ids)
-def test_backward_peak_matches_h200_probe_hypothesis(row, claims):
-    ph = {p["name"]: p for p in row["phases"]}
-    pred = _predicted(row)
-    claims.check("memory.peak in backward", component="model", config=_ids(row) + str(row["cfg"]),
-                 variant=row["variant"], predicted=pred["backward_peak"], measured=ph["backward"]["peak"],
-                 tolerance=TOL, device="cuda", unit="B", note=f"drawn config; predicted at {pred['backward_peak_at']}")
+    row = dict(config="mem", batch=4, seq=512, variant=variant, optimizer="adamw", cfg=cfg.to_dict())
+    ph = {p["name"]: p for p in measure_phases(cfg, run, variant, optimizer="adamw")}
+    trace = trace_phases(cfg, run, variant, "adamw")
+    pred = phases(cfg, run, variant, "adamw")
+    for figure in FIGURES:
+        check_phase(claims, row, figure, pred, ph[figure[2]][figure[3]], trace, "this GPU")
+        claims.check(figure[0] + " (allocator trace)", component="model", config="mem-B4S512", variant=variant,
+                     predicted=pred[figure[1]], measured=trace[figure[1]], tolerance=TRACE_TOL, device="cuda",
+                     unit="B", note="this GPU; requested bytes")
 
 
 # The step benchmarks (bench/step.py, committed under reports/h200/) record max_memory_allocated over
 # 10 timed steps of configs the probe never ran: an independent check of the whole-step peak.
 STEPS = {"session1/step-seed-efficient.json": "efficient", "session3/step-seed-efficient.json": "efficient",
-         "session1/step-1b-efficient.json": "efficient", "session1/step-seed-baseline.json": "baseline"}
+         "session1/step-1b-efficient.json": "efficient", "session1/step-seed-baseline.json": "baseline",
+         "session4b/step-seed-efficient.json": "efficient", "session4b/step-1b-efficient.json": "efficient"}
 _STEP_MISSES: dict[str, str] = {}  # (seed baseline at S=4096 was one until the CUDA softmax tmp)
 
 
 @pytest.mark.parametrize("rel", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=_STEP_MISSES[r]))
                                  if r in _STEP_MISSES else r for r in STEPS])
 def test_step_peak_matches_committed_step_benchmarks(rel, claims):
-    rec = json.loads((PROBE.parent.parent / rel).read_text())
+    rec = json.loads((PROBE_DIR.parent / rel).read_text())
     cfg, run = ModelConfig.from_name(rec["preset"]), Run(rec["batch"], rec["seq"], "amp")
     ph = phases(cfg, run, STEPS[rel])  # no optimizer: bench/step.py times forward + backward
     pred = max(ph["forward_peak"] or 0, ph["backward_peak"])

@@ -68,6 +68,21 @@ def _rms_norm_bwd_kernel(DY, X, W, DX, DW, stride_dy, stride_x, stride_dx, M, N,
     tl.store(DW + pid * N + cols, dw, mask=mask)
 
 
+@jit
+def _sum_partials_kernel(P, DW, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    # dweight = the (R, N) partials summed over R: each program owns BLOCK_N columns and walks the rows
+    # in (BLOCK_R, BLOCK_N) tiles. (torch's sum(0) over R >= ~1K rows stages through a new buffer of
+    # up to twice the partials, 8 MiB at the seed shapes, in the middle of backward; this allocates
+    # nothing.)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rws = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for r0 in tl.range(0, R, BLOCK_R):
+        m = ((r0 + rws)[:, None] < R) & (cols[None, :] < N)
+        acc += tl.load(P + (r0 + rws)[:, None].to(tl.int64) * N + cols[None, :], mask=m, other=0.0)
+    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=cols < N)
+
+
 # ---- launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) ------------------------
 def _block(N: int) -> int:
     block = triton.next_power_of_2(N)
@@ -105,7 +120,9 @@ def rms_norm_backward_triton(dy: Tensor, x: Tensor, weight: Tensor, eps: float) 
     _rms_norm_bwd_kernel[(programs,)](dy2, x2, weight.contiguous(), dx, dw_partial, dy2.stride(0), x2.stride(0),
                                       dx.stride(0), M, N, eps, per, NUM_STAGES=3, BLOCK_N=block,
                                       num_warps=num_warps(block))
-    return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
+    dw = torch.empty(N, dtype=weight.dtype, device=x.device)
+    _sum_partials_kernel[(triton.cdiv(N, 64),)](dw_partial, dw, programs, N, BLOCK_R=64, BLOCK_N=64)
+    return dx.view(x.shape), dw
 
 
 # ---- plain-torch references (the CPU implementation) -----------------------------------------

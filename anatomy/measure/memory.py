@@ -161,6 +161,29 @@ def record_step(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer
     return snap
 
 
+def trace_phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = "adamw") -> dict:
+    """The phase figures of the allocator trace's live bytes (record_step, replayed): each block at its
+    requested size (512-rounded), what was allocated before recording left out; ends from the last
+    step, peaks over both. max_memory_allocated counts whole blocks instead: a cached block reused for
+    a smaller request without being split (the caching allocator splits a large block only when more
+    than 1 MiB would remain) adds its slack there, and only there."""
+    import itertools
+
+    from anatomy.measure.forensics import replay
+
+    snap = record_step(cfg, run, variant, optimizer)
+    r = replay(snap)
+    totals = list(itertools.accumulate((ev.delta for ev in r.events), initial=r.pre_existing))  # before event i
+    at = {phase: totals[pos] - r.pre_existing for pos, phase, step in r.marks if step == r.steps}
+    out = dict(forward_end=at["backward"])
+    if optimizer:  # (without an optimizer the gradients are dropped before the step's last mark)
+        out.update(backward_end=at["optimizer"], optimizer_end=at["end"])
+    for phase in ("forward", "backward"):
+        rp = replay(snap, peak_phase=phase)
+        out[f"{phase}_peak"] = rp.peak - rp.pre_existing
+    return out
+
+
 def peak_forensics(cfg: ModelConfig, run: Run, variant: str = "baseline", top: int = 12,
                    optimizer: str | None = "adamw") -> dict:
     """The largest allocations live at the peak of a training step, each attributed to a component
