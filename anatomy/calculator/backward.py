@@ -239,7 +239,10 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
             w.free("attention.rope_")  # the tables are shared by every layer
         g = residual_add(tag + "attention residual add", g, norm(tag + "norm 1", gn))
     w.alloc(V * H * p)  # embedding_dense_backward's (V, H) gradient
-    if cfg.tie_embeddings:  # the head already left a gradient in the shared weight: their sum is a third
+    # tied: the head already left a gradient in the shared weight. AccumulateGrad adds in place when it
+    # holds the only reference to that .grad: so on CUDA, where Liger's grad_weight storage became the
+    # .grad, nothing more. Otherwise (autograd's own head gradient, or the CPU mirror's) the sum is a third.
+    if cfg.tie_embeddings and not (variant == "efficient" and est.device == "cuda"):
         w.alloc(V * H * p)
     w.peak("embedding")
     return w.stages

@@ -48,20 +48,25 @@ def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[int]:
 
 def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
     """What lives only while Liger's fused linear CE runs its forward on CUDA (read off
-    liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5), at its largest: the second chunk's
-    logits matmul.
-      - the final norm's output (T, H), held by the caller;
-      - loss_1d (T,) fp32 and the target mask (T,) bool;
-      - one (chunk, V) logits buffer: chunk = next_pow2(ceil(T / ceil(V / H))), capped at T;
-      - under autocast, the weight's bf16 cast, twice: `grad_logits @ weight` casts the leaf weight
-        once and autocast caches it for the whole forward, while `x @ weight.t()` casts the
-        transposed view, which is not a leaf, anew in every chunk."""
+    liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5, and checked against H200 allocator traces,
+    reports/h200/session4e), at its largest. Always live: the final norm's output (T, H), held by the
+    caller; loss_1d (T,) fp32 and the target mask (T,) bool. Under autocast the head weight is cast to
+    bf16 twice: `grad_logits @ weight` casts the leaf weight once and autocast caches it for the whole
+    forward, while `x @ weight.t()` casts the transposed view, which is not a leaf, anew in each chunk.
+    The largest of two moments:
+      - the first chunk's `grad_logits @ weight`: its (chunk, V) logits, the cached cast, and the
+        (chunk, H) product, a new tensor before it is copied into grad_input (the transposed cast is
+        gone by then);
+      - a later chunk's logits matmul: both casts and that chunk's logits; the largest later chunk
+        is a full one from the third chunk on, else the second, the remainder T - chunk.
+    chunk = next_pow2(ceil(T / ceil(V / H))), capped at T (anatomy.calculator.loss.chunk_rows)."""
     dt = dtypes(run)
     T, H, V, c = run.tokens, cfg.hidden, cfg.vocab, BYTES[dt.compute]
-    out = rnd(T * H * c) + rnd(T * 4) + rnd(T) + rnd(chunk_rows(T, H, V) * V * c)
-    if dt.autocast:
-        out += 2 * rnd(V * H * c)
-    return out
+    chunk = chunk_rows(T, H, V)
+    cast = rnd(V * H * c) if dt.autocast else 0
+    first = rnd(chunk * V * c) + cast + rnd(chunk * H * c)
+    later = rnd((chunk if T >= 3 * chunk else T - chunk) * V * c) + 2 * cast if T > chunk else 0
+    return rnd(T * H * c) + rnd(T * 4) + rnd(T) + max(first, later)
 
 
 def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,

@@ -41,7 +41,7 @@ COLOURS = {"embedding": "#8c564b", "attention": "#1f77b4", "norm": "#2ca02c", "m
 # 512 B is the allocator's block granularity, so the recorded size is exactly the requested one.
 MARKER_FUNC = "_anatomy_marker"
 MARKER_BLOCK = 512
-PHASES = ("forward", "backward", "optimizer", "end")
+PHASES = ("forward", "backward", "optimizer", "end", "zero_grad")  # zero_grad: without an optimizer
 MARKER_LABELS = ("other",) + COMPONENTS + tuple(f"phase:{p}" for p in PHASES)
 
 # file -> component, for allocations whose Python frames pass through our code (or Liger's, or torch.optim)

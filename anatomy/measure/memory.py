@@ -125,6 +125,7 @@ def marked_steps(model, ids, targets, opt, run: Run, steps: int, mark, device: s
                 opt.zero_grad(set_to_none=True)
                 tracker.label = "other"
             else:
+                mark("phase:zero_grad")  # the gradients are live up to here, then dropped
                 model.zero_grad(set_to_none=True)
             mark("phase:end")
 
@@ -175,9 +176,9 @@ def trace_phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimize
     r = replay(snap)
     totals = list(itertools.accumulate((ev.delta for ev in r.events), initial=r.pre_existing))  # before event i
     at = {phase: totals[pos] - r.pre_existing for pos, phase, step in r.marks if step == r.steps}
-    out = dict(forward_end=at["backward"])
-    if optimizer:  # (without an optimizer the gradients are dropped before the step's last mark)
-        out.update(backward_end=at["optimizer"], optimizer_end=at["end"])
+    out = dict(forward_end=at["backward"], backward_end=at["optimizer" if optimizer else "zero_grad"])
+    if optimizer:
+        out["optimizer_end"] = at["end"]
     for phase in ("forward", "backward"):
         rp = replay(snap, peak_phase=phase)
         out[f"{phase}_peak"] = rp.peak - rp.pre_existing
