@@ -19,16 +19,12 @@ part() {  # part NAME SECONDS CMD...
   echo "   rc=$? $name $((SECONDS - t0)) s" | tee -a "$R/walltimes.txt"; tail -2 "$R/$name.log"; pack
 }
 python3 scripts/env_json.py > "$R/env.json"; cat "$R/env.json"
-# the regression gate on the seed step's GPU-bound benchmarks: a 20% attention slowdown fails,
-# the unmodified tree passes (issue 4)
-part gate-demo 240 env DIR="$R/gate" bash scripts/bench_gate_demo.sh
-# the two drawn configs whose allocator-trace peaks the walk misses: snapshots for an offline replay
-fx() {  # fx NAME PEAK-PHASE CONFIG-FLAGS...
-  local name=$1 phase=$2; shift 2
-  part "forensics-$name" 40 python3 -m anatomy.cli forensics "$@" --variant efficient --optimizer none --device cuda \
-    --peak-phase "$phase" --png "$R/forensics-$name.png" --out "$R/forensics-$name.json" --snapshot "$R/snap-$name.pkl"
-}
-fx hyp16-forward forward --hidden 1024 --layers 1 --heads 8 --kv-heads 1 --intermediate 128 --vocab 1000 --batch 1 --seq 128
-fx hyp22-backward backward --hidden 512 --layers 3 --heads 8 --kv-heads 8 --intermediate 192 --vocab 9480 \
-  --tie-embeddings --batch 4 --seq 256
+# peak memory: allocator figures and the allocator trace's, named and drawn configs (issue 4)
+part probe-memory 90 python3 scripts/probe_memory.py --out "$R/probe_memory.json"
+part probe-memory-hypothesis 90 python3 scripts/probe_memory.py --skip-named --hypothesis 32 --seed 2026 \
+  --out "$R/probe_memory_hypothesis.json"
+# the whole GPU suite on the final tree, with its claims report (issues 3, 4, 5)
+part calibrate 30 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 20
+part gpu-suite 150 env ANATOMY_GPU_PROFILE="$R/h200.json" python3 -m pytest validations -m gpu -q -p no:cacheprovider \
+  --claims-report "$R/claims-gpu.json" --durations=15
 echo done
