@@ -19,7 +19,7 @@ import pytest
 from anatomy.calculator.memory import phases
 from anatomy.config import ModelConfig, Run
 
-PROBE_DIR = Path(__file__).parent.parent / "reports/h200/session4d"
+PROBE_DIR = Path(__file__).parent.parent / "reports/h200/session4f"
 PROBE = PROBE_DIR / "probe_memory.json"
 
 

@@ -42,7 +42,8 @@ def attribute(marks: list[tuple[str, float]], label: str = "other") -> dict[str,
     phase = None
     for (name, t), (_, t_next) in zip(marks, marks[1:] + [(None, None)]):
         if name.startswith("phase:"):
-            phase = None if name == "phase:end" else name[len("phase:"):]
+            # zero_grad (marked only without an optimizer) is outside the step, as in the plain steps
+            phase = None if name in ("phase:end", "phase:zero_grad") else name[len("phase:"):]
         else:
             label = name
         if phase is not None and t_next is not None:
