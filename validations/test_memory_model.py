@@ -54,8 +54,10 @@ def _cases(trace: bool):
                                                                    "scripts/probe_memory.py on an H200"))]
 
 
-def check_phase(claims, row: dict, figure: tuple, pred: dict, measured: int, trace: dict | None, source: str):
-    """The ±3% claim on the allocator's figure; an expected failure only when the trace explains it."""
+def check_phase(claims, row: dict, figure: tuple, pred: dict, measured: int, trace: dict | None,
+                source: str) -> str | None:
+    """The ±3% claim on the allocator's figure. A miss raises, unless the trace explains it: then
+    the reason is returned, for the caller to xfail with once every figure is checked."""
     claim, key, _, _ = figure
     config = _ids(row) + ("" if row["config"] in ("seed", "tiny-gqa", "anchor-1b") else str(row["cfg"]))
     try:
@@ -64,16 +66,19 @@ def check_phase(claims, row: dict, figure: tuple, pred: dict, measured: int, tra
     except AssertionError:
         t = (trace or {}).get(key)
         if t and abs(pred[key] - t) <= TRACE_TOL * t and measured > t:
-            pytest.xfail(f"allocator slack: the allocator's figure is {(measured - t) / 2**20:.2f} MiB above the "
-                         f"trace's live bytes, which the walk is {(pred[key] - t) / t:+.3%} from")
+            return (f"{key}: allocator slack: the allocator's figure is {(measured - t) / 2**20:.2f} MiB above the "
+                    f"trace's live bytes, which the walk is {(pred[key] - t) / t:+.3%} from")
         raise
+    return None
 
 
 @pytest.mark.parametrize("row,figure", _cases(trace=False))
 def test_phase_matches_h200_probe(row, figure, claims):
     ph = {p["name"]: p for p in row["phases"]}
-    check_phase(claims, row, figure, _predicted(row), ph[figure[2]][figure[3]], row.get("trace"),
-                f"recorded H200 probe: {PROBE_DIR.name}")
+    slack = check_phase(claims, row, figure, _predicted(row), ph[figure[2]][figure[3]], row.get("trace"),
+                        f"recorded H200 probe: {PROBE_DIR.name}")
+    if slack:
+        pytest.xfail(slack)
 
 
 @pytest.mark.parametrize("row,figure", _cases(trace=True))
@@ -95,11 +100,14 @@ def test_phases_on_this_gpu(variant, claims):
     ph = {p["name"]: p for p in measure_phases(cfg, run, variant, optimizer="adamw")}
     trace = trace_phases(cfg, run, variant, "adamw")
     pred = phases(cfg, run, variant, "adamw")
+    slack = []
     for figure in FIGURES:
-        check_phase(claims, row, figure, pred, ph[figure[2]][figure[3]], trace, "this GPU")
+        slack.append(check_phase(claims, row, figure, pred, ph[figure[2]][figure[3]], trace, "this GPU"))
         claims.check(figure[0] + " (allocator trace)", component="model", config="mem-B4S512", variant=variant,
                      predicted=pred[figure[1]], measured=trace[figure[1]], tolerance=TRACE_TOL, device="cuda",
                      unit="B", note="this GPU; requested bytes")
+    if any(slack):
+        pytest.xfail("; ".join(m for m in slack if m))
 
 
 # The step benchmarks (bench/step.py, committed under reports/h200/) record max_memory_allocated over
