@@ -27,7 +27,8 @@ PYTEST=(python3 -m pytest -q -p no:cacheprovider --benchmark-enable --benchmark-
 GATE=(--benchmark-compare="$DIR/baseline.json" --benchmark-compare-fail=median:10%)
 
 echo "== 1. record the baseline -> $DIR/baseline.json"
-"${PYTEST[@]}" validations/test_benchmarks.py -m "$SELECT" --benchmark-json="$DIR/baseline.json" > "$DIR/1-record.log" 2>&1
+"${PYTEST[@]}" validations/test_benchmarks.py -m "$SELECT" --benchmark-json="$DIR/baseline.json" \
+  > "$DIR/1-record.log" 2>&1
 rc=$?; tail -1 "$DIR/1-record.log"
 if [ $rc -ne 0 ]; then echo "bench_gate_demo: recording failed (rc=$rc); see $DIR/1-record.log" >&2; exit 1; fi
 mapfile -t IDS < <(python3 scripts/gate_select.py "$DIR/baseline.json")
@@ -50,7 +51,8 @@ echo "   rc=$same"
 
 # the slowed run must fail through the gate (not through a broken test), and name only $COMP benchmarks
 regressed=$(sed -n '/Performance has regressed:/,/^-\{10,\}/p' "$DIR/2-slowed.log" | grep -c "has failed" || true)
-others=$(sed -n '/Performance has regressed:/,/^-\{10,\}/p' "$DIR/2-slowed.log" | grep "has failed" | grep -vc "/$COMP/" || true)
+others=$(sed -n '/Performance has regressed:/,/^-\{10,\}/p' "$DIR/2-slowed.log" | grep "has failed" \
+  | grep -vc "/$COMP/" || true)
 if [ $slowed -ne 0 ] && [ "$regressed" -gt 0 ] && [ "$others" -eq 0 ] && [ $same -eq 0 ]; then
   echo "gate OK: $regressed $COMP benchmark(s) failed at +20%, nothing else; the unmodified run passed"
   exit 0

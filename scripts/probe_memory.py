@@ -48,7 +48,8 @@ def main() -> int:
         cases += [(f"hyp{i}", c, r, None) for i, (c, r) in
                   enumerate(draw_examples(st.tuples(gpu_configs(), gpu_runs()), a.hypothesis, a.seed))]
     head = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-                cuda=torch.version.cuda, command="PYTHONPATH=. python3 scripts/probe_memory.py " + " ".join(sys.argv[1:]),
+                cuda=torch.version.cuda,
+                command="PYTHONPATH=. python3 scripts/probe_memory.py " + " ".join(sys.argv[1:]),
                 seed=a.seed, rows=[])
     # Process-level allocations (the cuBLAS/cuBLASLt workspaces, about 64 MiB on the H200) are made by
     # a process's first matmuls and stay: one throwaway step of each variant makes them before any

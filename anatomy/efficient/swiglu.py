@@ -3,7 +3,8 @@
 gate and up come from one (H -> 2I) projection and are read as the two column halves of its
 output: one matmul launch instead of two, and one saved storage. The activation op takes the
 whole gate_up tensor (so no SplitBackward has to cat the two gradients), saves only it (silu and
-the gpt-oss clamp masks are recomputed in backward) and writes d(gate_up) in place into it. State dict: gate_up.weight = cat(gate.weight, up.weight)."""
+the gpt-oss clamp masks are recomputed in backward) and writes d(gate_up) in place into it.
+State dict: gate_up.weight = cat(gate.weight, up.weight)."""
 import torch
 from torch import nn
 

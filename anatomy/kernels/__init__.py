@@ -22,6 +22,7 @@ from anatomy.kernels.swiglu import (VARIANTS as SWIGLU_VARIANTS, swiglu, swiglu_
 __all__ = [
     "HAS_TRITON", "INTERPRET", "triton_on_cpu", "SWIGLU_VARIANTS",
     "rms_norm", "rms_norm_reference", "rms_norm_backward_reference", "rms_norm_triton", "rms_norm_backward_triton",
-    "swiglu", "swiglu_packed", "swiglu_reference", "swiglu_backward_reference", "swiglu_triton", "swiglu_backward_triton",
+    "swiglu", "swiglu_packed", "swiglu_reference", "swiglu_backward_reference", "swiglu_triton",
+    "swiglu_backward_triton",
     "rope_qkv", "rope_qkv_reference", "rope_qkv_backward_reference", "rope_qkv_triton", "rope_qkv_backward_triton",
 ]
