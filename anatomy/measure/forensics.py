@@ -22,11 +22,7 @@ from live tensor storage: exact sizes, no allocator rounding, no reserved figure
 """
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import sys
-import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -305,120 +301,10 @@ def plot_timeline(r: Replay, path: str | Path, title: str = "", step: int | None
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"anatomy forensics: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f}"
-
-
-def _print(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    con = Console()
-    t = Table(title=f"{report['title']}: memory at the phase boundaries of the last step (MiB = 2^20 B)")
-    for c in ("phase", "allocated", "peak in phase", "reserved"):
-        t.add_column(c, justify="left" if c == "phase" else "right")
-    for p in report["phases"]:
-        t.add_row(p["name"], _mib(p["allocated"]), _mib(p["peak"]), _mib(p["reserved"]) if "reserved" in p else "-")
-    con.print(t)
-    pk = report["peak"]
-    con.print(f"peak {_mib(pk['peak_bytes'])} MiB in step {pk['peak_step']}, {pk['peak_phase']} "
-              f"(while {pk['peak_during']} ran); {_mib(pk['pre_existing_bytes'])} MiB were allocated before recording")
-    t = Table(title="live at the peak, by component")
-    for c in ("component", "MiB", "share"):
-        t.add_column(c, justify="left" if c == "component" else "right")
-    for comp, b in pk["by_component"].items():
-        t.add_row(comp, _mib(b), f"{b / max(pk['peak_bytes'], 1):.1%}")
-    con.print(t)
-    t = Table(title=f"the {len(pk['top'])} largest allocations live at the peak")
-    for c in ("MiB", "component", "via", "kind", "made in", "where"):
-        t.add_column(c, justify="right" if c == "MiB" else "left")
-    for a in pk["top"]:
-        t.add_row(_mib(a["size"]), a["component"], a["via"], a["kind"], f"{a['phase']} (step {a['step']})", a["where"])
-    con.print(t)
-    con.print(f"plot: {report['png']}   report: {report['out']}")
 
 
 def main(argv=None) -> int:
-    """anatomy forensics: the phase table and the contents of the peak of a training step (CUDA, or CPU)."""
-    from anatomy.cli import _add_config_flags, config_from_args
-    from anatomy.config import ConfigError, Run
+    """`anatomy forensics` (anatomy/measure/forensics_cli.py: the command line and its tables)."""
+    from anatomy.measure.forensics_cli import main as cli_main
 
-    p = _Parser(prog="anatomy forensics", description=main.__doc__)
-    _add_config_flags(p)
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "ademamix", "none"))
-    p.add_argument("--top", type=int, default=12, help="how many of the largest live allocations to list")
-    p.add_argument("--png", help="plot path (default .anatomy/forensics/<config>-<variant>-B<b>-S<s>.png)")
-    p.add_argument("--out", help="JSON report path (default: the plot's path with .json)")
-    p.add_argument("--peak-phase", choices=("forward", "backward", "optimizer"),
-                   help="attribute the peak inside this phase instead of the step's overall peak")
-    p.add_argument("--snapshot", help="also pickle the raw snapshot here (for pytorch.org/memory_viz)")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if present, else cpu (live tensor "
-                   "storage, anatomy.measure.liveness: exact sizes, no allocator rounding)")
-    a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = config_from_args(a)
-        run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype)
-        if a.variant not in ("baseline", "efficient"):
-            raise ConfigError(f"unknown variant {a.variant!r}; choose baseline or efficient")
-        if a.top < 1:
-            raise ConfigError(f"--top must be >= 1, got {a.top}")
-    except ConfigError as e:
-        print(f"anatomy forensics: error: {e}", file=sys.stderr)
-        return 2
-    import torch
-
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("anatomy forensics: error: --device cuda needs a CUDA GPU; this machine has none (use --device cpu)",
-              file=sys.stderr)
-        return 2
-    if device == "cuda":
-        from anatomy.measure.memory import measure_phases, record_step
-    else:
-        from anatomy.measure.liveness import measure_phases_live as measure_phases
-        from anatomy.measure.liveness import record_step_live as record_step
-
-    opt = None if a.optimizer == "none" else a.optimizer
-    stem = f"{cfg.name}-{a.variant}-B{run.batch}-S{run.seq}"
-    png = Path(a.png or f".anatomy/forensics/{stem}.png")
-    out = Path(a.out or png.with_suffix(".json"))
-    try:
-        phases = measure_phases(cfg, run, a.variant, optimizer=opt)
-        snap = record_step(cfg, run, a.variant, optimizer=opt)
-    except torch.OutOfMemoryError as e:
-        print(f"anatomy forensics: error: out of memory at {stem}: {str(e).splitlines()[0]}", file=sys.stderr)
-        return 1
-    if a.snapshot:
-        import pickle
-
-        Path(a.snapshot).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.snapshot).write_bytes(pickle.dumps(snap))
-    r = replay(snap, peak_phase=a.peak_phase)
-    where = torch.cuda.get_device_name(0) if device == "cuda" else "CPU live tensor storage"
-    title = f"{cfg.name} · {a.variant} · B={run.batch} S={run.seq} {run.dtype} · {where}"
-    plot_timeline(r, png, title)
-    report = dict(title=title, config=cfg.to_dict(), run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype),
-                  variant=a.variant, optimizer=opt, phases=phases,
-                  peak=attribute_peak(snap, a.top, phase=a.peak_phase),
-                  png=str(png), out=str(out), device=where, torch=torch.__version__,
-                  cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                  command="anatomy forensics " + " ".join(sys.argv[1:] if argv is None else argv))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(out)
-    if a.json:
-        print(json.dumps(report, indent=1))
-    else:
-        _print(report)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return cli_main(argv)
