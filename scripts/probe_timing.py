@@ -9,12 +9,9 @@ median of 6 steps after 2 warm-up steps, plus 6 unmarked steps) and the config i
 comparison (validations/test_timing_probe.py) reads the rows and never re-draws. With --out the
 JSON is rewritten after every row: a run cut short keeps its rows.
 """
-import argparse
-import json
 import sys
-import time
-from pathlib import Path
 
+import probe_common
 import torch
 
 from anatomy.config import ModelConfig, PRESETS, Run
@@ -36,49 +33,18 @@ def _summary(t: dict) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hypothesis", type=int, default=0, help="also this many drawn GPU configs (adamw)")
-    ap.add_argument("--seed", type=int, default=2026)
-    ap.add_argument("--skip-named", action="store_true")
-    ap.add_argument("--out", help="write the JSON here after every row (default: stdout at the end)")
-    a = ap.parse_args()
+    a = probe_common.parse("probe_timing")
     if not torch.cuda.is_available():
         print("probe_timing: error: needs a CUDA GPU (it times kernels with CUDA events); this machine has none",
               file=sys.stderr)
         return 2
-    cases = [] if a.skip_named else list(CASES)
-    if a.hypothesis:
-        from hypothesis import strategies as st
-
-        from validations.configs import draw_examples, gpu_configs, gpu_runs
-
-        cases += [(f"hyp{i}", c, r, BOTH) for i, (c, r) in
-                  enumerate(draw_examples(st.tuples(gpu_configs(), gpu_runs()), a.hypothesis, a.seed))]
     import triton
 
-    head = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-                cuda=torch.version.cuda, triton=triton.__version__,
-                command="PYTHONPATH=. python3 scripts/probe_timing.py " + " ".join(sys.argv[1:]), seed=a.seed, rows=[])
-    t0, opt = time.time(), "adamw"
-    for k, (name, cfg, run, variants) in enumerate(cases):
-        for variant in variants:
-            row = dict(config=name, cfg=cfg.to_dict(), batch=run.batch, seq=run.seq, variant=variant, optimizer=opt)
-            try:
-                row["timeline"] = component_times(cfg, run, variant, opt)
-            except torch.OutOfMemoryError as e:
-                torch.cuda.empty_cache()
-                row["error"] = f"OutOfMemoryError: {e}"[:300]
-            except Exception as e:  # noqa: BLE001 - a probe records what failed and goes on
-                torch.cuda.empty_cache()
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            head["rows"].append(row)
-            print(f"[{k + 1}/{len(cases)} {time.time() - t0:5.0f}s] {name} B{run.batch}S{run.seq} {variant} {opt}: "
-                  + (row["error"][:120] if "error" in row else _summary(row["timeline"])), file=sys.stderr, flush=True)
-            if a.out:
-                Path(a.out).write_text(json.dumps(head, indent=1))
-    if not a.out:
-        print(json.dumps(head, indent=1))
-    return 0
+    cases = [] if a.skip_named else [(n, c, r, v, "adamw") for n, c, r, v in CASES]
+    cases += [(n, c, r, BOTH, "adamw") for n, c, r in probe_common.drawn(a.hypothesis, a.seed)]
+    return probe_common.run_rows("probe_timing", a, cases,
+                                 lambda cfg, run, variant, opt: dict(timeline=component_times(cfg, run, variant, opt)),
+                                 lambda row: _summary(row["timeline"]), triton=triton.__version__)
 
 
 if __name__ == "__main__":

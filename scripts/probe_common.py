@@ -1,0 +1,59 @@
+"""What scripts/probe_memory.py and scripts/probe_timing.py share: the command line, the drawn
+configs, the JSON header, and a loop that records each (config, variant) row, or what failed, and
+rewrites --out after every row so that a run cut short keeps what it measured."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def parse(prog: str, argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog)
+    ap.add_argument("--hypothesis", type=int, default=0, help="also this many drawn GPU configs")
+    ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--skip-named", action="store_true")
+    ap.add_argument("--out", help="write the JSON here after every row (default: stdout at the end)")
+    return ap.parse_args(argv)
+
+
+def drawn(n: int, seed: int) -> list[tuple]:
+    """(name, cfg, run) of n GPU configs drawn with a fixed seed (validations.configs): the rows record
+    the config they ran, so a comparison reads them and never re-draws."""
+    if not n:
+        return []
+    from hypothesis import strategies as st
+
+    from validations.configs import draw_examples, gpu_configs, gpu_runs
+
+    return [(f"hyp{i}", c, r) for i, (c, r) in enumerate(draw_examples(st.tuples(gpu_configs(), gpu_runs()), n, seed))]
+
+
+def run_rows(prog: str, a: argparse.Namespace, cases: list[tuple], measure: Callable[[object, object, str, object],
+             dict], summary: Callable[[dict], str], **header) -> int:
+    """cases: (name, cfg, run, variants, optimizer). measure(cfg, run, variant, optimizer) -> the row's fields."""
+    head = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
+                cuda=torch.version.cuda, **header,
+                command=f"PYTHONPATH=. python3 scripts/{prog}.py " + " ".join(sys.argv[1:]), seed=a.seed, rows=[])
+    t0 = time.time()
+    for k, (name, cfg, run, variants, opt) in enumerate(cases):
+        for variant in variants:
+            row = dict(config=name, cfg=cfg.to_dict(), batch=run.batch, seq=run.seq, variant=variant, optimizer=opt)
+            try:
+                row.update(measure(cfg, run, variant, opt))
+            except Exception as e:  # noqa: BLE001 - a probe records what failed (an OOM too) and goes on
+                torch.cuda.empty_cache()
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            head["rows"].append(row)
+            print(f"[{k + 1}/{len(cases)} {time.time() - t0:5.0f}s] {name} B{run.batch}S{run.seq} {variant} {opt}: "
+                  + (row["error"][:120] if "error" in row else summary(row)), file=sys.stderr, flush=True)
+            if a.out:
+                Path(a.out).write_text(json.dumps(head, indent=1))
+    if not a.out:
+        print(json.dumps(head, indent=1))
+    return 0
