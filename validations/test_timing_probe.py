@@ -5,19 +5,17 @@ sequence (exact), and a real CPU run's phases, components and sums. The comparis
 rows of one H200 session (scripts/probe_timing.py, with that run's `anatomy calibrate` profile):
 the named training shapes are held to ±10% (known misses strict-xfailed with their reasons); the
 drawn configs, which the host bounds, are the model's stated bias; docs/timing.md carries the
-whole error table (per component too), generated from the same rows by render().
+whole error table (per component too), generated from the same rows (anatomy.report.probes).
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
 from anatomy.config import ModelConfig, Run
+from anatomy.report import probes
 from anatomy.measure.components import COMPONENTS
 from anatomy.measure.timeline import PHASES, attribute, component_times
 
@@ -81,29 +79,13 @@ def test_component_times_on_cpu(variant, optimizer):
 # One session's rows with the profile `anatomy calibrate` measured on the same machine in the same
 # run (scripts/h200_next.sh): host speed differs between machines of this kind by up to 1.8x
 # (host op 8.5-15.1 us in this project's calibrations), so a row is only compared with its own.
-SESSION = Path(__file__).parent.parent / "reports/h200/session4c"
-PROFILE = SESSION / "h200.json"
-NAMED = [r for r in json.loads((SESSION / "probe_timing.json").read_text())["rows"] if "error" not in r]
-DRAWN = [r for r in json.loads((SESSION / "probe_timing_hypothesis.json").read_text())["rows"] if "error" not in r]
+SESSION = probes.TIMING_SESSION
+PROFILE = str(SESSION / "h200.json")
+NAMED, DRAWN = probes.timing_rows(SESSION)
 
 
 def _id(r: dict) -> str:
     return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}-{r['optimizer']}"
-
-
-@lru_cache(maxsize=None)
-def _predicted(key: str, profile: str = str(PROFILE)) -> dict:
-    from anatomy.calculator import timing
-
-    r = next(r for r in NAMED + DRAWN if _id(r) + str(r["cfg"]) == key)
-    return timing.estimate_time(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"], "amp"), r["variant"],
-                                gpu=profile, optimizer=r["optimizer"], with_kernels=False)
-
-
-def _err(r: dict, what: str = "forward_backward", profile: str = str(PROFILE)) -> float:
-    pred = _predicted(_id(r) + str(r["cfg"]), profile)[f"{what}_s"] * 1e3
-    meas = r["timeline"][f"plain_{what}_ms"]
-    return (pred - meas) / meas
 
 
 # The claim's domain: the efficient model at the named training shapes, where a step is tens of
@@ -124,8 +106,8 @@ _MISSES = {
 def test_named_step_time_within_10pct(r, what, claims):
     """Forward + backward, and the step with AdamW, of the probe's unmarked steps, ±10%, against the
     profile calibrated in the same run."""
-    pred = _predicted(_id(r) + str(r["cfg"]))[f"{what}_s"] * 1e3
-    claims.check(f"time.{what}", component="model", config=_id(r), variant=r["variant"], predicted=pred,
+    claims.check(f"time.{what}", component="model", config=_id(r), variant=r["variant"],
+                 predicted=probes.predicted(r, PROFILE)[f"{what}_s"] * 1e3,
                  measured=r["timeline"][f"plain_{what}_ms"], tolerance=0.10, device="cuda (recorded)", unit="ms",
                  note=f"{SESSION.name}/probe_timing.json; profile {SESSION.name}/h200.json")
 
@@ -133,46 +115,13 @@ def test_named_step_time_within_10pct(r, what, claims):
 def test_drawn_configs_are_underpredicted_where_the_host_bounds_them():
     """The model's known bias, stated so that a fix shows: on the drawn configs (small, mostly
     host-bound: 1-4 layers, 128-8192 tokens) every prediction of forward + backward is low, by
-    15-70%, with the profile of the same run. The host issues each eager op in 25-60 us inside a
+    8-66% on session4c, with the profile of the same run. The host issues each eager op in 25-60 us inside a
     model (autograd, autocast, module calls) against the 8.5-15 us calibrate's bare-op loop measures."""
-    errs = [_err(r) for r in DRAWN]
+    errs = [probes.time_error(r, "forward_backward", PROFILE) for r in DRAWN]
     assert len(errs) == 64
     assert all(-0.75 < e < 0 for e in errs), sorted(errs)[-3:]
 
 
-def table(rows: list[dict], profile: str) -> dict:
-    """MAPE and worst error of forward + backward and of the step, and of each component's forward
-    and backward GPU time (components >= 2% of the marked step; residual adds are "other" in the
-    measurement and inside attention/mlp in the model), over `rows`."""
-    out: dict[str, list[float]] = {"forward+backward": [], "step": []}
-    for r in rows:
-        out["forward+backward"].append(_err(r, "forward_backward", profile))
-        out["step"].append(_err(r, "step", profile))
-        pred, tl = _predicted(_id(r) + str(r["cfg"]), profile), r["timeline"]
-        for ph in ("forward", "backward"):
-            for comp, ms in tl["components"].get(ph, {}).items():
-                if comp in COMPONENTS and ms >= 0.02 * tl["step_ms"]:
-                    p = pred["components"].get(comp, {}).get(f"{ph}_s", 0.0) * 1e3
-                    out.setdefault(f"{comp} {ph}", []).append((p - ms) / ms)
-    return {k: dict(n=len(v), mape=sum(map(abs, v)) / len(v), worst=max(v, key=abs)) for k, v in out.items() if v}
-
-
 def test_error_table_in_docs_is_current():
-    """docs/timing.md's probe table is generated from these rows (python3 -m validations.test_timing_probe)."""
-    assert render() in (Path(__file__).parent.parent / "docs/timing.md").read_text()
-
-
-def render() -> str:
-    lines = [f"Rows: reports/h200/{SESSION.name}/probe_timing*.json (scripts/probe_timing.py); prediction error "
-             "(predicted - measured) / measured.", "",
-             "| rows | profile | quantity | n | MAPE | worst |", "|---|---|---|---:|---:|---:|"]
-    for name, rows in (("named", NAMED), ("drawn (hypothesis, seed 2026)", DRAWN)):
-        for label, prof in ((f"calibrated ({SESSION.name}/h200.json)", str(PROFILE)),
-                            ("datasheet (h200-sxm)", "h200-sxm")):
-            for k, v in table(rows, prof).items():
-                lines.append(f"| {name} | {label} | {k} | {v['n']} | {v['mape']:.1%} | {v['worst']:+.1%} |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(render())
+    """docs/timing.md's probe table is generated from these rows (anatomy.report.probes.timing_markdown)."""
+    assert probes.timing_markdown(SESSION) in (Path(__file__).parent.parent / "docs/timing.md").read_text()

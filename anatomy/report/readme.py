@@ -180,6 +180,10 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
     curves = H200 / "session2/loss-curves-seed.json"
     if curves.exists():
         put("train-seed", curves_text(curves))
+    from anatomy.report import probes
+
+    put("memory-h200", probes.memory_summary())
+    put("timing-h200", probes.timing_summary())
     table, data = saved_table()
     put("saved-seed", table + "\n\n![saved bytes per component](docs/img/saved-by-component.png)")
     saved_plot(data, Path("docs/img/saved-by-component.png"))
