@@ -92,6 +92,37 @@ def test_phase_matches_h200_allocator_trace(row, figure, claims):
                  unit="B", note=f"recorded H200 probe: {PROBE_DIR.name}; requested bytes, no allocator slack")
 
 
+def _pairs():
+    by: dict[tuple, dict] = {}
+    for r in ALL:
+        by.setdefault((r["config"], r["batch"], r["seq"], r["optimizer"], json.dumps(r["cfg"], sort_keys=True)),
+                      {})[r["variant"]] = r
+    out = [pytest.param(v["baseline"], v["efficient"], id=_ids(v["baseline"]).replace("-baseline", ""))
+           for v in by.values() if len(v) == 2]
+    return out or [pytest.param(None, None, marks=pytest.mark.skip(reason=f"no probe rows in {PROBE_DIR.name}"))]
+
+
+def _peak(r: dict, pred: dict | None = None, source: str = "allocator") -> int:
+    """The step's peak: the larger of the forward and backward peaks."""
+    if pred is not None:
+        return max(pred["forward_peak"] or 0, pred["backward_peak"])
+    if source == "trace":
+        return max(r["trace"]["forward_peak"], r["trace"]["backward_peak"])
+    return max(p["peak"] for p in r["phases"] if p["name"] in ("forward", "backward"))
+
+
+@pytest.mark.parametrize("base,eff", _pairs())
+def test_peak_reduction_matches_prediction(base, eff, claims):
+    """The full model's peak-memory reduction, baseline peak / efficient peak, measured on the H200
+    against the calculator's ratio: ±3% on the allocator's peaks, ±1% on the trace's."""
+    pred = _peak(base, _predicted(base)) / _peak(eff, _predicted(eff))
+    for source, tol in (("allocator", TOL), ("trace", TRACE_TOL)):
+        claims.check(f"memory.peak reduction (baseline / efficient, {source})", component="model",
+                     config=_ids(base).replace("-baseline", ""), variant="ratio", predicted=pred,
+                     measured=_peak(base, source=source) / _peak(eff, source=source), tolerance=tol, device="cuda",
+                     note=f"recorded H200 probe: {PROBE_DIR.name}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["baseline", "efficient"])
 def test_phases_on_this_gpu(variant, claims):
