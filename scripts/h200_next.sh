@@ -19,12 +19,19 @@ part() {  # part NAME SECONDS CMD...
   echo "   rc=$? $name $((SECONDS - t0)) s" | tee -a "$R/walltimes.txt"; tail -2 "$R/$name.log"; pack
 }
 python3 scripts/env_json.py > "$R/env.json"; cat "$R/env.json"
-# peak memory: allocator figures and the allocator trace's, named and drawn configs (issue 4)
-part probe-memory 90 python3 scripts/probe_memory.py --out "$R/probe_memory.json"
-part probe-memory-hypothesis 90 python3 scripts/probe_memory.py --skip-named --hypothesis 32 --seed 2026 \
+SPLIT="env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+# peak memory under expandable segments (the claim's allocator setting), named and drawn configs (issue 4)
+part probe-memory 90 $SPLIT python3 scripts/probe_memory.py --out "$R/probe_memory.json"
+part probe-memory-hypothesis 90 $SPLIT python3 scripts/probe_memory.py --skip-named --hypothesis 32 --seed 2026 \
   --out "$R/probe_memory_hypothesis.json"
-# the whole GPU suite on the final tree, with its claims report (issues 3, 4, 5)
+# the default allocator's named rows again, now with its requested_bytes counters beside each figure
+part probe-memory-default 70 python3 scripts/probe_memory.py --out "$R/probe_memory_default.json"
+# this machine's profile, then per-component timing: named configs and 40 drawn training-sized ones (issue 5)
 part calibrate 30 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 20
-part gpu-suite 150 env ANATOMY_GPU_PROFILE="$R/h200.json" python3 -m pytest validations -m gpu -q -p no:cacheprovider \
-  --claims-report "$R/claims-gpu.json" --durations=15
+part probe-timing 60 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
+part probe-timing-training 200 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed 2026 \
+  --strategy training --out "$R/probe_timing_training.json"
+# the whole GPU suite on the final tree, with its claims report (issues 3, 4, 5)
+part gpu-suite 150 $SPLIT env ANATOMY_GPU_PROFILE="$R/h200.json" python3 -m pytest validations -m gpu -q \
+  -p no:cacheprovider --claims-report "$R/claims-gpu.json" --durations=15
 echo done

@@ -17,21 +17,27 @@ def parse(prog: str, argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=prog)
     ap.add_argument("--hypothesis", type=int, default=0, help="also this many drawn GPU configs")
     ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--strategy", choices=("gpu", "training"), default="gpu",
+                    help="the drawn configs: small GPU configs (gpu_configs) or training-sized ones (training_configs)")
     ap.add_argument("--skip-named", action="store_true")
     ap.add_argument("--out", help="write the JSON here after every row (default: stdout at the end)")
     return ap.parse_args(argv)
 
 
-def drawn(n: int, seed: int) -> list[tuple]:
-    """(name, cfg, run) of n GPU configs drawn with a fixed seed (validations.configs): the rows record
-    the config they ran, so a comparison reads them and never re-draws."""
+def drawn(n: int, seed: int, strategy: str = "gpu") -> list[tuple]:
+    """(name, cfg, run) of n configs drawn with a fixed seed (validations.configs: gpu_configs/gpu_runs,
+    or training_configs/training_runs): the rows record the config they ran, so a comparison reads
+    them and never re-draws."""
     if not n:
         return []
     from hypothesis import strategies as st
 
-    from validations.configs import draw_examples, gpu_configs, gpu_runs
+    from validations import configs as c
 
-    return [(f"hyp{i}", c, r) for i, (c, r) in enumerate(draw_examples(st.tuples(gpu_configs(), gpu_runs()), n, seed))]
+    cfgs, runs = (c.gpu_configs, c.gpu_runs) if strategy == "gpu" else (c.training_configs, c.training_runs)
+    prefix = "hyp" if strategy == "gpu" else "train"
+    return [(f"{prefix}{i}", cfg, run) for i, (cfg, run) in enumerate(c.draw_examples(st.tuples(cfgs(), runs()), n,
+                                                                                        seed))]
 
 
 def run_rows(prog: str, a: argparse.Namespace, cases: list[tuple], measure: Callable[[object, object, str, object],

@@ -5,7 +5,10 @@
         --out $OUT/probe_memory_hypothesis.json                                  # + 32 drawn GPU configs
 
 Each row also holds `trace`: the same phase figures from the allocator trace's live bytes (requested
-sizes), without the slack of reused unsplit blocks that max_memory_allocated counts.
+sizes), without the slack of reused unsplit blocks that max_memory_allocated counts; and each phase
+the allocator's own requested_bytes counters, from the same run as its allocated figures. The header
+records the allocator settings (PYTORCH_CUDA_ALLOC_CONF): run it once as it is and once with
+expandable_segments:True, under which the allocator splits every block it reuses.
 The drawn configs come from validations.configs.gpu_configs/gpu_runs with a fixed seed; each row
 records the config it ran, so the comparison (validations/test_memory_model.py) reads the rows and
 never re-draws. With --out the JSON is rewritten after every row: a run cut short keeps its rows.
@@ -16,7 +19,7 @@ import probe_common
 import torch
 
 from anatomy.config import ModelConfig, PRESETS, Run
-from anatomy.measure.memory import measure_phases, trace_phases
+from anatomy.measure.memory import allocator_conf, measure_phases, splits_every_block, trace_phases
 
 CASES = [("seed", PRESETS["seed"], Run(4, 1024)),
          ("seed", PRESETS["seed"], Run(2, 4096)),
@@ -33,7 +36,7 @@ def main() -> int:
         return 2
     both = ("baseline", "efficient")
     cases = [] if a.skip_named else [(n, c, r, both, opt) for n, c, r in CASES for opt in ("adamw", None)]
-    cases += [(n, c, r, both, None) for n, c, r in probe_common.drawn(a.hypothesis, a.seed)]
+    cases += [(n, c, r, both, None) for n, c, r in probe_common.drawn(a.hypothesis, a.seed, a.strategy)]
     # Process-level allocations (the cuBLAS/cuBLASLt workspaces, about 64 MiB on the H200) are made by
     # a process's first matmuls and stay: one throwaway step of each variant makes them before any
     # row is measured, so that the first row measures its step alone, like every other row.
@@ -44,7 +47,9 @@ def main() -> int:
         "probe_memory", a, cases,
         lambda cfg, run, variant, opt: dict(phases=measure_phases(cfg, run, variant, opt),
                                             trace=trace_phases(cfg, run, variant, opt)),
-        lambda row: f"peak {max(p['peak'] for p in row['phases']) / 2**20:,.1f} MiB")
+        lambda row: f"peak {max(p['peak'] for p in row['phases']) / 2**20:,.1f} MiB "
+                    f"(requested {max(p['requested_peak'] for p in row['phases']) / 2**20:,.1f} MiB)",
+        alloc_conf=allocator_conf(), splits_every_block=splits_every_block())
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def main() -> int:
     import triton
 
     cases = [] if a.skip_named else [(n, c, r, v, "adamw") for n, c, r, v in CASES]
-    cases += [(n, c, r, BOTH, "adamw") for n, c, r in probe_common.drawn(a.hypothesis, a.seed)]
+    cases += [(n, c, r, BOTH, "adamw") for n, c, r in probe_common.drawn(a.hypothesis, a.seed, a.strategy)]
     return probe_common.run_rows("probe_timing", a, cases,
                                  lambda cfg, run, variant, opt: dict(timeline=component_times(cfg, run, variant, opt)),
                                  lambda row: _summary(row["timeline"]), triton=triton.__version__)

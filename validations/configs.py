@@ -68,6 +68,30 @@ def gpu_runs(draw) -> Run:
     return Run(batch=draw(st.integers(1, 4)), seq=draw(st.sampled_from([128, 256, 512, 1024, 2048])), dtype="amp")
 
 
+@st.composite
+def training_configs(draw) -> ModelConfig:
+    """Training-sized configs for the H200 timing probe: hidden 1024-3072 (head_dim 64 or 128), 2-6
+    layers, an MLP 2.5-3.5x wide, vocab 16k-64k. With training_runs these are steps of tens to
+    hundreds of milliseconds, the regime a training run plans for (the small gpu_configs are bound by
+    the host's issue rate instead, which the timing model states as its bias)."""
+    head_dim = draw(st.sampled_from([64, 128]))
+    hidden = draw(st.sampled_from([1024, 1536, 2048, 2560, 3072]))
+    heads = hidden // head_dim
+    return ModelConfig(
+        name="hypothesis-training", hidden=hidden, layers=draw(st.integers(2, 6)), heads=heads,
+        kv_heads=draw(st.sampled_from([d for d in (1, 2, 4, 8, heads) if heads % d == 0])),
+        intermediate=128 * draw(st.integers(hidden * 5 // 256, hidden * 7 // 256)),
+        vocab=draw(st.integers(16000, 64000)), tie_embeddings=draw(st.booleans()),
+        mlp=draw(st.sampled_from(["swiglu", "gpt-oss"])))
+
+
+@st.composite
+def training_runs(draw) -> Run:
+    """8k or 16k tokens a step, at sequence length 1024-4096."""
+    seq = draw(st.sampled_from([1024, 2048, 4096]))
+    return Run(batch=draw(st.sampled_from([8192, 16384])) // seq, seq=seq, dtype="amp")
+
+
 def draw_examples(strategy, n: int, seed_: int) -> list:
     """n examples of a strategy, the same for a given hypothesis version and seed (derandomized)."""
     from hypothesis import HealthCheck, Phase, given, seed, settings

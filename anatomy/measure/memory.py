@@ -3,13 +3,22 @@
 Phases: init (model + inputs), forward (saved activations live), backward peak (inside backward),
 after backward (gradients live), after the optimizer step (optimizer state live). Figures are
 torch.cuda.memory_allocated / max_memory_allocated (what the caching allocator handed out, in
-512-byte-rounded blocks) and memory_reserved (what it holds from the driver: looser).
+512-byte-rounded blocks) and memory_reserved (what it holds from the driver: looser), plus the
+allocator's own requested_bytes counters (the sizes asked for, before any block is rounded or
+reused whole).
+
+Allocated and requested differ by more than the 512-byte rounding only when the allocator hands a
+cached block out whole: by default it splits a large-pool block only when more than 1 MiB would
+remain, so a reused block can carry up to 1 MiB of slack per tensor. With
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True it splits whenever 512 bytes would remain, and
+allocated is exactly the 512-rounded requested bytes (splits_every_block()).
 
 record_step() records the allocator's history over a step, with markers naming the running
 component and phase; anatomy.measure.forensics replays it to attribute the peak (pure Python).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -25,11 +34,27 @@ class Phase:
     allocated: int  # bytes at the end of the phase
     peak: int  # max_memory_allocated during the phase
     reserved: int
+    requested: int = 0  # the allocator's requested_bytes at the end of the phase (sizes asked for)
+    requested_peak: int = 0  # and its peak during the phase
+
+
+def allocator_conf() -> str:
+    """The caching allocator's settings, as this process was started with them."""
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+
+
+def splits_every_block() -> bool:
+    """True when the allocator splits every reused block down to its request (expandable segments):
+    then max_memory_allocated counts no slack beyond the 512-byte rounding."""
+    opts = dict(kv.split(":", 1) for kv in allocator_conf().replace(" ", "").split(",") if ":" in kv)
+    return opts.get("expandable_segments", "").lower() == "true"
 
 
 def _phase(name: str) -> Phase:
     torch.cuda.synchronize()
-    p = Phase(name, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved())
+    st = torch.cuda.memory_stats()
+    p = Phase(name, torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved(),
+              st.get("requested_bytes.all.current", 0), st.get("requested_bytes.all.peak", 0))
     torch.cuda.reset_peak_memory_stats()
     return p
 
@@ -78,10 +103,12 @@ def measure_phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimi
     """Phases of the last of `steps` steps (the first allocates optimizer state and warms up kernels)."""
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
+    base_req = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
     torch.cuda.reset_peak_memory_stats()
     model, ids, targets, opt = setup_step(cfg, run, variant, optimizer)
     phases = phased_steps(model, ids, targets, opt, run, steps, _phase)
-    out = [dict(asdict(p), allocated=p.allocated - base, peak=p.peak - base) for p in phases]
+    out = [dict(asdict(p), allocated=p.allocated - base, peak=p.peak - base, requested=p.requested - base_req,
+                requested_peak=p.requested_peak - base_req) for p in phases]
     del model, opt, ids, targets
     torch.cuda.empty_cache()
     return out

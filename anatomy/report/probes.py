@@ -18,7 +18,8 @@ from anatomy.config import ModelConfig, Run
 from anatomy.measure.components import COMPONENTS
 
 H200 = Path(__file__).resolve().parents[2] / "reports" / "h200"
-MEMORY_SESSION, TIMING_SESSION = H200 / "session4f", H200 / "session4c"
+# memory rows under the default allocator settings, and under expandable segments (the claim's)
+MEMORY_SESSION, SPLIT_SESSION, TIMING_SESSION = H200 / "session4f", H200 / "session5", H200 / "session4c"
 # (the calculator's key, the probe's phase, "allocated" at its end or its "peak")
 FIGURES = (("forward_end", "forward", "allocated"), ("forward_peak", "forward", "peak"),
            ("backward_peak", "backward", "peak"), ("backward_end", "backward", "allocated"),
