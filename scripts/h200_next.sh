@@ -26,9 +26,13 @@ part probe-memory-hypothesis 90 $SPLIT python3 scripts/probe_memory.py --skip-na
   --out "$R/probe_memory_hypothesis.json"
 # the default allocator's named rows again, now with its requested_bytes counters beside each figure
 part probe-memory-default 70 python3 scripts/probe_memory.py --out "$R/probe_memory_default.json"
+part probe-memory-default-hypothesis 70 python3 scripts/probe_memory.py --skip-named --hypothesis 32 --seed 2026 \
+  --out "$R/probe_memory_default_hypothesis.json"
 # this machine's profile, then per-component timing: named configs and 40 drawn training-sized ones (issue 5)
-part calibrate 30 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 20
+part calibrate 75 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 40
 part probe-timing 60 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
+part probe-timing-hypothesis 70 python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed 2026 \
+  --out "$R/probe_timing_hypothesis.json"
 part probe-timing-training 200 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed 2026 \
   --strategy training --out "$R/probe_timing_training.json"
 # the whole GPU suite on the final tree, with its claims report (issues 3, 4, 5)

@@ -132,6 +132,52 @@ def test_fit_recovers_synthetic_rate_and_k_half():
     assert kh == 128.0 and rate == pytest.approx(700e12, rel=1e-9)
 
 
+def test_misaligned_vocab_factors():
+    """calibrate's head GEMMs at a vocab that is not a multiple of 8, against the aligned vocab, become
+    a slowdown per alignment class and per GEMM dimension (fake numbers: 4x slower at an odd vocab in
+    the forward, 2x at vocab = 2 mod 8 in grad_input), applied to a GEMM only where a dim is misaligned."""
+    assert [gpus.alignment_class(d) for d in (32000, 32001, 32002, 32004, 128256, 50257)] == [None, 1, 2, 4, None, 1]
+    rows = [dict(op=op, rows=T, hidden=H, vocab=V, tflops=600.0 / (4 if (V, op) == (32001, "forward") else
+                                                                    2 if (V, op) == (32002, "grad_input") else 1))
+            for op, T, H, V in calibrate.vocab_grid()]
+    f = gpus.misaligned_factors(rows)
+    assert f["1"] == pytest.approx(dict(n=0.25, k=1.0, m=1.0)) and f["2"] == pytest.approx(dict(n=1.0, k=0.5, m=1.0))
+    assert f["4"] == pytest.approx(dict(n=1.0, k=1.0, m=1.0))
+    prof = dict(matmul_misaligned=f)
+    assert gpus.alignment_factor(prof, 4096, 32001, 512) == pytest.approx(0.25)  # logits, odd vocab: n
+    assert gpus.alignment_factor(prof, 4096, 512, 32002) == pytest.approx(0.5)  # grad_input, vocab 2 mod 8: k
+    assert gpus.alignment_factor(prof, 4096, 32000, 512) == 1.0 and gpus.alignment_factor({}, 4096, 32001, 512) == 1.0
+    data = calibrate.build_profile(dict(_fake_measurements(), matmul_vocab=rows), dict(date="fake"), "h200-sxm")
+    p = gpus.from_measured(data)
+    odd, even = (timing.estimate_time(ModelConfig(name="v", hidden=512, layers=1, heads=8, intermediate=1024, vocab=v),
+                                      Run(4, 1024), "baseline", p, with_kernels=True) for v in (32001, 32000))
+    assert _kernel(odd, "loss.lm_head")["compute_s"] == pytest.approx(
+        4 * _kernel(even, "loss.lm_head")["compute_s"] * 32001 / 32000, rel=1e-3)
+
+
+def test_host_scale_from_a_measured_tiny_step():
+    """A profile with calibrate's tiny host-bound step: the variant's host figures scale by measured /
+    modelled host time of that step (fake numbers: 3x for the baseline, 1.5x for the efficient model),
+    for forward and backward ops of any config; the optimizer's host cost is left as it was."""
+    data = calibrate.build_profile(_fake_measurements(), dict(date="fake"), "h200-sxm")
+    p0 = gpus.from_measured(data)
+    hs = dict(calibrate.HOST_STEP)
+    cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs["dtype"])
+    host = {v: sum(timing.host_seconds(k, p0) for k in timing.kernels(cfg, run, v, None, None)) for v in timing.VARIANTS}
+    hs.update(baseline=dict(forward_backward_ms=3e3 * host["baseline"]),
+              efficient=dict(forward_backward_ms=1.5e3 * host["efficient"]))
+    p = gpus.from_measured(dict(data, measurements=dict(data["measurements"], host_step=hs)))
+    assert timing.host_scale(p, "baseline") == pytest.approx(3.0) and timing.host_scale(p, "efficient") == \
+        pytest.approx(1.5) and timing.host_scale(p0, "baseline") == 1.0
+    for variant, f in (("baseline", 3.0), ("efficient", 1.5)):
+        r0, r = (timing.estimate_time(ONE_B, Run(1, 512), variant, q, optimizer="adamw") for q in (p0, p))
+        for ph in ("forward", "backward"):
+            assert r["phases"][ph]["host_s"] == pytest.approx(f * r0["phases"][ph]["host_s"])
+            assert r["phases"][ph]["gpu_s"] == pytest.approx(r0["phases"][ph]["gpu_s"])
+        assert r["phases"]["optimizer"]["host_s"] == pytest.approx(r0["phases"]["optimizer"]["host_s"])
+        assert r["host_scale"] == pytest.approx(f)
+
+
 # ---- predictions ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", timing.VARIANTS)
 @pytest.mark.parametrize("gpu", ["h200-measured", "h200-sxm", "a100-80gb-sxm", "rtx-4090"])

@@ -11,10 +11,14 @@ Pure Python: no torch. A profile is a plain dict (so it round-trips through JSON
                              matmul_efficiency); datasheet: the peak; measured: fitted to the points
   matmul_k_half              K at which a GEMM's main loop reaches half its rate (prologue/epilogue
                              cost per output tile); 0 = none (datasheet: unknown, so not modelled)
+  matmul_misaligned          measured only: {alignment class: {m|n|k: rate ratio}} of bf16 GEMMs with
+                             a dimension not a multiple of 8 (an odd vocab), against the aligned rate
   mfu_peak_flops             the denominator of MFU: datasheet peak, or the measured ceiling
   hbm_Bps                    bandwidth of memory-bound kernels (bytes read + written per second)
   launch_s                   GPU-side cost per kernel launch on a full queue
   host_op_s, host_custom_s   CPU time to issue one eager ATen op / one custom op call (fwd, bwd)
+  host_step                  measured only: a tiny step's config and its fwd+bwd ms per variant,
+                             host-bound (timing.host_scale turns it into an in-step host factor)
   attention[backend][hd]     SDPA rates (causal FLOPs, fwd and fwd+bwd) normalised to a full wave
   sources[key]               where each figure comes from
 
@@ -203,6 +207,39 @@ def matmul_efficiency(m: int, n: int, k: int, sms: int, k_half: float = 0.0, bat
     return best
 
 
+# which GEMM dimension is the vocab in each head GEMM calibrate times (anatomy/measure/calibrate.py)
+VOCAB_OP_DIM = {"forward": "n", "grad_input": "k", "grad_weight": "m"}
+
+
+def alignment_class(d: int, elems: int = 8) -> int | None:
+    """None when d is a multiple of `elems` (8 bf16 elements: 16 bytes, what the fastest GEMM kernels
+    load); else the largest power of two dividing d (1, 2 or 4)."""
+    return None if d % elems == 0 else d & -d
+
+
+def misaligned_factors(rows: list[dict]) -> dict:
+    """{alignment class: {GEMM dim: rate ratio}} from calibrate's head GEMMs: the rate at a misaligned
+    vocab over the rate at the aligned one, same op and shape (geometric mean over the shapes)."""
+    aligned = {(r["op"], r["rows"], r["hidden"]): r["tflops"] for r in rows if alignment_class(r["vocab"]) is None}
+    ratios: dict = {}
+    for r in rows:
+        a, ref = alignment_class(r["vocab"]), aligned.get((r["op"], r["rows"], r["hidden"]))
+        if a is not None and ref:
+            ratios.setdefault(str(a), {}).setdefault(VOCAB_OP_DIM[r["op"]], []).append(math.log(r["tflops"] / ref))
+    return {a: {d: math.exp(sum(v) / len(v)) for d, v in dims.items()} for a, dims in ratios.items()}
+
+
+def alignment_factor(prof: dict, m: int, n: int, k: int) -> float:
+    """The measured slowdown of a bf16 GEMM whose m, n or k is not a multiple of 8 (1.0 when the
+    profile measured none: a datasheet profile does not model it)."""
+    table, f = prof.get("matmul_misaligned") or {}, 1.0
+    for dim, d in (("m", m), ("n", n), ("k", k)):
+        a = alignment_class(d)
+        if a is not None:
+            f *= table.get(str(a), {}).get(dim, 1.0)
+    return f
+
+
 def attention_wave_efficiency(batch: int, heads: int, seq: int, sms: int, block_q: int = 128) -> float:
     """Flash-style SDPA runs one CTA per (batch, head, 128-query block): wave quantization only."""
     tiles = batch * heads * math.ceil(seq / block_q)
@@ -260,6 +297,10 @@ def from_measured(data: dict) -> dict:
                                          + (" ..." if len(m["matmul_bf16"]) > 4 else ""),
                             matmul_k_half=f"fitted to {len(m['matmul_bf16'])} measured GEMM shape(s)",
                             mfu_peak_flops=f"{where}: the best measured bf16 GEMM (MFU against a measured ceiling)")
+    if m.get("matmul_vocab"):
+        p["matmul_misaligned"] = misaligned_factors(m["matmul_vocab"])
+        p["sources"]["matmul_misaligned"] = (f"{where}: the LM head's GEMMs at vocab 32001/32002/32004 against 32000 "
+                                             f"({len(m['matmul_vocab'])} GEMMs)")
     if m.get("copy_tbps"):
         p["hbm_Bps"] = m["copy_tbps"] * 1e12
         p["sources"]["hbm_Bps"] = f"{where}: device-to-device copy, bytes read + written"
@@ -269,6 +310,9 @@ def from_measured(data: dict) -> dict:
     if m.get("host_op_us"):
         p["host_op_s"] = m["host_op_us"] * 1e-6
         p["sources"]["host_op_s"] = f"{where}: CPU time per eager op under autograd"
+    if m.get("host_step"):
+        p["host_step"] = m["host_step"]
+        p["sources"]["host_step"] = f"{where}: a tiny training step of each variant, host-bound (timing.host_scale)"
     if m.get("host_custom_us"):
         p["host_custom_s"] = {k: {ph: us * 1e-6 for ph, us in v.items() if isinstance(us, (int, float))}
                               for k, v in m["host_custom_us"].items() if isinstance(v, dict)}

@@ -8,7 +8,9 @@ minimal HBM bytes, and predicts each one as
     t = max(FLOPs / rate, bytes / bandwidth) + launch        bound = whichever term is larger
 
   matmul   rate = the profile's asymptotic GEMM rate x matmul_efficiency(m, n, k) (gpus.py:
-           tile and wave quantization over the SMs, split-K for skinny weight gradients)
+           tile and wave quantization over the SMs, split-K for skinny weight gradients),
+           x the measured slowdown of a bf16 GEMM with a dimension (the vocab) that is not a
+           multiple of 8 elements (gpus.alignment_factor; 1 for a datasheet profile)
   sdpa     rate = the profile's measured rate for that backend and head dim, scaled by the
            wave quantization of (batch x heads x 128-row query blocks) against the measured shape
   memory   elementwise and fused kernels: FLOPs ignored (≤ ~10 per element, far under the ridge)
@@ -20,7 +22,8 @@ Assumptions (each is a source of error, listed in docs/timing.md):
   3. Compute and memory overlap perfectly inside a kernel (the max, not the sum).
   4. The host issues work asynchronously. Between two host syncs (Liger's .item() before the
      loss, torch.equal in its backward) a segment takes max(GPU time, host issue time): the host
-     figure is per eager op, or per custom-op call, from the profile.
+     figure is per eager op, or per custom-op call, from the profile, times the variant's
+     host_scale (measured in-step cost over the per-op figures, from a tiny calibrated step).
   5. The optimizer is its own phase, after backward (bench/step.py times forward + backward only).
 """
 from __future__ import annotations
@@ -64,6 +67,8 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
     if kern.kind == "matmul":
         b, m, n, k = kern.shape
         rate = prof["matmul_flops"][kern.dtype] * gpus.matmul_efficiency(m, n, k, prof["sms"], prof["matmul_k_half"], b)
+        if kern.dtype in ("bfloat16", "float16"):
+            rate *= gpus.alignment_factor(prof, m, n, k)
     elif kern.kind == "sdpa":
         B, nh, S, hd = kern.shape
         rate, note = _sdpa_rate(prof, kern.backend, hd, kern.phase)
@@ -91,14 +96,32 @@ def host_seconds(kern: Kernel, prof: dict) -> float:
     return kern.count * (t if t is not None else CUSTOM_FALLBACK_OPS * prof["host_op_s"])
 
 
-def predict(ks: list[Kernel], prof: dict) -> tuple[list[dict], list[dict]]:
+def host_scale(prof: dict, variant: str, sdpa_backend: str | None = None) -> float:
+    """How much more the host spends per op inside a training step than the per-op figures say.
+
+    The bare-op figures (host_op_s, host_custom_s) leave out what an op costs inside a model:
+    module calls, autocast, autograd nodes with saved tensors, views. `anatomy calibrate` times a
+    tiny step of each variant, so small that the host bounds it (profile["host_step"]); the scale
+    is that measured time over this model's host figure for the same step. It multiplies the host
+    cost of every forward and backward op of that variant (1.0 when the profile has no such step)."""
+    hs = prof.get("host_step") or {}
+    rec = hs.get(variant)
+    if not rec:
+        return 1.0
+    cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs.get("dtype", "amp"))
+    host = sum(host_seconds(k, prof) for k in kernels(cfg, run, variant, sdpa_backend, None))
+    return rec["forward_backward_ms"] * 1e-3 / host
+
+
+def predict(ks: list[Kernel], prof: dict, scale: float = 1.0) -> tuple[list[dict], list[dict]]:
     """Rows (one per kernel entry, in execution order) and host-sync segments. A segment runs from
-    one host sync to the next (the optimizer is always its own) and takes max(GPU, host) time."""
+    one host sync to the next (the optimizer is always its own) and takes max(GPU, host) time.
+    scale multiplies the host cost of forward and backward ops (host_scale)."""
     order = sorted(range(len(ks)), key=lambda i: (PHASES.index(ks[i].phase), ks[i].order))  # stable
     rows, segs = [], []
     for k in (ks[i] for i in order):
         row = time_kernel(k, prof)
-        row["host_s"] = host_seconds(k, prof)
+        row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" else 1.0)
         rows.append(row)
         if not segs or k.sync or (k.phase == "optimizer") != (segs[-1]["phase"] == "optimizer"):
             segs.append(dict(phase=k.phase, starts_at=k.name, gpu_s=0.0, host_s=0.0))
@@ -119,7 +142,8 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     forward_backward_s is what bench/step.py measures (max of GPU and host time per host-sync
     segment); step_s adds the optimizer. Per component and phase the figures are GPU time."""
     prof = gpus.get(gpu)
-    rows, segs = predict(kernels(cfg, run, variant, sdpa_backend, optimizer), prof)
+    scale = host_scale(prof, variant, sdpa_backend)
+    rows, segs = predict(kernels(cfg, run, variant, sdpa_backend, optimizer), prof, scale)
     comps: dict[str, dict] = {}
     phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
     for row in rows:
@@ -143,7 +167,7 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
         gpu=prof["name"], profile_kind=prof["kind"], variant=variant, config=cfg.to_dict(),
         run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype), optimizer=optimizer,
         sdpa_backend=(sdpa_backend or "cudnn") if variant == "efficient" else "math (explicit QKᵀ, softmax, PV)",
-        forward_backward_s=fb, optimizer_s=opt, step_s=fb + opt, gpu_s=sum(p["gpu_s"] for p in phases.values()),
+        host_scale=scale, forward_backward_s=fb, optimizer_s=opt, step_s=fb + opt, gpu_s=sum(p["gpu_s"] for p in phases.values()),
         tokens_per_s=run.tokens / fb, phases=phases, segments=segs, components=comps,
         mfu=dict(model=model / fb / peak, counter=counter / fb / peak, peak_flops=peak,
                  peak_source=prof["sources"].get("mfu_peak_flops", prof["sources"]["peak_flops"]),

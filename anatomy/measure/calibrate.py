@@ -9,12 +9,18 @@ timing reuses one L2-resident input):
                   shapes at 16,384 tokens, the forward (T, out, in), grad-input (T, in, out) and
                   grad-weight (out, in, T) of qkv, o, gate_up, down, and Liger's chunk GEMMs; plus
                   8192³ (the ANCHORS ceiling) and 4096³. The profile fits a rate and k_half to them.
+  matmul_vocab    the LM head's three GEMMs as the model writes them (x @ W.t(), g @ W, g.t() @ x)
+                  at a vocab that is a multiple of 8 and at vocabs that are not (32001, 32002, 32004):
+                  a bf16 row whose length is not a multiple of 8 is not 16-byte aligned, and cuBLAS
+                  leaves its fastest kernels for it. The profile keeps the slowdown per case.
   attention       causal SDPA fwd and fwd+bwd per backend (cudnn, flash, memory-efficient) at head
                   dim 64 (B=16, 8 heads, S=4096: the seed) and 128 (B=4, 16 heads: anchor-1b)
   copy_tbps       a 2 GiB device copy, bytes read + written
   launch_us       GPU time per tiny kernel on a full queue (queued behind a long kernel: no host cost)
   host_op_us      CPU time per eager op that records autograd (1-element tensors: the GPU is idle)
   host_custom_us  CPU time per call of our custom ops (rms_norm, swiglu, rope_qkv), fwd and bwd
+  host_step       wall time of a tiny training step (forward + backward) of each variant, so small
+                  that the host's issue time bounds it: what an op costs the host inside a model
 Measurements never read the calculator; the profile is only *loaded* by it (gpus.from_measured).
 On a machine without CUDA it prints one line and exits 2.
 """
@@ -55,6 +61,16 @@ def gemm_grid(presets=GRID_PRESETS, tokens: int = GRID_TOKENS) -> list[tuple[int
         C = liger_chunk_rows(tokens, H, V)
         shapes |= {(C, V, H), (C, H, V), (V, H, C)}
     return sorted(shapes)
+
+
+VOCAB_ALIGNED, VOCAB_MISALIGNED = 32000, (32001, 32002, 32004)
+VOCAB_SHAPES = ((16384, 512), (16384, 2048), (2048, 2048))  # (rows, hidden): full steps and a Liger chunk
+
+
+def vocab_grid() -> list[tuple[str, int, int, int]]:
+    """(op, rows, hidden, vocab) of the head GEMMs calibrate times: forward, grad_input, grad_weight."""
+    return [(op, T, H, V) for T, H in VOCAB_SHAPES for V in (VOCAB_ALIGNED, *VOCAB_MISALIGNED)
+            for op in ("forward", "grad_input", "grad_weight")]
 
 
 def guess_base(device_name: str) -> str | None:
@@ -122,6 +138,26 @@ def measure_matmuls(shapes, deadline: float) -> list[dict]:
             break
         ms = _median_ms(_rotating_matmul(m, n, k))
         rows.append(dict(m=m, n=n, k=k, ms=ms, tflops=2 * m * n * k / (ms * 1e-3) / 1e12))
+    torch.cuda.empty_cache()
+    return rows
+
+
+def measure_vocab_matmuls(grid, deadline: float) -> list[dict]:
+    """The head GEMMs of vocab_grid(), in the layouts the model launches them: logits = x @ W.t()
+    (the output's rows are vocab long), grad_input = g @ W (g's rows are), grad_weight = g.t() @ x
+    (a transposed view of g)."""
+    import torch
+
+    rows = []
+    for op, T, H, V in grid:
+        if time.monotonic() > deadline:
+            break
+        bf = dict(device="cuda", dtype=torch.bfloat16)
+        x, w, g = torch.randn(T, H, **bf), torch.randn(V, H, **bf), torch.randn(T, V, **bf)
+        fn = {"forward": lambda: x @ w.t(), "grad_input": lambda: g @ w, "grad_weight": lambda: g.t() @ x}[op]
+        ms = _median_ms(fn, batches=3, per_batch=5)
+        rows.append(dict(op=op, rows=T, hidden=H, vocab=V, ms=ms, tflops=2 * T * H * V / (ms * 1e-3) / 1e12))
+        del x, w, g
     torch.cuda.empty_cache()
     return rows
 
@@ -235,6 +271,40 @@ def measure_host() -> tuple[float, dict]:
     return op_us, out
 
 
+HOST_STEP = dict(cfg=dict(name="host-step", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=2048),
+                 batch=2, seq=64, dtype="amp")
+
+
+def measure_host_step(steps: int = 30, warmup: int = 5) -> dict:
+    """Median wall time of forward + backward (synchronized at the end, as bench/step.py times it) of
+    HOST_STEP's tiny model, per variant: microseconds of GPU work under milliseconds of host issue."""
+    import torch
+
+    from anatomy.config import ModelConfig, Run
+    from anatomy.measure.memory import setup_step
+    from anatomy.models import autocast_ctx
+
+    cfg, run = ModelConfig(**HOST_STEP["cfg"]), Run(HOST_STEP["batch"], HOST_STEP["seq"], HOST_STEP["dtype"])
+    out = dict(HOST_STEP)
+    for variant in ("baseline", "efficient"):
+        model, ids, targets, _ = setup_step(cfg, run, variant, None)
+        times = []
+        for i in range(warmup + steps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with autocast_ctx(run, "cuda"):
+                loss = model(ids, targets)
+            loss.backward()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            del loss
+            model.zero_grad(set_to_none=True)
+        out[variant] = dict(forward_backward_ms=statistics.median(times[warmup:]) * 1e3)
+        del model, ids, targets
+    torch.cuda.empty_cache()
+    return out
+
+
 def _env(argv) -> dict:
     import torch
 
@@ -272,8 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     m: dict = dict(copy_tbps=measure_copy(), launch_us=measure_launch())
     m["host_op_us"], m["host_custom_us"] = measure_host()
+    m["host_step"] = measure_host_step()
     m["attention"], skipped = measure_attention(deadline - 0.5 * a.budget_s)  # leave half for the GEMM grid
     m["matmul_bf16"] = measure_matmuls(gemm_grid(), deadline)
+    m["matmul_vocab"] = measure_vocab_matmuls(vocab_grid(), deadline + 10)  # small: 36 GEMMs, a few seconds
     prov = dict(_env(argv), seconds=round(time.monotonic() - t0, 1), skipped=skipped,
                 gemm_grid=f"{len(m['matmul_bf16'])} of {len(gemm_grid())} shapes")
     data = build_profile(m, prov, base)

@@ -95,6 +95,10 @@ def phased_steps(model, ids, targets, opt, run: Run, steps: int, phase, device: 
             phases.append(phase("optimizer"))
         else:
             model.zero_grad(set_to_none=True)
+            # not returned: it only starts the next forward's window after the gradients are dropped,
+            # where the trace's phase:forward marker starts it (else the next forward's peak would be
+            # this step's gradients, which outlive it until here)
+            phase("zero_grad")
     return phases
 
 
