@@ -12,6 +12,7 @@ END=$((SECONDS + ${BUDGET_S:-570}))
 pack() { tar -czf "$OUT/results.tar.gz" -C "$OUT" r; }
 part() {  # part NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2; local t0=$SECONDS left=$((END - SECONDS))
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi  # ONLY="a b": just those parts
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -le 5 ]; then echo "== $name skipped: the run's budget is spent"; return; fi
   echo "== $name (limit ${limit}s)"

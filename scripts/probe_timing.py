@@ -5,7 +5,9 @@
         --out $OUT/probe_timing_hypothesis.json                                            # 32 drawn configs
 
 Each row holds anatomy.measure.timeline.component_times (CUDA events at every component change,
-median of 6 steps after 2 warm-up steps, plus 6 unmarked steps) and the config it ran, so the
+median of 6 steps after 2 warm-up steps, plus 6 unmarked steps), `kernels`: the GPU kernel time per
+phase and component from a torch.profiler trace of 2 more marked steps (timeline.kernel_times: what
+the kernels ran for, without the host's gaps), and the config it ran, so the
 comparison (validations/test_timing_probe.py) reads the rows and never re-draws. With --out the
 JSON is rewritten after every row: a run cut short keeps its rows.
 """
@@ -15,7 +17,7 @@ import probe_common
 import torch
 
 from anatomy.config import ModelConfig, PRESETS, Run
-from anatomy.measure.timeline import component_times
+from anatomy.measure.timeline import component_times, kernel_times
 
 BOTH, EFF = ("baseline", "efficient"), ("efficient",)
 # anchor-1b B4S4096 baseline is left out: its eager S×S attention needs ~143 GiB at its peak
@@ -43,7 +45,8 @@ def main() -> int:
     cases = [] if a.skip_named else [(n, c, r, v, "adamw") for n, c, r, v in CASES]
     cases += [(n, c, r, BOTH, "adamw") for n, c, r in probe_common.drawn(a.hypothesis, a.seed, a.strategy)]
     return probe_common.run_rows("probe_timing", a, cases,
-                                 lambda cfg, run, variant, opt: dict(timeline=component_times(cfg, run, variant, opt)),
+                                 lambda cfg, run, variant, opt: dict(timeline=component_times(cfg, run, variant, opt),
+                                                                     kernels=kernel_times(cfg, run, variant, opt)),
                                  lambda row: _summary(row["timeline"]), triton=triton.__version__)
 
 

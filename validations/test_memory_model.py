@@ -1,16 +1,16 @@
-"""The phase memory model against the H200 probes committed in reports/ (records of real runs:
+"""The phase memory model against the H200 probe committed in reports/ (a record of one real run:
 scripts/probe_memory.py; each header gives GPU, versions, date, command and allocator settings):
 four named configs and 32 configs drawn with a fixed seed, both variants, with and without AdamW
 for the named ones, under two allocator settings.
 
 The claim, ±3% (the goal ±1%), is on max_memory_allocated / memory_allocated with
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (probes.SPLIT_SESSION). There the caching allocator
-splits every block it reuses, so what it counts is the requested bytes rounded to 512, which is what
-the walk models. Under the default settings (probes.MEMORY_SESSION) it splits a large-pool block only
-when more than 1 MiB would remain, and a cached block handed out whole adds its slack to
-max_memory_allocated: those rows are held to ±3% as well, and a miss is an expected failure only when
-the allocator's own accounts explain it (the walk matches its requested bytes, from the trace or the
-requested_bytes counters, within ±1%, and the allocated figure is above them).
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. There the caching allocator splits every block it
+reuses, so what it counts is the requested bytes rounded to 512, which is what the walk models.
+Under the default settings it splits a large-pool block only when more than 1 MiB would remain, and
+a cached block handed out whole adds its slack to max_memory_allocated: those rows are held to ±3%
+as well, and a miss there is an expected failure only when the allocator's own accounts explain it
+(the walk matches its requested bytes, from the trace or the requested_bytes counter read in the
+same run, within ±1%, and the allocated figure is above them).
 
 Each figure is also checked against the allocator trace's live bytes (`trace`), ±1%: what the walk
 models, allocation by allocation. A fresh GPU run of the same comparison is the `gpu` test below."""
@@ -23,16 +23,8 @@ from anatomy.calculator.memory import phases
 from anatomy.config import ModelConfig, Run
 from anatomy.report import probes
 
-PROBE_DIR = probes.SPLIT_SESSION  # the claim's rows
-SESSIONS = {"expandable segments": probes.SPLIT_SESSION, "default allocator": probes.MEMORY_SESSION}
-
-
-def _rows(session: Path, alloc: str) -> list[dict]:
-    return [dict(r, alloc=alloc, session=session.name) for name in ("probe_memory.json", "probe_memory_hypothesis.json")
-            for r in probes.rows(session / name)]
-
-
-ALL = [r for alloc, session in SESSIONS.items() for r in _rows(session, alloc)]
+PROBE_DIR = probes.MEMORY_SESSION
+ALL = probes.memory_rows(probes.SPLIT) + probes.memory_rows(probes.DEFAULT)
 TOL = 0.03  # the claim's bound for physical memory (DESIGN: relative, justified; the goal is 1%)
 TRACE_TOL = probes.TRACE_TOL  # the goal, held against the allocator's requested bytes
 # (claim, the calculator's key, the probe's phase, "allocated" at its end or its "peak")
@@ -45,7 +37,7 @@ FIGURES = (("memory.allocated after forward", "forward_end", "forward", "allocat
 
 def _ids(r):
     return (f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}" + (f"-{r['optimizer']}" if r["optimizer"] else "")
-            + ("" if r.get("alloc", "expandable segments") == "expandable segments" else "-default-alloc"))
+            + ("" if r.get("alloc", probes.SPLIT) == probes.SPLIT else "-default-alloc"))
 
 
 def _predicted(r):
@@ -60,9 +52,7 @@ def _cases(trace: bool):
 
 
 def _requested(row: dict, figure: tuple) -> int | None:
-    """The allocator's requested_bytes counter for this figure, where the probe recorded it."""
-    p = {p["name"]: p for p in row["phases"]}[figure[2]]
-    return p.get("requested_peak" if figure[3] == "peak" else "requested")
+    return probes.requested(row, figure[2], figure[3])
 
 
 def check_phase(claims, row: dict, figure: tuple, pred: dict, measured: int, trace: dict | None,
@@ -74,11 +64,11 @@ def check_phase(claims, row: dict, figure: tuple, pred: dict, measured: int, tra
     claim, key, _, _ = figure
     config = _ids(row) + ("" if row["config"] in ("seed", "tiny-gqa", "anchor-1b") else str(row["cfg"]))
     try:
-        claims.check(f"{claim} ({row.get('alloc', 'expandable segments')})", component="model", config=config,
+        claims.check(f"{claim} ({row.get('alloc', probes.SPLIT)})", component="model", config=config,
                      variant=row["variant"], predicted=pred[key], measured=measured, tolerance=TOL, device="cuda",
                      unit="B", note=source)
     except AssertionError:
-        if row.get("alloc") == "expandable segments":
+        if row.get("alloc") == probes.SPLIT:
             raise
         for what, t in (("trace's requested bytes", (trace or {}).get(key)), ("requested_bytes counter", requested)):
             if probes.trace_accounts(pred[key], measured, t):
@@ -147,7 +137,7 @@ def test_phases_on_this_gpu(variant, claims):
     cfg = ModelConfig(name="mem", hidden=256, layers=2, heads=8, kv_heads=2, intermediate=640, vocab=5000)
     run = Run(4, 512)
     row = dict(config="mem", batch=4, seq=512, variant=variant, optimizer="adamw", cfg=cfg.to_dict(),
-               alloc="expandable segments" if splits_every_block() else "default allocator")
+               alloc=probes.SPLIT if splits_every_block() else probes.DEFAULT)
     phs = measure_phases(cfg, run, variant, optimizer="adamw")
     row["phases"] = phs
     ph = {p["name"]: p for p in phs}

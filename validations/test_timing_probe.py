@@ -17,7 +17,7 @@ import pytest
 from anatomy.config import ModelConfig, Run
 from anatomy.report import probes
 from anatomy.measure.components import COMPONENTS
-from anatomy.measure.timeline import PHASES, attribute, component_times
+from anatomy.measure.timeline import MARK, PHASES, attribute, attribute_kernels, component_times, trace_kernels
 
 TINY = ModelConfig(name="tiny", hidden=64, layers=2, heads=4, intermediate=96, vocab=128)
 
@@ -44,6 +44,34 @@ def test_attribute_carries_the_label_into_a_phase():
     assert attribute(marks) == {"forward": {"embedding": 3.0, "other": 1.0}}
     assert attribute([("phase:forward", 0.0), ("phase:end", 2.0)], label="norm") == {"forward": {"norm": 2.0}}
     assert attribute([]) == {} and attribute([("phase:forward", 1.0)]) == {}
+
+
+def test_kernel_time_is_credited_to_the_mark_before_its_launch():
+    """attribute_kernels: a kernel belongs to the component running when the host launched it, whenever
+    it ran; kernels outside a phase are not part of a step. trace_kernels pairs each GPU event of a
+    Chrome trace with its launch by correlation id (runtime or driver API) and reads the marks."""
+    marks = [("phase:forward", 0.0), ("attention", 1.0), ("other", 5.0), ("phase:backward", 6.0), ("mlp", 6.5),
+             ("phase:end", 9.0)]
+    kernels = [(0.5, 100.0, "gather"), (2.0, 3000.0, "sdpa"), (3.0, 1000.0, "gemm"), (5.5, 200.0, "add"),
+               (7.0, 2000.0, "gemm"), (9.5, 50.0, "after")]
+    out = attribute_kernels(marks, kernels)
+    assert {(ph, c): v["ms"] for ph, cs in out.items() for c, v in cs.items()} == pytest.approx(
+        {("forward", "other"): 0.3, ("forward", "attention"): 4.0, ("backward", "mlp"): 2.0})
+    assert out["forward"]["attention"]["top"] == {"sdpa": 3.0, "gemm": 1.0}
+    trace = {"traceEvents": [
+        dict(cat="user_annotation", name=MARK + "phase:forward", ts=0.0, dur=0.1),
+        dict(cat="user_annotation", name=MARK + "norm", ts=1.0, dur=0.1),
+        dict(cat="user_annotation", name="unrelated", ts=1.5, dur=9.0),
+        dict(cat="cuda_runtime", name="cudaLaunchKernel", ts=2.0, dur=1.0, args=dict(correlation=7)),
+        dict(cat="cuda_driver", name="cuLaunchKernelEx", ts=3.0, dur=1.0, args=dict(correlation=8)),
+        dict(cat="kernel", name="triton_rms", ts=40.0, dur=5.0, args=dict(correlation=8)),
+        dict(cat="gpu_memset", name="Memset", ts=30.0, dur=2.0, args=dict(correlation=7)),
+        dict(cat="kernel", name="orphan", ts=50.0, dur=9.0, args=dict(correlation=99)),
+        dict(cat="user_annotation", name=MARK + "phase:end", ts=60.0, dur=0.1)]}
+    m, k = trace_kernels(trace)
+    assert m == [("phase:forward", 0.0), ("norm", 1.0), ("phase:end", 60.0)]
+    assert sorted(k) == [(2.0, 2.0, "Memset"), (3.0, 5.0, "triton_rms")]
+    assert attribute_kernels(m, k)["forward"]["norm"]["ms"] == pytest.approx(0.007)
 
 
 # ---- a real run on CPU ----------------------------------------------------------------------------

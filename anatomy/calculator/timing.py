@@ -96,32 +96,35 @@ def host_seconds(kern: Kernel, prof: dict) -> float:
     return kern.count * (t if t is not None else CUSTOM_FALLBACK_OPS * prof["host_op_s"])
 
 
-def host_scale(prof: dict, variant: str, sdpa_backend: str | None = None) -> float:
-    """How much more the host spends per op inside a training step than the per-op figures say.
+def host_scale(prof: dict, variant: str, sdpa_backend: str | None = None) -> dict[str, float]:
+    """How much more the host spends per op inside a training step than the per-op figures say, per
+    phase ({"forward": f, "backward": b}).
 
-    The bare-op figures (host_op_s, host_custom_s) leave out what an op costs inside a model:
-    module calls, autocast, autograd nodes with saved tensors, views. `anatomy calibrate` times a
-    tiny step of each variant, so small that the host bounds it (profile["host_step"]); the scale
-    is that measured time over this model's host figure for the same step. It multiplies the host
-    cost of every forward and backward op of that variant (1.0 when the profile has no such step)."""
+    The per-op figures (host_op_s, host_custom_s) leave out what an op costs inside a model: module
+    calls, autocast, autograd nodes with saved tensors, views, the engine's per-backward setup.
+    `anatomy calibrate` times a tiny step of each variant, so small that the host bounds it
+    (profile["host_step"]: the forward until it returns, the backward to its end); each phase's
+    scale is that measured time over this model's host figure for the same phase of the same step.
+    It multiplies the host cost of every op of that variant and phase (1.0 without such a step)."""
     hs = prof.get("host_step") or {}
     rec = hs.get(variant)
-    if not rec:
-        return 1.0
+    if not rec or "forward_ms" not in rec:
+        return dict(forward=1.0, backward=1.0)
     cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs.get("dtype", "amp"))
-    host = sum(host_seconds(k, prof) for k in kernels(cfg, run, variant, sdpa_backend, None))
-    return rec["forward_backward_ms"] * 1e-3 / host
+    ks = kernels(cfg, run, variant, sdpa_backend, None)
+    return {ph: rec[f"{ph}_ms"] * 1e-3 / sum(host_seconds(k, prof) for k in ks if k.phase == ph)
+            for ph in ("forward", "backward")}
 
 
-def predict(ks: list[Kernel], prof: dict, scale: float = 1.0) -> tuple[list[dict], list[dict]]:
+def predict(ks: list[Kernel], prof: dict, scale: dict | None = None) -> tuple[list[dict], list[dict]]:
     """Rows (one per kernel entry, in execution order) and host-sync segments. A segment runs from
     one host sync to the next (the optimizer is always its own) and takes max(GPU, host) time.
-    scale multiplies the host cost of forward and backward ops (host_scale)."""
+    scale: {phase: factor} on the host cost of forward and backward ops (host_scale)."""
     order = sorted(range(len(ks)), key=lambda i: (PHASES.index(ks[i].phase), ks[i].order))  # stable
     rows, segs = [], []
     for k in (ks[i] for i in order):
         row = time_kernel(k, prof)
-        row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" else 1.0)
+        row["host_s"] = host_seconds(k, prof) * (scale or {}).get(k.phase, 1.0)
         rows.append(row)
         if not segs or k.sync or (k.phase == "optimizer") != (segs[-1]["phase"] == "optimizer"):
             segs.append(dict(phase=k.phase, starts_at=k.name, gpu_s=0.0, host_s=0.0))

@@ -253,21 +253,23 @@ def measure_host() -> tuple[float, dict]:
     cos, sin = torch.ones(8, hd, device="cuda"), torch.zeros(8, hd, device="cuda")
     calls = {"rms_norm": lambda: rms_norm(xs, w, 1e-5), "swiglu": lambda: swiglu(g_, u_, "swiglu", False),
              "rope_qkv": lambda: rope_qkv(qkv, cos, sin, nh, nh)}
+    n = 32  # calls per graph: one backward() over all of them, as a step's one backward runs many nodes
     out = {}
     for name, f0 in calls.items():
         def f(f0=f0):  # as in the training step: under bf16 autocast (its dispatch layer costs host time)
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                return f0()
+                outs = [f0() for _ in range(n)]
+            return [t for o in outs for t in (o if isinstance(o, tuple) else (o,))]
 
-        fwd = _host_us(f, 200)
+        fwd = _host_us(f, 20) / n
+        grads = [torch.ones_like(t) for t in f()]
 
         def both():
-            o = f()
-            torch.autograd.backward(list(o) if isinstance(o, tuple) else [o],
-                                    [torch.ones_like(t) for t in (o if isinstance(o, tuple) else (o,))])
-        both_us = _host_us(both, 200)
-        out[name] = dict(forward=fwd, backward=max(0.0, both_us - fwd - op_us * (3 if name == "rope_qkv" else 1)))
-    out["source"] = "measured by anatomy calibrate (CPU time per call, tiny tensors, fwd; bwd = fwd+bwd - fwd)"
+            torch.autograd.backward(f(), grads)
+        both_us = _host_us(both, 20) / n
+        out[name] = dict(forward=fwd, backward=max(0.0, both_us - fwd))
+    out["source"] = ("measured by anatomy calibrate (CPU time per call, tiny tensors, 32 calls per graph and one "
+                     "backward over them; bwd = fwd+bwd - fwd)")
     return op_us, out
 
 
@@ -276,8 +278,8 @@ HOST_STEP = dict(cfg=dict(name="host-step", hidden=256, layers=2, heads=4, kv_he
 
 
 def measure_host_step(steps: int = 30, warmup: int = 5) -> dict:
-    """Median wall time of forward + backward (synchronized at the end, as bench/step.py times it) of
-    HOST_STEP's tiny model, per variant: microseconds of GPU work under milliseconds of host issue."""
+    """Median wall time of the forward (until it returns) and of the backward (synchronized at its end)
+    of HOST_STEP's tiny model, per variant: microseconds of GPU work under milliseconds of host issue."""
     import torch
 
     from anatomy.config import ModelConfig, Run
@@ -291,15 +293,19 @@ def measure_host_step(steps: int = 30, warmup: int = 5) -> dict:
         times = []
         for i in range(warmup + steps):
             torch.cuda.synchronize()
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             with autocast_ctx(run, "cuda"):
                 loss = model(ids, targets)
+            t1 = time.perf_counter()
             loss.backward()
             torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
+            times.append((t1 - t0, time.perf_counter() - t1))
             del loss
             model.zero_grad(set_to_none=True)
-        out[variant] = dict(forward_backward_ms=statistics.median(times[warmup:]) * 1e3)
+        med = statistics.median
+        out[variant] = dict(forward_ms=med(f for f, _ in times[warmup:]) * 1e3,
+                            backward_ms=med(b for _, b in times[warmup:]) * 1e3,
+                            forward_backward_ms=med(f + b for f, b in times[warmup:]) * 1e3)
         del model, ids, targets
     torch.cuda.empty_cache()
     return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -152,3 +153,84 @@ def component_times(cfg: ModelConfig, run: Run, variant: str, optimizer: str | N
     if clock.cuda:
         torch.cuda.empty_cache()
     return out
+
+
+# ---- GPU kernel time per component (torch.profiler) ------------------------------------------------
+MARK = "anatomy.mark:"
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+def attribute_kernels(marks: list[tuple[str, float]], kernels: list[tuple[float, float, str]],
+                      top: int = 6) -> dict[str, dict[str, dict]]:
+    """{phase: {component: {"ms": summed kernel time, "top": {kernel name: ms}}}}: each GPU kernel
+    (launch time on the host, duration, name) is credited to the phase and component of the last mark
+    before its launch, in the same time unit (microseconds from the profiler's trace). Unlike the
+    CUDA-event intervals of component_times, this is the time kernels ran, not the time between
+    marks: a component whose work the host issues slower than the GPU runs it is not charged the wait."""
+    out: dict[str, dict[str, dict]] = {}
+    phase, label = None, "other"
+    events = sorted([(t, 0, i, name, 0.0) for i, (name, t) in enumerate(marks)]
+                    + [(t, 1, i, name, d) for i, (t, d, name) in enumerate(kernels)], key=lambda e: e[:3])
+    for _, is_kernel, _, name, dur in events:
+        if not is_kernel:
+            if name.startswith("phase:"):
+                phase = None if name in ("phase:end", "phase:zero_grad") else name[len("phase:"):]
+            else:
+                label = name
+        elif phase is not None:
+            c = out.setdefault(phase, {}).setdefault(label, dict(ms=0.0, top={}))
+            c["ms"] += dur / 1e3
+            c["top"][name] = c["top"].get(name, 0.0) + dur / 1e3
+    for comps in out.values():
+        for c in comps.values():
+            c["top"] = dict(sorted(c["top"].items(), key=lambda kv: -kv[1])[:top])
+    return out
+
+
+def trace_kernels(trace: dict) -> tuple[list[tuple[str, float]], list[tuple[float, float, str]]]:
+    """(marks, kernels) from a torch.profiler Chrome trace: the marks are record_function ranges named
+    MARK + label; each GPU event is paired with its launch on the host by the trace's correlation id."""
+    evs = trace.get("traceEvents", [])
+    marks = sorted(((e["name"][len(MARK):], e["ts"]) for e in evs
+                    if e.get("cat") == "user_annotation" and e.get("name", "").startswith(MARK)), key=lambda m: m[1])
+    launch = {e["args"]["correlation"]: e["ts"] for e in evs
+              if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
+    kernels = [(launch[e["args"]["correlation"]], e["dur"], e["name"]) for e in evs
+               if e.get("cat") in GPU_CATS and e.get("args", {}).get("correlation") in launch]
+    return marks, kernels
+
+
+def kernel_times(cfg: ModelConfig, run: Run, variant: str, optimizer: str | None = "adamw", steps: int = 2,
+                 warmup: int = 2) -> dict:
+    """Mean GPU kernel time per step, per phase and component (attribute_kernels over a torch.profiler
+    trace of `steps` marked steps after `warmup` unprofiled ones). CUDA only."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    model, ids, targets, opt = setup_step(cfg, run, variant, optimizer, "cuda")
+    marked_steps(model, ids, targets, opt, run, warmup, lambda label: None, "cuda")
+    torch.cuda.synchronize()
+
+    def mark(label: str) -> None:
+        with record_function(MARK + label):
+            pass
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        marked_steps(model, ids, targets, opt, run, steps, mark, "cuda")
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    marks, kernels = trace_kernels(trace)
+    comps = attribute_kernels(marks, kernels)
+    for phase in comps.values():
+        for c in phase.values():
+            c["ms"] /= steps
+            c["top"] = {k: v / steps for k, v in c["top"].items()}
+    del model, opt, ids, targets
+    torch.cuda.empty_cache()
+    return dict(components=comps, steps=steps, warmup=warmup, kernels_per_step=len(kernels) / steps,
+                marks_per_step=len(marks) / steps)
