@@ -98,7 +98,8 @@ def _residual(o: _Ops, comp: str, L: int) -> None:
     Backward: the stream's gradient is cast to the branch's dtype (when they differ), and the
     gradients of the block input from its two readers (the add and the norm) are summed."""
     T, H, c, r = o.run.tokens, o.cfg.hidden, o.c, o.r
-    o.mem(f"{comp}.residual_add", comp, "forward", T * H * (r + c), T * H * r, L)
+    # the add runs in the block, between the components' modules: "other", as the probes measure it
+    o.mem(f"{comp}.residual_add", "other", "forward", T * H * (r + c), T * H * r, L)
     if c != r:
         o.mem(f"{comp}.residual_grad_cast", comp, "backward", T * H * r, T * H * c, L)
     o.mem(f"norm.{comp}_input_grad_sum", "norm", "backward", 2 * T * H * r, T * H * r, L)
