@@ -120,35 +120,29 @@ def _id(r: dict) -> str:
 # the error measured there. Why, as far as the rows show (docs/timing.md):
 _EAGER = "the eager baseline: S x S softmax, mask and casts run under the copy roofline; host-bound ones slower still"
 _HOST = "host-bound: this machine's in-step host time per op is above the tiny calibrated step's"
-_GEMM = "over-predicted GEMMs: k_half fitted at 600 on this run penalizes K=1024-2048 more than measured"
+_OVER = "over-predicted at hidden 2048, 8k tokens: mlp and the host's issue of it (docs/timing.md)"
 _MISSES = {
-    ("seed-B16S4096-baseline-adamw", "forward_backward"): (-0.244, _EAGER),
-    ("seed-B16S4096-baseline-adamw", "step"): (-0.243, _EAGER),
+    ("seed-B16S4096-baseline-adamw", "forward_backward"): (-0.309, _EAGER),
+    ("seed-B16S4096-baseline-adamw", "step"): (-0.307, _EAGER),
     ("seed-B4S1024-baseline-adamw", "forward_backward"): (-0.375, _EAGER),
     ("seed-B4S1024-baseline-adamw", "step"): (-0.374, _EAGER),
     ("tiny-gqa-B4S512-baseline-adamw", "forward_backward"): (-0.526, _EAGER),
     ("tiny-gqa-B4S512-baseline-adamw", "step"): (-0.531, _EAGER),
-    ("llama3.2-1b-B2S2048-baseline-adamw", "forward_backward"): (-0.131, _EAGER),
-    ("llama3.2-1b-B2S2048-baseline-adamw", "step"): (-0.132, _EAGER),
-    ("llama3.2-1b-B2S2048-efficient-adamw", "forward_backward"): (+0.143, "predicted host-bound (Liger's 128k vocab "
+    ("llama3.2-1b-B2S2048-baseline-adamw", "forward_backward"): (-0.184, _EAGER),
+    ("llama3.2-1b-B2S2048-baseline-adamw", "step"): (-0.183, _EAGER),
+    ("llama3.2-1b-B2S2048-efficient-adamw", "forward_backward"): (+0.136, "predicted host-bound (Liger's 128k vocab "
                                                                            "loop at the in-step host scale); it is not"),
-    ("llama3.2-1b-B2S2048-efficient-adamw", "step"): (+0.112, "as forward + backward"),
+    ("llama3.2-1b-B2S2048-efficient-adamw", "step"): (+0.106, "as forward + backward"),
     ("train0-B8S1024-efficient-adamw", "forward_backward"): (-0.243, _HOST),
     ("train0-B8S1024-efficient-adamw", "step"): (-0.257, _HOST),
-    ("train16-B4S2048-efficient-adamw", "forward_backward"): (-0.189, _HOST),
-    ("train16-B4S2048-efficient-adamw", "step"): (-0.202, _HOST),
-    ("train20-B4S2048-efficient-adamw", "forward_backward"): (-0.193, _HOST),
-    ("train20-B4S2048-efficient-adamw", "step"): (-0.210, _HOST),
-    **{(f"train{n}-{rs}-efficient-adamw", what): (e, _GEMM) for n, rs, what, e in (
-        (8, "B2S4096", "forward_backward", +0.198), (8, "B2S4096", "step", +0.180),
-        (9, "B2S4096", "forward_backward", +0.197), (9, "B2S4096", "step", +0.178),
-        (10, "B8S1024", "forward_backward", +0.151), (10, "B8S1024", "step", +0.123),
-        (11, "B8S1024", "forward_backward", +0.128),
-        (12, "B8S1024", "forward_backward", +0.154), (12, "B8S1024", "step", +0.125),
-        (21, "B8S1024", "forward_backward", +0.140), (21, "B8S1024", "step", +0.123),
-        (23, "B8S1024", "forward_backward", +0.158), (23, "B8S1024", "step", +0.135),
-        (31, "B8S1024", "forward_backward", +0.157), (31, "B8S1024", "step", +0.134),
-        (32, "B8S1024", "forward_backward", +0.152), (32, "B8S1024", "step", +0.131))},
+    ("train16-B4S2048-efficient-adamw", "forward_backward"): (-0.200, _HOST),
+    ("train16-B4S2048-efficient-adamw", "step"): (-0.212, _HOST),
+    ("train20-B4S2048-efficient-adamw", "forward_backward"): (-0.208, _HOST),
+    ("train20-B4S2048-efficient-adamw", "step"): (-0.223, _HOST),
+    ("train12-B8S1024-efficient-adamw", "forward_backward"): (+0.134, _OVER),
+    ("train12-B8S1024-efficient-adamw", "step"): (+0.107, _OVER),
+    ("train23-B8S1024-efficient-adamw", "forward_backward"): (+0.145, _OVER),
+    ("train23-B8S1024-efficient-adamw", "step"): (+0.122, _OVER),
 }
 
 
@@ -179,8 +173,8 @@ def test_the_claim_covers_at_least_30_drawn_configs():
 
 
 @pytest.mark.parametrize("name,variant,lo,hi", [
-    ("drawn, training-sized", "baseline", -0.30, 0.01),
-    ("drawn, small", "baseline", -0.55, 0.17),
+    ("drawn, training-sized", "baseline", -0.35, 0.0),
+    ("drawn, small", "baseline", -0.55, 0.0),
     ("drawn, small", "efficient", -0.40, 0.36)])
 def test_what_the_model_gets_wrong_outside_the_claim(name, variant, lo, hi):
     """Not claims, but the model's stated errors where the claim does not reach, so that a change shows:

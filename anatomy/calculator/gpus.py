@@ -255,13 +255,18 @@ def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> i
 def fit_matmul(points: list[dict], sms: int) -> tuple[float, float]:
     """(asymptotic rate FLOP/s, k_half) fitted to measured GEMM points {m, n, k, tflops}.
 
-    For each k_half on a grid, the rate is the geometric mean of measured / efficiency; k_half is
-    the grid value with the least squared log error. One point fixes the rate only (k_half = 0)."""
+    For each k_half on a grid, the rate is the weighted geometric mean of measured / efficiency, and
+    k_half is the grid value with the least weighted squared log error. Each point weighs its FLOPs:
+    a step's time is spent in its large GEMMs, and the microsecond-scale shapes are the noisiest to
+    time (unweighted, k_half came out at 312-600 in five calibrations of one GPU model; weighted,
+    232-272). One point fixes the rate only (k_half = 0)."""
+    w = [2 * p["m"] * p["n"] * p["k"] * p.get("batch", 1) for p in points]
+
     def rate_and_err(kh):
         logs = [math.log(p["tflops"] * 1e12 / matmul_efficiency(p["m"], p["n"], p["k"], sms, kh, p.get("batch", 1)))
                 for p in points]
-        mu = sum(logs) / len(logs)
-        return math.exp(mu), sum((x - mu) ** 2 for x in logs)
+        mu = sum(wi * x for wi, x in zip(w, logs)) / sum(w)
+        return math.exp(mu), sum(wi * (x - mu) ** 2 for wi, x in zip(w, logs)) / sum(w)
 
     if not points:
         raise ConfigError("no matmul measurements to fit")
