@@ -6,7 +6,6 @@ records; the gpu-marked test times full steps in-process and holds the model to 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -18,7 +17,6 @@ import pytest
 from anatomy.calculator import estimate, gpus, timing
 from anatomy.calculator.optimizer import step_bytes_moved
 from anatomy.config import ConfigError, ModelConfig, Run
-from anatomy.measure import calibrate
 
 SEED, ONE_B = ModelConfig.from_name("seed"), ModelConfig.from_name("anchor-1b")
 SEED_RUN = Run(16, 4096, "amp")
@@ -111,72 +109,6 @@ def test_interconnect_reuses_comm_profiles():
     assert gpus.interconnect("H200")["nvlink_GBps"] == 450.0
     assert gpus.interconnect("a100-40gb")["nvlink_GBps"] == 300.0
     assert gpus.interconnect("rtx-4090") is None
-
-
-# ---- the GEMM efficiency model --------------------------------------------------------------------
-def test_matmul_efficiency_cases():
-    e = gpus.matmul_efficiency
-    assert e(8192, 8192, 8192, 132) == pytest.approx(2048 / 2112)  # 16 waves of 128x256 tiles, the last 52% full
-    assert e(128 * 133, 128, 128, 132) == pytest.approx(133 / 264)  # 133 tiles: a second wave for one tile
-    assert e(512, 512, 256, 132) < 0.2  # 16 tiles on 132 SMs and no K to split
-    assert e(512, 512, 65536, 132) > 0.9  # the same tiles, split-K fills the waves
-    assert e(4096, 4096, 512, 132, k_half=128) == pytest.approx(e(4096, 4096, 512, 132) * 512 / 640)
-    for shape in calibrate.gemm_grid():
-        assert 0 < e(*shape, 132) <= 1
-
-
-def test_fit_recovers_synthetic_rate_and_k_half():
-    pts = [dict(m=m, n=n, k=k, tflops=700 * gpus.matmul_efficiency(m, n, k, 132, 128.0))
-           for m, n, k in calibrate.gemm_grid()]
-    rate, kh = gpus.fit_matmul(pts, 132)
-    assert kh == 128.0 and rate == pytest.approx(700e12, rel=1e-9)
-
-
-def test_misaligned_vocab_factors():
-    """calibrate's head GEMMs at a vocab that is not a multiple of 8, against the aligned vocab, become
-    a slowdown per alignment class and per GEMM dimension (fake numbers: 4x slower at an odd vocab in
-    the forward, 2x at vocab = 2 mod 8 in grad_input), applied to a GEMM only where a dim is misaligned."""
-    assert [gpus.alignment_class(d) for d in (32000, 32001, 32002, 32004, 128256, 50257)] == [None, 1, 2, 4, None, 1]
-    rows = [dict(op=op, rows=T, hidden=H, vocab=V, tflops=600.0 / (4 if (V, op) == (32001, "forward") else
-                                                                    2 if (V, op) == (32002, "grad_input") else 1))
-            for op, T, H, V in calibrate.vocab_grid()]
-    f = gpus.misaligned_factors(rows)
-    assert f["1"] == pytest.approx(dict(n=0.25, k=1.0, m=1.0)) and f["2"] == pytest.approx(dict(n=1.0, k=0.5, m=1.0))
-    assert f["4"] == pytest.approx(dict(n=1.0, k=1.0, m=1.0))
-    prof = dict(matmul_misaligned=f)
-    assert gpus.alignment_factor(prof, 4096, 32001, 512) == pytest.approx(0.25)  # logits, odd vocab: n
-    assert gpus.alignment_factor(prof, 4096, 512, 32002) == pytest.approx(0.5)  # grad_input, vocab 2 mod 8: k
-    assert gpus.alignment_factor(prof, 4096, 32000, 512) == 1.0 and gpus.alignment_factor({}, 4096, 32001, 512) == 1.0
-    data = calibrate.build_profile(dict(_fake_measurements(), matmul_vocab=rows), dict(date="fake"), "h200-sxm")
-    p = gpus.from_measured(data)
-    odd, even = (timing.estimate_time(ModelConfig(name="v", hidden=512, layers=1, heads=8, intermediate=1024, vocab=v),
-                                      Run(4, 1024), "baseline", p, with_kernels=True) for v in (32001, 32000))
-    assert _kernel(odd, "loss.lm_head")["compute_s"] == pytest.approx(
-        4 * _kernel(even, "loss.lm_head")["compute_s"] * 32001 / 32000, rel=1e-3)
-
-
-def test_host_scale_from_a_measured_tiny_step():
-    """A profile with calibrate's tiny host-bound step: every forward and backward op's host figure
-    scales by measured / modelled host time of that step (fake numbers: 3x for the baseline, 1.5x for
-    the efficient model, whatever the split between the phases), for any config; the optimizer's is
-    left as it was."""
-    data = calibrate.build_profile(_fake_measurements(), dict(date="fake"), "h200-sxm")
-    p0 = gpus.from_measured(data)
-    hs = dict(calibrate.HOST_STEP)
-    cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs["dtype"])
-    factors = dict(baseline=3.0, efficient=1.5)
-    for v, f in factors.items():
-        host = sum(timing.host_seconds(k, p0) for k in timing.kernels(cfg, run, v, None, None))
-        hs[v] = dict(forward_ms=1e3 * f * host * 0.9, backward_ms=1e3 * f * host * 0.1, forward_backward_ms=1e3 * f * host)
-    p = gpus.from_measured(dict(data, measurements=dict(data["measurements"], host_step=hs)))
-    assert timing.host_scale(p0, "baseline") == dict(forward=1.0, backward=1.0)
-    for variant, f in factors.items():
-        assert timing.host_scale(p, variant) == pytest.approx(dict(forward=f, backward=f))
-        r0, r = (timing.estimate_time(ONE_B, Run(1, 512), variant, q, optimizer="adamw") for q in (p0, p))
-        for ph in ("forward", "backward"):
-            assert r["phases"][ph]["host_s"] == pytest.approx(f * r0["phases"][ph]["host_s"])
-            assert r["phases"][ph]["gpu_s"] == pytest.approx(r0["phases"][ph]["gpu_s"])
-        assert r["phases"]["optimizer"]["host_s"] == pytest.approx(r0["phases"]["optimizer"]["host_s"])
 
 
 # ---- predictions ----------------------------------------------------------------------------------
@@ -321,72 +253,6 @@ def test_the_two_seed_records_cannot_both_be_within_10pct():
 def test_committed_kernels_are_lower_bounded(row):
     """Fused kernels (fwd + bwd, isolated) and optimizer steps: max(GPU, host) is below the measurement."""
     assert 0 < row["predicted_ms"] < row["measured_ms"], row
-
-
-# ---- calibrate: its pure parts on CPU -------------------------------------------------------------
-def test_gemm_grid_covers_the_model_family():
-    grid = set(calibrate.gemm_grid())
-    T = calibrate.GRID_TOKENS
-    assert (8192, 8192, 8192) in grid
-    for name in calibrate.GRID_PRESETS:
-        c = ModelConfig.from_name(name)
-        assert {(T, 3 * c.hidden, c.hidden), (T, c.hidden, c.intermediate), (c.hidden, c.intermediate, T)} <= grid
-
-
-@pytest.mark.parametrize("device,base", [("NVIDIA H200", "h200-sxm"), ("NVIDIA H100 80GB HBM3", "h100-sxm"),
-                                         ("NVIDIA A100-SXM4-40GB", "a100-40gb-sxm"), ("NVIDIA A100-SXM4-80GB",
-                                                                                       "a100-80gb-sxm"),
-                                         ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("Tesla T4", None)])
-def test_guess_base(device, base):
-    assert calibrate.guess_base(device) == base
-
-
-def _fake_measurements() -> dict:
-    """Fake numbers (not a measurement): a GEMM grid drawn from the model at 650 TFLOP/s, k_half 96."""
-    mm = [dict(m=m, n=n, k=k, tflops=650 * gpus.matmul_efficiency(m, n, k, 132, 96.0)) for m, n, k in
-          calibrate.gemm_grid()]
-    att = [dict(backend="cudnn", B=16, heads=8, S=4096, hd=64, causal=True, fwd_ms=0.7, fwd_bwd_ms=2.6),
-           dict(backend="cudnn", B=4, heads=16, S=4096, hd=128, causal=True, fwd_ms=0.6, fwd_bwd_ms=2.2)]
-    return dict(matmul_bf16=mm, copy_tbps=4.1, launch_us=2.2, host_op_us=7.5, attention=att,
-                host_custom_us=dict(rms_norm=dict(forward=90.0, backward=150.0), source="fake"))
-
-
-def test_profile_json_round_trip(tmp_path):
-    data = calibrate.build_profile(_fake_measurements(), dict(date="fake", gpu="fake", torch="fake",
-                                                              command="pytest"), "h200-sxm")
-    path = gpus.write_atomic(tmp_path / "h200.json", data)
-    assert not list(tmp_path.glob("*.tmp"))
-    p = gpus.get(str(path))
-    assert p["name"] == "h200-measured" and p["kind"] == "measured"
-    assert p["matmul_k_half"] == 96.0 and p["matmul_flops"]["bfloat16"] == pytest.approx(650e12)
-    assert (p["hbm_Bps"], p["launch_s"], p["host_op_s"]) == pytest.approx((4.1e12, 2.2e-6, 7.5e-6))
-    assert p["peak_flops"] == gpus.DATASHEET["h200-sxm"]["peak_flops"]  # unmeasured: the datasheet's
-    assert set(p["attention"]["cudnn"]) == {"64", "128"}
-    r = timing.estimate_time(ONE_B, Run(4, 4096), "efficient", p, with_kernels=True)
-    assert "hd128" in _kernel(r, "attention.sdpa")["note"] and "nearest" not in _kernel(r, "attention.sdpa")["note"]
-    assert timing.estimate_time(ONE_B, Run(4, 4096), "efficient", json.loads(path.read_text()))["forward_backward_s"] \
-        == r["forward_backward_s"]
-
-
-def test_bad_profile_files(tmp_path):
-    bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    with pytest.raises(ConfigError):
-        gpus.get(str(bad))
-    bad.write_text(json.dumps({"name": "x"}))
-    with pytest.raises(ConfigError):
-        gpus.get(str(bad))
-    with pytest.raises(ConfigError):
-        calibrate.build_profile(dict(matmul_bf16=[]), {}, "no-such-gpu")
-
-
-def test_calibrate_without_cuda_exits_2(capsys, monkeypatch):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert calibrate.main([]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no CUDA" in err
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------

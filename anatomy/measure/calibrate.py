@@ -142,6 +142,11 @@ def measure_matmuls(shapes, deadline: float) -> list[dict]:
     return rows
 
 
+def _head_gemm(op: str, x, w, g):
+    """x (T, H), w (V, H), g (T, V): the head GEMM `op` as a closure over its operands."""
+    return {"forward": lambda: x @ w.t(), "grad_input": lambda: g @ w, "grad_weight": lambda: g.t() @ x}[op]
+
+
 def measure_vocab_matmuls(grid, deadline: float) -> list[dict]:
     """The head GEMMs of vocab_grid(), in the layouts the model launches them: logits = x @ W.t()
     (the output's rows are vocab long), grad_input = g @ W (g's rows are), grad_weight = g.t() @ x
@@ -153,11 +158,9 @@ def measure_vocab_matmuls(grid, deadline: float) -> list[dict]:
         if time.monotonic() > deadline:
             break
         bf = dict(device="cuda", dtype=torch.bfloat16)
-        x, w, g = torch.randn(T, H, **bf), torch.randn(V, H, **bf), torch.randn(T, V, **bf)
-        fn = {"forward": lambda: x @ w.t(), "grad_input": lambda: g @ w, "grad_weight": lambda: g.t() @ x}[op]
-        ms = _median_ms(fn, batches=3, per_batch=5)
+        ms = _median_ms(_head_gemm(op, torch.randn(T, H, **bf), torch.randn(V, H, **bf), torch.randn(T, V, **bf)),
+                        batches=3, per_batch=5)
         rows.append(dict(op=op, rows=T, hidden=H, vocab=V, ms=ms, tflops=2 * T * H * V / (ms * 1e-3) / 1e12))
-        del x, w, g
     torch.cuda.empty_cache()
     return rows
 

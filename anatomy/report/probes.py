@@ -15,7 +15,6 @@ from functools import lru_cache
 from pathlib import Path
 
 from anatomy.config import ModelConfig, Run
-from anatomy.measure.components import COMPONENTS
 
 H200 = Path(__file__).resolve().parents[2] / "reports" / "h200"
 # memory rows of one H200 run under two allocator settings; timing rows with that run's profile
