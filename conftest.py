@@ -88,6 +88,21 @@ class Claims:
                     f"measured {_show(measured)} {unit}, error {err:+.4%} (tolerance {tolerance:.2%})")
 
 
+    def within(self, claim: str, *, low: float, high: float, measured, component: str, config: str, variant: str,
+               device: str = "cpu", unit: str = "", note: str = "") -> None:
+        """A range claim (low <= measured <= high): recorded with the range's midpoint as the prediction
+        and its half-width, relative to the midpoint, as the tolerance; passed is the range test itself."""
+        mid = (low + high) / 2
+        err = float((mid - measured) / measured) if measured else float("inf")
+        ok = low <= measured <= high
+        _ROWS.append(dict(test=self.test_id, claim=claim, component=component, config=config, variant=variant,
+                          predicted=float(mid), measured=float(measured), error=err,
+                          tolerance=float((high - low) / 2 / mid) if mid else 0.0, unit=unit, device=device,
+                          passed=bool(ok), note=f"range [{_show(low)}, {_show(high)}] {unit}; {note}".rstrip("; ")))
+        assert ok, (f"{claim} [{component}, {config}, {variant}, {device}]: measured {_show(measured)} {unit} outside "
+                    f"the predicted range [{_show(low)}, {_show(high)}]")
+
+
 @pytest.fixture
 def claims(request) -> Claims:
     return Claims(request.node.nodeid)

@@ -77,7 +77,7 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
     ph = phases(cfg, run, a.variant, optimizer="adamw", device=device)
     out["memory"]["phases"] = {k: ph[k] for k in ("init", "forward_end", "forward_peak", "backward_peak",
                                                   "backward_peak_at", "backward_peak_by_kind", "backward_end",
-                                                  "optimizer_end")}
+                                                  "optimizer_end", "reserved_low", "reserved_high")}
     out["memory"]["phases"]["optimizer"] = "adamw"
     if a.world_size != 1 or a.strategy:
         from anatomy.calculator.comm import estimate_distributed
@@ -220,6 +220,9 @@ def _print(cmd: str, out: dict) -> None:
         con.print("at the backward peak: " + " · ".join(
             f"{k} {v / 2**30:,.2f} GiB ({v / ph['backward_peak']:.0%})" for k, v in ph["backward_peak_by_kind"].items()
             if v))
+        if out["device"] == "cuda":
+            con.print(f"reserved by the caching allocator (looser): {gib(ph['reserved_low'])} to "
+                      f"{gib(ph['reserved_high'])}")
     if "fits" in out["memory"]:
         f = out["memory"]["fits"]
         verdict = "fits" if f["fits"] else "predicted OOM"

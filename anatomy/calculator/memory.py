@@ -12,6 +12,7 @@ tracer sees there). The phases:
   - backward end: parameters + inputs + one gradient per parameter (saved tensors all released);
   - optimizer end: the gradients set to None, the state stays.
 Optimizer state (AdamW / AdEMAMix) is added to every phase, as in a step after the first.
+  - reserved_low / reserved_high: the range memory_reserved stays in (reserved(): the looser figure).
   - forward peak, efficient on CUDA: + Liger's fused CE transients (_liger_forward_transient).
 Not modelled: the efficient variant's forward peak on CPU, where a plain-torch mirror of the fused CE
 stands in for Liger (None, not guessed).
@@ -101,7 +102,25 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     stages = walk(cfg, run, variant, est, start, rnd)
     top = max(stages, key=lambda st: st.live)
     bwd_end = params + inputs + opt + params  # one gradient per parameter, in the parameter's dtype
+    peak = max(fwd_peak or 0, top.live, fwd_end)
     return dict(params=params, inputs=inputs, optimizer=opt, saved=saved, init=params + inputs,
                 forward_end=fwd_end, forward_peak=fwd_peak, backward_peak=top.live, backward_peak_at=top.name,
                 backward_peak_by_kind=top.by_kind, backward_stages=[asdict(st) for st in stages],
-                backward_end=bwd_end, optimizer_end=bwd_end - params)
+                backward_end=bwd_end, optimizer_end=bwd_end - params, **reserved(peak))
+
+
+# reserved - the step's peak, as a fraction of the peak: free cached blocks too small or too split for
+# the next request (fragmentation). Fitted: the worst of the H200 probe's 160 rows of session5b (both
+# allocator settings) was 1.37x (hyp2 B4 S1024 baseline, whose fp32 logits leave large freed segments
+# behind); the step benchmarks, not used in the fit, sit at 1.02-1.08x.
+RESERVED_SLACK = 0.40
+RESERVED_FIXED = 128 * 2**20  # segments the process held before the step: cuBLAS/cuBLASLt workspaces
+
+
+def reserved(peak: int) -> dict:
+    """torch.cuda.memory_reserved over a step after the first, the looser figure: what the caching
+    allocator holds from the driver. At least the step's peak of allocated bytes; at most that peak
+    + RESERVED_SLACK of it + RESERVED_FIXED (the process's own segments from before the step: the
+    cuBLAS and cuBLASLt workspaces, 64-86 MiB of reserved memory in the H200 probes' smallest rows).
+    A range, not a figure: which blocks stay cached depends on the order of every allocation and free."""
+    return dict(reserved_low=peak, reserved_high=int(peak * (1 + RESERVED_SLACK)) + RESERVED_FIXED)

@@ -104,8 +104,32 @@ def memory_summary(session: Path = MEMORY_SESSION) -> str:
                 f"{min((x['slack'] for x in explained), default=0) / 2**20:.1f}-"
                 f"{max((x['slack'] for x in explained), default=0) / 2**20:.1f} MiB above it: cached blocks handed out "
                 f"whole (the default splits a large block only when more than 1 MiB would remain).\n")
+    res = reserved_ratios(session)
+    out += (f"- `memory_reserved`, the looser figure: the calculator's range is [peak, 1.4 x peak + 128 MiB], its "
+            f"slack fitted on these rows (reserved - 128 MiB over the predicted peak: median {res['median']:.2f}x, "
+            f"worst {res['worst']:.2f}x); on the step benchmarks, outside that sample, reserved over peak is "
+            f"{res['steps'][0]:.2f}-{res['steps'][1]:.2f}x.\n")
     return out + ("- Whole-step peaks of the step benchmarks (`bench/step.py`, default allocator, configs the probe "
                   "never ran): " + ", ".join(f"`{rel}` {err:+.2%}" for rel, _, err in step_peak_errors()) + ".")
+
+
+def reserved_ratios(session: Path = MEMORY_SESSION) -> dict:
+    """(reserved - 128 MiB) / predicted step peak over the probe rows' phases (both allocator settings),
+    and reserved / predicted peak over the step benchmarks."""
+    from anatomy.calculator.memory import RESERVED_FIXED, phases
+
+    def peak(p):
+        return max(p["forward_peak"] or 0, p["backward_peak"], p["forward_end"])
+
+    r = [(p["reserved"] - RESERVED_FIXED) / peak(phases(ModelConfig(**row["cfg"]), Run(row["batch"], row["seq"]),
+                                                         row["variant"], row["optimizer"]))
+         for alloc in (SPLIT, DEFAULT) for row in memory_rows(alloc, session) for p in row["phases"] if p["name"] != "init"]
+    steps = []
+    for rel, variant in STEP_RECORDS.items():
+        rec = json.loads((H200 / rel).read_text())
+        steps.append(rec["reserved_mib"] * 2**20 / peak(phases(ModelConfig.from_name(rec["preset"]),
+                                                             Run(rec["batch"], rec["seq"], "amp"), variant)))
+    return dict(median=statistics.median(r), worst=max(r), steps=(min(steps), max(steps)))
 
 
 # ---- timing -----------------------------------------------------------------------------------------
