@@ -51,10 +51,6 @@ def _cases(trace: bool):
                                                                    "scripts/probe_memory.py on an H200"))]
 
 
-def _requested(row: dict, figure: tuple) -> int | None:
-    return probes.requested(row, figure[2], figure[3])
-
-
 def check_phase(claims, row: dict, figure: tuple, pred: dict, measured: int, trace: dict | None,
                 source: str, requested: int | None = None) -> str | None:
     """The ±3% claim on the allocator's figure. A miss raises, unless the allocator splits blocks
@@ -82,7 +78,7 @@ def check_phase(claims, row: dict, figure: tuple, pred: dict, measured: int, tra
 def test_phase_matches_h200_probe(row, figure, claims):
     ph = {p["name"]: p for p in row["phases"]}
     slack = check_phase(claims, row, figure, _predicted(row), ph[figure[2]][figure[3]], row.get("trace"),
-                        f"recorded H200 probe: {row['session']}", _requested(row, figure))
+                        f"recorded H200 probe: {row['session']}", probes.requested(row, figure[2], figure[3]))
     if slack:
         pytest.xfail(slack)
 
@@ -160,7 +156,7 @@ def test_phases_on_this_gpu(variant, claims):
     slack = []
     for figure in FIGURES:
         slack.append(check_phase(claims, row, figure, pred, ph[figure[2]][figure[3]], trace, "this GPU",
-                                 _requested(row, figure)))
+                                 probes.requested(row, figure[2], figure[3])))
         claims.check(figure[0] + " (allocator trace)", component="model", config="mem-B4S512", variant=variant,
                      predicted=pred[figure[1]], measured=trace[figure[1]], tolerance=TRACE_TOL, device="cuda",
                      unit="B", note="this GPU; requested bytes")

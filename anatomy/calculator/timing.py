@@ -96,9 +96,8 @@ def host_seconds(kern: Kernel, prof: dict) -> float:
     return kern.count * (t if t is not None else CUSTOM_FALLBACK_OPS * prof["host_op_s"])
 
 
-def host_scale(prof: dict, variant: str, sdpa_backend: str | None = None) -> dict[str, float]:
-    """How much more the host spends per op inside a training step than the per-op figures say
-    ({"forward": f, "backward": f}: one factor for both phases).
+def host_scale(prof: dict, variant: str, sdpa_backend: str | None = None) -> float:
+    """How much more the host spends per op inside a training step than the per-op figures say.
 
     The per-op figures (host_op_s, host_custom_s) leave out what an op costs inside a model: module
     calls, autocast, autograd nodes with saved tensors, views, the engine's per-backward setup.
@@ -111,22 +110,21 @@ def host_scale(prof: dict, variant: str, sdpa_backend: str | None = None) -> dic
     hs = prof.get("host_step") or {}
     rec = hs.get(variant)
     if not rec:
-        return dict(forward=1.0, backward=1.0)
+        return 1.0
     cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs.get("dtype", "amp"))
-    f = rec["forward_backward_ms"] * 1e-3 / sum(host_seconds(k, prof) for k in kernels(cfg, run, variant, sdpa_backend,
-                                                                                     None))
-    return dict(forward=f, backward=f)
+    return rec["forward_backward_ms"] * 1e-3 / sum(host_seconds(k, prof) for k in kernels(cfg, run, variant,
+                                                                                        sdpa_backend, None))
 
 
-def predict(ks: list[Kernel], prof: dict, scale: dict | None = None) -> tuple[list[dict], list[dict]]:
+def predict(ks: list[Kernel], prof: dict, scale: float = 1.0) -> tuple[list[dict], list[dict]]:
     """Rows (one per kernel entry, in execution order) and host-sync segments. A segment runs from
     one host sync to the next (the optimizer is always its own) and takes max(GPU, host) time.
-    scale: {phase: factor} on the host cost of forward and backward ops (host_scale)."""
+    scale multiplies the host cost of forward and backward ops (host_scale)."""
     order = sorted(range(len(ks)), key=lambda i: (PHASES.index(ks[i].phase), ks[i].order))  # stable
     rows, segs = [], []
     for k in (ks[i] for i in order):
         row = time_kernel(k, prof)
-        row["host_s"] = host_seconds(k, prof) * (scale or {}).get(k.phase, 1.0)
+        row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" else 1.0)
         rows.append(row)
         if not segs or k.sync or (k.phase == "optimizer") != (segs[-1]["phase"] == "optimizer"):
             segs.append(dict(phase=k.phase, starts_at=k.name, gpu_s=0.0, host_s=0.0))
