@@ -33,6 +33,9 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--seq", type=int, default=4096)
     r.add_argument("--dtype", default="amp", help="amp (bf16 autocast, fp32 master weights) | bf16 | fp32")
     r.add_argument("--variant", default="baseline", help="baseline | efficient")
+    r.add_argument("--recompute", default="none",
+                   help="efficient only: none | mlp (keep the block input, the attention branch and SDPA's "
+                        "tensors; re-run both norms, gate_up and the activation in backward)")
     p.add_argument("--json", action="store_true", help="machine-readable output (keys in the README)")
 
 
@@ -104,7 +107,7 @@ def _fits(cfg, run, variant, device) -> bool:
     """A predicted OOM is avoided, not crashed into: will the saved tensors fit in a quarter of memory?"""
     from anatomy.calculator import estimate
 
-    need = estimate(cfg, run, variant).to_dict()["memory"]["saved"]["total"] + 4 * 4 * estimate(cfg, run).params
+    need = estimate(cfg, run, variant).to_dict()["memory"]["saved"]["total"] + 4 * 4 * estimate(cfg, run, variant).params
     if device == "cuda":
         import torch
 
@@ -117,12 +120,17 @@ def _measurable_run(cfg, run, variant, device) -> Run:
     r = run
     while not _fits(cfg, r, variant, device):
         if r.batch > 1:
-            r = Run(batch=1, seq=r.seq, dtype=r.dtype)
+            r = Run(batch=1, seq=r.seq, dtype=r.dtype, recompute=r.recompute)
         elif r.seq > 16:
-            r = Run(batch=1, seq=r.seq // 2, dtype=r.dtype)
+            r = Run(batch=1, seq=r.seq // 2, dtype=r.dtype, recompute=r.recompute)
         else:
             break
     return r
+
+
+def _recompute(out: dict) -> str:
+    r = out["run"].get("recompute", "none")
+    return "" if r == "none" else f" · recompute {r}"
 
 
 def _device(a) -> str:
@@ -182,7 +190,7 @@ def _print(cmd: str, out: dict) -> None:
     if cmd == "compare":
         sr = out["saved_run"]
         t = Table(title=f"{out['config']['name']} · {out['variant']} · B={out['run']['batch']} S={out['run']['seq']} "
-                        f"{out['run']['dtype']} · measured on {out['device']}")
+                        f"{out['run']['dtype']}{_recompute(out)} · measured on {out['device']}")
         for c in ("quantity", "predicted", "measured", "error"):
             t.add_column(c, justify="left" if c == "quantity" else "right")
         for r in out["rows"]:
@@ -198,7 +206,7 @@ def _print(cmd: str, out: dict) -> None:
         con.print_json(json.dumps(out))
         return
     t = Table(title=f"{out['config']['name']} · {out['variant']} · B={out['run']['batch']} S={out['run']['seq']} "
-                    f"{out['run']['dtype']}")
+                    f"{out['run']['dtype']}{_recompute(out)}")
     for c in ("component", "params", "fwd GFLOP (counter)", "bwd GFLOP (counter)", "fwd GFLOP (model)", "saved MiB"):
         t.add_column(c, justify="left" if c == "component" else "right")
     for name, c in out["components"].items():
@@ -312,7 +320,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         cfg = config_from_args(a)
-        run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype)
+        run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype, recompute=a.recompute)
+        if run.recompute != "none" and a.variant != "efficient":
+            raise ConfigError(f"--recompute {run.recompute} is an option of the efficient variant (--variant efficient)")
         out = COMMANDS[a.cmd](a, cfg, run)
     except ConfigError as e:
         print(f"anatomy: error: {e}", file=sys.stderr)

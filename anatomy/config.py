@@ -14,6 +14,10 @@ MLP_VARIANTS = ("swiglu", "gpt-oss")
 #   bf16 : parameters and activations in bf16, no autocast
 #   fp32 : everything fp32 (numerical references and CPU checks)
 DTYPE_POLICIES = ("amp", "bf16", "fp32")
+# activation recompute (efficient variant only):
+#   none : keep every saved tensor (the fastest step)
+#   mlp  : keep only the MLP block's input; its norm, gate_up matmul and activation run again in backward
+RECOMPUTE = ("none", "mlp")
 
 
 class ConfigError(ValueError):
@@ -84,12 +88,20 @@ class Run:
     batch: int = 16
     seq: int = 4096
     dtype: str = "amp"
+    recompute: str = "none"
 
     def __post_init__(self):
         _positive_int("batch", self.batch)
         _positive_int("seq", self.seq)
         if self.dtype not in DTYPE_POLICIES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPE_POLICIES)}, got {self.dtype!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+
+    def to_dict(self) -> dict:
+        """batch, seq, dtype, and recompute when it is on (so reports of plain runs keep their keys)."""
+        d = dict(batch=self.batch, seq=self.seq, dtype=self.dtype)
+        return d if self.recompute == "none" else dict(d, recompute=self.recompute)
 
     @property
     def tokens(self) -> int:

@@ -3,13 +3,20 @@ from __future__ import annotations
 
 import torch
 
-from anatomy.config import ConfigError, ModelConfig, Run
+from anatomy.config import RECOMPUTE, ConfigError, ModelConfig, Run
 
 VARIANTS = ("baseline", "efficient")
 
 
-def build_model(cfg: ModelConfig, variant: str = "baseline", device="cpu", dtype=None, seed: int | None = 0):
-    """Build a model on `device`; dtype defaults to fp32 (master weights). Meta builds allocate nothing."""
+def build_model(cfg: ModelConfig, variant: str = "baseline", device="cpu", dtype=None, seed: int | None = 0,
+                recompute: str = "none"):
+    """Build a model on `device`; dtype defaults to fp32 (master weights). Meta builds allocate nothing.
+    recompute: Run.recompute, an option of the efficient variant."""
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    if recompute != "none" and variant != "efficient":
+        raise ConfigError(f"recompute={recompute!r} is an option of the efficient variant, not {variant!r}")
+    kw = {} if recompute == "none" else dict(recompute=recompute)
     if variant == "baseline":
         from anatomy.baseline.transformer import Transformer
     elif variant == "efficient":
@@ -22,7 +29,7 @@ def build_model(cfg: ModelConfig, variant: str = "baseline", device="cpu", dtype
     if seed is not None and str(device) != "meta":
         torch.manual_seed(seed)
     with torch.device(device):
-        model = Transformer(cfg)
+        model = Transformer(cfg, **kw)
     init_weights(model, seed)
     return model.to(dtype) if dtype is not None else model
 

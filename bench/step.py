@@ -1,6 +1,7 @@
 """Time one training-step variant (forward + backward) on the GPU, in its own process for a clean peak.
 
 python3 bench/step.py --peer efficient --preset seed --batch 16 --seq 4096 [--repeats 10] [--json OUT]
+python3 bench/step.py --peer efficient --recompute mlp ...   # reported as peer "efficient-recompute"
 
 Peers: baseline, baseline-compile, efficient, efficient-compile (ours); hf, hf-compile, hf-liger
 (transformers' LlamaForCausalLM with SDPA, optionally Liger's instance patch). Autocast bf16 over fp32
@@ -34,7 +35,7 @@ def matmul_ceiling(n: int = 8192, reps: int = 20) -> float:
     return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3)
 
 
-def build(peer: str, cfg: ModelConfig):
+def build(peer: str, cfg: ModelConfig, recompute: str = "none"):
     if peer.startswith("hf"):
         import transformers
 
@@ -53,7 +54,7 @@ def build(peer: str, cfg: ModelConfig):
     else:
         from anatomy.models import build_model
 
-        model = build_model(cfg, peer.removesuffix("-compile"), device="cuda")
+        model = build_model(cfg, peer.removesuffix("-compile"), device="cuda", recompute=recompute)
         step = model
     if peer.endswith("-compile"):
         step = torch.compile(step)
@@ -68,12 +69,15 @@ def main(argv=None) -> dict:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--recompute", default="none", help="none | mlp (the efficient peer only: Run.recompute)")
     p.add_argument("--json")
     a = p.parse_args(argv)
+    if a.recompute != "none" and a.peer != "efficient":
+        p.error(f"--recompute applies to --peer efficient, not {a.peer}")
     cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp")
     torch.manual_seed(0)
     ceiling = matmul_ceiling()
-    model, step = build(a.peer, cfg)
+    model, step = build(a.peer, cfg, a.recompute)
     ids = [torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda") for _ in range(2)]
     times = []
     t_compile = time.perf_counter()
@@ -95,10 +99,11 @@ def main(argv=None) -> dict:
             times.append(start.elapsed_time(end))
     from anatomy.calculator import estimate
 
-    est = estimate(cfg, run).to_dict()["flops"]["model"]
+    est = estimate(cfg, run).to_dict()["flops"]["model"]  # model FLOPs: a recompute's are not counted
     model_flops = est["forward"] + est["backward"]
     ms = statistics.median(times)
-    res = dict(peer=a.peer, preset=a.preset, batch=run.batch, seq=run.seq, median_ms=ms, times_ms=times,
+    peer = a.peer + ("-recompute" if a.recompute != "none" else "")
+    res = dict(peer=peer, recompute=a.recompute, preset=a.preset, batch=run.batch, seq=run.seq, median_ms=ms, times_ms=times,
                tokens_per_s=run.tokens / (ms / 1e3), peak_mib=torch.cuda.max_memory_allocated() / 2**20,
                reserved_mib=torch.cuda.max_memory_reserved() / 2**20, mfu=model_flops / (ms / 1e3) / ceiling,
                model_flops=model_flops, matmul_ceiling_tflops=ceiling / 1e12, warmup_s=t_compile,
@@ -108,7 +113,7 @@ def main(argv=None) -> dict:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
-    print(f"{a.peer:18s} {ms:8.2f} ms  {res['tokens_per_s'] / 1e6:6.3f} Mtok/s  peak {res['peak_mib']:9,.0f} MiB  "
+    print(f"{peer:20s} {ms:8.2f} ms  {res['tokens_per_s'] / 1e6:6.3f} Mtok/s  peak {res['peak_mib']:9,.0f} MiB  "
           f"MFU {res['mfu']:.1%}  (ceiling {ceiling / 1e12:.0f} TFLOP/s)")
     return res
 

@@ -36,6 +36,15 @@ part probe-timing-hypothesis 70 python3 scripts/probe_timing.py --skip-named --h
   --out "$R/probe_timing_hypothesis.json"
 part probe-timing-training 200 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed 2026 \
   --strategy training --out "$R/probe_timing_training.json"
+# recompute="mlp" (issue 3): the step against HF + Liger in one run, per-phase memory, the GPU claims
+export R
+part step-recompute 240 bash -c 'for pb in "seed 16" "anchor-1b 4"; do set -- $pb
+  for peer in efficient "efficient --recompute mlp" hf-liger; do n=${peer/ --recompute mlp/-recompute}
+    python3 bench/step.py --preset "$1" --batch "$2" --peer $peer --json "$R/step-$1-$n.json" || exit 1; done; done'
+part probe-memory-recompute 120 $SPLIT python3 scripts/probe_memory.py --recompute mlp --hypothesis 16 --seed 2026 \
+  --out "$R/probe_memory_recompute.json"
+part gpu-recompute 90 $SPLIT python3 -m pytest validations/test_recompute.py validations/test_efficient.py -m gpu -q \
+  -p no:cacheprovider --claims-report "$R/claims-recompute-gpu.json"
 # the whole GPU suite on the final tree, with its claims report (issues 3, 4, 5)
 part gpu-suite 150 $SPLIT env ANATOMY_GPU_PROFILE="$R/h200.json" python3 -m pytest validations -m gpu -q \
   -p no:cacheprovider --claims-report "$R/claims-gpu.json" --durations=15

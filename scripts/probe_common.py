@@ -21,6 +21,8 @@ def parse(prog: str, argv=None) -> argparse.Namespace:
                     help="the drawn configs: small GPU configs (gpu_configs) or training-sized ones (training_configs)")
     ap.add_argument("--skip-named", action="store_true")
     ap.add_argument("--out", help="write the JSON here after every row (default: stdout at the end)")
+    ap.add_argument("--recompute", choices=("none", "mlp"), default="none",
+                    help="probe_memory: the efficient variant alone, under this Run.recompute")
     return ap.parse_args(argv)
 
 
@@ -49,7 +51,8 @@ def run_rows(prog: str, a: argparse.Namespace, cases: list[tuple], measure: Call
     t0 = time.time()
     for k, (name, cfg, run, variants, opt) in enumerate(cases):
         for variant in variants:
-            row = dict(config=name, cfg=cfg.to_dict(), batch=run.batch, seq=run.seq, variant=variant, optimizer=opt)
+            row = dict(config=name, cfg=cfg.to_dict(), batch=run.batch, seq=run.seq, variant=variant, optimizer=opt,
+                       **({} if run.recompute == "none" else dict(recompute=run.recompute)))
             try:
                 row.update(measure(cfg, run, variant, opt))
             except Exception as e:  # noqa: BLE001 - a probe records what failed (an OOM too) and goes on

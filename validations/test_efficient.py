@@ -36,7 +36,7 @@ def _token_losses(model, ids, targets, run, device):
         return model(ids, targets, reduction="none").double()
 
 
-def check_matches_baseline(cfg: ModelConfig, run: Run, device="cpu"):
+def check_matches_baseline(cfg: ModelConfig, run: Run, device="cpu"):  # run.recompute: the efficient model's
     """error(efficient) <= 2 × error(baseline, same dtype), both against the baseline in float64.
 
     Outputs are the (B·S,) per-token losses; every parameter gradient is checked too. (The mean loss
@@ -45,13 +45,13 @@ def check_matches_baseline(cfg: ModelConfig, run: Run, device="cpu"):
     of summation order while the fused kernels sum in another order."""
     ref = build_model(cfg, "baseline", device=device, dtype=torch.float64)
     base = build_model(cfg, "baseline", device=device, dtype=param_dtype(run))
-    eff = build_model(cfg, "efficient", device=device, dtype=param_dtype(run))
+    eff = build_model(cfg, "efficient", device=device, dtype=param_dtype(run), recompute=run.recompute)
     eff.load_state_dict(base.state_dict())
     ids, targets = make_batch(cfg, run, device)
-    fp64 = Run(run.batch, run.seq, "fp32")
-    l_ref, l_b, l_e = (_token_losses(m, ids, targets, r, device) for m, r in ((ref, fp64), (base, run), (eff, run)))
+    fp64, run_b = Run(run.batch, run.seq, "fp32"), Run(run.batch, run.seq, run.dtype)
+    l_ref, l_b, l_e = (_token_losses(m, ids, targets, r, device) for m, r in ((ref, fp64), (base, run_b), (eff, run)))
     _, g_ref = _loss_and_grads(ref, ids, targets, fp64, device)
-    _, g_b = _loss_and_grads(base, ids, targets, run, device)
+    _, g_b = _loss_and_grads(base, ids, targets, run_b, device)
     _, g_e = _loss_and_grads(eff, ids, targets, run, device)
     floor = 4 * torch.finfo(torch.float32).eps
     worst = {}

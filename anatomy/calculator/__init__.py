@@ -20,10 +20,12 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def estimate(cfg: ModelConfig, run: Run, variant: str = "baseline", device: str = "cuda") -> Estimate:
+    if run.recompute != "none" and variant != "efficient":
+        raise ConfigError(f"recompute={run.recompute!r} is an option of the efficient variant, not {variant!r}")
     comps = {}
     for name, mod in COMPONENT_MODULES.items():
         fn = getattr(mod, variant, None)
         if fn is None:
             raise ConfigError(f"the calculator has no {variant!r} variant for {name}")
         comps[name] = fn(cfg, run, device)
-    return Estimate(cfg.to_dict(), dict(batch=run.batch, seq=run.seq, dtype=run.dtype), variant, device, comps)
+    return Estimate(cfg.to_dict(), run.to_dict(), variant, device, comps)

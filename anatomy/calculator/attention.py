@@ -69,8 +69,11 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     dt, L, T, H, S, hd = dtypes(run), cfg.layers, run.tokens, cfg.hidden, run.seq, cfg.head_dim
     c = dt.compute
     qkv = (cfg.heads + 2 * cfg.kv_heads) * hd
-    # the fused norm already returns the compute dtype: one saved input for the single qkv matmul
-    saved = linears_saved("attention", T, H, {"qkv": qkv}, dt, L, c)
+    if run.recompute == "mlp":  # the norm -> qkv checkpoint keeps x; backward re-runs the norm alone
+        saved = [Saved("attention.x", (run.batch, S, H), dt.residual, L,
+                       "the checkpoint keeps the block input; the norm runs again in backward, qkv does not")]
+    else:  # the fused norm already returns the compute dtype: one saved input for the single qkv matmul
+        saved = linears_saved("attention", T, H, {"qkv": qkv}, dt, L, c)
     saved += [Saved("attention.rope_cos", (S, hd), "float32", 1, "rope_qkv keeps only the fp32 tables"),
               Saved("attention.rope_sin", (S, hd), "float32", 1, "built once per step, shared by all layers")]
     saved += _sdpa_saved(cfg, run, device, c)

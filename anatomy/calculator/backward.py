@@ -21,6 +21,8 @@ from math import prod
 
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.launches import rms_norm_programs
+from anatomy.calculator.linear import linears_saved
+from anatomy.calculator.mlp import efficient_saved
 from anatomy.calculator.types import BYTES, Estimate
 from anatomy.config import ModelConfig, Run
 
@@ -74,6 +76,12 @@ class _Walk:
     def begin(self) -> None:
         self.freed = set()
 
+    def remake(self, saved) -> None:
+        """A checkpoint's recompute makes these saved tensors again (one instance each), as activations."""
+        for s in saved:
+            self.one[s.name] = b = self.rnd(prod(s.shape) * BYTES[s.dtype])
+            self.by["activation"] += b
+
     def alloc(self, *nbytes: int) -> None:
         """Allocate gradients or backward buffers of these sizes; a negative size frees one (each
         rounded on its own)."""
@@ -97,6 +105,7 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
     B, S, nh, nkv, hd = run.batch, run.seq, cfg.heads, cfg.kv_heads, cfg.head_dim
     scores = B * nh * S * S
     w = _Walk(est, rnd, start)
+    recompute = run.recompute == "mlp"
 
     def linear(tag: str, din: int, dout: int, grad_out: int, *saved: str, to_residual: bool = False) -> int:
         """One matmul's backward: the weight gradient (the compute dtype under autocast) and the input
@@ -118,8 +127,9 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
             w.alloc(-wg)
         return dx
 
-    def norm(tag: str, g_in: int) -> int:
-        """RMSNorm's backward: takes the output's gradient, leaves the input's (residual dtype)."""
+    def norm(tag: str, g_in: int, kept: str | tuple = "norm.") -> int:
+        """RMSNorm's backward: takes the output's gradient, leaves the input's (residual dtype). kept:
+        what goes with it ("norm.": its own saved x; under recompute, the checkpoint's tensors)."""
         if variant == "baseline":  # x̂·g, g·w and the rstd terms in fp32; a bf16 residual adds its fp32 copies
             # under bf16 the incoming gradient is first copied to fp32 and then freed
             w.peak(tag, *([T * H * 4] * 3 + ([] if r == 4 else [T * H * 4 - T * H * r])))
@@ -132,7 +142,7 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
             w.alloc(T * H * r, H * 4)
             w.peak(tag)
             w.alloc(H * p, -H * 4)
-        w.free_norm()
+        w.free_norm() if kept == "norm." else w.free(*([kept] if isinstance(kept, str) else kept))
         w.alloc(-g_in)
         return T * H * r
 
@@ -155,8 +165,9 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
         w.alloc(T * H * c, V * H * p)  # the same storages, now the flowing gradient and lm_head's .grad
         g = T * H * c
     else:
-        # the CPU mirror returns grad_input·g and grad_weight·g: new tensors, then the saved ones go
-        w.alloc(T * H * c, V * H * p)
+        # the CPU mirror returns grad_input·g and grad_weight·g: new tensors, then the saved ones go;
+        # g itself, the engine's 0-dim fp32 seed, stays live to the end of backward
+        w.alloc(4, T * H * c, V * H * p)
         w.peak("loss")
         w.free("loss.")
         g = T * H * c
@@ -168,6 +179,8 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
         # ---- mlp branch: gradient of the block output -> gradient of norm 2's output
         gc = T * H * c if r != c else 0  # the residual gradient cast for the bf16 matmul (a view when r == c)
         w.alloc(gc)
+        if recompute:  # the down matmul's backward asks for its input: the checkpoint re-runs the
+            w.remake(efficient_saved(cfg, run, recomputed=True))  # sum, norm, gate_up, activation
         gi = linear(tag + "mlp.down", I, H, gc, "mlp.down.")
         if variant == "baseline":
             w.peak(tag + "mlp.act", T * I * c, T * I * c)  # d(silu(gate)), d(up), d(gate) at once
@@ -188,7 +201,9 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
             w.peak(tag + "mlp.act")
             w.alloc(-gi)  # d(h) gone
             gn = linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.")
-        g = residual_add(tag + "mlp residual add", g, norm(tag + "norm 2", gn))
+        # under recompute the re-made sum goes with the norm, and the checkpoint's branch with it
+        g = residual_add(tag + "mlp residual add", g, norm(tag + "norm 2", gn, ("mlp.x", "mlp.branch")
+                                                             if recompute else "norm."))
         # ---- attention branch
         w.begin()
         w.alloc(gc)
@@ -234,10 +249,13 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
             w.alloc(dqkv)  # rope_qkv's backward: d(qkv)
             w.peak(tag + "attention.rope")
             w.alloc(-kv_exp, -B * nkv * S * hd * c, -B * nkv * S * hd * c)
+            if recompute:  # the qkv matmul's backward asks for its input: the norm runs again
+                w.remake(linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, dt, 1, dt.compute))
             gn = linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.")
         if layer == 0:
             w.free("attention.rope_")  # the tables are shared by every layer
-        g = residual_add(tag + "attention residual add", g, norm(tag + "norm 1", gn))
+        g = residual_add(tag + "attention residual add", g, norm(tag + "norm 1", gn,
+                                                                  "attention.x" if recompute else "norm."))
     w.alloc(V * H * p)  # embedding_dense_backward's (V, H) gradient
     # tied: the head already left a gradient in the shared weight. AccumulateGrad adds in place when it
     # holds the only reference to that .grad: so on CUDA, where Liger's grad_weight storage became the

@@ -93,13 +93,14 @@ def _rope_tables(o: _Ops, cast: bool) -> None:
     o.mem("attention.rope_tables", "attention", "forward", 4 * S * hd, 4 * S * hd, n, order=0)
 
 
-def _residual(o: _Ops, comp: str, L: int) -> None:
+def _residual(o: _Ops, comp: str, L: int, where: str = "other") -> None:
     """x + branch(x): the branch output is in the compute dtype, the stream in the residual dtype.
     Backward: the stream's gradient is cast to the branch's dtype (when they differ), and the
     gradients of the block input from its two readers (the add and the norm) are summed."""
     T, H, c, r = o.run.tokens, o.cfg.hidden, o.c, o.r
     # the add runs in the block, between the components' modules: "other", as the probes measure it
-    o.mem(f"{comp}.residual_add", "other", "forward", T * H * (r + c), T * H * r, L)
+    # (under recompute both adds run inside the MLP's checkpoint: where="mlp")
+    o.mem(f"{comp}.residual_add", where, "forward", T * H * (r + c), T * H * r, L)
     if c != r:
         o.mem(f"{comp}.residual_grad_cast", comp, "backward", T * H * r, T * H * c, L)
     o.mem(f"norm.{comp}_input_grad_sum", "norm", "backward", 2 * T * H * r, T * H * r, L)
@@ -133,7 +134,8 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     o.k.append(Kernel("attention.sdpa.backward", "attention", "backward", "sdpa", L, 5 * F // 2,
                       2 * io + 2 * T * H * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend))
     o.linear("attention.o", "attention", H, H, L)  # its input is a view of SDPA's output: no copy
-    _residual(o, "attention", L)
+    recompute = run.recompute == "mlp"
+    _residual(o, "attention", L, "mlp" if recompute else "other")
     # MLP: one gate_up matmul, the fused activation (saves gate_up; backward writes dgate/dup in place)
     o.linear("mlp.gate_up", "mlp", H, 2 * I, L)
     o.mem("mlp.swiglu", "mlp", "forward", T * 2 * I * c, T * I * c, L, host="swiglu.forward")
@@ -141,7 +143,17 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
           host="swiglu.backward")
     # (swiglu_packed owns the split, so no SplitBackward cats dgate and dup: d(gate_up) is gate_up's storage)
     o.linear("mlp.down", "mlp", I, H, L)
-    _residual(o, "mlp", L)
+    _residual(o, "mlp", L, "mlp" if recompute else "other")
+    if recompute:  # what the checkpoints run again in backward (early stop: no qkv, no down matmul)
+        o.mem("norm.rms_norm.recompute", "norm", "backward", T * H * r, T * H * c, 2 * L, host="rms_norm.forward")
+        o.mem("mlp.residual_add.recompute", "mlp", "backward", T * H * (r + c), T * H * r, L)
+        o.mm("mlp.gate_up.recompute", "mlp", "backward", T, 2 * I, H, L)
+        o.mem("mlp.swiglu.recompute", "mlp", "backward", T * 2 * I * c, T * I * c, L, host="swiglu.forward")
+        if o.amp:  # autocast's weight casts are made again too (its cache ends with each forward)
+            p = o.p
+            for name, comp, n in (("attention.qkv", "attention", D * H), ("mlp.gate_up", "mlp", 2 * I * H),
+                                  ("mlp.down", "mlp", I * H)):
+                o.mem(f"{name}.weight_cast.recompute", comp, "backward", n * p, n * c, L)
     _liger_loss(o)
     return o.k
 

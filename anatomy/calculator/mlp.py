@@ -32,13 +32,26 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     return Component("mlp", L, params(cfg), f, 2 * f, f, 2 * f, ew, saved)
 
 
-def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
+def efficient_saved(cfg: ModelConfig, run: Run, recomputed: bool = False) -> list[Saved]:
+    """What the MLP keeps without recompute. recomputed: what one layer's checkpoint makes again in
+    backward under recompute="mlp": the same tensors and the residual sum that its norm keeps."""
     dt, L, T, H, I = dtypes(run), cfg.layers, run.tokens, cfg.hidden, cfg.intermediate
     c = dt.compute
-    saved = linears_saved("mlp", T, H, {"gate_up": 2 * I}, dt, L, c)
+    if recomputed:
+        L = 1
+    saved = [Saved("mlp.x", (run.batch, run.seq, H), dt.residual, 1, "the norm keeps the sum")] if recomputed else []
+    saved += linears_saved("mlp", T, H, {"gate_up": 2 * I}, dt, L, c)
     saved.append(Saved("mlp.gate_up", (run.batch, run.seq, 2 * I), c, L,
                        "the fused activation keeps gate and up (two views of one tensor); silu is recomputed"))
-    saved += linears_saved("mlp", T, I, {"down": H}, dt, L, c)
+    return saved + linears_saved("mlp", T, I, {"down": H}, dt, L, c)
+
+
+def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
+    L, T, H, I = cfg.layers, run.tokens, cfg.hidden, cfg.intermediate
     f = L * 2 * T * H * I * 3
     ew = L * T * I * (5 + (3 if cfg.mlp == "gpt-oss" else 0))
-    return Component("mlp", L, params(cfg), f, 2 * f, f, 2 * f, ew, saved)
+    if run.recompute == "mlp":  # backward runs the sum, the norm, gate_up and the activation again
+        branch = Saved("mlp.branch", (run.batch, run.seq, H), dtypes(run).compute, L,
+                       "the checkpoint keeps its inputs: the attention branch (the block input is attention's)")
+        return Component("mlp", L, params(cfg), f, 2 * f + L * 2 * T * H * 2 * I, f, 2 * f, ew, [branch])
+    return Component("mlp", L, params(cfg), f, 2 * f, f, 2 * f, ew, efficient_saved(cfg, run))

@@ -168,7 +168,7 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     peak = prof["mfu_peak_flops"]
     out = dict(
         gpu=prof["name"], profile_kind=prof["kind"], variant=variant, config=cfg.to_dict(),
-        run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype), optimizer=optimizer,
+        run=run.to_dict(), optimizer=optimizer,
         sdpa_backend=(sdpa_backend or "cudnn") if variant == "efficient" else "math (explicit QKᵀ, softmax, PV)",
         host_scale=scale, forward_backward_s=fb, optimizer_s=opt, step_s=fb + opt, gpu_s=sum(p["gpu_s"] for p in phases.values()),
         tokens_per_s=run.tokens / fb, phases=phases, segments=segs, components=comps,

@@ -7,6 +7,9 @@
   (plus backend extras, e.g. an RNG seed/offset on CUDA). GQA goes to the kernel (enable_gqa), so
   k and v are kept at kv-head size. Its output is laid out (B, S, nh, hd), so the o projection's
   input is a view of it, not a copy.
+- Recompute (Run.recompute == "mlp"): called with the block's norm, norm -> qkv runs under a
+  non-reentrant torch.utils.checkpoint that keeps only x; in backward it re-runs the norm and stops
+  (early stop) when the qkv matmul has been handed its input again, before that matmul runs.
 State dict: qkv.weight = cat(q.weight, k.weight, v.weight) (see efficient.transformer)."""
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 from anatomy.kernels import rope_qkv
 
@@ -51,9 +55,13 @@ class Attention(nn.Module):
         self.o = nn.Linear(hidden, hidden, bias=False)
         self.last_backend: str | None = None
 
-    def forward(self, x, cos, sin):  # x: (B, S, H); cos, sin: (S, hd) fp32
+    def forward(self, x, cos, sin, norm: nn.Module | None = None):  # x: (B, S, H); cos, sin: (S, hd) fp32
         B, S, H = x.shape
-        q, k, v = rope_qkv(self.qkv(x), cos, sin, self.heads, self.kv_heads)  # (B, nh|nkv, S, hd), contiguous
+        if norm is None:  # x is normed
+            qkv = self.qkv(x)  # (B, S, (nh + 2 nkv) hd)
+        else:  # x is the residual stream; keep it, not its normed copy
+            qkv = checkpoint(lambda x: self.qkv(norm(x)), x, use_reentrant=False, preserve_rng_state=False)
+        q, k, v = rope_qkv(qkv, cos, sin, self.heads, self.kv_heads)  # (B, nh|nkv, S, hd), contiguous
         with backend_context(x.device):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=self.kv_heads != self.heads)  # (B, nh, S, hd)

@@ -8,6 +8,7 @@ from a pre-hook on each node, so a backward kernel is credited to the component 
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 COMPONENTS = ("embedding", "attention", "norm", "mlp", "loss")
@@ -41,24 +42,26 @@ class ComponentTracker:
     def __init__(self, model: nn.Module, track_backward: bool = False):
         self.model, self.track_backward = model, track_backward
         self.label = "other"
-        self._stack: list[str] = []
-        self._calls: list[tuple[str, list, list]] = []  # (component, input grad_fns, output grad_fns)
+        # one entry per open call: (label before it, input grad_fns or None when not recorded)
+        self._stack: list[tuple[str, list | None]] = []
+        # finished calls, innermost first: (component, input grad_fns, output grad_fns)
+        self._calls: list[tuple[str, list, list]] = []
         self._handles: list = []
 
     def _pre(self, comp):
         def hook(module, args, kwargs):
-            self._stack.append(comp)
+            # a call inside backward is a checkpoint's recompute: it runs under the label of the node
+            # that asked for it, and its nodes are not tagged (that graph is never walked)
+            record = self.track_backward and torch._C._current_graph_task_id() == -1
+            self._stack.append((self.label, _grad_fns(args) + _grad_fns(kwargs) if record else None))
             self.label = comp
-            if self.track_backward:
-                self._calls.append((comp, _grad_fns(args) + _grad_fns(kwargs), None))
         return hook
 
     def _post(self, module, args, kwargs, output) -> None:  # must return None: the output is kept
-        self._stack.pop()
-        self.label = self._stack[-1] if self._stack else "other"
-        if self.track_backward:
-            comp, ins, _ = self._calls[-1]
-            self._calls[-1] = (comp, ins, _grad_fns(output))
+        comp = self.label
+        self.label, ins = self._stack.pop()
+        if ins is not None:
+            self._calls.append((comp, ins, _grad_fns(output)))
 
     def __enter__(self):
         for name, comp in component_modules(self.model).items():
@@ -68,7 +71,9 @@ class ComponentTracker:
         return self
 
     def tag_backward(self) -> None:
-        """After the forward: tag each call's autograd nodes so backward sets `label` as they run."""
+        """After the forward: tag each call's autograd nodes so backward sets `label` as they run.
+        Calls are tagged innermost first, so a component called inside another (the norm inside a
+        recomputed MLP) keeps its own nodes."""
         tagged: set = set()
         for comp, ins, outs in self._calls:
             stop, todo = set(ins), list(outs or [])

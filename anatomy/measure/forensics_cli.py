@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     where = torch.cuda.get_device_name(0) if device == "cuda" else "CPU live tensor storage"
     title = f"{cfg.name} · {a.variant} · B={run.batch} S={run.seq} {run.dtype} · {where}"
     plot_timeline(r, png, title)
-    report = dict(title=title, config=cfg.to_dict(), run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype),
+    report = dict(title=title, config=cfg.to_dict(), run=run.to_dict(),
                   variant=a.variant, optimizer=opt, phases=phases,
                   peak=attribute_peak(snap, a.top, phase=a.peak_phase),
                   png=str(png), out=str(out), device=where, torch=torch.__version__,

@@ -15,7 +15,7 @@ def measure_params(cfg: ModelConfig, variant: str = "baseline") -> int:
 
 
 def measure_flops(cfg: ModelConfig, run: Run, variant: str = "baseline", device="meta") -> dict:
-    model = build_model(cfg, variant, device=device, dtype=param_dtype(run))
+    model = build_model(cfg, variant, device=device, dtype=param_dtype(run), recompute=run.recompute)
     ids, targets = make_batch(cfg, run, device)
     dev = torch.device(device).type
 
@@ -27,7 +27,7 @@ def measure_flops(cfg: ModelConfig, run: Run, variant: str = "baseline", device=
 
 
 def measure_saved(cfg: ModelConfig, run: Run, variant: str = "baseline", device="cpu") -> SavedTensorTracer:
-    model = build_model(cfg, variant, device=device, dtype=param_dtype(run))
+    model = build_model(cfg, variant, device=device, dtype=param_dtype(run), recompute=run.recompute)
     ids, targets = make_batch(cfg, run, device)
     with SavedTensorTracer(model) as tracer, autocast_ctx(run, torch.device(device).type):
         loss = model(ids, targets)
@@ -49,8 +49,8 @@ def measure(cfg: ModelConfig, run: Run, variant: str = "baseline", device="cpu",
         "device": str(device), "variant": variant, "params": measure_params(cfg, variant),
         "flops": {"counter": {"forward": flops["forward"]["total"], "backward": flops["backward"]["total"]},
                   "by_component": flops, "device": str(flops_dev),
-                  "run": dict(batch=flops_run.batch, seq=flops_run.seq, dtype=flops_run.dtype)},
+                  "run": flops_run.to_dict()},
         "memory": {"saved": {"total": saved.storage_bytes(), "by_component": saved.by_component(),
                              "tensor_bytes": saved.tensor_bytes(),
-                             "run": dict(batch=sr.batch, seq=sr.seq, dtype=sr.dtype)}},
+                             "run": sr.to_dict()}},
     }

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -36,12 +37,12 @@ TARGETS = {"seed": dict(ms=28.0, mem_vs_liger=0.5), "anchor-1b": dict(mfu=0.65, 
 
 def _verdicts(by: dict) -> list[str]:
     lines = []
-    for preset, t in TARGETS.items():
-        e, lg = by.get((preset, "efficient")), by.get((preset, "hf-liger"))
+    for (preset, t), ours in itertools.product(TARGETS.items(), ("efficient", "efficient-recompute")):
+        e, lg = by.get((preset, ours)), by.get((preset, "hf-liger"))
         if not (e and lg):
             continue
         mem = e["peak_mib"] / lg["peak_mib"]
-        parts = [f"- {preset}: efficient is {lg['median_ms'] / e['median_ms']:.2f}× HF + Liger's speed"]
+        parts = [f"- {preset}: {ours} is {lg['median_ms'] / e['median_ms']:.2f}× HF + Liger's speed"]
         for peer in ("hf", "baseline", "baseline-compile"):
             if (preset, peer) in by:
                 parts.append(f"{by[(preset, peer)]['median_ms'] / e['median_ms']:.1f}× {peer}'s")

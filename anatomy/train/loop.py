@@ -252,7 +252,7 @@ def _train(cfg, run, variant, data, o, pl: Placement, faults, loss_hook, display
     train_b = Batches(data.train, B, S, o.seed)
     eval_b = Batches(data.eval, B, S, o.seed, shuffle=False)
     n_eval = min(o.eval_batches, -(-eval_b.windows // (B * pl.world)))
-    identity = dict(config=cfg.to_dict(), run=asdict(run), variant=variant, optimizer=o.optimizer, seed=o.seed,
+    identity = dict(config=cfg.to_dict(), run=run.to_dict(), variant=variant, optimizer=o.optimizer, seed=o.seed,
                     data_fingerprint=data.fingerprint)
     hist: dict = dict(loss=[], lr=[], tokens_per_s=[], eval=[])
     start, consumed, resumed_from = 0, 0, None
