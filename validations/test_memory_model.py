@@ -24,7 +24,7 @@ from anatomy.config import ModelConfig, Run
 from anatomy.report import probes
 
 PROBE_DIR = probes.MEMORY_SESSION
-ALL = probes.memory_rows(probes.SPLIT) + probes.memory_rows(probes.DEFAULT)
+ALL = probes.memory_rows(probes.SPLIT) + probes.memory_rows(probes.DEFAULT) + probes.recompute_rows()
 TOL = 0.03  # the claim's bound for physical memory (DESIGN: relative, justified; the goal is 1%)
 TRACE_TOL = probes.TRACE_TOL  # the goal, held against the allocator's requested bytes
 # (claim, the calculator's key, the probe's phase, "allocated" at its end or its "peak")
@@ -36,12 +36,11 @@ FIGURES = (("memory.allocated after forward", "forward_end", "forward", "allocat
 
 
 def _ids(r):
-    return (f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}" + (f"-{r['optimizer']}" if r["optimizer"] else "")
-            + ("" if r.get("alloc", probes.SPLIT) == probes.SPLIT else "-default-alloc"))
+    return probes.row_id(r) + ("" if r.get("alloc", probes.SPLIT) == probes.SPLIT else "-default-alloc")
 
 
 def _predicted(r):
-    return phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"]), r["variant"], r["optimizer"])
+    return phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"], "amp", r.get("recompute", "none")), r["variant"], r["optimizer"])
 
 
 def _cases(trace: bool):
@@ -94,7 +93,8 @@ def test_phase_matches_h200_allocator_trace(row, figure, claims):
 def _pairs():
     by: dict[tuple, dict] = {}
     for r in ALL:
-        by.setdefault((r["alloc"], r["config"], r["batch"], r["seq"], r["optimizer"], json.dumps(r["cfg"], sort_keys=True)),
+        by.setdefault((r["alloc"], r["config"], r["batch"], r["seq"], r["optimizer"], r.get("recompute", "none"),
+                       json.dumps(r["cfg"], sort_keys=True)),
                       {})[r["variant"]] = r
     out = [pytest.param(v["baseline"], v["efficient"], id=_ids(v["baseline"]).replace("-baseline", ""))
            for v in by.values() if len(v) == 2]
@@ -174,7 +174,7 @@ _STEP_MISSES: dict[str, str] = {}  # (seed baseline at S=4096 was one until the 
                                  if r in _STEP_MISSES else r for r in STEPS])
 def test_step_peak_matches_committed_step_benchmarks(rel, claims):
     rec = json.loads((PROBE_DIR.parent / rel).read_text())
-    cfg, run = ModelConfig.from_name(rec["preset"]), Run(rec["batch"], rec["seq"], "amp")
+    cfg, run = ModelConfig.from_name(rec["preset"]), Run(rec["batch"], rec["seq"], "amp", rec.get("recompute", "none"))
     ph = phases(cfg, run, STEPS[rel])  # no optimizer: bench/step.py times forward + backward
     pred = max(ph["forward_peak"] or 0, ph["backward_peak"])
     claims.within("memory.reserved of a fwd+bwd step (out of the fit's sample)", low=ph["reserved_low"],

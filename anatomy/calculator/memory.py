@@ -13,7 +13,8 @@ tracer sees there). The phases:
   - optimizer end: the gradients set to None, the state stays.
 Optimizer state (AdamW / AdEMAMix) is added to every phase, as in a step after the first.
   - reserved_low / reserved_high: the range memory_reserved stays in (reserved(): the looser figure).
-  - forward peak, efficient on CUDA: + Liger's fused CE transients (_liger_forward_transient).
+  - forward peak, efficient on CUDA: + Liger's fused CE transients (_liger_forward_transient), and under
+    recompute the weight casts autocast caches for the forward (_cached_casts).
 Not modelled: the efficient variant's forward peak on CPU, where a plain-torch mirror of the fused CE
 stands in for Liger (None, not guessed).
 """
@@ -70,6 +71,29 @@ def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
     return rnd(T * H * c) + rnd(T * 4) + rnd(T) + max(first, later)
 
 
+def _cached_casts(cfg: ModelConfig, run: Run, rnd) -> int:
+    """Under recompute and autocast: the bf16 casts of the qkv, gate_up and down weights of every layer.
+    Autocast caches a leaf weight's cast until its region ends, after the loss; without recompute the
+    matmuls save them (they are in `saved`), inside a checkpoint nobody does, so they are extra bytes
+    at the forward's peak and gone by its end (H200 probe, reports/h200/session6: 27 MiB at the seed,
+    1.41 GiB at anchor-1b)."""
+    dt = dtypes(run)
+    if run.recompute == "none" or not dt.autocast:
+        return 0
+    H, I, D = cfg.hidden, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim
+    return cfg.layers * sum(rnd(n * BYTES[dt.compute]) for n in (D * H, 2 * I * H, I * H))
+
+
+def _mlp_region_transient(cfg: ModelConfig, run: Run, rnd) -> int:
+    """The largest moment of a recomputed MLP half in forward (efficient/swiglu.py, MLP.forward's tail):
+    inside, the sum x (residual dtype), its normed copy, gate_up, the activation and down's output are
+    all live; then x, down's output and the block output x + h."""
+    dt = dtypes(run)
+    T, H, I, c, r = run.tokens, cfg.hidden, cfg.intermediate, BYTES[dt.compute], BYTES[dt.residual]
+    inside = rnd(T * H * r) + rnd(T * H * c) + rnd(T * 2 * I * c) + rnd(T * I * c) + rnd(T * H * c)
+    return max(inside, 2 * rnd(T * H * r) + rnd(T * H * c))
+
+
 def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
            device: str = "cuda") -> dict:
     """Bytes live at each phase boundary of a training step after the first (the optimizer's state
@@ -97,7 +121,12 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
         logits = rnd(T * V * BYTES[c]) + (rnd(T * V * 4) if c != "float32" else 0)
         fwd_peak = fwd_end - rnd(4) + rnd(T * cfg.hidden * BYTES[dt.residual]) + logits + rnd(S * S * BYTES[c])
     elif device == "cuda":
-        fwd_peak = fwd_end - rnd(4) + _liger_forward_transient(cfg, run, rnd)
+        fwd_peak = fwd_end - rnd(4) + _liger_forward_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd)
+        if run.recompute == "mlp":  # or inside the last layer's MLP checkpoint, before the loss's tensors
+            after = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for n in ("loss", "norm")
+                        for s in est.components[n].saved if s.name not in INPUTS)
+            fwd_peak = max(fwd_peak, fwd_end - rnd(4) - after + _mlp_region_transient(cfg, run, rnd)
+                           + _cached_casts(cfg, run, rnd))
     start = {"parameter": params, "input": inputs, "optimizer state": opt, "activation": saved + rnd(4)}
     stages = walk(cfg, run, variant, est, start, rnd)
     top = max(stages, key=lambda st: st.live)

@@ -41,13 +41,26 @@ def rows(path: Path) -> list[dict]:
 
 
 def row_id(r: dict) -> str:
-    return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}" + (f"-{r['optimizer']}" if r["optimizer"] else "")
+    return (f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}" + (f"-{r['optimizer']}" if r["optimizer"] else "")
+            + (f"-recompute-{r['recompute']}" if r.get("recompute", "none") != "none" else ""))
 
 
 # ---- memory -----------------------------------------------------------------------------------------
 def memory_rows(alloc: str = SPLIT, session: Path = MEMORY_SESSION) -> list[dict]:
     """The probe rows under one allocator setting, each tagged with it and its session."""
     return [dict(r, alloc=alloc, session=session.name) for f in MEMORY_FILES[alloc] for r in rows(session / f)]
+
+
+# Run.recompute="mlp" rows (efficient only), under expandable segments. session6: the named configs and
+# 16 drawn ones (the forward-peak terms _cached_casts and _mlp_region_transient were written after its
+# misses); session6b: 24 + 8 training-sized configs drawn with another seed, run after, out of sample.
+RECOMPUTE_FILES = {"session6": ("probe_memory_recompute.json",),
+                   "session6b": ("probe_memory_recompute_oos.json", "probe_memory_recompute_oos_training.json")}
+
+
+def recompute_rows() -> list[dict]:
+    return [dict(r, alloc=SPLIT, session=s) for s, files in RECOMPUTE_FILES.items() for f in files
+            for r in rows(H200 / s / f)]
 
 
 def requested(r: dict, phase: str, field: str) -> int | None:
@@ -64,7 +77,7 @@ def memory_errors(alloc: str = SPLIT, session: Path = MEMORY_SESSION) -> list[di
     out = []
     for r in memory_rows(alloc, session):
         ph = {p["name"]: p for p in r["phases"]}
-        pred = phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"]), r["variant"], r["optimizer"])
+        pred = phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"], "amp", r.get("recompute", "none")), r["variant"], r["optimizer"])
         for key, phase, field in FIGURES:
             if phase in ph and pred.get(key) is not None:
                 m, t, q = ph[phase][field], r.get("trace", {}).get(key), requested(r, phase, field)
@@ -121,14 +134,14 @@ def reserved_ratios(session: Path = MEMORY_SESSION) -> dict:
     def peak(p):
         return max(p["forward_peak"] or 0, p["backward_peak"], p["forward_end"])
 
-    r = [(p["reserved"] - RESERVED_FIXED) / peak(phases(ModelConfig(**row["cfg"]), Run(row["batch"], row["seq"]),
+    r = [(p["reserved"] - RESERVED_FIXED) / peak(phases(ModelConfig(**row["cfg"]), Run(row["batch"], row["seq"], "amp", row.get("recompute", "none")),
                                                          row["variant"], row["optimizer"]))
          for alloc in (SPLIT, DEFAULT) for row in memory_rows(alloc, session) for p in row["phases"] if p["name"] != "init"]
     steps = []
     for rel, variant in STEP_RECORDS.items():
         rec = json.loads((H200 / rel).read_text())
         steps.append(rec["reserved_mib"] * 2**20 / peak(phases(ModelConfig.from_name(rec["preset"]),
-                                                             Run(rec["batch"], rec["seq"], "amp"), variant)))
+                                                             Run(rec["batch"], rec["seq"], "amp", rec.get("recompute", "none")), variant)))
     return dict(median=statistics.median(r), worst=max(r), steps=(min(steps), max(steps)))
 
 
@@ -137,7 +150,10 @@ def reserved_ratios(session: Path = MEMORY_SESSION) -> dict:
 # configs the probe never ran (validations/test_memory_model.py holds them to ±3%)
 STEP_RECORDS = {"session1/step-seed-efficient.json": "efficient", "session3/step-seed-efficient.json": "efficient",
                 "session1/step-1b-efficient.json": "efficient", "session1/step-seed-baseline.json": "baseline",
-                "session4b/step-seed-efficient.json": "efficient", "session4b/step-1b-efficient.json": "efficient"}
+                "session4b/step-seed-efficient.json": "efficient", "session4b/step-1b-efficient.json": "efficient",
+                "session6/step-seed-efficient.json": "efficient", "session6/step-anchor-1b-efficient.json": "efficient",
+                "session6/step-seed-efficient-recompute.json": "efficient",
+                "session6/step-anchor-1b-efficient-recompute.json": "efficient"}
 
 
 def step_peak_errors() -> list[tuple[str, str, float]]:
@@ -146,7 +162,7 @@ def step_peak_errors() -> list[tuple[str, str, float]]:
     out = []
     for rel, variant in STEP_RECORDS.items():
         rec = json.loads((H200 / rel).read_text())
-        ph = phases(ModelConfig.from_name(rec["preset"]), Run(rec["batch"], rec["seq"], "amp"), variant)
+        ph = phases(ModelConfig.from_name(rec["preset"]), Run(rec["batch"], rec["seq"], "amp", rec.get("recompute", "none")), variant)
         m = rec["peak_mib"] * 2**20
         out.append((rel, variant, (max(ph["forward_peak"] or 0, ph["backward_peak"]) - m) / m))
     return out
