@@ -226,7 +226,8 @@ def test_committed_records_are_present():
 # Known misses of the uncalibrated model (docs/timing.md says why): strict, so a fix that brings one
 # within ±10% turns its XPASS into a failure and the mark must come off.
 _KNOWN_MISSES = {"session1/step-seed-efficient.json", "session3/step-seed-efficient.json",
-                 "session1/step-seed-baseline.json"}
+                 "session1/step-seed-baseline.json", "session6/step-seed-efficient.json",
+                 "session6/step-seed-efficient-recompute.json"}
 
 
 @pytest.mark.parametrize("rel", [pytest.param(rel, marks=pytest.mark.xfail(strict=True, reason="known miss of the "

@@ -188,6 +188,10 @@ STEP_RECORDS = (  # (file, variant): our own models' forward + backward, median 
     ("session3/step-seed-efficient.json", "efficient"),
     ("session1/step-1b-efficient.json", "efficient"),
     ("session1/step-seed-baseline.json", "baseline"),
+    ("session6/step-seed-efficient.json", "efficient"),  # recompute (Run.recompute) read off the record
+    ("session6/step-seed-efficient-recompute.json", "efficient"),
+    ("session6/step-anchor-1b-efficient.json", "efficient"),
+    ("session6/step-anchor-1b-efficient-recompute.json", "efficient"),
 )
 
 

@@ -169,7 +169,8 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
             "compare against committed H200 measurements.\n\n"
             "![predicted against measured](docs/img/claims-predicted-vs-measured.png)\n"
             "![error distribution of the bounded claims](docs/img/claims-error-distribution.png)")
-    for marker, session in (("bench-steps", "session4b"), ("bench-steps-rerun", "session1")):
+    for marker, session in (("bench-steps", "session4b"), ("bench-steps-rerun", "session1"),
+                            ("bench-steps-recompute", "session6")):
         steps = sorted(H200.glob(f"{session}/step-*.json"))
         if steps:
             put(marker, steps_table(steps))
