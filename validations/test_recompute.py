@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from anatomy.calculator.memory import phases
 from anatomy.config import ConfigError, ModelConfig, Run
 from anatomy.measure.liveness import measure_phases_live
+from anatomy.measure.run import measure_saved
 from anatomy.models import autocast_ctx, build_model, make_batch
 from validations.configs import NAMED, POLICIES, configs, runs
 from validations.test_efficient import EFFICIENT, check_flops, check_matches_baseline, check_saved
@@ -75,15 +76,12 @@ def test_recompute_saves_what_it_says(claims):
     bf16 normed inputs (4H), gate_up (4I) and the activation (2I); in come the fp32 block input, now
     kept by attention's checkpoint (4H), and the bf16 branch (2H). And the three weight casts."""
     cfg, run = NAMED["tiny-gqa"], Run(2, 16, "amp")
-    from anatomy.calculator import estimate
-
-    none, mlp = (estimate(cfg, r, "efficient", device="cpu").total("saved_bytes")
-                 for r in (run, Run(2, 16, "amp", MLP)))
+    none, mlp = (measure_saved(cfg, r, "efficient").report.storage_bytes() for r in (run, Run(2, 16, "amp", MLP)))
     H, I, L, T, D = cfg.hidden, cfg.intermediate, cfg.layers, run.tokens, cfg.hidden + 2 * cfg.kv_dim
     casts = L * 2 * (D * H + 2 * I * H + I * H)
     claims.check("memory.saved: recompute's saving", component="model", config="tiny-gqa/B2S16/amp",
                  variant="efficient", predicted=L * T * (6 * H + 6 * I) + casts, measured=none - mlp,
-                 device="cpu", unit="B", note="calculator against its own formula: the docstring's arithmetic")
+                 device="cpu", unit="B", note="the docstring's arithmetic against saved storage measured with and without")
 
 
 # where the backward peak sits: the MLP of the last layer, the loss, attention (see test_memory_walk)

@@ -63,21 +63,41 @@ def recompute_rows() -> list[dict]:
             for r in rows(H200 / s / f)]
 
 
+def recompute_summary() -> str:
+    """The recompute rows' phase figures against the calculator, in sample (session6) and out of it (6b),
+    and the step benchmarks' peaks under recompute."""
+    parts = []
+    for s in RECOMPUTE_FILES:
+        e = memory_errors(rows_=[r for r in recompute_rows() if r["session"] == s])
+        if e:
+            heads = [json.loads((H200 / s / f).read_text()) for f in RECOMPUTE_FILES[s]]
+            src = "; ".join(f"{h['gpu']}, torch {h['torch']}, CUDA {h['cuda']}, {h['date']}: `{h['command']}`"
+                            for h in heads)
+            parts.append(f"`reports/h200/{s}` ({len({x['row'] for x in e})} rows): {_stats([x['allocator'] for x in e])}"
+                         f" (source: {src})")
+    steps = [f"`{rel}` {err:+.2%}" for rel, _, err in step_peak_errors() if "recompute" in rel]
+    return ("Phase memory under recompute, expandable segments, against `max_memory_allocated`: " + "; ".join(parts)
+            + ". The forward-peak terms for autocast's cached weight casts and the last MLP checkpoint were written "
+            "after session6's misses; session6b's configs were drawn with another seed afterwards. Step peaks: "
+            + ", ".join(steps) + ".")
+
+
 def requested(r: dict, phase: str, field: str) -> int | None:
     """The allocator's requested_bytes counter for a figure, where the probe recorded it."""
     p = {p["name"]: p for p in r["phases"]}[phase]
     return p.get("requested_peak" if field == "peak" else "requested")
 
 
-def memory_errors(alloc: str = SPLIT, session: Path = MEMORY_SESSION) -> list[dict]:
+def memory_errors(alloc: str = SPLIT, session: Path = MEMORY_SESSION, rows_: list[dict] | None = None) -> list[dict]:
     """One entry per (row, figure): the error against the allocator's figure and against the trace's,
-    and the allocator's slack over its requested_bytes counter."""
+    and the allocator's slack over its requested_bytes counter. rows_: these rows instead of the session's."""
     from anatomy.calculator.memory import phases
 
     out = []
-    for r in memory_rows(alloc, session):
+    for r in memory_rows(alloc, session) if rows_ is None else rows_:
         ph = {p["name"]: p for p in r["phases"]}
-        pred = phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"], "amp", r.get("recompute", "none")), r["variant"], r["optimizer"])
+        pred = phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"], "amp", r.get("recompute", "none")),
+                      r["variant"], r["optimizer"])
         for key, phase, field in FIGURES:
             if phase in ph and pred.get(key) is not None:
                 m, t, q = ph[phase][field], r.get("trace", {}).get(key), requested(r, phase, field)

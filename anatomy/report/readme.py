@@ -185,6 +185,7 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
     from anatomy.report import probes
 
     put("memory-h200", probes.memory_summary())
+    put("memory-recompute", probes.recompute_summary())
     put("timing-h200", probes.timing_summary())
     table, data = saved_table()
     put("saved-seed", table + "\n\n![saved bytes per component](docs/img/saved-by-component.png)")
