@@ -30,12 +30,17 @@ part probe-memory-default 70 python3 scripts/probe_memory.py --out "$R/probe_mem
 part probe-memory-default-hypothesis 70 python3 scripts/probe_memory.py --skip-named --hypothesis 32 --seed 2026 \
   --out "$R/probe_memory_default_hypothesis.json"
 # this machine's profile, then per-component timing: named configs and 40 drawn training-sized ones (issue 5)
-part calibrate 75 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 40
+# session 7 (issue 5): GEMMs in a loop, after a producer kernel and after idle, with clocks; the fused kernels'
+# GPU-only time at the seed and wide shapes (issue 3's bandwidth targets)
+part gemm-conditions 90 python3 scripts/probe_gemm_conditions.py --out "$R/gemm_conditions.json"
+part kernels-seed 60 python3 -m anatomy.kernels.bench --shape seed --json "$R/kernels-seed.json"
+part kernels-wide 60 python3 -m anatomy.kernels.bench --shape wide --json "$R/kernels-wide.json"
+part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 90
 part probe-timing 60 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
-part probe-timing-hypothesis 70 python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed 2026 \
-  --out "$R/probe_timing_hypothesis.json"
 part probe-timing-training 200 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed 2026 \
   --strategy training --out "$R/probe_timing_training.json"
+part probe-timing-hypothesis 70 python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed 2026 \
+  --out "$R/probe_timing_hypothesis.json"
 # recompute="mlp" (issue 3): the step against HF + Liger in one run, per-phase memory, the GPU claims
 export R
 part step-recompute 240 bash -c 'for pb in "seed 16" "anchor-1b 4"; do set -- $pb

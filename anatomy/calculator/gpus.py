@@ -289,23 +289,33 @@ def from_measured(data: dict) -> dict:
              display=f"{base['display']} (measured)", provenance=prov, sources=dict(base["sources"]))
     sms = p["sms"]
     if m.get("matmul_bf16"):
-        rate, kh = fit_matmul(m["matmul_bf16"], sms)
+        # A step's GEMMs follow the kernel that wrote their operand (calibrate_kernels.py): the rate and
+        # k_half come from the in-step timings when the profile has them, from the loop otherwise; the
+        # loop's fit is kept beside it, and the MFU ceiling stays the loop's best (ANCHORS' convention).
+        grid = [x for x in m.get("matmul_bf16_in_step") or () if x.get("queued", True)] or m["matmul_bf16"]
+        if grid is not m["matmul_bf16"]:
+            p["matmul_loop_fit"] = dict(zip(("rate_flops", "k_half"), fit_matmul(m["matmul_bf16"], sms)))
+        rate, kh = fit_matmul(grid, sms)
         p["matmul_flops"] = dict(p["matmul_flops"], bfloat16=rate)
         p["matmul_k_half"] = kh
         p["matmul_fit"] = [dict(m=x["m"], n=x["n"], k=x["k"], measured_tflops=x["tflops"], model_tflops=rate / 1e12 *
                                 matmul_efficiency(x["m"], x["n"], x["k"], sms, kh, x.get("batch", 1)))
-                           for x in m["matmul_bf16"]]
+                           for x in grid]
         best = max(x["tflops"] for x in m["matmul_bf16"]) * 1e12
         p["mfu_peak_flops"] = best
-        shapes = ", ".join(f"{x['m']}x{x['n']}x{x['k']}: {x['tflops']:g}" for x in m["matmul_bf16"][:4])
-        p["sources"].update(matmul_flops=f"{where}: bf16 GEMM TFLOP/s {shapes}"
-                                         + (" ..." if len(m["matmul_bf16"]) > 4 else ""),
-                            matmul_k_half=f"fitted to {len(m['matmul_bf16'])} measured GEMM shape(s)",
+        shapes = ", ".join(f"{x['m']}x{x['n']}x{x['k']}: {x['tflops']:g}" for x in grid[:4])
+        how = "in step (after a producer kernel)" if grid is not m["matmul_bf16"] else "in a loop"
+        p["sources"].update(matmul_flops=f"{where}: bf16 GEMM TFLOP/s {how} {shapes}"
+                                         + (" ..." if len(grid) > 4 else ""),
+                            matmul_k_half=f"fitted to {len(grid)} measured GEMM shape(s), {how}",
                             mfu_peak_flops=f"{where}: the best measured bf16 GEMM (MFU against a measured ceiling)")
     if m.get("matmul_vocab"):
         p["matmul_misaligned"] = misaligned_factors(m["matmul_vocab"])
         p["sources"]["matmul_misaligned"] = (f"{where}: the LM head's GEMMs at vocab 32001/32002/32004 against 32000 "
                                              f"({len(m['matmul_vocab'])} GEMMs)")
+    if m.get("fused"):
+        p["fused_rows"] = m["fused"]
+        p["sources"]["fused_rows"] = f"{where}: GPU time per call of our fused ops ({len(m['fused'])} rows)"
     if m.get("copy_tbps"):
         p["hbm_Bps"] = m["copy_tbps"] * 1e12
         p["sources"]["hbm_Bps"] = f"{where}: device-to-device copy, bytes read + written"

@@ -13,7 +13,9 @@ minimal HBM bytes, and predicts each one as
            multiple of 8 elements (gpus.alignment_factor; 1 for a datasheet profile)
   sdpa     rate = the profile's measured rate for that backend and head dim, scaled by the
            wave quantization of (batch x heads x 128-row query blocks) against the measured shape
-  memory   elementwise and fused kernels: FLOPs ignored (≤ ~10 per element, far under the ridge)
+  memory   elementwise and fused kernels: FLOPs ignored (≤ ~10 per element, far under the ridge);
+           our fused ops at the fraction of the copy bandwidth calibrate measured them reach at
+           their row width (fused_efficiency; 1 without a calibration)
 
 Assumptions (each is a source of error, listed in docs/timing.md):
   1. Kernels run back to back: the step's GPU time is their sum (no overlap between kernels).
@@ -28,14 +30,15 @@ Assumptions (each is a source of error, listed in docs/timing.md):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from pathlib import Path
 
 from anatomy.calculator import estimate
 from anatomy.calculator import gpus
 from anatomy.calculator.launches import (SDPA_BACKENDS, VARIANTS, Kernel, baseline_kernels,  # noqa: F401
-                                         efficient_kernels, kernels, liger_chunk_rows, optimizer_kernels,
-                                         param_sizes, rms_norm_programs, standalone_kernels)
+                                         dw_sum_bytes, efficient_kernels, fused_bytes, kernels, liger_chunk_rows,
+                                         optimizer_kernels, param_sizes, rms_norm_programs, standalone_kernels)
 from anatomy.calculator.optimizer import step_bytes_moved
 from anatomy.config import ConfigError, ModelConfig, Run
 
@@ -75,7 +78,8 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
         rate *= gpus.attention_wave_efficiency(B, nh, S, prof["sms"]) if prof["attention"] else 1.0
     if rate:
         t_c = kern.flops / rate
-    t_m = kern.bytes / prof["hbm_Bps"]
+    eff = fused_efficiency(prof, *kern.fused) if kern.fused else 1.0
+    t_m = kern.bytes / (prof["hbm_Bps"] * eff)
     launch = prof["launch_s"]
     bound = "compute" if t_c >= t_m else "memory"
     if launch > max(t_c, t_m):
@@ -84,6 +88,34 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
     return dict(asdict(kern), shape=list(kern.shape), compute_s=t_c * kern.count, memory_s=t_m * kern.count,
                 launch_s=launch * kern.count, time_s=per * kern.count, per_launch_s=per, bound=bound,
                 rate_flops=rate, note=note)
+
+
+def fused_efficiency(prof: dict, op: str, width: int) -> float:
+    """The fraction of the copy bandwidth a fused op of ours reaches at this row width, from the
+    profile's calibrated timings (calibrate_kernels.measure_fused: GPU time per call at several widths,
+    16,384 rows) over the op's minimal bytes (launches.fused_bytes); piecewise linear in log(width)
+    between measured widths, flat beyond them. 1.0 (the copy roofline) without such rows."""
+    pts = []
+    for r in prof.get("fused_rows") or ():
+        if r["op"] != op or not r.get("queued", True):
+            continue
+        nbytes = sum(fused_bytes(op, r["width"], r["tokens"]))
+        launches = 1
+        if op == "rms_norm.backward":  # the op is two kernels: the row pass and the dw partial sum
+            nbytes, launches = nbytes + sum(dw_sum_bytes(r["width"])), 2
+        busy = r["ms"] * 1e-3 - launches * prof["launch_s"]
+        if busy > 0:
+            pts.append((math.log(r["width"]), nbytes / prof["hbm_Bps"] / busy))
+    if not pts:
+        return 1.0
+    pts.sort()
+    x = math.log(width)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, e0), (x1, e1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return e0 + (e1 - e0) * (x - x0) / (x1 - x0) if x1 > x0 else e1
+    return pts[-1][1]
 
 
 def host_seconds(kern: Kernel, prof: dict) -> float:

@@ -21,6 +21,11 @@ timing reuses one L2-resident input):
   host_custom_us  CPU time per call of our custom ops (rms_norm, swiglu, rope_qkv), fwd and bwd
   host_step       wall time of a tiny training step (forward + backward) of each variant, so small
                   that the host's issue time bounds it: what an op costs the host inside a model
+  matmul_bf16_in_step  the same GEMM grid as a step runs it: each call after a copy that writes its
+                  activation operand, GPU time only (calibrate_kernels.py says why); the profile
+                  fits its GEMM rate to these when present
+  fused           GPU time per call of our fused ops (rms_norm, swiglu, rope_qkv; fwd and bwd) at
+                  16,384 rows and several widths: the calculator turns them into bandwidth efficiencies
 Measurements never read the calculator; the profile is only *loaded* by it (gpus.from_measured).
 On a machine without CUDA it prints one line and exits 2.
 """
@@ -36,6 +41,7 @@ from pathlib import Path
 
 from anatomy.calculator import gpus
 from anatomy.config import PRESETS
+from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step
 
 GRID_PRESETS = ("seed", "anchor-1b", "llama2-7b")
 GRID_TOKENS = 16384
@@ -354,10 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     m["host_step"] = measure_host_step()
     # half of what is left for attention, the rest for the GEMM grid (the host figures above take seconds)
     m["attention"], skipped = measure_attention(time.monotonic() + 0.5 * (deadline - time.monotonic()))
-    m["matmul_bf16"] = measure_matmuls(gemm_grid(), deadline)
+    m["matmul_bf16"] = measure_matmuls(gemm_grid(), time.monotonic() + 0.5 * (deadline - time.monotonic()))
+    m["matmul_bf16_in_step"] = measure_gemms_in_step(gemm_grid(), deadline)
+    m["fused"] = measure_fused(deadline + 15)  # 32 short rows, ~5 s
     m["matmul_vocab"] = measure_vocab_matmuls(vocab_grid(), deadline + 10)  # small: 36 GEMMs, a few seconds
     prov = dict(_env(argv), seconds=round(time.monotonic() - t0, 1), skipped=skipped,
-                gemm_grid=f"{len(m['matmul_bf16'])} of {len(gemm_grid())} shapes")
+                gemm_grid=f"{len(m['matmul_bf16'])} of {len(gemm_grid())} shapes",
+                gemm_grid_in_step=f"{len(m['matmul_bf16_in_step'])} of {len(gemm_grid())} shapes")
     data = build_profile(m, prov, base)
     out = gpus.write_atomic(a.out or default_out(base), data)
     prof = gpus.from_measured(data)

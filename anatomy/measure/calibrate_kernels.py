@@ -1,0 +1,161 @@
+"""Calibrate's in-step measurements: GEMMs and our fused kernels as a training step runs them.
+
+Two things a loop of one op back to back gets wrong about a step (docs/timing.md, session 7):
+  * A GEMM in a step follows the kernel that wrote its activation operand (a norm, an activation,
+    the previous matmul): the tensor cores are not under sustained load and part of the operand may
+    still be in L2. In a loop of the same GEMM, session 5e measured the MLP's shapes at 560-700
+    TFLOP/s where the same shapes ran at up to 781 inside steps.
+  * A fused kernel of ours at a narrow row (hidden 512) is issued slower by the host than the GPU
+    runs it, so a back-to-back loop times the host; and at any width a Triton kernel moves its
+    bytes below the copy bandwidth by an amount that depends on the row width.
+
+So every op here is timed on the GPU alone: the host enqueues all repeats while the GPU spins in a
+sleep kernel, each repeat between its own pair of CUDA events, and each GEMM repeat is preceded
+(untimed) by a copy that writes its activation operand, as the producing kernel of a step does.
+The rows record shapes and milliseconds only; the calculator turns them into rates and
+efficiencies (gpus.from_measured), never the other way round.
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+
+SLEEP_CYCLES = 100_000_000  # ~50 ms at H200 clocks: longer than the host takes to enqueue a row's repeats
+RMS_WIDTHS = (512, 1024, 2048, 3072, 4096, 8192)  # hidden
+SWIGLU_WIDTHS = (1024, 2816, 5632, 8192, 11008, 14336)  # intermediate
+ROPE_HEADS = ((8, 8, 64), (16, 16, 128), (32, 8, 128), (24, 8, 128))  # (heads, kv_heads, head_dim)
+FUSED_TOKENS = 16384
+ROTATE_BYTES = 256 * 2**20  # operand sets per row: several times the 50-60 MB L2
+
+
+def queued_ms(fn, pre=None, reps: int = 20, warmup: int = 3) -> tuple[float, bool]:
+    """(median GPU ms of fn(), queued): every repeat between two events, all enqueued behind a sleep
+    kernel so the host's issue time never shows. queued is False when the host took longer to
+    enqueue than the sleep lasted (the figure may then include waits for the host)."""
+    import torch
+
+    for _ in range(warmup):
+        if pre is not None:
+            pre()
+        fn()
+    torch.cuda.synchronize()
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    before, start = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start.record()
+    t0 = time.perf_counter()
+    for a, b in evs:
+        if pre is not None:
+            pre()
+        a.record()
+        fn()
+        b.record()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    # every repeat was enqueued before the GPU woke: nothing it ran could wait for the host
+    queued = host_ms < before.elapsed_time(start)
+    return statistics.median(a.elapsed_time(b) for a, b in evs), queued
+
+
+def _sets(nbytes: int) -> int:
+    return max(2, min(8, ROTATE_BYTES // max(1, nbytes)))
+
+
+def measure_gemms_in_step(shapes, deadline: float) -> list[dict]:
+    """(m, n, k) GEMMs, each repeat preceded by a copy that writes its A operand (m, k)."""
+    import torch
+
+    rows = []
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    for m, n, k in shapes:
+        if time.monotonic() > deadline:
+            break
+        sets = [(torch.randn(m, k, **bf), torch.randn(k, n, **bf), torch.empty(m, n, **bf))
+                for _ in range(_sets((m * k + k * n + m * n) * 2))]
+        src = torch.randn(m, k, **bf)
+        it = itertools.cycle(sets)
+        cur = [sets[0]]
+
+        def pre():
+            cur[0] = next(it)
+            cur[0][0].copy_(src)  # the producer: writes A as a norm or an activation would
+
+        ms, queued = queued_ms(lambda: torch.matmul(cur[0][0], cur[0][1], out=cur[0][2]), pre)
+        rows.append(dict(m=m, n=n, k=k, ms=ms, tflops=2 * m * n * k / (ms * 1e-3) / 1e12, queued=queued))
+        del sets, src, cur
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _fused_cases(T: int = FUSED_TOKENS):
+    """(op, width, build) with build() -> (pre, fn): the op as the efficient model calls it under amp."""
+    import torch
+
+    ops = torch.ops.anatomy
+    bf, f32 = dict(device="cuda", dtype=torch.bfloat16), dict(device="cuda", dtype=torch.float32)
+
+    def rms(H, backward):
+        def build():
+            sets = [(torch.randn(T, H, **f32), torch.randn(T, H, **bf)) for _ in range(_sets(T * H * 6))]
+            w, it, cur = torch.rand(H, **f32) + 0.5, itertools.cycle(sets), [sets[0]]
+            pre = lambda: cur.__setitem__(0, next(it))  # noqa: E731
+            if backward:  # dy (bf16, from the matmul), x (the fp32 residual stream) -> dx fp32, dw
+                return pre, lambda: ops.rms_norm_backward(cur[0][1], cur[0][0], w, 1e-5)
+            return pre, lambda: ops.rms_norm(cur[0][0], w, 1e-5, torch.bfloat16)
+        return build
+
+    def swiglu(I, backward):
+        def build():
+            sets = [(torch.randn(T, 2 * I, **bf), torch.randn(T, I, **bf)) for _ in range(_sets(T * I * 6))]
+            src, it, cur = torch.randn(T, 2 * I, **bf), itertools.cycle(sets), [sets[0]]
+            if backward:  # in place into gate_up, as in the model: refresh it first (untimed)
+                def pre():
+                    cur[0] = next(it)
+                    cur[0][0].copy_(src)
+                return pre, lambda: ops.swiglu_backward_(cur[0][1], *cur[0][0].chunk(2, dim=-1), "swiglu")
+            return (lambda: cur.__setitem__(0, next(it))), lambda: ops.swiglu_packed(cur[0][0], "swiglu", True)
+        return build
+
+    def rope(nh, nkv, hd, backward):
+        def build():
+            B, S = T // 4096, 4096
+            D = (nh + 2 * nkv) * hd
+            pos = torch.arange(S, device="cuda", dtype=torch.float32)[:, None]
+            ang = pos / 10000 ** (torch.arange(hd, device="cuda") % (hd // 2) * 2 / hd)
+            cos, sin = ang.cos(), ang.sin()  # (S, hd) fp32, as the model's tables
+            sets = [torch.randn(B, S, D, **bf) for _ in range(_sets(T * D * 4))]
+            it, cur = itertools.cycle(sets), [sets[0]]
+            pre = lambda: cur.__setitem__(0, next(it))  # noqa: E731
+            if backward:
+                grads = [ops.rope_qkv(x, cos, sin, nh, nkv) for x in sets]  # dq, dk, dv in the model's layouts
+                git, g = itertools.cycle(grads), [grads[0]]
+                return (lambda: g.__setitem__(0, next(git))), lambda: ops.rope_qkv_backward(*g[0], cos, sin)
+            return pre, lambda: ops.rope_qkv(cur[0], cos, sin, nh, nkv)
+        return build
+
+    for bwd in (False, True):
+        suffix = ".backward" if bwd else ".forward"
+        yield from ((f"rms_norm{suffix}", H, dict(), rms(H, bwd)) for H in RMS_WIDTHS)
+        yield from ((f"swiglu{suffix}", I, dict(), swiglu(I, bwd)) for I in SWIGLU_WIDTHS)
+        yield from ((f"rope_qkv{suffix}", (nh + 2 * nkv) * hd, dict(heads=nh, kv_heads=nkv, head_dim=hd),
+                     rope(nh, nkv, hd, bwd)) for nh, nkv, hd in ROPE_HEADS)
+
+
+def measure_fused(deadline: float, tokens: int = FUSED_TOKENS) -> list[dict]:
+    """GPU ms per call of each fused op (forward and backward) at `tokens` rows and several widths."""
+    import torch
+
+    import anatomy.kernels  # noqa: F401 - registers torch.ops.anatomy
+
+    rows = []
+    for op, width, extra, build in _fused_cases(tokens):
+        if time.monotonic() > deadline:
+            break
+        pre, fn = build()
+        ms, queued = queued_ms(fn, pre)
+        rows.append(dict(op=op, tokens=tokens, width=width, ms=ms, queued=queued, **extra))
+        del pre, fn
+        torch.cuda.empty_cache()
+    return rows
