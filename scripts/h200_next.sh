@@ -37,9 +37,9 @@ part kernels-seed 60 python3 -m anatomy.kernels.bench --shape seed --json "$R/ke
 part kernels-wide 60 python3 -m anatomy.kernels.bench --shape wide --json "$R/kernels-wide.json"
 part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 90
 part probe-timing 60 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
-part probe-timing-training 200 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed 2026 \
+part probe-timing-training 200 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \
   --strategy training --out "$R/probe_timing_training.json"
-part probe-timing-hypothesis 70 python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed 2026 \
+part probe-timing-hypothesis 70 python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed "${DRAW_SEED:-2026}" \
   --out "$R/probe_timing_hypothesis.json"
 # recompute="mlp" (issue 3): the step against HF + Liger in one run, per-phase memory, the GPU claims
 export R
