@@ -35,6 +35,8 @@ part probe-memory-default-hypothesis 70 python3 scripts/probe_memory.py --skip-n
 part gemm-conditions 90 python3 scripts/probe_gemm_conditions.py --out "$R/gemm_conditions.json"
 part kernels-seed 60 python3 -m anatomy.kernels.bench --shape seed --json "$R/kernels-seed.json"
 part kernels-wide 60 python3 -m anatomy.kernels.bench --shape wide --json "$R/kernels-wide.json"
+part gpu-kernels 90 python3 -m pytest validations/test_kernels.py validations/test_efficient.py -m gpu -q \
+  -p no:cacheprovider --claims-report "$R/claims-kernels-gpu.json"
 part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 90
 part probe-timing 60 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
 part probe-timing-training 200 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \

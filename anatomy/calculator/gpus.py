@@ -223,10 +223,21 @@ def misaligned_factors(rows: list[dict]) -> dict:
     aligned = {(r["op"], r["rows"], r["hidden"]): r["tflops"] for r in rows if alignment_class(r["vocab"]) is None}
     ratios: dict = {}
     for r in rows:
+        if r["op"] not in VOCAB_OP_DIM:
+            continue
         a, ref = alignment_class(r["vocab"]), aligned.get((r["op"], r["rows"], r["hidden"]))
         if a is not None and ref:
             ratios.setdefault(str(a), {}).setdefault(VOCAB_OP_DIM[r["op"]], []).append(math.log(r["tflops"] / ref))
     return {a: {d: math.exp(sum(v) / len(v)) for d, v in dims.items()} for a, dims in ratios.items()}
+
+
+def accumulate_factor(rows: list[dict]) -> float | None:
+    """Liger's grad_weight under amp (addmm into fp32, out_dtype=fp32) over the bf16-out grad_weight of
+    the same shape, at the aligned vocab: the geometric mean over calibrate's head shapes."""
+    rate = {(r["op"], r["rows"], r["hidden"]): r["tflops"] for r in rows if alignment_class(r["vocab"]) is None}
+    logs = [math.log(v / rate[("grad_weight", T, H)]) for (op, T, H), v in rate.items()
+            if op == "grad_weight_acc" and ("grad_weight", T, H) in rate]
+    return math.exp(sum(logs) / len(logs)) if logs else None
 
 
 def alignment_factor(prof: dict, m: int, n: int, k: int) -> float:
@@ -311,6 +322,10 @@ def from_measured(data: dict) -> dict:
                             mfu_peak_flops=f"{where}: the best measured bf16 GEMM (MFU against a measured ceiling)")
     if m.get("matmul_vocab"):
         p["matmul_misaligned"] = misaligned_factors(m["matmul_vocab"])
+        acc = accumulate_factor(m["matmul_vocab"])
+        if acc is not None:
+            p["matmul_fp32_accumulate"] = acc
+            p["sources"]["matmul_fp32_accumulate"] = f"{where}: addmm(out_dtype=fp32) over bf16-out, head shapes"
         p["sources"]["matmul_misaligned"] = (f"{where}: the LM head's GEMMs at vocab 32001/32002/32004 against 32000 "
                                              f"({len(m['matmul_vocab'])} GEMMs)")
     if m.get("fused"):
@@ -343,11 +358,13 @@ def attention_table(rows: list[dict], sms: int) -> dict:
     """{backend: {head_dim: {fwd, fwd_bwd}}}: FLOP/s at a full wave, causal convention (fwd+bwd counts
     3.5x the forward, as ANCHORS.md does), from measured {backend, B, heads, S, hd, fwd_ms, fwd_bwd_ms}."""
     out: dict = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["S"]):
         f = causal_attention_flops(r["B"], r["heads"], r["S"], r["hd"])
         eff = attention_wave_efficiency(r["B"], r["heads"], r["S"], sms)
-        out.setdefault(r["backend"], {})[str(r["hd"])] = dict(
-            fwd=f / (r["fwd_ms"] * 1e-3) / eff, fwd_bwd=3.5 * f / (r["fwd_bwd_ms"] * 1e-3) / eff)
+        rates = dict(fwd=f / (r["fwd_ms"] * 1e-3) / eff, fwd_bwd=3.5 * f / (r["fwd_bwd_ms"] * 1e-3) / eff)
+        e = out.setdefault(r["backend"], {}).setdefault(str(r["hd"]), {})
+        e.update(rates)  # the longest sequence measured: a full wave's rate
+        e.setdefault("seq", {})[str(r["S"])] = rates  # and every length, when calibrate measured several
     return out
 
 

@@ -34,6 +34,7 @@ class Kernel:
     sync: bool = False  # the host waits for the GPU before this kernel (a new segment starts)
     order: int = 1  # execution order within the phase: 0 before the layers, 1 the layers, 2 after
     fused: tuple = ()  # (op, width): a fused op of ours that `anatomy calibrate` timed (profile "fused")
+    accumulate: bool = False  # matmul: addmm into an fp32 accumulator (Liger's grad_weight under amp)
 
 
 class _Ops:
@@ -50,11 +51,12 @@ class _Ops:
         self.k.append(Kernel(name, comp, phase, "memory", count, 0, int(read + write), host=host, sync=sync,
                              order=order, fused=fused))
 
-    def mm(self, name, comp, phase, m, n, k, count=1, batch=1, out=None, extra=0, host="op", order=1):
+    def mm(self, name, comp, phase, m, n, k, count=1, batch=1, out=None, extra=0, host="op", order=1,
+           accumulate=False):
         c = self.c
         nbytes = batch * ((m * k + k * n) * c + m * n * (out or c)) + extra
         self.k.append(Kernel(name, comp, phase, "matmul", count, 2 * batch * m * n * k, nbytes,
-                             (batch, m, n, k), self.dt.compute, host=host, order=order))
+                             (batch, m, n, k), self.dt.compute, host=host, order=order, accumulate=accumulate))
 
     def linear(self, name, comp, d_in, d_out, count, in_bytes=None, order=(1, 1)):
         """An nn.Linear on T tokens. Under autocast an fp32 input is cast per call (in_bytes=4) and
@@ -101,7 +103,8 @@ def _residual(o: _Ops, comp: str, L: int, where: str = "other") -> None:
     T, H, c, r = o.run.tokens, o.cfg.hidden, o.c, o.r
     # the add runs in the block, between the components' modules: "other", as the probes measure it
     # (under recompute both adds run inside the MLP's checkpoint: where="mlp")
-    o.mem(f"{comp}.residual_add", where, "forward", T * H * (r + c), T * H * r, L)
+    mixed = ("residual_add", H) if c != r else ()  # fp32 + bf16: calibrate times this add (ATen, unvectorized)
+    o.mem(f"{comp}.residual_add", where, "forward", *fused_bytes("residual_add", H, T, c, r), L, fused=mixed)
     if c != r:
         # The add's backward node belongs to no component, so the probes' tracker leaves the label of
         # the node that ran before it: a norm's backward (the next block's, or the final norm's), or
@@ -168,7 +171,8 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
 
 def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tuple[int, int]:
     """(read, write) minimal HBM bytes of one call of a fused op of ours over `tokens` rows of `width`
-    (hidden for rms_norm, intermediate for swiglu, (heads + 2 kv_heads) x head_dim for rope_qkv); c is
+    (hidden for rms_norm and the residual add, intermediate for swiglu, (heads + 2 kv_heads) x head_dim
+    for rope_qkv, vocab for Liger's CE kernel); c is
     the compute dtype's size, r the residual stream's. The same formulas turn calibrate's timings of
     these ops into bandwidth efficiencies (timing.fused_efficiency)."""
     T, W = tokens, width
@@ -177,7 +181,11 @@ def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tup
             "swiglu.forward": (T * 2 * W * c, T * W * c),  # gate_up in, h out
             "swiglu.backward": (T * W * c + T * 2 * W * c, T * 2 * W * c),  # dh, gate_up in; d(gate_up) in place
             "rope_qkv.forward": (T * W * c, T * W * c),  # qkv in; q, k, v out
-            "rope_qkv.backward": (T * W * c, T * W * c)}[op]
+            "rope_qkv.backward": (T * W * c, T * W * c),
+            "residual_add": (T * W * (r + c), T * W * r),  # stream + branch in, stream out
+            # Liger's CE over (T, V = W) logits: each row read twice (max/sum, then the gradient), the
+            # gradient written in place; targets in (int64), losses out (fp32)
+            "liger_ce": (2 * T * W * c + T * 8, T * W * c + T * 4)}[op]
 
 
 def dw_sum_bytes(H: int) -> tuple[int, int]:
@@ -214,12 +222,15 @@ def _liger_loss(o: _Ops) -> None:
         if not n:
             continue
         o.mm("loss.logits", "loss", "forward", rows, V, H, n, order=2)
-        o.mem("loss.cross_entropy", "loss", "forward", 2 * rows * V * c + rows * 8, rows * V * c + rows * 4, n, order=2)
+        o.mem("loss.cross_entropy", "loss", "forward", *fused_bytes("liger_ce", V, rows, c), n, order=2,
+              fused=("liger_ce", V) if c == 2 else ())
         o.mm("loss.grad_input", "loss", "forward", rows, H, V, n, order=2)
         if o.amp:  # fp32 weight: no mm(out=), so the product is copied into grad_input's rows
             o.mem("loss.grad_input_copy", "loss", "forward", rows * H * c, rows * H * c, n, order=2)
         # addmm into grad_weight (the weight's dtype): reads and writes the (V, H) accumulator every chunk
-        o.mm("loss.grad_weight", "loss", "forward", V, H, rows, n, extra=2 * V * H * p - V * H * c, order=2)
+        # (under amp the accumulator is fp32: Liger's addmm(out_dtype=fp32), a slower kernel family)
+        o.mm("loss.grad_weight", "loss", "forward", V, H, rows, n, extra=2 * V * H * p - V * H * c, order=2,
+             accumulate=p == 4 and c == 2)
     o.mem("loss.sum", "loss", "forward", T * 4, 4, order=2)
     o.mem("loss.backward_check", "loss", "backward", 8, 8, 2, sync=True, order=0)  # ones_like seed; torch.equal(g, 1)
 

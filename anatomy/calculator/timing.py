@@ -47,8 +47,10 @@ CUSTOM_FALLBACK_OPS = 3  # a custom-op call with no measured host cost: as 3 eag
 
 
 # ---- the roofline ------------------------------------------------------------------------------
-def _sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str) -> tuple[float, str]:
-    """FLOP/s at a full wave for one SDPA pass, and where it comes from."""
+def _sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | None = None) -> tuple[float, str]:
+    """FLOP/s at a full wave for one SDPA pass, and where it comes from. Where calibrate measured several
+    sequence lengths, the rate is interpolated in log(S) between them (flat beyond): a shorter sequence
+    gives each query block fewer key blocks to amortise its prologue and epilogue over."""
     table = prof["attention"]
     if not table:
         return prof["matmul_flops"]["bfloat16"], "roofline at the bf16 matmul rate (no attention measurement)"
@@ -58,6 +60,10 @@ def _sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str) -> tuple[flo
     hds = table[backend]
     key = str(head_dim) if str(head_dim) in hds else min(hds, key=lambda h: abs(int(h) - head_dim))
     f, fb = hds[key]["fwd"], hds[key]["fwd_bwd"]
+    by_seq = hds[key].get("seq") or {}
+    if seq is not None and len(by_seq) > 1:
+        f, fb = (_log_interp([(math.log(int(s_)), v[k]) for s_, v in by_seq.items()], math.log(seq))
+                 for k in ("fwd", "fwd_bwd"))
     note = f"{backend} hd{key}" + ("" if key == str(head_dim) else f" (nearest measured to hd{head_dim})")
     if phase == "forward":
         return f, note
@@ -72,9 +78,11 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
         rate = prof["matmul_flops"][kern.dtype] * gpus.matmul_efficiency(m, n, k, prof["sms"], prof["matmul_k_half"], b)
         if kern.dtype in ("bfloat16", "float16"):
             rate *= gpus.alignment_factor(prof, m, n, k)
+        if kern.accumulate:
+            rate *= prof.get("matmul_fp32_accumulate", 1.0)
     elif kern.kind == "sdpa":
         B, nh, S, hd = kern.shape
-        rate, note = _sdpa_rate(prof, kern.backend, hd, kern.phase)
+        rate, note = _sdpa_rate(prof, kern.backend, hd, kern.phase, S)
         rate *= gpus.attention_wave_efficiency(B, nh, S, prof["sms"]) if prof["attention"] else 1.0
     if rate:
         t_c = kern.flops / rate
@@ -99,17 +107,19 @@ def fused_efficiency(prof: dict, op: str, width: int) -> float:
     for r in prof.get("fused_rows") or ():
         if r["op"] != op or not r.get("queued", True):
             continue
-        nbytes = sum(fused_bytes(op, r["width"], r["tokens"]))
+        nbytes = sum(fused_bytes(op, r["width"], r.get("rows", r["tokens"])))
         launches = 1
         if op == "rms_norm.backward":  # the op is two kernels: the row pass and the dw partial sum
             nbytes, launches = nbytes + sum(dw_sum_bytes(r["width"])), 2
         busy = r["ms"] * 1e-3 - launches * prof["launch_s"]
         if busy > 0:
             pts.append((math.log(r["width"]), nbytes / prof["hbm_Bps"] / busy))
-    if not pts:
-        return 1.0
-    pts.sort()
-    x = math.log(width)
+    return _log_interp(pts, math.log(width)) if pts else 1.0
+
+
+def _log_interp(pts: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through (x, y) points (x a log), flat beyond the first and last."""
+    pts = sorted(pts)
     if x <= pts[0][0]:
         return pts[0][1]
     for (x0, e0), (x1, e1) in zip(pts, pts[1:]):

@@ -10,11 +10,13 @@ timing reuses one L2-resident input):
                   grad-weight (out, in, T) of qkv, o, gate_up, down, and Liger's chunk GEMMs; plus
                   8192³ (the ANCHORS ceiling) and 4096³. The profile fits a rate and k_half to them.
   matmul_vocab    the LM head's three GEMMs as the model writes them (x @ W.t(), g @ W, g.t() @ x)
+                  and Liger's fp32-accumulating addmm (grad_weight_acc),
                   at a vocab that is a multiple of 8 and at vocabs that are not (32001, 32002, 32004):
                   a bf16 row whose length is not a multiple of 8 is not 16-byte aligned, and cuBLAS
                   leaves its fastest kernels for it. The profile keeps the slowdown per case.
   attention       causal SDPA fwd and fwd+bwd per backend (cudnn, flash, memory-efficient) at head
-                  dim 64 (B=16, 8 heads, S=4096: the seed) and 128 (B=4, 16 heads: anchor-1b)
+                  dim 64 (B=16, 8 heads, S=4096: the seed) and 128 (B=4, 16 heads: anchor-1b); cuDNN
+                  also at S = 1024 and 2048 (same tokens)
   copy_tbps       a 2 GiB device copy, bytes read + written
   launch_us       GPU time per tiny kernel on a full queue (queued behind a long kernel: no host cost)
   host_op_us      CPU time per eager op that records autograd (1-element tensors: the GPU is idle)
@@ -46,6 +48,8 @@ from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_st
 GRID_PRESETS = ("seed", "anchor-1b", "llama2-7b")
 GRID_TOKENS = 16384
 ATTENTION_SHAPES = ((16, 8, 4096, 64), (4, 16, 4096, 128))  # (B, heads, S, head_dim)
+# the default backend again at shorter sequences, the same tokens: its rate falls with S
+SEQ_SHAPES = ((64, 8, 1024, 64), (32, 8, 2048, 64), (16, 16, 1024, 128), (8, 16, 2048, 128))
 BACKENDS = ("cudnn", "flash", "memory-efficient")
 L2_ROTATE_BYTES = 256 * 2**20  # rotate enough operand sets to exceed the L2 (50-60 MB) several times
 
@@ -76,7 +80,7 @@ VOCAB_SHAPES = ((16384, 512), (16384, 2048), (2048, 2048))  # (rows, hidden): fu
 def vocab_grid() -> list[tuple[str, int, int, int]]:
     """(op, rows, hidden, vocab) of the head GEMMs calibrate times: forward, grad_input, grad_weight."""
     return [(op, T, H, V) for T, H in VOCAB_SHAPES for V in (VOCAB_ALIGNED, *VOCAB_MISALIGNED)
-            for op in ("forward", "grad_input", "grad_weight")]
+            for op in ("forward", "grad_input", "grad_weight", "grad_weight_acc")]
 
 
 def guess_base(device_name: str) -> str | None:
@@ -149,7 +153,14 @@ def measure_matmuls(shapes, deadline: float) -> list[dict]:
 
 
 def _head_gemm(op: str, x, w, g):
-    """x (T, H), w (V, H), g (T, V): the head GEMM `op` as a closure over its operands."""
+    """x (T, H), w (V, H), g (T, V): the head GEMM `op` as a closure over its operands. grad_weight_acc
+    is Liger's form under amp (0.8.x): addmm into the fp32 (V, H) accumulator with out_dtype=fp32, a
+    different cuBLAS kernel family (fp32 C and D) from the bf16-out grad_weight."""
+    if op == "grad_weight_acc":
+        import torch
+
+        acc = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
+        return lambda: torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
     return {"forward": lambda: x @ w.t(), "grad_input": lambda: g @ w, "grad_weight": lambda: g.t() @ x}[op]
 
 
@@ -164,8 +175,11 @@ def measure_vocab_matmuls(grid, deadline: float) -> list[dict]:
         if time.monotonic() > deadline:
             break
         bf = dict(device="cuda", dtype=torch.bfloat16)
-        ms = _median_ms(_head_gemm(op, torch.randn(T, H, **bf), torch.randn(V, H, **bf), torch.randn(T, V, **bf)),
-                        batches=3, per_batch=5)
+        try:
+            ms = _median_ms(_head_gemm(op, torch.randn(T, H, **bf), torch.randn(V, H, **bf), torch.randn(T, V, **bf)),
+                            batches=3, per_batch=5)
+        except (TypeError, RuntimeError):  # a torch without addmm(out_dtype=): Liger falls back too
+            continue
         rows.append(dict(op=op, rows=T, hidden=H, vocab=V, ms=ms, tflops=2 * T * H * V / (ms * 1e-3) / 1e12))
     torch.cuda.empty_cache()
     return rows
@@ -179,11 +193,11 @@ def measure_attention(deadline: float) -> tuple[list[dict], list[str]]:
     kinds = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
              "memory-efficient": SDPBackend.EFFICIENT_ATTENTION}
     rows, skipped = [], []
-    for B, nh, S, hd in ATTENTION_SHAPES:
+    for B, nh, S, hd in ATTENTION_SHAPES + SEQ_SHAPES:
         q, k, v = (torch.randn(B, nh, S, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         g = torch.randn(B, nh, S, hd, device="cuda", dtype=torch.bfloat16)
-        for name in BACKENDS:
+        for name in BACKENDS if (B, nh, S, hd) in ATTENTION_SHAPES else BACKENDS[:1]:
             if time.monotonic() > deadline:
                 skipped.append(f"{name} hd{hd}: over the time budget")
                 continue

@@ -9,6 +9,10 @@ Two things a loop of one op back to back gets wrong about a step (docs/timing.md
     runs it, so a back-to-back loop times the host; and at any width a Triton kernel moves its
     bytes below the copy bandwidth by an amount that depends on the row width.
 
+The same rows time two kernels that are not ours but hold a step's time where a copy-roofline
+guess misses: the fp32 + bf16 residual add (ATen runs mixed dtypes unvectorized) and Liger's CE
+kernel (two passes over each logits row).
+
 So every op here is timed on the GPU alone: the host enqueues all repeats while the GPU spins in a
 sleep kernel, each repeat between its own pair of CUDA events, and each GEMM repeat is preceded
 (untimed) by a copy that writes its activation operand, as the producing kernel of a step does.
@@ -89,8 +93,54 @@ def measure_gemms_in_step(shapes, deadline: float) -> list[dict]:
     return rows
 
 
+LIGER_VOCABS = (16000, 32000, 55960, 128256)
+LIGER_ROWS = 2048  # one chunk of Liger's fused linear CE at these vocabs and hidden 2048-4096
+
+
+def _liger_ce_kernel():
+    try:
+        from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
+    except ImportError:  # liger-kernel is optional: no row then
+        return None
+    return liger_cross_entropy_kernel
+
+
+def liger_ce(V: int, rows: int = LIGER_ROWS):
+    """Liger's CE kernel over one (rows, V) bf16 logits chunk, launched with the arguments its fused
+    linear CE passes (liger_kernel 0.8.x, ops/fused_linear_cross_entropy.py): mean reduction, no
+    weight, no softcap, gradients written in place into the logits (refreshed before each call)."""
+    def build():
+        import torch
+        import triton
+
+        kernel = _liger_ce_kernel()
+        bf = dict(device="cuda", dtype=torch.bfloat16)
+        sets = [torch.empty(rows, V, **bf) for _ in range(_sets(rows * V * 2))]
+        src = torch.randn(rows, V, **bf)
+        target = torch.randint(0, V, (rows,), device="cuda")
+        loss = torch.zeros(rows, device="cuda", dtype=torch.float32)
+        it, cur = itertools.cycle(sets), [sets[0]]
+
+        def pre():
+            cur[0] = next(it)
+            cur[0].copy_(src)
+
+        def fn():
+            kernel[(rows,)](X_ptr=cur[0], X_stride=cur[0].stride(-2), Y_ptr=target, Y_stride=1, weight_ptr=None,
+                            loss_ptr=loss, z_loss_ptr=None, loss_stride=1, token_accuracy_ptr=None,
+                            token_accuracy_stride=0, predicted_tokens_ptr=None, predicted_tokens_stride=0, n_cols=V,
+                            n_non_ignore=rows, sum_non_ignore_weight=rows, weight_sum=0.0, ignore_index=-100,
+                            lse_square_scale=0.0, label_smoothing=0.0, reduction="mean", softcap=None,
+                            RETURN_Z_LOSS=False, RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=False,
+                            HAS_WEIGHT=False, HAS_SOFTCAPPING=False, HAS_GRADIENTS=True,
+                            BLOCK_SIZE=min(65536 // 2, triton.next_power_of_2(V)), num_warps=32)
+        return pre, fn
+    return build
+
+
 def _fused_cases(T: int = FUSED_TOKENS):
-    """(op, width, build) with build() -> (pre, fn): the op as the efficient model calls it under amp."""
+    """(op, width, extra, build) with build() -> (pre, fn): the op as the efficient model calls it under amp
+    (and the residual add between its modules, and Liger's CE kernel, the loss's one non-GEMM kernel)."""
     import torch
 
     ops = torch.ops.anatomy
@@ -135,6 +185,17 @@ def _fused_cases(T: int = FUSED_TOKENS):
             return pre, lambda: ops.rope_qkv(cur[0], cos, sin, nh, nkv)
         return build
 
+    def residual_add(H):  # x + branch: the fp32 stream plus a bf16 branch (ATen, mixed dtypes)
+        def build():
+            sets = [(torch.randn(T, H, **f32), torch.randn(T, H, **bf)) for _ in range(_sets(T * H * 10))]
+            it, cur = itertools.cycle(sets), [sets[0]]
+            return (lambda: cur.__setitem__(0, next(it))), lambda: cur[0][0] + cur[0][1]
+        return build
+
+    yield from (("residual_add", H, dict(), residual_add(H)) for H in RMS_WIDTHS)
+    for V in LIGER_VOCABS:
+        if _liger_ce_kernel() is not None:
+            yield "liger_ce", V, dict(rows=LIGER_ROWS), liger_ce(V)
     for bwd in (False, True):
         suffix = ".backward" if bwd else ".forward"
         yield from ((f"rms_norm{suffix}", H, dict(), rms(H, bwd)) for H in RMS_WIDTHS)
@@ -155,7 +216,7 @@ def measure_fused(deadline: float, tokens: int = FUSED_TOKENS) -> list[dict]:
             break
         pre, fn = build()
         ms, queued = queued_ms(fn, pre)
-        rows.append(dict(op=op, tokens=tokens, width=width, ms=ms, queued=queued, **extra))
+        rows.append(dict(op=op, tokens=extra.pop("rows", tokens), width=width, ms=ms, queued=queued, **extra))
         del pre, fn
         torch.cuda.empty_cache()
     return rows
