@@ -33,6 +33,7 @@ part probe-memory-default-hypothesis 70 python3 scripts/probe_memory.py --skip-n
 # session 7 (issue 5): GEMMs in a loop, after a producer kernel and after idle, with clocks; the fused kernels'
 # GPU-only time at the seed and wide shapes (issue 3's bandwidth targets)
 part gemm-conditions 90 python3 scripts/probe_gemm_conditions.py --out "$R/gemm_conditions.json"
+part tune-rms-norm 150 python3 scripts/tune_rms_norm.py --out "$R/tune_rms_norm.json"
 part kernels-seed 60 python3 -m anatomy.kernels.bench --shape seed --json "$R/kernels-seed.json"
 part kernels-wide 60 python3 -m anatomy.kernels.bench --shape wide --json "$R/kernels-wide.json"
 part gpu-kernels 90 python3 -m pytest validations/test_kernels.py validations/test_efficient.py -m gpu -q \

@@ -58,6 +58,7 @@ def test_kernel_time_is_credited_to_the_mark_before_its_launch():
     assert {(ph, c): v["ms"] for ph, cs in out.items() for c, v in cs.items()} == pytest.approx(
         {("forward", "other"): 0.3, ("forward", "attention"): 4.0, ("backward", "mlp"): 2.0})
     assert out["forward"]["attention"]["top"] == {"sdpa": 3.0, "gemm": 1.0}
+    assert (out["forward"]["attention"]["n"], out["forward"]["other"]["n"], out["backward"]["mlp"]["n"]) == (2, 2, 1)
     trace = {"traceEvents": [
         dict(cat="user_annotation", name=MARK + "phase:forward", ts=0.0, dur=0.1),
         dict(cat="user_annotation", name=MARK + "norm", ts=1.0, dur=0.1),

@@ -16,6 +16,7 @@ Pure Python: no torch. A profile is a plain dict (so it round-trips through JSON
   mfu_peak_flops             the denominator of MFU: datasheet peak, or the measured ceiling
   hbm_Bps                    bandwidth of memory-bound kernels (bytes read + written per second)
   launch_s                   GPU-side cost per kernel launch on a full queue
+  kernel_gap_s               (measured profiles) idle time between two dependent kernels of real size
   host_op_s, host_custom_s   CPU time to issue one eager ATen op / one custom op call (fwd, bwd)
   host_step                  measured only: a tiny step's config and its fwd+bwd ms per variant,
                              host-bound (timing.host_scale turns it into an in-step host factor)
@@ -337,6 +338,9 @@ def from_measured(data: dict) -> dict:
     if m.get("launch_us"):
         p["launch_s"] = m["launch_us"] * 1e-6
         p["sources"]["launch_s"] = f"{where}: tiny kernels on a full eager queue"
+    if m.get("kernel_gap"):
+        p["kernel_gap_s"] = m["kernel_gap"]["gap_us"] * 1e-6
+        p["sources"]["kernel_gap_s"] = f"{where}: median idle time between dependent GEMM/copy kernels (profiled chain)"
     if m.get("host_op_us"):
         p["host_op_s"] = m["host_op_us"] * 1e-6
         p["sources"]["host_op_s"] = f"{where}: CPU time per eager op under autograd"

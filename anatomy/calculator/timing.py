@@ -6,6 +6,8 @@ anatomy/efficient, and Liger's fused linear CE for the efficient loss), each wit
 minimal HBM bytes, and predicts each one as
 
     t = max(FLOPs / rate, bytes / bandwidth) + launch        bound = whichever term is larger
+    (launch: the profile's per-kernel cost on a full queue for a launch-bound kernel, and the
+    calibrated gap between dependent kernels of real size for the others, where measured)
 
   matmul   rate = the profile's asymptotic GEMM rate x matmul_efficiency(m, n, k) (gpus.py:
            tile and wave quantization over the SMs, split-K for skinny weight gradients),
@@ -92,6 +94,8 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
     bound = "compute" if t_c >= t_m else "memory"
     if launch > max(t_c, t_m):
         bound = "launch"
+    else:  # a kernel of real size waits for the one before to drain: the calibrated gap, where measured
+        launch = max(launch, prof.get("kernel_gap_s", 0.0))
     per = max(t_c, t_m) + launch
     return dict(asdict(kern), shape=list(kern.shape), compute_s=t_c * kern.count, memory_s=t_m * kern.count,
                 launch_s=launch * kern.count, time_s=per * kern.count, per_launch_s=per, bound=bound,

@@ -19,6 +19,7 @@ timing reuses one L2-resident input):
                   also at S = 1024 and 2048 (same tokens)
   copy_tbps       a 2 GiB device copy, bytes read + written
   launch_us       GPU time per tiny kernel on a full queue (queued behind a long kernel: no host cost)
+  kernel_gap      the idle time between two dependent kernels of real size (a profiled GEMM/copy chain)
   host_op_us      CPU time per eager op that records autograd (1-element tensors: the GPU is idle)
   host_custom_us  CPU time per call of our custom ops (rms_norm, swiglu, rope_qkv), fwd and bwd
   host_step       wall time of a tiny training step (forward + backward) of each variant, so small
@@ -43,7 +44,7 @@ from pathlib import Path
 
 from anatomy.calculator import gpus
 from anatomy.config import PRESETS
-from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step
+from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
 
 GRID_PRESETS = ("seed", "anchor-1b", "llama2-7b")
 GRID_TOKENS = 16384
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     deadline = t0 + a.budget_s
     torch.manual_seed(0)
-    m: dict = dict(copy_tbps=measure_copy(), launch_us=measure_launch())
+    m: dict = dict(copy_tbps=measure_copy(), launch_us=measure_launch(), kernel_gap=measure_kernel_gap())
     m["host_op_us"], m["host_custom_us"] = measure_host()
     m["host_step"] = measure_host_step()
     # half of what is left for attention, the rest for the GEMM grid (the host figures above take seconds)

@@ -220,3 +220,42 @@ def measure_fused(deadline: float, tokens: int = FUSED_TOKENS) -> list[dict]:
         del pre, fn
         torch.cuda.empty_cache()
     return rows
+
+
+def measure_kernel_gap(pairs: int = 60) -> dict:
+    """The GPU's idle time between two dependent kernels of real size: a chain of GEMMs (2048 x 4096 x
+    2048) and copies (64 MiB), each reading what the one before wrote, queued behind a sleep kernel
+    and traced with torch.profiler; the gap is the median of (start of a kernel - end of the one
+    before) over the chain. Tiny kernels on a full queue (launch_us) do not show it: a real kernel's
+    first CTAs start only after the previous kernel's last ones have drained."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    a, w = torch.randn(2048, 2048, **bf), torch.randn(2048, 4096, **bf)
+    big, c = torch.randn(8192, 4096, **bf), torch.empty(2048, 4096, **bf)
+
+    def chain():
+        for _ in range(pairs):
+            torch.matmul(a, w, out=c)  # reads a (written by the copy before), writes c
+            big[:2048].copy_(c)  # reads c, writes a 16 MiB slice ...
+            a.copy_(big[:2048, :2048])  # ... and a: the next GEMM depends on both copies
+
+    chain()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(SLEEP_CYCLES)
+        chain()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        evs = json.loads(Path(f.name).read_text())["traceEvents"]
+    ks = sorted((e["ts"], e["dur"], e["name"]) for e in evs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    ks = [k for k in ks if k[1] < 5000]  # not the sleep kernel (~50 ms)
+    gaps = [b[0] - (a_[0] + a_[1]) for a_, b in zip(ks, ks[1:])]
+    return dict(gap_us=statistics.median(gaps), kernels=len(ks), pairs=pairs,
+                gap_p10_us=sorted(gaps)[len(gaps) // 10], gap_p90_us=sorted(gaps)[9 * len(gaps) // 10])

@@ -162,8 +162,8 @@ LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 
 
 def attribute_kernels(marks: list[tuple[str, float]], kernels: list[tuple[float, float, str]],
-                      top: int = 6) -> dict[str, dict[str, dict]]:
-    """{phase: {component: {"ms": summed kernel time, "top": {kernel name: ms}}}}: each GPU kernel
+                      top: int = 12) -> dict[str, dict[str, dict]]:
+    """{phase: {component: {"ms": summed kernel time, "n": kernels, "top": {kernel name: ms}}}}: each GPU kernel
     (launch time on the host, duration, name) is credited to the phase and component of the last mark
     before its launch, in the same time unit (microseconds from the profiler's trace). Unlike the
     CUDA-event intervals of component_times, this is the time kernels ran, not the time between
@@ -179,8 +179,9 @@ def attribute_kernels(marks: list[tuple[str, float]], kernels: list[tuple[float,
             else:
                 label = name
         elif phase is not None:
-            c = out.setdefault(phase, {}).setdefault(label, dict(ms=0.0, top={}))
+            c = out.setdefault(phase, {}).setdefault(label, dict(ms=0.0, n=0, top={}))
             c["ms"] += dur / 1e3
+            c["n"] += 1
             c["top"][name] = c["top"].get(name, 0.0) + dur / 1e3
     for comps in out.values():
         for c in comps.values():
@@ -229,6 +230,7 @@ def kernel_times(cfg: ModelConfig, run: Run, variant: str, optimizer: str | None
     for phase in comps.values():
         for c in phase.values():
             c["ms"] /= steps
+            c["n"] /= steps
             c["top"] = {k: v / steps for k, v in c["top"].items()}
     del model, opt, ids, targets
     torch.cuda.empty_cache()
