@@ -222,9 +222,10 @@ def test_rms_norm_shapes_hypothesis(rows, n, dtype, seed):
 @pytest.mark.skipif(not INTERPRET, reason="the Triton launchers run on CPU only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("rows,n", [(50, 1000), (37, 300), (9, 5000), (130, 33)])
 def test_rms_norm_row_tiles(rows, n):
-    """The kernels pack 4096 // block rows per tile: a program's share of rows spanning several tiles
-    with a masked tail (50 x 1000: 4-row tiles, 7 rows per program), a tile wider than the share, and
-    one row per tile (5000 wide), all against the reference's error."""
+    """The kernels pack narrow rows into tiles (_fwd_tile, _bwd_tile): the backward's 2-row tiles over a
+    program's 7 rows with a masked tail (50 x 1000), forward tiles of 4 and 32 rows with a masked last
+    tile, one row per tile (5000 wide), and the dw sum's narrow column blocks, all against the
+    reference's error."""
     inputs, _, plain, scale = rms_case(FP32, shape=(rows, n), seed=rows)
     check_accuracy(inputs, lambda t: (_RmsTriton.apply(t["x"], t["w"]),), plain, scale)
 

@@ -33,7 +33,7 @@ class Kernel:
     host: str | None = "op"  # "op": one eager op; "rms_norm.forward": a custom-op call; None: inside another's
     sync: bool = False  # the host waits for the GPU before this kernel (a new segment starts)
     order: int = 1  # execution order within the phase: 0 before the layers, 1 the layers, 2 after
-    fused: tuple = ()  # (op, width): a fused op of ours that `anatomy calibrate` timed (profile "fused")
+    fused: tuple = ()  # (op, width, rows): an op `anatomy calibrate` timed at several widths (profile "fused_rows")
     accumulate: bool = False  # matmul: addmm into an fp32 accumulator (Liger's grad_weight under amp)
 
 
@@ -103,7 +103,7 @@ def _residual(o: _Ops, comp: str, L: int, where: str = "other") -> None:
     T, H, c, r = o.run.tokens, o.cfg.hidden, o.c, o.r
     # the add runs in the block, between the components' modules: "other", as the probes measure it
     # (under recompute both adds run inside the MLP's checkpoint: where="mlp")
-    mixed = ("residual_add", H) if c != r else ()  # fp32 + bf16: calibrate times this add (ATen, unvectorized)
+    mixed = ("residual_add", H, T) if c != r else ()  # fp32 + bf16: calibrate times this add (ATen, unvectorized)
     o.mem(f"{comp}.residual_add", where, "forward", *fused_bytes("residual_add", H, T, c, r), L, fused=mixed)
     if c != r:
         # The add's backward node belongs to no component, so the probes' tracker leaves the label of
@@ -129,14 +129,15 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     # second launch sums the (programs, H) fp32 partials of dw
     n_norms = 2 * L + 1
     fw, bw = ("rms_norm.forward", H), ("rms_norm.backward", H)
-    o.mem("norm.rms_norm", "norm", "forward", *fused_bytes(*fw, T, c, r), n_norms, host=fw[0], fused=fw)
-    o.mem("norm.rms_norm.backward", "norm", "backward", *fused_bytes(*bw, T, c, r), n_norms, host=bw[0], fused=bw)
-    o.mem("norm.rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H), n_norms, host=None, fused=bw)
+    o.mem("norm.rms_norm", "norm", "forward", *fused_bytes(*fw, T, c, r), n_norms, host=fw[0], fused=(*fw, T))
+    o.mem("norm.rms_norm.backward", "norm", "backward", *fused_bytes(*bw, T, c, r), n_norms, host=bw[0],
+          fused=(*bw, T))
+    o.mem("norm.rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H), n_norms, host=None, fused=(*bw, T))
     # attention: one qkv matmul, fused split + RoPE, SDPA, o
     o.linear("attention.qkv", "attention", H, D, L)
     for ph, name in (("forward", "attention.rope_qkv"), ("backward", "attention.rope_qkv.backward")):
         op = (f"rope_qkv.{ph}", D)
-        o.mem(name, "attention", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=op)
+        o.mem(name, "attention", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
     F = gpus.causal_attention_flops(B, nh, S, hd)
     io = T * (H + 2 * Hkv) * c  # q, k, v
     o.k.append(Kernel("attention.sdpa", "attention", "forward", "sdpa", L, F, io + T * H * c + B * nh * S * 4,
@@ -150,16 +151,17 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     o.linear("mlp.gate_up", "mlp", H, 2 * I, L)
     for ph, name in (("forward", "mlp.swiglu"), ("backward", "mlp.swiglu.backward")):
         op = (f"swiglu.{ph}", I)
-        o.mem(name, "mlp", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=op)
+        o.mem(name, "mlp", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
     # (swiglu_packed owns the split, so no SplitBackward cats dgate and dup: d(gate_up) is gate_up's storage)
     o.linear("mlp.down", "mlp", I, H, L)
     _residual(o, "mlp", L, "mlp" if recompute else "other")
     if recompute:  # what the checkpoints run again in backward (early stop: no qkv, no down matmul)
-        o.mem("norm.rms_norm.recompute", "norm", "backward", *fused_bytes(*fw, T, c, r), 2 * L, host=fw[0], fused=fw)
+        o.mem("norm.rms_norm.recompute", "norm", "backward", *fused_bytes(*fw, T, c, r), 2 * L, host=fw[0],
+              fused=(*fw, T))
         o.mem("mlp.residual_add.recompute", "mlp", "backward", T * H * (r + c), T * H * r, L)
         o.mm("mlp.gate_up.recompute", "mlp", "backward", T, 2 * I, H, L)
         sw = ("swiglu.forward", I)
-        o.mem("mlp.swiglu.recompute", "mlp", "backward", *fused_bytes(*sw, T, c, r), L, host=sw[0], fused=sw)
+        o.mem("mlp.swiglu.recompute", "mlp", "backward", *fused_bytes(*sw, T, c, r), L, host=sw[0], fused=(*sw, T))
         if o.amp:  # autocast's weight casts are made again too (its cache ends with each forward)
             p = o.p
             for name, comp, n in (("attention.qkv", "attention", D * H), ("mlp.gate_up", "mlp", 2 * I * H),
@@ -223,7 +225,7 @@ def _liger_loss(o: _Ops) -> None:
             continue
         o.mm("loss.logits", "loss", "forward", rows, V, H, n, order=2)
         o.mem("loss.cross_entropy", "loss", "forward", *fused_bytes("liger_ce", V, rows, c), n, order=2,
-              fused=("liger_ce", V) if c == 2 else ())
+              fused=("liger_ce", V, rows) if c == 2 else ())
         o.mm("loss.grad_input", "loss", "forward", rows, H, V, n, order=2)
         if o.amp:  # fp32 weight: no mm(out=), so the product is copied into grad_input's rows
             o.mem("loss.grad_input_copy", "loss", "forward", rows * H * c, rows * H * c, n, order=2)

@@ -102,23 +102,27 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
                 rate_flops=rate, note=note)
 
 
-def fused_efficiency(prof: dict, op: str, width: int) -> float:
-    """The fraction of the copy bandwidth a fused op of ours reaches at this row width, from the
+def fused_efficiency(prof: dict, op: str, width: int, rows: int | None = None) -> float:
+    """The fraction of the copy bandwidth an op reaches at this row width and row count, from the
     profile's calibrated timings (calibrate_kernels.measure_fused: GPU time per call at several widths,
-    16,384 rows) over the op's minimal bytes (launches.fused_bytes); piecewise linear in log(width)
-    between measured widths, flat beyond them. 1.0 (the copy roofline) without such rows."""
-    pts = []
+    16,384 rows, and 65,536 for the narrow ones) over the op's minimal bytes (launches.fused_bytes):
+    piecewise linear in log(width) at each measured row count, then in log(rows) between them; flat
+    beyond the measured range. 1.0 (the copy roofline) without such rows."""
+    by_rows: dict[int, list] = {}
     for r in prof.get("fused_rows") or ():
         if r["op"] != op or not r.get("queued", True):
             continue
-        nbytes = sum(fused_bytes(op, r["width"], r.get("rows", r["tokens"])))
+        nbytes = sum(fused_bytes(op, r["width"], r["tokens"]))
         launches = 1
         if op == "rms_norm.backward":  # the op is two kernels: the row pass and the dw partial sum
             nbytes, launches = nbytes + sum(dw_sum_bytes(r["width"])), 2
         busy = r["ms"] * 1e-3 - launches * prof["launch_s"]
         if busy > 0:
-            pts.append((math.log(r["width"]), nbytes / prof["hbm_Bps"] / busy))
-    return _log_interp(pts, math.log(width)) if pts else 1.0
+            by_rows.setdefault(r["tokens"], []).append((math.log(r["width"]), nbytes / prof["hbm_Bps"] / busy))
+    if not by_rows:
+        return 1.0
+    at = [(math.log(t), _log_interp(pts, math.log(width))) for t, pts in by_rows.items()]
+    return _log_interp(at, math.log(rows)) if rows else max(at)[1]
 
 
 def _log_interp(pts: list[tuple[float, float]], x: float) -> float:

@@ -34,9 +34,8 @@ MAX_BLOCK = 65536  # a row lives in one program's registers; hidden sizes of rea
 @jit
 def _rms_norm_fwd_kernel(X, W, Y, stride_x, stride_y, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # One program normalizes BLOCK_M rows as one (BLOCK_M, BLOCK_N) tile. Narrow rows are packed
-    # (BLOCK_M = 4096 // BLOCK_N, at least 1): at hidden 512, one 1 KB row per program left the H200
-    # at 3.0 TB/s on the seed's 65,536 rows (session 7); a tile of several rows gives each program
-    # enough bytes in flight.
+    # (_fwd_tile): at hidden 512, one 1 KB row per program left the H200 at 3.0 TB/s on the seed's
+    # 65,536 rows (session 7); a tile of several rows gives each program enough bytes in flight.
     rws = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # (BLOCK_M, 1)
     cols = tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
     mask = (rws < M) & (cols < N)
@@ -49,8 +48,8 @@ def _rms_norm_fwd_kernel(X, W, Y, stride_x, stride_y, M, N, eps, BLOCK_M: tl.con
 @jit
 def _rms_norm_bwd_kernel(DY, X, W, DX, DW, stride_dy, stride_x, stride_dx, M, N, eps, rows_per_program,
                          NUM_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Each program owns `rows_per_program` consecutive rows, walks them BLOCK_M rows at a time (packed
-    # as in the forward) and accumulates their share of dweight in fp32 registers; the (programs, N)
+    # Each program owns `rows_per_program` consecutive rows, walks them BLOCK_M rows at a time
+    # (_bwd_tile) and accumulates their share of dweight in fp32 registers; the (programs, N)
     # partials are summed by _sum_partials_kernel. The loop is software-pipelined (NUM_STAGES=3: the
     # next tile's loads are in flight while one is reduced): on the H200 that took this kernel from
     # 2.6 to 3.5-3.7 TB/s at hidden >= 2048.
@@ -92,9 +91,21 @@ def _sum_partials_kernel(P, DW, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constex
 
 
 # ---- launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) ------------------------
-def _rows_per_tile(block: int) -> int:
-    """Rows per (rows, block) tile: 4096 elements for narrow rows, one row from 4096 up."""
-    return max(1, 4096 // block)
+def _fwd_tile(block: int) -> tuple[int, int]:
+    """(rows per tile, warps) of the forward: 2048-element tiles of narrow rows, one row from 2048 up.
+    scripts/tune_rms_norm.py on the H200 (session7c; x fp32, y bf16, 16,384 and 65,536 rows): at
+    hidden 512, 4 rows and 8 warps gave 4.04 TB/s where one row per program gave 3.75; from 2048 up,
+    one row (8 warps) was best."""
+    bm = max(1, 2048 // block)
+    return bm, num_warps(bm * block)
+
+
+def _bwd_tile(block: int) -> tuple[int, int]:
+    """(rows per tile, warps) of the backward's row loop (3 pipeline stages), from the same tuning:
+    one row and 4 warps up to hidden 4096 (3.54-3.94 TB/s), two rows at 1024 (3.55 and 3.47 TB/s
+    at 65,536 and 16,384 rows, against 2.86 for one row at 16,384); wider rows as before."""
+    bm = 2 if block == 1024 else 1
+    return bm, 4 if block <= 4096 else num_warps(block)
 
 
 def _block(N: int) -> int:
@@ -112,9 +123,9 @@ def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtyp
     M = x2.shape[0]
     if M:
         block = _block(N)
-        bm = _rows_per_tile(block)
+        bm, warps = _fwd_tile(block)
         _rms_norm_fwd_kernel[(triton.cdiv(M, bm),)](x2, weight.contiguous(), y, x2.stride(0), y.stride(0), M, N,
-                                                   eps, BLOCK_M=bm, BLOCK_N=block, num_warps=num_warps(bm * block))
+                                                   eps, BLOCK_M=bm, BLOCK_N=block, num_warps=warps)
     return y.view(x.shape)
 
 
@@ -132,12 +143,16 @@ def rms_norm_backward_triton(dy: Tensor, x: Tensor, weight: Tensor, eps: float) 
     programs = triton.cdiv(M, per)
     # transient: (programs, N) fp32 partial dweights, about 8192 x SMs x 4 B (4.3 MB on an H200)
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
-    bm = _rows_per_tile(block)
+    bm, warps = _bwd_tile(block)
     _rms_norm_bwd_kernel[(programs,)](dy2, x2, weight.contiguous(), dx, dw_partial, dy2.stride(0), x2.stride(0),
                                       dx.stride(0), M, N, eps, per, NUM_STAGES=3, BLOCK_M=bm, BLOCK_N=block,
-                                      num_warps=num_warps(bm * block))
+                                      num_warps=warps)
     dw = torch.empty(N, dtype=weight.dtype, device=x.device)
-    _sum_partials_kernel[(triton.cdiv(N, 64),)](dw_partial, dw, programs, N, BLOCK_R=64, BLOCK_N=64)
+    # one program per BLOCK_N columns walking all partial rows: at hidden 512, 64-column blocks left 8
+    # programs for 2,112 partial rows and took about as long as the row pass itself (session 7's seed
+    # bench: 115 us for the op); 16-column blocks give 32 programs, each on 4096-element tiles
+    bn = min(64, max(16, triton.next_power_of_2(N) // 32))
+    _sum_partials_kernel[(triton.cdiv(N, bn),)](dw_partial, dw, programs, N, BLOCK_R=4096 // bn, BLOCK_N=bn)
     return dx.view(x.shape), dw
 
 

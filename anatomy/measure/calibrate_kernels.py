@@ -204,19 +204,25 @@ def _fused_cases(T: int = FUSED_TOKENS):
                      rope(nh, nkv, hd, bwd)) for nh, nkv, hd in ROPE_HEADS)
 
 
+NARROW_TOKENS = 65536  # the seed step's rows: at narrow widths the rate still grows with the row count
+
+
 def measure_fused(deadline: float, tokens: int = FUSED_TOKENS) -> list[dict]:
-    """GPU ms per call of each fused op (forward and backward) at `tokens` rows and several widths."""
+    """GPU ms per call of each op (forward and backward) at `tokens` rows and several widths, and of
+    the narrow widths (<= 2048; Liger's CE excepted) again at NARROW_TOKENS rows."""
     import torch
 
     import anatomy.kernels  # noqa: F401 - registers torch.ops.anatomy
 
     rows = []
-    for op, width, extra, build in _fused_cases(tokens):
+    cases = [(tokens, c) for c in _fused_cases(tokens)]
+    cases += [(NARROW_TOKENS, c) for c in _fused_cases(NARROW_TOKENS) if c[1] <= 2048 and c[0] != "liger_ce"]
+    for T, (op, width, extra, build) in cases:
         if time.monotonic() > deadline:
             break
         pre, fn = build()
         ms, queued = queued_ms(fn, pre)
-        rows.append(dict(op=op, tokens=extra.pop("rows", tokens), width=width, ms=ms, queued=queued, **extra))
+        rows.append(dict(op=op, tokens=extra.pop("rows", T), width=width, ms=ms, queued=queued, **extra))
         del pre, fn
         torch.cuda.empty_cache()
     return rows
