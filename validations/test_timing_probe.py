@@ -117,33 +117,83 @@ def _id(r: dict) -> str:
     return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}-{r['optimizer']}"
 
 
-# Known misses of the ±10% claim on session5c, each strict (a fix turns its XPASS into a failure), with
-# the error measured there. Why, as far as the rows show (docs/timing.md):
+# Known misses of the ±10% claim on session7d (drawn with seed 17 after the model's last change), each
+# strict (a fix turns its XPASS into a failure), with the error measured there. Why, as far as the rows
+# show (docs/timing.md, "Session 7"):
 _EAGER = "the eager baseline: S x S softmax, mask and casts run under the copy roofline; host-bound ones slower still"
-_HOST = "host-bound: this machine's in-step host time per op is above the tiny calibrated step's"
-_OVER = "over-predicted at hidden 2048, 8k tokens: mlp and the host's issue of it (docs/timing.md)"
+_HOST = ("predicted host-bound: this machine's host (20.3 us per bare op, the slowest of these calibrations) times "
+         "the tiny step's scale puts the host above the measured, overlapped step; train31, train30 with a "
+         "smaller MLP, took 17% longer here")
+_GPU = ("GPU-bound at hidden 2048-3072: the kernels ran 2-15% longer than modelled and the step idled 1-5 ms "
+        "between them, far more than the calibrated dependent-kernel gap (1.7 us per kernel) accounts for")
 _MISSES = {
-    ("seed-B16S4096-baseline-adamw", "forward_backward"): (-0.309, _EAGER),
-    ("seed-B16S4096-baseline-adamw", "step"): (-0.307, _EAGER),
-    ("seed-B4S1024-baseline-adamw", "forward_backward"): (-0.375, _EAGER),
-    ("seed-B4S1024-baseline-adamw", "step"): (-0.374, _EAGER),
-    ("tiny-gqa-B4S512-baseline-adamw", "forward_backward"): (-0.526, _EAGER),
-    ("tiny-gqa-B4S512-baseline-adamw", "step"): (-0.531, _EAGER),
-    ("llama3.2-1b-B2S2048-baseline-adamw", "forward_backward"): (-0.184, _EAGER),
-    ("llama3.2-1b-B2S2048-baseline-adamw", "step"): (-0.183, _EAGER),
-    ("llama3.2-1b-B2S2048-efficient-adamw", "forward_backward"): (+0.136, "predicted host-bound (Liger's 128k vocab "
-                                                                           "loop at the in-step host scale); it is not"),
-    ("llama3.2-1b-B2S2048-efficient-adamw", "step"): (+0.106, "as forward + backward"),
-    ("train0-B8S1024-efficient-adamw", "forward_backward"): (-0.243, _HOST),
-    ("train0-B8S1024-efficient-adamw", "step"): (-0.257, _HOST),
-    ("train16-B4S2048-efficient-adamw", "forward_backward"): (-0.200, _HOST),
-    ("train16-B4S2048-efficient-adamw", "step"): (-0.212, _HOST),
-    ("train20-B4S2048-efficient-adamw", "forward_backward"): (-0.208, _HOST),
-    ("train20-B4S2048-efficient-adamw", "step"): (-0.223, _HOST),
-    ("train12-B8S1024-efficient-adamw", "forward_backward"): (+0.134, _OVER),
-    ("train12-B8S1024-efficient-adamw", "step"): (+0.107, _OVER),
-    ("train23-B8S1024-efficient-adamw", "forward_backward"): (+0.145, _OVER),
-    ("train23-B8S1024-efficient-adamw", "step"): (+0.122, _OVER),
+    ("seed-B16S4096-baseline-adamw", "forward_backward"): (-0.335, _EAGER),
+    ("seed-B16S4096-baseline-adamw", "step"): (-0.332, _EAGER),
+    ("seed-B16S4096-efficient-adamw", "forward_backward"): (+0.259, _HOST),
+    ("seed-B16S4096-efficient-adamw", "step"): (+0.261, _HOST),
+    ("seed-B4S1024-baseline-adamw", "forward_backward"): (+0.123, _EAGER),
+    ("seed-B4S1024-baseline-adamw", "step"): (+0.121, _EAGER),
+    ("seed-B4S1024-efficient-adamw", "forward_backward"): (+0.122, _HOST),
+    ("seed-B4S1024-efficient-adamw", "step"): (+0.113, _HOST),
+    ("llama3.2-1b-B2S2048-baseline-adamw", "forward_backward"): (-0.237, _EAGER),
+    ("llama3.2-1b-B2S2048-baseline-adamw", "step"): (-0.233, _EAGER),
+    ("llama3.2-1b-B2S2048-efficient-adamw", "forward_backward"): (+0.415, _HOST),
+    ("llama3.2-1b-B2S2048-efficient-adamw", "step"): (+0.360, _HOST),
+    ("train0-B8S1024-efficient-adamw", "forward_backward"): (+0.312, _HOST),
+    ("train0-B8S1024-efficient-adamw", "step"): (+0.270, _HOST),
+    ("train1-B8S1024-efficient-adamw", "forward_backward"): (+0.343, _HOST),
+    ("train1-B8S1024-efficient-adamw", "step"): (+0.307, _HOST),
+    ("train2-B2S4096-efficient-adamw", "forward_backward"): (+0.158, _HOST),
+    ("train2-B2S4096-efficient-adamw", "step"): (+0.128, _HOST),
+    ("train3-B8S1024-efficient-adamw", "forward_backward"): (+0.115, _HOST),
+    ("train5-B16S1024-efficient-adamw", "forward_backward"): (-0.133, _GPU),
+    ("train5-B16S1024-efficient-adamw", "step"): (-0.137, _GPU),
+    ("train9-B4S2048-efficient-adamw", "forward_backward"): (+0.345, _HOST),
+    ("train9-B4S2048-efficient-adamw", "step"): (+0.315, _HOST),
+    ("train13-B16S1024-efficient-adamw", "step"): (-0.103, _GPU),
+    ("train15-B4S4096-efficient-adamw", "forward_backward"): (-0.100, _GPU),
+    ("train15-B4S4096-efficient-adamw", "step"): (-0.103, _GPU),
+    ("train16-B4S4096-efficient-adamw", "forward_backward"): (-0.106, _GPU),
+    ("train16-B4S4096-efficient-adamw", "step"): (-0.108, _GPU),
+    ("train21-B4S4096-efficient-adamw", "forward_backward"): (-0.110, _GPU),
+    ("train21-B4S4096-efficient-adamw", "step"): (-0.114, _GPU),
+    ("train22-B4S4096-efficient-adamw", "forward_backward"): (-0.105, _GPU),
+    ("train22-B4S4096-efficient-adamw", "step"): (-0.108, _GPU),
+    ("train23-B4S4096-efficient-adamw", "forward_backward"): (-0.103, _GPU),
+    ("train23-B4S4096-efficient-adamw", "step"): (-0.106, _GPU),
+    ("train24-B4S4096-efficient-adamw", "forward_backward"): (-0.102, _GPU),
+    ("train24-B4S4096-efficient-adamw", "step"): (-0.105, _GPU),
+    ("train28-B8S1024-efficient-adamw", "forward_backward"): (+0.103, _HOST),
+    ("train29-B8S1024-efficient-adamw", "forward_backward"): (+0.199, _HOST),
+    ("train29-B8S1024-efficient-adamw", "step"): (+0.176, _HOST),
+    ("train30-B8S1024-efficient-adamw", "forward_backward"): (+0.341, _HOST),
+    ("train30-B8S1024-efficient-adamw", "step"): (+0.303, _HOST),
+    ("train31-B8S1024-efficient-adamw", "forward_backward"): (+0.145, _HOST),
+    ("train31-B8S1024-efficient-adamw", "step"): (+0.118, _HOST),
+    ("train35-B8S1024-efficient-adamw", "forward_backward"): (+0.199, _HOST),
+    ("train35-B8S1024-efficient-adamw", "step"): (+0.167, _HOST),
+    ("train39-B8S2048-efficient-adamw", "forward_backward"): (-0.115, _GPU),
+    ("train39-B8S2048-efficient-adamw", "step"): (-0.117, _GPU),
+}
+
+# Known misses of the ±15% per-component claim on session7d, strict, with the error measured there.
+_LOSS = "Liger's chunk loop at 8k tokens or a 128k vocab: chunk GEMMs and CE passes under the grid's rates"
+_SMALL = "a small or short-sequence shape under the calibrated sizes (cuDNN S >= 1024, GEMM grid at 16k tokens)"
+_COMPONENT_MISSES = {
+    ("seed-B4S1024-efficient-adamw", "attention backward"): (-0.195, _SMALL),
+    ("anchor-1b-B4S4096-efficient-adamw", "loss forward"): (-0.154, _LOSS),
+    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.179, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.446, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "embedding backward"): (-0.709, "the embedding backward's sort and segmented "
+                                                                 "sum are modelled as 8 evenly loaded launches"),
+    ("llama3.2-1b-B2S2048-efficient-adamw", "loss forward"): (-0.201, _LOSS),
+    ("train0-B8S1024-efficient-adamw", "loss forward"): (-0.151, _LOSS),
+    ("train1-B8S1024-efficient-adamw", "loss forward"): (-0.162, _LOSS),
+    ("train2-B2S4096-efficient-adamw", "loss forward"): (-0.171, _LOSS),
+    ("train9-B4S2048-efficient-adamw", "loss forward"): (-0.152, _LOSS),
+    ("train23-B4S4096-efficient-adamw", "mlp backward"): (-0.161, _GPU),
+    ("train23-B4S4096-efficient-adamw", "attention backward"): (-0.185, _GPU),
+    ("train26-B8S1024-efficient-adamw", "loss forward"): (-0.155, _LOSS),
 }
 
 
@@ -169,34 +219,64 @@ def test_step_time_within_10pct(r, what, claims):
                  note=f"{SESSION.name}/probe_timing*.json; profile {SESSION.name}/h200.json")
 
 
+def _component_cases():
+    """Every component holding >= 5% of the step's kernel time, forward and backward, of the efficient
+    model's named rows and drawn training-sized rows."""
+    rows = [r for r in SETS["named"] + SETS["drawn, training-sized"] if r["variant"] == "efficient"]
+    out = []
+    for r in rows:
+        for key in probes.component_errors(r, PROFILE):
+            miss = _COMPONENT_MISSES.get((_id(r), key))
+            marks = [pytest.mark.xfail(strict=True, reason=f"{miss[0]:+.1%} on {SESSION.name}: {miss[1]}")] if miss else []
+            out.append(pytest.param(r, key, id=f"{key.replace(' ', '-')}-{_id(r)}", marks=marks))
+    return out or [pytest.param(None, None, marks=pytest.mark.skip(reason=f"no timing rows in {SESSION.name}"))]
+
+
+@pytest.mark.parametrize("r,key", _component_cases())
+def test_component_time_within_15pct(r, key, claims):
+    """A component's forward or backward GPU time, predicted, against the kernel time the profiler
+    credited to it in the same run (timeline.kernel_times), ±15%."""
+    comp, phase = key.split()
+    measured = r["kernels"]["components"][phase][comp]["ms"]
+    claims.check(f"time.component.{phase}", component=comp, config=_id(r), variant=r["variant"],
+                 predicted=probes.predicted(r, PROFILE)["components"][comp][f"{phase}_s"] * 1e3, measured=measured,
+                 tolerance=0.15, device="cuda (recorded)", unit="ms",
+                 note=f"{SESSION.name}/probe_timing*.json kernels; profile {SESSION.name}/h200.json")
+
+
 def test_the_claim_covers_at_least_30_drawn_configs():
     assert len([r for r in SETS["drawn, training-sized"] if r["variant"] == "efficient"]) >= 30
 
 
 @pytest.mark.parametrize("name,variant,lo,hi", [
-    ("drawn, training-sized", "baseline", -0.35, 0.0),
-    ("drawn, small", "baseline", -0.55, 0.0),
-    ("drawn, small", "efficient", -0.40, 0.36)])
+    ("drawn, training-sized", "baseline", -0.30, 0.25),
+    ("drawn, small", "baseline", -0.20, 0.59),
+    ("drawn, small", "efficient", -0.21, 0.53)])
 def test_what_the_model_gets_wrong_outside_the_claim(name, variant, lo, hi):
     """Not claims, but the model's stated errors where the claim does not reach, so that a change shows:
-    the eager baseline is under-predicted (its S x S elementwise chain runs under the copy roofline),
-    and the small drawn configs are bound by the host, whose in-step cost per op varies between rows
-    of one run by up to 1.6x (session5c: hyp10 8.7 ms, hyp11 13.5 ms, the same layers)."""
+    the eager baseline's S x S elementwise chain runs under the copy roofline (under-predicted where it
+    dominates), and the small drawn configs are bound by the host, whose in-step cost per op varies
+    between machines (host op 11-20 us over these calibrations) and between rows of one run. The
+    small set has 21 configs: session7d's probe ran out of its time budget at config 22 of 32."""
     errs = [probes.time_error(r, "forward_backward", PROFILE) for r in SETS[name] if r["variant"] == variant]
-    assert len(errs) >= 30 and lo < min(errs) and max(errs) < hi, (min(errs), max(errs))
+    assert len(errs) >= 20 and lo < min(errs) and max(errs) < hi, (min(errs), max(errs))
 
 
 def test_kernel_time_per_component_adds_up():
     """The profiler's per-component kernel time of each row: every component present in both phases
-    of the seed step, positive, and the forward + backward total within the unmarked step (kernels
-    run inside the step's wall time; the idle gaps are the difference)."""
+    of the seed step, positive, with its kernel count, and the forward + backward total of the same
+    order as the unmarked step. Not bounded by it: the profiled steps are two other steps, and on
+    GPU-bound rows they ran up to 11% slower than the unmarked median (session7 train24: 58.1 ms of
+    kernels against a 52.4 ms step; session7d train23: 52.4 against 49.5) while host-bound rows idle
+    most of their step (drawn hyp19: 1.5% of it)."""
     rows = [r for rs in SETS.values() for r in rs]
     assert rows and all("kernels" in r for r in rows)
     for r in rows:
         k = r["kernels"]["components"]
         total = sum(c["ms"] for ph in ("forward", "backward") for c in k.get(ph, {}).values())
-        assert all(c["ms"] >= 0 for ph in k.values() for c in ph.values())
-        assert 0 < total <= r["timeline"]["plain_forward_backward_ms"] * 1.05, (_id(r), total)
+        assert all(c["ms"] >= 0 and c["n"] > 0 for ph in k.values() for c in ph.values())
+        # (a unit slip, us or s for ms, would be off by 1000x either way)
+        assert 0.01 < total / r["timeline"]["plain_forward_backward_ms"] < 1.15, (_id(r), total)
     seed = next(r for r in SETS["named"] if _id(r) == "seed-B16S4096-efficient-adamw")
     for ph in ("forward", "backward"):
         assert set(COMPONENTS) - {"loss" if ph == "backward" else ""} <= set(seed["kernels"]["components"][ph])
