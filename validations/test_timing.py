@@ -310,3 +310,43 @@ def test_step_time_within_10pct_gpu(case, claims, cuda_device):
                  predicted=pred["forward_backward_s"] * 1e3, measured=measured, tolerance=0.10, device="cuda",
                  unit="ms", note=f"profile {profile}; steps {min(times):.1f}-{max(times):.1f} ms")
     assert math.isfinite(measured)
+
+
+# ---- the host/GPU pipeline (pipeline.py), exact on synthetic lists --------------------------------
+def _entry(name, phase, host, gpu, count=1, order=1, sync=False):
+    from types import SimpleNamespace
+
+    from anatomy.calculator.launches import Kernel
+
+    return SimpleNamespace(kernel=Kernel(name, "other", phase, "memory", count, order=order, sync=sync),
+                           host_s=host, gpu_s=gpu)
+
+
+def test_pipeline_idles_the_gpu_where_the_host_is_behind():
+    """k1 is issued at host 3 and runs 3-4; k2 is issued at 4 and runs 4-9: 9 in all, 6 of GPU work, 3
+    idle, though the host's total (4) is below the GPU's (6), which max(GPU, host) would have said."""
+    from anatomy.calculator import pipeline
+
+    (seg,) = pipeline.simulate([_entry("k1", "forward", 3, 1), _entry("k2", "forward", 1, 5)], layers=1)
+    assert (seg["time_s"], seg["gpu_s"], seg["host_s"], seg["idle_s"], seg["bound"]) == (9, 6, 4, 3, "gpu")
+    # a host sync drains the queue: the host waits for the GPU (at 9), then issues k3 at 10, which runs 10-11
+    segs = pipeline.simulate([_entry("k1", "forward", 3, 1), _entry("k2", "forward", 1, 5),
+                              _entry("sync", "forward", 1, 0, sync=True, order=2), _entry("k3", "forward", 0, 1, order=2)],
+                             layers=1)
+    assert [(s["starts_at"], s["time_s"]) for s in segs] == [("k1", 9), ("sync", 2)]
+    # the optimizer is its own segment, started when forward + backward has ended
+    segs = pipeline.simulate([_entry("f", "forward", 0, 2), _entry("o", "optimizer", 5, 1)], layers=1)
+    assert [(s["phase"], s["time_s"]) for s in segs] == [("forward", 2), ("optimizer", 6)]
+
+
+def test_pipeline_launch_order_interleaves_the_layers():
+    from anatomy.calculator import pipeline
+
+    es = [_entry("pre", "forward", 0, 0, order=0), _entry("a", "forward", 0, 0, count=2),
+          _entry("norm", "forward", 0, 0, count=3), _entry("post", "forward", 0, 0, order=2)]
+    order = [(e.kernel.name, n) for e, n in pipeline.launch_order(es, "forward", layers=2)]
+    assert order == [("pre", 1), ("a", 1), ("norm", 1), ("a", 1), ("norm", 1), ("norm", 1), ("post", 1)]
+    bw = [_entry(e.kernel.name, "backward", 0, 0, e.kernel.count, e.kernel.order) for e in es]
+    order = [(e.kernel.name, n) for e, n in pipeline.launch_order(bw, "backward", layers=2)]
+    # backward: the final norm (the remainder) first, then the layers, each in reverse
+    assert order == [("pre", 1), ("norm", 1), ("norm", 1), ("a", 1), ("norm", 1), ("a", 1), ("post", 1)]

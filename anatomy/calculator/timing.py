@@ -24,10 +24,11 @@ Assumptions (each is a source of error, listed in docs/timing.md):
   2. Memory-bound kernels move exactly their minimal bytes at the copy bandwidth: no L2 reuse,
      no re-reads inside a kernel (softmax rows, Liger's CE reading each logit twice is counted).
   3. Compute and memory overlap perfectly inside a kernel (the max, not the sum).
-  4. The host issues work asynchronously. Between two host syncs (Liger's .item() before the
-     loss, torch.equal in its backward) a segment takes max(GPU time, host issue time): the host
-     figure is per eager op, or per custom-op call, from the profile, times the variant's
-     host_scale (measured in-step cost over the per-op figures, from a tiny calibrated step).
+  4. The host issues work asynchronously: each kernel starts when the GPU is free and the host has
+     issued it (pipeline.py), so the GPU idles where the host falls behind, after each host sync
+     (Liger's .item() before the loss, torch.equal in its backward) above all. The host figure is
+     per eager op, or per custom-op call, from the profile, times the variant's host_scale
+     (measured in-step cost over the per-op figures, from a tiny calibrated step).
   5. The optimizer is its own phase, after backward (bench/step.py times forward + backward only).
 """
 from __future__ import annotations
@@ -35,9 +36,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 from anatomy.calculator import estimate
-from anatomy.calculator import gpus
+from anatomy.calculator import gpus, pipeline
 from anatomy.calculator.launches import (SDPA_BACKENDS, VARIANTS, Kernel, baseline_kernels,  # noqa: F401
                                          dw_sum_bytes, efficient_kernels, fused_bytes, kernels, liger_chunk_rows,
                                          optimizer_kernels, param_sizes, rms_norm_programs, standalone_kernels)
@@ -166,24 +168,20 @@ def host_scale(prof: dict, variant: str, sdpa_backend: str | None = None) -> flo
                                                                                         sdpa_backend, None))
 
 
-def predict(ks: list[Kernel], prof: dict, scale: float = 1.0) -> tuple[list[dict], list[dict]]:
-    """Rows (one per kernel entry, in execution order) and host-sync segments. A segment runs from
-    one host sync to the next (the optimizer is always its own) and takes max(GPU, host) time.
-    scale multiplies the host cost of forward and backward ops (host_scale)."""
+def predict(ks: list[Kernel], prof: dict, scale: float = 1.0, layers: int = 1) -> tuple[list[dict], list[dict]]:
+    """Rows (one per kernel entry, in phase order) and host-sync segments. A segment runs from one
+    host sync to the next (the optimizer is always its own); its time comes from the host/GPU
+    pipeline (pipeline.simulate: each kernel starts when the GPU is free and the host has issued it,
+    the kernels of the layers interleaved layer by layer). scale multiplies the host cost of forward
+    and backward ops (host_scale)."""
     order = sorted(range(len(ks)), key=lambda i: (PHASES.index(ks[i].phase), ks[i].order))  # stable
-    rows, segs = [], []
+    rows, entries = [], []
     for k in (ks[i] for i in order):
         row = time_kernel(k, prof)
         row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" else 1.0)
         rows.append(row)
-        if not segs or k.sync or (k.phase == "optimizer") != (segs[-1]["phase"] == "optimizer"):
-            segs.append(dict(phase=k.phase, starts_at=k.name, gpu_s=0.0, host_s=0.0))
-        segs[-1]["gpu_s"] += row["time_s"]
-        segs[-1]["host_s"] += row["host_s"]
-    for sg in segs:
-        sg["time_s"] = max(sg["gpu_s"], sg["host_s"])
-        sg["bound"] = "host" if sg["host_s"] > sg["gpu_s"] else "gpu"
-    return rows, segs
+        entries.append(SimpleNamespace(kernel=k, gpu_s=row["per_launch_s"], host_s=row["host_s"] / k.count))
+    return rows, pipeline.simulate(entries, layers)
 
 
 def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: str | dict = "h200-measured",
@@ -196,7 +194,7 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     segment); step_s adds the optimizer. Per component and phase the figures are GPU time."""
     prof = gpus.get(gpu)
     scale = host_scale(prof, variant, sdpa_backend)
-    rows, segs = predict(kernels(cfg, run, variant, sdpa_backend, optimizer), prof, scale)
+    rows, segs = predict(kernels(cfg, run, variant, sdpa_backend, optimizer), prof, scale, cfg.layers)
     comps: dict[str, dict] = {}
     phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
     for row in rows:
