@@ -284,6 +284,16 @@ def timing_summary(session: Path = TIMING_SESSION) -> str:
             rs = [r for r in sets[name] if r["variant"] == v]
             if rs:
                 out.append(f"- {name}, {v}: {line(rs)}.")
+    tr = [r for r in sets["drawn, training-sized"] if r["variant"] == "efficient"]
+    comp = {k: v for k, v in timing_table(tr, prof).items() if k not in ("forward+backward", "step")}
+    if comp:
+        out.append(f"- Per component (forward and backward GPU time against the profiler's kernel time, ±15%), drawn "
+                   f"training-sized, efficient: {sum(v['within'] for v in comp.values())} of "
+                   f"{sum(v['n'] for v in comp.values())} figures within ("
+                   + ", ".join(f"{k} {v['within']}/{v['n']}" for k, v in sorted(comp.items())) + ").")
     ds = [time_error(r, "forward_backward", "h200-sxm") for r in sets["named"]]
     out.append(f"- Uncalibrated (datasheet profile), the named rows' mean |error| is {statistics.mean(map(abs, ds)):.0%}.")
+    head = json.loads((session / "probe_timing_training.json").read_text())
+    out.append(f"- Source: {head['gpu']}, torch {head['torch']}, CUDA {head['cuda']}, {head['date']}: `{head['command']}` "
+               "(and the named and small rows' commands in the same folder), against that run's `anatomy calibrate`.")
     return "\n".join(out)
