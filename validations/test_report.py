@@ -46,3 +46,21 @@ def test_plots_are_written_atomically(tmp_path):
     b = error_distribution([_report()], tmp_path / "err.png")
     assert a.read_bytes()[:8] == PNG and b.read_bytes()[:8] == PNG
     assert sorted(p.name for p in tmp_path.iterdir()) == ["err.png", "pvm.png"]  # no .tmp left behind
+
+
+def test_gpu_only_kernel_table_marks_the_85pct_bar(tmp_path):
+    """The README's GPU-only kernel table (readme.kernels_gpu_only_table): fused rows only, the verdict
+    against 85% of the 4.24 TB/s copy computed per row, and the run's source line."""
+    import json
+
+    from anatomy.report.readme import kernels_gpu_only_table
+
+    rows = [dict(op=op, impl=impl, gpu_only_us=10.0, gpu_only_tbps=tb, steady_us=20.0, cpu_issue_us=30.0)
+            for op, impl, tb in (("rmsnorm fwd", "fused", 3.61), ("rmsnorm bwd", "fused", 3.59),
+                                 ("rmsnorm fwd", "plain", 0.3))]
+    p = tmp_path / "k.json"
+    p.write_text(json.dumps(dict(rows=rows, shape="seed", M=65536, N=512, I=1024, H=8, D=64, gpu="G", torch="t",
+                                 cuda="c", date="d", command="cmd")))
+    lines = kernels_gpu_only_table(p).splitlines()
+    assert [line.split(" | ")[4] for line in lines[2:4]] == ["met", "not met"]  # 3.604 TB/s is the bar
+    assert len([line for line in lines if line.startswith("| rmsnorm")]) == 2 and "`cmd`" in lines[-1]
