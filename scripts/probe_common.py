@@ -66,3 +66,16 @@ def run_rows(prog: str, a: argparse.Namespace, cases: list[tuple], measure: Call
     if not a.out:
         print(json.dumps(head, indent=1))
     return 0
+
+
+def write_json(prog: str, out: str | None, **fields) -> None:
+    """A one-shot probe's result: the GPU, torch and CUDA versions, the date and the exact command, then
+    `fields`; written to `out` (or printed)."""
+    head = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
+                cuda=torch.version.cuda, command=f"PYTHONPATH=. python3 scripts/{prog}.py " + " ".join(sys.argv[1:]),
+                **fields)
+    text = json.dumps(head, indent=1)
+    if out:
+        Path(out).write_text(text)
+    else:
+        print(text)

@@ -12,12 +12,12 @@ Each mode then runs for ~1.5 s while `nvidia-smi` samples clocks.sm and power.dr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
 
+import probe_common
 import torch
 
 from anatomy.measure.calibrate import _median_ms, _rotating_matmul
@@ -72,14 +72,7 @@ def main() -> int:
     clocks = dict(idle=_sampled(lambda: torch.cuda._sleep(20_000_000)), loop=_sampled(rot),
                   in_step=_sampled(lambda: (a_.copy_(src), a_ @ b_)))
     print("clocks", clocks, file=sys.stderr)
-    out = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-               cuda=torch.version.cuda, command="PYTHONPATH=. python3 scripts/probe_gemm_conditions.py " +
-               " ".join(sys.argv[1:]), rows=rows, clocks_while=dict(shape=[m, n, k], **clocks))
-    text = json.dumps(out, indent=1)
-    if a.out:
-        open(a.out, "w").write(text)
-    else:
-        print(text)
+    probe_common.write_json("probe_gemm_conditions", a.out, rows=rows, clocks_while=dict(shape=[m, n, k], **clocks))
     return 0
 
 

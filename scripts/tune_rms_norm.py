@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
-import time
 
+import probe_common
 import torch
 import triton
 
@@ -59,14 +58,7 @@ def main() -> int:
             best = max((r for r in rows if r["kernel"] == kern and r["M"] == M and r["N"] == N), key=lambda r: r["tbps"])
             print(f"{kern} M={M} N={N}: best block_m {best['block_m']} warps {best['warps']} stages {best['stages']}: "
                   f"{best['tbps']:.2f} TB/s", file=sys.stderr)
-    out = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-               triton=triton.__version__, command="PYTHONPATH=. python3 scripts/tune_rms_norm.py " + " ".join(sys.argv[1:]),
-               rows=rows)
-    text = json.dumps(out, indent=1)
-    if a.out:
-        open(a.out, "w").write(text)
-    else:
-        print(text)
+    probe_common.write_json("tune_rms_norm", a.out, triton=triton.__version__, rows=rows)
     return 0
 
 

@@ -331,7 +331,8 @@ def from_measured(data: dict) -> dict:
                                              f"({len(m['matmul_vocab'])} GEMMs)")
     if m.get("fused"):
         p["fused_rows"] = m["fused"]
-        p["sources"]["fused_rows"] = f"{where}: GPU time per call of our fused ops ({len(m['fused'])} rows)"
+        p["sources"]["fused_rows"] = (f"{where}: GPU time per call of our fused ops, the mixed-dtype residual add and "
+                                      f"Liger's CE kernel ({len(m['fused'])} rows)")
     if m.get("copy_tbps"):
         p["hbm_Bps"] = m["copy_tbps"] * 1e12
         p["sources"]["hbm_Bps"] = f"{where}: device-to-device copy, bytes read + written"

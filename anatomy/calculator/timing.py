@@ -16,8 +16,9 @@ minimal HBM bytes, and predicts each one as
   sdpa     rate = the profile's measured rate for that backend and head dim, scaled by the
            wave quantization of (batch x heads x 128-row query blocks) against the measured shape
   memory   elementwise and fused kernels: FLOPs ignored (≤ ~10 per element, far under the ridge);
-           our fused ops at the fraction of the copy bandwidth calibrate measured them reach at
-           their row width (fused_efficiency; 1 without a calibration)
+           our fused ops, the mixed-dtype residual add and Liger's CE kernel at the fraction of
+           the copy bandwidth calibrate measured them reach at their width and row count
+           (fused_efficiency; 1 without a calibration)
 
 Assumptions (each is a source of error, listed in docs/timing.md):
   1. Kernels run back to back: the step's GPU time is their sum (no overlap between kernels).

@@ -88,7 +88,6 @@ def measure_gemms_in_step(shapes, deadline: float) -> list[dict]:
 
         ms, queued = queued_ms(lambda: torch.matmul(cur[0][0], cur[0][1], out=cur[0][2]), pre)
         rows.append(dict(m=m, n=n, k=k, ms=ms, tflops=2 * m * n * k / (ms * 1e-3) / 1e12, queued=queued))
-        del sets, src, cur
     torch.cuda.empty_cache()
     return rows
 
