@@ -172,11 +172,11 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
 
 
 def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tuple[int, int]:
-    """(read, write) minimal HBM bytes of one call of a fused op of ours over `tokens` rows of `width`
-    (hidden for rms_norm and the residual add, intermediate for swiglu, (heads + 2 kv_heads) x head_dim
-    for rope_qkv, vocab for Liger's CE kernel); c is
-    the compute dtype's size, r the residual stream's. The same formulas turn calibrate's timings of
-    these ops into bandwidth efficiencies (timing.fused_efficiency)."""
+    """(read, write) minimal HBM bytes of one call of an op calibrate times per width (our fused ops,
+    the residual add, Liger's CE kernel) over `tokens` rows of `width`: hidden for rms_norm and the
+    residual add, intermediate for swiglu, (heads + 2 kv_heads) x head_dim for rope_qkv, vocab for
+    Liger's CE. c is the compute dtype's size, r the residual stream's. The same formulas turn
+    calibrate's timings of these ops into bandwidth efficiencies (timing.fused_efficiency)."""
     T, W = tokens, width
     return {"rms_norm.forward": (T * W * r, T * W * c),  # x in, y out (compute dtype)
             "rms_norm.backward": (T * W * (c + r), T * W * r),  # dy, x in; dx out (dw partials: dw_sum_bytes)
