@@ -121,9 +121,11 @@ def test_forensics_cli_asks_for_cuda_only_when_told(capsys):
     assert err.count("\n") == 0 and "needs a CUDA GPU" in err
     assert main(["--preset", "nope"]) == 2
     assert "unknown preset" in capsys.readouterr().err
+    assert main(["--preset", "seed", "--recompute", "mlp", "--device", "cpu"]) == 2  # baseline: no recompute
+    assert "option of the efficient variant" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("variant", ["baseline", "efficient"])
+@pytest.mark.parametrize("variant", ["baseline", "efficient", "efficient --recompute mlp"])
 def test_forensics_on_cpu_live_storage(variant, tmp_path, capsys):
     """`anatomy forensics --device cpu`: the live-storage trace goes through the CUDA path's replay,
     attribution and plot. The replayed peak must equal LiveStorage's own per-phase peaks of the same
@@ -132,7 +134,7 @@ def test_forensics_on_cpu_live_storage(variant, tmp_path, capsys):
 
     png, out = tmp_path / "f.png", tmp_path / "f.json"
     argv = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "160",
-            "--vocab", "1000", "--batch", "2", "--seq", "64", "--variant", variant, "--device", "cpu",
+            "--vocab", "1000", "--batch", "2", "--seq", "64", "--variant", *variant.split(), "--device", "cpu",
             "--png", str(png), "--out", str(out)]
     assert main(argv) == 0
     rep = json.loads(out.read_text())
@@ -144,6 +146,7 @@ def test_forensics_on_cpu_live_storage(variant, tmp_path, capsys):
     assert pk["attributed_by"]["none"] <= 0.05 * pk["peak_bytes"], pk["attributed_by"]
     assert {"embedding", "attention", "mlp", "loss", "optimizer"} <= set(pk["by_component"])
     assert "CPU live tensor storage" in rep["title"]
+    assert ("recompute mlp" in rep["title"]) == (rep["run"].get("recompute") == "mlp") == ("recompute" in variant)
 
 
 # ---- CPU: anatomy sweep ------------------------------------------------------------------------------

@@ -118,6 +118,25 @@ def test_variants_follow_the_same_loss_curve(policy, data, fp64_curve, tmp_path,
     assert base[-1] < base[0] - 0.2, "the curve must actually descend for the comparison to mean anything"
 
 
+def test_recompute_trains_the_same_curve(data, tmp_path, monkeypatch):
+    """`anatomy train --variant efficient --recompute mlp` runs the recomputing model (Run.recompute in
+    its log's identity) and, recompute being exact, follows the plain efficient curve bit for bit."""
+    from anatomy.train import loop
+
+    built, init = [], loop.init_model
+    monkeypatch.setattr(loop, "init_model", lambda *a, **k: built.append(init(*a, **k)) or built[-1])
+    plain = train(TINY, Run(4, 64, "fp32"), "efficient", data, TrainOptions(steps=4, eval_every=0, progress="none",
+                                                                           plot=False, out=str(tmp_path / "p")))
+    rec = train(TINY, Run(4, 64, "fp32", "mlp"), "efficient", data, TrainOptions(steps=4, eval_every=0,
+                                                                                progress="none", plot=False,
+                                                                                out=str(tmp_path / "r")))
+    assert [m.recompute for m in built] == ["none", "mlp"]
+    assert rec["history"]["loss"] == plain["history"]["loss"] and len(plain["history"]["loss"]) == 4
+    log = json.loads((tmp_path / "r" / "train_log.json").read_text())
+    assert log["run"]["recompute"] == "mlp" and "recompute" not in json.loads(
+        (tmp_path / "p" / "train_log.json").read_text())["run"]
+
+
 # ---- 2. kill and resume -----------------------------------------------------------------------------
 def _run_cli(args: list[str], env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "anatomy.train.cli", *args], capture_output=True, text=True,
@@ -286,6 +305,8 @@ BAD = {  # id: (arguments, what the one line must say)
     "lr-nan": (["--lr", "nan"], "--lr must be a positive number"),
     "optimizer": (["--optimizer", "sgd"], "--optimizer must be one of"),
     "variant": (["--variant", "turbo"], "unknown variant"),
+    "recompute-baseline": (["--recompute", "mlp"], "option of the efficient variant"),
+    "recompute-value": (["--variant", "efficient", "--recompute", "all"], "recompute must be one of"),
     "batch-0": (["--batch", "0"], "batch must be a positive integer"),
     "vocab-under-bpe": (["--vocab", "100"], "too small for a byte-level BPE"),
     "seq-over-data": (["--seq", "200000"], "too few for --seq 200000"),

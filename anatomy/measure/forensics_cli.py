@@ -70,9 +70,11 @@ def main(argv=None) -> int:
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = config_from_args(a)
-        run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype)
+        run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype, recompute=a.recompute)
         if a.variant not in ("baseline", "efficient"):
             raise ConfigError(f"unknown variant {a.variant!r}; choose baseline or efficient")
+        if run.recompute != "none" and a.variant != "efficient":
+            raise ConfigError(f"--recompute {run.recompute} is an option of the efficient variant (--variant efficient)")
         if a.top < 1:
             raise ConfigError(f"--top must be >= 1, got {a.top}")
     except ConfigError as e:
@@ -92,7 +94,8 @@ def main(argv=None) -> int:
         from anatomy.measure.liveness import record_step_live as record_step
 
     opt = None if a.optimizer == "none" else a.optimizer
-    stem = f"{cfg.name}-{a.variant}-B{run.batch}-S{run.seq}"
+    rec = "" if run.recompute == "none" else f"-recompute-{run.recompute}"
+    stem = f"{cfg.name}-{a.variant}{rec}-B{run.batch}-S{run.seq}"
     png = Path(a.png or f".anatomy/forensics/{stem}.png")
     out = Path(a.out or png.with_suffix(".json"))
     try:
@@ -108,7 +111,8 @@ def main(argv=None) -> int:
         Path(a.snapshot).write_bytes(pickle.dumps(snap))
     r = replay(snap, peak_phase=a.peak_phase)
     where = torch.cuda.get_device_name(0) if device == "cuda" else "CPU live tensor storage"
-    title = f"{cfg.name} · {a.variant} · B={run.batch} S={run.seq} {run.dtype} · {where}"
+    title = (f"{cfg.name} · {a.variant}{'' if not rec else f' (recompute {run.recompute})'} · B={run.batch} "
+             f"S={run.seq} {run.dtype} · {where}")
     plot_timeline(r, png, title)
     report = dict(title=title, config=cfg.to_dict(), run=run.to_dict(),
                   variant=a.variant, optimizer=opt, phases=phases,

@@ -109,9 +109,11 @@ def main(argv=None) -> int:
         from anatomy.train.loop import train
 
         cfg = config_from_args(a)
-        run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype)
+        run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype, recompute=a.recompute)
         if a.variant not in VARIANTS:
             raise ConfigError(f"unknown variant {a.variant!r}; choose baseline or efficient")
+        if run.recompute != "none" and a.variant != "efficient":
+            raise ConfigError(f"--recompute {run.recompute} is an option of the efficient variant (--variant efficient)")
         opts = _options(a)
         opts.validate()
         data = load_data(a.data, cfg.vocab, cache_dir=a.cache_dir, bin_dtype=a.bin_dtype,

@@ -114,12 +114,13 @@ def lr_at(step: int, o: TrainOptions) -> float:
     return lo + 0.5 * (o.lr - lo) * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
-def init_model(cfg: ModelConfig, variant: str, device, dtype, seed: int) -> torch.nn.Module:
-    """The variant's model holding the baseline's initial weights for `seed` (same start for both)."""
+def init_model(cfg: ModelConfig, variant: str, device, dtype, seed: int, recompute: str = "none") -> torch.nn.Module:
+    """The variant's model holding the baseline's initial weights for `seed` (same start for both);
+    recompute is Run.recompute (the efficient variant's)."""
     base = build_model(cfg, "baseline", device=device, dtype=dtype, seed=seed)
     if variant == "baseline":
         return base
-    model = build_model(cfg, variant, device=device, dtype=dtype, seed=seed)
+    model = build_model(cfg, variant, device=device, dtype=dtype, seed=seed, recompute=recompute)
     model.load_state_dict(base.state_dict())  # the efficient model's pre-hook fuses q/k/v and gate/up
     return model
 
@@ -234,7 +235,7 @@ def _train(cfg, run, variant, data, o, pl: Placement, faults, loss_hook, display
     dev = pl.device
     dtype = torch.float64 if o.param_dtype == "float64" else param_dtype(run)
     torch.manual_seed(o.seed)
-    model = init_model(cfg, variant, dev, dtype, o.seed)  # the same weights on every rank
+    model = init_model(cfg, variant, dev, dtype, o.seed, run.recompute)  # the same weights on every rank
     amp = True
     if pl.strategy == "ddp":
         from anatomy.distributed.strategies import wrap
