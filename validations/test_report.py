@@ -64,3 +64,34 @@ def test_gpu_only_kernel_table_marks_the_85pct_bar(tmp_path):
     lines = kernels_gpu_only_table(p).splitlines()
     assert [line.split(" | ")[4] for line in lines[2:4]] == ["met", "not met"]  # 3.604 TB/s is the bar
     assert len([line for line in lines if line.startswith("| rmsnorm")]) == 2 and "`cmd`" in lines[-1]
+
+
+def test_roofline_points_and_roofs(tmp_path):
+    """anatomy.report.roofline on a synthetic calibrate profile: one point per measured kernel, work and
+    bytes counted as its docstring says, the roofs from the same run, and the fraction of the roof."""
+    import json
+
+    from anatomy.report import roofline
+
+    m = dict(matmul_bf16=[dict(m=1024, n=1024, k=1024, ms=0.01, tflops=214.7)], copy_tbps=4.0,
+             matmul_bf16_in_step=[dict(m=1024, n=1024, k=1024, ms=0.005)],
+             matmul_vocab=[dict(op="grad_weight_acc", rows=8, hidden=16, vocab=32, ms=1.0)],
+             attention=[dict(backend="cudnn", B=1, heads=2, S=64, hd=16, fwd_ms=1.0, fwd_bwd_ms=2.0)],
+             fused=[dict(op="residual_add", tokens=10, width=8, ms=1.0)])
+    prof = dict(measurements=m, provenance=dict(gpu="G", torch="t", cuda="c", date="2026-11-29 00:00", command="cmd"))
+    pts = {(p["kind"], p["label"]): p for p in roofline.points(prof)}
+    assert len(pts) == 6
+    g = pts[("GEMM, in step", "1024x1024x1024")]
+    assert (g["flops"], g["bytes"], g["seconds"]) == (2 * 1024**3, 6 * 1024**2, 5e-6)
+    assert pts[("LM head GEMM, vocab aligned", "grad_weight_acc 8x16x32")]["bytes"] == 2 * (8 * 16 + 8 * 32) + 8 * 32 * 16
+    assert pts[("residual add (ATen)", "residual_add 10x8")]["bytes"] == 10 * 8 * (4 + 2 + 4)
+    assert pts[("attention (cudnn)", "fwd+bwd B1 h2 S64 d16")]["flops"] == 3.5 * 2 * 2 * 64 * 64 * 16
+    peak, bw = roofline.roofs(prof)
+    assert (peak, bw) == (214.7e12, 4e12)
+    # 2 GFLOP in 5 us: 429 TFLOP/s, over a 214.7 TFLOP/s roof (intensity 341 FLOP/B is past the ridge)
+    assert abs(roofline.of_roof(g, peak, bw) - 2 * 1024**3 / 5e-6 / 214.7e12) < 1e-12
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    roofline.plot(path, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp*"))
+    assert "| GEMM, in step | 1 |" in roofline.summary(path)

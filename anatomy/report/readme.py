@@ -208,6 +208,12 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
     put("memory-h200", probes.memory_summary())
     put("memory-recompute", probes.recompute_summary())
     put("timing-h200", probes.timing_summary())
+    prof = H200 / "session7d/h200.json"
+    if prof.exists():
+        from anatomy.report import roofline
+
+        roofline.plot(prof, Path("docs/img/roofline-h200.png"))
+        put("roofline-h200", roofline.summary(prof) + "\n\n![measured roofline](docs/img/roofline-h200.png)")
     table, data = saved_table()
     put("saved-seed", table + "\n\n![saved bytes per component](docs/img/saved-by-component.png)")
     saved_plot(data, Path("docs/img/saved-by-component.png"))
