@@ -304,8 +304,9 @@ def from_measured(data: dict) -> dict:
         # A step's GEMMs follow the kernel that wrote their operand (calibrate_kernels.py): the rate and
         # k_half come from the in-step timings when the profile has them, from the loop otherwise; the
         # loop's fit is kept beside it, and the MFU ceiling stays the loop's best (ANCHORS' convention).
-        grid = [x for x in m.get("matmul_bf16_in_step") or () if x.get("queued", True)] or m["matmul_bf16"]
-        if grid is not m["matmul_bf16"]:
+        in_step = [x for x in m.get("matmul_bf16_in_step") or () if x.get("queued", True)]
+        grid = in_step or m["matmul_bf16"]
+        if in_step:
             p["matmul_loop_fit"] = dict(zip(("rate_flops", "k_half"), fit_matmul(m["matmul_bf16"], sms)))
         rate, kh = fit_matmul(grid, sms)
         p["matmul_flops"] = dict(p["matmul_flops"], bfloat16=rate)
@@ -316,7 +317,7 @@ def from_measured(data: dict) -> dict:
         best = max(x["tflops"] for x in m["matmul_bf16"]) * 1e12
         p["mfu_peak_flops"] = best
         shapes = ", ".join(f"{x['m']}x{x['n']}x{x['k']}: {x['tflops']:g}" for x in grid[:4])
-        how = "in step (after a producer kernel)" if grid is not m["matmul_bf16"] else "in a loop"
+        how = "in step (after a producer kernel)" if in_step else "in a loop"
         p["sources"].update(matmul_flops=f"{where}: bf16 GEMM TFLOP/s {how} {shapes}"
                                          + (" ..." if len(grid) > 4 else ""),
                             matmul_k_half=f"fitted to {len(grid)} measured GEMM shape(s), {how}",

@@ -105,12 +105,14 @@ def main(argv=None) -> int:
             _row(name + " bwd", impl, lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True), bwd_bytes,
                  rows)
     if a.json:
-        from anatomy.calculator.gpus import write_atomic
+        from pathlib import Path
 
-        write_atomic(a.json, dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0),
+        from anatomy.report import write_atomic
+
+        write_atomic(Path(a.json), json.dumps(dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0),
                                   torch=torch.__version__, cuda=torch.version.cuda, shape=a.shape, **sh,
                                   command="python3 -m anatomy.kernels.bench " + " ".join(argv or sys.argv[1:]),
-                                  rows=rows))
+                                  rows=rows), indent=1) + "\n")
     return 0
 
 

@@ -27,8 +27,9 @@ timing reuses one L2-resident input):
   matmul_bf16_in_step  the same GEMM grid as a step runs it: each call after a copy that writes its
                   activation operand, GPU time only (calibrate_kernels.py says why); the profile
                   fits its GEMM rate to these when present
-  fused           GPU time per call of our fused ops (rms_norm, swiglu, rope_qkv; fwd and bwd) at
-                  16,384 rows and several widths: the calculator turns them into bandwidth efficiencies
+  fused           GPU time per call of our fused ops (rms_norm, swiglu, rope_qkv; fwd and bwd), the
+                  fp32 + bf16 residual add and Liger's CE kernel, at 16,384 rows (and 65,536 for widths
+                  <= 2048) and several widths: the calculator turns them into bandwidth efficiencies
 Measurements never read the calculator; the profile is only *loaded* by it (gpus.from_measured).
 On a machine without CUDA it prints one line and exits 2.
 """
@@ -79,7 +80,8 @@ VOCAB_SHAPES = ((16384, 512), (16384, 2048), (2048, 2048))  # (rows, hidden): fu
 
 
 def vocab_grid() -> list[tuple[str, int, int, int]]:
-    """(op, rows, hidden, vocab) of the head GEMMs calibrate times: forward, grad_input, grad_weight."""
+    """(op, rows, hidden, vocab) of the head GEMMs calibrate times: forward, grad_input, grad_weight and
+    Liger's fp32-accumulating grad_weight_acc."""
     return [(op, T, H, V) for T, H in VOCAB_SHAPES for V in (VOCAB_ALIGNED, *VOCAB_MISALIGNED)
             for op in ("forward", "grad_input", "grad_weight", "grad_weight_acc")]
 
