@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from anatomy.kernels._dispatch import (check_launchable, cpu_uses_triton, jit, num_warps, reduction_programs,
-                                       register_autocast_rule, rows, tl, triton)
+from anatomy.kernels._dispatch import (autocast_dtype, check_launchable, fast_path, jit, launches_triton, no_autocast,
+                                       num_warps, reduction_programs, register_autocast_rule, rows, tl, triton)
 
 MAX_BLOCK = 65536  # a row lives in one program's registers; hidden sizes of real models are <= 16K
 
@@ -185,18 +185,21 @@ def _check(x: Tensor, weight: Tensor) -> None:
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
 
 
+def _forward(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None) -> Tensor:
+    _check(x, weight)
+    return (rms_norm_triton if launches_triton(x) else rms_norm_reference)(x, weight, eps, out_dtype)
+
+
+def _backward_impl(dy: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return (rms_norm_backward_triton if launches_triton(x) else rms_norm_backward_reference)(dy, x, weight, eps)
+
+
 @torch.library.custom_op("anatomy::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
-    _check(x, weight)
-    if cpu_uses_triton():
-        return rms_norm_triton(x, weight, eps, out_dtype)
-    return rms_norm_reference(x, weight, eps, out_dtype)
+    return _forward(x, weight, eps, out_dtype)
 
 
-@_rms_norm_op.register_kernel("cuda")
-def _(x, weight, eps, out_dtype=None):
-    _check(x, weight)
-    return rms_norm_triton(x, weight, eps, out_dtype)
+_rms_norm_op.register_kernel("cuda")(_forward)
 
 
 @_rms_norm_op.register_fake
@@ -207,14 +210,10 @@ def _(x, weight, eps, out_dtype=None):
 
 @torch.library.custom_op("anatomy::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    if cpu_uses_triton():
-        return rms_norm_backward_triton(dy, x, weight, eps)
-    return rms_norm_backward_reference(dy, x, weight, eps)
+    return _backward_impl(dy, x, weight, eps)
 
 
-@_rms_norm_backward_op.register_kernel("cuda")
-def _(dy, x, weight, eps):
-    return rms_norm_backward_triton(dy, x, weight, eps)
+_rms_norm_backward_op.register_kernel("cuda")(_backward_impl)
 
 
 @_rms_norm_backward_op.register_fake
@@ -239,7 +238,7 @@ _rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _autocast_rule(dtype, device_type, x, weight, eps, out_dtype=None):
     # Only the output dtype changes: x stays full precision (it is what backward reads).
-    if out_dtype is None and x.device.type == device_type and x.dtype is not torch.float64:
+    if out_dtype is None and dtype is not None and x.device.type == device_type and x.dtype is not torch.float64:
         out_dtype = dtype
     return x, weight, eps, out_dtype
 
@@ -248,8 +247,30 @@ register_autocast_rule(_rms_norm_op, _autocast_rule)
 register_autocast_rule(_rms_norm_backward_op)
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """The eager fast path (_dispatch.fast_path): the custom op's implementations, saves and backward,
+    without the dispatcher."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, out_dtype):
+        with no_autocast(x):
+            y = _forward(x, weight, eps, out_dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        with no_autocast(x):
+            dx, dw = _backward_impl(dy, x, weight, ctx.eps)
+        return dx, (dw if ctx.needs_input_grad[1] else None), None, None
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
     """RMSNorm over the last dim. x (..., N), weight (N,) -> y (..., N), contiguous.
 
     y has x's dtype, or the autocast dtype under autocast. Saves x and weight only."""
+    if fast_path(x, weight):
+        return _RMSNormFn.apply(*_autocast_rule(autocast_dtype(x), x.device.type, x, weight, eps))
     return _rms_norm_op(x, weight, eps)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from anatomy.kernels._dispatch import (autocast_floating, check_launchable, cpu_uses_triton, jit, register_autocast_rule,
-                                       tl, triton)
+from anatomy.kernels._dispatch import (autocast_dtype, autocast_floating, check_launchable, fast_path, jit,
+                                       launches_triton, no_autocast, register_autocast_rule, tl, triton)
 
 TILE = 4096  # elements of one (heads x D/2) tile held in registers
 
@@ -181,16 +181,20 @@ def _check(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -> 
     return B, S, D
 
 
+def _forward(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    return (rope_qkv_triton if launches_triton(qkv) else rope_qkv_reference)(qkv, cos, sin, heads, kv_heads)
+
+
+def _backward_impl(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return (rope_qkv_backward_triton if launches_triton(dq) else rope_qkv_backward_reference)(dq, dk, dv, cos, sin)
+
+
 @torch.library.custom_op("anatomy::rope_qkv", mutates_args=())
 def _rope_qkv_op(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    if cpu_uses_triton():
-        return rope_qkv_triton(qkv, cos, sin, heads, kv_heads)
-    return rope_qkv_reference(qkv, cos, sin, heads, kv_heads)
+    return _forward(qkv, cos, sin, heads, kv_heads)
 
 
-@_rope_qkv_op.register_kernel("cuda")
-def _(qkv, cos, sin, heads, kv_heads):
-    return rope_qkv_triton(qkv, cos, sin, heads, kv_heads)
+_rope_qkv_op.register_kernel("cuda")(_forward)
 
 
 @_rope_qkv_op.register_fake
@@ -201,14 +205,10 @@ def _(qkv, cos, sin, heads, kv_heads):
 
 @torch.library.custom_op("anatomy::rope_qkv_backward", mutates_args=())
 def _rope_qkv_backward_op(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    if cpu_uses_triton():
-        return rope_qkv_backward_triton(dq, dk, dv, cos, sin)
-    return rope_qkv_backward_reference(dq, dk, dv, cos, sin)
+    return _backward_impl(dq, dk, dv, cos, sin)
 
 
-@_rope_qkv_backward_op.register_kernel("cuda")
-def _(dq, dk, dv, cos, sin):
-    return rope_qkv_backward_triton(dq, dk, dv, cos, sin)
+_rope_qkv_backward_op.register_kernel("cuda")(_backward_impl)
 
 
 @_rope_qkv_backward_op.register_fake
@@ -239,7 +239,29 @@ register_autocast_rule(_rope_qkv_op, _autocast_rule)
 register_autocast_rule(_rope_qkv_backward_op)
 
 
+class _RopeQKVFn(torch.autograd.Function):
+    """The eager fast path (_dispatch.fast_path): the custom op's implementations, saves and backward,
+    without the dispatcher."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, heads, kv_heads):
+        with no_autocast(qkv):
+            out = _forward(qkv, cos, sin, heads, kv_heads)
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        with no_autocast(dq):
+            return _backward_impl(dq, dk, dv, cos, sin), None, None, None, None
+
+
 def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
     """qkv (B, S, (heads + 2*kv_heads)*D), cos/sin (S, D) -> q (B, heads, S, D) laid out (B, S, heads, D),
     contiguous k (B, kv_heads, S, D), v (B, kv_heads, S, D); RoPE on q and k. Saves cos and sin only."""
+    if fast_path(qkv, cos, sin):
+        dt = autocast_dtype(qkv)
+        return _RopeQKVFn.apply(*(_autocast_rule(dt, qkv.device.type, qkv, cos, sin, heads, kv_heads) if dt
+                                  else (qkv, cos, sin, heads, kv_heads)))
     return _rope_qkv_op(qkv, cos, sin, heads, kv_heads)

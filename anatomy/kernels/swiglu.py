@@ -38,8 +38,9 @@ import math
 import torch
 from torch import Tensor
 
-from anatomy.kernels._dispatch import (autocast_floating, check_launchable, cpu_uses_triton, jit,
-                                       register_autocast_rule, rows, tl, triton)
+from anatomy.kernels._dispatch import (autocast_dtype, autocast_floating, check_launchable, cpu_uses_triton,
+                                       fast_path, jit, launches_triton, no_autocast, register_autocast_rule, rows, tl,
+                                       triton)
 
 VARIANTS = ("swiglu", "gpt-oss")
 LIMIT = 7.0  # gpt-oss clamp
@@ -200,10 +201,9 @@ def _(dh, gate, up, variant):
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
-@torch.library.custom_op("anatomy::swiglu_backward_", mutates_args=("gate", "up"))
-def _swiglu_backward_inplace_op(dh: Tensor, gate: Tensor, up: Tensor, variant: str) -> None:
+def _swiglu_backward_inplace(dh: Tensor, gate: Tensor, up: Tensor, variant: str) -> None:
     """Overwrites gate with dgate and up with dup."""
-    if cpu_uses_triton():
+    if launches_triton(gate):
         swiglu_backward_triton(dh, gate, up, variant, inplace=True)
         return
     dg, du = swiglu_backward_reference(dh, gate, up, variant)  # the reference allocates; CPU is not the target
@@ -211,9 +211,13 @@ def _swiglu_backward_inplace_op(dh: Tensor, gate: Tensor, up: Tensor, variant: s
     up.copy_(du)
 
 
-@_swiglu_backward_inplace_op.register_kernel("cuda")
-def _(dh, gate, up, variant):
-    swiglu_backward_triton(dh, gate, up, variant, inplace=True)
+@torch.library.custom_op("anatomy::swiglu_backward_", mutates_args=("gate", "up"))
+def _swiglu_backward_inplace_op(dh: Tensor, gate: Tensor, up: Tensor, variant: str) -> None:
+    """Overwrites gate with dgate and up with dup."""
+    _swiglu_backward_inplace(dh, gate, up, variant)
+
+
+_swiglu_backward_inplace_op.register_kernel("cuda")(_swiglu_backward_inplace)
 
 
 @_swiglu_backward_inplace_op.register_fake
@@ -282,18 +286,18 @@ register_autocast_rule(_swiglu_backward_inplace_op)
 # (M, 2I) buffer and a full read + write of it (on the H200 at the seed step, 0.40 ms per layer, 5% of
 # the step). Here the op owns the split, so backward returns the (M, 2I) storage the in-place kernel
 # has just filled: no cat and no allocation.
-@torch.library.custom_op("anatomy::swiglu_packed", mutates_args=())
-def _swiglu_packed_op(gate_up: Tensor, variant: str = "swiglu", inplace_backward: bool = True) -> Tensor:
+def _packed_forward(gate_up: Tensor, variant: str = "swiglu", inplace_backward: bool = True) -> Tensor:
     gate, up = gate_up.chunk(2, dim=-1)  # (..., I) views
     _check(gate, up, variant)
-    return swiglu_triton(gate, up, variant) if cpu_uses_triton() else swiglu_reference(gate, up, variant)
+    return (swiglu_triton if launches_triton(gate_up) else swiglu_reference)(gate, up, variant)  # (..., I), contiguous
 
 
-@_swiglu_packed_op.register_kernel("cuda")
-def _(gate_up, variant="swiglu", inplace_backward=True):
-    gate, up = gate_up.chunk(2, dim=-1)
-    _check(gate, up, variant)
-    return swiglu_triton(gate, up, variant)  # (..., I), contiguous
+@torch.library.custom_op("anatomy::swiglu_packed", mutates_args=())
+def _swiglu_packed_op(gate_up: Tensor, variant: str = "swiglu", inplace_backward: bool = True) -> Tensor:
+    return _packed_forward(gate_up, variant, inplace_backward)
+
+
+_swiglu_packed_op.register_kernel("cuda")(_packed_forward)
 
 
 @_swiglu_packed_op.register_fake
@@ -315,7 +319,13 @@ def _packed_backward(ctx, dh):
     (gate_up,) = ctx.saved_tensors
     if ctx.inplace and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         gate_up = gate_up.detach()  # an alias: the version counter bump stays visible
-        _swiglu_backward_inplace_op(dh, *gate_up.chunk(2, dim=-1), ctx.variant)
+        gate, up = gate_up.chunk(2, dim=-1)
+        if fast_path(dh, gate_up):  # the in-place op's implementation, without the dispatcher
+            with no_autocast(dh):
+                _swiglu_backward_inplace(dh, gate, up, ctx.variant)
+            torch.autograd.graph.increment_version(gate_up)  # as the op's mutates_args would: a Triton write bumps nothing
+        else:
+            _swiglu_backward_inplace_op(dh, gate, up, ctx.variant)
         return gate_up, None, None  # now d(gate_up)
     return torch.cat(_swiglu_backward_op(dh, *gate_up.chunk(2, dim=-1), ctx.variant), dim=-1), None, None
 
@@ -325,11 +335,31 @@ register_autocast_rule(_swiglu_packed_op, lambda dtype, device_type, gate_up, va
                        (autocast_floating(gate_up, device_type, dtype), variant, inplace_backward))
 
 
+class _SwiGLUPackedFn(torch.autograd.Function):
+    """The eager fast path (_dispatch.fast_path): the custom op's implementation, saves and (in-place)
+    backward, without the dispatcher."""
+
+    @staticmethod
+    def forward(ctx, gate_up, variant, inplace_backward):
+        with no_autocast(gate_up):
+            h = _packed_forward(gate_up, variant, inplace_backward)
+        _packed_setup_context(ctx, (gate_up, variant, inplace_backward), h)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        return _packed_backward(ctx, dh)
+
+
 def swiglu_packed(gate_up: Tensor, variant: str = "swiglu", inplace_backward: bool = True) -> Tensor:
     """gate_up (..., 2I) -> h (..., I): swiglu on its two column halves; backward returns d(gate_up)
     written in place into gate_up's storage when that is safe (see swiglu)."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu_packed: the last dim ({gate_up.shape[-1]}) must be 2 x intermediate")
+    if fast_path(gate_up):
+        dt = autocast_dtype(gate_up)
+        return _SwiGLUPackedFn.apply(autocast_floating(gate_up, gate_up.device.type, dt) if dt else gate_up, variant,
+                                     inplace_backward)
     return _swiglu_packed_op(gate_up, variant, inplace_backward)
 
 
