@@ -60,6 +60,30 @@ def test_misaligned_vocab_factors():
         4 * _kernel(even, "loss.lm_head")["compute_s"] * 32001 / 32000, rel=1e-3)
 
 
+def test_accumulate_epilogue_bandwidth():
+    """Liger's fp32-accumulating grad_weight at few-row chunks (calibrate.ACC_CHUNKS) sets the fraction
+    of copy bandwidth its bytes move at (fake: the 128-row chunk at 60%, the others slower per byte,
+    the compute-bound big shapes far below): the max over the rows of K <= 512; without such rows no
+    term. The Liger loss's grad_weight then takes its memory term at that fraction, and nothing else does."""
+    hbm = 4.0e12
+    acc_bytes = lambda T, H, V: 2 * V * H * 4 + 2 * T * (V + H)  # noqa: E731
+    frac = {128: 0.60, 256: 0.55, 512: 0.50}
+    rows = [dict(op=op, rows=T, hidden=H, vocab=V, tflops=600.0,
+                 ms=(acc_bytes(T, H, V) / hbm / frac[T] if T in frac else 2 * T * H * V / 600e12) * 1e3)
+            for op, T, H, V in calibrate.vocab_grid()]
+    assert {(r["rows"], r["hidden"]) for r in rows if r["rows"] in frac} == set(calibrate.ACC_CHUNKS)
+    assert gpus.accumulate_bandwidth(rows, hbm) == pytest.approx(0.60)
+    assert gpus.accumulate_bandwidth([r for r in rows if r["rows"] not in frac], hbm) is None
+    m = dict(_fake_measurements(), matmul_vocab=rows, copy_tbps=hbm / 1e12)
+    p = gpus.from_measured(calibrate.build_profile(m, dict(date="fake"), "h200-sxm"))
+    assert p["matmul_accumulate_bw"] == pytest.approx(0.60)
+    p0 = dict(p, matmul_accumulate_bw=1.0)
+    cfg = ModelConfig(name="v", hidden=2048, layers=1, heads=16, intermediate=4096, vocab=128256)
+    a, b = (timing.estimate_time(cfg, Run(1, 4096), "efficient", q, with_kernels=True) for q in (p, p0))
+    assert _kernel(a, "loss.grad_weight")["memory_s"] == pytest.approx(_kernel(b, "loss.grad_weight")["memory_s"] / 0.6)
+    assert _kernel(a, "loss.logits")["memory_s"] == _kernel(b, "loss.logits")["memory_s"]
+
+
 def test_host_scale_from_a_measured_tiny_step():
     """A profile with calibrate's tiny host-bound step: every forward and backward op's host figure
     scales by measured / modelled host time of that step (fake numbers: 3x for the baseline, 1.5x for

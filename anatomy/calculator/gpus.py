@@ -241,6 +241,21 @@ def accumulate_factor(rows: list[dict]) -> float | None:
     return math.exp(sum(logs) / len(logs)) if logs else None
 
 
+ACC_MAX_K = 512  # a chunk this short leaves the accumulate GEMM epilogue-bound (calibrate.ACC_CHUNKS)
+
+
+def accumulate_bandwidth(rows: list[dict], hbm_Bps: float) -> float | None:
+    """The fraction of the copy bandwidth an fp32-accumulating grad_weight GEMM's bytes move at (read
+    and write of the (V, H) fp32 accumulator, plus both bf16 operands), at the aligned vocab: the
+    highest over calibrate's rows, i.e. its few-row chunks (calibrate.ACC_CHUNKS), whose K is so short
+    that the epilogue is nearly the whole kernel. Compute-bound rows give lower fractions and never
+    the max; a profile without rows of K <= ACC_MAX_K (those before session 8) gets None: no such term."""
+    fr = [(2 * r["vocab"] * r["hidden"] * 4 + 2 * r["rows"] * (r["vocab"] + r["hidden"])) / hbm_Bps / (r["ms"] * 1e-3)
+          for r in rows if r["op"] == "grad_weight_acc" and alignment_class(r["vocab"]) is None and r.get("ms")
+          and r["rows"] <= ACC_MAX_K]
+    return min(1.0, max(fr)) if fr else None
+
+
 def alignment_factor(prof: dict, m: int, n: int, k: int) -> float:
     """The measured slowdown of a bf16 GEMM whose m, n or k is not a multiple of 8 (1.0 when the
     profile measured none: a datasheet profile does not model it)."""
@@ -328,6 +343,11 @@ def from_measured(data: dict) -> dict:
         if acc is not None:
             p["matmul_fp32_accumulate"] = acc
             p["sources"]["matmul_fp32_accumulate"] = f"{where}: addmm(out_dtype=fp32) over bf16-out, head shapes"
+        bw = accumulate_bandwidth(m["matmul_vocab"], m["copy_tbps"] * 1e12) if m.get("copy_tbps") else None
+        if bw is not None:
+            p["matmul_accumulate_bw"] = bw
+            p["sources"]["matmul_accumulate_bw"] = (f"{where}: addmm(out_dtype=fp32) into a (V, H) fp32 accumulator, "
+                                                    "bytes over time at its few-row chunks, over the copy bandwidth")
         p["sources"]["matmul_misaligned"] = (f"{where}: the LM head's GEMMs at vocab 32001/32002/32004 against 32000 "
                                              f"({len(m['matmul_vocab'])} GEMMs)")
     if m.get("fused"):

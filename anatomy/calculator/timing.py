@@ -92,6 +92,8 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
     if rate:
         t_c = kern.flops / rate
     eff = fused_efficiency(prof, *kern.fused) if kern.fused else 1.0
+    if kern.accumulate:  # its epilogue streams the fp32 accumulator below copy bandwidth (gpus.accumulate_bandwidth)
+        eff = prof.get("matmul_accumulate_bw", 1.0)
     t_m = kern.bytes / (prof["hbm_Bps"] * eff)
     launch = prof["launch_s"]
     bound = "compute" if t_c >= t_m else "memory"
