@@ -6,7 +6,7 @@
 #   run (device tool): python3 -m pip install ... .whl/*.whl && OUT=$OUT bash scripts/h200_next.sh
 set -uo pipefail
 OUT=${OUT:-.anatomy/h200-next}
-R=$OUT/r; mkdir -p "$R"
+R=$OUT/r; mkdir -p "$R"; export R
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 END=$((SECONDS + ${BUDGET_S:-570}))
 pack() { tar -czf "$OUT/results.tar.gz" -C "$OUT" r; }
@@ -36,8 +36,12 @@ part gemm-conditions 90 python3 scripts/probe_gemm_conditions.py --out "$R/gemm_
 part tune-rms-norm 150 python3 scripts/tune_rms_norm.py --out "$R/tune_rms_norm.json"
 part kernels-seed 60 python3 -m anatomy.kernels.bench --shape seed --json "$R/kernels-seed.json"
 part kernels-wide 60 python3 -m anatomy.kernels.bench --shape wide --json "$R/kernels-wide.json"
-part gpu-kernels 90 python3 -m pytest validations/test_kernels.py validations/test_efficient.py -m gpu -q \
+part gpu-kernels 90 python3 -m pytest validations/test_kernels.py validations/test_efficient.py validations/test_fast_path.py -m gpu -q \
   -p no:cacheprovider --claims-report "$R/claims-kernels-gpu.json"
+# session 8 (issues 5, 3): the fused ops' eager fast path against the custom-op route, same machine, same run
+part step-fast-path 150 bash -c 'for pb in "seed 16" "seed 4"; do set -- $pb; for fp in 1 0; do
+  ANATOMY_FAST_PATH=$fp python3 bench/step.py --preset "$1" --batch "$2" --peer efficient --repeats 20 \
+    --json "$R/step-$1-B$2-fastpath$fp.json" || exit 1; done; done'
 part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 90
 part probe-timing 60 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
 part probe-timing-training 200 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \
@@ -45,7 +49,6 @@ part probe-timing-training 200 python3 scripts/probe_timing.py --skip-named --hy
 part probe-timing-hypothesis 70 python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed "${DRAW_SEED:-2026}" \
   --out "$R/probe_timing_hypothesis.json"
 # recompute="mlp" (issue 3): the step against HF + Liger in one run, per-phase memory, the GPU claims
-export R
 part step-recompute 240 bash -c 'for pb in "seed 16" "anchor-1b 4"; do set -- $pb
   for peer in efficient "efficient --recompute mlp" hf-liger; do n=${peer/ --recompute mlp/-recompute}
     python3 bench/step.py --preset "$1" --batch "$2" --peer $peer --json "$R/step-$1-$n.json" || exit 1; done; done'

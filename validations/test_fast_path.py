@@ -30,32 +30,33 @@ class _Dispatcher(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _case(op: str):
+def _case(op: str, device: str = "cpu"):
     """(inputs requiring grad, fn(*inputs) -> outputs) of one op, on a small odd-sized shape."""
     torch.manual_seed(0)
+    dev = dict(device=device)
     if op == "rms_norm":
-        x, w = torch.randn(3, 5, 48) * 2, 1 + torch.randn(48) * 0.1
+        x, w = torch.randn(3, 5, 48, **dev) * 2, 1 + torch.randn(48, **dev) * 0.1
         return [x.requires_grad_(), w.requires_grad_()], lambda x, w: (rms_norm(x, w, 1e-5),)
     if op == "rope_qkv":
         B, S, nh, nkv, D = 2, 7, 4, 2, 16
-        qkv = torch.randn(B, S, (nh + 2 * nkv) * D)
-        ang = torch.arange(S)[:, None] * torch.rand(D // 2).repeat(2)[None]
+        qkv = torch.randn(B, S, (nh + 2 * nkv) * D, **dev)
+        ang = torch.arange(S, **dev)[:, None] * torch.rand(D // 2, **dev).repeat(2)[None]
         cos, sin = ang.cos(), ang.sin()
         return [qkv.requires_grad_()], lambda qkv: rope_qkv(qkv, cos, sin, nh, nkv)
-    w = (torch.randn(24, 16) * 0.5).requires_grad_()
-    x = torch.randn(2, 5, 16)
+    w = (torch.randn(24, 16, **dev) * 0.5).requires_grad_()
+    x = torch.randn(2, 5, 16, **dev)
     return [w], lambda w: (swiglu_packed(x @ w.t(), "swiglu"),)  # a non-leaf gate_up: in-place backward
 
 
-def _run(op: str, path: str, autocast: bool, dispatcher: bool):
-    inputs, fn = _case(op)
+def _run(op: str, path: str, autocast: bool, dispatcher: bool, device: str = "cpu"):
+    inputs, fn = _case(op, device)
     saved = []
 
     def pack(t):
         saved.append((tuple(t.shape), t.dtype))
         return t
     mode = _Dispatcher() if dispatcher else contextlib.nullcontext()
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    amp = torch.autocast(device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with (triton_on_cpu() if path == "triton" else contextlib.nullcontext()), mode:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
             outs = fn(*inputs)
@@ -67,9 +68,11 @@ def _run(op: str, path: str, autocast: bool, dispatcher: bool):
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
 @pytest.mark.parametrize("op", ["rms_norm", "rope_qkv", "swiglu_packed"])
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", PATHS + [pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_fast_path_equals_the_custom_op(path, op, autocast):
-    fast, slow = _run(op, path, autocast, False), _run(op, path, autocast, True)
+    """cuda: the Triton kernels on the GPU, through both paths."""
+    dev = "cuda" if path == "cuda" else "cpu"
+    fast, slow = _run(op, path, autocast, False, dev), _run(op, path, autocast, True, dev)
     fname = {"rms_norm": "_RMSNormFn", "rope_qkv": "_RopeQKVFn", "swiglu_packed": "_SwiGLUPackedFn"}[op]
     assert all(n.startswith(fname) for n in fast[3]), fast[3]  # the fast path ran ...
     assert not any(n.startswith(fname) for n in slow[3]), slow[3]  # ... and here the custom op did

@@ -67,6 +67,8 @@ LIB = torch.library.Library("anatomy", "FRAGMENT")  # holds the autocast kernels
 
 _triton_on_cpu = False
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+# ANATOMY_FAST_PATH=0 sends every call through the custom ops: the A/B switch for what the fast path buys
+_FAST = os.environ.get("ANATOMY_FAST_PATH", "1") != "0"
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
@@ -101,7 +103,7 @@ def launches_triton(t: torch.Tensor) -> bool:
 def fast_path(*tensors: torch.Tensor) -> bool:
     """May this call skip the dispatcher (module docstring)? Only eager, plain, real tensors with no
     mode or trace that expects to see the op."""
-    if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+    if (not _FAST or torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
             or _get_current_dispatch_mode() is not None):
         return False
     return all(type(t) in _PLAIN and t.device.type != "meta" and not _wrapped(t) for t in tensors)
