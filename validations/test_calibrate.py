@@ -82,6 +82,18 @@ def test_accumulate_epilogue_bandwidth():
     a, b = (timing.estimate_time(cfg, Run(1, 4096), "efficient", q, with_kernels=True) for q in (p, p0))
     assert _kernel(a, "loss.grad_weight")["memory_s"] == pytest.approx(_kernel(b, "loss.grad_weight")["memory_s"] / 0.6)
     assert _kernel(a, "loss.logits")["memory_s"] == _kernel(b, "loss.logits")["memory_s"]
+    # at a misaligned vocab, the 512-row chunk's measured rate over the aligned model's sets the rate
+    mis = p["matmul_misaligned_accumulate"]
+    assert set(mis) == {"1", "2", "4"}
+    model = p["matmul_flops"]["bfloat16"] * gpus.matmul_efficiency(32004, 2048, 512, p["sms"], p["matmul_k_half"]) * \
+        p.get("matmul_fp32_accumulate", 1.0)
+    assert mis["4"] == pytest.approx(600e12 / model)
+    cfg4 = ModelConfig(name="v4", hidden=2048, layers=1, heads=16, intermediate=4096, vocab=34732)  # class 4
+    c, d = (timing.estimate_time(cfg4, Run(1, 4096), "efficient", q, with_kernels=True)
+            for q in (p, dict(p, matmul_misaligned_accumulate={})))
+    ratio = mis["4"] / gpus.alignment_factor(p, 34732, 2048, 512)
+    assert _kernel(c, "loss.grad_weight")["compute_s"] == pytest.approx(_kernel(d, "loss.grad_weight")["compute_s"] / ratio)
+    assert _kernel(c, "loss.logits")["compute_s"] == _kernel(d, "loss.logits")["compute_s"]
 
 
 def test_host_scale_from_a_measured_tiny_step():

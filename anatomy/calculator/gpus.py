@@ -256,6 +256,20 @@ def accumulate_bandwidth(rows: list[dict], hbm_Bps: float) -> float | None:
     return min(1.0, max(fr)) if fr else None
 
 
+def misaligned_accumulate(rows: list[dict], rate: float, sms: int, k_half: float, acc: float) -> dict:
+    """{alignment class: factor} for Liger's fp32-accumulating grad_weight at a misaligned vocab and a
+    chunk's K (<= ACC_MAX_K): its measured rate over the aligned model's rate for the same shape
+    (fitted rate x matmul_efficiency x the accumulate factor); geometric mean per class. It replaces
+    alignment_factor for such GEMMs, whose fallback kernel the big-K head shapes do not show."""
+    out: dict = {}
+    for r in rows:
+        a = alignment_class(r["vocab"])
+        if r["op"] == "grad_weight_acc" and a is not None and r["rows"] <= ACC_MAX_K:
+            model = rate * matmul_efficiency(r["vocab"], r["hidden"], r["rows"], sms, k_half) * acc
+            out.setdefault(str(a), []).append(math.log(r["tflops"] * 1e12 / model))
+    return {a: math.exp(sum(v) / len(v)) for a, v in out.items()}
+
+
 def alignment_factor(prof: dict, m: int, n: int, k: int) -> float:
     """The measured slowdown of a bf16 GEMM whose m, n or k is not a multiple of 8 (1.0 when the
     profile measured none: a datasheet profile does not model it)."""
@@ -343,6 +357,12 @@ def from_measured(data: dict) -> dict:
         if acc is not None:
             p["matmul_fp32_accumulate"] = acc
             p["sources"]["matmul_fp32_accumulate"] = f"{where}: addmm(out_dtype=fp32) over bf16-out, head shapes"
+        mis = misaligned_accumulate(m["matmul_vocab"], p["matmul_flops"]["bfloat16"], sms, p["matmul_k_half"],
+                                    acc or 1.0)
+        if mis:
+            p["matmul_misaligned_accumulate"] = mis
+            p["sources"]["matmul_misaligned_accumulate"] = (f"{where}: addmm(out_dtype=fp32) at vocab 32001/32002/"
+                                                            "32004, a 512-row chunk, over the aligned model's rate")
         bw = accumulate_bandwidth(m["matmul_vocab"], m["copy_tbps"] * 1e12) if m.get("copy_tbps") else None
         if bw is not None:
             p["matmul_accumulate_bw"] = bw

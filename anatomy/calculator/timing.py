@@ -81,8 +81,9 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
     if kern.kind == "matmul":
         b, m, n, k = kern.shape
         rate = prof["matmul_flops"][kern.dtype] * gpus.matmul_efficiency(m, n, k, prof["sms"], prof["matmul_k_half"], b)
+        mis = (prof.get("matmul_misaligned_accumulate") or {}).get(str(gpus.alignment_class(m))) if kern.accumulate else None
         if kern.dtype in ("bfloat16", "float16"):
-            rate *= gpus.alignment_factor(prof, m, n, k)
+            rate *= mis if mis is not None else gpus.alignment_factor(prof, m, n, k)
         if kern.accumulate:
             rate *= prof.get("matmul_fp32_accumulate", 1.0)
     elif kern.kind == "sdpa":

@@ -185,7 +185,7 @@ def _check(x: Tensor, weight: Tensor) -> None:
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {x.shape[-1]}")
 
 
-def _forward(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None) -> Tensor:
+def _forward(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
     _check(x, weight)
     return (rms_norm_triton if launches_triton(x) else rms_norm_reference)(x, weight, eps, out_dtype)
 
