@@ -120,38 +120,6 @@ def test_host_scale_from_a_measured_tiny_step():
         assert r["phases"]["optimizer"]["host_s"] == pytest.approx(r0["phases"]["optimizer"]["host_s"])
 
 
-def test_host_scales_from_two_depths():
-    """With the tiny step timed at two depths (calibrate.HOST_STEP_DEEP), the layers' ops and the rest
-    get their own factor, solved from the two steps (fake: layers' ops at 2x their modelled host cost,
-    the rest at 5x): recovered exactly, and a prediction's host splits the same way; without the deep
-    step, or with an inconsistent one (a negative solve), both are the single host_scale."""
-    data = calibrate.build_profile(_fake_measurements(), dict(date="fake"), "h200-sxm")
-    p0 = gpus.from_measured(data)
-    hs = dict(calibrate.HOST_STEP)
-    run = Run(hs["batch"], hs["seq"], hs["dtype"])
-    a, b = 2.0, 5.0
-
-    def measured(layers):
-        ks = timing.kernels(ModelConfig(**dict(hs["cfg"], layers=layers)), run, "efficient", None, None)
-        lay = sum(timing.host_seconds(k, p0) for k in ks if k.order == 1)
-        rest = sum(timing.host_seconds(k, p0) for k in ks) - lay
-        return dict(forward_backward_ms=1e3 * (a * lay + b * rest))
-    hs["efficient"] = measured(hs["cfg"]["layers"])
-    hs["deep"] = dict(layers=calibrate.HOST_STEP_DEEP, efficient=measured(calibrate.HOST_STEP_DEEP))
-    p = gpus.from_measured(dict(data, measurements=dict(data["measurements"], host_step=hs)))
-    assert timing.host_scales(p, "efficient") == pytest.approx((a, b))
-    assert timing.host_scales(p0, "efficient") == (1.0, 1.0)
-    r0, r = (timing.estimate_time(ONE_B, Run(1, 512), "efficient", q, optimizer="adamw", with_kernels=True)
-             for q in (p0, p))
-    for k0, k in zip(r0["kernels"], r["kernels"], strict=True):
-        f = 1.0 if k["phase"] == "optimizer" else a if k["order"] == 1 else b
-        assert k["host_s"] == pytest.approx(f * k0["host_s"]), k["name"]
-    assert r["host_scale"] == pytest.approx(dict(layers=a, other=b))
-    bad = dict(hs, deep=dict(layers=calibrate.HOST_STEP_DEEP, efficient=dict(forward_backward_ms=1e-3)))
-    q = gpus.from_measured(dict(data, measurements=dict(data["measurements"], host_step=bad)))
-    assert timing.host_scales(q, "efficient") == (timing.host_scale(q, "efficient"),) * 2
-
-
 # ---- calibrate: its pure parts on CPU -------------------------------------------------------------
 def test_gemm_grid_covers_the_model_family():
     grid = set(calibrate.gemm_grid())

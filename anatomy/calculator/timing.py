@@ -172,45 +172,17 @@ def host_scale(prof: dict, variant: str, sdpa_backend: str | None = None) -> flo
                                                                                         sdpa_backend, None))
 
 
-def host_scales(prof: dict, variant: str, sdpa_backend: str | None = None) -> tuple[float, float]:
-    """(scale of the layers' ops, scale of the others): host_scale split in two where calibrate also
-    timed the tiny step at more layers (profile["host_step"]["deep"]). Two steps that differ only in
-    depth give two equations, measured = a x (modelled host of the layers' ops) + b x (modelled host
-    of the rest: embedding, Liger's chunk loop, the host syncs), solved for a and b. Why: one factor
-    fitted on a 2-layer step carried its fixed part into every layer op, and over-predicted the host
-    of deep models in proportion to depth (session8b: +27% at 6 layers, +36% at 16, -5 to +2% at 2).
-    Both are host_scale without the deep step, or when the solve gives a non-positive factor."""
-    one = host_scale(prof, variant, sdpa_backend)
-    hs = prof.get("host_step") or {}
-    deep = hs.get("deep") or {}
-    if not (hs.get(variant) and deep.get(variant)):
-        return one, one
-    run = Run(hs["batch"], hs["seq"], hs.get("dtype", "amp"))
-
-    def split(layers: int) -> tuple[float, float]:
-        ks = kernels(ModelConfig(**dict(hs["cfg"], layers=layers)), run, variant, sdpa_backend, None)
-        lay = sum(host_seconds(k, prof) for k in ks if k.order == 1)
-        return lay, sum(host_seconds(k, prof) for k in ks) - lay
-    (l1, r1), (l2, r2) = split(hs["cfg"]["layers"]), split(deep["layers"])
-    t1, t2 = hs[variant]["forward_backward_ms"] * 1e-3, deep[variant]["forward_backward_ms"] * 1e-3
-    det = l1 * r2 - l2 * r1
-    a, b = (t1 * r2 - t2 * r1) / det, (l1 * t2 - l2 * t1) / det
-    return (a, b) if a > 0 and b > 0 else (one, one)
-
-
-def predict(ks: list[Kernel], prof: dict, scale: float | tuple[float, float] = 1.0,
-            layers: int = 1) -> tuple[list[dict], list[dict]]:
+def predict(ks: list[Kernel], prof: dict, scale: float = 1.0, layers: int = 1) -> tuple[list[dict], list[dict]]:
     """Rows (one per kernel entry, in phase order) and host-sync segments. A segment runs from one
     host sync to the next (the optimizer is always its own); its time comes from the host/GPU
     pipeline (pipeline.simulate: each kernel starts when the GPU is free and the host has issued it,
     the kernels of the layers interleaved layer by layer). scale multiplies the host cost of forward
-    and backward ops (host_scale), or is (layers' ops, other ops) (host_scales)."""
-    per_layer, rest = scale if isinstance(scale, tuple) else (scale, scale)
+    and backward ops (host_scale)."""
     order = sorted(range(len(ks)), key=lambda i: (PHASES.index(ks[i].phase), ks[i].order))  # stable
     rows, entries = [], []
     for k in (ks[i] for i in order):
         row = time_kernel(k, prof)
-        row["host_s"] = host_seconds(k, prof) * (1.0 if k.phase == "optimizer" else per_layer if k.order == 1 else rest)
+        row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" else 1.0)
         rows.append(row)
         entries.append(SimpleNamespace(kernel=k, gpu_s=row["per_launch_s"], host_s=row["host_s"] / k.count))
     return rows, pipeline.simulate(entries, layers)
@@ -225,7 +197,7 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     forward_backward_s is what bench/step.py measures (max of GPU and host time per host-sync
     segment); step_s adds the optimizer. Per component and phase the figures are GPU time."""
     prof = gpus.get(gpu)
-    scale = host_scales(prof, variant, sdpa_backend)
+    scale = host_scale(prof, variant, sdpa_backend)
     rows, segs = predict(kernels(cfg, run, variant, sdpa_backend, optimizer), prof, scale, cfg.layers)
     comps: dict[str, dict] = {}
     phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
@@ -250,7 +222,7 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
         gpu=prof["name"], profile_kind=prof["kind"], variant=variant, config=cfg.to_dict(),
         run=run.to_dict(), optimizer=optimizer,
         sdpa_backend=(sdpa_backend or "cudnn") if variant == "efficient" else "math (explicit QKᵀ, softmax, PV)",
-        host_scale=dict(layers=scale[0], other=scale[1]), forward_backward_s=fb, optimizer_s=opt, step_s=fb + opt, gpu_s=sum(p["gpu_s"] for p in phases.values()),
+        host_scale=scale, forward_backward_s=fb, optimizer_s=opt, step_s=fb + opt, gpu_s=sum(p["gpu_s"] for p in phases.values()),
         tokens_per_s=run.tokens / fb, phases=phases, segments=segs, components=comps,
         mfu=dict(model=model / fb / peak, counter=counter / fb / peak, peak_flops=peak,
                  peak_source=prof["sources"].get("mfu_peak_flops", prof["sources"]["peak_flops"]),

@@ -312,10 +312,7 @@ HOST_STEP = dict(cfg=dict(name="host-step", hidden=256, layers=2, heads=4, kv_he
                  batch=2, seq=64, dtype="amp")
 
 
-HOST_STEP_DEEP = 8  # the same tiny step at more layers: per-layer and fixed host cost apart (timing.host_scales)
-
-
-def measure_host_step(steps: int = 30, warmup: int = 5, layers: int | None = None) -> dict:
+def measure_host_step(steps: int = 30, warmup: int = 5) -> dict:
     """Median wall time of the forward (until it returns) and of the backward (synchronized at its end)
     of HOST_STEP's tiny model, per variant: microseconds of GPU work under milliseconds of host issue."""
     import torch
@@ -324,9 +321,8 @@ def measure_host_step(steps: int = 30, warmup: int = 5, layers: int | None = Non
     from anatomy.measure.memory import setup_step
     from anatomy.models import autocast_ctx
 
-    cfg = ModelConfig(**dict(HOST_STEP["cfg"], layers=layers or HOST_STEP["cfg"]["layers"]))
-    run = Run(HOST_STEP["batch"], HOST_STEP["seq"], HOST_STEP["dtype"])
-    out = dict(HOST_STEP, cfg=cfg.to_dict()) if layers else dict(HOST_STEP)
+    cfg, run = ModelConfig(**HOST_STEP["cfg"]), Run(HOST_STEP["batch"], HOST_STEP["seq"], HOST_STEP["dtype"])
+    out = dict(HOST_STEP)
     for variant in ("baseline", "efficient"):
         model, ids, targets, _ = setup_step(cfg, run, variant, None)
         times = []
@@ -388,7 +384,6 @@ def main(argv: list[str] | None = None) -> int:
     m: dict = dict(copy_tbps=measure_copy(), launch_us=measure_launch(), kernel_gap=measure_kernel_gap())
     m["host_op_us"], m["host_custom_us"] = measure_host()
     m["host_step"] = measure_host_step()
-    m["host_step"]["deep"] = dict(measure_host_step(layers=HOST_STEP_DEEP), layers=HOST_STEP_DEEP)
     # half of what is left for attention, the rest for the GEMM grid (the host figures above take seconds)
     m["attention"], skipped = measure_attention(time.monotonic() + 0.5 * (deadline - time.monotonic()))
     m["matmul_bf16"] = measure_matmuls(gemm_grid(), time.monotonic() + 0.5 * (deadline - time.monotonic()))
