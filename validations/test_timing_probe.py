@@ -117,73 +117,63 @@ def _id(r: dict) -> str:
     return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}-{r['optimizer']}"
 
 
-# Known misses of the ±10% claim on session7d (drawn with seed 17 after the model's last change), each
+# Known misses of the ±10% claim on session8c (drawn with seed 29, run on the final calculator), each
 # strict (a fix turns its XPASS into a failure), with the error measured there. Why, as far as the rows
-# show (docs/timing.md, "Session 7"):
+# show (docs/timing.md, "Session 8"):
 _EAGER = "the eager baseline: S x S softmax, mask and casts run under the copy roofline; host-bound ones slower still"
-_HOST = ("predicted host-bound: this machine's host (20.3 us per bare op, the slowest of these calibrations) times "
-         "the tiny step's scale puts the host above the measured, overlapped step; train31, train30 with a "
-         "smaller MLP, took 17% longer here")
-_GPU = ("GPU-bound at hidden 2048-3072: the kernels ran 2-15% longer than modelled (the idle between them is "
-        "now the pipeline's, pipeline.py)")
-_NEAR = ("host and GPU within ~5% of each other: the pipeline's idle after each sync rests on the host's per-op "
-         "cost, which this machine's steps hid better than its tiny calibrated step says")
+_HOST = ("host-bound or near it (modelled host within 20% of the GPU): the host's in-step cost per op varies between "
+         "runs and between rows of one run by more than 10%: the same seed B4S1024 step took 55.2 ms in session8, "
+         "32.2 in session8b and 43.1 here; here train25 and train27 (the same model but for the MLP and vocab) ran "
+         "30.3 and 20.9 ms against 20.2 and 14.2 predicted, while session8b's host-bound rows were over-predicted")
+_IDLE = ("modelled GPU-bound, but the step idled 8-11 ms beyond its profiled kernels (train9: 34.7 ms against 26.6 "
+         "of kernels): this run's host fell behind more than its calibrated per-op cost says")
 _MISSES = {
-    ("seed-B16S4096-baseline-adamw", "forward_backward"): (-0.331, _EAGER),
-    ("seed-B16S4096-baseline-adamw", "step"): (-0.329, _EAGER),
-    ("seed-B16S4096-efficient-adamw", "forward_backward"): (+0.266, _HOST),
-    ("seed-B16S4096-efficient-adamw", "step"): (+0.269, _HOST),
-    ("seed-B4S1024-baseline-adamw", "forward_backward"): (+0.123, _EAGER),
-    ("seed-B4S1024-baseline-adamw", "step"): (+0.124, _EAGER),
-    ("seed-B4S1024-efficient-adamw", "forward_backward"): (+0.122, _HOST),
-    ("seed-B4S1024-efficient-adamw", "step"): (+0.115, _HOST),
-    ("llama3.2-1b-B2S2048-baseline-adamw", "forward_backward"): (-0.226, _EAGER),
-    ("llama3.2-1b-B2S2048-baseline-adamw", "step"): (-0.222, _EAGER),
-    ("llama3.2-1b-B2S2048-efficient-adamw", "forward_backward"): (+0.423, _HOST),
-    ("llama3.2-1b-B2S2048-efficient-adamw", "step"): (+0.368, _HOST),
-    ("train0-B8S1024-efficient-adamw", "forward_backward"): (+0.313, _HOST),
-    ("train0-B8S1024-efficient-adamw", "step"): (+0.275, _HOST),
-    ("train1-B8S1024-efficient-adamw", "forward_backward"): (+0.344, _HOST),
-    ("train1-B8S1024-efficient-adamw", "step"): (+0.312, _HOST),
-    ("train2-B2S4096-efficient-adamw", "forward_backward"): (+0.163, _HOST),
-    ("train2-B2S4096-efficient-adamw", "step"): (+0.134, _HOST),
-    ("train3-B8S1024-efficient-adamw", "forward_backward"): (+0.121, _HOST),
-    ("train3-B8S1024-efficient-adamw", "step"): (+0.100, _HOST),
-    ("train5-B16S1024-efficient-adamw", "step"): (-0.104, _GPU),
-    ("train6-B4S2048-efficient-adamw", "forward_backward"): (+0.102, _NEAR),
-    ("train9-B4S2048-efficient-adamw", "forward_backward"): (+0.355, _HOST),
-    ("train9-B4S2048-efficient-adamw", "step"): (+0.325, _HOST),
-    ("train20-B2S4096-efficient-adamw", "forward_backward"): (+0.118, _NEAR),
-    ("train28-B8S1024-efficient-adamw", "forward_backward"): (+0.137, _HOST),
-    ("train28-B8S1024-efficient-adamw", "step"): (+0.112, _HOST),
-    ("train29-B8S1024-efficient-adamw", "forward_backward"): (+0.204, _HOST),
-    ("train29-B8S1024-efficient-adamw", "step"): (+0.181, _HOST),
-    ("train30-B8S1024-efficient-adamw", "forward_backward"): (+0.349, _HOST),
-    ("train30-B8S1024-efficient-adamw", "step"): (+0.311, _HOST),
-    ("train31-B8S1024-efficient-adamw", "forward_backward"): (+0.151, _HOST),
-    ("train31-B8S1024-efficient-adamw", "step"): (+0.125, _HOST),
-    ("train35-B8S1024-efficient-adamw", "forward_backward"): (+0.210, _HOST),
-    ("train35-B8S1024-efficient-adamw", "step"): (+0.180, _HOST),
+    ("seed-B16S4096-baseline-adamw", "forward_backward"): (-0.345, _EAGER),
+    ("seed-B16S4096-baseline-adamw", "step"): (-0.342, _EAGER),
+    ("seed-B16S4096-efficient-adamw", "forward_backward"): (-0.121, _HOST),
+    ("seed-B16S4096-efficient-adamw", "step"): (-0.108, _HOST),
+    ("seed-B4S1024-efficient-adamw", "forward_backward"): (-0.210, _HOST),
+    ("seed-B4S1024-efficient-adamw", "step"): (-0.211, _HOST),
+    ("tiny-gqa-B4S512-efficient-adamw", "forward_backward"): (-0.363, _HOST),
+    ("tiny-gqa-B4S512-efficient-adamw", "step"): (-0.372, _HOST),
+    ("llama3.2-1b-B2S2048-baseline-adamw", "forward_backward"): (-0.237, _EAGER),
+    ("llama3.2-1b-B2S2048-baseline-adamw", "step"): (-0.233, _EAGER),
+    ("train0-B8S1024-efficient-adamw", "forward_backward"): (-0.258, _HOST),
+    ("train0-B8S1024-efficient-adamw", "step"): (-0.266, _HOST),
+    ("train1-B8S1024-efficient-adamw", "forward_backward"): (-0.123, _HOST),
+    ("train1-B8S1024-efficient-adamw", "step"): (-0.139, _HOST),
+    ("train3-B8S1024-efficient-adamw", "forward_backward"): (-0.101, _HOST),
+    ("train3-B8S1024-efficient-adamw", "step"): (-0.106, _HOST),
+    ("train9-B8S1024-efficient-adamw", "forward_backward"): (-0.153, _IDLE),
+    ("train9-B8S1024-efficient-adamw", "step"): (-0.165, _IDLE),
+    ("train13-B4S4096-efficient-adamw", "forward_backward"): (-0.106, _IDLE),
+    ("train13-B4S4096-efficient-adamw", "step"): (-0.110, _IDLE),
+    ("train14-B4S4096-efficient-adamw", "forward_backward"): (-0.200, _HOST),
+    ("train14-B4S4096-efficient-adamw", "step"): (-0.211, _HOST),
+    ("train15-B4S4096-efficient-adamw", "forward_backward"): (-0.180, _HOST),
+    ("train15-B4S4096-efficient-adamw", "step"): (-0.191, _HOST),
+    ("train25-B16S1024-efficient-adamw", "forward_backward"): (-0.334, _HOST),
+    ("train25-B16S1024-efficient-adamw", "step"): (-0.339, _HOST),
+    ("train26-B16S1024-efficient-adamw", "forward_backward"): (-0.286, _HOST),
+    ("train26-B16S1024-efficient-adamw", "step"): (-0.295, _HOST),
+    ("train27-B16S1024-efficient-adamw", "forward_backward"): (-0.317, _HOST),
+    ("train27-B16S1024-efficient-adamw", "step"): (-0.327, _HOST),
+    ("train33-B16S1024-efficient-adamw", "forward_backward"): (-0.286, _HOST),
+    ("train33-B16S1024-efficient-adamw", "step"): (-0.295, _HOST),
+    ("train39-B2S4096-efficient-adamw", "forward_backward"): (+0.216, _HOST),
+    ("train39-B2S4096-efficient-adamw", "step"): (+0.192, _HOST),
 }
 
-# Known misses of the ±15% per-component claim on session7d, strict, with the error measured there.
-_LOSS = "Liger's chunk loop at 8k tokens or a 128k vocab: chunk GEMMs and CE passes under the grid's rates"
+# Known misses of the ±15% per-component claim on session8c, strict, with the error measured there. All on
+# named small shapes; every drawn training-sized component figure is within.
 _SMALL = "a small or short-sequence shape under the calibrated sizes (cuDNN S >= 1024, GEMM grid at 16k tokens)"
 _COMPONENT_MISSES = {
-    ("seed-B4S1024-efficient-adamw", "attention backward"): (-0.195, _SMALL),
-    ("anchor-1b-B4S4096-efficient-adamw", "loss forward"): (-0.154, _LOSS),
-    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.179, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.446, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "embedding backward"): (-0.709, "the embedding backward's sort and segmented "
+    ("seed-B4S1024-efficient-adamw", "attention backward"): (-0.205, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "norm backward"): (-0.152, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.214, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.467, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "embedding backward"): (-0.716, "the embedding backward's sort and segmented "
                                                                  "sum are modelled as 8 evenly loaded launches"),
-    ("llama3.2-1b-B2S2048-efficient-adamw", "loss forward"): (-0.201, _LOSS),
-    ("train0-B8S1024-efficient-adamw", "loss forward"): (-0.151, _LOSS),
-    ("train1-B8S1024-efficient-adamw", "loss forward"): (-0.162, _LOSS),
-    ("train2-B2S4096-efficient-adamw", "loss forward"): (-0.171, _LOSS),
-    ("train9-B4S2048-efficient-adamw", "loss forward"): (-0.152, _LOSS),
-    ("train23-B4S4096-efficient-adamw", "mlp backward"): (-0.161, _GPU),
-    ("train23-B4S4096-efficient-adamw", "attention backward"): (-0.185, _GPU),
-    ("train26-B8S1024-efficient-adamw", "loss forward"): (-0.155, _LOSS),
 }
 
 
@@ -238,17 +228,23 @@ def test_the_claim_covers_at_least_30_drawn_configs():
     assert len([r for r in SETS["drawn, training-sized"] if r["variant"] == "efficient"]) >= 30
 
 
-@pytest.mark.parametrize("name,variant,lo,hi", [
-    ("drawn, training-sized", "baseline", -0.30, 0.25),
-    ("drawn, small", "baseline", -0.20, 0.59),
-    ("drawn, small", "efficient", -0.21, 0.53)])
-def test_what_the_model_gets_wrong_outside_the_claim(name, variant, lo, hi):
+# (the drawn small configs were last probed in session7d, whose probe ran out of its time budget at
+# config 22 of 32; sessions 8-8c spent their device time on the claim's rows)
+SMALL_SESSION = probes.H200 / "session7d"
+
+
+@pytest.mark.parametrize("session,name,variant,lo,hi", [
+    (SESSION, "drawn, training-sized", "baseline", -0.32, 0.06),
+    (SMALL_SESSION, "drawn, small", "baseline", -0.20, 0.59),
+    (SMALL_SESSION, "drawn, small", "efficient", -0.21, 0.53)], ids=lambda x: getattr(x, "name", x))
+def test_what_the_model_gets_wrong_outside_the_claim(session, name, variant, lo, hi):
     """Not claims, but the model's stated errors where the claim does not reach, so that a change shows:
     the eager baseline's S x S elementwise chain runs under the copy roofline (under-predicted where it
     dominates), and the small drawn configs are bound by the host, whose in-step cost per op varies
-    between machines (host op 11-20 us over these calibrations) and between rows of one run. The
-    small set has 21 configs: session7d's probe ran out of its time budget at config 22 of 32."""
-    errs = [probes.time_error(r, "forward_backward", PROFILE) for r in SETS[name] if r["variant"] == variant]
+    between machines (host op 14-23 us over sessions 7d-8c) and between rows of one run. Each set
+    against its own session's profile."""
+    errs = [probes.time_error(r, "forward_backward", str(session / "h200.json"))
+            for r in probes.timing_rows(session)[name] if r["variant"] == variant]
     assert len(errs) >= 20 and lo < min(errs) and max(errs) < hi, (min(errs), max(errs))
 
 
