@@ -44,6 +44,8 @@ part step-fast-path 150 bash -c 'for pb in "seed 16" "seed 4"; do set -- $pb; fo
     --json "$R/step-$1-B$2-fastpath$fp.json" || exit 1; done; done'
 # session 8 (issue 5): how reproducible a host-bound step is; pinned threads and gc off against neither, twice
 part host-noise 150 bash -c 'for i in 1 2; do python3 scripts/probe_host_noise.py --out "$R/host_noise_$i.json" || exit 1; done'
+# (issue 5) the same host-bound step before and after one torch.profiler session in one process
+part host-noise-profiler 60 python3 scripts/probe_host_noise.py --profiler --blocks 4 --out "$R/host_noise_profiler.json"
 part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 90
 part probe-timing 60 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
 part probe-timing-training 200 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \

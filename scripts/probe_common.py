@@ -43,12 +43,14 @@ def drawn(n: int, seed: int, strategy: str = "gpu") -> list[tuple]:
 
 
 def run_rows(prog: str, a: argparse.Namespace, cases: list[tuple], measure: Callable[[object, object, str, object],
-             dict], summary: Callable[[dict], str], **header) -> int:
-    """cases: (name, cfg, run, variants, optimizer). measure(cfg, run, variant, optimizer) -> the row's fields."""
+             dict], summary: Callable[[dict], str], second: Callable | None = None, **header) -> int:
+    """cases: (name, cfg, run, variants, optimizer). measure(cfg, run, variant, optimizer) -> the row's fields.
+    second (same arguments): more fields, measured for every row only after `measure` has run for all of
+    them (probe_timing: the profiler's pass, which leaves the process slower, comes last)."""
     head = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
                 cuda=torch.version.cuda, **header,
                 command=f"PYTHONPATH=. python3 scripts/{prog}.py " + " ".join(sys.argv[1:]), seed=a.seed, rows=[])
-    t0 = time.time()
+    t0, done = time.time(), []
     for k, (name, cfg, run, variants, opt) in enumerate(cases):
         for variant in variants:
             row = dict(config=name, cfg=cfg.to_dict(), batch=run.batch, seq=run.seq, variant=variant, optimizer=opt,
@@ -59,10 +61,22 @@ def run_rows(prog: str, a: argparse.Namespace, cases: list[tuple], measure: Call
                 torch.cuda.empty_cache()
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             head["rows"].append(row)
+            done.append((row, cfg, run, variant, opt))
             print(f"[{k + 1}/{len(cases)} {time.time() - t0:5.0f}s] {name} B{run.batch}S{run.seq} {variant} {opt}: "
                   + (row["error"][:120] if "error" in row else summary(row)), file=sys.stderr, flush=True)
             if a.out:
                 Path(a.out).write_text(json.dumps(head, indent=1))
+    for k, (row, cfg, run, variant, opt) in enumerate(done if second else ()):
+        if "error" in row:
+            continue
+        try:
+            row.update(second(cfg, run, variant, opt))
+        except Exception as e:  # noqa: BLE001
+            torch.cuda.empty_cache()
+            row["error"] = f"second pass: {type(e).__name__}: {e}"[:300]
+        print(f"[pass 2 {k + 1}/{len(done)} {time.time() - t0:5.0f}s] {row['config']} {variant}", file=sys.stderr, flush=True)
+        if a.out:
+            Path(a.out).write_text(json.dumps(head, indent=1))
     if not a.out:
         print(json.dumps(head, indent=1))
     return 0

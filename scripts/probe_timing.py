@@ -44,10 +44,15 @@ def main() -> int:
 
     cases = [] if a.skip_named else [(n, c, r, v, "adamw") for n, c, r, v in CASES]
     cases += [(n, c, r, BOTH, "adamw") for n, c, r in probe_common.drawn(a.hypothesis, a.seed, a.strategy)]
+    # Every row's steps are timed before the first torch.profiler session: the profiler leaves CUPTI
+    # attached when it ends (pytorch/pytorch#144455), and every kernel launch after it costs the host
+    # more (scripts/probe_host_noise.py --profiler). Before session 8d each row's profiled steps ran
+    # right after its timed ones, so from the second row on, host-bound steps were timed slowed.
     return probe_common.run_rows("probe_timing", a, cases,
-                                 lambda cfg, run, variant, opt: dict(timeline=component_times(cfg, run, variant, opt),
-                                                                     kernels=kernel_times(cfg, run, variant, opt)),
-                                 lambda row: _summary(row["timeline"]), triton=triton.__version__)
+                                 lambda cfg, run, variant, opt: dict(timeline=component_times(cfg, run, variant, opt)),
+                                 lambda row: _summary(row["timeline"]),
+                                 second=lambda cfg, run, variant, opt: dict(kernels=kernel_times(cfg, run, variant, opt)),
+                                 triton=triton.__version__)
 
 
 if __name__ == "__main__":
