@@ -255,8 +255,7 @@ class _RMSNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, eps, out_dtype):
         with no_autocast(x):
             y = _forward(x, weight, eps, out_dtype)
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
+        _setup_context(ctx, (x, weight, eps, out_dtype), y)
         return y
 
     @staticmethod

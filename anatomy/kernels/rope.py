@@ -247,7 +247,7 @@ class _RopeQKVFn(torch.autograd.Function):
     def forward(ctx, qkv, cos, sin, heads, kv_heads):
         with no_autocast(qkv):
             out = _forward(qkv, cos, sin, heads, kv_heads)
-        ctx.save_for_backward(cos, sin)
+        _setup_context(ctx, (qkv, cos, sin, heads, kv_heads), out)
         return out
 
     @staticmethod

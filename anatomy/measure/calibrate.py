@@ -10,7 +10,8 @@ timing reuses one L2-resident input):
                   grad-weight (out, in, T) of qkv, o, gate_up, down, and Liger's chunk GEMMs; plus
                   8192³ (the ANCHORS ceiling) and 4096³. The profile fits a rate and k_half to them.
   matmul_vocab    the LM head's three GEMMs as the model writes them (x @ W.t(), g @ W, g.t() @ x)
-                  and Liger's fp32-accumulating addmm (grad_weight_acc),
+                  and Liger's fp32-accumulating addmm (grad_weight_acc; also at few-row chunks,
+                  ACC_CHUNKS and ACC_MISALIGNED, where its epilogue or a fallback kernel bounds it),
                   at a vocab that is a multiple of 8 and at vocabs that are not (32001, 32002, 32004):
                   a bf16 row whose length is not a multiple of 8 is not 16-byte aligned, and cuBLAS
                   leaves its fastest kernels for it. The profile keeps the slowdown per case.
@@ -19,7 +20,8 @@ timing reuses one L2-resident input):
                   also at S = 1024 and 2048 (same tokens)
   copy_tbps       a 2 GiB device copy, bytes read + written
   launch_us       GPU time per tiny kernel on a full queue (queued behind a long kernel: no host cost)
-  kernel_gap      the idle time between two dependent kernels of real size (a profiled GEMM/copy chain)
+  kernel_gap      the idle time between two dependent kernels of real size (a profiled GEMM/copy chain;
+                  timed last, as the profiler leaves every later launch slower)
   host_op_us      CPU time per eager op that records autograd (1-element tensors: the GPU is idle)
   host_custom_us  CPU time per call of our custom ops (rms_norm, swiglu, rope_qkv), fwd and bwd
   host_step       wall time of a tiny training step (forward + backward) of each variant, so small
@@ -28,8 +30,8 @@ timing reuses one L2-resident input):
                   activation operand, GPU time only (calibrate_kernels.py says why); the profile
                   fits its GEMM rate to these when present
   fused           GPU time per call of our fused ops (rms_norm, swiglu, rope_qkv; fwd and bwd), the
-                  fp32 + bf16 residual add and Liger's CE kernel, at 16,384 rows (and 65,536 for widths
-                  <= 2048) and several widths: the calculator turns them into bandwidth efficiencies
+                  fp32 + bf16 residual add and Liger's CE kernel (at 512- and 2048-row chunks), at 16,384
+                  rows (and 65,536 for widths <= 2048) and several widths: the calculator turns them into bandwidth efficiencies
 Measurements never read the calculator; the profile is only *loaded* by it (gpus.from_measured).
 On a machine without CUDA it prints one line and exits 2.
 """
