@@ -46,6 +46,8 @@ part step-fast-path 150 bash -c 'for pb in "seed 16" "seed 4"; do set -- $pb; fo
 part host-noise 150 bash -c 'for i in 1 2; do python3 scripts/probe_host_noise.py --out "$R/host_noise_$i.json" || exit 1; done'
 # (issue 5) the same host-bound step before and after one torch.profiler session in one process
 part host-noise-profiler 60 python3 scripts/probe_host_noise.py --profiler --blocks 4 --out "$R/host_noise_profiler.json"
+# session 9 (issue 5): a host-bound row at its size and at a tiny batch, Liger's host cost per chunk, ops on a busy GPU
+part host-parts 180 python3 scripts/probe_host_parts.py --out "$R/host_parts.json"
 part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 90
 part probe-timing 60 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
 part probe-timing-training 200 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \
