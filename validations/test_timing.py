@@ -350,3 +350,19 @@ def test_pipeline_launch_order_interleaves_the_layers():
     order = [(e.kernel.name, n) for e, n in pipeline.launch_order(bw, "backward", layers=2)]
     # backward: the final norm (the remainder) first, then the layers, each in reverse
     assert order == [("pre", 1), ("norm", 1), ("norm", 1), ("a", 1), ("norm", 1), ("a", 1), ("post", 1)]
+
+
+def test_pipeline_runs_liger_chunk_by_chunk():
+    """Consecutive loop entries of one count (Liger's chunk loop) run chunk by chunk, the last partial
+    chunk's entries after; entries outside the loop keep their order, each count times in a row."""
+    from types import SimpleNamespace
+
+    from anatomy.calculator import pipeline
+    from anatomy.calculator.launches import Kernel
+
+    def e(name, count, loop=True):
+        return SimpleNamespace(kernel=Kernel(name, "loss", "forward", "memory", count, order=2, loop=loop))
+
+    es = [e("sync", 2, loop=False), e("cast", 3), e("mm", 3), e("ce", 3), e("cast", 1), e("mm", 1), e("sum", 1, loop=False)]
+    order = [(x.kernel.name, n) for x, n in pipeline.launch_order(es, "forward", layers=4)]
+    assert order == [("sync", 2)] + [("cast", 1), ("mm", 1), ("ce", 1)] * 3 + [("cast", 1), ("mm", 1), ("sum", 1)]

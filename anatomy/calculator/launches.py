@@ -31,6 +31,9 @@ class Kernel:
     dtype: str = "bfloat16"
     backend: str = ""
     host: str | None = "op"  # "op": one eager op; "rms_norm.forward": a custom-op call; None: inside another's
+    calls: int | None = None  # host calls of `host` per step, where not one per launch (`count`)
+    host_ops: int = 0  # eager ops this host call stands for in a profile that did not measure it (0: the default)
+    loop: bool = False  # a per-chunk entry of Liger's loop: consecutive loop entries run chunk by chunk (pipeline.py)
     sync: bool = False  # the host waits for the GPU before this kernel (a new segment starts)
     order: int = 1  # execution order within the phase: 0 before the layers, 1 the layers, 2 after
     fused: tuple = ()  # (op, width, rows): an op `anatomy calibrate` timed at several widths (profile "fused_rows")
@@ -46,17 +49,17 @@ class _Ops:
         self.c, self.r, self.p = BYTES[self.dt.compute], BYTES[self.dt.residual], BYTES[self.dt.param]
         self.amp = self.dt.autocast
 
-    def mem(self, name, comp, phase, read, write, count=1, host="op", sync=False, order=1, fused=()):
+    def mem(self, name, comp, phase, read, write, count=1, host="op", sync=False, order=1, fused=(), **kw):
         """A memory-bound kernel launched `count` times, each reading and writing these bytes."""
         self.k.append(Kernel(name, comp, phase, "memory", count, 0, int(read + write), host=host, sync=sync,
-                             order=order, fused=fused))
+                             order=order, fused=fused, **kw))
 
     def mm(self, name, comp, phase, m, n, k, count=1, batch=1, out=None, extra=0, host="op", order=1,
-           accumulate=False):
+           accumulate=False, **kw):
         c = self.c
         nbytes = batch * ((m * k + k * n) * c + m * n * (out or c)) + extra
         self.k.append(Kernel(name, comp, phase, "matmul", count, 2 * batch * m * n * k, nbytes,
-                             (batch, m, n, k), self.dt.compute, host=host, order=order, accumulate=accumulate))
+                             (batch, m, n, k), self.dt.compute, host=host, order=order, accumulate=accumulate, **kw))
 
     def linear(self, name, comp, d_in, d_out, count, in_bytes=None, order=(1, 1)):
         """An nn.Linear on T tokens. Under autocast an fp32 input is cast per call (in_bytes=4) and
@@ -190,6 +193,14 @@ def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tup
             "liger_ce": (2 * T * W * c + T * 8, T * W * c + T * 4)}[op]
 
 
+def liger_ce_width(V: int, max_block: int = 32768) -> int:
+    """The row width Liger's CE kernel works through: its BLOCK_SIZE = min(32768, next_pow2(V)) lanes
+    per pass, masked past V (liger_kernel ops/cross_entropy.py). Its time follows this, not V: on the
+    H200, V 18042 (one 32768-lane pass) ran 2.5x V 16000 (one 16384-lane pass) per row (session8d)."""
+    block = min(max_block, 1 << max(0, V - 1).bit_length())
+    return -(-V // block) * block
+
+
 def dw_sum_bytes(H: int) -> tuple[int, int]:
     """(read, write) of rms_norm backward's second kernel: the (programs, H) fp32 dw partials -> dw."""
     return 4 * rms_norm_programs(H) * H, 4 * H
@@ -205,36 +216,46 @@ def _liger_loss(o: _Ops) -> None:
     """Liger's fused linear CE (liger_kernel 0.8.x, ops/fused_linear_cross_entropy.py): per chunk of C
     rows, logits = x_c Wᵀ (C, V); one Triton kernel reads each row twice (max/sum, then the gradient)
     and writes d(logits) in place; grad_input rows = d(logits) W; grad_weight += d(logits)ᵀ x_c. All
-    three matmuls run in forward; backward only checks that the incoming gradient is 1."""
+    three matmuls run in forward; backward only checks that the incoming gradient is 1.
+
+    Host: calibrate times the call as the model makes it (calibrate_host.measure_liger_host), so one
+    entry carries each measured part: the call's fixed forward (liger_ce.forward), each chunk's Python
+    (liger_ce.chunk: slices, the autocast matmuls, a Triton launch of 25 keyword arguments, the
+    copies) and the backward (liger_ce.backward); the other entries are issued inside those. host_ops
+    is what each part counts as in eager ops where a profile did not measure it."""
     T, H, V, c, p = o.run.tokens, o.cfg.hidden, o.cfg.vocab, o.c, o.p
-    o.mem("loss.count_targets", "loss", "forward", T * 8, 8, 2, sync=True, order=2)  # target != -100, sum, .item()
-    o.mem("loss.zero_grad_input", "loss", "forward", 0, T * H * c, order=2)
-    o.mem("loss.zero_grad_weight", "loss", "forward", 0, V * H * p, order=2)
-    o.mem("loss.zero_losses", "loss", "forward", 0, T * 4, order=2)
     C = liger_chunk_rows(T, H, V)
     full, rest = divmod(T, C)
+    o.mem("loss.count_targets", "loss", "forward", T * 8, 8, 2, sync=True, order=2, host=None)  # target != -100, sum, .item()
+    o.mem("loss.zero_grad_input", "loss", "forward", 0, T * H * c, order=2, host="liger_ce.forward",
+          host_ops=6 + o.amp)  # 3 zeros, the count (2), the loss sum; under amp the weight's cast
+    o.mem("loss.zero_grad_weight", "loss", "forward", 0, V * H * p, order=2, host=None)
+    o.mem("loss.zero_losses", "loss", "forward", 0, T * 4, order=2, host=None)
     if o.amp:
         # the fp32 weight reaches autocast mms inside the Function. `grad_logits @ weight` casts the
         # leaf once and autocast caches it; `x @ weight.t()` casts the transposed view, not a leaf,
         # anew in every chunk (both casts show in the H200 memory probe: calculator/memory.py)
-        o.mem("loss.lm_head.weight_cast", "loss", "forward", V * H * p, V * H * c, order=2)
-        o.mem("loss.lm_head.weight_t_cast", "loss", "forward", V * H * p, V * H * c, full + (1 if rest else 0),
-              order=2)
+        o.mem("loss.lm_head.weight_cast", "loss", "forward", V * H * p, V * H * c, order=2, host=None)
     for rows, n in ((C, full), (rest, 1 if rest else 0)):
         if not n:
             continue
-        o.mm("loss.logits", "loss", "forward", rows, V, H, n, order=2)
-        o.mem("loss.cross_entropy", "loss", "forward", *fused_bytes("liger_ce", V, rows, c), n, order=2,
-              fused=("liger_ce", V, rows) if c == 2 else ())
-        o.mm("loss.grad_input", "loss", "forward", rows, H, V, n, order=2)
+        chunk = dict(order=2, loop=True, host=None)
+        if o.amp:
+            o.mem("loss.lm_head.weight_t_cast", "loss", "forward", V * H * p, V * H * c, n, **chunk)
+        o.mm("loss.logits", "loss", "forward", rows, V, H, n, **dict(chunk, host="liger_ce.chunk"),
+             host_ops=4 + 2 * o.amp)
+        o.mem("loss.cross_entropy", "loss", "forward", *fused_bytes("liger_ce", V, rows, c), n,
+              fused=("liger_ce", V, rows) if c == 2 else (), **chunk)
+        o.mm("loss.grad_input", "loss", "forward", rows, H, V, n, **chunk)
         if o.amp:  # fp32 weight: no mm(out=), so the product is copied into grad_input's rows
-            o.mem("loss.grad_input_copy", "loss", "forward", rows * H * c, rows * H * c, n, order=2)
+            o.mem("loss.grad_input_copy", "loss", "forward", rows * H * c, rows * H * c, n, **chunk)
         # addmm into grad_weight (the weight's dtype): reads and writes the (V, H) accumulator every chunk
         # (under amp the accumulator is fp32: Liger's addmm(out_dtype=fp32), a slower kernel family)
-        o.mm("loss.grad_weight", "loss", "forward", V, H, rows, n, extra=2 * V * H * p - V * H * c, order=2,
-             accumulate=p == 4 and c == 2)
-    o.mem("loss.sum", "loss", "forward", T * 4, 4, order=2)
-    o.mem("loss.backward_check", "loss", "backward", 8, 8, 2, sync=True, order=0)  # ones_like seed; torch.equal(g, 1)
+        o.mm("loss.grad_weight", "loss", "forward", V, H, rows, n, extra=2 * V * H * p - V * H * c,
+             accumulate=p == 4 and c == 2, **chunk)
+    o.mem("loss.sum", "loss", "forward", T * 4, 4, order=2, host=None)
+    o.mem("loss.backward_check", "loss", "backward", 8, 8, 2, sync=True, order=0, host="liger_ce.backward", calls=1,
+          host_ops=2)  # ones_like seed; torch.equal(g, 1)
 
 
 def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:

@@ -13,7 +13,8 @@ Launch order. The kernel lists (launches.py) hold one entry per kernel with a co
 step; entries of the layers (order 1) are spread over the layers: count // layers launches per layer
 in list order (the code's order), the remainder (the final norm) after the last layer in forward and
 before the first in backward, and backward walks the layers, and each layer's entries, in reverse.
-Entries before (order 0) and after (order 2) the layers run in list order, each count times in a row.
+Entries before (order 0) and after (order 2) the layers run in list order, each count times in a row,
+except the entries of Liger's chunk loop (Kernel.loop), which run chunk by chunk.
 No parameter is fitted: the GPU time per launch and the host time per op come from the profile.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ def launch_order(entries: list, phase: str, layers: int) -> list:
     """[(entry, launches)] of one phase in execution order; entry.kernel has phase, order and count."""
     mine = [e for e in entries if e.kernel.phase == phase]
     pre = [(e, e.kernel.count) for e in mine if e.kernel.order == 0]
-    post = [(e, e.kernel.count) for e in mine if e.kernel.order == 2]
+    post = _chunked([e for e in mine if e.kernel.order == 2])
     mid = [e for e in mine if e.kernel.order == 1]
     per_layer = [(e, e.kernel.count // layers) for e in mid if e.kernel.count >= layers]
     rest = [(e, e.kernel.count - (e.kernel.count // layers) * layers if e.kernel.count >= layers else e.kernel.count)
@@ -34,6 +35,20 @@ def launch_order(entries: list, phase: str, layers: int) -> list:
     if phase == "backward":
         return pre + rest + per_layer[::-1] * layers + post
     return pre + per_layer * layers + rest + post
+
+
+def _chunked(entries: list) -> list:
+    """[(entry, launches)] in list order, except that a run of consecutive loop entries with one count n
+    (Liger's chunk loop) goes chunk by chunk: each entry once, n times over."""
+    out, i = [], 0
+    while i < len(entries):
+        k = entries[i].kernel
+        j = i + 1
+        while k.loop and j < len(entries) and entries[j].kernel.loop and entries[j].kernel.count == k.count:
+            j += 1
+        out += [(e, 1) for _ in range(k.count) for e in entries[i:j]] if k.loop else [(entries[i], k.count)]
+        i = j
+    return out
 
 
 def simulate(entries: list, layers: int) -> list[dict]:

@@ -29,7 +29,8 @@ Assumptions (each is a source of error, listed in docs/timing.md):
      issued it (pipeline.py), so the GPU idles where the host falls behind, after each host sync
      (Liger's .item() before the loss, torch.equal in its backward) above all. The host figure is
      per eager op, or per custom-op call, from the profile, times the variant's host_scale
-     (measured in-step cost over the per-op figures, from a tiny calibrated step).
+     (measured in-step cost over the per-op figures, from a tiny calibrated step); Liger's call is
+     measured as the model makes it, per call and per chunk of its loop, and is not scaled.
   5. The optimizer is its own phase, after backward (bench/step.py times forward + backward only).
 """
 from __future__ import annotations
@@ -42,13 +43,14 @@ from types import SimpleNamespace
 from anatomy.calculator import estimate
 from anatomy.calculator import gpus, pipeline
 from anatomy.calculator.launches import (SDPA_BACKENDS, VARIANTS, Kernel, baseline_kernels,  # noqa: F401
-                                         dw_sum_bytes, efficient_kernels, fused_bytes, kernels, liger_chunk_rows,
+                                         dw_sum_bytes, efficient_kernels, fused_bytes, kernels, liger_ce_width, liger_chunk_rows,
                                          optimizer_kernels, param_sizes, rms_norm_programs, standalone_kernels)
 from anatomy.calculator.optimizer import step_bytes_moved
 from anatomy.config import ConfigError, ModelConfig, Run
 
 PHASES = ("forward", "backward", "optimizer")
 CUSTOM_FALLBACK_OPS = 3  # a custom-op call with no measured host cost: as 3 eager ops (dispatch + autograd + launch)
+IN_SITU = ("liger_ce",)  # host figures calibrate measures as the model makes the call (no host_scale)
 
 
 # ---- the roofline ------------------------------------------------------------------------------
@@ -113,22 +115,31 @@ def fused_efficiency(prof: dict, op: str, width: int, rows: int | None = None) -
     profile's calibrated timings (calibrate_kernels.measure_fused: GPU time per call at several widths,
     16,384 rows, and 65,536 for the narrow ones) over the op's minimal bytes (launches.fused_bytes):
     piecewise linear in log(width) at each measured row count, then in log(rows) between them; flat
-    beyond the measured range. 1.0 (the copy roofline) without such rows."""
+    beyond the measured range. 1.0 (the copy roofline) without such rows.
+
+    Liger's CE kernel is read in lanes, not vocab: its time follows liger_ce_width (the lanes of its
+    passes, masked past V), and a vocab that is not a multiple of 16 loses Triton's aligned loads (its
+    stride specialisation; 1.2-1.4x slower per lane on the H200, session8b-d), so it is interpolated
+    over the calibrated vocabs of its own alignment, in log(lanes), as an efficiency per lane."""
+    cal = [r for r in prof.get("fused_rows") or () if r["op"] == op and r.get("queued", True)]
+    x, per_lane = (lambda w: w), (lambda w: 1.0)
+    if op == "liger_ce":
+        cal = [r for r in cal if (r["width"] % 16 == 0) == (width % 16 == 0)] or cal
+        x, per_lane = liger_ce_width, (lambda w: liger_ce_width(w) / w)
     by_rows: dict[int, list] = {}
-    for r in prof.get("fused_rows") or ():
-        if r["op"] != op or not r.get("queued", True):
-            continue
+    for r in cal:
         nbytes = sum(fused_bytes(op, r["width"], r["tokens"]))
         launches = 1
         if op == "rms_norm.backward":  # the op is two kernels: the row pass and the dw partial sum
             nbytes, launches = nbytes + sum(dw_sum_bytes(r["width"])), 2
         busy = r["ms"] * 1e-3 - launches * prof["launch_s"]
         if busy > 0:
-            by_rows.setdefault(r["tokens"], []).append((math.log(r["width"]), nbytes / prof["hbm_Bps"] / busy))
+            by_rows.setdefault(r["tokens"], []).append((math.log(x(r["width"])),
+                                                        nbytes / prof["hbm_Bps"] / busy * per_lane(r["width"])))
     if not by_rows:
         return 1.0
-    at = [(math.log(t), _log_interp(pts, math.log(width))) for t, pts in by_rows.items()]
-    return _log_interp(at, math.log(rows)) if rows else max(at)[1]
+    at = [(math.log(t), _log_interp(pts, math.log(x(width)))) for t, pts in by_rows.items()]
+    return (_log_interp(at, math.log(rows)) if rows else max(at)[1]) / per_lane(width)
 
 
 def _log_interp(pts: list[tuple[float, float]], x: float) -> float:
@@ -143,13 +154,25 @@ def _log_interp(pts: list[tuple[float, float]], x: float) -> float:
 
 
 def host_seconds(kern: Kernel, prof: dict) -> float:
+    """The host's time to issue this entry's launches: eager ops at host_op_s each, custom calls at the
+    profile's measured figure (or host_ops, else CUSTOM_FALLBACK_OPS, eager ops where it has none)."""
     if kern.host is None:
         return 0.0
+    calls = kern.count if kern.calls is None else kern.calls
     if kern.host == "op":
-        return kern.count * prof["host_op_s"]
+        return calls * prof["host_op_s"]
     op, phase = kern.host.split(".")
     t = prof["host_custom_s"].get(op, {}).get(phase)
-    return kern.count * (t if t is not None else CUSTOM_FALLBACK_OPS * prof["host_op_s"])
+    return calls * (t if t is not None else (kern.host_ops or CUSTOM_FALLBACK_OPS) * prof["host_op_s"])
+
+
+def in_situ(kern: Kernel, prof: dict) -> bool:
+    """Whether the profile measured this entry's host cost as the model incurs it (Liger's fused linear
+    CE, called through anatomy.efficient.loss under autocast): host_scale does not apply to it."""
+    if not kern.host or "." not in kern.host:
+        return False
+    op, phase = kern.host.split(".")
+    return op in IN_SITU and prof["host_custom_s"].get(op, {}).get(phase) is not None
 
 
 def host_scale(prof: dict, variant: str, sdpa_backend: str | None = None) -> float:
@@ -159,17 +182,20 @@ def host_scale(prof: dict, variant: str, sdpa_backend: str | None = None) -> flo
     calls, autocast, autograd nodes with saved tensors, views, the engine's per-backward setup.
     `anatomy calibrate` times a tiny step of each variant, so small that the host bounds it
     (profile["host_step"]); the scale is its measured forward + backward time over this model's
-    host figure for the same step, and multiplies the host cost of every forward and backward op
-    of that variant (1.0 without such a step). One factor, not one per phase: the tiny step's
-    forward also waits at Liger's host syncs, which a per-phase split would charge to every
-    forward op (session5c: 4.0x forward, 1.9x backward, and worse predictions than one 2.8x)."""
+    host figure for the same step, less on both sides what was measured in place (in_situ: Liger's
+    call), and multiplies the host cost of every other forward and backward op of that variant (1.0
+    without such a step). One factor, not one per phase (session5c: 4.0x forward, 1.9x backward,
+    and worse predictions than one 2.8x)."""
     hs = prof.get("host_step") or {}
     rec = hs.get(variant)
     if not rec:
         return 1.0
     cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs.get("dtype", "amp"))
-    return rec["forward_backward_ms"] * 1e-3 / sum(host_seconds(k, prof) for k in kernels(cfg, run, variant,
-                                                                                        sdpa_backend, None))
+    ks = kernels(cfg, run, variant, sdpa_backend, None)
+    fixed = sum(host_seconds(k, prof) for k in ks if in_situ(k, prof))
+    modelled = sum(host_seconds(k, prof) for k in ks) - fixed
+    measured = rec["forward_backward_ms"] * 1e-3 - fixed
+    return measured / modelled if measured > 0 and modelled > 0 else 1.0
 
 
 def predict(ks: list[Kernel], prof: dict, scale: float = 1.0, layers: int = 1) -> tuple[list[dict], list[dict]]:
@@ -182,7 +208,7 @@ def predict(ks: list[Kernel], prof: dict, scale: float = 1.0, layers: int = 1) -
     rows, entries = [], []
     for k in (ks[i] for i in order):
         row = time_kernel(k, prof)
-        row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" else 1.0)
+        row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" and not in_situ(k, prof) else 1.0)
         rows.append(row)
         entries.append(SimpleNamespace(kernel=k, gpu_s=row["per_launch_s"], host_s=row["host_s"] / k.count))
     return rows, pipeline.simulate(entries, layers)

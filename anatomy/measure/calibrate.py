@@ -22,10 +22,9 @@ timing reuses one L2-resident input):
   launch_us       GPU time per tiny kernel on a full queue (queued behind a long kernel: no host cost)
   kernel_gap      the idle time between two dependent kernels of real size (a profiled GEMM/copy chain;
                   timed last, as the profiler leaves every later launch slower)
-  host_op_us      CPU time per eager op that records autograd (1-element tensors: the GPU is idle)
-  host_custom_us  CPU time per call of our custom ops (rms_norm, swiglu, rope_qkv), fwd and bwd
-  host_step       wall time of a tiny training step (forward + backward) of each variant, so small
-                  that the host's issue time bounds it: what an op costs the host inside a model
+  host_op_us, host_custom_us, host_step   the host's side (calibrate_host.py): CPU time per eager op,
+                  per call of our custom ops and of Liger's fused linear CE (per call and per chunk),
+                  and a tiny host-bound training step of each variant timed as the probe times steps
   matmul_bf16_in_step  the same GEMM grid as a step runs it: each call after a copy that writes its
                   activation operand, GPU time only (calibrate_kernels.py says why); the profile
                   fits its GEMM rate to these when present
@@ -47,6 +46,7 @@ from pathlib import Path
 
 from anatomy.calculator import gpus
 from anatomy.config import PRESETS
+from anatomy.measure.calibrate_host import measure_host, measure_host_step
 from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
 
 GRID_PRESETS = ("seed", "anchor-1b", "llama2-7b")
@@ -256,96 +256,6 @@ def measure_launch(n: int = 500) -> float:
         torch.cuda.synchronize()
         out.append(a.elapsed_time(b) * 1e3 / n)
     return statistics.median(out)
-
-
-def _host_us(fn, n: int) -> float:
-    import torch
-
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    wall = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return wall / n * 1e6
-
-
-def measure_host() -> tuple[float, dict]:
-    """CPU µs per eager op (recording autograd) and per custom-op call, fwd and bwd, on tensors so
-    small that the GPU finishes each kernel before the CPU issues the next."""
-    import torch
-
-    from anatomy.kernels import rms_norm, rope_qkv, swiglu
-
-    x = torch.randn(8, device="cuda", requires_grad=True)
-    op_us = _host_us(lambda: x * 1.0, 2000)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    H, nh, hd = 512, 8, 64
-    xs = torch.randn(8, H, **bf, requires_grad=True)
-    w = torch.ones(H, **bf, requires_grad=True)
-    g_, u_ = (torch.randn(8, 1024, **bf, requires_grad=True) for _ in range(2))
-    qkv = torch.randn(1, 8, 3 * H, **bf, requires_grad=True)
-    cos, sin = torch.ones(8, hd, device="cuda"), torch.zeros(8, hd, device="cuda")
-    calls = {"rms_norm": lambda: rms_norm(xs, w, 1e-5), "swiglu": lambda: swiglu(g_, u_, "swiglu", False),
-             "rope_qkv": lambda: rope_qkv(qkv, cos, sin, nh, nh)}
-    n = 32  # calls per graph: one backward() over all of them, as a step's one backward runs many nodes
-    out = {}
-    for name, f0 in calls.items():
-        def f(f0=f0):  # as in the training step: under bf16 autocast (its dispatch layer costs host time)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                outs = [f0() for _ in range(n)]
-            return [t for o in outs for t in (o if isinstance(o, tuple) else (o,))]
-
-        fwd = _host_us(f, 20) / n
-        grads = [torch.ones_like(t) for t in f()]
-
-        def both():
-            torch.autograd.backward(f(), grads)
-        both_us = _host_us(both, 20) / n
-        out[name] = dict(forward=fwd, backward=max(0.0, both_us - fwd))
-    out["source"] = ("measured by anatomy calibrate (CPU time per call, tiny tensors, 32 calls per graph and one "
-                     "backward over them; bwd = fwd+bwd - fwd)")
-    return op_us, out
-
-
-HOST_STEP = dict(cfg=dict(name="host-step", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=2048),
-                 batch=2, seq=64, dtype="amp")
-
-
-def measure_host_step(steps: int = 30, warmup: int = 5) -> dict:
-    """Median wall time of the forward (until it returns) and of the backward (synchronized at its end)
-    of HOST_STEP's tiny model, per variant: microseconds of GPU work under milliseconds of host issue."""
-    import torch
-
-    from anatomy.config import ModelConfig, Run
-    from anatomy.measure.memory import setup_step
-    from anatomy.models import autocast_ctx
-
-    cfg, run = ModelConfig(**HOST_STEP["cfg"]), Run(HOST_STEP["batch"], HOST_STEP["seq"], HOST_STEP["dtype"])
-    out = dict(HOST_STEP)
-    for variant in ("baseline", "efficient"):
-        model, ids, targets, _ = setup_step(cfg, run, variant, None)
-        times = []
-        for i in range(warmup + steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with autocast_ctx(run, "cuda"):
-                loss = model(ids, targets)
-            t1 = time.perf_counter()
-            loss.backward()
-            torch.cuda.synchronize()
-            times.append((t1 - t0, time.perf_counter() - t1))
-            del loss
-            model.zero_grad(set_to_none=True)
-        med = statistics.median
-        out[variant] = dict(forward_ms=med(f for f, _ in times[warmup:]) * 1e3,
-                            backward_ms=med(b for _, b in times[warmup:]) * 1e3,
-                            forward_backward_ms=med(f + b for f, b in times[warmup:]) * 1e3)
-        del model, ids, targets
-    torch.cuda.empty_cache()
-    return out
 
 
 def _env(argv) -> dict:

@@ -92,7 +92,10 @@ def measure_gemms_in_step(shapes, deadline: float) -> list[dict]:
     return rows
 
 
-LIGER_VOCABS = (16000, 32000, 55960, 128256)
+# Liger's CE at one- and two-pass widths (16384, 32768, 65536 lanes; 131072), at vocabs that are multiples
+# of 16 and vocabs that are not (16004, 32001, 55960: Triton's loads lose their alignment), as
+# timing.fused_efficiency reads them
+LIGER_VOCABS = (16000, 16004, 32000, 32001, 55960, 64000, 128256)
 LIGER_ROWS = 2048  # one chunk of Liger's fused linear CE at these vocabs and hidden 2048-4096
 # and a chunk of 512 rows (8k tokens at vocab/hidden 16-32): one program per row, so a short chunk leaves
 # SMs idle (session8 train10, V 34732: 37% of copy bandwidth at 512 rows against 79% at 2048)

@@ -1,0 +1,164 @@
+"""anatomy calibrate's host figures: what the CPU spends issuing a step's work (no calculator import).
+
+  host_op_us      CPU µs per eager op recording autograd (1-element tensors: the GPU is idle)
+  host_custom_us  CPU µs per call of our custom ops (rms_norm, swiglu, rope_qkv), fwd and bwd, and of
+                  Liger's fused linear CE as the efficient model calls it: per call (forward, backward)
+                  and per chunk of its Python loop (liger_ce.chunk)
+  host_step       a tiny training step of each variant, so small that the host's issue time bounds it,
+                  timed as scripts/probe_timing.py times its unmarked steps (timeline._plain_steps: CUDA
+                  events around forward + backward, AdamW between steps): what an op costs the host
+                  inside a model. The pre-session-9 figure (each step after a synchronize, no
+                  optimizer) is kept beside it as `synced`.
+
+Why Liger's loop is measured in place: its per-chunk Python (slices, an autocast matmul, a Triton
+launch with 25 keyword arguments, two more matmuls and a copy) cost 137-170 µs a chunk on the H200
+host and its fixed part ~0.9 ms a call, against 6 and 9 eager ops (57 and 85 µs) in the op-count
+model (scripts/probe_host_parts.py, reports/h200/session9/host_parts.json).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+HOST_STEP = dict(cfg=dict(name="host-step", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=2048),
+                 batch=2, seq=64, dtype="amp")
+# Liger's chunk count is ceil(V / H) here (tokens 128, hidden 256): 1 and 16 chunks, GPU time ~µs
+LIGER_HOST = dict(tokens=128, hidden=256, vocabs=(256, 4096))
+
+
+def _host_us(fn, n: int) -> float:
+    import torch
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    wall = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return wall / n * 1e6
+
+
+def measure_host() -> tuple[float, dict]:
+    """CPU µs per eager op (recording autograd) and per custom-op call, fwd and bwd, on tensors so
+    small that the GPU finishes each kernel before the CPU issues the next."""
+    import torch
+
+    from anatomy.kernels import rms_norm, rope_qkv, swiglu
+
+    x = torch.randn(8, device="cuda", requires_grad=True)
+    op_us = _host_us(lambda: x * 1.0, 2000)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    H, nh, hd = 512, 8, 64
+    xs = torch.randn(8, H, **bf, requires_grad=True)
+    w = torch.ones(H, **bf, requires_grad=True)
+    g_, u_ = (torch.randn(8, 1024, **bf, requires_grad=True) for _ in range(2))
+    qkv = torch.randn(1, 8, 3 * H, **bf, requires_grad=True)
+    cos, sin = torch.ones(8, hd, device="cuda"), torch.zeros(8, hd, device="cuda")
+    calls = {"rms_norm": lambda: rms_norm(xs, w, 1e-5), "swiglu": lambda: swiglu(g_, u_, "swiglu", False),
+             "rope_qkv": lambda: rope_qkv(qkv, cos, sin, nh, nh)}
+    n = 32  # calls per graph: one backward() over all of them, as a step's one backward runs many nodes
+    out = {}
+    for name, f0 in calls.items():
+        def f(f0=f0):  # as in the training step: under bf16 autocast (its dispatch layer costs host time)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                outs = [f0() for _ in range(n)]
+            return [t for o in outs for t in (o if isinstance(o, tuple) else (o,))]
+
+        fwd = _host_us(f, 20) / n
+        grads = [torch.ones_like(t) for t in f()]
+
+        def both():
+            torch.autograd.backward(f(), grads)
+        both_us = _host_us(both, 20) / n
+        out[name] = dict(forward=fwd, backward=max(0.0, both_us - fwd))
+    liger = measure_liger_host()
+    if liger:
+        out["liger_ce"] = liger
+    out["source"] = ("measured by anatomy calibrate (CPU time per call, tiny tensors; our ops: 32 calls per graph and "
+                     "one backward over them, bwd = fwd+bwd - fwd; liger_ce: whole calls at 1 and 16 chunks)")
+    return op_us, out
+
+
+def measure_liger_host(reps: int = 20) -> dict | None:
+    """Liger's fused linear CE through anatomy.efficient.loss as the model calls it (bf16 autocast, bf16
+    input, fp32 weight), at 1 and 16 chunks of tiny rows: {forward: µs a call less its chunks, chunk: µs
+    a chunk of the forward's loop, backward: µs}. Each call starts on a drained GPU and is timed on the
+    host clock until it returns (its own .item() and torch.equal syncs wait for µs of GPU work).
+    None without liger-kernel."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    from anatomy.efficient.loss import fused_linear_cross_entropy
+
+    T, H = LIGER_HOST["tokens"], LIGER_HOST["hidden"]
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, min(LIGER_HOST["vocabs"]), (T,), device="cuda")
+    fwd, both = [], []
+    for V in LIGER_HOST["vocabs"]:
+        w = (torch.randn(V, H, device="cuda") * 0.02).requires_grad_()
+        f_us, b_us = [], []
+        for i in range(reps + 3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fused_linear_cross_entropy(x, w, t)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            torch.cuda.synchronize()
+            if i >= 3:
+                f_us.append((t1 - t0) * 1e6)
+                b_us.append((t2 - t1) * 1e6)
+            x.grad = w.grad = None
+        fwd.append(statistics.median(f_us))
+        both.append(statistics.median(b_us))
+    chunks = [-(-V // H) for V in LIGER_HOST["vocabs"]]  # tokens 128 >= V / H: one chunk per ceil(V / H)
+    chunk = max(0.0, (fwd[1] - fwd[0]) / (chunks[1] - chunks[0]))
+    return dict(forward=max(0.0, fwd[0] - chunks[0] * chunk), chunk=chunk, backward=statistics.mean(both))
+
+
+def measure_host_step(blocks: int = 4, steps: int = 8, warmup: int = 4) -> dict:
+    """HOST_STEP's tiny model, per variant: the forward + backward ms of unmarked steps timed as the
+    probe times them (the median over blocks x steps, the variants' blocks interleaved), and as before
+    session 9 (`synced`: each step after a synchronize, no optimizer)."""
+    import torch
+
+    from anatomy.config import ModelConfig, Run
+    from anatomy.measure.memory import setup_step
+    from anatomy.measure.timeline import _Clock, _plain_steps
+    from anatomy.models import autocast_ctx
+
+    cfg, run = ModelConfig(**HOST_STEP["cfg"]), Run(HOST_STEP["batch"], HOST_STEP["seq"], HOST_STEP["dtype"])
+    out, clock, setups = dict(HOST_STEP), _Clock("cuda"), {}
+    for variant in ("baseline", "efficient"):
+        model, ids, targets, opt = setup_step(cfg, run, variant, "adamw")
+        _plain_steps(model, ids, targets, opt, run, warmup, clock, "cuda")
+        setups[variant] = (model, ids, targets, opt, [])
+    for _ in range(blocks):
+        for variant, (model, ids, targets, opt, fb) in setups.items():
+            torch.cuda.synchronize()
+            stamps = _plain_steps(model, ids, targets, opt, run, steps, clock, "cuda")
+            clock.sync()
+            fb.extend(clock.ms(a, m) for a, m, _ in stamps)
+    for variant, (model, ids, targets, opt, fb) in setups.items():
+        synced = []
+        for _ in range(steps * 2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with autocast_ctx(run, "cuda"):
+                loss = model(ids, targets)
+            loss.backward()
+            torch.cuda.synchronize()
+            synced.append((time.perf_counter() - t0) * 1e3)
+            del loss
+            model.zero_grad(set_to_none=True)
+        out[variant] = dict(forward_backward_ms=statistics.median(fb), p10_ms=sorted(fb)[len(fb) // 10],
+                            p90_ms=sorted(fb)[9 * len(fb) // 10], synced_forward_backward_ms=statistics.median(synced))
+    del setups
+    torch.cuda.empty_cache()
+    return out
