@@ -93,7 +93,8 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
         from anatomy.calculator.timing import estimate_time
 
         t = estimate_time(cfg, run, a.variant, gpu=a.gpu)
-        out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "mfu", "components", "sources")
+        out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "steady", "mfu", "components",
+                                         "sources")
                        if k in t} | {"gpu": a.gpu}
         from anatomy.calculator import gpus
 
@@ -238,8 +239,10 @@ def _print(cmd: str, out: dict) -> None:
                   style=None if f["fits"] else "bold red")
     if "time" in out:
         tm = out["time"]
-        con.print(f"predicted step on {tm['gpu']}: {tm['step_s'] * 1e3:,.1f} ms (forward+backward "
-                  f"{tm['forward_backward_s'] * 1e3:,.1f} ms, optimizer {tm['optimizer_s'] * 1e3:,.2f} ms)")
+        con.print(f"predicted training step on {tm['gpu']}: {tm['steady']['step_s'] * 1e3:,.1f} ms, steps back to back "
+                  f"(forward+backward {tm['steady']['forward_backward_s'] * 1e3:,.1f} ms); one step on an idle GPU "
+                  f"{tm['step_s'] * 1e3:,.1f} ms (forward+backward {tm['forward_backward_s'] * 1e3:,.1f} ms, optimizer "
+                  f"{tm['optimizer_s'] * 1e3:,.2f} ms)")
     if "distributed" in out:
         d = out["distributed"]
         con.print_json(json.dumps({k: d[k] for k in ("memory", "collectives", "comm") if k in d}))

@@ -75,3 +75,27 @@ def simulate(entries: list, layers: int) -> list[dict]:
         sg["idle_s"] = max(0.0, sg["time_s"] - sg["gpu_s"])
         sg["bound"] = "host" if sg["host_s"] > sg["gpu_s"] else "gpu"
     return segs
+
+
+def steady(entries: list, layers: int) -> dict:
+    """{forward_backward_s, step_s} of a step run back to back with the one before, as a training loop
+    (and scripts/probe_timing.py's unmarked steps) runs them: nothing waits between steps, so the next
+    forward is issued while the GPU still runs this backward and optimizer, and only the host syncs
+    (Liger's .item() and torch.equal) make the clocks meet. Each figure is read as the probe's CUDA
+    events read it: an event enqueued at host time h is stamped when the GPU reaches it, max(GPU, h);
+    forward_backward is from the step's start to after its backward, step to after its optimizer.
+    The second of two simulated steps is reported (the first starts on an idle GPU, as bench/step.py's
+    synchronized steps do: simulate())."""
+    h = g = 0.0
+    for _ in range(2):
+        t0 = max(g, h)
+        for phase in PHASES:
+            if phase == "optimizer":
+                t1 = max(g, h)
+            for e, n in launch_order(entries, phase, layers):
+                if e.kernel.sync:
+                    h = g = max(h, g)
+                for _ in range(n):
+                    h += e.host_s
+                    g = max(g, h) + e.gpu_s
+    return dict(forward_backward_s=t1 - t0, step_s=max(g, h) - t0)

@@ -198,8 +198,9 @@ def host_scale(prof: dict, variant: str, sdpa_backend: str | None = None) -> flo
     return measured / modelled if measured > 0 and modelled > 0 else 1.0
 
 
-def predict(ks: list[Kernel], prof: dict, scale: float = 1.0, layers: int = 1) -> tuple[list[dict], list[dict]]:
-    """Rows (one per kernel entry, in phase order) and host-sync segments. A segment runs from one
+def predict(ks: list[Kernel], prof: dict, scale: float = 1.0, layers: int = 1) -> tuple[list[dict], list[dict], dict]:
+    """Rows (one per kernel entry, in phase order), host-sync segments of one step on an idle GPU, and
+    the step run back to back (pipeline.steady: a training loop's steps). A segment runs from one
     host sync to the next (the optimizer is always its own); its time comes from the host/GPU
     pipeline (pipeline.simulate: each kernel starts when the GPU is free and the host has issued it,
     the kernels of the layers interleaved layer by layer). scale multiplies the host cost of forward
@@ -211,7 +212,7 @@ def predict(ks: list[Kernel], prof: dict, scale: float = 1.0, layers: int = 1) -
         row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" and not in_situ(k, prof) else 1.0)
         rows.append(row)
         entries.append(SimpleNamespace(kernel=k, gpu_s=row["per_launch_s"], host_s=row["host_s"] / k.count))
-    return rows, pipeline.simulate(entries, layers)
+    return rows, pipeline.simulate(entries, layers), pipeline.steady(entries, layers)
 
 
 def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: str | dict = "h200-measured",
@@ -224,7 +225,7 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     segment); step_s adds the optimizer. Per component and phase the figures are GPU time."""
     prof = gpus.get(gpu)
     scale = host_scale(prof, variant, sdpa_backend)
-    rows, segs = predict(kernels(cfg, run, variant, sdpa_backend, optimizer), prof, scale, cfg.layers)
+    rows, segs, steady = predict(kernels(cfg, run, variant, sdpa_backend, optimizer), prof, scale, cfg.layers)
     comps: dict[str, dict] = {}
     phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
     for row in rows:
@@ -248,7 +249,7 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
         gpu=prof["name"], profile_kind=prof["kind"], variant=variant, config=cfg.to_dict(),
         run=run.to_dict(), optimizer=optimizer,
         sdpa_backend=(sdpa_backend or "cudnn") if variant == "efficient" else "math (explicit QKᵀ, softmax, PV)",
-        host_scale=scale, forward_backward_s=fb, optimizer_s=opt, step_s=fb + opt, gpu_s=sum(p["gpu_s"] for p in phases.values()),
+        host_scale=scale, forward_backward_s=fb, optimizer_s=opt, step_s=fb + opt, steady=steady, gpu_s=sum(p["gpu_s"] for p in phases.values()),
         tokens_per_s=run.tokens / fb, phases=phases, segments=segs, components=comps,
         mfu=dict(model=model / fb / peak, counter=counter / fb / peak, peak_flops=peak,
                  peak_source=prof["sources"].get("mfu_peak_flops", prof["sources"]["peak_flops"]),
@@ -306,7 +307,7 @@ def compare_kernel_records(gpu: str | dict = "h200-measured", reports: Path = RE
         for row in rec["rows"]:
             if (row["kernel"], row["impl"]) in (("rmsnorm", "ours"), ("swiglu", "ours"), ("rope_qkv", "ours"),
                                                 ("linear_ce", "liger")):
-                rows, segs = predict(standalone_kernels(row["kernel"], cfg, rec["batch"], rec["seq"]), prof)
+                rows, segs, _ = predict(standalone_kernels(row["kernel"], cfg, rec["batch"], rec["seq"]), prof)
                 t = max(sum(s["gpu_s"] for s in segs), sum(s["host_s"] for s in segs))  # no sync between calls
                 out.append(dict(record="session1/kernels-seed.json", what=f"{row['kernel']} ({row['impl']})",
                                 predicted_ms=t * 1e3, gpu_ms=sum(s["gpu_s"] for s in segs) * 1e3,

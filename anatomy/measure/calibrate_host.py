@@ -98,11 +98,10 @@ def measure_liger_host(reps: int = 20) -> dict | None:
     T, H = LIGER_HOST["tokens"], LIGER_HOST["hidden"]
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     t = torch.randint(0, min(LIGER_HOST["vocabs"]), (T,), device="cuda")
-    fwd, both = [], []
-    for V in LIGER_HOST["vocabs"]:
-        w = (torch.randn(V, H, device="cuda") * 0.02).requires_grad_()
-        f_us, b_us = [], []
-        for i in range(reps + 3):
+    ws = [(torch.randn(V, H, device="cuda") * 0.02).requires_grad_() for V in LIGER_HOST["vocabs"]]
+    f_us, b_us = [[] for _ in ws], [[] for _ in ws]
+    for i in range(reps + 3):  # the two chunk counts alternate, so a drift of the host falls on both
+        for j, w in enumerate(ws):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -112,14 +111,13 @@ def measure_liger_host(reps: int = 20) -> dict | None:
             t2 = time.perf_counter()
             torch.cuda.synchronize()
             if i >= 3:
-                f_us.append((t1 - t0) * 1e6)
-                b_us.append((t2 - t1) * 1e6)
+                f_us[j].append((t1 - t0) * 1e6)
+                b_us[j].append((t2 - t1) * 1e6)
             x.grad = w.grad = None
-        fwd.append(statistics.median(f_us))
-        both.append(statistics.median(b_us))
+    fwd, bwd = [statistics.median(f) for f in f_us], [statistics.median(b) for b in b_us]
     chunks = [-(-V // H) for V in LIGER_HOST["vocabs"]]  # tokens 128 >= V / H: one chunk per ceil(V / H)
     chunk = max(0.0, (fwd[1] - fwd[0]) / (chunks[1] - chunks[0]))
-    return dict(forward=max(0.0, fwd[0] - chunks[0] * chunk), chunk=chunk, backward=statistics.mean(both))
+    return dict(forward=max(0.0, fwd[0] - chunks[0] * chunk), chunk=chunk, backward=statistics.mean(bwd))
 
 
 def measure_host_step(blocks: int = 4, steps: int = 8, warmup: int = 4) -> dict:

@@ -212,9 +212,10 @@ def predicted(r: dict, profile: str) -> dict:
 
 
 def time_error(r: dict, what: str, profile: str) -> float:
-    """(predicted - measured) / measured of forward_backward or step, against the unmarked steps."""
+    """(predicted - measured) / measured of forward_backward or step, against the unmarked steps (run
+    back to back: the prediction's `steady` figures)."""
     meas = r["timeline"][f"plain_{what}_ms"]
-    return (predicted(r, profile)[f"{what}_s"] * 1e3 - meas) / meas
+    return (predicted(r, profile)["steady"][f"{what}_s"] * 1e3 - meas) / meas
 
 
 def component_errors(r: dict, profile: str, share: float = 0.05) -> dict[str, float]:
