@@ -117,57 +117,49 @@ def _id(r: dict) -> str:
     return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}-{r['optimizer']}"
 
 
-# Known misses of the ±10% claim on session8d (drawn with seed 31, run on the final code, every host
-# timing taken before the process's first profiler session), each strict (a fix turns its XPASS into a
-# failure), with the error measured there. Why, as far as the rows show (docs/timing.md, "Session 8"):
+# Known misses of the ±10% claim on session9c (drawn with seed 41, run on the final code: out of sample for
+# every change of session 9), each strict (a fix turns its XPASS into a failure), with the error measured
+# there. Why, as far as the rows show (docs/timing.md, "Session 9"):
 _EAGER = "the eager baseline: S x S softmax, mask and casts run under the copy roofline; host-bound ones slower still"
-_HOST = ("the host decides the step (modelled host near or above the GPU): calibrate's tiny step ran the host faster "
-         "(6.6 ms; 9.5 us per bare op, the fastest host of these runs) than the probe's 2-layer steps did, 12.2-17.4 ms "
-         "against 7.5-9.9 predicted; and train1, the host work of train0, took 8.4 ms against train0's 14.1")
-_IDLE = ("modelled GPU-bound, but the step ran 4.5-5.3 ms beyond its profiled kernels (train39: 26.3 ms against 21.7 "
-         "of kernels) where the pipeline predicts about 1 ms of idle")
+_HOST = ("the host decides the step, and the host's speed moves between rows and runs of one machine: calibrate's "
+         "tiny step took 11.0 ms there, tiny-gqa (nearly the same host work) 9.0 ms minutes later, and train0 and "
+         "train1 (the same host work) 12.0 and 9.9 ms in one process; the seed step at B4 S1024 measured 20.5-55.2 ms "
+         "over sessions 8-9c")
+_IDLE = ("modelled GPU-bound: its kernels ran 2-6% over the model and the step idled 4-5 ms beyond them (train21: "
+         "68.9 ms, 63.8 of kernels, 60.2 predicted), where the pipeline predicts about 1.5 ms")
 _MISSES = {
-    ("seed-B16S4096-baseline-adamw", "forward_backward"): (-0.342, _EAGER),
-    ("seed-B16S4096-baseline-adamw", "step"): (-0.341, _EAGER),
-    ("seed-B4S1024-baseline-adamw", "forward_backward"): (+0.304, _EAGER),
-    ("seed-B4S1024-baseline-adamw", "step"): (+0.288, _EAGER),
-    ("seed-B4S1024-efficient-adamw", "step"): (-0.100, _HOST),
-    ("tiny-gqa-B4S512-efficient-adamw", "forward_backward"): (-0.387, _HOST),
-    ("tiny-gqa-B4S512-efficient-adamw", "step"): (-0.399, _HOST),
-    ("llama3.2-1b-B2S2048-baseline-adamw", "forward_backward"): (-0.238, _EAGER),
-    ("llama3.2-1b-B2S2048-baseline-adamw", "step"): (-0.234, _EAGER),
-    ("train0-B8S1024-efficient-adamw", "forward_backward"): (-0.418, _HOST),
-    ("train0-B8S1024-efficient-adamw", "step"): (-0.420, _HOST),
-    ("train2-B16S1024-efficient-adamw", "forward_backward"): (-0.144, _IDLE),
-    ("train2-B16S1024-efficient-adamw", "step"): (-0.156, _IDLE),
-    ("train14-B2S4096-efficient-adamw", "forward_backward"): (-0.154, _IDLE),
-    ("train14-B2S4096-efficient-adamw", "step"): (-0.165, _IDLE),
-    ("train15-B2S4096-efficient-adamw", "forward_backward"): (-0.385, _HOST),
-    ("train15-B2S4096-efficient-adamw", "step"): (-0.391, _HOST),
-    ("train16-B2S4096-efficient-adamw", "forward_backward"): (-0.419, _HOST),
-    ("train16-B2S4096-efficient-adamw", "step"): (-0.424, _HOST),
-    ("train17-B2S4096-efficient-adamw", "forward_backward"): (-0.398, _HOST),
-    ("train17-B2S4096-efficient-adamw", "step"): (-0.406, _HOST),
-    ("train22-B2S4096-efficient-adamw", "forward_backward"): (-0.180, _HOST),
-    ("train22-B2S4096-efficient-adamw", "step"): (-0.192, _HOST),
-    ("train23-B2S4096-efficient-adamw", "forward_backward"): (-0.322, _HOST),
-    ("train23-B2S4096-efficient-adamw", "step"): (-0.328, _HOST),
-    ("train24-B2S4096-efficient-adamw", "forward_backward"): (-0.272, _IDLE),
-    ("train24-B2S4096-efficient-adamw", "step"): (-0.285, _IDLE),
-    ("train25-B2S4096-efficient-adamw", "forward_backward"): (-0.360, _HOST),
-    ("train25-B2S4096-efficient-adamw", "step"): (-0.369, _HOST),
-    ("train39-B16S1024-efficient-adamw", "forward_backward"): (-0.145, _IDLE),
-    ("train39-B16S1024-efficient-adamw", "step"): (-0.158, _IDLE),
+    ("seed-B16S4096-baseline-adamw", "forward_backward"): (-0.339, _EAGER),
+    ("seed-B16S4096-baseline-adamw", "step"): (-0.339, _EAGER),
+    ("seed-B4S1024-baseline-adamw", "forward_backward"): (+0.260, _EAGER),
+    ("seed-B4S1024-baseline-adamw", "step"): (+0.234, _EAGER),
+    ("seed-B4S1024-efficient-adamw", "forward_backward"): (+0.491, _HOST),
+    ("seed-B4S1024-efficient-adamw", "step"): (+0.467, _HOST),
+    ("tiny-gqa-B4S512-baseline-adamw", "forward_backward"): (+0.165, _EAGER),
+    ("tiny-gqa-B4S512-baseline-adamw", "step"): (+0.132, _EAGER),
+    ("tiny-gqa-B4S512-efficient-adamw", "forward_backward"): (+0.428, _HOST),
+    ("tiny-gqa-B4S512-efficient-adamw", "step"): (+0.385, _HOST),
+    ("llama3.2-1b-B2S2048-baseline-adamw", "forward_backward"): (-0.241, _EAGER),
+    ("llama3.2-1b-B2S2048-baseline-adamw", "step"): (-0.237, _EAGER),
+    ("train1-B8S1024-efficient-adamw", "forward_backward"): (+0.281, _HOST),
+    ("train1-B8S1024-efficient-adamw", "step"): (+0.232, _HOST),
+    ("train8-B8S1024-efficient-adamw", "forward_backward"): (+0.195, _HOST),
+    ("train8-B8S1024-efficient-adamw", "step"): (+0.162, _HOST),
+    ("train12-B4S2048-efficient-adamw", "forward_backward"): (-0.161, _HOST),
+    ("train12-B4S2048-efficient-adamw", "step"): (-0.172, _HOST),
+    ("train18-B4S4096-efficient-adamw", "step"): (-0.100, _IDLE),
+    ("train21-B4S2048-efficient-adamw", "forward_backward"): (-0.106, _IDLE),
+    ("train21-B4S2048-efficient-adamw", "step"): (-0.113, _IDLE),
 }
 
-# Known misses of the ±15% per-component claim on session8d, strict, with the error measured there. All on
+# Known misses of the ±15% per-component claim on session9c, strict, with the error measured there. All on
 # named small shapes; every drawn training-sized component figure is within.
 _SMALL = "a small or short-sequence shape under the calibrated sizes (cuDNN S >= 1024, GEMM grid at 16k tokens)"
 _COMPONENT_MISSES = {
-    ("seed-B4S1024-efficient-adamw", "attention backward"): (-0.200, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.177, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.442, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "embedding backward"): (-0.699, "the embedding backward's sort and segmented "
+    ("seed-B4S1024-efficient-adamw", "attention backward"): (-0.218, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "norm backward"): (-0.157, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.213, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.466, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "embedding backward"): (-0.716, "the embedding backward's sort and segmented "
                                                                  "sum are modelled as 8 evenly loaded launches"),
 }
 
@@ -223,20 +215,15 @@ def test_the_claim_covers_at_least_30_drawn_configs():
     assert len([r for r in SETS["drawn, training-sized"] if r["variant"] == "efficient"]) >= 30
 
 
-# (the drawn small configs were last probed in session7d, whose probe ran out of its time budget at
-# config 22 of 32; sessions 8-8d spent their device time on the claim's rows)
-SMALL_SESSION = probes.H200 / "session7d"
-
-
 @pytest.mark.parametrize("session,name,variant,lo,hi", [
-    (SESSION, "drawn, training-sized", "baseline", -0.33, -0.13),
-    (SMALL_SESSION, "drawn, small", "baseline", -0.20, 0.59),
-    (SMALL_SESSION, "drawn, small", "efficient", -0.21, 0.53)], ids=lambda x: getattr(x, "name", x))
+    (SESSION, "drawn, training-sized", "baseline", -0.30, -0.13),
+    (SESSION, "drawn, small", "baseline", -0.27, 0.40),
+    (SESSION, "drawn, small", "efficient", -0.16, 0.56)], ids=lambda x: getattr(x, "name", x))
 def test_what_the_model_gets_wrong_outside_the_claim(session, name, variant, lo, hi):
     """Not claims, but the model's stated errors where the claim does not reach, so that a change shows:
     the eager baseline's S x S elementwise chain runs under the copy roofline (under-predicted where it
     dominates), and the small drawn configs are bound by the host, whose in-step cost per op varies
-    between machines (host op 9.5-23 us over sessions 7d-8d) and between rows of one run. Each set
+    between machines (host op 8.5-23 us over sessions 7d-9c) and between rows of one run. Each set
     against its own session's profile."""
     errs = [probes.time_error(r, "forward_backward", str(session / "h200.json"))
             for r in probes.timing_rows(session)[name] if r["variant"] == variant]

@@ -208,7 +208,7 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
     put("memory-h200", probes.memory_summary())
     put("memory-recompute", probes.recompute_summary())
     put("timing-h200", probes.timing_summary())
-    prof = H200 / "session7d/h200.json"
+    prof = H200 / probes.TIMING_SESSION.name / "h200.json"  # the claim's session: its kernels on its own roof
     if prof.exists():
         from anatomy.report import roofline
 
