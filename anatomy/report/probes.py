@@ -18,7 +18,9 @@ from anatomy.config import ModelConfig, Run
 
 H200 = Path(__file__).resolve().parents[2] / "reports" / "h200"
 # memory rows of one H200 run under two allocator settings; timing rows with that run's profile
-MEMORY_SESSION, TIMING_SESSION = H200 / "session5b", H200 / "session9c"
+MEMORY_SESSION, TIMING_SESSION = H200 / "session5b", H200 / "session9d"
+# a session that did not probe a set takes it from this one (session9d ran no small drawn configs)
+TIMING_FALLBACK = H200 / "session9c"
 SPLIT, DEFAULT = "expandable segments", "default allocator"
 MEMORY_FILES = {SPLIT: ("probe_memory.json", "probe_memory_hypothesis.json"),
                 DEFAULT: ("probe_memory_default.json", "probe_memory_default_hypothesis.json")}
@@ -192,10 +194,17 @@ TIMING_SETS = (("named", "probe_timing.json"), ("drawn, training-sized", "probe_
                ("drawn, small", "probe_timing_hypothesis.json"))
 
 
+def set_session(name: str, session: Path = TIMING_SESSION) -> Path:
+    """The session a set's rows come from: `session`, or TIMING_FALLBACK where it did not probe that set.
+    Each set is compared with its own session's profile."""
+    f = dict(TIMING_SETS)[name]
+    return session if (session / f).exists() or not (TIMING_FALLBACK / f).exists() else TIMING_FALLBACK
+
+
 def timing_rows(session: Path = TIMING_SESSION) -> dict[str, list[dict]]:
     """{set: rows}: the named configs, the drawn training-sized ones (validations.configs
     .training_configs) and the drawn small ones (gpu_configs), each with the config it ran."""
-    return {name: rows(session / f) for name, f in TIMING_SETS}
+    return {name: rows(set_session(name, session) / f) for name, f in TIMING_SETS}
 
 
 @lru_cache(maxsize=None)
@@ -248,8 +257,11 @@ def timing_table(rows_: list[dict], profile: str) -> dict:
 
 def timing_markdown(session: Path = TIMING_SESSION) -> str:
     sets = timing_rows(session)
-    lines = [f"Rows: reports/h200/{session.name}/probe_timing*.json (scripts/probe_timing.py), with the profile "
-             f"`anatomy calibrate` measured on the same machine ({session.name}/h200.json) or the datasheet's; error "
+    other = sorted({set_session(n, session).name for n in sets} - {session.name})
+    lines = [f"Rows: reports/h200/{session.name}/probe_timing*.json (scripts/probe_timing.py)"
+             + "".join(f" ({', '.join(n for n in sets if set_session(n, session).name == o)}: {o})" for o in other)
+             + ", each set with the profile `anatomy calibrate` measured on the same machine (its session's h200.json) "
+             "or the datasheet's; error "
              "= (predicted - measured) / measured. Steps: the unmarked steps' forward + backward (and AdamW step). "
              "Components: GPU kernel time from a torch.profiler trace, credited to the component marked before each "
              "launch; those holding ≥ 5% of the step's kernel time.", "",
@@ -257,7 +269,7 @@ def timing_markdown(session: Path = TIMING_SESSION) -> str:
     for name, rs in sets.items():
         for variant in ("efficient", "baseline"):
             vr = [r for r in rs if r["variant"] == variant]
-            for label, prof in (("calibrated", str(session / "h200.json")), ("datasheet", "h200-sxm")):
+            for label, prof in (("calibrated", str(set_session(name, session) / "h200.json")), ("datasheet", "h200-sxm")):
                 for k, v in timing_table(vr, prof).items():
                     if label == "datasheet" and k not in ("forward+backward", "step"):
                         continue
@@ -272,7 +284,7 @@ def timing_summary(session: Path = TIMING_SESSION) -> str:
         return "(no probe rows committed)"
     prof = str(session / "h200.json")
 
-    def line(rs, what="forward+backward"):
+    def line(rs, what="forward+backward", prof=prof):
         t = timing_table(rs, prof).get(what)
         return f"{t['within']} of {t['n']} within ±10% (mean |error| {t['mape']:.1%}, worst {t['worst']:+.1%})"
 
@@ -281,10 +293,12 @@ def timing_summary(session: Path = TIMING_SESSION) -> str:
     out = [f"Forward + backward against the profile calibrated on the same machine (`reports/h200/{session.name}`): "
            f"named rows {named}."]
     for name in ("drawn, training-sized", "drawn, small"):
+        src = set_session(name, session)
         for v in ("efficient", "baseline"):
             rs = [r for r in sets[name] if r["variant"] == v]
             if rs:
-                out.append(f"- {name}, {v}: {line(rs)}.")
+                out.append(f"- {name}, {v}: {line(rs, prof=str(src / 'h200.json'))}"
+                           + (f" (rows and profile of `reports/h200/{src.name}`)." if src != session else "."))
     tr = [r for r in sets["drawn, training-sized"] if r["variant"] == "efficient"]
     comp = {k: v for k, v in timing_table(tr, prof).items() if k not in ("forward+backward", "step")}
     if comp:
@@ -296,5 +310,5 @@ def timing_summary(session: Path = TIMING_SESSION) -> str:
     out.append(f"- Uncalibrated (datasheet profile), the named rows' mean |error| is {statistics.mean(map(abs, ds)):.0%}.")
     head = json.loads((session / "probe_timing_training.json").read_text())
     out.append(f"- Source: {head['gpu']}, torch {head['torch']}, CUDA {head['cuda']}, {head['date']}: `{head['command']}` "
-               "(and the named and small rows' commands in the same folder), against that run's `anatomy calibrate`.")
+               "(and the other sets' commands in their folders), each against its own run's `anatomy calibrate`.")
     return "\n".join(out)
