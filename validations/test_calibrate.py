@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from anatomy.calculator import gpus, timing
+from anatomy.calculator import gpus, measured, timing
 from anatomy.config import ConfigError, ModelConfig, Run
 from anatomy.measure import calibrate, calibrate_host
 
@@ -33,7 +33,7 @@ def test_matmul_efficiency_cases():
 def test_fit_recovers_synthetic_rate_and_k_half():
     pts = [dict(m=m, n=n, k=k, tflops=700 * gpus.matmul_efficiency(m, n, k, 132, 128.0))
            for m, n, k in calibrate.gemm_grid()]
-    rate, kh = gpus.fit_matmul(pts, 132)
+    rate, kh = measured.fit_matmul(pts, 132)
     assert kh == 128.0 and rate == pytest.approx(700e12, rel=1e-9)
 
 
@@ -45,7 +45,7 @@ def test_misaligned_vocab_factors():
     rows = [dict(op=op, rows=T, hidden=H, vocab=V, tflops=600.0 / (4 if (V, op) == (32001, "forward") else
                                                                     2 if (V, op) == (32002, "grad_input") else 1))
             for op, T, H, V in calibrate.vocab_grid()]
-    f = gpus.misaligned_factors(rows)
+    f = measured.misaligned_factors(rows)
     assert f["1"] == pytest.approx(dict(n=0.25, k=1.0, m=1.0)) and f["2"] == pytest.approx(dict(n=1.0, k=0.5, m=1.0))
     assert f["4"] == pytest.approx(dict(n=1.0, k=1.0, m=1.0))
     prof = dict(matmul_misaligned=f)
@@ -53,7 +53,7 @@ def test_misaligned_vocab_factors():
     assert gpus.alignment_factor(prof, 4096, 512, 32002) == pytest.approx(0.5)  # grad_input, vocab 2 mod 8: k
     assert gpus.alignment_factor(prof, 4096, 32000, 512) == 1.0 and gpus.alignment_factor({}, 4096, 32001, 512) == 1.0
     data = calibrate.build_profile(dict(_fake_measurements(), matmul_vocab=rows), dict(date="fake"), "h200-sxm")
-    p = gpus.from_measured(data)
+    p = measured.from_measured(data)
     odd, even = (timing.estimate_time(ModelConfig(name="v", hidden=512, layers=1, heads=8, intermediate=1024, vocab=v),
                                       Run(4, 1024), "baseline", p, with_kernels=True) for v in (32001, 32000))
     assert _kernel(odd, "loss.lm_head")["compute_s"] == pytest.approx(
@@ -72,10 +72,10 @@ def test_accumulate_epilogue_bandwidth():
                  ms=(acc_bytes(T, H, V) / hbm / frac[T] if T in frac else 2 * T * H * V / 600e12) * 1e3)
             for op, T, H, V in calibrate.vocab_grid()]
     assert {(r["rows"], r["hidden"]) for r in rows if r["rows"] in frac} == set(calibrate.ACC_CHUNKS)
-    assert gpus.accumulate_bandwidth(rows, hbm) == pytest.approx(0.60)
-    assert gpus.accumulate_bandwidth([r for r in rows if r["rows"] not in frac], hbm) is None
+    assert measured.accumulate_bandwidth(rows, hbm) == pytest.approx(0.60)
+    assert measured.accumulate_bandwidth([r for r in rows if r["rows"] not in frac], hbm) is None
     m = dict(_fake_measurements(), matmul_vocab=rows, copy_tbps=hbm / 1e12)
-    p = gpus.from_measured(calibrate.build_profile(m, dict(date="fake"), "h200-sxm"))
+    p = measured.from_measured(calibrate.build_profile(m, dict(date="fake"), "h200-sxm"))
     assert p["matmul_accumulate_bw"] == pytest.approx(0.60)
     p0 = dict(p, matmul_accumulate_bw=1.0)
     cfg = ModelConfig(name="v", hidden=2048, layers=1, heads=16, intermediate=4096, vocab=128256)
@@ -102,14 +102,14 @@ def test_host_scale_from_a_measured_tiny_step():
     the efficient model, whatever the split between the phases), for any config; the optimizer's is
     left as it was."""
     data = calibrate.build_profile(_fake_measurements(), dict(date="fake"), "h200-sxm")
-    p0 = gpus.from_measured(data)
+    p0 = measured.from_measured(data)
     hs = dict(calibrate_host.HOST_STEP)
     cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs["dtype"])
     factors = dict(baseline=3.0, efficient=1.5)
     for v, f in factors.items():
         host = sum(timing.host_seconds(k, p0) for k in timing.kernels(cfg, run, v, None, None))
         hs[v] = dict(forward_ms=1e3 * f * host * 0.9, backward_ms=1e3 * f * host * 0.1, forward_backward_ms=1e3 * f * host)
-    p = gpus.from_measured(dict(data, measurements=dict(data["measurements"], host_step=hs)))
+    p = measured.from_measured(dict(data, measurements=dict(data["measurements"], host_step=hs)))
     assert timing.host_scale(p0, "baseline") == 1.0
     for variant, f in factors.items():
         assert timing.host_scale(p, variant) == pytest.approx(f)
@@ -151,7 +151,7 @@ def _fake_measurements() -> dict:
 def test_profile_json_round_trip(tmp_path):
     data = calibrate.build_profile(_fake_measurements(), dict(date="fake", gpu="fake", torch="fake",
                                                               command="pytest"), "h200-sxm")
-    path = gpus.write_atomic(tmp_path / "h200.json", data)
+    path = measured.write_atomic(tmp_path / "h200.json", data)
     assert not list(tmp_path.glob("*.tmp"))
     p = gpus.get(str(path))
     assert p["name"] == "h200-measured" and p["kind"] == "measured"
@@ -188,7 +188,7 @@ def test_calibrate_without_cuda_exits_2(capsys, monkeypatch):
 
 # ---- Liger's loss: its CE kernel in lanes, its host cost measured in place ------------------------
 def test_liger_ce_lanes():
-    from anatomy.calculator.launches import liger_ce_width
+    from anatomy.calculator.fused import liger_ce_width
 
     assert [liger_ce_width(v) for v in (1000, 16000, 16384, 16385, 18042, 32768, 55960, 64000, 128256)] == \
         [1024, 16384, 16384, 32768, 32768, 32768, 65536, 65536, 131072]
@@ -198,7 +198,7 @@ def test_liger_ce_time_follows_lanes_and_alignment():
     """Fake CE timings (not a measurement) that take time per lane, 1.3x per lane at a vocab that is not
     a multiple of 16: at vocabs and chunk rows calibrate never ran, the model's time for the kernel is
     the same law (so V 18042, one 32768-lane pass, costs 2x V 16000 and 1.3x more), not time per vocab."""
-    from anatomy.calculator.launches import fused_bytes, liger_ce_width
+    from anatomy.calculator.fused import fused_bytes, liger_ce_width
     from anatomy.measure.calibrate_kernels import LIGER_CHUNK_ROWS, LIGER_VOCABS
 
     hbm = 4.0e12
@@ -206,7 +206,7 @@ def test_liger_ce_time_follows_lanes_and_alignment():
     fused = [dict(op="liger_ce", tokens=n, width=V, ms=law(V, n) * 1e3 + 2.2e-3, queued=True)
              for V in LIGER_VOCABS for n in LIGER_CHUNK_ROWS]
     assert {V % 16 == 0 for V in LIGER_VOCABS} == {True, False}
-    p = gpus.from_measured(calibrate.build_profile(dict(_fake_measurements(), fused=fused, copy_tbps=hbm / 1e12),
+    p = measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), fused=fused, copy_tbps=hbm / 1e12),
                                                    dict(date="fake"), "h200-sxm"))
     for V in (18042, 22672, 40000, 63060, 100003):
         for rows in (256, 1024, 4096):
@@ -219,7 +219,7 @@ def test_liger_ce_time_follows_lanes_and_alignment():
 def _liger_host_profile(**liger):
     m = _fake_measurements()
     m["host_custom_us"] = dict(m["host_custom_us"], **({"liger_ce": liger} if liger else {}))
-    return gpus.from_measured(calibrate.build_profile(m, dict(date="fake"), "h200-sxm"))
+    return measured.from_measured(calibrate.build_profile(m, dict(date="fake"), "h200-sxm"))
 
 
 def test_liger_host_is_measured_per_call_and_per_chunk():

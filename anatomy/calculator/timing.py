@@ -42,9 +42,10 @@ from types import SimpleNamespace
 
 from anatomy.calculator import estimate
 from anatomy.calculator import gpus, pipeline
+from anatomy.calculator.fused import dw_sum_bytes, fused_bytes, liger_ce_width
 from anatomy.calculator.launches import (SDPA_BACKENDS, VARIANTS, Kernel, baseline_kernels,  # noqa: F401
-                                         dw_sum_bytes, efficient_kernels, fused_bytes, kernels, liger_ce_width, liger_chunk_rows,
-                                         optimizer_kernels, param_sizes, rms_norm_programs, standalone_kernels)
+                                         efficient_kernels, kernels, liger_chunk_rows, optimizer_kernels, param_sizes,
+                                         rms_norm_programs, standalone_kernels)
 from anatomy.calculator.optimizer import step_bytes_moved
 from anatomy.config import ConfigError, ModelConfig, Run
 
@@ -95,7 +96,7 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
     if rate:
         t_c = kern.flops / rate
     eff = fused_efficiency(prof, *kern.fused) if kern.fused else 1.0
-    if kern.accumulate:  # its epilogue streams the fp32 accumulator below copy bandwidth (gpus.accumulate_bandwidth)
+    if kern.accumulate:  # its epilogue streams the fp32 accumulator below copy bandwidth (measured.accumulate_bandwidth)
         eff = prof.get("matmul_accumulate_bw", 1.0)
     t_m = kern.bytes / (prof["hbm_Bps"] * eff)
     launch = prof["launch_s"]
@@ -113,7 +114,7 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
 def fused_efficiency(prof: dict, op: str, width: int, rows: int | None = None) -> float:
     """The fraction of the copy bandwidth an op reaches at this row width and row count, from the
     profile's calibrated timings (calibrate_kernels.measure_fused: GPU time per call at several widths,
-    16,384 rows, and 65,536 for the narrow ones) over the op's minimal bytes (launches.fused_bytes):
+    16,384 rows, and 65,536 for the narrow ones) over the op's minimal bytes (fused.fused_bytes):
     piecewise linear in log(width) at each measured row count, then in log(rows) between them; flat
     beyond the measured range. 1.0 (the copy roofline) without such rows.
 

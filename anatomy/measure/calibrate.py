@@ -31,7 +31,7 @@ timing reuses one L2-resident input):
   fused           GPU time per call of our fused ops (rms_norm, swiglu, rope_qkv; fwd and bwd), the
                   fp32 + bf16 residual add and Liger's CE kernel (at 512- and 2048-row chunks), at 16,384
                   rows (and 65,536 for widths <= 2048) and several widths: the calculator turns them into bandwidth efficiencies
-Measurements never read the calculator; the profile is only *loaded* by it (gpus.from_measured).
+Measurements never read the calculator; the profile is only *loaded* by it (measured.from_measured).
 On a machine without CUDA it prints one line and exits 2.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from anatomy.calculator import gpus
+from anatomy.calculator import gpus, measured
 from anatomy.config import PRESETS
 from anatomy.measure.calibrate_host import measure_host, measure_host_step
 from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
@@ -110,10 +110,10 @@ def guess_base(device_name: str) -> str | None:
 
 
 def build_profile(measurements: dict, provenance: dict, base: str) -> dict:
-    """The profile JSON object; loading it through gpus.from_measured checks it is complete."""
+    """The profile JSON object; loading it through measured.from_measured checks it is complete."""
     data = dict(name=f"{gpus.profile_stem(base)}-measured", base=base, kind="measured", provenance=provenance,
                 measurements=measurements)
-    gpus.from_measured(data)  # raises ConfigError if anything is malformed
+    measured.from_measured(data)  # raises ConfigError if anything is malformed
     return data
 
 
@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                 gemm_grid=f"{len(m['matmul_bf16'])} of {len(gemm_grid())} shapes",
                 gemm_grid_in_step=f"{len(m['matmul_bf16_in_step'])} of {len(gemm_grid())} shapes")
     data = build_profile(m, prov, base)
-    out = gpus.write_atomic(a.out or default_out(base), data)
-    prof = gpus.from_measured(data)
+    out = measured.write_atomic(a.out or default_out(base), data)
+    prof = measured.from_measured(data)
     print(f"{name}: bf16 GEMM {prof['matmul_flops']['bfloat16'] / 1e12:.0f} TFLOP/s "
           f"(k_half {prof['matmul_k_half']:.0f}), copy {m['copy_tbps']:.2f} TB/s, launch {m['launch_us']:.2f} us, host op {m['host_op_us']:.1f} us, "
           f"{len(m['attention'])} attention rows; {prov['seconds']} s -> {out}")

@@ -17,7 +17,7 @@ So every op here is timed on the GPU alone: the host enqueues all repeats while 
 sleep kernel, each repeat between its own pair of CUDA events, and each GEMM repeat is preceded
 (untimed) by a copy that writes its activation operand, as the producing kernel of a step does.
 The rows record shapes and milliseconds only; the calculator turns them into rates and
-efficiencies (gpus.from_measured), never the other way round.
+efficiencies (measured.from_measured), never the other way round.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Points (one per calibrate row of a profile JSON; time measured, work counted):
   attention   causal SDPA per backend, forward and forward + backward (ANCHORS' causal FLOP
               convention: forward 2·B·h·S²·d, fwd+bwd 3.5x), over q, k, v, o (and their gradients)
   memory      our fused kernels, the residual add and Liger's CE kernel: their minimal bytes
-              (launches.fused_bytes) and elementwise FLOPs counted per element as ELEMENTWISE_FLOPS
+              (fused.fused_bytes) and elementwise FLOPs counted per element as ELEMENTWISE_FLOPS
               says (exp, rsqrt and division count one each)
 Roofs: the best bf16 GEMM of the loop grid (the MFU ceiling) and the copy bandwidth, both measured
 by the same calibrate run.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from anatomy.calculator.launches import dw_sum_bytes, fused_bytes
+from anatomy.calculator.fused import dw_sum_bytes, fused_bytes
 
 # FLOPs per element of the op's width-sized rows (the output's elements for swiglu, the logits for CE)
 ELEMENTWISE_FLOPS = {

@@ -1,0 +1,204 @@
+"""Measured GPU profiles: what `anatomy calibrate` wrote, turned into the profile dict timing.py reads.
+
+Pure Python: no torch. from_measured fits the GEMM rate and k_half to the measured grid
+(fit_matmul), keeps the misaligned-vocab and fp32-accumulate factors of the LM head's GEMMs, the
+attention rates per backend and head dim, the fused kernels' rows, and the host figures, each with
+its source; gpus.get and gpus.load call it for a profile .json.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from anatomy.calculator.gpus import (_check, alignment_class, attention_wave_efficiency, causal_attention_flops,
+                                     get, matmul_efficiency)
+from anatomy.config import ConfigError
+
+
+# which GEMM dimension is the vocab in each head GEMM calibrate times (anatomy/measure/calibrate.py)
+VOCAB_OP_DIM = {"forward": "n", "grad_input": "k", "grad_weight": "m"}
+
+
+def misaligned_factors(rows: list[dict]) -> dict:
+    """{alignment class: {GEMM dim: rate ratio}} from calibrate's head GEMMs: the rate at a misaligned
+    vocab over the rate at the aligned one, same op and shape (geometric mean over the shapes)."""
+    aligned = {(r["op"], r["rows"], r["hidden"]): r["tflops"] for r in rows if alignment_class(r["vocab"]) is None}
+    ratios: dict = {}
+    for r in rows:
+        if r["op"] not in VOCAB_OP_DIM:
+            continue
+        a, ref = alignment_class(r["vocab"]), aligned.get((r["op"], r["rows"], r["hidden"]))
+        if a is not None and ref:
+            ratios.setdefault(str(a), {}).setdefault(VOCAB_OP_DIM[r["op"]], []).append(math.log(r["tflops"] / ref))
+    return {a: {d: math.exp(sum(v) / len(v)) for d, v in dims.items()} for a, dims in ratios.items()}
+
+
+def accumulate_factor(rows: list[dict]) -> float | None:
+    """Liger's grad_weight under amp (addmm into fp32, out_dtype=fp32) over the bf16-out grad_weight of
+    the same shape, at the aligned vocab: the geometric mean over calibrate's head shapes."""
+    rate = {(r["op"], r["rows"], r["hidden"]): r["tflops"] for r in rows if alignment_class(r["vocab"]) is None}
+    logs = [math.log(v / rate[("grad_weight", T, H)]) for (op, T, H), v in rate.items()
+            if op == "grad_weight_acc" and ("grad_weight", T, H) in rate]
+    return math.exp(sum(logs) / len(logs)) if logs else None
+
+
+ACC_MAX_K = 512  # a chunk this short leaves the accumulate GEMM epilogue-bound (calibrate.ACC_CHUNKS)
+
+
+def accumulate_bandwidth(rows: list[dict], hbm_Bps: float) -> float | None:
+    """The fraction of the copy bandwidth an fp32-accumulating grad_weight GEMM's bytes move at (read
+    and write of the (V, H) fp32 accumulator, plus both bf16 operands), at the aligned vocab: the
+    highest over calibrate's rows, i.e. its few-row chunks (calibrate.ACC_CHUNKS), whose K is so short
+    that the epilogue is nearly the whole kernel. Compute-bound rows give lower fractions and never
+    the max; a profile without rows of K <= ACC_MAX_K (those before session 8) gets None: no such term."""
+    fr = [(2 * r["vocab"] * r["hidden"] * 4 + 2 * r["rows"] * (r["vocab"] + r["hidden"])) / hbm_Bps / (r["ms"] * 1e-3)
+          for r in rows if r["op"] == "grad_weight_acc" and alignment_class(r["vocab"]) is None and r.get("ms")
+          and r["rows"] <= ACC_MAX_K]
+    return min(1.0, max(fr)) if fr else None
+
+
+def misaligned_accumulate(rows: list[dict], rate: float, sms: int, k_half: float, acc: float) -> dict:
+    """{alignment class: factor} for Liger's fp32-accumulating grad_weight at a misaligned vocab and a
+    chunk's K (<= ACC_MAX_K): its measured rate over the aligned model's rate for the same shape
+    (fitted rate x matmul_efficiency x the accumulate factor); geometric mean per class. It replaces
+    alignment_factor for such GEMMs, whose fallback kernel the big-K head shapes do not show."""
+    out: dict = {}
+    for r in rows:
+        a = alignment_class(r["vocab"])
+        if r["op"] == "grad_weight_acc" and a is not None and r["rows"] <= ACC_MAX_K:
+            model = rate * matmul_efficiency(r["vocab"], r["hidden"], r["rows"], sms, k_half) * acc
+            out.setdefault(str(a), []).append(math.log(r["tflops"] * 1e12 / model))
+    return {a: math.exp(sum(v) / len(v)) for a, v in out.items()}
+
+
+# ---- measured profiles ---------------------------------------------------------------------------
+def fit_matmul(points: list[dict], sms: int) -> tuple[float, float]:
+    """(asymptotic rate FLOP/s, k_half) fitted to measured GEMM points {m, n, k, tflops}.
+
+    For each k_half on a grid, the rate is the weighted geometric mean of measured / efficiency, and
+    k_half is the grid value with the least weighted squared log error. Each point weighs its FLOPs:
+    a step's time is spent in its large GEMMs, and the microsecond-scale shapes are the noisiest to
+    time (unweighted, k_half came out at 312-600 in five calibrations of one GPU model; weighted,
+    232-272). One point fixes the rate only (k_half = 0)."""
+    w = [2 * p["m"] * p["n"] * p["k"] * p.get("batch", 1) for p in points]
+
+    def rate_and_err(kh):
+        logs = [math.log(p["tflops"] * 1e12 / matmul_efficiency(p["m"], p["n"], p["k"], sms, kh, p.get("batch", 1)))
+                for p in points]
+        mu = sum(wi * x for wi, x in zip(w, logs)) / sum(w)
+        return math.exp(mu), sum(wi * (x - mu) ** 2 for wi, x in zip(w, logs)) / sum(w)
+
+    if not points:
+        raise ConfigError("no matmul measurements to fit")
+    if len({p["k"] for p in points}) < 2:
+        return rate_and_err(0.0)[0], 0.0
+    best = min((rate_and_err(kh)[1], kh) for kh in range(0, 1025, 8))
+    return rate_and_err(best[1])[0], float(best[1])
+
+
+def from_measured(data: dict) -> dict:
+    """A measured profile: its base datasheet profile, with every measured figure replacing the
+    datasheet one (and its source saying so). Figures the file does not measure stay datasheet
+    figures or assumptions, and their sources say that too."""
+    base = get(data.get("base", "h200-sxm"))
+    if base["kind"] != "datasheet":
+        raise ConfigError("a measured profile's base must be a datasheet profile")
+    m, prov = data["measurements"], data.get("provenance", {})
+    where = f"measured ({prov.get('date', 'undated')}, {prov.get('gpu', '?')}, torch {prov.get('torch', '?')})"
+    p = dict(base, name=data.get("name", base["name"] + "-measured"), kind="measured",
+             display=f"{base['display']} (measured)", provenance=prov, sources=dict(base["sources"]))
+    sms = p["sms"]
+    if m.get("matmul_bf16"):
+        # A step's GEMMs follow the kernel that wrote their operand (calibrate_kernels.py): the rate and
+        # k_half come from the in-step timings when the profile has them, from the loop otherwise; the
+        # loop's fit is kept beside it, and the MFU ceiling stays the loop's best (ANCHORS' convention).
+        in_step = [x for x in m.get("matmul_bf16_in_step") or () if x.get("queued", True)]
+        grid = in_step or m["matmul_bf16"]
+        if in_step:
+            p["matmul_loop_fit"] = dict(zip(("rate_flops", "k_half"), fit_matmul(m["matmul_bf16"], sms)))
+        rate, kh = fit_matmul(grid, sms)
+        p["matmul_flops"] = dict(p["matmul_flops"], bfloat16=rate)
+        p["matmul_k_half"] = kh
+        p["matmul_fit"] = [dict(m=x["m"], n=x["n"], k=x["k"], measured_tflops=x["tflops"], model_tflops=rate / 1e12 *
+                                matmul_efficiency(x["m"], x["n"], x["k"], sms, kh, x.get("batch", 1)))
+                           for x in grid]
+        best = max(x["tflops"] for x in m["matmul_bf16"]) * 1e12
+        p["mfu_peak_flops"] = best
+        shapes = ", ".join(f"{x['m']}x{x['n']}x{x['k']}: {x['tflops']:g}" for x in grid[:4])
+        how = "in step (after a producer kernel)" if in_step else "in a loop"
+        p["sources"].update(matmul_flops=f"{where}: bf16 GEMM TFLOP/s {how} {shapes}"
+                                         + (" ..." if len(grid) > 4 else ""),
+                            matmul_k_half=f"fitted to {len(grid)} measured GEMM shape(s), {how}",
+                            mfu_peak_flops=f"{where}: the best measured bf16 GEMM (MFU against a measured ceiling)")
+    if m.get("matmul_vocab"):
+        p["matmul_misaligned"] = misaligned_factors(m["matmul_vocab"])
+        acc = accumulate_factor(m["matmul_vocab"])
+        if acc is not None:
+            p["matmul_fp32_accumulate"] = acc
+            p["sources"]["matmul_fp32_accumulate"] = f"{where}: addmm(out_dtype=fp32) over bf16-out, head shapes"
+        mis = misaligned_accumulate(m["matmul_vocab"], p["matmul_flops"]["bfloat16"], sms, p["matmul_k_half"],
+                                    acc or 1.0)
+        if mis:
+            p["matmul_misaligned_accumulate"] = mis
+            p["sources"]["matmul_misaligned_accumulate"] = (f"{where}: addmm(out_dtype=fp32) at vocab 32001/32002/"
+                                                            "32004, a 512-row chunk, over the aligned model's rate")
+        bw = accumulate_bandwidth(m["matmul_vocab"], m["copy_tbps"] * 1e12) if m.get("copy_tbps") else None
+        if bw is not None:
+            p["matmul_accumulate_bw"] = bw
+            p["sources"]["matmul_accumulate_bw"] = (f"{where}: addmm(out_dtype=fp32) into a (V, H) fp32 accumulator, "
+                                                    "bytes over time at its few-row chunks, over the copy bandwidth")
+        p["sources"]["matmul_misaligned"] = (f"{where}: the LM head's GEMMs at vocab 32001/32002/32004 against 32000 "
+                                             f"({len(m['matmul_vocab'])} GEMMs)")
+    if m.get("fused"):
+        p["fused_rows"] = m["fused"]
+        p["sources"]["fused_rows"] = (f"{where}: GPU time per call of our fused ops, the mixed-dtype residual add and "
+                                      f"Liger's CE kernel ({len(m['fused'])} rows)")
+    if m.get("copy_tbps"):
+        p["hbm_Bps"] = m["copy_tbps"] * 1e12
+        p["sources"]["hbm_Bps"] = f"{where}: device-to-device copy, bytes read + written"
+    if m.get("launch_us"):
+        p["launch_s"] = m["launch_us"] * 1e-6
+        p["sources"]["launch_s"] = f"{where}: tiny kernels on a full eager queue"
+    if m.get("kernel_gap"):
+        p["kernel_gap_s"] = m["kernel_gap"]["gap_us"] * 1e-6
+        p["sources"]["kernel_gap_s"] = f"{where}: median idle time between dependent GEMM/copy kernels (profiled chain)"
+    if m.get("host_op_us"):
+        p["host_op_s"] = m["host_op_us"] * 1e-6
+        p["sources"]["host_op_s"] = f"{where}: CPU time per eager op under autograd"
+    if m.get("host_step"):
+        p["host_step"] = m["host_step"]
+        p["sources"]["host_step"] = f"{where}: a tiny training step of each variant, host-bound (timing.host_scale)"
+    if m.get("host_custom_us"):
+        p["host_custom_s"] = {k: {ph: us * 1e-6 for ph, us in v.items() if isinstance(us, (int, float))}
+                              for k, v in m["host_custom_us"].items() if isinstance(v, dict)}
+        p["sources"]["host_custom_s"] = m["host_custom_us"].get("source", where)
+    if m.get("attention"):
+        p["attention"] = attention_table(m["attention"], sms)
+        p["sources"]["attention"] = f"{where}: causal SDPA per backend, " + "; ".join(
+            f"{a['backend']} hd{a['hd']} fwd {a['fwd_ms']} ms, fwd+bwd {a['fwd_bwd_ms']} ms" for a in m["attention"])
+    return _check(p)
+
+
+def attention_table(rows: list[dict], sms: int) -> dict:
+    """{backend: {head_dim: {fwd, fwd_bwd}}}: FLOP/s at a full wave, causal convention (fwd+bwd counts
+    3.5x the forward, as ANCHORS.md does), from measured {backend, B, heads, S, hd, fwd_ms, fwd_bwd_ms}."""
+    out: dict = {}
+    for r in sorted(rows, key=lambda r: r["S"]):
+        f = causal_attention_flops(r["B"], r["heads"], r["S"], r["hd"])
+        eff = attention_wave_efficiency(r["B"], r["heads"], r["S"], sms)
+        rates = dict(fwd=f / (r["fwd_ms"] * 1e-3) / eff, fwd_bwd=3.5 * f / (r["fwd_bwd_ms"] * 1e-3) / eff)
+        e = out.setdefault(r["backend"], {}).setdefault(str(r["hd"]), {})
+        e.update(rates)  # the longest sequence measured: a full wave's rate
+        e.setdefault("seq", {})[str(r["S"])] = rates  # and every length, when calibrate measured several
+    return out
+
+
+def write_atomic(path: str | Path, data: dict) -> Path:
+    """Write JSON via a temp file and a rename, so a reader never sees half a profile."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(p)
+    return p
