@@ -20,6 +20,14 @@ import time
 import torch
 
 
+def _cpu() -> int | None:
+    """The CPU this thread last ran on (/proc/self/stat field 39)."""
+    try:
+        return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="probe_host_processes")
     ap.add_argument("--tag", default="")
@@ -32,7 +40,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     hs = measure_host_step()
     print(json.dumps(dict(tag=a.tag, pid=os.getpid(), affinity=sorted(os.sched_getaffinity(0)),
-                          cpu=os.sched_getcpu() if hasattr(os, "sched_getcpu") else None, start=t0,
+                          cpu=_cpu(), start=t0,
                           gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
                           **{v: hs[v] for v in ("baseline", "efficient")})), flush=True)
     return 0
