@@ -41,7 +41,9 @@ def main(argv=None) -> int:
     hs = measure_host_step()
     print(json.dumps(dict(tag=a.tag, pid=os.getpid(), affinity=sorted(os.sched_getaffinity(0)),
                           cpu=_cpu(), start=t0,
-                          gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
+                          date=time.strftime("%Y-%m-%d %H:%M:%S %Z", time.gmtime(t0)), gpu=torch.cuda.get_device_name(0),
+                          torch=torch.__version__, cuda=torch.version.cuda,
+                          command="PYTHONPATH=. python3 scripts/probe_host_processes.py " + " ".join(sys.argv[1:]),
                           **{v: hs[v] for v in ("baseline", "efficient")})), flush=True)
     return 0
 
