@@ -59,3 +59,22 @@ def test_compare_small_config_is_exact(variant):
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["rows"]
     assert len(rows) == 9 and all(row["predicted"] == row["measured"] for row in rows), rows
+
+
+def test_estimate_gpu_gives_step_time_without_a_gpu(capsys):
+    """`anatomy estimate --gpu H200` predicts the step from the datasheet profile on a machine with no
+    GPU: the training loop's step (steps back to back) and bench/step.py's isolated step, both positive,
+    the back-to-back step no longer than the isolated one, and the text line names both."""
+    assert main(["estimate", "--preset", "seed", "--batch", "4", "--seq", "1024", "--gpu", "H200", "--json"]) == 0
+    t = json.loads(capsys.readouterr().out)["time"]
+    assert t["gpu"] == "H200" and 0 < t["forward_backward_s"] < t["step_s"]
+    assert 0 < t["steady"]["forward_backward_s"] <= t["steady"]["step_s"] <= t["step_s"] * (1 + 1e-9)
+    assert main(["estimate", "--preset", "seed", "--batch", "4", "--seq", "1024", "--gpu", "H200"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "predicted training step on H200" in text and "one step on an idle GPU" in text
+
+
+def test_estimate_unknown_gpu_is_one_line_exit_2():
+    r = _run("estimate", "--preset", "seed", "--gpu", "Z9000")
+    assert r.returncode == 2 and "unknown gpu" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

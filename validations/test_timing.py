@@ -366,3 +366,24 @@ def test_pipeline_runs_liger_chunk_by_chunk():
     es = [e("sync", 2, loop=False), e("cast", 3), e("mm", 3), e("ce", 3), e("cast", 1), e("mm", 1), e("sum", 1, loop=False)]
     order = [(x.kernel.name, n) for x, n in pipeline.launch_order(es, "forward", layers=4)]
     assert order == [("sync", 2)] + [("cast", 1), ("mm", 1), ("ce", 1)] * 3 + [("cast", 1), ("mm", 1), ("sum", 1)]
+
+
+def test_steady_steps_overlap_the_next_forward_with_this_backward():
+    """Two steps back to back, read as CUDA events read them (pipeline.steady), exact on a synthetic step:
+    forward f (host 3, GPU 1), backward b (host 1, GPU 5), optimizer o (host 1, GPU 1). On an idle GPU
+    (simulate) f is issued 0-3 and runs 3-4, b runs 4-9, and the clocks meet before o (issued at 10,
+    running 10-11): 11. Back to back, the next f is issued at 5-8 while the GPU still runs b and o, so
+    the step is the GPU's 7 (forward + backward 6). With a host sync before b, the host waits for f in
+    every step: 8 (forward + backward 7), against 12 on an idle GPU."""
+    from anatomy.calculator import pipeline
+
+    es = [_entry("f", "forward", 3, 1), _entry("b", "backward", 1, 5), _entry("o", "optimizer", 1, 1)]
+    assert sum(s["time_s"] for s in pipeline.simulate(es, layers=1)) == 11
+    st = pipeline.steady(es, layers=1)
+    assert (st["forward_backward_s"], st["step_s"]) == (6, 7)
+    es[1] = _entry("b", "backward", 1, 5, sync=True)
+    assert sum(s["time_s"] for s in pipeline.simulate(es, layers=1)) == 12
+    st = pipeline.steady(es, layers=1)
+    # step 2 starts at max(GPU 11, host 6) = 11 (its first event waits for the GPU); f, issued 6-9, runs
+    # 11-12; the sync waits for it; b is issued at 13 and runs 13-18; o is issued at 14 and runs 18-19
+    assert (st["forward_backward_s"], st["step_s"]) == (7, 8)
