@@ -261,3 +261,38 @@ def test_host_scale_leaves_out_what_was_measured_in_place():
     assert liger > 1e-3 and other > 1e-3
     hs["efficient"] = dict(forward_backward_ms=(2.5 * other + liger) * 1e3)
     assert timing.host_scale(dict(p, host_step=hs), "efficient") == pytest.approx(2.5)
+
+
+def test_baseline_sxs_chain_takes_its_calibrated_rates():
+    """Fake timings (not a measurement) of the baseline's S x S ops at calibrate's sequence lengths, each
+    at its own fraction of the copy bandwidth: the baseline step's kernels of those ops take exactly
+    those times at a calibrated S (bytes / (bandwidth x fraction)), the fp32 policy keeps only the
+    softmax's, and the efficient model does not change."""
+    from anatomy.calculator.fused import fused_bytes
+    from anatomy.measure.calibrate_kernels import SXS_OPS, SXS_ROWS, SXS_SEQS
+
+    hbm = 4.0e12
+    frac = {"sxs.scale": 0.9, "sxs.mask_add": 0.34, "sxs.float": 0.5, "sxs.softmax": 0.52, "sxs.to_compute": 0.9,
+            "sxs.softmax.backward": 0.45}
+    assert set(frac) == set(SXS_OPS)
+    fused = [dict(op=op, tokens=SXS_ROWS, width=S, queued=True,
+                  ms=(sum(fused_bytes(op, S, SXS_ROWS)) / hbm / frac[op] + 2.2e-6) * 1e3) for op in SXS_OPS for S in SXS_SEQS]
+    p = measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), fused=fused, copy_tbps=hbm / 1e12),
+                                                       dict(date="fake"), "h200-sxm"))
+    p0 = measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12),
+                                                        dict(date="fake"), "h200-sxm"))
+    cfg = ModelConfig(name="b", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=32000)
+    a, b = (timing.estimate_time(cfg, Run(2, 2048), "baseline", q, with_kernels=True) for q in (p, p0))
+    of = {"attention.scale": "sxs.scale", "attention.mask_add": "sxs.mask_add", "attention.float": "sxs.float",
+          "attention.softmax": "sxs.softmax", "attention.to_compute": "sxs.to_compute",
+          "attention.to_compute.backward": "sxs.float", "attention.softmax.backward": "sxs.softmax.backward",
+          "attention.float.backward": "sxs.to_compute", "attention.scale.backward": "sxs.scale"}
+    for name, op in of.items():
+        assert _kernel(a, name)["memory_s"] == pytest.approx(_kernel(b, name)["memory_s"] / frac[op], rel=1e-3), name
+    f32 = timing.estimate_time(cfg, Run(2, 2048, "fp32"), "baseline", p, with_kernels=True)
+    f32_0 = timing.estimate_time(cfg, Run(2, 2048, "fp32"), "baseline", p0, with_kernels=True)
+    assert _kernel(f32, "attention.softmax")["memory_s"] == pytest.approx(_kernel(f32_0, "attention.softmax")["memory_s"] / 0.52,
+                                                                           rel=1e-3)
+    assert _kernel(f32, "attention.scale")["memory_s"] == _kernel(f32_0, "attention.scale")["memory_s"]
+    e, e0 = (timing.estimate_time(cfg, Run(2, 2048), "efficient", q, with_kernels=False)["forward_backward_s"] for q in (p, p0))
+    assert e == e0

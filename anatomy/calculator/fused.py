@@ -21,7 +21,12 @@ def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tup
             "residual_add": (T * W * (r + c), T * W * r),  # stream + branch in, stream out
             # Liger's CE over (T, V = W) logits: each row read twice (max/sum, then the gradient), the
             # gradient written in place; targets in (int64), losses out (fp32)
-            "liger_ce": (2 * T * W * c + T * 8, T * W * c + T * 4)}[op]
+            "liger_ce": (2 * T * W * c + T * 8, T * W * c + T * 4),
+            # the baseline's S x S chain over T rows of W = S (calibrate_kernels.sxs_case): scale and the
+            # (broadcast) mask add in the compute dtype, the casts, the fp32 softmax and its backward
+            "sxs.scale": (T * W * c, T * W * c), "sxs.mask_add": (T * W * c, T * W * c),
+            "sxs.float": (T * W * c, T * W * 4), "sxs.to_compute": (T * W * 4, T * W * c),
+            "sxs.softmax": (T * W * 4, T * W * 4), "sxs.softmax.backward": (2 * T * W * 4, T * W * 4)}[op]
 
 
 def liger_ce_width(V: int, max_block: int = 32768) -> int:

@@ -269,19 +269,25 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
     o.mem("attention.causal_mask_triu", "attention", "forward", S * S * c, S * S * c, order=0)
     o.mm("attention.scores", "attention", "forward", S, S, cfg.head_dim, L, batch=B * nh)
     casts = c != 4  # scores.float() and probs.to(q.dtype) copy unless the compute dtype is fp32
-    for op, rd, wr in (("scale", U * c, U * c), ("mask_add", U * c, U * c), ("float", U * c, U * 4),
-                       ("softmax", U * 4, U * 4), ("to_compute", U * 4, U * c)):
+    R = B * nh * S  # rows of S scores
+    # calibrate times each of these eager ops over S-wide rows (fused.fused_bytes "sxs.*"): ATen runs the
+    # fp32 softmax, the bf16 -> fp32 cast and the broadcast mask add well under the copy roofline
+    sxs = lambda op: (op, S, R) if c == 2 or op.startswith("sxs.softmax") else ()  # noqa: E731 (calibrated in bf16)
+    for op, rd, wr, cal in (("scale", U * c, U * c, "sxs.scale"), ("mask_add", U * c, U * c, "sxs.mask_add"),
+                            ("float", U * c, U * 4, "sxs.float"), ("softmax", U * 4, U * 4, "sxs.softmax"),
+                            ("to_compute", U * 4, U * c, "sxs.to_compute")):
         if casts or op not in ("float", "to_compute"):
-            o.mem(f"attention.{op}", "attention", "forward", rd, wr, L)
+            o.mem(f"attention.{op}", "attention", "forward", rd, wr, L, fused=sxs(cal))
     o.mm("attention.probs_v", "attention", "forward", S, cfg.head_dim, S, L, batch=B * nh)
     o.mem("attention.merge_heads_copy", "attention", "forward", T * H * c, T * H * c, L)
     o.mem("attention.grad_out_layout_copy", "attention", "backward", T * H * c, T * H * c, L)
     o.mm("attention.probs_v.grad_probs", "attention", "backward", S, S, cfg.head_dim, L, batch=B * nh)
     o.mm("attention.probs_v.grad_v", "attention", "backward", S, cfg.head_dim, S, L, batch=B * nh)
-    for op, rd, wr in (("to_compute.backward", U * c, U * 4), ("softmax.backward", 2 * U * 4, U * 4),
-                       ("float.backward", U * 4, U * c), ("scale.backward", U * c, U * c)):
+    for op, rd, wr, cal in (("to_compute.backward", U * c, U * 4, "sxs.float"),
+                            ("softmax.backward", 2 * U * 4, U * 4, "sxs.softmax.backward"),
+                            ("float.backward", U * 4, U * c, "sxs.to_compute"), ("scale.backward", U * c, U * c, "sxs.scale")):
         if casts or op not in ("float.backward", "to_compute.backward"):
-            o.mem(f"attention.{op}", "attention", "backward", rd, wr, L)
+            o.mem(f"attention.{op}", "attention", "backward", rd, wr, L, fused=sxs(cal))
     o.mm("attention.scores.grad_q", "attention", "backward", S, cfg.head_dim, S, L, batch=B * nh)
     o.mm("attention.scores.grad_k", "attention", "backward", S, cfg.head_dim, S, L, batch=B * nh)
     o.linear("attention.o", "attention", H, H, L)  # its input (merged heads) is already compute dtype

@@ -143,6 +143,43 @@ def liger_ce(V: int, rows: int = LIGER_ROWS):
     return build
 
 
+# the eager baseline's S x S chain (anatomy/baseline/attention.py): each op over SXS_ROWS rows of S, at the
+# sequence lengths the probes run. ATen runs several of them well under the copy roofline (session9d's
+# profiles: the fp32 softmax at ~52%, the bf16 -> fp32 cast at ~50%, the broadcast mask add at ~34%),
+# and the softmax backward is two kernels (a multiply, then the row reduction)
+SXS_SEQS = (1024, 2048, 4096)
+SXS_ROWS = 32768  # (B x heads x S) rows: 4 x 8 x 1024 ... 1 x 8 x 4096
+
+
+def sxs_case(op: str, S: int, rows: int = SXS_ROWS):
+    """One op of the baseline's S x S chain over (rows, S), as the model calls it under bf16 autocast."""
+    def build():
+        import torch
+        import torch.nn.functional as F
+
+        bf, f32 = dict(device="cuda", dtype=torch.bfloat16), dict(device="cuda", dtype=torch.float32)
+        n = _sets(rows * S * 8)
+        if op == "sxs.mask_add":  # (B', S, S) scores + the (S, S) causal bias, broadcast
+            xs = [torch.randn(rows // S, S, S, **bf) for _ in range(n)]
+            bias = torch.triu(torch.full((S, S), float("-inf"), **bf), 1)
+            call = lambda x: x + bias  # noqa: E731
+        elif op in ("sxs.scale", "sxs.float"):
+            xs = [torch.randn(rows, S, **bf) for _ in range(n)]
+            call = (lambda x: x * 0.125) if op == "sxs.scale" else (lambda x: x.float())  # noqa: E731
+        elif op in ("sxs.softmax", "sxs.to_compute"):
+            xs = [torch.randn(rows, S, **f32) for _ in range(n)]
+            call = (lambda x: F.softmax(x, dim=-1)) if op == "sxs.softmax" else (lambda x: x.to(torch.bfloat16))  # noqa: E731
+        else:  # sxs.softmax.backward: (grad, softmax output) fp32 -> grad of the input
+            xs = [(torch.randn(rows, S, **f32), torch.rand(rows, S, **f32)) for _ in range(n)]
+            call = lambda x: torch.ops.aten._softmax_backward_data(x[0], x[1], -1, torch.float32)  # noqa: E731
+        it, cur = itertools.cycle(xs), [xs[0]]
+        return (lambda: cur.__setitem__(0, next(it))), (lambda: call(cur[0]))
+    return build
+
+
+SXS_OPS = ("sxs.scale", "sxs.mask_add", "sxs.float", "sxs.softmax", "sxs.to_compute", "sxs.softmax.backward")
+
+
 def _fused_cases(T: int = FUSED_TOKENS):
     """(op, width, extra, build) with build() -> (pre, fn): the op as the efficient model calls it under amp
     (and the residual add between its modules, and Liger's CE kernel, the loss's one non-GEMM kernel)."""
@@ -198,6 +235,7 @@ def _fused_cases(T: int = FUSED_TOKENS):
         return build
 
     yield from (("residual_add", H, dict(), residual_add(H)) for H in RMS_WIDTHS)
+    yield from ((op, S, dict(rows=SXS_ROWS), sxs_case(op, S)) for op in SXS_OPS for S in SXS_SEQS)
     for V in LIGER_VOCABS:
         if _liger_ce_kernel() is not None:
             yield from (("liger_ce", V, dict(rows=n), liger_ce(V, n)) for n in LIGER_CHUNK_ROWS)
@@ -221,7 +259,8 @@ def measure_fused(deadline: float, tokens: int = FUSED_TOKENS) -> list[dict]:
 
     rows = []
     cases = [(tokens, c) for c in _fused_cases(tokens)]
-    cases += [(NARROW_TOKENS, c) for c in _fused_cases(NARROW_TOKENS) if c[1] <= 2048 and c[0] != "liger_ce"]
+    cases += [(NARROW_TOKENS, c) for c in _fused_cases(NARROW_TOKENS)
+              if c[1] <= 2048 and c[0] != "liger_ce" and not c[0].startswith("sxs.")]
     for T, (op, width, extra, build) in cases:
         if time.monotonic() > deadline:
             break

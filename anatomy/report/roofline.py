@@ -6,7 +6,8 @@ Points (one per calibrate row of a profile JSON; time measured, work counted):
               grid, and the LM head's GEMMs at an aligned and at misaligned vocabs
   attention   causal SDPA per backend, forward and forward + backward (ANCHORS' causal FLOP
               convention: forward 2·B·h·S²·d, fwd+bwd 3.5x), over q, k, v, o (and their gradients)
-  memory      our fused kernels, the residual add and Liger's CE kernel: their minimal bytes
+  memory      our fused kernels, the residual add, Liger's CE kernel and the eager baseline's S x S
+              ops: their minimal bytes
               (fused.fused_bytes) and elementwise FLOPs counted per element as ELEMENTWISE_FLOPS
               says (exp, rsqrt and division count one each)
 Roofs: the best bf16 GEMM of the loop grid (the MFU ceiling) and the copy bandwidth, both measured
@@ -29,6 +30,10 @@ ELEMENTWISE_FLOPS = {
     "rope_qkv.backward": 3,
     "residual_add": 1,
     "liger_ce": 7,  # max pass, exp and sum, then exp, divide, subtract the target's one-hot, scale
+    # the eager baseline's S x S chain (ATen): one multiply, one add, casts, softmax (max, sub, exp, sum,
+    # div), its backward (g·y, the row sum, subtract, multiply)
+    "sxs.scale": 1, "sxs.mask_add": 1, "sxs.float": 1, "sxs.to_compute": 1, "sxs.softmax": 5,
+    "sxs.softmax.backward": 4,
 }
 
 
@@ -64,7 +69,8 @@ def points(profile: dict) -> list[dict]:
         op, T, W = r["op"], r["tokens"], r["width"]
         nbytes = sum(fused_bytes(op, W, T)) + (sum(dw_sum_bytes(W)) if op == "rms_norm.backward" else 0)
         out.append(dict(kind="Liger CE kernel" if op == "liger_ce" else
-                        "residual add (ATen)" if op == "residual_add" else "our fused kernels",
+                        "residual add (ATen)" if op == "residual_add" else
+                        "baseline S x S chain (ATen)" if op.startswith("sxs.") else "our fused kernels",
                         label=f"{op} {T}x{W}", flops=ELEMENTWISE_FLOPS[op] * T * W, bytes=nbytes,
                         seconds=r["ms"] * 1e-3))
     return out
