@@ -21,6 +21,8 @@ H200 = Path(__file__).resolve().parents[2] / "reports" / "h200"
 MEMORY_SESSION, TIMING_SESSION = H200 / "session5b", H200 / "session9d"
 # a session that did not probe a set takes it from this one (session9d ran no small drawn configs)
 TIMING_FALLBACK = H200 / "session9c"
+# the first profile with the eager baseline's S x S chain calibrated (24 drawn training-sized configs, seed 47)
+BASELINE_SESSION = H200 / "session9f"
 SPLIT, DEFAULT = "expandable segments", "default allocator"
 MEMORY_FILES = {SPLIT: ("probe_memory.json", "probe_memory_hypothesis.json"),
                 DEFAULT: ("probe_memory_default.json", "probe_memory_default_hypothesis.json")}
@@ -306,6 +308,13 @@ def timing_summary(session: Path = TIMING_SESSION) -> str:
                    f"training-sized, efficient: {sum(v['within'] for v in comp.values())} of "
                    f"{sum(v['n'] for v in comp.values())} figures within ("
                    + ", ".join(f"{k} {v['within']}/{v['n']}" for k, v in sorted(comp.items())) + ").")
+    bs = [r for r in rows(BASELINE_SESSION / "probe_timing_training.json") if r["variant"] == "baseline"]
+    if bs and session == TIMING_SESSION:
+        bp = str(BASELINE_SESSION / "h200.json")
+        att = [e for r in bs for k, e in component_errors(r, bp).items() if k.startswith("attention")]
+        out.append(f"- The eager baseline with its S x S chain calibrated (`reports/h200/{BASELINE_SESSION.name}`, its own "
+                   f"profile), drawn training-sized: {line(bs, prof=bp)}; attention forward and backward "
+                   f"{sum(abs(e) <= 0.15 for e in att)} of {len(att)} within ±15%.")
     ds = [time_error(r, "forward_backward", "h200-sxm") for r in sets["named"]]
     out.append(f"- Uncalibrated (datasheet profile), the named rows' mean |error| is {statistics.mean(map(abs, ds)):.0%}.")
     head = json.loads((session / "probe_timing_training.json").read_text())
