@@ -158,15 +158,17 @@ _COMPONENT_MISSES = {
 }
 
 
+def _case(r: dict, key: str, id_: str, misses: dict):
+    """One claim case; a known miss is a strict xfail that carries the error measured and the reason."""
+    miss = misses.get((_id(r), key))
+    marks = [pytest.mark.xfail(strict=True, reason=f"{miss[0]:+.1%} on {SESSION.name}: {miss[1]}")] if miss else []
+    return pytest.param(r, key, id=id_, marks=marks)
+
+
 def _step_cases():
     """The claim's rows: every named row, and every drawn training-sized row of the efficient model."""
     rows = SETS["named"] + [r for r in SETS["drawn, training-sized"] if r["variant"] == "efficient"]
-    out = []
-    for r in rows:
-        for what in ("forward_backward", "step"):
-            miss = _MISSES.get((_id(r), what))
-            marks = [pytest.mark.xfail(strict=True, reason=f"{miss[0]:+.1%} on {SESSION.name}: {miss[1]}")] if miss else []
-            out.append(pytest.param(r, what, id=f"{what}-{_id(r)}", marks=marks))
+    out = [_case(r, what, f"{what}-{_id(r)}", _MISSES) for r in rows for what in ("forward_backward", "step")]
     return out or [pytest.param(None, None, marks=pytest.mark.skip(reason=f"no timing rows in {SESSION.name}"))]
 
 
@@ -184,12 +186,8 @@ def _component_cases():
     """Every component holding >= 5% of the step's kernel time, forward and backward, of the efficient
     model's named rows and drawn training-sized rows."""
     rows = [r for r in SETS["named"] + SETS["drawn, training-sized"] if r["variant"] == "efficient"]
-    out = []
-    for r in rows:
-        for key in probes.component_errors(r, PROFILE):
-            miss = _COMPONENT_MISSES.get((_id(r), key))
-            marks = [pytest.mark.xfail(strict=True, reason=f"{miss[0]:+.1%} on {SESSION.name}: {miss[1]}")] if miss else []
-            out.append(pytest.param(r, key, id=f"{key.replace(' ', '-')}-{_id(r)}", marks=marks))
+    out = [_case(r, key, f"{key.replace(' ', '-')}-{_id(r)}", _COMPONENT_MISSES)
+           for r in rows for key in probes.component_errors(r, PROFILE)]
     return out or [pytest.param(None, None, marks=pytest.mark.skip(reason=f"no timing rows in {SESSION.name}"))]
 
 
