@@ -29,8 +29,11 @@ timing reuses one L2-resident input):
                   activation operand, GPU time only (calibrate_kernels.py says why); the profile
                   fits its GEMM rate to these when present
   fused           GPU time per call of our fused ops (rms_norm, swiglu, rope_qkv; fwd and bwd), the
-                  fp32 + bf16 residual add and Liger's CE kernel (at 512- and 2048-row chunks), at 16,384
-                  rows (and 65,536 for widths <= 2048) and several widths: the calculator turns them into bandwidth efficiencies
+                  fp32 + bf16 residual add, Liger's CE kernel (at 512- and 2048-row chunks, vocabs aligned
+                  to 16 and not) and the eager baseline's S x S ops (scale, mask add, casts, softmax and
+                  its backward, at S 1024-4096), at 16,384 rows (65,536 for widths <= 2048; 32,768 rows
+                  of S for the S x S ops) and several widths: the calculator turns them into bandwidth
+                  efficiencies
 Measurements never read the calculator; the profile is only *loaded* by it (measured.from_measured).
 On a machine without CUDA it prints one line and exits 2.
 """
