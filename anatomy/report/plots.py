@@ -32,6 +32,10 @@ def _save(fig, png: Path) -> Path:
     png.parent.mkdir(parents=True, exist_ok=True)
     tmp = png.with_name(png.stem + ".tmp" + png.suffix)
     fig.savefig(tmp, dpi=120, format="png")
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(tmp) as im:  # a 256-colour palette: the plots are flat colours, and a tenth of the bytes
+        im.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT).save(tmp, optimize=True)
     tmp.replace(png)
     return png
 
