@@ -25,14 +25,14 @@ def main() -> int:
         a, b = torch.randn(m, k, **bf), torch.randn(k, n, **bf)  # row-major A (m, k), B (k, n): calibrate's grid
         w = torch.randn(n, k, **bf)  # a weight (out, in): the model's forward is x @ w.t()
         g = torch.randn(m, n, **bf)  # an output gradient
-        cases = {"NN a@b (calibrate)": lambda: a @ b, "x@w.t() (forward)": lambda: a @ w.t(),
-                 "g@w (grad_input)": lambda: g @ w, "g.t()@x (grad_weight)": lambda: g.t() @ a}
+        cases = {"NN a@b (calibrate)": lambda a=a, b=b: a @ b, "x@w.t() (forward)": lambda a=a, w=w: a @ w.t(),
+                 "g@w (grad_input)": lambda g=g, w=w: g @ w, "g.t()@x (grad_weight)": lambda g=g, a=a: g.t() @ a}
         for name, fn in cases.items():
             ms = _median_ms(fn)
             flops = 2 * m * n * k
             rows.append(dict(m=m, n=n, k=k, layout=name, ms=ms, tflops=flops / (ms * 1e-3) / 1e12))
             print(f"{m}x{n}x{k} {name}: {rows[-1]['tflops']:.0f} TFLOP/s", file=sys.stderr)
-        del a, b, w, g
+        del a, b, w, g, cases
     print(json.dumps(dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0),
                           torch=torch.__version__, cuda=torch.version.cuda,
                           command="PYTHONPATH=. python3 scripts/probe_gemm_layouts.py", rows=rows), indent=1))
