@@ -93,8 +93,8 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
         from anatomy.calculator.timing import estimate_time
 
         t = estimate_time(cfg, run, a.variant, gpu=a.gpu)
-        out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "steady", "mfu", "components",
-                                         "sources")
+        out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "steady", "host_bound", "mfu",
+                                         "components", "sources")
                        if k in t} | {"gpu": a.gpu}
         from anatomy.calculator import gpus
 
@@ -243,6 +243,9 @@ def _print(cmd: str, out: dict) -> None:
                   f"(forward+backward {tm['steady']['forward_backward_s'] * 1e3:,.1f} ms); one step on an idle GPU "
                   f"{tm['step_s'] * 1e3:,.1f} ms (forward+backward {tm['forward_backward_s'] * 1e3:,.1f} ms, optimizer "
                   f"{tm['optimizer_s'] * 1e3:,.2f} ms)")
+        if tm["host_bound"]:
+            con.print("host-bound: the CPU issuing the kernels, not the GPU, sets this step's pace; on the H200 "
+                      "machines measured, a host's speed varied by about ±15% between processes (docs/timing.md)")
     if "distributed" in out:
         d = out["distributed"]
         con.print_json(json.dumps({k: d[k] for k in ("memory", "collectives", "comm") if k in d}))

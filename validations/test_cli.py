@@ -72,6 +72,10 @@ def test_estimate_gpu_gives_step_time_without_a_gpu(capsys):
     assert main(["estimate", "--preset", "seed", "--batch", "4", "--seq", "1024", "--gpu", "H200"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "predicted training step on H200" in text and "one step on an idle GPU" in text
+    # seed B4 S1024 is host-bound on the H200 (its host work above its GPU work: docs/timing.md); B16 S4096 is not
+    assert t["host_bound"] and "host-bound" in text
+    assert main(["estimate", "--preset", "seed", "--batch", "16", "--seq", "4096", "--gpu", "H200-measured"]) == 0
+    assert "host-bound" not in capsys.readouterr().out
 
 
 def test_estimate_unknown_gpu_is_one_line_exit_2():
