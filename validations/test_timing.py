@@ -103,6 +103,10 @@ def test_committed_h200_profile_is_a_calibration():
     for key in ("matmul_flops", "hbm_Bps", "launch_s", "host_op_s", "host_custom_s", "attention", "mfu_peak_flops"):
         assert p["sources"][key].startswith("measured"), key
     assert p["matmul_k_half"] > 0 and set(p["host_custom_s"]) >= {"rms_norm", "swiglu", "rope_qkv", "liger_ce"}
+    from anatomy.measure.calibrate_kernels import LIGER_VOCABS, SXS_OPS, SXS_SEQS
+
+    fused = {(r["op"], r["width"]) for r in p["fused_rows"]}
+    assert {(op, S) for op in SXS_OPS for S in SXS_SEQS} <= fused and {("liger_ce", V) for V in LIGER_VOCABS} <= fused
     for row in json.loads(committed.read_text())["measurements"]["attention"]:
         if row["S"] != 4096:
             continue
