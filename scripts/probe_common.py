@@ -43,10 +43,12 @@ def drawn(n: int, seed: int, strategy: str = "gpu") -> list[tuple]:
 
 
 def run_rows(prog: str, a: argparse.Namespace, cases: list[tuple], measure: Callable[[object, object, str, object],
-             dict], summary: Callable[[dict], str], second: Callable | None = None, **header) -> int:
+             dict], summary: Callable[[dict], str], second: Callable | None = None, between: Callable | None = None,
+             **header) -> int:
     """cases: (name, cfg, run, variants, optimizer). measure(cfg, run, variant, optimizer) -> the row's fields.
     second (same arguments): more fields, measured for every row only after `measure` has run for all of
-    them (probe_timing: the profiler's pass, which leaves the process slower, comes last)."""
+    them (probe_timing: the profiler's pass, which leaves the process slower, comes last). between() -> fields
+    for the header, measured after the first pass and before the second."""
     head = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
                 cuda=torch.version.cuda, **header,
                 command=f"PYTHONPATH=. python3 scripts/{prog}.py " + " ".join(sys.argv[1:]), seed=a.seed, rows=[])
@@ -66,6 +68,8 @@ def run_rows(prog: str, a: argparse.Namespace, cases: list[tuple], measure: Call
                   + (row["error"][:120] if "error" in row else summary(row)), file=sys.stderr, flush=True)
             if a.out:
                 Path(a.out).write_text(json.dumps(head, indent=1))
+    if between is not None:
+        head.update(between())
     for k, (row, cfg, run, variant, opt) in enumerate(done if second else ()):
         if "error" in row:
             continue

@@ -48,11 +48,18 @@ def main() -> int:
     # attached when it ends (pytorch/pytorch#144455), and every kernel launch after it costs the host
     # more (scripts/probe_host_noise.py --profiler). Before session 8d each row's profiled steps ran
     # right after its timed ones, so from the second row on, host-bound steps were timed slowed.
+    # calibrate's tiny host step in this process, before and after the rows' timed pass: the host's speed
+    # moves between processes and within one (session9e), so a later session can test a same-process
+    # reference against the rows (a measurement only: nothing here reads the calculator)
+    from anatomy.measure.calibrate_host import measure_host_step
+
+    before = measure_host_step()
     return probe_common.run_rows("probe_timing", a, cases,
                                  lambda cfg, run, variant, opt: dict(timeline=component_times(cfg, run, variant, opt)),
                                  lambda row: _summary(row["timeline"]),
                                  second=lambda cfg, run, variant, opt: dict(kernels=kernel_times(cfg, run, variant, opt)),
-                                 triton=triton.__version__)
+                                 between=lambda: dict(host_step_after=measure_host_step()),
+                                 triton=triton.__version__, host_step_before=before)
 
 
 if __name__ == "__main__":
