@@ -145,7 +145,7 @@ def liger_ce(V: int, rows: int = LIGER_ROWS):
 
 # the eager baseline's S x S chain (anatomy/baseline/attention.py): each op over SXS_ROWS rows of S, at the
 # sequence lengths the probes run. ATen runs several of them well under the copy roofline (session9d's
-# profiles: the fp32 softmax at ~52%, the bf16 -> fp32 cast at ~50%, the broadcast mask add at ~34%),
+# profiled kernels of the baseline rows: the fp32 softmax at ~52%, the bf16 -> fp32 cast at ~50%, the broadcast mask add at ~34%),
 # and the softmax backward is two kernels (a multiply, then the row reduction)
 SXS_SEQS = (1024, 2048, 4096)
 SXS_ROWS = 32768  # (B x heads x S) rows: 4 x 8 x 1024 ... 1 x 8 x 4096
