@@ -48,10 +48,11 @@ part host-noise 150 bash -c 'for i in 1 2; do python3 scripts/probe_host_noise.p
 part host-noise-profiler 60 python3 scripts/probe_host_noise.py --profiler --blocks 4 --out "$R/host_noise_profiler.json"
 # session 9 (issue 5): a host-bound row at its size and at a tiny batch, Liger's host cost per chunk, ops on a busy GPU
 part host-parts 180 python3 scripts/probe_host_parts.py --out "$R/host_parts.json"
-# (issue 5) each probe_timing process also times calibrate's tiny host step before and after its rows (~6 s)
+# (issue 5) each probe_timing process also times calibrate's tiny host step before and after its rows (~6 s),
+# and (session 10) beside each row, with up to 24 unmarked steps a short row: ~0.5 s a row more
 part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 90
-part probe-timing 75 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
-part probe-timing-training 215 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \
+part probe-timing 85 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
+part probe-timing-training 260 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \
   --strategy training --out "$R/probe_timing_training.json"
 part probe-timing-hypothesis 85 python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed "${DRAW_SEED:-2026}" \
   --out "$R/probe_timing_hypothesis.json"

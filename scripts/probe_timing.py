@@ -5,7 +5,8 @@
         --out $OUT/probe_timing_hypothesis.json                                            # 32 drawn configs
 
 Each row holds anatomy.measure.timeline.component_times (CUDA events at every component change,
-median of 6 steps after 2 warm-up steps, plus 6 unmarked steps), `kernels`: the GPU kernel time per
+median of 6 steps after 2 warm-up steps, plus 6-24 unmarked steps, each kept, with calibrate's tiny
+host step timed right before and after them: host_ref_ms), `kernels`: the GPU kernel time per
 phase and component from a torch.profiler trace of 2 more marked steps (timeline.kernel_times: what
 the kernels ran for, without the host's gaps), and the config it ran, so the
 comparison (validations/test_timing_probe.py) reads the rows and never re-draws. With --out the
@@ -20,6 +21,10 @@ from anatomy.config import ModelConfig, PRESETS, Run
 from anatomy.measure.timeline import component_times, kernel_times
 
 BOTH, EFF = ("baseline", "efficient"), ("efficient",)
+# unmarked steps per row: as many as fit in this at the marked steps' median, 6 to 24 (6 before session 10).
+# Their median is the row's step time, and a short host-bound row's single steps spread by up to 1.6x
+# (session9f train15: 15.0-23.9 ms marked); a long GPU-bound row keeps 6
+PLAIN_BUDGET_MS = 300
 # anchor-1b B4S4096 baseline is left out: its eager S×S attention needs ~143 GiB at its peak
 CASES = [("seed", PRESETS["seed"], Run(16, 4096), BOTH),
          ("seed", PRESETS["seed"], Run(4, 1024), BOTH),
@@ -48,19 +53,27 @@ def main() -> int:
     # attached when it ends (pytorch/pytorch#144455), and every kernel launch after it costs the host
     # more (scripts/probe_host_noise.py --profiler). Before session 8d each row's profiled steps ran
     # right after its timed ones, so from the second row on, host-bound steps were timed slowed.
-    # calibrate's tiny host step in this process, before and after the rows' timed pass: the host's speed
-    # moves between processes and within one (session9e), so a later session can test a same-process
-    # reference against the rows (a measurement only: nothing here reads the calculator)
-    from anatomy.measure.calibrate_host import measure_host_step
+    # calibrate's tiny host step in this process, before and after the rows' timed pass (host_step_before,
+    # _after), and beside each row (host_ref_ms: its tiny step of the row's variant, 16 steps right before and
+    # 16 right after the row's unmarked steps): the host's speed moves between processes and within one
+    # (session9e), so the comparison can read the host's speed where the row ran. A measurement only:
+    # nothing here reads the calculator.
+    from anatomy.measure.calibrate_host import HostStep, measure_host_step
 
-    before = measure_host_step()
-    return probe_common.run_rows("probe_timing", a, cases,
-                                 lambda cfg, run, variant, opt: dict(timeline=component_times(cfg, run, variant, opt)),
-                                 lambda row: _summary(row["timeline"]),
+    before, ref = measure_host_step(), HostStep()
+
+    def measure(cfg, run, variant, opt):
+        return dict(timeline=component_times(cfg, run, variant, opt, plain_budget_ms=PLAIN_BUDGET_MS,
+                                             reference=lambda: ref.reference(variant, blocks=2, steps=6)))
+
+    def between():
+        ref.close()
+        return dict(host_step_after=measure_host_step())
+
+    return probe_common.run_rows("probe_timing", a, cases, measure, lambda row: _summary(row["timeline"]),
                                  second=lambda cfg, run, variant, opt: dict(kernels=kernel_times(cfg, run, variant, opt)),
-                                 between=lambda: dict(host_step_after=measure_host_step()),
-                                 triton=triton.__version__, host_step_before=before)
-
+                                 between=between, triton=triton.__version__, host_step_before=before,
+                                 plain_budget_ms=PLAIN_BUDGET_MS)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -296,3 +296,83 @@ def test_baseline_sxs_chain_takes_its_calibrated_rates():
     assert _kernel(f32, "attention.scale")["memory_s"] == _kernel(f32_0, "attention.scale")["memory_s"]
     e, e0 = (timing.estimate_time(cfg, Run(2, 2048), "efficient", q, with_kernels=False)["forward_backward_s"] for q in (p, p0))
     assert e == e0
+
+
+def test_fused_adamw_takes_its_calibrated_rate():
+    """Fake timings (not a measurement) of torch's fused AdamW at calibrate's sizes, at 80% of the copy
+    bandwidth: every AdamW kernel of a step takes exactly its bytes at that rate, AdEMAMix (not
+    calibrated) stays on the copy roofline, and the forward and backward do not change."""
+    from anatomy.calculator.fused import fused_bytes
+    from anatomy.measure.calibrate_kernels import ADAMW_NUMELS, ADAMW_TENSORS
+
+    hbm, frac = 4.0e12, 0.8
+    fused = [dict(op="optimizer.adamw", tokens=ADAMW_TENSORS, width=n, queued=True,
+                  ms=(sum(fused_bytes("optimizer.adamw", n, ADAMW_TENSORS)) / hbm / frac + 2.2e-6) * 1e3)
+             for n in ADAMW_NUMELS]
+    p, p0 = (measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12, **f),
+                                                            dict(date="fake"), "h200-sxm")) for f in (dict(fused=fused), {}))
+    cfg = ModelConfig(name="o", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=32000)
+    for variant in ("efficient", "baseline"):
+        for opt, f in (("adamw", frac), ("ademamix", 1.0)):
+            a, b = (timing.estimate_time(cfg, Run(2, 2048), variant, q, optimizer=opt, with_kernels=True) for q in (p, p0))
+            ka, kb = ([k for k in r["kernels"] if k["phase"] == "optimizer"] for r in (a, b))
+            assert len(ka) == len(kb) > 2
+            for x, y in zip(ka, kb):
+                assert x["memory_s"] == pytest.approx(y["memory_s"] / f, rel=1e-9), (variant, opt, x["name"])
+            assert a["phases"]["backward"]["gpu_s"] == b["phases"]["backward"]["gpu_s"]
+
+
+def test_at_host_speed_scales_every_host_figure_and_no_gpu_figure():
+    """A tiny host step measured at 1.3x calibration's: every kernel's host time (eager ops, custom calls,
+    Liger's in-place figures, the optimizer's) is 1.3x, the tiny-step scale and every GPU time unchanged;
+    a profile without that variant's tiny step is refused."""
+    p = _liger_host_profile(forward=800.0, chunk=150.0, backward=100.0)
+    p = dict(p, host_step=dict(calibrate_host.HOST_STEP, efficient=dict(forward_backward_ms=9.0),
+                               baseline=dict(forward_backward_ms=8.0)))
+    cfg = ModelConfig(name="h", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=18042)
+    for variant, base in (("efficient", 9.0), ("baseline", 8.0)):
+        q = measured.at_host_speed(p, variant, 1.3 * base)
+        assert timing.host_scale(q, variant) == pytest.approx(timing.host_scale(p, variant), rel=1e-12)
+        a, b = (timing.estimate_time(cfg, Run(2, 2048), variant, x, optimizer="adamw", with_kernels=True) for x in (q, p))
+        assert len(a["kernels"]) == len(b["kernels"])
+        for x, y in zip(a["kernels"], b["kernels"]):
+            assert x["host_s"] == pytest.approx(1.3 * y["host_s"], rel=1e-12) and x["time_s"] == y["time_s"], x["name"]
+        assert sum(k["host_s"] for k in a["kernels"]) > 0
+    with pytest.raises(ValueError, match="no tiny host step"):
+        measured.at_host_speed(gpus.get("h200-sxm"), "efficient", 10.0)
+
+
+def test_baseline_eager_chains_take_their_calibrated_rates():
+    """Fake timings (not a measurement) of the baseline's norm and loss tail, each chain as a whole at its
+    own fraction of the copy bandwidth plus one launch per kernel: at a calibrated width and row count
+    every kernel of the chain takes exactly its bytes at that fraction, the fp32 policy (not calibrated)
+    keeps the copy roofline, and the efficient model does not change."""
+    from anatomy.calculator.fused import EAGER_CHAINS, fused_bytes
+    from anatomy.measure.calibrate_kernels import EAGER_CE_ROWS, EAGER_CE_VOCABS, FUSED_TOKENS, RMS_WIDTHS
+
+    hbm, launch = 4.0e12, 2.2e-6
+    frac = {"eager_norm.forward": 0.75, "eager_norm.backward": 0.85, "eager_ce.forward": 0.8, "eager_ce.backward": 0.6}
+    assert set(frac) == set(EAGER_CHAINS)
+    fused = [dict(op=op, tokens=t, width=w, queued=True,
+                  ms=(sum(fused_bytes(op, w, t)) / hbm / frac[op] + len(EAGER_CHAINS[op](t, w)) * launch) * 1e3)
+             for op in frac for t, ws in (((FUSED_TOKENS, RMS_WIDTHS) if "norm" in op else (EAGER_CE_ROWS, EAGER_CE_VOCABS)),)
+             for w in ws]
+    p, p0 = (measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12,
+                                                                 launch_us=launch * 1e6, **f), dict(date="fake"), "h200-sxm"))
+             for f in (dict(fused=fused), {}))
+    cfg = ModelConfig(name="e", hidden=2048, layers=2, heads=16, intermediate=5632, vocab=32000)
+    run = Run(4, 2048)  # 8192 tokens: the loss at its calibrated rows; the norm's rate is flat below 16384
+    a, b = (timing.estimate_time(cfg, run, "baseline", q, optimizer=None, with_kernels=True) for q in (p, p0))
+    # (kernel name, phase) -> its chain: norm.<op> and loss.<op> as launches.baseline_kernels names them
+    chain = {(f"{'norm' if 'norm' in op else 'loss'}.{name}", op.split(".")[1]): op
+             for op in frac for name, _, _ in EAGER_CHAINS[op](1, 1)}
+    seen = set()
+    for x, y in zip(a["kernels"], b["kernels"]):
+        op = chain.get((x["name"], x["phase"]))
+        seen.add(op)
+        assert x["memory_s"] == pytest.approx(y["memory_s"] / (frac[op] if op else 1.0), rel=1e-9), x["name"]
+    assert seen == set(frac) | {None}
+    f32 = [timing.estimate_time(cfg, Run(4, 2048, "fp32"), "baseline", q, optimizer=None)["gpu_s"] for q in (p, p0)]
+    assert f32[0] == f32[1]
+    e = [timing.estimate_time(cfg, run, "efficient", q, optimizer=None)["gpu_s"] for q in (p, p0)]
+    assert e[0] == e[1]

@@ -206,7 +206,8 @@ def test_optimizer_phase():
             assert sum(n * c for n, c in timing.param_sizes(cfg, v).items()) == param_count(cfg)
     base = timing.optimizer_kernels(SEED, SEED_RUN, "baseline")
     assert sum(k.bytes * k.count for k in base) > 4 * sum(k.bytes * k.count for k in eff)
-    mem = {o: sum(k["memory_s"] for k in timing.estimate_time(ONE_B, Run(4, 4096), "efficient", "h200-measured",
+    # on the datasheet's roofline (the measured profile times torch's fused AdamW at its calibrated rate)
+    mem = {o: sum(k["memory_s"] for k in timing.estimate_time(ONE_B, Run(4, 4096), "efficient", "h200-sxm",
                                                                optimizer=o)["kernels"] if k["phase"] == "optimizer")
            for o in ("ademamix", "adamw")}
     assert mem["ademamix"] / mem["adamw"] == pytest.approx(9 / 7, rel=1e-6)  # bandwidth-bound: 36 B vs 28 B

@@ -10,6 +10,7 @@ whole error table (per component too), generated from the same rows (anatomy.rep
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,32 @@ def test_component_times_on_cpu(variant, optimizer):
     assert 0 < t["plain_forward_backward_ms"] <= t["plain_step_ms"]
     # a CPU step of this size takes milliseconds; a unit slip (s, us) would be off by 1000x
     assert 0.05 < t["plain_step_ms"] < 5000 and 0.05 < t["step_ms"] < 5000
+
+
+def test_plain_steps_fill_their_budget_and_the_reference_brackets_them():
+    """plain_budget_ms: as many unmarked steps as fit at the marked steps' median, between `steps` and
+    4 x `steps`, each kept; reference() runs once right before and once right after them (host_ref_ms),
+    here calibrate's tiny host step on CPU (calibrate_host.HostStep)."""
+    from anatomy.measure.calibrate_host import HostStep
+
+    hs, calls = HostStep(warmup=1, device="cpu"), []
+
+    def ref():
+        calls.append(len(calls))
+        return hs.reference("efficient", blocks=1, steps=2)
+
+    steps = 2
+    big = component_times(TINY, Run(2, 16, "amp"), "efficient", "adamw", steps=steps, warmup=1, device="cpu",
+                          plain_budget_ms=1e9, reference=ref)
+    small = component_times(TINY, Run(2, 16, "amp"), "efficient", "adamw", steps=steps, warmup=1, device="cpu",
+                            plain_budget_ms=1e-6)
+    hs.close()
+    assert len(big["plain_ms"]) == 4 * steps and len(small["plain_ms"]) == steps
+    assert calls == [0, 1] and len(big["host_ref_ms"]) == 2 and all(0 < x < 5000 for x in big["host_ref_ms"])
+    assert "host_ref_ms" not in small
+    for t in (big, small):
+        assert all(0 < fb <= st for fb, st in t["plain_ms"])
+        assert t["plain_forward_backward_ms"] == statistics.median(fb for fb, _ in t["plain_ms"])
 
 
 # ---- the timing model against committed H200 rows ------------------------------------------------

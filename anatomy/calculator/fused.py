@@ -1,5 +1,6 @@
 """Minimal HBM bytes of the kernels `anatomy calibrate` times per width (our fused ops, the residual add,
-Liger's CE kernel), and the shapes they depend on. Pure Python: calibrate's timings become bandwidth
+Liger's CE kernel, torch's fused AdamW, the baseline's eager norm and loss chains), and the shapes they
+depend on. Pure Python: calibrate's timings become bandwidth
 efficiencies through the same formulas (timing.fused_efficiency), and launches.py lists the kernels.
 """
 from __future__ import annotations
@@ -9,9 +10,13 @@ def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tup
     """(read, write) minimal HBM bytes of one call of an op calibrate times per width (our fused ops,
     the residual add, Liger's CE kernel) over `tokens` rows of `width`: hidden for rms_norm and the
     residual add, intermediate for swiglu, (heads + 2 kv_heads) x head_dim for rope_qkv, vocab for
-    Liger's CE. c is the compute dtype's size, r the residual stream's. The same formulas turn
+    Liger's CE, the elements of one tensor for an optimizer (T tensors), hidden or vocab for the
+    baseline's eager chains (EAGER_CHAINS). c is the compute dtype's size, r the residual stream's. The same formulas turn
     calibrate's timings of these ops into bandwidth efficiencies (timing.fused_efficiency)."""
     T, W = tokens, width
+    if op in EAGER_CHAINS:  # a chain of eager kernels: their bytes summed
+        ops = EAGER_CHAINS[op](T, W, c, r)
+        return sum(rd for _, rd, _ in ops), sum(wr for _, _, wr in ops)
     return {"rms_norm.forward": (T * W * r, T * W * c),  # x in, y out (compute dtype)
             "rms_norm.backward": (T * W * (c + r), T * W * r),  # dy, x in; dx out (dw partials: dw_sum_bytes)
             "swiglu.forward": (T * 2 * W * c, T * W * c),  # gate_up in, h out
@@ -26,7 +31,54 @@ def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tup
             # (broadcast) mask add in the compute dtype, the casts, the fp32 softmax and its backward
             "sxs.scale": (T * W * c, T * W * c), "sxs.mask_add": (T * W * c, T * W * c),
             "sxs.float": (T * W * c, T * W * 4), "sxs.to_compute": (T * W * 4, T * W * c),
-            "sxs.softmax": (T * W * 4, T * W * 4), "sxs.softmax.backward": (2 * T * W * 4, T * W * 4)}[op]
+            "sxs.softmax": (T * W * 4, T * W * 4), "sxs.softmax.backward": (2 * T * W * 4, T * W * 4),
+            # a fused optimizer step over T fp32 tensors of W elements: param, grad and state in; param and
+            # state out (calculator/optimizer.step_bytes_moved's minimum)
+            "optimizer.adamw": (T * W * (4 + 4 + 8), T * W * (4 + 8)),
+            "optimizer.ademamix": (T * W * (4 + 4 + 12), T * W * (4 + 12))}[op]
+
+
+def eager_norm_forward(T: int, H: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
+    """(op, read, write) of the baseline's RMSNorm forward (anatomy/baseline/norm.py), one kernel each, in
+    fp32 ops on a (T, H) stream of dtype r (f: one fp32 (T, H) pass; the casts only where r is not fp32)."""
+    f, tiny = T * H * 4, T * 4
+    ops = [("pow", f, f), ("mean", f, tiny), ("add_eps", tiny, tiny), ("rsqrt", tiny, tiny),
+           ("mul_rstd", f + tiny, f), ("mul_weight", f, f)]
+    return ops + ([("float", T * H * r, f), ("to", f, T * H * r)] if r != 4 else [])
+
+
+def eager_norm_backward(T: int, H: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
+    f, tiny = T * H * 4, T * 4
+    ops = [("mul_weight.grad_x", f, f), ("mul_weight.grad_w", 2 * f, f), ("mul_weight.grad_w_sum", f, H * 4),
+           ("mul_rstd.grad_x", f + tiny, f), ("mul_rstd.grad_rstd", 2 * f, f), ("mul_rstd.grad_rstd_sum", f, tiny),
+           ("rsqrt.backward", 3 * tiny, 3 * tiny), ("mean.backward", tiny, f), ("pow.backward_pow1", f, f),
+           ("pow.backward_scale", f, f), ("pow.backward_mul", 2 * f, f), ("grad_sum", 2 * f, f)]
+    return ops + ([("to.backward", T * H * r, f), ("float.backward", f, T * H * r)] if r != 4 else [])
+
+
+def eager_ce_forward(T: int, V: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
+    """The baseline loss after its lm_head (anatomy/baseline/loss.py): the (T, V) logits upcast to fp32
+    (a copy unless the compute dtype is fp32), log_softmax, nll_loss; and their backward."""
+    TV = T * V
+    return [("logits_float", TV * c, TV * 4)] * (c != 4) + [("log_softmax", TV * 4, TV * 4), ("nll_loss", T * 12, 8)]
+
+
+def eager_ce_backward(T: int, V: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
+    TV = T * V
+    return ([("nll_loss.backward_zeros", 0, TV * 4), ("nll_loss.backward_scatter", T * 8, T * 4),
+             ("log_softmax.backward", 2 * TV * 4, TV * 4)] + [("logits_float.backward", TV * 4, TV * c)] * (c != 4))
+
+
+# the baseline's eager chains calibrate times as wholes (calibrate_kernels.eager_case): {op: its kernels}
+EAGER_CHAINS = {"eager_norm.forward": eager_norm_forward, "eager_norm.backward": eager_norm_backward,
+                "eager_ce.forward": eager_ce_forward, "eager_ce.backward": eager_ce_backward}
+
+
+def fused_launches(op: str, width: int, tokens: int) -> int:
+    """Kernels one call of a calibrated op launches (its timing less these launches is its busy time)."""
+    if op in EAGER_CHAINS:
+        return len(EAGER_CHAINS[op](tokens, width))
+    return 2 if op == "rms_norm.backward" else 1  # rms_norm backward: the row pass and the dw partial sum
 
 
 def liger_ce_width(V: int, max_block: int = 32768) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from anatomy.calculator import gpus
 from anatomy.calculator.dtypes import dtypes
-from anatomy.calculator.fused import dw_sum_bytes, fused_bytes, rms_norm_programs
+from anatomy.calculator.fused import EAGER_CHAINS, dw_sum_bytes, fused_bytes, rms_norm_programs
 from anatomy.calculator.loss import chunk_rows as liger_chunk_rows
 from anatomy.calculator.optimizer import step_bytes_moved
 from anatomy.calculator.types import BYTES
@@ -229,21 +229,13 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
     c, r = o.c, o.r
     _embedding(o)
     _rope_tables(o, cast=c != 4)  # the tables are cast to the compute dtype
-    # norm in fp32 ops on a (T, H) stream of dtype r. f = one fp32 (T, H) pass.
-    n, f, tiny = 2 * L + 1, T * H * 4, T * 4
-    fwd = [("pow", f, f), ("mean", f, tiny), ("add_eps", tiny, tiny), ("rsqrt", tiny, tiny),
-           ("mul_rstd", f + tiny, f), ("mul_weight", f, f)]
-    bwd = [("mul_weight.grad_x", f, f), ("mul_weight.grad_w", 2 * f, f), ("mul_weight.grad_w_sum", f, H * 4),
-           ("mul_rstd.grad_x", f + tiny, f), ("mul_rstd.grad_rstd", 2 * f, f), ("mul_rstd.grad_rstd_sum", f, tiny),
-           ("rsqrt.backward", 3 * tiny, 3 * tiny), ("mean.backward", tiny, f), ("pow.backward_pow1", f, f),
-           ("pow.backward_scale", f, f), ("pow.backward_mul", 2 * f, f), ("grad_sum", 2 * f, f)]
-    if r != 4:  # x.float() and .to(x.dtype) are casts (no-ops on an fp32 stream)
-        fwd += [("float", T * H * r, f), ("to", f, T * H * r)]
-        bwd += [("to.backward", T * H * r, f), ("float.backward", f, T * H * r)]
-    for name, rd, wr in fwd:
-        o.mem(f"norm.{name}", "norm", "forward", rd, wr, n)
-    for name, rd, wr in bwd:
-        o.mem(f"norm.{name}", "norm", "backward", rd, wr, n)
+    # norm in fp32 ops on a (T, H) stream of dtype r (fused.eager_norm_*), at the rate calibrate measured for
+    # the chain as a whole where it did (amp: an fp32 stream and bf16 compute)
+    n = 2 * L + 1
+    for ph in ("forward", "backward"):
+        op = f"eager_norm.{ph}"
+        for name, rd, wr in EAGER_CHAINS[op](T, H, c, r):
+            o.mem(f"norm.{name}", "norm", ph, rd, wr, n, fused=(op, H, T) if (c, r) == (2, 4) else ())
     # attention: q, k, v each cast the stream's normed x under amp; RoPE as 5 ops per tensor
     for name, width in (("q", H), ("k", Hkv), ("v", Hkv)):
         o.linear(f"attention.{name}", "attention", H, width, L, in_bytes=r)
@@ -309,15 +301,13 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
     o.linear("mlp.down", "mlp", I, H, L)
     _residual(o, "mlp", L)
     # loss: lm_head on the normed stream (cast under amp), logits upcast to fp32, log_softmax + nll
-    TV = T * V
+    # (fused.eager_ce_*), at the rate calibrate measured for that tail as a whole where it did (bf16 logits)
     o.linear("loss.lm_head", "loss", H, V, 1, in_bytes=r, order=(2, 0))
-    for op, rd, wr, ph in (("logits_float", TV * c, TV * 4, "forward"), ("log_softmax", TV * 4, TV * 4, "forward"),
-                           ("nll_loss", T * 12, 8, "forward"), ("nll_loss.backward_zeros", 0, TV * 4, "backward"),
-                           ("nll_loss.backward_scatter", T * 8, T * 4, "backward"),
-                           ("log_softmax.backward", 2 * TV * 4, TV * 4, "backward"),
-                           ("logits_float.backward", TV * 4, TV * c, "backward")):
-        if casts or not op.startswith("logits_float"):
-            o.mem(f"loss.{op}", "loss", ph, rd, wr, order=2 if ph == "forward" else 0)
+    for ph in ("forward", "backward"):
+        op = f"eager_ce.{ph}"
+        for name, rd, wr in EAGER_CHAINS[op](T, V, c, r):
+            o.mem(f"loss.{name}", "loss", ph, rd, wr, order=2 if ph == "forward" else 0,
+                  fused=(op, V, T) if c == 2 else ())
     return o.k
 
 
@@ -337,7 +327,8 @@ def param_sizes(cfg: ModelConfig, variant: str) -> dict[int, int]:
 def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str = "ademamix") -> list[Kernel]:
     """One optimizer step, per group of same-size parameter tensors. efficient: AdEMAMix compiled (or
     a fused torch optimizer) makes one read-modify-write pass per tensor, the minimum of
-    calculator/optimizer.py. baseline: the AdEMAMix loop, 15 kernels per tensor that move 38 fp32
+    calculator/optimizer.py, at the rate calibrate measured for it where it did (fused_efficiency:
+    torch's fused AdamW). baseline: the AdEMAMix loop, 15 kernels per tensor that move 38 fp32
     passes per element between them (bf16 params: 3 casts and 18 B more)."""
     pb = BYTES[dtypes(run).param]
     out = []
@@ -350,7 +341,7 @@ def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str =
         else:
             nbytes = step_bytes_moved(numel, optimizer, param_bytes=pb, grad_bytes=pb)
             out.append(Kernel(f"optimizer.{optimizer}_fused[{numel}]", "optimizer", "optimizer", "memory", n, 0,
-                              nbytes))
+                              nbytes, fused=(f"optimizer.{optimizer}", numel)))
     return out
 
 

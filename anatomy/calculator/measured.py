@@ -202,3 +202,19 @@ def write_atomic(path: str | Path, data: dict) -> Path:
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(p)
     return p
+
+
+def at_host_speed(prof: dict, variant: str, step_ms: float) -> dict:
+    """The profile with every host figure (per op, per custom call, in place, the tiny steps) scaled by
+    step_ms over its own tiny host step of `variant`: the host as fast as it was when that step took
+    step_ms (the probe times the tiny step beside each row: host_ref_ms). The host's speed moves about
+    +-15% between processes on one machine and as much within one (session9e), so a host-bound row's
+    time follows the host then, not at calibration. GPU figures are left as they are."""
+    base = ((prof.get("host_step") or {}).get(variant) or {}).get("forward_backward_ms")
+    if not base or step_ms <= 0:
+        raise ValueError(f"profile {prof.get('name')!r} has no tiny host step of {variant!r} to scale from")
+    f = step_ms / base
+    hs = {k: (dict(v, forward_backward_ms=v["forward_backward_ms"] * f) if isinstance(v, dict) and
+              "forward_backward_ms" in v else v) for k, v in prof["host_step"].items()}
+    return dict(prof, host_op_s=prof["host_op_s"] * f, host_step=hs,
+                host_custom_s={op: {ph: t * f for ph, t in v.items()} for op, v in prof["host_custom_s"].items()})

@@ -42,7 +42,7 @@ from types import SimpleNamespace
 
 from anatomy.calculator import estimate
 from anatomy.calculator import gpus, pipeline
-from anatomy.calculator.fused import dw_sum_bytes, fused_bytes, liger_ce_width
+from anatomy.calculator.fused import dw_sum_bytes, fused_bytes, fused_launches, liger_ce_width
 from anatomy.calculator.launches import (SDPA_BACKENDS, VARIANTS, Kernel, baseline_kernels,  # noqa: F401
                                          efficient_kernels, kernels, liger_chunk_rows, optimizer_kernels, param_sizes,
                                          rms_norm_programs, standalone_kernels)
@@ -130,10 +130,9 @@ def fused_efficiency(prof: dict, op: str, width: int, rows: int | None = None) -
     by_rows: dict[int, list] = {}
     for r in cal:
         nbytes = sum(fused_bytes(op, r["width"], r["tokens"]))
-        launches = 1
         if op == "rms_norm.backward":  # the op is two kernels: the row pass and the dw partial sum
-            nbytes, launches = nbytes + sum(dw_sum_bytes(r["width"])), 2
-        busy = r["ms"] * 1e-3 - launches * prof["launch_s"]
+            nbytes += sum(dw_sum_bytes(r["width"]))
+        busy = r["ms"] * 1e-3 - fused_launches(op, r["width"], r["tokens"]) * prof["launch_s"]
         if busy > 0:
             by_rows.setdefault(r["tokens"], []).append((math.log(x(r["width"])),
                                                         nbytes / prof["hbm_Bps"] / busy * per_lane(r["width"])))

@@ -120,35 +120,65 @@ def measure_liger_host(reps: int = 20) -> dict | None:
     return dict(forward=max(0.0, fwd[0] - chunks[0] * chunk), chunk=chunk, backward=statistics.mean(bwd))
 
 
+class HostStep:
+    """HOST_STEP's tiny model of each variant, set up once and warmed: `times(variant, n)` runs n of its
+    unmarked steps back to back, timed as the probe times its rows (timeline._plain_steps: CUDA events
+    around forward + backward, AdamW between steps), and returns their forward + backward ms. The probe
+    keeps one alive and times it beside each row (`host_ref`): the host's speed in that process then."""
+
+    def __init__(self, warmup: int = 4, device: str = "cuda"):
+        from anatomy.config import ModelConfig, Run
+        from anatomy.measure.memory import setup_step
+        from anatomy.measure.timeline import _Clock, _plain_steps
+
+        self.cfg = ModelConfig(**HOST_STEP["cfg"])
+        self.run = Run(HOST_STEP["batch"], HOST_STEP["seq"], HOST_STEP["dtype"])
+        self.device, self.clock, self._steps = device, _Clock(device), _plain_steps
+        self.setups = {v: setup_step(self.cfg, self.run, v, "adamw", device) for v in ("baseline", "efficient")}
+        for v in self.setups:
+            self._steps(*self.setups[v], self.run, warmup, self.clock, device)
+
+    def times(self, variant: str, n: int) -> list[float]:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        stamps = self._steps(*self.setups[variant], self.run, n, self.clock, self.device)
+        self.clock.sync()
+        return [self.clock.ms(a, m) for a, m, _ in stamps]
+
+    def reference(self, variant: str, blocks: int = 2, steps: int = 8) -> float:
+        """Median forward + backward ms over `blocks` x `steps` steps of `variant`'s tiny model."""
+        return statistics.median(t for _ in range(blocks) for t in self.times(variant, steps))
+
+    def close(self) -> None:
+        import torch
+
+        self.setups.clear()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def measure_host_step(blocks: int = 4, steps: int = 8, warmup: int = 4) -> dict:
     """HOST_STEP's tiny model, per variant: the forward + backward ms of unmarked steps timed as the
     probe times them (the median over blocks x steps, the variants' blocks interleaved), and as before
     session 9 (`synced`: each step after a synchronize, no optimizer)."""
     import torch
 
-    from anatomy.config import ModelConfig, Run
-    from anatomy.measure.memory import setup_step
-    from anatomy.measure.timeline import _Clock, _plain_steps
     from anatomy.models import autocast_ctx
 
-    cfg, run = ModelConfig(**HOST_STEP["cfg"]), Run(HOST_STEP["batch"], HOST_STEP["seq"], HOST_STEP["dtype"])
-    out, clock, setups = dict(HOST_STEP), _Clock("cuda"), {}
-    for variant in ("baseline", "efficient"):
-        model, ids, targets, opt = setup_step(cfg, run, variant, "adamw")
-        _plain_steps(model, ids, targets, opt, run, warmup, clock, "cuda")
-        setups[variant] = (model, ids, targets, opt, [])
+    hs, out = HostStep(warmup), dict(HOST_STEP)
+    fbs = {v: [] for v in hs.setups}
     for _ in range(blocks):
-        for variant, (model, ids, targets, opt, fb) in setups.items():
-            torch.cuda.synchronize()
-            stamps = _plain_steps(model, ids, targets, opt, run, steps, clock, "cuda")
-            clock.sync()
-            fb.extend(clock.ms(a, m) for a, m, _ in stamps)
-    for variant, (model, ids, targets, opt, fb) in setups.items():
+        for variant, fb in fbs.items():
+            fb.extend(hs.times(variant, steps))
+    for variant, fb in fbs.items():
+        model, ids, targets, opt = hs.setups[variant]
         synced = []
         for _ in range(steps * 2):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with autocast_ctx(run, "cuda"):
+            with autocast_ctx(hs.run, "cuda"):
                 loss = model(ids, targets)
             loss.backward()
             torch.cuda.synchronize()
@@ -157,6 +187,5 @@ def measure_host_step(blocks: int = 4, steps: int = 8, warmup: int = 4) -> dict:
             model.zero_grad(set_to_none=True)
         out[variant] = dict(forward_backward_ms=statistics.median(fb), p10_ms=sorted(fb)[len(fb) // 10],
                             p90_ms=sorted(fb)[9 * len(fb) // 10], synced_forward_backward_ms=statistics.median(synced))
-    del setups
-    torch.cuda.empty_cache()
+    hs.close()
     return out

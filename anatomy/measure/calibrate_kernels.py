@@ -179,6 +179,73 @@ def sxs_case(op: str, S: int, rows: int = SXS_ROWS):
 
 SXS_OPS = ("sxs.scale", "sxs.mask_add", "sxs.float", "sxs.softmax", "sxs.to_compute", "sxs.softmax.backward")
 
+# torch's fused AdamW (the probes' optimizer) over ADAMW_TENSORS fp32 tensors of each size: session9f's profiled
+# optimizer kernels ran 1.17-1.20x the copy-roofline model, in every variant and row (multi_tensor_apply's
+# chunked launches, 16 B read and 12 B written per element). The sizes span a norm weight to a vocab matrix.
+ADAMW_NUMELS = (2**16, 2**20, 2**22, 2**24, 2**26)
+ADAMW_TENSORS = 4
+
+
+def adamw_case(numel: int, tensors: int = ADAMW_TENSORS):
+    """One fused AdamW step (torch.optim.AdamW(fused=True)) over `tensors` fp32 params of `numel` with grads,
+    as the probes' training steps run it; optimizers over distinct parameter sets rotate out of L2."""
+    def build():
+        import torch
+
+        opts = []
+        for _ in range(_sets(tensors * numel * 16)):
+            ps = [torch.zeros(numel, device="cuda", requires_grad=True) for _ in range(tensors)]
+            for q in ps:
+                q.grad = torch.randn_like(q)
+            opts.append(torch.optim.AdamW(ps, lr=1e-4, fused=True))
+        it, cur = itertools.cycle(opts), [opts[0]]
+        return (lambda: cur.__setitem__(0, next(it))), (lambda: cur[0].step())
+    return build
+
+
+# the eager baseline's RMSNorm and its loss after the lm_head (log_softmax over fp32 logits), each timed as a
+# whole, forward and backward, as the model runs them under amp: session9f's profiled kernels of the baseline
+# rows ran 1.31x (norm forward), 1.17x (norm backward) and 1.16x (loss forward) the copy-roofline model.
+# calculator/fused.py lists their kernels (EAGER_CHAINS); timing reads one rate per chain and width.
+EAGER_CE_VOCABS = (16000, 32000, 64000, 128256)
+EAGER_CE_ROWS = 8192
+
+
+def eager_case(op: str, width: int, rows: int):
+    """The baseline's norm (width = hidden; an fp32 (rows, H) stream) or loss tail (width = vocab; bf16
+    logits) over `rows`, under bf16 autocast: "eager_*.forward" times the forward, "eager_*.backward" the
+    backward of a forward run just before it (untimed), from a random upstream gradient or the loss."""
+    def build():
+        import torch
+        import torch.nn.functional as F
+
+        from anatomy.baseline.norm import RMSNorm
+
+        norm = op.startswith("eager_norm")
+        dt = torch.float32 if norm else torch.bfloat16
+        xs = [torch.randn(rows, width, device="cuda", dtype=dt, requires_grad=True)
+              for _ in range(_sets(rows * width * (24 if norm else 14)))]
+        ts = torch.randint(0, width, (rows,), device="cuda")
+        mod = RMSNorm(width, 1e-5).to("cuda") if norm else None
+        g = torch.randn(rows, width, device="cuda") if norm else None
+        it, cur, out = itertools.cycle(xs), [xs[0]], [None]
+
+        def fwd():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return mod(cur[0]) if norm else F.cross_entropy(cur[0].float(), ts)
+
+        if op.endswith(".forward"):
+            return (lambda: cur.__setitem__(0, next(it))), fwd
+
+        def pre():
+            cur[0] = next(it)
+            cur[0].grad = None
+            if norm:
+                mod.weight.grad = None  # as after zero_grad(set_to_none=True): no accumulation kernel
+            out[0] = fwd()
+        return pre, (lambda: out[0].backward(g) if norm else out[0].backward())
+    return build
+
 
 def _fused_cases(T: int = FUSED_TOKENS):
     """(op, width, extra, build) with build() -> (pre, fn): the op as the efficient model calls it under amp
@@ -245,6 +312,12 @@ def _fused_cases(T: int = FUSED_TOKENS):
         yield from ((f"swiglu{suffix}", I, dict(), swiglu(I, bwd)) for I in SWIGLU_WIDTHS)
         yield from ((f"rope_qkv{suffix}", (nh + 2 * nkv) * hd, dict(heads=nh, kv_heads=nkv, head_dim=hd),
                      rope(nh, nkv, hd, bwd)) for nh, nkv, hd in ROPE_HEADS)
+    # (session 10's additions last: a calibration cut short by its deadline keeps the rest)
+    yield from (("optimizer.adamw", n, dict(rows=ADAMW_TENSORS), adamw_case(n)) for n in ADAMW_NUMELS)
+    for ph in ("forward", "backward"):
+        yield from ((f"eager_norm.{ph}", H, dict(), eager_case(f"eager_norm.{ph}", H, T)) for H in RMS_WIDTHS)
+        yield from ((f"eager_ce.{ph}", V, dict(rows=EAGER_CE_ROWS), eager_case(f"eager_ce.{ph}", V, EAGER_CE_ROWS))
+                    for V in EAGER_CE_VOCABS)
 
 
 NARROW_TOKENS = 65536  # the seed step's rows: at narrow widths the rate still grows with the row count
@@ -260,7 +333,7 @@ def measure_fused(deadline: float, tokens: int = FUSED_TOKENS) -> list[dict]:
     rows = []
     cases = [(tokens, c) for c in _fused_cases(tokens)]
     cases += [(NARROW_TOKENS, c) for c in _fused_cases(NARROW_TOKENS)
-              if c[1] <= 2048 and c[0] != "liger_ce" and not c[0].startswith("sxs.")]
+              if c[1] <= 2048 and c[0] != "liger_ce" and not c[0].startswith(("sxs.", "optimizer.", "eager_ce"))]
     for T, (op, width, extra, build) in cases:
         if time.monotonic() > deadline:
             break

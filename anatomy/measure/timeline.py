@@ -19,13 +19,15 @@ Reported (milliseconds, the median over `steps` timed steps of each entry separa
 medians need not add up; every entry of `per_step` does):
   components  {phase: {component: ms}}   phases  {phase: ms}
   forward_backward_ms, step_ms            (marked)
-  plain_forward_backward_ms, plain_step_ms  (unmarked)
+  plain_forward_backward_ms, plain_step_ms  (unmarked; plain_ms: each unmarked step's [fwd+bwd, step])
+  host_ref_ms  [before, after] the unmarked steps, where a reference() was given
 """
 from __future__ import annotations
 
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -128,8 +130,13 @@ def _plain_steps(model, ids, targets, opt, run: Run, steps: int, clock: _Clock, 
 
 
 def component_times(cfg: ModelConfig, run: Run, variant: str, optimizer: str | None = "adamw", steps: int = 6,
-                    warmup: int = 2, device: str = "cuda") -> dict:
-    """Median per-step times (ms) per phase and component, marked, and of plain unmarked steps."""
+                    warmup: int = 2, device: str = "cuda", plain_budget_ms: float | None = None,
+                    reference: Callable[[], float] | None = None) -> dict:
+    """Median per-step times (ms) per phase and component over `steps` marked steps, and of plain
+    unmarked ones, each of those kept (plain_ms: [fwd+bwd, step]): `steps` of them, or with
+    plain_budget_ms as many as fit in it at the marked steps' median (between `steps` and 4 x `steps`).
+    reference() -> ms, where given, runs right before and right after the plain steps (the probe: the
+    host's speed there, calibrate_host.HostStep); its two figures are kept as host_ref_ms."""
     clock = _Clock(device)
     model, ids, targets, opt = setup_step(cfg, run, variant, optimizer, device)  # ids, targets: (B, S) int64
     marked_steps(model, ids, targets, opt, run, warmup, lambda label: None, device)
@@ -137,18 +144,28 @@ def component_times(cfg: ModelConfig, run: Run, variant: str, optimizer: str | N
     raw: list[tuple[str, object, float]] = []
     marked_steps(model, ids, targets, opt, run, steps,
                  lambda label: raw.append((label, clock.now(), time.perf_counter())), device)
-    plain = _plain_steps(model, ids, targets, opt, run, steps, clock, device)
+    refs = [reference()] if reference is not None else []
+    n_plain = steps
+    if plain_budget_ms:
+        clock.sync()
+        marked = _median([_one_step(attribute(s)) for s in _split_steps(
+            [(name, clock.ms(raw[0][1], t)) for name, t, _ in raw])])["step_ms"]
+        n_plain = min(4 * steps, max(steps, int(plain_budget_ms / max(marked, 1e-3))))
+    plain = _plain_steps(model, ids, targets, opt, run, n_plain, clock, device)
     clock.sync()
+    refs += [reference()] if reference is not None else []
     marks = [(name, clock.ms(raw[0][1], t)) for name, t, _ in raw]  # device ms since the first mark
     # the host's side: when the Python thread (or autograd's device thread) reached each mark. While
     # the host runs ahead of the GPU this is issue time; a host sync (Liger's .item()) adds the wait.
     host = [(name, (h - raw[0][2]) * 1e3) for name, _, h in raw]
     per_step = [_one_step(attribute(s)) for s in _split_steps(marks)]
     host_steps = [_one_step(attribute(s)) for s in _split_steps(host)]
+    plain_ms = [[clock.ms(a, b), clock.ms(a, c)] for a, b, c in plain]
     out = dict(_median(per_step), host=_median(host_steps), steps=steps, warmup=warmup, device=str(device),
                marks_per_step=len(raw) // steps,
-               plain_forward_backward_ms=statistics.median(clock.ms(a, b) for a, b, _ in plain),
-               plain_step_ms=statistics.median(clock.ms(a, c) for a, _, c in plain), per_step=per_step)
+               plain_forward_backward_ms=statistics.median(fb for fb, _ in plain_ms),
+               plain_step_ms=statistics.median(st for _, st in plain_ms), plain_ms=plain_ms, per_step=per_step,
+               **(dict(host_ref_ms=refs) if refs else {}))
     del model, opt, ids, targets, plain
     if clock.cuda:
         torch.cuda.empty_cache()

@@ -210,23 +210,39 @@ def timing_rows(session: Path = TIMING_SESSION) -> dict[str, list[dict]]:
 
 
 @lru_cache(maxsize=None)
-def _predicted(cfg: str, batch: int, seq: int, variant: str, optimizer: str | None, profile: str) -> dict:
-    from anatomy.calculator import timing
+def _predicted(cfg: str, batch: int, seq: int, variant: str, optimizer: str | None, profile: str,
+               host_ms: float | None = None) -> dict:
+    from anatomy.calculator import gpus, timing
+    from anatomy.calculator.measured import at_host_speed
 
-    return timing.estimate_time(ModelConfig(**json.loads(cfg)), Run(batch, seq, "amp"), variant, gpu=profile,
+    prof = gpus.get(profile)
+    if host_ms and (prof.get("host_step") or {}).get(variant):  # a datasheet profile has nothing to scale from
+        prof = at_host_speed(prof, variant, host_ms)
+    return timing.estimate_time(ModelConfig(**json.loads(cfg)), Run(batch, seq, "amp"), variant, gpu=prof,
                                 optimizer=optimizer, with_kernels=False)
 
 
-def predicted(r: dict, profile: str) -> dict:
+def row_host_ms(r: dict) -> float | None:
+    """The host's speed beside the row: the mean of its tiny host steps (calibrate_host.HostStep) timed right
+    before and right after its unmarked steps, where the probe recorded them (session 10 on)."""
+    refs = r["timeline"].get("host_ref_ms")
+    return statistics.mean(refs) if refs else None
+
+
+def predicted(r: dict, profile: str, row_host: bool = True) -> dict:
+    """The calculator's estimate for the row's config, against `profile`; with row_host (and a row that
+    recorded it) at the host speed measured beside the row (measured.at_host_speed), not at calibration's.
+    A datasheet profile has no tiny host step to scale from, and stays as it is."""
+    host = row_host_ms(r) if row_host else None
     return _predicted(json.dumps(r["cfg"], sort_keys=True), r["batch"], r["seq"], r["variant"], r["optimizer"],
-                      profile)
+                      profile, host)
 
 
-def time_error(r: dict, what: str, profile: str) -> float:
+def time_error(r: dict, what: str, profile: str, row_host: bool = True) -> float:
     """(predicted - measured) / measured of forward_backward or step, against the unmarked steps (run
     back to back: the prediction's `steady` figures)."""
     meas = r["timeline"][f"plain_{what}_ms"]
-    return (predicted(r, profile)["steady"][f"{what}_s"] * 1e3 - meas) / meas
+    return (predicted(r, profile, row_host)["steady"][f"{what}_s"] * 1e3 - meas) / meas
 
 
 def component_errors(r: dict, profile: str, share: float = 0.05) -> dict[str, float]:
