@@ -52,7 +52,7 @@ part host-parts 180 python3 scripts/probe_host_parts.py --out "$R/host_parts.jso
 # and (session 10) beside each row, with up to 24 unmarked steps a short row: ~0.5 s a row more
 part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 90
 part probe-timing 85 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
-part probe-timing-training 260 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \
+part probe-timing-training 290 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \
   --strategy training --out "$R/probe_timing_training.json"
 part probe-timing-hypothesis 85 python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed "${DRAW_SEED:-2026}" \
   --out "$R/probe_timing_hypothesis.json"

@@ -313,27 +313,35 @@ def _measure_step_ms(cfg: ModelConfig, run: Run, variant: str, warmup: int = 3, 
     return times
 
 
-# The eager baseline at the seed step runs its S x S softmax, mask and casts below the copy roofline:
-# 396-398 ms measured against 285-287 predicted on two H200 machines (reports/h200/session4b, 4c).
-_GPU_MISSES = {"seed-baseline-B16S4096": "eager S x S kernels below the roofline: -28% on the committed probe rows"}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=_GPU_MISSES[c]))
-                                  if c in _GPU_MISSES else c for c in GPU_CASES])
+@pytest.mark.parametrize("case", list(GPU_CASES))
 def test_step_time_within_10pct_gpu(case, claims, cuda_device):
     """Predicted vs measured forward + backward on this GPU, ±10% (the DESIGN goal for time). The
     profile is $ANATOMY_GPU_PROFILE (a name or a path; default h200-measured): run `anatomy
-    calibrate` first in the same session so the profile describes this machine."""
+    calibrate` first in the same session so the profile describes this machine. Where the profile has
+    a tiny host step, the prediction takes the host's speed in this process (calibrate_host.HostStep,
+    timed right before and after the steps; measured.at_host_speed): it moves +-15% between processes
+    and more within one (session9e, session10), and this step waits on the host for its loss's syncs."""
+    from anatomy.calculator.measured import at_host_speed
+    from anatomy.measure.calibrate_host import HostStep
+
     preset, B, S, variant = GPU_CASES[case]
     cfg, run = ModelConfig.from_name(preset), Run(B, S, "amp")
+    hs = HostStep()
+    refs = [hs.reference(variant)]
     times = _measure_step_ms(cfg, run, variant)
+    refs.append(hs.reference(variant))
+    hs.close()
     measured = statistics.median(times)
     profile = os.environ.get("ANATOMY_GPU_PROFILE", "h200-measured")
-    pred = timing.estimate_time(cfg, run, variant, profile, optimizer=None, with_kernels=False)
+    prof = gpus.get(profile)
+    if (prof.get("host_step") or {}).get(variant):
+        prof = at_host_speed(prof, variant, statistics.mean(refs))
+    pred = timing.estimate_time(cfg, run, variant, prof, optimizer=None, with_kernels=False)
     claims.check("time.forward_backward", component="model", config=f"{preset}/B{B}S{S}/amp", variant=variant,
                  predicted=pred["forward_backward_s"] * 1e3, measured=measured, tolerance=0.10, device="cuda",
-                 unit="ms", note=f"profile {profile}; steps {min(times):.1f}-{max(times):.1f} ms")
+                 unit="ms", note=f"profile {profile}; steps {min(times):.1f}-{max(times):.1f} ms; tiny host step "
+                                 f"{refs[0]:.2f}, {refs[1]:.2f} ms here")
     assert math.isfinite(measured)
 
 

@@ -18,11 +18,9 @@ from anatomy.config import ModelConfig, Run
 
 H200 = Path(__file__).resolve().parents[2] / "reports" / "h200"
 # memory rows of one H200 run under two allocator settings; timing rows with that run's profile
-MEMORY_SESSION, TIMING_SESSION = H200 / "session5b", H200 / "session9d"
-# a session that did not probe a set takes it from this one (session9d ran no small drawn configs)
+MEMORY_SESSION, TIMING_SESSION = H200 / "session5b", H200 / "session10"
+# a session that did not probe a set takes it from this one (session10 ran no small drawn configs)
 TIMING_FALLBACK = H200 / "session9c"
-# the first profile with the eager baseline's S x S chain calibrated (24 drawn training-sized configs, seed 47)
-BASELINE_SESSION = H200 / "session9f"
 SPLIT, DEFAULT = "expandable segments", "default allocator"
 MEMORY_FILES = {SPLIT: ("probe_memory.json", "probe_memory_hypothesis.json"),
                 DEFAULT: ("probe_memory_default.json", "probe_memory_default_hypothesis.json")}
@@ -259,13 +257,14 @@ def component_errors(r: dict, profile: str, share: float = 0.05) -> dict[str, fl
     return out
 
 
-def timing_table(rows_: list[dict], profile: str) -> dict:
+def timing_table(rows_: list[dict], profile: str, row_host: bool = True) -> dict:
     """n, MAPE, worst and the count within ±10% (±15% per component) of forward + backward, of the
-    step, and of each component's forward and backward GPU time (component_errors)."""
+    step, and of each component's forward and backward GPU time (component_errors). row_host: the
+    steps at the host speed measured beside each row (predicted), where the rows have it."""
     out: dict[str, list[float]] = {"forward+backward": [], "step": []}
     for r in rows_:
-        out["forward+backward"].append(time_error(r, "forward_backward", profile))
-        out["step"].append(time_error(r, "step", profile))
+        out["forward+backward"].append(time_error(r, "forward_backward", profile, row_host))
+        out["step"].append(time_error(r, "step", profile, row_host))
         for key, e in component_errors(r, profile).items():
             out.setdefault(key, []).append(e)
     tol = {"forward+backward": 0.10, "step": 0.10}
@@ -282,14 +281,22 @@ def timing_markdown(session: Path = TIMING_SESSION) -> str:
              "or the datasheet's; error "
              "= (predicted - measured) / measured. Steps: the unmarked steps' forward + backward (and AdamW step). "
              "Components: GPU kernel time from a torch.profiler trace, credited to the component marked before each "
-             "launch; those holding ≥ 5% of the step's kernel time.", "",
+             "launch; those holding ≥ 5% of the step's kernel time. Profile \"calibrated\": the host at the speed "
+             "measured beside each row where the probe recorded it (calibrate's tiny host step right before and after "
+             "the row's unmarked steps, `measured.at_host_speed`); \"host at calibration\": the profile's own host "
+             "figures.", "",
              "| rows | variant | profile | quantity | n | within | MAPE | worst |", "|---|---|---|---|---:|---:|---:|---:|"]
     for name, rs in sets.items():
         for variant in ("efficient", "baseline"):
             vr = [r for r in rs if r["variant"] == variant]
-            for label, prof in (("calibrated", str(set_session(name, session) / "h200.json")), ("datasheet", "h200-sxm")):
-                for k, v in timing_table(vr, prof).items():
-                    if label == "datasheet" and k not in ("forward+backward", "step"):
+            cal = str(set_session(name, session) / "h200.json")
+            with_ref = any(row_host_ms(r) for r in vr)
+            for label, prof, rh in (("calibrated", cal, True), ("host at calibration", cal, False),
+                                    ("datasheet", "h200-sxm", False)):
+                if label == "host at calibration" and not with_ref:
+                    continue
+                for k, v in timing_table(vr, prof, rh).items():
+                    if label != "calibrated" and k not in ("forward+backward", "step"):
                         continue
                     lines.append(f"| {name} | {variant} | {label} | {k} | {v['n']} | {v['within']} (±{v['tol']:.0%}) | "
                                  f"{v['mape']:.1%} | {v['worst']:+.1%} |")
@@ -302,8 +309,8 @@ def timing_summary(session: Path = TIMING_SESSION) -> str:
         return "(no probe rows committed)"
     prof = str(session / "h200.json")
 
-    def line(rs, what="forward+backward", prof=prof):
-        t = timing_table(rs, prof).get(what)
+    def line(rs, what="forward+backward", prof=prof, row_host=True):
+        t = timing_table(rs, prof, row_host).get(what)
         return f"{t['within']} of {t['n']} within ±10% (mean |error| {t['mape']:.1%}, worst {t['worst']:+.1%})"
 
     named = ", ".join(f"{r['config']} B{r['batch']} S{r['seq']} {r['variant']} {time_error(r, 'forward_backward', prof):+.1%}"
@@ -317,20 +324,20 @@ def timing_summary(session: Path = TIMING_SESSION) -> str:
             if rs:
                 out.append(f"- {name}, {v}: {line(rs, prof=str(src / 'h200.json'))}"
                            + (f" (rows and profile of `reports/h200/{src.name}`)." if src != session else "."))
-    tr = [r for r in sets["drawn, training-sized"] if r["variant"] == "efficient"]
-    comp = {k: v for k, v in timing_table(tr, prof).items() if k not in ("forward+backward", "step")}
-    if comp:
-        out.append(f"- Per component (forward and backward GPU time against the profiler's kernel time, ±15%), drawn "
-                   f"training-sized, efficient: {sum(v['within'] for v in comp.values())} of "
-                   f"{sum(v['n'] for v in comp.values())} figures within ("
-                   + ", ".join(f"{k} {v['within']}/{v['n']}" for k, v in sorted(comp.items())) + ").")
-    bs = [r for r in rows(BASELINE_SESSION / "probe_timing_training.json") if r["variant"] == "baseline"]
-    if bs and session == TIMING_SESSION:
-        bp = str(BASELINE_SESSION / "h200.json")
-        att = [e for r in bs for k, e in component_errors(r, bp).items() if k.startswith("attention")]
-        out.append(f"- The eager baseline with its S x S chain calibrated (`reports/h200/{BASELINE_SESSION.name}`, its own "
-                   f"profile), drawn training-sized: {line(bs, prof=bp)}; attention forward and backward "
-                   f"{sum(abs(e) <= 0.15 for e in att)} of {len(att)} within ±15%.")
+    for v in ("efficient", "baseline"):
+        tr = [r for r in sets["drawn, training-sized"] if r["variant"] == v]
+        comp = {k: x for k, x in timing_table(tr, prof).items() if k not in ("forward+backward", "step")}
+        if comp:
+            out.append(f"- Per component (forward and backward GPU time against the profiler's kernel time, ±15%), "
+                       f"drawn training-sized, {v}: {sum(x['within'] for x in comp.values())} of "
+                       f"{sum(x['n'] for x in comp.values())} figures within ("
+                       + ", ".join(f"{k} {x['within']}/{x['n']}" for k, x in sorted(comp.items())) + ").")
+    if any(row_host_ms(r) for r in sets["named"] + sets["drawn, training-sized"]):
+        calib = [f"{name}, {v}: {line(rs, 'step', prof, row_host=False)}" for name in ("named", "drawn, training-sized")
+                 for v in ("efficient", "baseline") if (rs := [r for r in sets[name] if r["variant"] == v])]
+        out.append("- Steps are predicted at the host speed measured beside each row (calibrate's tiny host step, right "
+                   "before and after the row's unmarked steps). At the profile's own host figures, the steps "
+                   "with optimizer: " + "; ".join(calib) + ".")
     ds = [time_error(r, "forward_backward", "h200-sxm") for r in sets["named"]]
     out.append(f"- Uncalibrated (datasheet profile), the named rows' mean |error| is {statistics.mean(map(abs, ds)):.0%}.")
     head = json.loads((session / "probe_timing_training.json").read_text())
