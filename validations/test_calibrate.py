@@ -343,29 +343,31 @@ def test_at_host_speed_scales_every_host_figure_and_no_gpu_figure():
 
 
 def test_baseline_eager_chains_take_their_calibrated_rates():
-    """Fake timings (not a measurement) of the baseline's norm and loss tail, each chain as a whole at its
+    """Fake timings (not a measurement) of the baseline's norm, loss tail and SwiGLU, each chain as a whole at its
     own fraction of the copy bandwidth plus one launch per kernel: at a calibrated width and row count
     every kernel of the chain takes exactly its bytes at that fraction, the fp32 policy (not calibrated)
-    keeps the copy roofline, and the efficient model does not change."""
+    keeps the copy roofline, gpt-oss's MLP keeps it, and the efficient model does not change."""
     from anatomy.calculator.fused import EAGER_CHAINS, fused_bytes
-    from anatomy.measure.calibrate_kernels import EAGER_CE_ROWS, EAGER_CE_VOCABS, FUSED_TOKENS, RMS_WIDTHS
+    from anatomy.measure.calibrate_kernels import (EAGER_CE_ROWS, EAGER_CE_VOCABS, FUSED_TOKENS, RMS_WIDTHS,
+                                                   SWIGLU_WIDTHS)
 
     hbm, launch = 4.0e12, 2.2e-6
-    frac = {"eager_norm.forward": 0.75, "eager_norm.backward": 0.85, "eager_ce.forward": 0.8, "eager_ce.backward": 0.6}
+    frac = {"eager_norm.forward": 0.75, "eager_norm.backward": 0.85, "eager_ce.forward": 0.8, "eager_ce.backward": 0.6,
+            "eager_mlp.forward": 0.7, "eager_mlp.backward": 0.9}
     assert set(frac) == set(EAGER_CHAINS)
+    grid = {"norm": (FUSED_TOKENS, RMS_WIDTHS), "ce": (EAGER_CE_ROWS, EAGER_CE_VOCABS), "mlp": (FUSED_TOKENS, SWIGLU_WIDTHS)}
     fused = [dict(op=op, tokens=t, width=w, queued=True,
                   ms=(sum(fused_bytes(op, w, t)) / hbm / frac[op] + len(EAGER_CHAINS[op](t, w)) * launch) * 1e3)
-             for op in frac for t, ws in (((FUSED_TOKENS, RMS_WIDTHS) if "norm" in op else (EAGER_CE_ROWS, EAGER_CE_VOCABS)),)
-             for w in ws]
+             for op in frac for t, ws in (grid[op.split(".")[0][6:]],) for w in ws]
     p, p0 = (measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12,
                                                                  launch_us=launch * 1e6, **f), dict(date="fake"), "h200-sxm"))
              for f in (dict(fused=fused), {}))
     cfg = ModelConfig(name="e", hidden=2048, layers=2, heads=16, intermediate=5632, vocab=32000)
-    run = Run(4, 2048)  # 8192 tokens: the loss at its calibrated rows; the norm's rate is flat below 16384
+    run = Run(4, 2048)  # 8192 tokens: the loss at its calibrated rows; norm and MLP rates are flat below 16384
     a, b = (timing.estimate_time(cfg, run, "baseline", q, optimizer=None, with_kernels=True) for q in (p, p0))
     # (kernel name, phase) -> its chain: norm.<op> and loss.<op> as launches.baseline_kernels names them
-    chain = {(f"{'norm' if 'norm' in op else 'loss'}.{name}", op.split(".")[1]): op
-             for op in frac for name, _, _ in EAGER_CHAINS[op](1, 1)}
+    comp = {"eager_norm": "norm", "eager_ce": "loss", "eager_mlp": "mlp"}
+    chain = {(f"{comp[op.split('.')[0]]}.{name}", op.split(".")[1]): op for op in frac for name, _, _ in EAGER_CHAINS[op](1, 1)}
     seen = set()
     for x, y in zip(a["kernels"], b["kernels"]):
         op = chain.get((x["name"], x["phase"]))
@@ -376,3 +378,7 @@ def test_baseline_eager_chains_take_their_calibrated_rates():
     assert f32[0] == f32[1]
     e = [timing.estimate_time(cfg, run, "efficient", q, optimizer=None)["gpu_s"] for q in (p, p0)]
     assert e[0] == e[1]
+    oss = ModelConfig(name="o", hidden=2048, layers=2, heads=16, intermediate=5632, vocab=32000, mlp="gpt-oss")
+    a, b = (timing.estimate_time(oss, run, "baseline", q, optimizer=None, with_kernels=True) for q in (p, p0))
+    assert [k["memory_s"] for k in a["kernels"] if k["component"] == "mlp"] == \
+        [k["memory_s"] for k in b["kernels"] if k["component"] == "mlp"]

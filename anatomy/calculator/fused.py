@@ -69,9 +69,22 @@ def eager_ce_backward(T: int, V: int, c: int = 2, r: int = 4) -> list[tuple[str,
              ("log_softmax.backward", 2 * TV * 4, TV * 4)] + [("logits_float.backward", TV * 4, TV * c)] * (c != 4))
 
 
+def eager_mlp_forward(T: int, I: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
+    """The baseline's SwiGLU between its matmuls (anatomy/baseline/swiglu.py): silu(gate), then the product
+    with up, over (T, I) in the compute dtype; backward: the product's two gradients, then silu's."""
+    TI = T * I * c
+    return [("silu", TI, TI), ("mul", 2 * TI, TI)]
+
+
+def eager_mlp_backward(T: int, I: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
+    TI = T * I * c
+    return [("mul.grad_silu", 2 * TI, TI), ("mul.grad_up", 2 * TI, TI), ("silu.backward", 2 * TI, TI)]
+
+
 # the baseline's eager chains calibrate times as wholes (calibrate_kernels.eager_case): {op: its kernels}
 EAGER_CHAINS = {"eager_norm.forward": eager_norm_forward, "eager_norm.backward": eager_norm_backward,
-                "eager_ce.forward": eager_ce_forward, "eager_ce.backward": eager_ce_backward}
+                "eager_ce.forward": eager_ce_forward, "eager_ce.backward": eager_ce_backward,
+                "eager_mlp.forward": eager_mlp_forward, "eager_mlp.backward": eager_mlp_backward}
 
 
 def fused_launches(op: str, width: int, tokens: int) -> int:

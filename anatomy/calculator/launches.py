@@ -289,15 +289,18 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
     o.linear("mlp.gate", "mlp", H, I, L, in_bytes=r)
     o.linear("mlp.up", "mlp", H, I, L, in_bytes=r)
     o.mem("mlp.gate_up_input_grad_sum", "mlp", "backward", 2 * T * H * r, T * H * r, L)
-    ops_f = [("silu", TI, TI), ("mul", 2 * TI, TI)]
-    ops_b = [("mul.grad_silu", 2 * TI, TI), ("mul.grad_up", 2 * TI, TI), ("silu.backward", 2 * TI, TI)]
+    # silu and mul (fused.eager_mlp_*), at the rate calibrate measured for them as a whole where it did (SwiGLU
+    # in bf16); gpt-oss adds its clamps and +1 (uncalibrated: the copy roofline)
+    cal = cfg.mlp == "swiglu" and c == 2
+    for ph in ("forward", "backward"):
+        op = f"eager_mlp.{ph}"
+        for name, rd, wr in EAGER_CHAINS[op](T, I, c, r):
+            o.mem(f"mlp.{name}", "mlp", ph, rd, wr, L, fused=(op, I, T) if cal else ())
     if cfg.mlp == "gpt-oss":
-        ops_f += [("clamp_gate", TI, TI), ("clamp_up", TI, TI), ("add_one", TI, TI)]
-        ops_b += [("clamp_gate.backward", 2 * TI, TI), ("clamp_up.backward", 2 * TI, TI)]
-    for op, rd, wr in ops_f:
-        o.mem(f"mlp.{op}", "mlp", "forward", rd, wr, L)
-    for op, rd, wr in ops_b:
-        o.mem(f"mlp.{op}", "mlp", "backward", rd, wr, L)
+        for op, rd, wr, ph in (("clamp_gate", TI, TI, "forward"), ("clamp_up", TI, TI, "forward"),
+                               ("add_one", TI, TI, "forward"), ("clamp_gate.backward", 2 * TI, TI, "backward"),
+                               ("clamp_up.backward", 2 * TI, TI, "backward")):
+            o.mem(f"mlp.{op}", "mlp", ph, rd, wr, L)
     o.linear("mlp.down", "mlp", I, H, L)
     _residual(o, "mlp", L)
     # loss: lm_head on the normed stream (cast under amp), logits upcast to fp32, log_softmax + nll

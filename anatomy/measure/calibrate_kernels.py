@@ -203,35 +203,43 @@ def adamw_case(numel: int, tensors: int = ADAMW_TENSORS):
     return build
 
 
-# the eager baseline's RMSNorm and its loss after the lm_head (log_softmax over fp32 logits), each timed as a
-# whole, forward and backward, as the model runs them under amp: session9f's profiled kernels of the baseline
-# rows ran 1.31x (norm forward), 1.17x (norm backward) and 1.16x (loss forward) the copy-roofline model.
+# the eager baseline's RMSNorm, its loss after the lm_head (log_softmax over fp32 logits) and SwiGLU's silu and
+# product, each timed as a whole, forward and backward, as the model runs them under amp: session9f's profiled
+# kernels of the baseline rows ran 1.31x (norm forward), 1.17x (norm backward) and 1.16x (loss forward) the
+# copy-roofline model, and session10's MLP backward up to 1.18x.
 # calculator/fused.py lists their kernels (EAGER_CHAINS); timing reads one rate per chain and width.
 EAGER_CE_VOCABS = (16000, 32000, 64000, 128256)
 EAGER_CE_ROWS = 8192
 
 
 def eager_case(op: str, width: int, rows: int):
-    """The baseline's norm (width = hidden; an fp32 (rows, H) stream) or loss tail (width = vocab; bf16
-    logits) over `rows`, under bf16 autocast: "eager_*.forward" times the forward, "eager_*.backward" the
-    backward of a forward run just before it (untimed), from a random upstream gradient or the loss."""
+    """The baseline's norm (width = hidden; an fp32 (rows, H) stream), loss tail (width = vocab; bf16
+    logits) or SwiGLU's silu and product (width = intermediate; bf16 gate and up) over `rows`, under bf16
+    autocast: "eager_*.forward" times the forward, "eager_*.backward" the backward of a forward run just
+    before it (untimed), from a random upstream gradient or the loss."""
     def build():
         import torch
         import torch.nn.functional as F
 
         from anatomy.baseline.norm import RMSNorm
 
-        norm = op.startswith("eager_norm")
+        kind = op.split(".")[0]  # eager_norm, eager_ce or eager_mlp
+        norm, mlp = kind == "eager_norm", kind == "eager_mlp"
         dt = torch.float32 if norm else torch.bfloat16
-        xs = [torch.randn(rows, width, device="cuda", dtype=dt, requires_grad=True)
-              for _ in range(_sets(rows * width * (24 if norm else 14)))]
+
+        def leaf():
+            return torch.randn(rows, width, device="cuda", dtype=dt, requires_grad=True)
+        # the MLP's gate and up are two leaves (as two matmul outputs: no split's backward to concatenate)
+        xs = [(leaf(), leaf()) if mlp else leaf() for _ in range(_sets(rows * width * (24 if norm else 14)))]
         ts = torch.randint(0, width, (rows,), device="cuda")
         mod = RMSNorm(width, 1e-5).to("cuda") if norm else None
-        g = torch.randn(rows, width, device="cuda") if norm else None
+        g = None if kind == "eager_ce" else torch.randn(rows, width, device="cuda", dtype=torch.float32 if norm else dt)
         it, cur, out = itertools.cycle(xs), [xs[0]], [None]
 
         def fwd():
             with torch.autocast("cuda", dtype=torch.bfloat16):
+                if mlp:
+                    return F.silu(cur[0][0]) * cur[0][1]
                 return mod(cur[0]) if norm else F.cross_entropy(cur[0].float(), ts)
 
         if op.endswith(".forward"):
@@ -239,11 +247,12 @@ def eager_case(op: str, width: int, rows: int):
 
         def pre():
             cur[0] = next(it)
-            cur[0].grad = None
+            for x in (cur[0] if mlp else (cur[0],)):
+                x.grad = None
             if norm:
                 mod.weight.grad = None  # as after zero_grad(set_to_none=True): no accumulation kernel
             out[0] = fwd()
-        return pre, (lambda: out[0].backward(g) if norm else out[0].backward())
+        return pre, (lambda: out[0].backward(g))
     return build
 
 
@@ -318,6 +327,7 @@ def _fused_cases(T: int = FUSED_TOKENS):
         yield from ((f"eager_norm.{ph}", H, dict(), eager_case(f"eager_norm.{ph}", H, T)) for H in RMS_WIDTHS)
         yield from ((f"eager_ce.{ph}", V, dict(rows=EAGER_CE_ROWS), eager_case(f"eager_ce.{ph}", V, EAGER_CE_ROWS))
                     for V in EAGER_CE_VOCABS)
+        yield from ((f"eager_mlp.{ph}", I, dict(), eager_case(f"eager_mlp.{ph}", I, T)) for I in SWIGLU_WIDTHS)
 
 
 NARROW_TOKENS = 65536  # the seed step's rows: at narrow widths the rate still grows with the row count
