@@ -343,19 +343,21 @@ def test_at_host_speed_scales_every_host_figure_and_no_gpu_figure():
 
 
 def test_baseline_eager_chains_take_their_calibrated_rates():
-    """Fake timings (not a measurement) of the baseline's norm, loss tail and SwiGLU, each chain as a whole at its
-    own fraction of the copy bandwidth plus one launch per kernel: at a calibrated width and row count
+    """Fake timings (not a measurement) of the baseline's norm, loss tail, SwiGLU and gpt-oss clamps, each
+    chain as a whole at its own fraction of the copy bandwidth plus one launch per kernel: at a calibrated width and row count
     every kernel of the chain takes exactly its bytes at that fraction, the fp32 policy (not calibrated)
-    keeps the copy roofline, gpt-oss's MLP keeps it, and the efficient model does not change."""
+    keeps the copy roofline, gpt-oss's clamps take their own chain's rate, and the efficient model does not
+    change."""
     from anatomy.calculator.fused import EAGER_CHAINS, fused_bytes
     from anatomy.measure.calibrate_kernels import (EAGER_CE_ROWS, EAGER_CE_VOCABS, FUSED_TOKENS, RMS_WIDTHS,
                                                    SWIGLU_WIDTHS)
 
     hbm, launch = 4.0e12, 2.2e-6
     frac = {"eager_norm.forward": 0.75, "eager_norm.backward": 0.85, "eager_ce.forward": 0.8, "eager_ce.backward": 0.6,
-            "eager_mlp.forward": 0.7, "eager_mlp.backward": 0.9}
+            "eager_mlp.forward": 0.7, "eager_mlp.backward": 0.9, "eager_clamp.forward": 0.95, "eager_clamp.backward": 0.5}
     assert set(frac) == set(EAGER_CHAINS)
-    grid = {"norm": (FUSED_TOKENS, RMS_WIDTHS), "ce": (EAGER_CE_ROWS, EAGER_CE_VOCABS), "mlp": (FUSED_TOKENS, SWIGLU_WIDTHS)}
+    grid = {"norm": (FUSED_TOKENS, RMS_WIDTHS), "ce": (EAGER_CE_ROWS, EAGER_CE_VOCABS), "mlp": (FUSED_TOKENS, SWIGLU_WIDTHS),
+            "clamp": (FUSED_TOKENS, SWIGLU_WIDTHS)}
     fused = [dict(op=op, tokens=t, width=w, queued=True,
                   ms=(sum(fused_bytes(op, w, t)) / hbm / frac[op] + len(EAGER_CHAINS[op](t, w)) * launch) * 1e3)
              for op in frac for t, ws in (grid[op.split(".")[0][6:]],) for w in ws]
@@ -364,21 +366,19 @@ def test_baseline_eager_chains_take_their_calibrated_rates():
              for f in (dict(fused=fused), {}))
     cfg = ModelConfig(name="e", hidden=2048, layers=2, heads=16, intermediate=5632, vocab=32000)
     run = Run(4, 2048)  # 8192 tokens: the loss at its calibrated rows; norm and MLP rates are flat below 16384
-    a, b = (timing.estimate_time(cfg, run, "baseline", q, optimizer=None, with_kernels=True) for q in (p, p0))
-    # (kernel name, phase) -> its chain: norm.<op> and loss.<op> as launches.baseline_kernels names them
-    comp = {"eager_norm": "norm", "eager_ce": "loss", "eager_mlp": "mlp"}
+    # (kernel name, phase) -> its chain, as launches.baseline_kernels names them
+    comp = {"eager_norm": "norm", "eager_ce": "loss", "eager_mlp": "mlp", "eager_clamp": "mlp"}
     chain = {(f"{comp[op.split('.')[0]]}.{name}", op.split(".")[1]): op for op in frac for name, _, _ in EAGER_CHAINS[op](1, 1)}
-    seen = set()
-    for x, y in zip(a["kernels"], b["kernels"]):
-        op = chain.get((x["name"], x["phase"]))
-        seen.add(op)
-        assert x["memory_s"] == pytest.approx(y["memory_s"] / (frac[op] if op else 1.0), rel=1e-9), x["name"]
-    assert seen == set(frac) | {None}
+    oss = ModelConfig(name="o", hidden=2048, layers=2, heads=16, intermediate=5632, vocab=32000, mlp="gpt-oss")
+    for c_, chains in ((cfg, set(frac) - {"eager_clamp.forward", "eager_clamp.backward"}), (oss, set(frac))):
+        a, b = (timing.estimate_time(c_, run, "baseline", q, optimizer=None, with_kernels=True) for q in (p, p0))
+        seen = set()
+        for x, y in zip(a["kernels"], b["kernels"]):
+            op = chain.get((x["name"], x["phase"]))
+            seen.add(op)
+            assert x["memory_s"] == pytest.approx(y["memory_s"] / (frac[op] if op else 1.0), rel=1e-9), x["name"]
+        assert seen == chains | {None}, c_.mlp
     f32 = [timing.estimate_time(cfg, Run(4, 2048, "fp32"), "baseline", q, optimizer=None)["gpu_s"] for q in (p, p0)]
     assert f32[0] == f32[1]
-    e = [timing.estimate_time(cfg, run, "efficient", q, optimizer=None)["gpu_s"] for q in (p, p0)]
-    assert e[0] == e[1]
-    oss = ModelConfig(name="o", hidden=2048, layers=2, heads=16, intermediate=5632, vocab=32000, mlp="gpt-oss")
-    a, b = (timing.estimate_time(oss, run, "baseline", q, optimizer=None, with_kernels=True) for q in (p, p0))
-    assert [k["memory_s"] for k in a["kernels"] if k["component"] == "mlp"] == \
-        [k["memory_s"] for k in b["kernels"] if k["component"] == "mlp"]
+    e = [timing.estimate_time(c_, run, "efficient", q, optimizer=None)["gpu_s"] for q in (p, p0) for c_ in (cfg, oss)]
+    assert e[:2] == e[2:]

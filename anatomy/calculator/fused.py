@@ -81,10 +81,27 @@ def eager_mlp_backward(T: int, I: int, c: int = 2, r: int = 4) -> list[tuple[str
     return [("mul.grad_silu", 2 * TI, TI), ("mul.grad_up", 2 * TI, TI), ("silu.backward", 2 * TI, TI)]
 
 
+def eager_clamp_forward(T: int, I: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
+    """gpt-oss's clamps before the baseline's SwiGLU (anatomy/baseline/swiglu.py): gate.clamp(max=L),
+    up.clamp(-L, L) + 1, over (T, I) in the compute dtype. Backward, as ATen's clamp_backward runs it:
+    where(mask, grad, 0) with the mask from one comparison (gate) or two and their logical_and (up), a
+    byte (bool) per element."""
+    TI = T * I * c
+    return [("clamp_gate", TI, TI), ("clamp_up", TI, TI), ("add_one", TI, TI)]
+
+
+def eager_clamp_backward(T: int, I: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
+    TI, m = T * I * c, T * I
+    return [("clamp_gate.backward_mask", TI, m), ("clamp_gate.backward_where", m + TI, TI),
+            ("clamp_up.backward_mask_lo", TI, m), ("clamp_up.backward_mask_hi", TI, m),
+            ("clamp_up.backward_mask_and", 2 * m, m), ("clamp_up.backward_where", m + TI, TI)]
+
+
 # the baseline's eager chains calibrate times as wholes (calibrate_kernels.eager_case): {op: its kernels}
 EAGER_CHAINS = {"eager_norm.forward": eager_norm_forward, "eager_norm.backward": eager_norm_backward,
                 "eager_ce.forward": eager_ce_forward, "eager_ce.backward": eager_ce_backward,
-                "eager_mlp.forward": eager_mlp_forward, "eager_mlp.backward": eager_mlp_backward}
+                "eager_mlp.forward": eager_mlp_forward, "eager_mlp.backward": eager_mlp_backward,
+                "eager_clamp.forward": eager_clamp_forward, "eager_clamp.backward": eager_clamp_backward}
 
 
 def fused_launches(op: str, width: int, tokens: int) -> int:

@@ -285,22 +285,16 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
     o.linear("attention.o", "attention", H, H, L)  # its input (merged heads) is already compute dtype
     _residual(o, "attention", L)
     # MLP: gate and up each cast x under amp; silu and mul are separate kernels
-    TI = T * I * c
     o.linear("mlp.gate", "mlp", H, I, L, in_bytes=r)
     o.linear("mlp.up", "mlp", H, I, L, in_bytes=r)
     o.mem("mlp.gate_up_input_grad_sum", "mlp", "backward", 2 * T * H * r, T * H * r, L)
-    # silu and mul (fused.eager_mlp_*), at the rate calibrate measured for them as a whole where it did (SwiGLU
-    # in bf16); gpt-oss adds its clamps and +1 (uncalibrated: the copy roofline)
-    cal = cfg.mlp == "swiglu" and c == 2
+    # silu and mul (fused.eager_mlp_*), and gpt-oss's clamps and +1 before them (eager_clamp_*), each chain at the
+    # rate calibrate measured for it as a whole where it did (bf16 compute)
+    chains = ("eager_mlp",) + (("eager_clamp",) if cfg.mlp == "gpt-oss" else ())
     for ph in ("forward", "backward"):
-        op = f"eager_mlp.{ph}"
-        for name, rd, wr in EAGER_CHAINS[op](T, I, c, r):
-            o.mem(f"mlp.{name}", "mlp", ph, rd, wr, L, fused=(op, I, T) if cal else ())
-    if cfg.mlp == "gpt-oss":
-        for op, rd, wr, ph in (("clamp_gate", TI, TI, "forward"), ("clamp_up", TI, TI, "forward"),
-                               ("add_one", TI, TI, "forward"), ("clamp_gate.backward", 2 * TI, TI, "backward"),
-                               ("clamp_up.backward", 2 * TI, TI, "backward")):
-            o.mem(f"mlp.{op}", "mlp", ph, rd, wr, L)
+        for op in (f"{ch}.{ph}" for ch in chains):
+            for name, rd, wr in EAGER_CHAINS[op](T, I, c, r):
+                o.mem(f"mlp.{name}", "mlp", ph, rd, wr, L, fused=(op, I, T) if c == 2 else ())
     o.linear("mlp.down", "mlp", I, H, L)
     _residual(o, "mlp", L)
     # loss: lm_head on the normed stream (cast under amp), logits upcast to fp32, log_softmax + nll

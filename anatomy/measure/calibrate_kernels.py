@@ -206,7 +206,8 @@ def adamw_case(numel: int, tensors: int = ADAMW_TENSORS):
 # the eager baseline's RMSNorm, its loss after the lm_head (log_softmax over fp32 logits) and SwiGLU's silu and
 # product, each timed as a whole, forward and backward, as the model runs them under amp: session9f's profiled
 # kernels of the baseline rows ran 1.31x (norm forward), 1.17x (norm backward) and 1.16x (loss forward) the
-# copy-roofline model, and session10's MLP backward up to 1.18x.
+# copy-roofline model, and session10c's gpt-oss MLP backward 1.18x (ATen's clamp backward: bool masks, then a
+# where, unvectorized).
 # calculator/fused.py lists their kernels (EAGER_CHAINS); timing reads one rate per chain and width.
 EAGER_CE_VOCABS = (16000, 32000, 64000, 128256)
 EAGER_CE_ROWS = 8192
@@ -214,17 +215,18 @@ EAGER_CE_ROWS = 8192
 
 def eager_case(op: str, width: int, rows: int):
     """The baseline's norm (width = hidden; an fp32 (rows, H) stream), loss tail (width = vocab; bf16
-    logits) or SwiGLU's silu and product (width = intermediate; bf16 gate and up) over `rows`, under bf16
-    autocast: "eager_*.forward" times the forward, "eager_*.backward" the backward of a forward run just
+    logits), SwiGLU's silu and product or gpt-oss's clamps before them (width = intermediate; bf16 gate and
+    up) over `rows`, under bf16 autocast: "eager_*.forward" times the forward, "eager_*.backward" the backward of a forward run just
     before it (untimed), from a random upstream gradient or the loss."""
     def build():
         import torch
         import torch.nn.functional as F
 
         from anatomy.baseline.norm import RMSNorm
+        from anatomy.baseline.swiglu import GPT_OSS_LIMIT
 
-        kind = op.split(".")[0]  # eager_norm, eager_ce or eager_mlp
-        norm, mlp = kind == "eager_norm", kind == "eager_mlp"
+        kind = op.split(".")[0]  # eager_norm, eager_ce, eager_mlp or eager_clamp
+        norm, mlp = kind == "eager_norm", kind in ("eager_mlp", "eager_clamp")
         dt = torch.float32 if norm else torch.bfloat16
 
         def leaf():
@@ -238,6 +240,8 @@ def eager_case(op: str, width: int, rows: int):
 
         def fwd():
             with torch.autocast("cuda", dtype=torch.bfloat16):
+                if kind == "eager_clamp":  # gpt-oss's clamps (anatomy/baseline/swiglu.py): both outputs
+                    return (cur[0][0].clamp(max=GPT_OSS_LIMIT), cur[0][1].clamp(-GPT_OSS_LIMIT, GPT_OSS_LIMIT) + 1)
                 if mlp:
                     return F.silu(cur[0][0]) * cur[0][1]
                 return mod(cur[0]) if norm else F.cross_entropy(cur[0].float(), ts)
@@ -252,6 +256,8 @@ def eager_case(op: str, width: int, rows: int):
             if norm:
                 mod.weight.grad = None  # as after zero_grad(set_to_none=True): no accumulation kernel
             out[0] = fwd()
+        if kind == "eager_clamp":
+            return pre, (lambda: torch.autograd.backward(out[0], (g, g)))
         return pre, (lambda: out[0].backward(g))
     return build
 
@@ -327,7 +333,8 @@ def _fused_cases(T: int = FUSED_TOKENS):
         yield from ((f"eager_norm.{ph}", H, dict(), eager_case(f"eager_norm.{ph}", H, T)) for H in RMS_WIDTHS)
         yield from ((f"eager_ce.{ph}", V, dict(rows=EAGER_CE_ROWS), eager_case(f"eager_ce.{ph}", V, EAGER_CE_ROWS))
                     for V in EAGER_CE_VOCABS)
-        yield from ((f"eager_mlp.{ph}", I, dict(), eager_case(f"eager_mlp.{ph}", I, T)) for I in SWIGLU_WIDTHS)
+        yield from ((f"{ch}.{ph}", I, dict(), eager_case(f"{ch}.{ph}", I, T)) for ch in ("eager_mlp", "eager_clamp")
+                    for I in SWIGLU_WIDTHS)
 
 
 NARROW_TOKENS = 65536  # the seed step's rows: at narrow widths the rate still grows with the row count
