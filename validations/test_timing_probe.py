@@ -144,41 +144,38 @@ def _id(r: dict) -> str:
     return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}-{r['optimizer']}"
 
 
-# Known misses of the ±10% claim on session10 (seed 53, drawn after every change of session 10: out of sample),
-# each strict (a fix turns its XPASS into a failure), with the error measured there, against the profile
-# calibrated in that run at the host speed measured beside each row (probes.predicted: the tiny host step
-# right before and after its unmarked steps). Every miss is a row the host bounds, whose own unmarked steps
-# moved by more than the tolerance within the row (docs/timing.md, "Session 10"):
-_HOST = "host-bound; the host's speed moved within the row: its unmarked steps ran {}"
+# Known misses of the ±10% claim on session10d (seed 67; the last of session 10's four runs, and the only one of
+# the final code: out of sample for every change), each strict (a fix turns its XPASS into a failure), with the
+# error measured there, against the profile calibrated in that run at the host speed measured beside each row
+# (probes.predicted: the tiny host step right before and after its unmarked steps; docs/timing.md, "Session 10").
+_B4 = ("host-bound: Liger's loop runs 32 chunks of 128 rows here, its host cost per chunk calibrated at 16 chunks "
+       "of 8 rows; +8.6, +17.8, +4.5% in session10, 10b, 10c (steps 17.4-18.7 ms here, steady)")
 _MISSES = {
-    ("seed-B4S1024-baseline-adamw", "forward_backward"): (+0.208, _HOST.format("20.0-29.3 ms (halves 20.5, 26.7)")),
-    ("seed-B4S1024-baseline-adamw", "step"): (+0.191, _HOST.format("20.0-29.3 ms (halves 20.5, 26.7)")),
-    ("seed-B4S1024-efficient-adamw", "forward_backward"): (+0.105, _HOST.format("23.4-36.5 ms (halves 24.8, 34.1)")),
-    ("train1-B8S1024-efficient-adamw", "step"): (-0.115, _HOST.format("17.9-25.8 ms")),
-    ("train12-B4S2048-efficient-adamw", "forward_backward"): (+0.118, _HOST.format("19.9-24.6 ms (halves 22.0, 23.9)")),
-    ("train12-B4S2048-efficient-adamw", "step"): (+0.104, _HOST.format("19.9-24.6 ms (halves 22.0, 23.9)")),
-    ("train20-B2S4096-efficient-adamw", "forward_backward"): (-0.227, _HOST.format("16.8-33.8 ms (halves 26.4, 21.9)")),
-    ("train20-B2S4096-efficient-adamw", "step"): (-0.235, _HOST.format("16.8-33.8 ms (halves 26.4, 21.9)")),
-    ("train27-B8S2048-efficient-adamw", "forward_backward"): (-0.181, "host-bound; its steps held at 15.5-17.6 ms, "
-                                                              "its tiny host step moved 12.6 -> 10.2 ms across them"),
-    ("train27-B8S2048-efficient-adamw", "step"): (-0.180, "host-bound; its steps held at 15.5-17.6 ms, its tiny host "
-                                                  "step moved 12.6 -> 10.2 ms across them"),
+    ("seed-B4S1024-efficient-adamw", "forward_backward"): (+0.234, _B4),
+    ("seed-B4S1024-efficient-adamw", "step"): (+0.224, _B4),
 }
 
-# Known misses of the ±15% per-component claim on session10, strict, with the error measured there. All on
-# named small shapes; every drawn training-sized component figure is within.
+# Known misses of the ±15% per-component claim on session10d, strict, with the error measured there: the named
+# small shapes, and five drawn rows of the eager baseline (every drawn efficient figure is within).
 _SMALL = "a small or short-sequence shape under the calibrated sizes (cuDNN S >= 1024, GEMM grid at 16k tokens)"
+_BATT = ("the eager baseline's attention forward at 393216 rows of S = 1024 (train32: its fp32 -> bf16 cast and mask add "
+         "ran 1.40x and 1.35x their rates at calibrate's 32768 rows; strided layout copies under the copy roofline)")
+_BLOSS = ("the lm_head GEMM at vocab 24225 (odd: cuBLAS's align1 kernel; train25: 7.58 ms against 8.86 predicted by "
+          "the misaligned-vocab factor)")
 _COMPONENT_MISSES = {
-    ("seed-B4S1024-efficient-adamw", "attention backward"): (-0.203, _SMALL),
-    ("seed-B4S1024-baseline-adamw", "norm backward"): (+0.255, "the eager norm's 12 backward kernels at 4096 rows of "
+    ("seed-B4S1024-efficient-adamw", "attention backward"): (-0.215, _SMALL),
+    ("seed-B4S1024-baseline-adamw", "norm backward"): (+0.237, "the eager norm's 12 backward kernels at 4096 rows of "
                                                         "512, under the calibrated 16384 rows (flat below them)"),
-    ("train6-B4S2048-baseline-adamw", "mlp backward"): (-0.150, "the eager MLP backward's elementwise kernels, "
-                                                         "uncalibrated, at the copy roofline"),
     ("tiny-gqa-B4S512-efficient-adamw", "norm backward"): (-0.151, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.218, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.465, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.202, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.460, _SMALL),
     ("tiny-gqa-B4S512-efficient-adamw", "embedding backward"): (-0.714, "the embedding backward's sort and segmented "
                                                                  "sum are modelled as 8 evenly loaded launches"),
+    ("train25-B4S2048-baseline-adamw", "loss forward"): (+0.153, _BLOSS),
+    ("train26-B4S2048-baseline-adamw", "loss forward"): (+0.152, _BLOSS),
+    ("train32-B16S1024-baseline-adamw", "attention forward"): (-0.160, _BATT),
+    ("train33-B16S1024-baseline-adamw", "attention forward"): (-0.155, _BATT),
+    ("train35-B16S1024-baseline-adamw", "attention forward"): (-0.163, _BATT),
 }
 
 

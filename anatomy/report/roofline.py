@@ -34,6 +34,13 @@ ELEMENTWISE_FLOPS = {
     # div), its backward (g·y, the row sum, subtract, multiply)
     "sxs.scale": 1, "sxs.mask_add": 1, "sxs.float": 1, "sxs.to_compute": 1, "sxs.softmax": 5,
     "sxs.softmax.backward": 4,
+    # the baseline's eager chains, per element of their (rows, width): the norm as ours; log_softmax (max, sub,
+    # exp, sum, log) and its backward (exp, subtract the one-hot, scale); silu and the product, their backward;
+    # gpt-oss's clamps (two, and the +1) and their masks, logical_and and where
+    "eager_norm.forward": 4, "eager_norm.backward": 11, "eager_ce.forward": 5, "eager_ce.backward": 3,
+    "eager_mlp.forward": 5, "eager_mlp.backward": 8, "eager_clamp.forward": 3, "eager_clamp.backward": 6,
+    # torch's fused AdamW per parameter element: both moments (7), the denominator (2), the update (3), decay (2)
+    "optimizer.adamw": 14,
 }
 
 
@@ -70,7 +77,9 @@ def points(profile: dict) -> list[dict]:
         nbytes = sum(fused_bytes(op, W, T)) + (sum(dw_sum_bytes(W)) if op == "rms_norm.backward" else 0)
         out.append(dict(kind="Liger CE kernel" if op == "liger_ce" else
                         "residual add (ATen)" if op == "residual_add" else
-                        "baseline S x S chain (ATen)" if op.startswith("sxs.") else "our fused kernels",
+                        "baseline S x S chain (ATen)" if op.startswith("sxs.") else
+                        "baseline eager chains (ATen)" if op.startswith("eager_") else
+                        "fused AdamW (torch)" if op.startswith("optimizer.") else "our fused kernels",
                         label=f"{op} {T}x{W}", flops=ELEMENTWISE_FLOPS[op] * T * W, bytes=nbytes,
                         seconds=r["ms"] * 1e-3))
     return out
@@ -115,7 +124,7 @@ def plot(profile_path: Path, png: Path) -> None:
     ridge = peak / bw
     ax.plot([lo, ridge, hi], [bw * lo / 1e12, peak / 1e12, peak / 1e12], "k-", lw=1.2,
             label=f"roof: copy {bw / 1e12:.2f} TB/s, GEMM {peak / 1e12:.0f} TFLOP/s")
-    markers = iter("o^sDv<>phx*+")
+    markers = iter("o^sDv<>phx*+PXd8H1")
     for kind in dict.fromkeys(p["kind"] for p in pts):
         mine = [p for p in pts if p["kind"] == kind]
         ax.scatter([p["flops"] / p["bytes"] for p in mine], [p["flops"] / p["seconds"] / 1e12 for p in mine],
