@@ -4,6 +4,8 @@
 # left of the run's budget; results land in $OUT/results.tar.gz, re-packed after every part, so a run
 # cut short still returns what it made. docs/h200-notes.md says what each part settles.
 #   run (device tool): python3 -m pip install ... .whl/*.whl && OUT=$OUT bash scripts/h200_next.sh
+# The working tree is over the device tool's 64 MiB with reports/ (session 10 on); these parts need none of it,
+# so leave it out of the copy first: git sparse-checkout set --no-cone '/*' '!/reports/' (after: disable).
 set -uo pipefail
 OUT=${OUT:-.anatomy/h200-next}
 R=$OUT/r; mkdir -p "$R"; export R
