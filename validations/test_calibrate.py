@@ -344,10 +344,10 @@ def test_at_host_speed_scales_every_host_figure_and_no_gpu_figure():
 
 def test_baseline_eager_chains_take_their_calibrated_rates():
     """Fake timings (not a measurement) of the baseline's norm, loss tail, SwiGLU and gpt-oss clamps, each
-    chain as a whole at its own fraction of the copy bandwidth plus one launch per kernel: at a calibrated width and row count
-    every kernel of the chain takes exactly its bytes at that fraction, the fp32 policy (not calibrated)
-    keeps the copy roofline, gpt-oss's clamps take their own chain's rate, and the efficient model does not
-    change."""
+    chain as a whole at its own fraction of the copy bandwidth plus one launch per kernel: at a calibrated
+    width and row count every kernel of the chain takes exactly its bytes at that fraction, the fp32 policy
+    (not calibrated) keeps the copy roofline, gpt-oss's clamps take their own chain's rate, and the
+    efficient model does not change."""
     from anatomy.calculator.fused import EAGER_CHAINS, fused_bytes
     from anatomy.measure.calibrate_kernels import (EAGER_CE_ROWS, EAGER_CE_VOCABS, FUSED_TOKENS, RMS_WIDTHS,
                                                    SWIGLU_WIDTHS)

@@ -1,7 +1,7 @@
 """Minimal HBM bytes of the kernels `anatomy calibrate` times per width (our fused ops, the residual add,
-Liger's CE kernel, torch's fused AdamW, the baseline's eager norm and loss chains), and the shapes they
-depend on. Pure Python: calibrate's timings become bandwidth
-efficiencies through the same formulas (timing.fused_efficiency), and launches.py lists the kernels.
+Liger's CE kernel, torch's fused AdamW, the baseline's eager norm, loss, SwiGLU and clamp chains), and the
+shapes they depend on. Pure Python: calibrate's timings become bandwidth efficiencies through the same
+formulas (timing.fused_efficiency), and launches.py lists the kernels.
 """
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tup
     """(read, write) minimal HBM bytes of one call of an op calibrate times per width (our fused ops,
     the residual add, Liger's CE kernel) over `tokens` rows of `width`: hidden for rms_norm and the
     residual add, intermediate for swiglu, (heads + 2 kv_heads) x head_dim for rope_qkv, vocab for
-    Liger's CE, the elements of one tensor for an optimizer (T tensors), hidden or vocab for the
-    baseline's eager chains (EAGER_CHAINS). c is the compute dtype's size, r the residual stream's. The same formulas turn
-    calibrate's timings of these ops into bandwidth efficiencies (timing.fused_efficiency)."""
+    Liger's CE, the elements of one tensor for an optimizer (T tensors), hidden, vocab or intermediate for
+    the baseline's eager chains (EAGER_CHAINS). c is the compute dtype's size, r the residual stream's. The
+    same formulas turn calibrate's timings of these ops into bandwidth efficiencies (timing.fused_efficiency)."""
     T, W = tokens, width
     if op in EAGER_CHAINS:  # a chain of eager kernels: their bytes summed
         ops = EAGER_CHAINS[op](T, W, c, r)

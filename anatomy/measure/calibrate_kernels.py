@@ -216,8 +216,8 @@ EAGER_CE_ROWS = 8192
 def eager_case(op: str, width: int, rows: int):
     """The baseline's norm (width = hidden; an fp32 (rows, H) stream), loss tail (width = vocab; bf16
     logits), SwiGLU's silu and product or gpt-oss's clamps before them (width = intermediate; bf16 gate and
-    up) over `rows`, under bf16 autocast: "eager_*.forward" times the forward, "eager_*.backward" the backward of a forward run just
-    before it (untimed), from a random upstream gradient or the loss."""
+    up) over `rows`, under bf16 autocast: "eager_*.forward" times the forward, "eager_*.backward" the
+    backward of a forward run just before it (untimed), from a random upstream gradient or the loss."""
     def build():
         import torch
         import torch.nn.functional as F
