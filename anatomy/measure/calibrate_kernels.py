@@ -207,8 +207,7 @@ def adamw_case(numel: int, tensors: int = ADAMW_TENSORS):
 # product, each timed as a whole, forward and backward, as the model runs them under amp: session9f's profiled
 # kernels of the baseline rows ran 1.31x (norm forward), 1.17x (norm backward) and 1.16x (loss forward) the
 # copy-roofline model, and session10c's gpt-oss MLP backward 1.18x (ATen's clamp backward: bool masks, then a
-# where, unvectorized).
-# calculator/fused.py lists their kernels (EAGER_CHAINS); timing reads one rate per chain and width.
+# where, unvectorized). calculator/fused.py lists their kernels (EAGER_CHAINS); timing reads a rate per width.
 EAGER_CE_VOCABS = (16000, 32000, 64000, 128256)
 EAGER_CE_ROWS = 8192
 
