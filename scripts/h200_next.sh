@@ -53,6 +53,8 @@ part host-parts 180 python3 scripts/probe_host_parts.py --out "$R/host_parts.jso
 # (issue 5) each probe_timing process also times calibrate's tiny host step before and after its rows (~6 s),
 # and (session 10) beside each row, with up to 24 unmarked steps a short row: ~0.5 s a row more
 part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 90
+# session 11 (issue 5): host time against depth and Liger's chunk count, tiny and seed-sized, in one process
+part host-depth 120 python3 scripts/probe_host_depth.py --out "$R/host_depth.json"
 part probe-timing 85 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
 part probe-timing-training 290 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \
   --strategy training --out "$R/probe_timing_training.json"

@@ -148,6 +148,10 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
                       (B, nh, S, hd), "bfloat16", sdpa_backend))
     o.k.append(Kernel("attention.sdpa.backward", "attention", "backward", "sdpa", L, 5 * F // 2,
                       2 * io + 2 * T * H * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend))
+    if cfg.kv_heads < nh and sdpa_backend == "cudnn":
+        # under GQA cuDNN's backward writes dK, dV per query head in fp32 and sums each group after
+        # (fmha_reduce_head in the H200 traces): read 2 (T, H) fp32, write 2 (T, Hkv) in the compute dtype
+        o.mem("attention.sdpa.gqa_reduce", "attention", "backward", 2 * T * H * 4, 2 * T * Hkv * c, L, host=None)
     o.linear("attention.o", "attention", H, H, L)  # its input is a view of SDPA's output: no copy
     recompute = run.recompute == "mlp"
     _residual(o, "attention", L, "mlp" if recompute else "other")
