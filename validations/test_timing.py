@@ -345,3 +345,20 @@ def test_step_time_within_10pct_gpu(case, claims, cuda_device):
                  unit="ms", note=f"profile {profile}; steps {min(times):.1f}-{max(times):.1f} ms; tiny host step "
                                  f"{refs[0]:.2f}, {refs[1]:.2f} ms here")
     assert math.isfinite(measured)
+
+
+def test_gqa_backward_reduces_heads_under_cudnn_only():
+    """Under GQA, cuDNN's SDPA backward writes dK and dV per query head in fp32 and sums each group
+    after (fmha_reduce_head in every GQA row's H200 trace, session 11): one memory kernel per layer,
+    under cuDNN only, and none without GQA."""
+    from anatomy.calculator.launches import efficient_kernels
+
+    cfg = ModelConfig(name="gqa", hidden=1024, layers=2, heads=16, kv_heads=4, intermediate=2816, vocab=8192)
+    run = Run(2, 1024, "amp")
+    found = {b: [k for k in efficient_kernels(cfg, run, b) if k.name == "attention.sdpa.gqa_reduce"]
+             for b in ("cudnn", "flash")}
+    (k,) = found["cudnn"]
+    assert not found["flash"]
+    assert (k.count, k.phase, k.bytes) == (cfg.layers, "backward", 2 * run.tokens * cfg.hidden * 4 + 2 * run.tokens * cfg.kv_dim * 2)
+    mha = ModelConfig(name="mha", hidden=1024, layers=2, heads=16, kv_heads=16, intermediate=2816, vocab=8192)
+    assert not [k for k in efficient_kernels(mha, run) if k.name == "attention.sdpa.gqa_reduce"]

@@ -251,14 +251,3 @@ def interconnect(name: str) -> dict | None:
     key = get(name)["name"].removesuffix("-measured")
     key = {"a100-40gb-sxm": "a100-sxm", "a100-80gb-sxm": "a100-sxm"}.get(key, key)
     return GPU_PROFILES.get(key)
-
-
-def log_interp(pts: list[tuple[float, float]], x: float) -> float:
-    """Piecewise linear through (x, y) points (x a log), flat beyond the first and last."""
-    pts = sorted(pts)
-    if x <= pts[0][0]:
-        return pts[0][1]
-    for (x0, e0), (x1, e1) in zip(pts, pts[1:]):
-        if x <= x1:
-            return e0 + (e1 - e0) * (x - x0) / (x1 - x0) if x1 > x0 else e1
-    return pts[-1][1]

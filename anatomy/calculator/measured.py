@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from anatomy.calculator.gpus import (_check, alignment_class, attention_wave_efficiency, causal_attention_flops,
-                                     get, log_interp, matmul_efficiency)
+                                     get, matmul_efficiency)
 from anatomy.config import ConfigError
 
 
@@ -181,51 +181,17 @@ def from_measured(data: dict) -> dict:
 
 
 def attention_table(rows: list[dict], sms: int) -> dict:
-    """{backend: {head_dim: {fwd, fwd_bwd, seq, fixed_s}}}: FLOP/s at a full wave, causal convention
-    (fwd+bwd counts 3.5x the forward, as ANCHORS.md does), from measured {backend, B, heads, S, hd,
-    fwd_ms, fwd_bwd_ms}; per sequence length under "seq" where calibrate measured several.
-
-    Rows with grid "small" (one or two waves) give fixed_s: {fwd, fwd_bwd} seconds a call costs beyond
-    its FLOPs at the full-wave rate of its length (cuDNN's backward runs three small kernels around its
-    main one, and a short grid ends on a ragged causal tail), and the full-wave rates are net of it:
-    time = fixed_s + FLOPs / (rate x wave efficiency) then holds at both grids (solved by iteration;
-    exact where the small grid's length was measured at a full wave too). Without such a row fixed_s
-    is 0 and the rates are gross, as before session 11."""
-    full = sorted((r for r in rows if r.get("grid") != "small"), key=lambda r: r["S"])
-    small = [r for r in rows if r.get("grid") == "small"]
-
-    def cost(r: dict) -> tuple[float, float]:  # (FLOPs of the forward at a full wave's efficiency, its wave efficiency)
-        return causal_attention_flops(r["B"], r["heads"], r["S"], r["hd"]), attention_wave_efficiency(r["B"], r["heads"], r["S"], sms)
-
-    fixed: dict = {}
-    for _ in range(1 + 8 * bool(small)):
-        out: dict = {}
-        for r in full:
-            f, eff = cost(r)
-            fx = fixed.get((r["backend"], r["hd"]), {})
-            rates = {k: m * f / (r[f"{k}_ms"] * 1e-3 - fx.get(k, 0.0)) / eff for k, m in (("fwd", 1.0), ("fwd_bwd", 3.5))}
-            e = out.setdefault(r["backend"], {}).setdefault(str(r["hd"]), {})
-            e.update(rates)  # the longest sequence measured: a full wave's rate
-            e.setdefault("seq", {})[str(r["S"])] = rates  # and every length, when calibrate measured several
-        for r in small:
-            e = (out.get(r["backend"]) or {}).get(str(r["hd"]))
-            if e:  # (a head dim with no full-wave row has nothing to measure the excess against)
-                (f, eff), at = cost(r), seq_rates(e, r["S"])
-                fixed[(r["backend"], r["hd"])] = {k: max(0.0, r[f"{k}_ms"] * 1e-3 - m * f / (at[k] * eff))
-                                                  for k, m in (("fwd", 1.0), ("fwd_bwd", 3.5))}
-    for (backend, hd), fx in fixed.items():
-        out[backend][str(hd)]["fixed_s"] = fx
+    """{backend: {head_dim: {fwd, fwd_bwd}}}: FLOP/s at a full wave, causal convention (fwd+bwd counts
+    3.5x the forward, as ANCHORS.md does), from measured {backend, B, heads, S, hd, fwd_ms, fwd_bwd_ms}."""
+    out: dict = {}
+    for r in sorted(rows, key=lambda r: r["S"]):
+        f = causal_attention_flops(r["B"], r["heads"], r["S"], r["hd"])
+        eff = attention_wave_efficiency(r["B"], r["heads"], r["S"], sms)
+        rates = dict(fwd=f / (r["fwd_ms"] * 1e-3) / eff, fwd_bwd=3.5 * f / (r["fwd_bwd_ms"] * 1e-3) / eff)
+        e = out.setdefault(r["backend"], {}).setdefault(str(r["hd"]), {})
+        e.update(rates)  # the longest sequence measured: a full wave's rate
+        e.setdefault("seq", {})[str(r["S"])] = rates  # and every length, when calibrate measured several
     return out
-
-
-def seq_rates(e: dict, seq: int) -> dict:
-    """{fwd, fwd_bwd} FLOP/s of an attention_table entry at `seq`: piecewise linear in log(S) between
-    the measured lengths, flat beyond (a shorter sequence gives each query block fewer key blocks to
-    amortise its prologue and epilogue over)."""
-    by_seq = e.get("seq") or {}
-    if len(by_seq) < 2:
-        return {k: e[k] for k in ("fwd", "fwd_bwd")}
-    return {k: log_interp([(math.log(int(s)), v[k]) for s, v in by_seq.items()], math.log(seq)) for k in ("fwd", "fwd_bwd")}
 
 
 def write_atomic(path: str | Path, data: dict) -> Path:

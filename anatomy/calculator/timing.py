@@ -42,8 +42,6 @@ from types import SimpleNamespace
 
 from anatomy.calculator import estimate
 from anatomy.calculator import gpus, pipeline
-from anatomy.calculator.gpus import log_interp
-from anatomy.calculator.measured import seq_rates
 from anatomy.calculator.fused import dw_sum_bytes, fused_bytes, fused_launches, liger_ce_width
 from anatomy.calculator.launches import (SDPA_BACKENDS, VARIANTS, Kernel, baseline_kernels,  # noqa: F401
                                          efficient_kernels, kernels, liger_chunk_rows, optimizer_kernels, param_sizes,
@@ -69,23 +67,15 @@ def _sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | N
                           f"({', '.join(table)})")
     hds = table[backend]
     key = str(head_dim) if str(head_dim) in hds else min(hds, key=lambda h: abs(int(h) - head_dim))
-    r = seq_rates(hds[key], seq) if seq is not None else hds[key]
-    f, fb = r["fwd"], r["fwd_bwd"]
+    f, fb = hds[key]["fwd"], hds[key]["fwd_bwd"]
+    by_seq = hds[key].get("seq") or {}
+    if seq is not None and len(by_seq) > 1:
+        f, fb = (_log_interp([(math.log(int(s_)), v[k]) for s_, v in by_seq.items()], math.log(seq))
+                 for k in ("fwd", "fwd_bwd"))
     note = f"{backend} hd{key}" + ("" if key == str(head_dim) else f" (nearest measured to hd{head_dim})")
     if phase == "forward":
         return f, note
     return 2.5 / (3.5 / fb - 1 / f), note  # backward = the fwd+bwd time minus the forward time
-
-
-def _sdpa_fixed(prof: dict, backend: str, head_dim: int, phase: str) -> float:
-    """Seconds an SDPA call costs beyond its FLOPs at the full-wave rate (measured.attention_table's
-    fixed_s, from calibrate's one- and two-wave grids; the nearest head dim measured; 0 without)."""
-    hds = (prof.get("attention") or {}).get(backend) or {}
-    with_fixed = {h: e["fixed_s"] for h, e in hds.items() if "fixed_s" in e}
-    if not with_fixed:
-        return 0.0
-    fx = with_fixed[min(with_fixed, key=lambda h: abs(int(h) - head_dim))]
-    return fx["fwd"] if phase == "forward" else max(0.0, fx["fwd_bwd"] - fx["fwd"])
 
 
 def time_kernel(kern: Kernel, prof: dict) -> dict:
@@ -105,8 +95,6 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
         rate *= gpus.attention_wave_efficiency(B, nh, S, prof["sms"]) if prof["attention"] else 1.0
     if rate:
         t_c = kern.flops / rate
-    if kern.kind == "sdpa":
-        t_c += _sdpa_fixed(prof, kern.backend, hd, kern.phase)
     eff = fused_efficiency(prof, *kern.fused) if kern.fused else 1.0
     if kern.accumulate:  # its epilogue streams the fp32 accumulator below copy bandwidth (measured.accumulate_bandwidth)
         eff = prof.get("matmul_accumulate_bw", 1.0)
@@ -150,8 +138,19 @@ def fused_efficiency(prof: dict, op: str, width: int, rows: int | None = None) -
                                                         nbytes / prof["hbm_Bps"] / busy * per_lane(r["width"])))
     if not by_rows:
         return 1.0
-    at = [(math.log(t), log_interp(pts, math.log(x(width)))) for t, pts in by_rows.items()]
-    return (log_interp(at, math.log(rows)) if rows else max(at)[1]) / per_lane(width)
+    at = [(math.log(t), _log_interp(pts, math.log(x(width)))) for t, pts in by_rows.items()]
+    return (_log_interp(at, math.log(rows)) if rows else max(at)[1]) / per_lane(width)
+
+
+def _log_interp(pts: list[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through (x, y) points (x a log), flat beyond the first and last."""
+    pts = sorted(pts)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, e0), (x1, e1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return e0 + (e1 - e0) * (x - x0) / (x1 - x0) if x1 > x0 else e1
+    return pts[-1][1]
 
 
 def host_seconds(kern: Kernel, prof: dict) -> float:

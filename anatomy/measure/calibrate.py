@@ -17,8 +17,7 @@ timing reuses one L2-resident input):
                   leaves its fastest kernels for it. The profile keeps the slowdown per case.
   attention       causal SDPA fwd and fwd+bwd per backend (cudnn, flash, memory-efficient) at head
                   dim 64 (B=16, 8 heads, S=4096: the seed) and 128 (B=4, 16 heads: anchor-1b); cuDNN
-                  also at S = 1024 and 2048 (same tokens), at hd 32, and on grids of one or two waves
-                  (SMALL_SHAPES, GPU time queued behind a sleep): the per-call cost beyond the FLOPs
+                  also at S = 1024 and 2048 (same tokens)
   copy_tbps       a 2 GiB device copy, bytes read + written
   launch_us       GPU time per tiny kernel on a full queue (queued behind a long kernel: no host cost)
   kernel_gap      the idle time between two dependent kernels of real size (a profiled GEMM/copy chain;
@@ -51,17 +50,13 @@ from pathlib import Path
 from anatomy.calculator import gpus, measured
 from anatomy.config import PRESETS
 from anatomy.measure.calibrate_host import measure_host, measure_host_step
-from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap, queued_ms
+from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
 
 GRID_PRESETS = ("seed", "anchor-1b", "llama2-7b")
 GRID_TOKENS = 16384
 ATTENTION_SHAPES = ((16, 8, 4096, 64), (4, 16, 4096, 128))  # (B, heads, S, head_dim)
 # the default backend again at shorter sequences, the same tokens: its rate falls with S
-SEQ_SHAPES = ((64, 8, 1024, 64), (32, 8, 2048, 64), (16, 16, 1024, 128), (8, 16, 2048, 128), (64, 8, 1024, 32),
-              (128, 8, 512, 32))
-# and on grids of one or two waves: what a call costs beyond its FLOPs at a full wave's rate (cuDNN's
-# backward runs three small kernels around its main one; a short grid ends on a ragged causal tail)
-SMALL_SHAPES = ((2, 16, 1024, 64), (2, 8, 512, 32), (1, 16, 2048, 128))
+SEQ_SHAPES = ((64, 8, 1024, 64), (32, 8, 2048, 64), (16, 16, 1024, 128), (8, 16, 2048, 128))
 BACKENDS = ("cudnn", "flash", "memory-efficient")
 L2_ROTATE_BYTES = 256 * 2**20  # rotate enough operand sets to exceed the L2 (50-60 MB) several times
 
@@ -215,7 +210,7 @@ def measure_attention(deadline: float) -> tuple[list[dict], list[str]]:
     kinds = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
              "memory-efficient": SDPBackend.EFFICIENT_ATTENTION}
     rows, skipped = [], []
-    for B, nh, S, hd in ATTENTION_SHAPES + SEQ_SHAPES + SMALL_SHAPES:
+    for B, nh, S, hd in ATTENTION_SHAPES + SEQ_SHAPES:
         q, k, v = (torch.randn(B, nh, S, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         g = torch.randn(B, nh, S, hd, device="cuda", dtype=torch.bfloat16)
@@ -226,17 +221,13 @@ def measure_attention(deadline: float) -> tuple[list[dict], list[str]]:
             try:
                 with sdpa_kernel([kinds[name]]):
                     fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+                    fwd_ms = _median_ms(fwd, batches=5, per_batch=5)
                     # autograd.grad, not .backward: no accumulation kernels into q.grad, k.grad, v.grad
-                    fb = lambda: torch.autograd.grad(fwd(), (q, k, v), g)  # noqa: E731
-                    if (B, nh, S, hd) in SMALL_SHAPES:  # µs of GPU work: queued, so the host never shows
-                        fwd_ms, fb_ms = queued_ms(fwd)[0], queued_ms(fb)[0]
-                    else:
-                        fwd_ms, fb_ms = _median_ms(fwd, batches=5, per_batch=5), _median_ms(fb, batches=5, per_batch=5)
+                    fb_ms = _median_ms(lambda: torch.autograd.grad(fwd(), (q, k, v), g), batches=5, per_batch=5)
             except RuntimeError as e:  # this backend does not run this shape/dtype here
                 skipped.append(f"{name} hd{hd}: {str(e).splitlines()[0][:120]}")
                 continue
-            rows.append(dict(backend=name, B=B, heads=nh, S=S, hd=hd, causal=True, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
-                             **({"grid": "small"} if (B, nh, S, hd) in SMALL_SHAPES else {})))
+            rows.append(dict(backend=name, B=B, heads=nh, S=S, hd=hd, causal=True, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms))
     return rows, skipped
 
 

@@ -337,24 +337,19 @@ def _fused_cases(T: int = FUSED_TOKENS):
 
 
 NARROW_TOKENS = 65536  # the seed step's rows: at narrow widths the rate still grows with the row count
-# a small step's rows (B4 S512): there a kernel is mostly its ramp and tail, and an eager chain's
-# intermediates stay in the L2 (session 11: seed B4 S1024's eager norm backward ran 0.81x its model)
-SMALL_TOKENS = 2048
 
 
 def measure_fused(deadline: float, tokens: int = FUSED_TOKENS) -> list[dict]:
     """GPU ms per call of each op (forward and backward) at `tokens` rows and several widths, and of
-    the narrow widths (<= 2048; Liger's CE excepted) again at NARROW_TOKENS and SMALL_TOKENS rows."""
+    the narrow widths (<= 2048; Liger's CE excepted) again at NARROW_TOKENS rows."""
     import torch
 
     import anatomy.kernels  # noqa: F401 - registers torch.ops.anatomy
 
-    def narrow(c):
-        return c[1] <= 2048 and c[0] != "liger_ce" and not c[0].startswith(("sxs.", "optimizer.", "eager_ce"))
-
     rows = []
     cases = [(tokens, c) for c in _fused_cases(tokens)]
-    cases += [(T, c) for T in (NARROW_TOKENS, SMALL_TOKENS) for c in _fused_cases(T) if narrow(c)]
+    cases += [(NARROW_TOKENS, c) for c in _fused_cases(NARROW_TOKENS)
+              if c[1] <= 2048 and c[0] != "liger_ce" and not c[0].startswith(("sxs.", "optimizer.", "eager_ce"))]
     for T, (op, width, extra, build) in cases:
         if time.monotonic() > deadline:
             break
