@@ -55,6 +55,8 @@ part host-parts 180 python3 scripts/probe_host_parts.py --out "$R/host_parts.jso
 part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 90
 # session 11 (issue 5): host time against depth and Liger's chunk count, tiny and seed-sized, in one process
 part host-depth 120 python3 scripts/probe_host_depth.py --out "$R/host_depth.json"
+# (issue 5) the baseline's S x S ops as calibrate times them, after GEMMs, and inside their chain
+part sxs-conditions 60 python3 scripts/probe_sxs_conditions.py --out "$R/sxs_conditions.json"
 part probe-timing 85 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
 part probe-timing-training 290 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \
   --strategy training --out "$R/probe_timing_training.json"
