@@ -144,38 +144,53 @@ def _id(r: dict) -> str:
     return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}-{r['optimizer']}"
 
 
-# Known misses of the ±10% claim on session10d (seed 67; the last of session 10's four runs, and the only one of
-# the final code: out of sample for every change), each strict (a fix turns its XPASS into a failure), with the
-# error measured there, against the profile calibrated in that run at the host speed measured beside each row
-# (probes.predicted: the tiny host step right before and after its unmarked steps; docs/timing.md, "Session 10").
-_B4 = ("host-bound: Liger's loop runs 32 chunks of 128 rows here, its host cost per chunk calibrated at 16 chunks "
-       "of 8 rows; +8.6, +17.8, +4.5% in session10, 10b, 10c (steps 17.4-18.7 ms here, steady)")
+# Known misses of the ±10% claim on session11c (seed 79; the final code, out of sample for every change), each
+# strict (a fix turns its XPASS into a failure), with the error measured there, against the profile calibrated in
+# that run at the host speed measured beside each row (probes.predicted: the tiny host step right before and after
+# its unmarked steps; docs/timing.md, "Session 10" and "Session 11"). Every one is a row the host bounds, or
+# nearly; the same rows land inside in other runs (session10d: 8 of 9 named, 80 of 80 drawn).
+_HOST = ("host-bound; the host's own noise: host time swings +-20% between blocks of one process, uncorrelated with the "
+         "tiny reference step (session11 host_depth.json); the reference here ")
 _MISSES = {
-    ("seed-B4S1024-efficient-adamw", "forward_backward"): (+0.234, _B4),
-    ("seed-B4S1024-efficient-adamw", "step"): (+0.224, _B4),
+    ("seed-B4S1024-efficient-adamw", "forward_backward"): (-0.103, _HOST + "13.8 then 12.0 ms; +23.4% in session10d"),
+    ("seed-B4S1024-efficient-adamw", "step"): (-0.109, _HOST + "13.8 then 12.0 ms; +22.4% in session10d"),
+    ("tiny-gqa-B4S512-efficient-adamw", "forward_backward"): (-0.101, _HOST + "11.3 then 12.2 ms; -3.8% in session10d"),
+    ("tiny-gqa-B4S512-efficient-adamw", "step"): (-0.127, _HOST + "11.3 then 12.2 ms"),
+    ("train0-B8S1024-efficient-adamw", "forward_backward"): (-0.176, _HOST + "10.9 then 9.8 ms"),
+    ("train0-B8S1024-efficient-adamw", "step"): (-0.185, _HOST + "10.9 then 9.8 ms"),
+    ("train11-B8S1024-efficient-adamw", "forward_backward"): (+0.170, _HOST + "9.0 then 8.2 ms"),
+    ("train11-B8S1024-efficient-adamw", "step"): (+0.138, _HOST + "9.0 then 8.2 ms"),
+    ("train11-B8S1024-baseline-adamw", "forward_backward"): (-0.105, _HOST + "9.9 then 11.9 ms"),
+    ("train13-B8S1024-baseline-adamw", "forward_backward"): (-0.105, _HOST + "10.1 then 10.1 ms"),
+    ("train20-B4S2048-efficient-adamw", "forward_backward"): (-0.109, _HOST + "12.7 then 8.0 ms"),
+    ("train20-B4S2048-efficient-adamw", "step"): (-0.100, _HOST + "12.7 then 8.0 ms"),
+    ("train27-B4S2048-efficient-adamw", "forward_backward"): (+0.136, _HOST + "10.6 then 8.2 ms"),
+    ("train27-B4S2048-efficient-adamw", "step"): (+0.128, _HOST + "10.6 then 8.2 ms"),
 }
 
-# Known misses of the ±15% per-component claim on session10d, strict, with the error measured there: the named
-# small shapes, and five drawn rows of the eager baseline (every drawn efficient figure is within).
+# Known misses of the ±15% per-component claim on session11c, strict, with the error measured there: the named
+# small shapes, and the drawn eager-baseline rows at B8 S1024 (every drawn efficient figure is within).
 _SMALL = "a small or short-sequence shape under the calibrated sizes (cuDNN S >= 1024, GEMM grid at 16k tokens)"
-_BATT = ("the eager baseline's attention forward at 393216 rows of S = 1024 (train32: its fp32 -> bf16 cast and mask add "
-         "ran 1.40x and 1.35x their rates at calibrate's 32768 rows; strided layout copies under the copy roofline)")
-_BLOSS = ("the lm_head GEMM at vocab 24225 (odd: cuBLAS's align1 kernel; train25: 7.58 ms against 8.86 predicted by "
-          "the misaligned-vocab factor)")
+_BATT = ("the eager baseline's S x S attention at B8 S1024 (65536-131072 rows): calibrate's per-op rates hold idle, "
+         "after GEMMs and inside the chain (session11-sxs: 0.93-1.01x), so the gap is elsewhere in the component; "
+         "-16% at 393216 rows in session10d")
 _COMPONENT_MISSES = {
-    ("seed-B4S1024-efficient-adamw", "attention backward"): (-0.215, _SMALL),
-    ("seed-B4S1024-baseline-adamw", "norm backward"): (+0.237, "the eager norm's 12 backward kernels at 4096 rows of "
+    ("seed-B4S1024-efficient-adamw", "attention backward"): (-0.204, _SMALL),
+    ("seed-B4S1024-baseline-adamw", "norm backward"): (+0.254, "the eager norm's 12 backward kernels at 4096 rows of "
                                                         "512, under the calibrated 16384 rows (flat below them)"),
-    ("tiny-gqa-B4S512-efficient-adamw", "norm backward"): (-0.151, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.202, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.460, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "embedding backward"): (-0.714, "the embedding backward's sort and segmented "
+    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.178, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.391, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "embedding backward"): (-0.705, "the embedding backward's sort and segmented "
                                                                  "sum are modelled as 8 evenly loaded launches"),
-    ("train25-B4S2048-baseline-adamw", "loss forward"): (+0.153, _BLOSS),
-    ("train26-B4S2048-baseline-adamw", "loss forward"): (+0.152, _BLOSS),
-    ("train32-B16S1024-baseline-adamw", "attention forward"): (-0.160, _BATT),
-    ("train33-B16S1024-baseline-adamw", "attention forward"): (-0.155, _BATT),
-    ("train35-B16S1024-baseline-adamw", "attention forward"): (-0.163, _BATT),
+    ("train9-B8S1024-baseline-adamw", "attention forward"): (-0.161, _BATT),
+    ("train10-B8S1024-baseline-adamw", "attention forward"): (-0.171, _BATT),
+    ("train10-B8S1024-baseline-adamw", "attention backward"): (-0.157, _BATT),
+    ("train11-B8S1024-baseline-adamw", "attention forward"): (-0.172, _BATT),
+    ("train11-B8S1024-baseline-adamw", "attention backward"): (-0.158, _BATT),
+    ("train12-B8S1024-baseline-adamw", "attention forward"): (-0.166, _BATT),
+    ("train12-B8S1024-baseline-adamw", "attention backward"): (-0.159, _BATT),
+    ("train13-B8S1024-baseline-adamw", "attention forward"): (-0.167, _BATT),
+    ("train13-B8S1024-baseline-adamw", "attention backward"): (-0.158, _BATT),
 }
 
 
