@@ -57,6 +57,8 @@ part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budge
 part host-depth 120 python3 scripts/probe_host_depth.py --out "$R/host_depth.json"
 # (issue 5) the baseline's S x S ops as calibrate times them, after GEMMs, and inside their chain
 part sxs-conditions 60 python3 scripts/probe_sxs_conditions.py --out "$R/sxs_conditions.json"
+# (issue 5) cuDNN SDPA and a GEMM in bursts (calibrate's way), sustained and after GEMMs, with clocks
+part sdpa-power 60 python3 scripts/probe_sdpa_power.py --out "$R/sdpa_power.json"
 part probe-timing 85 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
 part probe-timing-training 290 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \
   --strategy training --out "$R/probe_timing_training.json"
