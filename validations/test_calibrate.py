@@ -382,3 +382,26 @@ def test_baseline_eager_chains_take_their_calibrated_rates():
     assert f32[0] == f32[1]
     e = [timing.estimate_time(c_, run, "efficient", q, optimizer=None)["gpu_s"] for q in (p, p0) for c_ in (cfg, oss)]
     assert e[:2] == e[2:]
+
+
+def test_embedding_backward_rate_is_calibrated_apart_from_its_zero_fill():
+    """Fake embedding_dense_backward timings (not a measurement): the (V, H) fill at the copy rate, then the
+    rest at 12% of it up to 3072 ids (the feature kernel) and 30% past (sort + segmented sum). At other
+    vocabs, the model's fill follows V and the rest keeps its calibrated rate, per row count."""
+    from anatomy.calculator.fused import fused_bytes, fused_launches
+    from anatomy.measure.calibrate_kernels import EMBEDDING_ROWS, EMBEDDING_VOCAB, EMBEDDING_WIDTHS
+
+    hbm, launch = 4.0e12, 2.2e-6
+    eff = lambda T: 0.12 if T <= 3072 else 0.30  # noqa: E731
+    law = lambda H, T: sum(fused_bytes("embedding.backward", H, T)) / hbm / eff(T)  # noqa: E731
+    fused = [dict(op="embedding.backward", tokens=T, width=H, vocab=EMBEDDING_VOCAB, queued=True,
+                  ms=(EMBEDDING_VOCAB * H * 4 / hbm + launch + fused_launches("embedding.backward", H, T) * launch
+                      + law(H, T)) * 1e3) for T in EMBEDDING_ROWS for H in EMBEDDING_WIDTHS]
+    p = measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), fused=fused, copy_tbps=hbm / 1e12),
+                                                       dict(date="fake"), "h200-sxm"))
+    for T, H, V in ((2048, 1024, 16000), (4096, 2048, 128256), (65536, 512, 50000)):
+        cfg = ModelConfig(name="e", hidden=H, layers=1, heads=8, intermediate=2 * H, vocab=V)
+        r = timing.estimate_time(cfg, Run(1, T), "efficient", p, with_kernels=True)
+        assert _kernel(r, "embedding.backward.zero")["memory_s"] == pytest.approx(V * H * 4 / hbm, rel=1e-9)
+        assert _kernel(r, "embedding.backward")["memory_s"] == pytest.approx(law(H, T), rel=1e-3), (T, H, V)
+        assert _kernel(r, "embedding.backward")["count"] == (1 if T <= 3072 else 30)

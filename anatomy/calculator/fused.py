@@ -35,7 +35,10 @@ def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tup
             # a fused optimizer step over T fp32 tensors of W elements: param, grad and state in; param and
             # state out (calculator/optimizer.step_bytes_moved's minimum)
             "optimizer.adamw": (T * W * (4 + 4 + 8), T * W * (4 + 8)),
-            "optimizer.ademamix": (T * W * (4 + 4 + 12), T * W * (4 + 12))}[op]
+            "optimizer.ademamix": (T * W * (4 + 4 + 12), T * W * (4 + 12)),
+            # ATen's embedding_dense_backward less its (V, W) zero fill: the (T, W) gradient (dtype r) and the
+            # ids in, a row of W fp32 sums per id out (calibrate_kernels.embedding_case)
+            "embedding.backward": (T * W * r + T * 8, T * W * 4)}[op]
 
 
 def eager_norm_forward(T: int, H: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
@@ -104,10 +107,15 @@ EAGER_CHAINS = {"eager_norm.forward": eager_norm_forward, "eager_norm.backward":
                 "eager_clamp.forward": eager_clamp_forward, "eager_clamp.backward": eager_clamp_backward}
 
 
+EMBEDDING_FEATURE_IDS = 3072  # ATen's embedding_dense_backward: its feature kernel up to this many ids
+
+
 def fused_launches(op: str, width: int, tokens: int) -> int:
     """Kernels one call of a calibrated op launches (its timing less these launches is its busy time)."""
     if op in EAGER_CHAINS:
         return len(EAGER_CHAINS[op](tokens, width))
+    if op == "embedding.backward":  # ATen: one feature kernel up to 3072 ids, else sort + segmented sum (H200 traces)
+        return 1 if tokens <= EMBEDDING_FEATURE_IDS else 30
     return 2 if op == "rms_norm.backward" else 1  # rms_norm backward: the row pass and the dw partial sum
 
 

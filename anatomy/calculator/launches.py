@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from anatomy.calculator import gpus
 from anatomy.calculator.dtypes import dtypes
-from anatomy.calculator.fused import EAGER_CHAINS, dw_sum_bytes, fused_bytes, rms_norm_programs
+from anatomy.calculator.fused import EAGER_CHAINS, dw_sum_bytes, fused_bytes, fused_launches, rms_norm_programs
 from anatomy.calculator.loss import chunk_rows as liger_chunk_rows
 from anatomy.calculator.optimizer import step_bytes_moved
 from anatomy.calculator.types import BYTES
@@ -86,10 +86,14 @@ class _Ops:
 def _embedding(o: _Ops) -> None:
     T, H, V, p = o.run.tokens, o.cfg.hidden, o.cfg.vocab, o.p
     o.mem("embedding.gather", "embedding", "forward", T * 8 + T * H * p, T * H * p, order=0)
-    # embedding_dense_backward on CUDA: sort the ids, count, zero the (V, H) grad, then a segmented
-    # row sum: ~8 launches (their bytes spread evenly); the sort's passes count as 4 x (ids + positions)
-    moved = T * H * o.r + 4 * T * 16 + V * H * p + min(T, V) * H * p
-    o.mem("embedding.backward", "embedding", "backward", moved // 8, 0, 8, order=2)
+    # embedding_dense_backward on CUDA: zero the (V, H) grad, then up to 3072 ids one feature kernel, else a
+    # radix sort of the ids and a segmented row sum (~30 launches), at the rate calibrate measured for it as
+    # a whole (amp: an fp32 gradient into fp32 weights). Host: one ATen call, 8 eager ops as before, at its start
+    op = ("embedding.backward", H)
+    n, (rd, wr) = fused_launches(*op, T), fused_bytes(*op, T, o.c, o.r)
+    o.mem("embedding.backward.zero", "embedding", "backward", 0, V * H * p, order=2, calls=8)
+    o.mem("embedding.backward", "embedding", "backward", rd / n, wr / n, n, order=2, host=None,
+          fused=(*op, T) if (p, o.r) == (4, 4) else ())
     if o.cfg.tie_embeddings:
         o.mem("embedding.tied_grad_accumulate", "embedding", "backward", 2 * V * H * p, V * H * p, order=2)
 

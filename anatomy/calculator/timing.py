@@ -133,6 +133,8 @@ def fused_efficiency(prof: dict, op: str, width: int, rows: int | None = None) -
         if op == "rms_norm.backward":  # the op is two kernels: the row pass and the dw partial sum
             nbytes += sum(dw_sum_bytes(r["width"]))
         busy = r["ms"] * 1e-3 - fused_launches(op, r["width"], r["tokens"]) * prof["launch_s"]
+        if op == "embedding.backward":  # its (V, W) fp32 zero fill is the model's own kernel, at the copy rate
+            busy -= r["vocab"] * r["width"] * 4 / prof["hbm_Bps"] + prof["launch_s"]
         if busy > 0:
             by_rows.setdefault(r["tokens"], []).append((math.log(x(r["width"])),
                                                         nbytes / prof["hbm_Bps"] / busy * per_lane(r["width"])))

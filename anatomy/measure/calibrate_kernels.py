@@ -212,6 +212,26 @@ EAGER_CE_VOCABS = (16000, 32000, 64000, 128256)
 EAGER_CE_ROWS = 8192
 
 
+# (session 11) the embedding's backward, ATen's embedding_dense_backward over an fp32 (T, H) gradient as the
+# models run it under amp: at most 3072 ids one feature kernel (a block per 32 columns, ids in sequence),
+# past that a radix sort of the ids and a segmented sum, ~30 launches; the model had counted 8 at the copy
+# roofline and ran 0.22-0.29x the measured time (session10d, 11c). fused_bytes("embedding.backward") lists its
+# bytes; the (V, H) zero fill it starts with is moved at the copy rate and taken out (timing.fused_efficiency).
+EMBEDDING_WIDTHS, EMBEDDING_ROWS, EMBEDDING_VOCAB = (512, 1024, 2048, 4096), (2048, 4096, 16384, 65536), 32000
+
+
+def embedding_case(width: int, rows: int, vocab: int = EMBEDDING_VOCAB):
+    def build():
+        import torch
+
+        sets = [(torch.randn(rows, width, device="cuda"), torch.randint(0, vocab, (rows,), device="cuda"))
+                for _ in range(_sets(rows * width * 8))]
+        it, cur = itertools.cycle(sets), [sets[0]]
+        return ((lambda: cur.__setitem__(0, next(it))),
+                lambda: torch.ops.aten.embedding_dense_backward(cur[0][0], cur[0][1], vocab, -1, False))
+    return build
+
+
 def eager_case(op: str, width: int, rows: int):
     """The baseline's norm (width = hidden; an fp32 (rows, H) stream), loss tail (width = vocab; bf16
     logits), SwiGLU's silu and product or gpt-oss's clamps before them (width = intermediate; bf16 gate and
@@ -334,6 +354,8 @@ def _fused_cases(T: int = FUSED_TOKENS):
                     for V in EAGER_CE_VOCABS)
         yield from ((f"{ch}.{ph}", I, dict(), eager_case(f"{ch}.{ph}", I, T)) for ch in ("eager_mlp", "eager_clamp")
                     for I in SWIGLU_WIDTHS)
+    yield from (("embedding.backward", H, dict(rows=n, vocab=EMBEDDING_VOCAB), embedding_case(H, n))
+                for n in EMBEDDING_ROWS for H in EMBEDDING_WIDTHS)
 
 
 NARROW_TOKENS = 65536  # the seed step's rows: at narrow widths the rate still grows with the row count
@@ -348,8 +370,8 @@ def measure_fused(deadline: float, tokens: int = FUSED_TOKENS) -> list[dict]:
 
     rows = []
     cases = [(tokens, c) for c in _fused_cases(tokens)]
-    cases += [(NARROW_TOKENS, c) for c in _fused_cases(NARROW_TOKENS)
-              if c[1] <= 2048 and c[0] != "liger_ce" and not c[0].startswith(("sxs.", "optimizer.", "eager_ce"))]
+    own_rows = ("liger_ce", "sxs.", "optimizer.", "eager_ce", "embedding.")  # cases that set their own row counts
+    cases += [(NARROW_TOKENS, c) for c in _fused_cases(NARROW_TOKENS) if c[1] <= 2048 and not c[0].startswith(own_rows)]
     for T, (op, width, extra, build) in cases:
         if time.monotonic() > deadline:
             break
