@@ -144,53 +144,30 @@ def _id(r: dict) -> str:
     return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}-{r['optimizer']}"
 
 
-# Known misses of the ±10% claim on session11c (seed 79; the final code, out of sample for every change), each
+# Known misses of the ±10% claim on session11d (seed 83; the final code, out of sample for every change), each
 # strict (a fix turns its XPASS into a failure), with the error measured there, against the profile calibrated in
 # that run at the host speed measured beside each row (probes.predicted: the tiny host step right before and after
-# its unmarked steps; docs/timing.md, "Session 10" and "Session 11"). Every one is a row the host bounds, or
-# nearly; the same rows land inside in other runs (session10d: 8 of 9 named, 80 of 80 drawn).
+# its unmarked steps; docs/timing.md, "Session 10" and "Session 11"). Both are rows the host bounds; the same rows
+# land elsewhere in other runs of the same model (session11c: seed B4 -10.3%, train0 -17.6%; 10d: seed B4 +23.4%).
 _HOST = ("host-bound; the host's own noise: host time swings +-20% between blocks of one process, uncorrelated with the "
          "tiny reference step (session11 host_depth.json); the reference here ")
 _MISSES = {
-    ("seed-B4S1024-efficient-adamw", "forward_backward"): (-0.103, _HOST + "13.8 then 12.0 ms; +23.4% in session10d"),
-    ("seed-B4S1024-efficient-adamw", "step"): (-0.109, _HOST + "13.8 then 12.0 ms; +22.4% in session10d"),
-    ("tiny-gqa-B4S512-efficient-adamw", "forward_backward"): (-0.101, _HOST + "11.3 then 12.2 ms; -3.8% in session10d"),
-    ("tiny-gqa-B4S512-efficient-adamw", "step"): (-0.127, _HOST + "11.3 then 12.2 ms"),
-    ("train0-B8S1024-efficient-adamw", "forward_backward"): (-0.176, _HOST + "10.9 then 9.8 ms"),
-    ("train0-B8S1024-efficient-adamw", "step"): (-0.185, _HOST + "10.9 then 9.8 ms"),
-    ("train11-B8S1024-efficient-adamw", "forward_backward"): (+0.170, _HOST + "9.0 then 8.2 ms"),
-    ("train11-B8S1024-efficient-adamw", "step"): (+0.138, _HOST + "9.0 then 8.2 ms"),
-    ("train11-B8S1024-baseline-adamw", "forward_backward"): (-0.105, _HOST + "9.9 then 11.9 ms"),
-    ("train13-B8S1024-baseline-adamw", "forward_backward"): (-0.105, _HOST + "10.1 then 10.1 ms"),
-    ("train20-B4S2048-efficient-adamw", "forward_backward"): (-0.109, _HOST + "12.7 then 8.0 ms"),
-    ("train20-B4S2048-efficient-adamw", "step"): (-0.100, _HOST + "12.7 then 8.0 ms"),
-    ("train27-B4S2048-efficient-adamw", "forward_backward"): (+0.136, _HOST + "10.6 then 8.2 ms"),
-    ("train27-B4S2048-efficient-adamw", "step"): (+0.128, _HOST + "10.6 then 8.2 ms"),
+    ("seed-B4S1024-efficient-adamw", "forward_backward"): (-0.150, _HOST + "9.6 then 12.0 ms; -10.3% in 11c, "
+                                                                   "+23.4% in 10d"),
+    ("seed-B4S1024-efficient-adamw", "step"): (-0.157, _HOST + "9.6 then 12.0 ms"),
+    ("train0-B8S1024-efficient-adamw", "forward_backward"): (-0.138, _HOST + "12.5 then 10.4 ms"),
+    ("train0-B8S1024-efficient-adamw", "step"): (-0.153, _HOST + "12.5 then 10.4 ms"),
 }
 
-# Known misses of the ±15% per-component claim on session11c, strict, with the error measured there: the named
-# small shapes, and the drawn eager-baseline rows at B8 S1024 (every drawn efficient figure is within).
+# Known misses of the ±15% per-component claim on session11d, strict, with the error measured there: the named
+# small shapes (every drawn figure of both variants is within).
 _SMALL = "a small or short-sequence shape under the calibrated sizes (cuDNN S >= 1024, GEMM grid at 16k tokens)"
-_BATT = ("the eager baseline's S x S attention at B8 S1024 (65536-131072 rows): calibrate's per-op rates hold idle, "
-         "after GEMMs and inside the chain (session11-sxs: 0.93-1.01x), so the gap is elsewhere in the component; "
-         "-16% at 393216 rows in session10d")
 _COMPONENT_MISSES = {
     ("seed-B4S1024-efficient-adamw", "attention backward"): (-0.204, _SMALL),
-    ("seed-B4S1024-baseline-adamw", "norm backward"): (+0.254, "the eager norm's 12 backward kernels at 4096 rows of "
+    ("seed-B4S1024-baseline-adamw", "norm backward"): (+0.255, "the eager norm's 12 backward kernels at 4096 rows of "
                                                         "512, under the calibrated 16384 rows (flat below them)"),
-    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.178, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.391, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "embedding backward"): (-0.705, "the embedding backward's sort and segmented "
-                                                                 "sum are modelled as 8 evenly loaded launches"),
-    ("train9-B8S1024-baseline-adamw", "attention forward"): (-0.161, _BATT),
-    ("train10-B8S1024-baseline-adamw", "attention forward"): (-0.171, _BATT),
-    ("train10-B8S1024-baseline-adamw", "attention backward"): (-0.157, _BATT),
-    ("train11-B8S1024-baseline-adamw", "attention forward"): (-0.172, _BATT),
-    ("train11-B8S1024-baseline-adamw", "attention backward"): (-0.158, _BATT),
-    ("train12-B8S1024-baseline-adamw", "attention forward"): (-0.166, _BATT),
-    ("train12-B8S1024-baseline-adamw", "attention backward"): (-0.159, _BATT),
-    ("train13-B8S1024-baseline-adamw", "attention forward"): (-0.167, _BATT),
-    ("train13-B8S1024-baseline-adamw", "attention backward"): (-0.158, _BATT),
+    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.173, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.385, _SMALL),
 }
 
 
@@ -281,3 +258,21 @@ def test_kernel_time_per_component_adds_up():
 def test_error_table_in_docs_is_current():
     """docs/timing.md's probe table is generated from these rows (anatomy.report.probes.timing_markdown)."""
     assert probes.timing_markdown(SESSION) in (Path(__file__).parent.parent / "docs/timing.md").read_text()
+
+
+def test_rows_the_probe_could_not_run_were_predicted_ooms():
+    """A drawn row that did not run (the probe records the error and goes on) ran out of device memory,
+    and the memory calculator had predicted it would: its backward peak over the capacity the error
+    message reports (the probe draws configs without reading the calculator)."""
+    import json
+    import re
+
+    from anatomy.calculator.memory import phases
+
+    failed = [r for name, f in probes.TIMING_SETS for p in [probes.set_session(name, SESSION) / f] if p.exists()
+              for r in json.loads(p.read_text())["rows"] if "error" in r]
+    for r in failed:
+        cap = float(re.search(r"total capacity of ([\d.]+) GiB", r["error"]).group(1)) * 2**30
+        run = Run(r["batch"], r["seq"], "amp")
+        peak = phases(ModelConfig(**r["cfg"]), run, r["variant"], r["optimizer"])["backward_peak"]
+        assert "OutOfMemoryError" in r["error"] and peak > cap, (r["config"], peak / 2**30, cap / 2**30)
