@@ -24,7 +24,8 @@ import probe_common
 import torch
 import torch.nn.functional as F
 
-from anatomy.measure.calibrate_kernels import SXS_ROWS, queued_ms, sxs_case
+from anatomy.measure.calibrate_aten import SXS_ROWS, sxs_case
+from anatomy.measure.calibrate_kernels import queued_ms
 
 OPS = ("sxs.scale", "sxs.mask_add", "sxs.float", "sxs.softmax", "sxs.to_compute")
 S = 1024

@@ -269,7 +269,7 @@ def test_baseline_sxs_chain_takes_its_calibrated_rates():
     those times at a calibrated S (bytes / (bandwidth x fraction)), the fp32 policy keeps only the
     softmax's, and the efficient model does not change."""
     from anatomy.calculator.fused import fused_bytes
-    from anatomy.measure.calibrate_kernels import SXS_OPS, SXS_ROWS, SXS_SEQS
+    from anatomy.measure.calibrate_aten import SXS_OPS, SXS_ROWS, SXS_SEQS
 
     hbm = 4.0e12
     frac = {"sxs.scale": 0.9, "sxs.mask_add": 0.34, "sxs.float": 0.5, "sxs.softmax": 0.52, "sxs.to_compute": 0.9,
@@ -349,8 +349,8 @@ def test_baseline_eager_chains_take_their_calibrated_rates():
     (not calibrated) keeps the copy roofline, gpt-oss's clamps take their own chain's rate, and the
     efficient model does not change."""
     from anatomy.calculator.fused import EAGER_CHAINS, fused_bytes
-    from anatomy.measure.calibrate_kernels import (EAGER_CE_ROWS, EAGER_CE_VOCABS, FUSED_TOKENS, RMS_WIDTHS,
-                                                   SWIGLU_WIDTHS)
+    from anatomy.measure.calibrate_aten import EAGER_CE_ROWS, EAGER_CE_VOCABS
+    from anatomy.measure.calibrate_kernels import FUSED_TOKENS, RMS_WIDTHS, SWIGLU_WIDTHS
 
     hbm, launch = 4.0e12, 2.2e-6
     frac = {"eager_norm.forward": 0.75, "eager_norm.backward": 0.85, "eager_ce.forward": 0.8, "eager_ce.backward": 0.6,
@@ -389,7 +389,7 @@ def test_embedding_backward_rate_is_calibrated_apart_from_its_zero_fill():
     rest at 12% of it up to 3072 ids (the feature kernel) and 30% past (sort + segmented sum). At other
     vocabs, the model's fill follows V and the rest keeps its calibrated rate, per row count."""
     from anatomy.calculator.fused import fused_bytes, fused_launches
-    from anatomy.measure.calibrate_kernels import EMBEDDING_ROWS, EMBEDDING_VOCAB, EMBEDDING_WIDTHS
+    from anatomy.measure.calibrate_aten import EMBEDDING_ROWS, EMBEDDING_VOCAB, EMBEDDING_WIDTHS
 
     hbm, launch = 4.0e12, 2.2e-6
     eff = lambda T: 0.12 if T <= 3072 else 0.30  # noqa: E731

@@ -25,6 +25,10 @@ import itertools
 import statistics
 import time
 
+from anatomy.measure.calibrate_aten import (EAGER_CE_ROWS, EAGER_CE_VOCABS, EMBEDDING_ROWS, EMBEDDING_VOCAB,
+                                            EMBEDDING_WIDTHS, SXS_OPS, SXS_ROWS, SXS_SEQS, eager_case, embedding_case,
+                                            sxs_case)
+
 SLEEP_CYCLES = 100_000_000  # ~50 ms at H200 clocks: longer than the host takes to enqueue a row's repeats
 RMS_WIDTHS = (512, 1024, 2048, 3072, 4096, 8192)  # hidden
 SWIGLU_WIDTHS = (1024, 2816, 5632, 8192, 11008, 14336)  # intermediate
@@ -143,42 +147,6 @@ def liger_ce(V: int, rows: int = LIGER_ROWS):
     return build
 
 
-# the eager baseline's S x S chain (anatomy/baseline/attention.py): each op over SXS_ROWS rows of S, at the
-# sequence lengths the probes run. ATen runs several of them well under the copy roofline (session9d's
-# profiled kernels of the baseline rows: the fp32 softmax at ~52%, the bf16 -> fp32 cast at ~50%, the broadcast mask add at ~34%),
-# and the softmax backward is two kernels (a multiply, then the row reduction)
-SXS_SEQS = (1024, 2048, 4096)
-SXS_ROWS = 32768  # (B x heads x S) rows: 4 x 8 x 1024 ... 1 x 8 x 4096
-
-
-def sxs_case(op: str, S: int, rows: int = SXS_ROWS):
-    """One op of the baseline's S x S chain over (rows, S), as the model calls it under bf16 autocast."""
-    def build():
-        import torch
-        import torch.nn.functional as F
-
-        bf, f32 = dict(device="cuda", dtype=torch.bfloat16), dict(device="cuda", dtype=torch.float32)
-        n = _sets(rows * S * 8)
-        if op == "sxs.mask_add":  # (B', S, S) scores + the (S, S) causal bias, broadcast
-            xs = [torch.randn(rows // S, S, S, **bf) for _ in range(n)]
-            bias = torch.triu(torch.full((S, S), float("-inf"), **bf), 1)
-            call = lambda x: x + bias  # noqa: E731
-        elif op in ("sxs.scale", "sxs.float"):
-            xs = [torch.randn(rows, S, **bf) for _ in range(n)]
-            call = (lambda x: x * 0.125) if op == "sxs.scale" else (lambda x: x.float())  # noqa: E731
-        elif op in ("sxs.softmax", "sxs.to_compute"):
-            xs = [torch.randn(rows, S, **f32) for _ in range(n)]
-            call = (lambda x: F.softmax(x, dim=-1)) if op == "sxs.softmax" else (lambda x: x.to(torch.bfloat16))  # noqa: E731
-        else:  # sxs.softmax.backward: (grad, softmax output) fp32 -> grad of the input
-            xs = [(torch.randn(rows, S, **f32), torch.rand(rows, S, **f32)) for _ in range(n)]
-            call = lambda x: torch.ops.aten._softmax_backward_data(x[0], x[1], -1, torch.float32)  # noqa: E731
-        it, cur = itertools.cycle(xs), [xs[0]]
-        return (lambda: cur.__setitem__(0, next(it))), (lambda: call(cur[0]))
-    return build
-
-
-SXS_OPS = ("sxs.scale", "sxs.mask_add", "sxs.float", "sxs.softmax", "sxs.to_compute", "sxs.softmax.backward")
-
 # torch's fused AdamW (the probes' optimizer) over ADAMW_TENSORS fp32 tensors of each size: session9f's profiled
 # optimizer kernels ran 1.17-1.20x the copy-roofline model, in every variant and row (multi_tensor_apply's
 # chunked launches, 16 B read and 12 B written per element). The sizes span a norm weight to a vocab matrix.
@@ -200,84 +168,6 @@ def adamw_case(numel: int, tensors: int = ADAMW_TENSORS):
             opts.append(torch.optim.AdamW(ps, lr=1e-4, fused=True))
         it, cur = itertools.cycle(opts), [opts[0]]
         return (lambda: cur.__setitem__(0, next(it))), (lambda: cur[0].step())
-    return build
-
-
-# the eager baseline's RMSNorm, its loss after the lm_head (log_softmax over fp32 logits) and SwiGLU's silu and
-# product, each timed as a whole, forward and backward, as the model runs them under amp: session9f's profiled
-# kernels of the baseline rows ran 1.31x (norm forward), 1.17x (norm backward) and 1.16x (loss forward) the
-# copy-roofline model, and session10c's gpt-oss MLP backward 1.18x (ATen's clamp backward: bool masks, then a
-# where, unvectorized). calculator/fused.py lists their kernels (EAGER_CHAINS); timing reads a rate per width.
-EAGER_CE_VOCABS = (16000, 32000, 64000, 128256)
-EAGER_CE_ROWS = 8192
-
-
-# (session 11) the embedding's backward, ATen's embedding_dense_backward over an fp32 (T, H) gradient as the
-# models run it under amp: at most 3072 ids one feature kernel (a block per 32 columns, ids in sequence),
-# past that a radix sort of the ids and a segmented sum, ~30 launches; the model had counted 8 at the copy
-# roofline and ran 0.22-0.29x the measured time (session10d, 11c). fused_bytes("embedding.backward") lists its
-# bytes; the (V, H) zero fill it starts with is moved at the copy rate and taken out (timing.fused_efficiency).
-EMBEDDING_WIDTHS, EMBEDDING_ROWS, EMBEDDING_VOCAB = (512, 1024, 2048, 4096), (2048, 4096, 16384, 65536), 32000
-
-
-def embedding_case(width: int, rows: int, vocab: int = EMBEDDING_VOCAB):
-    def build():
-        import torch
-
-        sets = [(torch.randn(rows, width, device="cuda"), torch.randint(0, vocab, (rows,), device="cuda"))
-                for _ in range(_sets(rows * width * 8))]
-        it, cur = itertools.cycle(sets), [sets[0]]
-        return ((lambda: cur.__setitem__(0, next(it))),
-                lambda: torch.ops.aten.embedding_dense_backward(cur[0][0], cur[0][1], vocab, -1, False))
-    return build
-
-
-def eager_case(op: str, width: int, rows: int):
-    """The baseline's norm (width = hidden; an fp32 (rows, H) stream), loss tail (width = vocab; bf16
-    logits), SwiGLU's silu and product or gpt-oss's clamps before them (width = intermediate; bf16 gate and
-    up) over `rows`, under bf16 autocast: "eager_*.forward" times the forward, "eager_*.backward" the
-    backward of a forward run just before it (untimed), from a random upstream gradient or the loss."""
-    def build():
-        import torch
-        import torch.nn.functional as F
-
-        from anatomy.baseline.norm import RMSNorm
-        from anatomy.baseline.swiglu import GPT_OSS_LIMIT
-
-        kind = op.split(".")[0]  # eager_norm, eager_ce, eager_mlp or eager_clamp
-        norm, mlp = kind == "eager_norm", kind in ("eager_mlp", "eager_clamp")
-        dt = torch.float32 if norm else torch.bfloat16
-
-        def leaf():
-            return torch.randn(rows, width, device="cuda", dtype=dt, requires_grad=True)
-        # the MLP's gate and up are two leaves (as two matmul outputs: no split's backward to concatenate)
-        xs = [(leaf(), leaf()) if mlp else leaf() for _ in range(_sets(rows * width * (24 if norm else 14)))]
-        ts = torch.randint(0, width, (rows,), device="cuda")
-        mod = RMSNorm(width, 1e-5).to("cuda") if norm else None
-        g = None if kind == "eager_ce" else torch.randn(rows, width, device="cuda", dtype=torch.float32 if norm else dt)
-        it, cur, out = itertools.cycle(xs), [xs[0]], [None]
-
-        def fwd():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                if kind == "eager_clamp":  # gpt-oss's clamps (anatomy/baseline/swiglu.py): both outputs
-                    return (cur[0][0].clamp(max=GPT_OSS_LIMIT), cur[0][1].clamp(-GPT_OSS_LIMIT, GPT_OSS_LIMIT) + 1)
-                if mlp:
-                    return F.silu(cur[0][0]) * cur[0][1]
-                return mod(cur[0]) if norm else F.cross_entropy(cur[0].float(), ts)
-
-        if op.endswith(".forward"):
-            return (lambda: cur.__setitem__(0, next(it))), fwd
-
-        def pre():
-            cur[0] = next(it)
-            for x in (cur[0] if mlp else (cur[0],)):
-                x.grad = None
-            if norm:
-                mod.weight.grad = None  # as after zero_grad(set_to_none=True): no accumulation kernel
-            out[0] = fwd()
-        if kind == "eager_clamp":
-            return pre, (lambda: torch.autograd.backward(out[0], (g, g)))
-        return pre, (lambda: out[0].backward(g))
     return build
 
 

@@ -41,6 +41,8 @@ ELEMENTWISE_FLOPS = {
     "eager_mlp.forward": 5, "eager_mlp.backward": 8, "eager_clamp.forward": 3, "eager_clamp.backward": 6,
     # torch's fused AdamW per parameter element: both moments (7), the denominator (2), the update (3), decay (2)
     "optimizer.adamw": 14,
+    # ATen's embedding backward: one add per gradient element into its id's row (the zero fill is counted in bytes)
+    "embedding.backward": 1,
 }
 
 
@@ -75,11 +77,13 @@ def points(profile: dict) -> list[dict]:
     for r in m.get("fused", []):
         op, T, W = r["op"], r["tokens"], r["width"]
         nbytes = sum(fused_bytes(op, W, T)) + (sum(dw_sum_bytes(W)) if op == "rms_norm.backward" else 0)
+        nbytes += r["vocab"] * W * 4 if op == "embedding.backward" else 0  # its (V, W) fp32 zero fill
         out.append(dict(kind="Liger CE kernel" if op == "liger_ce" else
                         "residual add (ATen)" if op == "residual_add" else
                         "baseline S x S chain (ATen)" if op.startswith("sxs.") else
                         "baseline eager chains (ATen)" if op.startswith("eager_") else
-                        "fused AdamW (torch)" if op.startswith("optimizer.") else "our fused kernels",
+                        "fused AdamW (torch)" if op.startswith("optimizer.") else
+                        "embedding backward (ATen)" if op == "embedding.backward" else "our fused kernels",
                         label=f"{op} {T}x{W}", flops=ELEMENTWISE_FLOPS[op] * T * W, bytes=nbytes,
                         seconds=r["ms"] * 1e-3))
     return out
