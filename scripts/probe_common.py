@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,3 +99,36 @@ def write_json(prog: str, out: str | None, **fields) -> None:
         Path(out).write_text(text)
     else:
         print(text)
+
+
+def events_ms(fn, reps: int = 10, before=None) -> float:
+    """Median CUDA-event ms of fn() over `reps` calls, each after before() (untimed) where given."""
+    out = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def clocks_while(fn, seconds: float = 1.5, last=None) -> tuple[dict, object]:
+    """({sm_mhz, power_w, samples}, last()): medians of what nvidia-smi sampled every 20 ms while fn()
+    repeated for `seconds` (each call synchronized; the first quarter dropped: the clock settling), and
+    what last() returned when run right after, before sampling stops (None without it)."""
+    p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                          "-lms", "20"], stdout=subprocess.PIPE, text=True)
+    t = time.monotonic()
+    while time.monotonic() - t < seconds:
+        fn()
+        torch.cuda.synchronize()
+    result = last() if last is not None else None
+    p.terminate()
+    rows = [[float(v) for v in line.split(",")] for line in p.communicate()[0].splitlines() if line.count(",") == 1]
+    rows = rows[len(rows) // 4:]
+    return (dict(sm_mhz=statistics.median(r[0] for r in rows), power_w=statistics.median(r[1] for r in rows),
+                 samples=len(rows)) if rows else {}), result

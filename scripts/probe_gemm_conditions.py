@@ -12,8 +12,6 @@ Each mode then runs for ~1.5 s while `nvidia-smi` samples clocks.sm and power.dr
 from __future__ import annotations
 
 import argparse
-import statistics
-import subprocess
 import sys
 import time
 
@@ -31,22 +29,6 @@ def _idle_ms(m, n, k):
     a, b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     return queued_ms(lambda: torch.matmul(a, b, out=c), lambda: torch.cuda._sleep(2_000_000), reps=10)[0]
-
-
-def _sampled(fn, seconds=1.5):
-    """(samples of [sm MHz, W]) while fn() repeats for `seconds`."""
-    p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                          "-lms", "20"], stdout=subprocess.PIPE, text=True)
-    t = time.monotonic()
-    while time.monotonic() - t < seconds:
-        fn()
-    torch.cuda.synchronize()
-    p.terminate()
-    out = p.communicate()[0]
-    rows = [[float(v) for v in line.split(",")] for line in out.splitlines() if line.count(",") == 1]
-    rows = rows[len(rows) // 4:]  # drop the first quarter: the clock settling
-    return dict(sm_mhz=statistics.median(r[0] for r in rows), power_w=statistics.median(r[1] for r in rows),
-                samples=len(rows)) if rows else {}
 
 
 def main() -> int:
@@ -69,8 +51,9 @@ def main() -> int:
     rot = _rotating_matmul(m, n, k)
     src = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     a_, b_ = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-    clocks = dict(idle=_sampled(lambda: torch.cuda._sleep(20_000_000)), loop=_sampled(rot),
-                  in_step=_sampled(lambda: (a_.copy_(src), a_ @ b_)))
+    clocks = dict(idle=probe_common.clocks_while(lambda: torch.cuda._sleep(20_000_000))[0],
+                  loop=probe_common.clocks_while(rot)[0],
+                  in_step=probe_common.clocks_while(lambda: (a_.copy_(src), a_ @ b_))[0])
     print("clocks", clocks, file=sys.stderr)
     probe_common.write_json("probe_gemm_conditions", a.out, rows=rows, clocks_while=dict(shape=[m, n, k], **clocks))
     return 0

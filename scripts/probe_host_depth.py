@@ -46,7 +46,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("probe_host_depth: needs a CUDA GPU")
+        print("probe_host_depth: error: needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
     setups = []
     for cfg, b, s in CONDITIONS:
         run = Run(b, s, "amp")

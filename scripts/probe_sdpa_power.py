@@ -14,8 +14,6 @@ large GEMMs for 190 ms. The conditions, per shape:
 from __future__ import annotations
 
 import argparse
-import statistics
-import subprocess
 import sys
 import time
 
@@ -29,42 +27,13 @@ from anatomy.measure.calibrate import _median_ms
 SHAPES = ((16, 8, 4096, 64), (4, 16, 4096, 128))
 
 
-def _events_ms(fn, reps: int = 10, before=None) -> float:
-    out = []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
-
-
-def _sustained(fn, seconds: float = 1.5) -> tuple[float, list[float]]:
-    """(ms of fn right after `seconds` of repeating it, median [sm MHz, W] over the last three quarters)."""
-    p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                          "-lms", "20"], stdout=subprocess.PIPE, text=True)
-    t = time.monotonic()
-    while time.monotonic() - t < seconds:
-        for _ in range(4):
-            fn()
-        torch.cuda.synchronize()
-    ms = _events_ms(fn)
-    p.terminate()
-    rows = [[float(v) for v in line.split(",")] for line in p.communicate()[0].splitlines() if "," in line]
-    rows = rows[len(rows) // 4:]
-    return ms, ([statistics.median(r[i] for r in rows) for i in range(2)] if rows else [])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("probe_sdpa_power: needs a CUDA GPU")
+        print("probe_sdpa_power: error: needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
     big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     sink = torch.empty_like(big)
 
@@ -92,8 +61,9 @@ def main() -> None:
         torch.cuda.synchronize()
         time.sleep(0.5)
         burst = _median_ms(fn, batches=5, per_batch=5)
-        sustained, clocks = _sustained(fn)
-        after = _events_ms(fn, before=gemms)
+        clocks, sustained = probe_common.clocks_while(lambda fn=fn: [fn() for _ in range(4)], 1.5,
+                                                      last=lambda fn=fn: probe_common.events_ms(fn))
+        after = probe_common.events_ms(fn, before=gemms)
         rows.append(dict(case=name, burst_ms=burst, sustained_ms=sustained, after_gemm_ms=after, sustained_clocks=clocks))
         print(f"{name:32s} burst {burst:.4f} sustained {sustained:.4f} ({sustained / burst:.2f}x, {clocks}) "
               f"after GEMMs {after:.4f} ({after / burst:.2f}x)", flush=True)

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
-import time
 
 import probe_common
 import torch
@@ -31,36 +29,16 @@ OPS = ("sxs.scale", "sxs.mask_add", "sxs.float", "sxs.softmax", "sxs.to_compute"
 S = 1024
 
 
-def _sampled(fn, seconds: float = 1.0) -> list[float]:
-    """Median [sm MHz, W] while fn() repeats for `seconds` (nvidia-smi every 20 ms)."""
-    p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                          "-lms", "20"], stdout=subprocess.PIPE, text=True)
-    t = time.monotonic()
-    while time.monotonic() - t < seconds:
-        fn()
-        torch.cuda.synchronize()
-    p.terminate()
-    rows = [[float(v) for v in line.split(",")] for line in p.communicate()[0].splitlines() if "," in line]
-    rows = rows[len(rows) // 4:]
-    return [statistics.median(r[i] for r in rows) for i in range(2)] if rows else []
-
-
 def _loaded_ms(fn, pre, reps: int = 10) -> float:
     """GPU ms of fn() with ~2 ms of 8192^3-class GEMMs queued right before each rep."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
-    out = []
-    for _ in range(reps):
+
+    def before():
         pre()
         for _ in range(2):
             torch.matmul(a, a, out=c)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        out.append(e0.elapsed_time(e1))
-    return statistics.median(out)
+    return probe_common.events_ms(fn, reps, before)
 
 
 def _chain(rows: int, reps: int = 10) -> dict:
@@ -89,7 +67,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("probe_sxs_conditions: needs a CUDA GPU")
+        print("probe_sxs_conditions: error: needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
     rows = []
     for n in (SXS_ROWS, 4 * SXS_ROWS):
         for op in OPS:
@@ -106,7 +85,8 @@ def main() -> None:
             print(f"{r['op']:16s} rows {n:7d}: in chain {r['chain_ms']:.4f} ms ({r['chain_ms'] / r['idle_ms']:.2f}x idle)", flush=True)
     pre, fn = sxs_case("sxs.to_compute", S, SXS_ROWS)()
     a8 = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    clocks = dict(idle=_sampled(lambda: (pre(), fn())), loaded=_sampled(lambda: (torch.matmul(a8, a8), pre(), fn())))
+    clocks = dict(idle=probe_common.clocks_while(lambda: (pre(), fn()), 1.0)[0],
+                  loaded=probe_common.clocks_while(lambda: (torch.matmul(a8, a8), pre(), fn()), 1.0)[0])
     print("clocks [MHz, W]", clocks, flush=True)
     probe_common.write_json("probe_sxs_conditions", a.out, rows=rows, clocks_while=clocks)
 
