@@ -95,7 +95,7 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
         t = estimate_time(cfg, run, a.variant, gpu=a.gpu)
         out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "steady", "host_bound", "mfu",
                                          "components", "sources")
-                       if k in t} | {"gpu": a.gpu}
+                       if k in t} | {"gpu": a.gpu, "profile": t["gpu"], "profile_kind": t["profile_kind"]}
         from anatomy.calculator import gpus
 
         cap = gpus.get(a.gpu)["memory_GB"] * 1e9  # does the predicted peak fit the GPU's memory?
@@ -245,7 +245,14 @@ def _print(cmd: str, out: dict) -> None:
                   f"{tm['optimizer_s'] * 1e3:,.2f} ms)")
         if tm["host_bound"]:
             con.print("host-bound: the CPU issuing the kernels, not the GPU, sets this step's pace; on the H200 "
-                      "machines measured, a host's speed varied by about ±15% between processes (docs/timing.md)")
+                      "machines measured, a host-bound step's time moved by 10-20% between processes and within "
+                      "one (docs/timing.md, sessions 9-11)")
+        from anatomy.calculator import gpus
+
+        measured = f"{gpus.profile_stem(tm['profile'])}-measured"
+        if tm["profile_kind"] == "datasheet" and measured in gpus.names():
+            con.print(f"(from datasheet figures; --gpu {measured} uses the profile `anatomy calibrate` measured on "
+                      "one, which the H200 claims are checked against: docs/timing.md)")
     if "distributed" in out:
         d = out["distributed"]
         con.print_json(json.dumps({k: d[k] for k in ("memory", "collectives", "comm") if k in d}))

@@ -74,8 +74,11 @@ def test_estimate_gpu_gives_step_time_without_a_gpu(capsys):
     assert "predicted training step on H200" in text and "one step on an idle GPU" in text
     # seed B4 S1024 is host-bound on the H200 (its host work above its GPU work: docs/timing.md); B16 S4096 is not
     assert t["host_bound"] and "host-bound" in text
+    # the datasheet profile says so, and names the calibrated one; the calibrated one does not
+    assert (t["profile"], t["profile_kind"]) == ("h200-sxm", "datasheet") and "--gpu h200-measured uses" in text
     assert main(["estimate", "--preset", "seed", "--batch", "16", "--seq", "4096", "--gpu", "H200-measured"]) == 0
-    assert "host-bound" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "host-bound" not in out and "datasheet" not in out
 
 
 def test_estimate_unknown_gpu_is_one_line_exit_2():
