@@ -101,7 +101,8 @@ def _embedding(o: _Ops) -> None:
 def _rope_tables(o: _Ops, cast: bool) -> None:
     S, hd = o.run.seq, o.cfg.head_dim
     n = 9 + (2 if cast else 0)  # arange, div, pow, reciprocal, arange, outer, cat, cos, sin (+ casts)
-    o.mem("attention.rope_tables", "attention", "forward", 4 * S * hd, 4 * S * hd, n, order=0)
+    # built before the first layer: the probes book them to "other", with the residual adds
+    o.mem("attention.rope_tables", "other", "forward", 4 * S * hd, 4 * S * hd, n, order=0)
 
 
 def _residual(o: _Ops, comp: str, L: int, where: str = "other") -> None:
@@ -152,6 +153,15 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
                       (B, nh, S, hd), "bfloat16", sdpa_backend))
     o.k.append(Kernel("attention.sdpa.backward", "attention", "backward", "sdpa", L, 5 * F // 2,
                       2 * io + 2 * T * H * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend))
+    if sdpa_backend == "cudnn":
+        # cuDNN's call launches small kernels around its main one (every H200 trace): a memset of its
+        # (B, heads, S) fp32 row statistics in each phase; in backward, dot(dO, O) per row, which also
+        # zeroes the fp32 dQ accumulator, then dQ converted to the compute dtype
+        o.mem("attention.sdpa.memset", "attention", "forward", 0, B * nh * S * 4, L, host=None)
+        o.mem("attention.sdpa.backward.memset", "attention", "backward", 0, B * nh * S * 4, L, host=None)
+        o.mem("attention.sdpa.dot_do_o", "attention", "backward", 2 * T * H * c, B * nh * S * 4 + T * H * 4, L,
+              host=None)
+        o.mem("attention.sdpa.convert_dq", "attention", "backward", T * H * 4, T * H * c, L, host=None)
     if cfg.kv_heads < nh and sdpa_backend == "cudnn":
         # under GQA cuDNN's backward writes dK, dV per query head in fp32 and sums each group after
         # (fmha_reduce_head in the H200 traces): read 2 (T, H) fp32, write 2 (T, Hkv) in the compute dtype

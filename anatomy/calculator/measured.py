@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+from functools import lru_cache
 from pathlib import Path
 
+from anatomy.calculator import sdpa_schedule
 from anatomy.calculator.gpus import (_check, alignment_class, attention_wave_efficiency, causal_attention_flops,
                                      get, matmul_efficiency)
 from anatomy.config import ConfigError
@@ -177,6 +179,11 @@ def from_measured(data: dict) -> dict:
         p["attention"] = attention_table(m["attention"], sms)
         p["sources"]["attention"] = f"{where}: causal SDPA per backend, " + "; ".join(
             f"{a['backend']} hd{a['hd']} fwd {a['fwd_ms']} ms, fwd+bwd {a['fwd_bwd_ms']} ms" for a in m["attention"])
+    if m.get("attention_kernels"):
+        p["sdpa_schedule"] = schedule_table(m["attention_kernels"], sms)
+        p["sources"]["sdpa_schedule"] = (f"{where}: the main SDPA kernel's duration (profiler) at "
+                                         f"{len(m['attention_kernels'])} grids from under one wave to many, "
+                                         "fitted per backend, head dim and phase (sdpa_schedule.fit)")
     return _check(p)
 
 
@@ -192,6 +199,32 @@ def attention_table(rows: list[dict], sms: int) -> dict:
         e.update(rates)  # the longest sequence measured: a full wave's rate
         e.setdefault("seq", {})[str(r["S"])] = rates  # and every length, when calibrate measured several
     return out
+
+
+def schedule_table(rows: list[dict], sms: int) -> dict:
+    """{backend: {head_dim: {"forward": {a, o, c}, "backward": {a, o, c}, "shapes": n, "max_error": e}}}
+    from calibrate's {backend, B, heads, S, hd, fwd_kernel_ms, bwd_kernel_ms} rows (main kernel per call),
+    for each backend and head dim timed at three or more grids."""
+    out: dict = {}
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["backend"], r["hd"]), []).append(r)
+    for (backend, hd), rs in sorted(groups.items()):
+        if len(rs) < 3:
+            continue
+        e = out.setdefault(backend, {}).setdefault(str(hd), dict(shapes=len(rs)))
+        worst = 0.0
+        for phase, key in (("forward", "fwd_kernel_ms"), ("backward", "bwd_kernel_ms")):
+            pts = tuple((r["B"], r["heads"], r["S"], r[key] * 1e-3) for r in rs)
+            e[phase] = _fit_schedule(pts, sms, phase)
+            worst = max([worst, *(abs(x) for x in sdpa_schedule.errors(e[phase], list(pts), sms, phase))])
+        e["max_error"] = worst
+    return out
+
+
+@lru_cache(maxsize=64)
+def _fit_schedule(pts: tuple, sms: int, phase: str) -> dict:
+    return sdpa_schedule.fit(list(pts), sms, phase)  # a profile is built on every load: fit once
 
 
 def write_atomic(path: str | Path, data: dict) -> Path:

@@ -40,8 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
-from anatomy.calculator import estimate
-from anatomy.calculator import gpus, pipeline
+from anatomy.calculator import estimate, gpus, pipeline, sdpa_schedule
 from anatomy.calculator.fused import dw_sum_bytes, fused_bytes, fused_launches, liger_ce_width
 from anatomy.calculator.launches import (SDPA_BACKENDS, VARIANTS, Kernel, baseline_kernels,  # noqa: F401
                                          efficient_kernels, kernels, liger_chunk_rows, optimizer_kernels, param_sizes,
@@ -78,6 +77,25 @@ def _sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | N
     return 2.5 / (3.5 / fb - 1 / f), note  # backward = the fwd+bwd time minus the forward time
 
 
+def _sdpa_schedule(prof: dict, backend: str, head_dim: int) -> tuple[dict | None, str]:
+    """The fitted CTA schedule of `backend` at the head dim its kernel runs (cuDNN pads to 64 or 128),
+    or the nearest one calibrated; (None, "") where the profile has none (then the full-wave rates)."""
+    table = (prof.get("sdpa_schedule") or {}).get(backend)
+    if not table:
+        return None, ""
+    want = sdpa_schedule.padded_head_dim(head_dim) if backend == "cudnn" else head_dim
+    key = str(want) if str(want) in table else min(table, key=lambda h: abs(int(h) - want))
+    pad = f" (runs the hd{want} kernel)" if want != head_dim else ""
+    near = "" if key == str(want) else f" (nearest calibrated to hd{want})"
+    return table[key], f"{backend} hd{key} CTA schedule{pad}{near}"
+
+
+def _launch_term(prof: dict) -> float:
+    """The launch term of a kernel of real size: it waits for the one before to drain (the calibrated
+    gap, where measured, else the queued launch cost)."""
+    return max(prof["launch_s"], prof.get("kernel_gap_s", 0.0))
+
+
 def time_kernel(kern: Kernel, prof: dict) -> dict:
     """One kernel (per launch and x count): its compute and memory terms, the bound, the time."""
     t_c, rate, note = 0.0, 0.0, ""
@@ -91,8 +109,13 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
             rate *= prof.get("matmul_fp32_accumulate", 1.0)
     elif kern.kind == "sdpa":
         B, nh, S, hd = kern.shape
-        rate, note = _sdpa_rate(prof, kern.backend, hd, kern.phase, S)
-        rate *= gpus.attention_wave_efficiency(B, nh, S, prof["sms"]) if prof["attention"] else 1.0
+        sched, note = _sdpa_schedule(prof, kern.backend, hd)
+        if sched:  # the kernel's whole duration, from its CTAs' makespan (sdpa_schedule); its launch is in it
+            t_sched = sdpa_schedule.kernel_s(sched[kern.phase], B, nh, S, prof["sms"], kern.phase)
+            rate = kern.flops / max(t_sched - _launch_term(prof), 1e-9)
+        else:
+            rate, note = _sdpa_rate(prof, kern.backend, hd, kern.phase, S)
+            rate *= gpus.attention_wave_efficiency(B, nh, S, prof["sms"]) if prof["attention"] else 1.0
     if rate:
         t_c = kern.flops / rate
     eff = fused_efficiency(prof, *kern.fused) if kern.fused else 1.0
@@ -104,7 +127,7 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
     if launch > max(t_c, t_m):
         bound = "launch"
     else:  # a kernel of real size waits for the one before to drain: the calibrated gap, where measured
-        launch = max(launch, prof.get("kernel_gap_s", 0.0))
+        launch = _launch_term(prof)
     per = max(t_c, t_m) + launch
     return dict(asdict(kern), shape=list(kern.shape), compute_s=t_c * kern.count, memory_s=t_m * kern.count,
                 launch_s=launch * kern.count, time_s=per * kern.count, per_launch_s=per, bound=bound,

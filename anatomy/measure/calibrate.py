@@ -52,6 +52,7 @@ from anatomy.calculator import gpus, measured
 from anatomy.config import PRESETS
 from anatomy.measure.calibrate_host import measure_host, measure_host_step
 from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
+from anatomy.measure.calibrate_sdpa import measure_sdpa_kernels
 
 GRID_PRESETS = ("seed", "anchor-1b", "llama2-7b")
 GRID_TOKENS = 16384
@@ -306,8 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     m["matmul_bf16_in_step"] = measure_gemms_in_step(gemm_grid(), deadline)
     m["fused"] = measure_fused(deadline + 15)  # 32 short rows, ~5 s
     m["matmul_vocab"] = measure_vocab_matmuls(vocab_grid(), deadline + 10)  # small: 42 GEMMs, a few seconds
+    # the profiler from here on: SDPA's main kernel at small to large grids (calibrate_sdpa.py), then
     # last: the profiler leaves CUPTI attached, and every launch after it costs the host more
     # (pytorch/pytorch#144455; scripts/probe_host_noise.py --profiler)
+    m["attention_kernels"] = measure_sdpa_kernels(deadline + 20)  # 14 grids, one profiled pass: a few seconds
     m["kernel_gap"] = measure_kernel_gap()
     prov = dict(_env(argv), seconds=round(time.monotonic() - t0, 1), skipped=skipped,
                 gemm_grid=f"{len(m['matmul_bf16'])} of {len(gemm_grid())} shapes",
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     prof = measured.from_measured(data)
     print(f"{name}: bf16 GEMM {prof['matmul_flops']['bfloat16'] / 1e12:.0f} TFLOP/s "
           f"(k_half {prof['matmul_k_half']:.0f}), copy {m['copy_tbps']:.2f} TB/s, launch {m['launch_us']:.2f} us, host op {m['host_op_us']:.1f} us, "
-          f"{len(m['attention'])} attention rows; {prov['seconds']} s -> {out}")
+          f"{len(m['attention'])} attention rows, {len(m['attention_kernels'])} SDPA kernel grids; {prov['seconds']} s -> {out}")
     return 0
 
 

@@ -1,0 +1,169 @@
+"""The causal SDPA kernel's CTA schedule (anatomy/calculator/sdpa_schedule.py), its fit to calibrate's rows
+(calculator/measured.schedule_table, measure/calibrate_sdpa.py), and, on a GPU, its prediction at grids
+and head dims calibrate never timed."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from anatomy.calculator import gpus, measured, sdpa_schedule, timing
+from anatomy.calculator.launches import efficient_kernels
+from anatomy.config import ModelConfig, Run
+from anatomy.measure import calibrate_sdpa
+
+SMS = 132
+TRUE = {"forward": dict(a=2.5e-6, o=1.5e-6, c=1.15e-6), "backward": dict(a=1.7e-6, o=4.0e-6, c=3.0e-6)}
+
+
+def test_head_dims_pad_to_the_kernels_tile():
+    assert [sdpa_schedule.padded_head_dim(d) for d in (16, 32, 64, 80, 96, 128)] == [64, 64, 64, 128, 128, 128]
+
+
+def test_causal_work_per_cta():
+    """Forward: query block i visits i + 1 key blocks; backward: key block i is visited by n - i query
+    blocks; both sum to the causal triangle n (n + 1) / 2 (a partial last block counts whole)."""
+    assert sdpa_schedule.cta_work(512, "forward") == [1, 2, 3, 4]
+    assert sdpa_schedule.cta_work(512, "backward") == [4, 3, 2, 1]
+    assert sum(sdpa_schedule.cta_work(1000, "forward")) == 8 * 9 // 2
+    with pytest.raises(ValueError):
+        sdpa_schedule.cta_work(512, "sideways")
+
+
+def test_under_one_wave_the_longest_cta_sets_the_time():
+    """64 CTAs on 132 SMs: the kernel lasts as long as its longest CTA, whatever the batch x heads."""
+    for bh in (1, 4, 16):
+        assert sdpa_schedule.makespan_units(bh, 512, SMS, 0.5, "forward") == 0.5 + 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(bh=st.integers(1, 256), seq=st.sampled_from([128, 256, 512, 1024, 2048, 4096]),
+       ratio=st.floats(0.05, 10), phase=st.sampled_from(sdpa_schedule.PHASES))
+def test_makespan_lies_between_the_mean_load_and_one_cta_more(bh, seq, ratio, phase):
+    """Greedy list scheduling: no faster than the work spread evenly over the SMs, nor than the longest
+    CTA; no slower than that even spread plus one longest CTA (Graham's bound)."""
+    work = [ratio + w for w in sdpa_schedule.cta_work(seq, phase)] * bh
+    m = sdpa_schedule.makespan_units(bh, seq, SMS, ratio, phase)
+    lower = max(sum(work) / SMS, max(work))
+    assert lower - 1e-9 <= m <= sum(work) / SMS + max(work) + 1e-9
+
+
+@settings(max_examples=40, deadline=None)
+@given(bh=st.integers(1, 200), seq=st.sampled_from([256, 1024, 4096]), phase=st.sampled_from(sdpa_schedule.PHASES))
+def test_more_heads_never_finish_sooner(bh, seq, phase):
+    a = sdpa_schedule.makespan_units(bh, seq, SMS, 1.0, phase)
+    assert sdpa_schedule.makespan_units(bh + 1, seq, SMS, 1.0, phase) >= a - 1e-9
+
+
+def _rows(sched: dict, phase: str) -> list[tuple[int, int, int, float]]:
+    return [(B, h, S, sdpa_schedule.kernel_s(sched, B, h, S, SMS, phase)) for B, h, S in calibrate_sdpa.SCHEDULE_GRIDS]
+
+
+@pytest.mark.parametrize("phase", sdpa_schedule.PHASES)
+def test_fit_recovers_a_known_schedule(phase):
+    """Rows made by a known (a, o, c) at calibrate's grids: the fit returns them to the grid's resolution
+    and reproduces every row within 1%."""
+    got = sdpa_schedule.fit(_rows(TRUE[phase], phase), SMS, phase)
+    for k in ("a", "o", "c"):
+        assert got[k] == pytest.approx(TRUE[phase][k], rel=0.15, abs=2e-7)
+    assert max(abs(e) for e in sdpa_schedule.errors(got, _rows(TRUE[phase], phase), SMS, phase)) < 0.01
+
+
+def test_fit_needs_three_grids():
+    with pytest.raises(ValueError, match="at least 3"):
+        sdpa_schedule.fit(_rows(TRUE["forward"], "forward")[:2], SMS, "forward")
+
+
+def _calibrate_rows(hd: int = 64) -> list[dict]:
+    return [dict(backend="cudnn", B=B, heads=h, S=S, hd=hd,
+                 fwd_kernel_ms=sdpa_schedule.kernel_s(TRUE["forward"], B, h, S, SMS, "forward") * 1e3,
+                 bwd_kernel_ms=sdpa_schedule.kernel_s(TRUE["backward"], B, h, S, SMS, "backward") * 1e3)
+            for B, h, S in calibrate_sdpa.SCHEDULE_GRIDS]
+
+
+def _profile(rows: list[dict]) -> dict:
+    data = json.loads((gpus.PROFILE_DIR / "h200.json").read_text())
+    data["measurements"]["attention_kernels"] = rows
+    return gpus.get(data)
+
+
+def test_profile_carries_the_fitted_schedule_with_its_source():
+    p = _profile(_calibrate_rows())
+    e = p["sdpa_schedule"]["cudnn"]["64"]
+    assert e["shapes"] == len(calibrate_sdpa.SCHEDULE_GRIDS) and e["max_error"] < 0.01
+    assert "sdpa_schedule.fit" in p["sources"]["sdpa_schedule"]
+    assert "sdpa_schedule" not in _profile([])  # no kernel rows: the full-wave rates, as before
+
+
+@pytest.mark.parametrize("hd,runs", [(64, 64), (32, 64), (128, 64)])
+def test_sdpa_kernels_take_the_schedule_at_the_head_dim_they_run(hd, runs):
+    """The SDPA kernel's time is the schedule's at the padded head dim (hd 32 runs the 64 kernel); a
+    head dim with no calibrated schedule takes the nearest one (only 64 calibrated here)."""
+    p = _profile(_calibrate_rows(64))
+    heads, B, S = 8, 4, 512
+    cfg = ModelConfig(name="t", hidden=heads * hd, layers=2, heads=heads, intermediate=4 * heads * hd, vocab=1000)
+    out = timing.estimate_time(cfg, Run(B, S, "amp"), "efficient", p, optimizer=None)
+    for name, phase in (("attention.sdpa", "forward"), ("attention.sdpa.backward", "backward")):
+        (k,) = [k for k in out["kernels"] if k["name"] == name]
+        fitted = sdpa_schedule.kernel_s(p["sdpa_schedule"]["cudnn"]["64"][phase], B, heads, S, SMS, phase)
+        assert k["per_launch_s"] == pytest.approx(fitted, rel=1e-9)
+        assert fitted == pytest.approx(sdpa_schedule.kernel_s(TRUE[phase], B, heads, S, SMS, phase), rel=0.01)
+        assert "CTA schedule" in k["note"] and (("hd64 kernel" in k["note"]) == (hd == 32))
+
+
+def test_cudnn_lists_the_small_kernels_around_its_main_one():
+    """Memsets of the row statistics in each phase, dot(dO, O) (zeroing the fp32 dQ accumulator) and
+    the dQ conversion in backward: under cuDNN only, one each per layer."""
+    cfg = ModelConfig(name="m", hidden=512, layers=3, heads=8, intermediate=1024, vocab=1000)
+    run = Run(2, 256, "amp")
+    names = {"attention.sdpa.memset", "attention.sdpa.backward.memset", "attention.sdpa.dot_do_o",
+             "attention.sdpa.convert_dq"}
+    cud = {k.name: k for k in efficient_kernels(cfg, run, "cudnn") if k.name in names}
+    assert set(cud) == names and all(k.count == cfg.layers and k.host is None for k in cud.values())
+    T, H = run.tokens, cfg.hidden
+    assert cud["attention.sdpa.convert_dq"].bytes == T * H * (4 + 2)
+    assert not [k for k in efficient_kernels(cfg, run, "flash") if k.name in names]
+
+
+def test_rows_from_profiled_kernels():
+    """Calibrate's rows: per call, the longest kernel of each phase and the rest."""
+    lab = calibrate_sdpa._label(1, 8, 512, 64)
+    comps = {"forward": {lab: dict(ms=0.10, n=20, top={"fprop": 0.09, "Memset": 0.01})},
+             "backward": {lab: dict(ms=0.30, n=40, top={"bprop": 0.20, "dot": 0.05, "cvt": 0.05})}}
+    (r,) = calibrate_sdpa.rows_from_kernels(comps, [(1, 8, 512, 64), (2, 8, 512, 64)], reps=10)
+    assert (r["fwd_kernel_ms"], r["bwd_kernel_ms"], r["fwd_kernel"], r["bwd_kernel"]) == (0.009, 0.02, "fprop", "bprop")
+    assert r["fwd_other_ms"] == pytest.approx(0.001) and r["bwd_other_ms"] == pytest.approx(0.01)
+
+
+# shapes calibrate never timed: other batches, heads and lengths, and the padded head dims
+GPU_SHAPES = [(3, 12, 768, 64), (4, 8, 512, 32), (2, 24, 1536, 128), (6, 20, 1024, 64), (1, 32, 3072, 128),
+              (2, 10, 2560, 96)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "B{}h{}S{}hd{}".format(*s))
+def test_sdpa_kernel_time_within_15pct_gpu(shape, claims, cuda_device):
+    """cuDNN's main SDPA kernel, forward and backward, at a shape calibrate never timed: its profiled
+    duration against the schedule of $ANATOMY_GPU_PROFILE (calibrated on this machine), ±15%."""
+    profile = os.environ.get("ANATOMY_GPU_PROFILE", "h200-measured")
+    prof = gpus.get(profile)
+    if not (prof.get("sdpa_schedule") or {}).get("cudnn"):
+        pytest.skip(f"profile {profile} has no cuDNN SDPA schedule (calibrated before session 12)")
+    B, h, S, hd = shape
+    # in a process of its own: the profiler leaves CUPTI attached, and the host-bound step tests after
+    # this one would pay for it (calibrate.py profiles last for the same reason)
+    code = ("import json, sys, time; from anatomy.measure.calibrate_sdpa import measure_sdpa_kernels; "
+            f"print(json.dumps(measure_sdpa_kernels(time.monotonic() + 60, reps=10, shapes=[{tuple(shape)}])))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True)
+    (row,) = json.loads(out.stdout.strip().splitlines()[-1])
+    sched, note = timing._sdpa_schedule(prof, "cudnn", hd)
+    for phase, key in (("forward", "fwd_kernel"), ("backward", "bwd_kernel")):
+        pred = sdpa_schedule.kernel_s(sched[phase], B, h, S, prof["sms"], phase) * 1e3
+        claims.check(f"time.sdpa_kernel.{phase}", component="attention", config=f"B{B}h{h}S{S}hd{hd}",
+                     variant="efficient", predicted=pred, measured=row[f"{key}_ms"], tolerance=0.15, device="cuda",
+                     unit="ms", note=f"profile {profile}; {note}; kernel {row[key]}")
