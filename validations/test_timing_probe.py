@@ -144,30 +144,41 @@ def _id(r: dict) -> str:
     return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}-{r['optimizer']}"
 
 
-# Known misses of the ±10% claim on session11d (seed 83; the final code, out of sample for every change), each
+# Known misses of the ±10% claim on session12 (seed 89; the final code, out of sample for every change), each
 # strict (a fix turns its XPASS into a failure), with the error measured there, against the profile calibrated in
 # that run at the host speed measured beside each row (probes.predicted: the tiny host step right before and after
-# its unmarked steps; docs/timing.md, "Session 10" and "Session 11"). Both are rows the host bounds; the same rows
-# land elsewhere in other runs of the same model (session11c: seed B4 -10.3%, train0 -17.6%; 10d: seed B4 +23.4%).
+# its unmarked steps; docs/timing.md, "Session 10" to "Session 12"). Every one is a row the host bounds or
+# shares with the GPU (predicted host >= GPU time); the same rows land elsewhere in other runs of the same model
+# (seed B4: -15.0% in 11d, -10.3% in 11c, +23.4% in 10d; train0, -13.8% in 11d, is -6.4% here).
 _HOST = ("host-bound; the host's own noise: host time swings +-20% between blocks of one process, uncorrelated with the "
          "tiny reference step (session11 host_depth.json); the reference here ")
 _MISSES = {
-    ("seed-B4S1024-efficient-adamw", "forward_backward"): (-0.150, _HOST + "9.6 then 12.0 ms; -10.3% in 11c, "
+    ("seed-B4S1024-efficient-adamw", "forward_backward"): (-0.234, _HOST + "8.2 then 8.4 ms; -15.0% in 11d, "
                                                                    "+23.4% in 10d"),
-    ("seed-B4S1024-efficient-adamw", "step"): (-0.157, _HOST + "9.6 then 12.0 ms"),
-    ("train0-B8S1024-efficient-adamw", "forward_backward"): (-0.138, _HOST + "12.5 then 10.4 ms"),
-    ("train0-B8S1024-efficient-adamw", "step"): (-0.153, _HOST + "12.5 then 10.4 ms"),
+    ("seed-B4S1024-efficient-adamw", "step"): (-0.240, _HOST + "8.2 then 8.4 ms"),
+    ("tiny-gqa-B4S512-efficient-adamw", "step"): (-0.124, _HOST + "10.4 then 8.4 ms (fwd+bwd -9.6%)"),
+    ("train29-B8S2048-efficient-adamw", "forward_backward"): (-0.144, _HOST + "8.5 then 10.7 ms"),
+    ("train29-B8S2048-efficient-adamw", "step"): (-0.139, _HOST + "8.5 then 10.7 ms"),
+    ("train30-B8S2048-efficient-adamw", "forward_backward"): (-0.158, _HOST + "9.3 then 8.9 ms"),
+    ("train30-B8S2048-efficient-adamw", "step"): (-0.151, _HOST + "9.3 then 8.9 ms"),
+    ("train32-B2S4096-efficient-adamw", "forward_backward"): (-0.269, _HOST + "9.0 then 11.7 ms"),
+    ("train32-B2S4096-efficient-adamw", "step"): (-0.276, _HOST + "9.0 then 11.7 ms"),
+    ("train33-B2S4096-efficient-adamw", "forward_backward"): (-0.157, _HOST + "10.7 then 11.7 ms"),
+    ("train33-B2S4096-efficient-adamw", "step"): (-0.170, _HOST + "10.7 then 11.7 ms"),
 }
 
-# Known misses of the ±15% per-component claim on session11d, strict, with the error measured there: the named
-# small shapes (every drawn figure of both variants is within).
-_SMALL = "a small or short-sequence shape under the calibrated sizes (cuDNN S >= 1024, GEMM grid at 16k tokens)"
+# Known misses of the ±15% per-component claim on session12, strict, with the error measured there. cuDNN's
+# attention on small grids is no longer among them (its CTA schedule, session 12: tiny-gqa attention backward
+# -38.5% in 11d, -10.8% here); the small GEMMs and the norm at small row counts still are.
+_SMALL = "a small shape: its kernels run a few microseconds, under the calibrated sizes (GEMM grid at 16k tokens)"
 _COMPONENT_MISSES = {
-    ("seed-B4S1024-efficient-adamw", "attention backward"): (-0.204, _SMALL),
-    ("seed-B4S1024-baseline-adamw", "norm backward"): (+0.255, "the eager norm's 12 backward kernels at 4096 rows of "
+    ("seed-B4S1024-baseline-adamw", "norm backward"): (+0.235, "the eager norm's 12 backward kernels at 4096 rows of "
                                                         "512, under the calibrated 16384 rows (flat below them)"),
-    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.173, _SMALL),
-    ("tiny-gqa-B4S512-efficient-adamw", "attention backward"): (-0.385, _SMALL),
+    ("tiny-gqa-B4S512-efficient-adamw", "norm backward"): (-0.164, _SMALL + "; -11.5% in 11d"),
+    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.205, _SMALL + "; -17.3% in 11d"),
+    **{(f"train{i}-B16S1024-baseline-adamw", "attention forward"): (e, "the eager S x S chain at B16 S1024 with 16-24 "
+                                                                       "heads; within in 11d's draw")
+       for i, e in ((9, -0.159), (10, -0.160), (11, -0.162), (12, -0.160))},
 }
 
 
@@ -223,13 +234,14 @@ def test_the_claim_covers_at_least_30_drawn_configs():
 
 
 @pytest.mark.parametrize("session,name,variant,lo,hi", [
-    (probes.set_session("drawn, small"), "drawn, small", "baseline", -0.27, 0.40),
-    (probes.set_session("drawn, small"), "drawn, small", "efficient", -0.16, 0.56)], ids=lambda x: getattr(x, "name", x))
+    (probes.set_session("drawn, small"), "drawn, small", "baseline", -0.18, 0.25),
+    (probes.set_session("drawn, small"), "drawn, small", "efficient", -0.28, 0.37)], ids=lambda x: getattr(x, "name", x))
 def test_what_the_model_gets_wrong_outside_the_claim(session, name, variant, lo, hi):
     """Not claims, but the model's stated errors where the claim does not reach, so that a change shows:
     the small drawn configs are bound by the host, whose in-step cost per op varies between machines
     (host op 8.5-23 us over sessions 7d-10) and between rows of one run. Each set against its own
-    session's profile."""
+    session's profile; the bounds hold session12's draw (seed 89: efficient -25.3% to +34.0%, baseline
+    -15.0% to +21.7%) with 3 points to spare."""
     errs = [probes.time_error(r, "forward_backward", str(session / "h200.json"))
             for r in probes.timing_rows(session)[name] if r["variant"] == variant]
     assert len(errs) >= 20 and lo < min(errs) and max(errs) < hi, (min(errs), max(errs))
