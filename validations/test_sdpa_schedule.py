@@ -161,7 +161,7 @@ def test_sdpa_kernel_time_within_15pct_gpu(shape, claims, cuda_device):
             f"print(json.dumps(measure_sdpa_kernels(time.monotonic() + 60, reps=10, shapes=[{tuple(shape)}])))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True)
     (row,) = json.loads(out.stdout.strip().splitlines()[-1])
-    sched, note = timing._sdpa_schedule(prof, "cudnn", hd)
+    sched, note = sdpa_schedule.lookup(prof, "cudnn", hd)
     for phase, key in (("forward", "fwd_kernel"), ("backward", "bwd_kernel")):
         pred = sdpa_schedule.kernel_s(sched[phase], B, h, S, prof["sms"], phase) * 1e3
         claims.check(f"time.sdpa_kernel.{phase}", component="attention", config=f"B{B}h{h}S{S}hd{hd}",

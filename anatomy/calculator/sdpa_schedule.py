@@ -88,3 +88,17 @@ def errors(sched: dict, rows: list[tuple[int, int, int, float]], sms: int, phase
     """(fitted - measured) / measured per row: how well the fit holds its own calibration."""
     return [(kernel_s(sched, b, h, s, sms, phase) - t) / t for b, h, s, t in rows]
 
+
+
+def lookup(prof: dict, backend: str, head_dim: int) -> tuple[dict | None, str]:
+    """A profile's fitted schedule of `backend` at the head dim its kernel runs (cuDNN pads to 64 or 128),
+    or the nearest one calibrated, and a note saying which; (None, "") where the profile has none (timing
+    then uses the full-wave rates)."""
+    table = (prof.get("sdpa_schedule") or {}).get(backend)
+    if not table:
+        return None, ""
+    want = padded_head_dim(head_dim) if backend == "cudnn" else head_dim
+    key = str(want) if str(want) in table else min(table, key=lambda h: abs(int(h) - want))
+    pad = f" (runs the hd{want} kernel)" if want != head_dim else ""
+    near = "" if key == str(want) else f" (nearest calibrated to hd{want})"
+    return table[key], f"{backend} hd{key} CTA schedule{pad}{near}"

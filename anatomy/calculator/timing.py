@@ -77,19 +77,6 @@ def _sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | N
     return 2.5 / (3.5 / fb - 1 / f), note  # backward = the fwd+bwd time minus the forward time
 
 
-def _sdpa_schedule(prof: dict, backend: str, head_dim: int) -> tuple[dict | None, str]:
-    """The fitted CTA schedule of `backend` at the head dim its kernel runs (cuDNN pads to 64 or 128),
-    or the nearest one calibrated; (None, "") where the profile has none (then the full-wave rates)."""
-    table = (prof.get("sdpa_schedule") or {}).get(backend)
-    if not table:
-        return None, ""
-    want = sdpa_schedule.padded_head_dim(head_dim) if backend == "cudnn" else head_dim
-    key = str(want) if str(want) in table else min(table, key=lambda h: abs(int(h) - want))
-    pad = f" (runs the hd{want} kernel)" if want != head_dim else ""
-    near = "" if key == str(want) else f" (nearest calibrated to hd{want})"
-    return table[key], f"{backend} hd{key} CTA schedule{pad}{near}"
-
-
 def _launch_term(prof: dict) -> float:
     """The launch term of a kernel of real size: it waits for the one before to drain (the calibrated
     gap, where measured, else the queued launch cost)."""
@@ -109,7 +96,7 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
             rate *= prof.get("matmul_fp32_accumulate", 1.0)
     elif kern.kind == "sdpa":
         B, nh, S, hd = kern.shape
-        sched, note = _sdpa_schedule(prof, kern.backend, hd)
+        sched, note = sdpa_schedule.lookup(prof, kern.backend, hd)
         if sched:  # the kernel's whole duration, from its CTAs' makespan (sdpa_schedule); its launch is in it
             t_sched = sdpa_schedule.kernel_s(sched[kern.phase], B, nh, S, prof["sms"], kern.phase)
             rate = kern.flops / max(t_sched - _launch_term(prof), 1e-9)
