@@ -60,7 +60,7 @@ part sxs-conditions 60 python3 scripts/probe_sxs_conditions.py --out "$R/sxs_con
 # (issue 5) cuDNN SDPA and a GEMM in bursts (calibrate's way), sustained and after GEMMs, with clocks
 part sdpa-power 60 python3 scripts/probe_sdpa_power.py --out "$R/sdpa_power.json"
 # whether host-bound steps slow down mid-row by the host or by the GPU clock (issue 5, session 12)
-part host-regime 120 python3 scripts/probe_host_regime.py --out "$R/host_regime.json"
+part host-regime 240 python3 scripts/probe_host_regime.py --out "$R/host_regime.json"
 part probe-timing 85 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
 part probe-timing-training 290 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "${DRAW_SEED:-2026}" \
   --strategy training --out "$R/probe_timing_training.json"
