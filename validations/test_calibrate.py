@@ -343,21 +343,22 @@ def test_at_host_speed_scales_every_host_figure_and_no_gpu_figure():
 
 
 def test_baseline_eager_chains_take_their_calibrated_rates():
-    """Fake timings (not a measurement) of the baseline's norm, loss tail, SwiGLU and gpt-oss clamps, each
+    """Fake timings (not a measurement) of the baseline's norm, loss tail, SwiGLU, gpt-oss clamps and RoPE, each
     chain as a whole at its own fraction of the copy bandwidth plus one launch per kernel: at a calibrated
     width and row count every kernel of the chain takes exactly its bytes at that fraction, the fp32 policy
     (not calibrated) keeps the copy roofline, gpt-oss's clamps take their own chain's rate, and the
     efficient model does not change."""
     from anatomy.calculator.fused import EAGER_CHAINS, fused_bytes
-    from anatomy.measure.calibrate_aten import EAGER_CE_ROWS, EAGER_CE_VOCABS
+    from anatomy.measure.calibrate_aten import EAGER_CE_ROWS, EAGER_CE_VOCABS, ROPE_HEAD_DIMS, ROPE_ROWS
     from anatomy.measure.calibrate_kernels import FUSED_TOKENS, RMS_WIDTHS, SWIGLU_WIDTHS
 
     hbm, launch = 4.0e12, 2.2e-6
     frac = {"eager_norm.forward": 0.75, "eager_norm.backward": 0.85, "eager_ce.forward": 0.8, "eager_ce.backward": 0.6,
-            "eager_mlp.forward": 0.7, "eager_mlp.backward": 0.9, "eager_clamp.forward": 0.95, "eager_clamp.backward": 0.5}
+            "eager_mlp.forward": 0.7, "eager_mlp.backward": 0.9, "eager_clamp.forward": 0.95, "eager_clamp.backward": 0.5,
+            "eager_rope.forward": 0.35, "eager_rope.backward": 0.4}
     assert set(frac) == set(EAGER_CHAINS)
     grid = {"norm": (FUSED_TOKENS, RMS_WIDTHS), "ce": (EAGER_CE_ROWS, EAGER_CE_VOCABS), "mlp": (FUSED_TOKENS, SWIGLU_WIDTHS),
-            "clamp": (FUSED_TOKENS, SWIGLU_WIDTHS)}
+            "clamp": (FUSED_TOKENS, SWIGLU_WIDTHS), "rope": (ROPE_ROWS, ROPE_HEAD_DIMS)}
     fused = [dict(op=op, tokens=t, width=w, queued=True,
                   ms=(sum(fused_bytes(op, w, t)) / hbm / frac[op] + len(EAGER_CHAINS[op](t, w)) * launch) * 1e3)
              for op in frac for t, ws in (grid[op.split(".")[0][6:]],) for w in ws]
@@ -368,7 +369,11 @@ def test_baseline_eager_chains_take_their_calibrated_rates():
     run = Run(4, 2048)  # 8192 tokens: the loss at its calibrated rows; norm and MLP rates are flat below 16384
     # (kernel name, phase) -> its chain, as launches.baseline_kernels names them
     comp = {"eager_norm": "norm", "eager_ce": "loss", "eager_mlp": "mlp", "eager_clamp": "mlp"}
-    chain = {(f"{comp[op.split('.')[0]]}.{name}", op.split(".")[1]): op for op in frac for name, _, _ in EAGER_CHAINS[op](1, 1)}
+    chain = {(f"{comp[op.split('.')[0]]}.{name}", op.split(".")[1]): op for op in frac if op.split(".")[0] in comp
+             for name, _, _ in EAGER_CHAINS[op](1, 1)}
+    # RoPE on q and k, hd 128 here: attention.rope_{q,k}.<op>, ".backward" after the backward's names
+    chain |= {(f"attention.rope_{t}.{name}{'.backward' if ph == 'backward' else ''}", ph): f"eager_rope.{ph}"
+              for t in "qk" for ph in ("forward", "backward") for name, _, _ in EAGER_CHAINS[f"eager_rope.{ph}"](1, 1)}
     oss = ModelConfig(name="o", hidden=2048, layers=2, heads=16, intermediate=5632, vocab=32000, mlp="gpt-oss")
     for c_, chains in ((cfg, set(frac) - {"eager_clamp.forward", "eager_clamp.backward"}), (oss, set(frac))):
         a, b = (timing.estimate_time(c_, run, "baseline", q, optimizer=None, with_kernels=True) for q in (p, p0))

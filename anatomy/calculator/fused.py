@@ -100,11 +100,25 @@ def eager_clamp_backward(T: int, I: int, c: int = 2, r: int = 4) -> list[tuple[s
             ("clamp_up.backward_mask_and", 2 * m, m), ("clamp_up.backward_where", m + TI, TI)]
 
 
+def eager_rope_forward(R: int, hd: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
+    """The baseline's RoPE on q or k (anatomy/baseline/attention.apply_rope): x * cos + cat(-x2, x1) * sin over
+    R = tokens x heads rows of hd, x a (B, heads, S, hd) view of the projection's (B, S, heads, hd) output and
+    the (S, hd) tables broadcast, in the compute dtype. ATen runs these broadcast, strided ops unvectorized:
+    session12's B16 S1024 rows took 2.3-4.3x the copy roofline per op. Backward mirrors it (the gradient
+    times sin, its half negated, the cat, times cos, the two paths summed)."""
+    W = R * hd * c
+    return [("mul_cos", W, W), ("neg", W // 2, W // 2), ("cat", W, W), ("mul_sin", W, W), ("add", 2 * W, W)]
+
+
+eager_rope_backward = eager_rope_forward
+
+
 # the baseline's eager chains calibrate times as wholes (calibrate_kernels.eager_case): {op: its kernels}
 EAGER_CHAINS = {"eager_norm.forward": eager_norm_forward, "eager_norm.backward": eager_norm_backward,
                 "eager_ce.forward": eager_ce_forward, "eager_ce.backward": eager_ce_backward,
                 "eager_mlp.forward": eager_mlp_forward, "eager_mlp.backward": eager_mlp_backward,
-                "eager_clamp.forward": eager_clamp_forward, "eager_clamp.backward": eager_clamp_backward}
+                "eager_clamp.forward": eager_clamp_forward, "eager_clamp.backward": eager_clamp_backward,
+                "eager_rope.forward": eager_rope_forward, "eager_rope.backward": eager_rope_backward}
 
 
 EMBEDDING_FEATURE_IDS = 3072  # ATen's embedding_dense_backward: its feature kernel up to this many ids

@@ -258,12 +258,12 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
     for name, width in (("q", H), ("k", Hkv), ("v", Hkv)):
         o.linear(f"attention.{name}", "attention", H, width, L, in_bytes=r)
     o.mem("attention.qkv_input_grad_sum", "attention", "backward", 2 * T * H * r, T * H * r, 2 * L)  # 3 grads: 2 adds
-    for name, width in (("q", H), ("k", Hkv)):
-        W = T * width * c
-        five = [("mul_cos", W, W), ("neg", W / 2, W / 2), ("cat", W, W), ("mul_sin", W, W), ("add", 2 * W, W)]
-        for op, rd, wr in five:  # x*cos + cat(-x2, x1)*sin; backward: g*sin, -g, cat, g*cos, the two paths' sum
-            o.mem(f"attention.rope_{name}.{op}", "attention", "forward", rd, wr, L)
-            o.mem(f"attention.rope_{name}.{op}.backward", "attention", "backward", rd, wr, L)
+    for name, heads in (("q", nh), ("k", nkv)):  # x*cos + cat(-x2, x1)*sin (fused.eager_rope_*), calibrated per hd
+        for ph, suffix in (("forward", ""), ("backward", ".backward")):
+            op = f"eager_rope.{ph}"
+            for kname, rd, wr in EAGER_CHAINS[op](T * heads, cfg.head_dim, c, r):
+                o.mem(f"attention.rope_{name}.{kname}{suffix}", "attention", ph, rd, wr, L,
+                      fused=(op, cfg.head_dim, T * heads) if c == 2 else ())
     # torch.matmul reshapes (B, nh, S, hd) operands laid out (B, S, nh, hd) to (B*nh, S, hd): a copy
     # each (repeat_kv's copy replaces it for k, v under GQA); their gradients' views copy back
     for name, width in (("q", H), ("k", Hkv), ("v", Hkv)):

@@ -4,6 +4,7 @@
   sxs.*        the eager baseline's S x S attention chain, op by op, over SXS_ROWS rows of S
   eager_*      the eager baseline's RMSNorm, loss tail, SwiGLU and gpt-oss clamps, each chain as a whole
   embedding    ATen's embedding_dense_backward, both models' embedding backward
+  eager_rope   the eager baseline's RoPE on q or k (session 12)
 """
 from __future__ import annotations
 
@@ -127,4 +128,37 @@ def eager_case(op: str, width: int, rows: int):
         if kind == "eager_clamp":
             return pre, (lambda: torch.autograd.backward(out[0], (g, g)))
         return pre, (lambda: out[0].backward(g))
+    return build
+
+
+# (session 12) the eager baseline's RoPE on q or k: broadcast, strided ATen ops that ran 2.3-4.3x the copy
+# roofline in session12's B16 S1024 rows. Timed as a whole per head dim, over ROPE_ROWS (token, head) rows:
+# x a (B, heads, S, hd) view of a (B, S, heads, hd) projection output, bf16 tables of (S, hd), as under amp
+ROPE_HEAD_DIMS, ROPE_ROWS, ROPE_SEQ = (64, 128), 262144, 1024
+
+
+def eager_rope_case(op: str, hd: int, rows: int = ROPE_ROWS, S: int = ROPE_SEQ):
+    def build():
+        import torch
+
+        from anatomy.baseline.attention import apply_rope
+
+        heads = max(1, 1024 // hd)
+        B = max(1, rows // (S * heads))
+        bf = dict(device="cuda", dtype=torch.bfloat16)
+        xs = [torch.randn(B, S, heads, hd, **bf).transpose(1, 2).requires_grad_() for _ in range(_sets(rows * hd * 12))]
+        cos, sin = torch.randn(S, hd, **bf), torch.randn(S, hd, **bf)
+        g = torch.randn(B, heads, S, hd, **bf)
+        it, cur, out = itertools.cycle(xs), [xs[0]], [None]
+
+        def fwd():
+            return apply_rope(cur[0], cos, sin)
+        if op.endswith(".forward"):
+            return (lambda: cur.__setitem__(0, next(it))), fwd
+
+        def pre():
+            cur[0] = next(it)
+            out[0] = fwd()
+        # autograd.grad: the gradient as the chain leaves it, with no AccumulateGrad copy into a strided leaf
+        return pre, (lambda: torch.autograd.grad(out[0], cur[0], g))
     return build

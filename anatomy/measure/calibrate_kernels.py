@@ -26,8 +26,8 @@ import statistics
 import time
 
 from anatomy.measure.calibrate_aten import (EAGER_CE_ROWS, EAGER_CE_VOCABS, EMBEDDING_ROWS, EMBEDDING_VOCAB,
-                                            EMBEDDING_WIDTHS, SXS_OPS, SXS_ROWS, SXS_SEQS, eager_case, embedding_case,
-                                            sxs_case)
+                                            EMBEDDING_WIDTHS, ROPE_HEAD_DIMS, ROPE_ROWS, SXS_OPS, SXS_ROWS, SXS_SEQS,
+                                            eager_case, eager_rope_case, embedding_case, sxs_case)
 
 SLEEP_CYCLES = 100_000_000  # ~50 ms at H200 clocks: longer than the host takes to enqueue a row's repeats
 RMS_WIDTHS = (512, 1024, 2048, 3072, 4096, 8192)  # hidden
@@ -246,6 +246,8 @@ def _fused_cases(T: int = FUSED_TOKENS):
                     for I in SWIGLU_WIDTHS)
     yield from (("embedding.backward", H, dict(rows=n, vocab=EMBEDDING_VOCAB), embedding_case(H, n))
                 for n in EMBEDDING_ROWS for H in EMBEDDING_WIDTHS)
+    yield from ((f"eager_rope.{ph}", hd, dict(rows=ROPE_ROWS), eager_rope_case(f"eager_rope.{ph}", hd))
+                for ph in ("forward", "backward") for hd in ROPE_HEAD_DIMS)
 
 
 NARROW_TOKENS = 65536  # the seed step's rows: at narrow widths the rate still grows with the row count
@@ -260,7 +262,7 @@ def measure_fused(deadline: float, tokens: int = FUSED_TOKENS) -> list[dict]:
 
     rows = []
     cases = [(tokens, c) for c in _fused_cases(tokens)]
-    own_rows = ("liger_ce", "sxs.", "optimizer.", "eager_ce", "embedding.")  # cases that set their own row counts
+    own_rows = ("liger_ce", "sxs.", "optimizer.", "eager_ce", "embedding.", "eager_rope")  # cases that set their own row counts
     cases += [(NARROW_TOKENS, c) for c in _fused_cases(NARROW_TOKENS) if c[1] <= 2048 and not c[0].startswith(own_rows)]
     for T, (op, width, extra, build) in cases:
         if time.monotonic() > deadline:
