@@ -95,3 +95,13 @@ def test_roofline_points_and_roofs(tmp_path):
     roofline.plot(path, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp*"))
     assert "| GEMM, in step | 1 |" in roofline.summary(path)
+
+
+def test_roofline_counts_flops_for_every_op_calibrate_times():
+    """Every op calibrate's fused pass times (calibrate_kernels._fused_cases) has a FLOP count per element in
+    the roofline figure, so a new calibrated op cannot break `anatomy report` (session 12's eager RoPE did)."""
+    from anatomy.measure.calibrate_kernels import _fused_cases
+    from anatomy.report.roofline import ELEMENTWISE_FLOPS
+
+    ops = {op for op, *_ in _fused_cases(1024)}
+    assert ops and ops <= set(ELEMENTWISE_FLOPS), sorted(ops - set(ELEMENTWISE_FLOPS))

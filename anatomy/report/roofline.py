@@ -39,6 +39,8 @@ ELEMENTWISE_FLOPS = {
     # gpt-oss's clamps (two, and the +1) and their masks, logical_and and where
     "eager_norm.forward": 4, "eager_norm.backward": 11, "eager_ce.forward": 5, "eager_ce.backward": 3,
     "eager_mlp.forward": 5, "eager_mlp.backward": 8, "eager_clamp.forward": 3, "eager_clamp.backward": 6,
+    # RoPE on q or k: x·cos, −x2, ·sin, the add (the cat moves bytes only); its backward the same
+    "eager_rope.forward": 3, "eager_rope.backward": 3,
     # torch's fused AdamW per parameter element: both moments (7), the denominator (2), the update (3), decay (2)
     "optimizer.adamw": 14,
     # ATen's embedding backward: one add per gradient element into its id's row (the zero fill is counted in bytes)
