@@ -167,3 +167,26 @@ def test_sdpa_kernel_time_within_15pct_gpu(shape, claims, cuda_device):
         claims.check(f"time.sdpa_kernel.{phase}", component="attention", config=f"B{B}h{h}S{S}hd{hd}",
                      variant="efficient", predicted=pred, measured=row[f"{key}_ms"], tolerance=0.15, device="cuda",
                      unit="ms", note=f"profile {profile}; {note}; kernel {row[key]}")
+
+
+# every efficient row of the claims' run: cuDNN's main kernel per layer as the probe profiled it in the step
+def _in_step_cases():
+    from anatomy.report import probes, sdpa_plot
+
+    pts = sdpa_plot.in_step(probes.TIMING_SESSION)
+    return [pytest.param(p, id="{phase}-B{B}h{heads}S{S}hd{hd}-{i}".format(i=i, **p)) for i, p in enumerate(pts)] or [
+        pytest.param(None, marks=pytest.mark.skip(reason="no profiled efficient rows in the claims' session"))]
+
+
+@pytest.mark.parametrize("point", _in_step_cases())
+def test_sdpa_kernel_in_step_within_15pct(point, claims):
+    """The main cuDNN kernel inside the probes' steps (named and drawn rows, their attention component's
+    profiled kernels over the layers) against the schedule of the profile calibrated in the same run,
+    ±15%: shapes the fit never saw, in the step's own conditions."""
+    from anatomy.report import probes, sdpa_plot
+
+    prof = gpus.get(probes.TIMING_SESSION / "h200.json")
+    claims.check(f"time.sdpa_kernel.{point['phase']}", component="attention",
+                 config="B{B}h{heads}S{S}hd{hd}".format(**point), variant="efficient",
+                 predicted=sdpa_plot.predict_us(prof, point) / 1e3, measured=point["us"] / 1e3, tolerance=0.15,
+                 device="cuda (recorded)", unit="ms", note=f"{probes.TIMING_SESSION.name}/probe_timing*.json kernels")

@@ -214,6 +214,11 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
 
         roofline.plot(prof, Path("docs/img/roofline-h200.png"))
         put("roofline-h200", roofline.summary(prof) + "\n\n![measured roofline](docs/img/roofline-h200.png)")
+        from anatomy.report import sdpa_plot
+
+        sdpa_plot.plot(probes.TIMING_SESSION, Path("docs/img/sdpa-schedule-h200.png"))
+        put("sdpa-h200", sdpa_plot.summary(probes.TIMING_SESSION)
+            + "\n\n![cuDNN SDPA kernel, predicted over measured](docs/img/sdpa-schedule-h200.png)")
     table, data = saved_table()
     put("saved-seed", table + "\n\n![saved bytes per component](docs/img/saved-by-component.png)")
     saved_plot(data, Path("docs/img/saved-by-component.png"))
