@@ -410,18 +410,3 @@ def test_embedding_backward_rate_is_calibrated_apart_from_its_zero_fill():
         assert _kernel(r, "embedding.backward.zero")["memory_s"] == pytest.approx(V * H * 4 / hbm, rel=1e-9)
         assert _kernel(r, "embedding.backward")["memory_s"] == pytest.approx(law(H, T), rel=1e-3), (T, H, V)
         assert _kernel(r, "embedding.backward")["count"] == (1 if T <= 3072 else 30)
-
-
-def test_eager_norm_is_also_timed_at_few_rows_in_the_l2():
-    """The eager norm at 4096 rows (widths 512-2048), its input rewritten before each forward as the step's
-    residual add writes it: once, in the main pass, not again in the narrow widths' pass; so
-    timing.fused_efficiency interpolates in rows between 4096 and 16384 (session 12)."""
-    from anatomy.measure.calibrate_aten import EAGER_NORM_SMALL_ROWS, EAGER_NORM_SMALL_WIDTHS
-    from anatomy.measure.calibrate_kernels import FUSED_TOKENS, NARROW_TOKENS, _fused_cases
-
-    def small(T):
-        return {(op, w) for op, w, extra, _ in _fused_cases(T)
-                if op.startswith("eager_norm") and extra.get("rows") == EAGER_NORM_SMALL_ROWS}
-    assert small(FUSED_TOKENS) == {(f"eager_norm.{ph}", H) for ph in ("forward", "backward")
-                                   for H in EAGER_NORM_SMALL_WIDTHS}
-    assert not small(NARROW_TOKENS)

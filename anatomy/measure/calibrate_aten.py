@@ -82,19 +82,11 @@ def embedding_case(width: int, rows: int, vocab: int = EMBEDDING_VOCAB):
     return build
 
 
-# (session 12) the eager norm again at 4096 rows, its input just written as the step's residual add writes
-# it: under ~8192 rows the chain's tensors stay in the L2, and session12b's baseline rows at 512-6144 tokens
-# ran their norm 10-30% faster than the 16384-row rate (seed B4 S1024 backward +23.8%)
-EAGER_NORM_SMALL_ROWS, EAGER_NORM_SMALL_WIDTHS = 4096, (512, 1024, 2048)
-
-
-def eager_case(op: str, width: int, rows: int, hot: bool = False):
+def eager_case(op: str, width: int, rows: int):
     """The baseline's norm (width = hidden; an fp32 (rows, H) stream), loss tail (width = vocab; bf16
     logits), SwiGLU's silu and product or gpt-oss's clamps before them (width = intermediate; bf16 gate and
     up) over `rows`, under bf16 autocast: "eager_*.forward" times the forward, "eager_*.backward" the
-    backward of a forward run just before it (untimed), from a random upstream gradient or the loss.
-    hot: one set of inputs, each forward's input rewritten right before it (a producer, as in the step),
-    so what fits in the L2 is read from it; else enough sets rotate to read from HBM."""
+    backward of a forward run just before it (untimed), from a random upstream gradient or the loss."""
     def build():
         import torch
         import torch.nn.functional as F
@@ -109,7 +101,7 @@ def eager_case(op: str, width: int, rows: int, hot: bool = False):
         def leaf():
             return torch.randn(rows, width, device="cuda", dtype=dt, requires_grad=True)
         # the MLP's gate and up are two leaves (as two matmul outputs: no split's backward to concatenate)
-        xs = [(leaf(), leaf()) if mlp else leaf() for _ in range(1 if hot else _sets(rows * width * (24 if norm else 14)))]
+        xs = [(leaf(), leaf()) if mlp else leaf() for _ in range(_sets(rows * width * (24 if norm else 14)))]
         ts = torch.randint(0, width, (rows,), device="cuda")
         mod = RMSNorm(width, 1e-5).to("cuda") if norm else None
         g = None if kind == "eager_ce" else torch.randn(rows, width, device="cuda", dtype=torch.float32 if norm else dt)
@@ -124,9 +116,6 @@ def eager_case(op: str, width: int, rows: int, hot: bool = False):
                 return mod(cur[0]) if norm else F.cross_entropy(cur[0].float(), ts)
 
         if op.endswith(".forward"):
-            if hot:  # the producer: writes the input (both leaves of the MLP's) as the step's last kernel did
-                src = [x.detach().clone() for x in (cur[0] if mlp else (cur[0],))]
-                return (lambda: [x.detach().copy_(y) for x, y in zip(cur[0] if mlp else (cur[0],), src)]), fwd
             return (lambda: cur.__setitem__(0, next(it))), fwd
 
         def pre():

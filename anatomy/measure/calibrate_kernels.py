@@ -25,10 +25,9 @@ import itertools
 import statistics
 import time
 
-from anatomy.measure.calibrate_aten import (EAGER_CE_ROWS, EAGER_CE_VOCABS, EAGER_NORM_SMALL_ROWS,
-                                            EAGER_NORM_SMALL_WIDTHS, EMBEDDING_ROWS, EMBEDDING_VOCAB, EMBEDDING_WIDTHS,
-                                            ROPE_HEAD_DIMS, ROPE_ROWS, SXS_OPS, SXS_ROWS, SXS_SEQS, eager_case,
-                                            eager_rope_case, embedding_case, sxs_case)
+from anatomy.measure.calibrate_aten import (EAGER_CE_ROWS, EAGER_CE_VOCABS, EMBEDDING_ROWS, EMBEDDING_VOCAB,
+                                            EMBEDDING_WIDTHS, ROPE_HEAD_DIMS, ROPE_ROWS, SXS_OPS, SXS_ROWS, SXS_SEQS,
+                                            eager_case, eager_rope_case, embedding_case, sxs_case)
 
 SLEEP_CYCLES = 100_000_000  # ~50 ms at H200 clocks: longer than the host takes to enqueue a row's repeats
 RMS_WIDTHS = (512, 1024, 2048, 3072, 4096, 8192)  # hidden
@@ -249,10 +248,6 @@ def _fused_cases(T: int = FUSED_TOKENS):
                 for n in EMBEDDING_ROWS for H in EMBEDDING_WIDTHS)
     yield from ((f"eager_rope.{ph}", hd, dict(rows=ROPE_ROWS), eager_rope_case(f"eager_rope.{ph}", hd))
                 for ph in ("forward", "backward") for hd in ROPE_HEAD_DIMS)
-    if T == FUSED_TOKENS:  # (once: not again in the narrow widths' pass) the eager norm at few rows, in the L2
-        n = EAGER_NORM_SMALL_ROWS
-        yield from ((f"eager_norm.{ph}", H, dict(rows=n), eager_case(f"eager_norm.{ph}", H, n, hot=True))
-                    for ph in ("forward", "backward") for H in EAGER_NORM_SMALL_WIDTHS)
 
 
 NARROW_TOKENS = 65536  # the seed step's rows: at narrow widths the rate still grows with the row count
