@@ -3,7 +3,7 @@
 A flash kernel (cuDNN's on Hopper) runs one CTA per (batch, head, 128-row block). Under a causal mask
 the blocks do unequal work: in the forward, query block i visits i + 1 key blocks; in the backward,
 key block i is visited by n - i query blocks. One CTA runs per SM at a time (a measured fit: two per SM
-fits the H200's kernels 3-4x worse, session 12), so the kernel's time is the makespan of those CTAs
+fits the H200's kernels 4-6x worse, session 12), so the kernel's time is the makespan of those CTAs
 greedily scheduled on the SMs in launch order, each costing o + c * blocks, plus a fixed a:
 
     t = a + makespan(o + c * w_i over the CTAs, on `sms` slots)
