@@ -76,8 +76,6 @@ def one_row(cfg, B: int, S: int, steps: int, period_ms: int | None) -> dict:
             except ValueError:
                 pass
     ms = [ev[i].elapsed_time(ev[i + 1]) for i in range(steps)]
-    del model, opt, ids, targets
-    torch.cuda.empty_cache()
     return dict(step_ms=ms, host_wall=wall, samples=samples)
 
 
@@ -95,6 +93,7 @@ def main() -> None:
             for name, (cfg, B, S) in ROWS.items():
                 key = f"{name} smi={period or 'off'} rep{rep}"
                 out[key] = one_row(cfg, B, S, a.steps, period)
+                torch.cuda.empty_cache()  # the row's model and optimizer went with one_row's frame
                 ms = out[key]["step_ms"]
                 med = sorted(ms)[len(ms) // 2]
                 print(f"{key}: median {med:.1f} ms, steps {min(ms):.1f}-{max(ms):.1f} ms, "

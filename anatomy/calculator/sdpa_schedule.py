@@ -89,7 +89,6 @@ def errors(sched: dict, rows: list[tuple[int, int, int, float]], sms: int, phase
     return [(kernel_s(sched, b, h, s, sms, phase) - t) / t for b, h, s, t in rows]
 
 
-
 def lookup(prof: dict, backend: str, head_dim: int) -> tuple[dict | None, str]:
     """A profile's fitted schedule of `backend` at the head dim its kernel runs (cuDNN pads to 64 or 128),
     or the nearest one calibrated, and a note saying which; (None, "") where the profile has none (timing

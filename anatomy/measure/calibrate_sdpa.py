@@ -66,9 +66,11 @@ def measure_sdpa_kernels(deadline: float, reps: int = 10, shapes=None) -> list[d
     def run(mark, n: int) -> None:
         for shape, q, k, v, g in cases:
             for _ in range(n):
-                mark("phase:forward"), mark(_label(*shape))
+                for label in ("phase:forward", _label(*shape)):
+                    mark(label)
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                mark("phase:backward"), mark(_label(*shape))
+                for label in ("phase:backward", _label(*shape)):
+                    mark(label)
                 torch.autograd.grad(out, (q, k, v), g)  # no accumulation kernels into .grad
 
     def mark(label: str) -> None:
@@ -89,6 +91,6 @@ def measure_sdpa_kernels(deadline: float, reps: int = 10, shapes=None) -> list[d
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
-    del cases
+    cases.clear()
     torch.cuda.empty_cache()
     return rows_from_kernels(attribute_kernels(*trace_kernels(trace)), shapes, reps)
