@@ -72,6 +72,10 @@ part step-recompute 240 bash -c 'for pb in "seed 16" "anchor-1b 4"; do set -- $p
     python3 bench/step.py --preset "$1" --batch "$2" --peer $peer --json "$R/step-$1-$n.json" || exit 1; done; done'
 part probe-memory-recompute 120 $SPLIT python3 scripts/probe_memory.py --recompute mlp --hypothesis 16 --seed 2026 \
   --out "$R/probe_memory_recompute.json"
+# (issue 4) recompute="mlp" out of sample: other drawn configs (seed 7), small and training-sized (session6b's rows)
+part probe-memory-recompute-oos 120 bash -c '$0 python3 scripts/probe_memory.py --recompute mlp --skip-named --hypothesis 24 \
+  --seed 7 --out "$R/probe_memory_recompute_oos.json" && $0 python3 scripts/probe_memory.py --recompute mlp --skip-named \
+  --hypothesis 8 --seed 7 --strategy training --out "$R/probe_memory_recompute_oos_training.json"' "$SPLIT"
 part gpu-recompute 90 $SPLIT python3 -m pytest validations/test_recompute.py validations/test_efficient.py -m gpu -q \
   -p no:cacheprovider --claims-report "$R/claims-recompute-gpu.json"
 # the whole GPU suite on the final tree, with its claims report (issues 3, 4, 5)

@@ -18,14 +18,18 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from anatomy.kernels import (INTERPRET, rms_norm, rms_norm_backward_triton, rms_norm_triton, rope_qkv, swiglu,
-                             triton_on_cpu)
+from anatomy.calculator.fused import RMS_MIN_ROWS, rms_norm_programs
+from anatomy.kernels import (HAS_TRITON, INTERPRET, rms_norm, rms_norm_backward_triton, rms_norm_triton, rope_qkv,
+                             swiglu, triton_on_cpu)
+from anatomy.kernels.rmsnorm import MAX_BLOCK, backward_programs
 from anatomy.kernels.swiglu import _disjoint
 
 # The interpreter evaluates sigmoid as 1/(1+exp(-x)) in numpy: exp overflows to inf for very
@@ -228,6 +232,20 @@ def test_rms_norm_row_tiles(rows, n):
     reference's error."""
     inputs, _, plain, scale = rms_case(FP32, shape=(rows, n), seed=rows)
     check_accuracy(inputs, lambda t: (_RmsTriton.apply(t["x"], t["w"]),), plain, scale)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the launcher's program count is computed with triton.cdiv")
+@given(M=st.integers(1, 1 << 20), N=st.integers(1, MAX_BLOCK), sms=st.sampled_from([108, 132, 170]))
+def test_rms_norm_backward_programs_are_the_calculators(M, N, sms):
+    """The fused backward's programs on a CUDA device (one fp32 row of dw partials each: the memory
+    model's transient, and the partial sum's rows in the timing model) are what the calculator computes
+    for itself (calculator/fused.rms_norm_programs): the rule lives in both, and must not drift."""
+    props = SimpleNamespace(multi_processor_count=sms)
+    with mock.patch.object(torch.cuda, "get_device_properties", lambda device: props):
+        programs, per = backward_programs(torch.device("cuda"), M, N)
+    assert programs == rms_norm_programs(N, M, sms)
+    assert (programs - 1) * per < M <= programs * per  # every program has rows, and all rows are covered
+    assert per >= min(M, RMS_MIN_ROWS) and programs <= sms * max(1, 8192 // N)
 
 
 class _RmsTriton(torch.autograd.Function):  # the bare launchers, no custom op around them

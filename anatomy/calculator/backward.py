@@ -88,15 +88,6 @@ class _Walk:
         self.by[GRAD] += sum(self.rnd(b) if b >= 0 else -self.rnd(-b) for b in nbytes)
 
 
-def _rms_programs(M: int, H: int, sms: int = 132) -> int:
-    """Programs of the Triton rms_norm backward over M rows (anatomy/kernels/rmsnorm.py): up to
-    max(1, 8192 // H) per SM (the H200's 132; other GPUs' partials differ by at most ~4 MB), each
-    a whole number of rows."""
-    programs = max(1, min(M, rms_norm_programs(H, sms)))
-    per = -(-M // programs)
-    return -(-M // per)
-
-
 def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[str, int], rnd) -> list[Stage]:
     """Candidate peaks of one backward, in execution order. start: bytes live when it starts, by KINDS."""
     dt = dtypes(run)
@@ -135,9 +126,9 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
             w.peak(tag, *([T * H * 4] * 3 + ([] if r == 4 else [T * H * 4 - T * H * r])))
             w.alloc(T * H * r, H * p)
         elif est.device == "cuda":  # the Triton backward: dx, the (programs, H) fp32 dw partials, dw
-            w.alloc(T * H * r, _rms_programs(T, H) * H * 4, H * p)
+            w.alloc(T * H * r, rms_norm_programs(H, T) * H * 4, H * p)
             w.peak(tag)
-            w.alloc(-_rms_programs(T, H) * H * 4)
+            w.alloc(-rms_norm_programs(H, T) * H * 4)
         else:  # the CPU reference: dx in the residual dtype and dw in fp32, cast to the weight's dtype
             w.alloc(T * H * r, H * 4)
             w.peak(tag)

@@ -141,12 +141,20 @@ def liger_ce_width(V: int, max_block: int = 32768) -> int:
     return -(-V // block) * block
 
 
-def dw_sum_bytes(H: int) -> tuple[int, int]:
-    """(read, write) of rms_norm backward's second kernel: the (programs, H) fp32 dw partials -> dw."""
-    return 4 * rms_norm_programs(H) * H, 4 * H
+def dw_sum_bytes(H: int, M: int) -> tuple[int, int]:
+    """(read, write) of rms_norm backward's second kernel over M rows: the (programs, H) fp32 dw
+    partials -> dw."""
+    return 4 * rms_norm_programs(H, M) * H, 4 * H
 
 
-def rms_norm_programs(H: int, sms: int = 132) -> int:
-    """Programs of the fused rms_norm backward, each writing an fp32 row of dw partials: max(1, 8192 // H)
-    per SM (anatomy/kernels/rmsnorm.py; the H200's 132 SMs: the partials are tiny whatever the GPU)."""
-    return sms * max(1, 8192 // H)
+RMS_MIN_ROWS = 4  # rows per program at least (the kernels' _dispatch.MIN_ROWS_PER_PROGRAM)
+
+
+def rms_norm_programs(H: int, M: int, sms: int = 132) -> int:
+    """Programs of the fused rms_norm backward over M rows, each writing an fp32 row of dw partials (and
+    so the size of its transient): max(1, 8192 // H) per SM, at least RMS_MIN_ROWS rows each, and a whole
+    number of rows each (anatomy/kernels/rmsnorm.py, _dispatch.reduction_programs; the H200's 132 SMs:
+    other GPUs' partials differ by at most ~4 MB)."""
+    programs = max(1, min(-(-M // RMS_MIN_ROWS), sms * max(1, 8192 // H)))
+    per = -(-M // programs)
+    return -(-M // per)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from anatomy.calculator import gpus
 from anatomy.calculator.dtypes import dtypes
-from anatomy.calculator.fused import EAGER_CHAINS, dw_sum_bytes, fused_bytes, fused_launches, rms_norm_programs
+from anatomy.calculator.fused import EAGER_CHAINS, dw_sum_bytes, fused_bytes, fused_launches
 from anatomy.calculator.loss import chunk_rows as liger_chunk_rows
 from anatomy.calculator.optimizer import step_bytes_moved
 from anatomy.calculator.types import BYTES
@@ -141,7 +141,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     o.mem("norm.rms_norm", "norm", "forward", *fused_bytes(*fw, T, c, r), n_norms, host=fw[0], fused=(*fw, T))
     o.mem("norm.rms_norm.backward", "norm", "backward", *fused_bytes(*bw, T, c, r), n_norms, host=bw[0],
           fused=(*bw, T))
-    o.mem("norm.rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H), n_norms, host=None, fused=(*bw, T))
+    o.mem("norm.rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H, T), n_norms, host=None, fused=(*bw, T))
     # attention: one qkv matmul, fused split + RoPE, SDPA, o
     o.linear("attention.qkv", "attention", H, D, L)
     for ph, name in (("forward", "attention.rope_qkv"), ("backward", "attention.rope_qkv.backward")):
@@ -381,7 +381,7 @@ def standalone_kernels(op: str, cfg: ModelConfig, batch: int, seq: int) -> list[
     if op == "rmsnorm":
         o.mem("rms_norm", "norm", "forward", T * H * c, T * H * c, host="rms_norm.forward")
         o.mem("rms_norm.backward", "norm", "backward", 2 * T * H * c, T * H * c, host="rms_norm.backward")
-        o.mem("rms_norm.dw_sum", "norm", "backward", 4 * rms_norm_programs(H) * H, 4 * H, host=None)
+        o.mem("rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H, T), host=None)
     elif op == "swiglu":  # gate and up are separate leaves here: backward writes new dgate, dup
         o.mem("swiglu", "mlp", "forward", 2 * T * I * c, T * I * c, host="swiglu.forward")
         o.mem("swiglu.backward", "mlp", "backward", 3 * T * I * c, 2 * T * I * c, host="swiglu.backward")

@@ -44,7 +44,7 @@ from anatomy.calculator import estimate, gpus, pipeline, sdpa_schedule
 from anatomy.calculator.fused import dw_sum_bytes, fused_bytes, fused_launches, liger_ce_width
 from anatomy.calculator.launches import (SDPA_BACKENDS, VARIANTS, Kernel, baseline_kernels,  # noqa: F401
                                          efficient_kernels, kernels, liger_chunk_rows, optimizer_kernels, param_sizes,
-                                         rms_norm_programs, standalone_kernels)
+                                         standalone_kernels)
 from anatomy.calculator.optimizer import step_bytes_moved
 from anatomy.config import ConfigError, ModelConfig, Run
 
@@ -141,7 +141,7 @@ def fused_efficiency(prof: dict, op: str, width: int, rows: int | None = None) -
     for r in cal:
         nbytes = sum(fused_bytes(op, r["width"], r["tokens"]))
         if op == "rms_norm.backward":  # the op is two kernels: the row pass and the dw partial sum
-            nbytes += sum(dw_sum_bytes(r["width"]))
+            nbytes += sum(dw_sum_bytes(r["width"], r["tokens"]))
         busy = r["ms"] * 1e-3 - fused_launches(op, r["width"], r["tokens"]) * prof["launch_s"]
         if op == "embedding.backward":  # its (V, W) fp32 zero fill is the model's own kernel, at the copy rate
             busy -= r["vocab"] * r["width"] * 4 / prof["hbm_Bps"] + prof["launch_s"]

@@ -115,6 +115,13 @@ def _block(N: int) -> int:
     return block
 
 
+def backward_programs(device: torch.device, M: int, N: int) -> tuple[int, int]:
+    """(programs, rows per program) of the backward's row pass: each program a whole number of rows
+    (_dispatch.reduction_programs); one fp32 row of dw partials per program."""
+    per = triton.cdiv(M, reduction_programs(device, M, N))
+    return triton.cdiv(M, per), per
+
+
 def rms_norm_triton(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None = None) -> Tensor:
     check_launchable(x)
     N = x.shape[-1]
@@ -138,20 +145,20 @@ def rms_norm_backward_triton(dy: Tensor, x: Tensor, weight: Tensor, eps: float) 
     if M == 0:
         return dx.view(x.shape), torch.zeros_like(weight)
     block = _block(N)
-    programs = reduction_programs(x.device, M, N)
-    per = triton.cdiv(M, programs)
-    programs = triton.cdiv(M, per)
-    # transient: (programs, N) fp32 partial dweights, about 8192 x SMs x 4 B (4.3 MB on an H200)
+    programs, per = backward_programs(x.device, M, N)
+    # transient: (programs, N) fp32 partial dweights, at most about 8192 x SMs x 4 B (4.3 MB on an H200)
     dw_partial = torch.empty((programs, N), dtype=torch.float32, device=x.device)
     bm, warps = _bwd_tile(block)
     _rms_norm_bwd_kernel[(programs,)](dy2, x2, weight.contiguous(), dx, dw_partial, dy2.stride(0), x2.stride(0),
                                       dx.stride(0), M, N, eps, per, NUM_STAGES=3, BLOCK_M=bm, BLOCK_N=block,
                                       num_warps=warps)
     dw = torch.empty(N, dtype=weight.dtype, device=x.device)
-    # one program per BLOCK_N columns walking all partial rows: at hidden 512, 64-column blocks left 8
-    # programs for 2,112 partial rows and took about as long as the row pass itself (session 7's seed
-    # bench: 115 us for the op); 16-column blocks give 32 programs, each on 4096-element tiles
-    bn = min(64, max(16, triton.next_power_of_2(N) // 32))
+    # one program per BLOCK_N columns walking all partial rows in 4096-element tiles: latency-bound, so
+    # the more programs the better. At hidden 512, 64-column blocks left 8 programs for 2,112 partial rows
+    # (session 7's seed bench: 115 us for the op). 8-column blocks (16 from hidden 4096) were the fastest
+    # of 8-64 at 24 of the 25 shapes of reports/h200/session13-small (1,024-16,384 rows of 256-4096; the
+    # 25th within 3%): 1.7-8.2 us a sum, against 4.2-14.0 us for the old 16-64-column blocks
+    bn = 8 if block <= 2048 else 16
     _sum_partials_kernel[(triton.cdiv(N, bn),)](dw_partial, dw, programs, N, BLOCK_R=4096 // bn, BLOCK_N=bn)
     return dx.view(x.shape), dw
 

@@ -78,7 +78,7 @@ def points(profile: dict) -> list[dict]:
                         bytes=12 * io + 8 * B * h * S, seconds=r["fwd_bwd_ms"] * 1e-3))
     for r in m.get("fused", []):
         op, T, W = r["op"], r["tokens"], r["width"]
-        nbytes = sum(fused_bytes(op, W, T)) + (sum(dw_sum_bytes(W)) if op == "rms_norm.backward" else 0)
+        nbytes = sum(fused_bytes(op, W, T)) + (sum(dw_sum_bytes(W, T)) if op == "rms_norm.backward" else 0)
         nbytes += r["vocab"] * W * 4 if op == "embedding.backward" else 0  # its (V, W) fp32 zero fill
         out.append(dict(kind="Liger CE kernel" if op == "liger_ce" else
                         "residual add (ATen)" if op == "residual_add" else
