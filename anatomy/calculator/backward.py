@@ -233,8 +233,14 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
             gn = T * H * r
         else:
             w.alloc(kv_exp, B * nkv * S * hd * c, B * nkv * S * hd * c)  # SDPA's backward: dq, dk, dv
+            # under GQA, cuDNN's backward writes dk and dv per query head in fp32 into one workspace, with
+            # the fp32 dot(dO, O) row sums, and then sums each group into dk, dv (launches: gqa_reduce):
+            # 2*T*nh*hd*4 + 4*B*nh*S + 256 bytes at all four GQA/MQA rows `anatomy forensics` traced on
+            # the H200 (reports/h200/session13-mem/forensics), live at the step's backward peak in each
+            ws = 2 * B * nh * S * hd * 4 + 4 * B * nh * S + 256 if nkv < nh and est.device == "cuda" else 0
+            w.alloc(ws)
             w.peak(tag + "attention.sdpa")
-            w.alloc(-go)
+            w.alloc(-ws, -go)
             w.free("attention.sdpa.")
             dqkv = T * (nh + 2 * nkv) * hd * c
             w.alloc(dqkv)  # rope_qkv's backward: d(qkv)

@@ -18,7 +18,9 @@ from anatomy.config import ModelConfig, Run
 
 H200 = Path(__file__).resolve().parents[2] / "reports" / "h200"
 # memory rows of one H200 run under two allocator settings; timing rows with that run's profile
-MEMORY_SESSION, TIMING_SESSION = H200 / "session5b", H200 / "session12b"
+# session13-mem re-ran session5b's memory probe and session6/6b's recompute probes (same commands and seeds) on
+# the fused norm backward with fewer dw partial rows: its transient is part of every efficient backward peak
+MEMORY_SESSION, TIMING_SESSION = H200 / "session13-mem", H200 / "session12b"
 # a session that did not probe a set takes it from this one (session11d ran no small drawn configs)
 TIMING_FALLBACK = H200 / "session9c"
 SPLIT, DEFAULT = "expandable segments", "default allocator"
@@ -53,11 +55,12 @@ def memory_rows(alloc: str = SPLIT, session: Path = MEMORY_SESSION) -> list[dict
     return [dict(r, alloc=alloc, session=session.name) for f in MEMORY_FILES[alloc] for r in rows(session / f)]
 
 
-# Run.recompute="mlp" rows (efficient only), under expandable segments. session6: the named configs and
-# 16 drawn ones (the forward-peak terms _cached_casts and _mlp_region_transient were written after its
-# misses); session6b: 24 + 8 training-sized configs drawn with another seed, run after, out of sample.
-RECOMPUTE_FILES = {"session6": ("probe_memory_recompute.json",),
-                   "session6b": ("probe_memory_recompute_oos.json", "probe_memory_recompute_oos_training.json")}
+# Run.recompute="mlp" rows (efficient only), under expandable segments: the named configs and 16 drawn ones
+# (seed 2026: session6 ran them first, and the forward-peak terms _cached_casts and _mlp_region_transient were
+# written after its misses), and 24 + 8 training-sized configs drawn with seed 7 (session6b: out of sample then).
+# session13-mem ran all three again on the current kernels.
+RECOMPUTE_FILES = {"session13-mem": ("probe_memory_recompute.json", "probe_memory_recompute_oos.json",
+                                     "probe_memory_recompute_oos_training.json")}
 
 
 def recompute_rows() -> list[dict]:
@@ -66,8 +69,8 @@ def recompute_rows() -> list[dict]:
 
 
 def recompute_summary() -> str:
-    """The recompute rows' phase figures against the calculator, in sample (session6) and out of it (6b),
-    and the step benchmarks' peaks under recompute."""
+    """The recompute rows' phase figures against the calculator, and the step benchmarks' peaks under
+    recompute."""
     parts = []
     for s in RECOMPUTE_FILES:
         e = memory_errors(rows_=[r for r in recompute_rows() if r["session"] == s])
@@ -80,7 +83,8 @@ def recompute_summary() -> str:
     steps = [f"`{rel}` {err:+.2%}" for rel, _, err in step_peak_errors() if "recompute" in rel]
     return ("Phase memory under recompute, expandable segments, against `max_memory_allocated`: " + "; ".join(parts)
             + ". The forward-peak terms for autocast's cached weight casts and the last MLP checkpoint were written "
-            "after session6's misses; session6b's configs were drawn with another seed afterwards. Step peaks: "
+            "after session6's misses on the seed-2026 configs; the seed-7 configs were drawn afterwards (session6b) "
+            "and were out of sample then. Step peaks: "
             + ", ".join(steps) + ".")
 
 
