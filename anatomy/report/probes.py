@@ -20,7 +20,7 @@ H200 = Path(__file__).resolve().parents[2] / "reports" / "h200"
 # memory rows of one H200 run under two allocator settings; timing rows with that run's profile
 # session13-mem re-ran session5b's memory probe and session6/6b's recompute probes (same commands and seeds) on
 # the fused norm backward with fewer dw partial rows: its transient is part of every efficient backward peak
-MEMORY_SESSION, TIMING_SESSION = H200 / "session13-mem", H200 / "session12b"
+MEMORY_SESSION, TIMING_SESSION = H200 / "session13-mem", H200 / "session13"
 # a session that did not probe a set takes it from this one (session11d ran no small drawn configs)
 TIMING_FALLBACK = H200 / "session9c"
 SPLIT, DEFAULT = "expandable segments", "default allocator"
@@ -145,7 +145,8 @@ def memory_summary(session: Path = MEMORY_SESSION) -> str:
                 f"whole (the default splits a large block only when more than 1 MiB would remain).\n")
     res = reserved_ratios(session)
     out += (f"- `memory_reserved`, the looser figure: the calculator's range is [peak, 1.4 x peak + 128 MiB], its "
-            f"slack fitted on these rows (reserved - 128 MiB over the predicted peak: median {res['median']:.2f}x, "
+            f"slack fitted on session5b's run of these configs (here, reserved - 128 MiB over the predicted peak: "
+            f"median {res['median']:.2f}x, "
             f"worst {res['worst']:.2f}x); on the step benchmarks, outside that sample, reserved over peak is "
             f"{res['steps'][0]:.2f}-{res['steps'][1]:.2f}x.\n")
     return out + ("- Whole-step peaks of the step benchmarks (`bench/step.py`, default allocator, configs the probe "
