@@ -29,6 +29,7 @@ ELEMENTWISE_FLOPS = {
     "rope_qkv.forward": 3,  # q and k: x·cos + rot(x)·sin (v is copied: counted 3 anyway, an upper bound)
     "rope_qkv.backward": 3,
     "residual_add": 1,
+    "elementwise.warm": 1,  # fp32 a + b, its inputs just written (the L2 term, measured.l2_warm_curve)
     "liger_ce": 7,  # max pass, exp and sum, then exp, divide, subtract the target's one-hot, scale
     # the eager baseline's S x S chain (ATen): one multiply, one add, casts, softmax (max, sub, exp, sum,
     # div), its backward (g·y, the row sum, subtract, multiply)
@@ -81,7 +82,7 @@ def points(profile: dict) -> list[dict]:
         nbytes = sum(fused_bytes(op, W, T)) + (sum(dw_sum_bytes(W, T)) if op == "rms_norm.backward" else 0)
         nbytes += r["vocab"] * W * 4 if op == "embedding.backward" else 0  # its (V, W) fp32 zero fill
         out.append(dict(kind="Liger CE kernel" if op == "liger_ce" else
-                        "residual add (ATen)" if op == "residual_add" else
+                        "residual add (ATen)" if op in ("residual_add", "elementwise.warm") else
                         "baseline S x S chain (ATen)" if op.startswith("sxs.") else
                         "baseline eager chains (ATen)" if op.startswith("eager_") else
                         "fused AdamW (torch)" if op.startswith("optimizer.") else
