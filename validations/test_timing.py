@@ -380,33 +380,3 @@ def test_gqa_backward_reduces_heads_under_cudnn_only():
     assert (k.count, k.phase, k.bytes) == (cfg.layers, "backward", 2 * T * cfg.hidden * 4 + 2 * T * cfg.kv_dim * 2)
     mha = ModelConfig(name="mha", hidden=1024, layers=2, heads=16, kv_heads=16, intermediate=2816, vocab=8192)
     assert not [k for k in efficient_kernels(mha, run) if k.name == "attention.sdpa.gqa_reduce"]
-
-
-def test_l2_speedup_is_relative_to_the_largest_size_measured():
-    """The L2 term (measured.l2_warm_curve, timing.l2_speedup): calibrate's warm fp32 adds give each size's
-    rate over the copy roofline, net of a launch, relative to the largest size's, so a large kernel keeps the
-    copy rate; an unfused forward/backward memory kernel reads the factor at its bytes (log-linear between
-    sizes), never below 1; the optimizer's kernels and a profile without the rows get 1."""
-    from anatomy.calculator.launches import Kernel
-    from anatomy.calculator.measured import l2_warm_curve
-
-    hbm, launch = 4e12, 2e-6
-    rows = [dict(op="elementwise.warm", width=1024, tokens=t, ms=ms, queued=True)
-            for t, ms in ((128, 0.004), (4096, 0.009), (32768, 0.1))]
-    rows.append(dict(op="residual_add", width=1024, tokens=4096, ms=1.0))  # another op: not read
-    curve = l2_warm_curve(rows, hbm, launch)
-    nb = [12 * t * 1024 for t in (128, 4096, 32768)]
-    rate = [b / hbm / busy for b, busy in zip(nb, (2e-6, 7e-6, 98e-6))]
-    assert [b for b, _ in curve] == nb
-    assert [f for _, f in curve] == pytest.approx([r / rate[-1] for r in rate])
-    prof = dict(l2_warm=curve)
-    mid = Kernel("x", "norm", "backward", "memory", bytes=nb[1])
-    assert timing.l2_speedup(prof, mid) == pytest.approx(rate[1] / rate[2]) and rate[1] / rate[2] > 1.5
-    half = math.exp((math.log(nb[1]) + math.log(nb[2])) / 2)  # half way in log(bytes): half way in factor
-    assert timing.l2_speedup(prof, Kernel("x", "norm", "backward", "memory", bytes=int(half))) == pytest.approx(
-        (rate[1] / rate[2] + 1) / 2, rel=1e-6)
-    for k in (Kernel("x", "norm", "backward", "memory", bytes=nb[0]),  # 0.19x measured there: the launch's share
-              Kernel("x", "norm", "backward", "memory", bytes=nb[2] * 10),
-              Kernel("x", "optimizer", "optimizer", "memory", bytes=nb[1])):
-        assert timing.l2_speedup(prof, k) == 1.0
-    assert timing.l2_speedup(gpus.get("h200-sxm"), mid) == 1.0 and l2_warm_curve(rows[:1], hbm, launch) == []

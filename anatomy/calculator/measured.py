@@ -13,7 +13,6 @@ from functools import lru_cache
 from pathlib import Path
 
 from anatomy.calculator import sdpa_schedule
-from anatomy.calculator.fused import fused_bytes
 from anatomy.calculator.gpus import (_check, alignment_class, attention_wave_efficiency, causal_attention_flops,
                                      get, matmul_efficiency)
 from anatomy.config import ConfigError
@@ -166,11 +165,6 @@ def from_measured(data: dict) -> dict:
     if m.get("kernel_gap"):
         p["kernel_gap_s"] = m["kernel_gap"]["gap_us"] * 1e-6
         p["sources"]["kernel_gap_s"] = f"{where}: median idle time between dependent GEMM/copy kernels (profiled chain)"
-    curve = l2_warm_curve(m.get("fused") or [], p["hbm_Bps"], p["launch_s"])
-    if curve:
-        p["l2_warm"] = curve
-        p["sources"]["l2_warm"] = (f"{where}: an ATen fp32 add right after a copy wrote its inputs, "
-                                   f"{len(curve)} sizes, its rate over the rate at the largest")
     if m.get("host_op_us"):
         p["host_op_s"] = m["host_op_us"] * 1e-6
         p["sources"]["host_op_s"] = f"{where}: CPU time per eager op under autograd"
@@ -231,20 +225,6 @@ def schedule_table(rows: list[dict], sms: int) -> dict:
 @lru_cache(maxsize=64)
 def _fit_schedule(pts: tuple, sms: int, phase: str) -> dict:
     return sdpa_schedule.fit(list(pts), sms, phase)  # a profile is built on every load: fit once
-
-
-def l2_warm_curve(rows: list[dict], hbm_Bps: float, launch_s: float) -> list[list[float]]:
-    """[bytes moved, speed-up] of an unfused elementwise kernel whose inputs the kernel before just wrote,
-    from calibrate's "elementwise.warm" rows (fp32 a + b -> c, 12 bytes an element, at 1.6-400 MB): its
-    bytes over the copy roofline, net of a launch, relative to the same at the largest size measured, which
-    the L2 (50 MB on an H200) cannot hold. So a large kernel keeps the copy rate and only what the L2 serves
-    at a few MB moves the model (timing.l2_speedup). [] with fewer than two such rows."""
-    pts = sorted((sum(fused_bytes(r["op"], r["width"], r["tokens"])), r["ms"] * 1e-3 - launch_s) for r in rows
-                 if r["op"] == "elementwise.warm" and r.get("queued", True) and r["ms"] * 1e-3 > launch_s)
-    if len(pts) < 2:
-        return []
-    rate = [(b, b / hbm_Bps / busy) for b, busy in pts]
-    return [[b, e / rate[-1][1]] for b, e in rate]
 
 
 def write_atomic(path: str | Path, data: dict) -> Path:

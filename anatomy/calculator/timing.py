@@ -22,8 +22,8 @@ minimal HBM bytes, and predicts each one as
 
 Assumptions (each is a source of error, listed in docs/timing.md):
   1. Kernels run back to back: the step's GPU time is their sum (no overlap between kernels).
-  2. Memory-bound kernels move exactly their minimal bytes at the copy bandwidth (unfused ones of a few MB
-     at the L2's measured speed-up, l2_speedup), no re-reads inside a kernel (Liger's CE's are counted).
+  2. Memory-bound kernels move exactly their minimal bytes at the copy bandwidth: no L2 reuse,
+     no re-reads inside a kernel (softmax rows, Liger's CE reading each logit twice is counted).
   3. Compute and memory overlap perfectly inside a kernel (the max, not the sum).
   4. The host issues work asynchronously: each kernel starts when the GPU is free and the host has
      issued it (pipeline.py), so the GPU idles where the host falls behind, after each host sync
@@ -105,7 +105,7 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
             rate *= gpus.attention_wave_efficiency(B, nh, S, prof["sms"]) if prof["attention"] else 1.0
     if rate:
         t_c = kern.flops / rate
-    eff = fused_efficiency(prof, *kern.fused) if kern.fused else l2_speedup(prof, kern)
+    eff = fused_efficiency(prof, *kern.fused) if kern.fused else 1.0
     if kern.accumulate:  # its epilogue streams the fp32 accumulator below copy bandwidth (measured.accumulate_bandwidth)
         eff = prof.get("matmul_accumulate_bw", 1.0)
     t_m = kern.bytes / (prof["hbm_Bps"] * eff)
@@ -152,14 +152,6 @@ def fused_efficiency(prof: dict, op: str, width: int, rows: int | None = None) -
         return 1.0
     at = [(math.log(t), _log_interp(pts, math.log(x(width)))) for t, pts in by_rows.items()]
     return (_log_interp(at, math.log(rows)) if rows else max(at)[1]) / per_lane(width)
-
-
-def l2_speedup(prof: dict, kern: Kernel) -> float:
-    """An unfused forward/backward memory kernel's rate over the copy roofline: at a few MB it reads the kernel
-    before's output from the L2 (measured.l2_warm_curve, linear in log(bytes), flat beyond, at least 1). 1.0
-    without the curve, and for the optimizer (its inputs are weights and states, not fresh outputs)."""
-    pts = prof.get("l2_warm") if kern.kind == "memory" and kern.phase != "optimizer" else None
-    return max(1.0, _log_interp([(math.log(b), f) for b, f in pts], math.log(max(kern.bytes, 1)))) if pts else 1.0
 
 
 def _log_interp(pts: list[tuple[float, float]], x: float) -> float:

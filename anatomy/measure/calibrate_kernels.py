@@ -248,29 +248,6 @@ def _fused_cases(T: int = FUSED_TOKENS):
                 for n in EMBEDDING_ROWS for H in EMBEDDING_WIDTHS)
     yield from ((f"eager_rope.{ph}", hd, dict(rows=ROPE_ROWS), eager_rope_case(f"eager_rope.{ph}", hd))
                 for ph in ("forward", "backward") for hd in ROPE_HEAD_DIMS)
-    yield from (("elementwise.warm", L2_WARM_WIDTH, dict(rows=n), l2_warm_case(n)) for n in L2_WARM_ROWS)
-
-
-# An ATen elementwise kernel whose inputs the kernel before just wrote (a step's residual-gradient casts and
-# sums): at a few MB it reads them from the L2, not HBM (session13: the seed B4 S1024 efficient norm backward's
-# casts and sums ran ~100 us against 148 at the copy rate). fp32 a + b -> c at (rows, 1024), 1.6-400 MB moved,
-# each call right after copies that write a and b (measured.l2_warm_curve)
-L2_WARM_WIDTH, L2_WARM_ROWS = 1024, (128, 512, 2048, 4096, 8192, 32768)
-
-
-def l2_warm_case(T: int, H: int = L2_WARM_WIDTH):
-    def build():
-        import torch
-
-        f32 = dict(device="cuda", dtype=torch.float32)
-        a, b, c = (torch.empty(T, H, **f32) for _ in range(3))
-        src = torch.randn(T, H, **f32)
-
-        def pre():  # the producer: the op's inputs fresh from the kernel before
-            a.copy_(src)
-            b.copy_(src)
-        return pre, lambda: torch.add(a, b, out=c)
-    return build
 
 
 NARROW_TOKENS = 65536  # the seed step's rows: at narrow widths the rate still grows with the row count
@@ -285,7 +262,7 @@ def measure_fused(deadline: float, tokens: int = FUSED_TOKENS) -> list[dict]:
 
     rows = []
     cases = [(tokens, c) for c in _fused_cases(tokens)]
-    own_rows = ("liger_ce", "sxs.", "optimizer.", "eager_ce", "embedding.", "eager_rope", "elementwise.")  # own row counts
+    own_rows = ("liger_ce", "sxs.", "optimizer.", "eager_ce", "embedding.", "eager_rope")  # cases that set their own row counts
     cases += [(NARROW_TOKENS, c) for c in _fused_cases(NARROW_TOKENS) if c[1] <= 2048 and not c[0].startswith(own_rows)]
     for T, (op, width, extra, build) in cases:
         if time.monotonic() > deadline:

@@ -29,7 +29,7 @@ ELEMENTWISE_FLOPS = {
     "rope_qkv.forward": 3,  # q and k: x·cos + rot(x)·sin (v is copied: counted 3 anyway, an upper bound)
     "rope_qkv.backward": 3,
     "residual_add": 1,
-    "elementwise.warm": 1,  # fp32 a + b, its inputs just written (the L2 term, measured.l2_warm_curve)
+    "elementwise.warm": 1,  # fp32 a + b, its inputs just written (session13b's L2 test, fused.py)
     "liger_ce": 7,  # max pass, exp and sum, then exp, divide, subtract the target's one-hot, scale
     # the eager baseline's S x S chain (ATen): one multiply, one add, casts, softmax (max, sub, exp, sum,
     # div), its backward (g·y, the row sum, subtract, multiply)
