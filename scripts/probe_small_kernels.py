@@ -24,7 +24,7 @@ import triton
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from anatomy.kernels._dispatch import reduction_programs
-from anatomy.kernels.rmsnorm import _bwd_tile, _rms_norm_bwd_kernel, _sum_partials_kernel
+from anatomy.kernels.rmsnorm import _bwd_tile, _rms_norm_bwd_kernel, _sum_block, _sum_partials_kernel
 from anatomy.measure.timeline import MARK, attribute_kernels, trace_kernels
 
 # (hidden, intermediate, qkv out): tiny-gqa, the seed, a 2-layer hidden-1024 drawn row, llama3.2-1b-like
@@ -85,34 +85,41 @@ def gemm_cases():
     return cases, meta
 
 
+def _row_pass(dy, x, w, dx, dwp, M, N, per):
+    """The backward's row pass, launched as the launcher does, with `per` rows a program."""
+    block = triton.next_power_of_2(N)
+    bm, warps = _bwd_tile(block)
+    return lambda: _rms_norm_bwd_kernel[(triton.cdiv(M, per),)](
+        dy, x, w, dx, dwp, dy.stride(0), x.stride(0), dx.stride(0), M, N, 1e-5, per, NUM_STAGES=3, BLOCK_M=bm,
+        BLOCK_N=block, num_warps=warps)
+
+
+def _partial_sum(dwp, dw, N, bn, elems):
+    """The dw partial sum over dwp's rows with `bn`-column blocks walking `elems`-element tiles."""
+    return lambda: _sum_partials_kernel[(triton.cdiv(N, bn),)](dwp, dw, dwp.shape[0], N, BLOCK_R=elems // bn,
+                                                               BLOCK_N=bn)
+
+
 def rms_cases():
     cases, meta = [], {}
     for M, N in ((m, n) for m in RMS_ROWS for n in RMS_WIDTHS):
-        block = triton.next_power_of_2(N)
         x = torch.randn(M, N, device="cuda")
         dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         w = torch.rand(N, device="cuda") + 0.5
         dx, dw, src = torch.empty_like(x), torch.empty(N, device="cuda"), torch.randn(M, N, device="cuda")
-        bm, warps = _bwd_tile(block)
         cur = triton.cdiv(M, reduction_programs(x.device, M, N))
+        cur_bn = _sum_block(triton.next_power_of_2(N))  # the launcher's (session13-small ran 16-64 before it)
         for per in sorted({cur, *PER}):
             programs = triton.cdiv(M, per)
             dwp = torch.empty(programs, N, device="cuda")
             label = f"rms rows M{M} N{N} per{per}"
-            cases.append((label, (lambda x=x, src=src: x.copy_(src)),
-                          (lambda dy=dy, x=x, w=w, dx=dx, dwp=dwp, programs=programs, per=per, M=M, N=N, bm=bm, warps=warps,
-                           block=block: _rms_norm_bwd_kernel[(programs,)](
-                              dy, x, w, dx, dwp, dy.stride(0), x.stride(0), dx.stride(0), M, N, 1e-5, per, NUM_STAGES=3,
-                              BLOCK_M=bm, BLOCK_N=block, num_warps=warps))))
+            cases.append((label, (lambda x=x, src=src: x.copy_(src)), _row_pass(dy, x, w, dx, dwp, M, N, per)))
             meta[label] = dict(kind="rms_rows", M=M, N=N, per=per, programs=programs, current=per == cur)
-            for bn in BN:
-                for br in (2048, 4096):
-                    label = f"rms sum M{M} N{N} per{per} bn{bn} r{br}"
-                    cases.append((label, (lambda dwp=dwp: dwp.mul_(1.0)),
-                                  (lambda dwp=dwp, programs=programs, N=N, bn=bn, br=br, dw=dw: _sum_partials_kernel[
-                                      (triton.cdiv(N, bn),)](dwp, dw, programs, N, BLOCK_R=br // bn, BLOCK_N=bn))))
-                    meta[label] = dict(kind="rms_sum", M=M, N=N, per=per, programs=programs, bn=bn, block_elems=br,
-                                       current=per == cur and bn == min(64, max(16, block // 32)) and br == 4096)
+            for bn, br in ((bn, br) for bn in BN for br in (2048, 4096)):
+                label = f"rms sum M{M} N{N} per{per} bn{bn} r{br}"
+                cases.append((label, (lambda dwp=dwp: dwp.mul_(1.0)), _partial_sum(dwp, dw, N, bn, br)))
+                meta[label] = dict(kind="rms_sum", M=M, N=N, per=per, programs=programs, bn=bn, block_elems=br,
+                                   current=per == cur and bn == cur_bn and br == 4096)
             label = f"rms torchsum M{M} N{N} per{per}"
             cases.append((label, (lambda dwp=dwp: dwp.mul_(1.0)), (lambda dwp=dwp: dwp.sum(0))))
             meta[label] = dict(kind="rms_torchsum", M=M, N=N, per=per, programs=programs)

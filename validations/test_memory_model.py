@@ -132,7 +132,8 @@ def test_reserved_within_predicted_range(row, claims):
     current kernels); the step benchmarks below are the check out of sample."""
     pred = _predicted(row)
     for p in row["phases"]:
-        claims.within(f"memory.reserved ({row['alloc']}; the range's slack fitted on session5b's run of these configs)", low=pred["reserved_low"] if p["name"] != "init" else 0,
+        claims.within(f"memory.reserved ({row['alloc']}; the range's slack fitted on session5b's run of these configs)",
+                      low=pred["reserved_low"] if p["name"] != "init" else 0,
                       high=pred["reserved_high"], measured=p["reserved"], component="model",
                       config=f"{_ids(row)}-{p['name']}", variant=row["variant"], device="cuda", unit="B",
                       note=f"recorded H200 probe: {row['session']}")

@@ -152,11 +152,12 @@ def _id(r: dict) -> str:
 # train0 -11.6%; session12: the seed B4 S1024 -23.4% and four drawn rows; 11d: the seed B4 -15.0% and train0
 # -13.8%), and one process's host moves 0.8-1.3x between blocks of 40 steps with the GPU's clock at 1980 MHz
 # throughout (session12-regime).
-_HOST = ("host-bound; the host's own noise: host time swings +-20% between blocks of one process, uncorrelated with the "
-         "tiny reference step and with the GPU clock (session11 host_depth.json, session12-regime); here ")
+_HOST = ("host-bound; the host's own noise: host time swings +-20% between blocks of one process, uncorrelated with "
+         "the tiny reference step and with the GPU clock (session11 host_depth.json, session12-regime); here ")
 _MISSES = {
-    ("seed-B4S1024-efficient-adamw", "forward_backward"): (+0.262, _HOST + "its steps ran 19.8-31.4 ms (median 22.2) "
-                                                           "with the reference at 10.1 then 10.5 ms; -6.0% in session12b"),
+    ("seed-B4S1024-efficient-adamw", "forward_backward"): (+0.262, _HOST + "its steps ran 19.8-31.4 ms (median "
+                                                           "22.2) with the reference at 10.1 then 10.5 ms; -6.0% in "
+                                                           "session12b"),
     ("seed-B4S1024-efficient-adamw", "step"): (+0.244, _HOST + "as its forward + backward"),
     ("tiny-gqa-B4S512-baseline-adamw", "forward_backward"): (+0.118, _HOST + "its steps ran 7.0-10.0 ms (median 7.6) "
                                                              "with the reference at 8.3 then 8.7 ms; +0.8% in 12b"),
@@ -169,19 +170,18 @@ _MISSES = {
 
 # Known misses of the ±15% per-component claim on session13, strict, with the error measured there. Since
 # session 13 the fused norm's backward sums fewer dw partials (tiny-gqa's norm backward -15.5% in 12b is within
-# now); what is left are small shapes, where kernels read what the one before wrote, still in the L2 (the model
-# moves every byte at the HBM copy rate), and small GEMMs.
+# now); what is left are small shapes: unfused casts and sums of a few MB, and small GEMMs.
 _SMALL = "a small shape: its kernels run a few microseconds, under the calibrated sizes (GEMM grid at 16k tokens)"
-_L2 = ("4096 rows of 512: the residual gradient's cast and sums (ATen, 8 MB fp32 tensors just written, in the L2) ran "
-       "~100 us against 148 predicted at the HBM copy rate")
+_EW = ("4096 rows of 512: the residual gradient's casts and sums (ATen, 24 kernels on 8 MB fp32 tensors) ran ~100 us "
+       "against 148 predicted, each at the copy rate plus its launch (an L2 speed-up, tested in session13b, is not it)")
 _COMPONENT_MISSES = {
     ("seed-B4S1024-baseline-adamw", "norm backward"): (+0.238, "the eager norm's 12 backward kernels at 4096 rows of "
                                                         "512, under the calibrated 16384 rows (flat below them); "
                                                         "+23.8% in 12b too"),
-    ("seed-B4S1024-efficient-adamw", "norm backward"): (+0.260, _L2 + "; the old kernel's slow dw sum (105 us, now 39) "
+    ("seed-B4S1024-efficient-adamw", "norm backward"): (+0.260, _EW + "; the old kernel's slow dw sum (105 us, now 39) "
                                                         "had hidden it: +0.7% on 12b's rows"),
-    ("tiny-gqa-B4S512-efficient-adamw", "loss forward"): (+0.151, _SMALL + "; Liger's 16 chunks of 128 rows of 256; +13.3% in "
-                                                          "12b"),
+    ("tiny-gqa-B4S512-efficient-adamw", "loss forward"): (+0.151, _SMALL + "; Liger's 16 chunks of 128 rows of 256; "
+                                                          "+13.3% in 12b"),
     ("tiny-gqa-B4S512-efficient-adamw", "mlp backward"): (-0.180, _SMALL + "; -19.1% in 12b, -20.5% in 12, -17.3% in "
                                                           "11d"),
 }
@@ -260,7 +260,8 @@ def test_what_the_model_gets_wrong_outside_the_claim(session, name, variant, lo,
     for k, (err, why) in _SMALL_OUTLIERS.items():
         if k in errs:
             assert abs(errs.pop(k) - err) < 0.05, (k, why)
-    assert len(errs) >= 20 and lo < min(errs.values()) and max(errs.values()) < hi, (min(errs.values()), max(errs.values()))
+    lo_, hi_ = min(errs.values()), max(errs.values())
+    assert len(errs) >= 20 and lo < lo_ and hi_ < hi, (lo_, hi_)
 
 
 def test_kernel_time_per_component_adds_up():

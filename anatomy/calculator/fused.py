@@ -25,8 +25,8 @@ def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tup
             "rope_qkv.backward": (T * W * c, T * W * c),
             "residual_add": (T * W * (r + c), T * W * r),  # stream + branch in, stream out
             # an fp32 a + b -> c right after its inputs were written: session13b's calibrate timed it at 1.6-400 MB
-            # to test an L2 term for the unfused kernels, and found none (docs/timing.md, "Session 13"); its
-            # profile, the committed one, still carries the rows
+            # to test an L2 term for the unfused kernels, and found none (docs/timing.md, "Session 13"); the
+            # entry keeps that profile readable (report/roofline.py reads every calibrated row)
             "elementwise.warm": (T * W * 8, T * W * 4),
             # Liger's CE over (T, V = W) logits: each row read twice (max/sum, then the gradient), the
             # gradient written in place; targets in (int64), losses out (fp32)

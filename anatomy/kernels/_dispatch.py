@@ -158,8 +158,8 @@ def reduction_programs(device: torch.device, n_rows: int, n_cols: int) -> int:
     2026-11-29, torch 2.11 / triton 3.6) this was the best of 1, 2, 4 per SM at every width tried:
     3.64, 3.67, 3.71 TB/s for N = 2048, 4096, 8192 (with a 3-stage pipelined row loop). Each program
     takes at least MIN_ROWS_PER_PROGRAM rows: every program leaves one fp32 row of partials for a
-    second kernel to sum, and below ~16K rows one row per program made that sum as long as the row pass
-    (reports/h200/session13-small, 1,024-16,384 rows of 256-4096: with this floor and the sum's narrower
+    second kernel to sum, and below ~16K rows one row per program made that sum take up to three times the
+    row pass (reports/h200/session13-small, 1,024-16,384 rows of 256-4096: with this floor and the sum's narrower
     column blocks, rmsnorm.py, the op takes 0.44-0.99x its old time, 0.44x at 4,096 rows of 256). Under
     the interpreter, which runs programs one after another, 8 programs."""
     if device.type == "cuda":

@@ -108,6 +108,15 @@ def _bwd_tile(block: int) -> tuple[int, int]:
     return bm, 4 if block <= 4096 else num_warps(block)
 
 
+def _sum_block(block: int) -> int:
+    """Columns per program of the dw partial sum, each program walking all partial rows in 4096-element
+    tiles: latency-bound, so the more programs the better. At hidden 512, 64-column blocks left 8 programs
+    for 2,112 partial rows (session 7's seed bench: 115 us for the op). 8-column blocks (16 from hidden 4096)
+    were the fastest of 8-64 at 24 of the 25 shapes of reports/h200/session13-small (1,024-16,384 rows of
+    256-4096; the 25th within 3%): 1.7-8.2 us a sum, against 4.2-14.0 us for the old 16-64-column blocks."""
+    return 8 if block <= 2048 else 16
+
+
 def _block(N: int) -> int:
     block = triton.next_power_of_2(N)
     if block > MAX_BLOCK:
@@ -153,12 +162,7 @@ def rms_norm_backward_triton(dy: Tensor, x: Tensor, weight: Tensor, eps: float) 
                                       dx.stride(0), M, N, eps, per, NUM_STAGES=3, BLOCK_M=bm, BLOCK_N=block,
                                       num_warps=warps)
     dw = torch.empty(N, dtype=weight.dtype, device=x.device)
-    # one program per BLOCK_N columns walking all partial rows in 4096-element tiles: latency-bound, so
-    # the more programs the better. At hidden 512, 64-column blocks left 8 programs for 2,112 partial rows
-    # (session 7's seed bench: 115 us for the op). 8-column blocks (16 from hidden 4096) were the fastest
-    # of 8-64 at 24 of the 25 shapes of reports/h200/session13-small (1,024-16,384 rows of 256-4096; the
-    # 25th within 3%): 1.7-8.2 us a sum, against 4.2-14.0 us for the old 16-64-column blocks
-    bn = 8 if block <= 2048 else 16
+    bn = _sum_block(block)
     _sum_partials_kernel[(triton.cdiv(N, bn),)](dw_partial, dw, programs, N, BLOCK_R=4096 // bn, BLOCK_N=bn)
     return dx.view(x.shape), dw
 
