@@ -26,6 +26,26 @@ def test_claims_table_groups_and_reports_the_worst_error():
     assert "CPU, torch 2.13.0+cpu, triton 3.9.0, CUDA None, 2026-11-29: `pytest validations`" in table
 
 
+def test_claims_table_gives_one_row_per_claim_with_its_tolerances_as_a_range():
+    """Checks of one claim that carry their own tolerances share one row, the tolerances as a span; an exact
+    check of the same claim keeps its own row; range checks (Claims.within) show the range, not an error
+    about its midpoint."""
+    rep = _report()
+    base = dict(rep["rows"][0], claim="memory.reserved")
+    rep["rows"] += [dict(base, tolerance=t, error=e, passed=p) for t, e, p in ((0.169, 0.05, True),
+                                                                               (0.27, 0.30, False),
+                                                                               (0.20, 0.01, True))]
+    rep["rows"].append(dict(rep["rows"][0], tolerance=0.0, error=0.0))
+    rep["rows"] += [dict(base, claim="memory.range", tolerance=0.5, error=e, passed=e < 1, kind="range",
+                         note="range [1, 3] B")
+                    for e in (0.4, 9.0)]
+    table = claims_table([rep])
+    assert "| memory.range | cpu | model | 2 | 1 | – | predicted range |" in table
+    assert "| memory.reserved | cpu | model | 3 | 2 | 30.0000% | ±16.9% to ±27.0% |" in table
+    assert "| memory.peak in backward | cpu | model | 1 | 1 | 0.0000% | exact |" in table
+    assert table.count("| memory.reserved |") == 1
+
+
 def test_replace_between_needs_its_markers():
     text = "a\n<!-- x:start -->\nold\n<!-- x:end -->\nb"
     assert replace_between(text, "x", "new") == "a\n<!-- x:start -->\nnew\n<!-- x:end -->\nb"
