@@ -20,7 +20,7 @@ H200 = Path(__file__).resolve().parents[2] / "reports" / "h200"
 # memory rows of one H200 run under two allocator settings; timing rows with that run's profile
 # session13-mem re-ran session5b's memory probe and session6/6b's recompute probes (same commands and seeds) on
 # the fused norm backward with fewer dw partial rows: its transient is part of every efficient backward peak
-MEMORY_SESSION, TIMING_SESSION = H200 / "session13-mem", H200 / "session13"
+MEMORY_SESSION, TIMING_SESSION = H200 / "session13-mem", H200 / "session14"
 # a session that did not probe a set takes it from this one (session11d ran no small drawn configs)
 TIMING_FALLBACK = H200 / "session9c"
 SPLIT, DEFAULT = "expandable segments", "default allocator"
@@ -248,6 +248,24 @@ def time_error(r: dict, what: str, profile: str, row_host: bool = True) -> float
     return (predicted(r, profile, row_host)["steady"][f"{what}_s"] * 1e3 - meas) / meas
 
 
+STEP_KEYS = ("forward+backward", "step", "GPU time, forward+backward", "GPU time, step")  # the rest: components
+GPU_PHASES = {"forward_backward": ("forward", "backward"), "step": ("forward", "backward", "optimizer")}
+
+
+def gpu_time_error(r: dict, what: str, profile: str) -> float | None:
+    """(predicted - measured) / measured of the step's GPU time: the predicted kernel time of its phases
+    (forward + backward, and the optimizer for "step") against the kernel time the profiler recorded in them
+    (r["kernels"], every component). Unlike the wall-clock step, it leaves out the GPU's idle time, which a
+    host-bound row's host sets. None for a row the probe did not profile."""
+    k = r.get("kernels", {}).get("components")
+    if not k:
+        return None
+    phases = GPU_PHASES[what]
+    meas = sum(c["ms"] for ph in phases for c in k.get(ph, {}).values())
+    pred = sum(predicted(r, profile)["phases"][ph]["gpu_s"] for ph in phases) * 1e3
+    return (pred - meas) / meas
+
+
 def component_errors(r: dict, profile: str, share: float = 0.05) -> dict[str, float]:
     """{"<component> <phase>": error} of the predicted GPU time of each component against the kernel
     time the profiler credited to it (r["kernels"], timeline.kernel_times), for the components that
@@ -266,13 +284,17 @@ def timing_table(rows_: list[dict], profile: str, row_host: bool = True) -> dict
     """n, MAPE, worst and the count within ±10% (±15% per component) of forward + backward, of the
     step, and of each component's forward and backward GPU time (component_errors). row_host: the
     steps at the host speed measured beside each row (predicted), where the rows have it."""
-    out: dict[str, list[float]] = {"forward+backward": [], "step": []}
+    out: dict[str, list[float]] = {"forward+backward": [], "step": [], "GPU time, forward+backward": [],
+                                   "GPU time, step": []}
     for r in rows_:
         out["forward+backward"].append(time_error(r, "forward_backward", profile, row_host))
         out["step"].append(time_error(r, "step", profile, row_host))
+        for what in ("forward_backward", "step"):
+            if (e := gpu_time_error(r, what, profile)) is not None:
+                out[f"GPU time, {what.replace('_', '+')}"].append(e)
         for key, e in component_errors(r, profile).items():
             out.setdefault(key, []).append(e)
-    tol = {"forward+backward": 0.10, "step": 0.10}
+    tol = {"forward+backward": 0.10, "step": 0.10, "GPU time, forward+backward": 0.10, "GPU time, step": 0.10}
     return {k: dict(n=len(v), mape=sum(map(abs, v)) / len(v), worst=max(v, key=abs),
                     within=sum(abs(e) <= tol.get(k, 0.15) for e in v), tol=tol.get(k, 0.15)) for k, v in out.items() if v}
 
@@ -329,9 +351,13 @@ def timing_summary(session: Path = TIMING_SESSION) -> str:
             if rs:
                 out.append(f"- {name}, {v}: {line(rs, prof=str(src / 'h200.json'))}"
                            + (f" (rows and profile of `reports/h200/{src.name}`)." if src != session else "."))
+    gpu = [f"{name}, {v}: {line(rs, 'GPU time, step')}" for name in ("named", "drawn, training-sized")
+           for v in ("efficient", "baseline") if (rs := [r for r in sets[name] if r["variant"] == v])]
+    out.append("- The step's GPU time (forward, backward and AdamW: the predicted kernel time against the kernel time "
+               "the profiler recorded, the GPU's idle time left out): " + "; ".join(gpu) + ".")
     for v in ("efficient", "baseline"):
         tr = [r for r in sets["drawn, training-sized"] if r["variant"] == v]
-        comp = {k: x for k, x in timing_table(tr, prof).items() if k not in ("forward+backward", "step")}
+        comp = {k: x for k, x in timing_table(tr, prof).items() if k not in STEP_KEYS}
         if comp:
             out.append(f"- Per component (forward and backward GPU time against the profiler's kernel time, ±15%), "
                        f"drawn training-sized, {v}: {sum(x['within'] for x in comp.values())} of "
