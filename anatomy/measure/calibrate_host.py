@@ -81,7 +81,7 @@ def measure_host() -> tuple[float, dict]:
     return op_us, out
 
 
-def measure_liger_host(reps: int = 20) -> dict | None:
+def measure_liger_host(reps: int = 20, vocabs: tuple[int, ...] = LIGER_HOST["vocabs"]) -> dict | None:
     """Liger's fused linear CE through anatomy.efficient.loss as the model calls it (bf16 autocast, bf16
     input, fp32 weight), at 1 and 16 chunks of tiny rows: {forward: µs a call less its chunks, chunk: µs
     a chunk of the forward's loop, backward: µs}. Each call starts on a drained GPU and is timed on the
@@ -97,8 +97,8 @@ def measure_liger_host(reps: int = 20) -> dict | None:
 
     T, H = LIGER_HOST["tokens"], LIGER_HOST["hidden"]
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    t = torch.randint(0, min(LIGER_HOST["vocabs"]), (T,), device="cuda")
-    ws = [(torch.randn(V, H, device="cuda") * 0.02).requires_grad_() for V in LIGER_HOST["vocabs"]]
+    t = torch.randint(0, min(vocabs), (T,), device="cuda")
+    ws = [(torch.randn(V, H, device="cuda") * 0.02).requires_grad_() for V in vocabs]
     f_us, b_us = [[] for _ in ws], [[] for _ in ws]
     for i in range(reps + 3):  # the two chunk counts alternate, so a drift of the host falls on both
         for j, w in enumerate(ws):
@@ -115,9 +115,10 @@ def measure_liger_host(reps: int = 20) -> dict | None:
                 b_us[j].append((t2 - t1) * 1e6)
             x.grad = w.grad = None
     fwd, bwd = [statistics.median(f) for f in f_us], [statistics.median(b) for b in b_us]
-    chunks = [-(-V // H) for V in LIGER_HOST["vocabs"]]  # tokens 128 >= V / H: one chunk per ceil(V / H)
-    chunk = max(0.0, (fwd[1] - fwd[0]) / (chunks[1] - chunks[0]))
-    return dict(forward=max(0.0, fwd[0] - chunks[0] * chunk), chunk=chunk, backward=statistics.mean(bwd))
+    chunks = [-(-V // H) for V in vocabs]  # tokens 128 >= V / H: one chunk per ceil(V / H)
+    chunk = max(0.0, statistics.linear_regression(chunks, fwd).slope)  # two counts: the difference over the gap
+    return dict(forward=max(0.0, statistics.median(f - n * chunk for f, n in zip(fwd, chunks))), chunk=chunk,
+                backward=statistics.mean(bwd), calls_us=dict(zip(map(str, chunks), fwd)))
 
 
 class HostStep:
