@@ -410,3 +410,18 @@ def test_embedding_backward_rate_is_calibrated_apart_from_its_zero_fill():
         assert _kernel(r, "embedding.backward.zero")["memory_s"] == pytest.approx(V * H * 4 / hbm, rel=1e-9)
         assert _kernel(r, "embedding.backward")["memory_s"] == pytest.approx(law(H, T), rel=1e-3), (T, H, V)
         assert _kernel(r, "embedding.backward")["count"] == (1 if T <= 3072 else 30)
+
+
+def test_liger_host_figures_are_the_median_ratio_to_the_tiny_step_beside_them():
+    """calibrate_host.liger_from_blocks: each block's figure over the tiny host step timed right before it,
+    the median of those ratios, times the efficient tiny step's median. A slow block whose step was slow
+    too moves nothing; the raw blocks are kept."""
+    from anatomy.measure.calibrate_host import liger_from_blocks
+
+    blocks = [(10.0, dict(forward=500.0, chunk=200.0, backward=400.0)),
+              (15.0, dict(forward=750.0, chunk=300.0, backward=600.0)),  # the host 1.5x slower in both
+              (10.0, dict(forward=520.0, chunk=400.0, backward=380.0))]  # a slow Liger block alone
+    out = liger_from_blocks(blocks, step_ms=8.0)
+    assert out["chunk"] == pytest.approx(20.0 * 8.0)  # ratios 20, 20, 40: the median 20
+    assert out["forward"] == pytest.approx(50.0 * 8.0) and out["backward"] == pytest.approx(40.0 * 8.0)
+    assert [b["step_ms"] for b in out["blocks"]] == [10.0, 15.0, 10.0] and out["blocks"][2]["chunk"] == 400.0

@@ -22,8 +22,8 @@ import time
 
 HOST_STEP = dict(cfg=dict(name="host-step", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=2048),
                  batch=2, seq=64, dtype="amp")
-# Liger's chunk count is ceil(V / H) here (tokens 128, hidden 256): 1 and 16 chunks, GPU time ~µs
-LIGER_HOST = dict(tokens=128, hidden=256, vocabs=(256, 4096))
+# Liger's chunk count is ceil(V / H) here (tokens 128, hidden 256), GPU time ~µs
+LIGER_HOST = dict(tokens=128, hidden=256, vocabs=(256, 2048, 4096, 8192))  # 1, 8, 16 and 32 chunks
 
 
 def _host_us(fn, n: int) -> float:
@@ -73,18 +73,16 @@ def measure_host() -> tuple[float, dict]:
             torch.autograd.backward(f(), grads)
         both_us = _host_us(both, 20) / n
         out[name] = dict(forward=fwd, backward=max(0.0, both_us - fwd))
-    liger = measure_liger_host()
-    if liger:
-        out["liger_ce"] = liger
     out["source"] = ("measured by anatomy calibrate (CPU time per call, tiny tensors; our ops: 32 calls per graph and "
-                     "one backward over them, bwd = fwd+bwd - fwd; liger_ce: whole calls at 1 and 16 chunks)")
+                     "one backward over them, bwd = fwd+bwd - fwd; liger_ce: whole calls at 1, 8, 16 and 32 chunks, "
+                     "in blocks beside the tiny host step, as the median of their ratios to it (measure_host_step))")
     return op_us, out
 
 
 def measure_liger_host(reps: int = 20, vocabs: tuple[int, ...] = LIGER_HOST["vocabs"]) -> dict | None:
     """Liger's fused linear CE through anatomy.efficient.loss as the model calls it (bf16 autocast, bf16
-    input, fp32 weight), at 1 and 16 chunks of tiny rows: {forward: µs a call less its chunks, chunk: µs
-    a chunk of the forward's loop, backward: µs}. Each call starts on a drained GPU and is timed on the
+    input, fp32 weight), at 1, 8, 16 and 32 chunks of tiny rows: {forward: µs a call less its chunks, chunk: µs
+    a chunk of the forward's loop (the least-squares slope), backward: µs}. Each call starts on a drained GPU and is timed on the
     host clock until it returns (its own .item() and torch.equal syncs wait for µs of GPU work).
     None without liger-kernel."""
     import importlib.util
@@ -160,19 +158,32 @@ class HostStep:
             torch.cuda.empty_cache()
 
 
-def measure_host_step(blocks: int = 4, steps: int = 8, warmup: int = 4) -> dict:
+def measure_host_step(blocks: int = 4, steps: int = 8, warmup: int = 4, liger_blocks: int = 0) -> dict:
     """HOST_STEP's tiny model, per variant: the forward + backward ms of unmarked steps timed as the
     probe times them (the median over blocks x steps, the variants' blocks interleaved), and as before
-    session 9 (`synced`: each step after a synchronize, no optimizer)."""
+    session 9 (`synced`: each step after a synchronize, no optimizer).
+
+    With liger_blocks, also Liger's host figures (out["liger_ce"], measure_liger_host), each block right
+    after a block of the efficient tiny step: every figure is the median of its ratios to the step beside
+    it, times the efficient step's median. Why: one block's per-chunk figure moved 124-293 µs within one
+    process, and its median 145-200 µs between two processes, while the median of its ratio to the step
+    beside it was 18.6-21.0 in both (reports/h200/session14-liger, 12 blocks each, two and four chunk
+    counts); a host figure is read at a row's host speed as its ratio to this step
+    (measured.at_host_speed), so it is measured as one."""
     import torch
 
     from anatomy.models import autocast_ctx
 
     hs, out = HostStep(warmup), dict(HOST_STEP)
     fbs = {v: [] for v in hs.setups}
-    for _ in range(blocks):
+    pairs = []
+    for i in range(max(blocks, liger_blocks)):
         for variant, fb in fbs.items():
-            fb.extend(hs.times(variant, steps))
+            t = hs.times(variant, steps)
+            if i < blocks:
+                fb.extend(t)
+            if variant == "efficient" and i < liger_blocks and (lg := measure_liger_host()):
+                pairs.append((statistics.median(t), lg))
     for variant, fb in fbs.items():
         model, ids, targets, opt = hs.setups[variant]
         synced = []
@@ -188,5 +199,17 @@ def measure_host_step(blocks: int = 4, steps: int = 8, warmup: int = 4) -> dict:
             model.zero_grad(set_to_none=True)
         out[variant] = dict(forward_backward_ms=statistics.median(fb), p10_ms=sorted(fb)[len(fb) // 10],
                             p90_ms=sorted(fb)[9 * len(fb) // 10], synced_forward_backward_ms=statistics.median(synced))
+    if pairs:
+        out["liger_ce"] = liger_from_blocks(pairs, out["efficient"]["forward_backward_ms"])
     hs.close()
+    return out
+
+
+def liger_from_blocks(pairs: list[tuple[float, dict]], step_ms: float) -> dict:
+    """Liger's host figures from (tiny step ms, measure_liger_host's figures) pairs, one per block: each the
+    median of its ratios to the step beside it, times step_ms (the efficient tiny step's median); the blocks
+    themselves are kept under "blocks"."""
+    keys = ("forward", "chunk", "backward")
+    out = {k: statistics.median(lg[k] / ref for ref, lg in pairs) * step_ms for k in keys}
+    out["blocks"] = [dict(step_ms=ref, **{k: lg[k] for k in keys}) for ref, lg in pairs]
     return out
