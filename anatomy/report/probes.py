@@ -20,7 +20,7 @@ H200 = Path(__file__).resolve().parents[2] / "reports" / "h200"
 # memory rows of one H200 run under two allocator settings; timing rows with that run's profile
 # session13-mem re-ran session5b's memory probe and session6/6b's recompute probes (same commands and seeds) on
 # the fused norm backward with fewer dw partial rows: its transient is part of every efficient backward peak
-MEMORY_SESSION, TIMING_SESSION = H200 / "session13-mem", H200 / "session14"
+MEMORY_SESSION, TIMING_SESSION = H200 / "session13-mem", H200 / "session14b"
 # a session that did not probe a set takes it from this one (session11d ran no small drawn configs)
 TIMING_FALLBACK = H200 / "session9c"
 SPLIT, DEFAULT = "expandable segments", "default allocator"

@@ -174,7 +174,7 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
     cpu_claims = [Path("reports/cpu/claims.json")] if Path("reports/cpu/claims.json").exists() else []
     if cpu_claims:
         put("claims-cpu", claims_table(load(cpu_claims)))
-    gpu_claims = sorted(H200.glob("session14/claims-gpu.json"))  # the latest full GPU run, on the final tree
+    gpu_claims = sorted(H200.glob("session14b/claims-gpu.json"))  # the latest full GPU run, on the final tree
     if gpu_claims:
         put("claims-h200", claims_table(load(gpu_claims)))
     if cpu_claims or gpu_claims:
