@@ -97,8 +97,9 @@ class Claims:
         ok = low <= measured <= high
         _ROWS.append(dict(test=self.test_id, claim=claim, component=component, config=config, variant=variant,
                           predicted=float(mid), measured=float(measured), error=err,
-                          tolerance=float((high - low) / 2 / mid) if mid else 0.0, unit=unit, device=device, kind="range",
-                          passed=bool(ok), note=f"range [{_show(low)}, {_show(high)}] {unit}; {note}".rstrip("; ")))
+                          tolerance=float((high - low) / 2 / mid) if mid else 0.0, unit=unit, device=device,
+                          kind="range", passed=bool(ok),
+                          note=f"range [{_show(low)}, {_show(high)}] {unit}; {note}".rstrip("; ")))
         assert ok, (f"{claim} [{component}, {config}, {variant}, {device}]: measured {_show(measured)} {unit} outside "
                     f"the predicted range [{_show(low)}, {_show(high)}]")
 

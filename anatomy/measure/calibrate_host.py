@@ -82,9 +82,9 @@ def measure_host() -> tuple[float, dict]:
 def measure_liger_host(reps: int = 20, vocabs: tuple[int, ...] = LIGER_HOST["vocabs"]) -> dict | None:
     """Liger's fused linear CE through anatomy.efficient.loss as the model calls it (bf16 autocast, bf16
     input, fp32 weight), at 1, 8, 16 and 32 chunks of tiny rows: {forward: µs a call less its chunks, chunk: µs
-    a chunk of the forward's loop (the least-squares slope), backward: µs}. Each call starts on a drained GPU and is timed on the
-    host clock until it returns (its own .item() and torch.equal syncs wait for µs of GPU work).
-    None without liger-kernel."""
+    a chunk of the forward's loop (the least-squares slope), backward: µs}. Each call starts on a drained GPU
+    and is timed on the host clock until it returns (its own .item() and torch.equal syncs wait for µs of GPU
+    work). None without liger-kernel."""
     import importlib.util
 
     import torch

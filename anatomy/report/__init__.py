@@ -36,7 +36,8 @@ def claims_table(reports: list[dict]) -> str:
         worst = "–" if kind == "range" or not errs else f"{max(errs):.4%}"
         tol = "predicted range" if kind == "range" else _tolerance([r["tolerance"] for r in rows])
         comps = ", ".join(sorted({r["component"] for r in rows}))
-        lines.append(f"| {claim} | {dev} | {comps} | {len(rows)} | {sum(r['passed'] for r in rows)} | {worst} | {tol} |")
+        passed = sum(r["passed"] for r in rows)
+        lines.append(f"| {claim} | {dev} | {comps} | {len(rows)} | {passed} | {worst} | {tol} |")
     srcs = sorted({f"{rep['machine'].get('gpu', 'CPU')}, torch {rep['machine'].get('torch')}, "
                    f"triton {rep['machine'].get('triton')}, CUDA {rep['machine'].get('cuda')}, {rep['date']}: "
                    f"`{rep['command']}`" for rep in reports})
