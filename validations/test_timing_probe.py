@@ -226,11 +226,9 @@ def test_step_gpu_time_within_10pct(r, what, claims):
     (test_step_time_within_10pct's known misses)."""
     if r is None:
         pytest.skip(f"no timing rows in {SESSION.name}")
-    phases = probes.GPU_PHASES[what]
-    claims.check(f"time.gpu.{what}", component="model", config=_id(r), variant=r["variant"],
-                 predicted=sum(probes.predicted(r, PROFILE)["phases"][ph]["gpu_s"] for ph in phases) * 1e3,
-                 measured=sum(c["ms"] for ph in phases for c in r["kernels"]["components"].get(ph, {}).values()),
-                 tolerance=0.10, device="cuda (recorded)", unit="ms",
+    pred, meas = probes.gpu_times_ms(r, what, PROFILE)  # every row of the claim is profiled (the test below)
+    claims.check(f"time.gpu.{what}", component="model", config=_id(r), variant=r["variant"], predicted=pred,
+                 measured=meas, tolerance=0.10, device="cuda (recorded)", unit="ms",
                  note=f"{SESSION.name}/probe_timing*.json kernels; profile {SESSION.name}/h200.json")
 
 
@@ -271,17 +269,17 @@ _SMALL_OUTLIERS: dict[str, tuple[float, str]] = {}
 
 @pytest.mark.parametrize("session,name,variant,lo,hi", [
     (probes.set_session("drawn, small"), "drawn, small", "baseline", -0.22, 0.27),
-    (probes.set_session("drawn, small"), "drawn, small", "efficient", -0.35, 0.37)], ids=lambda x: getattr(x, "name", x))
+    (probes.set_session("drawn, small"), "drawn, small", "efficient", -0.28, 0.37)], ids=lambda x: getattr(x, "name", x))
 def test_what_the_model_gets_wrong_outside_the_claim(session, name, variant, lo, hi):
     """Not claims, but the model's stated errors where the claim does not reach, so that a change shows:
     the small drawn configs are bound by the host, whose in-step cost per op varies between machines
     (host op 8.5-23 us over sessions 7d-10) and between rows of one run. Each set against its own
     session's profile; the bounds hold session12's draw (seed 89: efficient -25.3% to +34.0%, baseline
     -15.0% to +21.7%), session12b's (seed 97: -16.5% to +23.5%, -15.7% to +20.5%) and session13's (seed
-    103: -22.7% to +18.0% but for its outlier, -19.1% to +24.2%) with 3 points to spare. Session14's draw
-    (seed 109, read after those bounds were set) went past the efficient lower bound of -28%: -32.2% (hyp24,
-    its steps 6.5-12.0 ms), so that bound is now -35%; its range is -32.2% to +16.7% but for its outlier, and
-    -10.9% to +26.0% (baseline). Session14b's (seed 113): -8.5% to +28.5% and -10.7% to +25.3%."""
+    103: -22.7% to +18.0% but for its outlier, -19.1% to +24.2%) with 3 points to spare. Read after those
+    bounds were set: session14b's (seed 113, the claims' run) -8.5% to +28.5% and -10.7% to +25.3%, within;
+    session14's (seed 109, calibrate's one-block Liger figure) went past the efficient lower bound, -32.2%
+    (hyp24, its steps 6.5-12.0 ms; -32.2% to +16.7% but for its outlier), and -10.9% to +26.0% (baseline)."""
     errs = {_id(r): probes.time_error(r, "forward_backward", str(session / "h200.json"))
             for r in probes.timing_rows(session)[name] if r["variant"] == variant}
     for k, (err, why) in _SMALL_OUTLIERS.items():

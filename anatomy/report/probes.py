@@ -252,18 +252,23 @@ STEP_KEYS = ("forward+backward", "step", "GPU time, forward+backward", "GPU time
 GPU_PHASES = {"forward_backward": ("forward", "backward"), "step": ("forward", "backward", "optimizer")}
 
 
-def gpu_time_error(r: dict, what: str, profile: str) -> float | None:
-    """(predicted - measured) / measured of the step's GPU time: the predicted kernel time of its phases
-    (forward + backward, and the optimizer for "step") against the kernel time the profiler recorded in them
-    (r["kernels"], every component). Unlike the wall-clock step, it leaves out the GPU's idle time, which a
-    host-bound row's host sets. None for a row the probe did not profile."""
+def gpu_times_ms(r: dict, what: str, profile: str) -> tuple[float, float] | None:
+    """(predicted, measured) ms of the step's GPU time: the predicted kernel time of its phases (forward +
+    backward, and the optimizer for "step") and the kernel time the profiler recorded in them (r["kernels"],
+    every component). Unlike the wall-clock step, it leaves out the GPU's idle time, which a host-bound row's
+    host sets. None for a row the probe did not profile."""
     k = r.get("kernels", {}).get("components")
     if not k:
         return None
     phases = GPU_PHASES[what]
-    meas = sum(c["ms"] for ph in phases for c in k.get(ph, {}).values())
-    pred = sum(predicted(r, profile)["phases"][ph]["gpu_s"] for ph in phases) * 1e3
-    return (pred - meas) / meas
+    return (sum(predicted(r, profile)["phases"][ph]["gpu_s"] for ph in phases) * 1e3,
+            sum(c["ms"] for ph in phases for c in k.get(ph, {}).values()))
+
+
+def gpu_time_error(r: dict, what: str, profile: str) -> float | None:
+    """(predicted - measured) / measured of the step's GPU time (gpu_times_ms); None for an unprofiled row."""
+    t = gpu_times_ms(r, what, profile)
+    return None if t is None else (t[0] - t[1]) / t[1]
 
 
 def component_errors(r: dict, profile: str, share: float = 0.05) -> dict[str, float]:
