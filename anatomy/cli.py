@@ -96,6 +96,9 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
         out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "steady", "host_bound", "mfu",
                                          "components", "sources")
                        if k in t} | {"gpu": a.gpu, "profile": t["gpu"], "profile_kind": t["profile_kind"]}
+        gpu_s = {ph: v["gpu_s"] for ph, v in t["phases"].items()}  # the kernels' time, the GPU's idle time left out
+        out["time"]["gpu_busy_s"] = dict(forward_backward=gpu_s["forward"] + gpu_s["backward"],
+                                         step=sum(gpu_s.values()))
         from anatomy.calculator import gpus
 
         cap = gpus.get(a.gpu)["memory_GB"] * 1e9  # does the predicted peak fit the GPU's memory?
@@ -243,10 +246,13 @@ def _print(cmd: str, out: dict) -> None:
                   f"(forward+backward {tm['steady']['forward_backward_s'] * 1e3:,.1f} ms); one step on an idle GPU "
                   f"{tm['step_s'] * 1e3:,.1f} ms (forward+backward {tm['forward_backward_s'] * 1e3:,.1f} ms, optimizer "
                   f"{tm['optimizer_s'] * 1e3:,.2f} ms)")
+        busy = tm["gpu_busy_s"]["step"]
+        con.print(f"the GPU's kernel time in that step: {busy * 1e3:,.1f} ms ({busy / tm['steady']['step_s']:.0%}; the "
+                  "rest is the GPU waiting on the host)")
         if tm["host_bound"]:
             con.print("host-bound: the CPU issuing the kernels, not the GPU, sets this step's pace; on the H200 "
                       "machines measured, a host-bound step's time moved by 10-20% between processes and within "
-                      "one (docs/timing.md, sessions 9-11)")
+                      "one (docs/timing.md, sessions 9-14), while its kernel time held to ±10%")
         from anatomy.calculator import gpus
 
         measured = f"{gpus.profile_stem(tm['profile'])}-measured"

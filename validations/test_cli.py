@@ -74,6 +74,10 @@ def test_estimate_gpu_gives_step_time_without_a_gpu(capsys):
     assert "predicted training step on H200" in text and "one step on an idle GPU" in text
     # seed B4 S1024 is host-bound on the H200 (its host work above its GPU work: docs/timing.md); B16 S4096 is not
     assert t["host_bound"] and "host-bound" in text
+    # the kernels' time, a part of the step: forward + backward under the step, and under its wall time
+    busy = t["gpu_busy_s"]
+    assert 0 < busy["forward_backward"] < busy["step"] < t["steady"]["step_s"]
+    assert f"the GPU's kernel time in that step: {busy['step'] * 1e3:,.1f} ms" in text
     # the datasheet profile says so, and names the calibrated one; the calibrated one does not
     assert (t["profile"], t["profile_kind"]) == ("h200-sxm", "datasheet") and "--gpu h200-measured uses" in text
     assert main(["estimate", "--preset", "seed", "--batch", "16", "--seq", "4096", "--gpu", "H200-measured"]) == 0
