@@ -13,7 +13,7 @@ def load(paths) -> list[dict]:
 
 def _is_range(r: dict) -> bool:
     """A range check (conftest's Claims.within): its error and tolerance are taken about the range's midpoint."""
-    return r.get("kind") == "range" or r.get("note", "").startswith("range [")
+    return r.get("kind") == "range"
 
 
 def _tolerance(tols: list[float]) -> str:
