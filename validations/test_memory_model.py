@@ -21,9 +21,9 @@ import pytest
 
 from anatomy.calculator.memory import phases
 from anatomy.config import ModelConfig, Run
+from anatomy import records
 from anatomy.report import probes
 
-PROBE_DIR = probes.MEMORY_SESSION
 ALL = probes.memory_rows(probes.SPLIT) + probes.memory_rows(probes.DEFAULT) + probes.recompute_rows()
 TOL = 0.03  # the claim's bound for physical memory (DESIGN: relative, justified; the goal is 1%)
 TRACE_TOL = probes.TRACE_TOL  # the goal, held against the allocator's requested bytes
@@ -46,7 +46,7 @@ def _predicted(r):
 def _cases(trace: bool):
     out = [pytest.param(r, f, id=f"{_ids(r)}-{f[1]}") for r in ALL for f in FIGURES
            if f[2] in {p["name"] for p in r["phases"]} and (not trace or f[1] in r.get("trace", {}))]
-    return out or [pytest.param(None, None, marks=pytest.mark.skip(reason=f"no probe rows in {PROBE_DIR.name}: run "
+    return out or [pytest.param(None, None, marks=pytest.mark.skip(reason="no memory probe rows committed: run "
                                                                    "scripts/probe_memory.py on an H200"))]
 
 
@@ -77,7 +77,7 @@ def check_phase(claims, row: dict, figure: tuple, pred: dict, measured: int, tra
 def test_phase_matches_h200_probe(row, figure, claims):
     ph = {p["name"]: p for p in row["phases"]}
     slack = check_phase(claims, row, figure, _predicted(row), ph[figure[2]][figure[3]], row.get("trace"),
-                        f"recorded H200 probe: {row['session']}", probes.requested(row, figure[2], figure[3]))
+                        f"recorded H200 probe: {row['alloc']}", probes.requested(row, figure[2], figure[3]))
     if slack:
         pytest.xfail(slack)
 
@@ -87,7 +87,7 @@ def test_phase_matches_h200_allocator_trace(row, figure, claims):
     claim, key = figure[0], figure[1]
     claims.check(claim + " (allocator trace)", component="model", config=_ids(row), variant=row["variant"],
                  predicted=_predicted(row)[key], measured=row["trace"][key], tolerance=TRACE_TOL, device="cuda",
-                 unit="B", note=f"recorded H200 probe: {row['session']}; requested bytes, no allocator slack")
+                 unit="B", note="recorded H200 probe; requested bytes, no allocator slack")
 
 
 def _pairs():
@@ -98,7 +98,7 @@ def _pairs():
                       {})[r["variant"]] = r
     out = [pytest.param(v["baseline"], v["efficient"], id=_ids(v["baseline"]).replace("-baseline", ""))
            for v in by.values() if len(v) == 2]
-    return out or [pytest.param(None, None, marks=pytest.mark.skip(reason=f"no probe rows in {PROBE_DIR.name}"))]
+    return out or [pytest.param(None, None, marks=pytest.mark.skip(reason="no memory probe rows committed"))]
 
 
 def _peak(phases_or_trace: dict) -> int:
@@ -120,23 +120,23 @@ def test_peak_reduction_matches_prediction(base, eff, claims):
                                   ("trace", _peak(base["trace"]) / _peak(eff["trace"]), TRACE_TOL)):
         claims.check(f"memory.peak reduction (baseline / efficient, {source}, {base['alloc']})", component="model",
                      config=_ids(base).replace("-baseline", ""), variant="ratio", predicted=pred,
-                     measured=measured, tolerance=tol, device="cuda", note=f"recorded H200 probe: {base['session']}")
+                     measured=measured, tolerance=tol, device="cuda", note="recorded H200 probe")
 
 
 @pytest.mark.parametrize("row", [pytest.param(r, id=_ids(r)) for r in ALL] or [
-    pytest.param(None, marks=pytest.mark.skip(reason=f"no probe rows in {PROBE_DIR.name}"))])
+    pytest.param(None, marks=pytest.mark.skip(reason="no memory probe rows committed"))])
 def test_reserved_within_predicted_range(row, claims):
     """memory_reserved, the looser figure, at every phase of the probe's last step: within the
     calculator's range (calculator.memory.reserved), under both allocator settings. The range's slack
-    was fitted on session5b's run of these configs (its worst, 1.37x; session13-mem re-ran them on the
-    current kernels); the step benchmarks below are the check out of sample."""
+    was fitted on an earlier probe of these configs (docs/history.md); the step benchmarks below are the
+    check out of sample."""
     pred = _predicted(row)
     for p in row["phases"]:
-        claims.within(f"memory.reserved ({row['alloc']}; the range's slack fitted on session5b's run of these configs)",
+        claims.within(f"memory.reserved ({row['alloc']}, the range's slack fitted on these configs)",
                       low=pred["reserved_low"] if p["name"] != "init" else 0,
                       high=pred["reserved_high"], measured=p["reserved"], component="model",
                       config=f"{_ids(row)}-{p['name']}", variant=row["variant"], device="cuda", unit="B",
-                      note=f"recorded H200 probe: {row['session']}")
+                      note="recorded H200 probe")
 
 
 @pytest.mark.gpu
@@ -168,14 +168,12 @@ def test_phases_on_this_gpu(variant, claims):
 
 # The step benchmarks (bench/step.py, committed under reports/h200/) record max_memory_allocated over
 # 10 timed steps of configs the probe never ran: an independent check of the whole-step peak.
-STEPS = probes.STEP_RECORDS
-_STEP_MISSES: dict[str, str] = {}  # (seed baseline at S=4096 was one until the CUDA softmax tmp)
+STEPS = {records.rel(p): v for p, v in probes.step_records()}
 
 
-@pytest.mark.parametrize("rel", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=_STEP_MISSES[r]))
-                                 if r in _STEP_MISSES else r for r in STEPS])
+@pytest.mark.parametrize("rel", list(STEPS))
 def test_step_peak_matches_committed_step_benchmarks(rel, claims):
-    rec = json.loads((PROBE_DIR.parent / rel).read_text())
+    rec = json.loads((records.ROOT / rel).read_text())
     cfg, run = ModelConfig.from_name(rec["preset"]), Run(rec["batch"], rec["seq"], "amp", rec.get("recompute", "none"))
     ph = phases(cfg, run, STEPS[rel])  # no optimizer: bench/step.py times forward + backward
     pred = max(ph["forward_peak"] or 0, ph["backward_peak"])

@@ -6,6 +6,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from anatomy import records
+
 
 def load(paths) -> list[dict]:
     return [json.loads(Path(p).read_text()) for p in paths]
@@ -40,7 +42,7 @@ def claims_table(reports: list[dict]) -> str:
         lines.append(f"| {claim} | {dev} | {comps} | {len(rows)} | {passed} | {worst} | {tol} |")
     srcs = sorted({f"{rep['machine'].get('gpu', 'CPU')}, torch {rep['machine'].get('torch')}, "
                    f"triton {rep['machine'].get('triton')}, CUDA {rep['machine'].get('cuda')}, {rep['date']}: "
-                   f"`{rep['command']}`" for rep in reports})
+                   f"`{records.command(rep['command'])}`" for rep in reports})
     return "\n".join(lines + [""] + [f"- {s}" for s in srcs])
 
 

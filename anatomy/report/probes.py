@@ -14,18 +14,11 @@ import statistics
 from functools import lru_cache
 from pathlib import Path
 
+from anatomy import records
 from anatomy.config import ModelConfig, Run
 
-H200 = Path(__file__).resolve().parents[2] / "reports" / "h200"
-# memory rows of one H200 run under two allocator settings; timing rows with that run's profile
-# session13-mem re-ran session5b's memory probe and session6/6b's recompute probes (same commands and seeds) on
-# the fused norm backward with fewer dw partial rows: its transient is part of every efficient backward peak
-MEMORY_SESSION, TIMING_SESSION = H200 / "session13-mem", H200 / "session14b"
-# a session that did not probe a set takes it from this one (session11d ran no small drawn configs)
-TIMING_FALLBACK = H200 / "session9c"
 SPLIT, DEFAULT = "expandable segments", "default allocator"
-MEMORY_FILES = {SPLIT: ("probe_memory.json", "probe_memory_hypothesis.json"),
-                DEFAULT: ("probe_memory_default.json", "probe_memory_default_hypothesis.json")}
+PROFILE = str(records.H200_PROFILE)  # calibrated in the same run as the timing probe's rows
 # (the calculator's key, the probe's phase, "allocated" at its end or its "peak")
 FIGURES = (("forward_end", "forward", "allocated"), ("forward_peak", "forward", "peak"),
            ("backward_peak", "backward", "peak"), ("backward_end", "backward", "allocated"),
@@ -50,42 +43,29 @@ def row_id(r: dict) -> str:
 
 
 # ---- memory -----------------------------------------------------------------------------------------
-def memory_rows(alloc: str = SPLIT, session: Path = MEMORY_SESSION) -> list[dict]:
-    """The probe rows under one allocator setting, each tagged with it and its session."""
-    return [dict(r, alloc=alloc, session=session.name) for f in MEMORY_FILES[alloc] for r in rows(session / f)]
-
-
-# Run.recompute="mlp" rows (efficient only), under expandable segments: the named configs and 16 drawn ones
-# (seed 2026: session6 ran them first, and the forward-peak terms _cached_casts and _mlp_region_transient were
-# written after its misses), and 24 + 8 training-sized configs drawn with seed 7 (session6b: out of sample then).
-# session13-mem ran all three again on the current kernels.
-RECOMPUTE_FILES = {"session13-mem": ("probe_memory_recompute.json", "probe_memory_recompute_oos.json",
-                                     "probe_memory_recompute_oos_training.json")}
+def memory_rows(alloc: str = SPLIT) -> list[dict]:
+    """The probe rows under one allocator setting, each tagged with it."""
+    return [dict(r, alloc=alloc) for f in records.MEMORY_PROBE[alloc] for r in rows(f)]
 
 
 def recompute_rows() -> list[dict]:
-    return [dict(r, alloc=SPLIT, session=s) for s, files in RECOMPUTE_FILES.items() for f in files
-            for r in rows(H200 / s / f)]
+    """Run.recompute="mlp" rows (efficient only), under expandable segments: named configs, 16 drawn small
+    ones and 32 drawn training-sized ones."""
+    return [dict(r, alloc=SPLIT) for f in records.MEMORY_PROBE_RECOMPUTE for r in rows(f)]
 
 
 def recompute_summary() -> str:
     """The recompute rows' phase figures against the calculator, and the step benchmarks' peaks under
     recompute."""
-    parts = []
-    for s in RECOMPUTE_FILES:
-        e = memory_errors(rows_=[r for r in recompute_rows() if r["session"] == s])
-        if e:
-            heads = [json.loads((H200 / s / f).read_text()) for f in RECOMPUTE_FILES[s]]
-            src = "; ".join(f"{h['gpu']}, torch {h['torch']}, CUDA {h['cuda']}, {h['date']}: `{h['command']}`"
-                            for h in heads)
-            parts.append(f"`reports/h200/{s}` ({len({x['row'] for x in e})} rows): {_stats([x['allocator'] for x in e])}"
-                         f" (source: {src})")
-    steps = [f"`{rel}` {err:+.2%}" for rel, _, err in step_peak_errors() if "recompute" in rel]
-    return ("Phase memory under recompute, expandable segments, against `max_memory_allocated`: " + "; ".join(parts)
-            + ". The forward-peak terms for autocast's cached weight casts and the last MLP checkpoint were written "
-            "after session6's misses on the seed-2026 configs; the seed-7 configs were drawn afterwards (session6b) "
-            "and were out of sample then. Step peaks: "
-            + ", ".join(steps) + ".")
+    e = memory_errors(rows_=recompute_rows())
+    if not e:
+        return "(no probe rows committed)"
+    heads = [json.loads(f.read_text()) for f in records.MEMORY_PROBE_RECOMPUTE]
+    src = "; ".join(f"{h['gpu']}, torch {h['torch']}, CUDA {h['cuda']}, {h['date']}: `{records.command(h['command'])}`" for h in heads)
+    steps = [f"`{records.rel(p)}` {err:+.2%}" for p, _, err in step_peak_errors() if "recompute" in p.name]
+    return ("Phase memory under recompute, expandable segments, against `max_memory_allocated` "
+            f"(`reports/h200/memory-probe/recompute-*.json`, {len({x['row'] for x in e})} rows): "
+            f"{_stats([x['allocator'] for x in e])} (source: {src}). Step peaks: " + ", ".join(steps) + ".")
 
 
 def requested(r: dict, phase: str, field: str) -> int | None:
@@ -94,13 +74,13 @@ def requested(r: dict, phase: str, field: str) -> int | None:
     return p.get("requested_peak" if field == "peak" else "requested")
 
 
-def memory_errors(alloc: str = SPLIT, session: Path = MEMORY_SESSION, rows_: list[dict] | None = None) -> list[dict]:
+def memory_errors(alloc: str = SPLIT, rows_: list[dict] | None = None) -> list[dict]:
     """One entry per (row, figure): the error against the allocator's figure and against the trace's,
-    and the allocator's slack over its requested_bytes counter. rows_: these rows instead of the session's."""
+    and the allocator's slack over its requested_bytes counter. rows_: these rows instead of the probe's."""
     from anatomy.calculator.memory import phases
 
     out = []
-    for r in memory_rows(alloc, session) if rows_ is None else rows_:
+    for r in memory_rows(alloc) if rows_ is None else rows_:
         ph = {p["name"]: p for p in r["phases"]}
         pred = phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"], "amp", r.get("recompute", "none")),
                       r["variant"], r["optimizer"])
@@ -119,8 +99,8 @@ def _stats(xs: list[float]) -> str:
             f"±1%), mean |error| {statistics.mean(map(abs, xs)):.3%}, worst {max(xs, key=abs):+.2%}")
 
 
-def memory_summary(session: Path = MEMORY_SESSION) -> str:
-    e, d = memory_errors(SPLIT, session), memory_errors(DEFAULT, session)
+def memory_summary() -> str:
+    e, d = memory_errors(SPLIT), memory_errors(DEFAULT)
     if not e:
         return "(no probe rows committed)"
     tr = [x["trace"] for x in e if x["trace"] is not None]
@@ -130,7 +110,7 @@ def memory_summary(session: Path = MEMORY_SESSION) -> str:
     miss = [x for x in d if abs(x["allocator"]) > 0.03]
     explained = [x for x in miss if x["accounted"]]
     n_rows = len({x["row"] for x in e})
-    out = (f"{n_rows} rows (`reports/h200/{session.name}`: named configs with and without AdamW, and drawn "
+    out = (f"{n_rows} rows (`reports/h200/memory-probe/`: named configs with and without AdamW, and drawn "
            f"configs, both variants), {len(e)} phase figures, with "
            f"`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (the allocator splits every block it reuses).\n"
            f"- Against `max_memory_allocated` / `memory_allocated`: {_stats(al)}. The peak inside backward alone: "
@@ -143,17 +123,17 @@ def memory_summary(session: Path = MEMORY_SESSION) -> str:
                 f"{min((x['slack'] for x in explained), default=0) / 2**20:.1f}-"
                 f"{max((x['slack'] for x in explained), default=0) / 2**20:.1f} MiB above it: cached blocks handed out "
                 f"whole (the default splits a large block only when more than 1 MiB would remain).\n")
-    res = reserved_ratios(session)
+    res = reserved_ratios()
     out += (f"- `memory_reserved`, the looser figure: the calculator's range is [peak, 1.4 x peak + 128 MiB], its "
-            f"slack fitted on session5b's run of these configs (here, reserved - 128 MiB over the predicted peak: "
+            f"slack fitted on an earlier probe of these configs (here, reserved - 128 MiB over the predicted peak: "
             f"median {res['median']:.2f}x, "
             f"worst {res['worst']:.2f}x); on the step benchmarks, outside that sample, reserved over peak is "
             f"{res['steps'][0]:.2f}-{res['steps'][1]:.2f}x.\n")
     return out + ("- Whole-step peaks of the step benchmarks (`bench/step.py`, default allocator, configs the probe "
-                  "never ran): " + ", ".join(f"`{rel}` {err:+.2%}" for rel, _, err in step_peak_errors()) + ".")
+                  "never ran): " + ", ".join(f"`{records.rel(p)}` {err:+.2%}" for p, _, err in step_peak_errors()) + ".")
 
 
-def reserved_ratios(session: Path = MEMORY_SESSION) -> dict:
+def reserved_ratios() -> dict:
     """(reserved - 128 MiB) / predicted step peak over the probe rows' phases (both allocator settings),
     and reserved / predicted peak over the step benchmarks."""
     from anatomy.calculator.memory import RESERVED_FIXED, phases
@@ -163,53 +143,42 @@ def reserved_ratios(session: Path = MEMORY_SESSION) -> dict:
 
     r = [(p["reserved"] - RESERVED_FIXED) / peak(phases(ModelConfig(**row["cfg"]), Run(row["batch"], row["seq"], "amp", row.get("recompute", "none")),
                                                          row["variant"], row["optimizer"]))
-         for alloc in (SPLIT, DEFAULT) for row in memory_rows(alloc, session) for p in row["phases"] if p["name"] != "init"]
+         for alloc in (SPLIT, DEFAULT) for row in memory_rows(alloc) for p in row["phases"] if p["name"] != "init"]
     steps = []
-    for rel, variant in STEP_RECORDS.items():
-        rec = json.loads((H200 / rel).read_text())
+    for path, variant in step_records():
+        rec = json.loads(path.read_text())
         steps.append(rec["reserved_mib"] * 2**20 / peak(phases(ModelConfig.from_name(rec["preset"]),
                                                              Run(rec["batch"], rec["seq"], "amp", rec.get("recompute", "none")), variant)))
     return dict(median=statistics.median(r), worst=max(r), steps=(min(steps), max(steps)))
 
 
-# ---- timing -----------------------------------------------------------------------------------------
-# the step benchmarks (bench/step.py) record max_memory_allocated over 10 timed fwd+bwd steps of
-# configs the probe never ran (validations/test_memory_model.py holds them to ±3%)
-STEP_RECORDS = {"session1/step-seed-efficient.json": "efficient", "session3/step-seed-efficient.json": "efficient",
-                "session1/step-1b-efficient.json": "efficient", "session1/step-seed-baseline.json": "baseline",
-                "session4b/step-seed-efficient.json": "efficient", "session4b/step-1b-efficient.json": "efficient",
-                "session6/step-seed-efficient.json": "efficient", "session6/step-anchor-1b-efficient.json": "efficient",
-                "session6/step-seed-efficient-recompute.json": "efficient",
-                "session6/step-anchor-1b-efficient-recompute.json": "efficient"}
+# ---- the step benchmarks ---------------------------------------------------------------------------
+def step_records() -> list[tuple[Path, str]]:
+    """(path, variant) of every step record of our own models (bench/step.py: max_memory_allocated and the
+    median time over 10 timed fwd+bwd steps of configs the probes never ran)."""
+    return [(p, "baseline" if "baseline" in p.name else "efficient") for run in records.STEPS
+            for p in records.step_records(run) if p.name.startswith(("step-seed-efficient", "step-seed-baseline.",
+                                                                     "step-1b-efficient", "step-anchor-1b-efficient"))
+            and "compile" not in p.name]
 
 
-def step_peak_errors() -> list[tuple[str, str, float]]:
+def step_peak_errors() -> list[tuple[Path, str, float]]:
     from anatomy.calculator.memory import phases
 
     out = []
-    for rel, variant in STEP_RECORDS.items():
-        rec = json.loads((H200 / rel).read_text())
+    for path, variant in step_records():
+        rec = json.loads(path.read_text())
         ph = phases(ModelConfig.from_name(rec["preset"]), Run(rec["batch"], rec["seq"], "amp", rec.get("recompute", "none")), variant)
         m = rec["peak_mib"] * 2**20
-        out.append((rel, variant, (max(ph["forward_peak"] or 0, ph["backward_peak"]) - m) / m))
+        out.append((path, variant, (max(ph["forward_peak"] or 0, ph["backward_peak"]) - m) / m))
     return out
 
 
-TIMING_SETS = (("named", "probe_timing.json"), ("drawn, training-sized", "probe_timing_training.json"),
-               ("drawn, small", "probe_timing_hypothesis.json"))
-
-
-def set_session(name: str, session: Path = TIMING_SESSION) -> Path:
-    """The session a set's rows come from: `session`, or TIMING_FALLBACK where it did not probe that set.
-    Each set is compared with its own session's profile."""
-    f = dict(TIMING_SETS)[name]
-    return session if (session / f).exists() or not (TIMING_FALLBACK / f).exists() else TIMING_FALLBACK
-
-
-def timing_rows(session: Path = TIMING_SESSION) -> dict[str, list[dict]]:
+# ---- timing -----------------------------------------------------------------------------------------
+def timing_rows() -> dict[str, list[dict]]:
     """{set: rows}: the named configs, the drawn training-sized ones (validations.configs
     .training_configs) and the drawn small ones (gpu_configs), each with the config it ran."""
-    return {name: rows(set_session(name, session) / f) for name, f in TIMING_SETS}
+    return {name: rows(path) for name, path in records.TIMING_PROBE.items()}
 
 
 @lru_cache(maxsize=None)
@@ -227,7 +196,7 @@ def _predicted(cfg: str, batch: int, seq: int, variant: str, optimizer: str | No
 
 def row_host_ms(r: dict) -> float | None:
     """The host's speed beside the row: the mean of its tiny host steps (calibrate_host.HostStep) timed right
-    before and right after its unmarked steps, where the probe recorded them (session 10 on)."""
+    before and right after its unmarked steps, where the probe recorded them."""
     refs = r["timeline"].get("host_ref_ms")
     return statistics.mean(refs) if refs else None
 
@@ -304,13 +273,10 @@ def timing_table(rows_: list[dict], profile: str, row_host: bool = True) -> dict
                     within=sum(abs(e) <= tol.get(k, 0.15) for e in v), tol=tol.get(k, 0.15)) for k, v in out.items() if v}
 
 
-def timing_markdown(session: Path = TIMING_SESSION) -> str:
-    sets = timing_rows(session)
-    other = sorted({set_session(n, session).name for n in sets} - {session.name})
-    lines = [f"Rows: reports/h200/{session.name}/probe_timing*.json (scripts/probe_timing.py)"
-             + "".join(f" ({', '.join(n for n in sets if set_session(n, session).name == o)}: {o})" for o in other)
-             + ", each set with the profile `anatomy calibrate` measured on the same machine (its session's h200.json) "
-             "or the datasheet's; error "
+def timing_markdown() -> str:
+    sets = timing_rows()
+    lines = ["Rows: reports/h200/timing-probe/*.json (scripts/probe_timing.py), against the profile `anatomy calibrate` "
+             "measured in the same run (anatomy/calculator/profiles/h200.json) or the datasheet's; error "
              "= (predicted - measured) / measured. Steps: the unmarked steps' forward + backward (and AdamW step). "
              "Components: GPU kernel time from a torch.profiler trace, credited to the component marked before each "
              "launch; those holding ≥ 5% of the step's kernel time. Profile \"calibrated\": the host at the speed "
@@ -321,9 +287,8 @@ def timing_markdown(session: Path = TIMING_SESSION) -> str:
     for name, rs in sets.items():
         for variant in ("efficient", "baseline"):
             vr = [r for r in rs if r["variant"] == variant]
-            cal = str(set_session(name, session) / "h200.json")
             with_ref = any(row_host_ms(r) for r in vr)
-            for label, prof, rh in (("calibrated", cal, True), ("host at calibration", cal, False),
+            for label, prof, rh in (("calibrated", PROFILE, True), ("host at calibration", PROFILE, False),
                                     ("datasheet", "h200-sxm", False)):
                 if label == "host at calibration" and not with_ref:
                     continue
@@ -335,11 +300,11 @@ def timing_markdown(session: Path = TIMING_SESSION) -> str:
     return "\n".join(lines)
 
 
-def timing_summary(session: Path = TIMING_SESSION) -> str:
-    sets = timing_rows(session)
+def timing_summary() -> str:
+    sets = timing_rows()
     if not sets["named"]:
         return "(no probe rows committed)"
-    prof = str(session / "h200.json")
+    prof = PROFILE
 
     def line(rs, what="forward+backward", prof=prof, row_host=True):
         t = timing_table(rs, prof, row_host).get(what)
@@ -347,15 +312,13 @@ def timing_summary(session: Path = TIMING_SESSION) -> str:
 
     named = ", ".join(f"{r['config']} B{r['batch']} S{r['seq']} {r['variant']} {time_error(r, 'forward_backward', prof):+.1%}"
                       for r in sets["named"])
-    out = [f"Forward + backward against the profile calibrated on the same machine (`reports/h200/{session.name}`): "
-           f"named rows {named}."]
+    out = ["Forward + backward against the profile calibrated in the same run (`reports/h200/timing-probe/`, "
+           f"`anatomy/calculator/profiles/h200.json`): named rows {named}."]
     for name in ("drawn, training-sized", "drawn, small"):
-        src = set_session(name, session)
         for v in ("efficient", "baseline"):
             rs = [r for r in sets[name] if r["variant"] == v]
             if rs:
-                out.append(f"- {name}, {v}: {line(rs, prof=str(src / 'h200.json'))}"
-                           + (f" (rows and profile of `reports/h200/{src.name}`)." if src != session else "."))
+                out.append(f"- {name}, {v}: {line(rs)}.")
     gpu = [f"{name}, {v}: {line(rs, 'GPU time, step')}" for name in ("named", "drawn, training-sized")
            for v in ("efficient", "baseline") if (rs := [r for r in sets[name] if r["variant"] == v])]
     out.append("- The step's GPU time (forward, backward and AdamW: the predicted kernel time against the kernel time "
@@ -376,7 +339,7 @@ def timing_summary(session: Path = TIMING_SESSION) -> str:
                    "with optimizer: " + "; ".join(calib) + ".")
     ds = [time_error(r, "forward_backward", "h200-sxm") for r in sets["named"]]
     out.append(f"- Uncalibrated (datasheet profile), the named rows' mean |error| is {statistics.mean(map(abs, ds)):.0%}.")
-    head = json.loads((session / "probe_timing_training.json").read_text())
-    out.append(f"- Source: {head['gpu']}, torch {head['torch']}, CUDA {head['cuda']}, {head['date']}: `{head['command']}` "
-               "(and the other sets' commands in their folders), each against its own run's `anatomy calibrate`.")
+    head = json.loads(records.TIMING_PROBE["drawn, training-sized"].read_text())
+    out.append(f"- Source: {head['gpu']}, torch {head['torch']}, CUDA {head['cuda']}, {head['date']}: `{records.command(head['command'])}` "
+               "(and the other sets' commands in their files), against the same run's `anatomy calibrate`.")
     return "\n".join(out)

@@ -9,13 +9,12 @@ import itertools
 import json
 from pathlib import Path
 
+from anatomy import records
 from anatomy.report import claims_table, load, replace_between, write_atomic
-
-H200 = Path("reports/h200")
 
 
 def _src(d: dict) -> str:
-    return f"{d.get('gpu')}, torch {d.get('torch')}, CUDA {d.get('cuda')}, {d.get('date')}: `{d.get('command')}`"
+    return f"{d.get('gpu')}, torch {d.get('torch')}, CUDA {d.get('cuda')}, {d.get('date')}: `{records.command(d.get('command'))}`"
 
 
 def steps_table(paths: list[Path]) -> str:
@@ -103,7 +102,7 @@ def kernels_gpu_only_table(path: Path, bar_tbps: float = 0.85 * 4.24) -> str:
                    f"{'met' if r['gpu_only_tbps'] >= bar_tbps else 'not met'} | {r['steady_us']:.1f} | {r['cpu_issue_us']:.1f} |")
     out += ["", f"{d['shape']} shapes (B·S = {d['M']:,} rows, hidden {d['N']}, intermediate {d['I']}, {d['H']} heads of "
             f"{d['D']}), bf16 leaves. Source: {d['gpu']}, torch {d['torch']}, CUDA {d['cuda']}, {d['date']}: "
-            f"`{d['command']}`."]
+            f"`{records.command(d['command'])}`."]
     return "\n".join(out)
 
 
@@ -152,15 +151,15 @@ def saved_plot(data: dict, png: Path) -> None:
 def curves_text(path: Path) -> str:
     d = json.loads(path.read_text())
     b, e = d["runs"][0], d["runs"][1]
-    env = json.loads((path.parent / "env.json").read_text())
+    env = json.loads(records.LOSS_CURVES_ENV.read_text())
     return (f"Seed config on the H200, {b['steps']} steps from the same weights and data: final training loss "
             f"{b['final_loss']:.4f} ({b['variant']}) vs {e['final_loss']:.4f} ({e['variant']}), largest step-wise "
             f"difference {e['max_abs_loss_diff_vs_first']:.4f}; eval loss {b['eval'][-1]['loss']:.4f} vs "
             f"{e['eval'][-1]['loss']:.4f}; {b['median_tokens_per_s'] / 1e3:,.0f}k vs "
             f"{e['median_tokens_per_s'] / 1e3:,.0f}k tokens/s. Source: {env['gpu']}, torch {env['torch']}, CUDA "
             f"{env['cuda']}, {env['date']}: `python3 -m anatomy.cli train --preset seed --batch 16 --seq 1024 "
-            f"--steps 60 --variant baseline|efficient --device cuda --eval-every 20` (`{path}`).\n\n"
-            f"![loss curves]({path.with_suffix('.png')})")
+            f"--steps 60 --variant baseline|efficient --device cuda --eval-every 20` (`{records.rel(path)}`).\n\n"
+            f"![loss curves]({records.rel(path.with_suffix('.png'))})")
 
 
 def regenerate(readme: Path = Path("README.md")) -> list[str]:
@@ -171,10 +170,10 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
         text = replace_between(text, marker, body)
         done.append(marker)
 
-    cpu_claims = [Path("reports/cpu/claims.json")] if Path("reports/cpu/claims.json").exists() else []
+    cpu_claims = [records.CPU_CLAIMS] if records.CPU_CLAIMS.exists() else []
     if cpu_claims:
         put("claims-cpu", claims_table(load(cpu_claims)))
-    gpu_claims = sorted(H200.glob("session14b/claims-gpu.json"))  # the latest full GPU run, on the final tree
+    gpu_claims = [records.GPU_CLAIMS] if records.GPU_CLAIMS.exists() else []
     if gpu_claims:
         put("claims-h200", claims_table(load(gpu_claims)))
     if cpu_claims or gpu_claims:
@@ -183,41 +182,35 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
         reps = load(cpu_claims + gpu_claims)
         predicted_vs_measured(reps, Path("docs/img/claims-predicted-vs-measured.png"))
         error_distribution(reps, Path("docs/img/claims-error-distribution.png"))
-        srcs = ", ".join(f"`{p}`" for p in cpu_claims + gpu_claims)
+        srcs = ", ".join(f"`{records.rel(p)}`" for p in cpu_claims + gpu_claims)
         put("claims-plots", f"From {srcs}. Rows whose device reads `cuda (recorded)` or `cuda` in the CPU report "
             "compare against committed H200 measurements.\n\n"
             "![predicted against measured](docs/img/claims-predicted-vs-measured.png)\n"
             "![error distribution of the bounded claims](docs/img/claims-error-distribution.png)")
-    for marker, session in (("bench-steps", "session4b"), ("bench-steps-rerun", "session1"),
-                            ("bench-steps-recompute", "session6")):
-        steps = sorted(H200.glob(f"{session}/step-*.json"))
+    for marker, run in (("bench-steps", "peers"), ("bench-steps-rerun", "first-run"), ("bench-steps-recompute", "recompute")):
+        steps = records.step_records(run)
         if steps:
             put(marker, steps_table(steps))
-    if (H200 / "session4b/profile-seed-efficient.json").exists():
-        put("profile-seed", profile_text(H200 / "session4b/profile-seed-efficient.json",
-                                         H200 / "session4b/step-seed-efficient.json"))
-    if (H200 / "session1/kernels-seed.json").exists():
-        put("bench-kernels", kernels_table(H200 / "session1/kernels-seed.json"))
-    if (H200 / "session7d/kernels-seed.json").exists():
-        put("bench-kernels-gpu-only", kernels_gpu_only_table(H200 / "session7d/kernels-seed.json"))
-    curves = H200 / "session2/loss-curves-seed.json"
-    if curves.exists():
-        put("train-seed", curves_text(curves))
+    if records.STEP_PROFILE.exists():
+        put("profile-seed", profile_text(records.STEP_PROFILE, records.STEPS["peers"] / "step-seed-efficient.json"))
+    if records.KERNELS_BACK_TO_BACK.exists():
+        put("bench-kernels", kernels_table(records.KERNELS_BACK_TO_BACK))
+    if records.KERNELS_GPU_ONLY.exists():
+        put("bench-kernels-gpu-only", kernels_gpu_only_table(records.KERNELS_GPU_ONLY))
+    if records.LOSS_CURVES.exists():
+        put("train-seed", curves_text(records.LOSS_CURVES))
     from anatomy.report import probes
 
     put("memory-h200", probes.memory_summary())
     put("memory-recompute", probes.recompute_summary())
     put("timing-h200", probes.timing_summary())
-    prof = H200 / probes.TIMING_SESSION.name / "h200.json"  # the claim's session: its kernels on its own roof
-    if prof.exists():
-        from anatomy.report import roofline
+    if records.H200_PROFILE.exists():  # the timing claims' profile: its kernels on its own roof
+        from anatomy.report import roofline, sdpa_plot
 
-        roofline.plot(prof, Path("docs/img/roofline-h200.png"))
-        put("roofline-h200", roofline.summary(prof) + "\n\n![measured roofline](docs/img/roofline-h200.png)")
-        from anatomy.report import sdpa_plot
-
-        sdpa_plot.plot(probes.TIMING_SESSION, Path("docs/img/sdpa-schedule-h200.png"))
-        put("sdpa-h200", sdpa_plot.summary(probes.TIMING_SESSION)
+        roofline.plot(records.H200_PROFILE, Path("docs/img/roofline-h200.png"))
+        put("roofline-h200", roofline.summary(records.H200_PROFILE) + "\n\n![measured roofline](docs/img/roofline-h200.png)")
+        sdpa_plot.plot(Path("docs/img/sdpa-schedule-h200.png"))
+        put("sdpa-h200", sdpa_plot.summary()
             + "\n\n![cuDNN SDPA kernel, predicted over measured](docs/img/sdpa-schedule-h200.png)")
     table, data = saved_table()
     put("saved-seed", table + "\n\n![saved bytes per component](docs/img/saved-by-component.png)")

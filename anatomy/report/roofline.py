@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from anatomy import records
 from anatomy.calculator.fused import dw_sum_bytes, fused_bytes
 
 # FLOPs per element of the op's width-sized rows (the output's elements for swiglu, the logits for CE)
@@ -114,7 +115,7 @@ def summary(profile_path: Path) -> str:
     return "\n".join(["| kernels | n | worst of roof | median | best |", "|---|---:|---:|---:|---:|", *rows, "",
                       f"Roofs measured in the same run: bf16 GEMM {peak / 1e12:.0f} TFLOP/s (the loop grid's best), "
                       f"copy {bw / 1e12:.2f} TB/s. Source: {pv['gpu']}, torch {pv['torch']}, CUDA {pv['cuda']}, "
-                      f"{pv['date']}: `{pv['command']}` (`{profile_path}`)."])
+                      f"{pv['date']}: `{records.command(pv['command'])}` (`{records.rel(profile_path)}`)."])
 
 
 def plot(profile_path: Path, png: Path) -> None:

@@ -7,16 +7,17 @@ import json
 import statistics
 from pathlib import Path
 
+from anatomy import records
 from anatomy.calculator import gpus, sdpa_schedule, timing
 
 PHASE_OF = {"fprop": "forward", "bprop": "backward"}
 
 
-def in_step(session: Path) -> list[dict]:
+def in_step() -> list[dict]:
     """{B, heads, S, hd, phase, us}: the main cuDNN kernel per layer (its profiled time in the row's
     attention component over the layers), for every efficient row of the session's probes."""
     out = []
-    for f in sorted(session.glob("probe_timing*.json")):
+    for f in records.TIMING_PROBE.values():
         for r in json.loads(f.read_text())["rows"]:
             if r.get("variant") != "efficient" or "kernels" not in r:
                 continue
@@ -43,34 +44,34 @@ def predict_us(prof: dict, p: dict, schedule: bool = True) -> float:
     return flops / (rate * gpus.attention_wave_efficiency(B, h, S, prof["sms"])) * 1e6
 
 
-def sets(session: Path) -> dict[str, list[tuple[float, float]]]:
+def sets() -> dict[str, list[tuple[float, float]]]:
     """{label: [(measured us, predicted us)]}."""
-    raw = json.loads((session / "h200.json").read_text())
+    raw = json.loads(records.H200_PROFILE.read_text())
     prof = gpus.get(raw)
     cal = [(r[f"{k}_kernel_ms"] * 1e3, predict_us(prof, dict(r, phase=ph)))
            for r in raw["measurements"].get("attention_kernels", []) for k, ph in (("fwd", "forward"), ("bwd", "backward"))]
-    claims = session / "claims-gpu.json"
+    claims = records.GPU_CLAIMS
     unseen = [(r["measured"] * 1e3, r["predicted"] * 1e3) for r in json.loads(claims.read_text())["rows"]
               if r["claim"].startswith("time.sdpa_kernel")] if claims.exists() else []
-    steps = in_step(session)
+    steps = in_step()
     return {"calibrate's grids (fitted)": cal, "GPU suite, shapes calibrate never ran": unseen,
             "in the probes' steps, CTA schedule": [(p["us"], predict_us(prof, p)) for p in steps],
             "in the probes' steps, full-wave rate (before)": [(p["us"], predict_us(prof, p, False)) for p in steps]}
 
 
-def summary(session: Path) -> str:
+def summary() -> str:
     rows = []
-    for label, pts in sets(session).items():
+    for label, pts in sets().items():
         if pts:
             e = [abs(p / m - 1) for m, p in pts]
             rows.append(f"| {label} | {len(pts)} | {sum(x <= 0.15 for x in e)} | {statistics.mean(e):.1%} | {max(e):.1%} |")
-    pv = json.loads((session / "h200.json").read_text())["provenance"]
+    pv = json.loads(records.H200_PROFILE.read_text())["provenance"]
     return "\n".join(["| cuDNN main SDPA kernel | n | within ±15% | MAPE | worst |", "|---|---:|---:|---:|---:|", *rows, "",
                       f"Source: {pv['gpu']}, torch {pv['torch']}, CUDA {pv['cuda']}, cuDNN {pv.get('cudnn')}, "
-                      f"{pv['date']}: `{pv['command']}` and the probes and GPU suite of the same run (`{session}`)."])
+                      f"{pv['date']}: `{records.command(pv['command'])}` and the probes and GPU suite of the same run (`reports/h200/`)."])
 
 
-def plot(session: Path, png: Path) -> None:
+def plot(png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,7 +80,7 @@ def plot(session: Path, png: Path) -> None:
     from anatomy.report.plots import _save
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for (label, pts), (m, col) in zip(sets(session).items(), (("s", "k"), ("D", "#d62728"), ("o", "#1f77b4"),
+    for (label, pts), (m, col) in zip(sets().items(), (("s", "k"), ("D", "#d62728"), ("o", "#1f77b4"),
                                                               ("x", "#bbbbbb"))):
         if pts:
             ax.scatter([x for x, _ in pts], [p / x for x, p in pts], s=14, marker=m, color=col, alpha=0.8,
@@ -90,7 +91,7 @@ def plot(session: Path, png: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("measured kernel time (µs, profiler)")
     ax.set_ylabel("predicted / measured")
-    ax.set_title(f"cuDNN SDPA main kernel, forward and backward: {session.name}", fontsize=10)
+    ax.set_title("cuDNN SDPA main kernel, forward and backward", fontsize=10)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     _save(fig, png)

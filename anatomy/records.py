@@ -1,0 +1,72 @@
+"""Every committed data file that code, tests and the README read, by what it is.
+
+Nothing else under reports/ is tracked; a run's full output stays on the machine that made it, and
+docs/history.md says how each record was made. Paths are absolute here (so tests and `anatomy
+report` work from any directory); `rel()` turns one into the repo-relative form that is printed.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORTS = ROOT / "reports"
+H200 = REPORTS / "h200"
+
+# The calibrated H200 profile the timing claims use (`anatomy calibrate`, same run as TIMING_PROBE).
+H200_PROFILE = ROOT / "anatomy" / "calculator" / "profiles" / "h200.json"
+
+# Claims reports written by the suite (`pytest --claims-report`): the CPU run and the GPU-marked run.
+CPU_CLAIMS = REPORTS / "cpu" / "claims.json"
+GPU_CLAIMS = H200 / "claims-gpu.json"
+
+# scripts/probe_memory.py: phase memory of named and drawn configs, both variants, under two allocator
+# settings; and under Run.recompute="mlp" (efficient only).
+MEMORY_PROBE = {
+    "expandable segments": (H200 / "memory-probe" / "named.json", H200 / "memory-probe" / "drawn.json"),
+    "default allocator": (H200 / "memory-probe" / "named-default-allocator.json",
+                          H200 / "memory-probe" / "drawn-default-allocator.json"),
+}
+MEMORY_PROBE_RECOMPUTE = (H200 / "memory-probe" / "recompute-named.json",
+                          H200 / "memory-probe" / "recompute-drawn.json",
+                          H200 / "memory-probe" / "recompute-drawn-training.json")
+
+# scripts/probe_timing.py: unmarked steps and per-component intervals, with H200_PROFILE from the same run.
+TIMING_PROBE = {"named": H200 / "timing-probe" / "named.json",
+                "drawn, training-sized": H200 / "timing-probe" / "drawn-training.json",
+                "drawn, small": H200 / "timing-probe" / "drawn-small.json"}
+
+# bench/step.py: one peer per process, forward + backward, median of 10 steps. Four runs, each its own
+# folder (compare peers only within one): the first run with the baseline peers; the seed step on a second
+# machine 18 minutes later; the peers table; efficient with and without recompute.
+STEPS = {name: H200 / "steps" / name for name in ("peers", "first-run", "second-machine", "recompute")}
+STEP_PROFILE = H200 / "steps" / "peers" / "profile-seed-efficient.json"  # bench/profile_step.py, same run as "peers"
+
+# bench/kernels.py (back to back, against peers) and anatomy.kernels.bench (GPU-only, behind a sleep kernel).
+KERNELS_BACK_TO_BACK = H200 / "kernels" / "back-to-back-seed.json"
+KERNELS_GPU_ONLY = H200 / "kernels" / "gpu-only-seed.json"
+OPTIMIZER_STEPS = H200 / "kernels" / "optimizer-steps.json"  # pytest-benchmark JSON of validations/test_optim.py
+
+# `anatomy train` on the seed config, baseline and efficient, from the same weights and data.
+LOSS_CURVES = H200 / "training" / "loss-curves-seed.json"
+LOSS_CURVES_ENV = H200 / "training" / "env.json"
+
+
+def step_records(run: str) -> list[Path]:
+    """The step records of one bench/step.py run (a STEPS key), sorted by name."""
+    return sorted(STEPS[run].glob("step-*.json"))
+
+
+def rel(path: Path) -> str:
+    """A path as printed: relative to the repo root, never this machine's absolute path."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return Path(path).name
+
+
+def command(cmd: str | None) -> str:
+    """A recorded command as printed: each absolute path (the recording machine's output folder) becomes
+    `out/` and its file name, so a reader can paste it as it stands."""
+    import re
+
+    return re.sub(r"(?<![\w.])/[^\s`'\"]*/([^\s/`'\"]+)", r"out/\1", cmd or "")
