@@ -1,0 +1,88 @@
+"""Chunk size and memory of anatomy::linear_cross_entropy (linear_ce.py). Pure Python: no torch.
+
+The chunk rule. One chunk of C rows costs (H200: F = 780e12 FLOP/s bf16 matmul, BW = 4.2e12 B/s,
+F / BW = 186 FLOP per byte):
+  * GEMMs: logits = x_c Wᵀ, grad_x_c = g W, grad_w += gᵀ x_c: 6·C·H·V FLOPs, time 6·C·H·V / F;
+  * the grad_w accumulation: the (V, H) fp32 accumulator is read and written once per chunk by the
+    accumulating GEMM's epilogue, 8·V·H bytes, time 8·V·H / BW, whatever C is (the bf16 weight's two
+    reads per chunk, 4·V·H bytes, stream under the GEMMs' math);
+  * the row kernel: each (C, V) bf16 logit is read twice and written once, about 6·C·V bytes, time
+    6·C·V / BW. Per GEMM FLOP that is F / (BW·H), 9% at H = 2048 and 36% at H = 512, and no chunk size
+    changes it: it bounds the op's fraction of the matmul ceiling from above.
+So the per-chunk fixed cost over the chunk's GEMM time is (8·V·H / BW) / (6·C·H·V / F) = 4·F / (3·BW·C)
+= 248 / C: 48% at Liger's 512 rows (T = 16k, H = 2048, V = 128k), 24% at 1,024, 6% at 4,096. Holding it
+to 1/16 of the GEMM time needs C >= 16 · 248 = 3,968 rows: C_MIN = 4,096, a property of the machine's
+F / BW, not of the model's shape. A chunk of that size also fills the GEMMs' tile grid many times over
+(4,096 / 128 x 32,000 / 256 = 4,000 tiles on 132 SMs).
+
+The budget. The logits chunk is alive at the end of the forward, where the step's activations are all
+held: every byte of it adds to the step's peak. It may take LOGITS_BUDGET = 1 GiB or the size of the
+(T, H) input it replaces in Liger's rule, whichever is larger; 1 GiB is under 1% of an H200's memory
+and about 3% of a 1B model's step peak, and at H = 2048 it still admits C_MIN rows for vocabularies up
+to 131,072 (2^30 / (2 · 4,096)). Past that the chunk shrinks to the largest power of two that fits,
+never below Liger's rows.
+
+    chunk = min(T, max(liger_rows, min(C_MIN, pow2_floor(max(LOGITS_BUDGET, T·H·2) / (V · logit_bytes)))))
+
+Memory of one training call, on CUDA (T tokens, H hidden, V vocab; c = bytes of x's dtype, the
+compute dtype; p = bytes of the weight's dtype), in allocation order:
+  valid          (T,)   bool     T                 targets != ignore_index; freed once n is summed
+  n              ()     int64    8                 count of non-ignored targets, on the device
+  scale          ()     float32  4                 1 / max(n, 1) (mean) or 1 (sum), read by the row kernel
+  weight_cast    (V, H) c        V·H·c if p != c   the weight in the compute dtype, cast once per call
+  losses         (T,)   float32  T·4               per-row losses, summed into the loss at the end
+  grad_x         (T, H) c        T·H·c             output, saved for backward
+  grad_w         (V, H) p        V·H·p             output, saved for backward (accumulated in place)
+  logits         (C, V) c        min(C, T)·V·c     one buffer, reused by every chunk; the row kernel
+                                                   overwrites the logits with their gradient in place
+  loss           ()     float32  4                 output
+The transients (everything but grad_x, grad_w, loss) are freed when the forward returns. Backward
+scales grad_x and grad_w by the incoming gradient in place in eager mode and returns those buffers
+(0 new bytes; AccumulateGrad takes grad_w as the weight's .grad without a copy when .grad is None);
+under torch.compile, or with inplace_backward=False, it allocates their scaled copies, T·H·c + V·H·p.
+The CPU reference keeps the same saved tensors but upcasts inside each chunk (fp32 copies), so its
+transients are larger; the memory claims are CUDA's.
+
+Evaluation (no gradient, or reduction "none"): valid, n, weight_cast, losses (the output) and a
+logits chunk; no grad_x, no grad_w.
+"""
+from __future__ import annotations
+
+C_MIN = 4096  # rows: keeps the per-chunk grad_w accumulation under 1/16 of the chunk's GEMM time (above)
+LOGITS_BUDGET = 1 << 30  # bytes of one logits chunk, unless the (T, H) input is larger (above)
+
+
+def liger_rows(tokens: int, hidden: int, vocab: int) -> int:
+    """Liger's chunk (chunk_mem_const=1): next_pow2(ceil(T / ceil(V / H))), at most T."""
+    inc = -(-vocab // hidden)
+    return min(1 << max(0, -(-tokens // inc) - 1).bit_length(), tokens)
+
+
+def chunk_rows(tokens: int, hidden: int, vocab: int, logit_bytes: int = 2) -> int:
+    """Rows per chunk of the fused linear cross-entropy (module docstring). logit_bytes: the compute
+    dtype's size (2 for bf16/fp16, 4 for fp32 training)."""
+    if tokens <= 0:
+        return 1
+    budget_rows = max(LOGITS_BUDGET, tokens * hidden * 2) // (vocab * logit_bytes)
+    fit = 1 << (budget_rows.bit_length() - 1) if budget_rows >= 1 else 1  # largest power of two <= budget_rows
+    return min(tokens, max(liger_rows(tokens, hidden, vocab), min(C_MIN, fit)))
+
+
+def forward_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4) -> dict[str, int]:
+    """Every tensor one training call allocates on CUDA, in bytes (module docstring's table), keyed by
+    the names above. c: bytes of the compute dtype; p: bytes of the weight's dtype."""
+    T, H, V = tokens, hidden, vocab
+    C = chunk_rows(T, H, V, c)
+    return {"valid": T, "n": 8, "scale": 4, "weight_cast": V * H * c if p != c else 0, "losses": T * 4,
+            "grad_x": T * H * c, "grad_w": V * H * p, "logits": min(C, T) * V * c, "loss": 4}
+
+
+def saved_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4) -> int:
+    """Bytes autograd keeps for backward: grad_x (T, H) in the compute dtype and grad_w (V, H) in the weight's."""
+    return tokens * hidden * c + vocab * hidden * p
+
+
+def transient_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4) -> int:
+    """Bytes alive inside the forward beyond its saved tensors and the loss, all at once at the chunk loop."""
+    b = forward_bytes(tokens, hidden, vocab, c, p)
+    return sum(v for k, v in b.items() if k not in ("grad_x", "grad_w", "loss"))
