@@ -20,7 +20,7 @@ them by the incoming gradient, in place in eager mode, so it allocates nothing. 
 weight, nor any logits are kept.
 
 No host sync. The count of non-ignored targets stays a device tensor; the row kernel reads the scale
-(1 / max(n, 1)) through a pointer; the loss is the per-row losses' sum times that scale, on the device;
+(1 / max(n, 1)) through a pointer; the loss is the per-row losses' sum over max(n, 1), on the device;
 backward multiplies by the incoming gradient instead of testing it against 1. All targets ignored:
 the loss and both gradients are 0, not NaN. A target outside [0, V) other than ignore_index is the
 caller's error: it is clamped into range (checking it would need a sync).
@@ -132,9 +132,16 @@ def accumulate_grad_weight(grad_w: Tensor, gt: Tensor, xc: Tensor, first: bool, 
         grad_w.copy_(prod) if first else grad_w.add_(prod)
 
 
-def mean_scale(targets: Tensor, ignore_index: int) -> Tensor:
-    """1 / max(n, 1) as a 0-d fp32 device tensor, n = the count of targets that are not ignore_index."""
-    return (targets != ignore_index).sum().clamp(min=1).to(torch.float32).reciprocal()
+def valid_count(targets: Tensor, ignore_index: int) -> Tensor:
+    """max(n, 1) as a 0-d fp32 device tensor, n = the count of targets that are not ignore_index."""
+    return (targets != ignore_index).sum().clamp(min=1).to(torch.float32)
+
+
+def total(losses: Tensor, n: Tensor | None = None) -> Tensor:
+    """The fp32 loss: the row losses summed in fp64 (as torch's CPU nll_loss accumulates; T values, so the
+    cost is nil) and divided by n where given: the sum of T fp32 values would otherwise lose ~log2(T) bits."""
+    s = losses.sum(dtype=torch.float64)
+    return (s if n is None else s / n).to(torch.float32)
 
 
 def _check(x: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float, reduction: str) -> None:
@@ -153,7 +160,8 @@ def _forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, labe
     _check(x, weight, targets, label_smoothing, reduction)
     T, H = x.shape
     V, dev = weight.shape[0], x.device
-    scale = mean_scale(targets, ignore_index) if reduction == "mean" else torch.ones((), dtype=torch.float32, device=dev)
+    n = valid_count(targets, ignore_index) if reduction == "mean" else torch.ones((), dtype=torch.float32, device=dev)
+    scale = n.reciprocal()  # 0-d: the row kernel's gradient scale, read through a pointer
     w = weight if weight.dtype == x.dtype else weight.to(x.dtype)  # (V, H): the call's one cast of the weight
     losses = torch.empty(T, dtype=torch.float32, device=dev)  # (T,) unscaled row losses
     grad_x = torch.empty((T, H), dtype=x.dtype, device=dev)
@@ -168,7 +176,7 @@ def _forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, labe
         rows_fn(lc, targets[s:e], losses[s:e], scale, ignore_index, label_smoothing, True)  # lc := d loss/d logits
         torch.mm(lc, w, out=grad_x[s:e])
         accumulate_grad_weight(grad_w, lc.t(), xc, i == 0, native=dev.type == "cuda")
-    return losses.sum() * scale, grad_x, grad_w
+    return total(losses, n), grad_x, grad_w
 
 
 def _rows_forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, label_smoothing: float, chunk: int,
@@ -281,4 +289,4 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, ignore_inde
     losses = _rows_op(x2, weight, t2, ignore_index, ls, chunk)
     if reduction == "none":
         return losses.view(targets.shape)
-    return losses.sum() * mean_scale(t2, ignore_index) if reduction == "mean" else losses.sum()
+    return total(losses, valid_count(t2, ignore_index) if reduction == "mean" else None)
