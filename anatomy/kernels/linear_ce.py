@@ -100,7 +100,7 @@ def ce_rows_triton(logits: Tensor, targets: Tensor, losses: Tensor, scale: Tenso
 def ce_rows_reference(logits: Tensor, targets: Tensor, losses: Tensor, scale: Tensor, ignore_index: int = IGNORE_INDEX,
                       label_smoothing: float = 0.0, write_grad: bool = True) -> None:
     """The row kernel in plain torch (fp32 copies of the chunk: CPU only)."""
-    z = logits.float()  # (R, V)
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (R, V), fp32 copies (fp64 stays fp64)
     V, eps = z.shape[1], label_smoothing
     valid = targets != ignore_index
     y = targets.where(valid, 0).clamp(0, V - 1)[:, None]  # (R, 1)
