@@ -1,0 +1,273 @@
+"""Fused linear cross-entropy on the GPU: ours (anatomy::linear_cross_entropy) against Liger's
+LigerFusedLinearCrossEntropyFunction, forward + backward, bf16 x and an fp32 weight under bf16 autocast
+(the model's layout), next to the bf16 matmul ceiling measured in the same process.
+
+    PYTHONPATH=. python3 bench/linear_ce.py [--shapes 16384x2048x32000,...] [--chunks 0,2048,8192]
+                                            [--reps 20] [--json OUT] [--dry-run]
+
+Per shape (T tokens x H hidden x V vocab) and implementation:
+  * ms: median over --reps repeats of one forward + backward between two CUDA events, after a warm-up,
+    each repeat on the next of 3 input sets (x, targets; the (V, H) weight is the model's, shared);
+    .grad is set to None before each, as a training loop's zero_grad does. A host sync inside the call
+    (Liger's .item() and torch.equal) shows here as the GPU idling while the host catches up.
+  * steady_ms: the same calls back to back between one pair of events, divided by their count;
+  * TFLOP/s over 6·T·H·V (logits, grad_x, grad_w GEMMs) and that as a fraction of the ceiling;
+  * peak_mib: max_memory_allocated during one call above what was allocated before it (inputs, weight);
+    for ours also the bytes linear_ce_chunks predicts (saved + transients + loss) beside it;
+  * host_syncs: synchronizing CUDA calls in one call, counted by torch.cuda.set_sync_debug_mode("warn");
+  * ours against Liger: the largest relative difference of the loss and both gradients;
+  * ours, --breakdown: each GEMM and the row kernel of one chunk, timed alone, times the chunk count.
+--chunks runs ours with each rows-per-chunk (0: the rule in linear_ce_chunks.chunk_rows), to check the
+rule's derivation on the machine. --dry-run runs the same code on CPU at tiny shapes (perf_counter for
+events, no Liger unless Triton runs there), to check the script itself.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+from anatomy.kernels.linear_ce import linear_cross_entropy
+from anatomy.kernels.linear_ce_chunks import chunk_rows, forward_bytes
+
+BF16 = torch.bfloat16
+SHAPES = "16384x2048x32000,16384x2048x128256,65536x512x16000"  # 1B-class at vocab 32k and 128k; the seed
+DRY_SHAPES = "96x32x50,64x16x1000"
+ROTATE = 3  # input sets
+
+
+class Clock:
+    """CUDA events on the GPU, perf_counter on CPU (--dry-run)."""
+
+    def __init__(self, dev: torch.device):
+        self.cuda = dev.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def timed(clock: Clock, fn, reps: int, warmup: int = 3) -> tuple[float, float]:
+    """(median ms of one call, steady ms per call back to back); fn(i) runs repeat i."""
+    for i in range(warmup):
+        fn(i)
+    clock.sync()
+    marks = []
+    for i in range(reps):
+        a = clock.mark()
+        fn(i)
+        marks.append((a, clock.mark()))
+    clock.sync()
+    a = clock.mark()
+    for i in range(reps):
+        fn(i)
+    b = clock.mark()
+    clock.sync()
+    return statistics.median(clock.ms(x, y) for x, y in marks), clock.ms(a, b) / reps
+
+
+def matmul_ceiling(clock: Clock, n: int, dev) -> float:
+    a, b = (torch.randn(n, n, device=dev, dtype=BF16) for _ in range(2))
+    ms, _ = timed(clock, lambda i: a @ b, reps=20, warmup=5)
+    return 2 * n ** 3 / (ms / 1e3)
+
+
+def copy_bandwidth(clock: Clock, n: int, dev) -> float:
+    x = torch.randn(n, device=dev, dtype=BF16)
+    y = torch.empty_like(x)
+    ms, _ = timed(clock, lambda i: y.copy_(x), reps=20, warmup=5)
+    return 2 * x.numel() * 2 / (ms / 1e3)
+
+
+def liger_fn():
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    except ImportError:
+        return None
+    return lambda x, w, t: LigerFusedLinearCrossEntropyFunction.apply(x, w, t)[0]
+
+
+def peak_and_syncs(dev, call, clear) -> tuple[float | None, int | None]:
+    """(MiB allocated at the call's peak above what was allocated before it, synchronizing calls).
+    clear() drops the previous call's gradients first, so that their freeing does not hide in the figure."""
+    if dev.type != "cuda":
+        call()
+        return None, None
+    clear()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return peak, syncs
+
+
+def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown):
+    g = torch.Generator(device="cpu").manual_seed(T + V)
+    w = (torch.randn(V, H, generator=g) / H ** 0.5).to(dev).requires_grad_()  # fp32 master weight
+    sets = [(torch.randn(T, H, generator=g).to(dev, BF16).requires_grad_(), torch.randint(0, V, (T,), generator=g).to(dev))
+            for _ in range(ROTATE)]
+    sets[0][1][::97] = -100  # a few ignored targets
+
+    def step(fn, i):
+        x, t = sets[i % ROTATE]
+        x.grad = w.grad = None  # zero_grad(set_to_none=True)
+        with torch.autocast(dev.type, dtype=BF16):
+            loss = fn(x, w, t)
+        loss.backward()
+        return loss
+
+    rows, results = [], {}
+    flops = 6 * T * H * V
+    for name, fn, chunk in impls:
+        ms, steady = timed(clock, lambda i: step(fn, i), reps)
+        peak, syncs = peak_and_syncs(dev, lambda: step(fn, 0), lambda: setattr(w, "grad", None) or [
+            setattr(x, "grad", None) for x, _ in sets])
+        loss = step(fn, 0)
+        results[name] = (loss.detach().clone(), sets[0][0].grad.clone(), w.grad.clone())
+        r = dict(impl=name, T=T, H=H, V=V, chunk=chunk, ms=ms, steady_ms=steady, flops=flops,
+                 tflop_s=flops / (ms / 1e3) / 1e12, frac_ceiling=flops / (ms / 1e3) / ceiling,
+                 peak_mib=peak, host_syncs=syncs)
+        if name.startswith("ours"):
+            b = forward_bytes(T, H, V, 2, 4)  # every tensor is alive at the chunk loop; backward adds none
+            b["logits"] = min(chunk or chunk_rows(T, H, V), T) * V * 2
+            r["predicted_peak_mib"] = sum(b.values()) / 2 ** 20
+            if breakdown:
+                r["breakdown_ms"] = chunk_breakdown(T, H, V, chunk or chunk_rows(T, H, V), w, sets[0], clock, reps)
+        rows.append(r)
+        print(f"{T}x{H}x{V} {name:14s} {ms:8.3f} ms (steady {steady:8.3f})  {r['tflop_s']:6.1f} TFLOP/s "
+              f"{r['frac_ceiling']:6.1%} of ceiling  peak {peak if peak is None else round(peak)} MiB  "
+              f"syncs {syncs}", flush=True)
+    if "liger" in results:
+        ref = results["liger"]
+        for r in rows:
+            if r["impl"] != "liger":
+                r["max_rel_diff_vs_liger"] = {k: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                                              for k, a, b in zip(("loss", "grad_x", "grad_w"), results[r["impl"]], ref)}
+    return rows
+
+
+def chunk_breakdown(T, H, V, C, w, inputs, clock, reps) -> dict[str, float]:
+    """Each part of ours for one full chunk, timed alone, times the chunk count T / C (a fraction for the tail)."""
+    from anatomy.kernels.linear_ce import accumulate_grad_weight, ce_rows_reference, ce_rows_triton
+
+    x, t = inputs[0].detach()[:C], inputs[1][:C]
+    dev, n = x.device, T / C
+    wl = w.detach().to(BF16)
+    logits = torch.empty(C, V, dtype=BF16, device=dev)
+    gx, gw = torch.empty(C, H, dtype=BF16, device=dev), torch.empty(V, H, dtype=torch.float32, device=dev)
+    losses, scale = torch.empty(C, device=dev), torch.tensor(1 / T, device=dev)
+    gx_all = torch.empty(T, H, dtype=BF16, device=dev)
+    rows = ce_rows_triton if dev.type == "cuda" else ce_rows_reference
+    torch.mm(x, wl.t(), out=logits)
+    logits_copy = logits.clone()
+    parts = {"weight_cast": (lambda i: w.detach().to(BF16), 1),
+             "logits_mm": (lambda i: torch.mm(x, wl.t(), out=logits), n),
+             "row_kernel": (lambda i: (logits.copy_(logits_copy), rows(logits, t, losses, scale)), n),
+             "row_kernel_restore_copy": (lambda i: logits.copy_(logits_copy), n),
+             "grad_x_mm": (lambda i: torch.mm(logits, wl, out=gx), n),
+             "grad_w_addmm": (lambda i: accumulate_grad_weight(gw, logits.t(), x, i == 0, dev.type == "cuda"), n),
+             "backward_scale": (lambda i: (gx_all.mul_(scale), gw.mul_(scale)), 1)}
+    out = {k: timed(clock, fn, reps)[0] * m for k, (fn, m) in parts.items()}
+    out["row_kernel"] -= out.pop("row_kernel_restore_copy")  # the copy restores the logits between repeats
+    return out
+
+
+def environment(dev) -> dict:
+    import importlib.metadata as md
+
+    def version(pkg):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+    return dict(gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)",
+                torch=torch.__version__, triton=version("triton"), cuda=torch.version.cuda,
+                liger_kernel=version("liger-kernel"),
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    try:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",") if s]
+        assert shapes and all(len(s) == 3 and min(s) > 0 for s in shapes)
+        return shapes
+    except (ValueError, AssertionError):
+        raise SystemExit(f"bench/linear_ce.py: --shapes wants TxHxV[,TxHxV...] with positive ints, got {text!r}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", help=f"TxHxV,... (default {SHAPES}; --dry-run {DRY_SHAPES})")
+    p.add_argument("--chunks", default="0", help="rows per chunk for ours, comma-separated; 0 is the rule")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--no-liger", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="time each part of one chunk of ours alone")
+    p.add_argument("--json", help="write the results here (atomically)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks the script, measures nothing")
+    a = p.parse_args(argv)
+    try:
+        chunks = [int(c) for c in a.chunks.split(",")]
+        assert all(c >= 0 for c in chunks) and a.reps >= 10
+    except (ValueError, AssertionError):
+        p.exit(2, "bench/linear_ce.py: --chunks wants non-negative ints, --reps at least 10\n")
+    if not a.dry_run and not torch.cuda.is_available():
+        p.exit(2, "bench/linear_ce.py: no CUDA GPU here; use --dry-run to check the script on CPU\n")
+    dev = torch.device("cpu" if a.dry_run else "cuda")
+    shapes = parse_shapes(a.shapes or (DRY_SHAPES if a.dry_run else SHAPES))
+    clock = Clock(dev)
+    ceiling = matmul_ceiling(clock, 256 if a.dry_run else 8192, dev)
+    bw = copy_bandwidth(clock, 1 << 16 if a.dry_run else 1 << 30, dev)
+    print(f"ceilings: bf16 matmul {ceiling / 1e12:.1f} TFLOP/s, copy {bw / 1e12:.2f} TB/s", flush=True)
+    impls = [(f"ours" if c == 0 else f"ours-c{c}", lambda x, w, t, c=c: linear_cross_entropy(x, w, t, chunk=c), c)
+             for c in chunks]
+    liger = None if a.no_liger or (a.dry_run and not _triton_on_cpu()) else liger_fn()
+    if liger is not None:
+        impls.append(("liger", liger, 0))
+    elif not a.no_liger and not a.dry_run:
+        p.exit(2, "bench/linear_ce.py: liger_kernel is not importable (pip install liger-kernel, or --no-liger)\n")
+    rows = []
+    for T, H, V in shapes:
+        rows += bench_shape(T, H, V, impls, clock, dev, a.reps, ceiling, a.breakdown)
+    res = dict(environment(dev), matmul_tflop_s=ceiling / 1e12, matmul_shape="8192^3 bf16" if not a.dry_run else
+               "256^3 bf16 (dry run)", copy_tb_s=bw / 1e12, dry_run=a.dry_run, rows=rows,
+               command=" ".join(["PYTHONPATH=. python3 bench/linear_ce.py", *(argv if argv is not None else sys.argv[1:])]))
+    if a.json:
+        from anatomy.io import write_atomic
+
+        write_atomic(a.json, json.dumps(res, indent=1) + "\n")
+    return res
+
+
+def _triton_on_cpu() -> bool:
+    from anatomy.kernels import INTERPRET
+    return INTERPRET
+
+
+if __name__ == "__main__":
+    main()
