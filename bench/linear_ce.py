@@ -13,7 +13,8 @@ Per shape (T tokens x H hidden x V vocab) and implementation:
   * steady_ms: the same calls back to back between one pair of events, divided by their count;
   * TFLOP/s over 6·T·H·V (logits, grad_x, grad_w GEMMs) and that as a fraction of the ceiling;
   * peak_mib: max_memory_allocated during one call above what was allocated before it (inputs, weight);
-    for ours also the bytes linear_ce_chunks predicts (saved + transients + loss) beside it;
+    for ours also linear_ce_chunks.peak_bytes beside it (tensor bytes: the allocator's 512-byte rounding
+    of its small tensors, ~4 KiB, is not in it);
   * host_syncs: synchronizing CUDA calls in one call, counted by torch.cuda.set_sync_debug_mode("warn");
   * ours against Liger: the largest relative difference of the loss and both gradients;
   * ours, --breakdown: each GEMM and the row kernel of one chunk, timed alone, times the chunk count.
@@ -34,7 +35,7 @@ import warnings
 import torch
 
 from anatomy.kernels.linear_ce import linear_cross_entropy
-from anatomy.kernels.linear_ce_chunks import chunk_rows, forward_bytes
+from anatomy.kernels.linear_ce_chunks import chunk_rows, peak_bytes
 
 BF16 = torch.bfloat16
 SHAPES = "16384x2048x32000,16384x2048x128256,65536x512x16000"  # 1B-class at vocab 32k and 128k; the seed
@@ -154,9 +155,7 @@ def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown):
                  tflop_s=flops / (ms / 1e3) / 1e12, frac_ceiling=flops / (ms / 1e3) / ceiling,
                  peak_mib=peak, host_syncs=syncs)
         if name.startswith("ours"):
-            b = forward_bytes(T, H, V, 2, 4)  # every tensor is alive at the chunk loop; backward adds none
-            b["logits"] = min(chunk or chunk_rows(T, H, V), T) * V * 2
-            r["predicted_peak_mib"] = sum(b.values()) / 2 ** 20
+            r["predicted_peak_mib"] = peak_bytes(T, H, V, 2, 4, chunk) / 2 ** 20  # backward adds nothing
             if breakdown:
                 r["breakdown_ms"] = chunk_breakdown(T, H, V, chunk or chunk_rows(T, H, V), w, sets[0], clock, reps)
         rows.append(r)

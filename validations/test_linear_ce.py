@@ -28,7 +28,7 @@ from anatomy.kernels import INTERPRET, triton_on_cpu
 from anatomy.kernels import linear_ce as lce
 from anatomy.kernels.linear_ce import linear_cross_entropy
 from anatomy.kernels.linear_ce_chunks import (C_MIN, LOGITS_BUDGET, chunk_rows, forward_bytes, liger_rows,
-                                              saved_bytes)
+                                              peak_bytes, saved_bytes)
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 BF16, FP32, FP64 = torch.bfloat16, torch.float32, torch.float64
@@ -173,10 +173,11 @@ def test_meta_and_fake_tensors():
         assert [(o.shape, o.dtype) for o in out] == [((), FP32), ((10, 8), BF16), ((11, 8), FP32)]
 
 
-def test_opcheck():
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "out-of-place"])
+def test_opcheck(inplace):
     x, w, t = (v.float() if v.is_floating_point() else v for v in case(T=9, H=8, V=13))
     torch.library.opcheck(torch.ops.anatomy.linear_cross_entropy.default,
-                          (x.requires_grad_(), w.clone().requires_grad_(), t, -100, 0.1, "mean", 4, False))
+                          (x.requires_grad_(), w.clone().requires_grad_(), t, -100, 0.1, "mean", 4, inplace))
     torch.library.opcheck(torch.ops.anatomy.linear_cross_entropy_rows.default, (x.detach(), w, t, -100, 0.0, 4))
 
 
@@ -184,14 +185,15 @@ def _head(h, proj, w, t):
     return linear_cross_entropy(h @ proj, w, t, label_smoothing=0.1)
 
 
-def test_compile_fullgraph():
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compile_fullgraph(backend):
     """fullgraph=True raises on any graph break; the op is opaque, so compiled values and gradients equal
     eager's (backward scales out of place when compiled, in place in eager: the same products)."""
     torch._dynamo.reset()
     x, w, t = case()
     proj = torch.randn(24, 24, dtype=FP64) / 5
     results = []
-    for fn in (_head, torch.compile(_head, fullgraph=True, backend="aot_eager")):
+    for fn in (_head, torch.compile(_head, fullgraph=True, backend=backend)):
         leaves = [v.float().requires_grad_() for v in (x, proj, w)]
         with torch.autocast("cpu", dtype=BF16):
             loss = fn(leaves[0], leaves[1], leaves[2], t)
@@ -224,7 +226,7 @@ def test_autocast_dtypes_and_one_weight_cast():
             return func(*args, **(kwargs or {}))
 
     with Casts():
-        lce._forward(x.detach().to(BF16), w.detach(), t, -100, 0.0, "mean", 8, False)
+        lce._forward(x.detach().to(BF16), w.detach(), t, -100, 0.0, "mean", 8, lce.ce_rows_reference, False)
     assert Casts.n == 1
 
 
@@ -246,9 +248,10 @@ def test_no_host_sync(path):
     public call with its backward (the mode sees the op and the backward's scaling)."""
     x, w, t = case()
     xb, wf = x.to(BF16), w.float()
+    rows_fn = lce.ce_rows_triton if path == "triton" else lce.ce_rows_reference
     with _path(path), NoSync():
-        lce._forward(xb, wf, t, -100, 0.1, "mean", 8, path == "triton")
-        lce._rows_forward(xb, wf, t, -100, 0.1, 8, path == "triton")
+        lce._forward(xb, wf, t, -100, 0.1, "mean", 8, rows_fn, False)
+        lce._rows_forward(xb, wf, t, -100, 0.1, 8, rows_fn)
         xl, wl = xb.clone().requires_grad_(), wf.clone().requires_grad_()
         linear_cross_entropy(xl, wl, t, chunk=8).backward()
         with torch.no_grad():
@@ -276,6 +279,29 @@ def test_backward_returns_the_saved_buffers():
     loss = linear_cross_entropy(xl, wl, t, inplace_backward=False)
     a = torch.autograd.grad(loss, (xl, wl), retain_graph=True)
     assert all(map(torch.equal, a, torch.autograd.grad(loss, (xl, wl))))
+
+
+@pytest.mark.parametrize("wdt", [FP32, BF16], ids=["w32", "w16"])
+@pytest.mark.parametrize("T,chunk", [(100, 32), (100, 0), (7, 0)], ids=["chunks", "rule", "short"])
+def test_cuda_path_bytes_are_the_table(wdt, T, chunk):
+    """The CUDA path (the native grad_w accumulation; the row kernel, which allocates nothing, left out)
+    on meta tensors under the liveness walk: every storage it makes, and their peak, are what
+    linear_ce_chunks tabulates, to the byte."""
+    from anatomy.measure.liveness import LiveStorage
+
+    H, V = 16, 300
+    x, w = torch.empty(T, H, dtype=BF16, device="meta"), torch.empty(V, H, dtype=wdt, device="meta")
+    t = torch.zeros(T, dtype=torch.long, device="meta")
+    live = LiveStorage()
+    live.track(x, w, t)
+    inputs = live.allocated
+    with live:
+        out = lce._forward(x, w, t, -100, 0.0, "mean", chunk, lambda *a: None, True)
+        row = live.phase("forward")
+    p = wdt.itemsize
+    assert row["peak"] - inputs == peak_bytes(T, H, V, 2, p, chunk)
+    assert row["allocated"] - inputs == saved_bytes(T, H, V, 2, p) + 4  # what stays: grad_x, grad_w, the loss
+    assert [o.untyped_storage().nbytes() for o in out] == [4, T * H * 2, V * H * p]
 
 
 def test_cuda_accumulation_calls_are_valid():

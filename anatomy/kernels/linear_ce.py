@@ -155,8 +155,9 @@ def _check(x: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float, r
 
 
 def _forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, label_smoothing: float, reduction: str,
-             chunk: int, on_triton: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, grad_x, grad_w). Allocation order and sizes: linear_ce_chunks.forward_bytes."""
+             chunk: int, rows_fn, native: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, grad_x, grad_w). rows_fn: the row kernel (ce_rows_triton or ce_rows_reference); native: the
+    CUDA grad_w accumulation (accumulate_grad_weight). Allocation order and sizes: linear_ce_chunks."""
     _check(x, weight, targets, label_smoothing, reduction)
     T, H = x.shape
     V, dev = weight.shape[0], x.device
@@ -168,19 +169,18 @@ def _forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, labe
     grad_w = (torch.empty if T else torch.zeros)((V, H), dtype=weight.dtype, device=dev)
     C = chunk or chunk_rows(T, H, V, x.element_size())
     logits = torch.empty((min(C, T), V), dtype=x.dtype, device=dev)  # (C, V): the only V-wide tensor
-    rows_fn = ce_rows_triton if on_triton else ce_rows_reference
     for i, s in enumerate(range(0, T, C)):
         e = min(s + C, T)
         xc, lc = x[s:e], logits[:e - s]
         torch.mm(xc, w.t(), out=lc)
         rows_fn(lc, targets[s:e], losses[s:e], scale, ignore_index, label_smoothing, True)  # lc := d loss/d logits
         torch.mm(lc, w, out=grad_x[s:e])
-        accumulate_grad_weight(grad_w, lc.t(), xc, i == 0, native=dev.type == "cuda")
+        accumulate_grad_weight(grad_w, lc.t(), xc, i == 0, native)
     return total(losses, n), grad_x, grad_w
 
 
 def _rows_forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, label_smoothing: float, chunk: int,
-                  on_triton: bool) -> Tensor:
+                  rows_fn) -> Tensor:
     """(T,) fp32 row losses (0 where ignored), no gradients: evaluation."""
     _check(x, weight, targets, label_smoothing, "none")
     T, H = x.shape
@@ -189,7 +189,6 @@ def _rows_forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
     losses = torch.empty(T, dtype=torch.float32, device=dev)
     C = chunk or chunk_rows(T, H, V, x.element_size())
     logits = torch.empty((min(C, T), V), dtype=x.dtype, device=dev)
-    rows_fn = ce_rows_triton if on_triton else ce_rows_reference
     for s in range(0, T, C):
         e = min(s + C, T)
         torch.mm(x[s:e], w.t(), out=logits[:e - s])
@@ -198,16 +197,20 @@ def _rows_forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int,
 
 
 # ---- custom ops ----------------------------------------------------------------------------------
+def _cpu_rows():
+    return ce_rows_triton if cpu_uses_triton() else ce_rows_reference
+
+
 @torch.library.custom_op("anatomy::linear_cross_entropy", mutates_args=())
 def _lce_op(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
             reduction: str = "mean", chunk: int = 0, inplace_backward: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    return _forward(x, weight, targets, ignore_index, label_smoothing, reduction, chunk, cpu_uses_triton())
+    return _forward(x, weight, targets, ignore_index, label_smoothing, reduction, chunk, _cpu_rows(), False)
 
 
 @_lce_op.register_kernel("cuda")
 def _(x, weight, targets, ignore_index=IGNORE_INDEX, label_smoothing=0.0, reduction="mean", chunk=0,
       inplace_backward=True):
-    return _forward(x, weight, targets, ignore_index, label_smoothing, reduction, chunk, True)
+    return _forward(x, weight, targets, ignore_index, label_smoothing, reduction, chunk, ce_rows_triton, True)
 
 
 @_lce_op.register_fake
@@ -246,12 +249,12 @@ _lce_op.register_autograd(_backward, setup_context=_setup_context)
 @torch.library.custom_op("anatomy::linear_cross_entropy_rows", mutates_args=())
 def _rows_op(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX,
              label_smoothing: float = 0.0, chunk: int = 0) -> Tensor:
-    return _rows_forward(x, weight, targets, ignore_index, label_smoothing, chunk, cpu_uses_triton())
+    return _rows_forward(x, weight, targets, ignore_index, label_smoothing, chunk, _cpu_rows())
 
 
 @_rows_op.register_kernel("cuda")
 def _(x, weight, targets, ignore_index=IGNORE_INDEX, label_smoothing=0.0, chunk=0):
-    return _rows_forward(x, weight, targets, ignore_index, label_smoothing, chunk, True)
+    return _rows_forward(x, weight, targets, ignore_index, label_smoothing, chunk, ce_rows_triton)
 
 
 @_rows_op.register_fake

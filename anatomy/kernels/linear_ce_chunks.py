@@ -26,25 +26,32 @@ never below Liger's rows.
 
 Memory of one training call, on CUDA (T tokens, H hidden, V vocab; c = bytes of x's dtype, the
 compute dtype; p = bytes of the weight's dtype), in allocation order:
-  valid          (T,)   bool     T                 targets != ignore_index; freed once n is summed
-  n              ()     int64    8                 count of non-ignored targets, on the device
-  scale          ()     float32  4                 1 / max(n, 1) (mean) or 1 (sum), read by the row kernel
+  valid          (T,)   bool     T                 targets != ignore_index; freed once counted, before
+                                                   anything below is allocated (so never in the peak)
+  n              ()     float32  4                 max(count of non-ignored targets, 1), on the device (mean;
+                                                   1 for the sum); its int64 intermediates come and go
+  scale          ()     float32  4                 1 / n, read by the row kernel through a pointer
   weight_cast    (V, H) c        V·H·c if p != c   the weight in the compute dtype, cast once per call
-  losses         (T,)   float32  T·4               per-row losses, summed into the loss at the end
+  losses         (T,)   float32  T·4               per-row losses
   grad_x         (T, H) c        T·H·c             output, saved for backward
   grad_w         (V, H) p        V·H·p             output, saved for backward (accumulated in place)
   logits         (C, V) c        min(C, T)·V·c     one buffer, reused by every chunk; the row kernel
                                                    overwrites the logits with their gradient in place
+  loss_sum       ()     float64  8 + 8             the row losses' fp64 sum and its quotient by n
   loss           ()     float32  4                 output
+No GEMM allocates (all write through out=), and the row kernel allocates nothing. The peak is at the
+loss's final cast, where everything but valid is alive: peak_bytes() = sum(forward_bytes()) - T. On
+the GPU each tensor is rounded up to the caching allocator's 512-byte blocks (the 0-d ones to 512).
 The transients (everything but grad_x, grad_w, loss) are freed when the forward returns. Backward
 scales grad_x and grad_w by the incoming gradient in place in eager mode and returns those buffers
 (0 new bytes; AccumulateGrad takes grad_w as the weight's .grad without a copy when .grad is None);
 under torch.compile, or with inplace_backward=False, it allocates their scaled copies, T·H·c + V·H·p.
 The CPU reference keeps the same saved tensors but upcasts inside each chunk (fp32 copies), so its
-transients are larger; the memory claims are CUDA's.
+transients are larger; the memory claims are CUDA's (validations/test_linear_ce.py checks this table
+against the CUDA path's allocations on meta tensors).
 
-Evaluation (no gradient, or reduction "none"): valid, n, weight_cast, losses (the output) and a
-logits chunk; no grad_x, no grad_w.
+Evaluation (no gradient, or reduction "none"): weight_cast, losses (the output) and a logits chunk;
+no grad_x, no grad_w.
 """
 from __future__ import annotations
 
@@ -68,13 +75,18 @@ def chunk_rows(tokens: int, hidden: int, vocab: int, logit_bytes: int = 2) -> in
     return min(tokens, max(liger_rows(tokens, hidden, vocab), min(C_MIN, fit)))
 
 
-def forward_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4) -> dict[str, int]:
+def forward_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4, chunk: int = 0) -> dict[str, int]:
     """Every tensor one training call allocates on CUDA, in bytes (module docstring's table), keyed by
     the names above. c: bytes of the compute dtype; p: bytes of the weight's dtype."""
     T, H, V = tokens, hidden, vocab
-    C = chunk_rows(T, H, V, c)
-    return {"valid": T, "n": 8, "scale": 4, "weight_cast": V * H * c if p != c else 0, "losses": T * 4,
-            "grad_x": T * H * c, "grad_w": V * H * p, "logits": min(C, T) * V * c, "loss": 4}
+    C = chunk or chunk_rows(T, H, V, c)  # chunk: the op's override, 0 for the rule
+    return {"valid": T, "n": 4, "scale": 4, "weight_cast": V * H * c if p != c else 0, "losses": T * 4,
+            "grad_x": T * H * c, "grad_w": V * H * p, "logits": min(C, T) * V * c, "loss_sum": 16, "loss": 4}
+
+
+def peak_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4, chunk: int = 0) -> int:
+    """The most bytes one training call holds at once (module docstring), its saved tensors included."""
+    return sum(forward_bytes(tokens, hidden, vocab, c, p, chunk).values()) - tokens
 
 
 def saved_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4) -> int:
@@ -82,7 +94,6 @@ def saved_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4) ->
     return tokens * hidden * c + vocab * hidden * p
 
 
-def transient_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4) -> int:
-    """Bytes alive inside the forward beyond its saved tensors and the loss, all at once at the chunk loop."""
-    b = forward_bytes(tokens, hidden, vocab, c, p)
-    return sum(v for k, v in b.items() if k not in ("grad_x", "grad_w", "loss"))
+def transient_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4, chunk: int = 0) -> int:
+    """Bytes alive at the forward's peak beyond its saved tensors and the loss."""
+    return peak_bytes(tokens, hidden, vocab, c, p, chunk) - saved_bytes(tokens, hidden, vocab, c, p) - 4
