@@ -65,7 +65,7 @@ def _err(a, ref):
 def run_grads(fn, x, w, t, xdt, wdt, dout=0.7):
     xl, wl = x.to(xdt).requires_grad_(), w.to(wdt).requires_grad_()
     loss = fn(xl, wl, t)
-    gx, gw = torch.autograd.grad(loss, (xl, wl), torch.tensor(dout, dtype=loss.dtype))
+    gx, gw = torch.autograd.grad(loss, (xl, wl), torch.tensor(dout, dtype=loss.dtype, device=loss.device))
     return loss, gx, gw
 
 
