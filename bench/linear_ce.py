@@ -211,13 +211,13 @@ def environment(dev) -> dict:
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+def parse_shapes(text: str) -> list[tuple[int, int, int]] | None:
+    """TxHxV,... -> [(T, H, V), ...]; None when the text is not that."""
     try:
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",") if s]
-        assert shapes and all(len(s) == 3 and min(s) > 0 for s in shapes)
-        return shapes
-    except (ValueError, AssertionError):
-        raise SystemExit(f"bench/linear_ce.py: --shapes wants TxHxV[,TxHxV...] with positive ints, got {text!r}")
+    except ValueError:
+        return None
+    return shapes if shapes and all(len(s) == 3 and min(s) > 0 for s in shapes) else None
 
 
 def main(argv=None):
@@ -235,10 +235,12 @@ def main(argv=None):
         assert all(c >= 0 for c in chunks) and a.reps >= 10
     except (ValueError, AssertionError):
         p.exit(2, "bench/linear_ce.py: --chunks wants non-negative ints, --reps at least 10\n")
+    shapes = parse_shapes(a.shapes or (DRY_SHAPES if a.dry_run else SHAPES))
+    if shapes is None:
+        p.exit(2, f"bench/linear_ce.py: --shapes wants TxHxV[,TxHxV...] with positive ints, got {a.shapes!r}\n")
     if not a.dry_run and not torch.cuda.is_available():
         p.exit(2, "bench/linear_ce.py: no CUDA GPU here; use --dry-run to check the script on CPU\n")
     dev = torch.device("cpu" if a.dry_run else "cuda")
-    shapes = parse_shapes(a.shapes or (DRY_SHAPES if a.dry_run else SHAPES))
     clock = Clock(dev)
     ceiling = matmul_ceiling(clock, 256 if a.dry_run else 8192, dev)
     bw = copy_bandwidth(clock, 1 << 16 if a.dry_run else 1 << 30, dev)

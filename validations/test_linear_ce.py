@@ -372,3 +372,28 @@ def test_cuda_accuracy_and_no_sync(cuda_device, dtypes):
         op(xl, wl, t).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.slow
+def test_bench_dry_run(tmp_path):
+    """bench/linear_ce.py end to end on CPU at a tiny shape (the GPU run's code path, minus the GPU): its
+    JSON has a row per implementation and chunk, ours beside its predicted peak, the command; bad flags exit 2."""
+    import json
+
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_linear_ce", Path(__file__).parents[1] / "bench" / "linear_ce.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "lce.json"
+    bench.main(["--dry-run", "--no-liger", "--reps", "10", "--shapes", "40x8x30", "--chunks", "0,16", "--breakdown",
+                "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert [(r["impl"], r["chunk"]) for r in res["rows"]] == [("ours", 0), ("ours-c16", 16)]
+    assert res["rows"][1]["predicted_peak_mib"] * 2 ** 20 == peak_bytes(40, 8, 30, 2, 4, 16)
+    assert set(res["rows"][0]["breakdown_ms"]) == {"weight_cast", "logits_mm", "row_kernel", "grad_x_mm",
+                                                   "grad_w_addmm", "backward_scale"}
+    assert res["command"].startswith("PYTHONPATH=. python3 bench/linear_ce.py --dry-run")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--dry-run", "--shapes", "1x2"])
+    assert e.value.code == 2

@@ -14,7 +14,8 @@ a chunk's logits are. Per chunk of C rows (C from linear_ce_chunks.chunk_rows):
     grad_x[c] = g W                 (C, H) in x's dtype
     grad_w (+)= gᵀ x_c              (V, H); an fp32 accumulator is written by bf16 x bf16 GEMMs with an
                                     fp32 output (mm/addmm out_dtype on CUDA; the first chunk writes, the
-                                    others accumulate), so it never round-trips through bf16
+                                    others accumulate), so it never round-trips through bf16; a bf16
+                                    weight's grad_w is rounded once per chunk (T / C times, C >= 4096)
 What is saved. Only grad_x (T, H) and grad_w (V, H), in x's and the weight's dtypes: backward scales
 them by the incoming gradient, in place in eager mode, so it allocates nothing. Neither x, nor the
 weight, nor any logits are kept.
