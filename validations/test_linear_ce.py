@@ -135,11 +135,13 @@ def test_eval_reductions_match_torch_and_training(path, ls):
 
 # ---- the row kernel against the reference --------------------------------------------------------
 @needs_interpreter
-@pytest.mark.parametrize("V,block", [(50, 16), (37, 8), (64, 64), (5, 8)], ids=["tail", "odd", "exact", "one-short"])
+@pytest.mark.parametrize("V,block", [(50, 16), (37, 8), (64, 16), (50, 64), (64, 64), (5, 8)],
+                         ids=["tail", "odd", "blocks-exact", "single-tail", "single-exact", "single-short"])
 @pytest.mark.parametrize("ls", [0.0, 0.3], ids=["ls0", "ls0.3"])
 def test_row_kernel_matches_reference(V, block, ls):
-    """Several column blocks with a masked tail: losses and the in-place gradient against the same math in
-    fp64 on the same bf16 logits, within twice the plain-torch reference's own error."""
+    """Several column blocks with a masked tail, and one block (the row kept in registers): losses and the
+    in-place gradient against the same math in fp64 on the same bf16 logits, within twice the plain-torch
+    reference's own error."""
     g = torch.Generator().manual_seed(V)
     logits = (torch.randn(7, V, generator=g) * 4).to(BF16)
     t = torch.randint(0, V, (7,), generator=g)

@@ -10,7 +10,8 @@ Why the gradients are computed in forward. The loss is the last op, so d(loss)/d
 a chunk's logits are. Per chunk of C rows (C from linear_ce_chunks.chunk_rows):
     logits = x_c Wᵀ                 cuBLAS, (C, V) in the compute dtype, one buffer for every chunk
     row kernel                      per row: logsumexp, the row loss, and the gradient written over the
-                                    logits in place (Triton: two passes over V, fp32 math)
+                                    logits in place (Triton, fp32 math: two passes over V in blocks of up
+                                    to 32768, or one read when the row fits one block)
     grad_x[c] = g W                 (C, H) in x's dtype
     grad_w (+)= gᵀ x_c              (V, H); an fp32 accumulator is written by bf16 x bf16 GEMMs with an
                                     fp32 output (mm/addmm out_dtype on CUDA; the first chunk writes, the
@@ -47,26 +48,34 @@ MAX_BLOCK = 32768  # columns per pass step of the row kernel (Liger's MAX_FUSED_
 # ---- the row kernel (grid: one program per row of a chunk) -----------------------------------
 @jit
 def _ce_rows_kernel(L, stride_l, TGT, LOSS, SCALE, V, ignore_index, smoothing,
-                    WRITE_GRAD: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_V: tl.constexpr):
+                    WRITE_GRAD: tl.constexpr, SMOOTH: tl.constexpr, SINGLE: tl.constexpr, BLOCK_V: tl.constexpr):
+    # SINGLE (V <= BLOCK_V): the row stays in registers between the passes, so it is read once, not twice
     row = tl.program_id(0).to(tl.int64)
     base = L + row * stride_l
     y = tl.load(TGT + row)
     valid = y != ignore_index
     y = tl.minimum(tl.maximum(tl.where(valid, y, 0), 0), V - 1)  # in range, so the loads below are safe
     cols0 = tl.arange(0, BLOCK_V)
-    # pass 1: running max m and sum of exp(z - m) (online softmax); Σz for the smoothing term
-    m = float("-inf")
-    d = 0.0
-    sz = 0.0
-    for off in tl.range(0, V, BLOCK_V):  # trip count from a scalar argument; the tail is masked
-        cols = off + cols0
-        mask = cols < V
-        z = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, 0))
-        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+    # pass 1: max m and sum of exp(z - m) (online over blocks); Σz for the smoothing term
+    if SINGLE:
+        zr = tl.load(base + cols0, mask=cols0 < V, other=float("-inf")).to(tl.float32)
+        m = tl.max(zr, 0)
+        d = tl.sum(tl.exp(zr - m), 0)
         if SMOOTH:
-            sz += tl.sum(tl.where(mask, z, 0.0), 0)
-        m = m_new
+            sz = tl.sum(tl.where(cols0 < V, zr, 0.0), 0)
+    else:
+        m = float("-inf")
+        d = 0.0
+        sz = 0.0
+        for off in tl.range(0, V, BLOCK_V):  # trip count from a scalar argument; the tail is masked
+            cols = off + cols0
+            mask = cols < V
+            z = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, 0))
+            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+            if SMOOTH:
+                sz += tl.sum(tl.where(mask, z, 0.0), 0)
+            m = m_new
     lse = m + tl.log(d)
     loss = lse - (1.0 - smoothing) * tl.load(base + y).to(tl.float32)
     if SMOOTH:
@@ -75,13 +84,18 @@ def _ce_rows_kernel(L, stride_l, TGT, LOSS, SCALE, V, ignore_index, smoothing,
     if WRITE_GRAD:
         # pass 2: (softmax - (1 - ε)·onehot - ε/V)·scale over the logits; ignored rows get zeros
         s = tl.where(valid, tl.load(SCALE), 0.0)
-        for off in tl.range(0, V, BLOCK_V):
-            cols = off + cols0
-            mask = cols < V
-            z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            g = tl.exp(z - lse) - smoothing / V
-            g = tl.where(cols == y, g - (1.0 - smoothing), g) * s
-            tl.store(base + cols, g.to(L.dtype.element_ty), mask=mask)
+        if SINGLE:
+            g = tl.exp(zr - lse) - smoothing / V
+            g = tl.where(cols0 == y, g - (1.0 - smoothing), g) * s
+            tl.store(base + cols0, g.to(L.dtype.element_ty), mask=cols0 < V)
+        else:
+            for off in tl.range(0, V, BLOCK_V):
+                cols = off + cols0
+                mask = cols < V
+                z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.exp(z - lse) - smoothing / V
+                g = tl.where(cols == y, g - (1.0 - smoothing), g) * s
+                tl.store(base + cols, g.to(L.dtype.element_ty), mask=mask)
 
 
 def ce_rows_triton(logits: Tensor, targets: Tensor, losses: Tensor, scale: Tensor, ignore_index: int = IGNORE_INDEX,
@@ -94,7 +108,7 @@ def ce_rows_triton(logits: Tensor, targets: Tensor, losses: Tensor, scale: Tenso
         return
     block = block or min(MAX_BLOCK, triton.next_power_of_2(V))
     _ce_rows_kernel[(R,)](logits, logits.stride(0), targets, losses, scale, V, ignore_index, float(label_smoothing),
-                          WRITE_GRAD=write_grad, SMOOTH=label_smoothing != 0, BLOCK_V=block,
+                          WRITE_GRAD=write_grad, SMOOTH=label_smoothing != 0, SINGLE=V <= block, BLOCK_V=block,
                           num_warps=num_warps(block))
 
 
