@@ -146,8 +146,8 @@ def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown):
     rows, results = [], {}
     flops = 6 * T * H * V
     for name, fn, chunk in impls:
-        ms, steady = timed(clock, lambda i: step(fn, i), reps)
-        peak, syncs = peak_and_syncs(dev, lambda: step(fn, 0), lambda: setattr(w, "grad", None) or [
+        ms, steady = timed(clock, lambda i, fn=fn: step(fn, i), reps)
+        peak, syncs = peak_and_syncs(dev, lambda fn=fn: step(fn, 0), lambda: setattr(w, "grad", None) or [
             setattr(x, "grad", None) for x, _ in sets])
         loss = step(fn, 0)
         results[name] = (loss.detach().clone(), sets[0][0].grad.clone(), w.grad.clone())
@@ -208,7 +208,7 @@ def environment(dev) -> dict:
     return dict(gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)",
                 torch=torch.__version__, triton=version("triton"), cuda=torch.version.cuda,
                 liger_kernel=version("liger-kernel"),
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
+                date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]] | None:
@@ -245,7 +245,7 @@ def main(argv=None):
     ceiling = matmul_ceiling(clock, 256 if a.dry_run else 8192, dev)
     bw = copy_bandwidth(clock, 1 << 16 if a.dry_run else 1 << 30, dev)
     print(f"ceilings: bf16 matmul {ceiling / 1e12:.1f} TFLOP/s, copy {bw / 1e12:.2f} TB/s", flush=True)
-    impls = [(f"ours" if c == 0 else f"ours-c{c}", lambda x, w, t, c=c: linear_cross_entropy(x, w, t, chunk=c), c)
+    impls = [("ours" if c == 0 else f"ours-c{c}", lambda x, w, t, c=c: linear_cross_entropy(x, w, t, chunk=c), c)
              for c in chunks]
     liger = None if a.no_liger or (a.dry_run and not _triton_on_cpu()) else liger_fn()
     if liger is not None:

@@ -109,7 +109,8 @@ def test_all_ignored_is_zero_not_nan(path):
     t[:] = -100
     with _path(path):
         for red in ("mean", "sum"):
-            loss, gx, gw = run_grads(lambda a, b, c: linear_cross_entropy(a, b, c, reduction=red), x, w, t, BF16, FP32)
+            loss, gx, gw = run_grads(lambda a, b, c, red=red: linear_cross_entropy(a, b, c, reduction=red), x, w, t,
+                                     BF16, FP32)
             assert loss.item() == 0 and not gx.any() and not gw.any()
         with torch.no_grad():
             assert linear_cross_entropy(x.float(), w.float(), t).item() == 0
@@ -309,7 +310,7 @@ def test_cuda_path_bytes_are_the_table(wdt, T, chunk):
 def test_cuda_accumulation_calls_are_valid():
     """The CUDA grad_w accumulation (mm / addmm with an fp32 out_dtype over bf16 operands, CUDA-only
     kernels in torch) checked for schema and result dtype on meta tensors, which have those kernels."""
-    m = lambda *s, dt=BF16: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
+    m = lambda *s, dt=BF16: torch.empty(*s, dtype=dt, device="meta")
     gw = m(11, 8, dt=FP32)
     for first in (True, False):
         lce.accumulate_grad_weight(gw, m(5, 11).t(), m(5, 8), first, native=True)
@@ -365,7 +366,7 @@ def test_cuda_accuracy_and_no_sync(cuda_device, dtypes):
     chunks and a vocab no multiple of the block, and no host sync (CUDA's sync debug mode raises)."""
     x, w, t = case(T=1000, H=256, V=5003, ignored=range(0, 1000, 7), device=cuda_device)
     xdt, wdt = DTYPES[dtypes]
-    op = lambda a, b, c: linear_cross_entropy(a, b, c, label_smoothing=0.1, chunk=384)  # noqa: E731
+    op = lambda a, b, c: linear_cross_entropy(a, b, c, label_smoothing=0.1, chunk=384)
     assert_within_reference(x, w, t, xdt, wdt, op, 0.1)
     xl, wl = x.to(xdt).requires_grad_(), w.to(wdt).requires_grad_()
     torch.cuda.synchronize()
@@ -381,10 +382,10 @@ def test_bench_dry_run(tmp_path):
     """bench/linear_ce.py end to end on CPU at a tiny shape (the GPU run's code path, minus the GPU): its
     JSON has a row per implementation and chunk, ours beside its predicted peak, the command; bad flags exit 2."""
     import json
-
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("bench_linear_ce", Path(__file__).parents[1] / "bench" / "linear_ce.py")
+    path = Path(__file__).parents[1] / "bench" / "linear_ce.py"
+    spec = importlib.util.spec_from_file_location("bench_linear_ce", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "lce.json"
