@@ -131,8 +131,8 @@ def peak_and_syncs(dev, call, clear) -> tuple[float | None, int | None]:
 def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown):
     g = torch.Generator(device="cpu").manual_seed(T + V)
     w = (torch.randn(V, H, generator=g) / H ** 0.5).to(dev).requires_grad_()  # fp32 master weight
-    sets = [(torch.randn(T, H, generator=g).to(dev, BF16).requires_grad_(), torch.randint(0, V, (T,), generator=g).to(dev))
-            for _ in range(ROTATE)]
+    sets = [(torch.randn(T, H, generator=g).to(dev, BF16).requires_grad_(),
+             torch.randint(0, V, (T,), generator=g).to(dev)) for _ in range(ROTATE)]
     sets[0][1][::97] = -100  # a few ignored targets
 
     def step(fn, i):
@@ -257,7 +257,8 @@ def main(argv=None):
         rows += bench_shape(T, H, V, impls, clock, dev, a.reps, ceiling, a.breakdown)
     res = dict(environment(dev), matmul_tflop_s=ceiling / 1e12, matmul_shape="8192^3 bf16" if not a.dry_run else
                "256^3 bf16 (dry run)", copy_tb_s=bw / 1e12, dry_run=a.dry_run, rows=rows,
-               command=" ".join(["PYTHONPATH=. python3 bench/linear_ce.py", *(argv if argv is not None else sys.argv[1:])]))
+               command=" ".join(["PYTHONPATH=. python3 bench/linear_ce.py",
+                                 *(argv if argv is not None else sys.argv[1:])]))
     if a.json:
         from anatomy.io import write_atomic
 

@@ -331,7 +331,8 @@ def test_bad_arguments():
 
 # ---- the chunk rule ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("T,H,V,rows", [(16384, 2048, 32000, 4096), (16384, 2048, 128256, 4096),
-                                        (65536, 512, 16000, 4096), (16384, 2048, 262144, 2048), (3000, 512, 32000, 3000),
+                                        (65536, 512, 16000, 4096), (16384, 2048, 262144, 2048),
+                                        (3000, 512, 32000, 3000),
                                         (131072, 8192, 128256, 8192)],
                          ids=["1b-32k", "1b-128k", "seed", "256k-budget", "short", "large-liger"])
 def test_chunk_rows_named_shapes(T, H, V, rows):
@@ -352,7 +353,8 @@ def test_chunks_module_imports_without_torch():
     """The calculator (no torch) can use the rule: the module imports nothing from torch."""
     spec = importlib.util.find_spec("anatomy.kernels.linear_ce_chunks")
     code = (f"import sys, importlib.util; sys.modules['torch'] = None\n"
-            f"s = importlib.util.spec_from_file_location('m', {spec.origin!r}); m = importlib.util.module_from_spec(s)\n"
+            f"s = importlib.util.spec_from_file_location('m', {spec.origin!r})\n"
+            f"m = importlib.util.module_from_spec(s)\n"
             f"s.loader.exec_module(m); assert m.chunk_rows(16384, 2048, 128256) == 4096")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
