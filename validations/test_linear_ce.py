@@ -69,9 +69,9 @@ def run_grads(fn, x, w, t, xdt, wdt, dout=0.7):
     return loss, gx, gw
 
 
-def assert_within_reference(x, w, t, xdt, wdt, op, ls):
-    ref = run_grads(lambda a, b, c: plain(a, b, c, ls), x.to(xdt).double(), w.to(wdt).double(), t, FP64, FP64)
-    base = run_grads(lambda a, b, c: plain(a, b, c, ls), x, w, t, xdt, wdt)
+def assert_within_reference(x, w, t, xdt, wdt, op, ls, red="mean"):
+    ref = run_grads(lambda a, b, c: plain(a, b, c, ls, red), x.to(xdt).double(), w.to(wdt).double(), t, FP64, FP64)
+    base = run_grads(lambda a, b, c: plain(a, b, c, ls, red), x, w, t, xdt, wdt)
     got = run_grads(op, x, w, t, xdt, wdt)
     assert (got[0].dtype, got[1].dtype, got[2].dtype) == (FP32, xdt, wdt)
     for name, o, p, r in zip(("loss", "grad_x", "grad_w"), got, base, ref):
@@ -92,6 +92,14 @@ def test_accuracy(path, dtypes, ls, chunk):
     with _path(path):
         assert_within_reference(x, w, t, xdt, wdt, lambda a, b, c: linear_cross_entropy(a, b, c, -100, ls, chunk=chunk),
                                 ls)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_accuracy_sum(path):
+    x, w, t = case()
+    with _path(path):
+        op = lambda a, b, c: linear_cross_entropy(a, b, c, label_smoothing=0.1, reduction="sum", chunk=8)  # noqa: E731
+        assert_within_reference(x, w, t, BF16, FP32, op, 0.1, "sum")
 
 
 @given(T=st.integers(1, 40), H=st.integers(1, 24), V=st.integers(2, 70), chunk=st.integers(0, 16),
