@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from anatomy.calculator.dtypes import dtypes
-from anatomy.calculator.fused import rms_norm_programs
+from anatomy.calculator.kernel_shapes import rms_norm_programs
 from anatomy.calculator.linear import linears_saved
 from anatomy.calculator.mlp import efficient_saved
 from anatomy.calculator.types import BYTES, Estimate
