@@ -27,14 +27,13 @@ import time
 
 from anatomy.measure.calibrate_aten import (EAGER_CE_ROWS, EAGER_CE_VOCABS, EMBEDDING_ROWS, EMBEDDING_VOCAB,
                                             EMBEDDING_WIDTHS, ROPE_HEAD_DIMS, ROPE_ROWS, SXS_OPS, SXS_ROWS, SXS_SEQS,
-                                            eager_case, eager_rope_case, embedding_case, sxs_case)
+                                            _sets, eager_case, eager_rope_case, embedding_case, sxs_case)
 
 SLEEP_CYCLES = 100_000_000  # ~50 ms at H200 clocks: longer than the host takes to enqueue a row's repeats
 RMS_WIDTHS = (512, 1024, 2048, 3072, 4096, 8192)  # hidden
 SWIGLU_WIDTHS = (1024, 2816, 5632, 8192, 11008, 14336)  # intermediate
 ROPE_HEADS = ((8, 8, 64), (16, 16, 128), (32, 8, 128), (24, 8, 128))  # (heads, kv_heads, head_dim)
 FUSED_TOKENS = 16384
-ROTATE_BYTES = 256 * 2**20  # operand sets per row: several times the 50-60 MB L2
 
 
 def queued_ms(fn, pre=None, reps: int = 20, warmup: int = 3) -> tuple[float, bool]:
@@ -65,10 +64,6 @@ def queued_ms(fn, pre=None, reps: int = 20, warmup: int = 3) -> tuple[float, boo
     # every repeat was enqueued before the GPU woke: nothing it ran could wait for the host
     queued = host_ms < before.elapsed_time(start)
     return statistics.median(a.elapsed_time(b) for a, b in evs), queued
-
-
-def _sets(nbytes: int) -> int:
-    return max(2, min(8, ROTATE_BYTES // max(1, nbytes)))
 
 
 def measure_gemms_in_step(shapes, deadline: float) -> list[dict]:

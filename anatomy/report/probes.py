@@ -184,12 +184,11 @@ def timing_rows() -> dict[str, list[dict]]:
 @lru_cache(maxsize=None)
 def _predicted(cfg: str, batch: int, seq: int, variant: str, optimizer: str | None, profile: str,
                host_ms: float | None = None) -> dict:
-    from anatomy.calculator import gpus, timing
-    from anatomy.calculator.measured import at_host_speed
+    from anatomy.calculator import timing
 
-    prof = gpus.get(profile)
+    prof = timing.get(profile)
     if host_ms and (prof.get("host_step") or {}).get(variant):  # a datasheet profile has nothing to scale from
-        prof = at_host_speed(prof, variant, host_ms)
+        prof = timing.at_host_speed(prof, variant, host_ms)
     return timing.estimate_time(ModelConfig(**json.loads(cfg)), Run(batch, seq, "amp"), variant, gpu=prof,
                                 optimizer=optimizer, with_kernels=False)
 

@@ -1,5 +1,5 @@
 """cuDNN's main SDPA kernel, predicted against measured, for the README and docs/timing.md: the CTA schedule
-(calculator/sdpa_schedule.py) on calibrate's own grids, at the GPU suite's unseen shapes, and at every
+(calculator/timing/sdpa_schedule.py) on calibrate's own grids, at the GPU suite's unseen shapes, and at every
 efficient row the probes profiled in the same run, beside the full-wave rate it replaced."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 from anatomy import records
-from anatomy.calculator import gpus, sdpa_schedule, timing
+from anatomy.calculator.timing import lookup, roofline, sdpa_schedule
 
 PHASE_OF = {"fprop": "forward", "bprop": "backward"}
 
@@ -39,15 +39,15 @@ def predict_us(prof: dict, p: dict, schedule: bool = True) -> float:
     if schedule:
         sched, _ = sdpa_schedule.lookup(prof, "cudnn", hd)
         return sdpa_schedule.kernel_s(sched[ph], B, h, S, prof["sms"], ph) * 1e6
-    rate, _ = timing._sdpa_rate(prof, "cudnn", hd, ph, S)
-    flops = gpus.causal_attention_flops(B, h, S, hd) * (1 if ph == "forward" else 2.5)
-    return flops / (rate * gpus.attention_wave_efficiency(B, h, S, prof["sms"])) * 1e6
+    rate, _ = roofline.sdpa_rate(prof, "cudnn", hd, ph, S)
+    flops = roofline.causal_attention_flops(B, h, S, hd) * (1 if ph == "forward" else 2.5)
+    return flops / (rate * roofline.attention_wave_efficiency(B, h, S, prof["sms"])) * 1e6
 
 
 def sets() -> dict[str, list[tuple[float, float]]]:
     """{label: [(measured us, predicted us)]}."""
     raw = json.loads(records.H200_PROFILE.read_text())
-    prof = gpus.get(raw)
+    prof = lookup.get(raw)
     cal = [(r[f"{k}_kernel_ms"] * 1e3, predict_us(prof, dict(r, phase=ph)))
            for r in raw["measurements"].get("attention_kernels", []) for k, ph in (("fwd", "forward"), ("bwd", "backward"))]
     claims = records.GPU_CLAIMS

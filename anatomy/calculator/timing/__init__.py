@@ -32,7 +32,8 @@ from anatomy.calculator.timing.kernels import (SDPA_BACKENDS, VARIANTS, kernels,
 from anatomy.calculator.timing.kernels_baseline import baseline_kernels  # noqa: F401
 from anatomy.calculator.timing.kernels_efficient import efficient_kernels  # noqa: F401
 from anatomy.calculator.timing.ops import Kernel
-from anatomy.calculator.timing.profile import Profile, get, names  # noqa: F401
+from anatomy.calculator.timing.lookup import get, names  # noqa: F401
+from anatomy.calculator.timing.profile import Profile
 from anatomy.calculator.timing.registry import efficiency as fused_efficiency  # noqa: F401
 from anatomy.calculator.timing.roofline import time_kernel
 from anatomy.config import ModelConfig, Run

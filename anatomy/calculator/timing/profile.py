@@ -6,22 +6,17 @@ A *measured* profile is what `anatomy calibrate` wrote (anatomy/measure/calibrat
 that fit.from_measured turns into the same fields, each field naming the calibrate function that measures
 it. Fields a calibration did not measure keep the datasheet's figure, and `sources` says so.
 
-Lookup (get): a datasheet name or alias ("H200", "h200-sxm", case-insensitive), "<stem>-measured" for
-profiles/<stem>.json, a path to a profile .json, or a dict. Loading a file validates every field's type,
-range and finiteness; a bad file is a ConfigError of one line naming the file and the field.
+check_measured validates a calibrated profile's every field by type, range and finiteness before it is
+fitted; a bad file is a ConfigError of one line naming the file and the field. lookup.py finds profiles.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
-from pathlib import Path
 
 from anatomy.calculator import gpus
 from anatomy.config import ConfigError
-
-PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
 
 # what a datasheet does not state, and the figure a datasheet profile uses instead
 ASSUMED_LAUNCH_S = 3e-6  # ~3 us per kernel back to back on a full queue: typical of recent NVIDIA GPUs
@@ -125,79 +120,6 @@ def from_dict(d: Mapping, where: str = "gpu profile") -> Profile:
         what = f"unknown field {unknown[0]!r}" if unknown else f"lacks {', '.join(missing)}"
         raise ConfigError(f"{where} {d.get('name', '?')!r}: {what}")
     return Profile(**{k: d[k] for k in _FIELDS if k in d})
-
-
-# ---- lookup -----------------------------------------------------------------------------------------
-def measured_files() -> dict[str, Path]:
-    """{"<stem>-measured": path} of the packaged profiles (`anatomy calibrate` writes them)."""
-    return {f"{f.stem}-measured": f for f in sorted(PROFILE_DIR.glob("*.json"))}
-
-
-def profile_stem(base: str) -> str:
-    """The file stem a measured profile of a datasheet base is written under: h200-sxm -> h200."""
-    return base.removesuffix("-sxm")
-
-
-def names() -> list[str]:
-    return [*gpus.GPUS, *measured_files()]
-
-
-def get(gpu: str | Path | Mapping) -> Profile:
-    """The profile a name, path or mapping stands for; a ConfigError of one line for anything else."""
-    if isinstance(gpu, Profile):
-        return gpu
-    if isinstance(gpu, Mapping):
-        if "measurements" in gpu:
-            from anatomy.calculator.timing.fit import from_measured
-
-            return from_measured(check_measured(dict(gpu), "gpu profile"))
-        return from_dict(gpu)
-    s = str(gpu).strip()
-    if not s:
-        raise ConfigError("empty gpu profile: give a name or a profile .json path")
-    if s.endswith(".json"):
-        return load(s)
-    k = gpus.key(s)
-    if k is not None:
-        return datasheet(k)
-    low = s.lower().replace("_", "-").replace(":measured", "-measured")
-    stem = profile_stem(low.removesuffix("-measured")) if low.endswith("-measured") else None
-    files = measured_files()
-    if stem and f"{stem}-measured" in files:
-        return load(files[f"{stem}-measured"])
-    raise ConfigError(f"unknown gpu {s!r}; choose from {', '.join(names())}, or a profile .json path")
-
-
-_LOADED: dict[tuple, Profile] = {}  # (path, mtime, size) -> Profile: a file is parsed and fitted once
-
-
-def load(path: str | Path) -> Profile:
-    """A measured profile file, validated (check_measured) and built (fit.from_measured); cached per file
-    version, so a sweep of estimates reads and fits it once."""
-    from anatomy.calculator.timing.fit import from_measured
-
-    p = Path(path)
-    try:
-        st = p.stat()
-        key = (str(p.resolve()), st.st_mtime_ns, st.st_size)
-        if key in _LOADED:
-            return _LOADED[key]
-        raw = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read gpu profile {str(path)!r}: {e.strerror or e}") from None
-    try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not UTF-8 text") from None
-    except (json.JSONDecodeError, ValueError) as e:
-        raise ConfigError(f"{p}: not valid JSON ({str(e).splitlines()[0]})") from None
-    prof = from_measured(check_measured(data, str(p)))
-    _LOADED[key] = prof
-    return prof
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a finite number")
 
 
 # ---- validation of a measured profile ---------------------------------------------------------------

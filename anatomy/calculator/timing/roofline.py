@@ -77,7 +77,7 @@ def attention_wave_efficiency(batch: int, heads: int, seq: int, sms: int, block_
 
 
 # ---- one kernel --------------------------------------------------------------------------------
-def _sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | None = None) -> tuple[float, str]:
+def sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | None = None) -> tuple[float, str]:
     """FLOP/s at a full wave for one SDPA pass, and where it comes from. Where calibrate measured several
     sequence lengths, the rate is interpolated in log(S) between them (flat beyond): a shorter sequence
     gives each query block fewer key blocks to amortise its prologue and epilogue over."""
@@ -124,7 +124,7 @@ def time_kernel(kern: Kernel, prof: dict) -> dict:
             t_sched = sdpa_schedule.kernel_s(sched[kern.phase], B, nh, S, prof["sms"], kern.phase)
             rate = kern.flops / max(t_sched - _launch_term(prof), 1e-9)
         else:
-            rate, note = _sdpa_rate(prof, kern.backend, hd, kern.phase, S)
+            rate, note = sdpa_rate(prof, kern.backend, hd, kern.phase, S)
             rate *= attention_wave_efficiency(B, nh, S, prof["sms"]) if prof["attention"] else 1.0
     if rate:
         t_c = kern.flops / rate
