@@ -79,4 +79,5 @@ def at_host_speed(prof: Profile, variant: str, step_ms: float) -> Profile:
     hs = {k: (dict(v, forward_backward_ms=v["forward_backward_ms"] * f) if isinstance(v, dict) and
               "forward_backward_ms" in v else v) for k, v in prof["host_step"].items()}
     custom = {op: {ph: t * f for ph, t in v.items()} for op, v in prof["host_custom_s"].items()}
-    return replace(prof, host_op_s=prof["host_op_s"] * f, host_step=hs, host_custom_s=custom)
+    changes = dict(host_op_s=prof["host_op_s"] * f, host_step=hs, host_custom_s=custom)
+    return replace(prof, **changes) if isinstance(prof, Profile) else dict(prof, **changes)

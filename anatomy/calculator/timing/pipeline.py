@@ -58,11 +58,19 @@ def launch_order(entries: list, phase: str, layers: int) -> list[tuple[list, int
     rest = [(e, e.kernel.count - (e.kernel.count // layers) * layers if e.kernel.count >= layers else e.kernel.count)
             for e in mid]
     rest = [([(e, n)], 1) for e, n in rest if n]
-    if any(e.kernel.sync for e, _ in per_layer):
-        raise ValueError("a host sync inside the layers is not modelled")
-    if phase == "backward":
-        return pre + rest + ([(per_layer[::-1], layers)] if per_layer else []) + post
-    return pre + ([(per_layer, layers)] if per_layer else []) + rest + post
+    layer = per_layer[::-1] if phase == "backward" else per_layer
+    if any(e.kernel.sync for e, _ in layer):  # a sync makes the clocks meet: each layer is walked, cut at syncs
+        cuts = [i for i, (e, _) in enumerate(layer) if e.kernel.sync and i] + [len(layer)]
+        body = [(layer[a:b], 1) for a, b in zip([0] + cuts[:-1], cuts)] * layers
+    else:  # the layers never sync: one block, composed once and repeated
+        body = [(layer, layers)] if layer else []
+    return pre + rest + body + post if phase == "backward" else pre + body + rest + post
+
+
+def expand(blocks: list[tuple[list, int]]) -> list[tuple[object, int]]:
+    """[(entry, launches)] in execution order, every repeat written out (for reading and for tests: its
+    length grows with the layers, which the pipeline itself never walks)."""
+    return [pair for block, reps in blocks for _ in range(reps) for pair in block]
 
 
 def _chunked(entries: list) -> list[tuple[list, int]]:
