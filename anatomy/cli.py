@@ -89,7 +89,7 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
             raise ConfigError(f"--world-size must be >= 1, got {a.world_size}")
         strategy = a.strategy or ("fsdp" if a.variant == "efficient" else "ddp")
         out["distributed"] = estimate_distributed(cfg, run, a.world_size, strategy)
-    if a.gpu:
+    if a.gpu is not None:
         from anatomy.calculator.timing import estimate_time
 
         t = estimate_time(cfg, run, a.variant, gpu=a.gpu)

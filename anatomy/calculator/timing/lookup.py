@@ -71,15 +71,16 @@ def load(path: str | Path) -> Profile:
     except OSError as e:
         raise ConfigError(f"cannot read gpu profile {str(path)!r}: {e.strerror or e}") from None
     try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        data = json.loads(raw.decode("utf-8"))  # NaN and Infinity parse, and check_measured names their field
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not UTF-8 text") from None
-    except (json.JSONDecodeError, ValueError) as e:
+    except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON ({str(e).splitlines()[0]})") from None
-    prof = from_measured(check_measured(data, str(p)))
+    except RecursionError:
+        raise ConfigError(f"{p}: nested too deeply to be a gpu profile") from None
+    try:
+        prof = from_measured(check_measured(data, str(p)))
+    except RecursionError:
+        raise ConfigError(f"{p}: nested too deeply to be a gpu profile") from None
     _LOADED[key] = prof
     return prof
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a finite number")
