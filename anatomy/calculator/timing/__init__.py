@@ -56,7 +56,8 @@ def predict(ks: list[Kernel], prof: Profile, scale: float = 1.0, layers: int = 1
         row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" and not in_situ(k, prof) else 1.0)
         rows.append(row)
         entries.append(SimpleNamespace(kernel=k, gpu_s=row["per_launch_s"], host_s=row["host_s"] / k.count))
-    return rows, pipeline.simulate(entries, layers, clock), pipeline.steady(entries, layers)
+    steps = pipeline.plan(entries, layers)  # each block composed once, then walked by both
+    return rows, pipeline.simulate(entries, layers, clock, steps), pipeline.steady(entries, layers, steps)
 
 
 def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: str | dict = "h200-measured",
@@ -91,8 +92,8 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
         c["total_s"] = sum(c[f"{ph}_s"] for ph in PHASES)
     fb = sum(sg["time_s"] for sg in segs if sg["phase"] != "optimizer")
     opt = sum(sg["time_s"] for sg in segs if sg["phase"] == "optimizer")
-    fl = estimate(cfg, run, variant, "cuda").to_dict()["flops"]
-    model, counter = (fl[k]["forward"] + fl[k]["backward"] for k in ("model", "counter"))
+    est = estimate(cfg, run, variant, "cuda")  # FLOPs under both conventions, for MFU
+    model, counter = (est.total(f"flops_{k}_fwd") + est.total(f"flops_{k}_bwd") for k in ("model", "counter"))
     peak = prof["mfu_peak_flops"]
     out = dict(
         gpu=prof["name"], profile_kind=prof["kind"], variant=variant, config=cfg.to_dict(),

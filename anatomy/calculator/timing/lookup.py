@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from functools import lru_cache
 from pathlib import Path
 
 from anatomy.calculator import gpus
@@ -17,8 +18,10 @@ from anatomy.config import ConfigError
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
 
 
+@lru_cache(maxsize=1)
 def measured_files() -> dict[str, Path]:
-    """{"<stem>-measured": path} of the packaged profiles (`anatomy calibrate` writes them)."""
+    """{"<stem>-measured": path} of the packaged profiles (`anatomy calibrate` writes them; listed once per
+    process: a profile calibrated into the package later is read by the next process)."""
     return {f"{f.stem}-measured": f for f in sorted(PROFILE_DIR.glob("*.json"))}
 
 

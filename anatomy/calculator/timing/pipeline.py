@@ -87,8 +87,26 @@ def _chunked(entries: list) -> list[tuple[list, int]]:
     return out
 
 
+def plan(entries: list, layers: int) -> dict[str, list[tuple]]:
+    """{phase: [(first kernel, map, GPU seconds, host seconds, blocks)]}: each block of launch_order composed
+    once into its map over all its repeats; simulate and steady walk these."""
+    out = {}
+    for phase in PHASES:
+        steps = []
+        for block, reps in launch_order(entries, phase, layers):
+            m, gpu, host = IDENTITY, 0.0, 0.0
+            for e, n in block:
+                m = compose(m, launch(e.gpu_s, e.host_s, n))
+                gpu += n * e.gpu_s
+                host += n * e.host_s
+            a, b, h = power(m, reps)
+            steps.append((block[0][0].kernel, (a, b, h), reps * gpu, reps * host, len(block)))
+        out[phase] = steps
+    return out
+
+
 class Clock:
-    """The host and GPU clocks, advanced by blocks of launches."""
+    """The host and GPU clocks, advanced by composed blocks of launches."""
 
     def __init__(self):
         self.h = self.g = 0.0
@@ -98,33 +116,27 @@ class Clock:
         """A host sync (or the optimizer after backward): the host waits for the GPU."""
         self.h = self.g = max(self.h, self.g)
 
-    def run(self, block: list, reps: int) -> tuple[float, float]:
-        """Advance by `reps` repeats of the block; returns its (GPU seconds, host seconds)."""
-        m, gpu, host = IDENTITY, 0.0, 0.0
-        for e, n in block:
-            m = compose(m, launch(e.gpu_s, e.host_s, n))
-            gpu += n * e.gpu_s
-            host += n * e.host_s
-        self.walked += len(block)
-        a, b, dh = power(m, reps)
+    def run(self, m: tuple) -> None:
+        a, b, dh = m
         d = max(self.g - self.h + a, b)
         self.h += dh
         self.g = self.h + d
-        return reps * gpu, reps * host
 
 
-def simulate(entries: list, layers: int, clock: Clock | None = None) -> list[dict]:
+def simulate(entries: list, layers: int, clock: Clock | None = None, steps: dict | None = None) -> list[dict]:
     """Segments {phase, starts_at, gpu_s, host_s, time_s, idle_s, bound} of a step on an idle GPU. Each
     entry has .kernel (ops.Kernel), .gpu_s (per launch) and .host_s (per launch, host_scale applied). A
-    segment ends at a host sync (the host waits for the GPU to drain) or where the optimizer starts."""
+    segment ends at a host sync (the host waits for the GPU to drain) or where the optimizer starts.
+    steps: plan(entries, layers), where the caller has it."""
     clk, segs = clock or Clock(), []
+    steps = steps or plan(entries, layers)
     for phase in PHASES:
-        for block, reps in launch_order(entries, phase, layers):
-            k = block[0][0].kernel
+        for k, m, gpu, host, n in steps[phase]:
             if not segs or k.sync or (phase == "optimizer") != (segs[-1]["phase"] == "optimizer"):
                 clk.meet()
                 segs.append(dict(phase=phase, starts_at=k.name, gpu_s=0.0, host_s=0.0, start=clk.h))
-            gpu, host = clk.run(block, reps)
+            clk.run(m)
+            clk.walked += n
             segs[-1]["gpu_s"] += gpu
             segs[-1]["host_s"] += host
             segs[-1]["end"] = max(clk.g, clk.h)
@@ -135,7 +147,7 @@ def simulate(entries: list, layers: int, clock: Clock | None = None) -> list[dic
     return segs
 
 
-def steady(entries: list, layers: int, clock: Clock | None = None) -> dict:
+def steady(entries: list, layers: int, steps: dict | None = None) -> dict:
     """{forward_backward_s, step_s} of a step run back to back with the one before, as a training loop (and
     scripts/probe_timing.py's unmarked steps) runs them: nothing waits between steps, so the next forward is
     issued while the GPU still runs this backward and optimizer, and only the host syncs make the clocks
@@ -143,14 +155,15 @@ def steady(entries: list, layers: int, clock: Clock | None = None) -> dict:
     stamped when the GPU reaches it, max(GPU, h); forward_backward is from the step's start to after its
     backward, step to after its optimizer. The second of two simulated steps is reported (the first starts
     on an idle GPU, as bench/step.py's synchronized steps do: simulate())."""
-    clk = clock or Clock()
+    clk = Clock()
+    steps = steps or plan(entries, layers)
     for _ in range(2):
         t0 = max(clk.g, clk.h)
         for phase in PHASES:
             if phase == "optimizer":
                 t1 = max(clk.g, clk.h)
-            for block, reps in launch_order(entries, phase, layers):
-                if block[0][0].kernel.sync:
+            for k, m, *_ in steps[phase]:
+                if k.sync:
                     clk.meet()
-                clk.run(block, reps)
+                clk.run(m)
     return dict(forward_backward_s=t1 - t0, step_s=max(clk.g, clk.h) - t0)

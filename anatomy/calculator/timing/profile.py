@@ -79,9 +79,12 @@ class Profile(Mapping):
 
     # -- the mapping view ------------------------------------------------------------------------------
     def __getitem__(self, key: str):
-        if key not in _FIELDS:
+        if key not in _FIELD_SET:
             raise KeyError(key)
-        return getattr(self, key)
+        return self.__dict__[key]
+
+    def get(self, key: str, default=None):
+        return self.__dict__[key] if key in _FIELD_SET else default
 
     def __iter__(self):
         return iter(_FIELDS)
@@ -97,6 +100,7 @@ class Profile(Mapping):
 
 
 _FIELDS = tuple(f.name for f in fields(Profile))
+_FIELD_SET = frozenset(_FIELDS)
 _REQUIRED = tuple(f.name for f in fields(Profile) if f.default is MISSING and f.default_factory is MISSING)
 
 

@@ -19,10 +19,11 @@ kernel moves exactly its minimal bytes (no L2 reuse); the library picks the best
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from functools import lru_cache
 
 from anatomy.calculator.timing import registry, sdpa_schedule
 from anatomy.calculator.timing.ops import Kernel, causal_attention_flops  # noqa: F401 (re-exported)
+from anatomy.calculator.timing.profile import Profile, from_dict
 from anatomy.config import ConfigError
 
 # ---- the GEMM efficiency model -------------------------------------------------------------------
@@ -30,6 +31,7 @@ TILES = ((128, 128), (128, 256), (256, 128))  # CTA output tiles cuBLAS/CUTLASS 
 MAX_SPLIT_K = 16
 
 
+@lru_cache(maxsize=8192)  # a pure function of the shape, asked for the same shapes in every estimate
 def matmul_efficiency(m: int, n: int, k: int, sms: int, k_half: float = 0.0, batch: int = 1) -> float:
     """Fraction of the asymptotic GEMM rate a (batch x) m x n x k matmul can reach.
 
@@ -100,45 +102,47 @@ def sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | No
     return 2.5 / (3.5 / fb - 1 / f), note  # backward = the fwd+bwd time minus the forward time
 
 
-def _launch_term(prof: dict) -> float:
+def _launch_term(prof: Profile) -> float:
     """The launch term of a kernel of real size: it waits for the one before to drain (the calibrated
     gap, where measured, else the queued launch cost)."""
-    return max(prof["launch_s"], prof.get("kernel_gap_s", 0.0))
+    return max(prof.launch_s, prof.kernel_gap_s)
 
 
-def time_kernel(kern: Kernel, prof: dict) -> dict:
+def time_kernel(kern: Kernel, prof: Profile) -> dict:
     """One kernel (per launch and x count): its compute and memory terms, the bound, the time."""
+    if not isinstance(prof, Profile):
+        prof = from_dict(prof)
     t_c, rate, note = 0.0, 0.0, ""
     if kern.kind == "matmul":
         b, m, n, k = kern.shape
-        rate = prof["matmul_flops"][kern.dtype] * matmul_efficiency(m, n, k, prof["sms"], prof["matmul_k_half"], b)
-        mis = (prof.get("matmul_misaligned_accumulate") or {}).get(str(alignment_class(m))) if kern.accumulate else None
+        rate = prof.matmul_flops[kern.dtype] * matmul_efficiency(m, n, k, prof.sms, prof.matmul_k_half, b)
+        mis = prof.matmul_misaligned_accumulate.get(str(alignment_class(m))) if kern.accumulate else None
         if kern.dtype in ("bfloat16", "float16"):
             rate *= mis if mis is not None else alignment_factor(prof, m, n, k)
         if kern.accumulate:
-            rate *= prof.get("matmul_fp32_accumulate", 1.0)
+            rate *= prof.matmul_fp32_accumulate
     elif kern.kind == "sdpa":
         B, nh, S, hd = kern.shape
         sched, note = sdpa_schedule.lookup(prof, kern.backend, hd)
         if sched:  # the kernel's whole duration, from its CTAs' makespan (sdpa_schedule); its launch is in it
-            t_sched = sdpa_schedule.kernel_s(sched[kern.phase], B, nh, S, prof["sms"], kern.phase)
+            t_sched = sdpa_schedule.kernel_s(sched[kern.phase], B, nh, S, prof.sms, kern.phase)
             rate = kern.flops / max(t_sched - _launch_term(prof), 1e-9)
         else:
             rate, note = sdpa_rate(prof, kern.backend, hd, kern.phase, S)
-            rate *= attention_wave_efficiency(B, nh, S, prof["sms"]) if prof["attention"] else 1.0
+            rate *= attention_wave_efficiency(B, nh, S, prof.sms) if prof.attention else 1.0
     if rate:
         t_c = kern.flops / rate
     eff = registry.efficiency(prof, *kern.fused) if kern.fused else 1.0
     if kern.accumulate:  # its epilogue streams the fp32 accumulator below copy bandwidth (fit.accumulate_bandwidth)
-        eff = prof.get("matmul_accumulate_bw", 1.0)
-    t_m = kern.bytes / (prof["hbm_Bps"] * eff)
-    launch = prof["launch_s"]
+        eff = prof.matmul_accumulate_bw
+    t_m = kern.bytes / (prof.hbm_Bps * eff)
+    launch = prof.launch_s
     bound = "compute" if t_c >= t_m else "memory"
     if launch > max(t_c, t_m):
         bound = "launch"
     else:  # a kernel of real size waits for the one before to drain: the calibrated gap, where measured
         launch = _launch_term(prof)
     per = max(t_c, t_m) + launch
-    return dict(asdict(kern), shape=list(kern.shape), compute_s=t_c * kern.count, memory_s=t_m * kern.count,
-                launch_s=launch * kern.count, time_s=per * kern.count, per_launch_s=per, bound=bound,
-                rate_flops=rate, note=note)
+    n = kern.count
+    return dict(kern.__dict__, shape=list(kern.shape), fused=list(kern.fused), compute_s=t_c * n, memory_s=t_m * n,
+                launch_s=launch * n, time_s=per * n, per_launch_s=per, bound=bound, rate_flops=rate, note=note)
