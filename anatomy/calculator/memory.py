@@ -38,14 +38,15 @@ def rounded(nbytes: int) -> int:
     return max(BLOCK, -(-nbytes // BLOCK) * BLOCK) if nbytes else 0
 
 
-def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[int]:
-    """Element count of every parameter tensor, in module order (a tied head counted once)."""
+def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int, int]]:
+    """(elements, how many) of the parameter tensors, in module order: the embedding, each layer's tensors
+    (L of each), the final norm, the head (a tied head counted once)."""
     H, I, kv, L = cfg.hidden, cfg.intermediate, cfg.kv_dim, cfg.layers
     if variant == "efficient":
         layer = [H, (H + 2 * kv) * H, H * H, H, 2 * I * H, H * I]
     else:
         layer = [H, H * H, kv * H, kv * H, H * H, H, I * H, I * H, H * I]
-    return [cfg.vocab * H] + layer * L + [H] + ([] if cfg.tie_embeddings else [cfg.vocab * H])
+    return [(cfg.vocab * H, 1)] + [(n, L) for n in layer] + [(H, 1)] + ([] if cfg.tie_embeddings else [(cfg.vocab * H, 1)])
 
 
 def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
@@ -98,19 +99,20 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
            device: str = "cuda") -> dict:
     """Bytes live at each phase boundary of a training step after the first (the optimizer's state
     exists), and the peaks inside forward and backward, on `device` ("cuda": 512-byte blocks; "cpu":
-    exact storage sizes). backward_stages lists every candidate of the walk, in execution order."""
+    exact storage sizes). backward_stages lists the walk's candidates in execution order (of identical layers,
+    the last two and the first two: backward.walk)."""
     dt = dtypes(run)
     rnd = rounded if device == "cuda" else (lambda n: n)
     tensors = param_tensors(cfg, variant)
-    params = sum(rnd(n * BYTES[dt.param]) for n in tensors)
+    params = sum(rnd(n * BYTES[dt.param]) * k for n, k in tensors)
     inputs = 2 * rnd(8 * run.tokens)
     opt = 0
     if optimizer:
         per = state_breakdown(optimizer)
         # AdamW keeps its moments in the parameter's dtype; AdEMAMix keeps fp32 (calculator.optimizer)
         scale = BYTES[dt.param] / 4 if optimizer == "adamw" else 1
-        opt = sum(rnd(int(n * b * scale)) for n in tensors for b in per.values())
-        opt += len(tensors) * rnd(4) if optimizer == "adamw" else 0  # torch's 0-dim fp32 `step` per tensor
+        opt = sum(rnd(int(n * b * scale)) * k for n, k in tensors for b in per.values())
+        opt += sum(k for _, k in tensors) * rnd(4) if optimizer == "adamw" else 0  # torch's 0-dim fp32 `step` per tensor
     est = estimate(cfg, run, variant, device=device)
     saved = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for c in est.components.values() for s in c.saved
                 if s.name not in INPUTS)
