@@ -149,6 +149,7 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
     g = stages.norm(w, "final norm", g)
     L = cfg.layers
     order = range(L - 1, -1, -1) if every_layer or L <= WALKED_LAYERS else (L - 1, L - 2, 1, 0)
+    delta: dict[str, int] = {}
     for i, layer in enumerate(order):
         if i == 2 and order[1] - layer > 1:  # the layers between the last two and the first two
             w.shift(delta, order[1] - layer - 1)

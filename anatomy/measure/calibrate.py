@@ -83,11 +83,11 @@ def gemm_grid(presets=GRID_PRESETS, tokens: int = GRID_TOKENS) -> list[tuple[int
 VOCAB_ALIGNED, VOCAB_MISALIGNED = 32000, (32001, 32002, 32004)
 VOCAB_SHAPES = ((16384, 512), (16384, 2048), (2048, 2048))  # (rows, hidden): full steps and a Liger chunk
 # Liger's grad_weight at a chunk of few rows: the GEMM's K is the chunk, so its epilogue (read, add and
-# write the (V, H) fp32 accumulator) is nearly all of it. Its bandwidth is not the copy's (session7d:
-# llama3.2-1b's 128-row chunks moved 2.1 GB per call at ~62% of it), so it is measured here.
+# write the (V, H) fp32 accumulator) is nearly all of it. Its bandwidth is not the copy's (llama3.2-1b's
+# 128-row chunks move 2.1 GB per call at ~62% of it on the H200), so it is measured here.
 ACC_CHUNKS = ((128, 2048), (256, 1024), (512, 2048))  # (rows, hidden) at the aligned vocab
 # ... and at a misaligned vocab, where cuBLAS falls back to a slow kernel whose rate, not the epilogue,
-# bounds it (session8 train10, V 34732, 512-row chunks: 150 TFLOP/s)
+# bounds it (V 34732, 512-row chunks: 150 TFLOP/s on the H200)
 ACC_MISALIGNED = (512, 2048)
 
 

@@ -26,19 +26,23 @@ from types import SimpleNamespace
 
 from anatomy.calculator import estimate
 from anatomy.calculator.timing import pipeline
-from anatomy.calculator.timing.host import at_host_speed, host_scale, host_seconds, in_situ  # noqa: F401
-from anatomy.calculator.timing.kernels import (SDPA_BACKENDS, VARIANTS, kernels, optimizer_kernels,  # noqa: F401
+from anatomy.calculator.timing.host import at_host_speed, host_scale, host_seconds, in_situ
+from anatomy.calculator.timing.kernels import (SDPA_BACKENDS, VARIANTS, kernels, optimizer_kernels,
                                                param_sizes, standalone_kernels)
-from anatomy.calculator.timing.kernels_baseline import baseline_kernels  # noqa: F401
-from anatomy.calculator.timing.kernels_efficient import efficient_kernels  # noqa: F401
+from anatomy.calculator.timing.kernels_baseline import baseline_kernels
+from anatomy.calculator.timing.kernels_efficient import efficient_kernels
 from anatomy.calculator.timing.ops import Kernel
-from anatomy.calculator.timing.lookup import get, names  # noqa: F401
+from anatomy.calculator.timing.lookup import get, names
 from anatomy.calculator.timing.profile import Profile
-from anatomy.calculator.timing.registry import efficiency as fused_efficiency  # noqa: F401
+from anatomy.calculator.timing.registry import efficiency as fused_efficiency
 from anatomy.calculator.timing.roofline import time_kernel
 from anatomy.config import ModelConfig, Run
 
 PHASES = ("forward", "backward", "optimizer")
+__all__ = ["estimate_time", "breakdown_table", "predict", "get", "names", "Profile", "Kernel", "kernels",
+           "baseline_kernels", "efficient_kernels", "optimizer_kernels", "standalone_kernels", "param_sizes",
+           "time_kernel", "fused_efficiency", "host_seconds", "host_scale", "in_situ", "at_host_speed", "VARIANTS",
+           "SDPA_BACKENDS", "PHASES"]
 
 
 def predict(ks: list[Kernel], prof: Profile, scale: float = 1.0, layers: int = 1,
