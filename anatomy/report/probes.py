@@ -202,7 +202,7 @@ def row_host_ms(r: dict) -> float | None:
 
 def predicted(r: dict, profile: str, row_host: bool = True) -> dict:
     """The calculator's estimate for the row's config, against `profile`; with row_host (and a row that
-    recorded it) at the host speed measured beside the row (measured.at_host_speed), not at calibration's.
+    recorded it) at the host speed measured beside the row (timing.at_host_speed), not at calibration's.
     A datasheet profile has no tiny host step to scale from, and stays as it is."""
     host = row_host_ms(r) if row_host else None
     return _predicted(json.dumps(r["cfg"], sort_keys=True), r["batch"], r["seq"], r["variant"], r["optimizer"],
@@ -280,7 +280,7 @@ def timing_markdown() -> str:
              "Components: GPU kernel time from a torch.profiler trace, credited to the component marked before each "
              "launch; those holding ≥ 5% of the step's kernel time. Profile \"calibrated\": the host at the speed "
              "measured beside each row where the probe recorded it (calibrate's tiny host step right before and after "
-             "the row's unmarked steps, `measured.at_host_speed`); \"host at calibration\": the profile's own host "
+             "the row's unmarked steps, `timing.at_host_speed`); \"host at calibration\": the profile's own host "
              "figures.", "",
              "| rows | variant | profile | quantity | n | within | MAPE | worst |", "|---|---|---|---|---:|---:|---:|---:|"]
     for name, rs in sets.items():

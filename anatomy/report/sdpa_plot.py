@@ -15,7 +15,7 @@ PHASE_OF = {"fprop": "forward", "bprop": "backward"}
 
 def in_step() -> list[dict]:
     """{B, heads, S, hd, phase, us}: the main cuDNN kernel per layer (its profiled time in the row's
-    attention component over the layers), for every efficient row of the session's probes."""
+    attention component over the layers), for every efficient row of the timing probe (anatomy.records)."""
     out = []
     for f in records.TIMING_PROBE.values():
         for r in json.loads(f.read_text())["rows"]:
@@ -33,8 +33,8 @@ def in_step() -> list[dict]:
 
 
 def predict_us(prof: dict, p: dict, schedule: bool = True) -> float:
-    """The schedule's time of one launch, or (schedule=False) the full-wave rate's compute term as timing.py
-    had it before session 12 (its rate folds in the small kernels around the main one)."""
+    """The schedule's time of one launch, or (schedule=False) the full-wave rate's compute term, the model for
+    a profile without a schedule (its rate folds in the small kernels around the main one)."""
     B, h, S, hd, ph = p["B"], p["heads"], p["S"], p["hd"], p["phase"]
     if schedule:
         sched, _ = sdpa_schedule.lookup(prof, "cudnn", hd)
@@ -56,7 +56,7 @@ def sets() -> dict[str, list[tuple[float, float]]]:
     steps = in_step()
     return {"calibrate's grids (fitted)": cal, "GPU suite, shapes calibrate never ran": unseen,
             "in the probes' steps, CTA schedule": [(p["us"], predict_us(prof, p)) for p in steps],
-            "in the probes' steps, full-wave rate (before)": [(p["us"], predict_us(prof, p, False)) for p in steps]}
+            "in the probes' steps, full-wave rate (no schedule)": [(p["us"], predict_us(prof, p, False)) for p in steps]}
 
 
 def summary() -> str:

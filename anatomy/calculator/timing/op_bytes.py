@@ -124,14 +124,15 @@ EAGER_CHAINS = {"eager_norm.forward": eager_norm_forward, "eager_norm.backward":
 
 
 EMBEDDING_FEATURE_IDS = 3072  # ATen's embedding_dense_backward: its feature kernel up to this many ids
+EMBEDDING_SORT_LAUNCHES = 30  # past them, a radix sort of the ids and a segmented sum (the H200 traces' count)
 
 
 def fused_launches(op: str, width: int, tokens: int) -> int:
     """Kernels one call of a calibrated op launches (its timing less these launches is its busy time)."""
     if op in EAGER_CHAINS:
         return len(EAGER_CHAINS[op](tokens, width))
-    if op == "embedding.backward":  # ATen: one feature kernel up to 3072 ids, else sort + segmented sum (H200 traces)
-        return 1 if tokens <= EMBEDDING_FEATURE_IDS else 30
+    if op == "embedding.backward":
+        return 1 if tokens <= EMBEDDING_FEATURE_IDS else EMBEDDING_SORT_LAUNCHES
     return 2 if op == "rms_norm.backward" else 1  # rms_norm backward: the row pass and the dw partial sum
 
 

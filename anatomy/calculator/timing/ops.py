@@ -88,7 +88,7 @@ def embedding(o: Ops) -> None:
     o.mem("embedding.gather", "embedding", "forward", T * 8 + T * H * p, T * H * p, order=0)
     # embedding_dense_backward on CUDA: zero the (V, H) grad, then up to 3072 ids one feature kernel, else a
     # radix sort of the ids and a segmented row sum (~30 launches), at the rate calibrate measured for it as
-    # a whole (amp: an fp32 gradient into fp32 weights). Host: one ATen call, 8 eager ops as before, at its start
+    # a whole (amp: an fp32 gradient into fp32 weights). Host: one ATen call, as 8 eager ops, at its start
     op = ("embedding.backward", H)
     n, (rd, wr) = fused_launches(*op, T), fused_bytes(*op, T, o.c, o.r)
     o.mem("embedding.backward.zero", "embedding", "backward", 0, V * H * p, order=2, calls=8)
@@ -115,9 +115,9 @@ def residual(o: Ops, comp: str, L: int, where: str = "other") -> None:
     mixed = ("residual_add", H, T) if c != r else ()  # fp32 + bf16: calibrate times this add (ATen, unvectorized)
     o.mem(f"{comp}.residual_add", where, "forward", *fused_bytes("residual_add", H, T, c, r), L, fused=mixed)
     if c != r:
-        # The add's backward node belongs to no component, so the probes' tracker leaves the label of
-        # the node that ran before it: a norm's backward (the next block's, or the final norm's), or
-        # the MLP's inside its checkpoint. Booked there, as measured (session5c: the norm's backward
-        # held exactly these casts' time beyond its own kernels).
+        # Attribution rule (measure/components.py's tracker): an autograd node of no component keeps the
+        # label of the node that ran before it. The add's backward is such a node, and the node before it
+        # is a norm's backward (the next block's, or the final norm's), or the MLP's inside its checkpoint:
+        # so its cast is credited there, in the model as in the measurement.
         o.mem(f"{comp}.residual_grad_cast", "mlp" if where == "mlp" else "norm", "backward", T * H * r, T * H * c, L)
     o.mem(f"norm.{comp}_input_grad_sum", "norm", "backward", 2 * T * H * r, T * H * r, L)

@@ -28,7 +28,7 @@ from anatomy.config import ConfigError
 
 # ---- the GEMM efficiency model -------------------------------------------------------------------
 TILES = ((128, 128), (128, 256), (256, 128))  # CTA output tiles cuBLAS/CUTLASS pick among on Hopper
-MAX_SPLIT_K = 16
+MAX_SPLIT_K = 16  # split-K the library considers for a weight gradient with fewer tiles than SMs
 
 
 @lru_cache(maxsize=8192)  # a pure function of the shape, asked for the same shapes in every estimate
