@@ -395,7 +395,8 @@ def test_embedding_backward_rate_is_calibrated_apart_from_its_zero_fill():
     """Fake embedding_dense_backward timings (not a measurement): the (V, H) fill at the copy rate, then the
     rest at 12% of it up to 3072 ids (the feature kernel) and 30% past (sort + segmented sum). At other
     vocabs, the model's fill follows V and the rest keeps its calibrated rate, per row count."""
-    from anatomy.calculator.timing.op_bytes import fused_bytes, fused_launches
+    from anatomy.calculator.timing.op_bytes import fused_bytes
+    from anatomy.calculator.timing.registry import launches as fused_launches
     from anatomy.measure.calibrate_aten import EMBEDDING_ROWS, EMBEDDING_VOCAB, EMBEDDING_WIDTHS
 
     hbm, launch = 4.0e12, 2.2e-6

@@ -51,8 +51,8 @@ def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int
 
 def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
     """What lives only while Liger's fused linear CE runs its forward on CUDA (read off
-    liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5, and checked against H200 allocator traces,
-    reports/h200/session4e), at its largest. Always live: the final norm's output (T, H), held by the
+    liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5, and checked against H200 allocator traces), at
+    its largest. Always live: the final norm's output (T, H), held by the
     caller; loss_1d (T,) fp32 and the target mask (T,) bool. Under autocast the head weight is cast to
     bf16 twice: `grad_logits @ weight` casts the leaf weight once and autocast caches it for the whole
     forward, while `x @ weight.t()` casts the transposed view, which is not a leaf, anew in each chunk.
@@ -76,8 +76,8 @@ def _cached_casts(cfg: ModelConfig, run: Run, rnd) -> int:
     """Under recompute and autocast: the bf16 casts of the qkv, gate_up and down weights of every layer.
     Autocast caches a leaf weight's cast until its region ends, after the loss; without recompute the
     matmuls save them (they are in `saved`), inside a checkpoint nobody does, so they are extra bytes
-    at the forward's peak and gone by its end (H200 probe, reports/h200/session6: 27 MiB at the seed,
-    1.41 GiB at anchor-1b)."""
+    at the forward's peak and gone by its end (H200 memory probe, reports/h200/memory-probe/recompute-*.json:
+    27 MiB at the seed, 1.41 GiB at anchor-1b)."""
     dt = dtypes(run)
     if run.recompute == "none" or not dt.autocast:
         return 0
@@ -141,9 +141,9 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
 
 
 # reserved - the step's peak, as a fraction of the peak: free cached blocks too small or too split for
-# the next request (fragmentation). Fitted: the worst of the H200 probe's 160 rows of session5b (both
-# allocator settings) was 1.37x (hyp2 B4 S1024 baseline, whose fp32 logits leave large freed segments
-# behind); the step benchmarks, not used in the fit, sit at 1.02-1.08x.
+# the next request (fragmentation). Fitted: the worst of the H200 memory probe's 160 rows (reports/h200/
+# memory-probe/, both allocator settings) is 1.37x (hyp2 B4 S1024 baseline, whose fp32 logits leave large
+# freed segments behind); the step benchmarks, not used in the fit, sit at 1.02-1.08x.
 RESERVED_SLACK = 0.40
 RESERVED_FIXED = 128 * 2**20  # segments the process held before the step: cuBLAS/cuBLASLt workspaces
 

@@ -127,13 +127,9 @@ EMBEDDING_FEATURE_IDS = 3072  # ATen's embedding_dense_backward: its feature ker
 EMBEDDING_SORT_LAUNCHES = 30  # past them, a radix sort of the ids and a segmented sum (the H200 traces' count)
 
 
-def fused_launches(op: str, width: int, tokens: int) -> int:
-    """Kernels one call of a calibrated op launches (its timing less these launches is its busy time)."""
-    if op in EAGER_CHAINS:
-        return len(EAGER_CHAINS[op](tokens, width))
-    if op == "embedding.backward":
-        return 1 if tokens <= EMBEDDING_FEATURE_IDS else EMBEDDING_SORT_LAUNCHES
-    return 2 if op == "rms_norm.backward" else 1  # rms_norm backward: the row pass and the dw partial sum
+def embedding_backward_launches(width: int, tokens: int) -> int:
+    """Kernels of ATen's embedding_dense_backward on CUDA, less its zero fill."""
+    return 1 if tokens <= EMBEDDING_FEATURE_IDS else EMBEDDING_SORT_LAUNCHES
 
 
 def liger_ce_width(V: int, max_block: int = 32768) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from anatomy.calculator.dtypes import dtypes
-from anatomy.calculator.timing.op_bytes import fused_bytes, fused_launches
+from anatomy.calculator.timing.op_bytes import fused_bytes
+from anatomy.calculator.timing.registry import launches
 from anatomy.calculator.types import BYTES
 from anatomy.config import ModelConfig, Run
 
@@ -90,7 +91,7 @@ def embedding(o: Ops) -> None:
     # radix sort of the ids and a segmented row sum (~30 launches), at the rate calibrate measured for it as
     # a whole (amp: an fp32 gradient into fp32 weights). Host: one ATen call, as 8 eager ops, at its start
     op = ("embedding.backward", H)
-    n, (rd, wr) = fused_launches(*op, T), fused_bytes(*op, T, o.c, o.r)
+    n, (rd, wr) = launches(*op, T), fused_bytes(*op, T, o.c, o.r)
     o.mem("embedding.backward.zero", "embedding", "backward", 0, V * H * p, order=2, calls=8)
     o.mem("embedding.backward", "embedding", "backward", rd / n, wr / n, n, order=2, host=None,
           fused=(*op, T) if (p, o.r) == (4, 4) else ())

@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from anatomy.calculator.timing.op_bytes import EAGER_CHAINS, dw_sum_bytes, fused_bytes, fused_launches, liger_ce_width
+from anatomy.calculator.timing.op_bytes import (EAGER_CHAINS, dw_sum_bytes, embedding_backward_launches, fused_bytes,
+                                                liger_ce_width)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class Op:
     # interpolate only over calibrated widths with the same width % align == 0 (0: all widths)
     align: int = 0
     own_fill: bool = False  # the calibrated call includes a (vocab, width) fp32 zero fill timed at hbm_Bps
+    # kernels one call launches at (width, tokens): its timing less these launches is its busy time
+    launches: Callable[[int, int], int] = lambda width, tokens: 1
 
     def call_bytes(self, width: int, tokens: int) -> int:
         return self.nbytes(width, tokens) if self.nbytes else sum(fused_bytes(self.rows, width, tokens))
@@ -50,15 +53,22 @@ _ATEN = ("residual_add", "sxs.scale", "sxs.mask_add", "sxs.float", "sxs.to_compu
          "sxs.softmax.backward", *EAGER_CHAINS)
 OPS: dict[str, Op] = {o.name: o for o in (
     *(Op(n, n) for n in _OURS),
-    Op("rms_norm.backward", "rms_norm.backward", nbytes=_rms_norm_backward_bytes),
-    *(Op(n, n, "aten") for n in _ATEN),
+    Op("rms_norm.backward", "rms_norm.backward", nbytes=_rms_norm_backward_bytes, launches=lambda w, t: 2),
+    *(Op(n, n, "aten") for n in _ATEN if n not in EAGER_CHAINS),
+    # the baseline's eager chains: each timed as a whole, one launch per op of the chain
+    *(Op(n, n, "aten", launches=lambda w, t, n=n: len(EAGER_CHAINS[n](t, w))) for n in EAGER_CHAINS),
     # Liger's CE kernel: a vocab that is not a multiple of 16 loses Triton's aligned loads (its stride
     # specialisation), so it is read only against calibrated vocabs of its own alignment
     Op("linear_ce", "liger_ce", "liger", lanes=liger_ce_width, align=16),
-    Op("embedding.backward", "embedding.backward", "aten", own_fill=True),
+    Op("embedding.backward", "embedding.backward", "aten", own_fill=True, launches=embedding_backward_launches),
     Op("optimizer.adamw", "optimizer.adamw", "torch"),
     Op("optimizer.ademamix", "optimizer.ademamix", "torch"),
 )}
+
+
+def launches(name: str, width: int, tokens: int) -> int:
+    """Kernels one call of registry op `name` launches."""
+    return OPS[name].launches(width, tokens)
 
 
 def log_interp(pts: list[tuple[float, float]], x: float) -> float:
@@ -80,7 +90,7 @@ def _table(prof, op: Op, aligned: bool | None) -> dict[int, list[tuple[float, fl
     lanes = op.lanes or (lambda w: w)
     by_rows: dict[int, list] = {}
     for r in cal:
-        busy = r["ms"] * 1e-3 - fused_launches(op.rows, r["width"], r["tokens"]) * prof["launch_s"]
+        busy = r["ms"] * 1e-3 - op.launches(r["width"], r["tokens"]) * prof["launch_s"]
         if op.own_fill:
             busy -= r["vocab"] * r["width"] * 4 / prof["hbm_Bps"] + prof["launch_s"]
         if busy > 0:
