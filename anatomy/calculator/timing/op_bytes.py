@@ -19,28 +19,39 @@ def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tup
     if op in EAGER_CHAINS:  # a chain of eager kernels: their bytes summed
         ops = EAGER_CHAINS[op](T, W, c, r)
         return sum(rd for _, rd, _ in ops), sum(wr for _, _, wr in ops)
-    return {"rms_norm.forward": (T * W * r, T * W * c),  # x in, y out (compute dtype)
-            "rms_norm.backward": (T * W * (c + r), T * W * r),  # dy, x in; dx out (dw partials: dw_sum_bytes)
-            "swiglu.forward": (T * 2 * W * c, T * W * c),  # gate_up in, h out
-            "swiglu.backward": (T * W * c + T * 2 * W * c, T * 2 * W * c),  # dh, gate_up in; d(gate_up) in place
-            "rope_qkv.forward": (T * W * c, T * W * c),  # qkv in; q, k, v out
-            "rope_qkv.backward": (T * W * c, T * W * c),
-            "residual_add": (T * W * (r + c), T * W * r),  # stream + branch in, stream out
-            # Liger's CE over (T, V = W) logits: each row read twice (max/sum, then the gradient), the
-            # gradient written in place; targets in (int64), losses out (fp32)
-            "liger_ce": (2 * T * W * c + T * 8, T * W * c + T * 4),
-            # the baseline's S x S chain over T rows of W = S (calibrate_kernels.sxs_case): scale and the
-            # (broadcast) mask add in the compute dtype, the casts, the fp32 softmax and its backward
-            "sxs.scale": (T * W * c, T * W * c), "sxs.mask_add": (T * W * c, T * W * c),
-            "sxs.float": (T * W * c, T * W * 4), "sxs.to_compute": (T * W * 4, T * W * c),
-            "sxs.softmax": (T * W * 4, T * W * 4), "sxs.softmax.backward": (2 * T * W * 4, T * W * 4),
-            # a fused optimizer step over T fp32 tensors of W elements: param, grad and state in; param and
-            # state out (calculator/optimizer.step_bytes_moved's minimum)
-            "optimizer.adamw": (T * W * (4 + 4 + 8), T * W * (4 + 8)),
-            "optimizer.ademamix": (T * W * (4 + 4 + 12), T * W * (4 + 12)),
-            # ATen's embedding_dense_backward less its (V, W) zero fill: the (T, W) gradient (dtype r) and the
-            # ids in, a row of W fp32 sums per id out (calibrate_kernels.embedding_case)
-            "embedding.backward": (T * W * r + T * 8, T * W * 4)}[op]
+    return _FUSED[op](T, W, c, r)
+
+
+# {op: (T, W, c, r) -> (read, write)}: T rows of W, compute dtype c bytes, residual stream r bytes
+_FUSED = {
+    "rms_norm.forward": lambda T, W, c, r: (T * W * r, T * W * c),  # x in, y out (compute dtype)
+    # dy, x in; dx out (the dw partials: dw_sum_bytes)
+    "rms_norm.backward": lambda T, W, c, r: (T * W * (c + r), T * W * r),
+    "swiglu.forward": lambda T, W, c, r: (T * 2 * W * c, T * W * c),  # gate_up in, h out
+    # dh, gate_up in; d(gate_up) written in place
+    "swiglu.backward": lambda T, W, c, r: (T * W * c + T * 2 * W * c, T * 2 * W * c),
+    "rope_qkv.forward": lambda T, W, c, r: (T * W * c, T * W * c),  # qkv in; q, k, v out
+    "rope_qkv.backward": lambda T, W, c, r: (T * W * c, T * W * c),
+    "residual_add": lambda T, W, c, r: (T * W * (r + c), T * W * r),  # stream + branch in, stream out
+    # Liger's CE over (T, V = W) logits: each row read twice (max/sum, then the gradient), the gradient
+    # written in place; targets in (int64), losses out (fp32)
+    "liger_ce": lambda T, W, c, r: (2 * T * W * c + T * 8, T * W * c + T * 4),
+    # the baseline's S x S chain over T rows of W = S (calibrate_kernels.sxs_case): scale and the (broadcast)
+    # mask add in the compute dtype, the casts, the fp32 softmax and its backward
+    "sxs.scale": lambda T, W, c, r: (T * W * c, T * W * c),
+    "sxs.mask_add": lambda T, W, c, r: (T * W * c, T * W * c),
+    "sxs.float": lambda T, W, c, r: (T * W * c, T * W * 4),
+    "sxs.to_compute": lambda T, W, c, r: (T * W * 4, T * W * c),
+    "sxs.softmax": lambda T, W, c, r: (T * W * 4, T * W * 4),
+    "sxs.softmax.backward": lambda T, W, c, r: (2 * T * W * 4, T * W * 4),
+    # a fused optimizer step over T fp32 tensors of W elements: param, grad and state in; param and state out
+    # (calculator/optimizer.step_bytes_moved's minimum)
+    "optimizer.adamw": lambda T, W, c, r: (T * W * (4 + 4 + 8), T * W * (4 + 8)),
+    "optimizer.ademamix": lambda T, W, c, r: (T * W * (4 + 4 + 12), T * W * (4 + 12)),
+    # ATen's embedding_dense_backward less its (V, W) zero fill: the (T, W) gradient (dtype r) and the ids in,
+    # a row of W fp32 sums per id out (calibrate_kernels.embedding_case)
+    "embedding.backward": lambda T, W, c, r: (T * W * r + T * 8, T * W * 4),
+}
 
 
 def eager_norm_forward(T: int, H: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
