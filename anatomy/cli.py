@@ -89,7 +89,7 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
             raise ConfigError(f"--world-size must be >= 1, got {a.world_size}")
         strategy = a.strategy or ("fsdp" if a.variant == "efficient" else "ddp")
         out["distributed"] = estimate_distributed(cfg, run, a.world_size, strategy)
-    if a.gpu:
+    if a.gpu is not None:
         from anatomy.calculator.timing import estimate_time
 
         t = estimate_time(cfg, run, a.variant, gpu=a.gpu)
@@ -99,7 +99,7 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
         gpu_s = {ph: v["gpu_s"] for ph, v in t["phases"].items()}  # the kernels' time, the GPU's idle time left out
         out["time"]["gpu_busy_s"] = dict(forward_backward=gpu_s["forward"] + gpu_s["backward"],
                                          step=sum(gpu_s.values()))
-        from anatomy.calculator import gpus
+        from anatomy.calculator.timing import lookup as gpus
 
         cap = gpus.get(a.gpu)["memory_GB"] * 1e9  # does the predicted peak fit the GPU's memory?
         need = max(ph["forward_peak"] or 0, ph["backward_peak"])
@@ -253,7 +253,7 @@ def _print(cmd: str, out: dict) -> None:
             con.print("host-bound: the CPU issuing the kernels, not the GPU, sets this step's pace; on the H200 "
                       "machines measured, a host-bound step's time moved by 10-20% between processes and within "
                       "one (docs/timing.md, sessions 9-14), while its kernel time held to ±10%")
-        from anatomy.calculator import gpus
+        from anatomy.calculator.timing import lookup as gpus
 
         measured = f"{gpus.profile_stem(tm['profile'])}-measured"
         if tm["profile_kind"] == "datasheet" and measured in gpus.names():

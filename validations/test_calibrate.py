@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from anatomy.calculator import gpus, measured, timing
+from anatomy import io
+from anatomy.calculator import timing
+from anatomy.calculator.timing import fit, roofline
 from anatomy.config import ConfigError, ModelConfig, Run
 from anatomy.measure import calibrate, calibrate_host
 
@@ -20,7 +22,7 @@ def _kernel(res: dict, name: str) -> dict:
 
 # ---- the GEMM efficiency model --------------------------------------------------------------------
 def test_matmul_efficiency_cases():
-    e = gpus.matmul_efficiency
+    e = roofline.matmul_efficiency
     assert e(8192, 8192, 8192, 132) == pytest.approx(2048 / 2112)  # 16 waves of 128x256 tiles, the last 52% full
     assert e(128 * 133, 128, 128, 132) == pytest.approx(133 / 264)  # 133 tiles: a second wave for one tile
     assert e(512, 512, 256, 132) < 0.2  # 16 tiles on 132 SMs and no K to split
@@ -31,9 +33,9 @@ def test_matmul_efficiency_cases():
 
 
 def test_fit_recovers_synthetic_rate_and_k_half():
-    pts = [dict(m=m, n=n, k=k, tflops=700 * gpus.matmul_efficiency(m, n, k, 132, 128.0))
+    pts = [dict(m=m, n=n, k=k, tflops=700 * roofline.matmul_efficiency(m, n, k, 132, 128.0))
            for m, n, k in calibrate.gemm_grid()]
-    rate, kh = measured.fit_matmul(pts, 132)
+    rate, kh = fit.fit_matmul(pts, 132)
     assert kh == 128.0 and rate == pytest.approx(700e12, rel=1e-9)
 
 
@@ -41,19 +43,19 @@ def test_misaligned_vocab_factors():
     """calibrate's head GEMMs at a vocab that is not a multiple of 8, against the aligned vocab, become
     a slowdown per alignment class and per GEMM dimension (fake numbers: 4x slower at an odd vocab in
     the forward, 2x at vocab = 2 mod 8 in grad_input), applied to a GEMM only where a dim is misaligned."""
-    assert [gpus.alignment_class(d) for d in (32000, 32001, 32002, 32004, 128256, 50257)] == [None, 1, 2, 4, None, 1]
+    assert [roofline.alignment_class(d) for d in (32000, 32001, 32002, 32004, 128256, 50257)] == [None, 1, 2, 4, None, 1]
     rows = [dict(op=op, rows=T, hidden=H, vocab=V, tflops=600.0 / (4 if (V, op) == (32001, "forward") else
                                                                     2 if (V, op) == (32002, "grad_input") else 1))
             for op, T, H, V in calibrate.vocab_grid()]
-    f = measured.misaligned_factors(rows)
+    f = fit.misaligned_factors(rows)
     assert f["1"] == pytest.approx(dict(n=0.25, k=1.0, m=1.0)) and f["2"] == pytest.approx(dict(n=1.0, k=0.5, m=1.0))
     assert f["4"] == pytest.approx(dict(n=1.0, k=1.0, m=1.0))
     prof = dict(matmul_misaligned=f)
-    assert gpus.alignment_factor(prof, 4096, 32001, 512) == pytest.approx(0.25)  # logits, odd vocab: n
-    assert gpus.alignment_factor(prof, 4096, 512, 32002) == pytest.approx(0.5)  # grad_input, vocab 2 mod 8: k
-    assert gpus.alignment_factor(prof, 4096, 32000, 512) == 1.0 and gpus.alignment_factor({}, 4096, 32001, 512) == 1.0
+    assert roofline.alignment_factor(prof, 4096, 32001, 512) == pytest.approx(0.25)  # logits, odd vocab: n
+    assert roofline.alignment_factor(prof, 4096, 512, 32002) == pytest.approx(0.5)  # grad_input, vocab 2 mod 8: k
+    assert roofline.alignment_factor(prof, 4096, 32000, 512) == 1.0 and roofline.alignment_factor({}, 4096, 32001, 512) == 1.0
     data = calibrate.build_profile(dict(_fake_measurements(), matmul_vocab=rows), dict(date="fake"), "h200-sxm")
-    p = measured.from_measured(data)
+    p = fit.from_measured(data)
     odd, even = (timing.estimate_time(ModelConfig(name="v", hidden=512, layers=1, heads=8, intermediate=1024, vocab=v),
                                       Run(4, 1024), "baseline", p, with_kernels=True) for v in (32001, 32000))
     assert _kernel(odd, "loss.lm_head")["compute_s"] == pytest.approx(
@@ -72,10 +74,10 @@ def test_accumulate_epilogue_bandwidth():
                  ms=(acc_bytes(T, H, V) / hbm / frac[T] if T in frac else 2 * T * H * V / 600e12) * 1e3)
             for op, T, H, V in calibrate.vocab_grid()]
     assert {(r["rows"], r["hidden"]) for r in rows if r["rows"] in frac} == set(calibrate.ACC_CHUNKS)
-    assert measured.accumulate_bandwidth(rows, hbm) == pytest.approx(0.60)
-    assert measured.accumulate_bandwidth([r for r in rows if r["rows"] not in frac], hbm) is None
+    assert fit.accumulate_bandwidth(rows, hbm) == pytest.approx(0.60)
+    assert fit.accumulate_bandwidth([r for r in rows if r["rows"] not in frac], hbm) is None
     m = dict(_fake_measurements(), matmul_vocab=rows, copy_tbps=hbm / 1e12)
-    p = measured.from_measured(calibrate.build_profile(m, dict(date="fake"), "h200-sxm"))
+    p = fit.from_measured(calibrate.build_profile(m, dict(date="fake"), "h200-sxm"))
     assert p["matmul_accumulate_bw"] == pytest.approx(0.60)
     p0 = dict(p, matmul_accumulate_bw=1.0)
     cfg = ModelConfig(name="v", hidden=2048, layers=1, heads=16, intermediate=4096, vocab=128256)
@@ -85,13 +87,13 @@ def test_accumulate_epilogue_bandwidth():
     # at a misaligned vocab, the 512-row chunk's measured rate over the aligned model's sets the rate
     mis = p["matmul_misaligned_accumulate"]
     assert set(mis) == {"1", "2", "4"}
-    model = p["matmul_flops"]["bfloat16"] * gpus.matmul_efficiency(32004, 2048, 512, p["sms"], p["matmul_k_half"]) * \
+    model = p["matmul_flops"]["bfloat16"] * roofline.matmul_efficiency(32004, 2048, 512, p["sms"], p["matmul_k_half"]) * \
         p.get("matmul_fp32_accumulate", 1.0)
     assert mis["4"] == pytest.approx(600e12 / model)
     cfg4 = ModelConfig(name="v4", hidden=2048, layers=1, heads=16, intermediate=4096, vocab=34732)  # class 4
     c, d = (timing.estimate_time(cfg4, Run(1, 4096), "efficient", q, with_kernels=True)
             for q in (p, dict(p, matmul_misaligned_accumulate={})))
-    ratio = mis["4"] / gpus.alignment_factor(p, 34732, 2048, 512)
+    ratio = mis["4"] / roofline.alignment_factor(p, 34732, 2048, 512)
     assert _kernel(c, "loss.grad_weight")["compute_s"] == pytest.approx(_kernel(d, "loss.grad_weight")["compute_s"] / ratio)
     assert _kernel(c, "loss.logits")["compute_s"] == _kernel(d, "loss.logits")["compute_s"]
 
@@ -102,14 +104,14 @@ def test_host_scale_from_a_measured_tiny_step():
     the efficient model, whatever the split between the phases), for any config; the optimizer's is
     left as it was."""
     data = calibrate.build_profile(_fake_measurements(), dict(date="fake"), "h200-sxm")
-    p0 = measured.from_measured(data)
+    p0 = fit.from_measured(data)
     hs = dict(calibrate_host.HOST_STEP)
     cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs["dtype"])
     factors = dict(baseline=3.0, efficient=1.5)
     for v, f in factors.items():
         host = sum(timing.host_seconds(k, p0) for k in timing.kernels(cfg, run, v, None, None))
         hs[v] = dict(forward_ms=1e3 * f * host * 0.9, backward_ms=1e3 * f * host * 0.1, forward_backward_ms=1e3 * f * host)
-    p = measured.from_measured(dict(data, measurements=dict(data["measurements"], host_step=hs)))
+    p = fit.from_measured(dict(data, measurements=dict(data["measurements"], host_step=hs)))
     assert timing.host_scale(p0, "baseline") == 1.0
     for variant, f in factors.items():
         assert timing.host_scale(p, variant) == pytest.approx(f)
@@ -140,7 +142,7 @@ def test_guess_base(device, base):
 
 def _fake_measurements() -> dict:
     """Fake numbers (not a measurement): a GEMM grid drawn from the model at 650 TFLOP/s, k_half 96."""
-    mm = [dict(m=m, n=n, k=k, tflops=650 * gpus.matmul_efficiency(m, n, k, 132, 96.0)) for m, n, k in
+    mm = [dict(m=m, n=n, k=k, tflops=650 * roofline.matmul_efficiency(m, n, k, 132, 96.0)) for m, n, k in
           calibrate.gemm_grid()]
     att = [dict(backend="cudnn", B=16, heads=8, S=4096, hd=64, causal=True, fwd_ms=0.7, fwd_bwd_ms=2.6),
            dict(backend="cudnn", B=4, heads=16, S=4096, hd=128, causal=True, fwd_ms=0.6, fwd_bwd_ms=2.2)]
@@ -151,13 +153,13 @@ def _fake_measurements() -> dict:
 def test_profile_json_round_trip(tmp_path):
     data = calibrate.build_profile(_fake_measurements(), dict(date="fake", gpu="fake", torch="fake",
                                                               command="pytest"), "h200-sxm")
-    path = measured.write_atomic(tmp_path / "h200.json", data)
-    assert not list(tmp_path.glob("*.tmp"))
-    p = gpus.get(str(path))
+    path = tmp_path / "h200.json"
+    io.write_atomic(path, json.dumps(data))
+    p = timing.get(str(path))
     assert p["name"] == "h200-measured" and p["kind"] == "measured"
     assert p["matmul_k_half"] == 96.0 and p["matmul_flops"]["bfloat16"] == pytest.approx(650e12)
     assert (p["hbm_Bps"], p["launch_s"], p["host_op_s"]) == pytest.approx((4.1e12, 2.2e-6, 7.5e-6))
-    assert p["peak_flops"] == gpus.DATASHEET["h200-sxm"]["peak_flops"]  # unmeasured: the datasheet's
+    assert p["peak_flops"] == timing.get("h200-sxm")["peak_flops"]  # unmeasured: the datasheet's
     assert set(p["attention"]["cudnn"]) == {"64", "128"}
     r = timing.estimate_time(ONE_B, Run(4, 4096), "efficient", p, with_kernels=True)
     assert "hd128" in _kernel(r, "attention.sdpa")["note"] and "nearest" not in _kernel(r, "attention.sdpa")["note"]
@@ -169,10 +171,10 @@ def test_bad_profile_files(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError):
-        gpus.get(str(bad))
+        timing.get(str(bad))
     bad.write_text(json.dumps({"name": "x"}))
     with pytest.raises(ConfigError):
-        gpus.get(str(bad))
+        timing.get(str(bad))
     with pytest.raises(ConfigError):
         calibrate.build_profile(dict(matmul_bf16=[]), {}, "no-such-gpu")
 
@@ -188,7 +190,7 @@ def test_calibrate_without_cuda_exits_2(capsys, monkeypatch):
 
 # ---- Liger's loss: its CE kernel in lanes, its host cost measured in place ------------------------
 def test_liger_ce_lanes():
-    from anatomy.calculator.fused import liger_ce_width
+    from anatomy.calculator.timing.op_bytes import liger_ce_width
 
     assert [liger_ce_width(v) for v in (1000, 16000, 16384, 16385, 18042, 32768, 55960, 64000, 128256)] == \
         [1024, 16384, 16384, 32768, 32768, 32768, 65536, 65536, 131072]
@@ -198,7 +200,7 @@ def test_liger_ce_time_follows_lanes_and_alignment():
     """Fake CE timings (not a measurement) that take time per lane, 1.3x per lane at a vocab that is not
     a multiple of 16: at vocabs and chunk rows calibrate never ran, the model's time for the kernel is
     the same law (so V 18042, one 32768-lane pass, costs 2x V 16000 and 1.3x more), not time per vocab."""
-    from anatomy.calculator.fused import fused_bytes, liger_ce_width
+    from anatomy.calculator.timing.op_bytes import fused_bytes, liger_ce_width
     from anatomy.measure.calibrate_kernels import LIGER_CHUNK_ROWS, LIGER_VOCABS
 
     hbm = 4.0e12
@@ -206,11 +208,11 @@ def test_liger_ce_time_follows_lanes_and_alignment():
     fused = [dict(op="liger_ce", tokens=n, width=V, ms=law(V, n) * 1e3 + 2.2e-3, queued=True)
              for V in LIGER_VOCABS for n in LIGER_CHUNK_ROWS]
     assert {V % 16 == 0 for V in LIGER_VOCABS} == {True, False}
-    p = measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), fused=fused, copy_tbps=hbm / 1e12),
+    p = fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), fused=fused, copy_tbps=hbm / 1e12),
                                                    dict(date="fake"), "h200-sxm"))
     for V in (18042, 22672, 40000, 63060, 100003):
         for rows in (256, 1024, 4096):
-            t = sum(fused_bytes("liger_ce", V, rows)) / (hbm * timing.fused_efficiency(p, "liger_ce", V, rows))
+            t = sum(fused_bytes("liger_ce", V, rows)) / (hbm * timing.fused_efficiency(p, "linear_ce", V, rows))
             assert t == pytest.approx(law(V, rows), rel=0.02), (V, rows)
     t16, t18 = (law(V, 1024) for V in (16000, 18042))
     assert t18 / t16 == pytest.approx(2 * 1.3)
@@ -219,14 +221,14 @@ def test_liger_ce_time_follows_lanes_and_alignment():
 def _liger_host_profile(**liger):
     m = _fake_measurements()
     m["host_custom_us"] = dict(m["host_custom_us"], **({"liger_ce": liger} if liger else {}))
-    return measured.from_measured(calibrate.build_profile(m, dict(date="fake"), "h200-sxm"))
+    return fit.from_measured(calibrate.build_profile(m, dict(date="fake"), "h200-sxm"))
 
 
 def test_liger_host_is_measured_per_call_and_per_chunk():
     """Liger's host time is the measured call (forward, backward) plus the measured cost per chunk, and
     no tiny-step scale touches it; a profile that did not measure it counts the eager ops the loss
-    issues (7 a call under amp, 6 a chunk, 2 in backward), as before it was measured."""
-    from anatomy.calculator.loss import chunk_rows
+    issues (7 a call under amp, 6 a chunk, 2 in backward)."""
+    from anatomy.calculator.kernel_shapes import chunk_rows
 
     cfg, run = ModelConfig(name="v", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=18042), Run(2, 2048)
     n = -(-run.tokens // chunk_rows(run.tokens, cfg.hidden, cfg.vocab))
@@ -268,7 +270,7 @@ def test_baseline_sxs_chain_takes_its_calibrated_rates():
     at its own fraction of the copy bandwidth: the baseline step's kernels of those ops take exactly
     those times at a calibrated S (bytes / (bandwidth x fraction)), the fp32 policy keeps only the
     softmax's, and the efficient model does not change."""
-    from anatomy.calculator.fused import fused_bytes
+    from anatomy.calculator.timing.op_bytes import fused_bytes
     from anatomy.measure.calibrate_aten import SXS_OPS, SXS_ROWS, SXS_SEQS
 
     hbm = 4.0e12
@@ -277,9 +279,9 @@ def test_baseline_sxs_chain_takes_its_calibrated_rates():
     assert set(frac) == set(SXS_OPS)
     fused = [dict(op=op, tokens=SXS_ROWS, width=S, queued=True,
                   ms=(sum(fused_bytes(op, S, SXS_ROWS)) / hbm / frac[op] + 2.2e-6) * 1e3) for op in SXS_OPS for S in SXS_SEQS]
-    p = measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), fused=fused, copy_tbps=hbm / 1e12),
+    p = fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), fused=fused, copy_tbps=hbm / 1e12),
                                                        dict(date="fake"), "h200-sxm"))
-    p0 = measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12),
+    p0 = fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12),
                                                         dict(date="fake"), "h200-sxm"))
     cfg = ModelConfig(name="b", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=32000)
     a, b = (timing.estimate_time(cfg, Run(2, 2048), "baseline", q, with_kernels=True) for q in (p, p0))
@@ -302,14 +304,14 @@ def test_fused_adamw_takes_its_calibrated_rate():
     """Fake timings (not a measurement) of torch's fused AdamW at calibrate's sizes, at 80% of the copy
     bandwidth: every AdamW kernel of a step takes exactly its bytes at that rate, AdEMAMix (not
     calibrated) stays on the copy roofline, and the forward and backward do not change."""
-    from anatomy.calculator.fused import fused_bytes
+    from anatomy.calculator.timing.op_bytes import fused_bytes
     from anatomy.measure.calibrate_kernels import ADAMW_NUMELS, ADAMW_TENSORS
 
     hbm, frac = 4.0e12, 0.8
     fused = [dict(op="optimizer.adamw", tokens=ADAMW_TENSORS, width=n, queued=True,
                   ms=(sum(fused_bytes("optimizer.adamw", n, ADAMW_TENSORS)) / hbm / frac + 2.2e-6) * 1e3)
              for n in ADAMW_NUMELS]
-    p, p0 = (measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12, **f),
+    p, p0 = (fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12, **f),
                                                             dict(date="fake"), "h200-sxm")) for f in (dict(fused=fused), {}))
     cfg = ModelConfig(name="o", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=32000)
     for variant in ("efficient", "baseline"):
@@ -331,7 +333,7 @@ def test_at_host_speed_scales_every_host_figure_and_no_gpu_figure():
                                baseline=dict(forward_backward_ms=8.0)))
     cfg = ModelConfig(name="h", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=18042)
     for variant, base in (("efficient", 9.0), ("baseline", 8.0)):
-        q = measured.at_host_speed(p, variant, 1.3 * base)
+        q = timing.at_host_speed(p, variant, 1.3 * base)
         assert timing.host_scale(q, variant) == pytest.approx(timing.host_scale(p, variant), rel=1e-12)
         a, b = (timing.estimate_time(cfg, Run(2, 2048), variant, x, optimizer="adamw", with_kernels=True) for x in (q, p))
         assert len(a["kernels"]) == len(b["kernels"])
@@ -339,7 +341,7 @@ def test_at_host_speed_scales_every_host_figure_and_no_gpu_figure():
             assert x["host_s"] == pytest.approx(1.3 * y["host_s"], rel=1e-12) and x["time_s"] == y["time_s"], x["name"]
         assert sum(k["host_s"] for k in a["kernels"]) > 0
     with pytest.raises(ValueError, match="no tiny host step"):
-        measured.at_host_speed(gpus.get("h200-sxm"), "efficient", 10.0)
+        timing.at_host_speed(timing.get("h200-sxm"), "efficient", 10.0)
 
 
 def test_baseline_eager_chains_take_their_calibrated_rates():
@@ -348,7 +350,7 @@ def test_baseline_eager_chains_take_their_calibrated_rates():
     width and row count every kernel of the chain takes exactly its bytes at that fraction, the fp32 policy
     (not calibrated) keeps the copy roofline, gpt-oss's clamps take their own chain's rate, and the
     efficient model does not change."""
-    from anatomy.calculator.fused import EAGER_CHAINS, fused_bytes
+    from anatomy.calculator.timing.op_bytes import EAGER_CHAINS, fused_bytes
     from anatomy.measure.calibrate_aten import EAGER_CE_ROWS, EAGER_CE_VOCABS, ROPE_HEAD_DIMS, ROPE_ROWS
     from anatomy.measure.calibrate_kernels import FUSED_TOKENS, RMS_WIDTHS, SWIGLU_WIDTHS
 
@@ -362,7 +364,7 @@ def test_baseline_eager_chains_take_their_calibrated_rates():
     fused = [dict(op=op, tokens=t, width=w, queued=True,
                   ms=(sum(fused_bytes(op, w, t)) / hbm / frac[op] + len(EAGER_CHAINS[op](t, w)) * launch) * 1e3)
              for op in frac for t, ws in (grid[op.split(".")[0][6:]],) for w in ws]
-    p, p0 = (measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12,
+    p, p0 = (fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12,
                                                                  launch_us=launch * 1e6, **f), dict(date="fake"), "h200-sxm"))
              for f in (dict(fused=fused), {}))
     cfg = ModelConfig(name="e", hidden=2048, layers=2, heads=16, intermediate=5632, vocab=32000)
@@ -393,7 +395,8 @@ def test_embedding_backward_rate_is_calibrated_apart_from_its_zero_fill():
     """Fake embedding_dense_backward timings (not a measurement): the (V, H) fill at the copy rate, then the
     rest at 12% of it up to 3072 ids (the feature kernel) and 30% past (sort + segmented sum). At other
     vocabs, the model's fill follows V and the rest keeps its calibrated rate, per row count."""
-    from anatomy.calculator.fused import fused_bytes, fused_launches
+    from anatomy.calculator.timing.op_bytes import fused_bytes
+    from anatomy.calculator.timing.registry import launches as fused_launches
     from anatomy.measure.calibrate_aten import EMBEDDING_ROWS, EMBEDDING_VOCAB, EMBEDDING_WIDTHS
 
     hbm, launch = 4.0e12, 2.2e-6
@@ -402,7 +405,7 @@ def test_embedding_backward_rate_is_calibrated_apart_from_its_zero_fill():
     fused = [dict(op="embedding.backward", tokens=T, width=H, vocab=EMBEDDING_VOCAB, queued=True,
                   ms=(EMBEDDING_VOCAB * H * 4 / hbm + launch + fused_launches("embedding.backward", H, T) * launch
                       + law(H, T)) * 1e3) for T in EMBEDDING_ROWS for H in EMBEDDING_WIDTHS]
-    p = measured.from_measured(calibrate.build_profile(dict(_fake_measurements(), fused=fused, copy_tbps=hbm / 1e12),
+    p = fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), fused=fused, copy_tbps=hbm / 1e12),
                                                        dict(date="fake"), "h200-sxm"))
     for T, H, V in ((2048, 1024, 16000), (4096, 2048, 128256), (65536, 512, 50000)):
         cfg = ModelConfig(name="e", hidden=H, layers=1, heads=8, intermediate=2 * H, vocab=V)

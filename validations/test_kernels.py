@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from anatomy.calculator.fused import RMS_MIN_ROWS, rms_norm_programs
+from anatomy.calculator.kernel_shapes import RMS_MIN_ROWS, rms_norm_programs
 from anatomy.kernels import (HAS_TRITON, INTERPRET, rms_norm, rms_norm_backward_triton, rms_norm_triton, rope_qkv,
                              swiglu, triton_on_cpu)
 from anatomy.kernels.rmsnorm import MAX_BLOCK, backward_programs

@@ -1,6 +1,6 @@
-"""The causal SDPA kernel's CTA schedule (anatomy/calculator/sdpa_schedule.py), its fit to calibrate's rows
-(calculator/measured.schedule_table, measure/calibrate_sdpa.py), and, on a GPU, its prediction at grids
-and head dims calibrate never timed."""
+"""The causal SDPA kernel's CTA schedule (anatomy/calculator/timing/sdpa_schedule.py), its fit to calibrate's
+rows (timing/fit.schedule_table, measure/calibrate_sdpa.py), and, on a GPU, its prediction at grids and head
+dims calibrate never timed."""
 from __future__ import annotations
 
 import json
@@ -12,10 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anatomy.calculator import gpus, sdpa_schedule, timing
-from anatomy.calculator.launches import efficient_kernels
+from anatomy import records
+from anatomy.calculator import timing
+from anatomy.calculator.timing import sdpa_schedule
+from anatomy.calculator.timing.kernels_efficient import efficient_kernels
 from anatomy.config import ModelConfig, Run
 from anatomy.measure import calibrate_sdpa
+from validations import known_misses
 
 SMS = 132
 TRUE = {"forward": dict(a=2.5e-6, o=1.5e-6, c=1.15e-6), "backward": dict(a=1.7e-6, o=4.0e-6, c=3.0e-6)}
@@ -87,9 +90,9 @@ def _calibrate_rows(hd: int = 64) -> list[dict]:
 
 
 def _profile(rows: list[dict]) -> dict:
-    data = json.loads((gpus.PROFILE_DIR / "h200.json").read_text())
+    data = json.loads(records.H200_PROFILE.read_text())
     data["measurements"]["attention_kernels"] = rows
-    return gpus.get(data)
+    return timing.get(data)
 
 
 def test_profile_carries_the_fitted_schedule_with_its_source():
@@ -97,7 +100,7 @@ def test_profile_carries_the_fitted_schedule_with_its_source():
     e = p["sdpa_schedule"]["cudnn"]["64"]
     assert e["shapes"] == len(calibrate_sdpa.SCHEDULE_GRIDS) and e["max_error"] < 0.01
     assert "sdpa_schedule.fit" in p["sources"]["sdpa_schedule"]
-    assert "sdpa_schedule" not in _profile([])  # no kernel rows: the full-wave rates, as before
+    assert not _profile([])["sdpa_schedule"]  # no kernel rows: the full-wave rates
 
 
 @pytest.mark.parametrize("hd", [64, 32, 128])
@@ -152,9 +155,9 @@ def test_sdpa_kernel_time_within_15pct_gpu(shape, claims, cuda_device):
     """cuDNN's main SDPA kernel, forward and backward, at a shape calibrate never timed: its profiled
     duration against the schedule of $ANATOMY_GPU_PROFILE (calibrated on this machine), ±15%."""
     profile = os.environ.get("ANATOMY_GPU_PROFILE", "h200-measured")
-    prof = gpus.get(profile)
+    prof = timing.get(profile)
     if not (prof.get("sdpa_schedule") or {}).get("cudnn"):
-        pytest.skip(f"profile {profile} has no cuDNN SDPA schedule (calibrated before session 12)")
+        pytest.skip(f"profile {profile} has no cuDNN SDPA schedule")
     B, h, S, hd = shape
     # in a process of its own: the profiler leaves CUPTI attached, and the host-bound step tests after
     # this one would pay for it (calibrate.py profiles last for the same reason)
@@ -165,32 +168,31 @@ def test_sdpa_kernel_time_within_15pct_gpu(shape, claims, cuda_device):
     sched, note = sdpa_schedule.lookup(prof, "cudnn", hd)
     for phase, key in (("forward", "fwd_kernel"), ("backward", "bwd_kernel")):
         pred = sdpa_schedule.kernel_s(sched[phase], B, h, S, prof["sms"], phase) * 1e3
-        claims.check(f"time.sdpa_kernel.{phase}", component="attention", config=f"B{B}h{h}S{S}hd{hd}",
+        claims.check("time.sdpa_kernel.forward" if phase == "forward" else "time.sdpa_kernel.backward",
+                     component="attention", config=f"B{B}h{h}S{S}hd{hd}",
                      variant="efficient", predicted=pred, measured=row[f"{key}_ms"], tolerance=0.15, device="cuda",
                      unit="ms", note=f"profile {profile}; {note}; kernel {row[key]}")
 
 
-# Known misses in the claims' run (session14b), strict, with the error measured there: two of the largest grids
-# (3,072 and 6,144 CTAs of 128-row blocks, 0.46-2.9 ms a kernel) at the power cap, which the model has no term
-# for (docs/timing.md, assumption 9). The same shapes missed in
-# session13b (B8 h24 S2048 hd128 forward -16.4%, backward -16.0%), and this run's GEMMs ran at 823 TFLOP/s, the
-# lowest calibrate has measured since session 10d (811-845).
-_POWER = "a large grid at the power cap (no power term in the model; -16.4% on this shape in session13b)"
-_IN_STEP_MISSES = {"forward-B4h48S4096hd64-114": -0.1675, "backward-B4h48S4096hd64-119": -0.1587,
-                   "forward-B8h24S2048hd128-122": -0.1659, "backward-B8h24S2048hd128-123": -0.1639,
-                   "backward-B8h24S2048hd128-125": -0.1557}
+IN_STEP_TEST = "validations/test_sdpa_schedule.py::test_sdpa_kernel_in_step_within_15pct"
 
 
-# every efficient row of the claims' run: cuDNN's main kernel per layer as the probe profiled it in the step
 def _in_step_cases():
-    from anatomy.report import probes, sdpa_plot
+    """Every efficient row of the probe's run: cuDNN's main kernel per layer as the probe profiled it in the
+    step, each id its shape and its occurrence; known misses: validations/known_misses.json."""
+    from anatomy.report import sdpa_plot
 
-    pts = sdpa_plot.in_step(probes.TIMING_SESSION)
-    ids = ["{phase}-B{B}h{heads}S{S}hd{hd}-{i}".format(i=i, **p) for i, p in enumerate(pts)]
-    return [pytest.param(p, id=i, marks=[pytest.mark.xfail(strict=True, reason=f"{_IN_STEP_MISSES[i]:+.1%} on "
-                                                           f"{probes.TIMING_SESSION.name}: {_POWER}")]
-                         if i in _IN_STEP_MISSES else []) for i, p in zip(ids, pts)] or [
-        pytest.param(None, marks=pytest.mark.skip(reason="no profiled efficient rows in the claims' session"))]
+    seen: dict[str, int] = {}
+    out = []
+    for p in sdpa_plot.in_step():
+        shape = "{phase}-B{B}h{heads}S{S}hd{hd}".format(**p)
+        seen[shape] = seen.get(shape, 0) + 1
+        out.append(known_misses.param(IN_STEP_TEST, f"{shape}-{seen[shape]}", p))
+    return out or [pytest.param(None, marks=pytest.mark.skip(reason="no profiled efficient rows"))]
+
+
+def test_every_known_miss_names_a_case():
+    assert not known_misses.unused(IN_STEP_TEST, [c.id for c in _in_step_cases()])
 
 
 @pytest.mark.parametrize("point", _in_step_cases())
@@ -199,10 +201,11 @@ def test_sdpa_kernel_in_step_within_15pct(point, claims):
     profiled kernels over the layers) against the schedule of the profile calibrated in the same run,
     ±15%, in the step's own conditions: the drawn rows' shapes, which the fit never saw, and the named
     ones (the seed B16 S4096 is also one of calibrate's grids)."""
-    from anatomy.report import probes, sdpa_plot
+    from anatomy.report import sdpa_plot
 
-    prof = gpus.get(probes.TIMING_SESSION / "h200.json")
-    claims.check(f"time.sdpa_kernel.{point['phase']}", component="attention",
+    prof = timing.get(str(records.H200_PROFILE))
+    claims.check("time.sdpa_kernel.forward" if point["phase"] == "forward" else "time.sdpa_kernel.backward",
+                 component="attention",
                  config="B{B}h{heads}S{S}hd{hd}".format(**point), variant="efficient",
                  predicted=sdpa_plot.predict_us(prof, point) / 1e3, measured=point["us"] / 1e3, tolerance=0.15,
-                 device="cuda (recorded)", unit="ms", note=f"{probes.TIMING_SESSION.name}/probe_timing*.json kernels")
+                 device="cuda (recorded)", unit="ms", note="reports/h200/timing-probe kernels")

@@ -27,6 +27,7 @@ FSDP2 (fully_shard per Block, then the root; torch 2.13 _fsdp_collectives.py):
 """
 from __future__ import annotations
 
+from anatomy.calculator import gpus
 from anatomy.calculator.sharding import check_world, fsdp_units, param_dtype_name, param_shapes, per_rank_memory, \
     shard_numel
 from anatomy.calculator.types import BYTES
@@ -37,22 +38,8 @@ FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb default; DDP's "MB" is MiB (_MB_TO_BYTES = 1024 * 1024)
 REDUCE_DTYPES = ("float32", "bfloat16")
 
-# ---- link profiles ---------------------------------------------------------------------------
-# Per-direction bandwidths in GB/s (1e9 B/s) a ring step can use, per GPU.
-#   NVLink: H100/H200 SXM have NVLink 4, "900 GB/s" total (18 links x 50 GB/s, both directions):
-#           450 GB/s each way (NVIDIA H100 and H200 Tensor Core GPU datasheets). A100 SXM NVLink 3:
-#           600 GB/s total, 300 each way (A100 datasheet).
-#   IB:     DGX H100/H200 give every GPU its own ConnectX-7 NIC at 400 Gb/s = 50 GB/s (DGX H100/H200
-#           user guide, "8x single-port ConnectX-7 400Gb/s InfiniBand"); DGX A100: 8x ConnectX-6
-#           HDR 200 Gb/s = 25 GB/s per GPU.
-#   peak FLOP/s come from anatomy.calculator.gpus (the one datasheet table).
-#   alpha:  per-collective latency, a rough figure of NCCL-tests' small-message times (tens of
-#           microseconds inside a node, more across); an assumption, not a measurement here.
-GPU_PROFILES: dict[str, dict] = {
-    "h200-sxm": dict(nvlink_GBps=450.0, ib_GBps=50.0, alpha_intra_us=10.0, alpha_inter_us=25.0),
-    "h100-sxm": dict(nvlink_GBps=450.0, ib_GBps=50.0, alpha_intra_us=10.0, alpha_inter_us=25.0),
-    "a100-sxm": dict(nvlink_GBps=300.0, ib_GBps=25.0, alpha_intra_us=10.0, alpha_inter_us=25.0),
-}
+# ---- links: per-direction NVLink and NIC bandwidth and collective latency per GPU come from the one GPU
+# table (anatomy/calculator/gpus.py), each with its source.
 
 
 def bus_factor(op: str, world: int) -> float:
@@ -79,10 +66,12 @@ def collective_time(op: str, nbytes: int, world: int, gpu: str = "h200-sxm", gpu
 
 
 def _profile(gpu: str) -> dict:
-    try:
-        return GPU_PROFILES[gpu]
-    except KeyError:
-        raise ConfigError(f"unknown gpu profile {gpu!r}; choose from {', '.join(GPU_PROFILES)}") from None
+    """The GPU table's entry, which must carry link figures (a ConfigError in one line if not)."""
+    e = gpus.entry(gpu)
+    if e["nvlink_GBps"] is None:
+        linked = ", ".join(k for k, v in gpus.GPUS.items() if v["nvlink_GBps"])
+        raise ConfigError(f"gpu {gpu!r} has no link figures for the communication model; choose from {linked}")
+    return e
 
 
 # ---- which collectives ------------------------------------------------------------------------
@@ -197,10 +186,7 @@ def _compute_seconds(cfg: ModelConfig, run: Run, gpu: str, mfu: float) -> dict:
     from anatomy.calculator import estimate
 
     f = estimate(cfg, run, "baseline").to_dict()["flops"]["model"]
-    from anatomy.calculator import gpus
-
-    _profile(gpu)  # a clear error for an unknown name
-    peak = gpus.get(gpu)["mfu_peak_flops"] * mfu  # the datasheet table's dense bf16 peak
+    peak = _profile(gpu)["bf16_tflops"] * 1e12 * mfu  # the GPU table's dense bf16 peak
     return dict(forward=f["forward"] / peak, backward=f["backward"] / peak)
 
 

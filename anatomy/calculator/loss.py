@@ -7,13 +7,6 @@ from anatomy.calculator.types import Component, Saved
 from anatomy.config import ModelConfig, Run
 
 
-def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
-    """Liger's fused-CE chunk (chunk_mem_const=1): next_pow2(ceil(T / ceil(V / H))) rows, at most T,
-    so a (chunk, V) logits block is about the size of the (T, H) input."""
-    inc = -(-vocab // hidden)
-    return min(1 << max(0, -(-tokens // inc) - 1).bit_length(), tokens)
-
-
 def params(cfg: ModelConfig) -> int:
     return 0 if cfg.tie_embeddings else cfg.vocab * cfg.hidden  # a tied head is the embedding's matrix
 

@@ -25,7 +25,7 @@ from math import prod
 
 from anatomy.calculator import estimate
 from anatomy.calculator.backward import INPUTS, walk
-from anatomy.calculator.loss import chunk_rows
+from anatomy.calculator.kernel_shapes import chunk_rows
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.optimizer import state_breakdown
 from anatomy.calculator.types import BYTES
@@ -38,20 +38,21 @@ def rounded(nbytes: int) -> int:
     return max(BLOCK, -(-nbytes // BLOCK) * BLOCK) if nbytes else 0
 
 
-def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[int]:
-    """Element count of every parameter tensor, in module order (a tied head counted once)."""
+def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int, int]]:
+    """(elements, how many) of the parameter tensors, in module order: the embedding, each layer's tensors
+    (L of each), the final norm, the head (a tied head counted once)."""
     H, I, kv, L = cfg.hidden, cfg.intermediate, cfg.kv_dim, cfg.layers
     if variant == "efficient":
         layer = [H, (H + 2 * kv) * H, H * H, H, 2 * I * H, H * I]
     else:
         layer = [H, H * H, kv * H, kv * H, H * H, H, I * H, I * H, H * I]
-    return [cfg.vocab * H] + layer * L + [H] + ([] if cfg.tie_embeddings else [cfg.vocab * H])
+    return [(cfg.vocab * H, 1)] + [(n, L) for n in layer] + [(H, 1)] + ([] if cfg.tie_embeddings else [(cfg.vocab * H, 1)])
 
 
 def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
     """What lives only while Liger's fused linear CE runs its forward on CUDA (read off
-    liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5, and checked against H200 allocator traces,
-    reports/h200/session4e), at its largest. Always live: the final norm's output (T, H), held by the
+    liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5, and checked against H200 allocator traces), at
+    its largest. Always live: the final norm's output (T, H), held by the
     caller; loss_1d (T,) fp32 and the target mask (T,) bool. Under autocast the head weight is cast to
     bf16 twice: `grad_logits @ weight` casts the leaf weight once and autocast caches it for the whole
     forward, while `x @ weight.t()` casts the transposed view, which is not a leaf, anew in each chunk.
@@ -61,7 +62,7 @@ def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
         gone by then);
       - a later chunk's logits matmul: both casts and that chunk's logits; the largest later chunk
         is a full one from the third chunk on, else the second, the remainder T - chunk.
-    chunk = next_pow2(ceil(T / ceil(V / H))), capped at T (anatomy.calculator.loss.chunk_rows)."""
+    chunk = next_pow2(ceil(T / ceil(V / H))), capped at T (anatomy.calculator.kernel_shapes.chunk_rows)."""
     dt = dtypes(run)
     T, H, V, c = run.tokens, cfg.hidden, cfg.vocab, BYTES[dt.compute]
     chunk = chunk_rows(T, H, V)
@@ -75,8 +76,8 @@ def _cached_casts(cfg: ModelConfig, run: Run, rnd) -> int:
     """Under recompute and autocast: the bf16 casts of the qkv, gate_up and down weights of every layer.
     Autocast caches a leaf weight's cast until its region ends, after the loss; without recompute the
     matmuls save them (they are in `saved`), inside a checkpoint nobody does, so they are extra bytes
-    at the forward's peak and gone by its end (H200 probe, reports/h200/session6: 27 MiB at the seed,
-    1.41 GiB at anchor-1b)."""
+    at the forward's peak and gone by its end (H200 memory probe, reports/h200/memory-probe/recompute-*.json:
+    27 MiB at the seed, 1.41 GiB at anchor-1b)."""
     dt = dtypes(run)
     if run.recompute == "none" or not dt.autocast:
         return 0
@@ -98,19 +99,20 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
            device: str = "cuda") -> dict:
     """Bytes live at each phase boundary of a training step after the first (the optimizer's state
     exists), and the peaks inside forward and backward, on `device` ("cuda": 512-byte blocks; "cpu":
-    exact storage sizes). backward_stages lists every candidate of the walk, in execution order."""
+    exact storage sizes). backward_stages lists the walk's candidates in execution order (of identical layers,
+    the last two and the first two: backward.walk)."""
     dt = dtypes(run)
     rnd = rounded if device == "cuda" else (lambda n: n)
     tensors = param_tensors(cfg, variant)
-    params = sum(rnd(n * BYTES[dt.param]) for n in tensors)
+    params = sum(rnd(n * BYTES[dt.param]) * k for n, k in tensors)
     inputs = 2 * rnd(8 * run.tokens)
     opt = 0
     if optimizer:
         per = state_breakdown(optimizer)
         # AdamW keeps its moments in the parameter's dtype; AdEMAMix keeps fp32 (calculator.optimizer)
         scale = BYTES[dt.param] / 4 if optimizer == "adamw" else 1
-        opt = sum(rnd(int(n * b * scale)) for n in tensors for b in per.values())
-        opt += len(tensors) * rnd(4) if optimizer == "adamw" else 0  # torch's 0-dim fp32 `step` per tensor
+        opt = sum(rnd(int(n * b * scale)) * k for n, k in tensors for b in per.values())
+        opt += sum(k for _, k in tensors) * rnd(4) if optimizer == "adamw" else 0  # torch's 0-dim fp32 `step` per tensor
     est = estimate(cfg, run, variant, device=device)
     saved = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for c in est.components.values() for s in c.saved
                 if s.name not in INPUTS)
@@ -139,9 +141,9 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
 
 
 # reserved - the step's peak, as a fraction of the peak: free cached blocks too small or too split for
-# the next request (fragmentation). Fitted: the worst of the H200 probe's 160 rows of session5b (both
-# allocator settings) was 1.37x (hyp2 B4 S1024 baseline, whose fp32 logits leave large freed segments
-# behind); the step benchmarks, not used in the fit, sit at 1.02-1.08x.
+# the next request (fragmentation). Fitted: the worst of the H200 memory probe's 160 rows (reports/h200/
+# memory-probe/, both allocator settings) is 1.37x (hyp2 B4 S1024 baseline, whose fp32 logits leave large
+# freed segments behind); the step benchmarks, not used in the fit, sit at 1.02-1.08x.
 RESERVED_SLACK = 0.40
 RESERVED_FIXED = 128 * 2**20  # segments the process held before the step: cuBLAS/cuBLASLt workspaces
 

@@ -11,20 +11,13 @@ chunk of logits: chunk = next_pow2(ceil(T / ceil(V / H))) rows, so a chunk of lo
 size of the (T, H) input. State dict: the same `lm_head.weight` as the baseline."""
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
+from anatomy.calculator.kernel_shapes import chunk_rows
 from anatomy.kernels._dispatch import cpu_uses_triton
 
 IGNORE_INDEX = -100
-
-
-def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
-    """Liger's chunk size (chunk_mem_const=1): bounds a logits chunk to about tokens × hidden elements."""
-    inc = math.ceil(vocab / hidden)
-    return min(1 << max(0, math.ceil(tokens / inc) - 1).bit_length(), tokens)
 
 
 class _ChunkedLinearCE(torch.autograd.Function):

@@ -35,20 +35,23 @@ timing reuses one L2-resident input):
                   of S for the S x S ops) and several widths; torch's fused AdamW, the eager baseline's
                   norm, loss, SwiGLU and clamp chains, and ATen's embedding backward (2048-65536 ids): the
                   calculator turns them into bandwidth efficiencies
-Measurements never read the calculator; the profile is only *loaded* by it (measured.from_measured).
+Measurements never read the calculator; the profile is only *loaded* by it (timing/profile.py, fit.py).
 On a machine without CUDA it prints one line and exits 2.
 """
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from anatomy.calculator import gpus, measured
+from anatomy import io
+from anatomy.calculator import gpus
+from anatomy.calculator.kernel_shapes import chunk_rows
+from anatomy.calculator.timing import fit, lookup, profile
 from anatomy.config import PRESETS
 from anatomy.measure.calibrate_host import measure_host, measure_host_step
 from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
@@ -64,11 +67,6 @@ L2_ROTATE_BYTES = 256 * 2**20  # rotate enough operand sets to exceed the L2 (50
 
 
 # ---- pure parts (unit-tested on CPU) ---------------------------------------------------------------
-def liger_chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
-    inc = math.ceil(vocab / hidden)
-    return min(1 << max(0, math.ceil(tokens / inc) - 1).bit_length(), tokens)
-
-
 def gemm_grid(presets=GRID_PRESETS, tokens: int = GRID_TOKENS) -> list[tuple[int, int, int]]:
     """(m, n, k) of every GEMM a training step of these presets launches, at `tokens` tokens."""
     shapes = {(8192, 8192, 8192), (4096, 4096, 4096)}
@@ -77,7 +75,7 @@ def gemm_grid(presets=GRID_PRESETS, tokens: int = GRID_TOKENS) -> list[tuple[int
         H, I, V = c.hidden, c.intermediate, c.vocab
         for n_out, k_in in ((H + 2 * c.kv_dim, H), (H, H), (2 * I, H), (H, I)):
             shapes |= {(tokens, n_out, k_in), (tokens, k_in, n_out), (n_out, k_in, tokens)}
-        C = liger_chunk_rows(tokens, H, V)
+        C = chunk_rows(tokens, H, V)
         shapes |= {(C, V, H), (C, H, V), (V, H, C)}
     return sorted(shapes)
 
@@ -85,11 +83,11 @@ def gemm_grid(presets=GRID_PRESETS, tokens: int = GRID_TOKENS) -> list[tuple[int
 VOCAB_ALIGNED, VOCAB_MISALIGNED = 32000, (32001, 32002, 32004)
 VOCAB_SHAPES = ((16384, 512), (16384, 2048), (2048, 2048))  # (rows, hidden): full steps and a Liger chunk
 # Liger's grad_weight at a chunk of few rows: the GEMM's K is the chunk, so its epilogue (read, add and
-# write the (V, H) fp32 accumulator) is nearly all of it. Its bandwidth is not the copy's (session7d:
-# llama3.2-1b's 128-row chunks moved 2.1 GB per call at ~62% of it), so it is measured here.
+# write the (V, H) fp32 accumulator) is nearly all of it. Its bandwidth is not the copy's (llama3.2-1b's
+# 128-row chunks move 2.1 GB per call at ~62% of it on the H200), so it is measured here.
 ACC_CHUNKS = ((128, 2048), (256, 1024), (512, 2048))  # (rows, hidden) at the aligned vocab
 # ... and at a misaligned vocab, where cuBLAS falls back to a slow kernel whose rate, not the epilogue,
-# bounds it (session8 train10, V 34732, 512-row chunks: 150 TFLOP/s)
+# bounds it (V 34732, 512-row chunks: 150 TFLOP/s on the H200)
 ACC_MISALIGNED = (512, 2048)
 
 
@@ -103,27 +101,21 @@ def vocab_grid() -> list[tuple[str, int, int, int]]:
 
 
 def guess_base(device_name: str) -> str | None:
-    """The datasheet profile a CUDA device name belongs to (None if no datasheet profile matches)."""
-    n = device_name.lower()
-    for key, base in (("h200", "h200-sxm"), ("h100", "h100-sxm"), ("a100", None), ("3090", "rtx-3090"),
-                      ("4090", "rtx-4090")):
-        if key in n:
-            if key == "a100":
-                return "a100-40gb-sxm" if "40gb" in n else "a100-80gb-sxm"
-            return base
-    return None
+    """The GPU table entry a CUDA device name belongs to (None if no entry matches)."""
+    return gpus.base_for_device(device_name)
 
 
 def build_profile(measurements: dict, provenance: dict, base: str) -> dict:
-    """The profile JSON object; loading it through measured.from_measured checks it is complete."""
-    data = dict(name=f"{gpus.profile_stem(base)}-measured", base=base, kind="measured", provenance=provenance,
+    """The profile JSON object; checking and fitting it (profile.check_measured, fit.from_measured) proves it
+    complete."""
+    data = dict(name=f"{lookup.profile_stem(base)}-measured", base=base, kind="measured", provenance=provenance,
                 measurements=measurements)
-    measured.from_measured(data)  # raises ConfigError if anything is malformed
+    fit.from_measured(profile.check_measured(data, "calibrated profile"))  # a ConfigError if anything is malformed
     return data
 
 
 def default_out(base: str) -> Path:
-    return gpus.PROFILE_DIR / f"{gpus.profile_stem(base)}.json"
+    return lookup.PROFILE_DIR / f"{lookup.profile_stem(base)}.json"
 
 
 # ---- measurements (CUDA) ---------------------------------------------------------------------------
@@ -291,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = torch.cuda.get_device_name(0)
     base = a.base or guess_base(name)
-    if base is None or base not in gpus.DATASHEET:
+    if base is None or gpus.key(base) is None:
         print(f"anatomy calibrate: no datasheet profile for {name!r}; pass --base "
-              f"({', '.join(gpus.DATASHEET)})", file=sys.stderr)
+              f"({', '.join(gpus.GPUS)})", file=sys.stderr)
         return 2
     t0 = time.monotonic()
     deadline = t0 + a.budget_s
@@ -318,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                 gemm_grid=f"{len(m['matmul_bf16'])} of {len(gemm_grid())} shapes",
                 gemm_grid_in_step=f"{len(m['matmul_bf16_in_step'])} of {len(gemm_grid())} shapes")
     data = build_profile(m, prov, base)
-    out = measured.write_atomic(a.out or default_out(base), data)
-    prof = measured.from_measured(data)
+    out = Path(a.out or default_out(base))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    io.write_atomic(out, json.dumps(data, indent=1) + "\n")
+    prof = fit.from_measured(data)
     print(f"{name}: bf16 GEMM {prof['matmul_flops']['bfloat16'] / 1e12:.0f} TFLOP/s "
           f"(k_half {prof['matmul_k_half']:.0f}), copy {m['copy_tbps']:.2f} TB/s, launch {m['launch_us']:.2f} us, host op {m['host_op_us']:.1f} us, "
           f"{len(m['attention'])} attention rows, {len(m['attention_kernels'])} SDPA kernel grids; {prov['seconds']} s -> {out}")

@@ -1,26 +1,28 @@
 """Calibrate's ATen cases: ops the models run as ATen calls or eager chains, timed as the models run them
-(calibrate_kernels.measure_fused times each; calculator/fused.py lists their bytes and kernels).
+(calibrate_kernels.measure_fused times each; calculator/timing/op_bytes.py lists their bytes and kernels).
 
   sxs.*        the eager baseline's S x S attention chain, op by op, over SXS_ROWS rows of S
   eager_*      the eager baseline's RMSNorm, loss tail, SwiGLU and gpt-oss clamps, each chain as a whole
   embedding    ATen's embedding_dense_backward, both models' embedding backward
-  eager_rope   the eager baseline's RoPE on q or k (session 12)
+  eager_rope   the eager baseline's RoPE on q or k
 """
 from __future__ import annotations
 
 import itertools
 
 
-def _sets(nbytes: int) -> int:
-    from anatomy.measure.calibrate_kernels import _sets as sets  # (that module imports this one)
+ROTATE_BYTES = 256 * 2**20  # rotate enough input sets to exceed the L2 (50-60 MB) several times
 
-    return sets(nbytes)
+
+def _sets(nbytes: int) -> int:
+    """How many input sets to rotate through so no timed call reads an L2-resident input (2 to 8)."""
+    return max(2, min(8, ROTATE_BYTES // max(1, nbytes)))
 
 
 # the eager baseline's S x S chain (anatomy/baseline/attention.py): each op over SXS_ROWS rows of S, at the
-# sequence lengths the probes run. ATen runs several of them well under the copy roofline (session9d's
-# profiled kernels of the baseline rows: the fp32 softmax at ~52%, the bf16 -> fp32 cast at ~50%, the broadcast mask add at ~34%),
-# and the softmax backward is two kernels (a multiply, then the row reduction)
+# sequence lengths the probes run. ATen runs several of them well under the copy roofline (on the H200 the
+# fp32 softmax at ~52%, the bf16 -> fp32 cast at ~50%, the broadcast mask add at ~34% of it), and the softmax
+# backward is two kernels (a multiply, then the row reduction)
 SXS_SEQS = (1024, 2048, 4096)
 SXS_ROWS = 32768  # (B x heads x S) rows: 4 x 8 x 1024 ... 1 x 8 x 4096
 
@@ -54,19 +56,17 @@ def sxs_case(op: str, S: int, rows: int = SXS_ROWS):
 SXS_OPS = ("sxs.scale", "sxs.mask_add", "sxs.float", "sxs.softmax", "sxs.to_compute", "sxs.softmax.backward")
 
 # the eager baseline's RMSNorm, its loss after the lm_head (log_softmax over fp32 logits) and SwiGLU's silu and
-# product, each timed as a whole, forward and backward, as the model runs them under amp: session9f's profiled
-# kernels of the baseline rows ran 1.31x (norm forward), 1.17x (norm backward) and 1.16x (loss forward) the
-# copy-roofline model, and session10c's gpt-oss MLP backward 1.18x (ATen's clamp backward: bool masks, then a
-# where, unvectorized). calculator/fused.py lists their kernels (EAGER_CHAINS); timing reads a rate per width.
+# product, each timed as a whole, forward and backward, as the model runs them under amp: on the H200 they run
+# 1.16-1.31x the copy-roofline model (gpt-oss's clamp backward: bool masks, then a where, unvectorized).
+# calculator/timing/op_bytes.py lists their kernels (EAGER_CHAINS); timing reads a rate per width.
 EAGER_CE_VOCABS = (16000, 32000, 64000, 128256)
 EAGER_CE_ROWS = 8192
 
 
-# (session 11) the embedding's backward, ATen's embedding_dense_backward over an fp32 (T, H) gradient as the
-# models run it under amp: at most 3072 ids one feature kernel (a block per 32 columns, ids in sequence),
-# past that a radix sort of the ids and a segmented sum, ~30 launches; the model had counted 8 at the copy
-# roofline and ran 0.22-0.29x the measured time (session10d, 11c). fused_bytes("embedding.backward") lists its
-# bytes; the (V, H) zero fill it starts with is moved at the copy rate and taken out (timing.fused_efficiency).
+# the embedding's backward, ATen's embedding_dense_backward over an fp32 (T, H) gradient as the models run it
+# under amp: at most 3072 ids one feature kernel (a block per 32 columns, ids in sequence), past that a radix
+# sort of the ids and a segmented sum, ~30 launches, 3-5x the copy roofline. op_bytes.fused_bytes lists its
+# bytes; the (V, H) zero fill it starts with is moved at the copy rate and taken out (registry.efficiency).
 EMBEDDING_WIDTHS, EMBEDDING_ROWS, EMBEDDING_VOCAB = (512, 1024, 2048, 4096), (2048, 4096, 16384, 65536), 32000
 
 
@@ -131,8 +131,8 @@ def eager_case(op: str, width: int, rows: int):
     return build
 
 
-# (session 12) the eager baseline's RoPE on q or k: broadcast, strided ATen ops that ran 2.3-4.3x the copy
-# roofline in session12's B16 S1024 rows. Timed as a whole per head dim, over ROPE_ROWS (token, head) rows:
+# the eager baseline's RoPE on q or k: broadcast, strided ATen ops that run 2.3-4.3x the copy roofline on the
+# H200. Timed as a whole per head dim, over ROPE_ROWS (token, head) rows:
 # x a (B, heads, S, hd) view of a (B, S, heads, hd) projection output, bf16 tables of (S, hd), as under amp
 ROPE_HEAD_DIMS, ROPE_ROWS, ROPE_SEQ = (64, 128), 262144, 1024
 

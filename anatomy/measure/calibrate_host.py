@@ -7,13 +7,12 @@
   host_step       a tiny training step of each variant, so small that the host's issue time bounds it,
                   timed as scripts/probe_timing.py times its unmarked steps (timeline._plain_steps: CUDA
                   events around forward + backward, AdamW between steps): what an op costs the host
-                  inside a model. The pre-session-9 figure (each step after a synchronize, no
-                  optimizer) is kept beside it as `synced`.
+                  inside a model.
 
 Why Liger's loop is measured in place: its per-chunk Python (slices, an autocast matmul, a Triton
 launch with 25 keyword arguments, two more matmuls and a copy) cost 137-170 µs a chunk on the H200
 host and its fixed part ~0.9 ms a call, against 6 and 9 eager ops (57 and 85 µs) in the op-count
-model (scripts/probe_host_parts.py, reports/h200/session9/host_parts.json).
+model (scripts/probe_host_parts.py).
 """
 from __future__ import annotations
 
@@ -160,20 +159,13 @@ class HostStep:
 
 def measure_host_step(blocks: int = 4, steps: int = 8, warmup: int = 4, liger_blocks: int = 0) -> dict:
     """HOST_STEP's tiny model, per variant: the forward + backward ms of unmarked steps timed as the
-    probe times them (the median over blocks x steps, the variants' blocks interleaved), and as before
-    session 9 (`synced`: each step after a synchronize, no optimizer).
+    probe times them (the median over blocks x steps, the variants' blocks interleaved).
 
     With liger_blocks, also Liger's host figures (out["liger_ce"], measure_liger_host), each block right
     after a block of the efficient tiny step: every figure is the median of its ratios to the step beside
-    it, times the efficient step's median. Why: one block's per-chunk figure moved 124-293 µs within one
-    process, and its median 145-200 µs between two processes, while the median of its ratio to the step
-    beside it was 18.6-21.0 in both (reports/h200/session14-liger, 12 blocks each, two and four chunk
-    counts); a host figure is read at a row's host speed as its ratio to this step
-    (measured.at_host_speed), so it is measured as one."""
-    import torch
-
-    from anatomy.models import autocast_ctx
-
+    it, times the efficient step's median. Why: one block's per-chunk figure moves by 2x within one
+    process, while its ratio to the step beside it holds to ~10%; a host figure is read at a row's host
+    speed as its ratio to this step (timing.at_host_speed), so it is measured as one."""
     hs, out = HostStep(warmup), dict(HOST_STEP)
     fbs = {v: [] for v in hs.setups}
     pairs = []
@@ -185,20 +177,8 @@ def measure_host_step(blocks: int = 4, steps: int = 8, warmup: int = 4, liger_bl
             if variant == "efficient" and i < liger_blocks and (lg := measure_liger_host()):
                 pairs.append((statistics.median(t), lg))
     for variant, fb in fbs.items():
-        model, ids, targets, opt = hs.setups[variant]
-        synced = []
-        for _ in range(steps * 2):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with autocast_ctx(hs.run, "cuda"):
-                loss = model(ids, targets)
-            loss.backward()
-            torch.cuda.synchronize()
-            synced.append((time.perf_counter() - t0) * 1e3)
-            del loss
-            model.zero_grad(set_to_none=True)
         out[variant] = dict(forward_backward_ms=statistics.median(fb), p10_ms=sorted(fb)[len(fb) // 10],
-                            p90_ms=sorted(fb)[9 * len(fb) // 10], synced_forward_backward_ms=statistics.median(synced))
+                            p90_ms=sorted(fb)[9 * len(fb) // 10])
     if pairs:
         out["liger_ce"] = liger_from_blocks(pairs, out["efficient"]["forward_backward_ms"])
     hs.close()

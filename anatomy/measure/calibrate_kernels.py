@@ -1,10 +1,10 @@
 """Calibrate's in-step measurements: GEMMs and our fused kernels as a training step runs them.
 
-Two things a loop of one op back to back gets wrong about a step (docs/timing.md, session 7):
+Two things a loop of one op back to back gets wrong about a step (docs/timing.md):
   * A GEMM in a step follows the kernel that wrote its activation operand (a norm, an activation,
     the previous matmul): the tensor cores are not under sustained load and part of the operand may
-    still be in L2. In a loop of the same GEMM, session 5e measured the MLP's shapes at 560-700
-    TFLOP/s where the same shapes ran at up to 781 inside steps.
+    still be in L2. A loop of the same GEMM runs the MLP's shapes well below their in-step rate
+    (560-700 against up to 781 TFLOP/s on the H200).
   * A fused kernel of ours at a narrow row (hidden 512) is issued slower by the host than the GPU
     runs it, so a back-to-back loop times the host; and at any width a Triton kernel moves its
     bytes below the copy bandwidth by an amount that depends on the row width.
@@ -17,7 +17,7 @@ So every op here is timed on the GPU alone: the host enqueues all repeats while 
 sleep kernel, each repeat between its own pair of CUDA events, and each GEMM repeat is preceded
 (untimed) by a copy that writes its activation operand, as the producing kernel of a step does.
 The rows record shapes and milliseconds only; the calculator turns them into rates and
-efficiencies (measured.from_measured), never the other way round.
+efficiencies (calculator/timing/fit.py, registry.py), never the other way round.
 """
 from __future__ import annotations
 
@@ -27,14 +27,13 @@ import time
 
 from anatomy.measure.calibrate_aten import (EAGER_CE_ROWS, EAGER_CE_VOCABS, EMBEDDING_ROWS, EMBEDDING_VOCAB,
                                             EMBEDDING_WIDTHS, ROPE_HEAD_DIMS, ROPE_ROWS, SXS_OPS, SXS_ROWS, SXS_SEQS,
-                                            eager_case, eager_rope_case, embedding_case, sxs_case)
+                                            _sets, eager_case, eager_rope_case, embedding_case, sxs_case)
 
 SLEEP_CYCLES = 100_000_000  # ~50 ms at H200 clocks: longer than the host takes to enqueue a row's repeats
 RMS_WIDTHS = (512, 1024, 2048, 3072, 4096, 8192)  # hidden
 SWIGLU_WIDTHS = (1024, 2816, 5632, 8192, 11008, 14336)  # intermediate
 ROPE_HEADS = ((8, 8, 64), (16, 16, 128), (32, 8, 128), (24, 8, 128))  # (heads, kv_heads, head_dim)
 FUSED_TOKENS = 16384
-ROTATE_BYTES = 256 * 2**20  # operand sets per row: several times the 50-60 MB L2
 
 
 def queued_ms(fn, pre=None, reps: int = 20, warmup: int = 3) -> tuple[float, bool]:
@@ -67,10 +66,6 @@ def queued_ms(fn, pre=None, reps: int = 20, warmup: int = 3) -> tuple[float, boo
     return statistics.median(a.elapsed_time(b) for a, b in evs), queued
 
 
-def _sets(nbytes: int) -> int:
-    return max(2, min(8, ROTATE_BYTES // max(1, nbytes)))
-
-
 def measure_gemms_in_step(shapes, deadline: float) -> list[dict]:
     """(m, n, k) GEMMs, each repeat preceded by a copy that writes its A operand (m, k)."""
     import torch
@@ -98,11 +93,11 @@ def measure_gemms_in_step(shapes, deadline: float) -> list[dict]:
 
 # Liger's CE at one- and two-pass widths (16384, 32768, 65536 lanes; 131072), at vocabs that are multiples
 # of 16 and vocabs that are not (16004, 32001, 55960: Triton's loads lose their alignment), as
-# timing.fused_efficiency reads them
+# registry.efficiency reads them (op "linear_ce", impl liger)
 LIGER_VOCABS = (16000, 16004, 32000, 32001, 55960, 64000, 128256)
 LIGER_ROWS = 2048  # one chunk of Liger's fused linear CE at these vocabs and hidden 2048-4096
 # and a chunk of 512 rows (8k tokens at vocab/hidden 16-32): one program per row, so a short chunk leaves
-# SMs idle (session8 train10, V 34732: 37% of copy bandwidth at 512 rows against 79% at 2048)
+# SMs idle (on the H200, 37% of copy bandwidth at 512 rows against 79% at 2048, V 34732)
 LIGER_CHUNK_ROWS = (512, LIGER_ROWS)
 
 
@@ -147,9 +142,9 @@ def liger_ce(V: int, rows: int = LIGER_ROWS):
     return build
 
 
-# torch's fused AdamW (the probes' optimizer) over ADAMW_TENSORS fp32 tensors of each size: session9f's profiled
-# optimizer kernels ran 1.17-1.20x the copy-roofline model, in every variant and row (multi_tensor_apply's
-# chunked launches, 16 B read and 12 B written per element). The sizes span a norm weight to a vocab matrix.
+# torch's fused AdamW (the probes' optimizer) over ADAMW_TENSORS fp32 tensors of each size: its kernels run
+# ~1.2x the copy-roofline model (multi_tensor_apply's chunked launches, 16 B read and 12 B written per
+# element). The sizes span a norm weight to a vocab matrix.
 ADAMW_NUMELS = (2**16, 2**20, 2**22, 2**24, 2**26)
 ADAMW_TENSORS = 4
 
@@ -236,7 +231,7 @@ def _fused_cases(T: int = FUSED_TOKENS):
         yield from ((f"swiglu{suffix}", I, dict(), swiglu(I, bwd)) for I in SWIGLU_WIDTHS)
         yield from ((f"rope_qkv{suffix}", (nh + 2 * nkv) * hd, dict(heads=nh, kv_heads=nkv, head_dim=hd),
                      rope(nh, nkv, hd, bwd)) for nh, nkv, hd in ROPE_HEADS)
-    # (session 10's additions last: a calibration cut short by its deadline keeps the rest)
+    # the ATen and optimizer cases last: a calibration cut short by its deadline keeps our kernels
     yield from (("optimizer.adamw", n, dict(rows=ADAMW_TENSORS), adamw_case(n)) for n in ADAMW_NUMELS)
     for ph in ("forward", "backward"):
         yield from ((f"eager_norm.{ph}", H, dict(), eager_case(f"eager_norm.{ph}", H, T)) for H in RMS_WIDTHS)

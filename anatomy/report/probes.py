@@ -184,12 +184,11 @@ def timing_rows() -> dict[str, list[dict]]:
 @lru_cache(maxsize=None)
 def _predicted(cfg: str, batch: int, seq: int, variant: str, optimizer: str | None, profile: str,
                host_ms: float | None = None) -> dict:
-    from anatomy.calculator import gpus, timing
-    from anatomy.calculator.measured import at_host_speed
+    from anatomy.calculator import timing
 
-    prof = gpus.get(profile)
+    prof = timing.get(profile)
     if host_ms and (prof.get("host_step") or {}).get(variant):  # a datasheet profile has nothing to scale from
-        prof = at_host_speed(prof, variant, host_ms)
+        prof = timing.at_host_speed(prof, variant, host_ms)
     return timing.estimate_time(ModelConfig(**json.loads(cfg)), Run(batch, seq, "amp"), variant, gpu=prof,
                                 optimizer=optimizer, with_kernels=False)
 
@@ -203,7 +202,7 @@ def row_host_ms(r: dict) -> float | None:
 
 def predicted(r: dict, profile: str, row_host: bool = True) -> dict:
     """The calculator's estimate for the row's config, against `profile`; with row_host (and a row that
-    recorded it) at the host speed measured beside the row (measured.at_host_speed), not at calibration's.
+    recorded it) at the host speed measured beside the row (timing.at_host_speed), not at calibration's.
     A datasheet profile has no tiny host step to scale from, and stays as it is."""
     host = row_host_ms(r) if row_host else None
     return _predicted(json.dumps(r["cfg"], sort_keys=True), r["batch"], r["seq"], r["variant"], r["optimizer"],
@@ -281,7 +280,7 @@ def timing_markdown() -> str:
              "Components: GPU kernel time from a torch.profiler trace, credited to the component marked before each "
              "launch; those holding ≥ 5% of the step's kernel time. Profile \"calibrated\": the host at the speed "
              "measured beside each row where the probe recorded it (calibrate's tiny host step right before and after "
-             "the row's unmarked steps, `measured.at_host_speed`); \"host at calibration\": the profile's own host "
+             "the row's unmarked steps, `timing.at_host_speed`); \"host at calibration\": the profile's own host "
              "figures.", "",
              "| rows | variant | profile | quantity | n | within | MAPE | worst |", "|---|---|---|---|---:|---:|---:|---:|"]
     for name, rs in sets.items():

@@ -8,7 +8,7 @@ Points (one per calibrate row of a profile JSON; time measured, work counted):
               convention: forward 2·B·h·S²·d, fwd+bwd 3.5x), over q, k, v, o (and their gradients)
   memory      our fused kernels, the residual add, Liger's CE kernel and the eager baseline's S x S
               ops: their minimal bytes
-              (fused.fused_bytes) and elementwise FLOPs counted per element as ELEMENTWISE_FLOPS
+              (registry.OPS: op_bytes.fused_bytes) and elementwise FLOPs counted per element as ELEMENTWISE_FLOPS
               says (exp, rsqrt and division count one each)
 Roofs: the best bf16 GEMM of the loop grid (the MFU ceiling) and the copy bandwidth, both measured
 by the same calibrate run.
@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from anatomy import records
-from anatomy.calculator.fused import dw_sum_bytes, fused_bytes
+from anatomy.calculator.timing.registry import OPS
 
 # FLOPs per element of the op's width-sized rows (the output's elements for swiglu, the logits for CE)
 ELEMENTWISE_FLOPS = {
@@ -30,7 +30,6 @@ ELEMENTWISE_FLOPS = {
     "rope_qkv.forward": 3,  # q and k: x·cos + rot(x)·sin (v is copied: counted 3 anyway, an upper bound)
     "rope_qkv.backward": 3,
     "residual_add": 1,
-    "elementwise.warm": 1,  # fp32 a + b, its inputs just written (session13b's L2 test, fused.py)
     "liger_ce": 7,  # max pass, exp and sum, then exp, divide, subtract the target's one-hot, scale
     # the eager baseline's S x S chain (ATen): one multiply, one add, casts, softmax (max, sub, exp, sum,
     # div), its backward (g·y, the row sum, subtract, multiply)
@@ -80,10 +79,13 @@ def points(profile: dict) -> list[dict]:
                         bytes=12 * io + 8 * B * h * S, seconds=r["fwd_bwd_ms"] * 1e-3))
     for r in m.get("fused", []):
         op, T, W = r["op"], r["tokens"], r["width"]
-        nbytes = sum(fused_bytes(op, W, T)) + (sum(dw_sum_bytes(W, T)) if op == "rms_norm.backward" else 0)
+        reg = next((o for o in OPS.values() if o.rows == op), None)
+        if reg is None:  # a row of an op the timing model does not read
+            continue
+        nbytes = reg.call_bytes(W, T)
         nbytes += r["vocab"] * W * 4 if op == "embedding.backward" else 0  # its (V, W) fp32 zero fill
         out.append(dict(kind="Liger CE kernel" if op == "liger_ce" else
-                        "residual add (ATen)" if op in ("residual_add", "elementwise.warm") else
+                        "residual add (ATen)" if op == "residual_add" else
                         "baseline S x S chain (ATen)" if op.startswith("sxs.") else
                         "baseline eager chains (ATen)" if op.startswith("eager_") else
                         "fused AdamW (torch)" if op.startswith("optimizer.") else

@@ -1,5 +1,5 @@
 """cuDNN's main SDPA kernel, predicted against measured, for the README and docs/timing.md: the CTA schedule
-(calculator/sdpa_schedule.py) on calibrate's own grids, at the GPU suite's unseen shapes, and at every
+(calculator/timing/sdpa_schedule.py) on calibrate's own grids, at the GPU suite's unseen shapes, and at every
 efficient row the probes profiled in the same run, beside the full-wave rate it replaced."""
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import statistics
 from pathlib import Path
 
 from anatomy import records
-from anatomy.calculator import gpus, sdpa_schedule, timing
+from anatomy.calculator.timing import lookup, roofline, sdpa_schedule
 
 PHASE_OF = {"fprop": "forward", "bprop": "backward"}
 
 
 def in_step() -> list[dict]:
     """{B, heads, S, hd, phase, us}: the main cuDNN kernel per layer (its profiled time in the row's
-    attention component over the layers), for every efficient row of the session's probes."""
+    attention component over the layers), for every efficient row of the timing probe (anatomy.records)."""
     out = []
     for f in records.TIMING_PROBE.values():
         for r in json.loads(f.read_text())["rows"]:
@@ -33,21 +33,21 @@ def in_step() -> list[dict]:
 
 
 def predict_us(prof: dict, p: dict, schedule: bool = True) -> float:
-    """The schedule's time of one launch, or (schedule=False) the full-wave rate's compute term as timing.py
-    had it before session 12 (its rate folds in the small kernels around the main one)."""
+    """The schedule's time of one launch, or (schedule=False) the full-wave rate's compute term, the model for
+    a profile without a schedule (its rate folds in the small kernels around the main one)."""
     B, h, S, hd, ph = p["B"], p["heads"], p["S"], p["hd"], p["phase"]
     if schedule:
         sched, _ = sdpa_schedule.lookup(prof, "cudnn", hd)
         return sdpa_schedule.kernel_s(sched[ph], B, h, S, prof["sms"], ph) * 1e6
-    rate, _ = timing._sdpa_rate(prof, "cudnn", hd, ph, S)
-    flops = gpus.causal_attention_flops(B, h, S, hd) * (1 if ph == "forward" else 2.5)
-    return flops / (rate * gpus.attention_wave_efficiency(B, h, S, prof["sms"])) * 1e6
+    rate, _ = roofline.sdpa_rate(prof, "cudnn", hd, ph, S)
+    flops = roofline.causal_attention_flops(B, h, S, hd) * (1 if ph == "forward" else 2.5)
+    return flops / (rate * roofline.attention_wave_efficiency(B, h, S, prof["sms"])) * 1e6
 
 
 def sets() -> dict[str, list[tuple[float, float]]]:
     """{label: [(measured us, predicted us)]}."""
     raw = json.loads(records.H200_PROFILE.read_text())
-    prof = gpus.get(raw)
+    prof = lookup.get(raw)
     cal = [(r[f"{k}_kernel_ms"] * 1e3, predict_us(prof, dict(r, phase=ph)))
            for r in raw["measurements"].get("attention_kernels", []) for k, ph in (("fwd", "forward"), ("bwd", "backward"))]
     claims = records.GPU_CLAIMS
@@ -56,7 +56,7 @@ def sets() -> dict[str, list[tuple[float, float]]]:
     steps = in_step()
     return {"calibrate's grids (fitted)": cal, "GPU suite, shapes calibrate never ran": unseen,
             "in the probes' steps, CTA schedule": [(p["us"], predict_us(prof, p)) for p in steps],
-            "in the probes' steps, full-wave rate (before)": [(p["us"], predict_us(prof, p, False)) for p in steps]}
+            "in the probes' steps, full-wave rate (no schedule)": [(p["us"], predict_us(prof, p, False)) for p in steps]}
 
 
 def summary() -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from anatomy import records
-from anatomy.calculator import gpus, timing
+from anatomy.calculator import timing
 from anatomy.calculator.optimizer import step_bytes_moved
 from anatomy.config import ConfigError, ModelConfig, Run
 
@@ -43,7 +43,7 @@ def compare_committed(gpu: str | dict = "h200-measured") -> list[dict]:
 
 def compare_kernel_records(gpu: str | dict = "h200-measured") -> list[dict]:
     """Predicted vs measured fused-kernel (fwd + bwd) and optimizer-step times in the committed records."""
-    prof, out = gpus.get(gpu), []
+    prof, out = timing.get(gpu), []
     path = records.KERNELS_BACK_TO_BACK
     if path.exists():
         rec = json.loads(path.read_text())
@@ -88,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python3 -m anatomy.report.steps", description=main.__doc__)
     ap.add_argument("gpus", nargs="*", default=["h200-measured", "h200-sxm"],
-                    help=f"profiles ({', '.join(gpus.names())}) or profile .json paths")
+                    help=f"profiles ({', '.join(timing.names())}) or profile .json paths")
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         for gpu in a.gpus:
-            gpus.get(gpu)
+            timing.get(gpu)
     except ConfigError as e:
         print(f"timing: error: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,11 @@
 """Minimal HBM bytes of the kernels `anatomy calibrate` times per width (our fused ops, the residual add,
 Liger's CE kernel, torch's fused AdamW, the baseline's eager norm, loss, SwiGLU and clamp chains), and the
-shapes they depend on. Pure Python: calibrate's timings become bandwidth efficiencies through the same
-formulas (timing.fused_efficiency), and launches.py lists the kernels.
+shapes they depend on. Pure Python: the kernel lists price these ops with them, and calibrate's timings
+become bandwidth efficiencies through the same formulas (registry.efficiency).
 """
 from __future__ import annotations
+
+from anatomy.calculator.kernel_shapes import rms_norm_programs
 
 
 def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tuple[int, int]:
@@ -12,37 +14,44 @@ def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tup
     residual add, intermediate for swiglu, (heads + 2 kv_heads) x head_dim for rope_qkv, vocab for
     Liger's CE, the elements of one tensor for an optimizer (T tensors), hidden, vocab or intermediate for
     the baseline's eager chains (EAGER_CHAINS). c is the compute dtype's size, r the residual stream's. The
-    same formulas turn calibrate's timings of these ops into bandwidth efficiencies (timing.fused_efficiency)."""
+    same formulas turn calibrate's timings of these ops into bandwidth efficiencies (registry.efficiency)."""
     T, W = tokens, width
     if op in EAGER_CHAINS:  # a chain of eager kernels: their bytes summed
         ops = EAGER_CHAINS[op](T, W, c, r)
         return sum(rd for _, rd, _ in ops), sum(wr for _, _, wr in ops)
-    return {"rms_norm.forward": (T * W * r, T * W * c),  # x in, y out (compute dtype)
-            "rms_norm.backward": (T * W * (c + r), T * W * r),  # dy, x in; dx out (dw partials: dw_sum_bytes)
-            "swiglu.forward": (T * 2 * W * c, T * W * c),  # gate_up in, h out
-            "swiglu.backward": (T * W * c + T * 2 * W * c, T * 2 * W * c),  # dh, gate_up in; d(gate_up) in place
-            "rope_qkv.forward": (T * W * c, T * W * c),  # qkv in; q, k, v out
-            "rope_qkv.backward": (T * W * c, T * W * c),
-            "residual_add": (T * W * (r + c), T * W * r),  # stream + branch in, stream out
-            # an fp32 a + b -> c right after its inputs were written: session13b's calibrate timed it at 1.6-400 MB
-            # to test an L2 term for the unfused kernels, and found none (docs/timing.md, "Session 13"); the
-            # entry keeps that profile readable (report/roofline.py reads every calibrated row)
-            "elementwise.warm": (T * W * 8, T * W * 4),
-            # Liger's CE over (T, V = W) logits: each row read twice (max/sum, then the gradient), the
-            # gradient written in place; targets in (int64), losses out (fp32)
-            "liger_ce": (2 * T * W * c + T * 8, T * W * c + T * 4),
-            # the baseline's S x S chain over T rows of W = S (calibrate_kernels.sxs_case): scale and the
-            # (broadcast) mask add in the compute dtype, the casts, the fp32 softmax and its backward
-            "sxs.scale": (T * W * c, T * W * c), "sxs.mask_add": (T * W * c, T * W * c),
-            "sxs.float": (T * W * c, T * W * 4), "sxs.to_compute": (T * W * 4, T * W * c),
-            "sxs.softmax": (T * W * 4, T * W * 4), "sxs.softmax.backward": (2 * T * W * 4, T * W * 4),
-            # a fused optimizer step over T fp32 tensors of W elements: param, grad and state in; param and
-            # state out (calculator/optimizer.step_bytes_moved's minimum)
-            "optimizer.adamw": (T * W * (4 + 4 + 8), T * W * (4 + 8)),
-            "optimizer.ademamix": (T * W * (4 + 4 + 12), T * W * (4 + 12)),
-            # ATen's embedding_dense_backward less its (V, W) zero fill: the (T, W) gradient (dtype r) and the
-            # ids in, a row of W fp32 sums per id out (calibrate_kernels.embedding_case)
-            "embedding.backward": (T * W * r + T * 8, T * W * 4)}[op]
+    return _FUSED[op](T, W, c, r)
+
+
+# {op: (T, W, c, r) -> (read, write)}: T rows of W, compute dtype c bytes, residual stream r bytes
+_FUSED = {
+    "rms_norm.forward": lambda T, W, c, r: (T * W * r, T * W * c),  # x in, y out (compute dtype)
+    # dy, x in; dx out (the dw partials: dw_sum_bytes)
+    "rms_norm.backward": lambda T, W, c, r: (T * W * (c + r), T * W * r),
+    "swiglu.forward": lambda T, W, c, r: (T * 2 * W * c, T * W * c),  # gate_up in, h out
+    # dh, gate_up in; d(gate_up) written in place
+    "swiglu.backward": lambda T, W, c, r: (T * W * c + T * 2 * W * c, T * 2 * W * c),
+    "rope_qkv.forward": lambda T, W, c, r: (T * W * c, T * W * c),  # qkv in; q, k, v out
+    "rope_qkv.backward": lambda T, W, c, r: (T * W * c, T * W * c),
+    "residual_add": lambda T, W, c, r: (T * W * (r + c), T * W * r),  # stream + branch in, stream out
+    # Liger's CE over (T, V = W) logits: each row read twice (max/sum, then the gradient), the gradient
+    # written in place; targets in (int64), losses out (fp32)
+    "liger_ce": lambda T, W, c, r: (2 * T * W * c + T * 8, T * W * c + T * 4),
+    # the baseline's S x S chain over T rows of W = S (calibrate_kernels.sxs_case): scale and the (broadcast)
+    # mask add in the compute dtype, the casts, the fp32 softmax and its backward
+    "sxs.scale": lambda T, W, c, r: (T * W * c, T * W * c),
+    "sxs.mask_add": lambda T, W, c, r: (T * W * c, T * W * c),
+    "sxs.float": lambda T, W, c, r: (T * W * c, T * W * 4),
+    "sxs.to_compute": lambda T, W, c, r: (T * W * 4, T * W * c),
+    "sxs.softmax": lambda T, W, c, r: (T * W * 4, T * W * 4),
+    "sxs.softmax.backward": lambda T, W, c, r: (2 * T * W * 4, T * W * 4),
+    # a fused optimizer step over T fp32 tensors of W elements: param, grad and state in; param and state out
+    # (calculator/optimizer.step_bytes_moved's minimum)
+    "optimizer.adamw": lambda T, W, c, r: (T * W * (4 + 4 + 8), T * W * (4 + 8)),
+    "optimizer.ademamix": lambda T, W, c, r: (T * W * (4 + 4 + 12), T * W * (4 + 12)),
+    # ATen's embedding_dense_backward less its (V, W) zero fill: the (T, W) gradient (dtype r) and the ids in,
+    # a row of W fp32 sums per id out (calibrate_kernels.embedding_case)
+    "embedding.backward": lambda T, W, c, r: (T * W * r + T * 8, T * W * 4),
+}
 
 
 def eager_norm_forward(T: int, H: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
@@ -107,8 +116,8 @@ def eager_clamp_backward(T: int, I: int, c: int = 2, r: int = 4) -> list[tuple[s
 def eager_rope_forward(R: int, hd: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
     """The baseline's RoPE on q or k (anatomy/baseline/attention.apply_rope): x * cos + cat(-x2, x1) * sin over
     R = tokens x heads rows of hd, x a (B, heads, S, hd) view of the projection's (B, S, heads, hd) output and
-    the (S, hd) tables broadcast, in the compute dtype. ATen runs these broadcast, strided ops unvectorized:
-    session12's B16 S1024 rows took 2.3-4.3x the copy roofline per op. Backward mirrors it (the gradient
+    the (S, hd) tables broadcast, in the compute dtype. ATen runs these broadcast, strided ops unvectorized,
+    well under the copy roofline (calibrated as a chain: eager_rope). Backward mirrors it (the gradient
     times sin, its half negated, the cat, times cos, the two paths summed)."""
     W = R * hd * c
     return [("mul_cos", W, W), ("neg", W // 2, W // 2), ("cat", W, W), ("mul_sin", W, W), ("add", 2 * W, W)]
@@ -126,21 +135,18 @@ EAGER_CHAINS = {"eager_norm.forward": eager_norm_forward, "eager_norm.backward":
 
 
 EMBEDDING_FEATURE_IDS = 3072  # ATen's embedding_dense_backward: its feature kernel up to this many ids
+EMBEDDING_SORT_LAUNCHES = 30  # past them, a radix sort of the ids and a segmented sum (the H200 traces' count)
 
 
-def fused_launches(op: str, width: int, tokens: int) -> int:
-    """Kernels one call of a calibrated op launches (its timing less these launches is its busy time)."""
-    if op in EAGER_CHAINS:
-        return len(EAGER_CHAINS[op](tokens, width))
-    if op == "embedding.backward":  # ATen: one feature kernel up to 3072 ids, else sort + segmented sum (H200 traces)
-        return 1 if tokens <= EMBEDDING_FEATURE_IDS else 30
-    return 2 if op == "rms_norm.backward" else 1  # rms_norm backward: the row pass and the dw partial sum
+def embedding_backward_launches(width: int, tokens: int) -> int:
+    """Kernels of ATen's embedding_dense_backward on CUDA, less its zero fill."""
+    return 1 if tokens <= EMBEDDING_FEATURE_IDS else EMBEDDING_SORT_LAUNCHES
 
 
 def liger_ce_width(V: int, max_block: int = 32768) -> int:
     """The row width Liger's CE kernel works through: its BLOCK_SIZE = min(32768, next_pow2(V)) lanes
-    per pass, masked past V (liger_kernel ops/cross_entropy.py). Its time follows this, not V: on the
-    H200, V 18042 (one 32768-lane pass) ran 2.5x V 16000 (one 16384-lane pass) per row (session8d)."""
+    per pass, masked past V (liger_kernel ops/cross_entropy.py). Its time follows this, not V: a vocab
+    just past a power of two runs a pass twice as wide (the profile's liger_ce rows)."""
     block = min(max_block, 1 << max(0, V - 1).bit_length())
     return -(-V // block) * block
 
@@ -149,16 +155,3 @@ def dw_sum_bytes(H: int, M: int) -> tuple[int, int]:
     """(read, write) of rms_norm backward's second kernel over M rows: the (programs, H) fp32 dw
     partials -> dw."""
     return 4 * rms_norm_programs(H, M) * H, 4 * H
-
-
-RMS_MIN_ROWS = 4  # rows per program at least (the kernels' _dispatch.MIN_ROWS_PER_PROGRAM)
-
-
-def rms_norm_programs(H: int, M: int, sms: int = 132) -> int:
-    """Programs of the fused rms_norm backward over M rows, each writing an fp32 row of dw partials (and
-    so the size of its transient): max(1, 8192 // H) per SM, at least RMS_MIN_ROWS rows each, and a whole
-    number of rows each (anatomy/kernels/rmsnorm.py, _dispatch.reduction_programs; the H200's 132 SMs:
-    other GPUs' partials differ by at most ~4 MB)."""
-    programs = max(1, min(-(-M // RMS_MIN_ROWS), sms * max(1, 8192 // H)))
-    per = -(-M // programs)
-    return -(-M // per)

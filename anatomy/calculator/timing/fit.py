@@ -1,20 +1,19 @@
-"""Measured GPU profiles: what `anatomy calibrate` wrote, turned into the profile dict timing.py reads.
+"""Measured profiles: what `anatomy calibrate` wrote, fitted into the fields of a Profile (profile.py).
 
-Pure Python: no torch. from_measured fits the GEMM rate and k_half to the measured grid
-(fit_matmul), keeps the misaligned-vocab and fp32-accumulate factors of the LM head's GEMMs, the
-attention rates per backend and head dim, the fused kernels' rows, and the host figures, each with
-its source; gpus.get and gpus.load call it for a profile .json.
+Pure Python: no torch. from_measured fits the GEMM rate and k_half to the measured grid (fit_matmul),
+the misaligned-vocab and fp32-accumulate factors of the LM head's GEMMs, the attention rates per backend
+and head dim, and the SDPA kernel's CTA schedule; it keeps the fused ops' rows and the host figures, each
+with its source. profile.load calls it once per profile file.
 """
 from __future__ import annotations
 
-import json
 import math
 from functools import lru_cache
-from pathlib import Path
 
-from anatomy.calculator import sdpa_schedule
-from anatomy.calculator.gpus import (_check, alignment_class, attention_wave_efficiency, causal_attention_flops,
-                                     get, matmul_efficiency)
+from anatomy.calculator.timing import sdpa_schedule
+from anatomy.calculator.timing.profile import Profile, datasheet
+from anatomy.calculator.timing.roofline import (alignment_class, attention_wave_efficiency, causal_attention_flops,
+                                                matmul_efficiency)
 from anatomy.config import ConfigError
 
 
@@ -53,7 +52,7 @@ def accumulate_bandwidth(rows: list[dict], hbm_Bps: float) -> float | None:
     and write of the (V, H) fp32 accumulator, plus both bf16 operands), at the aligned vocab: the
     highest over calibrate's rows, i.e. its few-row chunks (calibrate.ACC_CHUNKS), whose K is so short
     that the epilogue is nearly the whole kernel. Compute-bound rows give lower fractions and never
-    the max; a profile without rows of K <= ACC_MAX_K (those before session 8) gets None: no such term."""
+    the max; a profile without rows of K <= ACC_MAX_K gets None: no such term."""
     fr = [(2 * r["vocab"] * r["hidden"] * 4 + 2 * r["rows"] * (r["vocab"] + r["hidden"])) / hbm_Bps / (r["ms"] * 1e-3)
           for r in rows if r["op"] == "grad_weight_acc" and alignment_class(r["vocab"]) is None and r.get("ms")
           and r["rows"] <= ACC_MAX_K]
@@ -81,8 +80,7 @@ def fit_matmul(points: list[dict], sms: int) -> tuple[float, float]:
     For each k_half on a grid, the rate is the weighted geometric mean of measured / efficiency, and
     k_half is the grid value with the least weighted squared log error. Each point weighs its FLOPs:
     a step's time is spent in its large GEMMs, and the microsecond-scale shapes are the noisiest to
-    time (unweighted, k_half came out at 312-600 in five calibrations of one GPU model; weighted,
-    232-272). One point fixes the rate only (k_half = 0)."""
+    time. One point fixes the rate only (k_half = 0)."""
     w = [2 * p["m"] * p["n"] * p["k"] * p.get("batch", 1) for p in points]
 
     def rate_and_err(kh):
@@ -99,13 +97,11 @@ def fit_matmul(points: list[dict], sms: int) -> tuple[float, float]:
     return rate_and_err(best[1])[0], float(best[1])
 
 
-def from_measured(data: dict) -> dict:
+def from_measured(data: dict) -> Profile:
     """A measured profile: its base datasheet profile, with every measured figure replacing the
     datasheet one (and its source saying so). Figures the file does not measure stay datasheet
     figures or assumptions, and their sources say that too."""
-    base = get(data.get("base", "h200-sxm"))
-    if base["kind"] != "datasheet":
-        raise ConfigError("a measured profile's base must be a datasheet profile")
+    base = datasheet(data.get("base", "h200-sxm")).to_dict()
     m, prov = data["measurements"], data.get("provenance", {})
     where = f"measured ({prov.get('date', 'undated')}, {prov.get('gpu', '?')}, torch {prov.get('torch', '?')})"
     p = dict(base, name=data.get("name", base["name"] + "-measured"), kind="measured",
@@ -122,9 +118,9 @@ def from_measured(data: dict) -> dict:
         rate, kh = fit_matmul(grid, sms)
         p["matmul_flops"] = dict(p["matmul_flops"], bfloat16=rate)
         p["matmul_k_half"] = kh
-        p["matmul_fit"] = [dict(m=x["m"], n=x["n"], k=x["k"], measured_tflops=x["tflops"], model_tflops=rate / 1e12 *
+        p["matmul_fit"] = tuple(dict(m=x["m"], n=x["n"], k=x["k"], measured_tflops=x["tflops"], model_tflops=rate / 1e12 *
                                 matmul_efficiency(x["m"], x["n"], x["k"], sms, kh, x.get("batch", 1)))
-                           for x in grid]
+                           for x in grid)
         best = max(x["tflops"] for x in m["matmul_bf16"]) * 1e12
         p["mfu_peak_flops"] = best
         shapes = ", ".join(f"{x['m']}x{x['n']}x{x['k']}: {x['tflops']:g}" for x in grid[:4])
@@ -153,7 +149,7 @@ def from_measured(data: dict) -> dict:
         p["sources"]["matmul_misaligned"] = (f"{where}: the LM head's GEMMs at vocab 32001/32002/32004 against 32000 "
                                              f"({len(m['matmul_vocab'])} GEMMs)")
     if m.get("fused"):
-        p["fused_rows"] = m["fused"]
+        p["fused_rows"] = tuple(m["fused"])
         p["sources"]["fused_rows"] = (f"{where}: GPU time per call of our fused ops, the mixed-dtype residual add and "
                                       f"Liger's CE kernel ({len(m['fused'])} rows)")
     if m.get("copy_tbps"):
@@ -184,7 +180,7 @@ def from_measured(data: dict) -> dict:
         p["sources"]["sdpa_schedule"] = (f"{where}: the main SDPA kernel's duration (profiler) at "
                                          f"{len(m['attention_kernels'])} grids from under one wave to many, "
                                          "fitted per backend, head dim and phase (sdpa_schedule.fit)")
-    return _check(p)
+    return Profile(**p)
 
 
 def attention_table(rows: list[dict], sms: int) -> dict:
@@ -225,29 +221,3 @@ def schedule_table(rows: list[dict], sms: int) -> dict:
 @lru_cache(maxsize=64)
 def _fit_schedule(pts: tuple, sms: int, phase: str) -> dict:
     return sdpa_schedule.fit(list(pts), sms, phase)  # a profile is built on every load: fit once
-
-
-def write_atomic(path: str | Path, data: dict) -> Path:
-    """Write JSON via a temp file and a rename, so a reader never sees half a profile."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(p)
-    return p
-
-
-def at_host_speed(prof: dict, variant: str, step_ms: float) -> dict:
-    """The profile with every host figure (per op, per custom call, in place, the tiny steps) scaled by
-    step_ms over its own tiny host step of `variant`: the host as fast as it was when that step took
-    step_ms (the probe times the tiny step beside each row: host_ref_ms). The host's speed moves about
-    +-15% between processes on one machine and as much within one (session9e), so a host-bound row's
-    time follows the host then, not at calibration. GPU figures are left as they are."""
-    base = ((prof.get("host_step") or {}).get(variant) or {}).get("forward_backward_ms")
-    if not base or step_ms <= 0:
-        raise ValueError(f"profile {prof.get('name')!r} has no tiny host step of {variant!r} to scale from")
-    f = step_ms / base
-    hs = {k: (dict(v, forward_backward_ms=v["forward_backward_ms"] * f) if isinstance(v, dict) and
-              "forward_backward_ms" in v else v) for k, v in prof["host_step"].items()}
-    return dict(prof, host_op_s=prof["host_op_s"] * f, host_step=hs,
-                host_custom_s={op: {ph: t * f for ph, t in v.items()} for op, v in prof["host_custom_s"].items()})

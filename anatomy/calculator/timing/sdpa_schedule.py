@@ -3,14 +3,14 @@
 A flash kernel (cuDNN's on Hopper) runs one CTA per (batch, head, 128-row block). Under a causal mask
 the blocks do unequal work: in the forward, query block i visits i + 1 key blocks; in the backward,
 key block i is visited by n - i query blocks. One CTA runs per SM at a time (a measured fit: two per SM
-fits the H200's kernels 4-6x worse, session 12), so the kernel's time is the makespan of those CTAs
+fits the H200's kernels 4-6x worse), so the kernel's time is the makespan of those CTAs
 greedily scheduled on the SMs in launch order, each costing o + c * blocks, plus a fixed a:
 
     t = a + makespan(o + c * w_i over the CTAs, on `sms` slots)
 
 - Many waves: the makespan is the total work over the SMs plus a ragged tail (a throughput rate).
 - Under one wave: it is the longest CTA, o + c * n, which grows with S, not with batch x heads. A full-
-  wave rate scaled by wave quantization (gpus.attention_wave_efficiency) charges such a grid its average
+  wave rate scaled by wave quantization (roofline.attention_wave_efficiency) charges such a grid its average
   CTA instead, at full occupancy, and under-predicts it 2-3x (tiny-gqa B4 S512: 8.6 us measured).
 - cuDNN pads the head dim to its kernel's tile (64 or 128): a head dim of 32 runs the 64 kernel
   (knob ..._64x128x64 in every hd32 trace), so it costs what hd 64 costs.

@@ -1,0 +1,100 @@
+"""The efficient model's backward stages (anatomy/efficient): Liger's fused linear CE hands back what its
+forward made, the fused norm's row pass and dw partials, the packed SwiGLU writing d(gate_up) in place, and
+SDPA's backward; under recompute, the checkpoints' tensors made again. backward.walk runs them."""
+from __future__ import annotations
+
+from anatomy.calculator.kernel_shapes import rms_norm_programs
+from anatomy.calculator.linear import linears_saved
+from anatomy.calculator.mlp import efficient_saved
+
+
+def loss(w) -> int:
+    T, H, V, c, p = w.T, w.H, w.V, w.c, w.p
+    if w.cuda:
+        # Liger's backward hands back what forward made (scaled in place unless the incoming gradient
+        # is 1, which it compares against a new 0-dim tensor): no new (T, H) or (V, H) buffer
+        w.peak("loss", 4, 4)
+        w.free("loss.")
+        w.alloc(T * H * c, V * H * p)  # the same storages, now the flowing gradient and lm_head's .grad
+    else:
+        # the CPU mirror returns grad_input·g and grad_weight·g: new tensors, then the saved ones go;
+        # g itself, the engine's 0-dim fp32 seed, stays live to the end of backward
+        w.alloc(4, T * H * c, V * H * p)
+        w.peak("loss")
+        w.free("loss.")
+    return T * H * c
+
+
+def norm(w, tag: str, g_in: int, kept: str | tuple = "norm.") -> int:
+    """RMSNorm's backward: takes the output's gradient, leaves the input's (residual dtype). kept: what goes
+    with it ("norm.": its own saved x; under recompute, the checkpoint's tensors)."""
+    T, H, r, p = w.T, w.H, w.r, w.p
+    if w.cuda:  # the Triton backward: dx, the (programs, H) fp32 dw partials, dw
+        w.alloc(T * H * r, rms_norm_programs(H, T) * H * 4, H * p)
+        w.peak(tag)
+        w.alloc(-rms_norm_programs(H, T) * H * 4)
+    else:  # the CPU reference: dx in the residual dtype and dw in fp32, cast to the weight's dtype
+        w.alloc(T * H * r, H * 4)
+        w.peak(tag)
+        w.alloc(H * p, -H * 4)
+    w.free_norm() if kept == "norm." else w.free(*([kept] if isinstance(kept, str) else kept))
+    w.alloc(-g_in)
+    return T * H * r
+
+
+def layer(w, i: int, g: int) -> int:
+    """One block's backward, the MLP branch then the attention branch; returns the residual gradient."""
+    T, H, I, c, r = w.T, w.H, w.I, w.c, w.r
+    B, S, nh, nkv, hd = w.B, w.S, w.nh, w.nkv, w.hd
+    kv_exp, kv = B * nh * S * hd * c, B * nkv * S * hd * c
+    tag = f"layer {i} "
+    w.begin()
+    gc = T * H * c if r != c else 0  # the residual gradient cast for the bf16 matmul (a view when r == c)
+    w.alloc(gc)
+    if w.recompute:  # the down matmul's backward asks for its input: the checkpoint re-runs the
+        w.remake(efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
+    gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
+    # swiglu_packed's backward writes d(gate_up) into the saved gate_up storage: the same (T, 2I) bytes
+    # change kind from activation to gradient, and nothing is allocated
+    w.free("mlp.gate_up")
+    w.alloc(2 * T * I * c)
+    w.peak(tag + "mlp.act")
+    w.alloc(-gi)  # d(h) gone
+    gn = w.linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.")
+    # under recompute the re-made sum goes with the norm, and the checkpoint's branch with it
+    g = w.residual_add(g, norm(w, tag + "norm 2", gn, ("mlp.x", "mlp.branch") if w.recompute else "norm."))
+    # ---- attention branch
+    w.begin()
+    w.alloc(gc)
+    go = w.linear(tag + "attention.o", H, H, gc, "attention.o.")  # d(merged heads), (T, H)
+    w.alloc(kv_exp, kv, kv)  # SDPA's backward: dq, dk, dv
+    # under GQA, cuDNN's backward writes dk and dv per query head in fp32 into one workspace, with the
+    # fp32 dot(dO, O) row sums, and then sums each group into dk, dv (timing: gqa_reduce):
+    # 2*T*nh*hd*4 + 4*B*nh*S + 256 bytes at all four GQA/MQA rows `anatomy forensics` traced on the H200,
+    # live at the step's backward peak in each
+    ws = 2 * B * nh * S * hd * 4 + 4 * B * nh * S + 256 if nkv < nh and w.cuda else 0
+    w.alloc(ws)
+    w.peak(tag + "attention.sdpa")
+    w.alloc(-ws, -go)
+    w.free("attention.sdpa.")
+    dqkv = T * (nh + 2 * nkv) * hd * c
+    w.alloc(dqkv)  # rope_qkv's backward: d(qkv)
+    w.peak(tag + "attention.rope")
+    w.alloc(-kv_exp, -kv, -kv)
+    if w.recompute:  # the qkv matmul's backward asks for its input: the norm runs again
+        w.remake(linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))
+    gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.")
+    if i == 0:
+        w.free("attention.rope_")  # the tables are shared by every layer
+    return w.residual_add(g, norm(w, tag + "norm 1", gn, "attention.x" if w.recompute else "norm."))
+
+
+def embedding(w) -> None:
+    """embedding_dense_backward's (V, H) gradient. Tied: the head already left a gradient in the shared
+    weight; AccumulateGrad adds in place when it holds the only reference to that .grad, so on CUDA, where
+    Liger's grad_weight storage became the .grad, nothing more; the CPU mirror's is a third."""
+    V, H, p = w.V, w.H, w.p
+    w.alloc(V * H * p)
+    if w.cfg.tie_embeddings and not w.cuda:
+        w.alloc(V * H * p)
+    w.peak("embedding")

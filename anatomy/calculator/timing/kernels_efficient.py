@@ -1,0 +1,126 @@
+"""The kernels anatomy/efficient launches in a training step on CUDA, with their FLOPs and minimal bytes:
+one qkv and one gate_up matmul per layer, our fused rms_norm, rope_qkv and swiglu, cuDNN's SDPA (or another
+backend) and Liger's fused linear CE for the loss. Mirrors kernels_baseline.py, component by component.
+"""
+from __future__ import annotations
+
+from anatomy.calculator.kernel_shapes import chunk_rows
+from anatomy.calculator.timing.op_bytes import dw_sum_bytes, fused_bytes
+from anatomy.calculator.timing.ops import Kernel, Ops, causal_attention_flops, embedding, residual, rope_tables
+from anatomy.config import ConfigError, ModelConfig, Run
+
+
+def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -> list[Kernel]:
+    """anatomy/efficient under the run's policy, on CUDA (cuDNN SDPA unless told otherwise)."""
+    o = Ops(cfg, run)
+    if o.dt.compute != "bfloat16":
+        raise ConfigError("the efficient variant's timing is modelled for bf16 compute (amp or bf16), where "
+                          "its SDPA backends run")
+    B, S, T, H, L = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers
+    nh, hd, Hkv, I = cfg.heads, cfg.head_dim, cfg.kv_dim, cfg.intermediate
+    D, c, r = H + 2 * Hkv, o.c, o.r
+    embedding(o)
+    rope_tables(o, cast=False)  # fp32 tables, built once per step
+    # norms: read x (residual dtype), write y (compute dtype); backward reads dy, x, writes dx, and a
+    # second launch sums the (programs, H) fp32 partials of dw
+    n_norms = 2 * L + 1
+    fw, bw = ("rms_norm.forward", H), ("rms_norm.backward", H)
+    o.mem("norm.rms_norm", "norm", "forward", *fused_bytes(*fw, T, c, r), n_norms, host=fw[0], fused=(*fw, T))
+    o.mem("norm.rms_norm.backward", "norm", "backward", *fused_bytes(*bw, T, c, r), n_norms, host=bw[0],
+          fused=(*bw, T))
+    o.mem("norm.rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H, T), n_norms, host=None, fused=(*bw, T))
+    # attention: one qkv matmul, fused split + RoPE, SDPA, o
+    o.linear("attention.qkv", "attention", H, D, L)
+    for ph, name in (("forward", "attention.rope_qkv"), ("backward", "attention.rope_qkv.backward")):
+        op = (f"rope_qkv.{ph}", D)
+        o.mem(name, "attention", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
+    F = causal_attention_flops(B, nh, S, hd)
+    io = T * (H + 2 * Hkv) * c  # q, k, v
+    o.k.append(Kernel("attention.sdpa", "attention", "forward", "sdpa", L, F, io + T * H * c + B * nh * S * 4,
+                      (B, nh, S, hd), "bfloat16", sdpa_backend))
+    o.k.append(Kernel("attention.sdpa.backward", "attention", "backward", "sdpa", L, 5 * F // 2,
+                      2 * io + 2 * T * H * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend))
+    if sdpa_backend == "cudnn":
+        # cuDNN's call launches small kernels around its main one (every H200 trace): a memset of its
+        # (B, heads, S) fp32 row statistics in each phase; in backward, dot(dO, O) per row, which also
+        # zeroes the fp32 dQ accumulator, then dQ converted to the compute dtype
+        o.mem("attention.sdpa.memset", "attention", "forward", 0, B * nh * S * 4, L, host=None)
+        o.mem("attention.sdpa.backward.memset", "attention", "backward", 0, B * nh * S * 4, L, host=None)
+        o.mem("attention.sdpa.dot_do_o", "attention", "backward", 2 * T * H * c, B * nh * S * 4 + T * H * 4, L,
+              host=None)
+        o.mem("attention.sdpa.convert_dq", "attention", "backward", T * H * 4, T * H * c, L, host=None)
+    if cfg.kv_heads < nh and sdpa_backend == "cudnn":
+        # under GQA cuDNN's backward writes dK, dV per query head in fp32 and sums each group after
+        # (fmha_reduce_head in the H200 traces): read 2 (T, H) fp32, write 2 (T, Hkv) in the compute dtype
+        o.mem("attention.sdpa.gqa_reduce", "attention", "backward", 2 * T * H * 4, 2 * T * Hkv * c, L, host=None)
+    o.linear("attention.o", "attention", H, H, L)  # its input is a view of SDPA's output: no copy
+    recompute = run.recompute == "mlp"
+    residual(o, "attention", L, "mlp" if recompute else "other")
+    # MLP: one gate_up matmul, the fused activation (saves gate_up; backward writes dgate/dup in place)
+    o.linear("mlp.gate_up", "mlp", H, 2 * I, L)
+    for ph, name in (("forward", "mlp.swiglu"), ("backward", "mlp.swiglu.backward")):
+        op = (f"swiglu.{ph}", I)
+        o.mem(name, "mlp", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
+    # (swiglu_packed owns the split, so no SplitBackward cats dgate and dup: d(gate_up) is gate_up's storage)
+    o.linear("mlp.down", "mlp", I, H, L)
+    residual(o, "mlp", L, "mlp" if recompute else "other")
+    if recompute:  # what the checkpoints run again in backward (early stop: no qkv, no down matmul)
+        o.mem("norm.rms_norm.recompute", "norm", "backward", *fused_bytes(*fw, T, c, r), 2 * L, host=fw[0],
+              fused=(*fw, T))
+        o.mem("mlp.residual_add.recompute", "mlp", "backward", T * H * (r + c), T * H * r, L)
+        o.mm("mlp.gate_up.recompute", "mlp", "backward", T, 2 * I, H, L)
+        sw = ("swiglu.forward", I)
+        o.mem("mlp.swiglu.recompute", "mlp", "backward", *fused_bytes(*sw, T, c, r), L, host=sw[0], fused=(*sw, T))
+        if o.amp:  # autocast's weight casts are made again too (its cache ends with each forward)
+            p = o.p
+            for name, comp, n in (("attention.qkv", "attention", D * H), ("mlp.gate_up", "mlp", 2 * I * H),
+                                  ("mlp.down", "mlp", I * H)):
+                o.mem(f"{name}.weight_cast.recompute", comp, "backward", n * p, n * c, L)
+    liger_loss(o)
+    return o.k
+
+
+def liger_loss(o: Ops) -> None:
+    """Liger's fused linear CE (liger_kernel 0.8.x, ops/fused_linear_cross_entropy.py): per chunk of C
+    rows, logits = x_c Wᵀ (C, V); one Triton kernel reads each row twice (max/sum, then the gradient)
+    and writes d(logits) in place; grad_input rows = d(logits) W; grad_weight += d(logits)ᵀ x_c. All
+    three matmuls run in forward; backward only checks that the incoming gradient is 1.
+
+    Host: calibrate times the call as the model makes it (calibrate_host.measure_liger_host), so one
+    entry carries each measured part: the call's fixed forward (liger_ce.forward), each chunk's Python
+    (liger_ce.chunk: slices, the autocast matmuls, a Triton launch of 25 keyword arguments, the
+    copies) and the backward (liger_ce.backward); the other entries are issued inside those. host_ops
+    is what each part counts as in eager ops where a profile did not measure it."""
+    T, H, V, c, p = o.run.tokens, o.cfg.hidden, o.cfg.vocab, o.c, o.p
+    C = chunk_rows(T, H, V)
+    full, rest = divmod(T, C)
+    o.mem("loss.count_targets", "loss", "forward", T * 8, 8, 2, sync=True, order=2, host=None)  # target != -100, sum, .item()
+    o.mem("loss.zero_grad_input", "loss", "forward", 0, T * H * c, order=2, host="liger_ce.forward",
+          host_ops=6 + o.amp)  # 3 zeros, the count (2), the loss sum; under amp the weight's cast
+    o.mem("loss.zero_grad_weight", "loss", "forward", 0, V * H * p, order=2, host=None)
+    o.mem("loss.zero_losses", "loss", "forward", 0, T * 4, order=2, host=None)
+    if o.amp:
+        # the fp32 weight reaches autocast mms inside the Function. `grad_logits @ weight` casts the
+        # leaf once and autocast caches it; `x @ weight.t()` casts the transposed view, not a leaf,
+        # anew in every chunk (both casts show in the H200 memory probe: calculator/memory.py)
+        o.mem("loss.lm_head.weight_cast", "loss", "forward", V * H * p, V * H * c, order=2, host=None)
+    for rows, n in ((C, full), (rest, 1 if rest else 0)):
+        if not n:
+            continue
+        chunk = dict(order=2, loop=True, host=None)
+        if o.amp:
+            o.mem("loss.lm_head.weight_t_cast", "loss", "forward", V * H * p, V * H * c, n, **chunk)
+        o.mm("loss.logits", "loss", "forward", rows, V, H, n, **dict(chunk, host="liger_ce.chunk"),
+             host_ops=4 + 2 * o.amp)
+        o.mem("loss.cross_entropy", "loss", "forward", *fused_bytes("liger_ce", V, rows, c), n,
+              fused=("linear_ce", V, rows) if c == 2 else (), **chunk)
+        o.mm("loss.grad_input", "loss", "forward", rows, H, V, n, **chunk)
+        if o.amp:  # fp32 weight: no mm(out=), so the product is copied into grad_input's rows
+            o.mem("loss.grad_input_copy", "loss", "forward", rows * H * c, rows * H * c, n, **chunk)
+        # addmm into grad_weight (the weight's dtype): reads and writes the (V, H) accumulator every chunk
+        # (under amp the accumulator is fp32: Liger's addmm(out_dtype=fp32), a slower kernel family)
+        o.mm("loss.grad_weight", "loss", "forward", V, H, rows, n, extra=2 * V * H * p - V * H * c,
+             accumulate=p == 4 and c == 2, **chunk)
+    o.mem("loss.sum", "loss", "forward", T * 4, 4, order=2, host=None)
+    o.mem("loss.backward_check", "loss", "backward", 8, 8, 2, sync=True, order=0, host="liger_ce.backward", calls=1,
+          host_ops=2)  # ones_like seed; torch.equal(g, 1)

@@ -1,0 +1,89 @@
+"""Finding a profile: by datasheet name or alias ("H200", "h200-sxm", case-insensitive), "<stem>-measured"
+for the packaged anatomy/calculator/profiles/<stem>.json, a path to a profile .json, or a mapping.
+A profile file is read, validated (profile.check_measured) and fitted (fit.from_measured) once per version
+of the file; every failure is a ConfigError of one line naming the file (and the field).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+
+from anatomy.calculator import gpus
+from anatomy.calculator.timing.fit import from_measured
+from anatomy.calculator.timing.profile import Profile, check_measured, datasheet, from_dict
+from anatomy.config import ConfigError
+
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
+
+
+@lru_cache(maxsize=1)
+def measured_files() -> dict[str, Path]:
+    """{"<stem>-measured": path} of the packaged profiles (`anatomy calibrate` writes them; listed once per
+    process: a profile calibrated into the package later is read by the next process)."""
+    return {f"{f.stem}-measured": f for f in sorted(PROFILE_DIR.glob("*.json"))}
+
+
+def profile_stem(base: str) -> str:
+    """The file stem a measured profile of a datasheet base is written under: h200-sxm -> h200."""
+    return base.removesuffix("-sxm")
+
+
+def names() -> list[str]:
+    return [*gpus.GPUS, *measured_files()]
+
+
+def get(gpu: str | Path | Mapping) -> Profile:
+    """The profile a name, path or mapping stands for; a ConfigError of one line for anything else."""
+    if isinstance(gpu, Profile):
+        return gpu
+    if isinstance(gpu, Mapping):
+        if "measurements" in gpu:
+            return from_measured(check_measured(dict(gpu), "gpu profile"))
+        return from_dict(gpu)
+    s = str(gpu).strip()
+    if not s:
+        raise ConfigError("empty gpu profile: give a name or a profile .json path")
+    if s.endswith(".json"):
+        return load(s)
+    k = gpus.key(s)
+    if k is not None:
+        return datasheet(k)
+    low = s.lower().replace("_", "-").replace(":measured", "-measured")
+    stem = profile_stem(low.removesuffix("-measured")) if low.endswith("-measured") else None
+    files = measured_files()
+    if stem and f"{stem}-measured" in files:
+        return load(files[f"{stem}-measured"])
+    raise ConfigError(f"unknown gpu {s!r}; choose from {', '.join(names())}, or a profile .json path")
+
+
+_LOADED: dict[tuple, Profile] = {}  # (path, mtime, size) -> Profile: a file is parsed and fitted once
+
+
+def load(path: str | Path) -> Profile:
+    """A measured profile file, validated (check_measured) and built (fit.from_measured); cached per file
+    version, so a sweep of estimates reads and fits it once."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        key = (str(p.resolve()), st.st_mtime_ns, st.st_size)
+        if key in _LOADED:
+            return _LOADED[key]
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read gpu profile {str(path)!r}: {e.strerror or e}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))  # NaN and Infinity parse, and check_measured names their field
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({str(e).splitlines()[0]})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: nested too deeply to be a gpu profile") from None
+    try:
+        prof = from_measured(check_measured(data, str(p)))
+    except RecursionError:
+        raise ConfigError(f"{p}: nested too deeply to be a gpu profile") from None
+    _LOADED[key] = prof
+    return prof

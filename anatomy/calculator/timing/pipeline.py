@@ -1,0 +1,169 @@
+"""Host and GPU as a pipeline: when each kernel can start, given when the host issues it.
+
+The host runs the step's Python (module calls, autocast, autograd) and enqueues each kernel when it has
+done that op's host work; the GPU runs kernels in order, each as soon as it is enqueued and the one before
+has finished. So a kernel starts at max(GPU free, host issue time), and the GPU idles wherever the host has
+fallen behind, even in a step whose total host time is below its GPU time: after a host sync (Liger's
+.item() in forward, torch.equal at the start of backward) the queue is empty, and host-heavy ops early in a
+segment leave the GPU waiting until the GEMMs build a lead again. No parameter is fitted: the GPU time per
+launch and the host time per op come from the profile.
+
+Launch order. The kernel lists hold one entry per kernel with a count over the whole step; entries of the
+layers (order 1) are spread over the layers: count // layers launches per layer in list order (the code's
+order), the remainder (the final norm) after the last layer in forward and before the first in backward;
+backward walks the layers, and each layer's entries, in reverse. Entries before (order 0) and after (order
+2) the layers run in list order, each count times in a row, except the entries of Liger's chunk loop
+(Kernel.loop), which run chunk by chunk.
+
+Cost. One launch maps the lead d = GPU clock - host clock to max(d + gpu_s - host_s, gpu_s) and moves the
+host clock by host_s. Maps of the form d -> max(d + a, b) compose into the same form, and n repeats of one
+have a closed form, so a layer is composed once and raised to the layer count: the work does not grow with
+the layers (or the launches per entry, or Liger's chunks). `walked` counts the blocks composed.
+"""
+from __future__ import annotations
+
+PHASES = ("forward", "backward", "optimizer")
+_NONE = float("-inf")
+IDENTITY = (0.0, _NONE, 0.0)  # (a, b, host seconds): d -> max(d + a, b)
+
+
+def compose(m1: tuple, m2: tuple) -> tuple:
+    """m1, then m2."""
+    a1, b1, h1 = m1
+    a2, b2, h2 = m2
+    return a1 + a2, max(b1 + a2, b2), h1 + h2
+
+
+def power(m: tuple, n: int) -> tuple:
+    """m applied n times: d -> max(d + n a, b + max(0, (n - 1) a))."""
+    if n <= 0:
+        return IDENTITY
+    a, b, h = m
+    return n * a, b + max(0.0, (n - 1) * a), n * h
+
+
+def launch(gpu_s: float, host_s: float, n: int = 1) -> tuple:
+    """n launches of one kernel: the host issues each after host_s, the GPU runs each for gpu_s."""
+    return power((gpu_s - host_s, gpu_s, host_s), n)
+
+
+def launch_order(entries: list, phase: str, layers: int) -> list[tuple[list, int]]:
+    """[(block, repeats)] of one phase in execution order, a block being [(entry, launches)]; the layers'
+    block appears once, with `layers` repeats. entry.kernel has phase, order and count."""
+    mine = [e for e in entries if e.kernel.phase == phase]
+    pre = [([(e, e.kernel.count)], 1) for e in mine if e.kernel.order == 0]
+    post = _chunked([e for e in mine if e.kernel.order == 2])
+    mid = [e for e in mine if e.kernel.order == 1]
+    per_layer = [(e, e.kernel.count // layers) for e in mid if e.kernel.count >= layers]
+    rest = [(e, e.kernel.count - (e.kernel.count // layers) * layers if e.kernel.count >= layers else e.kernel.count)
+            for e in mid]
+    rest = [([(e, n)], 1) for e, n in rest if n]
+    layer = per_layer[::-1] if phase == "backward" else per_layer
+    if any(e.kernel.sync for e, _ in layer):  # a sync makes the clocks meet: each layer is walked, cut at syncs
+        cuts = [i for i, (e, _) in enumerate(layer) if e.kernel.sync and i] + [len(layer)]
+        body = [(layer[a:b], 1) for a, b in zip([0] + cuts[:-1], cuts)] * layers
+    else:  # the layers never sync: one block, composed once and repeated
+        body = [(layer, layers)] if layer else []
+    return pre + rest + body + post if phase == "backward" else pre + body + rest + post
+
+
+def expand(blocks: list[tuple[list, int]]) -> list[tuple[object, int]]:
+    """[(entry, launches)] in execution order, every repeat written out (for reading and for tests: its
+    length grows with the layers, which the pipeline itself never walks)."""
+    return [pair for block, reps in blocks for _ in range(reps) for pair in block]
+
+
+def _chunked(entries: list) -> list[tuple[list, int]]:
+    """[(block, repeats)] in list order, except that a run of consecutive loop entries with one count n
+    (Liger's chunk loop) is one block of one launch each, repeated n times."""
+    out, i = [], 0
+    while i < len(entries):
+        k = entries[i].kernel
+        j = i + 1
+        while k.loop and j < len(entries) and entries[j].kernel.loop and entries[j].kernel.count == k.count:
+            j += 1
+        out.append(([(e, 1) for e in entries[i:j]], k.count) if k.loop else ([(entries[i], k.count)], 1))
+        i = j
+    return out
+
+
+def plan(entries: list, layers: int) -> dict[str, list[tuple]]:
+    """{phase: [(first kernel, map, GPU seconds, host seconds, blocks)]}: each block of launch_order composed
+    once into its map over all its repeats; simulate and steady walk these."""
+    out = {}
+    for phase in PHASES:
+        steps = []
+        for block, reps in launch_order(entries, phase, layers):
+            m, gpu, host = IDENTITY, 0.0, 0.0
+            for e, n in block:
+                m = compose(m, launch(e.gpu_s, e.host_s, n))
+                gpu += n * e.gpu_s
+                host += n * e.host_s
+            a, b, h = power(m, reps)
+            steps.append((block[0][0].kernel, (a, b, h), reps * gpu, reps * host, len(block)))
+        out[phase] = steps
+    return out
+
+
+class Clock:
+    """The host and GPU clocks, advanced by composed blocks of launches."""
+
+    def __init__(self):
+        self.h = self.g = 0.0
+        self.walked = 0  # blocks composed: the model's cost, independent of the layer count
+
+    def meet(self) -> None:
+        """A host sync (or the optimizer after backward): the host waits for the GPU."""
+        self.h = self.g = max(self.h, self.g)
+
+    def run(self, m: tuple) -> None:
+        a, b, dh = m
+        d = max(self.g - self.h + a, b)
+        self.h += dh
+        self.g = self.h + d
+
+
+def simulate(entries: list, layers: int, clock: Clock | None = None, steps: dict | None = None) -> list[dict]:
+    """Segments {phase, starts_at, gpu_s, host_s, time_s, idle_s, bound} of a step on an idle GPU. Each
+    entry has .kernel (ops.Kernel), .gpu_s (per launch) and .host_s (per launch, host_scale applied). A
+    segment ends at a host sync (the host waits for the GPU to drain) or where the optimizer starts.
+    steps: plan(entries, layers), where the caller has it."""
+    clk, segs = clock or Clock(), []
+    steps = steps or plan(entries, layers)
+    for phase in PHASES:
+        for k, m, gpu, host, n in steps[phase]:
+            if not segs or k.sync or (phase == "optimizer") != (segs[-1]["phase"] == "optimizer"):
+                clk.meet()
+                segs.append(dict(phase=phase, starts_at=k.name, gpu_s=0.0, host_s=0.0, start=clk.h))
+            clk.run(m)
+            clk.walked += n
+            segs[-1]["gpu_s"] += gpu
+            segs[-1]["host_s"] += host
+            segs[-1]["end"] = max(clk.g, clk.h)
+    for sg in segs:
+        sg["time_s"] = sg.pop("end") - sg.pop("start")
+        sg["idle_s"] = max(0.0, sg["time_s"] - sg["gpu_s"])
+        sg["bound"] = "host" if sg["host_s"] > sg["gpu_s"] else "gpu"
+    return segs
+
+
+def steady(entries: list, layers: int, steps: dict | None = None) -> dict:
+    """{forward_backward_s, step_s} of a step run back to back with the one before, as a training loop (and
+    scripts/probe_timing.py's unmarked steps) runs them: nothing waits between steps, so the next forward is
+    issued while the GPU still runs this backward and optimizer, and only the host syncs make the clocks
+    meet. Each figure is read as the probe's CUDA events read it: an event enqueued at host time h is
+    stamped when the GPU reaches it, max(GPU, h); forward_backward is from the step's start to after its
+    backward, step to after its optimizer. The second of two simulated steps is reported (the first starts
+    on an idle GPU, as bench/step.py's synchronized steps do: simulate())."""
+    clk = Clock()
+    steps = steps or plan(entries, layers)
+    for _ in range(2):
+        t0 = max(clk.g, clk.h)
+        for phase in PHASES:
+            if phase == "optimizer":
+                t1 = max(clk.g, clk.h)
+            for k, m, *_ in steps[phase]:
+                if k.sync:
+                    clk.meet()
+                clk.run(m)
+    return dict(forward_backward_s=t1 - t0, step_s=max(clk.g, clk.h) - t0)

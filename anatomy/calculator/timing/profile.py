@@ -1,0 +1,226 @@
+"""A GPU's timing profile: every figure the timing model reads, its unit, and what measures it.
+
+A profile is a frozen dataclass. A *datasheet* profile fills the fields from the GPU table's cited figures
+(anatomy/calculator/gpus.py, one source per entry) and names an assumption where a datasheet has no figure.
+A *measured* profile is what `anatomy calibrate` wrote (anatomy/measure/calibrate*.py): raw measurements
+that fit.from_measured turns into the same fields, each field naming the calibrate function that measures
+it. Fields a calibration did not measure keep the datasheet's figure, and `sources` says so.
+
+check_measured validates a calibrated profile's every field by type, range and finiteness before it is
+fitted; a bad file is a ConfigError of one line naming the file and the field. lookup.py finds profiles.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+
+from anatomy.calculator import gpus
+from anatomy.config import ConfigError
+
+# what a datasheet does not state, and the figure a datasheet profile uses instead
+ASSUMED_LAUNCH_S = 3e-6  # ~3 us per kernel back to back on a full queue: typical of recent NVIDIA GPUs
+ASSUMED_HOST_OP_S = 10e-6  # ~10 us of CPU per eager ATen op under autograd (dispatch, node, cudaLaunchKernel)
+ASSUMED = dict(
+    launch_s="assumption, not a measurement: ~3 us per kernel back to back on a full launch queue (typical of "
+             "recent NVIDIA GPUs); calibrate.measure_launch measures it",
+    host_op_s="assumption, not a measurement: ~10 us of CPU per eager ATen op under autograd (dispatch, autograd "
+              "node, cudaLaunchKernel); calibrate_host.measure_host measures it",
+    attention="no measured attention throughput in a datasheet profile: SDPA is timed as a matmul at the bf16 "
+              "peak (a pure roofline, optimistic by design)",
+    matmul_k_half="not modelled without measurements (0)")
+
+
+@dataclass(frozen=True, eq=False)
+class Profile(Mapping):
+    """The timing model's view of one GPU. Read as attributes or, for callers that treat it as a mapping,
+    as prof["field"] / prof.get("field"). Each comment: unit; the `anatomy calibrate` function that measures
+    it (module:function under anatomy/measure/), then how a datasheet profile fills it."""
+    name: str  # "h200-sxm" (datasheet) or "h200-measured"
+    display: str  # "NVIDIA H200 SXM"
+    kind: str  # "datasheet" | "measured"
+    sms: int  # streaming multiprocessors, the unit of wave quantization; datasheet/whitepaper in both kinds
+    memory_GB: float  # capacity, GB (1e9 B), as the datasheet states it
+    peak_flops: dict  # {dtype: FLOP/s}, dense datasheet peak (bfloat16: tensor cores, fp32 accumulate)
+    # {dtype: FLOP/s}: the asymptotic GEMM rate matmul_efficiency scales down; calibrate_kernels:measure_gemms_in_step
+    # (calibrate:measure_matmuls without it), fitted by fit.fit_matmul; datasheet: the peak
+    matmul_flops: dict
+    matmul_k_half: float  # elements of K at which a GEMM's main loop reaches half its rate; same fit; datasheet: 0
+    mfu_peak_flops: float  # FLOP/s, MFU's denominator: calibrate:measure_matmuls' best GEMM; datasheet: the peak
+    hbm_Bps: float  # bytes read + written per second of a large device copy; calibrate:measure_copy
+    launch_s: float  # GPU seconds per tiny kernel on a full queue; calibrate:measure_launch; datasheet: assumed
+    host_op_s: float  # CPU seconds per eager ATen op under autograd; calibrate_host:measure_host; datasheet: assumed
+    # {op: {phase: CPU seconds per call}} of our custom ops (calibrate_host:measure_host) and Liger's fused
+    # linear CE (liger_ce: forward, chunk, backward; calibrate_host:measure_host_step)
+    host_custom_s: dict = field(default_factory=dict)
+    kernel_gap_s: float = 0.0  # idle seconds between dependent kernels of real size; calibrate_kernels:measure_kernel_gap
+    # a tiny host-bound step: {cfg, batch, seq, dtype, <variant>: {forward_backward_ms}}; calibrate_host:measure_host_step
+    host_step: dict = field(default_factory=dict)
+    # {backend: {head_dim: {fwd, fwd_bwd: FLOP/s at a full wave, seq: {S: {fwd, fwd_bwd}}}}}; calibrate:measure_attention
+    attention: dict = field(default_factory=dict)
+    # {backend: {head_dim: {forward|backward: {a, o, c: seconds}}}}: the causal SDPA kernel's CTA schedule,
+    # calibrate_sdpa:measure_sdpa_kernels, fitted by sdpa_schedule.fit
+    sdpa_schedule: dict = field(default_factory=dict)
+    # [{op, width, tokens, ms, ...}]: GPU ms per call of the ops timed per width (registry.OPS);
+    # calibrate_kernels:measure_fused
+    fused_rows: tuple = ()
+    # {alignment class: {m|n|k: rate ratio}} of bf16 GEMMs with a dimension not a multiple of 8 (an odd vocab);
+    # calibrate:measure_vocab_matmuls, fit.misaligned_factors
+    matmul_misaligned: dict = field(default_factory=dict)
+    # {alignment class: rate ratio} of the fp32-accumulating grad_weight at a misaligned vocab and a chunk's K;
+    # calibrate:measure_vocab_matmuls, fit.misaligned_accumulate
+    matmul_misaligned_accumulate: dict = field(default_factory=dict)
+    matmul_fp32_accumulate: float = 1.0  # rate ratio of addmm(out_dtype=fp32) over bf16-out; measure_vocab_matmuls
+    matmul_accumulate_bw: float = 1.0  # fraction of hbm_Bps an fp32 accumulator's epilogue moves at; same rows
+    matmul_fit: tuple = ()  # [{m, n, k, measured_tflops, model_tflops}]: the fit against its points (reports)
+    matmul_loop_fit: dict = field(default_factory=dict)  # {rate_flops, k_half} fitted to the loop's GEMMs (reports)
+    provenance: dict = field(default_factory=dict)  # {date, gpu, torch, ...} of the calibration
+    sources: dict = field(default_factory=dict)  # {field: where its figure comes from}
+
+    # -- the mapping view ------------------------------------------------------------------------------
+    def __getitem__(self, key: str):
+        if key not in _FIELD_SET:
+            raise KeyError(key)
+        return self.__dict__[key]
+
+    def get(self, key: str, default=None):
+        return self.__dict__[key] if key in _FIELD_SET else default
+
+    def __iter__(self):
+        return iter(_FIELDS)
+
+    def __len__(self) -> int:
+        return len(_FIELDS)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in _FIELDS}
+
+    def replace(self, **changes) -> Profile:
+        return replace(self, **changes)
+
+
+_FIELDS = tuple(f.name for f in fields(Profile))
+_FIELD_SET = frozenset(_FIELDS)
+_REQUIRED = tuple(f.name for f in fields(Profile) if f.default is MISSING and f.default_factory is MISSING)
+
+
+def datasheet(name: str) -> Profile:
+    """The datasheet profile of a GPU table entry: peaks, bandwidth and SMs as cited, the rest assumed."""
+    e = gpus.entry(name)
+    bf16, fp32 = e["bf16_tflops"] * 1e12, e["fp32_tflops"] * 1e12
+    src = e["source"]
+    return Profile(name=e["name"], display=e["display"], kind="datasheet", sms=e["sms"], memory_GB=e["memory_GB"],
+                   peak_flops={"bfloat16": bf16, "float32": fp32}, matmul_flops={"bfloat16": bf16, "float32": fp32},
+                   matmul_k_half=0.0, mfu_peak_flops=bf16, hbm_Bps=e["hbm_GBps"] * 1e9, launch_s=ASSUMED_LAUNCH_S,
+                   host_op_s=ASSUMED_HOST_OP_S,
+                   sources=dict(peak_flops=src, hbm_Bps=src, memory_GB=src, sms=e["sms_source"], **ASSUMED))
+
+
+def from_dict(d: Mapping, where: str = "gpu profile") -> Profile:
+    """A profile from a full mapping of its fields (a Profile, or a dict made from one and edited)."""
+    unknown = sorted(set(d) - set(_FIELDS))
+    missing = [k for k in _REQUIRED if k not in d]
+    if unknown or missing:
+        what = f"unknown field {unknown[0]!r}" if unknown else f"lacks {', '.join(missing)}"
+        raise ConfigError(f"{where} {d.get('name', '?')!r}: {what}")
+    return Profile(**{k: d[k] for k in _FIELDS if k in d})
+
+
+# ---- validation of a measured profile ---------------------------------------------------------------
+_POS, _NONNEG, _INT, _STR = "a finite number > 0", "a finite number >= 0", "an integer > 0", "a string"
+_ROWS = {  # measurement list -> {key: kind} every row must carry
+    "matmul_bf16": dict(m=_INT, n=_INT, k=_INT, tflops=_POS),
+    "matmul_bf16_in_step": dict(m=_INT, n=_INT, k=_INT, tflops=_POS),
+    "matmul_vocab": dict(op=_STR, rows=_INT, hidden=_INT, vocab=_INT, tflops=_POS),
+    "attention": dict(backend=_STR, B=_INT, heads=_INT, S=_INT, hd=_INT, fwd_ms=_POS, fwd_bwd_ms=_POS),
+    "attention_kernels": dict(backend=_STR, B=_INT, heads=_INT, S=_INT, hd=_INT, fwd_kernel_ms=_POS,
+                              bwd_kernel_ms=_POS),
+    "fused": dict(op=_STR, tokens=_INT, width=_INT, ms=_POS),
+}
+_SCALARS = dict(copy_tbps=_POS, launch_us=_POS, host_op_us=_POS)
+
+
+def _ok(v, kind: str) -> bool:
+    if kind == _STR:
+        return isinstance(v, str) and bool(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    if kind == _INT:
+        return isinstance(v, int) and v > 0
+    return math.isfinite(v) and (v > 0 if kind == _POS else v >= 0)
+
+
+def _bad(where: str, name: str, kind: str, v) -> ConfigError:
+    shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+    return ConfigError(f"{where}: field {name} must be {kind}, got {shown}")
+
+
+def _finite(where: str, name: str, v) -> None:
+    """Every number anywhere in the file is finite (NaN and infinity are refused wherever they sit)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise _bad(where, name, "finite", v)
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _finite(where, f"{name}.{k}", x)
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            _finite(where, f"{name}[{i}]", x)
+
+
+def check_measured(data, where: str) -> dict:
+    """The measured-profile object, checked field by field; a ConfigError naming `where` and the field."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: not a gpu profile (a JSON object with 'measurements')")
+    if not isinstance(data.get("measurements"), dict):
+        raise ConfigError(f"{where}: field measurements must be an object")
+    _finite(where, "measurements", data["measurements"])
+    base = data.get("base", "h200-sxm")
+    if not isinstance(base, str) or gpus.key(base) is None:
+        raise ConfigError(f"{where}: field base must name a datasheet GPU ({', '.join(gpus.GPUS)}), got {base!r}")
+    for k in ("name", "kind"):
+        if k in data and not _ok(data[k], _STR):
+            raise _bad(where, k, _STR, data[k])
+    if not isinstance(data.get("provenance", {}), dict):
+        raise _bad(where, "provenance", "an object", data["provenance"])
+    m = data["measurements"]
+    for k, kind in _SCALARS.items():
+        if k in m and not _ok(m[k], kind):
+            raise _bad(where, f"measurements.{k}", kind, m[k])
+    for k, need in _ROWS.items():
+        rows = m.get(k)
+        if rows is None:
+            continue
+        if not isinstance(rows, list):
+            raise _bad(where, f"measurements.{k}", "a list of objects", rows)
+        for i, r in enumerate(rows):
+            if not isinstance(r, dict):
+                raise _bad(where, f"measurements.{k}[{i}]", "an object", r)
+            for f, kind in need.items():
+                if not _ok(r.get(f), kind):
+                    raise _bad(where, f"measurements.{k}[{i}].{f}", kind, r.get(f))
+    gap = m.get("kernel_gap")
+    if gap is not None and not (isinstance(gap, dict) and _ok(gap.get("gap_us"), _NONNEG)):
+        raise _bad(where, "measurements.kernel_gap.gap_us", _NONNEG, gap.get("gap_us") if isinstance(gap, dict) else gap)
+    hc = m.get("host_custom_us")
+    if hc is not None:
+        if not isinstance(hc, dict):
+            raise _bad(where, "measurements.host_custom_us", "an object", hc)
+        for op, v in hc.items():
+            if op == "source":
+                continue
+            if not isinstance(v, dict):
+                raise _bad(where, f"measurements.host_custom_us.{op}", "an object", v)
+            for ph, us in v.items():
+                if isinstance(us, (int, float)) and not _ok(us, _POS):
+                    raise _bad(where, f"measurements.host_custom_us.{op}.{ph}", _POS, us)
+    hs = m.get("host_step")
+    if hs is not None:
+        if not isinstance(hs, dict) or not isinstance(hs.get("cfg"), dict):
+            raise _bad(where, "measurements.host_step.cfg", "an object", hs)
+        for k in ("batch", "seq"):
+            if not _ok(hs.get(k), _INT):
+                raise _bad(where, f"measurements.host_step.{k}", _INT, hs.get(k))
+        for v in ("baseline", "efficient"):
+            if v in hs and not (isinstance(hs[v], dict) and _ok(hs[v].get("forward_backward_ms"), _POS)):
+                raise _bad(where, f"measurements.host_step.{v}.forward_backward_ms", _POS, hs[v])
+    return data

@@ -1,0 +1,148 @@
+"""The time of one kernel on a profile: a roofline with the GEMM, attention and bandwidth efficiencies.
+
+    t = max(FLOPs / rate, bytes / bandwidth) + launch        bound = whichever term is larger
+
+  matmul   rate = the profile's asymptotic GEMM rate x matmul_efficiency(m, n, k) (tile and wave
+           quantization over the SMs, split-K for skinny weight gradients), x the measured slowdown
+           of a bf16 GEMM with a dimension (the vocab) that is not a multiple of 8 (alignment_factor;
+           1 for a datasheet profile), x the fp32-accumulate ratio for Liger's grad_weight under amp
+  sdpa     the kernel's CTA schedule where the profile fitted one (sdpa_schedule.py), else the
+           profile's rate for that backend and head dim scaled by wave quantization
+  memory   FLOPs ignored (at most ~10 per element, far under the ridge); bytes at the copy bandwidth
+           times the op's calibrated efficiency (registry.efficiency; 1 without a calibration)
+  launch   a kernel smaller than its launch cost is launch-bound (the queued launch cost); a kernel of
+           real size waits for the one before to drain (the calibrated gap, where measured)
+
+Assumptions: compute and memory overlap perfectly inside a kernel (the max, not the sum); a memory-bound
+kernel moves exactly its minimal bytes (no L2 reuse); the library picks the best tile and split.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from anatomy.calculator.timing import registry, sdpa_schedule
+from anatomy.calculator.timing.ops import Kernel, causal_attention_flops  # noqa: F401 (re-exported)
+from anatomy.calculator.timing.profile import Profile, from_dict
+from anatomy.config import ConfigError
+
+# ---- the GEMM efficiency model -------------------------------------------------------------------
+TILES = ((128, 128), (128, 256), (256, 128))  # CTA output tiles cuBLAS/CUTLASS pick among on Hopper
+MAX_SPLIT_K = 16  # split-K the library considers for a weight gradient with fewer tiles than SMs
+
+
+@lru_cache(maxsize=8192)  # a pure function of the shape, asked for the same shapes in every estimate
+def matmul_efficiency(m: int, n: int, k: int, sms: int, k_half: float = 0.0, batch: int = 1) -> float:
+    """Fraction of the asymptotic GEMM rate a (batch x) m x n x k matmul can reach.
+
+    Tile and wave quantization: C is cut into tm x tn tiles, one CTA per tile, `sms` CTAs per wave;
+    the last wave is partly idle and edge tiles are partly padding, so the useful fraction is
+    m*n / (waves * sms * tm * tn). Split-K: when the tiles are fewer than the SMs (a weight
+    gradient: m*n small, k = tokens large), K is split s ways so tiles * s fill the waves (the
+    partial sums' reduction is small against the main loop and not counted). The library is
+    assumed to pick the best tile and split. Then k / (k + k_half) charges each tile's prologue and
+    epilogue against its main loop."""
+    best = 0.0
+    for tm, tn in TILES:
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        for s in range(1, MAX_SPLIT_K + 1):
+            if s > 1 and (tiles >= sms or k // s < 256):
+                break
+            waves = math.ceil(tiles * s / sms)
+            eff = batch * m * n * s / (waves * sms * tm * tn)
+            kk = k / s
+            best = max(best, eff * kk / (kk + k_half) if k_half else eff)
+    return best
+
+
+def alignment_class(d: int, elems: int = 8) -> int | None:
+    """None when d is a multiple of `elems` (8 bf16 elements: 16 bytes, what the fastest GEMM kernels
+    load); else the largest power of two dividing d (1, 2 or 4)."""
+    return None if d % elems == 0 else d & -d
+
+
+def alignment_factor(prof: dict, m: int, n: int, k: int) -> float:
+    """The measured slowdown of a bf16 GEMM whose m, n or k is not a multiple of 8 (1.0 when the
+    profile measured none: a datasheet profile does not model it)."""
+    table, f = prof.get("matmul_misaligned") or {}, 1.0
+    for dim, d in (("m", m), ("n", n), ("k", k)):
+        a = alignment_class(d)
+        if a is not None:
+            f *= table.get(str(a), {}).get(dim, 1.0)
+    return f
+
+
+def attention_wave_efficiency(batch: int, heads: int, seq: int, sms: int, block_q: int = 128) -> float:
+    """Flash-style SDPA runs one CTA per (batch, head, 128-query block): wave quantization only."""
+    tiles = batch * heads * math.ceil(seq / block_q)
+    return tiles / (math.ceil(tiles / sms) * sms)
+
+
+# ---- one kernel --------------------------------------------------------------------------------
+def sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | None = None) -> tuple[float, str]:
+    """FLOP/s at a full wave for one SDPA pass, and where it comes from. Where calibrate measured several
+    sequence lengths, the rate is interpolated in log(S) between them (flat beyond): a shorter sequence
+    gives each query block fewer key blocks to amortise its prologue and epilogue over."""
+    table = prof["attention"]
+    if not table:
+        return prof["matmul_flops"]["bfloat16"], "roofline at the bf16 matmul rate (no attention measurement)"
+    if backend not in table:
+        raise ConfigError(f"gpu profile {prof['name']!r} has no {backend!r} attention measurement "
+                          f"({', '.join(table)})")
+    hds = table[backend]
+    key = str(head_dim) if str(head_dim) in hds else min(hds, key=lambda h: abs(int(h) - head_dim))
+    f, fb = hds[key]["fwd"], hds[key]["fwd_bwd"]
+    by_seq = hds[key].get("seq") or {}
+    if seq is not None and len(by_seq) > 1:
+        f, fb = (registry.log_interp([(math.log(int(s_)), v[k]) for s_, v in by_seq.items()], math.log(seq))
+                 for k in ("fwd", "fwd_bwd"))
+    note = f"{backend} hd{key}" + ("" if key == str(head_dim) else f" (nearest measured to hd{head_dim})")
+    if phase == "forward":
+        return f, note
+    return 2.5 / (3.5 / fb - 1 / f), note  # backward = the fwd+bwd time minus the forward time
+
+
+def _launch_term(prof: Profile) -> float:
+    """The launch term of a kernel of real size: it waits for the one before to drain (the calibrated
+    gap, where measured, else the queued launch cost)."""
+    return max(prof.launch_s, prof.kernel_gap_s)
+
+
+def time_kernel(kern: Kernel, prof: Profile) -> dict:
+    """One kernel (per launch and x count): its compute and memory terms, the bound, the time."""
+    if not isinstance(prof, Profile):
+        prof = from_dict(prof)
+    t_c, rate, note = 0.0, 0.0, ""
+    if kern.kind == "matmul":
+        b, m, n, k = kern.shape
+        rate = prof.matmul_flops[kern.dtype] * matmul_efficiency(m, n, k, prof.sms, prof.matmul_k_half, b)
+        mis = prof.matmul_misaligned_accumulate.get(str(alignment_class(m))) if kern.accumulate else None
+        if kern.dtype in ("bfloat16", "float16"):
+            rate *= mis if mis is not None else alignment_factor(prof, m, n, k)
+        if kern.accumulate:
+            rate *= prof.matmul_fp32_accumulate
+    elif kern.kind == "sdpa":
+        B, nh, S, hd = kern.shape
+        sched, note = sdpa_schedule.lookup(prof, kern.backend, hd)
+        if sched:  # the kernel's whole duration, from its CTAs' makespan (sdpa_schedule); its launch is in it
+            t_sched = sdpa_schedule.kernel_s(sched[kern.phase], B, nh, S, prof.sms, kern.phase)
+            rate = kern.flops / max(t_sched - _launch_term(prof), 1e-9)
+        else:
+            rate, note = sdpa_rate(prof, kern.backend, hd, kern.phase, S)
+            rate *= attention_wave_efficiency(B, nh, S, prof.sms) if prof.attention else 1.0
+    if rate:
+        t_c = kern.flops / rate
+    eff = registry.efficiency(prof, *kern.fused) if kern.fused else 1.0
+    if kern.accumulate:  # its epilogue streams the fp32 accumulator below copy bandwidth (fit.accumulate_bandwidth)
+        eff = prof.matmul_accumulate_bw
+    t_m = kern.bytes / (prof.hbm_Bps * eff)
+    launch = prof.launch_s
+    bound = "compute" if t_c >= t_m else "memory"
+    if launch > max(t_c, t_m):
+        bound = "launch"
+    else:  # a kernel of real size waits for the one before to drain: the calibrated gap, where measured
+        launch = _launch_term(prof)
+    per = max(t_c, t_m) + launch
+    n = kern.count
+    return dict(kern.__dict__, shape=list(kern.shape), fused=list(kern.fused), compute_s=t_c * n, memory_s=t_m * n,
+                launch_s=launch * n, time_s=per * n, per_launch_s=per, bound=bound, rate_flops=rate, note=note)
