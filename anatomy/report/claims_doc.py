@@ -42,8 +42,9 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
      ["anatomy/kernels/rms_norm.py:rms_norm", "anatomy/kernels/swiglu.py:swiglu_packed", "anatomy/kernels/rope.py:rope_qkv",
       "anatomy/measure/saved.py:SavedTensorTracer"], []),
     (r"^memory\.saved|^saved-bytes reduction", _SAVED, [*_MODELS, "anatomy/measure/saved.py:SavedTensorTracer"], []),
-    (r"^memory\.reserved", ["anatomy/calculator/memory.py:reserved"], _GPU_MEMORY,
-     ["MEMORY_PROBE", "STEPS"]),
+    (r"^memory\.reserved of a fwd\+bwd step", ["anatomy/calculator/memory.py:reserved"], ["bench/step.py:main"],
+     ["STEPS"]),
+    (r"^memory\.reserved", ["anatomy/calculator/memory.py:reserved"], _GPU_MEMORY, ["MEMORY_PROBE"]),
     (r"^memory\.peak of a fwd\+bwd step", _PHASES, ["bench/step.py:main"], ["STEPS"]),
     (r"^memory\.peak in backward: ", ["anatomy/calculator/backward.py:walk"],
      ["anatomy/measure/forensics.py:replay", "anatomy/measure/liveness.py:record_step_live"], []),
@@ -61,7 +62,8 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
     (r"kill \+ resume", ["-"], ["anatomy/train/checkpoint.py:save", "anatomy/train/checkpoint.py:load"], []),
     (r"^time\.sdpa_kernel", ["anatomy/calculator/sdpa_schedule.py:kernel_s"],
      ["anatomy/efficient/attention.py:Attention", *_TIMELINE], ["TIMING_PROBE", "H200_PROFILE"]),
-    (r"^time\.|^step time", _TIME, _TIMELINE, ["TIMING_PROBE", "H200_PROFILE", "STEPS"]),
+    (r"^step time", _TIME, ["bench/step.py:main"], ["STEPS", "H200_PROFILE"]),
+    (r"^time\.", _TIME, _TIMELINE, ["TIMING_PROBE", "H200_PROFILE"]),
 ]
 
 
