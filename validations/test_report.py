@@ -83,7 +83,7 @@ def test_gpu_only_kernel_table_marks_the_85pct_bar(tmp_path):
                                  cuda="c", date="d", command="cmd")))
     lines = kernels_gpu_only_table(p).splitlines()
     assert [line.split(" | ")[4] for line in lines[2:4]] == ["met", "not met"]  # 3.604 TB/s is the bar
-    assert len([line for line in lines if line.startswith("| rmsnorm")]) == 2 and "`cmd`" in lines[-1]
+    assert len([line for line in lines if line.startswith("| rms_norm")]) == 2 and "`cmd`" in lines[-1]
 
 
 def test_roofline_points_and_roofs(tmp_path):
