@@ -245,3 +245,22 @@ def test_report_twice_changes_nothing_and_writes_no_absolute_path(tmp_path):
         for root in (str(records.ROOT), str(tmp_path)):
             assert root not in text, (name, root)
         assert not re.search(r"(?<![\w.])/(home|root|tmp|work|Users)/", text), name
+
+
+@pytest.mark.slow
+def test_a_section_that_fails_to_render_leaves_readme_and_images_untouched(tmp_path, monkeypatch, capsys):
+    """All or nothing: the claims plots are drawn before the timing section; when that section fails, no
+    image and no README byte has been written (everything is rendered before the first write)."""
+    from anatomy.cli import main
+    from anatomy.report import probes
+
+    readme = _readme_copy(tmp_path)
+    before = _snapshot(tmp_path)
+
+    def fail():
+        raise ValueError("timing rows unreadable")
+
+    monkeypatch.setattr(probes, "timing_summary", fail)
+    assert main(["report", "--readme", str(readme)]) == 2
+    assert "timing rows unreadable" in capsys.readouterr().err
+    assert _snapshot(tmp_path) == before
