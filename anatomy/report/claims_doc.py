@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from anatomy import records
@@ -28,7 +28,8 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
     (r"^params equal Hugging Face", ["anatomy/calculator/__init__.py:param_count"],
      ["anatomy/config.py:from_hf_config", *_MODELS], []),
     (r"^params equal the published", ["anatomy/calculator/__init__.py:param_count"], ["anatomy/config.py:PRESETS"], []),
-    (r"^params$", ["anatomy/calculator/__init__.py:param_count"], [*_MODELS, "anatomy/measure/run.py:measure_params"], []),
+    (r"^params$", ["anatomy/calculator/__init__.py:param_count"],
+     [*_MODELS, "anatomy/measure/run.py:measure_params"], []),
     (r"^flops\.", ["anatomy/calculator/__init__.py:estimate", "anatomy/calculator/attention.py:_flops"],
      [*_MODELS, "anatomy/measure/flops.py:count_flops"], []),
     (r"^fused CE", ["anatomy/calculator/loss.py:efficient"], ["anatomy/efficient/loss.py:LMHeadLoss"], []),
@@ -39,8 +40,8 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
     (r"^saved storages aliasing|^saved v:", ["anatomy/calculator/attention.py:efficient"],
      ["anatomy/efficient/attention.py:Attention", "anatomy/measure/saved.py:SavedTensorTracer"], []),
     (r"^saved bytes$", ["anatomy/calculator/norm.py:efficient", "anatomy/calculator/mlp.py:efficient_saved"],
-     ["anatomy/kernels/rms_norm.py:rms_norm", "anatomy/kernels/swiglu.py:swiglu_packed", "anatomy/kernels/rope.py:rope_qkv",
-      "anatomy/measure/saved.py:SavedTensorTracer"], []),
+     ["anatomy/kernels/rms_norm.py:rms_norm", "anatomy/kernels/swiglu.py:swiglu_packed",
+      "anatomy/kernels/rope.py:rope_qkv", "anatomy/measure/saved.py:SavedTensorTracer"], []),
     (r"^memory\.saved|^saved-bytes reduction", _SAVED, [*_MODELS, "anatomy/measure/saved.py:SavedTensorTracer"], []),
     (r"^memory\.reserved of a fwd\+bwd step", ["anatomy/calculator/memory.py:reserved"], ["bench/step.py:main"],
      ["STEPS"]),
@@ -67,7 +68,7 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
 ]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _defines(path: Path, symbol: str) -> bool:
     try:
         text = path.read_text()

@@ -103,8 +103,9 @@ def kernels_gpu_only_table(path: Path, bar_tbps: float = 0.85 * 4.24) -> str:
         if r["impl"] != "fused":
             continue
         name, ph = r["op"].split()
+        verdict = "met" if r["gpu_only_tbps"] >= bar_tbps else "not met"
         out.append(f"| {_OP_NAMES.get(name, name)} | {ph} | {r['gpu_only_us']:.1f} | {r['gpu_only_tbps']:.2f} TB/s | "
-                   f"{'met' if r['gpu_only_tbps'] >= bar_tbps else 'not met'} | {r['steady_us']:.1f} | {r['cpu_issue_us']:.1f} |")
+                   f"{verdict} | {r['steady_us']:.1f} | {r['cpu_issue_us']:.1f} |")
     out += ["", f"{d['shape']} shapes (B·S = {d['M']:,} rows, hidden {d['N']}, intermediate {d['I']}, {d['H']} heads of "
             f"{d['D']}), bf16 leaves. Source: {d['gpu']}, torch {d['torch']}, CUDA {d['cuda']}, {d['date']}: "
             f"`{records.command(d['command'])}`."]
