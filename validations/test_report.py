@@ -264,3 +264,19 @@ def test_a_section_that_fails_to_render_leaves_readme_and_images_untouched(tmp_p
     assert main(["report", "--readme", str(readme)]) == 2
     assert "timing rows unreadable" in capsys.readouterr().err
     assert _snapshot(tmp_path) == before
+
+
+def test_user_docs_links_resolve():
+    """Every relative link of the README and the user docs points at a file or folder of the tree."""
+    import re
+
+    from anatomy import records
+
+    pages = ["README.md"] + [f"docs/{n}.md" for n in ("planning", "calculator", "memory", "benchmarks",
+                                                        "distributed", "history", "claims")]
+    for page in pages:
+        path = records.ROOT / page
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            assert (path.parent / target.split("#")[0]).exists(), (page, target)
