@@ -280,3 +280,15 @@ def test_user_docs_links_resolve():
             if re.match(r"[a-z]+:", target) or target.startswith("#"):
                 continue
             assert (path.parent / target.split("#")[0]).exists(), (page, target)
+
+
+def test_a_row_without_a_measured_figure_loads_and_renders(tmp_path):
+    """conftest's unpredicted-OOM row carries null measured and error: a valid claims row, shown without an error."""
+    import json
+
+    from anatomy.report import load
+
+    row = dict(_GOOD_ROW, claim="the step fits in GPU memory", measured=None, error=None, passed=False)
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(dict(date="d", machine={}, command=None, rows=[row])))
+    assert "| the step fits in GPU memory | cpu | model | 1 | 0 | – | exact |" in claims_table(load([p]))
