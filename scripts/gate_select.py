@@ -5,9 +5,8 @@
 Prints one pytest node id per line: the benchmarks of --config (the seed step's 65K tokens, where
 the GPU, not the host, sets a round's time) whose recorded median is at least --min-median-ms and
 whose interquartile range is at most --max-iqr of that median. The rest are host-bound: rounds that
-the CPU's issue time sets, which moved by up to 31% between two unmodified runs on one H200 VM (the
-quick config's, reports/h200/session4d/gate-quick-noise/), so a 10% gate on them fails on noise.
-They are still recorded and reported, only not gated. Exit 2 with one line on a missing or unreadable file.
+the CPU's issue time sets, which move by up to 31% between two unmodified runs on one H200 VM, so a
+10% gate on them fails on noise (docs/benchmarks.md). They are still recorded and reported, only not gated. Exit 2 with one line on a missing or unreadable file.
 """
 from __future__ import annotations
 

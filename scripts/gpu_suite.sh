@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One batched GPU session: environment facts, then the gpu-marked claims, each report under $OUT.
+# The GPU suite in one command: environment facts, then the gpu-marked claims, each report under $OUT.
 # Usage (on the GPU machine, from the repo root): OUT=/some/dir bash scripts/gpu_suite.sh [extra pytest args]
 set -uo pipefail
 OUT=${OUT:-.anatomy/gpu}

@@ -21,9 +21,9 @@ from anatomy.config import ModelConfig, PRESETS, Run
 from anatomy.measure.timeline import component_times, kernel_times
 
 BOTH, EFF = ("baseline", "efficient"), ("efficient",)
-# unmarked steps per row: as many as fit in this at the marked steps' median, 6 to 24 (6 before session 10).
-# Their median is the row's step time, and a short host-bound row's single steps spread by up to 1.6x
-# (session9f train15: 15.0-23.9 ms marked); a long GPU-bound row keeps 6
+# unmarked steps per row: as many as fit in this at the marked steps' median, 6 to 24. Their median is the
+# row's step time: a short host-bound row's single steps spread by up to 1.6x, so it gets more of them; a long
+# GPU-bound row keeps 6
 PLAIN_BUDGET_MS = 300
 # anchor-1b B4S4096 baseline is left out: its eager S×S attention needs ~143 GiB at its peak
 CASES = [("seed", PRESETS["seed"], Run(16, 4096), BOTH),
@@ -49,15 +49,13 @@ def main() -> int:
 
     cases = [] if a.skip_named else [(n, c, r, v, "adamw") for n, c, r, v in CASES]
     cases += [(n, c, r, BOTH, "adamw") for n, c, r in probe_common.drawn(a.hypothesis, a.seed, a.strategy)]
-    # Every row's steps are timed before the first torch.profiler session: the profiler leaves CUPTI
-    # attached when it ends (pytorch/pytorch#144455), and every kernel launch after it costs the host
-    # more (scripts/probe_host_noise.py --profiler). Before session 8d each row's profiled steps ran
-    # right after its timed ones, so from the second row on, host-bound steps were timed slowed.
-    # calibrate's tiny host step in this process, before and after the rows' timed pass (host_step_before,
-    # _after), and beside each row (host_ref_ms: its tiny step of the row's variant, 16 steps right before and
-    # 16 right after the row's unmarked steps): the host's speed moves between processes and within one
-    # (session9e), so the comparison can read the host's speed where the row ran. A measurement only:
-    # nothing here reads the calculator.
+    # Every row's steps are timed before the first torch.profiler session (the `second` pass): the profiler
+    # leaves CUPTI attached when it ends (pytorch/pytorch#144455), and every kernel launch after it costs the
+    # host more. calibrate's tiny host step is timed in this process, before and after the rows' timed pass
+    # (host_step_before, _after), and beside each row (host_ref_ms: its tiny step of the row's variant, right
+    # before and right after the row's unmarked steps): the host's speed moves between processes and within
+    # one, so the comparison reads the host's speed where the row ran. A measurement only: nothing here reads
+    # the calculator.
     from anatomy.measure.calibrate_host import HostStep, measure_host_step
 
     before, ref = measure_host_step(), HostStep()

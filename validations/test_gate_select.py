@@ -30,7 +30,7 @@ def test_select_keeps_the_seed_steps_stable_gpu_bound_benchmarks():
 
 
 def test_the_committed_baseline_gates_ids_the_suite_still_has():
-    """baselines.json (the H200 run of reports/h200/session4d) gates the seed step's model benchmarks,
+    """baselines.json (recorded on an H200) gates the seed step's model benchmarks,
     and every gated id is one the suite collects today (a renamed id would go ungated)."""
     ids = select(json.loads((ROOT / "baselines.json").read_text()))
     assert len(ids) >= 8 and all("[seed-B16-S4096/" in i for i in ids)

@@ -83,7 +83,7 @@ def test_gpu_only_kernel_table_marks_the_85pct_bar(tmp_path):
                                  cuda="c", date="d", command="cmd")))
     lines = kernels_gpu_only_table(p).splitlines()
     assert [line.split(" | ")[4] for line in lines[2:4]] == ["met", "not met"]  # 3.604 TB/s is the bar
-    assert len([line for line in lines if line.startswith("| rmsnorm")]) == 2 and "`cmd`" in lines[-1]
+    assert len([line for line in lines if line.startswith("| rms_norm")]) == 2 and "`cmd`" in lines[-1]
 
 
 def test_roofline_points_and_roofs(tmp_path):
@@ -125,3 +125,170 @@ def test_roofline_counts_flops_for_every_op_calibrate_times():
 
     ops = {op for op, *_ in _fused_cases(1024)}
     assert ops and ops <= set(ELEMENTWISE_FLOPS), sorted(ops - set(ELEMENTWISE_FLOPS))
+
+
+# ---- anatomy report: strict inputs, all or nothing, reproducible --------------------------------------------
+
+def _readme_copy(tmp_path):
+    """A copy of the README and its images in a temp folder: what `anatomy report --readme` rewrites."""
+    import shutil
+
+    from anatomy import records
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    shutil.copy(records.ROOT / "README.md", tmp_path / "README.md")
+    shutil.copytree(records.ROOT / "docs" / "img", tmp_path / "docs" / "img")
+    return tmp_path / "README.md"
+
+
+def _snapshot(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+_GOOD_ROW = dict(test="validations/test_x.py::test_y[a]", claim="params", component="model", config="c",
+                 variant="baseline", predicted=1, measured=1, error=0.0, tolerance=0.0, unit="", device="cpu",
+                 passed=True, note="")
+
+
+def _bad(kind: str) -> bytes:
+    import json
+
+    good = dict(date="2026-12-01", machine={}, command="pytest", rows=[_GOOD_ROW])
+    if kind == "not JSON":
+        return b'{"rows": [1, 2'
+    if kind == "not UTF-8":
+        return b'{"rows": [], "date": "\xff\xfe"}'
+    if kind == "a list":
+        return b"[]"
+    if kind == "rows not a list":
+        return json.dumps(dict(good, rows={"a": 1})).encode()
+    if kind == "missing key":
+        return json.dumps(dict(good, rows=[{k: v for k, v in _GOOD_ROW.items() if k != "tolerance"}])).encode()
+    if kind == "wrong type":
+        return json.dumps(dict(good, rows=[dict(_GOOD_ROW, passed="yes")])).encode()
+    if kind == "string number":
+        return json.dumps(dict(good, rows=[dict(_GOOD_ROW, error="0.1")])).encode()
+    if kind == "NaN":
+        return json.dumps(dict(good, rows=[dict(_GOOD_ROW, measured=float("nan"))])).encode()
+    if kind == "no machine":
+        return json.dumps({k: v for k, v in good.items() if k != "machine"}).encode()
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["not JSON", "not UTF-8", "a list", "rows not a list", "missing key", "wrong type",
+                                  "string number", "NaN", "no machine"])
+def test_malformed_claims_file_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, kind):
+    """A malformed claims report: exit 2, one line on stderr naming the file, no traceback, and the README and
+    its images exactly as they were (the reports are checked before anything is rendered)."""
+    from anatomy import records
+    from anatomy.cli import main
+
+    readme = _readme_copy(tmp_path / "out")
+    before = _snapshot(tmp_path / "out")
+    bad = tmp_path / "claims-bad.json"
+    bad.write_bytes(_bad(kind))
+    monkeypatch.setattr(records, "CPU_CLAIMS", bad)
+    monkeypatch.setattr(records, "GPU_CLAIMS", tmp_path / "absent.json")
+    assert main(["report", "--readme", str(readme)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "claims-bad.json" in err[0] and "Traceback" not in err[0], err
+    assert _snapshot(tmp_path / "out") == before
+
+
+def test_load_accepts_the_committed_claims_reports():
+    from anatomy import records
+    from anatomy.report import load
+
+    assert all(rep["rows"] for rep in load([records.CPU_CLAIMS, records.GPU_CLAIMS]))
+
+
+def test_claims_doc_maps_every_claim_to_a_formula_and_code_that_exist():
+    """docs/claims.md's mapping (claims_doc.FAMILIES) covers every claim of the committed reports, and every
+    `path:symbol` it names is defined in the tree (where the file moved, in the same folder or once in anatomy/)."""
+    from anatomy import records
+    from anatomy.report import claims_doc, load
+
+    paths = [records.CPU_CLAIMS, records.GPU_CLAIMS]
+    reports = list(zip(paths, load(paths)))
+    assert claims_doc.unmapped(reports) == []
+    assert claims_doc.unresolved() == []
+
+
+def test_claims_doc_lists_an_unmapped_claim_and_its_test(tmp_path):
+    from anatomy.report import claims_doc
+
+    rep = _report()
+    rep["rows"].append(dict(rep["rows"][0], claim="a claim nobody mapped", test="validations/test_z.py::test_w[p]"))
+    doc = claims_doc.render([(tmp_path / "claims.json", rep)])
+    line = next(line for line in doc.splitlines() if line.startswith("| a claim nobody mapped |"))
+    assert "formula: (unmapped)" in line and "`validations/test_z.py::test_w`" in line
+    assert claims_doc.unmapped([(tmp_path / "claims.json", rep)]) == ["a claim nobody mapped"]
+
+
+@pytest.mark.slow
+def test_report_twice_changes_nothing_and_writes_no_absolute_path(tmp_path):
+    """`anatomy report` run twice on a copy: the second run changes no byte, and nothing written carries an
+    absolute path (this machine's repo or temp folders, or a home or root directory)."""
+    import re
+
+    from anatomy import records
+    from anatomy.report.readme import regenerate
+
+    readme = _readme_copy(tmp_path)
+    regenerate(readme)
+    first = _snapshot(tmp_path)
+    regenerate(readme)
+    assert _snapshot(tmp_path) == first
+    assert not list(tmp_path.rglob("*.tmp*")) and "docs/claims.md" in first
+    for name in ("README.md", "docs/claims.md"):
+        text = first[name].decode()
+        for root in (str(records.ROOT), str(tmp_path)):
+            assert root not in text, (name, root)
+        assert not re.search(r"(?<![\w.])/(home|root|tmp|work|Users)/", text), name
+
+
+@pytest.mark.slow
+def test_a_section_that_fails_to_render_leaves_readme_and_images_untouched(tmp_path, monkeypatch, capsys):
+    """All or nothing: the claims plots are drawn before the timing section; when that section fails, no
+    image and no README byte has been written (everything is rendered before the first write)."""
+    from anatomy.cli import main
+    from anatomy.report import probes
+
+    readme = _readme_copy(tmp_path)
+    before = _snapshot(tmp_path)
+
+    def fail():
+        raise ValueError("timing rows unreadable")
+
+    monkeypatch.setattr(probes, "timing_summary", fail)
+    assert main(["report", "--readme", str(readme)]) == 2
+    assert "timing rows unreadable" in capsys.readouterr().err
+    assert _snapshot(tmp_path) == before
+
+
+def test_user_docs_links_resolve():
+    """Every relative link of the README and the user docs points at a file or folder of the tree."""
+    import re
+
+    from anatomy import records
+
+    pages = ["README.md"] + [f"docs/{n}.md" for n in ("planning", "calculator", "memory", "benchmarks",
+                                                        "distributed", "history", "claims")]
+    for page in pages:
+        path = records.ROOT / page
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            assert (path.parent / target.split("#")[0]).exists(), (page, target)
+
+
+def test_a_row_without_a_measured_figure_loads_and_renders(tmp_path):
+    """conftest's unpredicted-OOM row carries null measured and error: a valid claims row, shown without an error."""
+    import json
+
+    from anatomy.report import load
+
+    row = dict(_GOOD_ROW, claim="the step fits in GPU memory", measured=None, error=None, passed=False)
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps(dict(date="d", machine={}, command=None, rows=[row])))
+    assert "| the step fits in GPU memory | cpu | model | 1 | 0 | – | exact |" in claims_table(load([p]))

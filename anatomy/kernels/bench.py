@@ -8,7 +8,7 @@ write of its activations); the plain-torch rows use the same byte count, so the 
 gate and up are leaves here, so the swiglu backward runs out of place (the in-place path, taken
 for activations, moves the same bytes).
 Shapes: bf16 activations at B*S = 32768 tokens (llama-2-7b-like widths), rope at B=8, S=4096 with
-llama-3-8b heads (32 q, 8 kv, head_dim 128). Results and environment: BENCH.md beside this file.
+llama-3-8b heads (32 q, 8 kv, head_dim 128). Committed results: anatomy/records.py (KERNELS_GPU_ONLY).
 """
 from __future__ import annotations
 

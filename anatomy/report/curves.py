@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from anatomy.io import write_atomic
+from anatomy.report.plots import png_bytes
+
 
 def compare(logs: list[Path], png: Path, out_json: Path) -> dict:
     import matplotlib
@@ -30,7 +33,8 @@ def compare(logs: list[Path], png: Path, out_json: Path) -> dict:
                  f"{runs[0]['run']['dtype']} · {runs[0]['device']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    out = dict(runs=summary, sources=[str(p) for p in logs])
-    out_json.write_text(json.dumps(out, indent=1))
+    write_atomic(png, png_bytes(fig))
+    plt.close(fig)
+    out = dict(runs=summary, sources=[Path(p).name for p in logs])  # names only: no machine's absolute path
+    write_atomic(out_json, json.dumps(out, indent=1))
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from anatomy.io import write_atomic
+
 FAMILY_COLOURS = {"memory": "#1f77b4", "flops": "#2ca02c", "params / state": "#9467bd", "time": "#d62728",
                   "comm": "#ff7f0e", "training": "#8c564b"}
 
@@ -28,15 +30,24 @@ def _rows(reports: list[dict], label) -> list[dict]:
     return [dict(r, source=label(rep)) for rep in reports for r in rep["rows"]]
 
 
-def _save(fig, png: Path) -> Path:
-    png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png.with_name(png.stem + ".tmp" + png.suffix)
-    fig.savefig(tmp, dpi=120, format="png")
+def png_bytes(fig) -> bytes:
+    """The figure as PNG bytes, rendered in memory: flat colours, so a 256-colour palette (a tenth of the bytes)."""
+    import io
+
     from PIL import Image  # matplotlib's own dependency
 
-    with Image.open(tmp) as im:  # a 256-colour palette: the plots are flat colours, and a tenth of the bytes
-        im.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT).save(tmp, optimize=True)
-    tmp.replace(png)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=120, format="png")
+    buf.seek(0)
+    out = io.BytesIO()
+    with Image.open(buf) as im:
+        im.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT).save(out, format="png", optimize=True)
+    return out.getvalue()
+
+
+def _save(fig, png: Path) -> Path:
+    png.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(png, png_bytes(fig))
     return png
 
 

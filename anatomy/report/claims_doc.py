@@ -1,0 +1,173 @@
+"""docs/claims.md: every claim -> its formula -> the code it measures -> its test -> its data, in three hops.
+
+The claim names, their tests and their devices come from the claims reports (records.CPU_CLAIMS,
+records.GPU_CLAIMS); formula and code come from FAMILIES below, one entry per family of claims, matched on
+the claim's name. A reference is `path:symbol`; `resolve` finds the symbol where the path says, else in the
+same folder (a renamed file), else anywhere under anatomy/ where it is defined once. A claim no entry matches
+is listed with "formula: (unmapped)", and validations/test_report.py fails on it.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from functools import cache
+from pathlib import Path
+
+from anatomy import records
+
+# (claim name pattern, formula refs, code refs (the model or kernel code, then the instrument), data: the
+# `records` names a recorded row reads). "-" as a formula: both sides are measured (an equality of two runs).
+_MODELS = ["anatomy/baseline/transformer.py:Transformer", "anatomy/efficient/transformer.py:Transformer"]
+_SAVED = ["anatomy/calculator/__init__.py:estimate", "anatomy/calculator/linear.py:linears_saved"]
+_PHASES = ["anatomy/calculator/memory.py:phases", "anatomy/calculator/backward.py:walk"]
+_GPU_MEMORY = ["anatomy/measure/memory.py:measure_phases", "anatomy/measure/memory.py:trace_phases"]
+_TIME = ["anatomy/calculator/timing.py:estimate_time"]
+_TIMELINE = ["anatomy/measure/timeline.py:component_times", "anatomy/measure/timeline.py:kernel_times"]
+_DIST = ["anatomy/distributed/strategies.py:wrap"]
+FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
+    (r"^params equal Hugging Face", ["anatomy/calculator/__init__.py:param_count"],
+     ["anatomy/config.py:from_hf_config", *_MODELS], []),
+    (r"^params equal the published", ["anatomy/calculator/__init__.py:param_count"], ["anatomy/config.py:PRESETS"], []),
+    (r"^params$", ["anatomy/calculator/__init__.py:param_count"],
+     [*_MODELS, "anatomy/measure/run.py:measure_params"], []),
+    (r"^flops\.", ["anatomy/calculator/__init__.py:estimate", "anatomy/calculator/attention.py:_flops"],
+     [*_MODELS, "anatomy/measure/flops.py:count_flops"], []),
+    (r"^fused CE", ["anatomy/calculator/loss.py:efficient"], ["anatomy/efficient/loss.py:LMHeadLoss"], []),
+    (r"^gpt-oss MLP", ["anatomy/calculator/mlp.py:baseline"],
+     ["anatomy/baseline/mlp.py:MLP", "anatomy/measure/saved.py:SavedTensorTracer"], []),
+    (r"recompute's saving", ["anatomy/calculator/mlp.py:efficient_saved"],
+     ["anatomy/efficient/transformer.py:Block", "anatomy/measure/saved.py:SavedTensorTracer"], []),
+    (r"^saved storages aliasing|^saved v:", ["anatomy/calculator/attention.py:efficient"],
+     ["anatomy/efficient/attention.py:Attention", "anatomy/measure/saved.py:SavedTensorTracer"], []),
+    (r"^saved bytes$", ["anatomy/calculator/norm.py:efficient", "anatomy/calculator/mlp.py:efficient_saved"],
+     ["anatomy/kernels/rms_norm.py:rms_norm", "anatomy/kernels/swiglu.py:swiglu_packed",
+      "anatomy/kernels/rope.py:rope_qkv", "anatomy/measure/saved.py:SavedTensorTracer"], []),
+    (r"^memory\.saved|^saved-bytes reduction", _SAVED, [*_MODELS, "anatomy/measure/saved.py:SavedTensorTracer"], []),
+    (r"^memory\.reserved of a fwd\+bwd step", ["anatomy/calculator/memory.py:reserved"], ["bench/step.py:main"],
+     ["STEPS"]),
+    (r"^memory\.reserved", ["anatomy/calculator/memory.py:reserved"], _GPU_MEMORY, ["MEMORY_PROBE"]),
+    (r"^memory\.peak of a fwd\+bwd step", _PHASES, ["bench/step.py:main"], ["STEPS"]),
+    (r"^memory\.peak in backward: ", ["anatomy/calculator/backward.py:walk"],
+     ["anatomy/measure/forensics.py:replay", "anatomy/measure/liveness.py:record_step_live"], []),
+    (r"^memory\.live|^memory\.peak in backward$", _PHASES, ["anatomy/measure/liveness.py:measure_phases_live"], []),
+    (r"^memory\.(peak|allocated)", _PHASES, _GPU_MEMORY, ["MEMORY_PROBE", "MEMORY_PROBE_RECOMPUTE"]),
+    (r"^the step fits in GPU memory", _PHASES, ["conftest.py:gpu_fits"], []),
+    (r"^optimizer state bytes", ["anatomy/calculator/optimizer.py:state_bytes"],
+     ["anatomy/optim/baseline.py:AdEMAMix", "anatomy/optim/efficient.py:FusedAdEMAMix"], []),
+    (r"^per-rank ", ["anatomy/calculator/sharding.py:per_rank_memory"],
+     [*_DIST, "anatomy/distributed/counting.py:rank_memory"], []),
+    (r"^collective ", ["anatomy/calculator/comm.py:ddp_collectives", "anatomy/calculator/comm.py:fsdp_collectives"],
+     [*_DIST, "anatomy/distributed/counting.py:CollectiveCounter"], []),
+    (r"ranks vs one process", ["-"], [*_DIST, "anatomy/train/loop.py:train"], []),
+    (r"^mean train loss", ["-"], ["anatomy/train/loop.py:train", *_MODELS], []),
+    (r"kill \+ resume", ["-"], ["anatomy/train/checkpoint.py:save", "anatomy/train/checkpoint.py:load"], []),
+    (r"^time\.sdpa_kernel", ["anatomy/calculator/sdpa_schedule.py:kernel_s"],
+     ["anatomy/efficient/attention.py:Attention", *_TIMELINE], ["TIMING_PROBE", "H200_PROFILE"]),
+    (r"^step time", _TIME, ["bench/step.py:main"], ["STEPS", "H200_PROFILE"]),
+    (r"^time\.", _TIME, _TIMELINE, ["TIMING_PROBE", "H200_PROFILE"]),
+]
+
+
+@cache
+def _defines(path: Path, symbol: str) -> bool:
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return re.search(rf"^(\s*)(def|class)\s+{re.escape(symbol)}\b|^{re.escape(symbol)}\s*[:=]", text, re.M) is not None
+
+
+def resolve(ref: str, root: Path = records.ROOT) -> str | None:
+    """`path:symbol` as it stands, or where the symbol moved (the same folder first, then anatomy/ where it
+    is defined exactly once); None where it is nowhere to be found."""
+    if ref == "-":
+        return ref
+    path, symbol = ref.split(":")
+    if _defines(root / path, symbol):
+        return ref
+    for folder in (root / Path(path).parent, root / "anatomy"):
+        hits = sorted(p for p in folder.rglob("*.py") if _defines(p, symbol))
+        if len(hits) == 1:
+            return f"{hits[0].relative_to(root)}:{symbol}"
+    return None
+
+
+def family(claim: str) -> tuple[list[str], list[str], list[str]] | None:
+    for pattern, formula, code, data in FAMILIES:
+        if re.search(pattern, claim):
+            return formula, code, data
+    return None
+
+
+def _refs(refs: list[str]) -> str:
+    out = []
+    for ref in refs:
+        where = resolve(ref)
+        out.append("both sides measured" if where == "-" else f"`{where}`" if where else f"`{ref}` (not found)")
+    return "<br>".join(out)
+
+
+def _data(names: list[str]) -> list[str]:
+    paths = []
+    for name in names:
+        v = getattr(records, name)
+        for p in (v.values() if isinstance(v, dict) else [v]):
+            paths += [f"`{records.rel(q)}`" for q in (p if isinstance(p, tuple) else [p])]
+    return list(dict.fromkeys(paths))
+
+
+def _test(node: str) -> str:
+    return node.split("[")[0]
+
+
+def claims(reports: list[tuple[Path, dict]]) -> dict[str, dict]:
+    """claim -> its devices, check counts, tests, and where its measured side comes from."""
+    out: dict[str, dict] = defaultdict(lambda: dict(devices=set(), checks=0, tests=set(), sources=set()))
+    for path, rep in reports:
+        gpu_run = path == records.GPU_CLAIMS
+        for r in rep["rows"]:
+            c = out[r["claim"]]
+            c["devices"].add(r["device"])
+            c["checks"] += 1
+            if r.get("test"):
+                c["tests"].add(_test(r["test"]))
+            c["sources"].add("gpu" if gpu_run else "recorded" if "recorded" in r["device"] or
+                             r["device"].startswith("cuda") else "live")
+    return out
+
+
+def unmapped(reports: list[tuple[Path, dict]]) -> list[str]:
+    return sorted(c for c in claims(reports) if family(c) is None)
+
+
+def unresolved() -> list[str]:
+    return sorted({ref for _, formula, code, _ in FAMILIES for ref in formula + code if resolve(ref) is None})
+
+
+def render(reports: list[tuple[Path, dict]]) -> str:
+    lines = ["# Claims: formula, code, test, data", "",
+             "Generated by `anatomy report` (`anatomy/report/claims_doc.py`) from "
+             + ", ".join(f"`{records.rel(p)}`" for p, _ in reports) + "; do not edit by hand.",
+             "",
+             "Each claim the validation suite checks, with the calculator's formula that predicts it, the model or",
+             "kernel code (and the instrument) whose measurement it is checked against, the tests that check it",
+             "(`path::function`), and where the measured side comes from: computed live in the test, measured live",
+             "by the GPU suite, or read from a committed record (`anatomy/records.py`). Tolerances and results are",
+             "in the README's claims tables.",
+             "",
+             "| claim | devices | checks | formula | code | tests | data |",
+             "|---|---|---:|---|---|---|---|"]
+    for name, c in sorted(claims(reports).items()):
+        fam = family(name)
+        formula, code, data = fam if fam else (None, [], [])
+        src = []
+        if "live" in c["sources"]:
+            src.append("computed live")
+        if "gpu" in c["sources"]:
+            src.append(f"measured live on the GPU (`{records.rel(records.GPU_CLAIMS)}`)")
+        if "recorded" in c["sources"]:
+            src += _data(data) or ["a committed record (unmapped)"]
+        lines.append(f"| {name} | {', '.join(sorted(c['devices']))} | {c['checks']:,} | "
+                     f"{_refs(formula) if formula else 'formula: (unmapped)'} | {_refs(code) or '–'} | "
+                     f"{'<br>'.join(f'`{t}`' for t in sorted(c['tests'])) or '–'} | {'<br>'.join(src)} |")
+    return "\n".join(lines) + "\n"

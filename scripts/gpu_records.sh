@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The H200 records the calculator's claims are checked against, in one run of under 10 minutes: this machine's
+# profile (`anatomy calibrate`), the memory and timing probes, and the GPU suite with its claims report. Each
+# part has its own time limit, capped by what is left of the run's budget (BUDGET_S, default 570 s); results
+# land in $OUT/r and in $OUT/results.tar.gz, re-packed after every part, so a run cut short keeps what it made.
+#   OUT=/some/dir bash scripts/gpu_records.sh            # every part
+#   ONLY="calibrate probe-timing" bash scripts/gpu_records.sh   # just those parts
+# DRAW_SEED picks the drawn configs of the timing probes (the committed rows: 113). Where each output is
+# committed: anatomy/records.py (the profile at anatomy/calculator/profiles/h200.json, the rows under reports/h200/).
+set -uo pipefail
+OUT=${OUT:-.anatomy/gpu-records}
+R=$OUT/r; mkdir -p "$R"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+END=$((SECONDS + ${BUDGET_S:-570}))
+SEED=${DRAW_SEED:-113}
+pack() { tar -czf "$OUT/results.tar.gz" -C "$OUT" r; }
+part() {  # part NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2; local t0=$SECONDS left=$((END - SECONDS))
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 5 ]; then echo "== $name skipped: the run's budget is spent"; return; fi
+  echo "== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1
+  echo "   rc=$? $name $((SECONDS - t0)) s" | tee -a "$R/walltimes.txt"; tail -2 "$R/$name.log"; pack
+}
+if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_records: error: needs a CUDA GPU; this machine has none" >&2
+  exit 2
+fi
+python3 scripts/env_json.py > "$R/env.json"; cat "$R/env.json"
+SPLIT="env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"  # the memory claims' allocator setting
+# phase memory, named and drawn configs, under expandable segments and under the default allocator
+part probe-memory 90 $SPLIT python3 scripts/probe_memory.py --out "$R/probe_memory.json"
+part probe-memory-hypothesis 90 $SPLIT python3 scripts/probe_memory.py --skip-named --hypothesis 32 --seed 2026 \
+  --out "$R/probe_memory_hypothesis.json"
+part probe-memory-default 70 python3 scripts/probe_memory.py --out "$R/probe_memory_default.json"
+part probe-memory-default-hypothesis 70 python3 scripts/probe_memory.py --skip-named --hypothesis 32 --seed 2026 \
+  --out "$R/probe_memory_default_hypothesis.json"
+# phase memory under Run.recompute="mlp": named and drawn, and two out-of-sample draws
+part probe-memory-recompute 120 $SPLIT python3 scripts/probe_memory.py --recompute mlp --hypothesis 16 --seed 2026 \
+  --out "$R/probe_memory_recompute.json"
+part probe-memory-recompute-oos 120 bash -c '$0 python3 scripts/probe_memory.py --recompute mlp --skip-named --hypothesis 24 \
+  --seed 7 --out "$1/probe_memory_recompute_oos.json" && $0 python3 scripts/probe_memory.py --recompute mlp --skip-named \
+  --hypothesis 8 --seed 7 --strategy training --out "$1/probe_memory_recompute_oos_training.json"' "$SPLIT" "$R"
+# this machine's profile, then the timing probes against it (same process order as the committed rows)
+part calibrate 130 python3 -m anatomy.cli calibrate --out "$R/h200.json" --budget-s 90
+part probe-timing 85 python3 scripts/probe_timing.py --out "$R/probe_timing.json"
+part probe-timing-training 290 python3 scripts/probe_timing.py --skip-named --hypothesis 40 --seed "$SEED" \
+  --strategy training --out "$R/probe_timing_training.json"
+part probe-timing-hypothesis 85 python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed "$SEED" \
+  --out "$R/probe_timing_hypothesis.json"
+# the whole GPU suite against this run's profile, with its claims report (reports/h200/claims-gpu.json)
+part gpu-suite 150 $SPLIT env ANATOMY_GPU_PROFILE="$R/h200.json" python3 -m pytest validations -m gpu -q \
+  -p no:cacheprovider --claims-report "$R/claims-gpu.json" --durations=15
+echo done
