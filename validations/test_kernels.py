@@ -29,7 +29,7 @@ from hypothesis import given, strategies as st
 from anatomy.calculator.fused import RMS_MIN_ROWS, rms_norm_programs
 from anatomy.kernels import (HAS_TRITON, INTERPRET, rms_norm, rms_norm_backward_triton, rms_norm_triton, rope_qkv,
                              swiglu, triton_on_cpu)
-from anatomy.kernels.rmsnorm import MAX_BLOCK, backward_programs
+from anatomy.kernels.rms_norm import MAX_BLOCK, backward_programs
 from anatomy.kernels.swiglu import _disjoint
 
 # The interpreter evaluates sigmoid as 1/(1+exp(-x)) in numpy: exp overflows to inf for very

@@ -12,7 +12,7 @@ from anatomy.config import ModelConfig
 from anatomy.efficient.attention import Attention
 from anatomy.efficient.loss import LMHeadLoss
 from anatomy.efficient.norm import RMSNorm
-from anatomy.efficient.swiglu import MLP
+from anatomy.efficient.mlp import MLP
 
 # (fused key, baseline keys in concatenation order)
 FUSED = (("attn.qkv.weight", ("attn.q.weight", "attn.k.weight", "attn.v.weight")),

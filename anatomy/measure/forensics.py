@@ -44,10 +44,10 @@ MARKER_LABELS = ("other",) + COMPONENTS + tuple(f"phase:{p}" for p in PHASES)
 _FILE_RULES = tuple((re.compile(p), c) for p, c in (
     (r"anatomy/(?:baseline|efficient)/attention\.py$", "attention"),
     (r"anatomy/(?:baseline|efficient)/norm\.py$", "norm"),
-    (r"anatomy/(?:baseline|efficient)/swiglu\.py$", "mlp"),
+    (r"anatomy/(?:baseline|efficient)/mlp\.py$", "mlp"),
     (r"anatomy/(?:baseline|efficient)/loss\.py$", "loss"),
     (r"anatomy/kernels/rope\.py$", "attention"),
-    (r"anatomy/kernels/rmsnorm\.py$", "norm"),
+    (r"anatomy/kernels/rms_norm\.py$", "norm"),
     (r"anatomy/kernels/swiglu\.py$", "mlp"),
     (r"liger_kernel/.*cross_entropy\.py$", "loss"),
     (r"(?:torch|anatomy)/optim/", "optimizer"),
