@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import pytest
 import torch
@@ -90,10 +91,10 @@ def parse_slowdown(text: str) -> dict[str, float]:
     return out
 
 
-def _spin(seconds: float) -> None:
+def _spin(seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
     """Busy-wait: sleep() overshoots by tens of microseconds, a spin on perf_counter does not."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    end = clock() + seconds
+    while clock() < end:
         pass
 
 
@@ -208,7 +209,11 @@ def model_case(cfg: ModelConfig, run: Run, variant: str, device, optimizer: bool
     return Case(model, sets, [None] * n, run, device, opt)
 
 
-def bench(benchmark, target, setup, *, rounds: int, warmup: int, slowdown: float = 1.0) -> None:
+def bench(benchmark, target, setup, *, rounds: int, warmup: int, slowdown: float = 1.0,
+          clock: Callable[[], float] = time.perf_counter, delay: Callable[[float], None] = _spin) -> None:
+    """benchmark.pedantic over `target`; with a slowdown, each round first runs the work, then
+    delay()s (slowdown - 1) x the median of CALIBRATION_ROUNDS un-slowed rounds timed on `clock`.
+    The GPU benchmarks use the wall clock and a spin; the CPU test passes a clock it advances itself."""
     if slowdown != 1.0 and not benchmark.disabled:
         for _ in range(warmup):
             args, kw = setup()
@@ -216,15 +221,15 @@ def bench(benchmark, target, setup, *, rounds: int, warmup: int, slowdown: float
         times = []
         for _ in range(CALIBRATION_ROUNDS):
             args, kw = setup()
-            t0 = time.perf_counter()
+            t0 = clock()
             target(*args, **kw)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         extra = (slowdown - 1.0) * statistics.median(times)
         fast = target
 
         def target(*a, **k):  # noqa: F811 - the same work, then the injected delay
             fast(*a, **k)
-            _spin(extra)
+            delay(extra)
 
         benchmark.extra_info["injected_delay_s"] = extra
     benchmark.pedantic(target, setup=setup, rounds=rounds, warmup_rounds=warmup, iterations=1)
@@ -346,70 +351,110 @@ def test_parse_slowdown():
             parse_slowdown(bad)
 
 
-class _TimingStub:
-    """benchmark.pedantic's contract (setup untimed, warm-up untimed, one call per round), timed here."""
-    disabled = False
+class _Clock:
+    """A clock that only the test moves: the benchmarked work and the injected delay advance it by
+    known amounts, so no other process on the machine can change a measured duration."""
 
     def __init__(self):
-        self.extra_info, self.times = {}, []
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class _TimingStub:
+    """benchmark.pedantic's contract (setup untimed, warm-up untimed, one call per round), timed on `clock`."""
+    disabled = False
+
+    def __init__(self, clock):
+        self.clock, self.extra_info, self.times = clock, {}, []
 
     def pedantic(self, target, setup, rounds, warmup_rounds, iterations):
         for i in range(warmup_rounds + rounds):
             args, kw = setup()
-            t0 = time.perf_counter()
+            t0 = self.clock()
             target(*args, **kw)
             if i >= warmup_rounds:
-                self.times.append(time.perf_counter() - t0)
+                self.times.append(self.clock() - t0)
 
 
 def test_injected_slowdown_is_calibrated():
-    """The demo's 1.2 makes a benchmark's median 1.2x its own: the delay is measured, not guessed."""
-    work = [0.004]
+    """The demo's 1.2 makes a benchmark's median 1.2x its own: the delay is (factor - 1) x the median
+    of the benchmark's own un-slowed rounds (one round in four is a 10x outlier, which a mean would
+    follow), not a guess."""
+    clock, work = _Clock(), [0.004, 0.004, 0.004, 0.040]
+    rounds = itertools.cycle(work)
     medians = {}
     for factor in (1.0, 1.2):
-        stub = _TimingStub()
-        bench(stub, lambda: _spin(work[0]), lambda: ((), {}), rounds=9, warmup=1, slowdown=factor)
+        stub = _TimingStub(clock)
+        bench(stub, lambda: clock.advance(next(rounds)), lambda: ((), {}), rounds=9, warmup=1, slowdown=factor,
+              clock=clock, delay=clock.advance)
         medians[factor] = statistics.median(stub.times)
-    assert medians[1.2] / medians[1.0] == pytest.approx(1.2, rel=0.03)
-    assert stub.extra_info["injected_delay_s"] == pytest.approx(0.2 * 0.004, rel=0.05)
+    assert medians[1.0] == pytest.approx(0.004, rel=1e-9)
+    assert medians[1.2] / medians[1.0] == pytest.approx(1.2, rel=1e-9)
+    assert stub.extra_info["injected_delay_s"] == pytest.approx(0.2 * 0.004, rel=1e-9)
+
+
+def test_spin_waits_on_its_clock():
+    """_spin busy-waits until its clock has moved by the delay (no sleep, which overshoots)."""
+    calls = itertools.count()
+    clock = lambda: next(calls)  # noqa: E731 - each reading is one unit after the last
+    _spin(20, clock)
+    assert next(calls) == 21  # the start reading 0, then readings 1 .. 20: 20 ends it
 
 
 # ---- CPU: the regression gate itself ---------------------------------------------------------------
-GATE_TEST = '''
-import os, time
+# A clock the synthetic benchmark advances itself (pytest-benchmark reads it through --benchmark-timer):
+# each round of test_kernel takes exactly 2 ms x GATE_SLOWDOWN on it, whatever else the machine runs.
+GATE_CLOCK = '''
+t = 0.0
 
-def _spin(s):
-    end = time.perf_counter() + s
-    while time.perf_counter() < end:
-        pass
+def now():
+    return t
+
+def work(seconds):
+    global t
+    t += seconds
+'''
+
+GATE_TEST = '''
+import os
+
+import gate_clock
 
 def test_kernel(benchmark):
     f = float(os.environ.get("GATE_SLOWDOWN", "1"))
-    benchmark.pedantic(_spin, args=(0.002 * f,), rounds=15, warmup_rounds=2)
+    benchmark.pedantic(gate_clock.work, args=(0.002 * f,), rounds=15, warmup_rounds=2)
 
 def test_other(benchmark):
-    benchmark.pedantic(_spin, args=(0.002,), rounds=15, warmup_rounds=2)
+    benchmark.pedantic(gate_clock.work, args=(0.002,), rounds=15, warmup_rounds=2)
 '''
 
 
 @pytest.mark.slow  # ~8 s: four pytest runs, each gathering machine info (py-cpuinfo) for its JSON
 def test_regression_gate_commands(tmp_path):
-    """The exact flags of docs/benchmarks.md, on a synthetic benchmark: record with --benchmark-json,
-    a 30% slower kernel fails --benchmark-compare-fail=median:10% against that file, an unchanged run
-    passes, and a missing baseline is a usage error (exit 4), not a silent pass."""
+    """The exact flags of docs/benchmarks.md, on a synthetic benchmark timed on GATE_CLOCK: record with
+    --benchmark-json, a 30% slower kernel fails --benchmark-compare-fail=median:10% against that file, an
+    unchanged run passes, and a missing baseline is a usage error (exit 4), not a silent pass."""
     (tmp_path / "test_gate.py").write_text(GATE_TEST)
+    (tmp_path / "gate_clock.py").write_text(GATE_CLOCK)
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --benchmark-disable\n")  # as pyproject has
 
     def pytest_(*flags, slowdown="1"):  # only pytest-benchmark loaded: 0.4 s a run instead of 2.5
         env = dict(os.environ, GATE_SLOWDOWN=slowdown, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
         return subprocess.run([sys.executable, "-m", "pytest", "test_gate.py", "-q", "-p", "pytest_benchmark.plugin",
-                               "-p", "no:cacheprovider", "--benchmark-enable", *flags], cwd=tmp_path, env=env,
+                               "-p", "no:cacheprovider", "--benchmark-enable",
+                               "--benchmark-timer=gate_clock.now", *flags], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=120)
 
     rec = pytest_("--benchmark-json=baselines.json")
     assert rec.returncode == 0, rec.stdout + rec.stderr
     saved = json.loads((tmp_path / "baselines.json").read_text())
     assert {b["fullname"] for b in saved["benchmarks"]} == {"test_gate.py::test_kernel", "test_gate.py::test_other"}
+    assert all(b["stats"]["median"] == pytest.approx(0.002, rel=1e-9) for b in saved["benchmarks"])  # GATE_CLOCK's
     gate = ("--benchmark-compare=baselines.json", "--benchmark-compare-fail=median:10%",
             "--benchmark-json=current.json")
     slow = pytest_(*gate, slowdown="1.3")
