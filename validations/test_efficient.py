@@ -117,11 +117,12 @@ def test_saved_bytes_exact_cuda(name, policy, claims):
 def check_flops(claims, cfg, run, name, device="cpu"):
     est = estimate(cfg, run, "efficient", device=device)
     meas = measure_flops(cfg, run, "efficient", device=device)
-    for d, attr in (("forward", "flops_counter_fwd"), ("backward", "flops_counter_bwd")):
-        claims.check(f"flops.counter.{d}", component="model", config=name, variant="efficient",
+    for d, claim, attr in (("forward", "flops.counter.forward", "flops_counter_fwd"),
+                           ("backward", "flops.counter.backward", "flops_counter_bwd")):
+        claims.check(claim, component="model", config=name, variant="efficient",
                      predicted=est.total(attr), measured=meas[d]["total"], device=device, unit="FLOP")
         for comp, c in est.components.items():
-            claims.check(f"flops.counter.{d}", component=comp, config=name, variant="efficient",
+            claims.check(claim, component=comp, config=name, variant="efficient",
                          predicted=getattr(c, attr), measured=meas[d].get(comp, 0), device=device, unit="FLOP")
 
 
