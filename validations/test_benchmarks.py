@@ -17,7 +17,7 @@ the wall time of launching and finishing it. Warm-up rounds (Triton JIT, cuDNN p
 state) are not timed. Input sets rotate, enough of them that one round's inputs are not still in
 the 60 MB L2 from the round before. Inputs and weights are random normals: never zeros.
 
-ANATOMY_BENCH_SLOWDOWN=<component>:<factor>[,...] (read only here; rmsnorm = norm, swiglu = mlp,
+ANATOMY_BENCH_SLOWDOWN=<component>:<factor>[,...] (read only here; rms_norm = norm, swiglu = mlp,
 model = the full-model tests) injects a calibrated slowdown for the regression-gate demo
 (scripts/bench_gate_demo.sh): each round of the matching benchmarks busy-waits (factor - 1) x the
 median of its own un-slowed rounds after synchronizing, exactly as a kernel that much slower would.
@@ -68,12 +68,12 @@ L2_BYTES = 60 * 2**20  # H200 L2 (DESIGN.md): rotate at least twice its size of 
 ROUNDS = {"component": 25, "model": 10}
 WARMUP = 3
 CALIBRATION_ROUNDS = 7  # for an injected slowdown only
-ALIASES = {"rmsnorm": "norm", "swiglu": "mlp"}
+ALIASES = {"rms_norm": "norm", "swiglu": "mlp"}  # the kernel ops, by their component
 
 
 # ---- the injected slowdown (regression-gate demo) ---------------------------------------------------
 def parse_slowdown(text: str) -> dict[str, float]:
-    """'rmsnorm:1.2,model:1.05' -> {'norm': 1.2, 'model': 1.05}. A factor is >= 1: a slowdown."""
+    """'rms_norm:1.2,model:1.05' -> {'norm': 1.2, 'model': 1.05}. A factor is >= 1: a slowdown."""
     out: dict[str, float] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         name, sep, factor = item.partition(":")
@@ -345,8 +345,8 @@ def test_benchmark_ids_are_stable():
 
 def test_parse_slowdown():
     assert parse_slowdown("") == {}
-    assert parse_slowdown("rmsnorm:1.2, model:1.05,swiglu:1") == {"norm": 1.2, "model": 1.05, "mlp": 1.0}
-    for bad in ("rmsnorm", "nope:1.2", "norm:0.8", "norm:x", "norm:inf"):
+    assert parse_slowdown("rms_norm:1.2, model:1.05,swiglu:1") == {"norm": 1.2, "model": 1.05, "mlp": 1.0}
+    for bad in ("rms_norm", "rmsnorm:1.2", "nope:1.2", "norm:0.8", "norm:x", "norm:inf"):
         with pytest.raises(ValueError, match="ANATOMY_BENCH_SLOWDOWN"):
             parse_slowdown(bad)
 
