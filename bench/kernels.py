@@ -55,7 +55,7 @@ def rmsnorm_unfused(x, w, eps=1e-5):
 
 def main(argv=None):
     from anatomy.kernels import rms_norm, rope_qkv, swiglu
-    from anatomy.efficient.loss import fused_linear_cross_entropy
+    from anatomy.efficient.loss import linear_ce
     from anatomy.baseline.transformer import rope_tables
 
     p = argparse.ArgumentParser()
@@ -102,7 +102,7 @@ def main(argv=None):
     rope_bytes = 2 * T * D * 4  # fwd: read qkv, write q, k, v; bwd: read dq, dk, dv, write dqkv
     add("rope_qkv", "ours", _ms(fwd_bwd(lambda t: rope_qkv(t, cos, sin, cfg.heads, cfg.kv_heads), qkv)), rope_bytes)
     ce_flops = 6 * T * H * V  # logits, grad_input, grad_weight
-    add("linear_ce", "liger", _ms(fwd_bwd(lambda x, W: fused_linear_cross_entropy(x, W, tgt), x, W)), flops=ce_flops)
+    add("linear_ce", "liger", _ms(fwd_bwd(lambda x, W: linear_ce(x, W, tgt), x, W)), flops=ce_flops)
     res = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,
                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), preset=a.preset, batch=B, seq=S,
                copy_tb_s=bw / 1e12, matmul_tflop_s=mm / 1e12, rows=rows,

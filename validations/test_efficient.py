@@ -159,7 +159,7 @@ def test_reduction_ratios_match_prediction(policy, claims):
 
 def test_fused_ce_computes_gradients_in_forward(claims):
     """The gradients exist when forward returns; backward only scales them by the incoming gradient."""
-    from anatomy.efficient.loss import fused_linear_cross_entropy
+    from anatomy.efficient.loss import linear_ce
     from anatomy.measure.flops import flop_counter
 
     g = torch.Generator().manual_seed(0)
@@ -168,7 +168,7 @@ def test_fused_ce_computes_gradients_in_forward(claims):
     w = (torch.randn(V, H, generator=g) * 0.1).requires_grad_()
     t = torch.randint(0, V, (T,), generator=g)
     with flop_counter() as fwd:
-        loss = fused_linear_cross_entropy(x, w, t)
+        loss = linear_ce(x, w, t)
     grad_x, grad_w = loss.grad_fn.saved_tensors  # what forward left for backward: the two gradients
     with flop_counter() as bwd:
         (loss * 3.0).backward()
