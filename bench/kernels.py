@@ -48,7 +48,7 @@ def fwd_bwd(fn, *inputs):
     return run
 
 
-def rmsnorm_unfused(x, w, eps=1e-5):
+def rms_norm_unfused(x, w, eps=1e-5):
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
 
@@ -92,8 +92,8 @@ def main(argv=None):
     norm_bytes = (2 + 2) * T * H + (2 + 2 + 2) * T * H  # fwd: read x, write y; bwd: read dy, x, write dx
     add("rmsnorm", "ours", _ms(fwd_bwd(lambda x, w: rms_norm(x, w, 1e-5), x, w)), norm_bytes)
     add("rmsnorm", "liger", _ms(fwd_bwd(lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5), x, w)), norm_bytes)
-    add("rmsnorm", "torch.compile", _ms(fwd_bwd(torch.compile(rmsnorm_unfused), x, w)), norm_bytes)
-    add("rmsnorm", "unfused", _ms(fwd_bwd(rmsnorm_unfused, x, w)), norm_bytes)
+    add("rmsnorm", "torch.compile", _ms(fwd_bwd(torch.compile(rms_norm_unfused), x, w)), norm_bytes)
+    add("rmsnorm", "unfused", _ms(fwd_bwd(rms_norm_unfused, x, w)), norm_bytes)
     glu_bytes = 2 * T * I * (2 + 1 + 3 + 2)  # fwd: read g, u, write h; bwd: read dh, g, u, write dg, du
     for variant in ("swiglu", "gpt-oss"):
         add(f"{variant}", "ours", _ms(fwd_bwd(lambda g, u: swiglu(g, u, variant), g, u)), glu_bytes)
