@@ -1,18 +1,8 @@
 """Fused kernels (anatomy/kernels), all three ops together: strided inputs and NaN, saved tensors, autocast.
-Per op: test_rms_norm.py, test_swiglu.py, test_rope.py; fake/meta and torch.compile: test_kernels_compile.py.
 
-Accuracy is judged against the reference's own error (DESIGN.md): for every output and gradient,
-    err(op in dtype vs fp64) <= 2 * err(plain torch in dtype vs fp64) + floor,
-err = max abs difference, the fp64 reference being the same plain-torch code run on the
-dtype-rounded inputs in float64. floor = eps(dtype) * max|fp64 value| is one unit of rounding at
-the tensor's largest magnitude: no result stored in that dtype can be promised closer than half of
-it, and it keeps the bound meaningful where the plain code happens to be exact (v in rope_qkv is a
-pure copy; some fp32 elementwise results round identically), where 2 * 0 would demand the
-impossible of any implementation that rounds differently.
-
-Paths: "reference" runs the ops as CPU CI does (plain-torch implementations); "triton" runs them
-inside triton_on_cpu(), i.e. through the Triton kernels under TRITON_INTERPRET=1; gpu-marked tests
-run the Triton kernels on CUDA in bf16.
+Per op: test_rms_norm.py, test_swiglu.py, test_rope.py; fake/meta and torch.compile:
+test_kernels_compile.py. The accuracy rule and the two CPU paths ("reference", "triton") are
+validations/kernel_cases.py's.
 """
 from __future__ import annotations
 
