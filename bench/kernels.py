@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from anatomy.config import ModelConfig
+from anatomy.config import ConfigError, ModelConfig
+from anatomy.io import write_atomic
 
 BF16 = torch.bfloat16
 
@@ -54,9 +55,9 @@ def rms_norm_unfused(x, w, eps=1e-5):
 
 
 def main(argv=None):
-    from anatomy.kernels import rms_norm, rope_qkv, swiglu
-    from anatomy.efficient.loss import linear_ce
     from anatomy.baseline.transformer import rope_tables
+    from anatomy.efficient.loss import linear_ce
+    from anatomy.kernels import rms_norm, rope_qkv, swiglu
 
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="seed")
@@ -64,7 +65,12 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--json")
     a = p.parse_args(argv)
-    cfg = ModelConfig.from_name(a.preset)
+    try:
+        cfg = ModelConfig.from_name(a.preset)
+    except ConfigError as e:
+        p.error(str(e))  # one line, exit 2
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
     B, S, H, I, V, hd = a.batch, a.seq, cfg.hidden, cfg.intermediate, cfg.vocab, cfg.head_dim
     T, D = B * S, (cfg.heads + 2 * cfg.kv_heads) * hd
     bw, mm = copy_bandwidth(), matmul_ceiling()
@@ -109,8 +115,7 @@ def main(argv=None):
                command="python3 bench/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_atomic(a.json, json.dumps(res, indent=1))
     return res
 
 
