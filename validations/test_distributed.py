@@ -62,7 +62,8 @@ def _check_collectives(claims, *, pred: dict, meas: dict, config: str, variant: 
 
 
 def _check_memory(claims, *, pred: dict, meas: dict, config: str, variant: str, device: str, note: str):
-    for what, claim, component in (("params", "per-rank params bytes", "comm"), ("grads", "per-rank grads bytes", "comm"),
+    for what, claim, component in (("params", "per-rank params bytes", "comm"),
+                                   ("grads", "per-rank grads bytes", "comm"),
                                    ("optimizer", "per-rank optimizer bytes", "optimizer")):
         claims.check(claim, component=component, config=config, variant=variant, device=device,
                      predicted=pred[what], measured=meas[what], unit="B", note=note)
