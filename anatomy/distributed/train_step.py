@@ -218,9 +218,9 @@ def main(argv=None) -> int:
         if a.report:  # one file per rank: no extra collective at the end of the job
             out = Path(a.report)
             out.mkdir(parents=True, exist_ok=True)
-            record = dict(strategy=a.strategy, world_size=world, rank=rank, config=cfg.to_dict(),
+            rank_report = dict(strategy=a.strategy, world_size=world, rank=rank, config=cfg.to_dict(),
                        run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype), steps=recs)
-            write_atomic(out / f"rank{rank}.json", json.dumps(record, indent=1))
+            write_atomic(out / f"rank{rank}.json", json.dumps(rank_report, indent=1))
     except ConfigError as e:
         dist.destroy_process_group()
         print(f"train_step: error: {e}", file=sys.stderr)
