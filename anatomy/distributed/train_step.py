@@ -219,7 +219,7 @@ def main(argv=None) -> int:
             out = Path(a.report)
             out.mkdir(parents=True, exist_ok=True)
             rank_report = dict(strategy=a.strategy, world_size=world, rank=rank, config=cfg.to_dict(),
-                       run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype), steps=recs)
+                               run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype), steps=recs)
             write_atomic(out / f"rank{rank}.json", json.dumps(rank_report, indent=1))
     except ConfigError as e:
         dist.destroy_process_group()
