@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from anatomy.config import ModelConfig
+from anatomy.config import ConfigError, ModelConfig
+from anatomy.io import write_atomic
 
 BF16 = torch.bfloat16
 
@@ -48,15 +49,15 @@ def fwd_bwd(fn, *inputs):
     return run
 
 
-def rmsnorm_unfused(x, w, eps=1e-5):
+def rms_norm_unfused(x, w, eps=1e-5):
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
 
 
 def main(argv=None):
-    from anatomy.kernels import rms_norm, rope_qkv, swiglu
-    from anatomy.efficient.loss import fused_linear_cross_entropy
     from anatomy.baseline.transformer import rope_tables
+    from anatomy.efficient.loss import linear_ce
+    from anatomy.kernels import rms_norm, rope_qkv, swiglu
 
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="seed")
@@ -64,7 +65,12 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--json")
     a = p.parse_args(argv)
-    cfg = ModelConfig.from_name(a.preset)
+    try:
+        cfg = ModelConfig.from_name(a.preset)
+    except ConfigError as e:
+        p.error(str(e))  # one line, exit 2
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
     B, S, H, I, V, hd = a.batch, a.seq, cfg.hidden, cfg.intermediate, cfg.vocab, cfg.head_dim
     T, D = B * S, (cfg.heads + 2 * cfg.kv_heads) * hd
     bw, mm = copy_bandwidth(), matmul_ceiling()
@@ -90,10 +96,10 @@ def main(argv=None):
               if bytes_ else f"{r['tflop_s']:6.1f} TFLOP/s ({r['frac_matmul']:.0%} of matmul)"), flush=True)
 
     norm_bytes = (2 + 2) * T * H + (2 + 2 + 2) * T * H  # fwd: read x, write y; bwd: read dy, x, write dx
-    add("rmsnorm", "ours", _ms(fwd_bwd(lambda x, w: rms_norm(x, w, 1e-5), x, w)), norm_bytes)
-    add("rmsnorm", "liger", _ms(fwd_bwd(lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5), x, w)), norm_bytes)
-    add("rmsnorm", "torch.compile", _ms(fwd_bwd(torch.compile(rmsnorm_unfused), x, w)), norm_bytes)
-    add("rmsnorm", "unfused", _ms(fwd_bwd(rmsnorm_unfused, x, w)), norm_bytes)
+    add("rms_norm", "ours", _ms(fwd_bwd(lambda x, w: rms_norm(x, w, 1e-5), x, w)), norm_bytes)
+    add("rms_norm", "liger", _ms(fwd_bwd(lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-5), x, w)), norm_bytes)
+    add("rms_norm", "torch.compile", _ms(fwd_bwd(torch.compile(rms_norm_unfused), x, w)), norm_bytes)
+    add("rms_norm", "unfused", _ms(fwd_bwd(rms_norm_unfused, x, w)), norm_bytes)
     glu_bytes = 2 * T * I * (2 + 1 + 3 + 2)  # fwd: read g, u, write h; bwd: read dh, g, u, write dg, du
     for variant in ("swiglu", "gpt-oss"):
         add(f"{variant}", "ours", _ms(fwd_bwd(lambda g, u: swiglu(g, u, variant), g, u)), glu_bytes)
@@ -102,15 +108,14 @@ def main(argv=None):
     rope_bytes = 2 * T * D * 4  # fwd: read qkv, write q, k, v; bwd: read dq, dk, dv, write dqkv
     add("rope_qkv", "ours", _ms(fwd_bwd(lambda t: rope_qkv(t, cos, sin, cfg.heads, cfg.kv_heads), qkv)), rope_bytes)
     ce_flops = 6 * T * H * V  # logits, grad_input, grad_weight
-    add("linear_ce", "liger", _ms(fwd_bwd(lambda x, W: fused_linear_cross_entropy(x, W, tgt), x, W)), flops=ce_flops)
+    add("linear_ce", "liger", _ms(fwd_bwd(lambda x, W: linear_ce(x, W, tgt), x, W)), flops=ce_flops)
     res = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,
                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), preset=a.preset, batch=B, seq=S,
                copy_tb_s=bw / 1e12, matmul_tflop_s=mm / 1e12, rows=rows,
                command="python3 bench/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(f"ceilings: copy {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_atomic(a.json, json.dumps(res, indent=1))
     return res
 
 

@@ -23,7 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).parent))
 from step import build  # noqa: E402
 
-from anatomy.config import ModelConfig, Run  # noqa: E402
+from anatomy.config import ConfigError, ModelConfig, Run  # noqa: E402
+from anatomy.io import write_atomic  # noqa: E402
 
 FAMILIES = (("attention", r"cudnn|fmha|flash|attention|sdpa"), ("gemm", r"gemm|sm90|cutlass|nvjet|xmma|gemv"),
             ("triton", r"^triton|_kernel$|liger"), ("reduction", r"reduce|sum|norm"),
@@ -57,7 +58,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("profile_step: no CUDA device", file=sys.stderr)
         return 2
-    cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp")
+    try:
+        cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp")
+    except ConfigError as e:
+        p.error(str(e))  # one line, exit 2
     torch.manual_seed(0)
     model, step = build(a.peer, cfg)
     ids = torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda")
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
                gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,
                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                command="python3 bench/profile_step.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    Path(a.json).write_text(json.dumps(res, indent=1))
+    write_atomic(a.json, json.dumps(res, indent=1))
     if a.trace:
         prof.export_chrome_trace(a.trace)
     print(f"{a.peer} {a.preset} B{run.batch} S{run.seq}: wall {min(walls):.2f} ms, GPU busy {busy_ms:.2f} ms, "

@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from anatomy.config import ModelConfig, Run
+from anatomy.config import ConfigError, ModelConfig, Run
+from anatomy.io import write_atomic
 
 
 def matmul_ceiling(n: int = 8192, reps: int = 20) -> float:
@@ -74,7 +75,12 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     if a.recompute != "none" and a.peer != "efficient":
         p.error(f"--recompute applies to --peer efficient, not {a.peer}")
-    cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp")
+    try:
+        cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp")
+    except ConfigError as e:
+        p.error(str(e))  # one line, exit 2
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
     torch.manual_seed(0)
     ceiling = matmul_ceiling()
     model, step = build(a.peer, cfg, a.recompute)
@@ -111,8 +117,7 @@ def main(argv=None) -> dict:
                cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                command="python3 bench/step.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_atomic(a.json, json.dumps(res, indent=1))
     print(f"{peer:20s} {ms:8.2f} ms  {res['tokens_per_s'] / 1e6:6.3f} Mtok/s  peak {res['peak_mib']:9,.0f} MiB  "
           f"MFU {res['mfu']:.1%}  (ceiling {ceiling / 1e12:.0f} TFLOP/s)")
     return res

@@ -13,7 +13,7 @@ set -uo pipefail
 DIR=${DIR:-.anatomy/bench-gate-demo}
 SELECT=${SELECT:-gpu and slow}                # the seed step, B=16 S=4096
 SLOWDOWN=${SLOWDOWN:-attention:1.2}
-COMP=${SLOWDOWN%%:*}; [ "$COMP" = rmsnorm ] && COMP=norm; [ "$COMP" = swiglu ] && COMP=mlp
+COMP=${SLOWDOWN%%:*}; [ "$COMP" = rms_norm ] && COMP=norm; [ "$COMP" = swiglu ] && COMP=mlp
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset ANATOMY_BENCH_SLOWDOWN
 

@@ -62,8 +62,10 @@ def _check_collectives(claims, *, pred: dict, meas: dict, config: str, variant: 
 
 
 def _check_memory(claims, *, pred: dict, meas: dict, config: str, variant: str, device: str, note: str):
-    for what, component in (("params", "comm"), ("grads", "comm"), ("optimizer", "optimizer")):
-        claims.check(f"per-rank {what} bytes", component=component, config=config, variant=variant, device=device,
+    for what, claim, component in (("params", "per-rank params bytes", "comm"),
+                                   ("grads", "per-rank grads bytes", "comm"),
+                                   ("optimizer", "per-rank optimizer bytes", "optimizer")):
+        claims.check(claim, component=component, config=config, variant=variant, device=device,
                      predicted=pred[what], measured=meas[what], unit="B", note=note)
 
 

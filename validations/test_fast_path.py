@@ -16,11 +16,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from anatomy.kernels import INTERPRET, rms_norm, rope_qkv, swiglu_packed, triton_on_cpu
+from anatomy.kernels import rms_norm, rope_qkv, swiglu_packed, triton_on_cpu
 from anatomy.kernels._dispatch import fast_path
+from validations.kernel_cases import IGNORE_OVERFLOW, PATHS
 
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-PATHS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"))]
+pytestmark = IGNORE_OVERFLOW
 
 
 class _Dispatcher(TorchFunctionMode):

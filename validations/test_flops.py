@@ -11,13 +11,14 @@ from validations.configs import NAMED, RUNS, configs, runs
 def _check(claims, cfg, run, name, device="meta"):
     est = estimate(cfg, run)
     meas = measure_flops(cfg, run, device=device)
-    for d, attr in (("forward", "flops_counter_fwd"), ("backward", "flops_counter_bwd")):
+    for d, claim, attr in (("forward", "flops.counter.forward", "flops_counter_fwd"),
+                           ("backward", "flops.counter.backward", "flops_counter_bwd")):
         m = meas[d]
         assert sum(v for k, v in m.items() if k != "total") == m["total"], "attribution must add up to torch's total"
-        claims.check(f"flops.counter.{d}", component="model", config=name, variant="baseline",
+        claims.check(claim, component="model", config=name, variant="baseline",
                      predicted=est.total(attr), measured=m["total"], device=device, unit="FLOP")
         for comp, c in est.components.items():
-            claims.check(f"flops.counter.{d}", component=comp, config=name, variant="baseline",
+            claims.check(claim, component=comp, config=name, variant="baseline",
                          predicted=getattr(c, attr), measured=m.get(comp, 0), device=device, unit="FLOP")
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from anatomy.kernels import rms_norm, rope_qkv, swiglu
-from validations.test_kernels import BF16, FP32, _gen, rope_tables
+from validations.kernel_cases import BF16, FP32, gen, rope_tables
 
 
 # ---- fake / meta / opcheck ---------------------------------------------------------------------
@@ -58,7 +58,7 @@ def _block(x, wn, wqkv, wgu, cos, sin):
 
 
 def _block_args():
-    g = _gen(3)
+    g = gen(3)
     return (torch.randn(2, 7, 48, generator=g, requires_grad=True), torch.randn(48, generator=g, requires_grad=True),
             torch.randn(48, 80, generator=g, requires_grad=True), torch.randn(48, 80, generator=g, requires_grad=True),
             *rope_tables(7, 8))

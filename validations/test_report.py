@@ -76,8 +76,8 @@ def test_gpu_only_kernel_table_marks_the_85pct_bar(tmp_path):
     from anatomy.report.readme import kernels_gpu_only_table
 
     rows = [dict(op=op, impl=impl, gpu_only_us=10.0, gpu_only_tbps=tb, steady_us=20.0, cpu_issue_us=30.0)
-            for op, impl, tb in (("rmsnorm fwd", "fused", 3.61), ("rmsnorm bwd", "fused", 3.59),
-                                 ("rmsnorm fwd", "plain", 0.3))]
+            for op, impl, tb in (("rms_norm fwd", "fused", 3.61), ("rms_norm bwd", "fused", 3.59),
+                                 ("rms_norm fwd", "plain", 0.3))]
     p = tmp_path / "k.json"
     p.write_text(json.dumps(dict(rows=rows, shape="seed", M=65536, N=512, I=1024, H=8, D=64, gpu="G", torch="t",
                                  cuda="c", date="d", command="cmd")))

@@ -11,15 +11,10 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from anatomy.kernels import INTERPRET, swiglu, swiglu_packed, triton_on_cpu
+from anatomy.kernels import swiglu, swiglu_packed
+from validations.kernel_cases import IGNORE_OVERFLOW, PATHS, path_ctx
 
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-PATHS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(not INTERPRET, reason="needs "
-                                                                      "TRITON_INTERPRET=1 (conftest sets it on CPU)"))]
-
-
-def _path(name: str):
-    return triton_on_cpu() if name == "triton" else contextlib.nullcontext()
+pytestmark = IGNORE_OVERFLOW
 
 
 def _graph(variant: str, packed: bool, autocast: bool):
@@ -38,7 +33,7 @@ def _graph(variant: str, packed: bool, autocast: bool):
 @pytest.mark.parametrize("path", PATHS)
 def test_packed_equals_the_two_halves(path, variant, autocast):
     """Same output and same weight gradient, bit for bit, as swiglu on the split halves."""
-    with _path(path):
+    with path_ctx(path):
         w1, _, h1 = _graph(variant, True, autocast)
         w2, _, h2 = _graph(variant, False, autocast)
         dh = torch.randn_like(h1)
@@ -53,7 +48,7 @@ def test_packed_equals_the_two_halves(path, variant, autocast):
 def test_backward_returns_gate_ups_own_storage(path):
     """d(gate_up) is written into the saved gate_up (its version bumps) and handed on as is: the
     graph has the op's backward straight above the matmul's, with no split or cat between."""
-    with _path(path):
+    with path_ctx(path):
         w, gate_up, h = _graph("swiglu", True, False)
         assert type(h.grad_fn.next_functions[0][0]).__name__.startswith(("MmBackward", "UnsafeViewBackward",
                                                                          "ViewBackward"))

@@ -4,8 +4,8 @@ from torch import nn
 
 from anatomy.baseline.attention import Attention
 from anatomy.baseline.loss import LMHeadLoss
+from anatomy.baseline.mlp import MLP
 from anatomy.baseline.norm import RMSNorm
-from anatomy.baseline.swiglu import MLP
 from anatomy.config import ModelConfig
 
 

@@ -19,7 +19,7 @@ RMS_MIN_ROWS = 4  # rows per program at least (the kernels' _dispatch.MIN_ROWS_P
 def rms_norm_programs(H: int, M: int, sms: int = 132) -> int:
     """Programs of the fused rms_norm backward over M rows, each writing an fp32 row of dw partials (and
     so the size of its transient): max(1, 8192 // H) per SM, at least RMS_MIN_ROWS rows each, and a whole
-    number of rows each (anatomy/kernels/rmsnorm.py, _dispatch.reduction_programs; the H200's 132 SMs:
+    number of rows each (anatomy/kernels/rms_norm.py, _dispatch.reduction_programs; the H200's 132 SMs:
     other GPUs' partials differ by at most ~4 MB)."""
     programs = max(1, min(-(-M // RMS_MIN_ROWS), sms * max(1, 8192 // H)))
     per = -(-M // programs)

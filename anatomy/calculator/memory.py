@@ -86,7 +86,7 @@ def _cached_casts(cfg: ModelConfig, run: Run, rnd) -> int:
 
 
 def _mlp_region_transient(cfg: ModelConfig, run: Run, rnd) -> int:
-    """The largest moment of a recomputed MLP half in forward (efficient/swiglu.py, MLP.forward's tail):
+    """The largest moment of a recomputed MLP half in forward (efficient/mlp.py, MLP.forward's tail):
     inside, the sum x (residual dtype), its normed copy, gate_up, the activation and down's output are
     all live; then x, down's output and the block output x + h."""
     dt = dtypes(run)

@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from anatomy.config import ConfigError, ModelConfig, Run
 from anatomy.distributed.counting import CollectiveCounter, rank_memory
 from anatomy.distributed.strategies import check_strategy, default_mixed_precision, init_distributed, wrap
+from anatomy.io import write_atomic
 from anatomy.models import autocast_ctx, build_model, make_batch
 
 OPTIMIZERS = ("adamw", "ademamix", "sgd")
@@ -108,9 +109,7 @@ def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outd
     init_distributed("gloo", timeout_s, rank=rank, world_size=world, init_method=init_method)
     try:
         out = [train(**sc) for sc in scenarios]
-        tmp = Path(outdir) / f"rank{rank}.json.tmp"
-        tmp.write_text(json.dumps(out))
-        tmp.replace(Path(outdir) / f"rank{rank}.json")
+        write_atomic(Path(outdir) / f"rank{rank}.json", json.dumps(out))
     finally:
         dist.destroy_process_group()
 
@@ -219,11 +218,9 @@ def main(argv=None) -> int:
         if a.report:  # one file per rank: no extra collective at the end of the job
             out = Path(a.report)
             out.mkdir(parents=True, exist_ok=True)
-            tmp = out / f"rank{rank}.json.tmp"
-            tmp.write_text(json.dumps(dict(strategy=a.strategy, world_size=world, rank=rank, config=cfg.to_dict(),
-                                           run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype), steps=recs),
-                                      indent=1))
-            tmp.replace(out / f"rank{rank}.json")
+            rank_report = dict(strategy=a.strategy, world_size=world, rank=rank, config=cfg.to_dict(),
+                               run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype), steps=recs)
+            write_atomic(out / f"rank{rank}.json", json.dumps(rank_report, indent=1))
     except ConfigError as e:
         dist.destroy_process_group()
         print(f"train_step: error: {e}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Fused linear cross-entropy: lm_head + softmax + NLL in token chunks; the (B·S, V) logits never exist.
+"""The fused linear cross-entropy op, linear_ce: lm_head + softmax + NLL in token chunks; the (B·S, V)
+logits never exist.
 
 Liger-Kernel's LigerFusedLinearCrossEntropyFunction runs wherever Triton does (CUDA, or CPU under
 TRITON_INTERPRET inside anatomy.kernels.triton_on_cpu()). Elsewhere a plain-torch mirror of the same
@@ -63,8 +64,7 @@ def per_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
 
 
 @torch.compiler.disable  # Liger's addmm(out_dtype=, out=) fails under fake tensors (torch 2.11): run it eagerly
-def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                               reduction: str = "mean") -> torch.Tensor:
+def linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """x: (T, H), weight: (V, H), targets: (T,) -> mean loss (fp32 scalar), or (T,) losses for "none"."""
     if reduction == "none":
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -91,5 +91,4 @@ class LMHeadLoss(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         # x: (B, S, H), targets: (B, S)
-        return fused_linear_cross_entropy(x.reshape(-1, x.shape[-1]), self.lm_head.weight, targets.reshape(-1),
-                                          reduction)
+        return linear_ce(x.reshape(-1, x.shape[-1]), self.lm_head.weight, targets.reshape(-1), reduction)

@@ -11,8 +11,8 @@ from anatomy.baseline.transformer import Embedding, rope_tables
 from anatomy.config import ModelConfig
 from anatomy.efficient.attention import Attention
 from anatomy.efficient.loss import LMHeadLoss
+from anatomy.efficient.mlp import MLP
 from anatomy.efficient.norm import RMSNorm
-from anatomy.efficient.swiglu import MLP
 
 # (fused key, baseline keys in concatenation order)
 FUSED = (("attn.qkv.weight", ("attn.q.weight", "attn.k.weight", "attn.v.weight")),
@@ -33,8 +33,8 @@ class Block(nn.Module):
         if self.recompute == "mlp":
             # Keep x, the attention branch (compute dtype) and what SDPA keeps; drop both normed inputs,
             # the fp32 residual sum, gate_up and the activation: 6H + 6I bytes a token less per layer
-            # under amp (validations/test_recompute.py counts them). Backward re-runs both norms, the sum, the gate_up matmul and the
-            # activation; no other matmul runs twice (the checkpoints' early stop).
+            # under amp (validations/test_recompute.py counts them). Backward re-runs both norms, the sum,
+            # the gate_up matmul and the activation; no other matmul runs twice (the checkpoints' early stop).
             return self.mlp(x, norm=self.mlp_norm, branch=self.attn(x, cos, sin, norm=self.attn_norm))
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))

@@ -12,7 +12,7 @@ TRITON_INTERPRET=1; ``triton_on_cpu()`` routes the ops themselves through them. 
 documents the dispatch and autocast design; each op's module documents its fusion and savings.
 """
 from anatomy.kernels._dispatch import HAS_TRITON, INTERPRET, triton_on_cpu
-from anatomy.kernels.rmsnorm import (rms_norm, rms_norm_backward_reference, rms_norm_backward_triton,
+from anatomy.kernels.rms_norm import (rms_norm, rms_norm_backward_reference, rms_norm_backward_triton,
                                      rms_norm_reference, rms_norm_triton)
 from anatomy.kernels.rope import (rope_qkv, rope_qkv_backward_reference, rope_qkv_backward_triton, rope_qkv_reference,
                                   rope_qkv_triton)

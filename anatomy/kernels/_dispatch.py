@@ -28,15 +28,15 @@ decoration and sits outside the dispatcher, so torch.ops.anatomy.* calls would n
 
 The eager fast path. Through the dispatcher, one call of a fused op is Python on four layers: the
 autocast kernel (a Python kernel plus an autocast-off context), the custom op's autograd wrapper,
-its backend lookup, and the launcher; its backward the same again. Calibrate timed that on the H200
-host at 144-391 us a forward call and 148-550 us a backward (reports/h200/session7*/h200.json,
-host_custom_us) against 11-20 us for an eager aten op, so that a 6-layer seed step spent more on
-the host than its 39 ms of kernels. So the public functions (rms_norm, rope_qkv, swiglu_packed)
+its backend lookup, and the launcher; its backward the same again. On the H200's host that is
+144-391 us a forward call and 148-550 us a backward, against 11-20 us for an eager aten op (the
+dispatcher path as `anatomy calibrate` times it, host_custom_us), enough for a 6-layer seed step to
+spend more on the host than its 39 ms of kernels. So the public functions (rms_norm, rope_qkv, swiglu_packed)
 run a plain ``torch.autograd.Function`` over the very implementations the custom ops call, with the
 autocast rule applied inline, whenever ``fast_path`` holds: eager plain tensors with no dispatch or
 function mode, no trace and no tensor subclass. Anything else (torch.compile, FakeTensorMode,
 FlopCounterMode, the liveness walk's dispatch mode, DTensor, meta tensors) goes through the custom
-op as before, so what sees ops still sees ``anatomy::*``. validations/test_fast_path.py holds the two
+op, so what sees ops still sees ``anatomy::*``. validations/test_fast_path.py holds the two
 paths to the same bits, saved tensors and in-place gradients.
 """
 from __future__ import annotations
@@ -154,14 +154,13 @@ MIN_ROWS_PER_PROGRAM = 4
 def reduction_programs(device: torch.device, n_rows: int, n_cols: int) -> int:
     """Programs for a kernel that loops over rows and reduces them (an RMSNorm weight gradient).
 
-    About 8K accumulator columns per SM: max(1, 8192 // n_cols) programs per SM. On the H200 (bf16,
-    2026-11-29, torch 2.11 / triton 3.6) this was the best of 1, 2, 4 per SM at every width tried:
-    3.64, 3.67, 3.71 TB/s for N = 2048, 4096, 8192 (with a 3-stage pipelined row loop). Each program
-    takes at least MIN_ROWS_PER_PROGRAM rows: every program leaves one fp32 row of partials for a
-    second kernel to sum, and below ~16K rows one row per program made that sum take up to three times the
-    row pass (reports/h200/session13-small, 1,024-16,384 rows of 256-4096: with this floor and the sum's narrower
-    column blocks, rmsnorm.py, the op takes 0.44-0.99x its old time, 0.44x at 4,096 rows of 256). Under
-    the interpreter, which runs programs one after another, 8 programs."""
+    About 8K accumulator columns per SM: max(1, 8192 // n_cols) programs per SM, the best of 1, 2, 4
+    per SM on the H200 (bf16, torch 2.11 / triton 3.6) at every width tuned: 3.64, 3.67, 3.71 TB/s
+    for N = 2048, 4096, 8192 (with a 3-stage pipelined row loop). Each program takes at least
+    MIN_ROWS_PER_PROGRAM rows: every program leaves one fp32 row of partials for a second kernel to
+    sum, and below ~16K rows one row per program makes that sum take up to three times the row pass
+    (H200, 1,024-16,384 rows of 256-4096; docs/history.md). Under the interpreter, which
+    runs programs one after another, 8 programs."""
     if device.type == "cuda":
         per_sm = max(1, 8192 // max(n_cols, 1))
         sms = torch.cuda.get_device_properties(device).multi_processor_count

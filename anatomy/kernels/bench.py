@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         return (q * c + _rotate_half(q) * s).contiguous(), (k * c + _rotate_half(k) * s).contiguous(), v.contiguous()
 
     cases = [  # name, fused, plain, inputs to differentiate, bytes forward, bytes backward
-        ("rmsnorm", lambda: (rms_norm(x, w),), lambda: (plain_norm(x, w),), (x, w), 2 * M * N * 2, 3 * M * N * 2),
+        ("rms_norm", lambda: (rms_norm(x, w),), lambda: (plain_norm(x, w),), (x, w), 2 * M * N * 2, 3 * M * N * 2),
         ("swiglu", lambda: (swiglu(gate, up),), lambda: (F.silu(gate) * up,), (gate, up), 3 * M * I * 2, 5 * M * I * 2),
         ("rope_qkv", lambda: rope_qkv(qkv, cos, sin, H, KV), lambda: plain_rope(qkv), (qkv,), 2 * qkv.numel() * 2,
          2 * qkv.numel() * 2),

@@ -92,7 +92,7 @@ def eager_case(op: str, width: int, rows: int):
         import torch.nn.functional as F
 
         from anatomy.baseline.norm import RMSNorm
-        from anatomy.baseline.swiglu import GPT_OSS_LIMIT
+        from anatomy.baseline.mlp import GPT_OSS_LIMIT
 
         kind = op.split(".")[0]  # eager_norm, eager_ce, eager_mlp or eager_clamp
         norm, mlp = kind == "eager_norm", kind in ("eager_mlp", "eager_clamp")
@@ -109,7 +109,7 @@ def eager_case(op: str, width: int, rows: int):
 
         def fwd():
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                if kind == "eager_clamp":  # gpt-oss's clamps (anatomy/baseline/swiglu.py): both outputs
+                if kind == "eager_clamp":  # gpt-oss's clamps (anatomy/baseline/mlp.py): both outputs
                     return (cur[0][0].clamp(max=GPT_OSS_LIMIT), cur[0][1].clamp(-GPT_OSS_LIMIT, GPT_OSS_LIMIT) + 1)
                 if mlp:
                     return F.silu(cur[0][0]) * cur[0][1]

@@ -90,7 +90,7 @@ def measure_liger_host(reps: int = 20, vocabs: tuple[int, ...] = LIGER_HOST["voc
 
     if importlib.util.find_spec("liger_kernel") is None:
         return None
-    from anatomy.efficient.loss import fused_linear_cross_entropy
+    from anatomy.efficient.loss import linear_ce
 
     T, H = LIGER_HOST["tokens"], LIGER_HOST["hidden"]
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -102,7 +102,7 @@ def measure_liger_host(reps: int = 20, vocabs: tuple[int, ...] = LIGER_HOST["voc
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = fused_linear_cross_entropy(x, w, t)
+                loss = linear_ce(x, w, t)
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()

@@ -44,10 +44,10 @@ MARKER_LABELS = ("other",) + COMPONENTS + tuple(f"phase:{p}" for p in PHASES)
 _FILE_RULES = tuple((re.compile(p), c) for p, c in (
     (r"anatomy/(?:baseline|efficient)/attention\.py$", "attention"),
     (r"anatomy/(?:baseline|efficient)/norm\.py$", "norm"),
-    (r"anatomy/(?:baseline|efficient)/swiglu\.py$", "mlp"),
+    (r"anatomy/(?:baseline|efficient)/mlp\.py$", "mlp"),
     (r"anatomy/(?:baseline|efficient)/loss\.py$", "loss"),
     (r"anatomy/kernels/rope\.py$", "attention"),
-    (r"anatomy/kernels/rmsnorm\.py$", "norm"),
+    (r"anatomy/kernels/rms_norm\.py$", "norm"),
     (r"anatomy/kernels/swiglu\.py$", "mlp"),
     (r"liger_kernel/.*cross_entropy\.py$", "loss"),
     (r"(?:torch|anatomy)/optim/", "optimizer"),
@@ -166,8 +166,19 @@ def replay(snapshot: dict, device: int = 0, peak_phase: str | None = None) -> Re
     still allocated at the end (snapshot["segments"]) with none: it is `pre_existing`, live from
     the start, and its frees subtract from it as they happen."""
     traces = snapshot.get("device_traces") or [[]]
-    trace = traces[device] if device < len(traces) else []
     r = Replay()
+    live, markers = _walk(traces[device] if device < len(traces) else [], r)
+    end_unseen = sum(b["size"] for s in snapshot.get("segments", []) for b in s.get("blocks", [])
+                     if b.get("state") == "active_allocated" and b.get("address") not in live
+                     and b.get("address") not in markers)
+    r.pre_existing = end_unseen - sum(ev.delta for ev in r.events if ev.alloc is None)
+    _find_peak(r, peak_phase)
+    return r
+
+
+def _walk(trace: list[dict], r: Replay) -> tuple[dict[int, Alloc], set[int]]:
+    """Fill r.events, r.marks and r.steps from the trace; returns the allocations still live at its
+    end and the marker blocks not yet freed (both by address)."""
     label, phase, step = "other", "setup", 0
     live: dict[int, Alloc] = {}
     markers: set[int] = set()
@@ -175,7 +186,7 @@ def replay(snapshot: dict, device: int = 0, peak_phase: str | None = None) -> Re
         act = e.get("action")
         if act == "alloc":
             lab = marker_label(e)
-            if lab is not None:
+            if lab is not None:  # a marker: the running component or phase changes, no memory event
                 markers.add(e["addr"])
                 if lab.startswith("phase:"):
                     phase = lab.removeprefix("phase:")
@@ -191,7 +202,7 @@ def replay(snapshot: dict, device: int = 0, peak_phase: str | None = None) -> Re
             a = Alloc(e["addr"], e["size"], comp, via, kind_of(frames, phase), phase, step, where(frames))
             live[a.addr] = a
             r.events.append(Event(a, a.size, phase, step, label))
-        elif act in ("free_requested", "free"):  # "free": traces from before the requested/completed split
+        elif act in ("free_requested", "free"):  # "free": traces of torches without the requested/completed split
             addr = e.get("addr")
             if addr in markers:
                 markers.discard(addr)
@@ -202,17 +213,18 @@ def replay(snapshot: dict, device: int = 0, peak_phase: str | None = None) -> Re
                 r.events.append(Event(None, -int(e.get("size", 0)), phase, step, label))
         # free_completed (the block becomes reusable: memory_allocated already dropped at the request),
         # segment_alloc/segment_free (cudaMalloc/cudaFree: reserved memory), snapshot, oom: no change
-    end_unseen = sum(b["size"] for s in snapshot.get("segments", []) for b in s.get("blocks", [])
-                     if b.get("state") == "active_allocated" and b.get("address") not in live
-                     and b.get("address") not in markers)
-    r.pre_existing = end_unseen - sum(ev.delta for ev in r.events if ev.alloc is None)
     r.steps = step
+    return live, markers
+
+
+def _find_peak(r: Replay, peak_phase: str | None) -> None:
+    """r.peak and r.peak_pos: the largest running total, pre-existing bytes included (inside
+    `peak_phase` when given)."""
     total, r.peak, r.peak_pos = r.pre_existing, r.pre_existing, -1
     for i, ev in enumerate(r.events):
         total += ev.delta
-        if total > r.peak and peak_phase in (None, ev.phase):  # peak_phase: the peak inside that phase
+        if total > r.peak and peak_phase in (None, ev.phase):
             r.peak, r.peak_pos = total, i
-    return r
 
 
 def attribute_peak(snapshot: dict, top: int = 12, device: int = 0, phase: str | None = None) -> dict:

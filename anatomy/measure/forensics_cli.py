@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from anatomy.io import write_atomic
 from anatomy.measure.forensics import attribute_peak, plot_timeline, replay
 
 
@@ -87,6 +88,14 @@ def main(argv=None) -> int:
         print("anatomy forensics: error: --device cuda needs a CUDA GPU; this machine has none (use --device cpu)",
               file=sys.stderr)
         return 2
+    return _record_and_report(a, cfg, run, device, sys.argv[1:] if argv is None else argv)
+
+
+def _record_and_report(a: argparse.Namespace, cfg, run, device: str, argv: list[str]) -> int:
+    """Measure the phases, record the step's allocations, replay them; write the plot and the JSON
+    report, and print it (a table, or the JSON with --json)."""
+    import torch
+
     if device == "cuda":
         from anatomy.measure.memory import measure_phases, record_step
     else:
@@ -108,7 +117,7 @@ def main(argv=None) -> int:
         import pickle
 
         Path(a.snapshot).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.snapshot).write_bytes(pickle.dumps(snap))
+        write_atomic(a.snapshot, pickle.dumps(snap))
     r = replay(snap, peak_phase=a.peak_phase)
     where = torch.cuda.get_device_name(0) if device == "cuda" else "CPU live tensor storage"
     title = (f"{cfg.name} · {a.variant}{'' if not rec else f' (recompute {run.recompute})'} · B={run.batch} "
@@ -119,11 +128,9 @@ def main(argv=None) -> int:
                   peak=attribute_peak(snap, a.top, phase=a.peak_phase),
                   png=str(png), out=str(out), device=where, torch=torch.__version__,
                   cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                  command="anatomy forensics " + " ".join(sys.argv[1:] if argv is None else argv))
+                  command="anatomy forensics " + " ".join(argv))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(out)
+    write_atomic(out, json.dumps(report, indent=1))
     if a.json:
         print(json.dumps(report, indent=1))
     else:

@@ -1,4 +1,6 @@
-"""What the two AdEMAMix implementations share: hyperparameter checks and the state layout.
+"""What the two AdEMAMix implementations share: hyperparameter checks, the state layout, the
+per-step scalars and the step's bookkeeping (AdEMAMixBase). Each subclass writes the update once,
+in its own form: a per-parameter loop (baseline.py) or foreach ops over a bucket (efficient.py).
 
 State per parameter (same keys in both, so a state_dict moves between them):
     step           Python int, this parameter's update count t. A host int, not a tensor: it costs
@@ -13,7 +15,12 @@ step, which is below bf16's 2**-8 relative resolution: a bf16 m2 would never mov
 """
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
+
+from anatomy.optim.schedules import alpha_at, beta3_at
 
 STATE_KEYS = ("exp_avg_fast", "exp_avg_slow", "exp_avg_sq")
 
@@ -44,3 +51,58 @@ def init_state(state: dict, p: torch.Tensor) -> None:
     state["step"] = 0
     for key in STATE_KEYS:
         state[key] = torch.zeros_like(p, dtype=state_dtype(p), memory_format=torch.preserve_format)
+
+
+class StepScalars(NamedTuple):
+    """The scalars of one step t, in float64 on the host; each implementation rounds them to the
+    state dtype once. In this order they fill efficient.py's (7,) buffer."""
+    lr: float
+    alpha: float  # alpha(t), schedules.alpha_at
+    beta3: float  # beta3(t), schedules.beta3_at
+    one_minus_beta3: float  # in float64: fp32(0.9999) is 1.7e-8 off, 1.7e-4 of 1 - beta3
+    bias_correction1: float  # 1 - beta1^t
+    sqrt_bias_correction2: float  # sqrt(1 - beta2^t)
+    weight_decay: float
+
+
+def step_scalars(group: dict, t: int) -> StepScalars:
+    beta1, beta2, beta3_final = group["betas"]
+    T = group["T_alpha_beta3"]
+    beta3 = beta3_at(t, beta3_final, beta1, T)
+    return StepScalars(group["lr"], alpha_at(t, group["alpha"], T), beta3, 1 - beta3, 1 - beta1 ** t,
+                       math.sqrt(1 - beta2 ** t), group["weight_decay"])
+
+
+class AdEMAMixBase(torch.optim.Optimizer):
+    """AdEMAMix (Pagliardini, Ablin, Grangier, 2024): the step's bookkeeping. A subclass's
+    _update(group, params) applies one step to the group's params that have a gradient, each with
+    its state initialised and its step count already advanced.
+
+    T_alpha_beta3: warm-up length of both alpha (linear from 0) and beta3 (linear in half-life
+    from beta1); None means no warm-up. Weight decay is decoupled (AdamW-style, scaled by lr).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999, 0.9999), alpha: float = 5.0,
+                 eps: float = 1e-8, weight_decay: float = 0.0, T_alpha_beta3: int | None = None):
+        super().__init__(params, make_defaults(lr, betas, alpha, eps, weight_decay, T_alpha_beta3))
+
+    def _update(self, group: dict, params: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    init_state(state, p)
+                state["step"] += 1
+            self._update(group, params)
+        return loss

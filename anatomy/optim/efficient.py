@@ -25,17 +25,13 @@ is a 1.7e-4 relative error in 1 - beta3 (about 1400 fp32 ulps).
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
 
-from anatomy.optim.common import init_state, make_defaults, state_dtype
-from anatomy.optim.schedules import alpha_at, beta3_at
+from anatomy.optim.common import AdEMAMixBase, StepScalars, state_dtype, step_scalars
 
-# order of the per-step scalars in the buffer handed to the kernel
-SCALARS = ("lr", "alpha", "beta3", "one_minus_beta3", "bias_correction1", "sqrt_bias_correction2",
-           "weight_decay")
+SCALARS = StepScalars._fields  # order of the per-step scalars in the buffer handed to the kernel
 
 
 def ademamix_foreach_(params: list[torch.Tensor], grads: list[torch.Tensor], m1s: list[torch.Tensor],
@@ -86,7 +82,7 @@ def compiled_ademamix_foreach_():
     return _compiled
 
 
-class FusedAdEMAMix(torch.optim.Optimizer):
+class FusedAdEMAMix(AdEMAMixBase):
     """AdEMAMix with foreach ops and (optionally) torch.compile; same math and state as
     anatomy.optim.baseline.AdEMAMix, so state_dicts are interchangeable.
 
@@ -96,7 +92,7 @@ class FusedAdEMAMix(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999, 0.9999), alpha: float = 5.0,
                  eps: float = 1e-8, weight_decay: float = 0.0, T_alpha_beta3: int | None = None,
                  *, compile: bool | None = None):
-        super().__init__(params, make_defaults(lr, betas, alpha, eps, weight_decay, T_alpha_beta3))
+        super().__init__(params, lr, betas, alpha, eps, weight_decay, T_alpha_beta3)
         self.compile = compile
 
     def _kernel(self, device: torch.device):
@@ -105,41 +101,21 @@ class FusedAdEMAMix(torch.optim.Optimizer):
 
     @staticmethod
     def _scalars(group: dict, t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        beta1, beta2, beta3_final = group["betas"]
-        T = group["T_alpha_beta3"]
-        beta3 = beta3_at(t, beta3_final, beta1, T)
-        host = torch.tensor([group["lr"], alpha_at(t, group["alpha"], T), beta3, 1 - beta3,
-                             1 - beta1 ** t, math.sqrt(1 - beta2 ** t), group["weight_decay"]],
-                            dtype=torch.float64).to(dtype)
+        host = torch.tensor(step_scalars(group, t), dtype=torch.float64).to(dtype)
         # pageable -> device with non_blocking: the driver stages it and returns, no stream sync
         return host.to(device, non_blocking=True)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            # bucket: one foreach call needs one device and dtype; the step is per parameter (a
-            # parameter whose grad was None on some step lags behind), so it is part of the key.
-            # In training every parameter steps together and there is one bucket per dtype.
-            buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedAdEMAMix does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    init_state(state, p)
-                state["step"] += 1
-                buckets[(p.device, p.dtype, state["step"])].append(p)
-            beta1, beta2, _ = group["betas"]
-            for (device, dtype, t), ps in buckets.items():
-                st = [self.state[p] for p in ps]
-                scalars = self._scalars(group, t, state_dtype(ps[0]), device)
-                self._kernel(device)(ps, [p.grad for p in ps], [s["exp_avg_fast"] for s in st],
-                                     [s["exp_avg_slow"] for s in st], [s["exp_avg_sq"] for s in st],
-                                     scalars, beta1, beta2, group["eps"])
-        return loss
+    def _update(self, group, params) -> None:
+        # bucket: one foreach call needs one device and dtype; the step is per parameter (a parameter
+        # whose grad was None on some step lags behind), so it is part of the key. In training every
+        # parameter steps together and there is one bucket per dtype.
+        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for p in params:
+            buckets[(p.device, p.dtype, self.state[p]["step"])].append(p)
+        beta1, beta2, _ = group["betas"]
+        for (device, dtype, t), ps in buckets.items():
+            st = [self.state[p] for p in ps]
+            scalars = self._scalars(group, t, state_dtype(ps[0]), device)
+            self._kernel(device)(ps, [p.grad for p in ps], [s["exp_avg_fast"] for s in st],
+                                 [s["exp_avg_slow"] for s in st], [s["exp_avg_sq"] for s in st],
+                                 scalars, beta1, beta2, group["eps"])

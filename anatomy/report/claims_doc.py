@@ -61,7 +61,7 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
     (r"ranks vs one process", ["-"], [*_DIST, "anatomy/train/loop.py:train"], []),
     (r"^mean train loss", ["-"], ["anatomy/train/loop.py:train", *_MODELS], []),
     (r"kill \+ resume", ["-"], ["anatomy/train/checkpoint.py:save", "anatomy/train/checkpoint.py:load"], []),
-    (r"^time\.sdpa_kernel", ["anatomy/calculator/sdpa_schedule.py:kernel_s"],
+    (r"^time\.sdpa_kernel", ["anatomy/calculator/timing/sdpa_schedule.py:kernel_s"],
      ["anatomy/efficient/attention.py:Attention", *_TIMELINE], ["TIMING_PROBE", "H200_PROFILE"]),
     (r"^step time", _TIME, ["bench/step.py:main"], ["STEPS", "H200_PROFILE"]),
     (r"^time\.", _TIME, _TIMELINE, ["TIMING_PROBE", "H200_PROFILE"]),

@@ -77,7 +77,6 @@ def profile_text(path: Path, step: Path | None = None) -> str:
     return "\n".join(out)
 
 
-_OP_NAMES = {"rmsnorm": "rms_norm"}  # the records' op names, as the kernels are named in anatomy/kernels/
 
 
 def kernels_table(path: Path) -> str:
@@ -86,7 +85,7 @@ def kernels_table(path: Path) -> str:
     for r in d["rows"]:
         ach = f"{r['tb_s']:.2f} TB/s" if "tb_s" in r else f"{r['tflop_s']:.0f} TFLOP/s"
         frac = r.get("frac_copy", r.get("frac_matmul"))
-        out.append(f"| {_OP_NAMES.get(r['kernel'], r['kernel'])} | {r['impl']} | {r['ms']:.3f} | {ach} | {frac:.0%} |")
+        out.append(f"| {r['kernel']} | {r['impl']} | {r['ms']:.3f} | {ach} | {frac:.0%} |")
     out += ["", f"{d['preset']} shapes, B={d['batch']} S={d['seq']}, bf16; ceilings measured in the same run: copy "
             f"{d['copy_tb_s']:.2f} TB/s, bf16 matmul {d['matmul_tflop_s']:.0f} TFLOP/s. Source: {_src(d)}."]
     return "\n".join(out)
@@ -104,7 +103,7 @@ def kernels_gpu_only_table(path: Path, bar_tbps: float = 0.85 * 4.24) -> str:
             continue
         name, ph = r["op"].split()
         verdict = "met" if r["gpu_only_tbps"] >= bar_tbps else "not met"
-        out.append(f"| {_OP_NAMES.get(name, name)} | {ph} | {r['gpu_only_us']:.1f} | {r['gpu_only_tbps']:.2f} TB/s | "
+        out.append(f"| {name} | {ph} | {r['gpu_only_us']:.1f} | {r['gpu_only_tbps']:.2f} TB/s | "
                    f"{verdict} | {r['steady_us']:.1f} | {r['cpu_issue_us']:.1f} |")
     out += ["", f"{d['shape']} shapes (B·S = {d['M']:,} rows, hidden {d['N']}, intermediate {d['I']}, {d['H']} heads of "
             f"{d['D']}), bf16 leaves. Source: {d['gpu']}, torch {d['torch']}, CUDA {d['cuda']}, {d['date']}: "

@@ -49,7 +49,7 @@ def compare_kernel_records(gpu: str | dict = "h200-measured") -> list[dict]:
         rec = json.loads(path.read_text())
         cfg = ModelConfig.from_name(rec["preset"])
         for row in rec["rows"]:
-            if (row["kernel"], row["impl"]) in (("rmsnorm", "ours"), ("swiglu", "ours"), ("rope_qkv", "ours"),
+            if (row["kernel"], row["impl"]) in (("rms_norm", "ours"), ("swiglu", "ours"), ("rope_qkv", "ours"),
                                                 ("linear_ce", "liger")):
                 rows, segs, _ = timing.predict(timing.standalone_kernels(row["kernel"], cfg, rec["batch"], rec["seq"]), prof)
                 t = max(sum(s["gpu_s"] for s in segs), sum(s["host_s"] for s in segs))  # no sync between calls

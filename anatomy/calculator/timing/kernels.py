@@ -64,10 +64,10 @@ def kernels(cfg: ModelConfig, run: Run, variant: str, sdpa_backend: str | None =
 
 def standalone_kernels(op: str, cfg: ModelConfig, batch: int, seq: int) -> list[Kernel]:
     """One bf16 fused op, forward + backward, as bench/kernels.py times it (leaves, no autocast,
-    a random upstream gradient): "rmsnorm", "swiglu", "rope_qkv" (ours) or "linear_ce" (Liger)."""
+    a random upstream gradient): "rms_norm", "swiglu", "rope_qkv" (ours) or "linear_ce" (Liger)."""
     o = Ops(cfg, Run(batch, seq, "bf16"))
     T, H, I, D, c = o.run.tokens, cfg.hidden, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim, o.c
-    if op == "rmsnorm":
+    if op == "rms_norm":
         o.mem("rms_norm", "norm", "forward", T * H * c, T * H * c, host="rms_norm.forward")
         o.mem("rms_norm.backward", "norm", "backward", 2 * T * H * c, T * H * c, host="rms_norm.backward")
         o.mem("rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H, T), host=None)

@@ -86,7 +86,7 @@ def eager_ce_backward(T: int, V: int, c: int = 2, r: int = 4) -> list[tuple[str,
 
 
 def eager_mlp_forward(T: int, I: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
-    """The baseline's SwiGLU between its matmuls (anatomy/baseline/swiglu.py): silu(gate), then the product
+    """The baseline's SwiGLU between its matmuls (anatomy/baseline/mlp.py): silu(gate), then the product
     with up, over (T, I) in the compute dtype; backward: the product's two gradients, then silu's."""
     TI = T * I * c
     return [("silu", TI, TI), ("mul", 2 * TI, TI)]
@@ -98,7 +98,7 @@ def eager_mlp_backward(T: int, I: int, c: int = 2, r: int = 4) -> list[tuple[str
 
 
 def eager_clamp_forward(T: int, I: int, c: int = 2, r: int = 4) -> list[tuple[str, int, int]]:
-    """gpt-oss's clamps before the baseline's SwiGLU (anatomy/baseline/swiglu.py): gate.clamp(max=L),
+    """gpt-oss's clamps before the baseline's SwiGLU (anatomy/baseline/mlp.py): gate.clamp(max=L),
     up.clamp(-L, L) + 1, over (T, I) in the compute dtype. Backward, as ATen's clamp_backward runs it:
     where(mask, grad, 0) with the mask from one comparison (gate) or two and their logical_and (up), a
     byte (bool) per element."""

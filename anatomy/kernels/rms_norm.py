@@ -34,8 +34,8 @@ MAX_BLOCK = 65536  # a row lives in one program's registers; hidden sizes of rea
 @jit
 def _rms_norm_fwd_kernel(X, W, Y, stride_x, stride_y, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # One program normalizes BLOCK_M rows as one (BLOCK_M, BLOCK_N) tile. Narrow rows are packed
-    # (_fwd_tile): at hidden 512, one 1 KB row per program left the H200 at 3.0 TB/s on the seed's
-    # 65,536 rows (session 7); a tile of several rows gives each program enough bytes in flight.
+    # (_fwd_tile): one 1 KB row per program (hidden 512) keeps too few bytes in flight to fill HBM;
+    # a tile of several rows gives each program enough.
     rws = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # (BLOCK_M, 1)
     cols = tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
     mask = (rws < M) & (cols < N)
@@ -51,8 +51,8 @@ def _rms_norm_bwd_kernel(DY, X, W, DX, DW, stride_dy, stride_x, stride_dx, M, N,
     # Each program owns `rows_per_program` consecutive rows, walks them BLOCK_M rows at a time
     # (_bwd_tile) and accumulates their share of dweight in fp32 registers; the (programs, N)
     # partials are summed by _sum_partials_kernel. The loop is software-pipelined (NUM_STAGES=3: the
-    # next tile's loads are in flight while one is reduced): on the H200 that took this kernel from
-    # 2.6 to 3.5-3.7 TB/s at hidden >= 2048.
+    # next tile's loads are in flight while one is reduced): 3.5-3.7 TB/s on the H200 at hidden >= 2048,
+    # 2.6 unpipelined.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)[None, :]  # (1, BLOCK_N)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
@@ -93,9 +93,9 @@ def _sum_partials_kernel(P, DW, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constex
 # ---- launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) ------------------------
 def _fwd_tile(block: int) -> tuple[int, int]:
     """(rows per tile, warps) of the forward: 2048-element tiles of narrow rows, one row from 2048 up.
-    scripts/tune_rms_norm.py on the H200 (session7c; x fp32, y bf16, 16,384 and 65,536 rows): at
-    hidden 512, 4 rows and 8 warps gave 4.04 TB/s where one row per program gave 3.75; from 2048 up,
-    one row (8 warps) was best."""
+    The best setting of the H200 tuning (docs/history.md; x fp32, y bf16, 16,384 and 65,536 rows):
+    at hidden 512, 4 rows and 8 warps reach 4.04 TB/s against 3.75 for one row per program; from
+    2048 up, one row (8 warps) is fastest."""
     bm = max(1, 2048 // block)
     return bm, num_warps(bm * block)
 
@@ -103,17 +103,17 @@ def _fwd_tile(block: int) -> tuple[int, int]:
 def _bwd_tile(block: int) -> tuple[int, int]:
     """(rows per tile, warps) of the backward's row loop (3 pipeline stages), from the same tuning:
     one row and 4 warps up to hidden 4096 (3.54-3.94 TB/s), two rows at 1024 (3.55 and 3.47 TB/s
-    at 65,536 and 16,384 rows, against 2.86 for one row at 16,384); wider rows as before."""
+    at 65,536 and 16,384 rows, against 2.86 for one row at 16,384); num_warps(block) above 4096."""
     bm = 2 if block == 1024 else 1
     return bm, 4 if block <= 4096 else num_warps(block)
 
 
 def _sum_block(block: int) -> int:
     """Columns per program of the dw partial sum, each program walking all partial rows in 4096-element
-    tiles: latency-bound, so the more programs the better. At hidden 512, 64-column blocks left 8 programs
-    for 2,112 partial rows (session 7's seed bench: 115 us for the op). 8-column blocks (16 from hidden 4096)
-    were the fastest of 8-64 at 24 of the 25 shapes of reports/h200/session13-small (1,024-16,384 rows of
-    256-4096; the 25th within 3%): 1.7-8.2 us a sum, against 4.2-14.0 us for the old 16-64-column blocks."""
+    tiles: latency-bound, so the more programs the better (64-column blocks leave 8 programs at hidden
+    512). 8-column blocks (16 from hidden 4096) are the fastest of 8-64 on the H200 at 24 of 25 shapes
+    of 1,024-16,384 rows of 256-4096, the 25th within 3%: 1.7-8.2 us
+    a sum, against 4.2-14.0 us for 16-64-column blocks (docs/history.md)."""
     return 8 if block <= 2048 else 16
 
 
