@@ -56,7 +56,12 @@ def train(cfg: ModelConfig, run: Run, variant: str, data: TokenData, o: TrainOpt
     pl = place(o, variant)
     try:
         with _locked(o.ckpt_dir, pl):
-            return Trainer(cfg, run, variant, data, o, pl, loss_hook).run(display)
+            summary = Trainer(cfg, run, variant, data, o, pl, loss_hook).run(display)
+        if pl.owns_group:
+            # no rank closes its sockets while a peer still works (rank 0 writes the log and plot last):
+            # every rank reaches the teardown together
+            dist.barrier()
+        return summary
     finally:
         if pl.owns_group and dist.is_initialized():
             dist.destroy_process_group()

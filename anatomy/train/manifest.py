@@ -172,8 +172,8 @@ def find(run_dir: Path, prefer: Path | None, warn: Callable[[str], None]) -> tup
             return p, skipped
         except Damaged as e:
             skipped += 1
-            warn(f"checkpoint {p} is damaged: {e}; trying an older one")
+            warn(f"checkpoint {p} is damaged: {e}")
         except OSError as e:
             skipped += 1
-            warn(f"checkpoint {p} cannot be read: {e.strerror or e}; trying an older one")
+            warn(f"checkpoint {p} cannot be read: {e.strerror or e}")
     return None, skipped

@@ -61,7 +61,7 @@ class TrainOptions:
         # the update is lr × a normalised step (AdEMAMix's up to 1 + alpha): an lr past the parameter
         # dtype's range overflows inside the optimizer, so it is refused here
         top = torch.finfo(torch.float64 if self.param_dtype == "float64" else torch.float32).max
-        if self.lr > top / 1e3:
+        if self.lr > top:
             raise ConfigError(f"--lr {self.lr:g} overflows the parameters' dtype (its largest value is {top:.3g}); "
                               f"learning rates are of order 1e-4 to 1e-2")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):

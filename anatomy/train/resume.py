@@ -50,11 +50,14 @@ def latest(run_dir: str | Path, warn: Callable[[str], None] = lambda _: None) ->
 
 def _choose(o: TrainOptions, warn: Callable[[str], None]) -> tuple[Path | None, str]:
     d = run_dir(o)
-    found, skipped = mf.find(d, _preference(o, d), warn)
+    damaged: list[str] = []
+    found, _ = mf.find(d, _preference(o, d), damaged.append)
     if found is not None:
+        for line in damaged:  # one line per checkpoint passed over
+            warn(f"{line}; skipped, resuming from the older {found.name}")
         return found, ""
-    if skipped:
-        raise ConfigError(f"no intact checkpoint in {d}: {skipped} damaged (reported above), none to resume from")
+    if damaged:
+        raise ConfigError(f"no intact checkpoint in {d} ({len(damaged)} damaged; the newest: {damaged[0]})")
     if o.resume != "latest":
         raise ConfigError(f"--resume {o.resume}: no checkpoint there (a step-NNNNNNNN folder with a manifest.json)")
     return None, f" · no checkpoint in {d} yet: starting at step 0"
