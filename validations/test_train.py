@@ -122,10 +122,10 @@ def test_variants_follow_the_same_loss_curve(policy, data, fp64_curve, tmp_path,
 def test_recompute_trains_the_same_curve(data, tmp_path, monkeypatch):
     """`anatomy train --variant efficient --recompute mlp` runs the recomputing model (Run.recompute in
     its log's identity) and, recompute being exact, follows the plain efficient curve bit for bit."""
-    from anatomy.train import loop
+    from anatomy.train import setup
 
-    built, init = [], loop.init_model
-    monkeypatch.setattr(loop, "init_model", lambda *a, **k: built.append(init(*a, **k)) or built[-1])
+    built, init = [], setup.init_model
+    monkeypatch.setattr(setup, "init_model", lambda *a, **k: built.append(init(*a, **k)) or built[-1])
     plain = train(TINY, Run(4, 64, "fp32"), "efficient", data, TrainOptions(steps=4, eval_every=0, progress="none",
                                                                            plot=False, out=str(tmp_path / "p")))
     rec = train(TINY, Run(4, 64, "fp32", "mlp"), "efficient", data, TrainOptions(steps=4, eval_every=0,
