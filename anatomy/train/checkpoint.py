@@ -2,8 +2,9 @@
 read back can run code (no pickle, no torch.load).
 
 The folder's files and checks: anatomy/train/manifest.py. What a shard holds (every rank writes its own):
-    model/<fqn>               the parameter: the whole tensor in one process, this rank's dim-0 shard of
-                              the DTensor under FSDP2 (FSDP2 shards every parameter on dim 0, in rank order)
+    model/<fqn>               the parameter: this rank's dim-0 shard of the DTensor under FSDP2 (FSDP2
+                              shards every parameter on dim 0, in rank order); a replicated tensor (one
+                              process, DDP) whole, in rank 0's shard only
     optim/<fqn>/<key>         the optimizer's tensor state, sharded the same way; non-tensor state (AdEMAMix's
                               step, a Python int) goes to the header's `scalars`
     rng/torch, rng/cuda       this rank's torch generator states; Python's in the header's `python_rng`
@@ -146,6 +147,8 @@ def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer: tor
 
     msd, osd = get_state_dict(model, optimizer)
     tensors, sharded, scalars = _flatten(msd, osd)
+    if rank != 0:  # a replicated tensor (DDP's every one, FSDP2's AdamW step) is written by rank 0 alone
+        tensors = {k: tensors[k] for k in sharded}
     rng, python_rng = _rng_tensors()
     meta = dict(format=mf.FORMAT, rank=str(rank), world=str(world), sharded=json.dumps(sharded),
                 scalars=json.dumps(scalars), python_rng=python_rng)

@@ -167,7 +167,7 @@ class Trainer:
 
     def step(self, step: int, first: bool) -> None:
         """One optimizer step; Diverged before the update when the loss or gradient is not finite."""
-        B, S, pl = self.run_.batch, self.run_.seq, self.pl
+        B, pl = self.run_.batch, self.pl
         t0 = time.perf_counter()
         x, y = self.train_b.get(self.consumed + pl.rank * B, pl.device)
         lr = lr_at(step, self.o)
@@ -207,8 +207,9 @@ class Trainer:
                               f"{str(e).splitlines()[0][:120]}") from None
         self.opt.zero_grad(set_to_none=True)
         if first:
-            bad = torch.stack([~torch.isfinite(p.detach()).all() for p in self.params]).any()
-            if ranks.max_int(int(bad.item())):
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in self.params]  # this rank's shard
+            bad = any(not bool(torch.isfinite(p.detach()).all()) for p in local)
+            if ranks.max_int(int(bad)):
                 raise ConfigError(f"--lr {self.o.lr:g} makes the first update non-finite (step {step}, lr {lr:.3g}): "
                                   f"the weights overflow; learning rates are of order 1e-4 to 1e-2")
 
