@@ -222,9 +222,17 @@ def _read_shards(folder: Path, m: dict) -> tuple[dict[str, torch.Tensor], dict, 
         for k, v in shard.items():
             if not k.startswith("rng/"):
                 pieces.setdefault(k, []).append(v)
-    sharded = set(json.loads(headers[0]["sharded"]))
-    full = {k: (torch.cat(v) if k in sharded else v[0]) for k, v in pieces.items()}
-    return full, json.loads(headers[0]["scalars"]), rngs, headers
+    sharded, scalars = json.loads(headers[0]["sharded"]), json.loads(headers[0]["scalars"])
+    if not (isinstance(sharded, list) and isinstance(scalars, dict)
+            and all(isinstance(v, (bool, int, float)) for v in scalars.values())):
+        raise mf.Damaged("a shard's header lists no sharded keys or non-numeric scalars")
+    for h in headers:
+        version, state, gauss = json.loads(h["python_rng"])  # checked now: restored after the weights
+        if not (isinstance(version, int) and isinstance(state, list) and len(state) == 625  # MT19937's 624 + index
+                and all(isinstance(x, int) for x in state) and (gauss is None or isinstance(gauss, float))):
+            raise mf.Damaged("a shard's header holds no Python RNG state")
+    full = {k: (torch.cat(v) if k in set(sharded) else v[0]) for k, v in pieces.items()}
+    return full, scalars, rngs, headers
 
 
 def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -236,8 +244,9 @@ def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     try:
         m = mf.read_manifest(folder)
         trainer = json.loads(_read_verified(folder, mf.TRAINER, m))
+        mf.check_trainer(trainer, m["step"])
         full, scalars, rngs, headers = _read_shards(folder, m)
-    except (mf.Damaged, OSError, ValueError, KeyError) as e:
+    except (mf.Damaged, OSError, ValueError, KeyError, TypeError) as e:
         fail = e
     if ranks.max_int(int(fail is not None)):
         raise ConfigError(f"checkpoint {folder} changed or became unreadable while it was loaded: "

@@ -108,7 +108,10 @@ def read_manifest(folder: Path) -> dict:
         raise Damaged(f"{MANIFEST} lacks a world size or a file list")
     want = {TRAINER, *(shard_name(r, world) for r in range(world))}
     if set(files) != want:
-        raise Damaged(f"{MANIFEST} lists {sorted(files)}, not the {len(want)} files of a {world}-rank checkpoint")
+        raise Damaged(f"{MANIFEST} lists {sorted(files)[:4]}, not the {len(want)} files of a {world}-rank checkpoint")
+    for name, f in files.items():
+        if not (isinstance(f, dict) and isinstance(f.get("sha256"), str) and isinstance(f.get("bytes"), int)):
+            raise Damaged(f"{MANIFEST}'s entry for {name} lacks a sha256 or a size")
     if m.get("step") != step_of(folder):
         raise Damaged(f"{MANIFEST} says step {m.get('step')!r} in folder {folder.name}")
     return m
@@ -125,14 +128,27 @@ def check(folder: Path) -> dict:
     m = read_manifest(folder)
     for name, want in m["files"].items():
         size = _regular(folder / name, name).st_size
-        if not isinstance(want, dict) or size != want.get("bytes"):
-            raise Damaged(f"{name} is {size:,} bytes, the manifest says {want.get('bytes')!r} (truncated or grown)")
-        if _digest_file(folder / name)[0] != want.get("sha256"):
+        if size != want["bytes"]:
+            raise Damaged(f"{name} is {size:,} bytes, the manifest says {want['bytes']:,} (truncated or grown)")
+        if _digest_file(folder / name)[0] != want["sha256"]:
             raise Damaged(f"{name} does not match its sha256 in the manifest (corrupted)")
-    tr = read_json(folder / TRAINER, TRAINER)
-    if tr.get("step") != m["step"]:
-        raise Damaged(f"{TRAINER} says step {tr.get('step')!r}, the manifest {m['step']}")
+    check_trainer(read_json(folder / TRAINER, TRAINER), m["step"])
     return m
+
+
+TRAINER_FIELDS = dict(step=int, consumed=int, steps=int, history=dict, identity=dict)
+HISTORY_FIELDS = ("loss", "lr", "tokens_per_s", "eval")
+
+
+def check_trainer(tr: dict, step: int) -> None:
+    for k, typ in TRAINER_FIELDS.items():
+        if isinstance(tr.get(k), bool) or not isinstance(tr.get(k), typ):
+            raise Damaged(f"{TRAINER} lacks {k} ({typ.__name__})")
+    if tr["step"] != step:
+        raise Damaged(f"{TRAINER} says step {tr['step']}, the manifest {step}")
+    h = tr["history"]
+    if not all(isinstance(h.get(k), list) for k in HISTORY_FIELDS) or len(h["loss"]) != step:
+        raise Damaged(f"{TRAINER}'s history does not hold {step} steps")
 
 
 def candidates(run_dir: Path) -> list[Path]:
