@@ -94,7 +94,9 @@ def _flip_in(pick):
 
 def _replace(name: str, old: bytes, new: bytes):
     def damage(step: Path) -> None:
-        _edit(step / name, lambda raw: raw.replace(old, new, 1) if old in raw else pytest.fail(f"{old!r} not in {name}"))
+        raw = (step / name).read_bytes()
+        assert old in raw, f"{old!r} not in {name}"
+        (step / name).write_bytes(raw.replace(old, new, 1))
     return damage
 
 

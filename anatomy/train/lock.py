@@ -69,7 +69,8 @@ class RunLock:
             os.close(fd)  # flock free but the owner may live: another host, or a file system without flock
             raise self._refuse(owner)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(dict(pid=os.getpid(), host=host, since=time.strftime("%Y-%m-%d %H:%M:%S"))).encode(), 0)
+        me = dict(pid=os.getpid(), host=host, since=time.strftime("%Y-%m-%d %H:%M:%S"))
+        os.pwrite(fd, json.dumps(me).encode(), 0)
         os.fsync(fd)
         self.fd = fd
 
