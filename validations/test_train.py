@@ -25,6 +25,7 @@ from anatomy.train import checkpoint as ckpt
 from anatomy.train import cli
 from anatomy.train.data import Batches, load_data
 from anatomy.train.loop import Diverged, TrainOptions, train
+from anatomy.train.resume import latest
 from anatomy.train.tokenizer import EOT
 
 TINY = ModelConfig(name="tiny-gqa", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512)
@@ -121,10 +122,10 @@ def test_variants_follow_the_same_loss_curve(policy, data, fp64_curve, tmp_path,
 def test_recompute_trains_the_same_curve(data, tmp_path, monkeypatch):
     """`anatomy train --variant efficient --recompute mlp` runs the recomputing model (Run.recompute in
     its log's identity) and, recompute being exact, follows the plain efficient curve bit for bit."""
-    from anatomy.train import loop
+    from anatomy.train import setup
 
-    built, init = [], loop.init_model
-    monkeypatch.setattr(loop, "init_model", lambda *a, **k: built.append(init(*a, **k)) or built[-1])
+    built, init = [], setup.init_model
+    monkeypatch.setattr(setup, "init_model", lambda *a, **k: built.append(init(*a, **k)) or built[-1])
     plain = train(TINY, Run(4, 64, "fp32"), "efficient", data, TrainOptions(steps=4, eval_every=0, progress="none",
                                                                            plot=False, out=str(tmp_path / "p")))
     rec = train(TINY, Run(4, 64, "fp32", "mlp"), "efficient", data, TrainOptions(steps=4, eval_every=0,
@@ -163,9 +164,9 @@ def test_kill_and_resume_repeats_the_curve_exactly(variant, policy, fault, cache
     ck = tmp_path / "killed"
     r = _run_cli([*common, "--ckpt-dir", str(ck)], env=dict(ENV, ANATOMY_TRAIN_FAULT=fault))
     assert r.returncode == -signal.SIGKILL, r.stderr
-    assert ckpt.latest(ck) == ckpt.step_dir(ck, 4)  # the last committed checkpoint
+    assert latest(ck) == ckpt.step_dir(ck, 4)  # the last committed checkpoint
     if fault.startswith("kill-in-save"):
-        assert (ck / ".tmp-step-00000008").is_dir() and not ckpt.step_dir(ck, 8).exists()
+        assert any(ck.glob(".tmp-step-00000008-*/manifest.json")) and not ckpt.step_dir(ck, 8).exists()
     assert cli.main([*common, "--ckpt-dir", str(ck), "--resume"]) == 0
     got = _losses(ck)
     claims.check("loss after kill + resume equals the uninterrupted run's", component="train",
@@ -269,7 +270,7 @@ def test_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(args, env, b
     assert rc == cli.EXIT_DIVERGED, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "nan" in err.lower() and f"at step {bad_step}" in err and str(ckpt.step_dir(ck, last_good)) in err, err
-    assert ckpt.latest(ck) == ckpt.step_dir(ck, last_good)
+    assert latest(ck) == ckpt.step_dir(ck, last_good)
     assert not ckpt.step_dir(ck, bad_step).exists()
     log = json.loads((ck / "train_log.json").read_text())
     assert log["status"] == "diverged" and len(log["steps"]) == bad_step - 1
@@ -278,7 +279,7 @@ def test_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(args, env, b
 
     o = TrainOptions(steps=10)
     model = init_model(TINY, "baseline", "cpu", torch.float32, seed=1)
-    tr = ckpt.load(ck, model, make_optimizer("ademamix", "baseline", model, o, torch.device("cpu")))
+    tr = ckpt.load(latest(ck), model, make_optimizer("ademamix", "baseline", model, o, torch.device("cpu")))
     assert tr["step"] == last_good and all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -303,6 +304,9 @@ BAD = {  # id: (arguments, what the one line must say)
     "hf-without-datasets": (["--data", "{hf}"], "pip install datasets"),
     "steps-0": (["--steps", "0"], "--steps must be a positive integer"),
     "lr-nan": (["--lr", "nan"], "--lr must be a positive number"),
+    "lr-overflow": (["--lr", "1e39"], "overflows the parameters' dtype"),
+    "lr-first-update-overflows": (["--lr", "3e38", "--weight-decay", "10", "--dtype", "fp32"],
+                                  "makes the first update non-finite"),
     "optimizer": (["--optimizer", "sgd"], "--optimizer must be one of"),
     "variant": (["--variant", "turbo"], "unknown variant"),
     "recompute-baseline": (["--recompute", "mlp"], "option of the efficient variant"),
@@ -350,6 +354,10 @@ def test_bad_input_exit_code_of_the_process(tmp_path):
 
 
 # ---- 6. torchrun: DDP (baseline) and FSDP2 (efficient) ----------------------------------------------
+CLAIM_TWO_RANKS = {"ddp": "mean train loss over 30 steps, ddp on 2 ranks vs one process",
+                   "fsdp": "mean train loss over 30 steps, fsdp on 2 ranks vs one process"}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("variant, strategy", [("baseline", "ddp"), ("efficient", "fsdp")])
@@ -372,14 +380,19 @@ def test_torchrun_two_ranks_follow_the_one_process_curve(variant, strategy, cach
     one = _curve(data, tmp_path / "one", "baseline", "fp32")
     err_one, err_dist = _rel(one, fp64_curve), _rel(got, fp64_curve)
     bound = 2 * err_one
-    claims.check(f"mean train loss over 30 steps, {strategy} on 2 ranks vs one process", component="comm",
+    claims.check(CLAIM_TWO_RANKS[strategy], component="comm",
                  config=TINY.name, variant=f"{variant}/fp32", predicted=one.mean().item(),
                  measured=got.mean().item(), tolerance=bound + err_one, unit="nats",
                  note=f"curve error vs float64: one process {err_one:.2e}, {strategy} {err_dist:.2e}")
     assert err_dist <= bound, f"{strategy}: curve error {err_dist:.3e} > 2 × one process's {err_one:.3e}"
-    # resume the sharded checkpoint at step 20 and repeat steps 21..30 exactly
+    shard = ckpt.step_dir(out, 30) / "shard-00001-of-00002.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0x01  # in the last tensor's bytes
+    shard.write_bytes(bytes(raw))
     again = tmp_path / "again"
-    r = subprocess.run([*cmd, "--resume", str(ckpt.step_dir(out, 20)), "--out", str(again)], capture_output=True,
-                       text=True, timeout=300, env=ENV)
+    r = subprocess.run([*cmd, "--resume", "--out", str(again)], capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
+    warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("anatomy train: warning:")]
+    assert len(warnings) == 1 and "step-00000030" in warnings[0] and "shard-00001-of-00002" in warnings[0], r.stderr
+    assert json.loads((again / "train_log.json").read_text())["start_step"] == 20
     assert _losses(again) == _losses(out)

@@ -121,8 +121,8 @@ def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> lis
     (torch.multiprocessing terminates the others); a collective that never completes times out."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, f"tcp://127.0.0.1:{_free_port()}", scenarios, d, timeout_s),
+    with tempfile.TemporaryDirectory() as d:  # a FileStore in it: no TCP port another process could take first
+        mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s),
                  nprocs=world, join=True)
         return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
 

@@ -6,7 +6,8 @@ Hugging Face dataset, or the embedded default corpus; one process, or DDP/FSDP2 
     torchrun --nproc_per_node 2 -m anatomy.cli train --variant efficient ...   # FSDP2 (DDP for baseline)
 
 Exit codes: 0 done; 2 bad input (one line on stderr); 3 the loss or gradient went NaN/inf (the
-last good checkpoint is kept); 130 interrupted. See docs/training.md.
+last good checkpoint is kept); 130 interrupted. A full disk, a damaged checkpoint with no intact
+one to fall back on, a run directory in use: one line, exit 2. See docs/training.md.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from anatomy.config import ConfigError, Run
 
 PROG = "anatomy train"
 EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 2, 3, 130
+_EXTRA = ("safetensors", "tokenizers")  # the `train` extra of pyproject.toml
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,12 +60,14 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evals; 0: only at the end")
     t.add_argument("--eval-batches", type=int, default=d.eval_batches)
     t.add_argument("--seed", type=int, default=d.seed, help="initial weights and data order")
-    c = p.add_argument_group("checkpoints (torch.distributed.checkpoint, written atomically)")
+    c = p.add_argument_group("checkpoints (safetensors + a sha256 manifest, written atomically, verified on resume)")
     c.add_argument("--ckpt-dir", help="where checkpoints go (none written without it)")
     c.add_argument("--ckpt-every", type=int, help="steps between checkpoints (default: --eval-every)")
-    c.add_argument("--keep", type=int, default=d.keep, help="newest checkpoints kept; 0 keeps all")
+    c.add_argument("--keep", type=int, default=d.keep,
+                   help="newest checkpoints of this run kept (others' are never touched); 0 keeps all")
     c.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
-                   help="continue from PATH, or (no PATH) from the latest checkpoint in --ckpt-dir if any")
+                   help="continue from PATH (a run directory or its step-N folder), or (no PATH) from the latest "
+                        "checkpoint in --ckpt-dir if any; a damaged one is reported and an older one used")
     r = p.add_argument_group("where and how")
     r.add_argument("--device", help="cpu | cuda (default: cuda when present)")
     r.add_argument("--strategy", default=d.strategy,
@@ -100,8 +104,13 @@ def main(argv=None) -> int:
         return EXIT_BAD_INPUT
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
-    from anatomy.train.loop import Diverged
-
+    try:
+        from anatomy.train.loop import Diverged
+    except ModuleNotFoundError as e:
+        if e.name not in _EXTRA:
+            raise
+        _say("error", f"anatomy train needs {e.name}: pip install 'efficient-llm-anatomy[train]'")
+        return EXIT_BAD_INPUT
     try:
         from anatomy.cli import config_from_args
         from anatomy.models import VARIANTS
@@ -121,6 +130,11 @@ def main(argv=None) -> int:
         summary = train(cfg, run, a.variant, data, opts)
     except ConfigError as e:
         _say("error", e)
+        return EXIT_BAD_INPUT
+    except ModuleNotFoundError as e:
+        if e.name not in _EXTRA:
+            raise
+        _say("error", f"anatomy train needs {e.name}: pip install 'efficient-llm-anatomy[train]'")
         return EXIT_BAD_INPUT
     except Diverged as e:
         _say("diverged", e)

@@ -1,17 +1,15 @@
 """What a run leaves behind: train_log.json (the source of truth: every step's loss, lr, tokens/s,
-and the eval losses) and loss.png drawn from it. Both written atomically (temp file, then rename)."""
+and the eval losses) and loss.png drawn from it. Both written by anatomy.io.write_atomic; a write that
+fails (a full disk) is one line naming the file (checkpoint.StorageError)."""
 from __future__ import annotations
 
+import io
 import json
-import os
 import time
 from pathlib import Path
 
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+from anatomy.io import write_atomic
+from anatomy.train.checkpoint import storage_error
 
 
 def log_dict(summary: dict) -> dict:
@@ -42,18 +40,23 @@ def plot(log: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    _atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 def write(out: str | Path, summary: dict, plot_png: bool = True) -> dict:
     """Write train_log.json and (plot_png) loss.png under `out`; returns their paths."""
     d = Path(out)
-    d.mkdir(parents=True, exist_ok=True)
     log = log_dict(summary)
     log_path, png = d / "train_log.json", d / "loss.png"
-    _atomic(log_path, lambda tmp: tmp.write_text(json.dumps(log, indent=1)))
-    if not plot_png:
-        return dict(log=str(log_path), plot=None)
-    plot(log, png)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        write_atomic(log_path, json.dumps(log, indent=1))
+        if not plot_png:
+            return dict(log=str(log_path), plot=None)
+        plot(log, png)
+    except OSError as e:
+        raise storage_error(e, f"the run's log in {d}") from None
     return dict(log=str(log_path), plot=str(png))
