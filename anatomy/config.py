@@ -298,14 +298,23 @@ def _display_name(name_or_path: str | None, folder: str) -> str:
     """A model's name for titles and file stems: the last part of `_name_or_path` (so no absolute path
     reaches a report), in letters, digits and . _ + - only (no control character or markup reaches a
     terminal, no path separator reaches a file name)."""
-    last = re.split(r"[/\\]", (name_or_path or "").rstrip("/\\"))[-1] or folder
-    name = re.sub(r"[^A-Za-z0-9._+-]", "_", last)[:64].strip(".")
-    return name or "hf"
+    def clean(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._+-]", "_", text)[:64].strip(".")
+
+    return clean(re.split(r"[/\\]", (name_or_path or "").strip().rstrip("/\\"))[-1]) or clean(folder) or "hf"
+
+
+def _full_rotary(f: _Field) -> None:
+    factor = f.number("partial_rotary_factor", below=1.0 + 1e-12)
+    if factor is not None and factor != 1.0:
+        raise ConfigError(f"{f.where}: {f.prefix}partial_rotary_factor={factor:g} is not modelled (RoPE turns the "
+                          "whole head here)")
 
 
 def _rope(f: _Field, notes: list[str]) -> float | None:
     """rope_theta from rope_parameters (transformers 5) or the top level; scaling kinds noted, not refused."""
     theta = f.number("rope_theta")
+    _full_rotary(f)
     for key in ("rope_scaling", "rope_parameters"):
         block = f.obj(key)
         if not block:
@@ -317,10 +326,7 @@ def _rope(f: _Field, notes: list[str]) -> float | None:
             if kind not in ROPE_KINDS:
                 raise g.fail("rope_type", f"one of {', '.join(ROPE_KINDS)}", kind)
             theta = g.number("rope_theta") or theta
-            factor = g.number("partial_rotary_factor", below=1.0 + 1e-12)
-            if factor is not None and factor != 1.0:
-                raise ConfigError(f"{f.where}: partial_rotary_factor={factor:g} is not modelled (RoPE over the "
-                                  "whole head here)")
+            _full_rotary(g)
             if kind not in ("default", "mrope"):
                 factor = g.number("factor")
                 notes.append(f"RoPE scaling {kind}{f' (factor {factor:g})' if factor else ''} read from {key}: it "
