@@ -215,8 +215,11 @@ JSON_VALUE = st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max
                                                                              max_size=3)), max_leaves=6)
 
 
-def _deep(depth: int):
-    return json.loads("[" * depth + "]" * depth)
+DEEP = "__deep__"  # a placeholder: the nesting is spliced into the bytes (json itself could not build it)
+
+
+def _splice_deep(raw: bytes, depth: int) -> bytes:
+    return raw.replace(json.dumps(DEEP).encode(), b"[" * depth + b"]" * depth)
 
 
 @st.composite
@@ -232,11 +235,11 @@ def mutated(draw, base: dict, keys: list[str]) -> bytes:
         elif how == "set":
             d[key] = draw(JSON_VALUE)
         elif how == "deep":
-            d[key] = _deep(draw(st.sampled_from([50, 500, 5000])))
+            d[key] = DEEP
         else:  # a nested block mutated one level down
             sub = d.get(key) if isinstance(d.get(key), dict) else {}
             d[key] = {**sub, draw(st.sampled_from(["rope_type", "type", "factor", "rope_theta"])): draw(JSON_VALUE)}
-    raw = json.dumps(d).encode()  # NaN and Infinity written as JSON's non-standard constants
+    raw = _splice_deep(json.dumps(d).encode(), draw(st.sampled_from([50, 500, 5000])))  # NaN, Infinity as JSON's
     tail = draw(st.sampled_from(["none", "none", "latin1", "cut", "wrap", "bom"]))
     if tail == "latin1":
         raw = raw.replace(b'"llama"', b'"ll\xe9ama"').replace(b"}", b"\xff}", 1)
@@ -250,7 +253,7 @@ def mutated(draw, base: dict, keys: list[str]) -> bytes:
 
 
 @_examples(150)
-@given(mutated(HF_BASE, HF_KEYS), st.sampled_from([[], ["--seq", "8192"], ["--gpu", "H200"], ["--layers", "2"]]))
+@given(raw=mutated(HF_BASE, HF_KEYS), extra=st.sampled_from([[], ["--seq", "8192"], ["--gpu", "H200"], ["--layers", "2"]]))
 def test_fuzz_hf_config(raw, extra, tmp_path_factory):
     p = tmp_path_factory.mktemp("hf") / "config.json"
     p.write_bytes(raw)
@@ -291,7 +294,7 @@ def mutated_profile(draw) -> bytes:
             if how == "delete" and isinstance(node, dict):
                 node.pop(path[-1], None)
             else:
-                node[path[-1]] = draw(st.one_of(JSON_VALUE, st.just(_deep(2000)), st.just("h200.json")))
+                node[path[-1]] = draw(st.one_of(JSON_VALUE, st.just(DEEP), st.just("h200.json")))
         except (KeyError, IndexError, TypeError):  # an earlier mutation changed the shape
             pass
     raw = json.dumps(d).encode()
@@ -302,11 +305,11 @@ def mutated_profile(draw) -> bytes:
         raw = raw[: draw(st.integers(0, len(raw)))]
     elif tail == "self":  # a profile whose base is itself
         raw = json.dumps({**d, "base": "profile.json"}).encode()
-    return raw
+    return _splice_deep(raw, 2000)
 
 
 @_examples(100)
-@given(mutated_profile())
+@given(raw=mutated_profile())
 def test_fuzz_gpu_profile(raw, tmp_path_factory):
     p = tmp_path_factory.mktemp("gpu") / "profile.json"
     p.write_bytes(raw)
