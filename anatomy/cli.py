@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -279,6 +280,17 @@ def cmd_report(argv) -> int:
     return 0
 
 
+def _nonfinite(x, path: str = "") -> str | None:
+    """The dotted key of the first NaN or infinity in a result, or None."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return path or "the top"
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else ()
+    for k, v in items:
+        if (where := _nonfinite(v, f"{path}.{k}" if path else str(k))) is not None:
+            return where
+    return None
+
+
 def version() -> str:
     from importlib.metadata import PackageNotFoundError, version as dist_version
 
@@ -351,7 +363,9 @@ def main(argv=None) -> int:
         if run.recompute != "none" and a.variant != "efficient":
             raise ConfigError(f"--recompute {run.recompute} is an option of the efficient variant (--variant efficient)")
         out = COMMANDS[a.cmd](a, cfg, run)
-        text = json.dumps(out, indent=1, allow_nan=False) if a.json else None
+        if (where := _nonfinite(out)) is not None:  # a profile or a config value outside what the model covers
+            raise ConfigError(f"the {a.cmd} came out non-finite at {where}: an input is out of the model's range")
+        text = json.dumps(out, indent=1) if a.json else None
     except ConfigError as e:
         print(f"anatomy {a.cmd}: error: {oneline(e)}", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from anatomy.cli import main
@@ -33,8 +33,8 @@ COUNTS: Counter = Counter()
 NONFINITE = re.compile(r"(?<![A-Za-z_])(nan|inf|infinity)(?![A-Za-z_])", re.IGNORECASE)
 
 
-def _examples(n: int):
-    return settings(max_examples=max(1, int(n * SCALE)), deadline=None,
+def _examples(n: int, **kw):
+    return settings(max_examples=max(1, int(n * SCALE)), deadline=None, **kw,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
 
@@ -265,8 +265,8 @@ def test_fuzz_hf_config(raw, extra, tmp_path_factory):
 
 
 # ---- GPU profile mutations: exit 2 and one line expected of the profile loader -----------------------
-# The loader is anatomy/calculator/gpus.py's (anatomy/calculator/timing/profile.py): this test states
-# the contract the strict loader keeps; it fails where a mutated profile gives a traceback or a NaN.
+# The loader is the timing model's (anatomy/calculator/gpus.py, anatomy/calculator/timing/profile.py): this
+# test states the contract a strict loader keeps, and fails where a mutated profile gives a traceback or a NaN.
 PROFILE = json.loads((Path(__file__).parents[1] / "anatomy/calculator/profiles/h200.json").read_text())
 
 
@@ -281,20 +281,30 @@ def _paths(d, prefix=()):
 PROFILE_PATHS = [p for p in _paths(PROFILE) if len(p) <= 4]
 
 
+class Blob(bytes):
+    """Bytes that show as the mutations that made them (a profile is 54 kB: too long for a failure message)."""
+
+    how: list
+
+    def __repr__(self):
+        return f"<profile.json after {self.how}>"
+
+
 @st.composite
-def mutated_profile(draw) -> bytes:
-    d = json.loads(json.dumps(PROFILE))
+def mutated_profile(draw) -> Blob:
+    d, how = json.loads(json.dumps(PROFILE)), []
     for _ in range(draw(st.integers(1, 3))):
         path = draw(st.sampled_from(PROFILE_PATHS))
         node = d
         try:
             for k in path[:-1]:
                 node = node[k]
-            how = draw(st.sampled_from(["set", "set", "delete"]))
-            if how == "delete" and isinstance(node, dict):
+            if draw(st.integers(0, 2)) == 0 and isinstance(node, dict):
                 node.pop(path[-1], None)
+                how.append(f"del {'.'.join(map(str, path))}")
             else:
-                node[path[-1]] = draw(st.one_of(JSON_VALUE, st.just(DEEP), st.just("h200.json")))
+                node[path[-1]] = v = draw(st.one_of(JSON_VALUE, st.just(DEEP), st.just("h200.json")))
+                how.append(f"{'.'.join(map(str, path))} = {str(v)[:60]}")
         except (KeyError, IndexError, TypeError):  # an earlier mutation changed the shape
             pass
     raw = json.dumps(d).encode()
@@ -305,10 +315,12 @@ def mutated_profile(draw) -> bytes:
         raw = raw[: draw(st.integers(0, len(raw)))]
     elif tail == "self":  # a profile whose base is itself
         raw = json.dumps({**d, "base": "profile.json"}).encode()
-    return _splice_deep(raw, 2000)
+    blob = Blob(_splice_deep(raw, 2000))
+    blob.how = [*how, tail]
+    return blob
 
 
-@_examples(100)
+@_examples(100, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: each example is 54 kB
 @given(raw=mutated_profile())
 def test_fuzz_gpu_profile(raw, tmp_path_factory):
     p = tmp_path_factory.mktemp("gpu") / "profile.json"
