@@ -165,7 +165,7 @@ def test_fuzz_estimate_flags(argv):
     run_cli(argv, "estimate")
 
 
-@_examples(40)
+@_examples(30)
 @given(st.sampled_from(["measure", "compare"]).flatmap(
     lambda c: argv_for(c, {k: v for k, v in MODEL_FLAGS.items() if k not in ("--batch", "--seq")} |
                        {"--device": st.just("cpu")}, TINY, wild=1)))
@@ -180,7 +180,7 @@ def test_fuzz_sweep_flags(argv):
     run_cli(argv, "sweep")
 
 
-@_examples(10)
+@_examples(6)
 @given(argv_for("forensics", FORENSICS_FLAGS, [*TINY, "--device", "cpu"], wild=1))
 def test_fuzz_forensics_flags(argv):
     run_cli(argv, "forensics")
@@ -320,7 +320,7 @@ def mutated_profile(draw) -> Blob:
     return blob
 
 
-@_examples(100, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: each example is 54 kB
+@_examples(60, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: each example is 54 kB
 @given(raw=mutated_profile())
 def test_fuzz_gpu_profile(raw, tmp_path_factory):
     p = tmp_path_factory.mktemp("gpu") / "profile.json"
