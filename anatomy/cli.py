@@ -4,7 +4,6 @@ Bad input gets one line on stderr and exit code 2, never a traceback.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -160,7 +159,11 @@ def _print(cmd: str, out: dict) -> None:
     from rich.table import Table
 
     con = Console(highlight=False)
-    out = dict(out, config=dict(out["config"], name=escape(out["config"]["name"])))
+    out = dict(out, config=dict(out["config"], name=escape(out["config"]["name"])))  # names and paths: no markup
+    if "time" in out:
+        out["time"] = dict(out["time"], gpu=escape(oneline(out["time"]["gpu"])))
+    if "fits" in out.get("memory", {}):
+        out["memory"] = dict(out["memory"], fits=dict(out["memory"]["fits"], gpu=escape(oneline(out["memory"]["fits"]["gpu"]))))
     if cmd == "compare":
         sr = out["saved_run"]
         t = Table(title=f"{out['config']['name']} · {out['variant']} · B={out['run']['batch']} S={out['run']['seq']} "
@@ -233,7 +236,7 @@ def _print(cmd: str, out: dict) -> None:
         if tm["host_bound"]:
             con.print("host-bound: the CPU issuing the kernels, not the GPU, sets this step's pace; on the H200 "
                       "machines measured, a host-bound step's time moved by 10-20% between processes and within "
-                      "one (docs/timing.md, sessions 9-14), while its kernel time held to ±10%")
+                      "one (docs/timing.md), while its kernel time held to ±10%")
         from anatomy.calculator import gpus
 
         measured = f"{gpus.profile_stem(tm['profile'])}-measured"

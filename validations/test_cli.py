@@ -126,7 +126,7 @@ def test_version_and_plain_help(capsys):
       "1000000"], "by prediction"),
 ])
 def test_out_of_range_input_is_one_line(args, needle, capsys):
-    rc, out, err = _main(args, capsys)
+    rc, _, err = _main(args, capsys)
     assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 

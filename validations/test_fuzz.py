@@ -257,7 +257,7 @@ def mutated(draw, base: dict, keys: list[str]) -> bytes:
 def test_fuzz_hf_config(raw, extra, tmp_path_factory):
     p = tmp_path_factory.mktemp("hf") / "config.json"
     p.write_bytes(raw)
-    rc, out, err = run_cli(["estimate", "--hf-config", str(p), "--batch", "1", "--seq", "1024", *extra, "--json"],
+    rc, out, _ = run_cli(["estimate", "--hf-config", str(p), "--batch", "1", "--seq", "1024", *extra, "--json"],
                            "config.json")
     if rc == 0:
         cfg = json.loads(out)["config"]
