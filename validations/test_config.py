@@ -124,11 +124,10 @@ REAL = {
 
 
 @pytest.mark.parametrize("name", REAL)
-def test_real_hf_config_reads_and_counts(tmp_path, name, claims):
+def test_real_hf_config_reads_and_counts(tmp_path, name):
     d, published = REAL[name]
     hf = read_hf_config(_write(tmp_path, d))
-    claims.check("params equal the published count", component="model", config=name, variant="any",
-                 predicted=published, measured=param_count(hf.config))
+    assert param_count(hf.config) == published  # the published count (the models' safetensors totals)
     if "rope_scaling" in d:  # llama3 scaling is read, and said to change no count
         assert len(hf.notes) == 1 and "RoPE scaling llama3" in hf.notes[0] and "no count" in hf.notes[0]
     assert hf.sliding_window == d.get("sliding_window")
