@@ -4,65 +4,17 @@ Bad input gets one line on stderr and exit code 2, never a traceback.
 """
 from __future__ import annotations
 
-import argparse
 import json
+import math
 import os
 import sys
 
-from anatomy.config import ConfigError, ModelConfig, Run, PRESETS, from_hf_config
+from anatomy.cli_args import DEFAULT_PRESET, Parser, add_config_flags, config_from_args, nonempty  # noqa: F401
+from anatomy.config import ConfigError, ModelConfig, Run, oneline
 
-DEFAULT_PRESET = "seed"
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own usage errors: one line, exit 2
-        print(f"anatomy: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _add_config_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model (a preset, an HF config.json, or explicit fields; fields override)")
-    g.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default {DEFAULT_PRESET})")
-    g.add_argument("--hf-config", metavar="PATH", help="a Hugging Face Llama-family config.json or its folder")
-    for f in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab"):
-        g.add_argument(f"--{f}", type=int)
-    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--mlp", choices=("swiglu", "gpt-oss"))
-    r = p.add_argument_group("run")
-    r.add_argument("--batch", type=int, default=16)
-    r.add_argument("--seq", type=int, default=4096)
-    r.add_argument("--dtype", default="amp", help="amp (bf16 autocast, fp32 master weights) | bf16 | fp32")
-    r.add_argument("--variant", default="baseline", help="baseline | efficient")
-    r.add_argument("--recompute", default="none",
-                   help="efficient only: none | mlp (keep the block input, the attention branch and SDPA's "
-                        "tensors; re-run both norms, gate_up and the activation in backward)")
-    p.add_argument("--json", action="store_true", help="machine-readable output (keys in the README)")
-
-
-def config_from_args(a) -> ModelConfig:
-    if a.preset and a.hf_config:
-        raise ConfigError("give --preset or --hf-config, not both")
-    explicit = {k: getattr(a, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab",
-                                           "tie_embeddings", "mlp") if getattr(a, k) is not None}
-    if a.hf_config:
-        base = from_hf_config(a.hf_config)
-    elif a.preset or not explicit:
-        base = ModelConfig.from_name(a.preset or DEFAULT_PRESET)
-    else:
-        base = None
-    if base is None:
-        missing = [k for k in ("hidden", "layers", "heads", "intermediate", "vocab") if k not in explicit]
-        if missing:
-            raise ConfigError(f"without --preset, give --{' --'.join(m.replace('_', '-') for m in missing)}")
-        return ModelConfig(**explicit)
-    d = base.to_dict()
-    if "heads" in explicit and "kv_heads" not in explicit:
-        d["kv_heads"] = None
-    d.update(explicit)
-    if explicit:
-        d["name"] = f"{base.name}+custom"
-    return ModelConfig(**d)
-
+_Parser = Parser
+_add_config_flags = add_config_flags  # the name anatomy/train/cli.py imports
+MAX_WORLD = 2**20  # data-parallel ranks: more GPUs than any cluster has
 
 def _check_variant(v: str) -> str:
     if v not in ("baseline", "efficient"):
@@ -85,8 +37,8 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
     if a.world_size != 1 or a.strategy:
         from anatomy.calculator.comm import estimate_distributed
 
-        if a.world_size < 1:
-            raise ConfigError(f"--world-size must be >= 1, got {a.world_size}")
+        if not 1 <= a.world_size <= MAX_WORLD:
+            raise ConfigError(f"--world-size must be between 1 and {MAX_WORLD:,}, got {a.world_size:.3g}")
         strategy = a.strategy or ("fsdp" if a.variant == "efficient" else "ddp")
         out["distributed"] = estimate_distributed(cfg, run, a.world_size, strategy)
     if a.gpu is not None:
@@ -107,28 +59,43 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
     return out
 
 
-def _fits(cfg, run, variant, device) -> bool:
-    """A predicted OOM is avoided, not crashed into: will the saved tensors fit in a quarter of memory?"""
-    from anatomy.calculator import estimate
+GiB = 2**30
 
-    need = estimate(cfg, run, variant).to_dict()["memory"]["saved"]["total"] + 4 * 4 * estimate(cfg, run, variant).params
+
+def _usable_bytes(device: str) -> float:
+    """Memory a measurement may take: 80% of what CUDA reports free, or a quarter of this machine's RAM."""
     if device == "cuda":
         import torch
 
-        free, _ = torch.cuda.mem_get_info()
-        return need < 0.8 * free
-    return need < 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return 0.8 * torch.cuda.mem_get_info()[0]
+    return 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _need_bytes(cfg, run, variant, device) -> int:
+    """A measurement's size by prediction: the saved tensors and 16 B a parameter (weights in fp32,
+    gradients, and room for the transients)."""
+    from anatomy.calculator import estimate
+
+    est = estimate(cfg, run, variant, device=device)
+    return est.to_dict()["memory"]["saved"]["total"] + 16 * est.params
 
 
 def _measurable_run(cfg, run, variant, device) -> Run:
+    """The run itself, or a smaller one (batch 1, then halved sequences) whose predicted size fits this
+    device; a model that fits at no size is refused before anything is allocated."""
+    cap = _usable_bytes(device)
+    if 16 * cfg.rough_params > cap:  # the weights alone: no need to walk the layers
+        raise ConfigError(f"measuring {cfg.name} needs at least {16 * cfg.rough_params / GiB:,.1f} GiB by prediction "
+                          f"(16 B a parameter); {cap / GiB:,.1f} GiB of this {device} device is usable")
     r = run
-    while not _fits(cfg, r, variant, device):
+    while (need := _need_bytes(cfg, r, variant, device)) > cap:
         if r.batch > 1:
             r = Run(batch=1, seq=r.seq, dtype=r.dtype, recompute=r.recompute)
         elif r.seq > 16:
             r = Run(batch=1, seq=r.seq // 2, dtype=r.dtype, recompute=r.recompute)
         else:
-            break
+            raise ConfigError(f"measuring {cfg.name} needs {need / GiB:,.1f} GiB by prediction even at batch 1, seq "
+                              f"{r.seq}; {cap / GiB:,.1f} GiB of this {device} device is usable")
     return r
 
 
@@ -152,7 +119,7 @@ def cmd_measure(a, cfg: ModelConfig, run: Run) -> dict:
 
     dev = _device(a)
     sr = _measurable_run(cfg, run, _check_variant(a.variant), dev)
-    return measure(cfg, run, a.variant, dev, saved_run=sr)
+    return {"config": cfg.to_dict(), "run": run.to_dict(), **measure(cfg, run, a.variant, dev, saved_run=sr)}
 
 
 def _rel(p, m):  # the same convention as the claims report: (predicted - measured) / measured
@@ -188,9 +155,15 @@ def _fmt(n, unit="") -> str:
 
 def _print(cmd: str, out: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    con = Console()
+    con = Console(highlight=False)
+    out = dict(out, config=dict(out["config"], name=escape(out["config"]["name"])))  # names and paths: no markup
+    if "time" in out:
+        out["time"] = dict(out["time"], gpu=escape(oneline(out["time"]["gpu"])))
+    if "fits" in out.get("memory", {}):
+        out["memory"] = dict(out["memory"], fits=dict(out["memory"]["fits"], gpu=escape(oneline(out["memory"]["fits"]["gpu"]))))
     if cmd == "compare":
         sr = out["saved_run"]
         t = Table(title=f"{out['config']['name']} · {out['variant']} · B={out['run']['batch']} S={out['run']['seq']} "
@@ -207,7 +180,18 @@ def _print(cmd: str, out: dict) -> None:
                       f"fit this {out['device']} device ({how}).")
         return
     if cmd == "measure":
-        con.print_json(json.dumps(out))
+        t = Table(title=f"{out['config']['name']} · {out['variant']} · measured on {out['device']}")
+        for c in ("quantity", "measured", "at"):
+            t.add_column(c, justify="left" if c != "measured" else "right")
+        fr, sr = out["flops"]["run"], out["memory"]["saved"]["run"]
+        at = lambda r: f"B={r['batch']} S={r['seq']} {r['dtype']}"  # noqa: E731
+        t.add_row("params", _fmt(out["params"]), "")
+        for d in ("forward", "backward"):
+            t.add_row(f"flops.counter.{d}", _fmt(out["flops"]["counter"][d], "FLOP"), at(fr))
+        t.add_row("memory.saved.total", _fmt(out["memory"]["saved"]["total"], "B"), at(sr))
+        for comp, b in out["memory"]["saved"]["by_component"].items():
+            t.add_row(f"saved · {comp}", _fmt(b, "B"), at(sr))
+        con.print(t)
         return
     t = Table(title=f"{out['config']['name']} · {out['variant']} · B={out['run']['batch']} S={out['run']['seq']} "
                     f"{out['run']['dtype']}{_recompute(out)}")
@@ -252,7 +236,7 @@ def _print(cmd: str, out: dict) -> None:
         if tm["host_bound"]:
             con.print("host-bound: the CPU issuing the kernels, not the GPU, sets this step's pace; on the H200 "
                       "machines measured, a host-bound step's time moved by 10-20% between processes and within "
-                      "one (docs/timing.md, sessions 9-14), while its kernel time held to ±10%")
+                      "one (docs/timing.md), while its kernel time held to ±10%")
         from anatomy.calculator.timing import lookup as gpus
 
         measured = f"{gpus.profile_stem(tm['profile'])}-measured"
@@ -299,43 +283,82 @@ def cmd_report(argv) -> int:
     return 0
 
 
+def _nonfinite(x, path: str = "") -> str | None:
+    """The dotted key of the first NaN or infinity in a result, or None."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return path or "the top"
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, (list, tuple)) else ()
+    for k, v in items:
+        if (where := _nonfinite(v, f"{path}.{k}" if path else str(k))) is not None:
+            return where
+    return None
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    from anatomy import __version__
+
+    try:
+        return dist_version("efficient-llm-anatomy")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        return __version__
+
+
+# each command: the help line `anatomy -h` lists, and the description `anatomy CMD -h` opens with
+HELP = {
+    "estimate": ("predict parameters, FLOPs, saved tensors and memory from the architecture alone (no model "
+                 "is built); with --gpu, the step time too"),
+    "measure": "build the model on this machine and measure its parameters, FLOPs and saved tensors",
+    "compare": "estimate and measure side by side, with the relative error of each figure",
+    "report": "regenerate the README's generated tables from the claims JSON (see: anatomy report -h)",
+    "train": "train a model on this machine, or on several GPUs under torchrun (see: anatomy train -h)",
+    "sweep": "estimate (and optionally measure) over a grid of configs (see: anatomy sweep -h)",
+    "forensics": "run a step and show memory by phase and what is live at the peak (see: anatomy forensics -h)",
+    "calibrate": "measure this GPU's profile for the step-time model (see: anatomy calibrate -h)",
+}
+
+
+def _delegate(cmd: str, argv: list[str]) -> int:
+    """The commands whose flags live beside their code."""
+    if cmd == "report":
+        return cmd_report(argv)
+    if cmd == "train":
+        from anatomy.train.cli import main as run
+    elif cmd == "sweep":
+        from anatomy.sweep import main as run
+    elif cmd == "forensics":
+        from anatomy.measure.forensics import main as run
+    else:
+        from anatomy.measure.calibrate import main as run
+    return run(argv)
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["report"]:
-        return cmd_report(argv[1:])
-    if argv[:1] == ["train"]:
-        from anatomy.train.cli import main as train_main
-
-        return train_main(argv[1:])
-    if argv[:1] == ["sweep"]:
-        from anatomy.sweep import main as sweep_main
-
-        return sweep_main(argv[1:])
-    if argv[:1] == ["forensics"]:
-        from anatomy.measure.forensics import main as forensics_main
-
-        return forensics_main(argv[1:])
-    if argv[:1] == ["calibrate"]:
-        from anatomy.measure.calibrate import main as calibrate_main
-
-        return calibrate_main(argv[1:])
-    p = _Parser(prog="anatomy", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in ("report", "train", "sweep", "forensics", "calibrate"):
+        return _delegate(argv[0], argv[1:])
+    p = Parser(prog="anatomy", description="Where every byte and FLOP of a transformer training step goes: "
+                                           "predict it, measure it, compare the two.")
+    p.add_argument("--version", action="version", version=f"anatomy {version()}")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser, metavar="COMMAND")
     for name in COMMANDS:
-        sp = sub.add_parser(name, help=COMMANDS[name].__name__)
-        _add_config_flags(sp)
-        sp.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if present, else cpu")
+        sp = sub.add_parser(name, help=HELP[name], description=HELP[name])
+        add_config_flags(sp)
+        sp.add_argument("--device", choices=("cpu", "cuda"),
+                        help="the device predicted for or measured on (default: cuda if present, else cpu)"
+                        if name != "estimate" else "the device predicted for (default: cuda)")
         if name == "estimate":
-            sp.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (per-rank memory, comm)")
+            sp.add_argument("--world-size", type=int, default=1, metavar="N",
+                            help="data-parallel ranks (per-rank memory, communication)")
             sp.add_argument("--strategy", choices=("ddp", "fsdp"),
-                            help="default: ddp for the baseline, fsdp for the efficient variant")
-            sp.add_argument("--gpu", help="predict step time on this GPU: a name (H200, H100, A100-80GB, RTX4090, "
-                                          "h200-measured, ...) or a profile JSON from `anatomy calibrate`")
-    sub.add_parser("report", help="regenerate README tables from claims JSON (see: anatomy report -h)")
-    sub.add_parser("train", help="train a model (see: anatomy train -h)")
-    sub.add_parser("sweep", help="estimate (and measure) over a config grid (see: anatomy sweep -h)")
-    sub.add_parser("forensics", help="on a GPU: memory phases and what is live at the peak (see: anatomy forensics -h)")
-    sub.add_parser("calibrate", help="measure this GPU's profile for the timing model (see: anatomy calibrate -h)")
+                            help="data-parallel strategy (default: ddp for the baseline, fsdp for the efficient "
+                                 "variant)")
+            sp.add_argument("--gpu", type=nonempty, metavar="NAME|PATH",
+                            help="predict the step time on this GPU: a name (H200, H100, A100-80GB, RTX4090, "
+                                 "h200-measured, ...) or a profile JSON written by `anatomy calibrate`")
+    for name in ("report", "train", "sweep", "forensics", "calibrate"):
+        sub.add_parser(name, help=HELP[name], add_help=False)
     a = p.parse_args(argv)
     try:
         cfg = config_from_args(a)
@@ -343,11 +366,16 @@ def main(argv=None) -> int:
         if run.recompute != "none" and a.variant != "efficient":
             raise ConfigError(f"--recompute {run.recompute} is an option of the efficient variant (--variant efficient)")
         out = COMMANDS[a.cmd](a, cfg, run)
+        if (where := _nonfinite(out)) is not None:  # a profile or a config value outside what the model covers
+            raise ConfigError(f"the {a.cmd} came out non-finite at {where}: an input is out of the model's range")
+        text = json.dumps(out, indent=1) if a.json else None
     except ConfigError as e:
-        print(f"anatomy: error: {e}", file=sys.stderr)
+        print(f"anatomy {a.cmd}: error: {oneline(e)}", file=sys.stderr)
         return 2
+    for note in a.config_notes:
+        print(f"anatomy {a.cmd}: note: {oneline(note)}", file=sys.stderr)
     if a.json:
-        print(json.dumps(out, indent=1))
+        print(text)
     else:
         _print(a.cmd, out)
     return 0

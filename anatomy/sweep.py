@@ -24,31 +24,33 @@ import argparse
 import gc
 import itertools
 import json
+import math
 import os
 import platform
 import sys
 import time
 from pathlib import Path
 
-from anatomy.config import PRESETS, ConfigError, ModelConfig, Run
+from anatomy.cli_args import Parser, nonempty
+from anatomy.config import MAX_LAYERS, MAX_WIDTH, PRESETS, ConfigError, ModelConfig, Run, oneline
+from anatomy.io import write_atomic
 
 VARIANTS = ("baseline", "efficient")
 COMPONENTS = ("embedding", "attention", "norm", "mlp", "loss")
 GiB = 2**30
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's usage errors: one line, exit 2
-        print(f"anatomy sweep: error: {message}", file=sys.stderr)
-        sys.exit(2)
+MAX_POINTS = 10_000  # grid points in one sweep: an estimate each takes milliseconds to a second
+MAX_MEM_LIMIT_GIB = 2**20  # a pebibyte: more memory than any one machine has
 
 
 def _list(kind):
     def parse(text: str):
+        items = [t.strip() for t in text.split(",")]
+        if not any(items) or any(not t for t in items[:-1]):
+            raise argparse.ArgumentTypeError(f"empty value in {oneline(repr(text), 60)}")
         try:
-            return [kind(t) for t in text.split(",") if t.strip()]
+            return [kind(t) for t in items if t]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a {kind.__name__} list: {text!r}") from None
+            raise argparse.ArgumentTypeError(f"not a {kind.__name__} list: {oneline(repr(text), 60)}") from None
     parse.__name__ = f"{kind.__name__} list"
     return parse
 
@@ -61,6 +63,9 @@ def _flat(values, default):
 # ---- the grid ----------------------------------------------------------------------------------
 def reshape(base: ModelConfig, hidden: int | None = None, layers: int | None = None) -> ModelConfig:
     """`base` at another width and/or depth, keeping head_dim, the GQA group and the MLP ratio."""
+    for flag, v, top in (("--hidden", hidden, MAX_WIDTH), ("--layers", layers, MAX_LAYERS)):
+        if v is not None and not 0 < v <= top:
+            raise ConfigError(f"{flag} must be between 1 and {top:,}, got {v:.3g}")
     d = base.to_dict()
     name = base.name
     if hidden is not None and hidden != base.hidden:
@@ -225,13 +230,12 @@ def machine() -> dict:
 
 def write_report(path: Path, report: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(path)  # atomic: a reader never sees half a report
+    write_atomic(path, json.dumps(report, indent=1, allow_nan=False))  # a reader never sees half a report
 
 
 def _summary(rows: list[dict]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title="anatomy sweep (MiB = 2^20 B)")
@@ -250,16 +254,16 @@ def _summary(rows: list[dict]) -> None:
             saved += f" / {r['measured'] / 2**20:,.1f}"
         bad = [x for x in same if x["passed"] is False]
         status = r["status"] + (f" ({len(bad)} mismatched)" if bad else "")
-        t.add_row(r["config"], str(r["batch"]), str(r["seq"]), r["variant"], f"{params['predicted']:,}",
+        t.add_row(escape(r["config"]), str(r["batch"]), str(r["seq"]), r["variant"], f"{params['predicted']:,}",
                   f"{fwd['predicted'] / 1e9:,.2f}", saved, f"{need['predicted'] / 2**20:,.1f}" if need else "",
                   status)
-    Console().print(t)
+    Console(highlight=False).print(t)
 
 
 def main(argv=None) -> int:
     """anatomy sweep: the calculator (and optionally a measurement) over a grid of configs."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = _Parser(prog="anatomy sweep", description=main.__doc__)
+    p = Parser(prog="anatomy sweep", description=main.__doc__)
     p.add_argument("--preset", nargs="+", type=_list(str), help=f"presets (default seed): {', '.join(PRESETS)}")
     p.add_argument("--hidden", nargs="+", type=_list(int), help="widths (keeps head_dim, GQA group, MLP ratio)")
     p.add_argument("--layers", nargs="+", type=_list(int), help="depths")
@@ -273,7 +277,7 @@ def main(argv=None) -> int:
                    help="the device predicted for and measured on (auto: cuda if present, else cpu)")
     p.add_argument("--mem-limit", type=float, metavar="GIB",
                    help="memory a measurement may use, GiB (default: what this device has available)")
-    p.add_argument("--out", default=".anatomy/sweep.json", help="the JSON report (written atomically)")
+    p.add_argument("--out", default=".anatomy/sweep.json", type=nonempty, help="the JSON report (written atomically)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary table")
     a = p.parse_args(argv)
     measure = a.measure == "on"
@@ -286,15 +290,21 @@ def main(argv=None) -> int:
             if dev == "cuda" and not has_cuda:
                 raise ConfigError("--device cuda --measure asked for, but this machine has no CUDA GPU")
             dev = "cuda" if dev == "cuda" or has_cuda else "cpu"
-        if a.mem_limit is not None and not a.mem_limit > 0:
-            raise ConfigError(f"--mem-limit must be > 0 GiB, got {a.mem_limit}")
+        if a.mem_limit is not None and not 0 < a.mem_limit <= MAX_MEM_LIMIT_GIB:
+            raise ConfigError(f"--mem-limit must be a number of GiB > 0 and at most {MAX_MEM_LIMIT_GIB:,}, "
+                              f"got {a.mem_limit}")
+        lists = [_flat(a.preset, ["seed"]), _flat(a.hidden, [None]), _flat(a.layers, [None]), _flat(a.batch, [16]),
+                 _flat(a.seq, [4096]), _flat(a.dtype, ["amp"]), _flat(a.variant, VARIANTS)]
+        if math.prod(len(x) for x in lists) > MAX_POINTS:
+            raise ConfigError(f"the grid has {math.prod(len(x) for x in lists):,} points; at most {MAX_POINTS:,} "
+                              "in one sweep")
         points = grid(_flat(a.preset, ["seed"]), _flat(a.hidden, []), _flat(a.layers, []), _flat(a.batch, [16]),
                       _flat(a.seq, [4096]), _flat(a.dtype, ["amp"]), _flat(a.variant, VARIANTS))
         out = Path(a.out)
         if out.is_dir():
             raise ConfigError(f"--out {a.out} is a directory; give a file path")
     except ConfigError as e:
-        print(f"anatomy sweep: error: {e}", file=sys.stderr)
+        print(f"anatomy sweep: error: {oneline(e)}", file=sys.stderr)
         return 2
     limit = int(a.mem_limit * GiB) if a.mem_limit is not None else None
     t0 = time.time()
@@ -323,8 +333,8 @@ def main(argv=None) -> int:
                   rows=rows)
     try:
         write_report(Path(a.out), report)
-    except OSError as e:
-        print(f"anatomy sweep: error: cannot write {a.out}: {e.strerror or e}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        print(f"anatomy sweep: error: cannot write {oneline(a.out)}: {oneline(getattr(e, 'strerror', None) or e)}", file=sys.stderr)
         return 2
     if not a.quiet:
         _summary(rows)

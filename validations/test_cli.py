@@ -89,3 +89,70 @@ def test_estimate_unknown_gpu_is_one_line_exit_2():
     r = _run("estimate", "--preset", "seed", "--gpu", "Z9000")
     assert r.returncode == 2 and "unknown gpu" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _main(argv, capsys):
+    """anatomy.cli.main in this process: (exit code, stdout, stderr)."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own exits (--help, --version, usage errors)
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_version_and_plain_help(capsys):
+    rc, out, _ = _main(["--version"], capsys)
+    assert rc == 0 and out.startswith("anatomy ") and out.split()[1][0].isdigit()
+    rc, out, _ = _main(["-h"], capsys)
+    assert rc == 0 and "cmd_" not in out and "predict parameters" in out
+    rc, out, _ = _main(["estimate", "-h"], capsys)
+    assert rc == 0 and "cmd_" not in out and "(default: 16)" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["estimate", "--gpu", ""], "argument --gpu: empty value"),
+    (["estimate", "--hf-config", ""], "argument --hf-config: empty value"),
+    (["estimate", "--batch", "1e23"], "invalid int value"),
+    (["estimate", "--preset", "seed", "--layers", str(10**30)], "layers=1e+30 is larger than any machine could hold"),
+    (["estimate", "--batch", str(2**40)], "batch=1.1e+12 is larger than any machine could hold"),
+    (["estimate", "--world-size", str(10**20)], "--world-size must be between 1 and"),
+    (["sweep", "--mem-limit", "inf"], "--mem-limit must be a number of GiB > 0"),
+    (["sweep", "--batch", "1,,2"], "empty value"),
+    (["sweep", "--layers", "1,2,3,4,5,6,7,8,9,10,11", "--batch", "1,2,3,4,5,6,7,8,9,10", "--seq",
+      "1,2,3,4,5,6,7,8,9,10", "--variant", "baseline,efficient", "--dtype", "amp,bf16,fp32,amp,bf16"],
+     "the grid has 11,000 points"),
+    (["compare", "--hidden", "16384", "--heads", "128", "--layers", "64", "--intermediate", "65536", "--vocab",
+      "1000000"], "by prediction"),
+])
+def test_out_of_range_input_is_one_line(args, needle, capsys):
+    rc, _, err = _main(args, capsys)
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def _hf(tmp_path, **kw):
+    d = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+             vocab_size=128, **kw)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(d))
+    return str(p)
+
+
+def test_rope_scaling_is_read_with_one_note(tmp_path, capsys):
+    path = _hf(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    rc, out, err = _main(["estimate", "--hf-config", path, "--json"], capsys)
+    assert rc == 0 and json.loads(out)["params"] > 0
+    assert err.count("\n") == 1 and "note: RoPE scaling llama3 (factor 8)" in err
+
+
+def test_sliding_window_shorter_than_seq_is_refused(tmp_path, capsys):
+    path = _hf(tmp_path, sliding_window=1024)
+    assert _main(["estimate", "--hf-config", path, "--seq", "1024", "--json"], capsys)[0] == 0
+    rc, _, err = _main(["estimate", "--hf-config", path, "--seq", "2048"], capsys)
+    assert rc == 2 and "sliding_window=1024 is shorter than --seq 2048" in err and err.count("\n") == 1
+
+
+def test_printed_names_carry_no_control_character_or_markup(tmp_path, capsys):
+    path = _hf(tmp_path, _name_or_path="org/[bold red]x\x1b]0;pwned\x07")
+    rc, out, err = _main(["estimate", "--hf-config", path, "--batch", "1", "--seq", "16"], capsys)
+    assert rc == 0 and "\x1b" not in out and "\x07" not in out and "_bold_red_x_" in out, (out, err)

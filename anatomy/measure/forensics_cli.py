@@ -54,7 +54,7 @@ def _print(report: dict) -> None:
 
 def main(argv=None) -> int:
     """anatomy forensics: the phase table and the contents of the peak of a training step (CUDA, or CPU)."""
-    from anatomy.cli import _add_config_flags, config_from_args
+    from anatomy.cli_args import add_config_flags as _add_config_flags, config_from_args
     from anatomy.config import ConfigError, Run
 
     p = _Parser(prog="anatomy forensics", description=main.__doc__)

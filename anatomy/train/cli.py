@@ -33,7 +33,7 @@ class _UsageError(Exception):
 
 
 def parser() -> argparse.ArgumentParser:
-    from anatomy.cli import _add_config_flags
+    from anatomy.cli_args import add_config_flags as _add_config_flags
     from anatomy.train.loop import OPTIMIZERS, PROGRESS, SCHEDULES, STRATEGIES, TrainOptions
 
     d = TrainOptions()
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         _say("error", f"anatomy train needs {e.name}: pip install 'efficient-llm-anatomy[train]'")
         return EXIT_BAD_INPUT
     try:
-        from anatomy.cli import config_from_args
+        from anatomy.cli_args import config_from_args
         from anatomy.models import VARIANTS
         from anatomy.train.data import load_data
         from anatomy.train.loop import train

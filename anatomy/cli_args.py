@@ -1,0 +1,103 @@
+"""The flags every `anatomy` command shares (model, run, output) and their parsing into a ModelConfig.
+
+Its own module so that the commands living elsewhere (anatomy/measure/forensics_cli.py,
+anatomy/train/cli.py) import the flags without importing anatomy.cli, which imports them.
+Pure Python: no torch here.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from anatomy.config import PRESETS, ConfigError, ModelConfig, oneline, read_hf_config
+
+DEFAULT_PRESET = "seed"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" after a flag's help, except where there is no default to show."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors on one line of stderr and exit code 2."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kw)
+
+    def error(self, message):
+        print(f"{self.prog}: error: {oneline(message)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def nonempty(text: str) -> str:
+    """An argparse type: a string flag given as '' is refused rather than read as 'not given'."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty value")
+    return text
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model (a preset, an HF config.json, or explicit fields; fields override)")
+    g.add_argument("--preset", type=nonempty, help=f"a named model: {', '.join(PRESETS)} (default: {DEFAULT_PRESET}, "
+                                                   "unless fields or --hf-config are given)")
+    g.add_argument("--hf-config", metavar="PATH", type=nonempty,
+                   help="a Hugging Face Llama or Mistral config.json, or the folder holding it")
+    for f, what in (("hidden", "model width"), ("layers", "transformer blocks"), ("heads", "attention heads"),
+                    ("kv-heads", "key/value heads (grouped-query attention; default: --heads)"),
+                    ("intermediate", "MLP width"), ("vocab", "vocabulary size")):
+        g.add_argument(f"--{f}", type=int, metavar="N", help=what)
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the embedding and output matrices")
+    g.add_argument("--mlp", choices=("swiglu", "gpt-oss"), help="MLP activation (default: swiglu)")
+    r = p.add_argument_group("run")
+    r.add_argument("--batch", type=int, default=16, metavar="N", help="sequences per step")
+    r.add_argument("--seq", type=int, default=4096, metavar="N", help="tokens per sequence")
+    r.add_argument("--dtype", default="amp", type=nonempty,
+                   help="amp (bf16 autocast, fp32 master weights), bf16 or fp32")
+    r.add_argument("--variant", default="baseline", type=nonempty,
+                   help="baseline (unfused, readable) or efficient (fused kernels)")
+    r.add_argument("--recompute", default="none", type=nonempty,
+                   help="efficient only: none, or mlp (keep the block input, the attention branch and SDPA's "
+                        "tensors; re-run both norms, gate_up and the activation in backward)")
+    p.add_argument("--json", action="store_true", help="machine-readable output (keys in the README)")
+
+
+def config_from_args(a) -> ModelConfig:
+    """The model the flags name. Notes about what an HF config carries but changes no count (RoPE scaling)
+    are left in `a.config_notes` for the command to print once it has succeeded."""
+    a.config_notes = ()
+    if a.preset and a.hf_config:
+        raise ConfigError("give --preset or --hf-config, not both")
+    explicit = {k: getattr(a, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab",
+                                           "tie_embeddings", "mlp") if getattr(a, k) is not None}
+    if a.hf_config:
+        hf = read_hf_config(a.hf_config)
+        seq = getattr(a, "seq", None)
+        if hf.sliding_window is not None and seq is not None and hf.sliding_window < seq:
+            raise ConfigError(f"{oneline(a.hf_config)}: sliding_window={hf.sliding_window} is shorter than --seq {seq}; "
+                              "the models here attend to the whole sequence (use --seq "
+                              f"{hf.sliding_window} or less)")
+        a.config_notes = hf.notes
+        base = hf.config
+    elif a.preset or not explicit:
+        base = ModelConfig.from_name(a.preset or DEFAULT_PRESET)
+    else:
+        base = None
+    if base is None:
+        missing = [k for k in ("hidden", "layers", "heads", "intermediate", "vocab") if k not in explicit]
+        if missing:
+            raise ConfigError(f"without --preset, give --{' --'.join(m.replace('_', '-') for m in missing)}")
+        return ModelConfig(**explicit)
+    d = base.to_dict()
+    if "heads" in explicit and "kv_heads" not in explicit:
+        d["kv_heads"] = None
+    d.update(explicit)
+    if explicit:
+        d["name"] = f"{base.name}+custom"
+    return ModelConfig(**d)
