@@ -328,7 +328,7 @@ def _delegate(cmd: str, argv: list[str]) -> int:
     elif cmd == "sweep":
         from anatomy.sweep import main as run
     elif cmd == "forensics":
-        from anatomy.measure.forensics import main as run
+        from anatomy.measure.forensics_cli import main as run
     else:
         from anatomy.measure.calibrate import main as run
     return run(argv)

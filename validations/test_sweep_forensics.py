@@ -112,7 +112,7 @@ def test_forensics_plot_of_a_synthetic_snapshot(tmp_path):
 
 
 def test_forensics_cli_asks_for_cuda_only_when_told(capsys):
-    from anatomy.measure.forensics import main
+    from anatomy.measure.forensics_cli import main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the CPU exit is what is tested here")
@@ -130,7 +130,7 @@ def test_forensics_on_cpu_live_storage(variant, tmp_path, capsys):
     """`anatomy forensics --device cpu`: the live-storage trace goes through the CUDA path's replay,
     attribution and plot. The replayed peak must equal LiveStorage's own per-phase peaks of the same
     steps, and what is live at the peak must be credited to components, not left unattributed."""
-    from anatomy.measure.forensics import main
+    from anatomy.measure.forensics_cli import main
 
     png, out = tmp_path / "f.png", tmp_path / "f.json"
     argv = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "160",

@@ -310,13 +310,3 @@ def plot_timeline(r: Replay, path: str | Path, title: str = "", step: int | None
     plt.close(fig)
     tmp.replace(path)  # atomic: a reader never sees half a PNG
     return path
-
-
-# ---- CLI ---------------------------------------------------------------------------------------
-
-
-def main(argv=None) -> int:
-    """`anatomy forensics` (anatomy/measure/forensics_cli.py: the command line and its tables)."""
-    from anatomy.measure.forensics_cli import main as cli_main
-
-    return cli_main(argv)

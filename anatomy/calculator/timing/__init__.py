@@ -25,7 +25,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from anatomy.calculator import estimate
-from anatomy.calculator.timing import pipeline
+import anatomy.calculator.timing.pipeline as pipeline
 from anatomy.calculator.timing.host import at_host_speed, host_scale, host_seconds, in_situ
 from anatomy.calculator.timing.kernels import (SDPA_BACKENDS, VARIANTS, kernels, optimizer_kernels,
                                                param_sizes, standalone_kernels)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from anatomy.calculator.timing import sdpa_schedule
+import anatomy.calculator.timing.sdpa_schedule as sdpa_schedule
 from anatomy.calculator.timing.profile import Profile, datasheet
 from anatomy.calculator.timing.roofline import (alignment_class, attention_wave_efficiency, causal_attention_flops,
                                                 matmul_efficiency)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from anatomy.calculator.timing import registry, sdpa_schedule
+import anatomy.calculator.timing.registry as registry
+import anatomy.calculator.timing.sdpa_schedule as sdpa_schedule
 from anatomy.calculator.timing.ops import Kernel, causal_attention_flops  # noqa: F401 (re-exported)
 from anatomy.calculator.timing.profile import Profile, from_dict
 from anatomy.config import ConfigError
