@@ -189,9 +189,9 @@ def pytest_sessionfinish(session, exitstatus):
     path.parent.mkdir(parents=True, exist_ok=True)
     report = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=_machine(),
                   command="pytest " + " ".join(session.config.invocation_params.args), rows=_ROWS)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    tmp.replace(path)  # atomic: a reader never sees half a report
+    from anatomy.io import write_atomic
+
+    write_atomic(path, json.dumps(report, separators=(",", ":"), default=str))  # a reader never sees half a report
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):

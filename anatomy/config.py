@@ -27,7 +27,7 @@ RECOMPUTE = ("none", "mlp")
 
 # Sizes no machine could hold are refused before anything is computed from them.
 MAX_WIDTH = 2**24  # hidden, intermediate, vocab: one hidden x hidden matrix at 2**24 is 2.8e14 parameters
-MAX_LAYERS = 4096  # 30x deeper than any published LLM; the calculator's cost grows with the layer count
+MAX_LAYERS = 1 << 20  # far deeper than any model; an estimate computes identical layers once, so its cost does not grow
 MAX_PARAMS = 10**15  # 2 PB of bf16 weights, 16 PB of AdamW training state: more than any cluster holds
 MAX_BATCH = MAX_SEQ = 2**24
 MAX_TOKENS = 2**36  # batch x seq: the int64 input ids alone would be 512 GiB
