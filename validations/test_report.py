@@ -119,7 +119,7 @@ def test_roofline_points_and_roofs(tmp_path):
 
 def test_roofline_counts_flops_for_every_op_calibrate_times():
     """Every op calibrate's fused pass times (calibrate_kernels._fused_cases) has a FLOP count per element in
-    the roofline figure, so a new calibrated op cannot break `anatomy report` (session 12's eager RoPE did)."""
+    the roofline figure, so a new calibrated op cannot break `anatomy report`."""
     from anatomy.measure.calibrate_kernels import _fused_cases
     from anatomy.report.roofline import ELEMENTWISE_FLOPS
 

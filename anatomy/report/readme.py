@@ -111,6 +111,21 @@ def kernels_gpu_only_table(path: Path, bar_tbps: float = 0.85 * 4.24) -> str:
     return "\n".join(out)
 
 
+def linear_ce_table(path: Path) -> str:
+    """bench/linear_ce.py rows: our fused linear cross-entropy (the rows-per-chunk rule, and other chunk sizes)
+    against Liger's, forward + backward, as a fraction of the bf16 matmul ceiling measured in the same process."""
+    d = json.loads(path.read_text())
+    out = ["| T × H × V | implementation | rows per chunk | fwd+bwd ms | TFLOP/s | of ceiling | peak MiB | host syncs |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        chunk = "Liger's rule" if r["impl"] == "liger" else (r["chunk"] or "the rule")
+        out.append(f"| {r['T']:,} × {r['H']:,} × {r['V']:,} | {r['impl'].split('-')[0]} | {chunk} | {r['ms']:.2f} | "
+                   f"{r['tflop_s']:.0f} | {r['frac_ceiling']:.0%} | {r['peak_mib']:,.0f} | {r['host_syncs']} |")
+    out += ["", f"FLOPs: the three GEMMs, 6·T·H·V. Ceiling: bf16 matmul {d['matmul_tflop_s']:.0f} TFLOP/s ({d['matmul_shape']}), "
+            f"measured in the same process; liger-kernel {d.get('liger_kernel')}. Source: {_src(d)}."]
+    return "\n".join(out)
+
+
 def saved_table() -> tuple[str, dict]:
     """Predicted saved bytes per component at the seed config, baseline vs efficient (the claim tests
     show the predictions exact on CPU and on the H200)."""
@@ -229,6 +244,8 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
             put("bench-kernels", kernels_table(records.KERNELS_BACK_TO_BACK))
         if records.KERNELS_GPU_ONLY.exists():
             put("bench-kernels-gpu-only", kernels_gpu_only_table(records.KERNELS_GPU_ONLY))
+        if records.LINEAR_CE.exists():
+            put("bench-linear-ce", linear_ce_table(records.LINEAR_CE))
         if records.LOSS_CURVES.exists():
             put("train-seed", curves_text(records.LOSS_CURVES))
         from anatomy.report import probes
