@@ -68,7 +68,8 @@ def summary() -> str:
     pv = json.loads(records.H200_PROFILE.read_text())["provenance"]
     return "\n".join(["| cuDNN main SDPA kernel | n | within ±15% | MAPE | worst |", "|---|---:|---:|---:|---:|", *rows, "",
                       f"Source: {pv['gpu']}, torch {pv['torch']}, CUDA {pv['cuda']}, cuDNN {pv.get('cudnn')}, "
-                      f"{pv['date']}: `{records.command(pv['command'])}` and the probes and GPU suite of the same run (`reports/h200/`)."])
+                      f"{pv['date']}: `{records.command(pv['command'])}` and the timing probes of the same run "
+                      "(`reports/h200/timing-probe/`); the GPU suite's shapes from its own run (`reports/h200/claims-gpu.json`, dated in the claims table above)."])
 
 
 def plot(png: Path) -> None:
