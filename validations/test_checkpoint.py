@@ -19,29 +19,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from anatomy.train import checkpoint as ckpt
 from anatomy.train import cli
 from anatomy.train.lock import RunLock
+from validations import train_cases
 
-SHAPE = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
-         "--vocab", "512", "--batch", "4", "--seq", "64", "--device", "cpu", "--progress", "none",
-         "--variant", "efficient", "--dtype", "fp32", "--seed", "3"]
+one_thread, cache = train_cases.one_thread, train_cases.cache  # the module fixtures
+SHAPE = [*train_cases.SHAPE, "--variant", "efficient", "--dtype", "fp32", "--seed", "3"]
 SHARD = "shard-00000-of-00001.safetensors"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tokenizer-cache")
 
 
 def _args(cache: Path, ck: Path, *extra: str, steps: int = 12) -> list[str]:

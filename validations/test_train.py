@@ -27,27 +27,15 @@ from anatomy.train.data import Batches, load_data
 from anatomy.train.loop import Diverged, TrainOptions, train
 from anatomy.train.resume import latest
 from anatomy.train.tokenizer import EOT
+from validations import train_cases
 
+SHAPE = train_cases.SHAPE
+one_thread, cache = train_cases.one_thread, train_cases.cache  # the module fixtures
 TINY = ModelConfig(name="tiny-gqa", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512)
-SHAPE = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "128",
-         "--vocab", "512", "--batch", "4", "--seq", "64", "--device", "cpu", "--progress", "none"]
 STEPS = 30
 ENV = dict(os.environ, OMP_NUM_THREADS="1",
            PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                     os.environ.get("PYTHONPATH")])))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tokenizer-cache")
 
 
 @pytest.fixture(scope="module")
