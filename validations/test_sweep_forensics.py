@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 
 import pytest
 import torch
@@ -199,14 +198,20 @@ def test_sweep_skips_a_predicted_oom_and_records_an_unpredicted_one(tmp_path, mo
                  measure_fn=bug)
 
 
-def test_sweep_predicts_a_large_grid_without_torch_models(tmp_path):
-    t0 = time.perf_counter()
+def test_sweep_predicts_a_large_grid_without_torch_models(tmp_path, monkeypatch):
+    import anatomy.measure.run
+    import anatomy.models
+
+    def no_model(*a, **k):
+        raise AssertionError("a prediction-only sweep built or measured a torch model")
+
+    monkeypatch.setattr(anatomy.models, "build_model", no_model)
+    monkeypatch.setattr(anatomy.measure.run, "measure", no_model)
     rc, rep = _sweep(tmp_path, "--preset", "seed,llama3-8b", "--batch", "1", "8", "--seq", "2048,8192",
                      "--device", "cuda")
     assert rc == 0 and rep["grid"]["points"] == 2 * 2 * 2 * 2 and rep["grid"]["device"] == "cuda"
     assert {r["status"] for r in rep["rows"]} == {"predicted"}
     assert all(r["measured"] is None and r["passed"] is None for r in rep["rows"])
-    assert time.perf_counter() - t0 < 10
 
 
 @pytest.mark.parametrize("argv,msg", [

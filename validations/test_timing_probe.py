@@ -103,8 +103,9 @@ def test_component_times_on_cpu(variant, optimizer):
         assert math.isclose(s["step_ms"], sum(s["phases"].values()), rel_tol=1e-12)
     assert math.isclose(t["forward_backward_ms"], sorted(s["forward_backward_ms"] for s in t["per_step"])[1])
     assert 0 < t["plain_forward_backward_ms"] <= t["plain_step_ms"]
-    # a CPU step of this size takes milliseconds; a unit slip (s, us) would be off by 1000x
-    assert 0.05 < t["plain_step_ms"] < 5000 and 0.05 < t["step_ms"] < 5000
+    # the unmarked and the marked steps are timed by separate code in one process: a unit slip (s, us) in
+    # either puts their ratio 1000x off, however loaded the machine
+    assert 0.01 < t["plain_step_ms"] / t["step_ms"] < 100
 
 
 def test_plain_steps_fill_their_budget_and_the_reference_brackets_them():
