@@ -20,19 +20,40 @@ from pathlib import Path
 import pytest
 
 from anatomy.calculator.memory import phases
-from anatomy.config import ModelConfig, Run
 from anatomy import records
+from anatomy.config import ModelConfig, Run
 from anatomy.report import probes
 
 ALL = probes.memory_rows(probes.SPLIT) + probes.memory_rows(probes.DEFAULT) + probes.recompute_rows()
 TOL = 0.03  # the claim's bound for physical memory (DESIGN: relative, justified; the goal is 1%)
 TRACE_TOL = probes.TRACE_TOL  # the goal, held against the allocator's requested bytes
-# (claim, the calculator's key, the probe's phase, "allocated" at its end or its "peak")
-FIGURES = (("memory.allocated after forward", "forward_end", "forward", "allocated"),
-           ("memory.peak in forward", "forward_peak", "forward", "peak"),
-           ("memory.peak in backward", "backward_peak", "backward", "peak"),
-           ("memory.allocated after backward", "backward_end", "backward", "allocated"),
-           ("memory.allocated after the optimizer step", "optimizer_end", "optimizer", "allocated"))
+# (the claim's names against each figure: the allocator under each setting, and the allocator's trace;
+#  the calculator's key, the probe's phase, "allocated" at its end or its "peak")
+FIGURES = (
+    ({probes.SPLIT: "memory.allocated after forward (expandable segments)",
+      probes.DEFAULT: "memory.allocated after forward (default allocator)",
+      "trace": "memory.allocated after forward (allocator trace)"}, "forward_end", "forward", "allocated"),
+    ({probes.SPLIT: "memory.peak in forward (expandable segments)",
+      probes.DEFAULT: "memory.peak in forward (default allocator)",
+      "trace": "memory.peak in forward (allocator trace)"}, "forward_peak", "forward", "peak"),
+    ({probes.SPLIT: "memory.peak in backward (expandable segments)",
+      probes.DEFAULT: "memory.peak in backward (default allocator)",
+      "trace": "memory.peak in backward (allocator trace)"}, "backward_peak", "backward", "peak"),
+    ({probes.SPLIT: "memory.allocated after backward (expandable segments)",
+      probes.DEFAULT: "memory.allocated after backward (default allocator)",
+      "trace": "memory.allocated after backward (allocator trace)"}, "backward_end", "backward", "allocated"),
+    ({probes.SPLIT: "memory.allocated after the optimizer step (expandable segments)",
+      probes.DEFAULT: "memory.allocated after the optimizer step (default allocator)",
+      "trace": "memory.allocated after the optimizer step (allocator trace)"}, "optimizer_end", "optimizer",
+     "allocated"))
+# the peak reduction against each source and allocator setting; memory_reserved's range under each setting
+REDUCTION = {
+    ("allocator", probes.SPLIT): "memory.peak reduction (baseline / efficient, allocator, expandable segments)",
+    ("allocator", probes.DEFAULT): "memory.peak reduction (baseline / efficient, allocator, default allocator)",
+    ("trace", probes.SPLIT): "memory.peak reduction (baseline / efficient, trace, expandable segments)",
+    ("trace", probes.DEFAULT): "memory.peak reduction (baseline / efficient, trace, default allocator)"}
+RESERVED = {probes.SPLIT: "memory.reserved (expandable segments, the range's slack fitted on these configs)",
+            probes.DEFAULT: "memory.reserved (default allocator, the range's slack fitted on these configs)"}
 
 
 def _ids(r):
@@ -40,7 +61,8 @@ def _ids(r):
 
 
 def _predicted(r):
-    return phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"], "amp", r.get("recompute", "none")), r["variant"], r["optimizer"])
+    run = Run(r["batch"], r["seq"], "amp", r.get("recompute", "none"))
+    return phases(ModelConfig(**r["cfg"]), run, r["variant"], r["optimizer"])
 
 
 def _cases(trace: bool):
@@ -56,10 +78,10 @@ def check_phase(claims, row: dict, figure: tuple, pred: dict, measured: int, tra
     only when more than 1 MiB would remain and its own accounts (the trace's requested bytes, or the
     requested_bytes counter) explain the miss: then the reason is returned, for the caller to xfail
     with once every figure is checked."""
-    claim, key, _, _ = figure
+    names, key, _, _ = figure
     config = _ids(row) + ("" if row["config"] in ("seed", "tiny-gqa", "anchor-1b") else str(row["cfg"]))
     try:
-        claims.check(f"{claim} ({row.get('alloc', probes.SPLIT)})", component="model", config=config,
+        claims.check(names[row.get("alloc", probes.SPLIT)], component="model", config=config,
                      variant=row["variant"], predicted=pred[key], measured=measured, tolerance=TOL, device="cuda",
                      unit="B", note=source)
     except AssertionError:
@@ -84,8 +106,8 @@ def test_phase_matches_h200_probe(row, figure, claims):
 
 @pytest.mark.parametrize("row,figure", _cases(trace=True))
 def test_phase_matches_h200_allocator_trace(row, figure, claims):
-    claim, key = figure[0], figure[1]
-    claims.check(claim + " (allocator trace)", component="model", config=_ids(row), variant=row["variant"],
+    names, key = figure[0], figure[1]
+    claims.check(names["trace"], component="model", config=_ids(row), variant=row["variant"],
                  predicted=_predicted(row)[key], measured=row["trace"][key], tolerance=TRACE_TOL, device="cuda",
                  unit="B", note="recorded H200 probe; requested bytes, no allocator slack")
 
@@ -118,7 +140,7 @@ def test_peak_reduction_matches_prediction(base, eff, claims):
     pred = _peak(_predicted(base)) / _peak(_predicted(eff))
     for source, measured, tol in (("allocator", _allocator_peak(base) / _allocator_peak(eff), TOL),
                                   ("trace", _peak(base["trace"]) / _peak(eff["trace"]), TRACE_TOL)):
-        claims.check(f"memory.peak reduction (baseline / efficient, {source}, {base['alloc']})", component="model",
+        claims.check(REDUCTION[source, base["alloc"]], component="model",
                      config=_ids(base).replace("-baseline", ""), variant="ratio", predicted=pred,
                      measured=measured, tolerance=tol, device="cuda", note="recorded H200 probe")
 
@@ -132,7 +154,7 @@ def test_reserved_within_predicted_range(row, claims):
     check out of sample."""
     pred = _predicted(row)
     for p in row["phases"]:
-        claims.within(f"memory.reserved ({row['alloc']}, the range's slack fitted on these configs)",
+        claims.within(RESERVED[row["alloc"]],
                       low=pred["reserved_low"] if p["name"] != "init" else 0,
                       high=pred["reserved_high"], measured=p["reserved"], component="model",
                       config=f"{_ids(row)}-{p['name']}", variant=row["variant"], device="cuda", unit="B",
@@ -159,7 +181,7 @@ def test_phases_on_this_gpu(variant, claims):
     for figure in FIGURES:
         slack.append(check_phase(claims, row, figure, pred, ph[figure[2]][figure[3]], trace, "this GPU",
                                  probes.requested(row, figure[2], figure[3])))
-        claims.check(figure[0] + " (allocator trace)", component="model", config="mem-B4S512", variant=variant,
+        claims.check(figure[0]["trace"], component="model", config="mem-B4S512", variant=variant,
                      predicted=pred[figure[1]], measured=trace[figure[1]], tolerance=TRACE_TOL, device="cuda",
                      unit="B", note="this GPU; requested bytes")
     if any(slack):

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 
 from anatomy.calculator import gpus
-from anatomy.config import ConfigError
+from anatomy.config import ConfigError, ModelConfig, oneline
 
 # what a datasheet does not state, and the figure a datasheet profile uses instead
 ASSUMED_LAUNCH_S = 3e-6  # ~3 us per kernel back to back on a full queue: typical of recent NVIDIA GPUs
@@ -217,6 +217,11 @@ def check_measured(data, where: str) -> dict:
     if hs is not None:
         if not isinstance(hs, dict) or not isinstance(hs.get("cfg"), dict):
             raise _bad(where, "measurements.host_step.cfg", "an object", hs)
+        try:
+            ModelConfig(**hs["cfg"])
+        except (ConfigError, TypeError, ValueError) as e:
+            raise _bad(where, "measurements.host_step.cfg", "a model config (name, hidden, layers, heads, kv_heads, "
+                       f"intermediate, vocab: {oneline(str(e))})", hs["cfg"]) from None
         for k in ("batch", "seq"):
             if not _ok(hs.get(k), _INT):
                 raise _bad(where, f"measurements.host_step.{k}", _INT, hs.get(k))
