@@ -205,3 +205,27 @@ def test_estimate_cli_refuses_a_bad_profile_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "anatomy.cli", "estimate", "--preset", "seed", "--gpu", str(bad)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "copy_tbps" in r.stderr, r.stderr
+
+
+def test_calibrate_writes_to_the_user_cache_and_reads_back_as_calibrated(tmp_path, monkeypatch):
+    """`anatomy calibrate` never writes into the installed package: its default is the user's cache, and
+    `--gpu <stem>-calibrated` reads that file back; `<stem>-measured` stays the committed profile."""
+    import shutil
+
+    from anatomy import records
+    from anatomy.calculator.timing import lookup
+    from anatomy.measure.calibrate import default_out
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = default_out("h200-sxm")
+    assert out == tmp_path / "anatomy" / "profiles" / "h200.json"
+    assert lookup.PROFILE_DIR not in out.parents
+    out.parent.mkdir(parents=True)
+    shutil.copy(records.H200_PROFILE, out)
+    lookup.measured_files.cache_clear()
+    try:
+        assert lookup.get("h200-calibrated").name == lookup.get("h200-measured").name
+        assert lookup.measured_files()["h200-calibrated"] == out
+        assert lookup.measured_files()["h200-measured"] == records.H200_PROFILE
+    finally:
+        lookup.measured_files.cache_clear()

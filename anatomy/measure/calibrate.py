@@ -115,7 +115,8 @@ def build_profile(measurements: dict, provenance: dict, base: str) -> dict:
 
 
 def default_out(base: str) -> Path:
-    return lookup.PROFILE_DIR / f"{lookup.profile_stem(base)}.json"
+    """The user's cache (`--gpu <stem>-calibrated` reads it back), never the installed package."""
+    return lookup.user_profile_dir() / f"{lookup.profile_stem(base)}.json"
 
 
 # ---- measurements (CUDA) ---------------------------------------------------------------------------
@@ -272,7 +273,8 @@ def _env(argv) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="anatomy calibrate", description=__doc__.splitlines()[0])
-    p.add_argument("--out", help="profile path (default: anatomy/calculator/profiles/<gpu>.json)")
+    p.add_argument("--out", help="profile path (default: ~/.cache/anatomy/profiles/<gpu>.json, read back by "
+                                        "--gpu <gpu>-calibrated)")
     p.add_argument("--base", help="datasheet profile it refines (default: from the device name)")
     p.add_argument("--budget-s", type=float, default=100.0, help="stop starting new measurements after this")
     a = p.parse_args(argv)

@@ -6,6 +6,7 @@ of the file; every failure is a ConfigError of one line naming the file (and the
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -15,14 +16,21 @@ from anatomy.calculator.timing.fit import from_measured
 from anatomy.calculator.timing.profile import Profile, check_measured, datasheet, from_dict
 from anatomy.config import ConfigError
 
-PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"  # the committed profiles the claims use
+
+
+def user_profile_dir() -> Path:
+    """Where `anatomy calibrate` writes by default: the user's cache, never the installed package."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "anatomy" / "profiles"
 
 
 @lru_cache(maxsize=1)
 def measured_files() -> dict[str, Path]:
-    """{"<stem>-measured": path} of the packaged profiles (`anatomy calibrate` writes them; listed once per
-    process: a profile calibrated into the package later is read by the next process)."""
-    return {f"{f.stem}-measured": f for f in sorted(PROFILE_DIR.glob("*.json"))}
+    """{"<stem>-measured": path} of the packaged profiles, and {"<stem>-calibrated": path} of the ones
+    `anatomy calibrate` wrote on this machine (listed once per process)."""
+    out = {f"{f.stem}-measured": f for f in sorted(PROFILE_DIR.glob("*.json"))}
+    out.update({f"{f.stem}-calibrated": f for f in sorted(user_profile_dir().glob("*.json"))})
+    return out
 
 
 def profile_stem(base: str) -> str:
@@ -51,10 +59,10 @@ def get(gpu: str | Path | Mapping) -> Profile:
     if k is not None:
         return datasheet(k)
     low = s.lower().replace("_", "-").replace(":measured", "-measured")
-    stem = profile_stem(low.removesuffix("-measured")) if low.endswith("-measured") else None
     files = measured_files()
-    if stem and f"{stem}-measured" in files:
-        return load(files[f"{stem}-measured"])
+    for kind in ("measured", "calibrated"):
+        if low.endswith(f"-{kind}") and f"{profile_stem(low.removesuffix(f'-{kind}'))}-{kind}" in files:
+            return load(files[f"{profile_stem(low.removesuffix(f'-{kind}'))}-{kind}"])
     raise ConfigError(f"unknown gpu {s!r}; choose from {', '.join(names())}, or a profile .json path")
 
 
