@@ -269,7 +269,7 @@ def cmd_report(argv) -> int:
         try:
             print("regenerated:", ", ".join(regenerate(Path(a.readme))))
         except (OSError, ValueError, KeyError) as e:
-            print(f"anatomy report: error: {e}", file=sys.stderr)
+            print(f"anatomy report: error: {oneline(str(e))}", file=sys.stderr)
             return 2
         return 0
     try:
@@ -277,7 +277,7 @@ def cmd_report(argv) -> int:
         readme = Path(a.readme)
         report.write_atomic(readme, report.replace_between(readme.read_text(), a.marker, report.claims_table(reports)))
     except (OSError, ValueError, KeyError) as e:
-        print(f"anatomy report: error: {e}", file=sys.stderr)
+        print(f"anatomy report: error: {oneline(str(e))}", file=sys.stderr)
         return 2
     print(f"updated {a.readme} ({a.marker}) from {len(reports)} report(s)")
     return 0

@@ -30,7 +30,8 @@ from anatomy.cli import main
 SCALE = float(os.environ.get("FUZZ_SCALE", "1"))
 HANG_S = 60  # an alarm, not a timing claim: a valid draw here costs well under a second
 COUNTS: Counter = Counter()
-NONFINITE = re.compile(r"(?<![A-Za-z_])(nan|inf|infinity)(?![A-Za-z_])", re.IGNORECASE)
+# a printed non-finite number; not a word, and not a file the user named so (`--out nan` prints nan.json)
+NONFINITE = re.compile(r"(?<![A-Za-z_/])(nan|inf|infinity)(?![A-Za-z_]|\.[A-Za-z])", re.IGNORECASE)
 
 
 def _examples(n: int, **kw):

@@ -55,7 +55,7 @@ def _print(report: dict) -> None:
 def main(argv=None) -> int:
     """anatomy forensics: the phase table and the contents of the peak of a training step (CUDA, or CPU)."""
     from anatomy.cli_args import add_config_flags as _add_config_flags, config_from_args
-    from anatomy.config import ConfigError, Run
+    from anatomy.config import ConfigError, Run, oneline
 
     p = _Parser(prog="anatomy forensics", description=main.__doc__)
     _add_config_flags(p)
@@ -78,6 +78,10 @@ def main(argv=None) -> int:
             raise ConfigError(f"--recompute {run.recompute} is an option of the efficient variant (--variant efficient)")
         if a.top < 1:
             raise ConfigError(f"--top must be >= 1, got {a.top}")
+        if a.png is not None and Path(a.png).suffix.lower() != ".png":
+            raise ConfigError(f"--png must name a .png file, got {oneline(repr(a.png), 60)}")
+        if a.out is not None and Path(a.out).suffix.lower() != ".json":
+            raise ConfigError(f"--out must name a .json file, got {oneline(repr(a.out), 60)}")
     except ConfigError as e:
         print(f"anatomy forensics: error: {e}", file=sys.stderr)
         return 2
