@@ -228,7 +228,7 @@ def test_liger_host_is_measured_per_call_and_per_chunk():
     """Liger's host time is the measured call (forward, backward) plus the measured cost per chunk, and
     no tiny-step scale touches it; a profile that did not measure it counts the eager ops the loss
     issues (7 a call under amp, 6 a chunk, 2 in backward)."""
-    from anatomy.calculator.kernel_shapes import chunk_rows
+    from anatomy.kernel_shapes import chunk_rows
 
     cfg, run = ModelConfig(name="v", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=18042), Run(2, 2048)
     n = -(-run.tokens // chunk_rows(run.tokens, cfg.hidden, cfg.vocab))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from anatomy.calculator.kernel_shapes import RMS_MIN_ROWS, rms_norm_programs
+from anatomy.kernel_shapes import RMS_MIN_ROWS, rms_norm_programs
 from anatomy.kernels import HAS_TRITON, INTERPRET, rms_norm_backward_triton, rms_norm_triton
 from anatomy.kernels.rms_norm import MAX_BLOCK, backward_programs
 from validations.kernel_cases import BF16, FP32, PATHS, check_accuracy, path_ctx, rms_case

@@ -3,9 +3,9 @@ forward made, the fused norm's row pass and dw partials, the packed SwiGLU writi
 SDPA's backward; under recompute, the checkpoints' tensors made again. backward.walk runs them."""
 from __future__ import annotations
 
-from anatomy.calculator.kernel_shapes import rms_norm_programs
 from anatomy.calculator.linear import linears_saved
 from anatomy.calculator.mlp import efficient_saved
+from anatomy.kernel_shapes import rms_norm_programs
 
 
 def loss(w) -> int:

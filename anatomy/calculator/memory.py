@@ -25,11 +25,11 @@ from math import prod
 
 from anatomy.calculator import estimate
 from anatomy.calculator.backward import INPUTS, walk
-from anatomy.calculator.kernel_shapes import chunk_rows
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.optimizer import state_breakdown
 from anatomy.calculator.types import BYTES
 from anatomy.config import ModelConfig, Run
+from anatomy.kernel_shapes import chunk_rows
 
 BLOCK = 512  # the CUDA caching allocator's rounding (kMinBlockSize)
 
@@ -62,7 +62,7 @@ def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
         gone by then);
       - a later chunk's logits matmul: both casts and that chunk's logits; the largest later chunk
         is a full one from the third chunk on, else the second, the remainder T - chunk.
-    chunk = next_pow2(ceil(T / ceil(V / H))), capped at T (anatomy.calculator.kernel_shapes.chunk_rows)."""
+    chunk = next_pow2(ceil(T / ceil(V / H))), capped at T (anatomy.kernel_shapes.chunk_rows)."""
     dt = dtypes(run)
     T, H, V, c = run.tokens, cfg.hidden, cfg.vocab, BYTES[dt.compute]
     chunk = chunk_rows(T, H, V)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from anatomy.calculator.kernel_shapes import chunk_rows
+from anatomy.kernel_shapes import chunk_rows
 from anatomy.kernels._dispatch import cpu_uses_triton
 
 IGNORE_INDEX = -100

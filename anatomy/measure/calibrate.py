@@ -50,9 +50,9 @@ from pathlib import Path
 
 from anatomy import io
 from anatomy.calculator import gpus
-from anatomy.calculator.kernel_shapes import chunk_rows
 from anatomy.calculator.timing import fit, lookup, profile
 from anatomy.config import PRESETS
+from anatomy.kernel_shapes import chunk_rows
 from anatomy.measure.calibrate_host import measure_host, measure_host_step
 from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
 from anatomy.measure.calibrate_sdpa import measure_sdpa_kernels

@@ -4,10 +4,10 @@ backend) and Liger's fused linear CE for the loss. Mirrors kernels_baseline.py, 
 """
 from __future__ import annotations
 
-from anatomy.calculator.kernel_shapes import chunk_rows
 from anatomy.calculator.timing.op_bytes import dw_sum_bytes, fused_bytes
 from anatomy.calculator.timing.ops import Kernel, Ops, causal_attention_flops, embedding, residual, rope_tables
 from anatomy.config import ConfigError, ModelConfig, Run
+from anatomy.kernel_shapes import chunk_rows
 
 
 def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -> list[Kernel]:

@@ -5,7 +5,7 @@ become bandwidth efficiencies through the same formulas (registry.efficiency).
 """
 from __future__ import annotations
 
-from anatomy.calculator.kernel_shapes import rms_norm_programs
+from anatomy.kernel_shapes import rms_norm_programs
 
 
 def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tuple[int, int]:
