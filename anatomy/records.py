@@ -39,6 +39,15 @@ TIMING_PROBE = {"named": H200 / "timing-probe" / "named.json",
 # folder (compare peers only within one): the first run with the baseline peers; the seed step on a second
 # machine 18 minutes later; the peers table; efficient with and without recompute.
 STEPS = {name: H200 / "steps" / name for name in ("peers", "first-run", "second-machine", "recompute")}
+# (record, variant) of every step record of our own models, uncompiled (the other records are peers'): the
+# memory and timing claims against the committed steps both read this one list
+OWN_STEPS = tuple((STEPS[run] / f"step-{name}.json", "baseline" if "baseline" in name else "efficient")
+                  for run, names in (("first-run", ("seed-efficient", "1b-efficient", "seed-baseline")),
+                                     ("second-machine", ("seed-efficient",)),
+                                     ("peers", ("seed-efficient", "1b-efficient")),
+                                     ("recompute", ("seed-efficient", "seed-efficient-recompute", "anchor-1b-efficient",
+                                                    "anchor-1b-efficient-recompute")))
+                  for name in names)
 STEP_PROFILE = H200 / "steps" / "peers" / "profile-seed-efficient.json"  # bench/profile_step.py, same run as "peers"
 
 # bench/kernels.py (back to back, against peers) and anatomy.kernels.bench (GPU-only, behind a sleep kernel).

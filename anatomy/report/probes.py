@@ -156,10 +156,7 @@ def reserved_ratios() -> dict:
 def step_records() -> list[tuple[Path, str]]:
     """(path, variant) of every step record of our own models (bench/step.py: max_memory_allocated and the
     median time over 10 timed fwd+bwd steps of configs the probes never ran)."""
-    return [(p, "baseline" if "baseline" in p.name else "efficient") for run in records.STEPS
-            for p in records.step_records(run) if p.name.startswith(("step-seed-efficient", "step-seed-baseline.",
-                                                                     "step-1b-efficient", "step-anchor-1b-efficient"))
-            and "compile" not in p.name]
+    return list(records.OWN_STEPS)
 
 
 def step_peak_errors() -> list[tuple[Path, str, float]]:

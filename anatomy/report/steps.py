@@ -10,16 +10,7 @@ from anatomy.calculator.optimizer import step_bytes_moved
 from anatomy.config import ConfigError, ModelConfig, Run
 
 # (file, variant): our own models' forward + backward, median of 10, CUDA events; recompute read off the record
-STEP_RECORDS = tuple((records.rel(p), v) for p, v in (
-    (records.STEPS["first-run"] / "step-seed-efficient.json", "efficient"),
-    (records.STEPS["second-machine"] / "step-seed-efficient.json", "efficient"),
-    (records.STEPS["first-run"] / "step-1b-efficient.json", "efficient"),
-    (records.STEPS["first-run"] / "step-seed-baseline.json", "baseline"),
-    (records.STEPS["recompute"] / "step-seed-efficient.json", "efficient"),
-    (records.STEPS["recompute"] / "step-seed-efficient-recompute.json", "efficient"),
-    (records.STEPS["recompute"] / "step-anchor-1b-efficient.json", "efficient"),
-    (records.STEPS["recompute"] / "step-anchor-1b-efficient-recompute.json", "efficient"),
-))
+STEP_RECORDS = tuple((records.rel(p), v) for p, v in records.OWN_STEPS)
 
 
 def compare_committed(gpu: str | dict = "h200-measured") -> list[dict]:
