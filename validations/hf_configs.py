@@ -62,6 +62,9 @@ MODELS: dict[str, HFModel] = {
            verbatim=False),
         _m("SmolLM2-360M", "HuggingFaceTB/SmolLM2-360M", "llama", 361_821_120, 960, 32, 49152, True,
            verbatim=False),
+        # linear RoPE scaling under the older key "type"; 2,048 wide with 16 heads of 128
+        _m("deepseek-coder-1.3b-base", "deepseek-ai/deepseek-coder-1.3b-base", "llama", 1_346_471_936, 2048, 24,
+           32256, False, verbatim=False),
     )
 }
 
