@@ -45,7 +45,8 @@ MODELS: dict[str, HFModel] = {
     m.name: m
     for m in (
         _m("Llama-3.1-8B", "meta-llama/Llama-3.1-8B", "llama", 8_030_261_248, 4096, 32, 128256, False),
-        _m("Llama-3.2-1B", "meta-llama/Llama-3.2-1B", "llama", 1_235_814_400, 2048, 16, 128256, True),
+        _m("Llama-3.2-1B", "meta-llama/Llama-3.2-1B", "llama", 1_235_814_400, 2048, 16, 128256, True,
+           verbatim=False),
         _m("Llama-3.2-3B", "meta-llama/Llama-3.2-3B", "llama", 3_212_749_824, 3072, 28, 128256, True),
         _m("Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf", "llama", 6_738_415_616, 4096, 32, 32000, False),
         # Qwen2's sliding_window field is set, but use_sliding_window is false: attention sees everything

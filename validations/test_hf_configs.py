@@ -1,6 +1,7 @@
 """Real Hugging Face config.json files (validations/data/hf_configs, sources in SOURCES.md there): each one reads,
 and our calculator's parameter count equals transformers' for the same file."""
 import json
+import re
 
 import pytest
 
@@ -33,6 +34,12 @@ def test_index_covers_every_committed_file():
     assert any(m.qkv_bias for m in traits) and any(m.tied for m in traits)
     assert any(m.vocab >= 128_000 for m in traits) and any(m.params >= 7e9 for m in traits)
     assert any(m.sliding_window for m in traits)
+
+
+def test_sources_name_every_file_and_its_kind():
+    """SOURCES.md has one entry per file, and says verbatim exactly where the index does."""
+    kinds = dict(re.findall(r"^- \*\*(.+?)\*\*.*?: (verbatim|reconstructed)", (DATA / "SOURCES.md").read_text(), re.M))
+    assert kinds == {name: "verbatim" if m.verbatim else "reconstructed" for name, m in MODELS.items()}
 
 
 @pytest.mark.parametrize("name", NAMES)
