@@ -38,7 +38,8 @@ def test_index_covers_every_committed_file():
 
 def test_sources_name_every_file_and_its_kind():
     """SOURCES.md has one entry per file, and says verbatim exactly where the index does."""
-    kinds = dict(re.findall(r"^- \*\*(.+?)\*\*.*?: (verbatim|reconstructed)", (DATA / "SOURCES.md").read_text(), re.M))
+    entry = re.compile(r"^- \*\*(.+?)\*\*.*?: (verbatim|reconstructed)", re.MULTILINE)
+    kinds = dict(entry.findall((DATA / "SOURCES.md").read_text()))
     assert kinds == {name: "verbatim" if m.verbatim else "reconstructed" for name, m in MODELS.items()}
 
 
