@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from math import prod
 
+from anatomy.calculator.dtypes import dtypes as dtypes_of
 from anatomy.calculator.optimizer import OPTIMIZERS, state_bytes
 from anatomy.calculator.types import BYTES
 from anatomy.config import ConfigError, ModelConfig, Run
@@ -239,8 +240,26 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
             continue
         add("backward: " + st["name"], act + grad, root["G"] + blk["G"] + (blk["F"] if i > 0 else 0),
             rs=blk["R"] if i < L - 1 else 0)
-    # the root's post_backward: its parameters resharded, its gradients copied into its reduce-scatter input
-    add("backward: root reduce-scatter", 0, 0, L * blk["S"] + root["U"], rs=root["R"])
+    # post_backward of the last and the first Block (the moments between are linear in the layer): the Block's
+    # parameters resharded, its gradients copied into R_i, then the collective into S_i. Still alive: the
+    # saved tensors of the Blocks below, the residual stream's gradient, the root's gradients made so far.
+    copy = 2 if device == "cpu" else 1  # gloo's reduce_scatter_tensor works on a copy of its input (live storage)
+    dt = dtypes_of(crun)
+    resid = rnd(run.tokens * cfg.hidden * BYTES[dt.residual])
+    head = root["U"] - (rnd(cfg.vocab * cfg.hidden * BYTES[dt.param]) if not cfg.tie_embeddings else 0)
+    for i in sorted({L - 1, 0}):
+        done = (L - 1 - i) * blk["S"]
+        unsh = root["G"] + (blk["F"] if i > 0 else 0)
+        act = i * layer_saved + resid
+        add(f"backward: block {i} reduce-scatter copy-in", act, unsh, head + done + blk["U"], rs=blk["R"])
+        add(f"backward: block {i} reduce-scatter", act, unsh, head + done + blk["S"], rs=copy * blk["R"])
+    # the root's post_backward, after the embedding's: its parameters resharded, its gradients copied into its
+    # reduce-scatter input, then the collective
+    add("backward: root reduce-scatter copy-in", 0, 0, L * blk["S"] + root["U"], rs=root["R"])
+    # the embedding's unsharded gradient, the backward's last output, stays referenced until backward returns,
+    # past the copy-in (live storage on CPU: validations/test_distributed.py)
+    emb = rnd(cfg.vocab * cfg.hidden * BYTES[dt.param])
+    add("backward: root reduce-scatter", 0, 0, L * blk["S"] + root["S"] + emb, rs=copy * root["R"])
     if single:
         for c in cands:  # no all-gather on one rank; the reduce-scatter input is still copied in
             c["by_kind"]["fsdp_unsharded"] = root["G"] if c["by_kind"]["fsdp_unsharded"] else 0
