@@ -4,6 +4,8 @@ vs what DDP and FSDP2 actually do.
   gloo, 2 and 4 real processes   every collective of every step (op, dtype, bytes; counted as the
                                  process group ran it), and each rank's param/grad/optimizer bytes
   fake process group, 8..1024    the same claims for one rank of a large job (llama3-8b for FSDP)
+  gloo, 2 ranks, live storage    each rank's peak over a whole step (activations, FSDP's all-gathered and
+                                 reduce-scatter buffers, DDP's buckets) against per_rank_peak(device="cpu")
   bad input                      one-line ConfigError
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from anatomy.calculator.comm import collective_counts, estimate_distributed
-from anatomy.calculator.sharding import per_rank_memory
+from anatomy.calculator.sharding import per_rank_memory, per_rank_peak
 from anatomy.config import PRESETS, ConfigError, ModelConfig, Run
 
 # odd row counts, so FSDP pads: vocab 8191 (and its 1.5 MiB head makes DDP's default buckets two)
@@ -124,6 +126,45 @@ def test_torchrun_fsdp_two_ranks(tmp_path, claims):
         recs = json.loads((report / f"rank{r}.json").read_text())["steps"]
         _check_collectives(claims, pred=pred, meas=_measured_counts(recs[-1]), config=SMALL.name, variant="fsdp",
                            device="cpu", note=f"torchrun, gloo, W=2, rank {r}")
+
+
+# ---- the step's peak per rank: live storage on 2 gloo ranks ----------------------------------------------
+# Two configs whose peaks sit in different places: a 8191-row vocabulary at 16 tokens (FSDP: the root's
+# reduce-scatter after the backward; DDP: the optimizer step over params, grads, buckets and state) and a tied
+# model at 256 tokens (the loss's gradients at the top of the backward, with FSDP's root and prefetched Block).
+PEAK_VOCAB = ModelConfig(name="dist-peak-vocab", hidden=48, layers=2, heads=4, kv_heads=2, intermediate=90, vocab=8191)
+PEAK_TIED = ModelConfig(name="dist-peak-tied", hidden=64, layers=3, heads=4, kv_heads=2, intermediate=96, vocab=256,
+                        tie_embeddings=True)
+PEAK_SCENARIOS = {  # keyword arguments of anatomy.distributed.peak.peaks(); DDP's buckets settle in step 3
+    "fsdp-amp-vocab": dict(cfg=PEAK_VOCAB, run=Run(batch=1, seq=16, dtype="amp"), strategy="fsdp", steps=2),
+    "ddp-amp-vocab": dict(cfg=PEAK_VOCAB, run=Run(batch=1, seq=16, dtype="amp"), strategy="ddp", steps=3),
+    "fsdp-bf16-tied": dict(cfg=PEAK_TIED, run=Run(batch=2, seq=128, dtype="bf16"), strategy="fsdp", steps=2),
+    "ddp-fp32-tied": dict(cfg=PEAK_TIED, run=Run(batch=2, seq=128, dtype="fp32"), strategy="ddp", steps=3),
+}
+
+
+@pytest.fixture(scope="module")
+def gloo_peaks():
+    from anatomy.distributed.peak import spawn_peaks
+
+    results = spawn_peaks(2, list(PEAK_SCENARIOS.values()), timeout_s=90)
+    return {name: [results[r][i] for r in range(2)] for i, name in enumerate(PEAK_SCENARIOS)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(PEAK_SCENARIOS))
+def test_gloo_per_rank_peak(gloo_peaks, name, claims):
+    """Each rank's largest live storage over a step after the first (forward, backward with FSDP's final
+    callbacks, optimizer step) against per_rank_peak: within 3%."""
+    sc = PEAK_SCENARIOS[name]
+    for r, phases in enumerate(gloo_peaks[name]):
+        pred = per_rank_peak(sc["cfg"], sc["run"], "baseline", 2, sc["strategy"], rank=r, device="cpu")
+        top = max(phases, key=lambda p: p["peak"])
+        claims.check("per-rank step peak with activations and FSDP buffers", component="comm",
+                     config=sc["cfg"].name, variant=sc["strategy"], device="cpu", predicted=pred["peak"],
+                     measured=top["peak"], tolerance=0.03, unit="B",
+                     note=f"{name}, gloo, W=2, rank {r}, live storage; predicted at {pred['peak_at']}, "
+                          f"measured in {top['name']} after {top['peak_op']}")
 
 
 # ---- one rank of many: fake process group ------------------------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
-import weakref
 from pathlib import Path
 
 import torch
@@ -24,47 +23,46 @@ import torch.distributed as dist
 from anatomy.config import ModelConfig, Run
 from anatomy.distributed.strategies import check_strategy, default_mixed_precision, init_distributed, wrap
 from anatomy.distributed.train_step import make_optimizer
-from torch.utils._pytree import tree_leaves
-
 from anatomy.io import write_atomic
 from anatomy.measure.liveness import LiveStorage
 from anatomy.models import autocast_ctx, build_model, make_batch
 
 
 class RankStorage(LiveStorage):
-    """LiveStorage for a data-parallel rank, with two differences:
+    """LiveStorage for a data-parallel rank, with two additions:
       - a DTensor counts as its local shard: the mode sits above the DTensor subclass, so an op on sharded
         parameters (the optimizer's) returns a DTensor, whose storage is its _local_tensor's;
-      - bytes are each storage's size *now*, summed after every op: FSDP2 frees an unsharded parameter by
-        resizing its storage to 0 bytes (_fsdp_param.free_storage) and re-gathers into the same storage
-        (alloc_storage), neither of which is an op the mode sees or a storage's death."""
-
-    def __init__(self):
-        super().__init__()
-        self._refs: dict[int, weakref.ref] = {}
+      - a storage resized in place counts at its new size: FSDP2 frees an unsharded parameter by resizing its
+        storage to 0 bytes and re-gathers into the same storage (_fsdp_param.py free_storage, alloc_storage),
+        neither of which is an op the mode sees. UntypedStorage.resize_ is wrapped while the mode is active."""
 
     def _add(self, t: torch.Tensor) -> None:
-        st = getattr(t, "_local_tensor", t).untyped_storage()
+        super()._add(getattr(t, "_local_tensor", t))
+
+    def _resized(self, st, old: int) -> None:
         key = st._cdata
-        if key not in self._refs:
-            self._refs[key] = weakref.ref(st, lambda _, k=key: self._refs.pop(k, None))
+        if key in self._live:
+            delta = st.nbytes() - old
+            self._live[key] += delta
+            self.allocated += delta
+            if self.allocated > self.peak:
+                self.peak, self.peak_op = self.allocated, "UntypedStorage.resize_"
 
-    def _now(self) -> int:
-        return sum(st.nbytes() for r in list(self._refs.values()) if (st := r()) is not None)
+    def __enter__(self):
+        orig = self._orig_resize = torch.UntypedStorage.resize_
 
-    def phase(self, name: str) -> dict:
-        self.allocated = self._now()
-        return super().phase(name)
+        def resize_(st, size):
+            old = st.nbytes()
+            out = orig(st, size)
+            self._resized(st, old)
+            return out
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._add(t)
-        self.allocated = self._now()
-        if self.allocated > self.peak:
-            self.peak, self.peak_op = self.allocated, str(func)
-        return out
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
 
 
 def peaks(cfg: ModelConfig, run: Run, strategy: str, *, steps: int = 3, optimizer: str = "adamw",
