@@ -182,14 +182,20 @@ _NVIDIA_SMI_MIB = {
 }
 
 
+def base_key(name: str) -> str | None:
+    """The table's key for a name, an alias or a profile name ("h200-measured", "h200-calibrated": the
+    datasheet part it was measured on), or None."""
+    low = str(name).strip().lower().replace("_", "-")
+    for suffix in ("-measured", "-calibrated"):
+        low = low.removesuffix(suffix)
+    return key(low)
+
+
 def capacity_bytes(name: str) -> tuple[int, str]:
     """(bytes a training process can allocate on an idle GPU, where that figure comes from), for a table name,
     an alias, or a profile name ("h200-measured", "h200-calibrated": its datasheet base). It is
     torch.cuda.mem_get_info()'s free figure: measured on the H200; elsewhere derived, and the source says how."""
-    low = str(name).strip().lower().replace("_", "-")
-    for suffix in ("-measured", "-calibrated"):
-        low = low.removesuffix(suffix)
-    k = key(low)
+    k = base_key(name)
     if k is None:
         raise ConfigError(f"unknown gpu {name!r} for its capacity; choose from {', '.join(GPUS)}")
     ctx = f"less the CUDA context, {CONTEXT_GiB:.2f} GiB (total - free on the H200, measured)"

@@ -184,8 +184,8 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
     where. run is this rank's micro-batch. device "cuda" rounds every tensor to the allocator's 512-byte
     blocks (torch.cuda.max_memory_allocated); "cpu" sums exact storage bytes (live storage on CPU).
 
-    Returns bytes: by_kind at the peak (parameters, gradients, optimizer state, activations: the saved set
-    and the backward's transients, inputs, fsdp_unsharded: all-gathered parameters and the prefetched
+    Returns bytes: by_kind at the peak (parameters, gradients: parameter gradients and the backward's
+    transients, optimizer state, activations: the saved set and the forward's transients, inputs, fsdp_unsharded: all-gathered parameters and the prefetched
     buffer, fsdp_reduce_scatter: reduce-scatter inputs, ddp_buckets), peak, peak_at, and the candidates."""
     from anatomy.calculator.memory import phases
 
@@ -231,14 +231,14 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
         act, grad = by["activation"], by["gradient / backward buffer"]
         i = _stage_layer(st["name"])
         if i is None and not st["name"].startswith("embedding"):  # loss, final norm: the last Block prefetched
-            add("backward: " + st["name"], act + grad, root["G"] + blk["F"])
+            add("backward: " + st["name"], act, root["G"] + blk["F"], grad)
             continue
         done = L - 1 - i if i is not None else L  # Blocks whose post_backward has run
         grad += done * (blk["S"] - blk["U"])
         if i is None:  # the embedding: every Block reduced, Block 0's reduce-scatter input kept
-            add("backward: " + st["name"], act + grad, root["G"], rs=blk["R"])
+            add("backward: " + st["name"], act, root["G"], grad, rs=blk["R"])
             continue
-        add("backward: " + st["name"], act + grad, root["G"] + blk["G"] + (blk["F"] if i > 0 else 0),
+        add("backward: " + st["name"], act, root["G"] + blk["G"] + (blk["F"] if i > 0 else 0), grad,
             rs=blk["R"] if i < L - 1 else 0)
     # post_backward of the last and the first Block (the moments between are linear in the layer): the Block's
     # parameters resharded, its gradients copied into R_i, then the collective into S_i. Still alive: the
