@@ -246,6 +246,56 @@ def test_counter_agrees_with_comm_debug_mode():
     assert debug.get_total_counts() == len(counter.calls) == 2 * SMALL.layers + 1 + SMALL.layers + 1
 
 
+# ---- capacity, links and the table -----------------------------------------------------------------------
+def test_capacity_is_what_a_process_can_allocate():
+    """Every GPU's capacity is mem_get_info's free figure, with its source: the H200's measured, the others
+    derived from a published total; each within 1 GiB of the datasheet's memory less ~1.1 GiB of driver
+    reservation and context, never the datasheet's GB read as bytes."""
+    from anatomy.calculator import gpus
+
+    assert gpus.capacity_bytes("H200") == (int(139.29 * 2**30), gpus.H200_MEASURED)
+    assert gpus.capacity_bytes("h200-measured")[0] == gpus.capacity_bytes("h200-sxm")[0]
+    for k, e in gpus.GPUS.items():
+        cap, src = gpus.capacity_bytes(k)
+        assert src.startswith(("measured", "derived")), (k, src)
+        assert cap != int(e["memory_GB"] * 1e9)
+        assert 0.85 * e["memory_GB"] * 1e9 < cap < 1.1 * e["memory_GB"] * 1e9, (k, cap / 2**30)
+    with pytest.raises(ConfigError) as err:
+        gpus.capacity_bytes("tpu-v5")
+    assert "\n" not in str(err.value)
+
+
+def test_links_follow_the_gpu():
+    from anatomy.calculator.comm import collective_time, link
+
+    assert link("h200", 8)["name"] == "nvlink" and link("a100-40gb", 8)["GBps"] == 300.0
+    assert link("rtx-4090", 8)["name"] == "pcie" and link("h100-pcie", 8)["GBps"] == 50.0
+    assert link("h100", 16)["name"] == "ib (across nodes)" and link("h100", 16)["GBps"] == 50.0
+    assert link("l4", 16)["GBps"] == 25.0 and "assumption" in link("l4", 16)["source"]
+    assert collective_time("all_reduce", 2**30, 8, "rtx-4090") > 10 * collective_time("all_reduce", 2**30, 8, "h100")
+
+
+def test_ddp_table_is_short():
+    """DDP's ~200 bucket all-reduces of llama3-8b print as one row; the table has totals by kind."""
+    from anatomy.calculator.comm import estimate_distributed, render_distributed
+
+    e = estimate_distributed(LLAMA, Run(batch=1, seq=2048, dtype="amp"), 8, "ddp", gpu="h100", variant="efficient")
+    text = render_distributed(e)
+    assert len(text.splitlines()) < 25 and "ddp buckets" in text and "total" in text, text
+    assert e["peak"]["by_kind"]["ddp_buckets"] == sum(r["count"] * r["bytes_each"] for r in e["collectives"]
+                                                      if r["op"] == "all_reduce")
+    assert sum(e["peak"]["by_kind"].values()) == e["peak"]["peak"] == e["summary"]["peak_bytes"]
+
+
+def test_fsdp_peak_shrinks_with_ranks_and_keeps_its_buffers():
+    from anatomy.calculator.sharding import per_rank_peak
+
+    run = Run(batch=1, seq=4096, dtype="amp")
+    p8, p64 = (per_rank_peak(LLAMA, run, "efficient", w, "fsdp") for w in (8, 64))
+    assert p64["peak"] < p8["peak"] and p8["by_kind"]["fsdp_unsharded"] > 0
+    assert per_rank_peak(LLAMA, run, "efficient", 8, "ddp")["peak"] > p8["peak"]
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("call", [
     lambda: estimate_distributed(SMALL, Run(), 0, "fsdp"),
@@ -256,8 +306,11 @@ def test_counter_agrees_with_comm_debug_mode():
     lambda: estimate_distributed(SMALL, Run(), 4, "ddp", reduce_dtype="float32"),
     lambda: estimate_distributed(SMALL, Run(), 4, "fsdp", optimizer="lion"),
     lambda: per_rank_memory(SMALL, Run(), 4, "fsdp", rank=4),
+    lambda: per_rank_peak(SMALL, Run(), "baseline", 4, "fsdp", rank=4),
+    lambda: per_rank_peak(SMALL, Run(), "baseline", 4, "fsdp", device="tpu"),
+    lambda: estimate_distributed(SMALL, Run(), 4, "fsdp", gpu="tpu-v5"),
 ], ids=["world-0", "unknown-strategy", "world-exceeds-rows", "reduce-dtype", "bucket-cap", "ddp-mp", "optimizer",
-        "rank"])
+        "rank", "peak-rank", "peak-device", "gpu"])
 def test_calculator_bad_input_one_line(call):
     with pytest.raises(ConfigError) as e:
         call()
