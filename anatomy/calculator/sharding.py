@@ -198,7 +198,7 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
         raise ConfigError(f"device must be cuda or cpu, got {device!r}")
     rnd = _rounder(device)
     if strategy == "ddp":
-        return _ddp_peak(cfg, run, variant, optimizer, device, rnd)
+        return _ddp_peak(cfg, run, variant, world_size, rank, optimizer, device, rnd)
     # FSDP computes at its all-gather dtype: amp's bf16 parameters without autocast are the bf16 policy
     crun = Run(batch=run.batch, seq=run.seq, dtype="bf16" if run.dtype in ("amp", "bf16") else "fp32",
                recompute=run.recompute)
@@ -269,7 +269,7 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
     return _result(cfg, run, variant, W, "fsdp", rank, optimizer, device, cands)
 
 
-def _ddp_peak(cfg, run, variant, optimizer, device, rnd) -> dict:
+def _ddp_peak(cfg, run, variant, world, rank, optimizer, device, rnd) -> dict:
     from anatomy.calculator.comm import ddp_buckets
 
     from anatomy.calculator.memory import phases
@@ -290,7 +290,7 @@ def _ddp_peak(cfg, run, variant, optimizer, device, rnd) -> dict:
         add("backward: " + st["name"], by["activation"], by["gradient / backward buffer"])
     end = dict(base, gradients=ph["backward_end"] - fixed)
     _optimizer_candidate(cands, end, cfg, run, 1, "ddp", 0, optimizer, device, rnd)
-    return _result(cfg, run, variant, 1, "ddp", 0, optimizer, device, cands)
+    return _result(cfg, run, variant, world, "ddp", rank, optimizer, device, cands)
 
 
 def _optimizer_candidate(cands, end: dict, cfg, run, world, strategy, rank, optimizer, device, rnd) -> None:
