@@ -184,9 +184,10 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
     where. run is this rank's micro-batch. device "cuda" rounds every tensor to the allocator's 512-byte
     blocks (torch.cuda.max_memory_allocated); "cpu" sums exact storage bytes (live storage on CPU).
 
-    Returns bytes: by_kind at the peak (parameters, gradients: parameter gradients and the backward's
-    transients, optimizer state, activations: the saved set and the forward's transients, inputs, fsdp_unsharded: all-gathered parameters and the prefetched
-    buffer, fsdp_reduce_scatter: reduce-scatter inputs, ddp_buckets), peak, peak_at, and the candidates."""
+    Returns bytes: by_kind at the peak (parameters; gradients: parameter gradients and the backward's
+    transients; optimizer state; activations: the saved set and the forward's transients; inputs;
+    fsdp_unsharded: all-gathered parameters and the prefetched buffer; fsdp_reduce_scatter: its inputs;
+    ddp_buckets), peak, peak_at, and every candidate moment."""
     from anatomy.calculator.memory import phases
 
     check_world(cfg, world_size, strategy)
@@ -205,10 +206,10 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
     ph = phases(cfg, crun, variant, optimizer=None, device=device)
     u = _fsdp_unit_bytes(cfg, run, world_size, rank, rnd)
     root, blk, L, W = u["root"], u["block"], cfg.layers, world_size
-    single = W == 1  # FSDP2 on one rank gathers nothing: its "unsharded" parameters are copies all the same
+    if W == 1:  # FSDP2 on one rank gathers nothing (no flat buffer) but still copies into unsharded parameters
+        root["F"] = blk["F"] = 0
     base = dict(parameters=root["P"] + L * blk["P"], optimizer=_opt_state(cfg, run, W, "fsdp", rank, optimizer, rnd),
                 inputs=ph["inputs"])
-    fwd_act = ph["saved"] + rnd(4)  # + the loss
     layer_saved = _layer_saved(cfg, crun, variant, device, rnd)
     cands = []
 
@@ -243,7 +244,8 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
     # post_backward of the last and the first Block (the moments between are linear in the layer): the Block's
     # parameters resharded, its gradients copied into R_i, then the collective into S_i. Still alive: the
     # saved tensors of the Blocks below, the residual stream's gradient, the root's gradients made so far.
-    copy = 2 if device == "cpu" else 1  # gloo's reduce_scatter_tensor works on a copy of its input (live storage)
+    # gloo's reduce_scatter_tensor works on a copy of its input (live storage on CPU); one rank runs no collective
+    copy = 2 if device == "cpu" and W > 1 else 1
     dt = dtypes_of(crun)
     resid = rnd(run.tokens * cfg.hidden * BYTES[dt.residual])
     head = root["U"] - (rnd(cfg.vocab * cfg.hidden * BYTES[dt.param]) if not cfg.tie_embeddings else 0)
@@ -260,10 +262,6 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
     # past the copy-in (live storage on CPU: validations/test_distributed.py)
     emb = rnd(cfg.vocab * cfg.hidden * BYTES[dt.param])
     add("backward: root reduce-scatter", 0, 0, L * blk["S"] + root["S"] + emb, rs=copy * root["R"])
-    if single:
-        for c in cands:  # no all-gather on one rank; the reduce-scatter input is still copied in
-            c["by_kind"]["fsdp_unsharded"] = root["G"] if c["by_kind"]["fsdp_unsharded"] else 0
-            c["bytes"] = sum(c["by_kind"].values())
     end = dict(base, gradients=root["S"] + L * blk["S"])
     _optimizer_candidate(cands, end, cfg, run, W, "fsdp", rank, optimizer, device, rnd)
     return _result(cfg, run, variant, W, "fsdp", rank, optimizer, device, cands)
