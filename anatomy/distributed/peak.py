@@ -1,7 +1,7 @@
 """Per-rank live storage over data-parallel training steps: the measured side of calculator.sharding.per_rank_peak.
 
 Each rank runs the same loop as train_step.train (wrap(), a plain optimizer, FSDP's MixedPrecisionPolicy or
-DDP under autocast) inside anatomy.measure.liveness.LiveStorage, entered before the model is built, so that
+DDP under autocast) inside RankStorage (anatomy.measure.liveness.LiveStorage for a rank), entered before the model is built, so that
 everything the rank allocates is counted: the parameters (a DTensor's local shard), DDP's gradient buckets
 (allocated by its reducer in C++, through the dispatcher), FSDP's all-gather and reduce-scatter buffers, the
 activations, the gradients and the optimizer state. Returned per phase of the last step: the bytes alive at its
