@@ -303,7 +303,8 @@ def test_baseline_sxs_chain_takes_its_calibrated_rates():
 def test_fused_adamw_takes_its_calibrated_rate():
     """Fake timings (not a measurement) of torch's fused AdamW at calibrate's sizes, at 80% of the copy
     bandwidth: every AdamW kernel of a step takes exactly its bytes at that rate, AdEMAMix (not
-    calibrated) stays on the copy roofline, and the forward and backward do not change."""
+    calibrated) stays on the copy roofline, and the forward and backward do not change (at burst rates:
+    the sustained-load weight follows the whole step's length, optimizer included)."""
     from anatomy.calculator.timing.op_bytes import fused_bytes
     from anatomy.measure.calibrate_kernels import ADAMW_NUMELS, ADAMW_TENSORS
 
@@ -313,6 +314,7 @@ def test_fused_adamw_takes_its_calibrated_rate():
              for n in ADAMW_NUMELS]
     p, p0 = (fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12, **f),
                                                             dict(date="fake"), "h200-sxm")) for f in (dict(fused=fused), {}))
+    p, p0 = p.replace(sustained_ratio={}), p0.replace(sustained_ratio={})
     cfg = ModelConfig(name="o", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=32000)
     for variant in ("efficient", "baseline"):
         for opt, f in (("adamw", frac), ("ademamix", 1.0)):
