@@ -144,3 +144,84 @@ def preset_cases(capacity: int = H200_CAPACITY, batch: int = 1, seq: int = 4096)
             if run is not None:
                 out.append(Case(PRESETS[name], run, variant))
     return out
+
+
+# ---- the comparison (CPU): committed user-loop rows against estimate_time --------------------------------
+TOL = {"GPU time, forward+backward": 0.10, "GPU time, step": 0.10, "wall step (GPU-bound)": 0.10}
+COMPONENT_TOL, COMPONENT_SHARE, GPU_BOUND_BUSY = 0.15, 0.05, 0.90
+
+
+def case_of(row: dict) -> Case:
+    return Case(ModelConfig(**row["cfg"]), Run(row["batch"], row["seq"], "amp", row.get("recompute", "none")),
+                row["variant"])
+
+
+def predicted(row: dict, gpu) -> dict:
+    """estimate_time for a committed row, with fused AdamW (what the user's loop runs)."""
+    from anatomy.calculator.timing import estimate_time
+
+    c = case_of(row)
+    return estimate_time(c.cfg, c.run, c.variant, gpu, optimizer="adamw", with_kernels=False)
+
+
+def predicted_busy(res: dict) -> float:
+    """The model's GPU busy fraction of a back-to-back step: its kernel time over its steady step."""
+    return res["gpu_s"] / res["steady"]["step_s"]
+
+
+def row_errors(row: dict, gpu) -> dict[str, float]:
+    """{quantity: (predicted - measured) / measured} of one row: the kernel time of forward + backward and of
+    the step; the wall step where the model calls the row GPU-bound; each component's forward and backward
+    kernel time where the row has them and the component holds >= COMPONENT_SHARE of the step's."""
+    res, k = predicted(row, gpu), row["kernels"]
+    fb = (res["phases"]["forward"]["gpu_s"] + res["phases"]["backward"]["gpu_s"]) * 1e3
+    out = {"GPU time, forward+backward": fb / k["forward_backward_ms"] - 1,
+           "GPU time, step": res["gpu_s"] * 1e3 / k["step_ms"] - 1}
+    if predicted_busy(res) >= GPU_BOUND_BUSY:
+        out["wall step (GPU-bound)"] = res["steady"]["step_s"] * 1e3 / row["wall"]["step_ms"] - 1
+    comps = row.get("components") or {}
+    total = sum(c["ms"] for ph in comps.values() for c in ph.values())
+    for ph in ("forward", "backward"):
+        for comp, c in comps.get(ph, {}).items():
+            if c["ms"] >= COMPONENT_SHARE * total and comp in res["components"]:
+                out[f"{comp} {ph}"] = res["components"][comp][f"{ph}_s"] * 1e3 / c["ms"] - 1
+    return out
+
+
+def error_table(rows: list[dict], gpu) -> dict[str, dict]:
+    """{quantity: {n, within, tol, mape, worst}} over the rows that ran."""
+    errs: dict[str, list[float]] = {}
+    for r in rows:
+        if "error" not in r:
+            for q, e in row_errors(r, gpu).items():
+                errs.setdefault(q, []).append(e)
+    return {q: dict(n=len(v), within=sum(abs(e) <= TOL.get(q, COMPONENT_TOL) for e in v), tol=TOL.get(q, COMPONENT_TOL),
+                    mape=sum(map(abs, v)) / len(v), worst=max(v, key=abs)) for q, v in errs.items()}
+
+
+def markdown(rows: list[dict], profiles: dict) -> str:
+    """The error table per variant and profile ({label: gpu}), e.g. calibrated beside datasheet."""
+    lines = ["| variant | profile | quantity | n | within | MAPE | worst |", "|---|---|---|---:|---:|---:|---:|"]
+    for variant in VARIANTS:
+        vr = [r for r in rows if r["variant"] == variant]
+        for label, gpu in profiles.items():
+            for q, v in error_table(vr, gpu).items():
+                lines.append(f"| {variant} | {label} | {q} | {v['n']} | {v['within']} (±{v['tol']:.0%}) | "
+                             f"{v['mape']:.1%} | {v['worst']:+.1%} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python3 -m validations.real_depth RECORD.json: the error table of a user-loop run
+    import json
+    import sys
+    from pathlib import Path
+
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_file():
+        print("usage: python3 -m validations.real_depth RECORD.json (scripts/probe_timing.py --user-loop's output)",
+              file=sys.stderr)
+        sys.exit(2)
+    rec = Path(sys.argv[1])
+    prof = rec.with_name("calibrated.json")
+    data = json.loads(rec.read_text())
+    print(markdown(data["rows"], {"calibrated": str(prof) if prof.is_file() else "h200-measured",
+                                  "datasheet": "h200-sxm"}))
