@@ -14,7 +14,7 @@ causal SDPA forward + backward and one device copy in both regimes:
   3. sustained   the same three timings, right after the warm-up (no idle between)
 
 The SM clock and the board power are read during each timing (NVML through pynvml, else torch.cuda's
-clock_rate / power_draw, else None). The calculator reads the rate ratios (Profile.sustained_ratio), the
+clock_rate / power_draw, else the latest line of a background `nvidia-smi -lms 20`, else None). The calculator reads the rate ratios (Profile.sustained_ratio), the
 time constant (Profile.sustained_tau_s) and the clocks (Profile.clocks). About 12 s.
 """
 from __future__ import annotations
@@ -84,9 +84,37 @@ def nvml_reader():
         read.reasons = lambda: None
         return read, {}, "torch.cuda.clock_rate/power_draw"
     except Exception:  # noqa: BLE001
+        pass
+    return _smi_reader()
+
+
+def _smi_reader():
+    """The latest (SM clock, power) of `nvidia-smi -lms 20` streaming in the background (a reader thread keeps
+    the last line): a read never waits on the tool, so the warm-up's queue never drains."""
+    import subprocess
+    import threading
+
+    last = [(None, None)]
+    try:
+        p = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                              "-lms", "20", "-i", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:
         read = lambda: (None, None)  # noqa: E731
-        read.reasons = lambda: None
+        read.reasons, read.close = (lambda: None), (lambda: None)
         return read, {}, None
+
+    def pump():
+        for line in p.stdout:
+            try:
+                clock, power = (float(v) for v in line.split(","))
+                last[0] = (clock, power)
+            except ValueError:
+                continue
+
+    threading.Thread(target=pump, daemon=True).start()
+    read = lambda: last[0]  # noqa: E731
+    read.reasons, read.close = (lambda: None), p.terminate
+    return read, {}, "nvidia-smi -lms 20"
 
 
 def _median(xs):
@@ -206,6 +234,7 @@ def measure_sustained(warmup_s: float = 8.0) -> dict:
     trace, settled = warm_up(read, warmup_s)
     sustained = _regime(cases, read)
     reasons = read.reasons()
+    getattr(read, "close", lambda: None)()
     del cases
     torch.cuda.empty_cache()
     return dict(burst=burst, sustained=sustained, trace=trace, warmup_s=round(trace[-1]["t_s"], 3) if trace else
