@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 scripts/probe_timing.py --out $OUT/probe_timing.json              # the named cases
     PYTHONPATH=. python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed 2026 \\
         --out $OUT/probe_timing_hypothesis.json                                            # 32 drawn configs
-    PYTHONPATH=. python3 scripts/probe_timing.py --user-loop --real-depth 32 --presets --calibrate \\
+    PYTHONPATH=. python3 scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate \\
         --out $OUT/user_loop.json          # the user's own loop on real-depth models (scripts/user_loop.py)
 
 Each row holds anatomy.measure.timeline.component_times (CUDA events at every component change,

@@ -27,7 +27,7 @@ from validations import real_depth
 RECORD = records.H200 / "user-loop" / "real-depth.json"  # scripts/probe_timing.py --user-loop on an H200
 PROFILE = RECORD.with_name("calibrated.json")  # `anatomy calibrate` in the same process, before the rows
 MISSING = ("no committed user-loop record (reports/h200/user-loop/real-depth.json): run `ANATOMY_DRAW_SEED=<new> "
-           "PYTHONPATH=. python3 scripts/probe_timing.py --user-loop --real-depth 32 --presets --calibrate --out "
+           "PYTHONPATH=. python3 scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate --out "
            "$OUT/real-depth.json` on an H200 and commit it with its calibrated.json")
 
 
