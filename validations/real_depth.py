@@ -188,6 +188,18 @@ def row_errors(row: dict, gpu) -> dict[str, float]:
     return out
 
 
+def clock_weight(row: dict, gpu) -> float | None:
+    """The sustained weight the row's own SM clock implies, (burst - clock) / (burst - sustained) with the
+    profile's clocks, in [0, 1]; None without clocks. Beside the model's weight it tests the blend itself."""
+    from anatomy.calculator.timing import get
+
+    ck, c = get(gpu).clocks, (row.get("clocks") or {}).get("sm_mhz")
+    b, s = ck.get("burst_MHz"), ck.get("sustained_MHz")
+    if not (c and b and s) or b <= s:
+        return None
+    return min(1.0, max(0.0, (b - c) / (b - s)))
+
+
 def error_table(rows: list[dict], gpu) -> dict[str, dict]:
     """{quantity: {n, within, tol, mape, worst}} over the rows that ran."""
     errs: dict[str, list[float]] = {}
@@ -208,6 +220,16 @@ def markdown(rows: list[dict], profiles: dict) -> str:
             for q, v in error_table(vr, gpu).items():
                 lines.append(f"| {variant} | {label} | {q} | {v['n']} | {v['within']} (±{v['tol']:.0%}) | "
                              f"{v['mape']:.1%} | {v['worst']:+.1%} |")
+    gpu = next(iter(profiles.values()))
+    lines += ["", "| case | step ms | SM MHz | W | sustained weight: model | from the row's clock |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            continue
+        w, cw = predicted(r, gpu)["sustained"]["weight"], clock_weight(r, gpu)
+        ck = r.get("clocks") or {}
+        lines.append(f"| {r['id']} | {r['wall']['step_ms']:.1f} | {ck.get('sm_mhz') or '-'} | {ck.get('power_w') or '-'} | "
+                     f"{w:.2f} | {'-' if cw is None else f'{cw:.2f}'} |")
     return "\n".join(lines)
 
 

@@ -198,3 +198,11 @@ def test_row_errors_bookkeeping():
     assert "tiny forward" not in e and "mlp forward" in e
     t = real_depth.error_table([row, dict(row, error="OutOfMemoryError")], "h200-measured")
     assert t["GPU time, step"]["n"] == 1 and t["GPU time, step"]["within"] == 0
+
+
+def test_clock_weight_reads_the_row_clock_against_the_profile():
+    """The datasheet H200 runs bursts at 1980 MHz and sustains 1590: a row at 1785 MHz sits halfway."""
+    row = dict(clocks=dict(sm_mhz=1785.0))
+    assert real_depth.clock_weight(row, "h200-sxm") == pytest.approx(0.5)
+    assert real_depth.clock_weight(dict(clocks=dict(sm_mhz=2100.0)), "h200-sxm") == 0.0
+    assert real_depth.clock_weight(dict(clocks={}), "h200-sxm") is None
