@@ -511,7 +511,8 @@ def test_datasheet_profiles_have_the_clock_term():
 
 @pytest.mark.parametrize("path, value", [
     (("burst", "matmul_tflops"), 0.0), (("sustained", "copy_tbps"), float("nan")), (("burst", "clock_MHz"), -5.0),
-    (("trace",), [dict(t_s=0.0, tflops=1.0)]), (("trace",), "x"), (("warmup_s",), None), (("sustained",), 3)])
+    (("trace",), [dict(t_s=0.0, tflops=1.0)]), (("trace",), "x"), (("warmup_s",), None), (("sustained",), 3),
+    (("limits", "power_limit_W"), "700"), (("limits",), [700]), (("settled",), "yes")])
 def test_bad_sustained_measurements_are_one_line_errors(path, value):
     s = _fake_sustained()
     d = s

@@ -286,3 +286,11 @@ def _check_sustained(where: str, s) -> None:
             raise _bad(where, f"{name}.trace[{i}].tflops", _POS, r.get("tflops"))
     if not _ok(s.get("warmup_s"), _POS):
         raise _bad(where, f"{name}.warmup_s", _POS, s.get("warmup_s"))
+    limits = s.get("limits", {})
+    if not isinstance(limits, dict):
+        raise _bad(where, f"{name}.limits", "an object", limits)
+    for k, v in limits.items():
+        if not _ok(v, _POS):
+            raise _bad(where, f"{name}.limits.{k}", _POS, v)
+    if not isinstance(s.get("settled", False), bool):
+        raise _bad(where, f"{name}.settled", "true or false", s.get("settled"))
