@@ -14,8 +14,9 @@ causal SDPA forward + backward and one device copy in both regimes:
   3. sustained   the same three timings, right after the warm-up (no idle between)
 
 The SM clock and the board power are read during each timing (NVML through pynvml, else torch.cuda's
-clock_rate / power_draw, else the latest line of a background `nvidia-smi -lms 20`, else None). The calculator reads the rate ratios (Profile.sustained_ratio), the
-time constant (Profile.sustained_tau_s) and the clocks (Profile.clocks). About 12 s.
+clock_rate / power_draw, else the latest line of a background `nvidia-smi -lms 20`, else None). The
+calculator reads the rate ratios (Profile.sustained_ratio), the time constant (Profile.sustained_tau_s) and
+the clocks (Profile.clocks). About 12 s.
 """
 from __future__ import annotations
 

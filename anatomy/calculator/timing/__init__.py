@@ -44,8 +44,8 @@ from anatomy.config import ModelConfig, Run
 PHASES = ("forward", "backward", "optimizer")
 __all__ = ["estimate_time", "breakdown_table", "predict", "get", "names", "Profile", "Kernel", "kernels",
            "baseline_kernels", "efficient_kernels", "optimizer_kernels", "standalone_kernels", "param_sizes",
-           "time_kernel", "sustained_weight", "step_weight", "fused_efficiency", "host_seconds", "host_scale", "in_situ", "at_host_speed", "VARIANTS",
-           "SDPA_BACKENDS", "PHASES"]
+           "time_kernel", "sustained_weight", "step_weight", "fused_efficiency", "host_seconds", "host_scale",
+           "in_situ", "at_host_speed", "VARIANTS", "SDPA_BACKENDS", "PHASES"]
 
 
 def step_weight(ks: list[Kernel], prof: Profile) -> tuple[float, float]:

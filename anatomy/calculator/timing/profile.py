@@ -81,7 +81,7 @@ class Profile(Mapping):
     # memory (clocks.py). Empty: no sustained term.
     sustained_ratio: dict = field(default_factory=dict)
     # seconds: the time constant of the fall from burst to sustained rates under continuous load; a step
-    # of GPU time T runs a fraction roofline.sustained_weight(T, tau) of its work at sustained rates.
+    # of GPU time T runs at rates blended by roofline.sustained_weight(T, tau).
     # calibrate_sustained:measure_sustained's warm-up trace, fitted by fit.fit_tau; datasheet: assumed
     sustained_tau_s: float = 0.0
     # {burst_MHz, sustained_MHz, burst_W, sustained_W, boost_MHz, base_MHz, tdp_W}: the clocks and power of

@@ -86,10 +86,11 @@ def attention_wave_efficiency(batch: int, heads: int, seq: int, sms: int, block_
 
 # ---- the sustained-load regime -------------------------------------------------------------------
 def sustained_weight(gpu_s: float, tau_s: float) -> float:
-    """The fraction of a step's work that runs at sustained rates: the step starts at burst rates and the
-    clock falls toward the power-limited one with time constant tau, so over a step of GPU time T the
-    mean weight of the sustained regime is 1 - (tau / T)(1 - exp(-T / tau)): ~T / (2 tau) for a short
-    step, -> 1 for a step many tau long. 0 where tau or T is not positive."""
+    """The sustained regime's weight in a step's mean rates: the step starts at burst rates and the clock
+    relaxes toward the power-limited one with time constant tau, rate(t) = sustained + (burst - sustained)
+    exp(-t / tau), so over a step of GPU time T the mean rate is burst x (1 - w + w x ratio) with
+    w = 1 - (tau / T)(1 - exp(-T / tau)): ~T / (2 tau) for a short step, -> 1 for a step many tau long.
+    0 where tau or T is not positive."""
     if tau_s <= 0 or gpu_s <= 0:
         return 0.0
     x = gpu_s / tau_s
