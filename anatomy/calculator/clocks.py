@@ -8,28 +8,30 @@ a heavy load at the board power (TDP) is the base clock, so a datasheet profile 
 
 for compute-bound kernels (GEMMs, attention), and leaves the memory-bound ones at the burst bandwidth (HBM
 runs on its own clock). The base clock is a lower bound of the sustained one (a GPU under its power limit
-holds more), so a datasheet sustained estimate is pessimistic where the burst one is optimistic.
+holds more), so a datasheet sustained estimate is pessimistic where the burst one is optimistic: most
+for the low-power parts whose base clock is far under their boost (L4, L40S: 0.39, 0.44).
 
 Pure data, no imports from the calculator (it sits beside gpus.py). Each entry:
     name: (boost_MHz, base_MHz, tdp_W, source)
 """
 from __future__ import annotations
 
-TPU = "TechPowerUp GPU Database, https://www.techpowerup.com/gpu-specs/"
+TPU = "TechPowerUp GPU Database (https://www.techpowerup.com/gpu-specs/), "
 
 CLOCKS: dict[str, tuple[int, int, int, str]] = {
-    "a100-40gb-sxm": (1410, 1095, 400, TPU + "a100-sxm4-40-gb.c3506: base 1095 MHz, boost 1410 MHz, 400 W"),
-    "a100-80gb-sxm": (1410, 1275, 400, TPU + "a100-sxm4-80-gb.c3746: base 1275 MHz, boost 1410 MHz, 400 W"),
-    "h100-sxm": (1980, 1590, 700, TPU + "h100-sxm5-80-gb.c3900: base 1590 MHz, boost 1980 MHz, 700 W; NVIDIA H100 "
+    "a100-40gb-sxm": (1410, 1095, 400, TPU + "A100 SXM4 40 GB (gpu-specs/a100-sxm4-40-gb.c3506): base 1095 MHz, "
+                      "boost 1410 MHz, 400 W"),
+    "a100-80gb-sxm": (1410, 1275, 400, TPU + "A100 SXM4 80 GB: base 1275 MHz, boost 1410 MHz, 400 W"),
+    "h100-sxm": (1980, 1590, 700, TPU + "H100 SXM5 80 GB: base 1590 MHz, boost 1980 MHz, 700 W; NVIDIA H100 "
                  "datasheet: max TDP up to 700 W (SXM)"),
-    "h100-pcie": (1755, 1125, 350, TPU + "h100-pcie-80-gb.c3899: base 1125 MHz, boost 1755 MHz; NVIDIA H100 PCIe "
+    "h100-pcie": (1755, 1125, 350, TPU + "H100 PCIe 80 GB: base 1125 MHz, boost 1755 MHz; NVIDIA H100 PCIe "
                   "product brief PB-11133-001: 350 W max TDP"),
-    "h200-sxm": (1980, 1590, 700, TPU + "h200-sxm-141-gb.c4284: base 1590 MHz, boost 1980 MHz, 700 W (the H100 "
+    "h200-sxm": (1980, 1590, 700, TPU + "H200 SXM 141 GB: base 1590 MHz, boost 1980 MHz, 700 W (the H100 "
                  "SXM's GH100 die and clocks); NVIDIA H200 datasheet: max TDP up to 700 W"),
-    "l40s": (2520, 1110, 350, TPU + "l40s.c4173: base 1110 MHz, boost 2520 MHz, 350 W"),
-    "l4": (2040, 795, 72, TPU + "l4.c4091: base 795 MHz, boost 2040 MHz, 72 W"),
-    "rtx-3090": (1695, 1395, 350, TPU + "geforce-rtx-3090.c3622: base 1395 MHz, boost 1695 MHz, 350 W"),
-    "rtx-4090": (2520, 2235, 450, TPU + "geforce-rtx-4090.c3889: base 2235 MHz, boost 2520 MHz, 450 W"),
+    "l40s": (2520, 1110, 350, TPU + "L40S: base 1110 MHz, boost 2520 MHz, 350 W"),
+    "l4": (2040, 795, 72, TPU + "L4: base 795 MHz, boost 2040 MHz, 72 W"),
+    "rtx-3090": (1695, 1395, 350, TPU + "GeForce RTX 3090: base 1395 MHz, boost 1695 MHz, 350 W"),
+    "rtx-4090": (2520, 2235, 450, TPU + "GeForce RTX 4090: base 2235 MHz, boost 2520 MHz, 450 W"),
 }
 
 # The time constant of the fall from the boost to the power-limited clock under a heavy load: not on any
