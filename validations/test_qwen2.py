@@ -217,6 +217,23 @@ def test_efficient_matches_baseline(name, policy, recompute):
     assert any(n.endswith("attn.q.bias") for n in worst)  # the fused qkv bias's gradient is split and checked
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+@pytest.mark.parametrize("name", QWEN)
+def test_saved_exact_cuda(name, policy, claims):
+    """On CUDA: the baseline's matmuls, the efficient model's cuDNN SDPA and Triton rope_qkv, with biases."""
+    cfg, run, cid = QWEN[name], Run(2, 256, policy), f"{name}/B2S256/{policy}"
+    test_saved._check(claims, cfg, run, cid, device="cuda")
+    test_efficient.check_saved(claims, cfg, run, cid, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+@pytest.mark.parametrize("name", ACCURACY)
+def test_efficient_matches_baseline_cuda(name, policy):
+    test_efficient.check_matches_baseline(ACCURACY[name], Run(2, 128, policy), device="cuda")
+
+
 @settings(max_examples=15)
 @given(cfg=configs().map(lambda c: dataclasses.replace(c, qkv_bias=True)), run=runs())
 def test_saved_and_flops_exact_hypothesis(cfg, run, claims):
