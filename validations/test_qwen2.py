@@ -289,3 +289,37 @@ def test_fake_pg_collectives_and_per_rank_bytes(name, strategy, world, claims):
                            config=name, variant=strategy, device="cpu-fake-pg", note=note)
         _check_memory(claims, pred=e["memory"], meas=rec["memory"], config=name, variant=strategy,
                       device="cpu-fake-pg", note=note)
+
+
+# ---- memory phases: the bias tensors and their gradients in the live storage ---------------------------
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("variant", ["baseline", "efficient"])
+@pytest.mark.parametrize("name", QWEN)
+def test_phases_against_live_storage(name, variant, policy, claims):
+    """memory.phases on CPU against live storage (test_memory_walk's claims): the phase ends exact, with
+    the biases among the parameters, gradients and AdamW state; the peak in backward within ±3%."""
+    from validations.test_memory_walk import _check
+
+    _check(claims, QWEN[name], Run(2, 16, policy), variant, "adamw", f"{name}/B2S16/{policy}/adamw")
+
+
+def test_fuzz_qwen2_config(tmp_path_factory):
+    """Mutated Qwen2.5-7B config.json files (test_fuzz's mutations): one line and exit 2, or an estimate."""
+    from hypothesis import given as given_
+
+    from validations.test_config import QWEN25_7B
+    from validations.test_fuzz import _examples, mutated, run_cli
+
+    keys = [*QWEN25_7B, "layer_types", "attention_bias", "mlp_bias"]
+
+    @_examples(60)
+    @given_(raw=mutated(QWEN25_7B, keys))
+    def one(raw):
+        p = tmp_path_factory.mktemp("qwen2") / "config.json"
+        p.write_bytes(raw)
+        rc, out, _ = run_cli(["estimate", "--hf-config", str(p), "--batch", "1", "--seq", "1024", "--json"],
+                             "config.json")
+        if rc == 0:
+            assert isinstance(json.loads(out)["config"].get("qkv_bias", False), bool)
+
+    one()
