@@ -279,7 +279,11 @@ def test_fake_pg_collectives_and_per_rank_bytes(name, strategy, world, claims):
     each bias's shard like a weight's (64 / 3 ranks: chunks of 22, the last short)."""
     from anatomy.calculator.comm import collective_counts, estimate_distributed
     from anatomy.distributed.simulate import simulate
-    from validations.test_distributed import _check_collectives, _check_memory, _measured_counts
+    from validations.test_distributed import (
+        _check_collectives,
+        _check_memory,
+        _measured_counts,
+    )
 
     cfg, run = QWEN.get(name) or PRESETS[name], Run(batch=1, seq=16, dtype="amp")
     for rec in simulate(cfg, run, world, strategy, steps=3 if strategy == "ddp" else 1):
