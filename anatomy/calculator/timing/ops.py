@@ -41,6 +41,7 @@ class Kernel:
     order: int = 1  # execution order within the phase: 0 before the layers, 1 the layers, 2 after
     fused: tuple = ()  # (op, width, rows): a registry op (registry.OPS) timed at its calibrated efficiency
     accumulate: bool = False  # matmul: addmm into an fp32 accumulator (Liger's grad_weight under amp)
+    op_phase: str = ""  # sdpa: the kernel's own pass where it is not `phase` (a recompute's forward in backward)
 
 
 class Ops:
