@@ -58,8 +58,9 @@ class BlockCheckpoint(nn.Module):
     down's input and weight cast are saved again, before that matmul runs: every other matmul, both norms,
     RoPE and SDPA's forward run twice. While the block's backward runs, all it saves is live again.
 
-    A module of its own with no parameters, so the measuring tools credit what the checkpoint keeps to
-    attention, the component that reads the block input first (its norm) and the RoPE tables."""
+    A module of its own, without parameters, so that the measuring tools (anatomy/measure/components.py)
+    credit what the checkpoint keeps, and the residual adds it runs, to a component: attention, which reads
+    the RoPE tables and, under "mlp", keeps the block input too (calculator: attention.x)."""
     component = "attention"
 
     def forward(self, block, x, cos, sin):
