@@ -65,8 +65,9 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--variant", default="baseline", type=nonempty,
                    help="baseline (unfused, readable) or efficient (fused kernels)")
     r.add_argument("--recompute", default="none", type=nonempty,
-                   help="efficient only: none, or mlp (keep the block input, the attention branch and SDPA's "
-                        "tensors; re-run both norms, gate_up and the activation in backward)")
+                   help="efficient only: none; mlp (keep the block input, the attention branch and SDPA's "
+                        "tensors; re-run both norms, gate_up and the activation in backward); or full (keep "
+                        "only each block's input; re-run the whole block's forward in backward)")
     p.add_argument("--json", action="store_true", help="machine-readable output (keys in the README)")
 
 

@@ -23,7 +23,8 @@ DTYPE_POLICIES = ("amp", "bf16", "fp32")
 # activation recompute (efficient variant only):
 #   none : keep every saved tensor (the fastest step)
 #   mlp  : keep only the MLP block's input; its norm, gate_up matmul and activation run again in backward
-RECOMPUTE = ("none", "mlp")
+#   full : keep only each block's input; backward runs the whole block's forward again (but its last matmul)
+RECOMPUTE = ("none", "mlp", "full")
 
 # Sizes no machine could hold are refused before anything is computed from them.
 MAX_WIDTH = 2**24  # hidden, intermediate, vocab: one hidden x hidden matrix at 2**24 is 2.8e14 parameters

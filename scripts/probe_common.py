@@ -23,7 +23,7 @@ def parse(prog: str, argv=None) -> argparse.Namespace:
                     help="the drawn configs: small GPU configs (gpu_configs) or training-sized ones (training_configs)")
     ap.add_argument("--skip-named", action="store_true")
     ap.add_argument("--out", help="write the JSON here after every row (default: stdout at the end)")
-    ap.add_argument("--recompute", choices=("none", "mlp"), default="none",
+    ap.add_argument("--recompute", choices=("none", "mlp", "full"), default="none",
                     help="probe_memory: the efficient variant alone, under this Run.recompute")
     return ap.parse_args(argv)
 

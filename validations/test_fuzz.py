@@ -111,7 +111,7 @@ MODEL_FLAGS = {
     "--intermediate": st.sampled_from(["32", "96", "100"]), "--vocab": st.sampled_from(["33", "128", "1000"]),
     "--batch": st.sampled_from(["1", "2"]), "--seq": st.sampled_from(["4", "8", "16"]),
     "--dtype": st.sampled_from(["amp", "bf16", "fp32"]), "--variant": st.sampled_from(["baseline", "efficient"]),
-    "--recompute": st.sampled_from(["none", "mlp"]), "--mlp": st.sampled_from(["swiglu", "gpt-oss"]),
+    "--recompute": st.sampled_from(["none", "mlp", "full"]), "--mlp": st.sampled_from(["swiglu", "gpt-oss"]),
 }
 # estimate is arithmetic: every width may be huge, only the layer count sets its cost
 ESTIMATE_FLAGS = {

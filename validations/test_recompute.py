@@ -31,10 +31,10 @@ def _grads(cfg, run, device="cpu"):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def check_identical(cfg, run, device="cpu"):
+def check_identical(cfg, run, device="cpu", recompute=MLP):
     """Recompute changes what is kept, not what is computed: loss and every gradient bit for bit."""
     l0, g0 = _grads(cfg, run, device)
-    l1, g1 = _grads(cfg, Run(run.batch, run.seq, run.dtype, MLP), device)
+    l1, g1 = _grads(cfg, Run(run.batch, run.seq, run.dtype, recompute), device)
     assert torch.equal(l0, l1), (l0.item(), l1.item())
     for name, g in g0.items():
         assert torch.equal(g, g1[name]), f"{name}: max |diff| {(g - g1[name]).abs().max().item():.3e}"

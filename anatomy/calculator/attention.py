@@ -8,6 +8,8 @@ convention counts matmuls only.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.linear import linears_saved
 from anatomy.calculator.types import Component, Saved
@@ -82,17 +84,32 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     dt, L, T, H, S, hd = dtypes(run), cfg.layers, run.tokens, cfg.hidden, run.seq, cfg.head_dim
     c = dt.compute
     qkv = (cfg.heads + 2 * cfg.kv_heads) * hd
-    if run.recompute == "mlp":  # the norm -> qkv checkpoint keeps x; backward re-runs the norm alone
+    if run.recompute == "full":  # the block's checkpoint keeps its input and the tables, nothing else
+        saved = [Saved("attention.x", (run.batch, S, H), dt.residual, L,
+                       "the block's checkpoint keeps its input; backward runs the block's forward again")]
+    elif run.recompute == "mlp":  # the norm -> qkv checkpoint keeps x; backward re-runs the norm alone
         saved = [Saved("attention.x", (run.batch, S, H), dt.residual, L,
                        "the checkpoint keeps the block input; the norm runs again in backward, qkv does not")]
     else:  # the fused norm already returns the compute dtype: one saved input for the single qkv matmul
         saved = linears_saved("attention", T, H, {"qkv": qkv}, dt, L, c)
-    saved += [Saved("attention.rope_cos", (S, hd), "float32", 1, "rope_qkv keeps only the fp32 tables"),
+    saved += [Saved("attention.rope_cos", (S, hd), "float32", 1, "rope_qkv (or the checkpoint) keeps the fp32 tables"),
               Saved("attention.rope_sin", (S, hd), "float32", 1, "built once per step, shared by all layers")]
-    saved += _sdpa_saved(cfg, run, device, c)
-    if dt.autocast:  # o's input is a view of SDPA's out (laid out (B, S, nh, hd)): only its weight cast is new
-        saved.append(Saved("attention.o.weight_cast", (H, H), c, L, "autocast's cached cast of the fp32 weight"))
+    if run.recompute != "full":
+        saved += sdpa_o_saved(cfg, run, device, L)
     proj, sdpa = _flops(cfg, run)
     counted = sdpa if device == "cuda" else 0  # FlopCounterMode has no formula for the CPU SDPA kernel
-    return Component("attention", L, params(cfg), proj + counted, 2 * proj + counted * 5 // 2,
+    # under full recompute backward runs qkv, SDPA's forward and o again (the early stop spares only down)
+    again = proj + counted if run.recompute == "full" else 0
+    return Component("attention", L, params(cfg), proj + counted, 2 * proj + counted * 5 // 2 + again,
                      proj + sdpa // 2, 2 * (proj + sdpa // 2), L * T * (3 * (H + cfg.kv_dim) + qkv_bias(cfg)), saved)
+
+
+def sdpa_o_saved(cfg: ModelConfig, run: Run, device: str, count: int) -> list[Saved]:
+    """SDPA's tensors and, under autocast, o's weight cast: `count` instances (L; or 1, what one block's
+    re-run makes again in backward under recompute="full")."""
+    dt = dtypes(run)
+    saved = [dataclasses.replace(s, count=count) for s in _sdpa_saved(cfg, run, device, dt.compute)]
+    if dt.autocast:  # o's input is a view of SDPA's out (laid out (B, S, nh, hd)): only its weight cast is new
+        saved.append(Saved("attention.o.weight_cast", (cfg.hidden, cfg.hidden), dt.compute, count,
+                           "autocast's cached cast of the fp32 weight"))
+    return saved

@@ -57,7 +57,7 @@ class Walk:
         self.c, self.r, self.p, self.amp = BYTES[dt.compute], BYTES[dt.residual], BYTES[dt.param], dt.autocast
         self.T, self.H, self.I, self.V = run.tokens, cfg.hidden, cfg.intermediate, cfg.vocab
         self.B, self.S, self.nh, self.nkv, self.hd = run.batch, run.seq, cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.cuda, self.recompute = est.device == "cuda", run.recompute == "mlp"
+        self.cuda, self.recompute = est.device == "cuda", run.recompute  # "none", "mlp" or "full"
         self.stages: list[Stage] = []
         self.freed: set[str] = set()
         self.by = {k: start.get(k, 0) for k in KINDS}
@@ -71,9 +71,9 @@ class Walk:
     def live(self) -> int:
         return sum(self.by.values())
 
-    def peak(self, name: str, *transients: int) -> None:
+    def peak(self, name: str, *transients: int, kind: str = GRAD) -> None:
         by = dict(self.by)
-        by[GRAD] += sum(self.rnd(t) for t in transients)
+        by[kind] += sum(self.rnd(t) for t in transients)
         self.stages.append(Stage(name, sum(by.values()), by))
 
     def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:

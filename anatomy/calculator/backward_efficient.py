@@ -3,6 +3,7 @@ forward made, the fused norm's row pass and dw partials, the packed SwiGLU writi
 SDPA's backward; under recompute, the checkpoints' tensors made again. backward.walk runs them."""
 from __future__ import annotations
 
+from anatomy.calculator.attention import sdpa_o_saved
 from anatomy.calculator.linear import linears_saved
 from anatomy.calculator.mlp import efficient_saved
 from anatomy.kernel_shapes import rms_norm_programs
@@ -51,7 +52,9 @@ def layer(w, i: int, g: int) -> int:
     w.begin()
     gc = T * H * c if r != c else 0  # the residual gradient cast for the bf16 matmul (a view when r == c)
     w.alloc(gc)
-    if w.recompute:  # the down matmul's backward asks for its input: the checkpoint re-runs the
+    if w.recompute == "full":  # the down matmul's backward asks for its input: the block runs again
+        rerun_block(w, tag)
+    elif w.recompute == "mlp":  # the down matmul's backward asks for its input: the checkpoint re-runs the
         w.remake(efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
     gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
     # swiglu_packed's backward writes d(gate_up) into the saved gate_up storage: the same (T, 2I) bytes
@@ -61,8 +64,9 @@ def layer(w, i: int, g: int) -> int:
     w.peak(tag + "mlp.act")
     w.alloc(-gi)  # d(h) gone
     gn = w.linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.")
-    # under recompute the re-made sum goes with the norm, and the checkpoint's branch with it
-    g = w.residual_add(g, norm(w, tag + "norm 2", gn, ("mlp.x", "mlp.branch") if w.recompute else "norm."))
+    # under recompute the re-made sum goes with the norm (and under "mlp" the checkpoint's branch with it)
+    kept = {"none": "norm.", "mlp": ("mlp.x", "mlp.branch"), "full": "mlp.x"}[w.recompute]
+    g = w.residual_add(g, norm(w, tag + "norm 2", gn, kept))
     # ---- attention branch
     w.begin()
     w.alloc(gc)
@@ -81,12 +85,29 @@ def layer(w, i: int, g: int) -> int:
     w.alloc(dqkv)  # rope_qkv's backward: d(qkv)
     w.peak(tag + "attention.rope")
     w.alloc(-kv_exp, -kv, -kv)
-    if w.recompute:  # the qkv matmul's backward asks for its input: the norm runs again
+    if w.recompute == "mlp":  # the qkv matmul's backward asks for its input: the norm runs again
         w.remake(linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))
     gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.")
     if i == 0:
         w.free("attention.rope_")  # the tables are shared by every layer
-    return w.residual_add(g, norm(w, tag + "norm 1", gn, "attention.x" if w.recompute else "norm."))
+    # under recompute the checkpoint's block input goes with the first norm (the block's first op)
+    return w.residual_add(g, norm(w, tag + "norm 1", gn, "attention.x" if w.recompute != "none" else "norm."))
+
+
+def rerun_block(w, tag: str) -> None:
+    """recompute="full": the block's forward runs again and stops (early stop) once down's input and weight
+    cast are saved again, so every tensor the block saves without recompute is live again: one layer's
+    qkv input (and cast), SDPA's tensors, o's cast, the residual sum, the MLP's. The block input is the
+    checkpoint's own, the RoPE tables the model's: no new storage. Two moments of the re-run carry
+    temporaries: o's output while qkv's output still lives (a local until attention returns), and the
+    residual sum while attention's output lives."""
+    T, H, c, r = w.T, w.H, w.c, w.r
+    D = (w.nh + 2 * w.nkv) * w.hd
+    w.remake(linears_saved("attention", T, H, {"qkv": D}, w.dt, 1, w.dt.compute)
+             + sdpa_o_saved(w.cfg, w.run, w.est.device, 1))
+    w.peak(tag + "recompute attention.o", T * D * c, T * H * c, kind="activation")
+    w.peak(tag + "recompute residual add", T * H * c, T * H * r, kind="activation")
+    w.remake(efficient_saved(w.cfg, w.run, recomputed=True))
 
 
 def embedding(w) -> None:

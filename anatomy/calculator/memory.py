@@ -14,7 +14,9 @@ tracer sees there). The phases:
 Optimizer state (AdamW / AdEMAMix) is added to every phase, as in a step after the first.
   - reserved_low / reserved_high: the range memory_reserved stays in (reserved(): the looser figure).
   - forward peak, efficient on CUDA: + Liger's fused CE transients (_liger_forward_transient), and under
-    recompute the weight casts autocast caches for the forward (_cached_casts).
+    recompute the weight casts autocast caches for the forward (_cached_casts); or, under recompute, the
+    largest moment inside the last layer's checkpoint (the MLP's; under "full" the block's,
+    _block_forward_peak, also given on any device as forward_peak_last_block).
 Not modelled: the efficient variant's forward peak on CPU, where a plain-torch mirror of the fused CE
 stands in for Liger (None, not guessed).
 """
@@ -24,6 +26,7 @@ from dataclasses import asdict
 from math import prod
 
 from anatomy.calculator import estimate
+from anatomy.calculator.attention import sdpa_o_saved
 from anatomy.calculator.backward import INPUTS, walk
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.optimizer import state_breakdown
@@ -73,17 +76,19 @@ def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
     return rnd(T * H * c) + rnd(T * 4) + rnd(T) + max(first, later)
 
 
-def _cached_casts(cfg: ModelConfig, run: Run, rnd) -> int:
-    """Under recompute and autocast: the bf16 casts of the qkv, gate_up and down weights of every layer.
-    Autocast caches a leaf weight's cast until its region ends, after the loss; without recompute the
-    matmuls save them (they are in `saved`), inside a checkpoint nobody does, so they are extra bytes
-    at the forward's peak and gone by its end (H200 memory probe, reports/h200/memory-probe/recompute-*.json:
-    27 MiB at the seed, 1.41 GiB at anchor-1b)."""
+def _cached_casts(cfg: ModelConfig, run: Run, rnd, layers: int | None = None) -> int:
+    """Under recompute and autocast: the bf16 casts of the qkv, gate_up and down weights of every layer
+    (and o's under "full"). Autocast caches a leaf weight's cast until its region ends, after the loss;
+    without recompute the matmuls save them (they are in `saved`), inside a checkpoint nobody does, so
+    they are extra bytes at the forward's peak and gone by its end (H200 memory probe,
+    reports/h200/memory-probe/recompute-*.json: 27 MiB at the seed, 1.41 GiB at anchor-1b; under "full",
+    validations/test_recompute_full.py on CPU). layers: that many layers' casts (default: all)."""
     dt = dtypes(run)
     if run.recompute == "none" or not dt.autocast:
         return 0
     H, I, D = cfg.hidden, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim
-    return cfg.layers * sum(rnd(n * BYTES[dt.compute]) for n in (D * H, 2 * I * H, I * H))
+    weights = (D * H, 2 * I * H, I * H) + ((H * H,) if run.recompute == "full" else ())
+    return (cfg.layers if layers is None else layers) * sum(rnd(n * BYTES[dt.compute]) for n in weights)
 
 
 def _mlp_region_transient(cfg: ModelConfig, run: Run, rnd) -> int:
@@ -94,6 +99,28 @@ def _mlp_region_transient(cfg: ModelConfig, run: Run, rnd) -> int:
     T, H, I, c, r = run.tokens, cfg.hidden, cfg.intermediate, BYTES[dt.compute], BYTES[dt.residual]
     inside = rnd(T * H * r) + rnd(T * H * c) + rnd(T * 2 * I * c) + rnd(T * I * c) + rnd(T * H * c)
     return max(inside, 2 * rnd(T * H * r) + rnd(T * H * c))
+
+
+def _block_forward_peak(cfg: ModelConfig, run: Run, device: str, rnd) -> int:
+    """Under recompute="full", what lives beyond the checkpoints' kept inputs at the largest moment inside
+    the last block's forward, where the step's forward peak is unless it is in the loss. Inside a
+    checkpoint nothing is saved, so what lives is what the code still holds, and every weight cast made
+    so far (autocast's cache). The larger of:
+      - o's output in attention: the normed input (an argument until attention returns), qkv's output
+        (a local until then), q, k, v and SDPA's output; the earlier layers' casts and this layer's qkv
+        and o casts;
+      - the MLP's largest moment (_mlp_region_transient), every layer's casts made."""
+    dt = dtypes(run)
+    T, H, c = run.tokens, cfg.hidden, BYTES[dt.compute]
+    D = cfg.hidden + 2 * cfg.kv_dim
+    # q, k, v and SDPA's output; its statistics are not held by the code (and a checkpoint does not save them)
+    sdpa = sum(rnd(prod(s.shape) * BYTES[s.dtype]) for s in sdpa_o_saved(cfg, run, device, 1)
+               if s.name in ("attention.sdpa.q", "attention.sdpa.k", "attention.sdpa.v", "attention.sdpa.out"))
+    casts = _cached_casts(cfg, run, rnd, cfg.layers - 1)
+    if dt.autocast:
+        casts += rnd(D * H * c) + rnd(H * H * c)
+    attn = rnd(T * H * c) + rnd(T * D * c) + sdpa + rnd(T * H * c) + casts
+    return max(attn, _mlp_region_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd))
 
 
 def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
@@ -118,7 +145,12 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     saved = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for c in est.components.values() for s in c.saved
                 if s.name not in INPUTS)
     fwd_end = params + inputs + opt + saved + rnd(4)  # + the loss scalar
-    fwd_peak = None
+    fwd_peak = block_peak = None
+    if run.recompute != "none":  # what the forward holds before the final norm and the loss save theirs
+        after = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for n in ("loss", "norm")
+                    for s in est.components[n].saved if s.name not in INPUTS)
+        if run.recompute == "full":  # any device: no loss in it
+            block_peak = fwd_end - rnd(4) - after + _block_forward_peak(cfg, run, device, rnd)
     if variant == "baseline":
         T, V, S, c = run.tokens, cfg.vocab, run.seq, dt.compute
         logits = rnd(T * V * BYTES[c]) + (rnd(T * V * 4) if c != "float32" else 0)
@@ -126,17 +158,18 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     elif device == "cuda":
         fwd_peak = fwd_end - rnd(4) + _liger_forward_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd)
         if run.recompute == "mlp":  # or inside the last layer's MLP checkpoint, before the loss's tensors
-            after = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for n in ("loss", "norm")
-                        for s in est.components[n].saved if s.name not in INPUTS)
             fwd_peak = max(fwd_peak, fwd_end - rnd(4) - after + _mlp_region_transient(cfg, run, rnd)
                            + _cached_casts(cfg, run, rnd))
+        elif run.recompute == "full":  # or inside the last block's checkpoint
+            fwd_peak = max(fwd_peak, block_peak)
     start = {"parameter": params, "input": inputs, "optimizer state": opt, "activation": saved + rnd(4)}
     stages = walk(cfg, run, variant, est, start, rnd)
     top = max(stages, key=lambda st: st.live)
     bwd_end = params + inputs + opt + params  # one gradient per parameter, in the parameter's dtype
     peak = max(fwd_peak or 0, top.live, fwd_end)
     return dict(params=params, inputs=inputs, optimizer=opt, saved=saved, init=params + inputs,
-                forward_end=fwd_end, forward_peak=fwd_peak, backward_peak=top.live, backward_peak_at=top.name,
+                forward_end=fwd_end, forward_peak=fwd_peak, forward_peak_last_block=block_peak,
+                backward_peak=top.live, backward_peak_at=top.name,
                 backward_peak_by_kind=top.by_kind, backward_stages=[asdict(st) for st in stages],
                 backward_end=bwd_end, optimizer_end=bwd_end - params, **reserved(peak))
 

@@ -50,6 +50,8 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     L, T, H, I = cfg.layers, run.tokens, cfg.hidden, cfg.intermediate
     f = L * 2 * T * H * I * 3
     ew = L * T * I * (5 + (3 if cfg.mlp == "gpt-oss" else 0))
+    if run.recompute == "full":  # the block's checkpoint keeps nothing of the MLP; backward runs gate_up again
+        return Component("mlp", L, params(cfg), f, 2 * f + L * 2 * T * H * 2 * I, f, 2 * f, ew, [])
     if run.recompute == "mlp":  # backward runs the sum, the norm, gate_up and the activation again
         branch = Saved("mlp.branch", (run.batch, run.seq, H), dtypes(run).compute, L,
                        "the checkpoint keeps its inputs: the attention branch (the block input is attention's)")

@@ -28,8 +28,8 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
 
 def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     n = instances(cfg)
-    # under recompute="mlp" both norms of a block run inside checkpoints, which keep x themselves
-    kept = 1 if run.recompute == "mlp" else n
+    # under recompute both norms of a block run inside checkpoints, which keep x themselves
+    kept = 1 if run.recompute != "none" else n
     x = Saved("norm.x", (run.batch, run.seq, cfg.hidden), dtypes(run).residual, kept,
               "the fused kernel keeps only its input (and the weight); rstd is recomputed in backward")
     return Component("norm", n, params(cfg), 0, 0, 0, 0, flops_elementwise_fwd=n * run.tokens * (4 * cfg.hidden + 2),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from anatomy.baseline.transformer import Embedding, rope_tables
 from anatomy.config import ModelConfig
@@ -28,17 +29,43 @@ class Block(nn.Module):
         self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp)
+        if recompute == "full":
+            self.checkpoint = BlockCheckpoint()
         self.register_load_state_dict_pre_hook(_fuse_baseline_keys)
 
     def forward(self, x, cos, sin):  # x: (B, S, H) fp32 residual under amp
+        if self.recompute == "full":
+            return self.checkpoint(self._block, x, cos, sin)
         if self.recompute == "mlp":
             # Keep x, the attention branch (compute dtype) and what SDPA keeps; drop both normed inputs,
             # the fp32 residual sum, gate_up and the activation: 6H + 6I bytes a token less per layer
             # under amp (validations/test_recompute.py counts them). Backward re-runs both norms, the sum,
             # the gate_up matmul and the activation; no other matmul runs twice (the checkpoints' early stop).
             return self.mlp(x, norm=self.mlp_norm, branch=self.attn(x, cos, sin, norm=self.attn_norm))
+        return self._block(x, cos, sin)
+
+    def _block(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
+
+
+class BlockCheckpoint(nn.Module):
+    """Run.recompute == "full": the whole block under a non-reentrant torch.utils.checkpoint, which keeps
+    only its inputs: the block input x (B, S, H) in the residual dtype, and the RoPE tables every layer
+    shares (stored once). Every tensor the block's ops save is dropped, autocast's weight casts included
+    (autocast still caches each one until its region ends, after the loss: they are live at the forward's
+    peak, not at its end). In backward, the first op that asks for a saved tensor (down's matmul) re-runs
+    the block's forward under the forward's autocast state; by the checkpoint's early stop it halts once
+    down's input and weight cast are saved again, before that matmul runs: every other matmul, both norms,
+    RoPE and SDPA's forward run twice. While the block's backward runs, all it saves is live again.
+
+    A module of its own, without parameters, so that the measuring tools (anatomy/measure/components.py)
+    credit what the checkpoint keeps, and the residual adds it runs, to a component: attention, which reads
+    the RoPE tables and, under "mlp", keeps the block input too (calculator: attention.x)."""
+    component = "attention"
+
+    def forward(self, block, x, cos, sin):
+        return checkpoint(block, x, cos, sin, use_reentrant=False, preserve_rng_state=False)  # no dropout
 
 
 def _fuse_baseline_keys(module, state_dict, prefix, *args) -> None:

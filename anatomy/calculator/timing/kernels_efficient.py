@@ -54,8 +54,10 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
         # (fmha_reduce_head in the H200 traces): read 2 (T, H) fp32, write 2 (T, Hkv) in the compute dtype
         o.mem("attention.sdpa.gqa_reduce", "attention", "backward", 2 * T * H * 4, 2 * T * Hkv * c, L, host=None)
     o.linear("attention.o", "attention", H, H, L)  # its input is a view of SDPA's output: no copy
-    recompute = run.recompute == "mlp"
-    residual(o, "attention", L, "mlp" if recompute else "other")
+    # where the residual adds run: in the block ("other"); in the MLP's checkpoint under "mlp"; in the block's
+    # checkpoint, a module credited to attention (efficient/transformer.py, BlockCheckpoint), under "full"
+    where = {"none": "other", "mlp": "mlp", "full": "attention"}[run.recompute]
+    residual(o, "attention", L, where)
     # MLP: one gate_up matmul, the fused activation (saves gate_up; backward writes dgate/dup in place)
     o.linear("mlp.gate_up", "mlp", H, 2 * I, L)
     for ph, name in (("forward", "mlp.swiglu"), ("backward", "mlp.swiglu.backward")):
@@ -63,23 +65,58 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
         o.mem(name, "mlp", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
     # (swiglu_packed owns the split, so no SplitBackward cats dgate and dup: d(gate_up) is gate_up's storage)
     o.linear("mlp.down", "mlp", I, H, L)
-    residual(o, "mlp", L, "mlp" if recompute else "other")
-    if recompute:  # what the checkpoints run again in backward (early stop: no qkv, no down matmul)
-        o.mem("norm.rms_norm.recompute", "norm", "backward", *fused_bytes(*fw, T, c, r), 2 * L, host=fw[0],
-              fused=(*fw, T))
-        o.mem("mlp.residual_add.recompute", "mlp", "backward", T * H * (r + c), T * H * r, L)
-        o.mm("mlp.gate_up.recompute", "mlp", "backward", T, 2 * I, H, L)
-        sw = ("swiglu.forward", I)
-        o.mem("mlp.swiglu.recompute", "mlp", "backward", *fused_bytes(*sw, T, c, r), L, host=sw[0], fused=(*sw, T))
-        if o.amp:  # autocast's weight casts are made again too (its cache ends with each forward)
-            p = o.p
-            for name, comp, n in (("attention.qkv", "attention", D * H), ("mlp.gate_up", "mlp", 2 * I * H),
-                                  ("mlp.down", "mlp", I * H)):
-                o.mem(f"{name}.weight_cast.recompute", comp, "backward", n * p, n * c, L)
-            if cfg.qkv_bias:  # autocast casts qkv's bias with its weight
-                o.mem("attention.qkv.bias_cast.recompute", "attention", "backward", D * p, D * c, L)
+    residual(o, "mlp", L, where)
+    if run.recompute != "none":
+        recompute_kernels(o, sdpa_backend)
     liger_loss(o)
     return o.k
+
+
+def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
+    """What the checkpoints run again in backward, before the layer's own backward kernels. Early stop:
+    the region's last matmul (down; under "mlp" also qkv) does not run again. Under "mlp": both norms, the
+    residual sum, gate_up and the activation. Under "full": the block's whole forward but down: both norms,
+    qkv, RoPE, SDPA's forward, o, the sum, gate_up and the activation. The re-run add runs under the label
+    of the node that asked for the re-run (down's backward: the MLP), as under "mlp"."""
+    cfg, run, c, r = o.cfg, o.run, o.c, o.r
+    B, S, T, H, L, I = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers, cfg.intermediate
+    nh, hd, D = cfg.heads, cfg.head_dim, cfg.hidden + 2 * cfg.kv_dim
+    full = run.recompute == "full"
+    fw = ("rms_norm.forward", H)
+    o.mem("norm.rms_norm.recompute", "norm", "backward", *fused_bytes(*fw, T, c, r), 2 * L, host=fw[0],
+          fused=(*fw, T))
+    if full:
+        o.mm("attention.qkv.recompute", "attention", "backward", T, D, H, L)
+        rp = ("rope_qkv.forward", D)
+        o.mem("attention.rope_qkv.recompute", "attention", "backward", *fused_bytes(*rp, T, c, r), L, host=rp[0],
+              fused=(*rp, T))
+        F = causal_attention_flops(B, nh, S, hd)
+        # the forward kernel, priced as one (op_phase) though it runs in the backward phase
+        o.k.append(Kernel("attention.sdpa.recompute", "attention", "backward", "sdpa", L, F,
+                          T * D * c + T * H * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend,
+                          op_phase="forward"))
+        if sdpa_backend == "cudnn":
+            o.mem("attention.sdpa.memset.recompute", "attention", "backward", 0, B * nh * S * 4, L, host=None)
+        o.mm("attention.o.recompute", "attention", "backward", T, H, H, L)
+    # the sum the MLP's norm reads, x + attention's branch (named for the MLP's checkpoint under "mlp");
+    # under "full" priced as its forward launch is (fp32 + bf16: the calibrated residual_add)
+    if full:
+        mixed = ("residual_add", H, T) if c != r else ()
+        o.mem("attention.residual_add.recompute", "mlp", "backward", *fused_bytes("residual_add", H, T, c, r), L,
+              fused=mixed)
+    else:
+        o.mem("mlp.residual_add.recompute", "mlp", "backward", T * H * (r + c), T * H * r, L)
+    o.mm("mlp.gate_up.recompute", "mlp", "backward", T, 2 * I, H, L)
+    sw = ("swiglu.forward", I)
+    o.mem("mlp.swiglu.recompute", "mlp", "backward", *fused_bytes(*sw, T, c, r), L, host=sw[0], fused=(*sw, T))
+    if o.amp:  # autocast's weight casts are made again too (its cache ends with each forward)
+        casts = [("attention.qkv", "attention", D * H), ("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)]
+        if full:
+            casts.insert(1, ("attention.o", "attention", H * H))
+        for name, comp, n in casts:
+            o.mem(f"{name}.weight_cast.recompute", comp, "backward", n * o.p, n * c, L)
+        if cfg.qkv_bias:  # autocast casts qkv's bias with its weight
+            o.mem("attention.qkv.bias_cast.recompute", "attention", "backward", D * o.p, D * c, L)
 
 
 def liger_loss(o: Ops) -> None:

@@ -41,6 +41,7 @@ class Kernel:
     order: int = 1  # execution order within the phase: 0 before the layers, 1 the layers, 2 after
     fused: tuple = ()  # (op, width, rows): a registry op (registry.OPS) timed at its calibrated efficiency
     accumulate: bool = False  # matmul: addmm into an fp32 accumulator (Liger's grad_weight under amp)
+    op_phase: str = ""  # sdpa: the kernel's own pass where it is not `phase` (a recompute's forward in backward)
 
 
 class Ops:
@@ -119,13 +120,15 @@ def residual(o: Ops, comp: str, L: int, where: str = "other") -> None:
     gradients of the block input from its two readers (the add and the norm) are summed."""
     T, H, c, r = o.run.tokens, o.cfg.hidden, o.c, o.r
     # the add runs in the block, between the components' modules: "other", as the probes measure it
-    # (under recompute both adds run inside the MLP's checkpoint: where="mlp")
+    # (under recompute="mlp" both adds run inside the MLP's checkpoint: where="mlp"; under "full" inside the
+    # block's, a module credited to attention: where="attention")
     mixed = ("residual_add", H, T) if c != r else ()  # fp32 + bf16: calibrate times this add (ATen, unvectorized)
     o.mem(f"{comp}.residual_add", where, "forward", *fused_bytes("residual_add", H, T, c, r), L, fused=mixed)
     if c != r:
         # Attribution rule (measure/components.py's tracker): an autograd node of no component keeps the
         # label of the node that ran before it. The add's backward is such a node, and the node before it
         # is a norm's backward (the next block's, or the final norm's), or the MLP's inside its checkpoint:
-        # so its cast is credited there, in the model as in the measurement.
-        o.mem(f"{comp}.residual_grad_cast", "mlp" if where == "mlp" else "norm", "backward", T * H * r, T * H * c, L)
+        # so its cast is credited there, in the model as in the measurement. Inside a checkpoint module the
+        # add's node is that module's, and so is its cast.
+        o.mem(f"{comp}.residual_grad_cast", where if where != "other" else "norm", "backward", T * H * r, T * H * c, L)
     o.mem(f"norm.{comp}_input_grad_sum", "norm", "backward", 2 * T * H * r, T * H * r, L)

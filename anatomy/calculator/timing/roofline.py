@@ -151,11 +151,12 @@ def time_kernel(kern: Kernel, prof: Profile, sustained: float = 0.0) -> dict:
     elif kern.kind == "sdpa":
         B, nh, S, hd = kern.shape
         sched, note = sdpa_schedule.lookup(prof, kern.backend, hd)
+        ph = kern.op_phase or kern.phase
         if sched:  # the kernel's whole duration, from its CTAs' makespan (sdpa_schedule); its launch is in it
-            t_sched = sdpa_schedule.kernel_s(sched[kern.phase], B, nh, S, prof.sms, kern.phase)
+            t_sched = sdpa_schedule.kernel_s(sched[ph], B, nh, S, prof.sms, ph)
             rate = kern.flops / max(t_sched - _launch_term(prof), 1e-9)
         else:
-            rate, note = sdpa_rate(prof, kern.backend, hd, kern.phase, S)
+            rate, note = sdpa_rate(prof, kern.backend, hd, ph, S)
             rate *= attention_wave_efficiency(B, nh, S, prof.sms) if prof.attention else 1.0
     if rate:
         rate *= regime_speed(prof, sustained, "attention" if kern.kind == "sdpa" else "matmul")
