@@ -24,6 +24,8 @@ DTYPE_POLICIES = ("amp", "bf16", "fp32")
 #   none : keep every saved tensor (the fastest step)
 #   mlp  : keep only the MLP block's input; its norm, gate_up matmul and activation run again in backward
 RECOMPUTE = ("none", "mlp")
+# the efficient variant's fused linear cross-entropy: ours (anatomy/kernels/linear_ce.py) or Liger-Kernel's
+LOSS_IMPLS = ("anatomy", "liger")
 
 # Sizes no machine could hold are refused before anything is computed from them.
 MAX_WIDTH = 2**24  # hidden, intermediate, vocab: one hidden x hidden matrix at 2**24 is 2.8e14 parameters
@@ -130,6 +132,7 @@ class Run:
     seq: int = 4096
     dtype: str = "amp"
     recompute: str = "none"
+    loss_impl: str = "anatomy"  # the efficient variant's loss kernel (LOSS_IMPLS); the baseline ignores it
 
     def __post_init__(self):
         _positive_int("batch", self.batch, MAX_BATCH)
@@ -142,11 +145,16 @@ class Run:
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got "
                               f"{oneline(repr(self.recompute), 60)}")
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ConfigError(f"loss_impl must be one of {', '.join(LOSS_IMPLS)}, got "
+                              f"{oneline(repr(self.loss_impl), 60)}")
 
     def to_dict(self) -> dict:
-        """batch, seq, dtype, and recompute when it is on (so reports of plain runs keep their keys)."""
+        """batch, seq, dtype, and recompute when it is on and loss_impl when it is not ours (so reports of
+        plain runs keep their keys)."""
         d = dict(batch=self.batch, seq=self.seq, dtype=self.dtype)
-        return d if self.recompute == "none" else dict(d, recompute=self.recompute)
+        d = d if self.recompute == "none" else dict(d, recompute=self.recompute)
+        return d if self.loss_impl == "anatomy" else dict(d, loss_impl=self.loss_impl)
 
     @property
     def tokens(self) -> int:

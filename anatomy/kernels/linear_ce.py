@@ -28,7 +28,7 @@ the loss and both gradients are 0, not NaN. A target outside [0, V) other than i
 caller's error: it is clamped into range (checking it would need a sync).
 
 The weight is cast to the compute dtype once per call (a (V, H) transient), never per chunk. Every
-byte the call allocates, and the chunk rule's derivation: linear_ce_chunks.py (no torch, so the
+byte the call allocates, and the chunk rule's derivation: anatomy/kernel_shapes.py (no torch, so the
 calculator can count the same bytes).
 """
 from __future__ import annotations
