@@ -160,6 +160,14 @@ class Run:
     def tokens(self) -> int:
         return self.batch * self.seq
 
+    @classmethod
+    def from_record(cls, rec: dict, dtype: str = "amp") -> "Run":
+        """The Run a committed measurement row describes (batch, seq, and recompute and loss_impl where it
+        names them). A row without loss_impl ran Liger's loss: every record written before ours became the
+        efficient model's loss."""
+        return cls(rec["batch"], rec["seq"], rec.get("dtype", dtype), rec.get("recompute", "none"),
+                   rec.get("loss_impl", "liger"))
+
 
 def _p(name, **kw) -> ModelConfig:
     return ModelConfig(name=name, **kw)
