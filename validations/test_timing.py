@@ -63,7 +63,7 @@ def test_bound_classification():
     for name in ("norm.rms_norm", "mlp.swiglu", "attention.rope_qkv", "attention.residual_add",
                  "loss.cross_entropy"):
         assert _kernel(eff, name)["bound"] == "memory", name
-    for name in ("norm.rms_norm.dw_sum", "loss.sum", "loss.backward_check"):
+    for name in ("norm.rms_norm.dw_sum", "loss.sum", "loss.scale"):
         assert _kernel(eff, name)["bound"] == "launch", name
     # the baseline's S x S work is memory-bound; QKᵀ at head dim 64 (32 FLOPs per byte, its main loop at
     # k / (k + k_half) of the GEMM rate) sits near the measured ridge, on one side or the other as the fitted
