@@ -9,7 +9,7 @@ picked by LMHeadLoss(impl=...) (Transformer(loss_impl=...), Run.loss_impl in the
 
 Both compute the gradients in forward (the loss is a mean, so d(loss)/d(logits) = (softmax - onehot)/n
 is known chunk by chunk) and save only grad_input (T, H) in the input's dtype and grad_weight (V, H) in
-the weight's dtype: backward scales them by the incoming scalar, in place.
+the weight's dtype: backward scales them by the incoming scalar, in place (Liger's CPU mirror: new copies).
 
 Where each wins (H200, forward + backward of the loss alone, bench/linear_ce.py, reports/h200/kernels/
 linear-ce.json: ours 10.75 ms vs Liger's 14.74 ms at V = 32k, 43.10 vs 68.70 ms at V = 128k):
@@ -18,10 +18,12 @@ linear-ce.json: ours 10.75 ms vs Liger's 14.74 ms at V = 32k, 43.10 vs 68.70 ms 
          head weight cast to bf16 once per step (Liger casts it twice: once cached by autocast, once per
          chunk for x @ Wᵀ); chunks of up to 4,096 rows, which keep the per-chunk grad_weight accumulation
          small beside the GEMMs; torch.compile traces it.
-  Liger: a smaller logits chunk (about the size of the (T, H) input, against up to max(1 GiB, T·H·2)
-         bytes for ours), so where the forward's end is the step's peak and the vocabulary is large
-         (V·4,096·2 > T·H·2 + V·H·2) its forward transient is lower; and its other options (logit
-         softcapping, z-loss, a bias, class weights, returning the accuracy), which ours does not have.
+  Liger: a smaller logits chunk (about the size of the (T, H) input, against up to 4,096 rows within
+         max(1 GiB, T·H·2) bytes for ours), so a lower forward peak where that outweighs its second weight
+         cast: the calculator puts ours 0.37 GiB above it at llama3.2-1b B4 S4096 (V = 128k), 62 MiB at
+         tinyllama-1.1b B8 S2048 (docs/memory.md); no scaling passes in backward when the incoming
+         gradient is exactly 1 (ours always scales, 2·(T·H·c + V·H·p) bytes); and its other options
+         (logit softcapping, z-loss, a bias, class weights, returning the accuracy), which ours lacks.
 State dict: the same `lm_head.weight` as the baseline, under either."""
 from __future__ import annotations
 
