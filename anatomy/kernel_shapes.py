@@ -1,9 +1,10 @@
 """How the fused kernels cut their work: the rules the models, the calculator and `anatomy calibrate` share.
 
-Pure Python, no torch: anatomy/efficient/loss.py, the memory and timing models and anatomy/measure/calibrate.py
-all import these, so the chunk a model runs and the chunk the calculator prices are the same number. They are
-facts about the kernels' code (Liger's chunking, our fused linear cross-entropy's chunk and bytes, our rms_norm launch), so they live beside the calculator and
-the models rather than in either: no model reads the calculator, and the calculator reads no model.
+Pure Python, no torch: anatomy/efficient/loss.py, anatomy/kernels/linear_ce.py, the memory and timing models
+and anatomy/measure/calibrate.py all import these, so the chunk a model runs and the chunk the calculator prices
+are the same number. They are facts about the kernels' code (Liger's chunking, our fused linear cross-entropy's
+chunk and bytes, our rms_norm launch), so they live beside the calculator and the models rather than in either:
+no model reads the calculator, and the calculator reads no model.
 """
 from __future__ import annotations
 

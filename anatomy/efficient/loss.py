@@ -79,7 +79,8 @@ def _liger_per_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torc
 
 
 @torch.compiler.disable  # Liger's addmm(out_dtype=, out=) fails under fake tensors (torch 2.11): run it eagerly
-def liger_linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def liger_linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    reduction: str = "mean") -> torch.Tensor:
     """Liger's fused linear CE. x: (T, H), weight: (V, H), targets: (T,) -> mean loss (fp32 scalar), or
     (T,) losses for "none"."""
     if reduction == "none":
