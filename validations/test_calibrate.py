@@ -230,7 +230,8 @@ def test_liger_host_is_measured_per_call_and_per_chunk():
     issues (7 a call under amp, 6 a chunk, 2 in backward)."""
     from anatomy.kernel_shapes import chunk_rows
 
-    cfg, run = ModelConfig(name="v", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=18042), Run(2, 2048)
+    cfg = ModelConfig(name="v", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=18042)
+    run = Run(2, 2048, loss_impl="liger")
     n = -(-run.tokens // chunk_rows(run.tokens, cfg.hidden, cfg.vocab))
     assert n == 16  # ceil(V / H) = 18 chunks of next_pow2(4096 / 18) = 256 rows
     p = _liger_host_profile(forward=800.0, chunk=150.0, backward=100.0)
