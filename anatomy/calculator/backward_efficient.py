@@ -25,8 +25,11 @@ def loss(w) -> int:
         else:
             w.alloc(4)
             w.peak("loss")
-        w.free("loss.")
-        w.alloc(T * H * c, V * H * p)  # the same storages, now the flowing gradient and lm_head's .grad
+        # grad_input's storage flows on as the final norm's incoming gradient (freed with it); grad_weight's
+        # becomes lm_head's .grad, still the storage forward allocated: counted as an activation, as the
+        # forensics replay credits a storage to the phase that allocated it
+        w.free("loss.grad_input")
+        w.alloc(T * H * c)
     return T * H * c
 
 
