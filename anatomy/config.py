@@ -25,6 +25,8 @@ DTYPE_POLICIES = ("amp", "bf16", "fp32")
 #   mlp  : keep only the MLP block's input; its norm, gate_up matmul and activation run again in backward
 #   full : keep only each block's input; backward runs the whole block's forward again (but its last matmul)
 RECOMPUTE = ("none", "mlp", "full")
+# the efficient variant's fused linear cross-entropy: ours (anatomy/kernels/linear_ce.py) or Liger-Kernel's
+LOSS_IMPLS = ("anatomy", "liger")
 
 # Sizes no machine could hold are refused before anything is computed from them.
 MAX_WIDTH = 2**24  # hidden, intermediate, vocab: one hidden x hidden matrix at 2**24 is 2.8e14 parameters
@@ -138,6 +140,7 @@ class Run:
     seq: int = 4096
     dtype: str = "amp"
     recompute: str = "none"
+    loss_impl: str = "anatomy"  # the efficient variant's loss kernel (LOSS_IMPLS); the baseline ignores it
 
     def __post_init__(self):
         _positive_int("batch", self.batch, MAX_BATCH)
@@ -150,15 +153,28 @@ class Run:
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got "
                               f"{oneline(repr(self.recompute), 60)}")
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ConfigError(f"loss_impl must be one of {', '.join(LOSS_IMPLS)}, got "
+                              f"{oneline(repr(self.loss_impl), 60)}")
 
     def to_dict(self) -> dict:
-        """batch, seq, dtype, and recompute when it is on (so reports of plain runs keep their keys)."""
+        """batch, seq, dtype, and recompute when it is on and loss_impl when it is not ours (so reports of
+        plain runs keep their keys)."""
         d = dict(batch=self.batch, seq=self.seq, dtype=self.dtype)
-        return d if self.recompute == "none" else dict(d, recompute=self.recompute)
+        d = d if self.recompute == "none" else dict(d, recompute=self.recompute)
+        return d if self.loss_impl == "anatomy" else dict(d, loss_impl=self.loss_impl)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
+
+    @classmethod
+    def from_record(cls, rec: dict, dtype: str = "amp") -> "Run":
+        """The Run a committed measurement row describes (batch, seq, and recompute and loss_impl where it
+        names them). A row without loss_impl ran Liger's loss: every record written before ours became the
+        efficient model's loss."""
+        return cls(rec["batch"], rec["seq"], rec.get("dtype", dtype), rec.get("recompute", "none"),
+                   rec.get("loss_impl", "liger"))
 
 
 def _p(name, **kw) -> ModelConfig:

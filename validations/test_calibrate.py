@@ -106,7 +106,7 @@ def test_host_scale_from_a_measured_tiny_step():
     data = calibrate.build_profile(_fake_measurements(), dict(date="fake"), "h200-sxm")
     p0 = fit.from_measured(data)
     hs = dict(calibrate_host.HOST_STEP)
-    cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs["dtype"])
+    cfg, run = ModelConfig(**hs["cfg"]), Run.from_record(hs)
     factors = dict(baseline=3.0, efficient=1.5)
     for v, f in factors.items():
         host = sum(timing.host_seconds(k, p0) for k in timing.kernels(cfg, run, v, None, None))
@@ -230,7 +230,8 @@ def test_liger_host_is_measured_per_call_and_per_chunk():
     issues (7 a call under amp, 6 a chunk, 2 in backward)."""
     from anatomy.kernel_shapes import chunk_rows
 
-    cfg, run = ModelConfig(name="v", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=18042), Run(2, 2048)
+    cfg = ModelConfig(name="v", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=18042)
+    run = Run(2, 2048, loss_impl="liger")
     n = -(-run.tokens // chunk_rows(run.tokens, cfg.hidden, cfg.vocab))
     assert n == 16  # ceil(V / H) = 18 chunks of next_pow2(4096 / 18) = 256 rows
     p = _liger_host_profile(forward=800.0, chunk=150.0, backward=100.0)
@@ -256,7 +257,7 @@ def test_host_scale_leaves_out_what_was_measured_in_place():
     a step measured at f x its modelled other ops plus Liger's figures gives the scale f exactly."""
     p = _liger_host_profile(forward=800.0, chunk=150.0, backward=100.0)
     hs = dict(calibrate_host.HOST_STEP)
-    cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs["dtype"])
+    cfg, run = ModelConfig(**hs["cfg"]), Run.from_record(hs)
     ks = timing.kernels(cfg, run, "efficient", None, None)
     liger = sum(timing.host_seconds(k, p) for k in ks if timing.in_situ(k, p))
     other = sum(timing.host_seconds(k, p) for k in ks if not timing.in_situ(k, p))

@@ -278,7 +278,18 @@ def test_out_of_range_model_config(kw, msg):
 
 @pytest.mark.parametrize("kw, msg", [(dict(batch=10**23), "batch=1e+23 is larger"),
                                      (dict(batch=2**24, seq=2**24), "tokens per step"),
-                                     (dict(batch=True), "batch must be a positive integer")])
+                                     (dict(batch=True), "batch must be a positive integer"),
+                                     (dict(loss_impl="torch"), "loss_impl must be one of anatomy, liger")])
 def test_out_of_range_run(kw, msg):
     with pytest.raises(ConfigError, match=re.escape(msg)):
         Run(**kw)
+
+
+def test_run_loss_impl_round_trips_and_old_records_read_as_liger():
+    """Our loss is the default and stays out of to_dict (plain reports keep their keys); Liger's is written,
+    and a committed row without the key, made before ours was the default, is read as Liger's."""
+    assert Run(2, 8).to_dict() == dict(batch=2, seq=8, dtype="amp")
+    liger = Run(2, 8, loss_impl="liger")
+    assert Run(**liger.to_dict()) == liger
+    assert Run.from_record(dict(batch=2, seq=8)).loss_impl == "liger"
+    assert Run.from_record(dict(batch=2, seq=8, recompute="mlp", loss_impl="anatomy")) == Run(2, 8, "amp", "mlp")

@@ -169,7 +169,8 @@ def test_fused_ce_computes_gradients_in_forward(claims):
     t = torch.randint(0, V, (T,), generator=g)
     with flop_counter() as fwd:
         loss = linear_ce(x, w, t)
-    grad_x, grad_w = loss.grad_fn.saved_tensors  # what forward left for backward: the two gradients
+    # what forward left for backward: the two gradients (copied: backward scales them in place)
+    grad_x, grad_w = (s.clone() for s in loss.grad_fn.saved_tensors)
     with flop_counter() as bwd:
         (loss * 3.0).backward()
     ref_x, ref_w = torch.autograd.grad(torch.nn.functional.cross_entropy(x @ w.t(), t), (x, w))

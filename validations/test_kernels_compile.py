@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anatomy.kernels import rms_norm, rope_qkv, swiglu
+from anatomy.kernels import linear_cross_entropy, rms_norm, rope_qkv, swiglu
 from validations.kernel_cases import BF16, FP32, gen, rope_tables
 
 
@@ -50,11 +50,15 @@ def test_opcheck(name):
 
 
 # ---- torch.compile -----------------------------------------------------------------------------
+TARGETS = torch.randint(0, 80, (14,), generator=gen(4))
+
+
 def _block(x, wn, wqkv, wgu, cos, sin):
     h = rms_norm(x, wn)
     q, k, v = rope_qkv(h @ wqkv, cos, sin, 6, 2)
     g, u = (h @ wgu).chunk(2, -1)
-    return swiglu(g, u, "gpt-oss"), q, k, v
+    loss = linear_cross_entropy(h, wgu.t(), TARGETS.view(2, 7), chunk=8)  # a (80, 48) head, two chunks
+    return swiglu(g, u, "gpt-oss"), q, k, v, loss
 
 
 def _block_args():

@@ -61,7 +61,7 @@ def _ids(r):
 
 
 def _predicted(r):
-    run = Run(r["batch"], r["seq"], "amp", r.get("recompute", "none"))
+    run = Run.from_record(r)
     return phases(ModelConfig(**r["cfg"]), run, r["variant"], r["optimizer"])
 
 
@@ -196,7 +196,7 @@ STEPS = {records.rel(p): v for p, v in probes.step_records()}
 @pytest.mark.parametrize("rel", list(STEPS))
 def test_step_peak_matches_committed_step_benchmarks(rel, claims):
     rec = json.loads((records.ROOT / rel).read_text())
-    cfg, run = ModelConfig.from_name(rec["preset"]), Run(rec["batch"], rec["seq"], "amp", rec.get("recompute", "none"))
+    cfg, run = ModelConfig.from_name(rec["preset"]), Run.from_record(rec)
     ph = phases(cfg, run, STEPS[rel])  # no optimizer: bench/step.py times forward + backward
     pred = max(ph["forward_peak"] or 0, ph["backward_peak"])
     claims.within("memory.reserved of a fwd+bwd step (out of the fit's sample)", low=ph["reserved_low"],

@@ -267,6 +267,6 @@ def test_rows_the_probe_could_not_run_were_predicted_ooms():
     failed = [r for p in records.TIMING_PROBE.values() for r in json.loads(p.read_text())["rows"] if "error" in r]
     for r in failed:
         cap = float(re.search(r"total capacity of ([\d.]+) GiB", r["error"]).group(1)) * 2**30
-        run = Run(r["batch"], r["seq"], "amp")
+        run = Run.from_record(r)
         peak = phases(ModelConfig(**r["cfg"]), run, r["variant"], r["optimizer"])["backward_peak"]
         assert "OutOfMemoryError" in r["error"] and peak > cap, (r["config"], peak / 2**30, cap / 2**30)

@@ -1,4 +1,4 @@
-"""The efficient model's backward stages (anatomy/efficient): Liger's fused linear CE hands back what its
+"""The efficient model's backward stages (anatomy/efficient): the fused linear CE hands back what its
 forward made, the fused norm's row pass and dw partials, the packed SwiGLU writing d(gate_up) in place, and
 SDPA's backward; under recompute, the checkpoints' tensors made again. backward.walk runs them."""
 from __future__ import annotations
@@ -11,18 +11,26 @@ from anatomy.kernel_shapes import rms_norm_programs
 
 def loss(w) -> int:
     T, H, V, c, p = w.T, w.H, w.V, w.c, w.p
-    if w.cuda:
-        # Liger's backward hands back what forward made (scaled in place unless the incoming gradient
-        # is 1, which it compares against a new 0-dim tensor): no new (T, H) or (V, H) buffer
-        w.peak("loss", 4, 4)
-        w.free("loss.")
-        w.alloc(T * H * c, V * H * p)  # the same storages, now the flowing gradient and lm_head's .grad
-    else:
-        # the CPU mirror returns grad_input·g and grad_weight·g: new tensors, then the saved ones go;
+    if w.run.loss_impl == "liger" and not w.cuda:
+        # Liger's CPU mirror returns grad_input·g and grad_weight·g: new tensors, then the saved ones go;
         # g itself, the engine's 0-dim fp32 seed, stays live to the end of backward
         w.alloc(4, T * H * c, V * H * p)
         w.peak("loss")
         w.free("loss.")
+    else:
+        # ours (both devices) and Liger's on CUDA hand back what forward made, scaled in place by the seed g
+        # (Liger's only when g is not 1, which it compares against a new 0-dim tensor): no new (T, H) or
+        # (V, H) buffer. On CPU g is counted live to the end of backward, as above
+        if w.cuda:
+            w.peak("loss", *((4, 4) if w.run.loss_impl == "liger" else (4,)))
+        else:
+            w.alloc(4)
+            w.peak("loss")
+        # grad_input's storage flows on as the final norm's incoming gradient (freed with it); grad_weight's
+        # becomes lm_head's .grad, still the storage forward allocated: counted as an activation, as the
+        # forensics replay credits a storage to the phase that allocated it
+        w.free("loss.grad_input")
+        w.alloc(T * H * c)
     return T * H * c
 
 
@@ -113,7 +121,8 @@ def rerun_block(w, tag: str) -> None:
 def embedding(w) -> None:
     """embedding_dense_backward's (V, H) gradient. Tied: the head already left a gradient in the shared
     weight; AccumulateGrad adds in place when it holds the only reference to that .grad, so on CUDA, where
-    Liger's grad_weight storage became the .grad, nothing more; the CPU mirror's is a third."""
+    the fused CE's grad_weight storage became the .grad, nothing more; on CPU the sum is a third (V, H)
+    tensor, under either loss (the live-storage walk of validations/test_memory_walk.py)."""
     V, H, p = w.V, w.H, w.p
     w.alloc(V * H * p)
     if w.cfg.tie_embeddings and not w.cuda:

@@ -1,4 +1,4 @@
-"""lm_head + cross-entropy: the full (B*S, V) logits, upcast to fp32."""
+"""lm_head + cross-entropy. Baseline: the full (B*S, V) logits, upcast to fp32. Efficient: a fused linear CE."""
 from __future__ import annotations
 
 from anatomy.calculator.dtypes import dtypes
@@ -24,9 +24,12 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
 
 
 def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
-    """Fused linear CE: the forward already computes both gradients, so the counter sees all three
-    matmuls (logits, grad_input, grad_weight) in forward and none in backward. The model convention
-    keeps the usual 1:2 split, since it counts work by role, not by when it runs."""
+    """Fused linear CE, ours or Liger's (Run.loss_impl): the forward already computes both gradients, so the
+    counter sees all three matmuls (logits, grad_input, grad_weight) in forward and none in backward (our
+    custom op carries a FlopCounterMode formula saying so). The model convention keeps the usual 1:2 split,
+    since it counts work by role, not by when it runs. Saved: the two gradients and nothing else, under
+    either kernel (anatomy/kernels/linear_ce.py: ctx.save_for_backward(grad_x, grad_w)); its transients are
+    the memory phases' (calculator/memory.py)."""
     dt, T, H, V = dtypes(run), run.tokens, cfg.hidden, cfg.vocab
     saved = [Saved("loss.grad_input", (T, H), dt.compute, 1, "computed in forward, scaled in backward"),
              Saved("loss.grad_weight", (V, H), dt.param, 1, "computed in forward, in the weight's dtype")]

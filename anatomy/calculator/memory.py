@@ -13,12 +13,13 @@ tracer sees there). The phases:
   - optimizer end: the gradients set to None, the state stays.
 Optimizer state (AdamW / AdEMAMix) is added to every phase, as in a step after the first.
   - reserved_low / reserved_high: the range memory_reserved stays in (reserved(): the looser figure).
-  - forward peak, efficient on CUDA: + Liger's fused CE transients (_liger_forward_transient), and under
-    recompute the weight casts autocast caches for the forward (_cached_casts); or, under recompute, the
-    largest moment inside the last layer's checkpoint (the MLP's; under "full" the block's,
-    _block_forward_peak, also given on any device as forward_peak_last_block).
-Not modelled: the efficient variant's forward peak on CPU, where a plain-torch mirror of the fused CE
-stands in for Liger (None, not guessed).
+  - forward peak, efficient on CUDA: + the fused linear CE's transients (Run.loss_impl: ours,
+    _anatomy_forward_transient; Liger's, _liger_forward_transient), and under recompute the weight casts
+    autocast caches for the forward (_cached_casts); or, under recompute, the largest moment inside the last
+    layer's checkpoint (the MLP's; under "full" the block's, _block_forward_peak, also given on any device as
+    forward_peak_last_block).
+Not modelled: the efficient variant's forward peak on CPU (None, not guessed): there the loss runs plain-torch
+references whose fp32 chunk temporaries (torch's logsumexp and softmax internals) are not the CUDA kernels'.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.optimizer import state_breakdown
 from anatomy.calculator.types import BYTES
 from anatomy.config import ModelConfig, Run
-from anatomy.kernel_shapes import chunk_rows
+from anatomy.kernel_shapes import chunk_rows, lce_forward_bytes
 
 BLOCK = 512  # the CUDA caching allocator's rounding (kMinBlockSize)
 
@@ -74,6 +75,27 @@ def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
     first = rnd(chunk * V * c) + cast + rnd(chunk * H * c)
     later = rnd((chunk if T >= 3 * chunk else T - chunk) * V * c) + 2 * cast if T > chunk else 0
     return rnd(T * H * c) + rnd(T * 4) + rnd(T) + max(first, later)
+
+
+def _anatomy_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
+    """What lives only while our fused linear CE (anatomy::linear_cross_entropy) runs its forward on CUDA,
+    at its largest: the final norm's output (T, H), held by the caller, and every tensor the op allocates
+    but its saved grad_x and grad_w (counted in `saved`), at the loss's final cast, where all of them are
+    alive (the byte table: anatomy/kernel_shapes.lce_forward_bytes, the rule's chunk of logits; the
+    target mask is gone by then), the loss scalar included. Under autocast the head weight is cast to
+    bf16 once, inside the op."""
+    dt = dtypes(run)
+    c, p = BYTES[dt.compute], BYTES[dt.param]
+    b = lce_forward_bytes(run.tokens, cfg.hidden, cfg.vocab, c, p)
+    alive = sum(rnd(n) for k, n in b.items() if k not in ("valid", "grad_x", "grad_w", "loss_sum"))
+    return rnd(run.tokens * cfg.hidden * c) + alive + 2 * rnd(8)  # loss_sum: the fp64 sum and its quotient
+
+
+def _loss_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
+    """The fused linear CE's forward transients on CUDA, for the run's loss kernel (Run.loss_impl)."""
+    if run.loss_impl == "liger":
+        return _liger_forward_transient(cfg, run, rnd)
+    return _anatomy_forward_transient(cfg, run, rnd)
 
 
 def _cached_casts(cfg: ModelConfig, run: Run, rnd, layers: int | None = None) -> int:
@@ -156,7 +178,7 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
         logits = rnd(T * V * BYTES[c]) + (rnd(T * V * 4) if c != "float32" else 0)
         fwd_peak = fwd_end - rnd(4) + rnd(T * cfg.hidden * BYTES[dt.residual]) + logits + rnd(S * S * BYTES[c])
     elif device == "cuda":
-        fwd_peak = fwd_end - rnd(4) + _liger_forward_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd)
+        fwd_peak = fwd_end - rnd(4) + _loss_forward_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd)
         if run.recompute == "mlp":  # or inside the last layer's MLP checkpoint, before the loss's tensors
             fwd_peak = max(fwd_peak, fwd_end - rnd(4) - after + _mlp_region_transient(cfg, run, rnd)
                            + _cached_casts(cfg, run, rnd))

@@ -1,24 +1,39 @@
-"""The fused linear cross-entropy op, linear_ce: lm_head + softmax + NLL in token chunks; the (B·S, V)
-logits never exist.
+"""lm_head + softmax + NLL fused in token chunks: the (B·S, V) logits never exist. Two implementations,
+picked by LMHeadLoss(impl=...) (Transformer(loss_impl=...), Run.loss_impl in the calculator):
 
-Liger-Kernel's LigerFusedLinearCrossEntropyFunction runs wherever Triton does (CUDA, or CPU under
-TRITON_INTERPRET inside anatomy.kernels.triton_on_cpu()). Elsewhere a plain-torch mirror of the same
-algorithm runs, with the same saved tensors, so the CPU suite checks the same memory claims.
+  "anatomy" (default): our op, anatomy::linear_cross_entropy (anatomy/kernels/linear_ce.py). Triton row
+      kernel on CUDA, plain-torch reference on CPU; a custom op, so torch.compile traces it.
+  "liger": Liger-Kernel's LigerFusedLinearCrossEntropyFunction wherever Triton runs (CUDA, or CPU inside
+      anatomy.kernels.triton_on_cpu()); elsewhere a plain-torch mirror of its algorithm with the same
+      saved tensors. Run eagerly (torch.compiler.disable).
 
-Forward computes the gradients (the loss is a mean, so d(loss)/d(logits) = (softmax - onehot)/n is
-known chunk by chunk): it keeps grad_input (T, H) in the input's dtype and grad_weight (V, H) in the
-weight's dtype for backward, which only scales them by the incoming scalar. The transient is one
-chunk of logits: chunk = next_pow2(ceil(T / ceil(V / H))) rows, so a chunk of logits is about the
-size of the (T, H) input. State dict: the same `lm_head.weight` as the baseline."""
+Both compute the gradients in forward (the loss is a mean, so d(loss)/d(logits) = (softmax - onehot)/n
+is known chunk by chunk) and save only grad_input (T, H) in the input's dtype and grad_weight (V, H) in
+the weight's dtype: backward scales them by the incoming scalar, in place (Liger's CPU mirror: new copies).
+
+Where each wins (H200, forward + backward of the loss alone, bench/linear_ce.py, reports/h200/kernels/
+linear-ce.json: ours 10.75 ms vs Liger's 14.74 ms at V = 32k, 43.10 vs 68.70 ms at V = 128k):
+  ours:  no host sync (the target count and the scale stay device tensors; backward multiplies by the
+         incoming gradient instead of testing it against 1), so the host runs ahead of the GPU; the fp32
+         head weight cast to bf16 once per step (Liger casts it twice: once cached by autocast, once per
+         chunk for x @ Wᵀ); chunks of up to 4,096 rows, which keep the per-chunk grad_weight accumulation
+         small beside the GEMMs; torch.compile traces it.
+  Liger: a smaller logits chunk (about the size of the (T, H) input, against up to 4,096 rows within
+         max(1 GiB, T·H·2) bytes for ours), so a lower forward peak where that outweighs its second weight
+         cast: the calculator puts ours 0.37 GiB above it at llama3.2-1b B4 S4096 (V = 128k), 62 MiB at
+         tinyllama-1.1b B8 S2048 (docs/memory.md); no scaling passes in backward when the incoming
+         gradient is exactly 1 (ours always scales, 2·(T·H·c + V·H·p) bytes); and its other options
+         (logit softcapping, z-loss, a bias, class weights, returning the accuracy), which ours lacks.
+State dict: the same `lm_head.weight` as the baseline, under either."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from anatomy.config import LOSS_IMPLS, ConfigError
 from anatomy.kernel_shapes import chunk_rows
 from anatomy.kernels._dispatch import cpu_uses_triton
-
-IGNORE_INDEX = -100
+from anatomy.kernels.linear_ce import IGNORE_INDEX, linear_cross_entropy
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -52,8 +67,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return grad_x * grad_out, grad_w * grad_out, None
 
 
-def per_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Evaluation only (no autograd): (T,) fp32 losses, chunk by chunk as the fused forward computes them."""
+def _liger_per_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Evaluation only (no autograd): (T,) fp32 losses, chunk by chunk as the mirror's forward computes them."""
     out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     step = chunk_rows(x.shape[0], x.shape[1], weight.shape[0])
     for s in range(0, x.shape[0], step):
@@ -64,8 +79,10 @@ def per_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
 
 
 @torch.compiler.disable  # Liger's addmm(out_dtype=, out=) fails under fake tensors (torch 2.11): run it eagerly
-def linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """x: (T, H), weight: (V, H), targets: (T,) -> mean loss (fp32 scalar), or (T,) losses for "none"."""
+def liger_linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    reduction: str = "mean") -> torch.Tensor:
+    """Liger's fused linear CE. x: (T, H), weight: (V, H), targets: (T,) -> mean loss (fp32 scalar), or
+    (T,) losses for "none"."""
     if reduction == "none":
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             raise ValueError("reduction='none' is for evaluation: run it under torch.no_grad()")
@@ -74,7 +91,7 @@ def linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, redu
 
             return LigerFusedLinearCrossEntropyFunction.apply(x, weight, targets, None, None, IGNORE_INDEX, 0.0,
                                                               0.0, "none")[0]
-        return per_token_losses(x, weight, targets)
+        return _liger_per_token_losses(x, weight, targets)
     if x.is_cuda or cpu_uses_triton():
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
@@ -82,13 +99,25 @@ def linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, redu
     return _ChunkedLinearCE.apply(x, weight, targets)
 
 
+def linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
+              impl: str = "anatomy") -> torch.Tensor:
+    """x: (T, H), weight: (V, H), targets: (T,) -> mean loss (fp32 scalar), or (T,) losses for "none"
+    (evaluation). impl: "anatomy" (our op) or "liger"."""
+    if impl == "liger":
+        return liger_linear_ce(x, weight, targets, reduction)
+    return linear_cross_entropy(x, weight, targets, IGNORE_INDEX, 0.0, reduction)
+
+
 class LMHeadLoss(nn.Module):
     component = "loss"
 
-    def __init__(self, hidden: int, vocab: int):
+    def __init__(self, hidden: int, vocab: int, impl: str = "anatomy"):
         super().__init__()
+        if impl not in LOSS_IMPLS:
+            raise ConfigError(f"loss_impl must be one of {', '.join(LOSS_IMPLS)}, got {impl!r}")
+        self.impl = impl
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         # x: (B, S, H), targets: (B, S)
-        return linear_ce(x.reshape(-1, x.shape[-1]), self.lm_head.weight, targets.reshape(-1), reduction)
+        return linear_ce(x.reshape(-1, x.shape[-1]), self.lm_head.weight, targets.reshape(-1), reduction, self.impl)

@@ -99,13 +99,13 @@ def to_baseline_names(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
 class Transformer(nn.Module):
     variant = "efficient"
 
-    def __init__(self, cfg: ModelConfig, recompute: str = "none"):
+    def __init__(self, cfg: ModelConfig, recompute: str = "none", loss_impl: str = "anatomy"):
         super().__init__()
         self.cfg, self.recompute = cfg, recompute
         self.embed = Embedding(cfg.vocab, cfg.hidden)
         self.layers = nn.ModuleList(Block(cfg, recompute) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.head = LMHeadLoss(cfg.hidden, cfg.vocab)
+        self.head = LMHeadLoss(cfg.hidden, cfg.vocab, loss_impl)  # ours, or "liger" (efficient/loss.py)
         if cfg.tie_embeddings:
             self.head.lm_head.weight = self.embed.weight
 

@@ -4,14 +4,17 @@
     swiglu(gate, up, variant)                   -> h                 saves gate, up
     swiglu_packed(gate_up, variant)             -> h                 saves gate_up; d(gate_up) in place
     rope_qkv(qkv, cos, sin, heads, kv_heads)    -> (q, k, v)         saves cos, sin
+    linear_cross_entropy(x, weight, targets)    -> loss              saves grad_x, grad_w (made in forward)
 
 Each op: plain-torch reference on CPU (and any non-CUDA device), Triton kernel on CUDA, fake
 implementation for meta/fake tensors and torch.compile, an explicit autocast rule, and a backward
-that is itself a custom op. ``*_triton`` are the Triton launchers, callable on CPU tensors under
-TRITON_INTERPRET=1; ``triton_on_cpu()`` routes the ops themselves through them. ``_dispatch.py``
+that is itself a custom op (linear_cross_entropy's backward only scales its saved gradients).
+``*_triton`` are the Triton launchers, callable on CPU tensors under TRITON_INTERPRET=1;
+``triton_on_cpu()`` routes the ops themselves through them. ``_dispatch.py``
 documents the dispatch and autocast design; each op's module documents its fusion and savings.
 """
 from anatomy.kernels._dispatch import HAS_TRITON, INTERPRET, triton_on_cpu
+from anatomy.kernels.linear_ce import ce_rows_reference, ce_rows_triton, linear_cross_entropy
 from anatomy.kernels.rms_norm import (rms_norm, rms_norm_backward_reference, rms_norm_backward_triton,
                                      rms_norm_reference, rms_norm_triton)
 from anatomy.kernels.rope import (rope_qkv, rope_qkv_backward_reference, rope_qkv_backward_triton, rope_qkv_reference,
@@ -25,4 +28,5 @@ __all__ = [
     "swiglu", "swiglu_packed", "swiglu_reference", "swiglu_backward_reference", "swiglu_triton",
     "swiglu_backward_triton",
     "rope_qkv", "rope_qkv_reference", "rope_qkv_backward_reference", "rope_qkv_triton", "rope_qkv_backward_triton",
+    "linear_cross_entropy", "ce_rows_reference", "ce_rows_triton",
 ]

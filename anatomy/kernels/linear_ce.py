@@ -28,13 +28,14 @@ the loss and both gradients are 0, not NaN. A target outside [0, V) other than i
 caller's error: it is clamped into range (checking it would need a sync).
 
 The weight is cast to the compute dtype once per call (a (V, H) transient), never per chunk. Every
-byte the call allocates, and the chunk rule's derivation: linear_ce_chunks.py (no torch, so the
+byte the call allocates, and the chunk rule's derivation: anatomy/kernel_shapes.py (no torch, so the
 calculator can count the same bytes).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from anatomy.kernels._dispatch import (autocast_floating, check_launchable, cpu_uses_triton, jit, num_warps,
                                        register_autocast_rule, tl, triton)
@@ -285,6 +286,20 @@ def _autocast_rule(dtype, device_type, x, weight, *rest):
 
 register_autocast_rule(_lce_op, _autocast_rule)
 register_autocast_rule(_rows_op, _autocast_rule)
+
+
+# FLOPs for torch's FlopCounterMode (the counter convention), which sees the op and not the GEMMs inside:
+# training runs all three matmuls in forward (logits, grad_x, grad_w: 3 x 2·T·H·V) and none in backward,
+# which only scales; evaluation runs the logits matmul alone.
+def _gemm_flops(matmuls: int):
+    def formula(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+        return matmuls * 2 * x_shape[0] * x_shape[1] * w_shape[0]
+    return formula
+
+
+for _op, _n in ((torch.ops.anatomy.linear_cross_entropy, 3), (torch.ops.anatomy.linear_cross_entropy_rows, 1)):
+    if _op not in flop_registry:
+        register_flop_formula(_op)(_gemm_flops(_n))
 
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX,

@@ -49,7 +49,6 @@ for _op, _qi in ((aten._scaled_dot_product_cudnn_attention, 0), (aten._scaled_do
                  (aten._scaled_dot_product_flash_attention_backward, 1),
                  (aten._scaled_dot_product_efficient_attention_backward, 1)):
     CUSTOM_MAPPING[_op] = _heads_as_query(flop_registry[_op], _qi)
-REGISTRY = {**flop_registry, **CUSTOM_MAPPING}
 
 
 def flop_counter() -> FlopCounterMode:
@@ -65,7 +64,8 @@ class _PerComponent(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = REGISTRY.get(func._overloadpacket)
+        # flop_registry read at call time: a custom op's formula (anatomy::linear_cross_entropy) may register later
+        formula = CUSTOM_MAPPING.get(func._overloadpacket) or flop_registry.get(func._overloadpacket)
         if formula is not None:
             self.counts[self.tracker.label] += formula(*args, **kwargs, out_val=out)
         return out

@@ -82,7 +82,7 @@ def memory_errors(alloc: str = SPLIT, rows_: list[dict] | None = None) -> list[d
     out = []
     for r in memory_rows(alloc) if rows_ is None else rows_:
         ph = {p["name"]: p for p in r["phases"]}
-        pred = phases(ModelConfig(**r["cfg"]), Run(r["batch"], r["seq"], "amp", r.get("recompute", "none")),
+        pred = phases(ModelConfig(**r["cfg"]), Run.from_record(r),
                       r["variant"], r["optimizer"])
         for key, phase, field in FIGURES:
             if phase in ph and pred.get(key) is not None:
@@ -141,14 +141,14 @@ def reserved_ratios() -> dict:
     def peak(p):
         return max(p["forward_peak"] or 0, p["backward_peak"], p["forward_end"])
 
-    r = [(p["reserved"] - RESERVED_FIXED) / peak(phases(ModelConfig(**row["cfg"]), Run(row["batch"], row["seq"], "amp", row.get("recompute", "none")),
+    r = [(p["reserved"] - RESERVED_FIXED) / peak(phases(ModelConfig(**row["cfg"]), Run.from_record(row),
                                                          row["variant"], row["optimizer"]))
          for alloc in (SPLIT, DEFAULT) for row in memory_rows(alloc) for p in row["phases"] if p["name"] != "init"]
     steps = []
     for path, variant in step_records():
         rec = json.loads(path.read_text())
         steps.append(rec["reserved_mib"] * 2**20 / peak(phases(ModelConfig.from_name(rec["preset"]),
-                                                             Run(rec["batch"], rec["seq"], "amp", rec.get("recompute", "none")), variant)))
+                                                             Run.from_record(rec), variant)))
     return dict(median=statistics.median(r), worst=max(r), steps=(min(steps), max(steps)))
 
 
@@ -165,7 +165,7 @@ def step_peak_errors() -> list[tuple[Path, str, float]]:
     out = []
     for path, variant in step_records():
         rec = json.loads(path.read_text())
-        ph = phases(ModelConfig.from_name(rec["preset"]), Run(rec["batch"], rec["seq"], "amp", rec.get("recompute", "none")), variant)
+        ph = phases(ModelConfig.from_name(rec["preset"]), Run.from_record(rec), variant)
         m = rec["peak_mib"] * 2**20
         out.append((path, variant, (max(ph["forward_peak"] or 0, ph["backward_peak"]) - m) / m))
     return out
@@ -180,14 +180,15 @@ def timing_rows() -> dict[str, list[dict]]:
 
 @lru_cache(maxsize=None)
 def _predicted(cfg: str, batch: int, seq: int, variant: str, optimizer: str | None, profile: str,
-               host_ms: float | None = None) -> dict:
+               host_ms: float | None = None, loss_impl: str = "liger") -> dict:
     from anatomy.calculator import timing
 
     prof = timing.get(profile)
     if host_ms and (prof.get("host_step") or {}).get(variant):  # a datasheet profile has nothing to scale from
         prof = timing.at_host_speed(prof, variant, host_ms)
-    return timing.estimate_time(ModelConfig(**json.loads(cfg)), Run(batch, seq, "amp"), variant, gpu=prof,
-                                optimizer=optimizer, with_kernels=False)
+    run = Run(batch, seq, "amp", loss_impl=loss_impl)
+    return timing.estimate_time(ModelConfig(**json.loads(cfg)), run, variant, gpu=prof, optimizer=optimizer,
+                                with_kernels=False)
 
 
 def row_host_ms(r: dict) -> float | None:
@@ -203,7 +204,7 @@ def predicted(r: dict, profile: str, row_host: bool = True) -> dict:
     A datasheet profile has no tiny host step to scale from, and stays as it is."""
     host = row_host_ms(r) if row_host else None
     return _predicted(json.dumps(r["cfg"], sort_keys=True), r["batch"], r["seq"], r["variant"], r["optimizer"],
-                      profile, host)
+                      profile, host, Run.from_record(r).loss_impl)
 
 
 def time_error(r: dict, what: str, profile: str, row_host: bool = True) -> float:

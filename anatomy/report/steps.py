@@ -21,7 +21,7 @@ def compare_committed(gpu: str | dict = "h200-measured") -> list[dict]:
         if not path.exists():
             continue
         rec = json.loads(path.read_text())
-        cfg, run = ModelConfig.from_name(rec["preset"]), Run(rec["batch"], rec["seq"], "amp", rec.get("recompute", "none"))
+        cfg, run = ModelConfig.from_name(rec["preset"]), Run.from_record(rec)
         pred = timing.estimate_time(cfg, run, variant, gpu, optimizer=None, with_kernels=False)
         ms, meas = pred["forward_backward_s"] * 1e3, rec["median_ms"]
         out.append(dict(record=rel, variant=variant, preset=rec["preset"], batch=rec["batch"], seq=rec["seq"],

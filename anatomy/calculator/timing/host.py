@@ -57,7 +57,9 @@ def host_scale(prof: Profile, variant: str, sdpa_backend: str | None = None) -> 
             object.__setattr__(prof, "_host_memo", memo)
     key = (variant, sdpa_backend)
     if key not in memo:
-        cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs.get("dtype", "amp"))
+        # the loss kernel the tiny step ran (a profile without the key was calibrated with Liger's)
+        cfg, run = ModelConfig(**hs["cfg"]), Run(hs["batch"], hs["seq"], hs.get("dtype", "amp"),
+                                                 loss_impl=hs.get("loss_impl", "liger"))
         ks = kernels(cfg, run, variant, sdpa_backend, None)
         fixed = sum(host_seconds(k, prof) for k in ks if in_situ(k, prof))
         modelled = sum(host_seconds(k, prof) for k in ks) - fixed

@@ -1,13 +1,14 @@
 """The kernels anatomy/efficient launches in a training step on CUDA, with their FLOPs and minimal bytes:
 one qkv and one gate_up matmul per layer, our fused rms_norm, rope_qkv and swiglu, cuDNN's SDPA (or another
-backend) and Liger's fused linear CE for the loss. Mirrors kernels_baseline.py, component by component.
+backend) and the fused linear CE for the loss (Run.loss_impl: ours, anatomy_loss; Liger's, liger_loss). Mirrors
+kernels_baseline.py, component by component.
 """
 from __future__ import annotations
 
 from anatomy.calculator.timing.op_bytes import dw_sum_bytes, fused_bytes
 from anatomy.calculator.timing.ops import Kernel, Ops, causal_attention_flops, embedding, residual, rope_tables
 from anatomy.config import ConfigError, ModelConfig, Run
-from anatomy.kernel_shapes import chunk_rows
+from anatomy.kernel_shapes import chunk_rows, lce_chunk_rows
 
 
 def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -> list[Kernel]:
@@ -68,7 +69,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     residual(o, "mlp", L, where)
     if run.recompute != "none":
         recompute_kernels(o, sdpa_backend)
-    liger_loss(o)
+    liger_loss(o) if run.loss_impl == "liger" else anatomy_loss(o)
     return o.k
 
 
@@ -117,6 +118,51 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
             o.mem(f"{name}.weight_cast.recompute", comp, "backward", n * o.p, n * c, L)
         if cfg.qkv_bias:  # autocast casts qkv's bias with its weight
             o.mem("attention.qkv.bias_cast.recompute", "attention", "backward", D * o.p, D * c, L)
+
+
+def anatomy_loss(o: Ops) -> None:
+    """Our fused linear CE (anatomy/kernels/linear_ce.py): the count of targets and the scale stay on the
+    device (no sync); under amp the weight is cast to bf16 once; per chunk of C rows (kernel_shapes.
+    lce_chunk_rows), logits = x_c Wᵀ (C, V) into one buffer, our row kernel (logsumexp, loss, d(logits) in
+    place: one read of a row up to 32,768 wide, two past it), grad_x rows = d(logits) W written in place,
+    grad_w (+)= d(logits)ᵀ x_c into the weight's dtype (fp32 under amp: mm/addmm with an fp32 out_dtype,
+    the accumulating family, read and written every chunk after the first). The loss: the row losses
+    summed in fp64 over n. Backward scales grad_x and grad_w by the incoming gradient, in place.
+
+    Host: one custom-op call (the public function, the autocast rule, the autograd wrapper), the setup's
+    eager ops and the chunk loop's Python (slices, two mm launches, a Triton launch, the grad_w mm); the
+    profile has no measured figure for it, so each part counts as host_ops eager ops."""
+    T, H, V, c, p = o.run.tokens, o.cfg.hidden, o.cfg.vocab, o.c, o.p
+    C = lce_chunk_rows(T, H, V, c)
+    full, rest = divmod(T, C)
+    # targets != -100 and its sum, then clamp, to fp32 and the reciprocal: 0-d device tensors, no .item()
+    o.mem("loss.count_targets", "loss", "forward", T * 8 + T, T + 8, order=2, host="linear_ce.forward",
+          host_ops=12 + o.amp)  # the call (3), 5 small ops, the cast, 4 empties
+    o.mem("loss.scale", "loss", "forward", 8, 8, 3, order=2, host=None)
+    if o.amp:  # the fp32 weight cast to bf16 once per call (V, H), not per chunk
+        o.mem("loss.lm_head.weight_cast", "loss", "forward", V * H * p, V * H * c, order=2, host=None)
+    first = True
+    for rows, n in ((C, full), (rest, 1 if rest else 0)):
+        if not n:
+            continue
+        chunk = dict(order=2, loop=True, host=None)
+        o.mm("loss.logits", "loss", "forward", rows, V, H, n, **dict(chunk, host="linear_ce.chunk"), host_ops=6)
+        o.mem("loss.cross_entropy", "loss", "forward", *fused_bytes("anatomy_ce", V, rows, c), n,
+              fused=("linear_ce.anatomy", V, rows) if c == 2 else (), **chunk)
+        o.mm("loss.grad_input", "loss", "forward", rows, H, V, n, **chunk)
+        # grad_w: the first chunk writes the (V, H) accumulator (weight's dtype), every later one reads and
+        # writes it (under amp an fp32 accumulator: the mm/addmm out_dtype=fp32 family); the first group's
+        # one read fewer is spread over its n launches, so the loop stays one entry per GEMM
+        reads = (n - 1 if first else n) * V * H * p // n
+        o.mm("loss.grad_weight", "loss", "forward", V, H, rows, n, extra=reads + V * H * p - V * H * c,
+             accumulate=p == 4 and c == 2, **chunk)
+        first = False
+    o.mem("loss.sum", "loss", "forward", T * 4, 8, order=2, host=None)  # fp64 sum of the row losses
+    o.mem("loss.mean", "loss", "forward", 16, 12, 2, order=2, host=None)  # / n, to fp32
+    # backward: grad_x and grad_w scaled by the incoming gradient in place, then handed on
+    o.mem("loss.scale_grad_input", "loss", "backward", T * H * c + 4, T * H * c, order=0, host="linear_ce.backward",
+          host_ops=5)
+    o.mem("loss.scale_grad_weight", "loss", "backward", V * H * p + 4, V * H * p, order=0, host=None)
 
 
 def liger_loss(o: Ops) -> None:

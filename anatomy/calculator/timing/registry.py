@@ -11,8 +11,8 @@ fraction of the copy bandwidth (Profile.hbm_Bps) the op reaches at the width and
 piecewise linear in log(width) at each calibrated row count, then in log(rows) between them, flat beyond
 the calibrated range; 1.0 (the copy roofline) where the profile has no rows for the op (a datasheet).
 
-Op names follow the components: rms_norm, swiglu, rope_qkv, linear_ce (impl liger), residual_add,
-embedding.backward, optimizer.<name>, and the baseline's eager chains (eager_norm, eager_mlp, ...).
+Op names follow the components: rms_norm, swiglu, rope_qkv, linear_ce (impl liger), linear_ce.anatomy (ours),
+residual_add, embedding.backward, optimizer.<name>, and the baseline's eager chains (eager_norm, eager_mlp, ...).
 """
 from __future__ import annotations
 
@@ -60,6 +60,9 @@ OPS: dict[str, Op] = {o.name: o for o in (
     # Liger's CE kernel: a vocab that is not a multiple of 16 loses Triton's aligned loads (its stride
     # specialisation), so it is read only against calibrated vocabs of its own alignment
     Op("linear_ce", "liger_ce", "liger", lanes=liger_ce_width, align=16),
+    # our CE row kernel (anatomy::linear_cross_entropy's): rows "anatomy_ce"; the copy roofline until
+    # calibrate times it
+    Op("linear_ce.anatomy", "anatomy_ce", lanes=liger_ce_width),
     Op("embedding.backward", "embedding.backward", "aten", own_fill=True, launches=embedding_backward_launches),
     Op("optimizer.adamw", "optimizer.adamw", "torch"),
     Op("optimizer.ademamix", "optimizer.ademamix", "torch"),
