@@ -25,7 +25,9 @@ sys.path.insert(0, ROOT)
 
 from anatomy.io import write_atomic  # noqa: E402
 
-SEQ = {"default": 4096, "qwen2.5-0.5b": 2048, "tinyllama-1.1b": 2048, "smollm2-1.7b": 2048, "smollm2-360m": 2048}
+# each model at a sequence its users train at (its max_position_embeddings allows it)
+SEQ = {"default": 4096, "Qwen2.5-0.5B": 2048, "TinyLlama-1.1B-intermediate-step-1431k-3T": 2048,
+       "SmolLM2-360M": 2048, "Llama-3.1-8B": 8192}
 
 
 def user_loop(path: str, batch: int, seq: int, recompute: str, steps: int) -> dict:

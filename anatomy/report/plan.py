@@ -9,7 +9,7 @@ import shlex
 from anatomy import records
 
 # the README's example: Llama-3.1-8B's own config.json on 8 H100s under FSDP
-EXAMPLE = ["--hf-config", "validations/data/hf_configs/llama-3.1-8b/config.json", "--gpu", "H100", "--gpus", "8",
+EXAMPLE = ["--hf-config", "validations/data/hf_configs/Llama-3.1-8B/config.json", "--gpu", "H100", "--gpus", "8",
            "--strategy", "fsdp", "--seq", "8192"]
 
 
