@@ -40,7 +40,8 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
         if not 1 <= a.world_size <= MAX_WORLD:
             raise ConfigError(f"--world-size must be between 1 and {MAX_WORLD:,}, got {a.world_size:.3g}")
         strategy = a.strategy or ("fsdp" if a.variant == "efficient" else "ddp")
-        out["distributed"] = estimate_distributed(cfg, run, a.world_size, strategy)
+        out["distributed"] = estimate_distributed(cfg, run, a.world_size, strategy, gpu=a.gpu or "h200-sxm",
+                                                  variant=a.variant, device=device)
     if a.gpu is not None:
         from anatomy.calculator.timing import estimate_time
 
@@ -51,11 +52,14 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
         gpu_s = {ph: v["gpu_s"] for ph, v in t["phases"].items()}  # the kernels' time, the GPU's idle time left out
         out["time"]["gpu_busy_s"] = dict(forward_backward=gpu_s["forward"] + gpu_s["backward"],
                                          step=sum(gpu_s.values()))
-        from anatomy.calculator.timing import lookup as gpus
+        from anatomy.calculator.gpus import capacity_bytes
 
-        cap = gpus.get(a.gpu)["memory_GB"] * 1e9  # does the predicted peak fit the GPU's memory?
+        cap, source = capacity_bytes(a.gpu)  # what mem_get_info reports free on an idle device
         need = max(ph["forward_peak"] or 0, ph["backward_peak"])
-        out["memory"]["fits"] = dict(gpu=a.gpu, need_bytes=need, capacity_bytes=int(cap), fits=need <= cap)
+        if (pk := out.get("distributed", {}).get("peak")) is not None:
+            need = pk["peak"]  # one rank's peak, with its sharding and communication buffers
+        out["memory"]["fits"] = dict(gpu=a.gpu, need_bytes=need, capacity_bytes=cap, capacity_source=source,
+                                     fits=need <= cap)
     return out
 
 
@@ -245,7 +249,9 @@ def _print(cmd: str, out: dict) -> None:
                       "one, which the H200 claims are checked against: docs/timing.md)")
     if "distributed" in out:
         d = out["distributed"]
-        con.print_json(json.dumps({k: d[k] for k in ("memory", "collectives", "comm") if k in d}))
+        from anatomy.calculator.comm import render_distributed
+
+        con.print(render_distributed(d), highlight=False)  # the full list of collectives: --json
 
 
 COMMANDS = {"estimate": cmd_estimate, "measure": cmd_measure, "compare": cmd_compare}

@@ -4,6 +4,8 @@ vs what DDP and FSDP2 actually do.
   gloo, 2 and 4 real processes   every collective of every step (op, dtype, bytes; counted as the
                                  process group ran it), and each rank's param/grad/optimizer bytes
   fake process group, 8..1024    the same claims for one rank of a large job (llama3-8b for FSDP)
+  gloo, 2 ranks, live storage    each rank's peak over a whole step (activations, FSDP's all-gathered and
+                                 reduce-scatter buffers, DDP's buckets) against per_rank_peak(device="cpu")
   bad input                      one-line ConfigError
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from anatomy.calculator.comm import collective_counts, estimate_distributed
-from anatomy.calculator.sharding import per_rank_memory
+from anatomy.calculator.sharding import per_rank_memory, per_rank_peak
 from anatomy.config import PRESETS, ConfigError, ModelConfig, Run
 
 # odd row counts, so FSDP pads: vocab 8191 (and its 1.5 MiB head makes DDP's default buckets two)
@@ -126,6 +128,45 @@ def test_torchrun_fsdp_two_ranks(tmp_path, claims):
                            device="cpu", note=f"torchrun, gloo, W=2, rank {r}")
 
 
+# ---- the step's peak per rank: live storage on 2 gloo ranks ----------------------------------------------
+# Two configs whose peaks sit in different places: a 8191-row vocabulary at 16 tokens (FSDP: the root's
+# reduce-scatter after the backward; DDP: the optimizer step over params, grads, buckets and state) and a tied
+# model at 256 tokens (the loss's gradients at the top of the backward, with FSDP's root and prefetched Block).
+PEAK_VOCAB = ModelConfig(name="dist-peak-vocab", hidden=48, layers=2, heads=4, kv_heads=2, intermediate=90, vocab=8191)
+PEAK_TIED = ModelConfig(name="dist-peak-tied", hidden=64, layers=3, heads=4, kv_heads=2, intermediate=96, vocab=256,
+                        tie_embeddings=True)
+PEAK_SCENARIOS = {  # keyword arguments of anatomy.distributed.peak.peaks(); DDP's buckets settle in step 3
+    "fsdp-amp-vocab": dict(cfg=PEAK_VOCAB, run=Run(batch=1, seq=16, dtype="amp"), strategy="fsdp", steps=2),
+    "ddp-amp-vocab": dict(cfg=PEAK_VOCAB, run=Run(batch=1, seq=16, dtype="amp"), strategy="ddp", steps=3),
+    "fsdp-bf16-tied": dict(cfg=PEAK_TIED, run=Run(batch=2, seq=128, dtype="bf16"), strategy="fsdp", steps=2),
+    "ddp-fp32-tied": dict(cfg=PEAK_TIED, run=Run(batch=2, seq=128, dtype="fp32"), strategy="ddp", steps=3),
+}
+
+
+@pytest.fixture(scope="module")
+def gloo_peaks():
+    from anatomy.distributed.peak import spawn_peaks
+
+    results = spawn_peaks(2, list(PEAK_SCENARIOS.values()), timeout_s=90)
+    return {name: [results[r][i] for r in range(2)] for i, name in enumerate(PEAK_SCENARIOS)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(PEAK_SCENARIOS))
+def test_gloo_per_rank_peak(gloo_peaks, name, claims):
+    """Each rank's largest live storage over a step after the first (forward, backward with FSDP's final
+    callbacks, optimizer step) against per_rank_peak: within 3%."""
+    sc = PEAK_SCENARIOS[name]
+    for r, phases in enumerate(gloo_peaks[name]):
+        pred = per_rank_peak(sc["cfg"], sc["run"], "baseline", 2, sc["strategy"], rank=r, device="cpu")
+        top = max(phases, key=lambda p: p["peak"])
+        claims.check("per-rank step peak with activations and FSDP buffers", component="comm",
+                     config=sc["cfg"].name, variant=sc["strategy"], device="cpu", predicted=pred["peak"],
+                     measured=top["peak"], tolerance=0.03, unit="B",
+                     note=f"{name}, gloo, W=2, rank {r}, live storage; predicted at {pred['peak_at']}, "
+                          f"measured in {top['name']} after {top['peak_op']}")
+
+
 # ---- one rank of many: fake process group ------------------------------------------------------
 LLAMA = PRESETS["llama3-8b"]
 SIM_RUN = Run(batch=1, seq=16, dtype="amp")
@@ -205,6 +246,56 @@ def test_counter_agrees_with_comm_debug_mode():
     assert debug.get_total_counts() == len(counter.calls) == 2 * SMALL.layers + 1 + SMALL.layers + 1
 
 
+# ---- capacity, links and the table -----------------------------------------------------------------------
+def test_capacity_is_what_a_process_can_allocate():
+    """Every GPU's capacity is mem_get_info's free figure, with its source: the H200's measured, the others
+    derived from a published total; each within 1 GiB of the datasheet's memory less ~1.1 GiB of driver
+    reservation and context, never the datasheet's GB read as bytes."""
+    from anatomy.calculator import gpus
+
+    assert gpus.capacity_bytes("H200") == (int(139.29 * 2**30), gpus.H200_MEASURED)
+    assert gpus.capacity_bytes("h200-measured")[0] == gpus.capacity_bytes("h200-sxm")[0]
+    for k, e in gpus.GPUS.items():
+        cap, src = gpus.capacity_bytes(k)
+        assert src.startswith(("measured", "derived")), (k, src)
+        assert cap != int(e["memory_GB"] * 1e9)
+        assert 0.85 * e["memory_GB"] * 1e9 < cap < 1.1 * e["memory_GB"] * 1e9, (k, cap / 2**30)
+    with pytest.raises(ConfigError) as err:
+        gpus.capacity_bytes("tpu-v5")
+    assert "\n" not in str(err.value)
+
+
+def test_links_follow_the_gpu():
+    from anatomy.calculator.comm import collective_time, link
+
+    assert link("h200", 8)["name"] == "nvlink" and link("a100-40gb", 8)["GBps"] == 300.0
+    assert link("rtx-4090", 8)["name"] == "pcie" and link("h100-pcie", 8)["GBps"] == 50.0
+    assert link("h100", 16)["name"] == "ib (across nodes)" and link("h100", 16)["GBps"] == 50.0
+    assert link("l4", 16)["GBps"] == 25.0 and "assumption" in link("l4", 16)["source"]
+    assert collective_time("all_reduce", 2**30, 8, "rtx-4090") > 10 * collective_time("all_reduce", 2**30, 8, "h100")
+
+
+def test_ddp_table_is_short():
+    """DDP's ~200 bucket all-reduces of llama3-8b print as one row; the table has totals by kind."""
+    from anatomy.calculator.comm import estimate_distributed, render_distributed
+
+    e = estimate_distributed(LLAMA, Run(batch=1, seq=2048, dtype="amp"), 8, "ddp", gpu="h100", variant="efficient")
+    text = render_distributed(e)
+    assert len(text.splitlines()) < 25 and "ddp buckets" in text and "total" in text, text
+    assert e["peak"]["by_kind"]["ddp_buckets"] == sum(r["count"] * r["bytes_each"] for r in e["collectives"]
+                                                      if r["op"] == "all_reduce")
+    assert sum(e["peak"]["by_kind"].values()) == e["peak"]["peak"] == e["summary"]["peak_bytes"]
+
+
+def test_fsdp_peak_shrinks_with_ranks_and_keeps_its_buffers():
+    from anatomy.calculator.sharding import per_rank_peak
+
+    run = Run(batch=1, seq=4096, dtype="amp")
+    p8, p64 = (per_rank_peak(LLAMA, run, "efficient", w, "fsdp") for w in (8, 64))
+    assert p64["peak"] < p8["peak"] and p8["by_kind"]["fsdp_unsharded"] > 0
+    assert per_rank_peak(LLAMA, run, "efficient", 8, "ddp")["peak"] > p8["peak"]
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("call", [
     lambda: estimate_distributed(SMALL, Run(), 0, "fsdp"),
@@ -215,8 +306,11 @@ def test_counter_agrees_with_comm_debug_mode():
     lambda: estimate_distributed(SMALL, Run(), 4, "ddp", reduce_dtype="float32"),
     lambda: estimate_distributed(SMALL, Run(), 4, "fsdp", optimizer="lion"),
     lambda: per_rank_memory(SMALL, Run(), 4, "fsdp", rank=4),
+    lambda: per_rank_peak(SMALL, Run(), "baseline", 4, "fsdp", rank=4),
+    lambda: per_rank_peak(SMALL, Run(), "baseline", 4, "fsdp", device="tpu"),
+    lambda: estimate_distributed(SMALL, Run(), 4, "fsdp", gpu="tpu-v5"),
 ], ids=["world-0", "unknown-strategy", "world-exceeds-rows", "reduce-dtype", "bucket-cap", "ddp-mp", "optimizer",
-        "rank"])
+        "rank", "peak-rank", "peak-device", "gpu"])
 def test_calculator_bad_input_one_line(call):
     with pytest.raises(ConfigError) as e:
         call()

@@ -111,15 +111,16 @@ def test_committed_h200_profile_is_a_calibration():
 
 
 def test_one_gpu_table_serves_timing_and_comm():
-    """Links live in the same table as the datasheet peaks: comm reads them, and a GPU without link
-    figures is a one-line error there."""
+    """Links live in the same table as the datasheet peaks: comm reads them (PCIe for a part without
+    NVLink), and an unknown GPU is a one-line error there."""
     from anatomy.calculator import comm
 
     assert gpus.entry("H200")["nvlink_GBps"] == 450.0 and gpus.entry("a100-40gb")["nvlink_GBps"] == 300.0
     assert gpus.entry("rtx-4090")["nvlink_GBps"] is None
     assert comm.collective_time("all_reduce", 2**30, 8, "h200") == comm.collective_time("all_reduce", 2**30, 8, "h200-sxm")
+    assert comm.link("rtx-4090", 8)["name"] == "pcie" and comm.link("h100", 16)["name"] == "ib (across nodes)"
     with pytest.raises(ConfigError) as e:
-        comm.collective_time("all_reduce", 2**30, 8, "rtx-4090")
+        comm.collective_time("all_reduce", 2**30, 8, "tpu-v5")
     assert "\n" not in str(e.value)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from anatomy.calculator import gpus
 from anatomy.calculator.sharding import check_world, fsdp_units, param_dtype_name, param_shapes, per_rank_memory, \
-    shard_numel
+    per_rank_peak, shard_numel
 from anatomy.calculator.types import BYTES
 from anatomy.config import ConfigError, ModelConfig, Run
 
@@ -38,8 +38,8 @@ FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb default; DDP's "MB" is MiB (_MB_TO_BYTES = 1024 * 1024)
 REDUCE_DTYPES = ("float32", "bfloat16")
 
-# ---- links: per-direction NVLink and NIC bandwidth and collective latency per GPU come from the one GPU
-# table (anatomy/calculator/gpus.py), each with its source.
+# ---- links: per-direction bandwidth and collective latency per GPU come from the one GPU table
+# (anatomy/calculator/gpus.py), each with its source.
 
 
 def bus_factor(op: str, world: int) -> float:
@@ -51,27 +51,38 @@ def bus_factor(op: str, world: int) -> float:
             "broadcast": 1.0}[op]
 
 
-def collective_time(op: str, nbytes: int, world: int, gpu: str = "h200-sxm", gpus_per_node: int = 8) -> float:
-    """Seconds of one collective: alpha + bytes x bus factor / link bandwidth (alpha-beta model).
+def link(gpu: str, world: int, gpus_per_node: int = 8) -> dict:
+    """The ring's slowest link for `world` ranks of `gpu`, `gpus_per_node` to a node: inside a node NVLink
+    where the part has it, else its PCIe link; once the ring spans nodes, the slower of that and the GPU's
+    inter-node NIC (a DGX's per-GPU NIC, or an assumed one: gpus.NIC_ASSUMED). {name, GBps, alpha_us, source}."""
+    e = _profile(gpu)
+    if e["nvlink_GBps"]:
+        intra = dict(name="nvlink", GBps=e["nvlink_GBps"], source=e["link_source"])
+    else:
+        intra = dict(name="pcie", GBps=e["pcie_GBps"], source=e["pcie_source"])
+    if world <= gpus_per_node:
+        return dict(intra, alpha_us=e["alpha_intra_us"])
+    nic = dict(name="ib", GBps=e["ib_GBps"], source=e["link_source"]) if e["ib_GBps"] else \
+        dict(name="network", GBps=25.0, source=gpus.NIC_ASSUMED)
+    slow = min((nic, intra), key=lambda x: x["GBps"])
+    return dict(slow, name=f"{slow['name']} (across nodes)", alpha_us=e["alpha_inter_us"])
 
-    Inside one node the ring runs over NVLink; once it spans nodes the slowest hop is each GPU's
-    own NIC, so the inter-node bandwidth bounds the whole ring."""
+
+def collective_time(op: str, nbytes: int, world: int, gpu: str = "h200-sxm", gpus_per_node: int = 8) -> float:
+    """Seconds of one collective: alpha + bytes x bus factor / link bandwidth (alpha-beta model), over
+    the ring's slowest link (link())."""
     if world == 1:
         return 0.0
-    p = _profile(gpu)
-    intra = world <= gpus_per_node
-    bw = (p["nvlink_GBps"] if intra else p["ib_GBps"]) * 1e9
-    alpha = (p["alpha_intra_us"] if intra else p["alpha_inter_us"]) * 1e-6
-    return alpha + nbytes * bus_factor(op, world) / bw
+    lk = link(gpu, world, gpus_per_node)
+    return lk["alpha_us"] * 1e-6 + nbytes * bus_factor(op, world) / (lk["GBps"] * 1e9)
 
 
 def _profile(gpu: str) -> dict:
-    """The GPU table's entry, which must carry link figures (a ConfigError in one line if not)."""
-    e = gpus.entry(gpu)
-    if e["nvlink_GBps"] is None:
-        linked = ", ".join(k for k, v in gpus.GPUS.items() if v["nvlink_GBps"])
-        raise ConfigError(f"gpu {gpu!r} has no link figures for the communication model; choose from {linked}")
-    return e
+    """The GPU table's entry for a name, an alias or a profile name (a ConfigError in one line if none)."""
+    k = gpus.base_key(gpu)
+    if k is None:
+        raise ConfigError(f"unknown gpu {gpu!r}; choose from {', '.join(gpus.GPUS)}")
+    return gpus.entry(k)
 
 
 # ---- which collectives ------------------------------------------------------------------------
@@ -181,11 +192,11 @@ def collective_counts(rows: list[dict]) -> dict[tuple[str, str, int], int]:
 
 
 # ---- time and overlap -------------------------------------------------------------------------
-def _compute_seconds(cfg: ModelConfig, run: Run, gpu: str, mfu: float) -> dict:
+def _compute_seconds(cfg: ModelConfig, run: Run, gpu: str, mfu: float, variant: str = "baseline") -> dict:
     """Forward and backward seconds of one rank's micro-batch at `mfu` of the bf16 peak (model FLOPs)."""
     from anatomy.calculator import estimate
 
-    f = estimate(cfg, run, "baseline").to_dict()["flops"]["model"]
+    f = estimate(cfg, run, variant).to_dict()["flops"]["model"]
     peak = _profile(gpu)["bf16_tflops"] * 1e12 * mfu  # the GPU table's dense bf16 peak
     return dict(forward=f["forward"] / peak, backward=f["backward"] / peak)
 
@@ -220,13 +231,15 @@ def estimate_distributed(cfg: ModelConfig, run: Run, world_size: int, strategy: 
                          optimizer: str = "adamw", param_dtype: str | None = None, reduce_dtype: str | None = None,
                          reshard_after_forward: bool = True, bucket_cap_mb: float | None = None,
                          step: int | None = None, gpu: str = "h200-sxm", gpus_per_node: int = 8, mfu: float = 0.4,
-                         compute_s: dict | None = None) -> dict:
+                         compute_s: dict | None = None, variant: str = "baseline", device: str = "cuda") -> dict:
     """Per-rank memory and per-step communication of data-parallel training. JSON-able.
 
     run is one rank's micro-batch. param_dtype / reduce_dtype are FSDP's MixedPrecisionPolicy
     (None: the policy's default, see fsdp_dtypes); bucket_cap_mb and step are DDP's. compute_s
     ({"forward": s, "backward": s}) overrides the FLOPs / (peak x mfu) compute-time estimate used
-    by the overlap model.
+    by the overlap model. `peak` is sharding.per_rank_peak (the step's largest bytes on this rank, with
+    activations and communication buffers) for the setup anatomy.distributed.wrap() makes by default;
+    None under other FSDP or DDP options. `summary` is what render_distributed() prints.
     """
     check_world(cfg, world_size, strategy)
     if not isinstance(reshard_after_forward, bool):
@@ -250,13 +263,56 @@ def estimate_distributed(cfg: ModelConfig, run: Run, world_size: int, strategy: 
     if compute_s is None:
         if not 0 < mfu <= 1:
             raise ConfigError(f"mfu must be in (0, 1], got {mfu!r}")
-        compute_s = _compute_seconds(cfg, run, gpu, mfu)
+        compute_s = _compute_seconds(cfg, run, gpu, mfu, variant)
     comm = overlap(strategy, rows, world_size, compute_s, gpu, gpus_per_node)
+    lk = link(gpu, world_size, gpus_per_node)
     comm.update(count_total=sum(r["count"] for r in rows), bytes_total=sum(r["count"] * r["bytes_each"] for r in rows),
-                gpu=gpu, link="nvlink" if world_size <= gpus_per_node else "ib", gpus_per_node=gpus_per_node)
-    return dict(config=cfg.name, run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype), world_size=world_size,
-                strategy=strategy, rank=rank, optimizer=optimizer, dtypes=dts,
-                memory={**{k: mem[k] for k in ("params", "grads", "optimizer")},
-                        "total": mem["params"] + mem["grads"] + mem["optimizer"],
-                        **({"ddp_bucket_buffers": mem["ddp_bucket_buffers"]} if strategy == "ddp" else {})},
-                collectives=rows, comm=comm)
+                gpu=gpus.base_key(gpu), link=lk["name"], link_GBps=lk["GBps"], link_source=lk["source"],
+                gpus_per_node=gpus_per_node)
+    defaults = param_dtype is None and reduce_dtype is None and reshard_after_forward and bucket_cap_mb is None
+    peak = per_rank_peak(cfg, run, variant, world_size, strategy, optimizer=optimizer, rank=rank,
+                         device=device) if defaults else None
+    out = dict(config=cfg.name, run=dict(batch=run.batch, seq=run.seq, dtype=run.dtype), world_size=world_size,
+               strategy=strategy, rank=rank, optimizer=optimizer, dtypes=dts,
+               memory={**{k: mem[k] for k in ("params", "grads", "optimizer")},
+                       "total": mem["params"] + mem["grads"] + mem["optimizer"],
+                       **({"ddp_bucket_buffers": mem["ddp_bucket_buffers"]} if strategy == "ddp" else {})},
+               collectives=rows, comm=comm, peak=peak)
+    out["summary"] = summarize(out)
+    return out
+
+
+def summarize(d: dict) -> dict:
+    """The short form of estimate_distributed's result: per-rank bytes by kind at the step's peak, the
+    collectives per step by op and phase, comm time, exposed and overlapped."""
+    by: dict[tuple[str, str], list] = {}
+    for r in d["collectives"]:
+        k = (r["op"], r["phase"])
+        calls, nbytes = by.get(k, [0, 0])
+        by[k] = [calls + r["count"], nbytes + r["count"] * r["bytes_each"]]
+    c, pk = d["comm"], d["peak"]
+    return dict(strategy=d["strategy"], world_size=d["world_size"], rank=d["rank"], gpu=c["gpu"],
+                gpus_per_node=c["gpus_per_node"], link=c["link"], link_GBps=c["link_GBps"],
+                peak_bytes=pk["peak"] if pk else None, peak_at=pk["peak_at"] if pk else None,
+                per_rank=pk["by_kind"] if pk else {k: d["memory"][k] for k in ("params", "grads", "optimizer")},
+                collectives=[dict(op=op, phase=ph, calls=n, bytes=b) for (op, ph), (n, b) in by.items()],
+                comm_s=c["time_s"], exposed_s=c["exposed_s"], overlapped_s=c["time_s"] - c["exposed_s"],
+                compute_s=c["compute_s"]["forward"] + c["compute_s"]["backward"])
+
+
+def render_distributed(d: dict) -> str:
+    """estimate_distributed's result as a short text table (GiB = 2^30 B, GB = 1e9 B); the full list of
+    collectives is in the JSON."""
+    s = d["summary"] if "summary" in d else summarize(d)
+    gib = lambda n: f"{n / 2**30:,.2f}"  # noqa: E731
+    lines = [f"{s['strategy']} on {s['world_size']} ranks, rank {s['rank']}: {s['gpu']}, {s['gpus_per_node']} per node, "
+             f"ring over {s['link']} at {s['link_GBps']:g} GB/s per direction"]
+    title = f"per-rank memory at the step's peak ({s['peak_at']})" if s["peak_bytes"] else "per-rank memory (model states)"
+    lines += [title, f"  {'kind':<22}{'GiB':>10}"]
+    lines += [f"  {k.replace('_', ' '):<22}{gib(v):>10}" for k, v in s["per_rank"].items() if v]
+    lines.append(f"  {'total':<22}{gib(s['peak_bytes'] or sum(s['per_rank'].values())):>10}")
+    lines += ["collectives per step", f"  {'op':<16}{'phase':<10}{'calls':>7}{'GB':>10}"]
+    lines += [f"  {r['op']:<16}{r['phase']:<10}{r['calls']:>7}{r['bytes'] / 1e9:>10,.3f}" for r in s["collectives"]]
+    lines.append(f"comm {s['comm_s'] * 1e3:,.1f} ms per step: {s['exposed_s'] * 1e3:,.1f} ms exposed, "
+                 f"{s['overlapped_s'] * 1e3:,.1f} ms under compute ({s['compute_s'] * 1e3:,.1f} ms, alpha-beta model)")
+    return "\n".join(lines)

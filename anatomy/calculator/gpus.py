@@ -10,7 +10,10 @@ peaks for MFU. Each entry:
   bf16_tflops            dense tensor-core bf16 with fp32 accumulate (no 2:4 sparsity), TFLOP/s
   fp32_tflops            plain fp32 on CUDA cores (torch keeps TF32 off for matmuls by default), TFLOP/s
   hbm_GBps               memory bandwidth, GB/s (1e9 B/s)
-  memory_GB              memory capacity as the datasheet states it, GB (1e9 B)
+  memory_GB              memory capacity as the datasheet states it, GB (1e9 B); not what a process can allocate:
+                         capacity_bytes() is (what torch.cuda.mem_get_info reports free on an idle device)
+  pcie_GBps              effective per-direction bandwidth of the GPU's PCIe link (the ring's link on parts without
+                         NVLink), GB/s; pcie_source says where it comes from
   nvlink_GBps, ib_GBps   per-direction bandwidth per GPU of NVLink and of its own inter-node NIC, GB/s
                          (None where the part has no such link figure here)
   alpha_intra_us, alpha_inter_us   per-collective latency inside a node / across nodes, microseconds: an
@@ -60,15 +63,25 @@ NVLINK4_DGX = ("NVIDIA H100/H200 datasheets (NVLink 4, 900 GB/s total, 450 each 
                "(one 400 Gb/s ConnectX-7 per GPU: 50 GB/s)")
 NVLINK3_DGX = "NVIDIA A100 datasheet (NVLink 3, 600 GB/s total, 300 each way); DGX A100 (one 200 Gb/s HDR per GPU)"
 ALPHA_INTRA_US, ALPHA_INTER_US = 10.0, 25.0  # assumption: NCCL-tests' small-message times, inside / across nodes
+# PCIe: x16 signalling is 32 GB/s per direction at Gen4 and 64 GB/s at Gen5 (PCI-SIG; the datasheets' "64 GB/s" and
+# "128 GB/s" are both directions together); what a copy or a ring reaches is ~80% of it (TLP headers, flow control):
+# 25 and 50 GB/s, an assumption in the range NCCL-tests report for PCIe-only servers, not a measurement of ours.
+PCIE4 = ("PCIe Gen4 x16: 32 GB/s per direction (PCI-SIG; datasheet '64 GB/s' bidirectional); ~25 GB/s effective, an "
+         "assumption (~80% of the link after protocol overhead)")
+PCIE5 = ("PCIe Gen5 x16: 64 GB/s per direction (PCI-SIG; H100 datasheet '128 GB/s' bidirectional); ~50 GB/s effective, "
+         "an assumption (~80% of the link after protocol overhead)")
+# Inter-node for servers without a DGX reference design: one 200 Gb/s NIC per GPU (25 GB/s), as in a DGX A100;
+# an assumption, named as one wherever it is used.
+NIC_ASSUMED = "assumption: one 200 Gb/s NIC per GPU (25 GB/s), as a DGX A100; no reference design for this part"
 
 
 def _gpu(name, display, sms, bf16_tflops, fp32_tflops, hbm_GBps, memory_GB, source, sms_source=None,
-         nvlink_GBps=None, ib_GBps=None, link_source=None) -> dict:
+         nvlink_GBps=None, ib_GBps=None, link_source=None, pcie=PCIE4) -> dict:
     return dict(name=name, display=display, sms=sms, bf16_tflops=bf16_tflops, fp32_tflops=fp32_tflops,
                 hbm_GBps=hbm_GBps, memory_GB=memory_GB, source=source, sms_source=sms_source or source,
                 nvlink_GBps=nvlink_GBps, ib_GBps=ib_GBps, link_source=link_source,
-                alpha_intra_us=ALPHA_INTRA_US if nvlink_GBps else None,
-                alpha_inter_us=ALPHA_INTER_US if ib_GBps else None)
+                pcie_GBps=25.0 if pcie is PCIE4 else 50.0, pcie_source=pcie,
+                alpha_intra_us=ALPHA_INTRA_US, alpha_inter_us=ALPHA_INTER_US)
 
 
 GPUS: dict[str, dict] = {g["name"]: g for g in (
@@ -76,9 +89,11 @@ GPUS: dict[str, dict] = {g["name"]: g for g in (
          NVLINK3_DGX),
     _gpu("a100-80gb-sxm", "NVIDIA A100 SXM 80GB", 108, 312.0, 19.5, 2039.0, 80, A100_DS, A100_WP, 300.0, 25.0,
          NVLINK3_DGX),
-    _gpu("h100-sxm", "NVIDIA H100 SXM", 132, 989.4, 66.9, 3350.0, 80, H100_DS, HOPPER_WP, 450.0, 50.0, NVLINK4_DGX),
-    _gpu("h100-pcie", "NVIDIA H100 PCIe", 114, 756.5, 51.2, 2000.0, 80, H100_PCIE_DS),
-    _gpu("h200-sxm", "NVIDIA H200 SXM", 132, 989.4, 66.9, 4800.0, 141, H200_DS, HOPPER_WP, 450.0, 50.0, NVLINK4_DGX),
+    _gpu("h100-sxm", "NVIDIA H100 SXM", 132, 989.4, 66.9, 3350.0, 80, H100_DS, HOPPER_WP, 450.0, 50.0, NVLINK4_DGX,
+         pcie=PCIE5),
+    _gpu("h100-pcie", "NVIDIA H100 PCIe", 114, 756.5, 51.2, 2000.0, 80, H100_PCIE_DS, pcie=PCIE5),
+    _gpu("h200-sxm", "NVIDIA H200 SXM", 132, 989.4, 66.9, 4800.0, 141, H200_DS, HOPPER_WP, 450.0, 50.0, NVLINK4_DGX,
+         pcie=PCIE5),
     _gpu("l40s", "NVIDIA L40S", 142, 362.05, 91.6, 864.0, 48, L40S_DS),
     _gpu("l4", "NVIDIA L4", 58, 121.0, 30.3, 300.0, 24, L4_DS),
     _gpu("rtx-3090", "NVIDIA GeForce RTX 3090", 82, 71.0, 35.6, 936.0, 24, GA102_WP),
@@ -131,3 +146,65 @@ def base_for_device(device_name: str) -> str | None:
     """The entry key a device's calibrated profile builds on (None if no entry matches)."""
     e = for_device_name(device_name)
     return None if e is None else e["name"]
+
+
+# ---- true capacity: what a process can allocate ----------------------------------------------------------
+# torch.cuda.mem_get_info() on an idle device: (free, total). `total` is the driver's figure after its own
+# reservations (less than nvidia-smi's "Total"); `free` is total minus this process's CUDA context. A run
+# fits when its predicted max_memory_allocated is at most `free` (reserved-but-unallocated memory aside).
+GiB = 2**30
+CONTEXT_GiB = 139.80 - 139.29  # the CUDA context: total - free on a fresh H200 (measured, below)
+H200_MEASURED = ("measured: torch.cuda.mem_get_info() on a fresh H200 SXM (torch 2.11, CUDA 13): 139.29 GiB free of "
+                 "139.80 GiB total")
+# `total` as torch prints it ("GPU 0 has a total capacity of X GiB" / "X GiB total capacity" in its OOM
+# message: the same mem_get_info figure), as users published it; where drivers differ, the lowest.
+_TOTAL_PUBLISHED = {
+    "h100-sxm": (79.11, "torch OOM message on an H100 80GB HBM3, 'total capacity of 79.11 GiB' "
+                        "(github.com/vllm-project/vllm/issues/27508)"),
+    "a100-80gb-sxm": (79.25, "torch OOM messages on A100 80GB, 'total capacity of 79.25 GiB' (github.com/levihsu/"
+                             "OOTDiffusion/issues/235, github.com/wbfwonderful/Vad-R1/issues/11; 79.33-79.35 elsewhere)"),
+    "a100-40gb-sxm": (39.50, "torch OOM message on an A100 40GB, 'total capacity of 39.50 GiB' "
+                             "(github.com/TianheWu/CoSeR/issues/10)"),
+    "l40s": (44.42, "torch OOM message on an L40S, 'total capacity of 44.42 GiB' "
+                    "(github.com/stepfun-ai/Step-Video-T2V/issues/8)"),
+    "rtx-3090": (23.70, "torch OOM messages on RTX 3090, '23.70 GiB total capacity' (github.com/GaoLii/DSP/issues/10, "
+                        "github.com/xiaoxiangAQ/GAS-Net/issues/7)"),
+    "rtx-4090": (23.61, "torch OOM message on an RTX 4090, 'total capacity of 23.61 GiB' (github.com/pinokiofactory/"
+                        "flux-webui/issues/11; 23.64-23.68 elsewhere)"),
+}
+# Where no torch total is published: nvidia-smi's "Total" (MiB) less the driver's reservation, taken from the
+# H100 pair (nvidia-smi 81,559 MiB = 79.65 GiB, github.com/huggingface/text-generation-inference/issues/2572,
+# against torch's 79.11 GiB): 0.54 GiB.
+DRIVER_RESERVED_GiB = 81_559 / 1024 - 79.11
+_NVIDIA_SMI_MIB = {
+    "h100-pcie": (81_559, "nvidia-smi 'Total' assumed the H100 SXM's 81,559 MiB (both 80 GB HBM parts)"),
+    "l4": (23_034, "nvidia-smi 'Total' 23,034 MiB as commonly reported for the L4 (no source stored here)"),
+}
+
+
+def base_key(name: str) -> str | None:
+    """The table's key for a name, an alias or a profile name ("h200-measured", "h200-calibrated": the
+    datasheet part it was measured on), or None."""
+    low = str(name).strip().lower().replace("_", "-")
+    for suffix in ("-measured", "-calibrated"):
+        low = low.removesuffix(suffix)
+    return key(low)
+
+
+def capacity_bytes(name: str) -> tuple[int, str]:
+    """(bytes a training process can allocate on an idle GPU, where that figure comes from), for a table name,
+    an alias, or a profile name ("h200-measured", "h200-calibrated": its datasheet base). It is
+    torch.cuda.mem_get_info()'s free figure: measured on the H200; elsewhere derived, and the source says how."""
+    k = base_key(name)
+    if k is None:
+        raise ConfigError(f"unknown gpu {name!r} for its capacity; choose from {', '.join(GPUS)}")
+    ctx = f"less the CUDA context, {CONTEXT_GiB:.2f} GiB (total - free on the H200, measured)"
+    if k == "h200-sxm":
+        return int(139.29 * GiB), H200_MEASURED
+    if k in _TOTAL_PUBLISHED:
+        total, src = _TOTAL_PUBLISHED[k]
+        return int((total - CONTEXT_GiB) * GiB), f"derived: torch's total {total:.2f} GiB ({src}) {ctx}"
+    mib, src = _NVIDIA_SMI_MIB[k]
+    gib = mib / 1024 - DRIVER_RESERVED_GiB - CONTEXT_GiB
+    return int(gib * GiB), (f"derived: {src} = {mib / 1024:.2f} GiB, less the driver's reservation "
+                            f"{DRIVER_RESERVED_GiB:.2f} GiB (the H100's nvidia-smi total - torch's total) {ctx}")
