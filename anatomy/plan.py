@@ -94,8 +94,8 @@ def step_time(cfg: ModelConfig, run: Run, variant: str, gpu: str, world: int, st
         from anatomy.calculator.comm import estimate_distributed
 
         ph = t["phases"]
-        compute = dict(forward=ph["forward"]["time_s"], backward=ph["backward"]["time_s"])
-        d = estimate_distributed(cfg, run, world, strategy, optimizer=optimizer, gpu=table_entry(gpu)["name"],
+        compute = dict(forward=ph["forward"]["gpu_s"], backward=ph["backward"]["gpu_s"])  # what hides comm
+        d = estimate_distributed(cfg, run, world, strategy, variant=variant, optimizer=optimizer, gpu=table_entry(gpu)["name"],
                                  gpus_per_node=gpus_per_node, compute_s=compute)
         exposed = d["comm"]["exposed_s"]
         if strategy == "fsdp":
