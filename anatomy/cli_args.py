@@ -54,7 +54,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", type=nonempty, help=f"a named model: {', '.join(PRESETS)} (default: {DEFAULT_PRESET}, "
                                                    "unless fields or --hf-config are given)")
     g.add_argument("--hf-config", metavar="PATH", type=nonempty,
-                   help="a Hugging Face Llama or Mistral config.json, or the folder holding it")
+                   help="a Hugging Face Llama, Mistral or Qwen2 config.json, or the folder holding it")
     for f, what in (("hidden", "model width"), ("layers", "transformer blocks"), ("heads", "attention heads"),
                     ("kv-heads", "key/value heads (grouped-query attention; default: --heads)"),
                     ("intermediate", "MLP width"), ("vocab", "vocabulary size")):
@@ -62,6 +62,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="share the embedding and output matrices")
     g.add_argument("--mlp", choices=("swiglu", "gpt-oss"), help="MLP activation (default: swiglu)")
+    g.add_argument("--qkv-bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="a bias on the q, k and v projections, as in Qwen2 (default: none)")
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -85,7 +87,7 @@ def config_from_args(a) -> ModelConfig:
     if a.preset and a.hf_config:
         raise ConfigError("give --preset or --hf-config, not both")
     explicit = {k: getattr(a, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab",
-                                           "tie_embeddings", "mlp") if getattr(a, k) is not None}
+                                           "tie_embeddings", "mlp", "qkv_bias") if getattr(a, k) is not None}
     if a.hf_config:
         hf = read_hf_config(a.hf_config)
         seq = getattr(a, "seq", None)

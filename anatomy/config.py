@@ -70,6 +70,7 @@ class ModelConfig:
     mlp: str = "swiglu"  # "gpt-oss": (clamp(up) + 1) * silu(clamp(gate)), clamps at 7.0
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    qkv_bias: bool = False  # a bias on the q, k and v projections (Qwen2); o and the MLP stay bias-free
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -88,8 +89,9 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} (hidden/heads) must be even for RoPE")
         if self.mlp not in MLP_VARIANTS:
             raise ConfigError(f"mlp must be one of {', '.join(MLP_VARIANTS)}, got {oneline(repr(self.mlp), 60)}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ConfigError(f"tie_embeddings must be true or false, got {oneline(repr(self.tie_embeddings), 60)}")
+        for f in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"{f} must be true or false, got {oneline(repr(getattr(self, f)), 60)}")
         _positive_float("norm_eps", self.norm_eps, below=1.0)
         _positive_float("rope_theta", self.rope_theta)
         if not isinstance(self.name, str):
@@ -111,10 +113,15 @@ class ModelConfig:
         """The matmul weights and embeddings (norms left out): enough to bound a size, not a count to report
         (anatomy.calculator.param_count is that)."""
         block = 2 * self.hidden * (self.hidden + self.kv_dim) + 3 * self.hidden * self.intermediate
+        block += (self.hidden + 2 * self.kv_dim) if self.qkv_bias else 0
         return self.layers * block + self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field; qkv_bias only when it is on (so reports of bias-free models keep their keys)."""
+        d = asdict(self)
+        if not self.qkv_bias:
+            del d["qkv_bias"]
+        return d
 
     @classmethod
     def from_name(cls, name: str) -> "ModelConfig":
@@ -175,11 +182,18 @@ PRESETS: dict[str, ModelConfig] = {
            rope_theta=5e5),
         _p("llama3.2-1b", hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256,
            tie_embeddings=True, rope_theta=5e5),
+        # Qwen2.5: q/k/v biases, rms_norm_eps 1e-6; the small ones tie their embeddings
+        _p("qwen2.5-0.5b", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936,
+           tie_embeddings=True, norm_eps=1e-6, rope_theta=1e6, qkv_bias=True),
+        _p("qwen2.5-1.5b", hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
+           tie_embeddings=True, norm_eps=1e-6, rope_theta=1e6, qkv_bias=True),
+        _p("qwen2.5-7b", hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064,
+           norm_eps=1e-6, rope_theta=1e6, qkv_bias=True),
     )
 }
 
 # ---- Hugging Face config.json ---------------------------------------------------------------------
-_HF_FAMILIES = ("llama", "mistral")
+_HF_FAMILIES = ("llama", "mistral", "qwen2")  # qwen2: Qwen2 and Qwen2.5, with q/k/v biases
 # Every RoPE kind transformers knows (transformers.modeling_rope_utils; "su" and "mrope" are older names).
 # Each changes only the rotation frequencies: no parameter, FLOP or byte counted here.
 ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional", "su", "mrope")
@@ -334,9 +348,31 @@ def _rope(f: _Field, notes: list[str]) -> float | None:
     return theta
 
 
+def _qwen2_window(f: _Field) -> int | None:
+    """Qwen2's sliding window, as Qwen2Config reads it: on only under use_sliding_window (Qwen2.5 ships
+    false), then for the layers listed "sliding_attention" in layer_types, or else layers
+    max_window_layers and up. None when no layer uses it."""
+    window = f.int("sliding_window", MAX_SEQ)
+    if not f.bool("use_sliding_window", False) or window is None:
+        return None
+    kinds = f.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+            raise f.fail("layer_types", "a list of strings", kinds)
+        return window if "sliding_attention" in kinds else None
+    first = f.get("max_window_layers")
+    if first is None:
+        first = 28  # Qwen2Config's default
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise f.fail("max_window_layers", "a non-negative integer", first)
+    layers = f.int("num_hidden_layers", MAX_LAYERS, required=True)
+    return window if first < layers else None
+
+
 def read_hf_config(path: str | Path) -> HFConfig:
-    """Read a Hugging Face Llama-family config.json (a file, or a folder holding one), every field used
-    checked by type and range; what cannot be modelled is refused in one line naming the file and field."""
+    """Read a Hugging Face Llama-family config.json (llama, mistral, qwen2; a file, or a folder holding one),
+    every field used checked by type and range; what cannot be modelled is refused in one line naming the
+    file and field."""
     if not str(path).strip():
         raise ConfigError("--hf-config is empty; give a config.json or the folder holding it")
     p = Path(path)
@@ -353,9 +389,12 @@ def read_hf_config(path: str | Path) -> HFConfig:
     if family not in _HF_FAMILIES:
         raise ConfigError(f"{f.where}: model_type {_show(family)} is not a Llama-family model "
                           f"({', '.join(_HF_FAMILIES)})")
-    for bias in ("attention_bias", "mlp_bias"):
-        if f.bool(bias, False):
-            raise ConfigError(f"{f.where}: {bias}=true is not supported (the models here have no biases)")
+    qwen2 = family == "qwen2"  # Qwen2Attention: q, k, v with a bias, o without; no bias flags to read
+    if not qwen2 and f.bool("attention_bias", False):
+        raise ConfigError(f"{f.where}: attention_bias=true is not modelled (it biases q, k, v and o; the models here "
+                          "bias q, k and v only, as Qwen2 does)")
+    if f.bool("mlp_bias", False):
+        raise ConfigError(f"{f.where}: mlp_bias=true is not modelled (the MLP here has no biases)")
     act = f.str("hidden_act") or "silu"
     if act not in SILU:
         raise ConfigError(f"{f.where}: hidden_act {_show(act)} is not modelled (the MLP here is SwiGLU, with SiLU)")
@@ -366,7 +405,7 @@ def read_hf_config(path: str | Path) -> HFConfig:
         raise ConfigError(f"{f.where}: head_dim={head_dim} × num_attention_heads={heads} != hidden_size={hidden}")
     notes: list[str] = []
     theta = _rope(f, notes)
-    window = f.int("sliding_window", MAX_SEQ)
+    window = _qwen2_window(f) if qwen2 else f.int("sliding_window", MAX_SEQ)
     try:
         cfg = ModelConfig(
             name=_display_name(f.str("_name_or_path"), p.parent.name),
@@ -379,6 +418,7 @@ def read_hf_config(path: str | Path) -> HFConfig:
             tie_embeddings=f.bool("tie_word_embeddings", False),
             norm_eps=f.number("rms_norm_eps", below=1.0) or 1e-6,  # LlamaConfig's and MistralConfig's default
             rope_theta=theta or 10000.0,
+            qkv_bias=qwen2,
         )
     except ConfigError as e:
         raise ConfigError(f"{f.where}: {e}") from None

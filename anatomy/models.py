@@ -35,19 +35,29 @@ def build_model(cfg: ModelConfig, variant: str = "baseline", device="cpu", dtype
 
 
 def init_weights(model: torch.nn.Module, seed: int | None = 0) -> None:
-    """Normal(0, 0.02) for matrices, ones for norm weights: identical across variants for the same seed."""
-    gen = None
-    for name, p in model.named_parameters():  # named_parameters skips a tied weight's second name
-        if p.device.type == "meta":
-            continue
-        if gen is None:
-            gen = torch.Generator(device=p.device)
-            gen.manual_seed(seed or 0)
-        with torch.no_grad():
+    """Normal(0, 0.02) for matrices and biases, ones for norm weights: identical across variants for the same
+    seed. Biases are drawn after every weight, as one vector split in module order (the same values whether
+    q, k, v are separate or fused), so a bias-free model draws what it always drew. They are drawn, not zeroed
+    as Hugging Face inits them, so that a test sees where they are added."""
+    named = [(n, p) for n, p in model.named_parameters() if p.device.type != "meta"]  # a tied weight once
+    if not named:
+        return
+    gen = torch.Generator(device=named[0][1].device)
+    gen.manual_seed(seed or 0)
+    biases = [p for n, p in named if n.endswith(".bias")]
+    with torch.no_grad():
+        for name, p in named:
+            if name.endswith(".bias"):
+                continue
             if p.ndim == 1:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+        if biases:
+            flat = torch.empty(sum(b.numel() for b in biases), device=biases[0].device).normal_(0.0, 0.02,
+                                                                                                 generator=gen)
+            for b, part in zip(biases, flat.split([b.numel() for b in biases])):
+                b.copy_(part)
 
 
 def param_dtype(run: Run) -> torch.dtype:

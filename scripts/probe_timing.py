@@ -3,6 +3,8 @@
     PYTHONPATH=. python3 scripts/probe_timing.py --out $OUT/probe_timing.json              # the named cases
     PYTHONPATH=. python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed 2026 \\
         --out $OUT/probe_timing_hypothesis.json                                            # 32 drawn configs
+    PYTHONPATH=. python3 scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate \\
+        --out $OUT/user_loop.json          # the user's own loop on real-depth models (scripts/user_loop.py)
 
 Each row holds anatomy.measure.timeline.component_times (CUDA events at every component change,
 median of 6 steps after 2 warm-up steps, plus 6-24 unmarked steps, each kept, with calibrate's tiny
@@ -40,6 +42,10 @@ def _summary(t: dict) -> str:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--user-loop"]:  # a plain training loop on real-depth models: scripts/user_loop.py
+        import user_loop
+
+        return user_loop.main(sys.argv[2:])
     a = probe_common.parse("probe_timing")
     if not torch.cuda.is_available():
         print("probe_timing: error: needs a CUDA GPU (it times kernels with CUDA events); this machine has none",

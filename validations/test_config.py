@@ -15,6 +15,9 @@ PUBLISHED = {
     "mistral-7b": 7_241_732_096,
     "tinyllama-1.1b": 1_100_048_384,
     "llama3.2-1b": 1_235_814_400,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-7b": 7_615_616_512,
 }
 
 
@@ -100,6 +103,17 @@ def _llama3_rope(factor):
                 rope_type="llama3")
 
 
+def _qwen25(**kw):
+    return dict(architectures=["Qwen2ForCausalLM"], attention_dropout=0.0, bos_token_id=151643, eos_token_id=151643,
+                hidden_act="silu", initializer_range=0.02, model_type="qwen2", rms_norm_eps=1e-06,
+                rope_theta=1000000.0, torch_dtype="bfloat16", use_cache=True, use_mrope=False,
+                use_sliding_window=False, **kw)
+
+
+QWEN25_7B = _qwen25(hidden_size=3584, intermediate_size=18944, max_position_embeddings=131072, max_window_layers=28,
+                    num_attention_heads=28, num_hidden_layers=28, num_key_value_heads=4, sliding_window=131072,
+                    tie_word_embeddings=False, transformers_version="4.43.1", vocab_size=152064)
+
 REAL = {
     # meta-llama/Llama-3.1-8B
     "Llama-3.1-8B": (_llama3(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_hidden_layers=32,
@@ -120,6 +134,18 @@ REAL = {
                              num_hidden_layers=32, num_key_value_heads=8, rms_norm_eps=1e-05, rope_theta=10000.0,
                              sliding_window=4096, tie_word_embeddings=False, torch_dtype="bfloat16",
                              transformers_version="4.34.0.dev0", use_cache=True, vocab_size=32000), 7_241_732_096),
+    # Qwen/Qwen2.5-0.5B: q/k/v biases, tied; a sliding window written down but off (use_sliding_window false)
+    "Qwen2.5-0.5B": (_qwen25(hidden_size=896, intermediate_size=4864, max_position_embeddings=32768,
+                             max_window_layers=24, num_attention_heads=14, num_hidden_layers=24, num_key_value_heads=2,
+                             sliding_window=32768, tie_word_embeddings=True, transformers_version="4.40.1",
+                             vocab_size=151936), 494_032_768),
+    # Qwen/Qwen2.5-1.5B
+    "Qwen2.5-1.5B": (_qwen25(hidden_size=1536, intermediate_size=8960, max_position_embeddings=131072,
+                             max_window_layers=21, num_attention_heads=12, num_hidden_layers=28, num_key_value_heads=2,
+                             sliding_window=131072, tie_word_embeddings=True, transformers_version="4.40.1",
+                             vocab_size=151936), 1_543_714_304),
+    # Qwen/Qwen2.5-7B
+    "Qwen2.5-7B": (QWEN25_7B, 7_615_616_512),
 }
 
 
@@ -130,12 +156,43 @@ def test_real_hf_config_reads_and_counts(tmp_path, name):
     assert param_count(hf.config) == published  # the published count (the models' safetensors totals)
     if "rope_scaling" in d:  # llama3 scaling is read, and said to change no count
         assert len(hf.notes) == 1 and "RoPE scaling llama3" in hf.notes[0] and "no count" in hf.notes[0]
-    assert hf.sliding_window == d.get("sliding_window")
+    # Qwen2 applies its window only under use_sliding_window, which every Qwen2.5 config leaves off
+    assert hf.sliding_window == (None if d["model_type"] == "qwen2" else d.get("sliding_window"))
+    assert hf.config.qkv_bias == (d["model_type"] == "qwen2")
 
 
-def test_llama3_config_equals_its_preset(tmp_path):
-    d, _ = REAL["Llama-3.2-1B"]
-    assert from_hf_config(_write(tmp_path, d)) == ModelConfig.from_name("llama3.2-1b")
+@pytest.mark.parametrize("name, preset", [("Llama-3.2-1B", "llama3.2-1b"), ("Qwen2.5-0.5B", "qwen2.5-0.5b"),
+                                          ("Qwen2.5-1.5B", "qwen2.5-1.5b"), ("Qwen2.5-7B", "qwen2.5-7b")])
+def test_real_config_equals_its_preset(tmp_path, name, preset):
+    d, _ = REAL[name]
+    assert from_hf_config(_write(tmp_path, d)) == ModelConfig.from_name(preset)
+
+
+@pytest.mark.parametrize("kw, window", [
+    (dict(), None),  # use_sliding_window false: no layer slides, whatever sliding_window says
+    (dict(use_sliding_window=True, sliding_window=4096, max_window_layers=28), None),  # layers 28 and up: none here
+    (dict(use_sliding_window=True, sliding_window=4096, max_window_layers=20), 4096),
+    (dict(use_sliding_window=True, sliding_window=4096, max_window_layers=0), 4096),
+    (dict(use_sliding_window=True, sliding_window=4096, layer_types=["full_attention"] * 28), None),
+    (dict(use_sliding_window=True, sliding_window=4096, layer_types=["sliding_attention"] * 28), 4096),
+    (dict(use_sliding_window=True, sliding_window=None), None),
+])
+def test_qwen2_sliding_window_as_qwen2config_reads_it(tmp_path, kw, window):
+    assert read_hf_config(_write(tmp_path, {**QWEN25_7B, **kw})).sliding_window == window
+
+
+@pytest.mark.parametrize("d, msg", [
+    ({**HF_LLAMA3, "attention_bias": True}, "attention_bias=true is not modelled (it biases q, k, v and o"),
+    ({**HF_LLAMA3, "mlp_bias": True}, "mlp_bias=true is not modelled"),
+    ({**QWEN25_7B, "mlp_bias": True}, "mlp_bias=true is not modelled"),
+    ({**QWEN25_7B, "use_sliding_window": "false"}, "use_sliding_window must be true or false"),
+    ({**QWEN25_7B, "use_sliding_window": True, "max_window_layers": -1}, "max_window_layers must be a non-negative"),
+    ({**QWEN25_7B, "use_sliding_window": True, "layer_types": "full"}, "layer_types must be a list of strings"),
+])
+def test_bias_and_window_fields_refused_in_one_line(tmp_path, d, msg):
+    with pytest.raises(ConfigError) as e:
+        from_hf_config(_write(tmp_path, d))
+    assert msg in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("scaling", [
@@ -211,6 +268,7 @@ def test_name_is_safe_to_print_and_to_use_in_a_path(tmp_path):
     (dict(rope_theta=float("nan")), "rope_theta must be a finite number"),
     (dict(norm_eps="1e-5"), "norm_eps must be a finite number"),
     (dict(tie_embeddings="false"), "tie_embeddings must be true or false"),
+    (dict(qkv_bias=1), "qkv_bias must be true or false"),
     (dict(heads=2.0), "heads must be a positive integer"),
 ])
 def test_out_of_range_model_config(kw, msg):

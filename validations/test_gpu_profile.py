@@ -128,7 +128,8 @@ def test_profile_fields_name_their_unit_and_calibration():
     """Every field of a measured profile that a calibration fills says where its figure comes from."""
     p = timing.get("h200-measured")
     for key in ("matmul_flops", "matmul_k_half", "hbm_Bps", "launch_s", "kernel_gap_s", "host_op_s", "host_custom_s",
-                "host_step", "attention", "sdpa_schedule", "fused_rows", "matmul_misaligned", "mfu_peak_flops"):
+                "host_step", "attention", "sdpa_schedule", "fused_rows", "matmul_misaligned", "mfu_peak_flops",
+                "sustained_ratio", "sustained_tau_s", "clocks"):
         assert p.sources.get(key), key
     assert isinstance(p, timing.Profile) and dict(p)["name"] == "h200-measured"
 
@@ -230,3 +231,20 @@ def test_calibrate_writes_to_the_user_cache_and_reads_back_as_calibrated(tmp_pat
         assert lookup.measured_files()["h200-measured"] == records.H200_PROFILE
     finally:
         lookup.measured_files.cache_clear()
+
+
+@pytest.mark.gpu
+def test_sustained_regime_measures_on_this_gpu():
+    """calibrate_sustained on the GPU at hand (a short warm-up): both regimes' rates are positive, the copy
+    barely follows the SM clock, a sustained compute rate is not above its burst rate by more than noise,
+    and the result is a valid measurements.sustained (the profile's strict check)."""
+    from anatomy.calculator.timing import fit
+    from anatomy.calculator.timing import profile as prof_mod
+    from anatomy.measure.calibrate_sustained import measure_sustained
+
+    s = measure_sustained(warmup_s=4.0)
+    prof_mod._check_sustained("this GPU", s)
+    f = fit.sustained_fields(s)
+    assert 0.9 <= f["sustained_ratio"]["memory"] <= 1.05, f
+    assert f["sustained_ratio"]["matmul"] <= 1.03 and f["sustained_ratio"]["attention"] <= 1.05, f
+    assert f["sustained_tau_s"] > 0 and len(s["trace"]) >= 10

@@ -1,4 +1,4 @@
-"""Unfused causal self-attention: separate q/k/v projections, RoPE, explicit QKᵀ, mask, softmax, then @V."""
+"""Unfused causal self-attention: separate q/k/v projections (optionally biased), RoPE, explicit QKᵀ, mask, softmax, then @V."""
 import math
 
 import torch
@@ -26,12 +26,13 @@ def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:  # (B, nkv, S, hd) -> (B
 class Attention(nn.Module):
     component = "attention"
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, qkv_bias: bool = False):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
-        self.q = nn.Linear(hidden, hidden, bias=False)
-        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        # a bias (Qwen2) goes into each matmul (addmm), which saves the same two operands as without it
+        self.q = nn.Linear(hidden, hidden, bias=qkv_bias)
+        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
+        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
         self.o = nn.Linear(hidden, hidden, bias=False)
 
     def forward(self, x, cos, sin, causal_bias):  # x: (B, S, H); causal_bias: (S, S), 0 or -inf

@@ -1,4 +1,11 @@
-"""Causal self-attention with GQA and RoPE."""
+"""Causal self-attention with GQA and RoPE, and optionally a bias on q, k and v (Qwen2).
+
+A bias changes the parameters and the elementwise work only. nn.Linear with a bias runs one addmm
+(a 3-D input is flattened to 2-D first), and that node saves the same two operands as the mm of a
+bias-free linear: the bias's gradient is a sum of the output's gradient, which needs nothing kept.
+FlopCounterMode counts addmm as the mm alone, so the counter FLOPs are unchanged too, and the model
+convention counts matmuls only.
+"""
 from __future__ import annotations
 
 from anatomy.calculator.dtypes import dtypes
@@ -9,7 +16,12 @@ from anatomy.config import ConfigError, ModelConfig, Run
 
 def params(cfg: ModelConfig) -> int:
     H, kv = cfg.hidden, cfg.kv_dim
-    return cfg.layers * (H * H + 2 * H * kv + H * H)  # q, k, v, o
+    return cfg.layers * (H * H + 2 * H * kv + H * H + qkv_bias(cfg))  # q, k, v, o, and q, k, v's biases
+
+
+def qkv_bias(cfg: ModelConfig) -> int:
+    """Elements of one layer's q, k and v biases (0 without them)."""
+    return cfg.hidden + 2 * cfg.kv_dim if cfg.qkv_bias else 0
 
 
 def _flops(cfg: ModelConfig, run: Run) -> tuple[int, int]:
@@ -42,7 +54,8 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     saved.append(Saved("attention.v", (kv_saved, S, hd), c, L, "P@V keeps v"))
     saved += linears_saved("attention", T, H, {"o": H}, dt, L, c)  # o keeps the merged heads (a copy)
     proj, sdpa = _flops(cfg, run)
-    ew = L * (3 * T * (H + cfg.kv_dim) + 7 * B * nh * S * S)  # RoPE: 3/element; scale, mask, softmax: 7/score
+    # RoPE: 3/element; scale, mask, softmax: 7/score; a bias: 1/element of q, k, v
+    ew = L * (3 * T * (H + cfg.kv_dim) + 7 * B * nh * S * S + T * qkv_bias(cfg))
     return Component("attention", L, params(cfg), proj + sdpa, 2 * (proj + sdpa),
                      proj + sdpa // 2, 2 * (proj + sdpa // 2), ew, saved)
 
@@ -82,4 +95,4 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     proj, sdpa = _flops(cfg, run)
     counted = sdpa if device == "cuda" else 0  # FlopCounterMode has no formula for the CPU SDPA kernel
     return Component("attention", L, params(cfg), proj + counted, 2 * proj + counted * 5 // 2,
-                     proj + sdpa // 2, 2 * (proj + sdpa // 2), L * 3 * T * (H + cfg.kv_dim), saved)
+                     proj + sdpa // 2, 2 * (proj + sdpa // 2), L * T * (3 * (H + cfg.kv_dim) + qkv_bias(cfg)), saved)

@@ -1,4 +1,5 @@
-"""What bias-free nn.Linear layers keep: the matmul keeps its input and its weight.
+"""What nn.Linear layers keep: the matmul keeps its input and its weight. A bias adds nothing: the
+linear is then one addmm, which keeps the same two operands (its bias's gradient is a sum of the output's).
 
 Under autocast both are bf16. A weight's cast is cached for the step (a leaf that requires grad),
 but an fp32 input that is not a leaf is cast anew by every linear that reads it: q, k and v each

@@ -41,10 +41,11 @@ def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int
     """(elements, how many) of the parameter tensors, in module order: the embedding, each layer's tensors
     (L of each), the final norm, the head (a tied head counted once)."""
     H, I, kv, L = cfg.hidden, cfg.intermediate, cfg.kv_dim, cfg.layers
+    qb, kb, qkvb = ([H], [kv], [H + 2 * kv]) if cfg.qkv_bias else ([], [], [])  # each bias follows its weight
     if variant == "efficient":
-        layer = [H, (H + 2 * kv) * H, H * H, H, 2 * I * H, H * I]
+        layer = [H, (H + 2 * kv) * H, *qkvb, H * H, H, 2 * I * H, H * I]
     else:
-        layer = [H, H * H, kv * H, kv * H, H * H, H, I * H, I * H, H * I]
+        layer = [H, H * H, *qb, kv * H, *kb, kv * H, *kb, H * H, H, I * H, I * H, H * I]
     return [(cfg.vocab * H, 1)] + [(n, L) for n in layer] + [(H, 1)] + ([] if cfg.tie_embeddings else [(cfg.vocab * H, 1)])
 
 

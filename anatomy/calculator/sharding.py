@@ -3,7 +3,8 @@
 The parameter tensors are the baseline module tree's, in registration order (the order of
 `model.named_parameters()`, a tied head counted once under `embed.weight`):
     embed.weight (V, H)
-    layers.i: attn_norm.weight (H,), attn.q (H, H), attn.k (kv, H), attn.v (kv, H), attn.o (H, H),
+    layers.i: attn_norm.weight (H,), attn.q (H, H), attn.k (kv, H), attn.v (kv, H), attn.o (H, H)
+              (with qkv_bias, attn.q.bias (H,) after attn.q.weight, and so on for k and v),
               mlp_norm.weight (H,), mlp.gate (I, H), mlp.up (I, H), mlp.down (H, I)
     norm.weight (H,), head.lm_head.weight (V, H) unless tied
 
@@ -43,8 +44,10 @@ def param_shapes(cfg: ModelConfig) -> list[tuple[str, Shape]]:
     out: list[tuple[str, Shape]] = [("embed.weight", (V, H))]
     for i in range(cfg.layers):
         p = f"layers.{i}."
-        out += [(p + "attn_norm.weight", (H,)), (p + "attn.q.weight", (H, H)), (p + "attn.k.weight", (kv, H)),
-                (p + "attn.v.weight", (kv, H)), (p + "attn.o.weight", (H, H)), (p + "mlp_norm.weight", (H,)),
+        out += [(p + "attn_norm.weight", (H,))]
+        for n, d in (("q", H), ("k", kv), ("v", kv)):  # each projection's bias follows its weight
+            out += [(p + f"attn.{n}.weight", (d, H))] + ([(p + f"attn.{n}.bias", (d,))] if cfg.qkv_bias else [])
+        out += [(p + "attn.o.weight", (H, H)), (p + "mlp_norm.weight", (H,)),
                 (p + "mlp.gate.weight", (I, H)), (p + "mlp.up.weight", (I, H)), (p + "mlp.down.weight", (H, I))]
     out.append(("norm.weight", (H,)))
     if not cfg.tie_embeddings:

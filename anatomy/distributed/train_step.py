@@ -141,6 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     for f in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab"):
         p.add_argument(f"--{f}", type=int)
     p.add_argument("--tie-embeddings", action="store_true")
+    p.add_argument("--qkv-bias", action="store_true", help="a bias on q, k and v (Qwen2)")
     p.add_argument("--batch", type=int, default=2, help="per rank")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--dtype", default="amp", help="amp, bf16 or fp32 (see anatomy.config)")
@@ -161,13 +162,14 @@ def _parser() -> argparse.ArgumentParser:
 def _config(a) -> ModelConfig:
     shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, intermediate=a.intermediate, vocab=a.vocab)
     if a.preset:
-        if any(v is not None for v in shape.values()) or a.kv_heads is not None:
+        if any(v is not None for v in shape.values()) or a.kv_heads is not None or a.qkv_bias:
             raise ConfigError("give --preset or the shape flags, not both")
         return ModelConfig.from_name(a.preset)
     missing = [k for k, v in shape.items() if v is None]
     if missing:
         raise ConfigError(f"without --preset, give --{' --'.join(missing)}")
-    return ModelConfig(name="custom", kv_heads=a.kv_heads, tie_embeddings=a.tie_embeddings, **shape)
+    return ModelConfig(name="custom", kv_heads=a.kv_heads, tie_embeddings=a.tie_embeddings, qkv_bias=a.qkv_bias,
+                       **shape)
 
 
 def _dtype_arg(v: str):

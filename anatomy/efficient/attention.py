@@ -1,6 +1,9 @@
 """Attention: one QKV matmul, fused split + RoPE (anatomy.kernels.rope_qkv), SDPA on the best backend.
 
 - One (H -> (nh + 2·nkv)·hd) projection: one matmul launch, and one saved input instead of three.
+  A q/k/v bias (Qwen2) is its ((nh + 2·nkv)·hd,) bias: added inside the matmul (addmm, cuBLASLt's bias
+  epilogue on CUDA), before rope_qkv rotates q and k, as the baseline adds it before RoPE; addmm saves
+  the same two operands with or without it.
 - rope_qkv writes q, k, v as separate contiguous tensors, so no view keeps the fused output alive;
   it saves only the cos/sin tables.
 - SDPA never materialises the S×S scores: it keeps q, k, v, its output and a logsumexp per row
@@ -10,7 +13,7 @@
 - Recompute (Run.recompute == "mlp"): called with the block's norm, norm -> qkv runs under a
   non-reentrant torch.utils.checkpoint that keeps only x; in backward it re-runs the norm and stops
   (early stop) when the qkv matmul has been handed its input again, before that matmul runs.
-State dict: qkv.weight = cat(q.weight, k.weight, v.weight) (see efficient.transformer)."""
+State dict: qkv.weight = cat(q.weight, k.weight, v.weight), qkv.bias likewise (see efficient.transformer)."""
 from __future__ import annotations
 
 import contextlib
@@ -48,10 +51,10 @@ def sdpa_backend_name(grad_fn) -> str:
 class Attention(nn.Module):
     component = "attention"
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, qkv_bias: bool = False):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
-        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=qkv_bias)
         self.o = nn.Linear(hidden, hidden, bias=False)
         self.last_backend: str | None = None
 

@@ -16,6 +16,7 @@ from anatomy.efficient.norm import RMSNorm
 
 # (fused key, baseline keys in concatenation order)
 FUSED = (("attn.qkv.weight", ("attn.q.weight", "attn.k.weight", "attn.v.weight")),
+         ("attn.qkv.bias", ("attn.q.bias", "attn.k.bias", "attn.v.bias")),
          ("mlp.gate_up.weight", ("mlp.gate.weight", "mlp.up.weight")))
 
 
@@ -24,7 +25,7 @@ class Block(nn.Module):
         super().__init__()
         self.recompute = recompute
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads)
+        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp)
         self.register_load_state_dict_pre_hook(_fuse_baseline_keys)
@@ -54,6 +55,7 @@ def to_baseline_state_dict(model: "Transformer") -> dict[str, torch.Tensor]:
 def to_baseline_names(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Rename/split any name -> tensor map (weights, or their gradients) to the baseline's names."""
     sizes = {"attn.qkv.weight": [cfg.hidden, cfg.kv_dim, cfg.kv_dim],
+             "attn.qkv.bias": [cfg.hidden, cfg.kv_dim, cfg.kv_dim],
              "mlp.gate_up.weight": [cfg.intermediate, cfg.intermediate]}
     out = {}
     for k, v in tensors.items():

@@ -22,6 +22,9 @@ timing reuses one L2-resident input):
   launch_us       GPU time per tiny kernel on a full queue (queued behind a long kernel: no host cost)
   kernel_gap      the idle time between two dependent kernels of real size (a profiled GEMM/copy chain;
                   timed last, as the profiler leaves every later launch slower)
+  sustained       one GEMM, causal SDPA fwd+bwd and copy in a burst and again after a warm-up of GEMMs back
+                  to back that drives the GPU to its power-limited clock, with the SM clock and power of
+                  each regime and the warm-up's trace (calibrate_sustained.py; ~12 s, timed last)
   host_op_us, host_custom_us, host_step   the host's side (calibrate_host.py): CPU time per eager op,
                   per call of our custom ops and of Liger's fused linear CE (per call and per chunk),
                   and a tiny host-bound training step of each variant timed as the probe times steps
@@ -56,6 +59,7 @@ from anatomy.kernel_shapes import chunk_rows
 from anatomy.measure.calibrate_host import measure_host, measure_host_step
 from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
 from anatomy.measure.calibrate_sdpa import measure_sdpa_kernels
+from anatomy.measure.calibrate_sustained import measure_sustained
 
 GRID_PRESETS = ("seed", "anchor-1b", "llama2-7b")
 GRID_TOKENS = 16384
@@ -277,7 +281,12 @@ def main(argv: list[str] | None = None) -> int:
                                         "--gpu <gpu>-calibrated)")
     p.add_argument("--base", help="datasheet profile it refines (default: from the device name)")
     p.add_argument("--budget-s", type=float, default=100.0, help="stop starting new measurements after this")
+    p.add_argument("--warmup-s", type=float, default=8.0,
+                   help="longest warm-up toward the power-limited clock before the sustained rates (default 8)")
     a = p.parse_args(argv)
+    if not 1.0 <= a.warmup_s <= 60.0:
+        print(f"anatomy calibrate: --warmup-s must be between 1 and 60 seconds, got {a.warmup_s:g}", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -308,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     # (pytorch/pytorch#144455; scripts/probe_host_noise.py --profiler)
     m["attention_kernels"] = measure_sdpa_kernels(deadline + 20)  # 14 grids, one profiled pass: a few seconds
     m["kernel_gap"] = measure_kernel_gap()
+    # last: its warm-up leaves the GPU at its power-limited clock, which no burst figure above may see
+    m["sustained"] = measure_sustained(a.warmup_s)
     prov = dict(_env(argv), seconds=round(time.monotonic() - t0, 1), skipped=skipped,
                 gemm_grid=f"{len(m['matmul_bf16'])} of {len(gemm_grid())} shapes",
                 gemm_grid_in_step=f"{len(m['matmul_bf16_in_step'])} of {len(gemm_grid())} shapes")
@@ -318,7 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     prof = fit.from_measured(data)
     print(f"{name}: bf16 GEMM {prof['matmul_flops']['bfloat16'] / 1e12:.0f} TFLOP/s "
           f"(k_half {prof['matmul_k_half']:.0f}), copy {m['copy_tbps']:.2f} TB/s, launch {m['launch_us']:.2f} us, host op {m['host_op_us']:.1f} us, "
-          f"{len(m['attention'])} attention rows, {len(m['attention_kernels'])} SDPA kernel grids; {prov['seconds']} s -> {out}")
+          f"{len(m['attention'])} attention rows, {len(m['attention_kernels'])} SDPA kernel grids; sustained/burst "
+          f"GEMM {prof['sustained_ratio']['matmul']:.3f}, attention {prof['sustained_ratio']['attention']:.3f}, copy "
+          f"{prof['sustained_ratio']['memory']:.3f} (SM {prof['clocks'].get('burst_MHz')} -> "
+          f"{prof['clocks'].get('sustained_MHz')} MHz, tau {prof['sustained_tau_s']:.2f} s); {prov['seconds']} s -> {out}")
     return 0
 
 

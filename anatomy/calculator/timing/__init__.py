@@ -8,6 +8,9 @@ estimate_time(cfg, run, variant, gpu) reads top to bottom:
                         FLOPs and minimal HBM bytes (kernels_baseline.py, kernels_efficient.py; counts per
                         step, so the list does not grow with the layers)
   3. host.host_scale    the host's in-step factor, from the profile's tiny host-bound step
+     sustained          the step's sustained-load weight: its GPU time at burst rates against the
+                        profile's clock time constant (roofline.sustained_weight); a long step runs
+                        its compute at the power-limited clock (Profile.sustained_ratio)
   4. predict            each kernel on the roofline (roofline.time_kernel; calibrated ops through
                         registry.efficiency), its host cost (host.host_seconds), and the host/GPU pipeline
                         (pipeline.py: closed form over identical layers)
@@ -35,28 +38,35 @@ from anatomy.calculator.timing.ops import Kernel
 from anatomy.calculator.timing.lookup import get, names
 from anatomy.calculator.timing.profile import Profile
 from anatomy.calculator.timing.registry import efficiency as fused_efficiency
-from anatomy.calculator.timing.roofline import time_kernel
+from anatomy.calculator.timing.roofline import sustained_weight, time_kernel
 from anatomy.config import ModelConfig, Run
 
 PHASES = ("forward", "backward", "optimizer")
 __all__ = ["estimate_time", "breakdown_table", "predict", "get", "names", "Profile", "Kernel", "kernels",
            "baseline_kernels", "efficient_kernels", "optimizer_kernels", "standalone_kernels", "param_sizes",
-           "time_kernel", "fused_efficiency", "host_seconds", "host_scale", "in_situ", "at_host_speed", "VARIANTS",
-           "SDPA_BACKENDS", "PHASES"]
+           "time_kernel", "sustained_weight", "step_weight", "fused_efficiency", "host_seconds", "host_scale",
+           "in_situ", "at_host_speed", "VARIANTS", "SDPA_BACKENDS", "PHASES"]
+
+
+def step_weight(ks: list[Kernel], prof: Profile) -> tuple[float, float]:
+    """(sustained weight, GPU seconds at burst rates) of a step of these kernels: the regime follows the
+    length of the step's GPU work (roofline.sustained_weight), with no factor per shape."""
+    burst = sum(time_kernel(k, prof)["time_s"] for k in ks)
+    return sustained_weight(burst, prof.sustained_tau_s) if prof.sustained_ratio else 0.0, burst
 
 
 def predict(ks: list[Kernel], prof: Profile, scale: float = 1.0, layers: int = 1,
-            clock: pipeline.Clock | None = None) -> tuple[list[dict], list[dict], dict]:
+            clock: pipeline.Clock | None = None, sustained: float = 0.0) -> tuple[list[dict], list[dict], dict]:
     """Rows (one per kernel entry, in phase order), host-sync segments of one step on an idle GPU, and
     the step run back to back (pipeline.steady: a training loop's steps). A segment runs from one
     host sync to the next (the optimizer is always its own); its time comes from the host/GPU
     pipeline (pipeline.simulate: each kernel starts when the GPU is free and the host has issued it,
     the kernels of the layers interleaved layer by layer). scale multiplies the host cost of forward
-    and backward ops (host_scale)."""
+    and backward ops (host_scale); sustained is the step's sustained-load weight (step_weight)."""
     order = sorted(range(len(ks)), key=lambda i: (PHASES.index(ks[i].phase), ks[i].order))  # stable
     rows, entries = [], []
     for k in (ks[i] for i in order):
-        row = time_kernel(k, prof)
+        row = time_kernel(k, prof, sustained)
         row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" and not in_situ(k, prof) else 1.0)
         rows.append(row)
         entries.append(SimpleNamespace(kernel=k, gpu_s=row["per_launch_s"], host_s=row["host_s"] / k.count))
@@ -77,9 +87,10 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     prof = get(gpu)  # 1. the GPU: a datasheet or a calibrated profile (profile.py)
     ks = kernels(cfg, run, variant, sdpa_backend, optimizer)  # 2. every kernel the step launches (kernels*.py)
     scale = host_scale(prof, variant, sdpa_backend)  # 3. the host's in-step factor (host.py)
+    weight, burst_s = step_weight(ks, prof)  # 3b. the sustained-load regime, from the step's length
     clock = pipeline.Clock()
     # 4. each kernel on the roofline (roofline.py) and the host/GPU pipeline over the step (pipeline.py)
-    rows, segs, steady = predict(ks, prof, scale, cfg.layers, clock)
+    rows, segs, steady = predict(ks, prof, scale, cfg.layers, clock, weight)
     comps: dict[str, dict] = {}
     phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
     for row in rows:
@@ -109,6 +120,8 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
         mfu=dict(model=model / fb / peak, counter=counter / fb / peak, peak_flops=peak,
                  peak_source=prof["sources"].get("mfu_peak_flops", prof["sources"]["peak_flops"]),
                  flops=dict(model=model, counter=counter), over="forward + backward time (as bench/step.py)"),
+        sustained=dict(weight=weight, burst_gpu_s=burst_s, tau_s=prof.sustained_tau_s, ratio=prof.sustained_ratio,
+                       clocks=prof.clocks),
         sources=prof["sources"], cost=dict(kernel_entries=len(rows), pipeline_blocks=clock.walked))
     if with_kernels:
         out["kernels"] = rows

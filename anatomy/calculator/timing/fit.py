@@ -11,7 +11,7 @@ import math
 from functools import lru_cache
 
 import anatomy.calculator.timing.sdpa_schedule as sdpa_schedule
-from anatomy.calculator.timing.profile import Profile, datasheet
+from anatomy.calculator.timing.profile import SUSTAINED_RATES, Profile, datasheet
 from anatomy.calculator.timing.roofline import (alignment_class, attention_wave_efficiency, causal_attention_flops,
                                                 matmul_efficiency)
 from anatomy.config import ConfigError
@@ -171,6 +171,12 @@ def from_measured(data: dict) -> Profile:
         p["host_custom_s"] = {k: {ph: us * 1e-6 for ph, us in v.items() if isinstance(us, (int, float))}
                               for k, v in m["host_custom_us"].items() if isinstance(v, dict)}
         p["sources"]["host_custom_s"] = m["host_custom_us"].get("source", where)
+    if m.get("sustained"):
+        p.update(sustained_fields(m["sustained"], where))
+        p["sources"].update(sustained_ratio=f"{where}: the same GEMM, SDPA and copy in a burst and after a "
+                                            f"{m['sustained']['warmup_s']:g} s warm-up of large GEMMs (rate ratios)",
+                            sustained_tau_s=f"{where}: the GEMM rate's fall during the warm-up (fit.fit_tau)",
+                            clocks=f"{where}: SM clock and board power read during each regime (NVML)")
     if m.get("attention"):
         p["attention"] = attention_table(m["attention"], sms)
         p["sources"]["attention"] = f"{where}: causal SDPA per backend, " + "; ".join(
@@ -221,3 +227,40 @@ def schedule_table(rows: list[dict], sms: int) -> dict:
 @lru_cache(maxsize=64)
 def _fit_schedule(pts: tuple, sms: int, phase: str) -> dict:
     return sdpa_schedule.fit(list(pts), sms, phase)  # a profile is built on every load: fit once
+
+
+# ---- the sustained-load regime ------------------------------------------------------------------------
+def fit_tau(trace: list[dict]) -> float:
+    """Seconds: the time constant of the GEMM rate's fall from burst to sustained during the warm-up.
+
+    trace: [{t_s, tflops}] of back-to-back GEMM chunks under continuous load. The settled rate is the
+    median of the last quarter; the burst rate the best of the first three chunks; tau is the first time
+    the excess over the settled rate falls to 1/e of its start (linear between chunks). A trace with no
+    fall (under 1%) has no time constant to fit: its first chunk's time stands in (the term is then ~0)."""
+    pts = sorted((r["t_s"], r["tflops"]) for r in trace)
+    tail = sorted(v for _, v in pts[-max(1, len(pts) // 4):])
+    settled = tail[len(tail) // 2]
+    t0, burst = max(pts[:3], key=lambda p: p[1])
+    if burst - settled <= 0.01 * burst:
+        return max(pts[0][0], 1e-3)
+    target = settled + (burst - settled) / math.e
+    prev = (t0, burst)
+    for t, v in pts:
+        if t <= t0:
+            continue
+        if v <= target:
+            (ta, va), (tb, vb) = prev, (t, v)
+            tx = ta + (tb - ta) * (va - target) / (va - vb) if va > vb else tb
+            return max(tx - t0, 1e-3)
+        prev = (t, v)
+    return max(pts[-1][0] - t0, 1e-3)  # still falling at the end: at least the warm-up's length
+
+
+def sustained_fields(s: dict, where: str = "measured") -> dict:
+    """Profile fields sustained_ratio, sustained_tau_s and clocks from calibrate's measurements.sustained."""
+    b, st = s["burst"], s["sustained"]
+    ratio = {cls: st[k] / b[k] for cls, k in SUSTAINED_RATES.items()}
+    ck = dict(burst_MHz=b.get("clock_MHz"), sustained_MHz=st.get("clock_MHz"), burst_W=b.get("power_W"),
+              sustained_W=st.get("power_W"))
+    ck.update({k: v for k, v in (s.get("limits") or {}).items() if isinstance(v, (int, float))})
+    return dict(sustained_ratio=ratio, sustained_tau_s=fit_tau(s["trace"]), clocks=ck)

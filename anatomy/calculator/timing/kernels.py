@@ -22,6 +22,8 @@ def param_sizes(cfg: ModelConfig, variant: str) -> dict[int, int]:
     H, I, V, kv, L = cfg.hidden, cfg.intermediate, cfg.vocab, cfg.kv_dim, cfg.layers
     per_layer = ([(H + 2 * kv) * H, H * H, 2 * I * H, I * H] if variant == "efficient"
                  else [H * H, kv * H, kv * H, H * H, I * H, I * H, H * I])
+    if cfg.qkv_bias:  # the q, k, v biases (one fused qkv bias in the efficient model)
+        per_layer += [H + 2 * kv] if variant == "efficient" else [H, kv, kv]
     out: dict[int, int] = {}
     for n, count in ((V * H, 1 if cfg.tie_embeddings else 2), (H, 2 * L + 1), *((n, L) for n in per_layer)):
         out[n] = out.get(n, 0) + count

@@ -26,7 +26,7 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
             o.mem(f"norm.{name}", "norm", ph, rd, wr, n, fused=(op, H, T) if (c, r) == (2, 4) else ())
     # attention: q, k, v each cast the stream's normed x under amp; RoPE as 5 ops per tensor
     for name, width in (("q", H), ("k", Hkv), ("v", Hkv)):
-        o.linear(f"attention.{name}", "attention", H, width, L, in_bytes=r)
+        o.linear(f"attention.{name}", "attention", H, width, L, in_bytes=r, bias=cfg.qkv_bias)
     o.mem("attention.qkv_input_grad_sum", "attention", "backward", 2 * T * H * r, T * H * r, 2 * L)  # 3 grads: 2 adds
     for name, heads in (("q", nh), ("k", nkv)):  # x*cos + cat(-x2, x1)*sin (fused.eager_rope_*), calibrated per hd
         for ph, suffix in (("forward", ""), ("backward", ".backward")):

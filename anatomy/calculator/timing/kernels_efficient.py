@@ -30,7 +30,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
           fused=(*bw, T))
     o.mem("norm.rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H, T), n_norms, host=None, fused=(*bw, T))
     # attention: one qkv matmul, fused split + RoPE, SDPA, o
-    o.linear("attention.qkv", "attention", H, D, L)
+    o.linear("attention.qkv", "attention", H, D, L, bias=cfg.qkv_bias)
     for ph, name in (("forward", "attention.rope_qkv"), ("backward", "attention.rope_qkv.backward")):
         op = (f"rope_qkv.{ph}", D)
         o.mem(name, "attention", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
@@ -76,6 +76,8 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
             for name, comp, n in (("attention.qkv", "attention", D * H), ("mlp.gate_up", "mlp", 2 * I * H),
                                   ("mlp.down", "mlp", I * H)):
                 o.mem(f"{name}.weight_cast.recompute", comp, "backward", n * p, n * c, L)
+            if cfg.qkv_bias:  # autocast casts qkv's bias with its weight
+                o.mem("attention.qkv.bias_cast.recompute", "attention", "backward", D * p, D * c, L)
     liger_loss(o)
     return o.k
 

@@ -64,10 +64,11 @@ class Ops:
         self.k.append(Kernel(name, comp, phase, "matmul", count, 2 * batch * m * n * k, nbytes,
                              (batch, m, n, k), self.dt.compute, host=host, order=order, accumulate=accumulate, **kw))
 
-    def linear(self, name, comp, d_in, d_out, count, in_bytes=None, order=(1, 1)):
+    def linear(self, name, comp, d_in, d_out, count, in_bytes=None, order=(1, 1), bias=False):
         """An nn.Linear on T tokens. Under autocast an fp32 input is cast per call (in_bytes=4) and
         the fp32 weight is cast once per step; backward casts dW (bf16) back to fp32 and, for a cast
-        input, dX back to the input's dtype."""
+        input, dX back to the input's dtype. A bias is read by the matmul (addmm: cuBLASLt's bias
+        epilogue); its gradient is a separate sum over the T rows of the output's gradient."""
         T, c, p = self.run.tokens, self.c, self.p
         cast_in = self.amp and in_bytes is not None and in_bytes != c
         of, ob = order
@@ -75,11 +76,17 @@ class Ops:
             self.mem(f"{name}.input_cast", comp, "forward", T * d_in * in_bytes, T * d_in * c, count, order=of)
         if self.amp:
             self.mem(f"{name}.weight_cast", comp, "forward", d_out * d_in * p, d_out * d_in * c, count, order=of)
-        self.mm(name, comp, "forward", T, d_out, d_in, count, order=of)
+            if bias:
+                self.mem(f"{name}.bias_cast", comp, "forward", d_out * p, d_out * c, count, order=of)
+        self.mm(name, comp, "forward", T, d_out, d_in, count, order=of, extra=d_out * c if bias else 0)
         self.mm(f"{name}.grad_input", comp, "backward", T, d_in, d_out, count, order=ob)
         self.mm(f"{name}.grad_weight", comp, "backward", d_out, d_in, T, count, order=ob)
+        if bias:
+            self.mem(f"{name}.grad_bias", comp, "backward", T * d_out * c, d_out * c, count, order=ob)
         if self.amp:
             self.mem(f"{name}.grad_weight_cast", comp, "backward", d_out * d_in * c, d_out * d_in * p, count, order=ob)
+            if bias:
+                self.mem(f"{name}.grad_bias_cast", comp, "backward", d_out * c, d_out * p, count, order=ob)
         if cast_in:
             self.mem(f"{name}.grad_input_cast", comp, "backward", T * d_in * c, T * d_in * in_bytes, count, order=ob)
 

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 
-from anatomy.calculator import gpus
+from anatomy.calculator import clocks, gpus
 from anatomy.config import ConfigError, ModelConfig, oneline
 
 # what a datasheet does not state, and the figure a datasheet profile uses instead
@@ -74,6 +74,19 @@ class Profile(Mapping):
     matmul_accumulate_bw: float = 1.0  # fraction of hbm_Bps an fp32 accumulator's epilogue moves at; same rows
     matmul_fit: tuple = ()  # [{m, n, k, measured_tflops, model_tflops}]: the fit against its points (reports)
     matmul_loop_fit: dict = field(default_factory=dict)  # {rate_flops, k_half} fitted to the loop's GEMMs (reports)
+    # -- the sustained-load regime: a long step runs at the power-limited SM clock, short bursts at boost --
+    # {"matmul" | "attention" | "memory": rate under sustained load / burst rate}, dimensionless; measured
+    # by calibrate_sustained:measure_sustained (the same GEMM, SDPA and copy before and after a warm-up
+    # that drives the GPU to its power-limited clock); datasheet: base / boost clock for compute, 1 for
+    # memory (clocks.py). Empty: no sustained term.
+    sustained_ratio: dict = field(default_factory=dict)
+    # seconds: the time constant of the fall from burst to sustained rates under continuous load; a step
+    # of GPU time T runs at rates blended by roofline.sustained_weight(T, tau).
+    # calibrate_sustained:measure_sustained's warm-up trace, fitted by fit.fit_tau; datasheet: assumed
+    sustained_tau_s: float = 0.0
+    # {burst_MHz, sustained_MHz, burst_W, sustained_W, boost_MHz, base_MHz, tdp_W}: the clocks and power of
+    # each regime (None where not read), for reports; measure_sustained or clocks.py
+    clocks: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)  # {date, gpu, torch, ...} of the calibration
     sources: dict = field(default_factory=dict)  # {field: where its figure comes from}
 
@@ -109,11 +122,20 @@ def datasheet(name: str) -> Profile:
     e = gpus.entry(name)
     bf16, fp32 = e["bf16_tflops"] * 1e12, e["fp32_tflops"] * 1e12
     src = e["source"]
+    sources = dict(peak_flops=src, hbm_Bps=src, memory_GB=src, sms=e["sms_source"], **ASSUMED)
+    c, ratio, ck, tau = clocks.clock(e["name"]), {}, {}, 0.0
+    if c is not None:  # the sustained-load term from the published clocks (clocks.py)
+        boost, base, tdp, csrc = c
+        ratio, tau = clocks.sustained_ratio(e["name"]), clocks.ASSUMED_TAU_S
+        ck = dict(boost_MHz=boost, base_MHz=base, tdp_W=tdp, burst_MHz=boost, sustained_MHz=base)
+        sources.update(sustained_ratio=f"base / boost clock ({base} / {boost} MHz at {tdp} W) for GEMMs and "
+                                       f"attention: {csrc}; memory: {clocks.MEMORY_RATIO_SOURCE}",
+                       sustained_tau_s=clocks.ASSUMED_TAU, clocks=csrc)
     return Profile(name=e["name"], display=e["display"], kind="datasheet", sms=e["sms"], memory_GB=e["memory_GB"],
                    peak_flops={"bfloat16": bf16, "float32": fp32}, matmul_flops={"bfloat16": bf16, "float32": fp32},
                    matmul_k_half=0.0, mfu_peak_flops=bf16, hbm_Bps=e["hbm_GBps"] * 1e9, launch_s=ASSUMED_LAUNCH_S,
-                   host_op_s=ASSUMED_HOST_OP_S,
-                   sources=dict(peak_flops=src, hbm_Bps=src, memory_GB=src, sms=e["sms_source"], **ASSUMED))
+                   host_op_s=ASSUMED_HOST_OP_S, sustained_ratio=ratio, sustained_tau_s=tau, clocks=ck,
+                   sources=sources)
 
 
 def from_dict(d: Mapping, where: str = "gpu profile") -> Profile:
@@ -213,6 +235,8 @@ def check_measured(data, where: str) -> dict:
             for ph, us in v.items():
                 if isinstance(us, (int, float)) and not _ok(us, _POS):
                     raise _bad(where, f"measurements.host_custom_us.{op}.{ph}", _POS, us)
+    if m.get("sustained") is not None:
+        _check_sustained(where, m["sustained"])
     hs = m.get("host_step")
     if hs is not None:
         if not isinstance(hs, dict) or not isinstance(hs.get("cfg"), dict):
@@ -229,3 +253,44 @@ def check_measured(data, where: str) -> dict:
             if v in hs and not (isinstance(hs[v], dict) and _ok(hs[v].get("forward_backward_ms"), _POS)):
                 raise _bad(where, f"measurements.host_step.{v}.forward_backward_ms", _POS, hs[v])
     return data
+
+
+SUSTAINED_RATES = dict(matmul="matmul_tflops", attention="attention_tflops", memory="copy_tbps")
+
+
+def _check_sustained(where: str, s) -> None:
+    """measurements.sustained (calibrate_sustained:measure_sustained): each regime's three rates > 0, its
+    clock and power > 0 or null, and the warm-up trace's rows {t_s >= 0, tflops > 0}."""
+    name = "measurements.sustained"
+    if not isinstance(s, dict):
+        raise _bad(where, name, "an object", s)
+    for regime in ("burst", "sustained"):
+        r = s.get(regime)
+        if not isinstance(r, dict):
+            raise _bad(where, f"{name}.{regime}", "an object", r)
+        for k in SUSTAINED_RATES.values():
+            if not _ok(r.get(k), _POS):
+                raise _bad(where, f"{name}.{regime}.{k}", _POS, r.get(k))
+        for k in ("clock_MHz", "power_W"):
+            if r.get(k) is not None and not _ok(r[k], _POS):
+                raise _bad(where, f"{name}.{regime}.{k}", _POS + " or null", r[k])
+    trace = s.get("trace")
+    if not isinstance(trace, list) or len(trace) < 2:
+        raise _bad(where, f"{name}.trace", "a list of two or more objects", trace)
+    for i, r in enumerate(trace):
+        if not isinstance(r, dict):
+            raise _bad(where, f"{name}.trace[{i}]", "an object", r)
+        if not _ok(r.get("t_s"), _NONNEG):
+            raise _bad(where, f"{name}.trace[{i}].t_s", _NONNEG, r.get("t_s"))
+        if not _ok(r.get("tflops"), _POS):
+            raise _bad(where, f"{name}.trace[{i}].tflops", _POS, r.get("tflops"))
+    if not _ok(s.get("warmup_s"), _POS):
+        raise _bad(where, f"{name}.warmup_s", _POS, s.get("warmup_s"))
+    limits = s.get("limits", {})
+    if not isinstance(limits, dict):
+        raise _bad(where, f"{name}.limits", "an object", limits)
+    for k, v in limits.items():
+        if not _ok(v, _POS):
+            raise _bad(where, f"{name}.limits.{k}", _POS, v)
+    if not isinstance(s.get("settled", False), bool):
+        raise _bad(where, f"{name}.settled", "true or false", s.get("settled"))

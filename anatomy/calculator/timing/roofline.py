@@ -13,6 +13,11 @@
   launch   a kernel smaller than its launch cost is launch-bound (the queued launch cost); a kernel of
            real size waits for the one before to drain (the calibrated gap, where measured)
 
+Sustained load (weight w in [0, 1], from the step's length: sustained_weight): a compute-bound term runs
+at rate x (1 - w + w x sustained_ratio["matmul" | "attention"]), a memory term at bandwidth x (1 - w + w x
+sustained_ratio["memory"]); the launch terms do not change. w = 0 is the burst regime calibrate's rates
+are measured in.
+
 Assumptions: compute and memory overlap perfectly inside a kernel (the max, not the sum); a memory-bound
 kernel moves exactly its minimal bytes (no L2 reuse); the library picks the best tile and split.
 """
@@ -79,6 +84,26 @@ def attention_wave_efficiency(batch: int, heads: int, seq: int, sms: int, block_
     return tiles / (math.ceil(tiles / sms) * sms)
 
 
+# ---- the sustained-load regime -------------------------------------------------------------------
+def sustained_weight(gpu_s: float, tau_s: float) -> float:
+    """The sustained regime's weight in a step's mean rates: the step starts at burst rates and the clock
+    relaxes toward the power-limited one with time constant tau, rate(t) = sustained + (burst - sustained)
+    exp(-t / tau), so over a step of GPU time T the mean rate is burst x (1 - w + w x ratio) with
+    w = 1 - (tau / T)(1 - exp(-T / tau)): ~T / (2 tau) for a short step, -> 1 for a step many tau long.
+    0 where tau or T is not positive."""
+    if tau_s <= 0 or gpu_s <= 0:
+        return 0.0
+    x = gpu_s / tau_s
+    return 1.0 - (1.0 - math.exp(-x)) / x if x > 1e-6 else x / 2
+
+
+def regime_speed(prof: Profile, weight: float, cls: str) -> float:
+    """Rate factor of rate class `cls` (matmul, attention, memory) at sustained weight `weight`."""
+    if not weight or not prof.sustained_ratio:
+        return 1.0
+    return 1.0 - weight + weight * prof.sustained_ratio.get(cls, 1.0)
+
+
 # ---- one kernel --------------------------------------------------------------------------------
 def sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | None = None) -> tuple[float, str]:
     """FLOP/s at a full wave for one SDPA pass, and where it comes from. Where calibrate measured several
@@ -109,8 +134,9 @@ def _launch_term(prof: Profile) -> float:
     return max(prof.launch_s, prof.kernel_gap_s)
 
 
-def time_kernel(kern: Kernel, prof: Profile) -> dict:
-    """One kernel (per launch and x count): its compute and memory terms, the bound, the time."""
+def time_kernel(kern: Kernel, prof: Profile, sustained: float = 0.0) -> dict:
+    """One kernel (per launch and x count): its compute and memory terms, the bound, the time.
+    sustained: the sustained-load weight of the step it runs in (sustained_weight; 0: burst rates)."""
     if not isinstance(prof, Profile):
         prof = from_dict(prof)
     t_c, rate, note = 0.0, 0.0, ""
@@ -132,11 +158,12 @@ def time_kernel(kern: Kernel, prof: Profile) -> dict:
             rate, note = sdpa_rate(prof, kern.backend, hd, kern.phase, S)
             rate *= attention_wave_efficiency(B, nh, S, prof.sms) if prof.attention else 1.0
     if rate:
+        rate *= regime_speed(prof, sustained, "attention" if kern.kind == "sdpa" else "matmul")
         t_c = kern.flops / rate
     eff = registry.efficiency(prof, *kern.fused) if kern.fused else 1.0
     if kern.accumulate:  # its epilogue streams the fp32 accumulator below copy bandwidth (fit.accumulate_bandwidth)
         eff = prof.matmul_accumulate_bw
-    t_m = kern.bytes / (prof.hbm_Bps * eff)
+    t_m = kern.bytes / (prof.hbm_Bps * eff * regime_speed(prof, sustained, "memory"))
     launch = prof.launch_s
     bound = "compute" if t_c >= t_m else "memory"
     if launch > max(t_c, t_m):
