@@ -313,6 +313,8 @@ def version() -> str:
 
 # each command: the help line `anatomy -h` lists, and the description `anatomy CMD -h` opens with
 HELP = {
+    "plan": ("find the fastest run of a model that fits a GPU or N GPUs: micro-batch, recompute and strategy "
+             "(see: anatomy plan -h)"),
     "estimate": ("predict parameters, FLOPs, saved tensors and memory from the architecture alone (no model "
                  "is built); with --gpu, the step time too"),
     "measure": "build the model on this machine and measure its parameters, FLOPs and saved tensors",
@@ -325,11 +327,16 @@ HELP = {
 }
 
 
+DELEGATED = ("plan", "report", "train", "sweep", "forensics", "calibrate")
+
+
 def _delegate(cmd: str, argv: list[str]) -> int:
     """The commands whose flags live beside their code."""
     if cmd == "report":
         return cmd_report(argv)
-    if cmd == "train":
+    if cmd == "plan":
+        from anatomy.plan_cli import main as run
+    elif cmd == "train":
         from anatomy.train.cli import main as run
     elif cmd == "sweep":
         from anatomy.sweep import main as run
@@ -342,7 +349,7 @@ def _delegate(cmd: str, argv: list[str]) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] and argv[0] in ("report", "train", "sweep", "forensics", "calibrate"):
+    if argv[:1] and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
     p = Parser(prog="anatomy", description="Where every byte and FLOP of a transformer training step goes: "
                                            "predict it, measure it, compare the two.")
@@ -363,7 +370,7 @@ def main(argv=None) -> int:
             sp.add_argument("--gpu", type=nonempty, metavar="NAME|PATH",
                             help="predict the step time on this GPU: a name (H200, H100, A100-80GB, RTX4090, "
                                  "h200-measured, ...) or a profile JSON written by `anatomy calibrate`")
-    for name in ("report", "train", "sweep", "forensics", "calibrate"):
+    for name in DELEGATED:
         sub.add_parser(name, help=HELP[name], add_help=False)
     a = p.parse_args(argv)
     try:

@@ -43,6 +43,13 @@ def nonempty(text: str) -> str:
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """The model flags, the run flags (batch, seq, dtype, variant, recompute) and --json."""
+    add_model_flags(p)
+    _add_run_flags(p)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The model: a preset, an HF config.json, or explicit fields."""
     g = p.add_argument_group("model (a preset, an HF config.json, or explicit fields; fields override)")
     g.add_argument("--preset", type=nonempty, help=f"a named model: {', '.join(PRESETS)} (default: {DEFAULT_PRESET}, "
                                                    "unless fields or --hf-config are given)")
@@ -57,6 +64,9 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mlp", choices=("swiglu", "gpt-oss"), help="MLP activation (default: swiglu)")
     g.add_argument("--qkv-bias", action=argparse.BooleanOptionalAction, default=None,
                    help="a bias on the q, k and v projections, as in Qwen2 (default: none)")
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("run")
     r.add_argument("--batch", type=int, default=16, metavar="N", help="sequences per step")
     r.add_argument("--seq", type=int, default=4096, metavar="N", help="tokens per sequence")

@@ -53,8 +53,11 @@ STEP_PROFILE = H200 / "steps" / "peers" / "profile-seed-efficient.json"  # bench
 # bench/kernels.py (back to back, against peers) and anatomy.kernels.bench (GPU-only, behind a sleep kernel).
 KERNELS_BACK_TO_BACK = H200 / "kernels" / "back-to-back-seed.json"
 KERNELS_GPU_ONLY = H200 / "kernels" / "gpu-only-seed.json"
-OPTIMIZER_STEPS = H200 / "kernels" / "optimizer-steps.json"
-LINEAR_CE = H200 / "kernels" / "linear-ce.json"  # bench/linear_ce.py: ours against Liger's, forward + backward  # pytest-benchmark JSON of validations/test_optim.py
+OPTIMIZER_STEPS = H200 / "kernels" / "optimizer-steps.json"  # pytest-benchmark JSON of validations/test_optim.py
+LINEAR_CE = H200 / "kernels" / "linear-ce.json"  # bench/linear_ce.py: ours against Liger's, forward + backward
+
+# scripts/check_plan.py: `anatomy plan --gpu H200`'s micro-batch and the next one, run in a user's loop.
+PLAN_CHECK = H200 / "plan" / "check.json"
 
 # `anatomy train` on the seed config, baseline and efficient, from the same weights and data.
 LOSS_CURVES = H200 / "training" / "loss-curves-seed.json"

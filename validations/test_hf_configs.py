@@ -6,7 +6,7 @@ import re
 import pytest
 
 from anatomy.calculator import estimate
-from anatomy.config import ConfigError, Run, read_hf_config
+from anatomy.config import Run, read_hf_config
 from validations.hf_configs import DATA, HF_CONFIGS, MODELS
 
 NAMES = list(MODELS)
@@ -17,13 +17,7 @@ def _json(name: str) -> dict:
 
 
 def _read(name: str):
-    """read_hf_config of the model's file; a Qwen2 file the reader refuses for its model_type is skipped."""
-    try:
-        return read_hf_config(HF_CONFIGS[name])
-    except ConfigError as e:
-        if MODELS[name].model_type == "qwen2" and "model_type" in str(e) and "qwen2" in str(e):
-            pytest.skip("q/k/v bias lands with the qkv-bias branch")
-        raise
+    return read_hf_config(HF_CONFIGS[name])
 
 
 def test_index_covers_every_committed_file():

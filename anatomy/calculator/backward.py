@@ -38,6 +38,7 @@ INPUTS = ("embedding.ids", "loss.targets")  # saved, but they are the step's inp
 KINDS = ("parameter", "input", "optimizer state", "activation", "gradient / backward buffer")
 GRAD = "gradient / backward buffer"
 WALKED_LAYERS = 4  # the last two and the first two; the layers between are shifted, not walked
+_HITS: dict[tuple, list[str]] = {}  # (saved names, free()'s names, keep) -> the saved names matched
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Walk:
             for s in comp.saved:
                 if s.name not in INPUTS:
                     self.one[s.name] = rnd(prod(s.shape) * BYTES[s.dtype])
+        self._names = tuple(self.one)
 
     @property
     def live(self) -> int:
@@ -79,11 +81,14 @@ class Walk:
     def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:
         """Free one instance of each saved tensor named (a name ending in '.' or '_' is a prefix),
         once per layer (begin() starts a layer)."""
-        for n, b in self.one.items():
-            hit = any(n == x or (x[-1] in "._" and n.startswith(x)) for x in names)
-            if hit and n not in self.freed and not n.startswith(keep):
+        key = (self._names, names, keep)
+        if (hits := _HITS.get(key)) is None:  # the same names recur in every layer and every walk
+            hits = _HITS[key] = [n for n in self.one if not n.startswith(keep) and
+                                      any(n == x or (x[-1] in "._" and n.startswith(x)) for x in names)]
+        for n in hits:
+            if n not in self.freed:
                 self.freed.add(n)
-                self.by["activation"] -= b
+                self.by["activation"] -= self.one[n]
 
     def free_norm(self) -> None:
         """One RMSNorm instance's saved tensors (2 per layer + the final one share the names)."""
@@ -97,6 +102,7 @@ class Walk:
         for s in saved:
             self.one[s.name] = b = self.rnd(prod(s.shape) * BYTES[s.dtype])
             self.by["activation"] += b
+        self._names = tuple(self.one)  # a remade name may be new to free()'s matches
 
     def alloc(self, *nbytes: int) -> None:
         """Allocate gradients or backward buffers of these sizes; a negative size frees one (each

@@ -23,7 +23,6 @@ references whose fp32 chunk temporaries (torch's logsumexp and softmax internals
 """
 from __future__ import annotations
 
-from dataclasses import asdict
 from math import prod
 
 from anatomy.calculator import estimate
@@ -191,8 +190,8 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     peak = max(fwd_peak or 0, top.live, fwd_end)
     return dict(params=params, inputs=inputs, optimizer=opt, saved=saved, init=params + inputs,
                 forward_end=fwd_end, forward_peak=fwd_peak, forward_peak_last_block=block_peak,
-                backward_peak=top.live, backward_peak_at=top.name,
-                backward_peak_by_kind=top.by_kind, backward_stages=[asdict(st) for st in stages],
+                backward_peak=top.live, backward_peak_at=top.name, backward_peak_by_kind=top.by_kind,
+                backward_stages=[dict(name=st.name, live=st.live, by_kind=st.by_kind) for st in stages],
                 backward_end=bwd_end, optimizer_end=bwd_end - params, **reserved(peak))
 
 

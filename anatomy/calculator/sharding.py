@@ -25,6 +25,8 @@ DDP keeps a full replica: params, grads (.grad, plus DDP's bucket copy, see comm
 """
 from __future__ import annotations
 
+from collections import Counter
+from functools import lru_cache
 from math import prod
 
 from anatomy.calculator.dtypes import dtypes as dtypes_of
@@ -53,6 +55,12 @@ def param_shapes(cfg: ModelConfig) -> list[tuple[str, Shape]]:
     return out
 
 
+@lru_cache(maxsize=64)
+def shape_counts(cfg: ModelConfig) -> tuple[tuple[Shape, int], ...]:
+    """(shape, how many parameter tensors have it): the L identical Blocks counted, not listed."""
+    return tuple(Counter(s for _, s in param_shapes(cfg)).items())
+
+
 def fsdp_units(cfg: ModelConfig) -> list[tuple[str, list[tuple[str, Shape]]]]:
     """FSDP units as `wrap` builds them: the root (everything outside a Block) first, then each Block."""
     blocks: dict[str, list] = {f"layers.{i}": [] for i in range(cfg.layers)}
@@ -61,6 +69,12 @@ def fsdp_units(cfg: ModelConfig) -> list[tuple[str, list[tuple[str, Shape]]]]:
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else None
         (blocks[unit] if unit else root).append((name, shape))
     return [("root", root)] + list(blocks.items())
+
+
+@lru_cache(maxsize=64)
+def _root_and_one_block(cfg: ModelConfig) -> tuple:
+    units = fsdp_units(cfg)
+    return units[0], units[1] if len(units) > 1 else ("block", [])
 
 
 def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -158,7 +172,7 @@ def _fsdp_unit_bytes(cfg: ModelConfig, run: Run, world: int, rank: int, rnd) -> 
     dts = fsdp_dtypes(run)
     ag, rs, pb = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]], BYTES[dts["param"]]
     out = {}
-    for name, params in fsdp_units(cfg)[:2]:  # the root and one Block (every Block has the same shapes)
+    for name, params in _root_and_one_block(cfg):  # every Block has the same shapes
         padded = [shard_numel(s, world, rank)[1] for _, s in params]
         out["root" if name == "root" else "block"] = dict(
             G=sum(rnd(world * n * ag) for n in padded), F=rnd(world * sum(padded) * ag),
@@ -173,11 +187,11 @@ def _opt_state(cfg: ModelConfig, run: Run, world: int, strategy: str, rank: int,
     from anatomy.calculator.optimizer import state_breakdown
 
     pb = BYTES[param_dtype_name(run)]
-    local = [prod(s) if strategy == "ddp" else shard_numel(s, world, rank)[0] for _, s in param_shapes(cfg)]
+    local = [(prod(s) if strategy == "ddp" else shard_numel(s, world, rank)[0], k) for s, k in shape_counts(cfg)]
     if optimizer == "adamw":
-        return sum(2 * rnd(n * pb) + rnd(4) for n in local)
+        return sum(k * (2 * rnd(n * pb) + rnd(4)) for n, k in local)
     per = state_breakdown(optimizer)
-    return sum(rnd(int(n * b)) for n in local for b in per.values())
+    return sum(k * rnd(int(n * b)) for n, k in local for b in per.values())
 
 
 def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, strategy: str, *,
@@ -299,7 +313,7 @@ def _optimizer_candidate(cands, end: dict, cfg, run, world, strategy, rank, opti
     makes none; torch's per-tensor AdamW on CPU makes exp_avg_sq.sqrt() and its quotient by the bias
     correction, two of the largest local tensor at once. AdEMAMix's temporaries are not modelled."""
     pb = BYTES[param_dtype_name(run)]
-    local = [prod(s) if strategy == "ddp" else shard_numel(s, world, rank)[0] for _, s in param_shapes(cfg)]
+    local = [prod(s) if strategy == "ddp" else shard_numel(s, world, rank)[0] for s, _ in shape_counts(cfg)]
     tmp = 2 * rnd(max(local) * pb) if device == "cpu" and optimizer == "adamw" else 0
     by = dict(end, activations=0)
     by["gradients"] = by.get("gradients", 0) + tmp  # transients of the step, counted with the gradients

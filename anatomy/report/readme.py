@@ -248,7 +248,11 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
             put("bench-linear-ce", linear_ce_table(records.LINEAR_CE))
         if records.LOSS_CURVES.exists():
             put("train-seed", curves_text(records.LOSS_CURVES))
-        from anatomy.report import probes
+        from anatomy.report import plan, probes
+
+        put("plan-example", plan.example())
+        if records.PLAN_CHECK.exists():
+            put("plan-h200", plan.check_table())
 
         put("memory-h200", probes.memory_summary())
         put("memory-recompute", probes.recompute_summary())
