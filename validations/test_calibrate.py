@@ -79,6 +79,7 @@ def test_accumulate_epilogue_bandwidth():
     m = dict(_fake_measurements(), matmul_vocab=rows, copy_tbps=hbm / 1e12)
     p = fit.from_measured(calibrate.build_profile(m, dict(date="fake"), "h200-sxm"))
     assert p["matmul_accumulate_bw"] == pytest.approx(0.60)
+    p = dict(p, sustained_ratio={})  # burst rates: the two profiles' steps differ in length, not in regime
     p0 = dict(p, matmul_accumulate_bw=1.0)
     cfg = ModelConfig(name="v", hidden=2048, layers=1, heads=16, intermediate=4096, vocab=128256)
     a, b = (timing.estimate_time(cfg, Run(1, 4096), "efficient", q, with_kernels=True) for q in (p, p0))

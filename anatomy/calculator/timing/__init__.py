@@ -38,7 +38,7 @@ from anatomy.calculator.timing.ops import Kernel
 from anatomy.calculator.timing.lookup import get, names
 from anatomy.calculator.timing.profile import Profile
 from anatomy.calculator.timing.registry import efficiency as fused_efficiency
-from anatomy.calculator.timing.roofline import sustained_weight, time_kernel
+from anatomy.calculator.timing.roofline import burst_seconds, kernel_terms, sustained_weight, time_kernel
 from anatomy.config import ModelConfig, Run
 
 PHASES = ("forward", "backward", "optimizer")
@@ -48,25 +48,30 @@ __all__ = ["estimate_time", "breakdown_table", "predict", "get", "names", "Profi
            "in_situ", "at_host_speed", "VARIANTS", "SDPA_BACKENDS", "PHASES"]
 
 
-def step_weight(ks: list[Kernel], prof: Profile) -> tuple[float, float]:
+def step_weight(ks: list[Kernel], prof: Profile, terms: list[tuple] | None = None) -> tuple[float, float]:
     """(sustained weight, GPU seconds at burst rates) of a step of these kernels: the regime follows the
-    length of the step's GPU work (roofline.sustained_weight), with no factor per shape."""
-    burst = sum(time_kernel(k, prof)["time_s"] for k in ks)
+    length of the step's GPU work (roofline.sustained_weight), with no factor per shape. terms: each
+    kernel's roofline.kernel_terms, where the caller has them."""
+    terms = terms or [kernel_terms(k, prof) for k in ks]
+    burst = sum(burst_seconds(t, k, prof) for t, k in zip(terms, ks))
     return sustained_weight(burst, prof.sustained_tau_s) if prof.sustained_ratio else 0.0, burst
 
 
 def predict(ks: list[Kernel], prof: Profile, scale: float = 1.0, layers: int = 1,
-            clock: pipeline.Clock | None = None, sustained: float = 0.0) -> tuple[list[dict], list[dict], dict]:
+            clock: pipeline.Clock | None = None, sustained: float = 0.0,
+            terms: list[tuple] | None = None) -> tuple[list[dict], list[dict], dict]:
     """Rows (one per kernel entry, in phase order), host-sync segments of one step on an idle GPU, and
     the step run back to back (pipeline.steady: a training loop's steps). A segment runs from one
     host sync to the next (the optimizer is always its own); its time comes from the host/GPU
     pipeline (pipeline.simulate: each kernel starts when the GPU is free and the host has issued it,
     the kernels of the layers interleaved layer by layer). scale multiplies the host cost of forward
-    and backward ops (host_scale); sustained is the step's sustained-load weight (step_weight)."""
+    and backward ops (host_scale); sustained is the step's sustained-load weight (step_weight); terms are
+    the kernels' roofline.kernel_terms, where the caller has them."""
     order = sorted(range(len(ks)), key=lambda i: (PHASES.index(ks[i].phase), ks[i].order))  # stable
     rows, entries = [], []
-    for k in (ks[i] for i in order):
-        row = time_kernel(k, prof, sustained)
+    for i in order:
+        k = ks[i]
+        row = time_kernel(k, prof, sustained, terms[i] if terms else None)
         row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" and not in_situ(k, prof) else 1.0)
         rows.append(row)
         entries.append(SimpleNamespace(kernel=k, gpu_s=row["per_launch_s"], host_s=row["host_s"] / k.count))
@@ -87,10 +92,11 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     prof = get(gpu)  # 1. the GPU: a datasheet or a calibrated profile (profile.py)
     ks = kernels(cfg, run, variant, sdpa_backend, optimizer)  # 2. every kernel the step launches (kernels*.py)
     scale = host_scale(prof, variant, sdpa_backend)  # 3. the host's in-step factor (host.py)
-    weight, burst_s = step_weight(ks, prof)  # 3b. the sustained-load regime, from the step's length
+    terms = [kernel_terms(k, prof) for k in ks]  # 4. each kernel on the roofline at burst rates (roofline.py)
+    weight, burst_s = step_weight(ks, prof, terms)  # 5. the sustained-load regime, from the step's length
     clock = pipeline.Clock()
-    # 4. each kernel on the roofline (roofline.py) and the host/GPU pipeline over the step (pipeline.py)
-    rows, segs, steady = predict(ks, prof, scale, cfg.layers, clock, weight)
+    # 6. the kernels at the step's regime and the host/GPU pipeline over the step (pipeline.py)
+    rows, segs, steady = predict(ks, prof, scale, cfg.layers, clock, weight, terms)
     comps: dict[str, dict] = {}
     phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
     for row in rows:

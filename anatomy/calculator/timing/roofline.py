@@ -134,11 +134,9 @@ def _launch_term(prof: Profile) -> float:
     return max(prof.launch_s, prof.kernel_gap_s)
 
 
-def time_kernel(kern: Kernel, prof: Profile, sustained: float = 0.0) -> dict:
-    """One kernel (per launch and x count): its compute and memory terms, the bound, the time.
-    sustained: the sustained-load weight of the step it runs in (sustained_weight; 0: burst rates)."""
-    if not isinstance(prof, Profile):
-        prof = from_dict(prof)
+def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float, str]:
+    """One launch's burst-rate terms: (compute seconds, memory seconds, the compute's rate class, its rate,
+    the rate's note). The sustained regime rescales them (finish), so a step's kernels are priced once."""
     t_c, rate, note = 0.0, 0.0, ""
     if kern.kind == "matmul":
         b, m, n, k = kern.shape
@@ -159,12 +157,32 @@ def time_kernel(kern: Kernel, prof: Profile, sustained: float = 0.0) -> dict:
             rate, note = sdpa_rate(prof, kern.backend, hd, ph, S)
             rate *= attention_wave_efficiency(B, nh, S, prof.sms) if prof.attention else 1.0
     if rate:
-        rate *= regime_speed(prof, sustained, "attention" if kern.kind == "sdpa" else "matmul")
         t_c = kern.flops / rate
     eff = registry.efficiency(prof, *kern.fused) if kern.fused else 1.0
     if kern.accumulate:  # its epilogue streams the fp32 accumulator below copy bandwidth (fit.accumulate_bandwidth)
         eff = prof.matmul_accumulate_bw
-    t_m = kern.bytes / (prof.hbm_Bps * eff * regime_speed(prof, sustained, "memory"))
+    t_m = kern.bytes / (prof.hbm_Bps * eff)
+    return t_c, t_m, "attention" if kern.kind == "sdpa" else "matmul", rate, note
+
+
+def burst_seconds(terms: tuple, kern: Kernel, prof: Profile) -> float:
+    """A kernel's time (x count) at burst rates, from its kernel_terms."""
+    t_c, t_m = terms[0], terms[1]
+    launch = prof.launch_s if prof.launch_s > max(t_c, t_m) else _launch_term(prof)
+    return (max(t_c, t_m) + launch) * kern.count
+
+
+def time_kernel(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tuple | None = None) -> dict:
+    """One kernel (per launch and x count): its compute and memory terms, the bound, the time.
+    sustained: the sustained-load weight of the step it runs in (sustained_weight; 0: burst rates);
+    terms: its kernel_terms, where the caller has them."""
+    if not isinstance(prof, Profile):
+        prof = from_dict(prof)
+    t_c, t_m, cls, rate, note = terms or kernel_terms(kern, prof)
+    if sustained:
+        speed = regime_speed(prof, sustained, cls)
+        t_c, rate = t_c / speed, rate * speed
+        t_m /= regime_speed(prof, sustained, "memory")
     launch = prof.launch_s
     bound = "compute" if t_c >= t_m else "memory"
     if launch > max(t_c, t_m):
