@@ -9,7 +9,8 @@ import math
 import os
 import sys
 
-from anatomy.cli_args import DEFAULT_PRESET, Parser, add_config_flags, config_from_args, nonempty  # noqa: F401
+from anatomy.cli_args import (DEFAULT_PRESET, Parser, add_config_flags, add_optimizer_flag,  # noqa: F401
+                              config_from_args, nonempty)
 from anatomy.config import ConfigError, ModelConfig, Run, oneline
 
 _Parser = Parser
@@ -22,41 +23,56 @@ def _check_variant(v: str) -> str:
     return v
 
 
-def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
+PHASE_KEYS = ("init", "forward_end", "forward_peak", "backward_peak", "backward_peak_at", "backward_peak_by_kind",
+              "backward_end", "optimizer_end", "reserved_low", "reserved_high")
+
+
+def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cuda", optimizer: str = "adamw",
+                 gpu: str | None = None, world_size: int = 1, strategy: str | None = None) -> dict:
+    """What `anatomy estimate` reports, as a dict: the calculator's estimate, the memory phases and the
+    step's peak (memory.need_bytes, with the optimizer's state), per-rank figures on world_size ranks, and
+    with a GPU the step time and whether the peak fits. One optimizer for memory and time."""
     from anatomy.calculator import estimate
-
     from anatomy.calculator.memory import phases
+    from anatomy.calculator.optimizer import CHOICES, implementation
+    from anatomy.sweep import peak_bytes
 
-    device = a.device or "cuda"
-    out = estimate(cfg, run, _check_variant(a.variant), device=device).to_dict()
-    ph = phases(cfg, run, a.variant, optimizer="adamw", device=device)
-    out["memory"]["phases"] = {k: ph[k] for k in ("init", "forward_end", "forward_peak", "backward_peak",
-                                                  "backward_peak_at", "backward_peak_by_kind", "backward_end",
-                                                  "optimizer_end", "reserved_low", "reserved_high")}
-    out["memory"]["phases"]["optimizer"] = "adamw"
-    if a.world_size != 1 or a.strategy:
+    if optimizer not in CHOICES:
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose {' or '.join(CHOICES)}")
+    out = estimate(cfg, run, _check_variant(variant), device=device).to_dict()
+    ph = phases(cfg, run, variant, optimizer=optimizer, device=device)
+    out["optimizer"] = dict(name=optimizer, implementation=implementation(optimizer, variant))
+    out["memory"]["phases"] = {k: ph[k] for k in PHASE_KEYS} | {"optimizer": optimizer}
+    out["memory"]["need_bytes"] = peak_bytes(ph)
+    if world_size != 1 or strategy:
         from anatomy.calculator.comm import estimate_distributed
 
-        if not 1 <= a.world_size <= MAX_WORLD:
-            raise ConfigError(f"--world-size must be between 1 and {MAX_WORLD:,}, got {a.world_size:.3g}")
-        strategy = a.strategy or ("fsdp" if a.variant == "efficient" else "ddp")
-        out["distributed"] = estimate_distributed(cfg, run, a.world_size, strategy)
-    if a.gpu is not None:
+        if not 1 <= world_size <= MAX_WORLD:
+            raise ConfigError(f"--world-size must be between 1 and {MAX_WORLD:,}, got {world_size:.3g}")
+        out["distributed"] = estimate_distributed(cfg, run, world_size,
+                                                  strategy or ("fsdp" if variant == "efficient" else "ddp"))
+    if gpu is not None:
         from anatomy.calculator.timing import estimate_time
 
-        t = estimate_time(cfg, run, a.variant, gpu=a.gpu)
+        t = estimate_time(cfg, run, variant, gpu=gpu, optimizer=optimizer)
         out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "steady", "host_bound", "mfu",
                                          "components", "sources")
-                       if k in t} | {"gpu": a.gpu, "profile": t["gpu"], "profile_kind": t["profile_kind"]}
-        gpu_s = {ph: v["gpu_s"] for ph, v in t["phases"].items()}  # the kernels' time, the GPU's idle time left out
+                       if k in t} | {"gpu": gpu, "profile": t["gpu"], "profile_kind": t["profile_kind"],
+                                     "optimizer": optimizer}
+        gpu_s = {p: v["gpu_s"] for p, v in t["phases"].items()}  # the kernels' time, the GPU's idle time left out
         out["time"]["gpu_busy_s"] = dict(forward_backward=gpu_s["forward"] + gpu_s["backward"],
                                          step=sum(gpu_s.values()))
         from anatomy.calculator.timing import lookup as gpus
 
-        cap = gpus.get(a.gpu)["memory_GB"] * 1e9  # does the predicted peak fit the GPU's memory?
-        need = max(ph["forward_peak"] or 0, ph["backward_peak"])
-        out["memory"]["fits"] = dict(gpu=a.gpu, need_bytes=need, capacity_bytes=int(cap), fits=need <= cap)
+        cap = gpus.get(gpu)["memory_GB"] * 1e9  # does the predicted peak fit the GPU's memory?
+        need = out["memory"]["need_bytes"]
+        out["memory"]["fits"] = dict(gpu=gpu, need_bytes=need, capacity_bytes=int(cap), fits=need <= cap)
     return out
+
+
+def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
+    return estimate_all(cfg, run, a.variant, device=a.device or "cuda", optimizer=a.optimizer, gpu=a.gpu,
+                        world_size=a.world_size, strategy=a.strategy)
 
 
 GiB = 2**30
@@ -195,21 +211,26 @@ def _print(cmd: str, out: dict) -> None:
         return
     t = Table(title=f"{out['config']['name']} · {out['variant']} · B={out['run']['batch']} S={out['run']['seq']} "
                     f"{out['run']['dtype']}{_recompute(out)}")
-    for c in ("component", "params", "fwd GFLOP (counter)", "bwd GFLOP (counter)", "fwd GFLOP (model)", "saved MiB"):
-        t.add_column(c, justify="left" if c == "component" else "right")
+    for c in ("component", "params (M)", "fwd TFLOP (counter)", "bwd TFLOP (counter)", "fwd TFLOP (model)",
+              "saved GiB"):
+        t.add_column(c, justify="left" if c == "component" else "right", overflow="fold")  # fold, never cut a figure
+    row = lambda params, fc, bc, fm, sv: (f"{params / 1e6:,.2f}", f"{fc / 1e12:,.3f}", f"{bc / 1e12:,.3f}",  # noqa: E731
+                                         f"{fm / 1e12:,.3f}", f"{sv / 2**30:,.3f}")
     for name, c in out["components"].items():
-        t.add_row(name, f"{c['params']:,}", f"{c['flops']['counter']['forward'] / 1e9:,.2f}",
-                  f"{c['flops']['counter']['backward'] / 1e9:,.2f}", f"{c['flops']['model']['forward'] / 1e9:,.2f}",
-                  f"{c['saved_bytes'] / 2**20:,.2f}")
+        t.add_row(name, *row(c["params"], c["flops"]["counter"]["forward"], c["flops"]["counter"]["backward"],
+                             c["flops"]["model"]["forward"], c["saved_bytes"]))
     f, s = out["flops"], out["memory"]["saved"]
-    t.add_row("total", f"{out['params']:,}", f"{f['counter']['forward'] / 1e9:,.2f}",
-              f"{f['counter']['backward'] / 1e9:,.2f}", f"{f['model']['forward'] / 1e9:,.2f}",
-              f"{s['total'] / 2**20:,.2f}", style="bold")
+    t.add_row("total", *row(out["params"], f["counter"]["forward"], f["counter"]["backward"], f["model"]["forward"],
+                            s["total"]), style="bold")
     con.print(t)
+    con.print(f"{out['params']:,} parameters; TFLOP = 10^12 FLOP; GiB = 2^30 B")
+    if out["variant"] == "baseline":
+        con.print("(the unfused baseline; --variant efficient estimates the fused model, which saves far less)")
     if "phases" in out["memory"]:
         ph = out["memory"]["phases"]
         gib = lambda b: f"{b / 2**30:,.2f} GiB" if b is not None else "not modelled"  # noqa: E731
-        con.print(f"memory with AdamW ({'CUDA, 512 B blocks' if out['device'] == 'cuda' else out['device']}): "
+        opt = {"adamw": "AdamW", "ademamix": "AdEMAMix"}[ph["optimizer"]]
+        con.print(f"memory with {opt} ({'CUDA, 512 B blocks' if out['device'] == 'cuda' else out['device']}): "
                   f"init {gib(ph['init'])} · forward end {gib(ph['forward_end'])} · forward peak "
                   f"{gib(ph['forward_peak'])} · backward peak {gib(ph['backward_peak'])} (at {ph['backward_peak_at']})"
                   f" · after backward {gib(ph['backward_end'])} · after the step {gib(ph['optimizer_end'])}")
@@ -229,7 +250,7 @@ def _print(cmd: str, out: dict) -> None:
         con.print(f"predicted training step on {tm['gpu']}: {tm['steady']['step_s'] * 1e3:,.1f} ms, steps back to back "
                   f"(forward+backward {tm['steady']['forward_backward_s'] * 1e3:,.1f} ms); one step on an idle GPU "
                   f"{tm['step_s'] * 1e3:,.1f} ms (forward+backward {tm['forward_backward_s'] * 1e3:,.1f} ms, optimizer "
-                  f"{tm['optimizer_s'] * 1e3:,.2f} ms)")
+                  f"{tm['optimizer_s'] * 1e3:,.2f} ms: {LABELS[out['optimizer']['implementation']]})")
         busy = tm["gpu_busy_s"]["step"]
         con.print(f"the GPU's kernel time in that step: {busy * 1e3:,.1f} ms ({busy / tm['steady']['step_s']:.0%}; the "
                   "rest is the GPU waiting on the host)")
@@ -237,6 +258,7 @@ def _print(cmd: str, out: dict) -> None:
             con.print("host-bound: the CPU issuing the kernels, not the GPU, sets this step's pace; on the H200 "
                       "machines measured, a host-bound step's time moved by 10-20% between processes and within "
                       "one (docs/timing.md), while its kernel time held to ±10%")
+        from anatomy.calculator.optimizer import LABELS
         from anatomy.calculator.timing import lookup as gpus
 
         measured = f"{gpus.profile_stem(tm['profile'])}-measured"
@@ -307,8 +329,8 @@ def version() -> str:
 
 # each command: the help line `anatomy -h` lists, and the description `anatomy CMD -h` opens with
 HELP = {
-    "estimate": ("predict parameters, FLOPs, saved tensors and memory from the architecture alone (no model "
-                 "is built); with --gpu, the step time too"),
+    "estimate": ("predict parameters, FLOPs, saved tensors and memory (with the optimizer's state) from the "
+                 "architecture alone (no model is built); with --gpu, the step time and whether it fits"),
     "measure": "build the model on this machine and measure its parameters, FLOPs and saved tensors",
     "compare": "estimate and measure side by side, with the relative error of each figure",
     "report": "regenerate the README's generated tables from the claims JSON (see: anatomy report -h)",
@@ -319,36 +341,43 @@ HELP = {
 }
 
 
+# the commands whose flags live beside their code: name -> "module:function", called with the argv after
+# the name. A new command is one line here and one in HELP.
+DELEGATED = {
+    "report": "anatomy.cli:cmd_report",
+    "train": "anatomy.train.cli:main",
+    "sweep": "anatomy.sweep:main",
+    "forensics": "anatomy.measure.forensics_cli:main",
+    "calibrate": "anatomy.measure.calibrate:main",
+}
+
+
 def _delegate(cmd: str, argv: list[str]) -> int:
-    """The commands whose flags live beside their code."""
-    if cmd == "report":
-        return cmd_report(argv)
-    if cmd == "train":
-        from anatomy.train.cli import main as run
-    elif cmd == "sweep":
-        from anatomy.sweep import main as run
-    elif cmd == "forensics":
-        from anatomy.measure.forensics_cli import main as run
-    else:
-        from anatomy.measure.calibrate import main as run
-    return run(argv)
+    from importlib import import_module
+
+    module, func = DELEGATED[cmd].split(":")
+    return getattr(import_module(module), func)(argv)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] and argv[0] in ("report", "train", "sweep", "forensics", "calibrate"):
+    if argv[:1] and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
     p = Parser(prog="anatomy", description="Where every byte and FLOP of a transformer training step goes: "
                                            "predict it, measure it, compare the two.")
     p.add_argument("--version", action="version", version=f"anatomy {version()}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser, metavar="COMMAND")
-    for name in COMMANDS:
+    for name in HELP:  # in HELP's order
+        if name in DELEGATED:
+            sub.add_parser(name, help=HELP[name], add_help=False)
+            continue
         sp = sub.add_parser(name, help=HELP[name], description=HELP[name])
         add_config_flags(sp)
         sp.add_argument("--device", choices=("cpu", "cuda"),
                         help="the device predicted for or measured on (default: cuda if present, else cpu)"
                         if name != "estimate" else "the device predicted for (default: cuda)")
         if name == "estimate":
+            add_optimizer_flag(sp)
             sp.add_argument("--world-size", type=int, default=1, metavar="N",
                             help="data-parallel ranks (per-rank memory, communication)")
             sp.add_argument("--strategy", choices=("ddp", "fsdp"),
@@ -357,8 +386,6 @@ def main(argv=None) -> int:
             sp.add_argument("--gpu", type=nonempty, metavar="NAME|PATH",
                             help="predict the step time on this GPU: a name (H200, H100, A100-80GB, RTX4090, "
                                  "h200-measured, ...) or a profile JSON written by `anatomy calibrate`")
-    for name in ("report", "train", "sweep", "forensics", "calibrate"):
-        sub.add_parser(name, help=HELP[name], add_help=False)
     a = p.parse_args(argv)
     try:
         cfg = config_from_args(a)

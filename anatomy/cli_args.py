@@ -42,19 +42,40 @@ def nonempty(text: str) -> str:
     return text
 
 
+# the model's fields as flags: (flag, help); `anatomy sweep` takes the same ones
+FIELDS = (("hidden", "model width"), ("layers", "transformer blocks"), ("heads", "attention heads"),
+          ("kv-heads", "key/value heads (grouped-query attention; default: --heads)"),
+          ("intermediate", "MLP width"), ("vocab", "vocabulary size"))
+HF_CONFIG_HELP = "a Hugging Face Llama or Mistral config.json, or the folder holding it"
+OPTIMIZER_HELP = ("the optimizer the step runs, for its state's memory and its time: adamw (torch's AdamW, fused on "
+                  "CUDA) or ademamix (anatomy.optim: the baseline's per-parameter loop, the efficient variant's "
+                  "compiled step)")
+
+
+def add_optimizer_flag(p: argparse.ArgumentParser) -> None:
+    """--optimizer adamw|ademamix, default adamw: one optimizer for memory and time
+    (anatomy/calculator/optimizer.py: CHOICES, DEFAULT)."""
+    from anatomy.calculator.optimizer import CHOICES, DEFAULT
+
+    p.add_argument("--optimizer", choices=CHOICES, default=DEFAULT, help=OPTIMIZER_HELP)
+
+
+def add_model_fields(g, *, widths: bool = True) -> None:
+    """--heads, --kv-heads, --intermediate, --vocab (and --hidden, --layers with widths), --tie-embeddings, --mlp."""
+    for f, what in FIELDS:
+        if widths or f not in ("hidden", "layers"):
+            g.add_argument(f"--{f}", type=int, metavar="N", help=what)
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the embedding and output matrices")
+    g.add_argument("--mlp", choices=("swiglu", "gpt-oss"), help="MLP activation (default: swiglu)")
+
+
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (a preset, an HF config.json, or explicit fields; fields override)")
     g.add_argument("--preset", type=nonempty, help=f"a named model: {', '.join(PRESETS)} (default: {DEFAULT_PRESET}, "
                                                    "unless fields or --hf-config are given)")
-    g.add_argument("--hf-config", metavar="PATH", type=nonempty,
-                   help="a Hugging Face Llama or Mistral config.json, or the folder holding it")
-    for f, what in (("hidden", "model width"), ("layers", "transformer blocks"), ("heads", "attention heads"),
-                    ("kv-heads", "key/value heads (grouped-query attention; default: --heads)"),
-                    ("intermediate", "MLP width"), ("vocab", "vocabulary size")):
-        g.add_argument(f"--{f}", type=int, metavar="N", help=what)
-    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
-                   help="share the embedding and output matrices")
-    g.add_argument("--mlp", choices=("swiglu", "gpt-oss"), help="MLP activation (default: swiglu)")
+    g.add_argument("--hf-config", metavar="PATH", type=nonempty, help=HF_CONFIG_HELP)
+    add_model_fields(g)
     r = p.add_argument_group("run")
     r.add_argument("--batch", type=int, default=16, metavar="N", help="sequences per step")
     r.add_argument("--seq", type=int, default=4096, metavar="N", help="tokens per sequence")

@@ -102,13 +102,18 @@ def grid(presets, hiddens, layers, batches, seqs, dtypes, variants) -> list[tupl
 
 
 # ---- memory: does a point fit? -------------------------------------------------------------------
-def need_bytes(cfg: ModelConfig, run: Run, variant: str, device: str) -> int:
-    """What measuring the point needs at its peak, by the calculator (anatomy.calculator.memory.phases):
-    the larger of the forward peak (where modelled) and the peak inside backward."""
+def peak_bytes(ph: dict) -> int:
+    """The step's peak from anatomy.calculator.memory.phases: the larger of the forward peak (where
+    modelled) and the peak inside backward. `anatomy estimate` reports the same figure (memory.need_bytes)."""
+    return max(ph["forward_peak"] or 0, ph["backward_peak"])
+
+
+def need_bytes(cfg: ModelConfig, run: Run, variant: str, device: str, optimizer: str = "adamw") -> int:
+    """What a training step of the point needs at its peak, by the calculator, the optimizer's state
+    included: anatomy estimate's memory.need_bytes."""
     from anatomy.calculator.memory import phases
 
-    ph = phases(cfg, run, variant, device=device)
-    return max(ph["forward_peak"] or 0, ph["backward_peak"])
+    return peak_bytes(phases(cfg, run, variant, optimizer=optimizer, device=device))
 
 
 def available_bytes(device: str) -> int:

@@ -4,7 +4,7 @@ then the optimizer; and one fused op on its own, as bench/kernels.py times it.
 from __future__ import annotations
 
 from anatomy.calculator.dtypes import dtypes
-from anatomy.calculator.optimizer import step_bytes_moved
+from anatomy.calculator.optimizer import implementation, of_implementation, step_bytes_moved
 from anatomy.calculator.timing.kernels_baseline import baseline_kernels
 from anatomy.calculator.timing.kernels_efficient import efficient_kernels, liger_loss
 from anatomy.calculator.timing.op_bytes import dw_sum_bytes
@@ -28,24 +28,43 @@ def param_sizes(cfg: ModelConfig, variant: str) -> dict[int, int]:
     return out
 
 
+# AdEMAMix's eager step (anatomy/optim): (fp32 passes over the tensor, ops) for fp32 parameters. The loop
+# (baseline.py): m1 mul_, add_ (2+3); m2 mul_, add_ (2+3); nu mul_, addcmul_ reading g twice (2+4); denom
+# sqrt, div, add_ (3 x 2); update m1 / bc1, alpha * m2, add, / denom (2+2+3+3); + wd p (3); p -= lr update (3):
+# 38 passes in 15 ops. foreach (efficient.py, eager): the same with 1 - beta3 and alpha * m2 and wd * p as
+# products of their own (mul then add: one pass more each) and lr applied as a separate mul_: 44 in 18.
+# bf16 parameters add 3 casts (g and p to fp32, p back): 18 B per element.
+_EAGER = {"ademamix-loop": (38, 15), "ademamix-foreach": (44, 18)}
+
+
 def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str = "ademamix") -> list[Kernel]:
-    """One optimizer step, per group of same-size parameter tensors. efficient: AdEMAMix compiled (or
-    a fused torch optimizer) makes one read-modify-write pass per tensor, the minimum of
-    calculator/optimizer.py, at the rate calibrate measured for it where it did (fused_efficiency:
-    torch's fused AdamW). baseline: the AdEMAMix loop, 15 kernels per tensor that move 38 fp32
-    passes per element between them (bf16 params: 3 casts and 18 B more)."""
+    """One optimizer step, per group of same-size parameter tensors, for the implementation the step runs
+    (calculator/optimizer.py: implementation(optimizer, variant), what `anatomy train` builds on CUDA;
+    an implementation name picks one directly). Each is timed from the bytes it moves:
+      adamw, ademamix-compiled  one read-modify-write pass per tensor, the minimum of
+                  calculator/optimizer.step_bytes_moved, at the rate calibrate measured for the op where it
+                  did (registry: optimizer.adamw is torch's fused AdamW), else the copy bandwidth;
+      ademamix-loop     15 eager ops per tensor (_EAGER), each launched once per tensor;
+      ademamix-foreach  18 foreach ops, each one launch over the tensors of a size (torch's multi-tensor
+                  kernels), the same traffic as the loop's ops at the copy bandwidth."""
+    impl = implementation(optimizer, variant)
+    opt = of_implementation(impl)
     pb = BYTES[dtypes(run).param]
+    name = "adamw_fused" if impl == "adamw" else impl.replace("-", "_")
     out = []
     for numel, n in sorted(param_sizes(cfg, variant).items()):
-        if variant == "baseline" and optimizer == "ademamix":
-            launches = 15 + (3 if pb != 4 else 0)
-            per = numel * (38 * 4 + (18 if pb != 4 else 0)) // launches
-            out.append(Kernel(f"optimizer.ademamix_loop[{numel}]", "optimizer", "optimizer", "memory", n * launches, 0,
-                              per))
+        if impl in _EAGER:
+            passes, ops = _EAGER[impl]
+            launches = ops + (3 if pb != 4 else 0)
+            total = numel * (passes * 4 + (18 if pb != 4 else 0))  # every op of the step over one tensor
+            per_tensor = impl == "ademamix-loop"
+            out.append(Kernel(f"optimizer.{name}[{numel}]", "optimizer", "optimizer", "memory",
+                              n * launches if per_tensor else launches, 0,
+                              total // launches if per_tensor else total * n // launches))
         else:
-            nbytes = step_bytes_moved(numel, optimizer, param_bytes=pb, grad_bytes=pb)
-            out.append(Kernel(f"optimizer.{optimizer}_fused[{numel}]", "optimizer", "optimizer", "memory", n, 0,
-                              nbytes, fused=(f"optimizer.{optimizer}", numel)))
+            nbytes = step_bytes_moved(numel, opt, param_bytes=pb, grad_bytes=pb)
+            out.append(Kernel(f"optimizer.{name}[{numel}]", "optimizer", "optimizer", "memory", n, 0,
+                              nbytes, fused=(f"optimizer.{opt}", numel)))
     return out
 
 
