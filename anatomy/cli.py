@@ -246,6 +246,8 @@ def _print(cmd: str, out: dict) -> None:
         con.print(f"{verdict} on {f['gpu']}: needs {gib(f['need_bytes'])} of {gib(f['capacity_bytes'])}",
                   style=None if f["fits"] else "bold red")
     if "time" in out:
+        from anatomy.calculator.optimizer import LABELS
+
         tm = out["time"]
         con.print(f"predicted training step on {tm['gpu']}: {tm['steady']['step_s'] * 1e3:,.1f} ms, steps back to back "
                   f"(forward+backward {tm['steady']['forward_backward_s'] * 1e3:,.1f} ms); one step on an idle GPU "
@@ -258,7 +260,6 @@ def _print(cmd: str, out: dict) -> None:
             con.print("host-bound: the CPU issuing the kernels, not the GPU, sets this step's pace; on the H200 "
                       "machines measured, a host-bound step's time moved by 10-20% between processes and within "
                       "one (docs/timing.md), while its kernel time held to ±10%")
-        from anatomy.calculator.optimizer import LABELS
         from anatomy.calculator.timing import lookup as gpus
 
         measured = f"{gpus.profile_stem(tm['profile'])}-measured"

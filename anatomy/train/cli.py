@@ -52,7 +52,10 @@ def parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=d.steps)
     t.add_argument("--lr", type=float, default=d.lr)
-    t.add_argument("--optimizer", default=d.optimizer, help=" | ".join(OPTIMIZERS))
+    t.add_argument("--optimizer", default=d.optimizer,
+                   help=f"{' | '.join(OPTIMIZERS)}: torch's AdamW (fused on CUDA), or AdEMAMix (anatomy.optim: a "
+                        f"per-parameter loop for the baseline, a compiled foreach step for the efficient variant); "
+                        f"default {d.optimizer}")
     t.add_argument("--schedule", default=d.schedule, help=f"{' | '.join(SCHEDULES)} (cosine decays to 0.1 × lr)")
     t.add_argument("--warmup", type=int, default=d.warmup, help="linear lr warm-up steps")
     t.add_argument("--weight-decay", type=float, default=d.weight_decay)
