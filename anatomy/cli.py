@@ -50,7 +50,8 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
         if not 1 <= world_size <= MAX_WORLD:
             raise ConfigError(f"--world-size must be between 1 and {MAX_WORLD:,}, got {world_size:.3g}")
         out["distributed"] = estimate_distributed(cfg, run, world_size,
-                                                  strategy or ("fsdp" if variant == "efficient" else "ddp"))
+                                                  strategy or ("fsdp" if variant == "efficient" else "ddp"),
+                                                  optimizer=optimizer)
     if gpu is not None:
         from anatomy.calculator.timing import estimate_time
 
@@ -222,6 +223,8 @@ def _print(cmd: str, out: dict) -> None:
     f, s = out["flops"], out["memory"]["saved"]
     t.add_row("total", *row(out["params"], f["counter"]["forward"], f["counter"]["backward"], f["model"]["forward"],
                             s["total"]), style="bold")
+    if not con.is_terminal:  # a file or a pipe: as wide as the table, never a wrapped figure
+        con.width = max(con.width, con.measure(t, options=con.options.update_width(1000)).maximum)
     con.print(t)
     con.print(f"{out['params']:,} parameters; TFLOP = 10^12 FLOP; GiB = 2^30 B")
     if out["variant"] == "baseline":
