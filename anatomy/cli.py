@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 
 from anatomy.cli_args import (DEFAULT_PRESET, Parser, add_config_flags, add_optimizer_flag,  # noqa: F401
@@ -79,13 +78,24 @@ def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
 GiB = 2**30
 
 
-def _usable_bytes(device: str) -> float:
-    """Memory a measurement may take: 80% of what CUDA reports free, or a quarter of this machine's RAM."""
-    if device == "cuda":
-        import torch
+USABLE = 0.8  # of the memory available, what a measurement may take: the rest is the interpreter's and torch's own
 
-        return 0.8 * torch.cuda.mem_get_info()[0]
-    return 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+def usable_bytes(device: str) -> tuple[int, str]:
+    """(bytes a measurement may use on `device`, the figure said in a refusal): USABLE of what CUDA reports
+    free, or of the RAM this machine has available (MemAvailable)."""
+    from anatomy.sweep import available_bytes
+
+    avail = available_bytes(device)
+    what = "free on this GPU" if device == "cuda" else "of RAM available on this machine"
+    return int(USABLE * avail), f"{avail / GiB:,.1f} GiB ({avail:,} B) {what}, {USABLE:.0%} of it usable"
+
+
+def refuse_unless_fits(what: str, need: int, device: str, how: str = "") -> None:
+    """One line (ConfigError) when `need` bytes by prediction are more than `device` can give."""
+    cap, avail = usable_bytes(device)
+    if need > cap:
+        raise ConfigError(f"{what} needs {need / GiB:,.1f} GiB ({need:,} B) by prediction{how}; {avail}")
 
 
 def _need_bytes(cfg, run, variant, device) -> int:
@@ -99,11 +109,11 @@ def _need_bytes(cfg, run, variant, device) -> int:
 
 def _measurable_run(cfg, run, variant, device) -> Run:
     """The run itself, or a smaller one (batch 1, then halved sequences) whose predicted size fits this
-    device; a model that fits at no size is refused before anything is allocated."""
-    cap = _usable_bytes(device)
-    if 16 * cfg.rough_params > cap:  # the weights alone: no need to walk the layers
-        raise ConfigError(f"measuring {cfg.name} needs at least {16 * cfg.rough_params / GiB:,.1f} GiB by prediction "
-                          f"(16 B a parameter); {cap / GiB:,.1f} GiB of this {device} device is usable")
+    device; a model that fits at no size is refused, in one line with the predicted bytes and the memory
+    available, before anything is allocated."""
+    what = f"measuring {cfg.name}"
+    refuse_unless_fits(what, 16 * cfg.rough_params, device, " for its weights alone (16 B a parameter)")
+    cap, _ = usable_bytes(device)
     r = run
     while (need := _need_bytes(cfg, r, variant, device)) > cap:
         if r.batch > 1:
@@ -111,8 +121,7 @@ def _measurable_run(cfg, run, variant, device) -> Run:
         elif r.seq > 16:
             r = Run(batch=1, seq=r.seq // 2, dtype=r.dtype, recompute=r.recompute)
         else:
-            raise ConfigError(f"measuring {cfg.name} needs {need / GiB:,.1f} GiB by prediction even at batch 1, seq "
-                              f"{r.seq}; {cap / GiB:,.1f} GiB of this {device} device is usable")
+            refuse_unless_fits(what, need, device, f" even at its smallest run, batch 1 and seq {r.seq}")
     return r
 
 
