@@ -17,6 +17,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import anatomy.optim.efficient as efficient
 from anatomy.calculator.optimizer import state_bytes, step_bytes_moved
@@ -245,14 +247,15 @@ def _state_storage_bytes(opt: torch.optim.Optimizer) -> int:
 
 @pytest.mark.parametrize("impl,dtype", [
     ("baseline", torch.float32), ("baseline", torch.bfloat16), ("foreach", torch.float32),
-    ("foreach", torch.bfloat16), ("adamw", torch.float32), ("sgd", torch.float32)],
-    ids=["baseline-fp32", "baseline-bf16", "foreach-fp32", "foreach-bf16", "adamw-fp32", "sgd-fp32"])
+    ("foreach", torch.bfloat16), ("adamw", torch.float32), ("adamw", torch.bfloat16), ("sgd", torch.float32)],
+    ids=["baseline-fp32", "baseline-bf16", "foreach-fp32", "foreach-bf16", "adamw-fp32", "adamw-bf16", "sgd-fp32"])
 def test_state_bytes_claim(claims, impl, dtype):
     model = _mlp(1).to(dtype)
     params = list(model.parameters())
     n_params, n_tensors = sum(p.numel() for p in params), len(params)
-    if impl == "adamw":  # torch's own: fp32 moments for fp32 params, plus a 0-dim fp32 step per tensor
-        opt, predicted = torch.optim.AdamW(params), state_bytes(n_params, "adamw", n_tensors=n_tensors)
+    if impl == "adamw":  # torch's own: moments in the param dtype, plus a 0-dim fp32 step per tensor
+        opt = torch.optim.AdamW(params)
+        predicted = state_bytes(n_params, "adamw", n_tensors=n_tensors, param_bytes=dtype.itemsize)
     elif impl == "sgd":
         opt, predicted = torch.optim.SGD(params, lr=0.1), state_bytes(n_params, "sgd")
     else:  # fp32 state for bf16 params too; the step is a host int
@@ -368,3 +371,62 @@ def test_step_bandwidth(cuda_device, benchmark, impl):
         impl=impl, n_params=n_params, bytes_moved=moved, median_s=seconds, hbm_GBps=moved / seconds / 1e9,
         copy_GBps=copy_bw / 1e9, fraction_of_copy=moved / seconds / copy_bw, gpu=torch.cuda.get_device_name(0))
     assert opt.state[params[0]] and moved / seconds > 0
+
+
+# ---- 5. the optimizer step's kernels: what the timing model counts, op by op -------------------
+class _OpBytes(TorchDispatchMode):
+    """The ops that touch a tensor of at least `big` elements, and the bytes each reads and writes: its
+    tensor arguments, and what it writes (an in-place op's first argument, else its outputs; copy_
+    writes its destination without reading it). Small tensors (the per-step scalars) are left out."""
+
+    def __init__(self, big: int):
+        super().__init__()
+        self.big, self.ops, self.bytes = big, 0, 0
+
+    def _big(self, xs):
+        return [t for t in tree_flatten(xs)[0] if isinstance(t, torch.Tensor) and t.numel() >= self.big]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        read = self._big((args[1:], kwargs) if name in ("copy_", "_foreach_copy_") else (args, kwargs))
+        if read:
+            self.ops += 1
+            self.bytes += sum(t.nbytes for t in read + self._big(args[0] if name.endswith("_") else out))
+        return out
+
+
+@pytest.mark.parametrize("impl", ["ademamix-loop", "ademamix-foreach"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", ["baseline", "efficient"])
+def test_eager_step_ops_and_bytes_match_the_timing_model(impl, dtype, variant, claims):
+    """A step after the first of AdEMAMix's loop (AdEMAMix) and its foreach form (FusedAdEMAMix, eager)
+    over a model's parameters: the ops the timing model launches (calculator/timing/kernels.py:
+    optimizer_kernels; a foreach op counted once, its CUDA launches per list aside) and the bytes it
+    moves (optimizer_step_bytes), exactly."""
+    import importlib
+
+    from anatomy.config import ModelConfig, Run
+    from anatomy.models import build_model
+
+    tk = importlib.import_module("anatomy.calculator.timing.kernels")  # the module, not timing's kernels()
+    cfg = ModelConfig(name="opt", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96, vocab=128)
+    run = Run(2, 16, "bf16" if dtype == torch.bfloat16 else "fp32")
+    params = list(build_model(cfg, variant, dtype=dtype).parameters())
+    opt = AdEMAMix(params, weight_decay=0.1) if impl == "ademamix-loop" else FusedAdEMAMix(params, weight_decay=0.1,
+                                                                                           compile=False)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # the first step makes the state
+    sizes = tk.param_sizes(cfg, variant)
+    with _OpBytes(min(sizes)) as seen:
+        opt.step()
+    ks = tk.optimizer_kernels(cfg, run, variant, impl)
+    if impl == "ademamix-foreach":  # the list's foreach ops, each once on CPU; then bf16's per-tensor casts
+        assert seen.ops == ks[0].count // tk.foreach_launches(sizes) + sum(k.count for k in ks[1:])
+    else:
+        assert seen.ops == sum(k.count for k in ks)
+    pb = dtype.itemsize
+    claims.check("optimizer step bytes", component="optimizer", config="opt", variant=f"{impl}-{variant}-{pb}B",
+                 predicted=sum(n * tk.optimizer_step_bytes(impl, numel, pb) for numel, n in sizes.items()),
+                 measured=seen.bytes, tolerance=0.0, unit="B")

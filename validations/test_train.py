@@ -267,7 +267,7 @@ def test_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(args, env, b
 
     o = TrainOptions(steps=10)
     model = init_model(TINY, "baseline", "cpu", torch.float32, seed=1)
-    tr = ckpt.load(latest(ck), model, make_optimizer("ademamix", "baseline", model, o, torch.device("cpu")))
+    tr = ckpt.load(latest(ck), model, make_optimizer(o.optimizer, "baseline", model, o, torch.device("cpu")))
     assert tr["step"] == last_good and all(torch.isfinite(p).all() for p in model.parameters())
 
 

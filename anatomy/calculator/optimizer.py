@@ -85,13 +85,13 @@ def state_bytes_per_param(optimizer: str = "ademamix", param_bytes: int = FP32) 
     return sum(state_breakdown(optimizer, param_bytes).values())
 
 
-def state_bytes(n_params: int, optimizer: str = "ademamix", *, n_tensors: int = 0) -> int:
-    """Bytes of optimizer state for n_params parameter elements held in n_tensors tensors.
+def state_bytes(n_params: int, optimizer: str = "ademamix", *, n_tensors: int = 0, param_bytes: int = FP32) -> int:
+    """Bytes of optimizer state for n_params parameter elements of param_bytes held in n_tensors tensors.
 
-    ademamix: 12 * n_params.   adamw: 8 * n_params + 4 * n_tensors.   sgd: 0.
+    ademamix: 12 * n_params (fp32 or wider).   adamw: 2 * param_bytes * n_params + 4 * n_tensors.   sgd: 0.
     """
     name = _check(optimizer)
-    return state_bytes_per_param(name) * n_params + _PER_TENSOR[name] * n_tensors
+    return state_bytes_per_param(name, param_bytes) * n_params + _PER_TENSOR[name] * n_tensors
 
 
 def step_bytes_moved(n_params: int, optimizer: str = "ademamix", *, param_bytes: int = 4,
