@@ -44,7 +44,8 @@ def data(cache):
 
 
 def _curve(data, tmp: Path, variant: str, policy: str, param_dtype=None, steps=STEPS) -> torch.Tensor:
-    o = TrainOptions(steps=steps, eval_every=0, progress="none", plot=False, out=str(tmp), param_dtype=param_dtype)
+    o = TrainOptions(steps=steps, eval_every=0, progress="none", plot=False, out=str(tmp), param_dtype=param_dtype,
+                     optimizer="ademamix")  # the variants' AdEMAMix pair: the loop against the foreach step
     return torch.tensor(train(TINY, Run(4, 64, policy), variant, data, o)["history"]["loss"], dtype=torch.float64)
 
 
@@ -293,8 +294,10 @@ BAD = {  # id: (arguments, what the one line must say)
     "steps-0": (["--steps", "0"], "--steps must be a positive integer"),
     "lr-nan": (["--lr", "nan"], "--lr must be a positive number"),
     "lr-overflow": (["--lr", "1e39"], "overflows the parameters' dtype"),
-    "lr-first-update-overflows": (["--lr", "3e38", "--weight-decay", "10", "--dtype", "fp32"],
-                                  "makes the first update non-finite"),
+    "lr-first-update-overflows": (["--lr", "3e38", "--weight-decay", "10", "--dtype", "fp32", "--optimizer",
+                                   "ademamix"], "makes the first update non-finite"),
+    "lr-adamw-update-overflows": (["--lr", "3e38", "--weight-decay", "10", "--dtype", "fp32"],
+                                  "overflows the optimizer's update at step 1"),
     "optimizer": (["--optimizer", "sgd"], "--optimizer must be one of"),
     "variant": (["--variant", "turbo"], "unknown variant"),
     "recompute-baseline": (["--recompute", "mlp"], "option of the efficient variant"),
@@ -384,3 +387,41 @@ def test_torchrun_two_ranks_follow_the_one_process_curve(variant, strategy, cach
     assert len(warnings) == 1 and "step-00000030" in warnings[0] and "shard-00001-of-00002" in warnings[0], r.stderr
     assert json.loads((again / "train_log.json").read_text())["start_step"] == 20
     assert _losses(again) == _losses(out)
+
+
+# ---- 6. the optimizer: the default, what each variant runs, and the checkpoint's record --------------
+@pytest.mark.parametrize("variant", ["baseline", "efficient"])
+@pytest.mark.parametrize("name", ["adamw", "ademamix"])
+def test_each_variant_runs_the_optimizer_the_calculator_times(name, variant):
+    """make_optimizer on CUDA builds what anatomy/calculator/optimizer.py: implementation() names (and the
+    timing model times): torch's fused AdamW for either variant; AdEMAMix's loop for the baseline and its
+    compiled foreach step for the efficient variant. adamw is the default."""
+    from anatomy.calculator.optimizer import implementation
+    from anatomy.optim import AdEMAMix, FusedAdEMAMix
+    from anatomy.optim.efficient import compiled_ademamix_foreach_
+    from anatomy.train.loop import make_optimizer
+
+    assert TrainOptions().optimizer == "adamw" and cli.parser().parse_args([]).optimizer == "adamw"
+    model = torch.nn.Linear(4, 4)
+    opt = make_optimizer(name, variant, model, TrainOptions(), torch.device("cuda"))  # built, never stepped
+    impl = implementation(name, variant)
+    if impl == "adamw":
+        assert type(opt) is torch.optim.AdamW and opt.defaults["fused"] is True
+    elif impl == "ademamix-loop":
+        assert type(opt) is AdEMAMix
+    else:
+        assert impl == "ademamix-compiled" and type(opt) is FusedAdEMAMix
+        assert opt._kernel(torch.device("cuda")) is compiled_ademamix_foreach_()
+
+
+def test_resume_with_another_optimizer_is_one_line(cache, tmp_path, capsys):
+    """The checkpoint records its optimizer: resuming it under another is refused in one line, exit 2."""
+    ck = tmp_path / "ck"
+    common = [*SHAPE, "--dtype", "fp32", "--steps", "2", "--eval-every", "0", "--cache-dir", str(cache),
+              "--ckpt-dir", str(ck), "--progress", "none"]
+    assert cli.main(common) == 0
+    assert json.loads((ck / "train_log.json").read_text())["optimizer"] == "adamw"
+    capsys.readouterr()
+    assert cli.main([*common, "--steps", "3", "--optimizer", "ademamix", "--resume"]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "optimizer" in err and "Traceback" not in err, err
