@@ -35,6 +35,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from anatomy.cli_args import HF_CONFIG_HELP, Parser, add_model_fields, add_optimizer_flag, config_from_args, nonempty
@@ -140,8 +141,10 @@ def models(a: argparse.Namespace, seqs: list[int]) -> tuple[list, list, list, tu
             out.append(config_from_args(n))
         return out, hiddens, layers, ()
     out = []
-    for h, n_layers in itertools.product(hiddens or [None], layers or [None]):
-        out.append(config_from_args(ns(hidden=h, layers=n_layers)))
+    combos = list(itertools.product(hiddens or [None], layers or [None]))
+    for h, n_layers in combos:
+        cfg = config_from_args(ns(hidden=h, layers=n_layers))
+        out.append(cfg if len(combos) == 1 else replace(cfg, name=f"{cfg.name}-h{cfg.hidden}-l{cfg.layers}"))
     return out, [], [], ()
 
 
