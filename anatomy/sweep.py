@@ -44,7 +44,7 @@ COMPONENTS = ("embedding", "attention", "norm", "mlp", "loss")
 GiB = 2**30
 MAX_POINTS = 10_000  # grid points in one sweep: an estimate each takes milliseconds to a second
 MAX_MEM_LIMIT_GIB = 2**20  # a pebibyte: more memory than any one machine has
-MAX_WORLD = 2**20  # data-parallel ranks: more GPUs than any cluster has (anatomy.cli's bound)
+MAX_WORLD = 2**20  # data-parallel ranks: more GPUs than any cluster has (anatomy.cli_estimate's bound)
 
 
 # ---- memory: does a point fit? -------------------------------------------------------------------
@@ -92,7 +92,7 @@ def _row(claim, component, cfg, run, variant, predicted, measured, unit, device,
 def point_rows(cfg: ModelConfig, run: Run, variant: str, device: str, meas: dict | None, status: str,
                note: str = "", need: int | None = None, est: dict | None = None) -> list[dict]:
     """Claim rows for one point: every prediction, with its measurement where `meas` has one. est: the
-    point's `anatomy estimate` output (anatomy.cli.estimate_all), whose time, fit and per-rank memory
+    point's `anatomy estimate` output (anatomy.cli_estimate.estimate_all), whose time, fit and per-rank memory
     become rows too where it has them."""
     if est is None:
         from anatomy.calculator import estimate

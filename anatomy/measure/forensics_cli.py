@@ -22,6 +22,8 @@ def _print(report: dict) -> None:
     from rich.table import Table
 
     con = Console()
+    if not con.is_terminal:  # a file or a pipe: wide enough for every table, never a cut path or figure
+        con.width = max(con.width, 160)
     t = Table(title=f"{report['title']}: memory at the phase boundaries of the last step (MiB = 2^20 B)")
     for c in ("phase", "allocated", "peak in phase", "reserved"):
         t.add_column(c, justify="left" if c == "phase" else "right")
@@ -39,7 +41,7 @@ def _print(report: dict) -> None:
     con.print(t)
     t = Table(title=f"the {len(pk['top'])} largest allocations live at the peak")
     for c in ("MiB", "component", "via", "kind", "made in", "where"):
-        t.add_column(c, justify="right" if c == "MiB" else "left")
+        t.add_column(c, justify="right" if c == "MiB" else "left", overflow="fold")
     for a in pk["top"]:
         t.add_row(_mib(a["size"]), a["component"], a["via"], a["kind"], f"{a['phase']} (step {a['step']})", a["where"])
     con.print(t)
