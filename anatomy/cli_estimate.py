@@ -4,8 +4,6 @@ memory phases with the optimizer's state, per-rank figures, and with a GPU the s
 """
 from __future__ import annotations
 
-import json
-
 from anatomy.config import ConfigError, ModelConfig, Run
 
 MAX_WORLD = 2**20  # data-parallel ranks: more GPUs than any cluster has
@@ -136,4 +134,12 @@ def print_estimate(con, out: dict) -> None:
                       "one, which the H200 claims are checked against: docs/timing.md)")
     if "distributed" in out:
         d = out["distributed"]
-        con.print_json(json.dumps({k: d[k] for k in ("memory", "collectives", "comm") if k in d}))
+        m, c = d.get("memory", {}), d.get("comm", {})
+        parts = " · ".join(f"{k.replace('_', ' ')} {v / 2**30:,.2f} GiB" for k, v in m.items() if k != "total")
+        con.print(f"per rank ({d['strategy']} on {d['world_size']:,} ranks, rank {d.get('rank', 0)}): {parts} · "
+                  f"total {m.get('total', 0) / 2**30:,.2f} GiB (activations not included; --json for every figure)")
+        if c:
+            con.print(f"communication per step: {c.get('count_total', 0):,} collectives, "
+                      f"{c.get('bytes_total', 0) / 1e9:,.3f} GB, {c.get('time_s', 0) * 1e3:,.2f} ms "
+                      f"({c.get('exposed_s', 0) * 1e3:,.2f} ms not hidden behind compute) on {c.get('gpu')} "
+                      f"{c.get('link')}")

@@ -266,3 +266,10 @@ def test_a_run_too_big_for_this_machine_is_refused_at_once(cmd, capsys, monkeypa
     rc, _, err = _main(args, capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "by prediction" in err and " B)" in err and "1.0 GiB (1,073,741,824 B) of RAM available" in err, err
+
+
+def test_world_size_text_is_lines_not_json(capsys):
+    rc, out, _ = _main(["estimate", "--preset", "seed", "--world-size", "8", "--strategy", "ddp"], capsys)
+    text = " ".join(out.split())
+    assert rc == 0 and "per rank (ddp on 8 ranks, rank 0):" in text and "communication per step:" in text
+    assert '"collectives"' not in out and "{" not in out
