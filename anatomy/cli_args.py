@@ -18,7 +18,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows "(default: X)" after a flag's help, except where there is no default to show."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS or \
+                "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

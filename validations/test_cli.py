@@ -229,10 +229,12 @@ def test_measure_prints_a_table_unless_json(capsys):
     assert rc == 0 and json.loads(out)["params"] > 0
 
 
-@pytest.mark.parametrize("cmd", ["estimate", "measure", "compare", "sweep", "forensics", "report", "calibrate"])
+@pytest.mark.parametrize("cmd", ["estimate", "measure", "compare", "sweep", "forensics", "report", "calibrate", "train"])
 def test_every_help_is_plain_words(cmd, capsys):
     rc, out, _ = _main([cmd, "-h"], capsys)
     assert rc == 0 and out.startswith("usage: anatomy ")
+    if cmd == "train":  # every training flag with its default, a default of 0 too
+        assert "(default: 200)" in out and "(default: 0)" in out and "adamw" in out
     for internal in ("cmd_", "def ", "__", "None)"):
         assert internal not in out, (cmd, internal)
 
