@@ -15,6 +15,13 @@ def check_variant(v: str) -> str:
     return v
 
 
+def peak_bytes(ph: dict) -> int:
+    """The step's peak from anatomy.calculator.memory.phases: the larger of the forward peak (where
+    modelled) and the peak inside backward; memory.need_bytes, which the fit verdict and `anatomy sweep`
+    read."""
+    return max(ph["forward_peak"] or 0, ph["backward_peak"])
+
+
 PHASE_KEYS = ("init", "forward_end", "forward_peak", "backward_peak", "backward_peak_at", "backward_peak_by_kind",
               "backward_end", "optimizer_end", "reserved_low", "reserved_high")
 
@@ -27,7 +34,6 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
     from anatomy.calculator import estimate
     from anatomy.calculator.memory import phases
     from anatomy.calculator.optimizer import CHOICES, implementation
-    from anatomy.sweep import peak_bytes
 
     if optimizer not in CHOICES:
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose {' or '.join(CHOICES)}")
@@ -61,7 +67,6 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
         need = out["memory"]["need_bytes"]
         out["memory"]["fits"] = dict(gpu=gpu, need_bytes=need, capacity_bytes=int(cap), fits=need <= cap)
     return out
-
 
 
 def _recompute(out: dict) -> str:

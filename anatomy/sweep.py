@@ -37,6 +37,7 @@ from pathlib import Path
 
 from anatomy.cli_args import HF_CONFIG_HELP, Parser, add_model_fields, add_optimizer_flag, nonempty
 from anatomy.config import PRESETS, ConfigError, ModelConfig, Run, oneline
+from anatomy.cli_estimate import peak_bytes
 from anatomy.io import write_atomic
 from anatomy.sweep_grid import VARIANTS, _flat, _list, grid, models, reshape  # noqa: F401 (re-exported)
 NEED = "memory.need (peak, with the optimizer's state)"  # anatomy estimate's memory.need_bytes
@@ -48,12 +49,6 @@ MAX_WORLD = 2**20  # data-parallel ranks: more GPUs than any cluster has (anatom
 
 
 # ---- memory: does a point fit? -------------------------------------------------------------------
-def peak_bytes(ph: dict) -> int:
-    """The step's peak from anatomy.calculator.memory.phases: the larger of the forward peak (where
-    modelled) and the peak inside backward. `anatomy estimate` reports the same figure (memory.need_bytes)."""
-    return max(ph["forward_peak"] or 0, ph["backward_peak"])
-
-
 def need_bytes(cfg: ModelConfig, run: Run, variant: str, device: str, optimizer: str = "adamw") -> int:
     """What a training step of the point needs at its peak, by the calculator, the optimizer's state
     included: anatomy estimate's memory.need_bytes."""
