@@ -103,7 +103,7 @@ def _refuse_unless_fits(cfg, run, variant: str, optimizer: str | None, device: s
     weights cannot fit), against the memory this device has available: one line, before anything is built."""
     from anatomy.calculator.memory import phases
     from anatomy.cli import refuse_unless_fits
-    from anatomy.sweep import peak_bytes
+    from anatomy.cli_estimate import peak_bytes
 
     what = f"a {variant} step of {cfg.name} at B={run.batch} S={run.seq}"
     refuse_unless_fits(what, 4 * cfg.rough_params, device, " for its fp32 weights alone")
