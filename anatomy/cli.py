@@ -27,21 +27,28 @@ GiB = 2**30
 
 
 USABLE = 0.8  # of the memory available, what a measurement may take: the rest is the interpreter's and torch's own
+RAM_SHARE = 0.25  # and on CPU at most this share of the machine's RAM: a measurement's copies outgrow its prediction
 
 
-def usable_bytes(device: str) -> tuple[int, str]:
+def usable_bytes(device: str, ram_share: float = RAM_SHARE) -> tuple[int, str]:
     """(bytes a measurement may use on `device`, the figure said in a refusal): USABLE of what CUDA reports
-    free, or of the RAM this machine has available (MemAvailable)."""
+    free; on CPU, USABLE of the RAM available now (MemAvailable) and at most ram_share of the machine's."""
+    import os
+
     from anatomy.sweep import available_bytes
 
     avail = available_bytes(device)
-    what = "free on this GPU" if device == "cuda" else "of RAM available on this machine"
-    return int(USABLE * avail), f"{avail / GiB:,.1f} GiB ({avail:,} B) {what}, {USABLE:.0%} of it usable"
+    cap = int(USABLE * avail)
+    if device == "cuda":
+        return cap, f"{avail / GiB:,.1f} GiB ({avail:,} B) free on this GPU, {USABLE:.0%} of it usable"
+    cap = min(cap, int(ram_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")))
+    return cap, (f"{avail / GiB:,.1f} GiB ({avail:,} B) of RAM available on this machine, {cap / GiB:,.1f} GiB of it "
+                 "usable")
 
 
-def refuse_unless_fits(what: str, need: int, device: str, how: str = "") -> None:
+def refuse_unless_fits(what: str, need: int, device: str, how: str = "", ram_share: float = RAM_SHARE) -> None:
     """One line (ConfigError) when `need` bytes by prediction are more than `device` can give."""
-    cap, avail = usable_bytes(device)
+    cap, avail = usable_bytes(device, ram_share)
     if need > cap:
         raise ConfigError(f"{what} needs {need / GiB:,.1f} GiB ({need:,} B) by prediction{how}; {avail}")
 

@@ -268,6 +268,7 @@ def test_a_run_too_big_for_this_machine_is_refused_at_once(cmd, capsys, monkeypa
     rc, _, err = _main(args, capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "by prediction" in err and " B)" in err and "1.0 GiB (1,073,741,824 B) of RAM available" in err, err
+    assert "0.8 GiB of it usable" in err, err
 
 
 def test_world_size_text_is_lines_not_json(capsys):

@@ -106,9 +106,10 @@ def _refuse_unless_fits(cfg, run, variant: str, optimizer: str | None, device: s
     from anatomy.cli_estimate import peak_bytes
 
     what = f"a {variant} step of {cfg.name} at B={run.batch} S={run.seq}"
-    refuse_unless_fits(what, 4 * cfg.rough_params, device, " for its fp32 weights alone")
+    # the step's own peak is predicted (memory.phases), so all the memory available may be asked for
+    refuse_unless_fits(what, 4 * cfg.rough_params, device, " for its fp32 weights alone", ram_share=1.0)
     refuse_unless_fits(what, peak_bytes(phases(cfg, run, variant, optimizer=optimizer, device=device)), device,
-                       f" at its peak{f', the {optimizer} state included' if optimizer else ''}")
+                       f" at its peak{f', the {optimizer} state included' if optimizer else ''}", ram_share=1.0)
 
 
 def _record_and_report(a: argparse.Namespace, cfg, run, device: str, argv: list[str]) -> int:
