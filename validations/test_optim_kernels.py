@@ -66,3 +66,44 @@ def test_eager_step_ops_and_bytes_match_the_timing_model(impl, dtype, variant, c
     claims.check("optimizer step bytes", component="optimizer", config="opt", variant=f"{impl}-{variant}-{pb}B",
                  predicted=sum(n * tk.optimizer_step_bytes(impl, numel, pb) for numel, n in sizes.items()),
                  measured=seen.bytes, tolerance=0.0, unit="B")
+
+
+def _impl_optimizer(impl: str, params):
+    if impl == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+    if impl == "ademamix-loop":
+        return AdEMAMix(params, lr=1e-4, weight_decay=0.1, T_alpha_beta3=10_000)
+    return FusedAdEMAMix(params, lr=1e-4, weight_decay=0.1, T_alpha_beta3=10_000, compile=impl == "ademamix-compiled")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["adamw", "ademamix-loop", "ademamix-foreach", "ademamix-compiled"])
+def test_optimizer_step_time_on_this_gpu(cuda_device, impl, claims):
+    """One optimizer step of anchor-1b's parameters (fp32, amp's master weights) on an idle GPU, host sync to
+    host sync, against estimate_time's optimizer segment for the same implementation on the committed H200
+    profile (anatomy/calculator/profiles/h200.json): ±15%, the per-component bound of the timing claims."""
+    import statistics
+    import time
+
+    from anatomy.calculator.timing import estimate_time
+
+    cfg, run = ModelConfig.from_name("anchor-1b"), Run(1, 1024)
+    variant = "baseline" if impl == "ademamix-loop" else "efficient"  # the model each runs with in training
+    params = list(build_model(cfg, variant, device="cuda", dtype=torch.float32).parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)  # never time zeros
+    opt = _impl_optimizer(impl, params)
+    for _ in range(3):  # the state, and the compile, outside any timing
+        opt.step()
+    times = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    measured = statistics.median(times)
+    predicted = estimate_time(cfg, run, variant, "h200-measured", optimizer=impl, with_kernels=False)["optimizer_s"]
+    claims.check("optimizer step time", component="optimizer", config=cfg.name, variant=impl, predicted=predicted,
+                 measured=measured, tolerance=0.15, device="cuda", unit="s",
+                 note=f"{torch.cuda.get_device_name(0)}, median of 10 steps")

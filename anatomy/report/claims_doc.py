@@ -56,6 +56,8 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
      ["anatomy/optim/baseline.py:AdEMAMix", "anatomy/optim/efficient.py:FusedAdEMAMix"], []),
     (r"^optimizer step bytes", ["anatomy/calculator/timing/kernels.py:optimizer_step_bytes"],
      ["anatomy/optim/baseline.py:AdEMAMix", "anatomy/optim/efficient.py:FusedAdEMAMix"], []),
+    (r"^optimizer step time", ["anatomy/calculator/timing/kernels.py:optimizer_kernels"],
+     ["anatomy/optim/baseline.py:AdEMAMix", "anatomy/optim/efficient.py:FusedAdEMAMix"], ["H200_PROFILE"]),
     (r"^per-rank ", ["anatomy/calculator/sharding.py:per_rank_memory"],
      [*_DIST, "anatomy/distributed/counting.py:rank_memory"], []),
     (r"^collective ", ["anatomy/calculator/comm.py:ddp_collectives", "anatomy/calculator/comm.py:fsdp_collectives"],
