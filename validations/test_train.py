@@ -360,7 +360,8 @@ def test_torchrun_two_ranks_follow_the_one_process_curve(variant, strategy, cach
     one-process baseline's own error. Then the run resumes from its sharded checkpoint."""
     out = tmp_path / "run"
     args = [*SHAPE, "--batch", "2", "--variant", variant, "--dtype", "fp32", "--steps", str(STEPS),
-            "--eval-every", "10", "--ckpt-dir", str(out), "--cache-dir", str(cache)]
+            "--eval-every", "10", "--ckpt-dir", str(out), "--cache-dir", str(cache),
+            "--optimizer", "ademamix"]  # the optimizer of _curve and the float64 reference
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "anatomy.train.cli", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
