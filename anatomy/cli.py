@@ -6,73 +6,51 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 
-from anatomy.cli_args import DEFAULT_PRESET, Parser, add_config_flags, config_from_args, nonempty  # noqa: F401
+from anatomy.cli_args import (DEFAULT_PRESET, Parser, add_config_flags, add_optimizer_flag,  # noqa: F401
+                              config_from_args, nonempty)
+from anatomy.cli_estimate import MAX_WORLD, _recompute, check_variant, estimate_all, print_estimate  # noqa: F401 (MAX_WORLD: re-exported)
 from anatomy.config import ConfigError, ModelConfig, Run, oneline
 
 _Parser = Parser
 _add_config_flags = add_config_flags  # the name anatomy/train/cli.py imports
-MAX_WORLD = 2**20  # data-parallel ranks: more GPUs than any cluster has
-
-def _check_variant(v: str) -> str:
-    if v not in ("baseline", "efficient"):
-        raise ConfigError(f"unknown variant {v!r}; choose baseline or efficient")
-    return v
+_check_variant = check_variant
 
 
 def cmd_estimate(a, cfg: ModelConfig, run: Run) -> dict:
-    from anatomy.calculator import estimate
-
-    from anatomy.calculator.memory import phases
-
-    device = a.device or "cuda"
-    out = estimate(cfg, run, _check_variant(a.variant), device=device).to_dict()
-    ph = phases(cfg, run, a.variant, optimizer="adamw", device=device)
-    out["memory"]["phases"] = {k: ph[k] for k in ("init", "forward_end", "forward_peak", "backward_peak",
-                                                  "backward_peak_at", "backward_peak_by_kind", "backward_end",
-                                                  "optimizer_end", "reserved_low", "reserved_high")}
-    out["memory"]["phases"]["optimizer"] = "adamw"
-    if a.world_size != 1 or a.strategy:
-        from anatomy.calculator.comm import estimate_distributed
-
-        if not 1 <= a.world_size <= MAX_WORLD:
-            raise ConfigError(f"--world-size must be between 1 and {MAX_WORLD:,}, got {a.world_size:.3g}")
-        strategy = a.strategy or ("fsdp" if a.variant == "efficient" else "ddp")
-        out["distributed"] = estimate_distributed(cfg, run, a.world_size, strategy, gpu=a.gpu or "h200-sxm",
-                                                  variant=a.variant, device=device)
-    if a.gpu is not None:
-        from anatomy.calculator.timing import estimate_time
-
-        t = estimate_time(cfg, run, a.variant, gpu=a.gpu)
-        out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "steady", "host_bound", "mfu",
-                                         "components", "sources")
-                       if k in t} | {"gpu": a.gpu, "profile": t["gpu"], "profile_kind": t["profile_kind"]}
-        gpu_s = {ph: v["gpu_s"] for ph, v in t["phases"].items()}  # the kernels' time, the GPU's idle time left out
-        out["time"]["gpu_busy_s"] = dict(forward_backward=gpu_s["forward"] + gpu_s["backward"],
-                                         step=sum(gpu_s.values()))
-        from anatomy.calculator.gpus import capacity_bytes
-
-        cap, source = capacity_bytes(a.gpu)  # what mem_get_info reports free on an idle device
-        need = max(ph["forward_peak"] or 0, ph["backward_peak"])
-        if (pk := out.get("distributed", {}).get("peak")) is not None:
-            need = pk["peak"]  # one rank's peak, with its sharding and communication buffers
-        out["memory"]["fits"] = dict(gpu=a.gpu, need_bytes=need, capacity_bytes=cap, capacity_source=source,
-                                     fits=need <= cap)
-    return out
+    return estimate_all(cfg, run, a.variant, device=a.device or "cuda", optimizer=a.optimizer, gpu=a.gpu,
+                        world_size=a.world_size, strategy=a.strategy, gpus_per_node=a.gpus_per_node)
 
 
 GiB = 2**30
 
 
-def _usable_bytes(device: str) -> float:
-    """Memory a measurement may take: 80% of what CUDA reports free, or a quarter of this machine's RAM."""
-    if device == "cuda":
-        import torch
+USABLE = 0.8  # of the memory available, what a measurement may take: the rest is the interpreter's and torch's own
+RAM_SHARE = 0.25  # and on CPU at most this share of the machine's RAM: a measurement's copies outgrow its prediction
 
-        return 0.8 * torch.cuda.mem_get_info()[0]
-    return 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+def usable_bytes(device: str, ram_share: float = RAM_SHARE) -> tuple[int, str]:
+    """(bytes a measurement may use on `device`, the figure said in a refusal): USABLE of what CUDA reports
+    free; on CPU, USABLE of the RAM available now (MemAvailable) and at most ram_share of the machine's."""
+    import os
+
+    from anatomy.sweep import available_bytes
+
+    avail = available_bytes(device)
+    cap = int(USABLE * avail)
+    if device == "cuda":
+        return cap, f"{avail / GiB:,.1f} GiB ({avail:,} B) free on this GPU, {USABLE:.0%} of it usable"
+    cap = min(cap, int(ram_share * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")))
+    return cap, (f"{avail / GiB:,.1f} GiB ({avail:,} B) of RAM available on this machine, {cap / GiB:,.1f} GiB of it "
+                 "usable")
+
+
+def refuse_unless_fits(what: str, need: int, device: str, how: str = "", ram_share: float = RAM_SHARE) -> None:
+    """One line (ConfigError) when `need` bytes by prediction are more than `device` can give."""
+    cap, avail = usable_bytes(device, ram_share)
+    if need > cap:
+        raise ConfigError(f"{what} needs {need / GiB:,.1f} GiB ({need:,} B) by prediction{how}; {avail}")
 
 
 def _need_bytes(cfg, run, variant, device) -> int:
@@ -86,11 +64,11 @@ def _need_bytes(cfg, run, variant, device) -> int:
 
 def _measurable_run(cfg, run, variant, device) -> Run:
     """The run itself, or a smaller one (batch 1, then halved sequences) whose predicted size fits this
-    device; a model that fits at no size is refused before anything is allocated."""
-    cap = _usable_bytes(device)
-    if 16 * cfg.rough_params > cap:  # the weights alone: no need to walk the layers
-        raise ConfigError(f"measuring {cfg.name} needs at least {16 * cfg.rough_params / GiB:,.1f} GiB by prediction "
-                          f"(16 B a parameter); {cap / GiB:,.1f} GiB of this {device} device is usable")
+    device; a model that fits at no size is refused, in one line with the predicted bytes and the memory
+    available, before anything is allocated."""
+    what = f"measuring {cfg.name}"
+    refuse_unless_fits(what, 16 * cfg.rough_params, device, " for its weights alone (16 B a parameter)")
+    cap, _ = usable_bytes(device)
     r = run
     while (need := _need_bytes(cfg, r, variant, device)) > cap:
         if r.batch > 1:
@@ -98,14 +76,8 @@ def _measurable_run(cfg, run, variant, device) -> Run:
         elif r.seq > 16:
             r = Run(batch=1, seq=r.seq // 2, dtype=r.dtype, recompute=r.recompute)
         else:
-            raise ConfigError(f"measuring {cfg.name} needs {need / GiB:,.1f} GiB by prediction even at batch 1, seq "
-                              f"{r.seq}; {cap / GiB:,.1f} GiB of this {device} device is usable")
+            refuse_unless_fits(what, need, device, f" even at its smallest run, batch 1 and seq {r.seq}")
     return r
-
-
-def _recompute(out: dict) -> str:
-    r = out["run"].get("recompute", "none")
-    return "" if r == "none" else f" · recompute {r}"
 
 
 def _device(a) -> str:
@@ -197,61 +169,7 @@ def _print(cmd: str, out: dict) -> None:
             t.add_row(f"saved · {comp}", _fmt(b, "B"), at(sr))
         con.print(t)
         return
-    t = Table(title=f"{out['config']['name']} · {out['variant']} · B={out['run']['batch']} S={out['run']['seq']} "
-                    f"{out['run']['dtype']}{_recompute(out)}")
-    for c in ("component", "params", "fwd GFLOP (counter)", "bwd GFLOP (counter)", "fwd GFLOP (model)", "saved MiB"):
-        t.add_column(c, justify="left" if c == "component" else "right")
-    for name, c in out["components"].items():
-        t.add_row(name, f"{c['params']:,}", f"{c['flops']['counter']['forward'] / 1e9:,.2f}",
-                  f"{c['flops']['counter']['backward'] / 1e9:,.2f}", f"{c['flops']['model']['forward'] / 1e9:,.2f}",
-                  f"{c['saved_bytes'] / 2**20:,.2f}")
-    f, s = out["flops"], out["memory"]["saved"]
-    t.add_row("total", f"{out['params']:,}", f"{f['counter']['forward'] / 1e9:,.2f}",
-              f"{f['counter']['backward'] / 1e9:,.2f}", f"{f['model']['forward'] / 1e9:,.2f}",
-              f"{s['total'] / 2**20:,.2f}", style="bold")
-    con.print(t)
-    if "phases" in out["memory"]:
-        ph = out["memory"]["phases"]
-        gib = lambda b: f"{b / 2**30:,.2f} GiB" if b is not None else "not modelled"  # noqa: E731
-        con.print(f"memory with AdamW ({'CUDA, 512 B blocks' if out['device'] == 'cuda' else out['device']}): "
-                  f"init {gib(ph['init'])} · forward end {gib(ph['forward_end'])} · forward peak "
-                  f"{gib(ph['forward_peak'])} · backward peak {gib(ph['backward_peak'])} (at {ph['backward_peak_at']})"
-                  f" · after backward {gib(ph['backward_end'])} · after the step {gib(ph['optimizer_end'])}")
-        con.print("at the backward peak: " + " · ".join(
-            f"{k} {v / 2**30:,.2f} GiB ({v / ph['backward_peak']:.0%})" for k, v in ph["backward_peak_by_kind"].items()
-            if v))
-        if out["device"] == "cuda":
-            con.print(f"reserved by the caching allocator (looser): {gib(ph['reserved_low'])} to "
-                      f"{gib(ph['reserved_high'])}")
-    if "fits" in out["memory"]:
-        f = out["memory"]["fits"]
-        verdict = "fits" if f["fits"] else "predicted OOM"
-        con.print(f"{verdict} on {f['gpu']}: needs {gib(f['need_bytes'])} of {gib(f['capacity_bytes'])}",
-                  style=None if f["fits"] else "bold red")
-    if "time" in out:
-        tm = out["time"]
-        con.print(f"predicted training step on {tm['gpu']}: {tm['steady']['step_s'] * 1e3:,.1f} ms, steps back to back "
-                  f"(forward+backward {tm['steady']['forward_backward_s'] * 1e3:,.1f} ms); one step on an idle GPU "
-                  f"{tm['step_s'] * 1e3:,.1f} ms (forward+backward {tm['forward_backward_s'] * 1e3:,.1f} ms, optimizer "
-                  f"{tm['optimizer_s'] * 1e3:,.2f} ms)")
-        busy = tm["gpu_busy_s"]["step"]
-        con.print(f"the GPU's kernel time in that step: {busy * 1e3:,.1f} ms ({busy / tm['steady']['step_s']:.0%}; the "
-                  "rest is the GPU waiting on the host)")
-        if tm["host_bound"]:
-            con.print("host-bound: the CPU issuing the kernels, not the GPU, sets this step's pace; on the H200 "
-                      "machines measured, a host-bound step's time moved by 10-20% between processes and within "
-                      "one (docs/timing.md), while its kernel time held to ±10%")
-        from anatomy.calculator.timing import lookup as gpus
-
-        measured = f"{gpus.profile_stem(tm['profile'])}-measured"
-        if tm["profile_kind"] == "datasheet" and measured in gpus.names():
-            con.print(f"(from datasheet figures; --gpu {measured} uses the profile `anatomy calibrate` measured on "
-                      "one, which the H200 claims are checked against: docs/timing.md)")
-    if "distributed" in out:
-        d = out["distributed"]
-        from anatomy.calculator.comm import render_distributed
-
-        con.print(render_distributed(d), highlight=False)  # the full list of collectives: --json
+    print_estimate(con, out)
 
 
 COMMANDS = {"estimate": cmd_estimate, "measure": cmd_measure, "compare": cmd_compare}
@@ -315,8 +233,8 @@ def version() -> str:
 HELP = {
     "plan": ("find the fastest run of a model that fits a GPU or N GPUs: micro-batch, recompute and strategy "
              "(see: anatomy plan -h)"),
-    "estimate": ("predict parameters, FLOPs, saved tensors and memory from the architecture alone (no model "
-                 "is built); with --gpu, the step time too"),
+    "estimate": ("predict parameters, FLOPs, saved tensors and memory (with the optimizer's state) from the "
+                 "architecture alone (no model is built); with --gpu, the step time and whether it fits"),
     "measure": "build the model on this machine and measure its parameters, FLOPs and saved tensors",
     "compare": "estimate and measure side by side, with the relative error of each figure",
     "report": "regenerate the README's generated tables from the claims JSON (see: anatomy report -h)",
@@ -327,24 +245,23 @@ HELP = {
 }
 
 
-DELEGATED = ("plan", "report", "train", "sweep", "forensics", "calibrate")
+# the commands whose flags live beside their code: name -> "module:function", called with the argv after
+# the name. A new command is one line here and one in HELP.
+DELEGATED = {
+    "plan": "anatomy.plan_cli:main",
+    "report": "anatomy.cli:cmd_report",
+    "train": "anatomy.train.cli:main",
+    "sweep": "anatomy.sweep:main",
+    "forensics": "anatomy.measure.forensics_cli:main",
+    "calibrate": "anatomy.measure.calibrate:main",
+}
 
 
 def _delegate(cmd: str, argv: list[str]) -> int:
-    """The commands whose flags live beside their code."""
-    if cmd == "report":
-        return cmd_report(argv)
-    if cmd == "plan":
-        from anatomy.plan_cli import main as run
-    elif cmd == "train":
-        from anatomy.train.cli import main as run
-    elif cmd == "sweep":
-        from anatomy.sweep import main as run
-    elif cmd == "forensics":
-        from anatomy.measure.forensics_cli import main as run
-    else:
-        from anatomy.measure.calibrate import main as run
-    return run(argv)
+    from importlib import import_module
+
+    module, func = DELEGATED[cmd].split(":")
+    return getattr(import_module(module), func)(argv)
 
 
 def main(argv=None) -> int:
@@ -355,23 +272,27 @@ def main(argv=None) -> int:
                                            "predict it, measure it, compare the two.")
     p.add_argument("--version", action="version", version=f"anatomy {version()}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser, metavar="COMMAND")
-    for name in COMMANDS:
+    for name in HELP:  # in HELP's order
+        if name in DELEGATED:
+            sub.add_parser(name, help=HELP[name], add_help=False)
+            continue
         sp = sub.add_parser(name, help=HELP[name], description=HELP[name])
         add_config_flags(sp)
         sp.add_argument("--device", choices=("cpu", "cuda"),
                         help="the device predicted for or measured on (default: cuda if present, else cpu)"
                         if name != "estimate" else "the device predicted for (default: cuda)")
         if name == "estimate":
+            add_optimizer_flag(sp)
             sp.add_argument("--world-size", type=int, default=1, metavar="N",
                             help="data-parallel ranks (per-rank memory, communication)")
             sp.add_argument("--strategy", choices=("ddp", "fsdp"),
                             help="data-parallel strategy (default: ddp for the baseline, fsdp for the efficient "
                                  "variant)")
+            sp.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
+                            help="GPUs per node: beyond one node, collectives cross the inter-node network")
             sp.add_argument("--gpu", type=nonempty, metavar="NAME|PATH",
                             help="predict the step time on this GPU: a name (H200, H100, A100-80GB, RTX4090, "
                                  "h200-measured, ...) or a profile JSON written by `anatomy calibrate`")
-    for name in DELEGATED:
-        sub.add_parser(name, help=HELP[name], add_help=False)
     a = p.parse_args(argv)
     try:
         cfg = config_from_args(a)

@@ -18,7 +18,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows "(default: X)" after a flag's help, except where there is no default to show."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS or \
+                "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -42,6 +43,36 @@ def nonempty(text: str) -> str:
     return text
 
 
+# the model's fields as flags: (flag, help); `anatomy sweep` takes the same ones
+FIELDS = (("hidden", "model width"), ("layers", "transformer blocks"), ("heads", "attention heads"),
+          ("kv-heads", "key/value heads (grouped-query attention; default: --heads)"),
+          ("intermediate", "MLP width"), ("vocab", "vocabulary size"))
+HF_CONFIG_HELP = "a Hugging Face Llama, Mistral or Qwen2 config.json, or the folder holding it"
+OPTIMIZER_HELP = ("the optimizer the step runs, for its state's memory and its time: adamw (torch's AdamW, fused on "
+                  "CUDA) or ademamix (anatomy.optim: the baseline's per-parameter loop, the efficient variant's "
+                  "compiled step)")
+
+
+def add_optimizer_flag(p: argparse.ArgumentParser) -> None:
+    """--optimizer adamw|ademamix, default adamw: one optimizer for memory and time
+    (anatomy/calculator/optimizer.py: CHOICES, DEFAULT)."""
+    from anatomy.calculator.optimizer import CHOICES, DEFAULT
+
+    p.add_argument("--optimizer", choices=CHOICES, default=DEFAULT, help=OPTIMIZER_HELP)
+
+
+def add_model_fields(g, *, widths: bool = True) -> None:
+    """--heads, --kv-heads, --intermediate, --vocab (and --hidden, --layers with widths), --tie-embeddings, --mlp."""
+    for f, what in FIELDS:
+        if widths or f not in ("hidden", "layers"):
+            g.add_argument(f"--{f}", type=int, metavar="N", help=what)
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the embedding and output matrices")
+    g.add_argument("--mlp", choices=("swiglu", "gpt-oss"), help="MLP activation (default: swiglu)")
+    g.add_argument("--qkv-bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="a bias on the q, k and v projections, as in Qwen2 (default: none)")
+
+
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     """The model flags, the run flags (batch, seq, dtype, variant, recompute) and --json."""
     add_model_flags(p)
@@ -53,17 +84,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model (a preset, an HF config.json, or explicit fields; fields override)")
     g.add_argument("--preset", type=nonempty, help=f"a named model: {', '.join(PRESETS)} (default: {DEFAULT_PRESET}, "
                                                    "unless fields or --hf-config are given)")
-    g.add_argument("--hf-config", metavar="PATH", type=nonempty,
-                   help="a Hugging Face Llama, Mistral or Qwen2 config.json, or the folder holding it")
-    for f, what in (("hidden", "model width"), ("layers", "transformer blocks"), ("heads", "attention heads"),
-                    ("kv-heads", "key/value heads (grouped-query attention; default: --heads)"),
-                    ("intermediate", "MLP width"), ("vocab", "vocabulary size")):
-        g.add_argument(f"--{f}", type=int, metavar="N", help=what)
-    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
-                   help="share the embedding and output matrices")
-    g.add_argument("--mlp", choices=("swiglu", "gpt-oss"), help="MLP activation (default: swiglu)")
-    g.add_argument("--qkv-bias", action=argparse.BooleanOptionalAction, default=None,
-                   help="a bias on the q, k and v projections, as in Qwen2 (default: none)")
+    g.add_argument("--hf-config", metavar="PATH", type=nonempty, help=HF_CONFIG_HELP)
+    add_model_fields(g)
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:

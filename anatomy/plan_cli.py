@@ -5,7 +5,7 @@ import json
 import shlex
 import sys
 
-from anatomy.cli_args import Parser, add_model_flags, config_from_args, nonempty
+from anatomy.cli_args import Parser, add_model_flags, add_optimizer_flag, config_from_args, nonempty
 from anatomy.config import ConfigError, oneline
 
 GiB = 2**30
@@ -29,8 +29,7 @@ def parser() -> Parser:
                    help="amp (bf16 autocast, fp32 master weights), bf16 or fp32")
     g.add_argument("--variant", default="efficient", type=nonempty,
                    help="efficient (fused kernels) or baseline (unfused, readable)")
-    g.add_argument("--optimizer", default="adamw", choices=("adamw", "ademamix"),
-                   help="the optimizer whose state and step are planned (AdamW: torch's fused one on CUDA)")
+    add_optimizer_flag(g)
     g.add_argument("--strategy", choices=("ddp", "fsdp"),
                    help="plan only this data-parallel strategy (default: both when --gpus > 1)")
     g.add_argument("--recompute", type=nonempty, metavar="POLICY[,POLICY]",

@@ -156,3 +156,123 @@ def test_printed_names_carry_no_control_character_or_markup(tmp_path, capsys):
     path = _hf(tmp_path, _name_or_path="org/[bold red]x\x1b]0;pwned\x07")
     rc, out, err = _main(["estimate", "--hf-config", path, "--batch", "1", "--seq", "16"], capsys)
     assert rc == 0 and "\x1b" not in out and "\x07" not in out and "_bold_red_x_" in out, (out, err)
+
+
+# ---- one optimizer, said once ---------------------------------------------------------------------
+def test_optimizer_moves_memory_and_time_together(capsys):
+    """--optimizer picks the optimizer for the memory phases and the step time at once: each figure equals
+    the calculator's own for that optimizer (memory.phases, timing.estimate_time), AdEMAMix's state is
+    larger than AdamW's at every phase after init's parameters, and the init phase holds the state."""
+    from anatomy.calculator.memory import phases
+    from anatomy.calculator.timing import estimate_time
+    from anatomy.config import ModelConfig, Run
+
+    cfg, run = ModelConfig.from_name("seed"), Run(4, 1024)
+    got = {}
+    for opt in ("adamw", "ademamix"):
+        for variant in ("baseline", "efficient"):
+            rc, out, err = _main(["estimate", "--preset", "seed", "--batch", "4", "--seq", "1024", "--variant", variant,
+                                  "--gpu", "H200", "--optimizer", opt, "--json"], capsys)
+            assert rc == 0, err
+            e = json.loads(out)
+            ph = phases(cfg, run, variant, optimizer=opt, device="cuda")
+            assert e["memory"]["phases"]["optimizer"] == e["time"]["optimizer"] == e["optimizer"]["name"] == opt
+            assert e["memory"]["phases"]["init"] == ph["init"] == ph["params"] + ph["inputs"] + ph["optimizer"]
+            assert e["memory"]["need_bytes"] == max(ph["forward_peak"] or 0, ph["backward_peak"])
+            assert e["memory"]["fits"]["need_bytes"] == e["memory"]["need_bytes"]
+            t = estimate_time(cfg, run, variant, "H200", optimizer=opt, with_kernels=False)
+            assert e["time"]["optimizer_s"] == t["optimizer_s"] and e["time"]["step_s"] == t["step_s"]
+            got[opt, variant] = e
+    for variant in ("baseline", "efficient"):
+        a, m = got["adamw", variant], got["ademamix", variant]
+        assert m["memory"]["need_bytes"] > a["memory"]["need_bytes"]
+        assert m["memory"]["phases"]["init"] > a["memory"]["phases"]["init"]
+        assert m["time"]["optimizer_s"] > a["time"]["optimizer_s"]
+        assert a["time"]["forward_backward_s"] == m["time"]["forward_backward_s"]
+    # the default is AdamW, for both figures
+    rc, out, _ = _main(["estimate", "--preset", "seed", "--batch", "4", "--seq", "1024", "--gpu", "H200", "--json"],
+                       capsys)
+    e = json.loads(out)
+    assert e["optimizer"] == dict(name="adamw", implementation="adamw") and e["time"]["optimizer"] == "adamw"
+    assert e["memory"]["need_bytes"] == got["adamw", "baseline"]["memory"]["need_bytes"]
+
+
+def test_estimate_text_names_the_optimizer_and_the_efficient_variant(capsys):
+    rc, out, _ = _main(["estimate", "--preset", "seed", "--gpu", "H200", "--optimizer", "ademamix"], capsys)
+    text = " ".join(out.split())
+    assert rc == 0 and "memory with AdEMAMix" in text and "AdEMAMix's per-parameter loop" in text
+    assert "--variant efficient estimates the fused model" in text
+    rc, out, _ = _main(["estimate", "--preset", "seed", "--gpu", "H200", "--variant", "efficient"], capsys)
+    text = " ".join(out.split())
+    assert "memory with AdamW" in text and "fused AdamW" in text and "--variant efficient" not in text
+
+
+def test_no_figure_is_cut_at_80_columns():
+    """Every figure of the table whole at 80 columns, and the exact parameter count printed."""
+    import os
+
+    for args in (["estimate", "--preset", "llama3-8b"], ["estimate", "--preset", "llama3-8b", "--variant", "efficient",
+                                                         "--batch", "1", "--gpu", "H100"]):
+        r = subprocess.run([sys.executable, "-m", "anatomy.cli", *args], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, COLUMNS="80"))
+        assert r.returncode == 0, r.stderr
+        assert "…" not in r.stdout and "8,030,261,248 parameters" in r.stdout
+        assert "8,030.26" in r.stdout  # the params column, in millions
+
+
+def test_measure_prints_a_table_unless_json(capsys):
+    args = ["measure", "--hidden", "64", "--layers", "1", "--heads", "4", "--intermediate", "96", "--vocab", "128",
+            "--batch", "2", "--seq", "16", "--device", "cpu"]
+    rc, out, _ = _main(args, capsys)
+    assert rc == 0 and not out.lstrip().startswith("{") and "measured on cpu" in out
+    rc, out, _ = _main([*args, "--json"], capsys)
+    assert rc == 0 and json.loads(out)["params"] > 0
+
+
+@pytest.mark.parametrize("cmd", ["estimate", "measure", "compare", "sweep", "forensics", "report", "calibrate", "train"])
+def test_every_help_is_plain_words(cmd, capsys):
+    rc, out, _ = _main([cmd, "-h"], capsys)
+    assert rc == 0 and out.startswith("usage: anatomy ")
+    if cmd == "train":  # every training flag with its default, a default of 0 too
+        assert "(default: 200)" in out and "(default: 0)" in out and "adamw" in out
+    for internal in ("cmd_", "def ", "__", "None)"):
+        assert internal not in out, (cmd, internal)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["estimate", "--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd'"),
+    (["estimate", "--batch", "1e23"], "invalid int value"),
+    (["estimate", "--seq", str(2**30)], "seq"),
+    (["estimate", "--batch", "65536", "--seq", str(2**22)], "tokens per step is more than any machine"),
+    (["sweep", "--optimizer", "lion"], "invalid choice"),
+    (["sweep", "--gpu", "Z9000", "--batch", "1"], "unknown gpu"),
+    (["sweep", "--world-size", "0"], "--world-size must be between 1 and"),
+    (["sweep", "--preset", "seed", "--hf-config", "x.json"], "not both"),
+    (["sweep", "--heads", "4"], "without --preset"),
+])
+def test_more_bad_input_is_one_line(args, needle, capsys, tmp_path):
+    if args[0] == "sweep":
+        args = [*args, "--out", str(tmp_path / "s.json"), "--quiet", "--device", "cpu"]
+    rc, _, err = _main(args, capsys)
+    assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("cmd", ["measure", "forensics"])
+def test_a_run_too_big_for_this_machine_is_refused_at_once(cmd, capsys, monkeypatch):
+    """Before anything is built: one line with the predicted bytes and the memory available."""
+    import anatomy.sweep
+
+    monkeypatch.setattr(anatomy.sweep, "available_bytes", lambda device: 2**30)
+    args = [cmd, "--hidden", "2048", "--layers", "4", "--heads", "16", "--intermediate", "5632", "--vocab", "32000",
+            "--batch", "1", "--seq", "64", "--device", "cpu"]
+    rc, _, err = _main(args, capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "by prediction" in err and " B)" in err and "1.0 GiB (1,073,741,824 B) of RAM available" in err, err
+    assert "0.8 GiB of it usable" in err, err
+
+
+def test_world_size_text_is_lines_not_json(capsys):
+    rc, out, _ = _main(["estimate", "--preset", "seed", "--world-size", "8", "--strategy", "ddp"], capsys)
+    text = " ".join(out.split())
+    assert rc == 0 and "per rank (ddp on 8 ranks, rank 0):" in text and "communication per step:" in text
+    assert '"collectives"' not in out and "{" not in out

@@ -245,14 +245,15 @@ def _state_storage_bytes(opt: torch.optim.Optimizer) -> int:
 
 @pytest.mark.parametrize("impl,dtype", [
     ("baseline", torch.float32), ("baseline", torch.bfloat16), ("foreach", torch.float32),
-    ("foreach", torch.bfloat16), ("adamw", torch.float32), ("sgd", torch.float32)],
-    ids=["baseline-fp32", "baseline-bf16", "foreach-fp32", "foreach-bf16", "adamw-fp32", "sgd-fp32"])
+    ("foreach", torch.bfloat16), ("adamw", torch.float32), ("adamw", torch.bfloat16), ("sgd", torch.float32)],
+    ids=["baseline-fp32", "baseline-bf16", "foreach-fp32", "foreach-bf16", "adamw-fp32", "adamw-bf16", "sgd-fp32"])
 def test_state_bytes_claim(claims, impl, dtype):
     model = _mlp(1).to(dtype)
     params = list(model.parameters())
     n_params, n_tensors = sum(p.numel() for p in params), len(params)
-    if impl == "adamw":  # torch's own: fp32 moments for fp32 params, plus a 0-dim fp32 step per tensor
-        opt, predicted = torch.optim.AdamW(params), state_bytes(n_params, "adamw", n_tensors=n_tensors)
+    if impl == "adamw":  # torch's own: moments in the param dtype, plus a 0-dim fp32 step per tensor
+        opt = torch.optim.AdamW(params)
+        predicted = state_bytes(n_params, "adamw", n_tensors=n_tensors, param_bytes=dtype.itemsize)
     elif impl == "sgd":
         opt, predicted = torch.optim.SGD(params, lr=0.1), state_bytes(n_params, "sgd")
     else:  # fp32 state for bf16 params too; the step is a host int
@@ -368,3 +369,4 @@ def test_step_bandwidth(cuda_device, benchmark, impl):
         impl=impl, n_params=n_params, bytes_moved=moved, median_s=seconds, hbm_GBps=moved / seconds / 1e9,
         copy_GBps=copy_bw / 1e9, fraction_of_copy=moved / seconds / copy_bw, gpu=torch.cuda.get_device_name(0))
     assert opt.state[params[0]] and moved / seconds > 0
+

@@ -233,3 +233,59 @@ def test_sweep_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, msg):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.count("\n") == 0 and msg in err, err
     assert not (tmp_path / "s.json").exists()
+
+
+def _estimate(capsys, *argv) -> dict:
+    from anatomy.cli import main
+
+    capsys.readouterr()
+    assert main(["estimate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _point(rows, config, batch, variant):
+    return {r["claim"].split(" (")[0]: r for r in rows
+            if (r["config"], r["batch"], r["variant"], r["component"]) == (config, batch, variant, "model")}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("optimizer", ["adamw", "ademamix"])
+def test_sweep_need_is_estimates_peak(tmp_path, capsys, device, optimizer):
+    """Each point's need is `anatomy estimate`'s memory.need_bytes for the same model, run, device and
+    optimizer (the optimizer's state included); with --gpu its step time and the GPU's capacity are
+    estimate's, with --world-size its per-rank memory."""
+    rc, rep = _sweep(tmp_path, "--preset", "seed,llama3.2-1b", "--batch", "1,4", "--seq", "512", "--device", device,
+                     "--optimizer", optimizer, "--gpu", "H200", "--world-size", "8")
+    assert rc == 0 and rep["grid"]["optimizer"] == optimizer
+    for config, batch, variant in itertools.product(("seed", "llama3.2-1b"), (1, 4), ("baseline", "efficient")):
+        e = _estimate(capsys, "--preset", config, "--batch", str(batch), "--seq", "512", "--variant", variant,
+                      "--device", device, "--optimizer", optimizer, "--gpu", "H200", "--world-size", "8")
+        p = _point(rep["rows"], config, batch, variant)
+        assert p["memory.need"]["predicted"] == e["memory"]["need_bytes"] > e["memory"]["saved"]["total"]
+        assert p["time.step"]["predicted"] == e["time"]["steady"]["step_s"]
+        assert p["memory.capacity"]["predicted"] == e["memory"]["fits"]["capacity_bytes"]
+        assert p["memory.per_rank"]["predicted"] == e["distributed"]["memory"]["total"]
+
+
+def test_sweep_takes_the_model_flags_estimate_takes(tmp_path, capsys):
+    """An HF config.json (with a field overriding it and --layers reshaping it) and explicit fields."""
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps(dict(model_type="llama", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                  num_key_value_heads=2, intermediate_size=688, vocab_size=1000)))
+    rc, rep = _sweep(tmp_path, "--hf-config", str(hf), "--vocab", "2000", "--layers", "2,4", "--batch", "2",
+                     "--seq", "128", "--variant", "efficient", "--device", "cpu")
+    assert rc == 0 and rep["grid"]["points"] == 2
+    e = _estimate(capsys, "--hf-config", str(hf), "--vocab", "2000", "--layers", "2", "--batch", "2", "--seq", "128",
+                  "--variant", "efficient", "--device", "cpu")
+    (name2,) = {r["config"] for r in rep["rows"] if r["config"].endswith("-l2")}
+    p = _point(rep["rows"], name2, 2, "efficient")
+    assert p["params"]["predicted"] == e["params"] and p["memory.need"]["predicted"] == e["memory"]["need_bytes"]
+    rc, rep = _sweep(tmp_path, "--hidden", "64,128", "--layers", "2", "--heads", "4", "--intermediate", "96",
+                     "--vocab", "128", "--batch", "2", "--seq", "16", "--variant", "baseline", "--device", "cpu")
+    assert rc == 0 and rep["grid"]["points"] == 2
+    assert {r["config"] for r in rep["rows"]} == {"custom-h64-l2", "custom-h128-l2"}
+    for h in (64, 128):
+        e = _estimate(capsys, "--hidden", str(h), "--layers", "2", "--heads", "4", "--intermediate", "96", "--vocab",
+                      "128", "--batch", "2", "--seq", "16", "--device", "cpu")
+        p = _point(rep["rows"], f"custom-h{h}-l2", 2, "baseline")
+        assert p["params"]["predicted"] == e["params"] and p["memory.need"]["predicted"] == e["memory"]["need_bytes"]

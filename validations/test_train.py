@@ -44,7 +44,8 @@ def data(cache):
 
 
 def _curve(data, tmp: Path, variant: str, policy: str, param_dtype=None, steps=STEPS) -> torch.Tensor:
-    o = TrainOptions(steps=steps, eval_every=0, progress="none", plot=False, out=str(tmp), param_dtype=param_dtype)
+    o = TrainOptions(steps=steps, eval_every=0, progress="none", plot=False, out=str(tmp), param_dtype=param_dtype,
+                     optimizer="ademamix")  # the variants' AdEMAMix pair: the loop against the foreach step
     return torch.tensor(train(TINY, Run(4, 64, policy), variant, data, o)["history"]["loss"], dtype=torch.float64)
 
 
@@ -267,7 +268,7 @@ def test_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(args, env, b
 
     o = TrainOptions(steps=10)
     model = init_model(TINY, "baseline", "cpu", torch.float32, seed=1)
-    tr = ckpt.load(latest(ck), model, make_optimizer("ademamix", "baseline", model, o, torch.device("cpu")))
+    tr = ckpt.load(latest(ck), model, make_optimizer(o.optimizer, "baseline", model, o, torch.device("cpu")))
     assert tr["step"] == last_good and all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -293,8 +294,10 @@ BAD = {  # id: (arguments, what the one line must say)
     "steps-0": (["--steps", "0"], "--steps must be a positive integer"),
     "lr-nan": (["--lr", "nan"], "--lr must be a positive number"),
     "lr-overflow": (["--lr", "1e39"], "overflows the parameters' dtype"),
-    "lr-first-update-overflows": (["--lr", "3e38", "--weight-decay", "10", "--dtype", "fp32"],
-                                  "makes the first update non-finite"),
+    "lr-first-update-overflows": (["--lr", "3e38", "--weight-decay", "10", "--dtype", "fp32", "--optimizer",
+                                   "ademamix"], "makes the first update non-finite"),
+    "lr-adamw-update-overflows": (["--lr", "3e38", "--weight-decay", "10", "--dtype", "fp32"],
+                                  "overflows the optimizer's update at step 1"),
     "optimizer": (["--optimizer", "sgd"], "--optimizer must be one of"),
     "variant": (["--variant", "turbo"], "unknown variant"),
     "recompute-baseline": (["--recompute", "mlp"], "option of the efficient variant"),
@@ -357,7 +360,8 @@ def test_torchrun_two_ranks_follow_the_one_process_curve(variant, strategy, cach
     one-process baseline's own error. Then the run resumes from its sharded checkpoint."""
     out = tmp_path / "run"
     args = [*SHAPE, "--batch", "2", "--variant", variant, "--dtype", "fp32", "--steps", str(STEPS),
-            "--eval-every", "10", "--ckpt-dir", str(out), "--cache-dir", str(cache)]
+            "--eval-every", "10", "--ckpt-dir", str(out), "--cache-dir", str(cache),
+            "--optimizer", "ademamix"]  # the optimizer of _curve and the float64 reference
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "anatomy.train.cli", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
@@ -384,3 +388,4 @@ def test_torchrun_two_ranks_follow_the_one_process_curve(variant, strategy, cach
     assert len(warnings) == 1 and "step-00000030" in warnings[0] and "shard-00001-of-00002" in warnings[0], r.stderr
     assert json.loads((again / "train_log.json").read_text())["start_step"] == 20
     assert _losses(again) == _losses(out)
+

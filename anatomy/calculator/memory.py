@@ -3,7 +3,7 @@
 Pure Python. On CUDA the caching allocator hands out blocks rounded up to 512 bytes, so every
 tensor is rounded before it is summed (device="cpu" sums exact storage bytes: what a live-storage
 tracer sees there). The phases:
-  - init: parameters + the (B, S) int64 ids and targets;
+  - init: parameters + the (B, S) int64 ids and targets + the optimizer state;
   - forward end: + every saved tensor (the calculator's saved list; the ids and targets it names are
     the inputs themselves) + the loss scalar;
   - forward peak, baseline: + what lives only while the loss is computed: the final norm's output
@@ -188,7 +188,7 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     top = max(stages, key=lambda st: st.live)
     bwd_end = params + inputs + opt + params  # one gradient per parameter, in the parameter's dtype
     peak = max(fwd_peak or 0, top.live, fwd_end)
-    return dict(params=params, inputs=inputs, optimizer=opt, saved=saved, init=params + inputs,
+    return dict(params=params, inputs=inputs, optimizer=opt, saved=saved, init=params + inputs + opt,
                 forward_end=fwd_end, forward_peak=fwd_peak, forward_peak_last_block=block_peak,
                 backward_peak=top.live, backward_peak_at=top.name, backward_peak_by_kind=top.by_kind,
                 backward_stages=[dict(name=st.name, live=st.live, by_kind=st.by_kind) for st in stages],

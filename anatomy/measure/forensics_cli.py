@@ -13,12 +13,6 @@ from anatomy.io import write_atomic
 from anatomy.measure.forensics import attribute_peak, plot_timeline, replay
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"anatomy forensics: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
@@ -28,6 +22,8 @@ def _print(report: dict) -> None:
     from rich.table import Table
 
     con = Console()
+    if not con.is_terminal:  # a file or a pipe: wide enough for every table, never a cut path or figure
+        con.width = max(con.width, 160)
     t = Table(title=f"{report['title']}: memory at the phase boundaries of the last step (MiB = 2^20 B)")
     for c in ("phase", "allocated", "peak in phase", "reserved"):
         t.add_column(c, justify="left" if c == "phase" else "right")
@@ -45,7 +41,7 @@ def _print(report: dict) -> None:
     con.print(t)
     t = Table(title=f"the {len(pk['top'])} largest allocations live at the peak")
     for c in ("MiB", "component", "via", "kind", "made in", "where"):
-        t.add_column(c, justify="right" if c == "MiB" else "left")
+        t.add_column(c, justify="right" if c == "MiB" else "left", overflow="fold")
     for a in pk["top"]:
         t.add_row(_mib(a["size"]), a["component"], a["via"], a["kind"], f"{a['phase']} (step {a['step']})", a["where"])
     con.print(t)
@@ -54,12 +50,13 @@ def _print(report: dict) -> None:
 
 def main(argv=None) -> int:
     """anatomy forensics: the phase table and the contents of the peak of a training step (CUDA, or CPU)."""
-    from anatomy.cli_args import add_config_flags as _add_config_flags, config_from_args
+    from anatomy.cli_args import OPTIMIZER_HELP, Parser, add_config_flags, config_from_args
     from anatomy.config import ConfigError, Run, oneline
 
-    p = _Parser(prog="anatomy forensics", description=main.__doc__)
-    _add_config_flags(p)
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "ademamix", "none"))
+    p = Parser(prog="anatomy forensics", description=main.__doc__)
+    add_config_flags(p)
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "ademamix", "none"),
+                   help=OPTIMIZER_HELP + "; none: no optimizer step")
     p.add_argument("--top", type=int, default=12, help="how many of the largest live allocations to list")
     p.add_argument("--png", help="plot path (default .anatomy/forensics/<config>-<variant>-B<b>-S<s>.png)")
     p.add_argument("--out", help="JSON report path (default: the plot's path with .json)")
@@ -83,16 +80,36 @@ def main(argv=None) -> int:
         if a.out is not None and Path(a.out).suffix.lower() != ".json":
             raise ConfigError(f"--out must name a .json file, got {oneline(repr(a.out), 60)}")
     except ConfigError as e:
-        print(f"anatomy forensics: error: {e}", file=sys.stderr)
+        print(f"anatomy forensics: error: {oneline(e)}", file=sys.stderr)
         return 2
-    import torch
+    try:
+        if a.device == "cpu":  # refused before torch is imported: a model too big for RAM answers at once
+            _refuse_unless_fits(cfg, run, a.variant, None if a.optimizer == "none" else a.optimizer, "cpu")
+        import torch
 
-    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        print("anatomy forensics: error: --device cuda needs a CUDA GPU; this machine has none (use --device cpu)",
-              file=sys.stderr)
+        device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda needs a CUDA GPU; this machine has none (use --device cpu)")
+        if a.device != "cpu":
+            _refuse_unless_fits(cfg, run, a.variant, None if a.optimizer == "none" else a.optimizer, device)
+    except ConfigError as e:
+        print(f"anatomy forensics: error: {oneline(e)}", file=sys.stderr)
         return 2
     return _record_and_report(a, cfg, run, device, sys.argv[1:] if argv is None else argv)
+
+
+def _refuse_unless_fits(cfg, run, variant: str, optimizer: str | None, device: str) -> None:
+    """The step's peak by prediction (the weights alone first: no need to walk the layers of a model whose
+    weights cannot fit), against the memory this device has available: one line, before anything is built."""
+    from anatomy.calculator.memory import phases
+    from anatomy.cli import refuse_unless_fits
+    from anatomy.cli_estimate import peak_bytes
+
+    what = f"a {variant} step of {cfg.name} at B={run.batch} S={run.seq}"
+    # the step's own peak is predicted (memory.phases), so all the memory available may be asked for
+    refuse_unless_fits(what, 4 * cfg.rough_params, device, " for its fp32 weights alone", ram_share=1.0)
+    refuse_unless_fits(what, peak_bytes(phases(cfg, run, variant, optimizer=optimizer, device=device)), device,
+                       f" at its peak{f', the {optimizer} state included' if optimizer else ''}", ram_share=1.0)
 
 
 def _record_and_report(a: argparse.Namespace, cfg, run, device: str, argv: list[str]) -> int:

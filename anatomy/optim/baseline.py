@@ -7,9 +7,10 @@
 
 Each tensor op runs over one parameter at a time: about 15 kernels per parameter per step, each
 reading and writing whole tensors, plus transients (denominator, numerator, update) of the
-parameter's size; this op sequence is what calculator/launches.optimizer_kernels counts. The
-efficient version (efficient.py) writes the same update in foreach form and runs it in one pass;
-the per-step scalars and the bookkeeping are common.py's, shared by both.
+parameter's size; this op sequence is what calculator/timing/kernels.py: optimizer_kernels counts
+(validations/test_optim_kernels.py checks it op by op). The efficient version (efficient.py) writes
+the same update in foreach form and runs it in one pass; the per-step scalars and the bookkeeping are
+common.py's, shared by both.
 """
 from __future__ import annotations
 

@@ -256,7 +256,9 @@ def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     got = set(full) | set(scalars)
     if want != got:
         miss, extra = sorted(want - got)[:3], sorted(got - want)[:3]
-        raise ConfigError(f"checkpoint {folder} holds another model or optimizer (missing {miss}, unexpected {extra})")
+        who = trainer.get("identity", {})
+        raise ConfigError(f"checkpoint {folder} holds another model or optimizer (it was written with the "
+                          f"{who.get('variant')} variant and {who.get('optimizer')}; missing {miss}, unexpected {extra})")
     new_msd = {fqn: full[f"model/{fqn}"] for fqn in msd}
     for fqn, t in new_msd.items():
         if tuple(t.shape) != tuple(msd[fqn].shape):

@@ -33,12 +33,15 @@ class _UsageError(Exception):
 
 
 def parser() -> argparse.ArgumentParser:
-    from anatomy.cli_args import add_config_flags as _add_config_flags
+    from anatomy.cli_args import HelpFormatter, add_config_flags as _add_config_flags
     from anatomy.train.loop import OPTIMIZERS, PROGRESS, SCHEDULES, STRATEGIES, TrainOptions
+
+    class Formatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+        """The epilog's examples as written; each flag's default after its help."""
 
     d = TrainOptions()
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
-                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                epilog=__doc__.split("\n\n", 1)[1], formatter_class=Formatter)
     _add_config_flags(p)  # --preset/--hf-config/fields, --batch --seq --dtype --variant, --json
     p.set_defaults(batch=8, seq=256)  # per rank; the main CLI's 16 × 4096 is a GPU-sized step
     g = p.add_argument_group("data")
@@ -50,15 +53,18 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-frac", type=float, default=0.1, help="held-out tail of the token stream (0.1)")
     g.add_argument("--cache-dir", help="tokenizer cache (default $ANATOMY_CACHE or ~/.cache/anatomy)")
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=d.steps)
-    t.add_argument("--lr", type=float, default=d.lr)
-    t.add_argument("--optimizer", default=d.optimizer, help=" | ".join(OPTIMIZERS))
+    t.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    t.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
+    t.add_argument("--optimizer", default=d.optimizer,
+                   help=f"{' | '.join(OPTIMIZERS)}: torch's AdamW (fused on CUDA), or AdEMAMix (anatomy.optim: a "
+                        f"per-parameter loop for the baseline, a compiled foreach step for the efficient variant); "
+                        f"default {d.optimizer}")
     t.add_argument("--schedule", default=d.schedule, help=f"{' | '.join(SCHEDULES)} (cosine decays to 0.1 × lr)")
     t.add_argument("--warmup", type=int, default=d.warmup, help="linear lr warm-up steps")
-    t.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    t.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
     t.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm; 0: no clipping")
     t.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evals; 0: only at the end")
-    t.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    t.add_argument("--eval-batches", type=int, default=d.eval_batches, help="batches per eval")
     t.add_argument("--seed", type=int, default=d.seed, help="initial weights and data order")
     c = p.add_argument_group("checkpoints (safetensors + a sha256 manifest, written atomically, verified on resume)")
     c.add_argument("--ckpt-dir", help="where checkpoints go (none written without it)")

@@ -9,7 +9,7 @@ import torch
 
 from anatomy.config import ConfigError
 
-OPTIMIZERS = ("ademamix", "adamw")
+OPTIMIZERS = ("adamw", "ademamix")  # adamw first: the default, what users run
 SCHEDULES = ("cosine", "constant")
 STRATEGIES = ("auto", "none", "ddp", "fsdp")
 PROGRESS = ("auto", "bar", "lines", "none")
@@ -24,7 +24,7 @@ class Diverged(RuntimeError):
 class TrainOptions:
     steps: int = 200
     lr: float = 1e-3
-    optimizer: str = "ademamix"
+    optimizer: str = "adamw"  # torch's AdamW, fused on CUDA; ademamix: anatomy.optim (setup.make_optimizer)
     schedule: str = "cosine"
     warmup: int = 0
     weight_decay: float = 0.0
@@ -58,7 +58,7 @@ class TrainOptions:
             raise ConfigError(f"--ckpt-every must be a positive integer, got {self.ckpt_every!r}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"--lr must be a positive number, got {self.lr!r}")
-        # the update is lr × a normalised step (AdEMAMix's up to 1 + alpha): an lr past the parameter
+        # the update is lr × a normalised step (AdamW's about 1, AdEMAMix's up to 1 + alpha): an lr past the parameter
         # dtype's range overflows inside the optimizer, so it is refused here
         top = torch.finfo(torch.float64 if self.param_dtype == "float64" else torch.float32).max
         if self.lr > top:

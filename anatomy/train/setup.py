@@ -63,16 +63,19 @@ def init_model(cfg: ModelConfig, variant: str, device, dtype, seed: int, recompu
 
 
 def make_optimizer(name: str, variant: str, model: torch.nn.Module, o: TrainOptions, device: torch.device):
-    """The optimizer pair: the baseline variant gets the readable per-parameter loop, the efficient one
-    the foreach (compiled on CUDA) version. T_alpha_beta3 = --steps, the paper's choice."""
+    """The optimizer a step runs (anatomy/calculator/optimizer.py: implementation() names the same ones, and
+    times each). adamw: torch.optim.AdamW for either variant, fused on CUDA (one pass over each group of
+    tensors: what users run), foreach elsewhere. ademamix: the baseline variant gets the readable
+    per-parameter loop (anatomy.optim.AdEMAMix), the efficient one the foreach step, compiled on CUDA
+    (FusedAdEMAMix); T_alpha_beta3 = --steps, the paper's choice."""
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "ademamix":
         from anatomy.optim import AdEMAMix, FusedAdEMAMix
 
         cls = AdEMAMix if variant == "baseline" else FusedAdEMAMix
         return cls(params, lr=o.lr, weight_decay=o.weight_decay, T_alpha_beta3=o.steps)
-    if variant == "baseline":
-        return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, foreach=False)
+    if name != "adamw":
+        raise ConfigError(f"unknown optimizer {name!r}; choose adamw or ademamix")
     fused = device.type == "cuda"
     return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, fused=fused, foreach=not fused)
 

@@ -4,7 +4,7 @@ then the optimizer; and one fused op on its own, as bench/kernels.py times it.
 from __future__ import annotations
 
 from anatomy.calculator.dtypes import dtypes
-from anatomy.calculator.optimizer import step_bytes_moved
+from anatomy.calculator.optimizer import implementation, of_implementation, step_bytes_moved
 from anatomy.calculator.timing.kernels_baseline import baseline_kernels
 from anatomy.calculator.timing.kernels_efficient import efficient_kernels, liger_loss
 from anatomy.calculator.timing.op_bytes import dw_sum_bytes
@@ -30,24 +30,71 @@ def param_sizes(cfg: ModelConfig, variant: str) -> dict[int, int]:
     return out
 
 
+# AdEMAMix's eager step (anatomy/optim): (fp32 passes over the tensor, ops) for fp32 parameters. The loop
+# (baseline.py): m1 mul_, add_ (2+3); m2 mul_, add_ (2+3); nu mul_, addcmul_ reading g twice (2+4); denom
+# sqrt, div, add_ (3 x 2); update m1 / bc1, alpha * m2, add, / denom (2+2+3+3); + wd p (3); p -= lr update (3):
+# 38 passes in 15 ops. foreach (efficient.py, eager): the same with (1 - beta3) g, alpha m2 and wd p as
+# products of their own (a mul, then an add: one pass more each) and lr applied by its own mul_: 44 in 18.
+# bf16 parameters add casts of g and p to fp32 and p's copy back: 6 B each per element, 18 B in all.
+# validations/test_optim.py counts both on CPU, op by op.
+_EAGER = {"ademamix-loop": (38, 15), "ademamix-foreach": (44, 18)}
+CAST_BYTES = 18
+# torch's foreach kernels (ATen/native/cuda/MultiTensorApply.cuh): one launch covers at most 48 tensors (3
+# lists) and 320 chunks of 65,536 elements; a larger list takes more launches of the same op
+FOREACH_TENSORS, FOREACH_CHUNKS, FOREACH_CHUNK = 48, 320, 65_536
+
+
+def optimizer_step_bytes(impl: str, numel: int, param_bytes: int = 4) -> int:
+    """HBM bytes one step of `impl` moves for a parameter tensor of numel elements (param_bytes each):
+    the sum over its ops of the tensors each reads and writes; a fused pass moves the minimum."""
+    if impl in _EAGER:
+        return numel * (_EAGER[impl][0] * 4 + (CAST_BYTES if param_bytes != 4 else 0))
+    return step_bytes_moved(numel, of_implementation(impl), param_bytes=param_bytes, grad_bytes=param_bytes)
+
+
+def foreach_launches(sizes: dict[int, int]) -> int:
+    """Launches of one foreach op over tensors of these sizes ({elements: how many})."""
+    tensors = sum(sizes.values())
+    chunks = sum(n * -(-numel // FOREACH_CHUNK) for numel, n in sizes.items())
+    return max(-(-tensors // FOREACH_TENSORS), -(-chunks // FOREACH_CHUNKS))
+
+
 def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str = "ademamix") -> list[Kernel]:
-    """One optimizer step, per group of same-size parameter tensors. efficient: AdEMAMix compiled (or
-    a fused torch optimizer) makes one read-modify-write pass per tensor, the minimum of
-    calculator/optimizer.py, at the rate calibrate measured for it where it did (fused_efficiency:
-    torch's fused AdamW). baseline: the AdEMAMix loop, 15 kernels per tensor that move 38 fp32
-    passes per element between them (bf16 params: 3 casts and 18 B more)."""
+    """One optimizer step, for the implementation the step runs (calculator/optimizer.py:
+    implementation(optimizer, variant), what `anatomy train` builds on CUDA; an implementation name picks
+    one directly), each timed from the bytes it moves (optimizer_step_bytes):
+      adamw, ademamix-compiled  one read-modify-write pass per tensor, the minimum of
+                  calculator/optimizer.step_bytes_moved, at the rate calibrate measured for the op where it
+                  did (registry: optimizer.adamw is torch's fused AdamW), else the copy bandwidth; an entry
+                  per group of same-size tensors, a launch per tensor;
+      ademamix-loop     15 eager ops per tensor (_EAGER), one tensor at a time (bf16: 3 casts more);
+      ademamix-foreach  18 foreach ops over the list of every tensor, each foreach_launches() launches
+                  (bf16: the casts of g and p per tensor, and one foreach copy back)."""
+    impl = implementation(optimizer, variant)
     pb = BYTES[dtypes(run).param]
+    cast = pb != 4
+    sizes = param_sizes(cfg, variant)
+    if impl == "ademamix-foreach":
+        ops = _EAGER[impl][1] + (1 if cast else 0)
+        launches = ops * foreach_launches(sizes)
+        total = sum(n * (optimizer_step_bytes(impl, numel, pb) - (12 * numel if cast else 0))
+                    for numel, n in sizes.items())  # all but the per-tensor casts
+        out = [Kernel("optimizer.ademamix_foreach", "optimizer", "optimizer", "memory", launches, 0, total // launches)]
+        if cast:  # g.to(fp32), p.to(fp32): a launch each per tensor
+            out += [Kernel(f"optimizer.ademamix_foreach.cast[{numel}]", "optimizer", "optimizer", "memory", 2 * n, 0,
+                           6 * numel) for numel, n in sorted(sizes.items())]
+        return out
+    name = "adamw_fused" if impl == "adamw" else impl.replace("-", "_")
     out = []
-    for numel, n in sorted(param_sizes(cfg, variant).items()):
-        if variant == "baseline" and optimizer == "ademamix":
-            launches = 15 + (3 if pb != 4 else 0)
-            per = numel * (38 * 4 + (18 if pb != 4 else 0)) // launches
-            out.append(Kernel(f"optimizer.ademamix_loop[{numel}]", "optimizer", "optimizer", "memory", n * launches, 0,
-                              per))
+    for numel, n in sorted(sizes.items()):
+        nbytes = optimizer_step_bytes(impl, numel, pb)
+        if impl == "ademamix-loop":
+            launches = _EAGER[impl][1] + (3 if cast else 0)
+            out.append(Kernel(f"optimizer.{name}[{numel}]", "optimizer", "optimizer", "memory", n * launches, 0,
+                              nbytes // launches))  # the ops' average: the time is the bytes' and the launches'
         else:
-            nbytes = step_bytes_moved(numel, optimizer, param_bytes=pb, grad_bytes=pb)
-            out.append(Kernel(f"optimizer.{optimizer}_fused[{numel}]", "optimizer", "optimizer", "memory", n, 0,
-                              nbytes, fused=(f"optimizer.{optimizer}", numel)))
+            out.append(Kernel(f"optimizer.{name}[{numel}]", "optimizer", "optimizer", "memory", n, 0, nbytes,
+                              fused=(f"optimizer.{of_implementation(impl)}", numel)))
     return out
 
 
