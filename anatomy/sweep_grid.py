@@ -74,7 +74,7 @@ def grid(presets, hiddens, layers, batches, seqs, dtypes, variants) -> list[tupl
     return [(c, r, v) for c in cfgs for r in runs for v in variants]
 
 
-FIELD_KEYS = ("heads", "kv_heads", "intermediate", "vocab", "tie_embeddings", "mlp")
+FIELD_KEYS = ("heads", "kv_heads", "intermediate", "vocab", "tie_embeddings", "mlp", "qkv_bias")
 
 
 def models(a: argparse.Namespace, seqs: list[int]) -> tuple[list, list, list, tuple]:

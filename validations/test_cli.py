@@ -274,5 +274,6 @@ def test_a_run_too_big_for_this_machine_is_refused_at_once(cmd, capsys, monkeypa
 def test_world_size_text_is_lines_not_json(capsys):
     rc, out, _ = _main(["estimate", "--preset", "seed", "--world-size", "8", "--strategy", "ddp"], capsys)
     text = " ".join(out.split())
-    assert rc == 0 and "per rank (ddp on 8 ranks, rank 0):" in text and "communication per step:" in text
+    assert rc == 0 and "ddp on 8 ranks, rank 0:" in text and "per-rank memory at the step's peak" in text
+    assert "collectives per step" in text and "ms exposed" in text
     assert '"collectives"' not in out and "{" not in out
