@@ -59,8 +59,10 @@ PLAN_MODELS=${PLAN_MODELS:-Llama-3.1-8B,Qwen2.5-0.5B,Qwen2.5-7B,Llama-3.2-1B,Mis
 if [ -n "${ONLY:-}" ]; then
   part plan-check 560 $SPLIT python3 scripts/check_plan.py --out "$R/plan-check.json" --only "$PLAN_MODELS"
   part loss-memory 150 python3 bench/loss_memory.py --out "$R/loss-memory"
-  part real-depth 420 env ANATOMY_DRAW_SEED="${REAL_DEPTH_SEED:?set REAL_DEPTH_SEED: a new seed, drawn after the fit}" \
-    python3 scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate --out "$R/real-depth.json"
+  # REAL_DEPTH_SEED: a new seed, chosen after the timing model's last change (the draw is out of sample)
+  part real-depth 420 bash -c '[ -n "$1" ] || { echo "set REAL_DEPTH_SEED" >&2; exit 2; }
+    ANATOMY_DRAW_SEED=$1 python3 scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate \
+      --out "$0/real-depth.json"' "$R" "${REAL_DEPTH_SEED:-}"
   part peers 540 bash -c 'for c in "seed 16 4096" "tinyllama-1.1b 8 2048" "llama3.2-1b 4 4096"; do set -- $c
     for peer in efficient hf-liger hf-compile; do
       python3 bench/step.py --peer $peer --preset $1 --batch $2 --seq $3 --json "$0/step-$1-$peer.json" || true
