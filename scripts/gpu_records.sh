@@ -52,4 +52,20 @@ part probe-timing-hypothesis 85 python3 scripts/probe_timing.py --skip-named --h
 # the whole GPU suite against this run's profile, with its claims report (reports/h200/claims-gpu.json)
 part gpu-suite 150 $SPLIT env ANATOMY_GPU_PROFILE="$R/h200.json" python3 -m pytest validations -m gpu -q \
   -p no:cacheprovider --claims-report "$R/claims-gpu.json" --durations=15
+# the open issues' records, each run on its own (ONLY=...): the plan's boundary on real configs (issue 23), the
+# new loss's memory (issue 26), the user's loop at real depth, drawn with a new seed (issue 24), and the peers
+# (issue 26); each lands where anatomy/records.py names it
+PLAN_MODELS=${PLAN_MODELS:-Llama-3.1-8B,Qwen2.5-0.5B,Qwen2.5-7B,Llama-3.2-1B,Mistral-7B-v0.1,Qwen2.5-1.5B,SmolLM2-1.7B,Llama-3.2-3B,TinyLlama-1.1B-intermediate-step-1431k-3T}
+if [ -n "${ONLY:-}" ]; then
+  part plan-check 560 $SPLIT python3 scripts/check_plan.py --out "$R/plan-check.json" --only "$PLAN_MODELS"
+  part loss-memory 150 python3 bench/loss_memory.py --out "$R/loss-memory"
+  # REAL_DEPTH_SEED: a new seed, chosen after the timing model's last change (the draw is out of sample)
+  part real-depth 420 bash -c '[ -n "$1" ] || { echo "set REAL_DEPTH_SEED" >&2; exit 2; }
+    ANATOMY_DRAW_SEED=$1 python3 scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate \
+      --out "$0/real-depth.json"' "$R" "${REAL_DEPTH_SEED:-}"
+  part peers 540 bash -c 'for c in "seed 16 4096" "tinyllama-1.1b 8 2048" "llama3.2-1b 4 4096"; do set -- $c
+    for peer in efficient hf-liger hf-compile; do
+      python3 bench/step.py --peer $peer --preset $1 --batch $2 --seq $3 --json "$0/step-$1-$peer.json" || true
+    done; done' "$R"
+fi
 echo done
