@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from anatomy.config import PRESETS, ConfigError, ModelConfig, oneline, read_hf_config
+from anatomy.config import PRESETS, ConfigError, ModelConfig, oneline
+from anatomy.hf_config import read_hf_config
 
 DEFAULT_PRESET = "seed"
 

@@ -34,7 +34,7 @@ def user_loop(path: str, batch: int, seq: int, recompute: str, steps: int) -> di
     """One run in this process: the peak allocated bytes of the steps after the first, or an OOM."""
     import torch
 
-    from anatomy.config import read_hf_config
+    from anatomy.hf_config import read_hf_config
     from anatomy.models import build_model
 
     cfg = read_hf_config(path).config
@@ -91,7 +91,7 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    from anatomy.config import read_hf_config
+    from anatomy.hf_config import read_hf_config
     from anatomy.plan import peak_bytes, plan
     from validations.hf_configs import HF_CONFIGS
 

@@ -5,7 +5,8 @@ import re
 import pytest
 
 from anatomy.calculator import param_count
-from anatomy.config import ConfigError, ModelConfig, Run, from_hf_config, read_hf_config
+from anatomy.config import ConfigError, ModelConfig, Run
+from anatomy.hf_config import from_hf_config, read_hf_config
 
 # Published counts (the models' own safetensors totals), not derived from our formulas.
 PUBLISHED = {

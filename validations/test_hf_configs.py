@@ -6,7 +6,8 @@ import re
 import pytest
 
 from anatomy.calculator import estimate
-from anatomy.config import Run, read_hf_config
+from anatomy.config import Run
+from anatomy.hf_config import read_hf_config
 from validations.hf_configs import DATA, HF_CONFIGS, MODELS
 
 NAMES = list(MODELS)

@@ -115,7 +115,7 @@ def test_plan_record_covers_the_architectures_the_claim_names():
 
 def test_planned_run_peak_within_1_percent(claims):
     """The setting the plan picks runs on the H200, its peak within ±1% of the prediction made now."""
-    from anatomy.config import read_hf_config
+    from anatomy.hf_config import read_hf_config
 
     for r in _rows():
         cfg = read_hf_config(ROOT / r["config"]).config
@@ -133,7 +133,7 @@ def test_planned_run_peak_within_1_percent(claims):
 def test_next_micro_batch_runs_out_or_passes_the_margin(claims):
     """The micro-batch after the plan's either runs out of memory or peaks above the plan's budget (within ±1% of
     its own prediction): the plan's boundary is the GPU's."""
-    from anatomy.config import read_hf_config
+    from anatomy.hf_config import read_hf_config
 
     for r in _rows():
         cfg = read_hf_config(ROOT / r["config"]).config
