@@ -26,7 +26,7 @@ _TIMELINE = ["anatomy/measure/timeline.py:component_times", "anatomy/measure/tim
 _DIST = ["anatomy/distributed/strategies.py:wrap"]
 FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
     (r"^params equal Hugging Face", ["anatomy/calculator/__init__.py:param_count"],
-     ["anatomy/config.py:from_hf_config", *_MODELS], []),
+     ["anatomy/hf_config.py:from_hf_config", *_MODELS], []),
     (r"^params equal the published", ["anatomy/calculator/__init__.py:param_count"], ["anatomy/config.py:PRESETS"], []),
     (r"^params$", ["anatomy/calculator/__init__.py:param_count"],
      [*_MODELS, "anatomy/measure/run.py:measure_params"], []),
