@@ -64,8 +64,9 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
         out["time"]["gpu_busy_s"] = dict(forward_backward=gpu_s["forward"] + gpu_s["backward"],
                                          step=sum(gpu_s.values()))
         from anatomy.calculator.gpus import capacity_bytes
+        from anatomy.plan import table_entry
 
-        cap, source = capacity_bytes(gpu)  # what mem_get_info reports free on an idle device
+        cap, source = capacity_bytes(table_entry(gpu)["name"])  # what mem_get_info reports free on an idle device
         need = out["memory"]["need_bytes"]
         if (pk := out.get("distributed", {}).get("peak")) is not None:
             need = pk["peak"]  # one rank's peak, with its sharding and communication buffers

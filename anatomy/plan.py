@@ -41,10 +41,11 @@ class Candidate:
 
 
 def table_entry(gpu: str) -> dict:
-    """The GPU table's entry a --gpu name or profile stands for (capacity and links come from it)."""
+    """The GPU table's entry a --gpu name, profile name or profile .json stands for (capacity and links come
+    from it)."""
     from anatomy.calculator.timing import lookup
 
-    k = gpus.key(gpu)
+    k = gpus.base_key(gpu)
     if k is not None:
         return gpus.entry(k)
     prof = lookup.get(gpu)
