@@ -80,7 +80,7 @@ def predict(ks: list[Kernel], prof: Profile, scale: float = 1.0, layers: int = 1
 
 
 def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: str | dict = "h200-measured",
-                  sdpa_backend: str | None = None, optimizer: str | None = "ademamix",
+                  sdpa_backend: str | None = None, optimizer: str | None = "adamw",
                   with_kernels: bool = True) -> dict:
     """Predicted time of one training step, per kernel, component and phase, with MFU.
 

@@ -99,7 +99,7 @@ def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str =
 
 
 def kernels(cfg: ModelConfig, run: Run, variant: str, sdpa_backend: str | None = None,
-            optimizer: str | None = "ademamix") -> list[Kernel]:
+            optimizer: str | None = "adamw") -> list[Kernel]:
     if sdpa_backend is not None and sdpa_backend not in SDPA_BACKENDS:
         raise ConfigError(f"unknown SDPA backend {sdpa_backend!r}; choose from {', '.join(SDPA_BACKENDS)}")
     if variant == "efficient":
