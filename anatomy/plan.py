@@ -149,9 +149,17 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
     fitting = [r for r in rows if r.fits]
     best = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
     return dict(config=cfg.to_dict(), variant=variant, gpu=gpu, gpu_entry=entry["name"], gpus=gpus_n,
+                profile_kind="datasheet" if from_datasheet(gpu) else "measured",
                 gpus_per_node=gpus_per_node, seq=seq, dtype=dtype, optimizer=optimizer, margin=margin,
                 capacity_bytes=capacity, capacity_source=capacity_source, budget_bytes=budget,
                 candidates=[asdict(r) for r in rows], best=asdict(best) if best else None)
+
+
+def from_datasheet(gpu: str) -> bool:
+    """Whether --gpu names the datasheet figures (a roofline without calibration) rather than a measured profile."""
+    from anatomy.calculator.timing import lookup
+
+    return lookup.get(gpu)["kind"] == "datasheet"
 
 
 def max_batch(seq: int) -> int:

@@ -98,6 +98,9 @@ def render(a, out: dict) -> list[str]:
                  f"{b['tokens_per_s']:,.0f} tokens/s, {gib(b['peak_bytes'])} GiB per rank of {gib(out['budget_bytes'])} "
                  f"GiB, step {b['step_s'] * 1e3:,.1f} ms")
     lines.append(f"details: {estimate_command(a, b, out)}")
+    if out["profile_kind"] == "datasheet":
+        lines.append(f"times from {out['gpu']}'s datasheet figures (no calibration: optimistic; a profile from "
+                     "`anatomy calibrate` on the GPU, or h200-measured, is what the timing claims hold to)")
     lines.append("run it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the peaks are allocated bytes; "
                  "the default allocator's fragmentation can take part of the margin")
     if out["variant"] == "efficient" and not a.variant_given:

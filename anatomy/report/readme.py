@@ -251,8 +251,9 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
         from anatomy.report import plan, probes
 
         put("plan-example", plan.example())
-        if records.PLAN_CHECK.exists():
-            put("plan-h200", plan.check_table())
+        put("plan-h200", plan.check_table() if records.PLAN_CHECK.exists() else
+            f"No GPU record yet: `scripts/check_plan.py` writes `{records.rel(records.PLAN_CHECK)}` on an H200, and "
+            "the claims above are unproven until it is committed.")
 
         put("memory-h200", probes.memory_summary())
         put("memory-recompute", probes.recompute_summary())
