@@ -1,6 +1,7 @@
 """Collectives of one data-parallel training step (DDP or FSDP2), their time, and what stays exposed.
 
-Pure Python: no torch. `estimate_distributed()` is the entry point; per-rank memory is in sharding.py.
+Pure Python: no torch. `estimate_distributed()` is the entry point; per-rank memory, and the buffers the collectives
+use (dtypes, DDP's buckets), are in sharding.py, which never imports this module.
 
 Byte convention (NCCL-tests', so times compare with their bus bandwidth): `bytes_each` is the size
 of the full buffer of one call: all-gather -> its output (W x the input), reduce-scatter -> its
@@ -28,15 +29,12 @@ FSDP2 (fully_shard per Block, then the root; torch 2.13 _fsdp_collectives.py):
 from __future__ import annotations
 
 from anatomy.calculator import gpus
-from anatomy.calculator.sharding import check_world, fsdp_units, param_dtype_name, param_shapes, per_rank_memory, \
-    per_rank_peak, shard_numel
-from anatomy.calculator.types import BYTES
+from anatomy.calculator.sharding import (DEFAULT_BUCKET_CAP_MB, DTYPE_BYTES, FIRST_BUCKET_BYTES,  # noqa: F401
+                                         REDUCE_DTYPES, check_world, ddp_bucket_limits, ddp_buckets, fsdp_dtypes,
+                                         fsdp_units, param_dtype_name, param_shapes, per_rank_memory, per_rank_peak,
+                                         shard_numel)
 from anatomy.config import ConfigError, ModelConfig, Run
 
-DTYPE_BYTES = {**BYTES, "int32": 4}
-FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
-DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb default; DDP's "MB" is MiB (_MB_TO_BYTES = 1024 * 1024)
-REDUCE_DTYPES = ("float32", "bfloat16")
 
 # ---- links: per-direction bandwidth and collective latency per GPU come from the one GPU table
 # (anatomy/calculator/gpus.py), each with its source.
@@ -86,45 +84,6 @@ def _profile(gpu: str) -> dict:
 
 
 # ---- which collectives ------------------------------------------------------------------------
-def fsdp_dtypes(run: Run, param_dtype: str | None = None, reduce_dtype: str | None = None) -> dict:
-    """dtypes FSDP2 moves. Defaults per policy: amp -> bf16 all-gather, fp32 reduce-scatter (the
-    FSDP form of amp); bf16 -> bf16 both; fp32 -> fp32 both."""
-    storage = param_dtype_name(run)
-    if param_dtype is None and reduce_dtype is None:
-        param_dtype, reduce_dtype = {"amp": ("bfloat16", "float32"), "bf16": (None, None), "fp32": (None, None)}[run.dtype]
-    for name, v in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-        if v is not None and v not in REDUCE_DTYPES:
-            raise ConfigError(f"{name} must be one of {', '.join(REDUCE_DTYPES)}, got {v!r}")
-    ag = param_dtype or storage
-    return dict(param=storage, all_gather=ag, reduce=reduce_dtype or ag)
-
-
-def ddp_bucket_limits(bucket_cap_mb: float | None) -> list[int]:
-    if bucket_cap_mb is None:
-        return [FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * 1024 * 1024]
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ConfigError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
-    cap = int(bucket_cap_mb * 1024 * 1024)
-    return [cap, cap]
-
-
-def ddp_buckets(cfg: ModelConfig, run: Run, bucket_cap_mb: float | None = None) -> list[int]:
-    """Bytes of each rebuilt DDP bucket, in launch order (compute_bucket_assignment_by_size)."""
-    gb = DTYPE_BYTES[param_dtype_name(run)]
-    limits, k, size, out = ddp_bucket_limits(bucket_cap_mb), 0, 0, []
-    for _, shape in reversed(param_shapes(cfg)):  # gradient-ready order
-        n = 1
-        for d in shape:
-            n *= d
-        size += n * gb
-        if size >= limits[k]:
-            out.append(size)
-            size, k = 0, min(k + 1, len(limits) - 1)
-    if size:
-        out.append(size)
-    return out
-
-
 def _row(op, phase, units, count, nbytes, dtype) -> dict:
     return dict(op=op, phase=phase, units=units, count=count, bytes_each=nbytes, dtype=dtype)
 

@@ -35,6 +35,10 @@ from anatomy.calculator.types import BYTES
 from anatomy.config import ConfigError, ModelConfig, Run
 
 STRATEGIES = ("ddp", "fsdp")
+DTYPE_BYTES = {**BYTES, "int32": 4}
+FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
+DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb default; DDP's "MB" is MiB (_MB_TO_BYTES = 1024 * 1024)
+REDUCE_DTYPES = ("float32", "bfloat16")
 Shape = tuple[int, ...]
 
 
@@ -108,6 +112,46 @@ def optimizer_bytes(optimizer: str, numel: int, n_tensors: int, param_bytes: int
     return state_bytes(numel, name, n_tensors=n_tensors)
 
 
+# ---- the buffers the collectives use: their dtypes, DDP's buckets (calculator/comm.py times them) ----
+def fsdp_dtypes(run: Run, param_dtype: str | None = None, reduce_dtype: str | None = None) -> dict:
+    """dtypes FSDP2 moves. Defaults per policy: amp -> bf16 all-gather, fp32 reduce-scatter (the
+    FSDP form of amp); bf16 -> bf16 both; fp32 -> fp32 both."""
+    storage = param_dtype_name(run)
+    if param_dtype is None and reduce_dtype is None:
+        param_dtype, reduce_dtype = {"amp": ("bfloat16", "float32"), "bf16": (None, None), "fp32": (None, None)}[run.dtype]
+    for name, v in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if v is not None and v not in REDUCE_DTYPES:
+            raise ConfigError(f"{name} must be one of {', '.join(REDUCE_DTYPES)}, got {v!r}")
+    ag = param_dtype or storage
+    return dict(param=storage, all_gather=ag, reduce=reduce_dtype or ag)
+
+
+def ddp_bucket_limits(bucket_cap_mb: float | None) -> list[int]:
+    if bucket_cap_mb is None:
+        return [FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * 1024 * 1024]
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ConfigError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+    cap = int(bucket_cap_mb * 1024 * 1024)
+    return [cap, cap]
+
+
+def ddp_buckets(cfg: ModelConfig, run: Run, bucket_cap_mb: float | None = None) -> list[int]:
+    """Bytes of each rebuilt DDP bucket, in launch order (compute_bucket_assignment_by_size)."""
+    gb = DTYPE_BYTES[param_dtype_name(run)]
+    limits, k, size, out = ddp_bucket_limits(bucket_cap_mb), 0, 0, []
+    for _, shape in reversed(param_shapes(cfg)):  # gradient-ready order
+        n = 1
+        for d in shape:
+            n *= d
+        size += n * gb
+        if size >= limits[k]:
+            out.append(size)
+            size, k = 0, min(k + 1, len(limits) - 1)
+    if size:
+        out.append(size)
+    return out
+
+
 def check_world(cfg: ModelConfig, world_size, strategy: str) -> None:
     """ConfigError (one line) for a strategy or world size that cannot be run."""
     if strategy not in STRATEGIES:
@@ -167,8 +211,6 @@ def _rounder(device: str):
 def _fsdp_unit_bytes(cfg: ModelConfig, run: Run, world: int, rank: int, rnd) -> dict:
     """Per unit ("root", "block"): G (unsharded, per-parameter tensors), F (the flat all-gather buffer),
     R (reduce-scatter input), S (sharded gradient), P (sharded parameters), U (unsharded gradients)."""
-    from anatomy.calculator.comm import DTYPE_BYTES, fsdp_dtypes
-
     dts = fsdp_dtypes(run)
     ag, rs, pb = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]], BYTES[dts["param"]]
     out = {}
@@ -285,8 +327,6 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
 
 
 def _ddp_peak(cfg, run, variant, world, rank, optimizer, device, rnd) -> dict:
-    from anatomy.calculator.comm import ddp_buckets
-
     from anatomy.calculator.memory import phases
 
     ph = phases(cfg, run, variant, optimizer=optimizer, device=device)
