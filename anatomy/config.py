@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import unicodedata
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 MLP_VARIANTS = ("swiglu", "gpt-oss")
 # dtype policies:
@@ -117,7 +117,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         """Every field; qkv_bias only when it is on (so reports of bias-free models keep their keys)."""
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # scalars only: no deep copy needed
         if not self.qkv_bias:
             del d["qkv_bias"]
         return d

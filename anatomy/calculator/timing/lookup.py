@@ -75,7 +75,7 @@ def load(path: str | Path) -> Profile:
     p = Path(path)
     try:
         st = p.stat()
-        key = (str(p.resolve()), st.st_mtime_ns, st.st_size)
+        key = (str(p.absolute()), st.st_mtime_ns, st.st_size)  # one stat: no path resolution per call
         if key in _LOADED:
             return _LOADED[key]
         raw = p.read_bytes()
