@@ -168,7 +168,9 @@ def bench(benchmark, work, setup, *, refs: dict, rounds: int = ROUNDS, warmup: i
     slowdown.py): warm-up and calibration rounds first, then the spin is fixed and recorded."""
     rnd = (make_round or (lambda w: GpuRound(w, cycles_per_s=refs["sleep_cycles_per_s"])))(work)
     if slowdown is not None and not benchmark.disabled:
-        for _ in range(warmup + slowdown.SAMPLES + 1):
+        for i in range(warmup + slowdown.ROUNDS):
+            if i == warmup:
+                slowdown.calibrate()  # the rounds from here on are queued: their events time the GPU
             args, kw = setup()
             rnd(*args, **kw)
         injected = slowdown.freeze()

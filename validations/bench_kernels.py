@@ -100,6 +100,7 @@ def kernel_case(kernel: str, shape: str, phase: str, device, shapes: dict = KERN
                 out = op(*xs)
             if phase == "fwd+bwd":
                 out.backward()
+            return out
     else:  # bwd: the forward is setup's, untimed
         def setup():
             op, xs = pick()
@@ -111,7 +112,7 @@ def kernel_case(kernel: str, shape: str, phase: str, device, shapes: dict = KERN
             return (outs, xs, grads), {}
 
         def work(outs, xs, grads):
-            torch.autograd.grad(outs, xs, grads)
+            return torch.autograd.grad(outs, xs, grads)
     return setup, work, dict(kernel=kernel, shape=shape, phase=phase, input_sets=len(sets),
                              **{k: v for k, v in sh.items()})
 

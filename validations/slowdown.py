@@ -6,8 +6,9 @@ is read only here (validations), never by anatomy/. For each named target, every
 implementation is followed by a spin kernel (torch.cuda._sleep) that lasts (factor - 1) x that
 call's own GPU time, less the GPU time an extra kernel launch adds: the GPU then does what a kernel
 `factor` times slower would. The call's own time is measured per target and argument shapes, with
-events around the first calls (the calibration rounds the harness runs before timing); freeze()
-then fixes the spin per shape. Nothing is wrapped when the variable is unset or empty.
+events around its calls in the calibration rounds that the harness runs after its warm-up rounds,
+when every round is queued behind the GPU round's spin (so the events time the GPU, not the host);
+freeze() then fixes the spin per shape. Nothing is wrapped when the variable is unset or empty.
 
 What each target wraps (module globals and methods that every path, the eager fast path and the
 custom op alike, calls at run time; scripts/gate_check.sh slows each in turn):
@@ -91,12 +92,14 @@ def _key(target: str, args, kwargs) -> tuple:
 
 
 class Slowdown:
-    """Installed wrappers for the targets in `factors`; calibrating until freeze(), then spinning.
+    """Installed wrappers for the targets in `factors`: idle (calls pass through), then calibrate()
+    (calls are timed), then freeze() (each call is followed by its spin).
 
     rate: the spin kernel's cycles per second; launch_s: GPU time one extra kernel launch adds
     (gpu_clock.references). event/sleep are injectable for the CPU tests."""
 
-    SAMPLES = 3  # calls per shape whose median is the call's own time (after the first, a warm-up)
+    ROUNDS = 3  # calibration rounds the harness runs between calibrate() and freeze()
+    MAX_SAMPLES = 16  # timed calls per shape, at most
 
     def __init__(self, factors: dict[str, float], *, rate: float, launch_s: float,
                  event: Callable | None = None, sleep: Callable[[int], None] | None = None):
@@ -109,13 +112,25 @@ class Slowdown:
         self.samples: dict[tuple, list] = {}
         self.cycles: dict[tuple, int] = {}
         self.injected: dict[tuple, float] = {}  # key -> injected GPU time / the call's own GPU time
-        self.frozen = False
+        self.state = "idle"
         self._undo: list[Callable] = []
 
     # ---- timing or spinning around one call -------------------------------------------------------
+    @property
+    def frozen(self) -> bool:
+        return self.state == "frozen"
+
+    def calibrate(self) -> None:
+        self.state = "calibrating"
+
+    def _timing(self, key: tuple) -> bool:
+        return self.state == "calibrating" and len(self.samples.setdefault(key, [])) < self.MAX_SAMPLES
+
     def _around(self, target: str, key: tuple, call: Callable):
+        if self.state == "idle":
+            return call()
         if not self.frozen:
-            if len(self.samples.setdefault(key, [])) > self.SAMPLES:
+            if not self._timing(key):
                 return call()
             e0, e1 = self.event(), self.event()
             e0.record()
@@ -133,17 +148,17 @@ class Slowdown:
         self.sleep(self.cycles[key])
 
     def freeze(self) -> dict[tuple, float]:
-        """Fix the spin per call shape from the calibration calls (the first dropped as a warm-up):
-        (factor - 1) x the median own time, less one launch. Returns the injected fraction per shape."""
+        """Fix the spin per call shape from the calibration calls: (factor - 1) x their median own time,
+        less one launch. Returns the injected fraction (injected / own GPU time) per shape."""
         for key, pairs in self.samples.items():
             if not pairs:
                 continue
             pairs[-1][1].synchronize()
-            own = statistics.median(a.elapsed_time(b) * 1e-3 for a, b in (pairs[1:] or pairs))
+            own = statistics.median(a.elapsed_time(b) * 1e-3 for a, b in pairs)
             extra = (self.factors[key[0]] - 1.0) * own
             self.cycles[key] = max(0, round((extra - self.launch_s) * self.rate))
             self.injected[key] = (self.launch_s + self.cycles[key] / self.rate) / own if own else math.inf
-        self.frozen = True
+        self.state = "frozen"
         return self.injected
 
     # ---- installing the wrappers ------------------------------------------------------------------
@@ -187,9 +202,9 @@ class Slowdown:
         if self.frozen:
             node.register_hook(lambda gi, go: self.spin(key))
             return
-        pairs = self.samples.setdefault(key, [])
-        if len(pairs) > self.SAMPLES:
+        if not self._timing(key):
             return
+        pairs = self.samples[key]
         e0, e1 = self.event(), self.event()
         node.register_prehook(lambda go: e0.record())
         node.register_hook(lambda gi, go: (e1.record(), pairs.append((e0, e1))) and None)
