@@ -83,6 +83,18 @@ def gpu_refs(cuda_device):
 
 
 @pytest.fixture
+def free_cuda():
+    """After a benchmark: drop its tensors and give the allocator's cached blocks back."""
+    yield
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture
 def slowdown(request):
     """None, or the ANATOMY_SLOWDOWN wrappers installed for this test (validations/slowdown.py)."""
     from validations.slowdown import Slowdown, from_env

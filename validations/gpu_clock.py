@@ -9,8 +9,9 @@ therefore records each round's GPU time as its duration, and --benchmark-compare
 
 A GpuRound queues the work behind a spin kernel (torch.cuda._sleep): the host enqueues every op
 while the GPU spins, so the two CUDA events around the work time the GPU's work only, never a
-wait for the host (Python, launch latency, the allocator). The spin adapts: when the host's issue
-time reaches the spin's length, the next round spins twice the issue time. A round whose host
+wait for the host (Python, launch latency, the allocator). The spin adapts: each round spins twice
+the longest host issue time of the two rounds before it (at least MIN_SPIN_S, at most MAX_SPIN_S,
+so a warm-up round that compiled kernels does not leave seconds of spin behind). A round whose host
 issue outlasted its spin is counted as not queued (`extra_info["queued_rounds"]`); its figure
 may include host gaps.
 
@@ -35,7 +36,7 @@ class GpuRound:
     """A pytest-benchmark target: run `work` between two events, queued behind a spin; add its GPU time
     to gpu_time's clock. Host-side figures per round go to host_issue_s and queued."""
 
-    MIN_SPIN_S = 2e-3
+    MIN_SPIN_S, MAX_SPIN_S = 2e-3, 0.5
 
     def __init__(self, work: Callable, *, cycles_per_s: float, event: Callable | None = None,
                  sleep: Callable[[int], None] | None = None, host: Callable[[], float] = time.perf_counter,
@@ -66,8 +67,7 @@ class GpuRound:
         self.gpu_s.append(gpu)
         self.host_issue_s.append(issue)
         self.queued.append(issue < before.elapsed_time(start) * 1e-3)
-        if issue > 0.5 * self.spin_s:
-            self.spin_s = max(self.MIN_SPIN_S, 2 * issue)
+        self.spin_s = min(self.MAX_SPIN_S, max(self.MIN_SPIN_S, 2 * max(self.host_issue_s[-2:])))
 
 
 def queued_median(fn: Callable, reps: int, *, cycles_per_s: float, **inject) -> float:

@@ -17,7 +17,7 @@ import torch
 from validations.bench_harness import bench
 from validations.bench_kernels import KERNEL_PHASES, KERNEL_SHAPES, OPTIMIZERS, kernel_case, optimizer_case
 from validations.gpu_clock import gpu_time
-from validations.test_benchmarks import env_info, free_cuda  # noqa: F401 - free_cuda is a fixture
+from validations.test_benchmarks import env_info
 
 KERNEL_IDS = [pytest.param(k, s, p, id=f"{k}/{s}/{p}") for k, phs in KERNEL_PHASES.items() for s in KERNEL_SHAPES
               for p in phs]
@@ -27,7 +27,7 @@ OPTIMIZER_IDS = [pytest.param(o, s, id=f"{o}/{s}/step") for o in OPTIMIZERS for 
 @pytest.mark.gpu
 @pytest.mark.benchmark(timer=gpu_time)
 @pytest.mark.parametrize("kernel,shape,phase", KERNEL_IDS)
-def test_kernel(benchmark, free_cuda, gpu_refs, slowdown, kernel, shape, phase):  # noqa: F811
+def test_kernel(benchmark, free_cuda, gpu_refs, slowdown, kernel, shape, phase):
     setup, work, info = kernel_case(kernel, shape, phase, "cuda")
     benchmark.group = f"kernel/{kernel}/{phase}"
     benchmark.extra_info.update(env_info(), **info)
@@ -37,7 +37,7 @@ def test_kernel(benchmark, free_cuda, gpu_refs, slowdown, kernel, shape, phase):
 @pytest.mark.gpu
 @pytest.mark.benchmark(timer=gpu_time)
 @pytest.mark.parametrize("optimizer,shape", OPTIMIZER_IDS)
-def test_optimizer(benchmark, free_cuda, gpu_refs, slowdown, optimizer, shape):  # noqa: F811
+def test_optimizer(benchmark, free_cuda, gpu_refs, slowdown, optimizer, shape):
     setup, work, info = optimizer_case(optimizer, shape, "cuda")
     benchmark.group = f"optimizer/{shape}/step"
     benchmark.extra_info.update(env_info(), **info)

@@ -15,14 +15,13 @@ design card's `--benchmark-compare=baselines.json --benchmark-compare-fail=media
 See docs/benchmarks.md.
 
 CPU part (not gpu-marked): the harness's inputs match what the model feeds each component; the GPU
-clock's semantics on fake CUDA events; the ANATOMY_SLOWDOWN parser and its calibration; every fused
+clock's semantics on fake CUDA events (the slowdown's: validations/test_slowdown.py); every fused
 kernel, component and optimizer has a benchmark id; and the gate itself (pytest-benchmark's
 compare/compare-fail on a synthetic benchmark timed by gpu_time, in a subprocess).
 """
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import json
 import os
@@ -40,8 +39,9 @@ from anatomy.measure.components import COMPONENTS, component_modules
 from anatomy.models import VARIANTS, build_model, make_batch
 from validations.bench_harness import COMPONENT_PHASES, CONFIGS, MODEL_PHASES, bench, capture, component_case, model_case
 from validations.configs import NAMED
-from validations.gpu_clock import GpuRound, gpu_time
-from validations.slowdown import ENV, TARGETS, Slowdown, parse
+from validations.fake_gpu import REFS, BenchStub, FakeGPU
+from validations.gpu_clock import gpu_time
+from validations.slowdown import TARGETS
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_TIMER = pytest.mark.benchmark(timer=gpu_time)  # pytest-benchmark's marker: this test's rounds are GPU seconds
@@ -64,13 +64,6 @@ def _cases(components, phases):
             out.append(pytest.param(cname, variant, comp, phase, id=f"{cname}/{variant}/{comp}/{phase}",
                                     marks=[pytest.mark.slow] if bc.slow else []))
     return out
-
-
-@pytest.fixture
-def free_cuda():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 # ---- GPU benchmarks ------------------------------------------------------------------------------
@@ -144,66 +137,12 @@ def test_model_targets_run(phase):
 
 
 # ---- CPU: the GPU clock, on a fake GPU -----------------------------------------------------------
-class FakeGPU:
-    """A GPU and a host that only the test moves. Ops queue in order: an event records the GPU time
-    at which the ops before it are done; a spin of c cycles lasts launch_s + c / rate."""
-
-    def __init__(self, rate: float = 1e9, launch_s: float = 0.0):
-        self.gpu = self.host = 0.0
-        self.rate, self.launch_s = rate, launch_s
-
-    def run(self, gpu_s: float, host_s: float = 0.0) -> None:  # one op: its GPU time, the host's issue time
-        self.gpu += gpu_s
-        self.host += host_s
-
-    def sleep(self, cycles: int) -> None:
-        self.gpu += self.launch_s + cycles / self.rate
-
-    def event(self):
-        gpu = self
-
-        class Event:
-            t = None
-
-            def record(self):
-                self.t = gpu.gpu
-
-            def elapsed_time(self, other) -> float:
-                return (other.t - self.t) * 1e3  # ms, as CUDA's
-
-            def synchronize(self):
-                pass
-        return Event()
-
-    def round(self, work, clock: list[float]) -> GpuRound:
-        return GpuRound(work, cycles_per_s=self.rate, event=self.event, sleep=self.sleep, host=lambda: self.host,
-                        clock=clock)
-
-
-class BenchStub:
-    """pytest-benchmark's pedantic contract: setup untimed, warm-up untimed, one call per round timed
-    as timer() after minus timer() before (fixture.py, _make_runner)."""
-    disabled = False
-
-    def __init__(self, timer):
-        self.timer, self.extra_info, self.times = timer, {}, []
-
-    def pedantic(self, target, setup, rounds, warmup_rounds, iterations):
-        for i in range(warmup_rounds + rounds):
-            args, kw = setup()
-            t0 = self.timer()
-            target(*args, **kw)
-            if i >= warmup_rounds:
-                self.times.append(self.timer() - t0)
-
-
-REFS = dict(gemm_s=0.002, copy_s=0.0005, sleep_cycles_per_s=1e9, extra_launch_s=0.0)
 
 
 def test_gpu_clock_times_the_gpus_work_only():
     """A round's duration on gpu_time's clock is the GPU time of its work, whatever the host's issue time
     or the spin before it; the clock accumulates; a round whose issue outlasted the spin is not queued,
-    and the next spin covers twice that issue time."""
+    and the next two spins cover twice that issue time, then the spin follows the issue time back down."""
     fake, clock = FakeGPU(), [0.0]
     works = itertools.cycle([(0.004, 0.001), (0.004, 0.030), (0.004, 0.0001), (0.040, 0.001)])  # (GPU, host) s
     rnd = fake.round(lambda: fake.run(*next(works)), clock)
@@ -211,8 +150,8 @@ def test_gpu_clock_times_the_gpus_work_only():
     stub.pedantic(rnd, lambda: ((), {}), rounds=8, warmup_rounds=0, iterations=1)
     assert stub.times == pytest.approx([0.004, 0.004, 0.004, 0.040] * 2, abs=1e-12)
     assert clock[0] == pytest.approx(2 * 0.052, abs=1e-12) and rnd.gpu_s == pytest.approx(stub.times, abs=1e-12)
-    assert rnd.queued[:2] == [True, False]  # 30 ms of issue behind a 2 ms spin: the GPU waited for the host
-    assert all(rnd.queued[2:]) and rnd.spin_s == pytest.approx(0.060)
+    assert rnd.queued == [True, False, True, True] * 2  # 30 ms of issue behind a 2 ms spin: the GPU waited
+    assert rnd.spin_s == pytest.approx(0.002)
 
 
 def test_bench_records_gpu_time_and_the_relative_fields():
@@ -228,86 +167,6 @@ def test_bench_records_gpu_time_and_the_relative_fields():
     assert x["rel_gemm"] == pytest.approx(1.5) and x["rel_copy"] == pytest.approx(6.0)
     assert x["queued_rounds"] == 1.0 and x["host_issue_median_s"] == pytest.approx(0.0002)
     assert x["wall_median_s"] == pytest.approx(0.0032)  # issue + GPU, no spin: what eager training waits
-
-
-# ---- CPU: the injected slowdown --------------------------------------------------------------------
-def test_slowdown_parser_is_strict():
-    assert parse("") == {} and parse("  ") == {}
-    assert parse("rms_norm=1.15, attention=1.075") == {"rms_norm": 1.15, "attention": 1.075}
-    for bad in ("rms_norm", "rms_norm:1.2", "rmsnorm=1.2", "norm=1.2", "rms_norm=1", "rms_norm=0.9",
-                "rms_norm=x", "rms_norm=inf", "rms_norm=nan", "rms_norm=1.1,,swiglu=1.1", "rms_norm=1.1,rms_norm=1.2"):
-        with pytest.raises(ValueError, match=ENV):
-            parse(bad)
-
-
-@pytest.mark.slow  # ~6 s: one pytest start-up (torch and the conftest)
-def test_bad_slowdown_is_a_one_line_usage_error():
-    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        "validations/test_benchmarks.py"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, **{ENV: "rms_norm=1.2,flash=1.2"}))
-    assert r.returncode == 4, r.stdout[-800:] + r.stderr[-800:]
-    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ENV in ln]
-    assert len(lines) == 1 and "bad item 'flash=1.2'" in lines[0] and "Traceback" not in r.stderr
-
-
-def test_slowdown_adds_its_factor_of_the_kernels_own_gpu_time():
-    """A target that costs 1 ms of GPU time per call, called twice a round beside 3 ms of other work:
-    the spin after each call adds (factor - 1) x 1 ms (the extra launch included), so the round grows by
-    exactly 2 x 0.3 ms and the recorded injected fraction is factor - 1; before calibrate() nothing is
-    timed or added, and a call shape not seen in calibration is an error, not a silent pass."""
-    from types import SimpleNamespace
-
-    fake, clock = FakeGPU(launch_s=2e-5), [0.0]
-    ns = SimpleNamespace(kernel=lambda x: fake.run(0.001, 1e-5))
-    orig = ns.kernel
-    sd = Slowdown({"rms_norm": 1.3}, rate=fake.rate, launch_s=fake.launch_s, event=fake.event, sleep=fake.sleep)
-    sd._wrap(ns, "kernel", [("rms_norm", None)])
-    x = torch.zeros(4, 8)
-
-    def work():
-        ns.kernel(x)
-        fake.run(0.003)
-        ns.kernel(x)
-
-    medians = {}
-    for name, s in (("plain", None), ("slowed", sd)):
-        stub = BenchStub(lambda: clock[0])
-        bench(stub, work, lambda: ((), {}), refs=dict(REFS, sleep_cycles_per_s=fake.rate), rounds=5, warmup=2,
-              slowdown=s, make_round=lambda w: fake.round(w, clock), sync=lambda: None)
-        medians[name] = statistics.median(stub.times)
-    assert medians["plain"] == pytest.approx(0.005) and medians["slowed"] == pytest.approx(0.0056)
-    assert stub.extra_info["slowdown_injected"] == {"rms_norm": [pytest.approx(0.3)]}
-    with pytest.raises(RuntimeError, match="not seen while calibrating"):
-        ns.kernel(torch.zeros(2, 8))
-    sd.uninstall()
-    assert ns.kernel is orig
-
-
-def test_every_slowdown_target_wraps_and_restores_and_times_sdpas_backward():
-    """install() wraps each target's callables where the kernels' modules look them up, uninstall()
-    restores them; SDPA's backward, which autograd runs, is timed through hooks on its node."""
-    import importlib
-
-    fake = FakeGPU()
-    before = {}
-    for target, spots in TARGETS.items():
-        for mod, attr, _ in spots:
-            owner = importlib.import_module(mod)
-            for p in attr.split(".")[:-1]:
-                owner = getattr(owner, p)
-            before[(mod, attr)] = (owner, attr.split(".")[-1], getattr(owner, attr.split(".")[-1]))
-    sd = Slowdown({t: 1.2 for t in TARGETS}, rate=fake.rate, launch_s=0.0, event=fake.event, sleep=fake.sleep).install()
-    try:
-        for owner, name, orig in before.values():
-            assert getattr(owner, name) is not orig and getattr(owner, name).__wrapped__ is orig
-        sd.calibrate()
-        q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-        assert {key[0] for key, pairs in sd.samples.items() if pairs} == {"attention", "attention.bwd"}
-    finally:
-        sd.uninstall()
-    for owner, name, orig in before.values():
-        assert getattr(owner, name) is orig
 
 
 # ---- CPU: every kernel, component and optimizer is benchmarked, on GPU time ------------------------
