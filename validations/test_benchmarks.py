@@ -170,12 +170,24 @@ def test_bench_records_gpu_time_and_the_relative_fields():
 
 
 # ---- CPU: every kernel, component and optimizer is benchmarked, on GPU time ------------------------
+def _benchmark_tests():
+    """(module.test, function) for every test in validations/test_*.py that takes the benchmark fixture."""
+    import ast
+    import importlib
+
+    for path in sorted((ROOT / "validations").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        for f in tree.body:
+            if isinstance(f, ast.FunctionDef) and f.name.startswith("test_") and \
+                    any(a.arg == "benchmark" for a in f.args.args):
+                yield f"{path.stem}.{f.name}", getattr(importlib.import_module(f"validations.{path.stem}"), f.name)
+
+
 def test_every_kernel_component_and_step_has_a_gpu_timed_benchmark():
     """Collected ids (as --collect-only lists them) cover each component of both variants in each phase
     and config, each model step, each fused kernel and SDPA at both shapes in each phase, and each
-    optimizer at both shapes; every slowdown target has a benchmark of its own; every GPU benchmark
-    test carries the gpu_time timer."""
-    from validations import test_bench_kernels as tk
+    optimizer at both shapes; every slowdown target has a benchmark of its own; every benchmark test in
+    validations carries the gpu_time timer, so the design card's command gates GPU time only."""
     from validations.bench_kernels import KERNEL_PHASES, KERNEL_SHAPES, OPTIMIZERS
 
     r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
@@ -191,9 +203,12 @@ def test_every_kernel_component_and_step_has_a_gpu_timed_benchmark():
     assert ids == want
     assert len(ids) == 52 + 2 * 11 + 6
     assert all(any(f"[{t}/" in i for i in ids) for t in TARGETS)
-    for fn in (test_component, test_model, tk.test_kernel, tk.test_optimizer):
-        marks = [m for m in fn.pytestmark if m.name == "benchmark"]
-        assert [m.kwargs.get("timer") for m in marks] == [gpu_time], fn.__name__
+    timed = dict(_benchmark_tests())
+    assert {"test_benchmarks.test_component", "test_benchmarks.test_model", "test_bench_kernels.test_kernel",
+            "test_bench_kernels.test_optimizer"} <= set(timed)
+    for name, fn in timed.items():
+        marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "benchmark"]
+        assert [m.kwargs.get("timer") for m in marks] == [gpu_time], f"{name} is not timed on gpu_time"
 
 
 
