@@ -181,6 +181,8 @@ def bench(benchmark, work, setup, *, refs: dict, rounds: int = ROUNDS, warmup: i
     benchmark.pedantic(rnd, setup=setup, rounds=rounds, warmup_rounds=warmup, iterations=1)
     if benchmark.disabled:
         return
+    if slowdown is not None:  # which slowed targets this work called: scripts/gate_check.sh reads it
+        benchmark.extra_info["slowdown_calls"] = dict(slowdown.calls)
     gpu, issue, queued = rnd.gpu_s[-rounds:], rnd.host_issue_s[-rounds:], rnd.queued[-rounds:]
     med = statistics.median(gpu)
     wall = []

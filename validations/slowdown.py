@@ -113,6 +113,7 @@ class Slowdown:
         self.cycles: dict[tuple, int] = {}
         self.injected: dict[tuple, float] = {}  # key -> injected GPU time / the call's own GPU time
         self.state = "idle"
+        self.calls: dict[str, int] = {}  # target -> calls seen, in every state: does this work contain it?
         self._undo: list[Callable] = []
 
     # ---- timing or spinning around one call -------------------------------------------------------
@@ -186,6 +187,7 @@ class Slowdown:
             target = next((t for t, keep in targets if keep is None or keep(args, kwargs)), None)
             if target is None:
                 return orig(*args, **kwargs)
+            me.calls[target] = me.calls.get(target, 0) + 1
             key = _key(target, args, kwargs)
             out = me._around(target, key, lambda: orig(*args, **kwargs))
             if target == "attention" and getattr(out, "grad_fn", None) is not None:
