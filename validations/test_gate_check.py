@@ -1,0 +1,59 @@
+"""scripts/gate_check.sh and its summary (CPU): the verdict rules on synthetic runs, the script's syntax
+and its one-line refusal without a GPU."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from gate_check_summary import main, summarize  # noqa: E402
+
+F = "validations/test_bench_kernels.py::"
+M = "validations/test_benchmarks.py::"
+
+
+def _b(name: str, median: float, calls: dict | None = None) -> dict:
+    return dict(fullname=name, stats=dict(median=median), extra_info=dict(slowdown_calls=calls or {}))
+
+
+BASE = {n: _b(n, 1.0) for n in (F + "test_kernel[rms_norm/seed/fwd]", F + "test_kernel[rms_norm/seed/bwd]",
+                                 F + "test_kernel[swiglu/seed/fwd]", M + "test_model[x/efficient/model/fwd]",
+                                 M + "test_model[x/baseline/model/fwd]")}
+
+
+def _run(ratios: dict, calls: dict) -> dict:
+    return {n: _b(n, r, {"rms_norm": calls.get(n, 0)} if calls.get(n) else {}) for n, r in ratios.items()}
+
+
+def test_the_verdict_rules():
+    """unmodified: nothing over the threshold; a slowdown: every own benchmark over it, and nothing over
+    it that never called the kernel (a benchmark that called it may fail or not)."""
+    names = list(BASE)
+    good = _run({names[0]: 1.08, names[1]: 1.07, names[2]: 1.01, names[3]: 1.06, names[4]: 0.99},
+                {names[0]: 5, names[1]: 5, names[3]: 50})
+    s = summarize(BASE, {"unmodified": (_run({n: 1.02 for n in names}, {}), 0), "rms_norm": (good, 1)}, 5.0)
+    assert s["ok"] and s["runs"]["rms_norm"]["failed"] == sorted(names[:2] + [names[3]])
+    missed = dict(good, **_run({names[1]: 1.04}, {names[1]: 5}))  # an own benchmark under the threshold
+    stray = dict(good, **_run({names[4]: 1.06}, {}))  # a baseline-model benchmark failed without rms_norm
+    crashed = {n: b for n, b in good.items() if n != names[1]}  # an own benchmark that wrote no figure
+    for bad in (missed, stray, crashed):
+        assert not summarize(BASE, {"rms_norm": (bad, 1)}, 5.0)["ok"]
+    assert not summarize(BASE, {"unmodified": (_run({n: 1.051 for n in names}, {}), 1)}, 5.0)["ok"]
+    assert not summarize(BASE, {"unmodified": (None, 1)}, 5.0)["ok"]
+
+
+def test_main_writes_the_summary(tmp_path):
+    base, cur = tmp_path / "base.json", tmp_path / "cur.json"
+    base.write_text(json.dumps(dict(benchmarks=list(BASE.values()))))
+    cur.write_text(json.dumps(dict(benchmarks=list(BASE.values()))))
+    assert main([str(base), "5", str(tmp_path / "s.json"), f"unmodified={cur}:0"]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["runs"]["unmodified"]["max_ratio"] == 1.0
+    assert main([str(tmp_path / "missing.json"), "5", str(tmp_path / "s.json"), f"unmodified={cur}:0"]) == 2
+
+
+def test_gate_check_refuses_without_a_gpu():
+    r = subprocess.run(["bash", "scripts/gate_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip() == "gate_check: error: needs a CUDA GPU; this machine has none"
