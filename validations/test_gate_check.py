@@ -57,3 +57,18 @@ def test_main_writes_the_summary(tmp_path):
 def test_gate_check_refuses_without_a_gpu():
     r = subprocess.run(["bash", "scripts/gate_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip() == "gate_check: error: needs a CUDA GPU; this machine has none"
+
+
+def test_a_baseline_on_another_timer_is_refused(tmp_path):
+    """--benchmark-compare against figures timed by another clock (the wall-clock baselines.json) is a
+    one-line usage error, not a comparison of wall seconds with GPU seconds; a gpu_time file is accepted."""
+    wall = dict(benchmarks=[dict(fullname="x", options=dict(timer="perf_counter"), stats=dict(median=1.0))])
+    gpu = dict(benchmarks=[dict(fullname="x", options=dict(timer="gpu_time"), stats=dict(median=1.0))])
+    for data, rc in ((wall, 4), (gpu, 0)):
+        path = tmp_path / f"{rc}.json"
+        path.write_text(json.dumps(data))
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            "validations/test_gate_check.py", f"--benchmark-compare={path}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == rc, r.stdout[-600:] + r.stderr[-600:]
+        assert ("holds figures timed by perf_counter, not gpu_time" in r.stdout + r.stderr) == (rc == 4)
