@@ -199,17 +199,27 @@ class Slowdown:
         self._undo.append(lambda: setattr(owner, name, orig) if own else delattr(owner, name))
 
     def _hook_backward(self, node, key: tuple) -> None:
-        """SDPA's backward is autograd's, not a Python call: time or spin it through hooks on its node."""
+        """SDPA's backward is autograd's, not a Python call: count, time or spin it through hooks on its
+        node (the post-hook runs right after the node's kernels are enqueued)."""
         self.factors.setdefault("attention.bwd", self.factors["attention"])
-        if self.frozen:
-            node.register_hook(lambda gi, go: self.spin(key))
-            return
-        if not self._timing(key):
-            return
-        pairs = self.samples[key]
+        timing = self._timing(key)
+        frozen = self.frozen
         e0, e1 = self.event(), self.event()
-        node.register_prehook(lambda go: e0.record())
-        node.register_hook(lambda gi, go: (e1.record(), pairs.append((e0, e1))) and None)
+
+        def pre(grad_outputs):
+            if timing:
+                e0.record()
+
+        def post(grad_inputs, grad_outputs):
+            self.calls["attention"] = self.calls.get("attention", 0) + 1
+            if timing:
+                e1.record()
+                self.samples[key].append((e0, e1))
+            elif frozen:
+                self.spin(key)
+
+        node.register_prehook(pre)
+        node.register_hook(post)
 
     def uninstall(self) -> None:
         while self._undo:

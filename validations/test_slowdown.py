@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from validations.bench_harness import bench
+from validations.bench_kernels import KERNEL_PHASES
 from validations.fake_gpu import REFS, BenchStub, FakeGPU
 from validations.slowdown import ENV, TARGETS, Slowdown, parse
 
 ROOT = Path(__file__).resolve().parent.parent
+TINY = {"t": dict(M=64, N=32, I=48, B=2, S=16, H=4, KV=2, D=8, T=64, V=100)}
 
 
 def test_slowdown_parser_is_strict():
@@ -98,3 +100,60 @@ def test_every_slowdown_target_wraps_and_restores_and_times_sdpas_backward():
         sd.uninstall()
     for owner, name, orig in before.values():
         assert getattr(owner, name) is orig
+
+
+@pytest.mark.parametrize("kernel,phase", [(k, p) for k, phs in KERNEL_PHASES.items() for p in phs] +
+                         [(o, "step") for o in ("adamw", "fused_ademamix")])
+def test_each_targets_wrapper_sits_on_its_benchmarks_path(kernel, phase):
+    """The Triton launchers run on CPU under the interpreter (triton_on_cpu), so the real kernel paths
+    reach the wrappers here as they do on CUDA: each kernel's own benchmark calls its target, in the
+    timed work of its phase (a bwd round calls the backward launcher), and no other target."""
+    from anatomy.kernels import triton_on_cpu
+    from validations.bench_kernels import kernel_case, optimizer_case
+
+    fake = FakeGPU()
+    sd = Slowdown({t: 1.2 for t in TARGETS}, rate=fake.rate, launch_s=0.0, event=fake.event, sleep=fake.sleep).install()
+    try:
+        with triton_on_cpu():
+            if phase == "step":
+                import validations.bench_kernels as bk
+
+                shapes, bk._param_shapes = bk._param_shapes, lambda shape: [(8, 4), (4,)]
+                try:
+                    setup, work, _ = optimizer_case(kernel, "seed", "cpu")
+                finally:
+                    bk._param_shapes = shapes
+            else:
+                setup, work, _ = kernel_case(kernel, "t", phase, "cpu", shapes=TINY)
+            args, kw = setup()
+            before = dict(sd.calls)
+            work(*args, **kw)
+    finally:
+        sd.uninstall()
+    during = {t: n - before.get(t, 0) for t, n in sd.calls.items() if n - before.get(t, 0)}
+    assert set(during) == {kernel}
+
+
+def test_the_efficient_model_calls_every_kernel_target_and_the_baseline_none_of_ours():
+    """Through the real model paths (Triton launchers under the interpreter): the efficient step calls
+    every fused kernel's target and the AdamW step; the baseline step calls none of the fused kernels."""
+    from anatomy.config import Run
+    from anatomy.kernels import triton_on_cpu
+    from validations.bench_harness import model_case
+    from validations.configs import NAMED
+
+    seen = {}
+    for variant in ("efficient", "baseline"):
+        fake = FakeGPU()
+        sd = Slowdown({t: 1.2 for t in TARGETS}, rate=fake.rate, launch_s=0.0, event=fake.event,
+                      sleep=fake.sleep).install()
+        try:
+            with triton_on_cpu():
+                case = model_case(NAMED["tiny-gqa"], Run(2, 16, "amp"), variant, "cpu", optimizer=True)
+                args, kw = case.setup()
+                case.step(*args, **kw)
+        finally:
+            sd.uninstall()
+        seen[variant] = set(sd.calls)
+    assert {"rms_norm", "swiglu", "rope_qkv", "linear_ce", "attention", "adamw"} <= seen["efficient"]
+    assert not seen["baseline"] & {"rms_norm", "swiglu", "gpt_oss", "rope_qkv", "linear_ce"}
