@@ -16,7 +16,8 @@
 # (if set, everything in WORK is copied there after each run), BASELINE (default: baselines.json when it is
 # on GPU time, else $WORK/baseline.json, recorded when missing or with RECORD=1), THRESHOLD (percent,
 # default 5), FACTOR (default 1 + 1.5 x THRESHOLD / 100), RUNS (default: unmodified and every target),
-# DEADLINE_S (default 560: no run starts that the last run's duration says would end after it).
+# DEADLINE_S (default 560: no run starts that the last run's duration says would end after it), SELECT (the
+# test files, default every benchmark test).
 # Extra arguments go to every pytest run (default -m gpu). Exit 0 when every run in WORK behaved,
 # 1 when one did not or runs were left for another call, 2 without a GPU.
 set -uo pipefail
@@ -26,7 +27,7 @@ FACTOR=${FACTOR:-$(python3 -c "print(round(1 + 1.5 * $THRESHOLD / 100, 6))")}
 ALL_TARGETS="rms_norm swiglu gpt_oss rope_qkv linear_ce attention adamw fused_ademamix"
 RUNS=${RUNS:-unmodified $ALL_TARGETS}
 DEADLINE_S=${DEADLINE_S:-560}
-SELECT=(validations/test_benchmarks.py validations/test_bench_kernels.py validations/test_optim.py::test_step_bandwidth)
+read -r -a SELECT <<< "${SELECT:-validations/test_benchmarks.py validations/test_bench_kernels.py validations/test_optim.py::test_step_bandwidth}"
 ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(-m gpu)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 unset ANATOMY_SLOWDOWN
@@ -74,7 +75,8 @@ for name in $RUNS; do
   env "${slow[@]}" "${PYTEST[@]}" "${GATE[@]}" --benchmark-json="$WORK/$name.json" > "$WORK/$name.log" 2>&1
   rc=$?; last=$((SECONDS - t))
   echo $rc > "$WORK/$name.rc"
-  printf '== %-15s rc=%d %4d s  %s\n' "$name" $rc $last "$(grep -E '(passed|failed|error).* in [0-9.]+s' "$WORK/$name.log" | tail -1)"
+  printf '== %-15s rc=%d %4d s  %s %s\n' "$name" $rc $last "$(grep -E '(passed|failed|error).* in [0-9.]+s' "$WORK/$name.log" | tail -1)" \
+    "$(grep -c "has failed" "$WORK/$name.log" | sed 's/^0$//; s/.\{1,\}/& regressed past the gate/')"
   [ -f "$WORK/$name.json" ] || echo "   no report: see $WORK/$name.log" >&2
   publish
 done

@@ -3,9 +3,12 @@ and its one-line refusal without a GPU."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -72,3 +75,71 @@ def test_a_baseline_on_another_timer_is_refused(tmp_path):
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == rc, r.stdout[-600:] + r.stderr[-600:]
         assert ("holds figures timed by perf_counter, not gpu_time" in r.stdout + r.stderr) == (rc == 4)
+
+
+SYNTHETIC = '''
+import os
+
+import pytest
+
+from validations.gpu_clock import GpuRound, gpu_time
+
+GPU = [0.0]
+SLOW = dict(i.split("=") for i in filter(None, os.environ.get("ANATOMY_SLOWDOWN", "").split(",")))
+
+class Event:
+    def record(self):
+        self.t = GPU[0]
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+    def synchronize(self):
+        pass
+
+def sleep(cycles):
+    GPU[0] += cycles / 1e9
+
+def round_(seconds):
+    return GpuRound(lambda: GPU.__setitem__(0, GPU[0] + seconds), cycles_per_s=1e9, event=Event, sleep=sleep)
+
+@pytest.mark.benchmark(timer=gpu_time)
+@pytest.mark.parametrize("k", ["rms_norm/seed/fwd", "swiglu/seed/fwd"])
+def test_kernel(benchmark, k):
+    name = k.split("/")[0]
+    benchmark.extra_info["slowdown_calls"] = {name: 1} if name in SLOW else {}
+    benchmark.pedantic(round_(0.002 * float(SLOW.get(name, 1))), rounds=5, warmup_rounds=1)
+
+@pytest.mark.benchmark(timer=gpu_time)
+def test_model(benchmark):  # 2 ms of other work and 0.1 ms of each kernel
+    benchmark.extra_info["slowdown_calls"] = {k: 1 for k in SLOW}
+    benchmark.pedantic(round_(0.002 + sum(0.0001 * float(SLOW.get(k, 1)) for k in ("rms_norm", "swiglu"))),
+                       rounds=5, warmup_rounds=1)
+'''
+
+
+@pytest.mark.slow  # ~25 s: eight pytest runs
+def test_gate_check_end_to_end_on_a_fake_gpu(tmp_path):
+    """scripts/gate_check.sh itself, over synthetic benchmarks on a fake GPU (a stand-in torch says CUDA is
+    there): it records a GPU-time baseline (the committed one is not), gates the unmodified run and one run
+    per slowdown, and its summary passes; at a threshold that the slowdown does not reach, it fails."""
+    (tmp_path / "test_gate.py").write_text(SYNTHETIC)
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --benchmark-disable\n")
+    (tmp_path / "fake" / "torch").mkdir(parents=True)
+    (tmp_path / "fake" / "torch" / "__init__.py").write_text("class cuda:\n    is_available = staticmethod(lambda: True)\n")
+
+    def check(work: str, threshold: str, factor: str):
+        env = dict(os.environ, WORK=str(tmp_path / work), THRESHOLD=threshold, FACTOR=factor,
+                   RUNS="unmodified rms_norm swiglu", SELECT=str(tmp_path / "test_gate.py"),
+                   PYTHONPATH=str(tmp_path / "fake"), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", OUT=str(tmp_path / "out"))
+        return subprocess.run(["bash", "scripts/gate_check.sh", "-p", "pytest_benchmark.plugin"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    r = check("w1", "5", "1.075")
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = json.loads((tmp_path / "w1" / "gate_check.json").read_text())
+    assert s["ok"] and set(s["runs"]) == {"unmodified", "rms_norm", "swiglu"}
+    assert s["runs"]["rms_norm"]["failed"] == ["test_gate.py::test_kernel[rms_norm/seed/fwd]"]  # the model: +0.4%
+    assert (tmp_path / "out" / "gate_check.json").exists()
+    r = check("w2", "10", "1.075")  # a gate looser than the slowdown lets the kernels' own benchmarks pass
+    assert r.returncode == 1 and "BAD" in r.stdout, r.stdout + r.stderr
