@@ -113,7 +113,8 @@ class Slowdown:
         self.cycles: dict[tuple, int] = {}
         self.injected: dict[tuple, float] = {}  # key -> injected GPU time / the call's own GPU time
         self.state = "idle"
-        self.calls: dict[str, int] = {}  # target -> calls seen, in every state: does this work contain it?
+        self.calls: dict[str, int] = {}  # target -> calls while counting, in every state: does the work contain it?
+        self.counting = True  # bench() counts only inside the timed work
         self._undo: list[Callable] = []
 
     # ---- timing or spinning around one call -------------------------------------------------------
@@ -187,7 +188,8 @@ class Slowdown:
             target = next((t for t, keep in targets if keep is None or keep(args, kwargs)), None)
             if target is None:
                 return orig(*args, **kwargs)
-            me.calls[target] = me.calls.get(target, 0) + 1
+            if me.counting:
+                me.calls[target] = me.calls.get(target, 0) + 1
             key = _key(target, args, kwargs)
             out = me._around(target, key, lambda: orig(*args, **kwargs))
             if target == "attention" and getattr(out, "grad_fn", None) is not None:
@@ -211,7 +213,8 @@ class Slowdown:
                 e0.record()
 
         def post(grad_inputs, grad_outputs):
-            self.calls["attention"] = self.calls.get("attention", 0) + 1
+            if self.counting:
+                self.calls["attention"] = self.calls.get("attention", 0) + 1
             if timing:
                 e1.record()
                 self.samples[key].append((e0, e1))
