@@ -37,6 +37,38 @@ def pytest_addoption(parser):
                           "B=16 S=4096); with -m gpu, the GPU suite's fast gate")
 
 
+def pytest_configure(config):
+    # ANATOMY_SLOWDOWN (validations/slowdown.py) is checked before anything runs: a typo is a usage error
+    # (one line, exit code 4), never a gate check that silently slowed nothing
+    from validations.slowdown import from_env
+
+    try:
+        from_env()
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    _check_baseline_timer(config)
+
+
+def _check_baseline_timer(config) -> None:
+    """Comparing against a baseline recorded on another timer (wall-clock seconds against GPU seconds)
+    gates nothing: refuse it with one line. Only a file path is checked (pytest-benchmark's storage
+    lookups are its own)."""
+    try:
+        target = config.getoption("benchmark_compare")
+    except ValueError:  # pytest-benchmark not loaded
+        return
+    if not isinstance(target, str) or not Path(target).is_file():
+        return
+    try:
+        timers = {b.get("options", {}).get("timer") for b in json.loads(Path(target).read_text())["benchmarks"]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # pytest-benchmark reports an unreadable baseline itself
+    if timers - {"gpu_time"}:
+        raise pytest.UsageError(
+            f"{target} holds figures timed by {', '.join(sorted(map(str, timers - {'gpu_time'})))}, not gpu_time: "
+            f"the gate would compare them with GPU seconds; re-record it (docs/benchmarks.md, 'Record the baseline')")
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--quick"):
         keep = [it for it in items if "slow" not in it.keywords]
@@ -59,6 +91,45 @@ def cuda_device():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU on this machine")
     return torch.device("cuda")
+
+
+# ---- benchmarks: the session's GPU references and the injected slowdown ----------------------------
+@pytest.fixture(scope="session")
+def gpu_refs(cuda_device):
+    """The reference GEMM and copy, the spin kernel's rate and one launch's GPU time, measured once per
+    session (validations/gpu_clock.references): every benchmark's extra_info divides by them."""
+    from validations.gpu_clock import references
+
+    return references()
+
+
+@pytest.fixture
+def free_cuda():
+    """After a benchmark: drop its tensors and give the allocator's cached blocks back."""
+    yield
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def slowdown(request):
+    """None, or the ANATOMY_SLOWDOWN wrappers installed for this test (validations/slowdown.py)."""
+    from validations.slowdown import Slowdown, from_env
+
+    factors = from_env()
+    if not factors:
+        yield None
+        return
+    refs = request.getfixturevalue("gpu_refs")
+    s = Slowdown(factors, rate=refs["sleep_cycles_per_s"], launch_s=refs["extra_launch_s"]).install()
+    try:
+        yield s
+    finally:
+        s.uninstall()
 
 
 # ---- claims report ---------------------------------------------------------------------------

@@ -1,15 +1,17 @@
 """The benchmark harness of validations/test_benchmarks.py: what each benchmark builds, runs and times.
 
-Timing: benchmark.pedantic, one call per round; setup (untimed) picks the next input set, drops
-the previous gradients and synchronizes; the target runs the work and synchronizes, so a round is
-the wall time of launching and finishing it. Warm-up rounds (Triton JIT, cuDNN plans, the AdamW
-state) are not timed. Input sets rotate, enough of them that one round's inputs are not still in
-the 60 MB L2 from the round before. Inputs and weights are random normals: never zeros.
+Timing: benchmark.pedantic, one call per round, on GPU time (validations/gpu_clock.py): the round's
+work is queued behind a spin kernel and timed between two CUDA events, and pytest-benchmark's
+timer is gpu_clock.gpu_time, so its stats (and --benchmark-compare-fail) are GPU seconds. setup
+(untimed) picks the next input set, drops the previous gradients and synchronizes. Warm-up rounds
+(Triton JIT, cuDNN plans, the AdamW state) are not timed. Input sets rotate, enough of them that one
+round's inputs are not still in the 60 MB L2 from the round before. Inputs and weights are random
+normals: never zeros. Beside the gated GPU time, extra_info records the median wall time of a few
+unqueued rounds (launch and finish, as eager training pays it; not gated) and the GPU time relative
+to the session's reference GEMM and copy (gpu_clock.references).
 
-ANATOMY_BENCH_SLOWDOWN=<component>:<factor>[,...] (read only here; rms_norm = norm, swiglu = mlp,
-model = the full-model tests) injects a calibrated slowdown for the regression-gate demo
-(scripts/bench_gate_demo.sh): each round of the matching benchmarks busy-waits (factor - 1) x the
-median of its own un-slowed rounds after synchronizing, exactly as a kernel that much slower would.
+ANATOMY_SLOWDOWN (validations/slowdown.py) adds a calibrated GPU slowdown to one kernel: the
+harness then runs calibration rounds before timing and records what was injected.
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from typing import Callable
 import torch
 
 from anatomy.config import PRESETS, ModelConfig, Run
-from anatomy.measure.components import COMPONENTS, component_modules
+from anatomy.measure.components import component_modules
 from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
 from validations.configs import NAMED
+from validations.gpu_clock import GpuRound
 
 
 @dataclass(frozen=True)
@@ -43,37 +46,9 @@ CONFIGS = {
 COMPONENT_PHASES = ("fwd", "fwd+bwd")
 MODEL_PHASES = ("fwd", "fwd+bwd", "fwd+bwd+adamw")
 L2_BYTES = 60 * 2**20  # H200 L2 (DESIGN.md): rotate at least twice its size of inputs
-ROUNDS = {"component": 25, "model": 10}
+ROUNDS = 10  # GPU-time rounds: how steady their median is, run to run, scripts/gate_check.sh's unmodified runs show
 WARMUP = 3
-CALIBRATION_ROUNDS = 7  # for an injected slowdown only
-ALIASES = {"rms_norm": "norm", "swiglu": "mlp"}  # the kernel ops, by their component
-
-
-# ---- the injected slowdown (regression-gate demo) ---------------------------------------------------
-def parse_slowdown(text: str) -> dict[str, float]:
-    """'rms_norm:1.2,model:1.05' -> {'norm': 1.2, 'model': 1.05}. A factor is >= 1: a slowdown."""
-    out: dict[str, float] = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        name, sep, factor = item.partition(":")
-        name = ALIASES.get(name.strip(), name.strip())
-        if not sep or name not in COMPONENTS + ("model",):
-            raise ValueError(f"ANATOMY_BENCH_SLOWDOWN: bad item {item!r}; expected <component>:<factor> with a "
-                             f"component in {', '.join(COMPONENTS + ('model',) + tuple(ALIASES))}")
-        try:
-            f = float(factor)
-        except ValueError:
-            f = float("nan")
-        if not f >= 1.0 or math.isinf(f):
-            raise ValueError(f"ANATOMY_BENCH_SLOWDOWN: factor {factor!r} for {name} must be a number >= 1")
-        out[name] = f
-    return out
-
-
-def spin(seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
-    """Busy-wait: sleep() overshoots by tens of microseconds, a spin on perf_counter does not."""
-    end = clock() + seconds
-    while clock() < end:
-        pass
+WALL_ROUNDS = 3  # unqueued rounds after the timed ones: extra_info's wall time, not gated
 
 
 def _sync(device) -> None:
@@ -105,18 +80,15 @@ class Case:
 
     def fwd(self, inputs, grad) -> None:  # a training forward: autograd records the graph
         self._forward(inputs)
-        _sync(self.device)
 
     def fwd_bwd(self, inputs, grad) -> None:
         out = self._forward(inputs)
         out.backward(grad)  # grad None: a scalar loss
-        _sync(self.device)
 
     def step(self, inputs, grad) -> None:
         self._forward(inputs).backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        _sync(self.device)
 
     def target(self, phase: str):
         return {"fwd": self.fwd, "fwd+bwd": self.fwd_bwd, "fwd+bwd+adamw": self.step}[phase]
@@ -187,27 +159,50 @@ def model_case(cfg: ModelConfig, run: Run, variant: str, device, optimizer: bool
     return Case(model, sets, [None] * n, run, device, opt)
 
 
-def bench(benchmark, target, setup, *, rounds: int, warmup: int, slowdown: float = 1.0,
-          clock: Callable[[], float] = time.perf_counter, delay: Callable[[float], None] = spin) -> None:
-    """benchmark.pedantic over `target`; with a slowdown, each round first runs the work, then
-    delay()s (slowdown - 1) x the median of CALIBRATION_ROUNDS un-slowed rounds timed on `clock`.
-    The GPU benchmarks use the wall clock and a spin; the CPU test passes a clock it advances itself."""
-    if slowdown != 1.0 and not benchmark.disabled:
-        for _ in range(warmup):
-            args, kw = setup()
-            target(*args, **kw)
-        times = []
-        for _ in range(CALIBRATION_ROUNDS):
-            args, kw = setup()
-            t0 = clock()
-            target(*args, **kw)
-            times.append(clock() - t0)
-        extra = (slowdown - 1.0) * statistics.median(times)
-        fast = target
+def bench(benchmark, work, setup, *, refs: dict, rounds: int = ROUNDS, warmup: int = WARMUP, slowdown=None,
+          wall_rounds: int = WALL_ROUNDS, make_round: Callable | None = None,
+          host: Callable[[], float] = time.perf_counter, sync: Callable[[], None] | None = None) -> None:
+    """benchmark.pedantic over a GpuRound of `work` (the test's timer must be gpu_clock.gpu_time), then
+    extra_info: the GPU median, its ratio to the reference GEMM and copy, the host's side (issue time,
+    rounds queued) and the wall time of `wall_rounds` plain rounds. With a slowdown (validations/
+    slowdown.py): warm-up and calibration rounds first, then the spin is fixed and recorded."""
+    if slowdown is not None:  # count the targets' calls inside the work only (not in setup or building)
+        slowdown.calls, slowdown.counting, inner = {}, False, work
 
-        def target(*a, **k):  # noqa: F811 - the same work, then the injected delay
-            fast(*a, **k)
-            delay(extra)
-
-        benchmark.extra_info["injected_delay_s"] = extra
-    benchmark.pedantic(target, setup=setup, rounds=rounds, warmup_rounds=warmup, iterations=1)
+        def work(*args, **kwargs):  # noqa: F811 - the same work, counted
+            slowdown.counting = True
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                slowdown.counting = False
+    rnd = (make_round or (lambda w: GpuRound(w, cycles_per_s=refs["sleep_cycles_per_s"])))(work)
+    if slowdown is not None and not benchmark.disabled:
+        for i in range(warmup + slowdown.ROUNDS):
+            if i == warmup:
+                slowdown.calibrate()  # the rounds from here on are queued: their events time the GPU
+            args, kw = setup()
+            rnd(*args, **kw)
+        injected = slowdown.freeze()
+        per: dict[str, list[float]] = {}  # target -> injected GPU time / the call's own, per call shape
+        for key, frac in injected.items():
+            per.setdefault(key[0], []).append(round(frac, 4))
+        benchmark.extra_info.update(slowdown=dict(slowdown.factors), slowdown_injected=per)
+    benchmark.pedantic(rnd, setup=setup, rounds=rounds, warmup_rounds=warmup, iterations=1)
+    if benchmark.disabled:
+        return
+    if slowdown is not None:  # which slowed targets the timed work called: scripts/gate_check.sh reads it
+        benchmark.extra_info["slowdown_calls"] = dict(slowdown.calls)
+    gpu, issue, queued = rnd.gpu_s[-rounds:], rnd.host_issue_s[-rounds:], rnd.queued[-rounds:]
+    med = statistics.median(gpu)
+    wall = []
+    for _ in range(wall_rounds):
+        args, kw = setup()
+        t0 = host()
+        work(*args, **kw)
+        (sync or torch.cuda.synchronize)()
+        wall.append(host() - t0)
+    benchmark.extra_info.update(
+        timer="gpu_time", gpu_median_s=med, rel_gemm=med / refs["gemm_s"], rel_copy=med / refs["copy_s"],
+        ref_gemm_s=refs["gemm_s"], ref_copy_s=refs["copy_s"], host_issue_median_s=statistics.median(issue),
+        queued_rounds=sum(queued) / len(queued), spin_s=rnd.spin_s,
+        wall_median_s=statistics.median(wall) if wall else None)

@@ -1,4 +1,4 @@
-"""GPU timing benchmarks (pytest-benchmark) with a regression gate, and CPU checks of the harness.
+"""GPU benchmarks (pytest-benchmark) gated on GPU time, and CPU checks of the harness and the gate.
 
 GPU part (every test `gpu`-marked; skipped without CUDA; timed only with --benchmark-enable, since
 pyproject's addopts disable pytest-benchmark and a disabled run calls each target once, untimed):
@@ -7,20 +7,21 @@ pyproject's addopts disable pytest-benchmark and a disabled run calls each targe
                   feeds it: the module and its inputs are captured from a real forward of a 1-layer
                   model, then the per-batch inputs are redrawn at the benchmark's batch size.
   test_model      the full model: forward, forward+backward, forward+backward+AdamW step.
+  (each fused kernel, SDPA and each optimizer step alone: validations/test_bench_kernels.py)
 ids: <config>/<variant>/<component>/<phase>, e.g. test_component[seed-B16-S4096/efficient/norm/fwd+bwd].
-The seed config at B=16, S=4096 is `slow`; `-m "gpu and not slow"` is the quick subset (the
-seed-narrow-B4-S1024 config only). See docs/benchmarks.md for the gate's commands.
+The seed config at B=16, S=4096 is `slow`; `-m "gpu and not slow"` is the quick subset.
+Every round is GPU time (validations/gpu_clock.py: pytest-benchmark's timer is gpu_time), so the
+design card's `--benchmark-compare=baselines.json --benchmark-compare-fail=median:X%` gates them all.
+See docs/benchmarks.md.
 
-The harness (what a round runs and times, the injected slowdown) is validations/bench_harness.py.
-
-CPU part (not gpu-marked): the harness's inputs match what the model feeds each component, the
-slowdown parser and its calibration, and the gate itself (pytest-benchmark's compare/compare-fail on
-a synthetic benchmark in a subprocess). Both time on a clock the test advances, never the wall clock.
+CPU part (not gpu-marked): the harness's inputs match what the model feeds each component; the GPU
+clock's semantics on fake CUDA events (the slowdown's: validations/test_slowdown.py); every fused
+kernel, component and optimizer has a benchmark id; and the gate itself (pytest-benchmark's
+compare/compare-fail on a synthetic benchmark timed by gpu_time, in a subprocess).
 """
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import json
 import os
@@ -28,6 +29,7 @@ import statistics
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,12 +37,17 @@ import torch
 from anatomy.config import Run
 from anatomy.measure.components import COMPONENTS, component_modules
 from anatomy.models import VARIANTS, build_model, make_batch
-from validations.bench_harness import (COMPONENT_PHASES, CONFIGS, MODEL_PHASES, ROUNDS, WARMUP, bench, capture,
-                                       component_case, model_case, parse_slowdown, spin)
+from validations.bench_harness import COMPONENT_PHASES, CONFIGS, MODEL_PHASES, bench, capture, component_case, model_case
 from validations.configs import NAMED
+from validations.fake_gpu import REFS, BenchStub, FakeGPU
+from validations.gpu_clock import gpu_time
+from validations.slowdown import TARGETS
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_TIMER = pytest.mark.benchmark(timer=gpu_time)  # pytest-benchmark's marker: this test's rounds are GPU seconds
 
 
-def _env_info() -> dict:
+def env_info() -> dict:
     info = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,
                 cudnn=torch.backends.cudnn.version())
     with contextlib.suppress(ImportError):
@@ -48,10 +55,6 @@ def _env_info() -> dict:
 
         info["triton"] = triton.__version__
     return info
-
-
-def _slowdowns() -> dict[str, float]:
-    return parse_slowdown(os.environ.get("ANATOMY_BENCH_SLOWDOWN", ""))
 
 
 def _cases(components, phases):
@@ -63,42 +66,34 @@ def _cases(components, phases):
     return out
 
 
-@pytest.fixture
-def free_cuda():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 # ---- GPU benchmarks ------------------------------------------------------------------------------
 @pytest.mark.gpu
+@GPU_TIMER
 @pytest.mark.parametrize("config,variant,component,phase", _cases(COMPONENTS, COMPONENT_PHASES))
-def test_component(benchmark, free_cuda, config, variant, component, phase):
+def test_component(benchmark, free_cuda, gpu_refs, slowdown, config, variant, component, phase):
     bc = CONFIGS[config]
-    slowdown = _slowdowns().get(component, 1.0)
     case = component_case(bc.cfg, bc.run, variant, component, "cuda")
     benchmark.group = f"{config}/{component}/{phase}"
-    benchmark.extra_info.update(_env_info(), config=config, batch=bc.run.batch, seq=bc.run.seq,
+    benchmark.extra_info.update(env_info(), config=config, batch=bc.run.batch, seq=bc.run.seq,
                                 dtype=bc.run.dtype, variant=variant, component=component, phase=phase,
-                                input_sets=len(case.sets), injected_slowdown=slowdown)
-    bench(benchmark, case.target(phase), case.setup, rounds=ROUNDS["component"], warmup=WARMUP, slowdown=slowdown)
+                                input_sets=len(case.sets))
+    bench(benchmark, case.target(phase), case.setup, refs=gpu_refs, slowdown=slowdown)
     if component == "attention" and variant == "efficient":
         benchmark.extra_info["sdpa_backend"] = case.module.last_backend
 
 
 @pytest.mark.gpu
+@GPU_TIMER
 @pytest.mark.parametrize("config,variant,component,phase", _cases(("model",), MODEL_PHASES))
-def test_model(benchmark, free_cuda, gpu_fits, config, variant, component, phase):
+def test_model(benchmark, free_cuda, gpu_fits, gpu_refs, slowdown, config, variant, component, phase):
     bc = CONFIGS[config]
     gpu_fits(bc.cfg, bc.run, variant, optimizer="adamw" if phase == "fwd+bwd+adamw" else None)
-    slowdown = _slowdowns().get("model", 1.0)
     case = model_case(bc.cfg, bc.run, variant, "cuda", optimizer=phase == "fwd+bwd+adamw")
     benchmark.group = f"{config}/model/{phase}"
-    benchmark.extra_info.update(_env_info(), config=config, batch=bc.run.batch, seq=bc.run.seq,
+    benchmark.extra_info.update(env_info(), config=config, batch=bc.run.batch, seq=bc.run.seq,
                                 dtype=bc.run.dtype, variant=variant, component="model", phase=phase,
-                                layers=bc.cfg.layers, tokens=bc.run.tokens, input_sets=len(case.sets),
-                                injected_slowdown=slowdown)
-    bench(benchmark, case.target(phase), case.setup, rounds=ROUNDS["model"], warmup=WARMUP, slowdown=slowdown)
+                                layers=bc.cfg.layers, tokens=bc.run.tokens, input_sets=len(case.sets))
+    bench(benchmark, case.target(phase), case.setup, refs=gpu_refs, slowdown=slowdown)
 
 
 # ---- CPU: the harness feeds each component what the model feeds it -------------------------------
@@ -141,125 +136,145 @@ def test_model_targets_run(phase):
     assert changed == (phase == "fwd+bwd+adamw")
 
 
-def test_benchmark_ids_are_stable():
-    ids = [p.id for p in _cases(COMPONENTS, COMPONENT_PHASES) + _cases(("model",), MODEL_PHASES)]
-    assert len(ids) == len(set(ids)) == 2 * 2 * (5 * 2 + 3)
-    assert "seed-B16-S4096/efficient/norm/fwd+bwd" in ids
-    assert "seed-narrow-B4-S1024/baseline/model/fwd+bwd+adamw" in ids
+# ---- CPU: the GPU clock, on a fake GPU -----------------------------------------------------------
 
 
-def test_parse_slowdown():
-    assert parse_slowdown("") == {}
-    assert parse_slowdown("rms_norm:1.2, model:1.05,swiglu:1") == {"norm": 1.2, "model": 1.05, "mlp": 1.0}
-    for bad in ("rms_norm", "rmsnorm:1.2", "nope:1.2", "norm:0.8", "norm:x", "norm:inf"):
-        with pytest.raises(ValueError, match="ANATOMY_BENCH_SLOWDOWN"):
-            parse_slowdown(bad)
+def test_gpu_clock_times_the_gpus_work_only():
+    """A round's duration on gpu_time's clock is the GPU time of its work, whatever the host's issue time
+    or the spin before it; the clock accumulates; a round whose issue outlasted the spin is not queued,
+    and the next two spins cover twice that issue time, then the spin follows the issue time back down."""
+    fake, clock = FakeGPU(), [0.0]
+    works = itertools.cycle([(0.004, 0.001), (0.004, 0.030), (0.004, 0.0001), (0.040, 0.001)])  # (GPU, host) s
+    rnd = fake.round(lambda: fake.run(*next(works)), clock)
+    stub = BenchStub(lambda: clock[0])
+    stub.pedantic(rnd, lambda: ((), {}), rounds=8, warmup_rounds=0, iterations=1)
+    assert stub.times == pytest.approx([0.004, 0.004, 0.004, 0.040] * 2, abs=1e-12)
+    assert clock[0] == pytest.approx(2 * 0.052, abs=1e-12) and rnd.gpu_s == pytest.approx(stub.times, abs=1e-12)
+    assert rnd.queued == [True, False, True, True] * 2  # 30 ms of issue behind a 2 ms spin: the GPU waited
+    assert rnd.spin_s == pytest.approx(0.002)
 
 
-class _Clock:
-    """A clock that only the test moves: the benchmarked work and the injected delay advance it by
-    known amounts, so no other process on the machine can change a measured duration."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-
-class _TimingStub:
-    """benchmark.pedantic's contract (setup untimed, warm-up untimed, one call per round), timed on `clock`."""
-    disabled = False
-
-    def __init__(self, clock):
-        self.clock, self.extra_info, self.times = clock, {}, []
-
-    def pedantic(self, target, setup, rounds, warmup_rounds, iterations):
-        for i in range(warmup_rounds + rounds):
-            args, kw = setup()
-            t0 = self.clock()
-            target(*args, **kw)
-            if i >= warmup_rounds:
-                self.times.append(self.clock() - t0)
+def test_bench_records_gpu_time_and_the_relative_fields():
+    """bench() gates GPU seconds and writes the GPU median, its ratio to the session's reference GEMM and
+    copy, the host's side and the wall time of plain rounds into extra_info."""
+    fake, clock = FakeGPU(), [0.0]
+    stub = BenchStub(lambda: clock[0])
+    bench(stub, lambda: fake.run(0.003, 0.0002), lambda: ((), {}), refs=REFS, rounds=5, warmup=2,
+          make_round=lambda w: fake.round(w, clock), host=lambda: fake.host + fake.gpu, sync=lambda: None)
+    assert statistics.median(stub.times) == pytest.approx(0.003)
+    x = stub.extra_info
+    assert x["timer"] == "gpu_time" and x["gpu_median_s"] == pytest.approx(0.003)
+    assert x["rel_gemm"] == pytest.approx(1.5) and x["rel_copy"] == pytest.approx(6.0)
+    assert x["queued_rounds"] == 1.0 and x["host_issue_median_s"] == pytest.approx(0.0002)
+    assert x["wall_median_s"] == pytest.approx(0.0032)  # issue + GPU, no spin: what eager training waits
 
 
-def test_injected_slowdown_is_calibrated():
-    """The demo's 1.2 makes a benchmark's median 1.2x its own: the delay is (factor - 1) x the median
-    of the benchmark's own un-slowed rounds (one round in four is a 10x outlier, which a mean would
-    follow), not a guess."""
-    clock, work = _Clock(), [0.004, 0.004, 0.004, 0.040]
-    rounds = itertools.cycle(work)
-    medians = {}
-    for factor in (1.0, 1.2):
-        stub = _TimingStub(clock)
-        bench(stub, lambda: clock.advance(next(rounds)), lambda: ((), {}), rounds=9, warmup=1, slowdown=factor,
-              clock=clock, delay=clock.advance)
-        medians[factor] = statistics.median(stub.times)
-    assert medians[1.0] == pytest.approx(0.004, rel=1e-9)
-    assert medians[1.2] / medians[1.0] == pytest.approx(1.2, rel=1e-9)
-    assert stub.extra_info["injected_delay_s"] == pytest.approx(0.2 * 0.004, rel=1e-9)
+# ---- CPU: every kernel, component and optimizer is benchmarked, on GPU time ------------------------
+def _benchmark_tests():
+    """(module.test, function) for every test in validations/test_*.py that takes the benchmark fixture."""
+    import ast
+    import importlib
+
+    for path in sorted((ROOT / "validations").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        for f in tree.body:
+            if isinstance(f, ast.FunctionDef) and f.name.startswith("test_") and \
+                    any(a.arg == "benchmark" for a in f.args.args):
+                yield f"{path.stem}.{f.name}", getattr(importlib.import_module(f"validations.{path.stem}"), f.name)
 
 
-def testspin_waits_on_its_clock():
-    """spin busy-waits until its clock has moved by the delay (no sleep, which overshoots)."""
-    calls = itertools.count()
-    clock = lambda: next(calls)  # noqa: E731 - each reading is one unit after the last
-    spin(20, clock)
-    assert next(calls) == 21  # the start reading 0, then readings 1 .. 20: 20 ends it
+def test_every_kernel_component_and_step_has_a_gpu_timed_benchmark():
+    """Collected ids (as --collect-only lists them) cover each component of both variants in each phase
+    and config, each model step, each fused kernel and SDPA at both shapes in each phase, and each
+    optimizer at both shapes; every slowdown target has a benchmark of its own; every benchmark test in
+    validations carries the gpu_time timer, so the design card's command gates GPU time only."""
+    from validations.bench_kernels import KERNEL_PHASES, KERNEL_SHAPES, OPTIMIZERS
+
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                        "validations/test_benchmarks.py", "validations/test_bench_kernels.py"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-800:] + r.stderr[-800:]
+    ids = {ln.split("::", 1)[1] for ln in r.stdout.splitlines() if "::" in ln}
+    want = {f"test_component[{c}/{v}/{comp}/{ph}]" for c in CONFIGS for v in VARIANTS for comp in COMPONENTS
+            for ph in COMPONENT_PHASES}
+    want |= {f"test_model[{c}/{v}/model/{ph}]" for c in CONFIGS for v in VARIANTS for ph in MODEL_PHASES}
+    want |= {f"test_kernel[{kn}/{sh}/{ph}]" for kn, phs in KERNEL_PHASES.items() for sh in KERNEL_SHAPES for ph in phs}
+    want |= {f"test_optimizer[{o}/{sh}/step]" for o in OPTIMIZERS for sh in KERNEL_SHAPES}
+    assert ids == want
+    assert len(ids) == 52 + 2 * 11 + 6
+    assert all(any(f"[{t}/" in i for i in ids) for t in TARGETS)
+    timed = dict(_benchmark_tests())
+    assert {"test_benchmarks.test_component", "test_benchmarks.test_model", "test_bench_kernels.test_kernel",
+            "test_bench_kernels.test_optimizer"} <= set(timed)
+    for name, fn in timed.items():
+        marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "benchmark"]
+        assert [m.kwargs.get("timer") for m in marks] == [gpu_time], f"{name} is not timed on gpu_time"
+
 
 
 # ---- CPU: the regression gate itself ---------------------------------------------------------------
-# A clock the synthetic benchmark advances itself (pytest-benchmark reads it through --benchmark-timer):
-# each round of test_kernel takes exactly 2 ms x GATE_SLOWDOWN on it, whatever else the machine runs.
-GATE_CLOCK = '''
-t = 0.0
-
-def now():
-    return t
-
-def work(seconds):
-    global t
-    t += seconds
-'''
-
+# The synthetic benchmarks time as the GPU ones do: a GpuRound, pytest-benchmark's timer gpu_time set by
+# the benchmark marker; the GPU is a fake whose events read a clock the work advances, so each round of
+# test_kernel costs exactly 2 ms x GATE_SLOWDOWN of "GPU time", and the host may take any time it likes.
 GATE_TEST = '''
 import os
 
-import gate_clock
+import pytest
 
+from validations.gpu_clock import GpuRound, gpu_time
+
+GPU = [0.0]
+
+class Event:
+    def record(self):
+        self.t = GPU[0]
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+    def synchronize(self):
+        pass
+
+def sleep(cycles):
+    GPU[0] += cycles / 1e9
+
+def work(seconds):
+    GPU[0] += seconds
+
+def round_(seconds):
+    return GpuRound(lambda: work(seconds), cycles_per_s=1e9, event=Event, sleep=sleep)
+
+@pytest.mark.benchmark(timer=gpu_time)
 def test_kernel(benchmark):
     f = float(os.environ.get("GATE_SLOWDOWN", "1"))
-    benchmark.pedantic(gate_clock.work, args=(0.002 * f,), rounds=15, warmup_rounds=2)
+    benchmark.pedantic(round_(0.002 * f), rounds=15, warmup_rounds=2)
 
+@pytest.mark.benchmark(timer=gpu_time)
 def test_other(benchmark):
-    benchmark.pedantic(gate_clock.work, args=(0.002,), rounds=15, warmup_rounds=2)
+    benchmark.pedantic(round_(0.002), rounds=15, warmup_rounds=2)
 '''
 
 
 @pytest.mark.slow  # ~8 s: four pytest runs, each gathering machine info (py-cpuinfo) for its JSON
 def test_regression_gate_commands(tmp_path):
-    """The exact flags of docs/benchmarks.md, on a synthetic benchmark timed on GATE_CLOCK: record with
+    """The exact flags of docs/benchmarks.md, on a synthetic benchmark timed on gpu_time: record with
     --benchmark-json, a 30% slower kernel fails --benchmark-compare-fail=median:10% against that file, an
     unchanged run passes, and a missing baseline is a usage error (exit 4), not a silent pass."""
     (tmp_path / "test_gate.py").write_text(GATE_TEST)
-    (tmp_path / "gate_clock.py").write_text(GATE_CLOCK)
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --benchmark-disable\n")  # as pyproject has
 
     def pytest_(*flags, slowdown="1"):  # only pytest-benchmark loaded: 0.4 s a run instead of 2.5
-        env = dict(os.environ, GATE_SLOWDOWN=slowdown, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+        env = dict(os.environ, GATE_SLOWDOWN=slowdown, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONPATH=str(ROOT))
         return subprocess.run([sys.executable, "-m", "pytest", "test_gate.py", "-q", "-p", "pytest_benchmark.plugin",
-                               "-p", "no:cacheprovider", "--benchmark-enable",
-                               "--benchmark-timer=gate_clock.now", *flags], cwd=tmp_path, env=env,
+                               "-p", "no:cacheprovider", "--benchmark-enable", *flags], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=120)
 
     rec = pytest_("--benchmark-json=baselines.json")
     assert rec.returncode == 0, rec.stdout + rec.stderr
     saved = json.loads((tmp_path / "baselines.json").read_text())
     assert {b["fullname"] for b in saved["benchmarks"]} == {"test_gate.py::test_kernel", "test_gate.py::test_other"}
-    assert all(b["stats"]["median"] == pytest.approx(0.002, rel=1e-9) for b in saved["benchmarks"])  # GATE_CLOCK's
+    assert all(b["stats"]["median"] == pytest.approx(0.002, rel=1e-9) for b in saved["benchmarks"])  # GPU seconds
+    assert all(b["options"]["timer"] == "gpu_time" for b in saved["benchmarks"])  # the marker's timer, by name
     gate = ("--benchmark-compare=baselines.json", "--benchmark-compare-fail=median:10%",
             "--benchmark-json=current.json")
     slow = pytest_(*gate, slowdown="1.3")

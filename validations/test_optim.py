@@ -22,6 +22,7 @@ import anatomy.optim.efficient as efficient
 from anatomy.calculator.optimizer import state_bytes, step_bytes_moved
 from anatomy.optim import AdEMAMix, FusedAdEMAMix, alpha_at, beta3_at
 from anatomy.optim.efficient import ademamix_foreach_
+from validations.gpu_clock import GpuRound, gpu_time
 
 U32 = 2.0 ** -24  # fp32 unit roundoff: |fl(x) - x| <= U32 |x|
 
@@ -339,8 +340,9 @@ def _median_cuda_seconds(fn, repeats: int = 20) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.benchmark(timer=gpu_time)  # gated on GPU time, as every benchmark (docs/benchmarks.md)
 @pytest.mark.parametrize("impl", ["ademamix-compiled", "adamw-fused"])
-def test_step_bandwidth(cuda_device, benchmark, impl):
+def test_step_bandwidth(cuda_device, benchmark, gpu_refs, impl):
     # 6 x 4096^2 = 100.7M fp32 params: 400 MB each of params and grads, far past the 60 MB L2
     params = [torch.nn.Parameter(torch.randn(4096, 4096, device="cuda")) for _ in range(6)]
     for p in params:
@@ -357,7 +359,8 @@ def test_step_bandwidth(cuda_device, benchmark, impl):
 
     for _ in range(3):  # compile and warm up outside any timing
         step()
-    benchmark.pedantic(step, rounds=20, iterations=1, warmup_rounds=2)
+    benchmark.pedantic(GpuRound(opt.step, cycles_per_s=gpu_refs["sleep_cycles_per_s"]), rounds=20, iterations=1,
+                       warmup_rounds=2)
 
     # ceiling in the same run: a device copy of the same size, bytes read + written
     src = torch.randn(n_params, device="cuda")

@@ -1,0 +1,63 @@
+"""A fake GPU and a stand-in for pytest-benchmark's fixture: the CPU tests of the GPU-time harness.
+
+FakeGPU's events read a GPU clock that only the test's work advances, so every figure a test checks
+is exact, whatever else the machine runs.
+"""
+from __future__ import annotations
+
+from validations.gpu_clock import GpuRound
+
+REFS = dict(gemm_s=0.002, copy_s=0.0005, sleep_cycles_per_s=1e9, extra_launch_s=0.0)
+
+
+class FakeGPU:
+    """A GPU and a host that only the test moves. Ops queue in order: an event records the GPU time
+    at which the ops before it are done; a spin of c cycles lasts launch_s + c / rate."""
+
+    def __init__(self, rate: float = 1e9, launch_s: float = 0.0):
+        self.gpu = self.host = 0.0
+        self.rate, self.launch_s = rate, launch_s
+
+    def run(self, gpu_s: float, host_s: float = 0.0) -> None:  # one op: its GPU time, the host's issue time
+        self.gpu += gpu_s
+        self.host += host_s
+
+    def sleep(self, cycles: int) -> None:
+        self.gpu += self.launch_s + cycles / self.rate
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            t = None
+
+            def record(self):
+                self.t = gpu.gpu
+
+            def elapsed_time(self, other) -> float:
+                return (other.t - self.t) * 1e3  # ms, as CUDA's
+
+            def synchronize(self):
+                pass
+        return Event()
+
+    def round(self, work, clock: list[float]) -> GpuRound:
+        return GpuRound(work, cycles_per_s=self.rate, event=self.event, sleep=self.sleep, host=lambda: self.host,
+                        clock=clock)
+
+
+class BenchStub:
+    """pytest-benchmark's pedantic contract: setup untimed, warm-up untimed, one call per round timed
+    as timer() after minus timer() before (fixture.py, _make_runner)."""
+    disabled = False
+
+    def __init__(self, timer):
+        self.timer, self.extra_info, self.times = timer, {}, []
+
+    def pedantic(self, target, setup, rounds, warmup_rounds, iterations):
+        for i in range(warmup_rounds + rounds):
+            args, kw = setup()
+            t0 = self.timer()
+            target(*args, **kw)
+            if i >= warmup_rounds:
+                self.times.append(self.timer() - t0)
