@@ -235,10 +235,16 @@ def test_an_unpredicted_oom_is_a_failed_claim_not_a_crash(tmp_path):
     import subprocess
     import sys
 
-    shutil.copy(Path(__file__).parent.parent / "conftest.py", tmp_path / "conftest.py")
+    import os
+
+    root = Path(__file__).parent.parent
+    shutil.copy(root / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_oom.py").write_text(OOM_TESTS)
+    # the copied conftest imports the repo's validations package (its GPU clock and slowdown hooks)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--claims-report",
-                        str(tmp_path / "claims.json")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                        str(tmp_path / "claims.json")], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env=env)
     assert r.returncode == 1 and "3 failed" in r.stdout, r.stdout[-1500:]
     assert "unpredicted OOM: CUDA out of memory. Tried to allocate 2.00 GiB; the calculator predicted" in r.stdout
     rows = {row["test"].split("::")[1]: row for row in json.loads((tmp_path / "claims.json").read_text())["rows"]}
