@@ -43,13 +43,21 @@ def check_table() -> str:
              f"`PYTORCH_CUDA_ALLOC_CONF={doc['alloc_conf'] or '(unset)'}`; `{doc['command']}`.", "",
              "| model | seq | plan: recompute, micro-batch | predicted GiB | measured GiB | error | next micro-batch "
              "| predicted GiB | measured | budget GiB |", "|---|---:|---|---:|---:|---:|---:|---:|---|---:|"]
+    from anatomy.config import Run
+    from anatomy.hf_config import read_hf_config
+    from anatomy.plan import peak_bytes
+
     for r in doc["rows"]:
         if not r["plan"]:
             lines.append(f"| {r['model']} | {r['seq']:,} | nothing fits | | | | | | | {gib(r['budget'])} |")
             continue
         a, b = r["runs"]
+        cfg = read_hf_config(records.ROOT / r["config"]).config
+        # predicted now, from the committed config: the record holds measurements only
+        pa, pb = (peak_bytes(cfg, Run(batch=x["batch"], seq=r["seq"], recompute=x["recompute"]), "efficient", 1,
+                             "single", "adamw") for x in (a, b))
         meas = lambda x: gib(x["peak"]) if x["outcome"] == "ran" else x["outcome"]  # noqa: E731
-        err = f"{(a['predicted'] - a['peak']) / a['peak']:+.2%}" if a["outcome"] == "ran" else ""
-        lines.append(f"| {r['model']} | {r['seq']:,} | {r['plan']['recompute']}, {a['batch']} | {gib(a['predicted'])} | "
-                     f"{meas(a)} | {err} | {b['batch']} | {gib(b['predicted'])} | {meas(b)} | {gib(r['budget'])} |")
+        err = f"{(pa - a['peak']) / a['peak']:+.2%}" if a["outcome"] == "ran" else ""
+        lines.append(f"| {r['model']} | {r['seq']:,} | {r['plan']['recompute']}, {a['batch']} | {gib(pa)} | "
+                     f"{meas(a)} | {err} | {b['batch']} | {gib(pb)} | {meas(b)} | {gib(r['budget'])} |")
     return "\n".join(lines)
