@@ -221,28 +221,13 @@ import os
 
 import pytest
 
+from validations.fake_gpu import FakeGPU
 from validations.gpu_clock import GpuRound, gpu_time
 
-GPU = [0.0]
-
-class Event:
-    def record(self):
-        self.t = GPU[0]
-
-    def elapsed_time(self, other):
-        return (other.t - self.t) * 1e3
-
-    def synchronize(self):
-        pass
-
-def sleep(cycles):
-    GPU[0] += cycles / 1e9
-
-def work(seconds):
-    GPU[0] += seconds
+GPU = FakeGPU()
 
 def round_(seconds):
-    return GpuRound(lambda: work(seconds), cycles_per_s=1e9, event=Event, sleep=sleep)
+    return GpuRound(lambda: GPU.run(seconds), cycles_per_s=GPU.rate, event=GPU.event, sleep=GPU.sleep)
 
 @pytest.mark.benchmark(timer=gpu_time)
 def test_kernel(benchmark):
