@@ -10,8 +10,8 @@ Per config (autocast bf16 over fp32 weights, no optimizer: forward + backward as
          forward peak and what stays after forward, over what was live before it, the bytes of the
          tensors autograd saved (grad_fn.saved_tensors), and the peak of its backward.
 Expandable segments are set (as the memory probe's ±1% claim is measured) unless the caller set an
-allocator config. The calculator's figures for the same run are written beside, under "predicted", for
-the reader's comparison (the claim tests compare them; this script only records them).
+allocator config. The record holds measurements only; the calculator's figures for the same run are printed
+beside them for the operator (the claim tests predict again from the recorded config and run).
 """
 from __future__ import annotations
 
@@ -108,10 +108,9 @@ def main(argv=None) -> int:
         rec["loss_alone"] = _loss_alone(cfg, run, run.loss_impl)
         torch.cuda.empty_cache()
         rec["seconds"] = time.perf_counter() - t0
-        rec["predicted"] = _predicted(cfg, run)
         path = os.path.join(a.out, f"loss-memory-{n}.json")
         write_atomic(path, json.dumps(rec, indent=1))
-        pr = rec["predicted"]
+        pr = _predicted(cfg, run)
         print(f"{n:10s} step peak {rec['step_peak'] / 2**30:7.3f} GiB (predicted {pr['step_peak'] / 2**30:7.3f}, "
               f"{(pr['step_peak'] - rec['step_peak']) / rec['step_peak']:+.2%}); loss saved "
               f"{rec['loss_alone']['saved']:,} B (predicted {pr['loss_saved']:,}); loss forward peak "
