@@ -162,26 +162,30 @@ def test_reserved_within_predicted_range(row, claims):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["baseline", "efficient"])
-def test_phases_on_this_gpu(variant, claims):
-    """The same checks in this process: strict under expandable segments (scripts/gpu_suite.sh sets
-    them), the default allocator's explained slack an expected failure otherwise."""
+@pytest.mark.parametrize("variant,recompute,optimizer", [("baseline", "none", "adamw"), ("efficient", "none", "adamw"),
+                                                         ("efficient", "mlp", "adamw"), ("efficient", "full", "adamw"),
+                                                         ("efficient", "full", None)])
+def test_phases_on_this_gpu(variant, recompute, optimizer, claims):
+    """The same checks in this process, each recompute policy too: strict under expandable segments
+    (scripts/gpu_suite.sh sets them), the default allocator's explained slack an expected failure otherwise."""
     from anatomy.measure.memory import measure_phases, splits_every_block, trace_phases
 
     cfg = ModelConfig(name="mem", hidden=256, layers=2, heads=8, kv_heads=2, intermediate=640, vocab=5000)
-    run = Run(4, 512)
-    row = dict(config="mem", batch=4, seq=512, variant=variant, optimizer="adamw", cfg=cfg.to_dict(),
-               alloc=probes.SPLIT if splits_every_block() else probes.DEFAULT)
-    phs = measure_phases(cfg, run, variant, optimizer="adamw")
+    run = Run(4, 512, recompute=recompute)
+    row = dict(config="mem", batch=4, seq=512, variant=variant, optimizer=optimizer, recompute=recompute,
+               cfg=cfg.to_dict(), alloc=probes.SPLIT if splits_every_block() else probes.DEFAULT)
+    phs = measure_phases(cfg, run, variant, optimizer=optimizer)
     row["phases"] = phs
     ph = {p["name"]: p for p in phs}
-    trace = trace_phases(cfg, run, variant, "adamw")
-    pred = phases(cfg, run, variant, "adamw")
+    trace = trace_phases(cfg, run, variant, optimizer)
+    pred = phases(cfg, run, variant, optimizer)
     slack = []
     for figure in FIGURES:
+        if figure[2] not in ph:  # no optimizer, no optimizer phase
+            continue
         slack.append(check_phase(claims, row, figure, pred, ph[figure[2]][figure[3]], trace, "this GPU",
                                  probes.requested(row, figure[2], figure[3])))
-        claims.check(figure[0]["trace"], component="model", config="mem-B4S512", variant=variant,
+        claims.check(figure[0]["trace"], component="model", config=_ids(row), variant=variant,
                      predicted=pred[figure[1]], measured=trace[figure[1]], tolerance=TRACE_TOL, device="cuda",
                      unit="B", note="this GPU; requested bytes")
     if any(slack):
