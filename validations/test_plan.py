@@ -108,9 +108,20 @@ def _rows():
 
 
 def test_plan_record_covers_the_architectures_the_claim_names():
+    """At least 8 real architectures, among them a Qwen2 with q/k/v biases, a tied embedding, a 128k vocabulary
+    and a model of 7B parameters or more that the plan runs with recompute."""
+    from anatomy.calculator import param_count
+    from anatomy.hf_config import read_hf_config
+
     rows = _rows()
-    models = {r["model"] for r in rows}
-    assert len(models) >= 8, models
+    assert len({r["model"] for r in rows}) >= 8, [r["model"] for r in rows]
+    cfgs = {r["model"]: (read_hf_config(ROOT / r["config"]).config, r["plan"]) for r in rows}
+    kinds = {"qkv bias": [m for m, (c, _) in cfgs.items() if c.qkv_bias],
+             "tied": [m for m, (c, _) in cfgs.items() if c.tie_embeddings],
+             "128k vocab": [m for m, (c, _) in cfgs.items() if c.vocab >= 128_000],
+             "7B+ with recompute": [m for m, (c, p) in cfgs.items()
+                                    if param_count(c) >= 7e9 and p["recompute"] != "none"]}
+    assert all(kinds.values()), kinds
 
 
 def test_planned_run_peak_within_1_percent(claims):
