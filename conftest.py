@@ -35,6 +35,10 @@ def pytest_addoption(parser):
     parser.addoption("--quick", action="store_true",
                      help="the quick subset: leave out tests marked slow (on the H200, the seed config at "
                           "B=16 S=4096); with -m gpu, the GPU suite's fast gate")
+    parser.addoption("--live-n", type=int, default=30,
+                     help="how many configs validations/test_live_claims.py draws and measures on the GPU (default 30)")
+    parser.addoption("--live-seed", type=int, default=2026,
+                     help="the seed those configs are drawn with (default 2026)")
 
 
 def pytest_configure(config):
