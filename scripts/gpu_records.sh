@@ -50,7 +50,7 @@ part probe-timing-training 290 python3 scripts/probe_timing.py --skip-named --hy
 part probe-timing-hypothesis 85 python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed "$SEED" \
   --out "$R/probe_timing_hypothesis.json"
 # the whole GPU suite against this run's profile, with its claims report (reports/h200/claims-gpu.json)
-part gpu-suite 150 $SPLIT env ANATOMY_GPU_PROFILE="$R/h200.json" python3 -m pytest validations -m gpu -q \
+part gpu-suite 300 $SPLIT env ANATOMY_GPU_PROFILE="$R/h200.json" python3 -m pytest validations -m gpu -q \
   -p no:cacheprovider --claims-report "$R/claims-gpu.json" --durations=15
 # the open issues' records, each run on its own (ONLY=...): the plan's boundary on real configs (issue 23), the
 # new loss's memory (issue 26), the user's loop at real depth, drawn with a new seed (issue 24), and the peers
