@@ -239,7 +239,7 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
             if steps:
                 put(marker, steps_table(steps))
         if records.STEP_PROFILE.exists():
-            put("profile-seed", profile_text(records.STEP_PROFILE, records.STEPS["peers"] / "step-seed-efficient.json"))
+            put("profile-seed", profile_text(records.STEP_PROFILE, records.STEPS["profiled"] / "step-seed-efficient.json"))
         if records.KERNELS_BACK_TO_BACK.exists():
             put("bench-kernels", kernels_table(records.KERNELS_BACK_TO_BACK))
         if records.KERNELS_GPU_ONLY.exists():
