@@ -35,20 +35,28 @@ TIMING_PROBE = {"named": H200 / "timing-probe" / "named.json",
                 "drawn, training-sized": H200 / "timing-probe" / "drawn-training.json",
                 "drawn, small": H200 / "timing-probe" / "drawn-small.json"}
 
-# bench/step.py: one peer per process, forward + backward, median of 10 steps. Four runs, each its own
+# bench/step.py: one peer per process, forward + backward, median of 10 steps. Five runs, each its own
 # folder (compare peers only within one): the first run with the baseline peers; the seed step on a second
-# machine 18 minutes later; the peers table; efficient with and without recompute.
-STEPS = {name: H200 / "steps" / name for name in ("peers", "first-run", "second-machine", "recompute")}
+# machine 18 minutes later; the seed step profiled (bench/profile_step.py) with the efficient steps of its run;
+# efficient with and without recompute; the peers table (efficient, HF + Liger, HF + compile at the seed and
+# two real configs; scripts/gpu_records.sh's "peers" part, its machine in PEERS_ENV).
+STEPS = {name: H200 / "steps" / name for name in ("peers", "first-run", "second-machine", "profiled", "recompute")}
+PEERS_ENV = STEPS["peers"] / "env.json"  # scripts/env_json.py, same run: cuDNN, Triton and driver versions
 # (record, variant) of every step record of our own models, uncompiled (the other records are peers'): the
 # memory and timing claims against the committed steps both read this one list
 OWN_STEPS = tuple((STEPS[run] / f"step-{name}.json", "baseline" if "baseline" in name else "efficient")
                   for run, names in (("first-run", ("seed-efficient", "1b-efficient", "seed-baseline")),
                                      ("second-machine", ("seed-efficient",)),
-                                     ("peers", ("seed-efficient", "1b-efficient")),
+                                     ("profiled", ("seed-efficient", "1b-efficient")),
                                      ("recompute", ("seed-efficient", "seed-efficient-recompute", "anchor-1b-efficient",
-                                                    "anchor-1b-efficient-recompute")))
+                                                    "anchor-1b-efficient-recompute")),
+                                     ("peers", ("seed-efficient", "tinyllama-1.1b-efficient", "llama3.2-1b-efficient")))
                   for name in names)
-STEP_PROFILE = H200 / "steps" / "peers" / "profile-seed-efficient.json"  # bench/profile_step.py, same run as "peers"
+STEP_PROFILE = STEPS["profiled"] / "profile-seed-efficient.json"  # bench/profile_step.py, same run as "profiled"
+
+# bench/loss_memory.py (scripts/gpu_records.sh's "loss-memory" part): the efficient step's phases with our fused
+# linear CE, and the loss op alone, at the seed and two real configs; measurements only.
+LOSS_MEMORY = tuple(H200 / "loss-memory" / f"loss-memory-{n}.json" for n in ("seed", "tinyllama", "llama3.2"))
 
 # bench/kernels.py (back to back, against peers) and anatomy.kernels.bench (GPU-only, behind a sleep kernel).
 KERNELS_BACK_TO_BACK = H200 / "kernels" / "back-to-back-seed.json"
