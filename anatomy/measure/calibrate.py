@@ -35,9 +35,9 @@ timing reuses one L2-resident input):
                   fp32 + bf16 residual add, Liger's CE kernel (at 512- and 2048-row chunks, vocabs aligned
                   to 16 and not) and the eager baseline's S x S ops (scale, mask add, casts, softmax and
                   its backward, at S 1024-4096), at 16,384 rows (65,536 for widths <= 2048; 32,768 rows
-                  of S for the S x S ops) and several widths; torch's fused AdamW, the eager baseline's
-                  norm, loss, SwiGLU and clamp chains, and ATen's embedding backward (2048-65536 ids): the
-                  calculator turns them into bandwidth efficiencies
+                  of S for the S x S ops) and several widths; torch's fused AdamW and the compiled AdEMAMix
+                  step, the eager baseline's norm, loss, SwiGLU and clamp chains, and ATen's embedding backward
+                  (2048-65536 ids): the calculator turns them into bandwidth efficiencies
 Measurements never read the calculator; the profile is only *loaded* by it (timing/profile.py, fit.py).
 On a machine without CUDA it prints one line and exits 2.
 """
