@@ -105,7 +105,8 @@ def liger_fit(chunks: list[int], fwd_us: list[float], bwd_us: list[float]) -> di
                 backward=statistics.mean(bwd_us), calls_us=dict(zip(map(str, chunks), fwd_us)))
 
 
-def measure_liger_host(reps: int = 20, vocabs: tuple[int, ...] = LIGER_HOST["vocabs"], device: str = "cuda") -> dict | None:
+def measure_liger_host(reps: int = 20, vocabs: tuple[int, ...] = LIGER_HOST["vocabs"],
+                       device: str = "cuda") -> dict | None:
     """Liger's fused linear CE through anatomy.efficient.loss as the model calls it with loss_impl="liger" (bf16
     autocast, bf16 input, fp32 weight), at 1, 8, 16 and 32 chunks of tiny rows: liger_fit's {forward, chunk,
     backward} µs. Each call starts on a drained GPU and is timed on the host clock until it returns (its own
