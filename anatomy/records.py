@@ -64,6 +64,10 @@ KERNELS_GPU_ONLY = H200 / "kernels" / "gpu-only-seed.json"
 OPTIMIZER_STEPS = H200 / "kernels" / "optimizer-steps.json"  # pytest-benchmark JSON of validations/test_optim.py
 LINEAR_CE = H200 / "kernels" / "linear-ce.json"  # bench/linear_ce.py: ours against Liger's, forward + backward
 
+# scripts/probe_timing.py --user-loop --real-depth 30 --presets: the user's own loop on real-depth models drawn
+# out of sample (validations/real_depth.py). Its same-run calibrate failed, so its claims use H200_PROFILE.
+REAL_DEPTH = H200 / "user-loop" / "real-depth.json"
+
 # scripts/check_plan.py: `anatomy plan --gpu H200`'s micro-batch and the next one, run in a user's loop.
 PLAN_CHECK = H200 / "plan" / "check.json"
 

@@ -245,5 +245,9 @@ if __name__ == "__main__":  # python3 -m validations.real_depth RECORD.json: the
     rec = Path(sys.argv[1])
     prof = rec.with_name("calibrated.json")
     data = json.loads(rec.read_text())
-    print(markdown(data["rows"], {"calibrated": str(prof) if prof.is_file() else "h200-measured",
-                                  "datasheet": "h200-sxm"}))
+    same_run = prof.is_file() and data.get("profile") == prof.name  # else calibrate failed: the packaged profile
+    if not same_run:
+        print(f"real_depth: no same-run profile ({data.get('profile', 'no profile')}): predicting with the packaged "
+              "h200-measured, calibrated on another machine", file=sys.stderr)
+    print(markdown(data["rows"], {"same-run": str(prof)} if same_run else {"packaged (not same-run)": "h200-measured"}
+                   | {"datasheet": "h200-sxm"}))

@@ -257,7 +257,7 @@ def test_host_scale_leaves_out_what_was_measured_in_place():
     """The tiny step's measured time less Liger's measured share, over the modelled time less the same:
     a step measured at f x its modelled other ops plus Liger's figures gives the scale f exactly."""
     p = _liger_host_profile(forward=800.0, chunk=150.0, backward=100.0)
-    hs = dict(calibrate_host.HOST_STEP)
+    hs = dict(calibrate_host.HOST_STEP, loss_impl="liger")  # a tiny step run with Liger's loss
     cfg, run = ModelConfig(**hs["cfg"]), Run.from_record(hs)
     ks = timing.kernels(cfg, run, "efficient", None, None)
     liger = sum(timing.host_seconds(k, p) for k in ks if timing.in_situ(k, p))

@@ -1,5 +1,7 @@
 """The optimizer step's kernels as the timing model counts them (anatomy/calculator/timing/kernels.py:
-optimizer_kernels), against AdEMAMix's loop and foreach form run op by op on CPU."""
+optimizer_kernels), against AdEMAMix's loop and foreach form run op by op on CPU, and its compiled form as
+Inductor writes it (one kernel launch per tensor group, one pass); the compiled step's rate is calibrated
+(calibrate_kernels.ademamix_case), not the copy bandwidth."""
 from __future__ import annotations
 
 import importlib
@@ -107,3 +109,87 @@ def test_optimizer_step_time_on_this_gpu(cuda_device, impl, claims):
     claims.check("optimizer step time", component="optimizer", config=cfg.name, variant=impl, predicted=predicted,
                  measured=measured, tolerance=0.15, device="cuda", unit="s",
                  note=f"{torch.cuda.get_device_name(0)}, median of 10 steps")
+
+
+# ---- the compiled step: one pass over the state, as optimizer_step_bytes counts it ------------------------------
+def _kernel_calls(code: str) -> list[set[str]]:
+    """The graph inputs (argN_1) each kernel launch of Inductor's wrapper `call()` passes, one set per launch
+    (a Triton `name.run(...)` or a C++ `cpp_fused_...(...)`)."""
+    import re
+
+    body = code[code.index("def call("):]
+    return [set(re.findall(r"\barg\d+_1\b", m.group(2)))
+            for m in re.finditer(r"^\s*(\w*(?:triton|cpp_fused)\w*)(?:\.run)?\((.*)\)\s*$", body, re.M)]
+
+
+def _compiled_step_code(device: str, sizes: list[int]) -> str:
+    from torch._inductor.utils import run_and_get_code
+
+    from anatomy.optim.efficient import ademamix_foreach_
+
+    torch._dynamo.reset()
+    lists = [[torch.randn(n, device=device) for n in sizes] for _ in range(5)]  # p, g, m1, m2, nu
+    scalars = torch.tensor([1e-4, 5.0, 0.999, 1e-3, 0.1, 0.03, 0.1], device=device)
+    step = torch.compile(ademamix_foreach_, fullgraph=True, dynamic=False)  # as compiled_ademamix_foreach_
+    _, codes = run_and_get_code(step, *lists, scalars, 0.9, 0.999, 1e-8)
+    return "\n".join(codes)
+
+
+def _assert_one_pass(code: str, tensors: int) -> None:
+    """Each of the step's 5 x `tensors` tensors in exactly one kernel launch (the (7,) scalars may go to every
+    launch), and no intermediate buffer allocated."""
+    import re
+
+    scalars = re.search(r"assert_size_stride\((arg\d+_1), \(7, \)", code).group(1)
+    seen = [a for c in _kernel_calls(code) for a in c if a != scalars]
+    assert len(set(seen)) == 5 * tensors, "a tensor of the step is passed to no kernel"
+    assert len(seen) == len(set(seen)), f"{len(seen) - len(set(seen))} tensors passed to more than one kernel"
+    assert "empty_strided" not in code[code.index("def call("):], "the compiled step allocates an intermediate"
+
+
+@pytest.mark.slow  # Inductor compiles C++ (~30 s on 2 cores)
+def test_compiled_step_is_one_pass_over_each_tensor():
+    """Inductor's code for the compiled AdEMAMix step (FusedAdEMAMix(compile=True)), here on CPU: every
+    parameter, gradient and state tensor is passed to one kernel launch and no intermediate buffer is made, so
+    the step reads p, g, m1, m2, nu and writes p, m1, m2, nu once: the 36 B per fp32 element that
+    optimizer_step_bytes counts for ademamix-compiled (test_compiled_step_is_one_pass_on_this_gpu checks the
+    CUDA code)."""
+    sizes = [1000 * 64, 64]
+    _assert_one_pass(_compiled_step_code("cpu", sizes), len(sizes))
+    assert all(tk.optimizer_step_bytes("ademamix-compiled", n) == 36 * n for n in sizes)
+
+
+@pytest.mark.gpu
+def test_compiled_step_is_one_pass_on_this_gpu(cuda_device):
+    """The same on CUDA, over anchor-1b's parameter sizes (99 tensors: Inductor's foreach kernels group them
+    into launches of several tensors each, each tensor still in one launch)."""
+    sizes = [n for n, k in tk.param_sizes(ModelConfig.from_name("anchor-1b"), "efficient").items() for _ in range(k)]
+    _assert_one_pass(_compiled_step_code("cuda", sizes), len(sizes))
+
+
+def test_compiled_step_takes_its_calibrated_rate():
+    """Fake timings (not a measurement) of the compiled step at calibrate's sizes (calibrate_kernels.ademamix_case)
+    at 50% of the copy bandwidth: every ademamix-compiled kernel takes its one pass's bytes at that rate, the loop
+    and foreach forms (their own ops' bytes) and fused AdamW (not timed here) stay as they were."""
+    from anatomy.calculator.timing import estimate_time, fit
+    from anatomy.calculator.timing.op_bytes import fused_bytes
+    from anatomy.measure import calibrate
+    from anatomy.measure.calibrate_kernels import ADAMW_NUMELS, ADAMW_TENSORS, _fused_cases
+    from validations.test_calibrate import _fake_measurements
+
+    assert [(op, w) for op, w, *_ in _fused_cases() if op == "optimizer.ademamix"] == \
+        [("optimizer.ademamix", n) for n in ADAMW_NUMELS]
+    hbm, frac = 4.0e12, 0.5
+    fused = [dict(op="optimizer.ademamix", tokens=ADAMW_TENSORS, width=n, queued=True,
+                  ms=(sum(fused_bytes("optimizer.ademamix", n, ADAMW_TENSORS)) / hbm / frac + 2.2e-6) * 1e3)
+             for n in ADAMW_NUMELS]
+    p, p0 = (fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12, **f),
+                                                            dict(date="fake"), "h200-sxm")).replace(sustained_ratio={})
+             for f in (dict(fused=fused), {}))
+    cfg, run = ModelConfig(name="o", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=32000), Run(2, 2048)
+    for impl, f in (("ademamix-compiled", frac), ("ademamix-foreach", 1.0), ("adamw", 1.0)):
+        a, b = (estimate_time(cfg, run, "efficient", q, optimizer=impl, with_kernels=True) for q in (p, p0))
+        ka, kb = ([k for k in r["kernels"] if k["phase"] == "optimizer"] for r in (a, b))
+        assert len(ka) == len(kb) > 0
+        for x, y in zip(ka, kb):
+            assert x["memory_s"] == pytest.approx(y["memory_s"] / f, rel=1e-9), (impl, x["name"])

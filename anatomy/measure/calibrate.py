@@ -35,9 +35,9 @@ timing reuses one L2-resident input):
                   fp32 + bf16 residual add, Liger's CE kernel (at 512- and 2048-row chunks, vocabs aligned
                   to 16 and not) and the eager baseline's S x S ops (scale, mask add, casts, softmax and
                   its backward, at S 1024-4096), at 16,384 rows (65,536 for widths <= 2048; 32,768 rows
-                  of S for the S x S ops) and several widths; torch's fused AdamW, the eager baseline's
-                  norm, loss, SwiGLU and clamp chains, and ATen's embedding backward (2048-65536 ids): the
-                  calculator turns them into bandwidth efficiencies
+                  of S for the S x S ops) and several widths; torch's fused AdamW and the compiled AdEMAMix
+                  step, the eager baseline's norm, loss, SwiGLU and clamp chains, and ATen's embedding backward
+                  (2048-65536 ids): the calculator turns them into bandwidth efficiencies
 Measurements never read the calculator; the profile is only *loaded* by it (timing/profile.py, fit.py).
 On a machine without CUDA it prints one line and exits 2.
 """
@@ -54,9 +54,9 @@ from pathlib import Path
 from anatomy import io
 from anatomy.calculator import gpus
 from anatomy.calculator.timing import fit, lookup, profile
-from anatomy.config import PRESETS
+from anatomy.config import PRESETS, ConfigError
 from anatomy.kernel_shapes import chunk_rows
-from anatomy.measure.calibrate_host import measure_host, measure_host_step
+from anatomy.measure.calibrate_host import drop_unmeasured, measure_host, measure_host_step
 from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
 from anatomy.measure.calibrate_sdpa import measure_sdpa_kernels
 from anatomy.measure.calibrate_sustained import measure_sustained
@@ -116,6 +116,11 @@ def build_profile(measurements: dict, provenance: dict, base: str) -> dict:
                 measurements=measurements)
     fit.from_measured(profile.check_measured(data, "calibrated profile"))  # a ConfigError if anything is malformed
     return data
+
+
+def rejected_path(out: Path) -> Path:
+    """Where calibrate keeps the measurements of a run whose profile failed its check (never read as a profile)."""
+    return out.with_name(out.stem + ".rejected.json")
 
 
 def default_out(base: str) -> Path:
@@ -306,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     m["host_step"] = measure_host_step(liger_blocks=6)  # Liger's loop in blocks beside the tiny step (~6 s)
     if "liger_ce" in m["host_step"]:  # without liger-kernel, none
         m["host_custom_us"]["liger_ce"] = m["host_step"].pop("liger_ce")
+    dropped = drop_unmeasured(m["host_custom_us"])  # a figure that is not a time > 0: left out, loudly
+    for line in dropped:
+        print(f"anatomy calibrate: WARNING: {line}", file=sys.stderr, flush=True)
     # half of what is left for attention, the rest for the GEMM grid (the host figures above take seconds)
     m["attention"], skipped = measure_attention(time.monotonic() + 0.5 * (deadline - time.monotonic()))
     m["matmul_bf16"] = measure_matmuls(gemm_grid(), time.monotonic() + 0.5 * (deadline - time.monotonic()))
@@ -319,12 +327,19 @@ def main(argv: list[str] | None = None) -> int:
     m["kernel_gap"] = measure_kernel_gap()
     # last: its warm-up leaves the GPU at its power-limited clock, which no burst figure above may see
     m["sustained"] = measure_sustained(a.warmup_s)
-    prov = dict(_env(argv), seconds=round(time.monotonic() - t0, 1), skipped=skipped,
+    prov = dict(_env(argv), seconds=round(time.monotonic() - t0, 1), skipped=skipped, dropped=dropped,
                 gemm_grid=f"{len(m['matmul_bf16'])} of {len(gemm_grid())} shapes",
                 gemm_grid_in_step=f"{len(m['matmul_bf16_in_step'])} of {len(gemm_grid())} shapes")
-    data = build_profile(m, prov, base)
     out = Path(a.out or default_out(base))
     out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = build_profile(m, prov, base)
+    except ConfigError as e:  # no profile: say so in one line and keep what was measured for the post-mortem
+        kept = rejected_path(out)
+        io.write_atomic(kept, json.dumps(dict(error=str(e), provenance=prov, measurements=m), indent=1) + "\n")
+        print(f"anatomy calibrate: FAILED, no profile written to {out}: {e} (the measurements: {kept})",
+              file=sys.stderr, flush=True)
+        return 1
     io.write_atomic(out, json.dumps(data, indent=1) + "\n")
     prof = fit.from_measured(data)
     print(f"{name}: bf16 GEMM {prof['matmul_flops']['bfloat16'] / 1e12:.0f} TFLOP/s "

@@ -16,13 +16,25 @@ model (scripts/probe_host_parts.py).
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
+from anatomy.kernel_shapes import chunk_rows
+
+# loss_impl: the efficient model's default loss, which setup_step builds (the calculator rebuilds the step's
+# kernels from this record: timing.host_scale)
 HOST_STEP = dict(cfg=dict(name="host-step", hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=2048),
-                 batch=2, seq=64, dtype="amp")
-# Liger's chunk count is ceil(V / H) here (tokens 128, hidden 256), GPU time ~µs
+                 batch=2, seq=64, dtype="amp", loss_impl="anatomy")
+# Liger's chunk count is ceil(V / H) here (tokens 128, hidden 256: liger_chunks), GPU time ~µs
 LIGER_HOST = dict(tokens=128, hidden=256, vocabs=(256, 2048, 4096, 8192))  # 1, 8, 16 and 32 chunks
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _host_us(fn, n: int) -> float:
@@ -71,51 +83,79 @@ def measure_host() -> tuple[float, dict]:
         def both():
             torch.autograd.backward(f(), grads)
         both_us = _host_us(both, 20) / n
-        out[name] = dict(forward=fwd, backward=max(0.0, both_us - fwd))
+        out[name] = dict(forward=fwd, backward=both_us - fwd)  # not positive: drop_unmeasured drops it
     out["source"] = ("measured by anatomy calibrate (CPU time per call, tiny tensors; our ops: 32 calls per graph and "
                      "one backward over them, bwd = fwd+bwd - fwd; liger_ce: whole calls at 1, 8, 16 and 32 chunks, "
                      "in blocks beside the tiny host step, as the median of their ratios to it (measure_host_step))")
     return op_us, out
 
 
-def measure_liger_host(reps: int = 20, vocabs: tuple[int, ...] = LIGER_HOST["vocabs"]) -> dict | None:
-    """Liger's fused linear CE through anatomy.efficient.loss as the model calls it (bf16 autocast, bf16
-    input, fp32 weight), at 1, 8, 16 and 32 chunks of tiny rows: {forward: µs a call less its chunks, chunk: µs
-    a chunk of the forward's loop (the least-squares slope), backward: µs}. Each call starts on a drained GPU
-    and is timed on the host clock until it returns (its own .item() and torch.equal syncs wait for µs of GPU
-    work). None without liger-kernel."""
+def liger_chunks(tokens: int, hidden: int, vocab: int) -> int:
+    """The chunks of Liger's forward loop (kernel_shapes.chunk_rows: Liger's own chunk rule)."""
+    return -(-tokens // chunk_rows(tokens, hidden, vocab))
+
+
+def liger_fit(chunks: list[int], fwd_us: list[float], bwd_us: list[float]) -> dict:
+    """Liger's host figures from the median call at each chunk count: chunk, the least-squares slope of the
+    forward call over the chunk count; forward, the median call less its chunks; backward, the mean. No
+    figure is clamped: a slope <= 0 says the calls did not run Liger's loop, and drop_unmeasured keeps it
+    out of the profile, loudly."""
+    chunk = statistics.linear_regression(chunks, fwd_us).slope
+    return dict(forward=statistics.median(f - n * chunk for f, n in zip(fwd_us, chunks)), chunk=chunk,
+                backward=statistics.mean(bwd_us), calls_us=dict(zip(map(str, chunks), fwd_us)))
+
+
+def measure_liger_host(reps: int = 20, vocabs: tuple[int, ...] = LIGER_HOST["vocabs"],
+                       device: str = "cuda") -> dict | None:
+    """Liger's fused linear CE through anatomy.efficient.loss as the model calls it with loss_impl="liger" (bf16
+    autocast, bf16 input, fp32 weight), at 1, 8, 16 and 32 chunks of tiny rows: liger_fit's {forward, chunk,
+    backward} µs. Each call starts on a drained GPU and is timed on the host clock until it returns (its own
+    .item() and torch.equal syncs wait for µs of GPU work). None without liger-kernel."""
     import importlib.util
 
     import torch
 
     if importlib.util.find_spec("liger_kernel") is None:
         return None
-    from anatomy.efficient.loss import linear_ce
+    from anatomy.efficient import loss
 
     T, H = LIGER_HOST["tokens"], LIGER_HOST["hidden"]
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    t = torch.randint(0, min(vocabs), (T,), device="cuda")
-    ws = [(torch.randn(V, H, device="cuda") * 0.02).requires_grad_() for V in vocabs]
+    x = torch.randn(T, H, device=device, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, min(vocabs), (T,), device=device)
+    ws = [(torch.randn(V, H, device=device) * 0.02).requires_grad_() for V in vocabs]
     f_us, b_us = [[] for _ in ws], [[] for _ in ws]
-    for i in range(reps + 3):  # the two chunk counts alternate, so a drift of the host falls on both
+    for i in range(reps + 3):  # the chunk counts alternate, so a drift of the host falls on all of them
         for j, w in enumerate(ws):
-            torch.cuda.synchronize()
+            _sync(device)
             t0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = linear_ce(x, w, t)
+            with torch.autocast(device, dtype=torch.bfloat16):
+                out = loss.linear_ce(x, w, t, impl="liger")  # Liger's, not the default (ours: no chunk loop here)
             t1 = time.perf_counter()
-            loss.backward()
+            out.backward()
             t2 = time.perf_counter()
-            torch.cuda.synchronize()
+            _sync(device)
             if i >= 3:
                 f_us[j].append((t1 - t0) * 1e6)
                 b_us[j].append((t2 - t1) * 1e6)
             x.grad = w.grad = None
-    fwd, bwd = [statistics.median(f) for f in f_us], [statistics.median(b) for b in b_us]
-    chunks = [-(-V // H) for V in vocabs]  # tokens 128 >= V / H: one chunk per ceil(V / H)
-    chunk = max(0.0, statistics.linear_regression(chunks, fwd).slope)  # two counts: the difference over the gap
-    return dict(forward=max(0.0, statistics.median(f - n * chunk for f, n in zip(fwd, chunks))), chunk=chunk,
-                backward=statistics.mean(bwd), calls_us=dict(zip(map(str, chunks), fwd)))
+    return liger_fit([liger_chunks(T, H, V) for V in vocabs], [statistics.median(f) for f in f_us],
+                     [statistics.median(b) for b in b_us])
+
+
+def drop_unmeasured(host_custom_us: dict) -> list[str]:
+    """Remove, in place, every per-call figure that is not a finite time > 0 (a backward measured as the
+    difference of two noisy times, a per-chunk slope that saw no loop) and return one line per figure
+    removed. The calculator counts a missing figure as eager ops (timing/host.py: host_seconds), so a profile
+    without it is complete; calibrate prints each line and keeps them in the provenance."""
+    out = []
+    for op, v in host_custom_us.items():
+        if not isinstance(v, dict):
+            continue
+        for ph in [ph for ph, us in v.items() if isinstance(us, (int, float))]:
+            if not (math.isfinite(v[ph]) and v[ph] > 0):
+                out.append(f"host_custom_us.{op}.{ph} measured {v.pop(ph):.3g} us, not a time > 0: left out of the "
+                           "profile (the calculator counts that part as eager ops)")
+    return out
 
 
 class HostStep:
@@ -130,7 +170,7 @@ class HostStep:
         from anatomy.measure.timeline import _Clock, _plain_steps
 
         self.cfg = ModelConfig(**HOST_STEP["cfg"])
-        self.run = Run(HOST_STEP["batch"], HOST_STEP["seq"], HOST_STEP["dtype"])
+        self.run = Run(HOST_STEP["batch"], HOST_STEP["seq"], HOST_STEP["dtype"], loss_impl=HOST_STEP["loss_impl"])
         self.device, self.clock, self._steps = device, _Clock(device), _plain_steps
         self.setups = {v: setup_step(self.cfg, self.run, v, "adamw", device) for v in ("baseline", "efficient")}
         for v in self.setups:

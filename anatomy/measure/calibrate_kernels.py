@@ -166,6 +166,26 @@ def adamw_case(numel: int, tensors: int = ADAMW_TENSORS):
     return build
 
 
+def ademamix_case(numel: int, tensors: int = ADAMW_TENSORS):
+    """One compiled AdEMAMix step (anatomy.optim.FusedAdEMAMix(compile=True): Inductor fuses the step into one
+    read-modify-write pass, 20 B read and 16 B written per fp32 element) over `tensors` fp32 params of `numel`,
+    as `--optimizer ademamix-compiled` runs it. The warm-up compiles it once per size (dynamic=False)."""
+    def build():
+        import torch
+
+        from anatomy.optim import FusedAdEMAMix
+
+        opts = []
+        for _ in range(_sets(tensors * numel * 20)):
+            ps = [torch.zeros(numel, device="cuda", requires_grad=True) for _ in range(tensors)]
+            for q in ps:
+                q.grad = torch.randn_like(q)
+            opts.append(FusedAdEMAMix(ps, lr=1e-4, weight_decay=0.1, T_alpha_beta3=10_000, compile=True))
+        it, cur = itertools.cycle(opts), [opts[0]]
+        return (lambda: cur.__setitem__(0, next(it))), (lambda: cur[0].step())
+    return build
+
+
 def _fused_cases(T: int = FUSED_TOKENS):
     """(op, width, extra, build) with build() -> (pre, fn): the op as the efficient model calls it under amp
     (and the residual add between its modules, and Liger's CE kernel, the loss's one non-GEMM kernel)."""
@@ -243,6 +263,8 @@ def _fused_cases(T: int = FUSED_TOKENS):
                 for n in EMBEDDING_ROWS for H in EMBEDDING_WIDTHS)
     yield from ((f"eager_rope.{ph}", hd, dict(rows=ROPE_ROWS), eager_rope_case(f"eager_rope.{ph}", hd))
                 for ph in ("forward", "backward") for hd in ROPE_HEAD_DIMS)
+    # last: each size compiles once (seconds), so a calibration cut short by its deadline loses only these
+    yield from (("optimizer.ademamix", n, dict(rows=ADAMW_TENSORS), ademamix_case(n)) for n in ADAMW_NUMELS)
 
 
 NARROW_TOKENS = 65536  # the seed step's rows: at narrow widths the rate still grows with the row count

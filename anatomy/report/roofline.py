@@ -44,6 +44,9 @@ ELEMENTWISE_FLOPS = {
     "eager_rope.forward": 3, "eager_rope.backward": 3,
     # torch's fused AdamW per parameter element: both moments (7), the denominator (2), the update (3), decay (2)
     "optimizer.adamw": 14,
+    # the compiled AdEMAMix step (optim/efficient.py): m1 (3), m2 (3), nu (4), the denominator (3), the update from
+    # both moments (4), decay (2), lr (1), the subtraction (1)
+    "optimizer.ademamix": 21,
     # ATen's embedding backward: one add per gradient element into its id's row (the zero fill is counted in bytes)
     "embedding.backward": 1,
 }
