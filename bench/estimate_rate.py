@@ -12,30 +12,36 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 from anatomy.config import ConfigError, ModelConfig, Run
 
 CASES = (("efficient", "none"), ("efficient", "mlp"), ("efficient", "full"), ("baseline", "none"))
 
 
-def rate(fn, seconds: float) -> float:
-    """Calls of fn per second over at least `seconds` of wall time (one warm-up call first)."""
-    fn()
-    n, t0 = 0, time.perf_counter()
+def rate(fn, seconds: float) -> tuple[float, float]:
+    """(calls per second of wall time, calls per second of this process's CPU time) of fn(i), i = 0, 1, ...,
+    over at least `seconds` of wall time, after one warm-up call. The CPU-time rate is what a shared,
+    loaded machine moves least."""
+    fn(0)
+    n, t0, c0 = 0, time.perf_counter(), time.process_time()
     while (dt := time.perf_counter() - t0) < seconds:
-        fn()
         n += 1
-    return n / dt
+        fn(n)
+    return n / dt, n / max(time.process_time() - c0, 1e-9)
 
 
 def measure(cfg: ModelConfig, run: Run, variant: str, gpu: str, optimizer: str, repeats: int,
             seconds: float) -> dict:
     from anatomy.cli_estimate import estimate_all
 
-    rates = [rate(lambda: estimate_all(cfg, run, variant, optimizer=optimizer, gpu=gpu), seconds)
-             for _ in range(repeats)]
-    return dict(variant=variant, recompute=run.recompute, optimizer=optimizer, per_s=statistics.median(rates),
-                min_per_s=min(rates), max_per_s=max(rates), repeats=repeats)
+    # each call a Run no call before asked for (the micro-batch counts up), so no cache of whole results can
+    # answer it: the rate of new questions, as `anatomy plan` asks them
+    new = lambda i: replace(run, batch=run.batch + i % 4096)  # noqa: E731
+    wall, cpu = zip(*(rate(lambda i: estimate_all(cfg, new(i), variant, optimizer=optimizer, gpu=gpu), seconds)
+                      for _ in range(repeats)))
+    return dict(variant=variant, recompute=run.recompute, optimizer=optimizer, per_s=statistics.median(wall),
+                min_per_s=min(wall), max_per_s=max(wall), cpu_per_s=statistics.median(cpu), repeats=repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{a.preset} ({cfg.layers} layers), B={a.batch} S={a.seq}, --gpu {a.gpu}, {a.optimizer}")
         for r in rows:
             print(f"  {r['variant']:9s} recompute {r['recompute']:4s}: {r['per_s']:8.0f} estimates/s "
-                  f"(min {r['min_per_s']:.0f}, max {r['max_per_s']:.0f}, {r['repeats']} repeats)")
+                  f"(min {r['min_per_s']:.0f}, max {r['max_per_s']:.0f}; per CPU second {r['cpu_per_s']:.0f}; "
+                  f"median of {r['repeats']})")
     return 0
 
 
