@@ -2,7 +2,7 @@
 time model and the fit verdict, as `anatomy estimate --gpu h200-measured` and each `anatomy plan`
 candidate call (cli_estimate.estimate_all). Pure Python, no GPU.
 
-python3 bench/estimate_rate.py [--preset llama3-8b] [--gpu h200-measured] [--batch 1 --seq 4096]
+python3 bench/estimate_rate.py [--preset llama3-8b] [--gpu h200-measured] [--batch 1 --batches 1 --seq 4096]
                                [--repeats 5 --seconds 0.5] [--json]
 """
 from __future__ import annotations
@@ -32,12 +32,12 @@ def rate(fn, seconds: float) -> tuple[float, float]:
 
 
 def measure(cfg: ModelConfig, run: Run, variant: str, gpu: str, optimizer: str, repeats: int,
-            seconds: float) -> dict:
+            seconds: float, batches: int = 1) -> dict:
     from anatomy.cli_estimate import estimate_all
 
-    # each call a Run no call before asked for (the micro-batch counts up), so no cache of whole results can
-    # answer it: the rate of new questions, as `anatomy plan` asks them
-    new = lambda i: replace(run, batch=run.batch + i % 4096)  # noqa: E731
+    # call i asks for micro-batch run.batch + i % batches: with batches > 1, consecutive calls are new Runs (as
+    # `anatomy plan`'s candidates are), and with many, more than any cache of per-shape figures keeps
+    new = lambda i: replace(run, batch=run.batch + i % batches)  # noqa: E731
     wall, cpu = zip(*(rate(lambda i: estimate_all(cfg, new(i), variant, optimizer=optimizer, gpu=gpu), seconds)
                       for _ in range(repeats)))
     return dict(variant=variant, recompute=run.recompute, optimizer=optimizer, per_s=statistics.median(wall),
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", default="h200-measured", help="GPU profile (default: h200-measured)")
     ap.add_argument("--batch", type=int, default=1, help="micro-batch (default: 1)")
     ap.add_argument("--seq", type=int, default=4096, help="sequence length (default: 4096)")
+    ap.add_argument("--batches", type=int, default=1,
+                    help="cycle the micro-batch over --batch .. --batch + N - 1, a new Run each call (default: 1)")
     ap.add_argument("--optimizer", default="adamw", help="adamw or ademamix (default: adamw)")
     ap.add_argument("--repeats", type=int, default=5, help="repeats; the median is reported (default: 5)")
     ap.add_argument("--seconds", type=float, default=0.5, help="seconds per repeat (default: 0.5)")
@@ -58,15 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = ModelConfig.from_name(a.preset)
         rows = [measure(cfg, Run(batch=a.batch, seq=a.seq, recompute=rc), v, a.gpu, a.optimizer, a.repeats,
-                        a.seconds) for v, rc in CASES]
+                        a.seconds, a.batches) for v, rc in CASES]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.json:
-        print(json.dumps(dict(preset=a.preset, layers=cfg.layers, gpu=a.gpu, batch=a.batch, seq=a.seq, rows=rows),
+        print(json.dumps(dict(preset=a.preset, layers=cfg.layers, gpu=a.gpu, batch=a.batch, batches=a.batches, seq=a.seq,
+                              rows=rows),
                          indent=1))
     else:
-        print(f"{a.preset} ({cfg.layers} layers), B={a.batch} S={a.seq}, --gpu {a.gpu}, {a.optimizer}")
+        bs = f"B={a.batch}" if a.batches == 1 else f"B={a.batch}..{a.batch + a.batches - 1}"
+        print(f"{a.preset} ({cfg.layers} layers), {bs} S={a.seq}, --gpu {a.gpu}, {a.optimizer}")
         for r in rows:
             print(f"  {r['variant']:9s} recompute {r['recompute']:4s}: {r['per_s']:8.0f} estimates/s "
                   f"(min {r['min_per_s']:.0f}, max {r['max_per_s']:.0f}; per CPU second {r['cpu_per_s']:.0f}; "

@@ -1,7 +1,7 @@
 """The calculator's result types. Pure Python: no torch."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from math import prod
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "bool": 1}
@@ -20,6 +20,10 @@ class Saved:
     @property
     def bytes(self) -> int:  # all instances
         return prod(self.shape) * BYTES[self.dtype] * self.count
+
+    def to_dict(self) -> dict:
+        """Every field (dataclasses.asdict's result, without its deep copy: the fields are immutable)."""
+        return dict(name=self.name, shape=self.shape, dtype=self.dtype, count=self.count, why=self.why)
 
 
 @dataclass
@@ -69,7 +73,7 @@ class Estimate:
             "memory": {"saved": {
                 "total": self.total("saved_bytes"),
                 "by_component": {c.name: c.saved_bytes for c in comps},
-                "tensors": [dict(asdict(s), component=c.name, bytes=s.bytes) for c in comps for s in c.saved],
+                "tensors": [dict(s.to_dict(), component=c.name, bytes=s.bytes) for c in comps for s in c.saved],
             }},
             "components": {c.name: {
                 "instances": c.instances, "params": c.params,

@@ -172,12 +172,10 @@ def burst_seconds(terms: tuple, kern: Kernel, prof: Profile) -> float:
     return (max(t_c, t_m) + launch) * kern.count
 
 
-def time_kernel(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tuple | None = None) -> dict:
-    """One kernel (per launch and x count): its compute and memory terms, the bound, the time.
+def timed(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tuple | None = None) -> tuple:
+    """One launch at the step's regime: (compute s, memory s, launch s, seconds, bound, rate, note).
     sustained: the sustained-load weight of the step it runs in (sustained_weight; 0: burst rates);
     terms: its kernel_terms, where the caller has them."""
-    if not isinstance(prof, Profile):
-        prof = from_dict(prof)
     t_c, t_m, cls, rate, note = terms or kernel_terms(kern, prof)
     if sustained:
         speed = regime_speed(prof, sustained, cls)
@@ -189,7 +187,20 @@ def time_kernel(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tupl
         bound = "launch"
     else:  # a kernel of real size waits for the one before to drain: the calibrated gap, where measured
         launch = _launch_term(prof)
-    per = max(t_c, t_m) + launch
+    return t_c, t_m, launch, max(t_c, t_m) + launch, bound, rate, note
+
+
+def time_kernel(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tuple | None = None) -> dict:
+    """One kernel (per launch and x count): its compute and memory terms, the bound, the time (timed's
+    figures as a row). sustained, terms: as timed."""
+    if not isinstance(prof, Profile):
+        prof = from_dict(prof)
+    return row(kern, timed(kern, prof, sustained, terms))
+
+
+def row(kern: Kernel, t: tuple) -> dict:
+    """A kernel's row from its timed() figures: every Kernel field, and the times x count."""
+    t_c, t_m, launch, per, bound, rate, note = t
     n = kern.count
     return dict(kern.__dict__, shape=list(kern.shape), fused=list(kern.fused), compute_s=t_c * n, memory_s=t_m * n,
                 launch_s=launch * n, time_s=per * n, per_launch_s=per, bound=bound, rate_flops=rate, note=note)
