@@ -38,7 +38,8 @@ from anatomy.calculator.timing.ops import Kernel
 from anatomy.calculator.timing.lookup import get, names
 from anatomy.calculator.timing.profile import Profile, from_dict
 from anatomy.calculator.timing.registry import efficiency as fused_efficiency
-from anatomy.calculator.timing.roofline import burst_seconds, kernel_terms, row, sustained_weight, time_kernel, timed
+from anatomy.calculator.timing.roofline import (burst_seconds, kernel_terms, regime_speeds, row, sustained_weight,
+                                                time_kernel, timed)
 from anatomy.config import ModelConfig, Run
 
 PHASES = ("forward", "backward", "optimizer")
@@ -60,11 +61,12 @@ def step_weight(ks: list[Kernel], prof: Profile, terms: list[tuple] | None = Non
 def _timed(ks: list[Kernel], prof: Profile, scale: float, sustained: float, terms: list[tuple] | None):
     """The kernels in phase order: [(kernel, roofline.timed figures, host seconds of all its launches)]."""
     order = sorted(range(len(ks)), key=lambda i: (PHASES.index(ks[i].phase), ks[i].order))  # stable
+    speeds = regime_speeds(prof, sustained) if sustained else None
     out = []
     for i in order:
         k = ks[i]
         host = host_seconds(k, prof) * (scale if k.phase != "optimizer" and not in_situ(k, prof) else 1.0)
-        out.append((k, timed(k, prof, sustained, terms[i] if terms else None), host))
+        out.append((k, timed(k, prof, sustained, terms[i] if terms else None, speeds), host))
     return out
 
 

@@ -172,15 +172,22 @@ def burst_seconds(terms: tuple, kern: Kernel, prof: Profile) -> float:
     return (max(t_c, t_m) + launch) * kern.count
 
 
-def timed(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tuple | None = None) -> tuple:
+def regime_speeds(prof: Profile, weight: float) -> dict[str, float]:
+    """regime_speed of each rate class at sustained weight `weight`: one step's factors, computed once."""
+    return {cls: regime_speed(prof, weight, cls) for cls in ("matmul", "attention", "memory")}
+
+
+def timed(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tuple | None = None,
+          speeds: dict[str, float] | None = None) -> tuple:
     """One launch at the step's regime: (compute s, memory s, launch s, seconds, bound, rate, note).
     sustained: the sustained-load weight of the step it runs in (sustained_weight; 0: burst rates);
-    terms: its kernel_terms, where the caller has them."""
+    terms: its kernel_terms, and speeds: regime_speeds(prof, sustained), where the caller has them."""
     t_c, t_m, cls, rate, note = terms or kernel_terms(kern, prof)
     if sustained:
-        speed = regime_speed(prof, sustained, cls)
+        speeds = speeds or regime_speeds(prof, sustained)
+        speed = speeds[cls]
         t_c, rate = t_c / speed, rate * speed
-        t_m /= regime_speed(prof, sustained, "memory")
+        t_m /= speeds["memory"]
     launch = prof.launch_s
     bound = "compute" if t_c >= t_m else "memory"
     if launch > max(t_c, t_m):
@@ -202,5 +209,5 @@ def row(kern: Kernel, t: tuple) -> dict:
     """A kernel's row from its timed() figures: every Kernel field, and the times x count."""
     t_c, t_m, launch, per, bound, rate, note = t
     n = kern.count
-    return dict(kern.__dict__, shape=list(kern.shape), fused=list(kern.fused), compute_s=t_c * n, memory_s=t_m * n,
+    return dict(kern._asdict(), shape=list(kern.shape), fused=list(kern.fused), compute_s=t_c * n, memory_s=t_m * n,
                 launch_s=launch * n, time_s=per * n, per_launch_s=per, bound=bound, rate_flops=rate, note=note)
