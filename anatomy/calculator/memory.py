@@ -38,7 +38,10 @@ BLOCK = 512  # the CUDA caching allocator's rounding (kMinBlockSize)
 
 
 def rounded(nbytes: int) -> int:
-    return max(BLOCK, -(-nbytes // BLOCK) * BLOCK) if nbytes else 0
+    """nbytes rounded up to whole blocks, at least one block; 0 for 0 (a negative size is one block)."""
+    if nbytes > 0:
+        return -(-nbytes // BLOCK) * BLOCK  # at least BLOCK
+    return BLOCK if nbytes else 0
 
 
 def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int, int]]:

@@ -38,11 +38,13 @@ from anatomy.calculator.timing.ops import Kernel
 from anatomy.calculator.timing.lookup import get, names
 from anatomy.calculator.timing.profile import Profile, from_dict
 from anatomy.calculator.timing.registry import efficiency as fused_efficiency
-from anatomy.calculator.timing.roofline import (burst_seconds, kernel_terms, regime_speeds, row, sustained_weight,
-                                                time_kernel, timed)
+from anatomy.calculator.timing.roofline import (burst_seconds, kernel_terms, launch_term, regime_speeds, row,
+                                                sustained_weight, time_kernel, timed)
 from anatomy.config import ModelConfig, Run
 
 PHASES = ("forward", "backward", "optimizer")
+_RANK = {ph: i for i, ph in enumerate(PHASES)}
+_KEY = {ph: f"{ph}_s" for ph in PHASES}
 __all__ = ["estimate_time", "breakdown_table", "predict", "get", "names", "Profile", "Kernel", "kernels",
            "baseline_kernels", "efficient_kernels", "optimizer_kernels", "standalone_kernels", "param_sizes",
            "time_kernel", "sustained_weight", "step_weight", "fused_efficiency", "host_seconds", "host_scale",
@@ -54,13 +56,16 @@ def step_weight(ks: list[Kernel], prof: Profile, terms: list[tuple] | None = Non
     length of the step's GPU work (roofline.sustained_weight), with no factor per shape. terms: each
     kernel's roofline.kernel_terms, where the caller has them."""
     terms = terms or [kernel_terms(k, prof) for k in ks]
-    burst = sum(burst_seconds(t, k, prof) for t, k in zip(terms, ks))
+    launch, gap, burst = prof.launch_s, launch_term(prof), 0
+    for (t_c, t_m, *_), k in zip(terms, ks):  # roofline.burst_seconds, written out
+        t = max(t_c, t_m)
+        burst += (t + (launch if launch > t else gap)) * k.count
     return sustained_weight(burst, prof.sustained_tau_s) if prof.sustained_ratio else 0.0, burst
 
 
 def _timed(ks: list[Kernel], prof: Profile, scale: float, sustained: float, terms: list[tuple] | None):
     """The kernels in phase order: [(kernel, roofline.timed figures, host seconds of all its launches)]."""
-    order = sorted(range(len(ks)), key=lambda i: (PHASES.index(ks[i].phase), ks[i].order))  # stable
+    order = sorted(range(len(ks)), key=lambda i: (_RANK[ks[i].phase], ks[i].order))  # stable
     speeds = regime_speeds(prof, sustained) if sustained else None
     out = []
     for i in order:
@@ -120,9 +125,9 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
         time_s, n = t[3] * k.count, k.count  # roofline.row's time_s
         c = comps.get(k.component)
         if c is None:
-            c = comps[k.component] = dict({f"{ph}_s": 0.0 for ph in PHASES}, kernels=0,
+            c = comps[k.component] = dict({_KEY[ph]: 0.0 for ph in PHASES}, kernels=0,
                                           bound_s=dict(compute=0.0, memory=0.0, launch=0.0))
-        c[f"{k.phase}_s"] += time_s
+        c[_KEY[k.phase]] += time_s
         c["kernels"] += n
         c["bound_s"][t[4]] += time_s
         ph = phases[k.phase]
@@ -130,7 +135,7 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
         ph["host_s"] += host
         ph["kernels"] += n
     for c in comps.values():
-        c["total_s"] = sum(c[f"{ph}_s"] for ph in PHASES)
+        c["total_s"] = sum(c[_KEY[ph]] for ph in PHASES)
     fb = sum(sg["time_s"] for sg in segs if sg["phase"] != "optimizer")
     opt = sum(sg["time_s"] for sg in segs if sg["phase"] == "optimizer")
     est = est or estimate(cfg, run, variant, "cuda")  # FLOPs under both conventions, for MFU

@@ -128,7 +128,7 @@ def sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | No
     return 2.5 / (3.5 / fb - 1 / f), note  # backward = the fwd+bwd time minus the forward time
 
 
-def _launch_term(prof: Profile) -> float:
+def launch_term(prof: Profile) -> float:
     """The launch term of a kernel of real size: it waits for the one before to drain (the calibrated
     gap, where measured, else the queued launch cost)."""
     return max(prof.launch_s, prof.kernel_gap_s)
@@ -152,7 +152,7 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
         ph = kern.op_phase or kern.phase
         if sched:  # the kernel's whole duration, from its CTAs' makespan (sdpa_schedule); its launch is in it
             t_sched = sdpa_schedule.kernel_s(sched[ph], B, nh, S, prof.sms, ph)
-            rate = kern.flops / max(t_sched - _launch_term(prof), 1e-9)
+            rate = kern.flops / max(t_sched - launch_term(prof), 1e-9)
         else:
             rate, note = sdpa_rate(prof, kern.backend, hd, ph, S)
             rate *= attention_wave_efficiency(B, nh, S, prof.sms) if prof.attention else 1.0
@@ -168,7 +168,7 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
 def burst_seconds(terms: tuple, kern: Kernel, prof: Profile) -> float:
     """A kernel's time (x count) at burst rates, from its kernel_terms."""
     t_c, t_m = terms[0], terms[1]
-    launch = prof.launch_s if prof.launch_s > max(t_c, t_m) else _launch_term(prof)
+    launch = prof.launch_s if prof.launch_s > max(t_c, t_m) else launch_term(prof)
     return (max(t_c, t_m) + launch) * kern.count
 
 
@@ -193,7 +193,7 @@ def timed(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tuple | No
     if launch > max(t_c, t_m):
         bound = "launch"
     else:  # a kernel of real size waits for the one before to drain: the calibrated gap, where measured
-        launch = _launch_term(prof)
+        launch = launch_term(prof)
     return t_c, t_m, launch, max(t_c, t_m) + launch, bound, rate, note
 
 
