@@ -75,7 +75,8 @@ class Walk:
 
     def peak(self, name: str, *transients: int, kind: str = GRAD) -> None:
         by = dict(self.by)
-        by[kind] += sum(self.rnd(t) for t in transients)
+        for t in transients:
+            by[kind] += self.rnd(t)
         self.stages.append(Stage(name, sum(by.values()), by))
 
     def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:

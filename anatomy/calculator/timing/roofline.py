@@ -137,6 +137,9 @@ def launch_term(prof: Profile) -> float:
 def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float, str]:
     """One launch's burst-rate terms: (compute seconds, memory seconds, the compute's rate class, its rate,
     the rate's note). The sustained regime rescales them (finish), so a step's kernels are priced once."""
+    if kern.kind == "memory" and not kern.accumulate:  # most entries: bytes at the copy bandwidth x the op's efficiency
+        eff = registry.efficiency(prof, *kern.fused) if kern.fused else 1.0
+        return 0.0, kern.bytes / (prof.hbm_Bps * eff), "matmul", 0.0, ""
     t_c, rate, note = 0.0, 0.0, ""
     if kern.kind == "matmul":
         b, m, n, k = kern.shape
