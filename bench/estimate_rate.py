@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=0.5, help="seconds per repeat (default: 0.5)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
     a = ap.parse_args(argv)
+    if min(a.batches, a.repeats) < 1 or not a.seconds > 0:
+        print("error: --batches and --repeats must be at least 1, --seconds above 0", file=sys.stderr)
+        return 2
     try:
         cfg = ModelConfig.from_name(a.preset)
         rows = [measure(cfg, Run(batch=a.batch, seq=a.seq, recompute=rc), v, a.gpu, a.optimizer, a.repeats,
