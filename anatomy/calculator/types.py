@@ -62,6 +62,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         comps = self.components.values()
+        saved = {c.name: c.saved_bytes for c in comps}  # each component's sum, computed once
         return {
             "config": self.config, "run": self.run, "variant": self.variant, "device": self.device,
             "params": self.params,
@@ -71,8 +72,8 @@ class Estimate:
                 "elementwise": {"forward": self.total("flops_elementwise_fwd")},
             },
             "memory": {"saved": {
-                "total": self.total("saved_bytes"),
-                "by_component": {c.name: c.saved_bytes for c in comps},
+                "total": sum(saved.values()),
+                "by_component": saved,
                 "tensors": [dict(s.to_dict(), component=c.name, bytes=s.bytes) for c in comps for s in c.saved],
             }},
             "components": {c.name: {
@@ -80,5 +81,5 @@ class Estimate:
                 "flops": {"counter": {"forward": c.flops_counter_fwd, "backward": c.flops_counter_bwd},
                           "model": {"forward": c.flops_model_fwd, "backward": c.flops_model_bwd},
                           "elementwise": {"forward": c.flops_elementwise_fwd}},
-                "saved_bytes": c.saved_bytes} for c in comps},
+                "saved_bytes": saved[c.name]} for c in comps},
         }
