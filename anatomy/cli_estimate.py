@@ -38,8 +38,9 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
 
     if optimizer not in CHOICES:
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose {' or '.join(CHOICES)}")
-    out = estimate(cfg, run, check_variant(variant), device=device).to_dict()
-    ph = phases(cfg, run, variant, optimizer=optimizer, device=device)
+    est = estimate(cfg, run, check_variant(variant), device=device)  # one estimate: memory and time read it
+    out = est.to_dict()
+    ph = phases(cfg, run, variant, optimizer=optimizer, device=device, est=est)
     out["optimizer"] = dict(name=optimizer, implementation=implementation(optimizer, variant))
     out["memory"]["phases"] = {k: ph[k] for k in PHASE_KEYS} | {"optimizer": optimizer}
     out["memory"]["need_bytes"] = peak_bytes(ph)
@@ -55,7 +56,8 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
     if gpu is not None:
         from anatomy.calculator.timing import estimate_time
 
-        t = estimate_time(cfg, run, variant, gpu=gpu, optimizer=optimizer)
+        t = estimate_time(cfg, run, variant, gpu=gpu, optimizer=optimizer, with_kernels=False,
+                          est=est if device == "cuda" else None)
         out["time"] = {k: t[k] for k in ("forward_backward_s", "optimizer_s", "step_s", "steady", "host_bound", "mfu",
                                          "components", "sources")
                        if k in t} | {"gpu": gpu, "profile": t["gpu"], "profile_kind": t["profile_kind"],

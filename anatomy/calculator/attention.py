@@ -8,8 +8,6 @@ convention counts matmuls only.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.linear import linears_saved
 from anatomy.calculator.types import Component, Saved
@@ -108,7 +106,7 @@ def sdpa_o_saved(cfg: ModelConfig, run: Run, device: str, count: int) -> list[Sa
     """SDPA's tensors and, under autocast, o's weight cast: `count` instances (L; or 1, what one block's
     re-run makes again in backward under recompute="full")."""
     dt = dtypes(run)
-    saved = [dataclasses.replace(s, count=count) for s in _sdpa_saved(cfg, run, device, dt.compute)]
+    saved = [Saved(s.name, s.shape, s.dtype, count, s.why) for s in _sdpa_saved(cfg, run, device, dt.compute)]
     if dt.autocast:  # o's input is a view of SDPA's out (laid out (B, S, nh, hd)): only its weight cast is new
         saved.append(Saved("attention.o.weight_cast", (cfg.hidden, cfg.hidden), dt.compute, count,
                            "autocast's cached cast of the fp32 weight"))

@@ -75,7 +75,8 @@ class Walk:
 
     def peak(self, name: str, *transients: int, kind: str = GRAD) -> None:
         by = dict(self.by)
-        by[kind] += sum(self.rnd(t) for t in transients)
+        for t in transients:
+            by[kind] += self.rnd(t)
         self.stages.append(Stage(name, sum(by.values()), by))
 
     def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:
@@ -107,7 +108,10 @@ class Walk:
     def alloc(self, *nbytes: int) -> None:
         """Allocate gradients or backward buffers of these sizes; a negative size frees one (each
         rounded on its own)."""
-        self.by[GRAD] += sum(self.rnd(b) if b >= 0 else -self.rnd(-b) for b in nbytes)
+        rnd, total = self.rnd, 0
+        for b in nbytes:
+            total += rnd(b) if b >= 0 else -rnd(-b)
+        self.by[GRAD] += total
 
     def shift(self, delta: dict[str, int], n: int) -> None:
         """n identical layers' change of the live bytes, applied without walking them."""

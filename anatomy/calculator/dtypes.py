@@ -14,9 +14,12 @@ class Dtypes:
     autocast: bool  # under autocast every matmul casts its fp32 operands, and those casts are saved
 
 
+POLICIES = {
+    "amp": Dtypes("float32", "bfloat16", "float32", True),
+    "bf16": Dtypes("bfloat16", "bfloat16", "bfloat16", False),
+    "fp32": Dtypes("float32", "float32", "float32", False),
+}
+
+
 def dtypes(run: Run) -> Dtypes:
-    return {
-        "amp": Dtypes("float32", "bfloat16", "float32", True),
-        "bf16": Dtypes("bfloat16", "bfloat16", "bfloat16", False),
-        "fp32": Dtypes("float32", "float32", "float32", False),
-    }[run.dtype]
+    return POLICIES[run.dtype]

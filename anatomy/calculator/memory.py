@@ -30,7 +30,7 @@ from anatomy.calculator.attention import sdpa_o_saved
 from anatomy.calculator.backward import INPUTS, walk
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.optimizer import state_breakdown
-from anatomy.calculator.types import BYTES
+from anatomy.calculator.types import BYTES, Estimate
 from anatomy.config import ModelConfig, Run
 from anatomy.kernel_shapes import chunk_rows, lce_forward_bytes
 
@@ -38,7 +38,10 @@ BLOCK = 512  # the CUDA caching allocator's rounding (kMinBlockSize)
 
 
 def rounded(nbytes: int) -> int:
-    return max(BLOCK, -(-nbytes // BLOCK) * BLOCK) if nbytes else 0
+    """nbytes rounded up to whole blocks, at least one block; 0 for 0 (a negative size is one block)."""
+    if nbytes > 0:
+        return -(-nbytes // BLOCK) * BLOCK  # at least BLOCK
+    return BLOCK if nbytes else 0
 
 
 def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int, int]]:
@@ -145,11 +148,12 @@ def _block_forward_peak(cfg: ModelConfig, run: Run, device: str, rnd) -> int:
 
 
 def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
-           device: str = "cuda") -> dict:
+           device: str = "cuda", est: Estimate | None = None) -> dict:
     """Bytes live at each phase boundary of a training step after the first (the optimizer's state
     exists), and the peaks inside forward and backward, on `device` ("cuda": 512-byte blocks; "cpu":
     exact storage sizes). backward_stages lists the walk's candidates in execution order (of identical layers,
-    the last two and the first two: backward.walk)."""
+    the last two and the first two: backward.walk). est: the calculator's estimate of this run on this
+    device, where the caller has it."""
     dt = dtypes(run)
     rnd = rounded if device == "cuda" else (lambda n: n)
     tensors = param_tensors(cfg, variant)
@@ -162,7 +166,7 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
         scale = BYTES[dt.param] / 4 if optimizer == "adamw" else 1
         opt = sum(rnd(int(n * b * scale)) * k for n, k in tensors for b in per.values())
         opt += sum(k for _, k in tensors) * rnd(4) if optimizer == "adamw" else 0  # torch's 0-dim fp32 `step` per tensor
-    est = estimate(cfg, run, variant, device=device)
+    est = est or estimate(cfg, run, variant, device=device)
     saved = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for c in est.components.values() for s in c.saved
                 if s.name not in INPUTS)
     fwd_end = params + inputs + opt + saved + rnd(4)  # + the loss scalar

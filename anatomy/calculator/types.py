@@ -1,7 +1,7 @@
 """The calculator's result types. Pure Python: no torch."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from math import prod
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "bool": 1}
@@ -20,6 +20,10 @@ class Saved:
     @property
     def bytes(self) -> int:  # all instances
         return prod(self.shape) * BYTES[self.dtype] * self.count
+
+    def to_dict(self) -> dict:
+        """Every field (dataclasses.asdict's result, without its deep copy: the fields are immutable)."""
+        return dict(name=self.name, shape=self.shape, dtype=self.dtype, count=self.count, why=self.why)
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         comps = self.components.values()
+        saved = {c.name: c.saved_bytes for c in comps}  # each component's sum, computed once
         return {
             "config": self.config, "run": self.run, "variant": self.variant, "device": self.device,
             "params": self.params,
@@ -67,14 +72,14 @@ class Estimate:
                 "elementwise": {"forward": self.total("flops_elementwise_fwd")},
             },
             "memory": {"saved": {
-                "total": self.total("saved_bytes"),
-                "by_component": {c.name: c.saved_bytes for c in comps},
-                "tensors": [dict(asdict(s), component=c.name, bytes=s.bytes) for c in comps for s in c.saved],
+                "total": sum(saved.values()),
+                "by_component": saved,
+                "tensors": [dict(s.to_dict(), component=c.name, bytes=s.bytes) for c in comps for s in c.saved],
             }},
             "components": {c.name: {
                 "instances": c.instances, "params": c.params,
                 "flops": {"counter": {"forward": c.flops_counter_fwd, "backward": c.flops_counter_bwd},
                           "model": {"forward": c.flops_model_fwd, "backward": c.flops_model_bwd},
                           "elementwise": {"forward": c.flops_elementwise_fwd}},
-                "saved_bytes": c.saved_bytes} for c in comps},
+                "saved_bytes": saved[c.name]} for c in comps},
         }

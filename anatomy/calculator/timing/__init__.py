@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from anatomy.calculator import estimate
+from anatomy.calculator import Estimate, estimate
 import anatomy.calculator.timing.pipeline as pipeline
 from anatomy.calculator.timing.host import at_host_speed, host_scale, host_seconds, in_situ
 from anatomy.calculator.timing.kernels import (SDPA_BACKENDS, VARIANTS, kernels, optimizer_kernels,
@@ -36,12 +36,15 @@ from anatomy.calculator.timing.kernels_baseline import baseline_kernels
 from anatomy.calculator.timing.kernels_efficient import efficient_kernels
 from anatomy.calculator.timing.ops import Kernel
 from anatomy.calculator.timing.lookup import get, names
-from anatomy.calculator.timing.profile import Profile
+from anatomy.calculator.timing.profile import Profile, from_dict
 from anatomy.calculator.timing.registry import efficiency as fused_efficiency
-from anatomy.calculator.timing.roofline import burst_seconds, kernel_terms, sustained_weight, time_kernel
+from anatomy.calculator.timing.roofline import (burst_seconds, kernel_terms, launch_term, regime_speeds, row,
+                                                sustained_weight, time_kernel, timed)
 from anatomy.config import ModelConfig, Run
 
 PHASES = ("forward", "backward", "optimizer")
+_RANK = {ph: i for i, ph in enumerate(PHASES)}
+_KEY = {ph: f"{ph}_s" for ph in PHASES}
 __all__ = ["estimate_time", "breakdown_table", "predict", "get", "names", "Profile", "Kernel", "kernels",
            "baseline_kernels", "efficient_kernels", "optimizer_kernels", "standalone_kernels", "param_sizes",
            "time_kernel", "sustained_weight", "step_weight", "fused_efficiency", "host_seconds", "host_scale",
@@ -53,8 +56,30 @@ def step_weight(ks: list[Kernel], prof: Profile, terms: list[tuple] | None = Non
     length of the step's GPU work (roofline.sustained_weight), with no factor per shape. terms: each
     kernel's roofline.kernel_terms, where the caller has them."""
     terms = terms or [kernel_terms(k, prof) for k in ks]
-    burst = sum(burst_seconds(t, k, prof) for t, k in zip(terms, ks))
+    launch, gap, burst = prof.launch_s, launch_term(prof), 0
+    for (t_c, t_m, *_), k in zip(terms, ks):  # roofline.burst_seconds, written out
+        t = max(t_c, t_m)
+        burst += (t + (launch if launch > t else gap)) * k.count
     return sustained_weight(burst, prof.sustained_tau_s) if prof.sustained_ratio else 0.0, burst
+
+
+def _timed(ks: list[Kernel], prof: Profile, scale: float, sustained: float, terms: list[tuple] | None):
+    """The kernels in phase order: [(kernel, roofline.timed figures, host seconds of all its launches)]."""
+    order = sorted(range(len(ks)), key=lambda i: (_RANK[ks[i].phase], ks[i].order))  # stable
+    speeds = regime_speeds(prof, sustained) if sustained else None
+    out = []
+    for i in order:
+        k = ks[i]
+        host = host_seconds(k, prof) * (scale if k.phase != "optimizer" and not in_situ(k, prof) else 1.0)
+        out.append((k, timed(k, prof, sustained, terms[i] if terms else None, speeds), host))
+    return out
+
+
+def _pipeline(timed_ks: list[tuple], layers: int, clock: pipeline.Clock | None) -> tuple[list[dict], dict]:
+    """Host-sync segments of a step on an idle GPU and the step run back to back, from _timed's kernels."""
+    entries = [SimpleNamespace(kernel=k, gpu_s=t[3], host_s=host / k.count) for k, t, host in timed_ks]
+    steps = pipeline.plan(entries, layers)  # each block composed once, then walked by both
+    return pipeline.simulate(entries, layers, clock, steps), pipeline.steady(entries, layers, steps)
 
 
 def predict(ks: list[Kernel], prof: Profile, scale: float = 1.0, layers: int = 1,
@@ -67,28 +92,24 @@ def predict(ks: list[Kernel], prof: Profile, scale: float = 1.0, layers: int = 1
     the kernels of the layers interleaved layer by layer). scale multiplies the host cost of forward
     and backward ops (host_scale); sustained is the step's sustained-load weight (step_weight); terms are
     the kernels' roofline.kernel_terms, where the caller has them."""
-    order = sorted(range(len(ks)), key=lambda i: (PHASES.index(ks[i].phase), ks[i].order))  # stable
-    rows, entries = [], []
-    for i in order:
-        k = ks[i]
-        row = time_kernel(k, prof, sustained, terms[i] if terms else None)
-        row["host_s"] = host_seconds(k, prof) * (scale if k.phase != "optimizer" and not in_situ(k, prof) else 1.0)
-        rows.append(row)
-        entries.append(SimpleNamespace(kernel=k, gpu_s=row["per_launch_s"], host_s=row["host_s"] / k.count))
-    steps = pipeline.plan(entries, layers)  # each block composed once, then walked by both
-    return rows, pipeline.simulate(entries, layers, clock, steps), pipeline.steady(entries, layers, steps)
+    if not isinstance(prof, Profile):
+        prof = from_dict(prof)
+    timed_ks = _timed(ks, prof, scale, sustained, terms)
+    rows = [dict(row(k, t), host_s=host) for k, t, host in timed_ks]
+    return rows, *_pipeline(timed_ks, layers, clock)
 
 
 def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: str | dict = "h200-measured",
                   sdpa_backend: str | None = None, optimizer: str | None = "adamw",
-                  with_kernels: bool = True) -> dict:
+                  with_kernels: bool = True, est: Estimate | None = None) -> dict:
     """Predicted time of one training step, per kernel, component and phase, with MFU.
 
     gpu: a profile name (profile.names(), case-insensitive), a profile .json path, or a Profile / dict.
     forward_backward_s is what bench/step.py measures (the host/GPU pipeline from one host sync to the
     next, on an idle GPU); steady is a training loop's back-to-back steps; step_s adds the optimizer.
     Per component and phase the figures are GPU time. cost counts what the model walked: kernel entries
-    and pipeline blocks, neither of which grows with the layer count."""
+    and pipeline blocks, neither of which grows with the layer count. est: the calculator's estimate of
+    this run on CUDA, where the caller has it (its FLOPs give MFU)."""
     prof = get(gpu)  # 1. the GPU: a datasheet or a calibrated profile (profile.py)
     ks = kernels(cfg, run, variant, sdpa_backend, optimizer)  # 2. every kernel the step launches (kernels*.py)
     scale = host_scale(prof, variant, sdpa_backend)  # 3. the host's in-step factor (host.py)
@@ -96,24 +117,28 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     weight, burst_s = step_weight(ks, prof, terms)  # 5. the sustained-load regime, from the step's length
     clock = pipeline.Clock()
     # 6. the kernels at the step's regime and the host/GPU pipeline over the step (pipeline.py)
-    rows, segs, steady = predict(ks, prof, scale, cfg.layers, clock, weight, terms)
+    timed_ks = _timed(ks, prof, scale, weight, terms)
+    segs, steady = _pipeline(timed_ks, cfg.layers, clock)
     comps: dict[str, dict] = {}
     phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
-    for row in rows:
-        c = comps.setdefault(row["component"], dict({f"{ph}_s": 0.0 for ph in PHASES}, kernels=0,
-                                                    bound_s=dict(compute=0.0, memory=0.0, launch=0.0)))
-        c[f"{row['phase']}_s"] += row["time_s"]
-        c["kernels"] += row["count"]
-        c["bound_s"][row["bound"]] += row["time_s"]
-        ph = phases[row["phase"]]
-        ph["gpu_s"] += row["time_s"]
-        ph["host_s"] += row["host_s"]
-        ph["kernels"] += row["count"]
+    for k, t, host in timed_ks:
+        time_s, n = t[3] * k.count, k.count  # roofline.row's time_s
+        c = comps.get(k.component)
+        if c is None:
+            c = comps[k.component] = dict({_KEY[ph]: 0.0 for ph in PHASES}, kernels=0,
+                                          bound_s=dict(compute=0.0, memory=0.0, launch=0.0))
+        c[_KEY[k.phase]] += time_s
+        c["kernels"] += n
+        c["bound_s"][t[4]] += time_s
+        ph = phases[k.phase]
+        ph["gpu_s"] += time_s
+        ph["host_s"] += host
+        ph["kernels"] += n
     for c in comps.values():
-        c["total_s"] = sum(c[f"{ph}_s"] for ph in PHASES)
+        c["total_s"] = sum(c[_KEY[ph]] for ph in PHASES)
     fb = sum(sg["time_s"] for sg in segs if sg["phase"] != "optimizer")
     opt = sum(sg["time_s"] for sg in segs if sg["phase"] == "optimizer")
-    est = estimate(cfg, run, variant, "cuda")  # FLOPs under both conventions, for MFU
+    est = est or estimate(cfg, run, variant, "cuda")  # FLOPs under both conventions, for MFU
     model, counter = (est.total(f"flops_{k}_fwd") + est.total(f"flops_{k}_bwd") for k in ("model", "counter"))
     peak = prof["mfu_peak_flops"]
     out = dict(
@@ -128,9 +153,9 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
                  flops=dict(model=model, counter=counter), over="forward + backward time (as bench/step.py)"),
         sustained=dict(weight=weight, burst_gpu_s=burst_s, tau_s=prof.sustained_tau_s, ratio=prof.sustained_ratio,
                        clocks=prof.clocks),
-        sources=prof["sources"], cost=dict(kernel_entries=len(rows), pipeline_blocks=clock.walked))
+        sources=prof["sources"], cost=dict(kernel_entries=len(timed_ks), pipeline_blocks=clock.walked))
     if with_kernels:
-        out["kernels"] = rows
+        out["kernels"] = [dict(row(k, t), host_s=host) for k, t, host in timed_ks]
     return out
 
 

@@ -50,14 +50,23 @@ def launch(gpu_s: float, host_s: float, n: int = 1) -> tuple:
 def launch_order(entries: list, phase: str, layers: int) -> list[tuple[list, int]]:
     """[(block, repeats)] of one phase in execution order, a block being [(entry, launches)]; the layers'
     block appears once, with `layers` repeats. entry.kernel has phase, order and count."""
-    mine = [e for e in entries if e.kernel.phase == phase]
-    pre = [([(e, e.kernel.count)], 1) for e in mine if e.kernel.order == 0]
-    post = _chunked([e for e in mine if e.kernel.order == 2])
-    mid = [e for e in mine if e.kernel.order == 1]
-    per_layer = [(e, e.kernel.count // layers) for e in mid if e.kernel.count >= layers]
-    rest = [(e, e.kernel.count - (e.kernel.count // layers) * layers if e.kernel.count >= layers else e.kernel.count)
-            for e in mid]
-    rest = [([(e, n)], 1) for e, n in rest if n]
+    pre, post, per_layer, rest = [], [], [], []
+    for e in entries:  # one pass, in list order
+        k = e.kernel
+        if k.phase != phase:
+            continue
+        if k.order == 0:
+            pre.append(([(e, k.count)], 1))
+        elif k.order == 2:
+            post.append(e)
+        elif k.order == 1:
+            n = k.count
+            if n >= layers:
+                per_layer.append((e, n // layers))
+                n -= (n // layers) * layers
+            if n:
+                rest.append(([(e, n)], 1))
+    post = _chunked(post)
     layer = per_layer[::-1] if phase == "backward" else per_layer
     if any(e.kernel.sync for e, _ in layer):  # a sync makes the clocks meet: each layer is walked, cut at syncs
         cuts = [i for i, (e, _) in enumerate(layer) if e.kernel.sync and i] + [len(layer)]
@@ -90,15 +99,23 @@ def _chunked(entries: list) -> list[tuple[list, int]]:
 def plan(entries: list, layers: int) -> dict[str, list[tuple]]:
     """{phase: [(first kernel, map, GPU seconds, host seconds, blocks)]}: each block of launch_order composed
     once into its map over all its repeats; simulate and steady walk these."""
-    out = {}
+    out, by_phase = {}, {phase: [] for phase in PHASES}
+    for e in entries:  # one pass: launch_order then reads its phase's entries only
+        by_phase[e.kernel.phase].append(e)
     for phase in PHASES:
         steps = []
-        for block, reps in launch_order(entries, phase, layers):
+        for block, reps in launch_order(by_phase[phase], phase, layers):
             m, gpu, host = IDENTITY, 0.0, 0.0
-            for e, n in block:
-                m = compose(m, launch(e.gpu_s, e.host_s, n))
-                gpu += n * e.gpu_s
-                host += n * e.host_s
+            for e, n in block:  # m = compose(m, launch(e.gpu_s, e.host_s, n)), written out
+                g, h = e.gpu_s, e.host_s
+                if n > 0:
+                    a = g - h
+                    la, lb, lh = n * a, g + max(0.0, (n - 1) * a), n * h
+                else:
+                    la, lb, lh = IDENTITY
+                m = (m[0] + la, max(m[1] + la, lb), m[2] + lh)
+                gpu += n * g
+                host += n * h
             a, b, h = power(m, reps)
             steps.append((block[0][0].kernel, (a, b, h), reps * gpu, reps * host, len(block)))
         out[phase] = steps

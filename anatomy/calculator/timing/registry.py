@@ -105,22 +105,32 @@ def _table(prof, op: Op, aligned: bool | None) -> dict[int, list[tuple[float, fl
 
 def efficiency(prof, name: str, width: int, rows: int | None = None) -> float:
     """The fraction of the copy bandwidth op `name` reaches over `rows` rows of `width` (see the module doc)."""
+    memo = _memo(prof)
+    if (hit := memo.get((name, width, rows))) is not None:  # the same ops at the same sizes recur in every estimate
+        return hit
     op = OPS[name]
     aligned = width % op.align == 0 if op.align else None
-    memo = _memo(prof)
     key = (name, aligned)
     if key not in memo:
         memo[key] = _table(prof, op, aligned)
     by_rows = memo[key]
     if not by_rows:
-        return 1.0
-    lanes = op.lanes(width) if op.lanes else width
-    at = [(math.log(t), log_interp(pts, math.log(lanes))) for t, pts in by_rows.items()]
-    return (log_interp(at, math.log(rows)) if rows else max(at)[1]) / (lanes / width)
+        eff = 1.0
+    else:
+        lanes = op.lanes(width) if op.lanes else width
+        at = [(math.log(t), log_interp(pts, math.log(lanes))) for t, pts in by_rows.items()]
+        eff = (log_interp(at, math.log(rows)) if rows else max(at)[1]) / (lanes / width)
+    if len(memo) < MEMO_SIZE:
+        memo[(name, width, rows)] = eff
+    return eff
+
+
+MEMO_SIZE = 1 << 16  # results kept per profile: far more than the (op, width, rows) of a sweep's shapes
 
 
 def _memo(prof) -> dict:
-    """A per-profile cache of the prepared tables (a Profile is frozen: its rows never change)."""
+    """A per-profile cache of the prepared tables and of efficiency's results (a Profile is frozen: its rows
+    never change)."""
     memo = getattr(prof, "_registry_memo", None)
     if memo is None:
         memo = {}

@@ -128,7 +128,7 @@ def sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | No
     return 2.5 / (3.5 / fb - 1 / f), note  # backward = the fwd+bwd time minus the forward time
 
 
-def _launch_term(prof: Profile) -> float:
+def launch_term(prof: Profile) -> float:
     """The launch term of a kernel of real size: it waits for the one before to drain (the calibrated
     gap, where measured, else the queued launch cost)."""
     return max(prof.launch_s, prof.kernel_gap_s)
@@ -137,6 +137,9 @@ def _launch_term(prof: Profile) -> float:
 def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float, str]:
     """One launch's burst-rate terms: (compute seconds, memory seconds, the compute's rate class, its rate,
     the rate's note). The sustained regime rescales them (finish), so a step's kernels are priced once."""
+    if kern.kind == "memory" and not kern.accumulate:  # most entries: bytes at the copy bandwidth x the op's efficiency
+        eff = registry.efficiency(prof, *kern.fused) if kern.fused else 1.0
+        return 0.0, kern.bytes / (prof.hbm_Bps * eff), "matmul", 0.0, ""
     t_c, rate, note = 0.0, 0.0, ""
     if kern.kind == "matmul":
         b, m, n, k = kern.shape
@@ -152,7 +155,7 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
         ph = kern.op_phase or kern.phase
         if sched:  # the kernel's whole duration, from its CTAs' makespan (sdpa_schedule); its launch is in it
             t_sched = sdpa_schedule.kernel_s(sched[ph], B, nh, S, prof.sms, ph)
-            rate = kern.flops / max(t_sched - _launch_term(prof), 1e-9)
+            rate = kern.flops / max(t_sched - launch_term(prof), 1e-9)
         else:
             rate, note = sdpa_rate(prof, kern.backend, hd, ph, S)
             rate *= attention_wave_efficiency(B, nh, S, prof.sms) if prof.attention else 1.0
@@ -168,28 +171,46 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
 def burst_seconds(terms: tuple, kern: Kernel, prof: Profile) -> float:
     """A kernel's time (x count) at burst rates, from its kernel_terms."""
     t_c, t_m = terms[0], terms[1]
-    launch = prof.launch_s if prof.launch_s > max(t_c, t_m) else _launch_term(prof)
+    launch = prof.launch_s if prof.launch_s > max(t_c, t_m) else launch_term(prof)
     return (max(t_c, t_m) + launch) * kern.count
 
 
-def time_kernel(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tuple | None = None) -> dict:
-    """One kernel (per launch and x count): its compute and memory terms, the bound, the time.
+def regime_speeds(prof: Profile, weight: float) -> dict[str, float]:
+    """regime_speed of each rate class at sustained weight `weight`: one step's factors, computed once."""
+    return {cls: regime_speed(prof, weight, cls) for cls in ("matmul", "attention", "memory")}
+
+
+def timed(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tuple | None = None,
+          speeds: dict[str, float] | None = None) -> tuple:
+    """One launch at the step's regime: (compute s, memory s, launch s, seconds, bound, rate, note).
     sustained: the sustained-load weight of the step it runs in (sustained_weight; 0: burst rates);
-    terms: its kernel_terms, where the caller has them."""
-    if not isinstance(prof, Profile):
-        prof = from_dict(prof)
+    terms: its kernel_terms, and speeds: regime_speeds(prof, sustained), where the caller has them."""
     t_c, t_m, cls, rate, note = terms or kernel_terms(kern, prof)
     if sustained:
-        speed = regime_speed(prof, sustained, cls)
+        speeds = speeds or regime_speeds(prof, sustained)
+        speed = speeds[cls]
         t_c, rate = t_c / speed, rate * speed
-        t_m /= regime_speed(prof, sustained, "memory")
+        t_m /= speeds["memory"]
     launch = prof.launch_s
     bound = "compute" if t_c >= t_m else "memory"
     if launch > max(t_c, t_m):
         bound = "launch"
     else:  # a kernel of real size waits for the one before to drain: the calibrated gap, where measured
-        launch = _launch_term(prof)
-    per = max(t_c, t_m) + launch
+        launch = launch_term(prof)
+    return t_c, t_m, launch, max(t_c, t_m) + launch, bound, rate, note
+
+
+def time_kernel(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tuple | None = None) -> dict:
+    """One kernel (per launch and x count): its compute and memory terms, the bound, the time (timed's
+    figures as a row). sustained, terms: as timed."""
+    if not isinstance(prof, Profile):
+        prof = from_dict(prof)
+    return row(kern, timed(kern, prof, sustained, terms))
+
+
+def row(kern: Kernel, t: tuple) -> dict:
+    """A kernel's row from its timed() figures: every Kernel field, and the times x count."""
+    t_c, t_m, launch, per, bound, rate, note = t
     n = kern.count
-    return dict(kern.__dict__, shape=list(kern.shape), fused=list(kern.fused), compute_s=t_c * n, memory_s=t_m * n,
+    return dict(kern._asdict(), shape=list(kern.shape), fused=list(kern.fused), compute_s=t_c * n, memory_s=t_m * n,
                 launch_s=launch * n, time_s=per * n, per_launch_s=per, bound=bound, rate_flops=rate, note=note)

@@ -1,0 +1,97 @@
+"""What keeps a full estimate with time fast (`anatomy estimate --gpu`, each `anatomy plan` candidate), asserted
+on counted work, never on a wall clock: one calculator estimate per answer, read by memory and time; the kernel
+terms priced, the launches timed and the backward stages walked the same number of times at 8 layers and at
+4,096; a profile file parsed and fitted once per process, its op tables prepared once. bench/estimate_rate.py
+measures the rate itself."""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+
+import anatomy.calculator as calculator
+import anatomy.calculator.memory as memory
+import anatomy.calculator.timing as timing
+import anatomy.calculator.timing.lookup as lookup
+import anatomy.calculator.timing.registry as registry
+from anatomy.calculator.backward import Walk
+from anatomy.cli_estimate import estimate_all
+from anatomy.config import ModelConfig, Run
+
+LLAMA = ModelConfig.from_name("llama3-8b")
+CASES = {"efficient": ("none", "mlp", "full"), "baseline": ("none",)}
+
+
+@contextmanager
+def counting(*targets: tuple[object, str]):
+    """Count the calls of each (owner, attribute) while the block runs; the functions still run."""
+    calls: Counter = Counter()
+    patches = []
+    for owner, name in targets:
+        fn = getattr(owner, name)
+
+        def wrapped(*a, _fn=fn, _name=name, **kw):
+            calls[_name] += 1
+            return _fn(*a, **kw)
+
+        patches.append(mock.patch.object(owner, name, wrapped))
+    for p in patches:
+        p.start()
+    try:
+        yield calls
+    finally:
+        for p in reversed(patches):
+            p.stop()
+
+
+def _work(cfg: ModelConfig, run: Run, variant: str) -> Counter:
+    estimate_all(cfg, run, variant, gpu="h200-measured")  # the profile loaded, its tables prepared
+    with counting((timing, "kernel_terms"), (timing, "timed"), (Walk, "peak"), (Walk, "alloc")) as calls:
+        out = estimate_all(cfg, run, variant, gpu="h200-measured")
+    assert out["time"]["step_s"] > 0
+    return calls
+
+
+@pytest.mark.parametrize("variant,recompute", [(v, r) for v, rs in CASES.items() for r in rs],
+                         ids=lambda x: str(x))
+def test_estimate_work_does_not_grow_with_the_layers(variant, recompute):
+    """Kernel terms, timed launches, walk stages and allocations: the same counts at 8, 32 and 4,096 layers."""
+    run = Run(1, 4096, recompute=recompute)
+    counts = {L: _work(dataclasses.replace(LLAMA, layers=L), run, variant) for L in (8, 32, 4096)}
+    assert counts[8] == counts[32] == counts[4096]
+    assert counts[32]["kernel_terms"] == counts[32]["timed"] > 0  # each kernel entry priced once, timed once
+    assert counts[32]["peak"] > 0
+
+
+@pytest.mark.parametrize("variant", list(CASES))
+def test_one_calculator_estimate_per_answer(variant):
+    """estimate_all computes the calculator's estimate once; the memory phases and the time model read it."""
+    run = Run(2, 2048)
+    estimate_all(LLAMA, run, variant, gpu="h200-measured")
+    with counting((calculator, "estimate"), (memory, "estimate"), (timing, "estimate")) as calls:
+        estimate_all(LLAMA, run, variant, gpu="h200-measured")
+    assert sum(calls.values()) == 1
+
+
+def test_a_profile_is_read_and_prepared_once():
+    """A second estimate parses no profile file, fits nothing and prepares no op table again, at any batch."""
+    estimate_all(LLAMA, Run(1, 4096), "efficient", gpu="h200-measured")
+    estimate_all(LLAMA, Run(1, 4096), "baseline", gpu="h200-measured")
+    with counting((lookup, "from_measured"), (lookup, "check_measured"), (registry, "_table")) as calls:
+        for b in (1, 3):
+            for v in CASES:
+                estimate_all(LLAMA, Run(b, 4096), v, gpu="h200-measured")
+    assert sum(calls.values()) == 0
+
+
+def test_the_shared_estimate_changes_no_figure():
+    """Memory phases and time given the shared estimate equal those computed on their own."""
+    run = Run(2, 1024, recompute="mlp")
+    est = calculator.estimate(LLAMA, run, "efficient", device="cuda")
+    assert memory.phases(LLAMA, run, "efficient", "adamw", est=est) == memory.phases(LLAMA, run, "efficient", "adamw")
+    a = timing.estimate_time(LLAMA, run, "efficient", est=est)
+    assert a == timing.estimate_time(LLAMA, run, "efficient")
+    assert a["kernels"] and len(a["kernels"]) == a["cost"]["kernel_entries"]
