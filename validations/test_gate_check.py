@@ -63,8 +63,8 @@ def test_gate_check_refuses_without_a_gpu():
 
 
 def test_a_baseline_on_another_timer_is_refused(tmp_path):
-    """--benchmark-compare against figures timed by another clock (the wall-clock baselines.json) is a
-    one-line usage error, not a comparison of wall seconds with GPU seconds; a gpu_time file is accepted."""
+    """--benchmark-compare against figures timed by another clock (wall-clock seconds) is a one-line usage
+    error, not a comparison of wall seconds with GPU seconds; a gpu_time file is accepted."""
     wall = dict(benchmarks=[dict(fullname="x", options=dict(timer="perf_counter"), stats=dict(median=1.0))])
     gpu = dict(benchmarks=[dict(fullname="x", options=dict(timer="gpu_time"), stats=dict(median=1.0))])
     for data, rc in ((wall, 4), (gpu, 0)):
@@ -109,15 +109,19 @@ def test_model(benchmark):  # 2 ms of other work and 0.1 ms of each kernel
 @pytest.mark.slow  # ~25 s: eight pytest runs
 def test_gate_check_end_to_end_on_a_fake_gpu(tmp_path):
     """scripts/gate_check.sh itself, over synthetic benchmarks on a fake GPU (a stand-in torch says CUDA is
-    there): it records a GPU-time baseline (the committed one is not), gates the unmodified run and one run
-    per slowdown, and its summary passes; at a threshold that the slowdown does not reach, it fails."""
+    there): given a wall-clock BASELINE it records a GPU-time one, gates the unmodified run and one run per
+    slowdown, and its summary passes; at a threshold that the slowdown does not reach, it fails."""
     (tmp_path / "test_gate.py").write_text(SYNTHETIC)
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --benchmark-disable\n")
     (tmp_path / "fake" / "torch").mkdir(parents=True)
     (tmp_path / "fake" / "torch" / "__init__.py").write_text("class cuda:\n    is_available = staticmethod(lambda: True)\n")
 
+    wall = tmp_path / "wall.json"
+    wall.write_text(json.dumps(dict(benchmarks=[dict(fullname="x", options=dict(timer="perf_counter"),
+                                                     stats=dict(median=1.0))])))
+
     def check(work: str, threshold: str, factor: str):
-        env = dict(os.environ, WORK=str(tmp_path / work), THRESHOLD=threshold, FACTOR=factor,
+        env = dict(os.environ, WORK=str(tmp_path / work), BASELINE=str(wall), THRESHOLD=threshold, FACTOR=factor,
                    RUNS="unmodified rms_norm swiglu", SELECT=str(tmp_path / "test_gate.py"),
                    PYTHONPATH=str(tmp_path / "fake"), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", OUT=str(tmp_path / "out"))
         return subprocess.run(["bash", "scripts/gate_check.sh", "-p", "pytest_benchmark.plugin"], cwd=ROOT, env=env,
@@ -125,6 +129,7 @@ def test_gate_check_end_to_end_on_a_fake_gpu(tmp_path):
 
     r = check("w1", "5", "1.075")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "== record: no GPU-time baseline" in r.stdout and (tmp_path / "w1" / "baseline.json").exists()
     s = json.loads((tmp_path / "w1" / "gate_check.json").read_text())
     assert s["ok"] and set(s["runs"]) == {"unmodified", "rms_norm", "swiglu"}
     assert s["runs"]["rms_norm"]["failed"] == ["test_gate.py::test_kernel[rms_norm/seed/fwd]"]  # the model: +0.4%
