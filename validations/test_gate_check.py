@@ -136,3 +136,111 @@ def test_gate_check_end_to_end_on_a_fake_gpu(tmp_path):
     assert (tmp_path / "out" / "gate_check.json").exists()
     r = check("w2", "10", "1.075")  # a gate looser than the slowdown lets the kernels' own benchmarks pass
     assert r.returncode == 1 and "BAD" in r.stdout, r.stdout + r.stderr
+
+
+# ---- the committed baseline and the committed gate check (anatomy/records.py GATE_CHECK) ----------------
+def _benchmark_functions() -> set[str]:
+    """'<file stem>::<test>' for every test in validations/test_*.py that takes the benchmark fixture."""
+    import ast
+
+    out = set()
+    for path in sorted((ROOT / "validations").glob("test_*.py")):
+        for f in ast.parse(path.read_text()).body:
+            if isinstance(f, ast.FunctionDef) and any(a.arg == "benchmark" for a in f.args.args):
+                out.add(f"{path.stem}::{f.name}")
+    return out
+
+
+def test_the_committed_baseline_gates_every_benchmark():
+    """baselines.json is on GPU time, names exactly the benchmarks that the design card's command runs
+    (`pytest validations -m gpu`, collected here), carries no host name or absolute path, and the design
+    card's flags accept it (conftest refuses a baseline on another timer)."""
+    text = (ROOT / "baselines.json").read_text()
+    base = json.loads(text)
+    assert {b["options"]["timer"] for b in base["benchmarks"]} == {"gpu_time"}
+    assert all(b["stats"]["median"] > 0 for b in base["benchmarks"])
+    assert "node" not in base["machine_info"] and '"/' not in text and "\\\\" not in text
+    r = subprocess.run([sys.executable, "-m", "pytest", "validations", "-m", "gpu", "--collect-only", "-q",
+                        "-p", "no:cacheprovider", "--benchmark-enable", "--benchmark-compare=baselines.json",
+                        "--benchmark-compare-fail=median:5%"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-800:] + r.stderr[-800:]
+    fns = _benchmark_functions()
+    ran = {ln for ln in r.stdout.splitlines()
+           if "::" in ln and f"{Path(ln.split('::')[0]).stem}::{ln.split('::')[1].split('[')[0]}" in fns}
+    assert ran == {b["fullname"] for b in base["benchmarks"]}
+
+
+def _gate_record() -> dict:
+    from anatomy import records
+
+    return json.loads(records.GATE_CHECK.read_text())
+
+
+def test_the_gate_check_record_obeys_the_gates_rules():
+    """Each machine of the committed gate check, read against the committed baseline: the threshold is at
+    most 10%; the unmodified run gated every benchmark and failed none, its largest ratio under the
+    threshold; each slowdown (1 + 1.5 x threshold) failed every benchmark of the target's own and only
+    benchmarks whose work called it. Each run's failures are recomputed from its ratios."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gate_check_summary import own
+
+    doc = _gate_record()
+    names = {b["fullname"] for b in json.loads((ROOT / "baselines.json").read_text())["benchmarks"]}
+    assert doc["machines"] and set(doc["targets"]) == set(__import__("validations.slowdown").slowdown.TARGETS)
+    for m in doc["machines"]:
+        thr = m["threshold_pct"]
+        assert 0 < thr <= 10 and m["gpu"] and m["driver"] and m["torch"] and m["date"]
+        assert all(not c.startswith("/") and " /" not in c for c in m["commands"])
+        assert "unmodified" in m["runs"] and set(m["runs"]) <= {"unmodified", *doc["targets"]}
+        for run, row in m["runs"].items():
+            assert set(row["ratio"]) == names and row["benchmarks"] == len(names) and not row["ungated"]
+            assert row["failed"] == sorted(n for n, r in row["ratio"].items() if (r - 1) * 100 > thr)
+            assert row["max_ratio"] == pytest.approx(max(row["ratio"].values()), abs=5e-5)
+            if run == "unmodified":
+                assert row["rc"] == 0 and not row["failed"] and (row["max_ratio"] - 1) * 100 <= thr
+                continue
+            mine = sorted(n for n in names if own(n, run))
+            assert row["factor"] == pytest.approx(1 + 1.5 * thr / 100)
+            assert row["rc"] == 1 and mine and row["own"] == mine and set(mine) <= set(row["failed"])
+            assert set(mine) <= set(row["called"]) and set(row["failed"]) <= set(row["called"])
+            assert min(row["injected_fraction"]) >= row["factor"] - 1 - 1e-3
+            assert not row["own_not_failed"] and not row["failed_without_the_kernel"] and row["ok"]
+        assert m["ok"]
+
+
+def test_gate_check_record_adds_a_machine(tmp_path):
+    """scripts/gate_check_record.py: the summary's runs gain `called` and `factor` from the run reports; the
+    GPU's facts come from env.json or the baseline plus --driver; a label is replaced, not repeated; an
+    absolute path in a command is cut to out/<name>; without a driver it is a one-line error, exit 2."""
+    from gate_check_record import main as record
+
+    names = list(BASE)
+    work = tmp_path / "w"
+    work.mkdir()
+    base = dict(benchmarks=[dict(b, extra_info=dict(gpu="G", torch="t", cuda="c", cudnn=1, triton="tr"))
+                            for b in BASE.values()], datetime="2026-12-01T21:50:52", commit_info=dict(id="abc"))
+    (work / "baseline.json").write_text(json.dumps(base))
+    slow = _run({n: 1.0 for n in names}, {names[0]: 3, names[3]: 9})
+    for b in slow.values():
+        b["extra_info"]["slowdown"] = {"rms_norm": 1.075}
+    (work / "rms_norm.json").write_text(json.dumps(dict(benchmarks=list(slow.values()))))
+    s = summarize(BASE, {"unmodified": (BASE, 0), "rms_norm": (slow, 0)}, 5.0)
+    for row in s["runs"].values():
+        row.pop("called", None), row.pop("factor", None)  # a summary from before the rows carried them
+    (work / "gate_check.json").write_text(json.dumps(s))
+    rec = tmp_path / "gate" / "check.json"
+    argv = [str(rec), str(work), "--command", f"OUT={tmp_path}/out bash scripts/gate_check.sh"]
+    assert record(argv) == 2 and not rec.exists()  # no env.json, no --driver
+    assert record(argv + ["--driver", "580"]) == 0 and record(argv + ["--driver", "580"]) == 0
+    doc = json.loads(rec.read_text())
+    assert [m["label"] for m in doc["machines"]] == ["machine 1", "machine 2"]
+    m = doc["machines"][0]
+    assert (m["gpu"], m["driver"], m["date"], m["commit"]) == ("G", "580", "2026-12-01", "abc")
+    assert m["commands"] == ["OUT=out/out bash scripts/gate_check.sh"]
+    assert m["runs"]["rms_norm"]["called"] == sorted([names[0], names[3]]) and m["runs"]["rms_norm"]["factor"] == 1.075
+    (work / "env.json").write_text(json.dumps(dict(gpu="H", driver="590", torch="t2", cuda="c2", cudnn=2,
+                                                   triton="tr2", date="2026-12-02 01:00:00 UTC")))
+    assert record([str(rec), str(work), "--command", "x", "--label", "machine 1"]) == 0
+    doc = json.loads(rec.read_text())
+    assert [(m["label"], m["driver"], m["date"]) for m in doc["machines"]] == [("machine 2", "580", "2026-12-01"),
+                                                                                ("machine 1", "590", "2026-12-02")]
