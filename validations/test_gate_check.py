@@ -244,3 +244,43 @@ def test_gate_check_record_adds_a_machine(tmp_path):
     doc = json.loads(rec.read_text())
     assert [(m["label"], m["driver"], m["date"]) for m in doc["machines"]] == [("machine 2", "580", "2026-12-01"),
                                                                                 ("machine 1", "590", "2026-12-02")]
+
+
+def test_the_readme_gate_section_is_rendered_from_the_record():
+    """The README's gate-h200 section is what `anatomy report` renders from the committed record."""
+    import re
+
+    from anatomy.report.gate import summary
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- gate-h200:start -->\n(.*?)\n<!-- gate-h200:end -->", text, re.S)
+    assert block and block.group(1) == summary()
+
+
+def test_the_gate_section_says_what_is_not_shown(tmp_path, monkeypatch):
+    """On a synthetic record: a slowdown that failed a benchmark which never called the kernel is shown as
+    such and not as caught; missing targets and machines are named; three fresh machines with every target
+    leave nothing unshown."""
+    from anatomy import records
+    from anatomy.report import gate
+
+    names = list(BASE)
+    good = summarize(BASE, {"unmodified": (_run({n: 1.0 for n in names}, {}), 0),
+                            "rms_norm": (_run({names[0]: 1.08, names[1]: 1.08}, {names[0]: 1, names[1]: 1}), 1)}, 5.0)
+    stray = summarize(BASE, {"rms_norm": (_run({names[0]: 1.08, names[1]: 1.08, names[4]: 1.06},
+                                               {names[0]: 1, names[1]: 1}), 1)}, 5.0)
+    good["runs"]["rms_norm"]["factor"] = stray["runs"]["rms_norm"]["factor"] = 1.075
+    facts = dict(gpu="G", driver="d", torch="t", cuda="c", cudnn=91900, triton="tr", date="2026-12-01", commands=["x"],
+                 threshold_pct=5.0)
+    m1 = dict(facts, label="machine 1", baseline_recorded_here=True, runs=dict(good["runs"], **stray["runs"]), ok=False)
+    path = tmp_path / "check.json"
+    monkeypatch.setattr(records, "GATE_CHECK", path)
+    path.write_text(json.dumps(dict(targets=["rms_norm", "swiglu"], machines=[m1])))
+    text = gate.summary()
+    assert "1 never called it" in text and "the slowdowns of" not in text.split("**Shown:**")[1].split("\n")[0]
+    assert "`swiglu` on every machine" in text and "machines 2, 3 of the 3" in text and "cuDNN 9.19.0" in text
+    fresh = [dict(facts, label=f"machine {i}", baseline_recorded_here=False, ok=True,
+                  runs=dict(good["runs"], swiglu=dict(good["runs"]["rms_norm"]))) for i in (1, 2, 3)]
+    path.write_text(json.dumps(dict(targets=["rms_norm", "swiglu"], machines=fresh)))
+    text = gate.summary()
+    assert "**Not yet shown:** nothing the gate's check covers." in text and "on 3 of 3 machines" in text
