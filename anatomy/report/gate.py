@@ -20,15 +20,15 @@ def _cudnn(v) -> str:
 def _row(label: str, run: str, row: dict) -> str:
     if "error" in row:
         return f"| {label} | {run} | | no report ({row['error']}) | | | |"
-    gated = f"{len(row['failed'])} of {row['benchmarks']}"
+    gated = f"{len(row['failed'])} of {row['benchmarks']}" + (f", {len(row['ungated'])} ungated" if row["ungated"] else "")
+    top = f"{row['max_ratio']:.3f}" if row.get("max_ratio") is not None else ""
     if run == "unmodified":
-        return f"| {label} | unmodified | | {gated} | | | {row['max_ratio']:.3f} |"
+        return f"| {label} | unmodified | | {gated} | | | {top} |"
     mine = len(row["own"]) - len(row["own_not_failed"])
-    others = len(row["failed"]) - mine
-    return (f"| {label} | `{run}` | {row['factor']:.3f}x | {gated} | {mine} of {len(row['own'])} | "
-            f"{others} (all called it) | {row['max_ratio']:.3f} |" if not row["failed_without_the_kernel"] else
-            f"| {label} | `{run}` | {row['factor']:.3f}x | {gated} | {mine} of {len(row['own'])} | "
-            f"{others}, {len(row['failed_without_the_kernel'])} never called it | {row['max_ratio']:.3f} |")
+    stray = len(row["failed_without_the_kernel"])
+    others = f"{len(row['failed']) - mine}" + (f", {stray} never called it" if stray else " (all called it)")
+    factor = f"{row['factor']:.3f}x" if row.get("factor") else "?"
+    return f"| {label} | `{run}` | {factor} | {gated} | {mine} of {len(row['own'])} | {others} | {top} |"
 
 
 def summary() -> str:
