@@ -107,6 +107,18 @@ def gpu_refs(cuda_device):
     return references()
 
 
+@pytest.fixture(scope="session")
+def gpu_profile(cuda_device):
+    """This GPU's calibrated profile (`anatomy calibrate`), measured once per machine and cached on disk as
+    JSON, keyed by GPU, driver, CUDA, torch and triton (validations/profile_cache.py)."""
+    from validations.profile_cache import cached_profile, calibrate_with_anatomy, machine_key
+
+    try:
+        return cached_profile(machine_key(), calibrate_with_anatomy)[0]
+    except (RuntimeError, ValueError) as e:
+        pytest.fail(str(e), pytrace=False)
+
+
 @pytest.fixture
 def free_cuda():
     """After a benchmark: drop its tensors and give the allocator's cached blocks back."""

@@ -71,6 +71,9 @@ REAL_DEPTH = H200 / "user-loop" / "real-depth.json"
 # scripts/check_plan.py: `anatomy plan --gpu H200`'s micro-batch and the next one, run in a user's loop.
 PLAN_CHECK = H200 / "plan" / "check.json"
 
+# scripts/gate_check.sh's runs (the regression gate's own check), one entry per machine: scripts/gate_check_record.py.
+GATE_CHECK = H200 / "gate" / "check.json"
+
 # `anatomy train` on the seed config, baseline and efficient, from the same weights and data.
 LOSS_CURVES = H200 / "training" / "loss-curves-seed.json"
 LOSS_CURVES_ENV = H200 / "training" / "env.json"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The regression gate's own check, on one CUDA machine, from the repo root:
-#   0. without a GPU-time baseline (the committed baselines.json is wall-clock until re-recorded), record
-#      one first: $WORK/baseline.json;
+#   0. the GPU's facts to $WORK/env.json (scripts/env_json.py); without a GPU-time baseline (BASELINE, default
+#      the committed baselines.json), or with RECORD=1, record one first: $WORK/baseline.json;
 #   1. "unmodified": the benchmarks against the baseline; nothing may fail;
 #   2. once per slowdown target (validations/slowdown.py), ANATOMY_SLOWDOWN=<target>=<1 + 1.5 x threshold>:
 #      every benchmark of the target's own must fail, and no benchmark whose work never called it.
@@ -37,6 +37,7 @@ if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
   exit 2
 fi
 mkdir -p "$WORK"
+python3 scripts/env_json.py > "$WORK/env.json" 2>/dev/null || { rm -f "$WORK/env.json"; echo "gate_check: warning: no env.json (scripts/env_json.py failed)" >&2; }
 PYTEST=(python3 -m pytest "${SELECT[@]}" -q -p no:cacheprovider --benchmark-enable
         --benchmark-columns=median,iqr,rounds --benchmark-sort=fullname "${ARGS[@]}")
 T0=$SECONDS; last=0

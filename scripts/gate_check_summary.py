@@ -5,7 +5,8 @@ behaved as it must.
 
 A run named "unmodified" must fail nothing (and exit 0). A run named after a slowdown target K (validations/
 slowdown.py) must fail every benchmark of K's own (test_kernel[K/...], test_optimizer[K/...]) and no
-benchmark whose work never called K (its extra_info["slowdown_calls"] has no K). A benchmark fails
+benchmark whose work never called K (its extra_info["slowdown_calls"] has no K); its row lists the
+benchmarks that called K (`called`) and the factor it ran with. A benchmark fails
 when its median exceeds the baseline's by more than THRESHOLD_PCT, which is
 pytest-benchmark's --benchmark-compare-fail=median:X% rule; a benchmark missing from the baseline
 is listed as ungated. Exit 0 when every run behaved, 1 when one did not, 2 on unreadable input.
@@ -43,9 +44,12 @@ def summarize(base: dict[str, dict], runs: dict[str, tuple[dict[str, dict], int]
             row["ok"] = not failed and not row["ungated"] and rc == 0
         else:  # the target's own benchmarks, from the baseline: one that crashed counts as not failed
             mine = sorted(n for n in base if own(n, run))
-            outside = [n for n in failed if not cur[n].get("extra_info", {}).get("slowdown_calls", {}).get(run)]
+            called = sorted(n for n in cur if cur[n].get("extra_info", {}).get("slowdown_calls", {}).get(run))
+            outside = sorted(set(failed) - set(called))
             injected = [f for n in mine if n in cur for f in cur[n].get("extra_info", {}).get("slowdown_injected", {}).get(run, [])]
-            row.update(own=mine, own_not_failed=sorted(set(mine) - set(failed)), failed_without_the_kernel=outside,
+            factors = {cur[n].get("extra_info", {}).get("slowdown", {}).get(run) for n in mine if n in cur} - {None}
+            row.update(own=mine, own_not_failed=sorted(set(mine) - set(failed)), called=called,
+                       failed_without_the_kernel=outside, factor=factors.pop() if len(factors) == 1 else None,
                        injected_fraction=[min(injected), max(injected)] if injected else None)
             row["ok"] = bool(mine) and not row["own_not_failed"] and not outside and not row["ungated"]
         ok_all &= row["ok"]

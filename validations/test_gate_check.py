@@ -63,8 +63,8 @@ def test_gate_check_refuses_without_a_gpu():
 
 
 def test_a_baseline_on_another_timer_is_refused(tmp_path):
-    """--benchmark-compare against figures timed by another clock (the wall-clock baselines.json) is a
-    one-line usage error, not a comparison of wall seconds with GPU seconds; a gpu_time file is accepted."""
+    """--benchmark-compare against figures timed by another clock (wall-clock seconds) is a one-line usage
+    error, not a comparison of wall seconds with GPU seconds; a gpu_time file is accepted."""
     wall = dict(benchmarks=[dict(fullname="x", options=dict(timer="perf_counter"), stats=dict(median=1.0))])
     gpu = dict(benchmarks=[dict(fullname="x", options=dict(timer="gpu_time"), stats=dict(median=1.0))])
     for data, rc in ((wall, 4), (gpu, 0)):
@@ -109,15 +109,19 @@ def test_model(benchmark):  # 2 ms of other work and 0.1 ms of each kernel
 @pytest.mark.slow  # ~25 s: eight pytest runs
 def test_gate_check_end_to_end_on_a_fake_gpu(tmp_path):
     """scripts/gate_check.sh itself, over synthetic benchmarks on a fake GPU (a stand-in torch says CUDA is
-    there): it records a GPU-time baseline (the committed one is not), gates the unmodified run and one run
-    per slowdown, and its summary passes; at a threshold that the slowdown does not reach, it fails."""
+    there): given a wall-clock BASELINE it records a GPU-time one, gates the unmodified run and one run per
+    slowdown, and its summary passes; at a threshold that the slowdown does not reach, it fails."""
     (tmp_path / "test_gate.py").write_text(SYNTHETIC)
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --benchmark-disable\n")
     (tmp_path / "fake" / "torch").mkdir(parents=True)
     (tmp_path / "fake" / "torch" / "__init__.py").write_text("class cuda:\n    is_available = staticmethod(lambda: True)\n")
 
+    wall = tmp_path / "wall.json"
+    wall.write_text(json.dumps(dict(benchmarks=[dict(fullname="x", options=dict(timer="perf_counter"),
+                                                     stats=dict(median=1.0))])))
+
     def check(work: str, threshold: str, factor: str):
-        env = dict(os.environ, WORK=str(tmp_path / work), THRESHOLD=threshold, FACTOR=factor,
+        env = dict(os.environ, WORK=str(tmp_path / work), BASELINE=str(wall), THRESHOLD=threshold, FACTOR=factor,
                    RUNS="unmodified rms_norm swiglu", SELECT=str(tmp_path / "test_gate.py"),
                    PYTHONPATH=str(tmp_path / "fake"), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", OUT=str(tmp_path / "out"))
         return subprocess.run(["bash", "scripts/gate_check.sh", "-p", "pytest_benchmark.plugin"], cwd=ROOT, env=env,
@@ -125,9 +129,158 @@ def test_gate_check_end_to_end_on_a_fake_gpu(tmp_path):
 
     r = check("w1", "5", "1.075")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "== record: no GPU-time baseline" in r.stdout and (tmp_path / "w1" / "baseline.json").exists()
     s = json.loads((tmp_path / "w1" / "gate_check.json").read_text())
     assert s["ok"] and set(s["runs"]) == {"unmodified", "rms_norm", "swiglu"}
     assert s["runs"]["rms_norm"]["failed"] == ["test_gate.py::test_kernel[rms_norm/seed/fwd]"]  # the model: +0.4%
     assert (tmp_path / "out" / "gate_check.json").exists()
     r = check("w2", "10", "1.075")  # a gate looser than the slowdown lets the kernels' own benchmarks pass
     assert r.returncode == 1 and "BAD" in r.stdout, r.stdout + r.stderr
+
+
+# ---- the committed baseline and the committed gate check (anatomy/records.py GATE_CHECK) ----------------
+def _benchmark_functions() -> set[str]:
+    """'<file stem>::<test>' for every test in validations/test_*.py that takes the benchmark fixture."""
+    import ast
+
+    out = set()
+    for path in sorted((ROOT / "validations").glob("test_*.py")):
+        for f in ast.parse(path.read_text()).body:
+            if isinstance(f, ast.FunctionDef) and any(a.arg == "benchmark" for a in f.args.args):
+                out.add(f"{path.stem}::{f.name}")
+    return out
+
+
+def test_the_committed_baseline_gates_every_benchmark():
+    """baselines.json is on GPU time, names exactly the benchmarks that the design card's command runs
+    (`pytest validations -m gpu`, collected here), carries no host name or absolute path, and the design
+    card's flags accept it (conftest refuses a baseline on another timer)."""
+    text = (ROOT / "baselines.json").read_text()
+    base = json.loads(text)
+    assert {b["options"]["timer"] for b in base["benchmarks"]} == {"gpu_time"}
+    assert all(b["stats"]["median"] > 0 for b in base["benchmarks"])
+    assert "node" not in base["machine_info"] and '"/' not in text and "\\\\" not in text
+    r = subprocess.run([sys.executable, "-m", "pytest", "validations", "-m", "gpu", "--collect-only", "-q",
+                        "-p", "no:cacheprovider", "--benchmark-enable", "--benchmark-compare=baselines.json",
+                        "--benchmark-compare-fail=median:5%"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-800:] + r.stderr[-800:]
+    fns = _benchmark_functions()
+    ran = {ln for ln in r.stdout.splitlines()
+           if "::" in ln and f"{Path(ln.split('::')[0]).stem}::{ln.split('::')[1].split('[')[0]}" in fns}
+    assert ran == {b["fullname"] for b in base["benchmarks"]}
+
+
+def _gate_record() -> dict:
+    from anatomy import records
+
+    return json.loads(records.GATE_CHECK.read_text())
+
+
+def test_the_gate_check_record_obeys_the_gates_rules():
+    """Each machine of the committed gate check, read against the committed baseline: the threshold is at
+    most 10%; the unmodified run gated every benchmark and failed none, its largest ratio under the
+    threshold; each slowdown (1 + 1.5 x threshold) failed every benchmark of the target's own and only
+    benchmarks whose work called it. Each run's failures are recomputed from its ratios."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gate_check_summary import own
+
+    doc = _gate_record()
+    names = {b["fullname"] for b in json.loads((ROOT / "baselines.json").read_text())["benchmarks"]}
+    assert doc["machines"] and set(doc["targets"]) == set(__import__("validations.slowdown").slowdown.TARGETS)
+    for m in doc["machines"]:
+        thr = m["threshold_pct"]
+        assert 0 < thr <= 10 and m["gpu"] and m["driver"] and m["torch"] and m["date"]
+        assert all(not c.startswith("/") and " /" not in c for c in m["commands"])
+        assert "unmodified" in m["runs"] and set(m["runs"]) <= {"unmodified", *doc["targets"]}
+        for run, row in m["runs"].items():
+            assert set(row["ratio"]) == names and row["benchmarks"] == len(names) and not row["ungated"]
+            assert row["failed"] == sorted(n for n, r in row["ratio"].items() if (r - 1) * 100 > thr)
+            assert row["max_ratio"] == pytest.approx(max(row["ratio"].values()), abs=5e-5)
+            if run == "unmodified":
+                assert row["rc"] == 0 and not row["failed"] and (row["max_ratio"] - 1) * 100 <= thr
+                continue
+            mine = sorted(n for n in names if own(n, run))
+            assert row["factor"] == pytest.approx(1 + 1.5 * thr / 100)
+            assert row["rc"] == 1 and mine and row["own"] == mine and set(mine) <= set(row["failed"])
+            assert set(mine) <= set(row["called"]) and set(row["failed"]) <= set(row["called"])
+            assert min(row["injected_fraction"]) >= row["factor"] - 1 - 1e-3
+            assert not row["own_not_failed"] and not row["failed_without_the_kernel"] and row["ok"]
+        assert m["ok"]
+
+
+def test_gate_check_record_adds_a_machine(tmp_path):
+    """scripts/gate_check_record.py: the summary's runs gain `called` and `factor` from the run reports; the
+    GPU's facts come from env.json or the baseline plus --driver; a label is replaced, not repeated; an
+    absolute path in a command is cut to out/<name>; without a driver it is a one-line error, exit 2."""
+    from gate_check_record import main as record
+
+    names = list(BASE)
+    work = tmp_path / "w"
+    work.mkdir()
+    base = dict(benchmarks=[dict(b, extra_info=dict(gpu="G", torch="t", cuda="c", cudnn=1, triton="tr"))
+                            for b in BASE.values()], datetime="2026-12-01T21:50:52", commit_info=dict(id="abc"))
+    (work / "baseline.json").write_text(json.dumps(base))
+    slow = _run({n: 1.0 for n in names}, {names[0]: 3, names[3]: 9})
+    for b in slow.values():
+        b["extra_info"]["slowdown"] = {"rms_norm": 1.075}
+    (work / "rms_norm.json").write_text(json.dumps(dict(benchmarks=list(slow.values()))))
+    s = summarize(BASE, {"unmodified": (BASE, 0), "rms_norm": (slow, 0)}, 5.0)
+    for row in s["runs"].values():
+        row.pop("called", None), row.pop("factor", None)  # a summary from before the rows carried them
+    (work / "gate_check.json").write_text(json.dumps(s))
+    rec = tmp_path / "gate" / "check.json"
+    argv = [str(rec), str(work), "--command", f"OUT={tmp_path}/out bash scripts/gate_check.sh"]
+    assert record(argv) == 2 and not rec.exists()  # no env.json, no --driver
+    assert record(argv + ["--driver", "580"]) == 0 and record(argv + ["--driver", "580"]) == 0
+    doc = json.loads(rec.read_text())
+    assert [m["label"] for m in doc["machines"]] == ["machine 1", "machine 2"]
+    m = doc["machines"][0]
+    assert (m["gpu"], m["driver"], m["date"], m["commit"]) == ("G", "580", "2026-12-01", "abc")
+    assert m["commands"] == ["OUT=out/out bash scripts/gate_check.sh"]
+    assert m["runs"]["rms_norm"]["called"] == sorted([names[0], names[3]]) and m["runs"]["rms_norm"]["factor"] == 1.075
+    (work / "env.json").write_text(json.dumps(dict(gpu="H", driver="590", torch="t2", cuda="c2", cudnn=2,
+                                                   triton="tr2", date="2026-12-02 01:00:00 UTC")))
+    assert record([str(rec), str(work), "--command", "x", "--label", "machine 1"]) == 0
+    doc = json.loads(rec.read_text())
+    assert [(m["label"], m["driver"], m["date"]) for m in doc["machines"]] == [("machine 2", "580", "2026-12-01"),
+                                                                                ("machine 1", "590", "2026-12-02")]
+
+
+def test_the_readme_gate_section_is_rendered_from_the_record():
+    """The README's gate-h200 section is what `anatomy report` renders from the committed record."""
+    import re
+
+    from anatomy.report.gate import summary
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- gate-h200:start -->\n(.*?)\n<!-- gate-h200:end -->", text, re.S)
+    assert block and block.group(1) == summary()
+
+
+def test_the_gate_section_says_what_is_not_shown(tmp_path, monkeypatch):
+    """On a synthetic record: a slowdown that failed a benchmark which never called the kernel is shown as
+    such and not as caught; missing targets and machines are named; three fresh machines with every target
+    leave nothing unshown."""
+    from anatomy import records
+    from anatomy.report import gate
+
+    names = list(BASE)
+    good = summarize(BASE, {"unmodified": (_run({n: 1.0 for n in names}, {}), 0),
+                            "rms_norm": (_run({names[0]: 1.08, names[1]: 1.08}, {names[0]: 1, names[1]: 1}), 1)}, 5.0)
+    stray = summarize(BASE, {"rms_norm": (_run({names[0]: 1.08, names[1]: 1.08, names[4]: 1.06},
+                                               {names[0]: 1, names[1]: 1}), 1)}, 5.0)
+    good["runs"]["rms_norm"]["factor"] = stray["runs"]["rms_norm"]["factor"] = 1.075
+    facts = dict(gpu="G", driver="d", torch="t", cuda="c", cudnn=91900, triton="tr", date="2026-12-01", commands=["x"],
+                 threshold_pct=5.0)
+    m1 = dict(facts, label="machine 1", baseline_recorded_here=True, runs=dict(good["runs"], **stray["runs"]), ok=False)
+    path = tmp_path / "check.json"
+    monkeypatch.setattr(records, "GATE_CHECK", path)
+    path.write_text(json.dumps(dict(targets=["rms_norm", "swiglu"], machines=[m1])))
+    text = gate.summary()
+    assert "1 never called it" in text and "the slowdowns of" not in text.split("**Shown:**")[1].split("\n")[0]
+    assert "`swiglu` on every machine" in text and "machines 2, 3 of the 3" in text and "cuDNN 9.19.0" in text
+    fresh = [dict(facts, label=f"machine {i}", baseline_recorded_here=False, ok=True,
+                  runs=dict(good["runs"], swiglu=dict(good["runs"]["rms_norm"]))) for i in (1, 2, 3)]
+    path.write_text(json.dumps(dict(targets=["rms_norm", "swiglu"], machines=fresh)))
+    text = gate.summary()
+    assert "**Not yet shown:** nothing the gate's check covers." in text and "on 3 of 3 machines" in text

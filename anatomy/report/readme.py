@@ -282,7 +282,10 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
             put("bench-linear-ce", linear_ce_table(records.LINEAR_CE))
         if records.LOSS_CURVES.exists():
             put("train-seed", curves_text(records.LOSS_CURVES))
-        from anatomy.report import plan, probes
+        from anatomy.report import gate, plan, probes
+
+        if records.GATE_CHECK.exists():
+            put("gate-h200", gate.summary())
 
         put("plan-example", plan.example())
         put("plan-h200", plan.check_table() if records.PLAN_CHECK.exists() else
