@@ -56,6 +56,8 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
     (r"^memory\.live|^memory\.peak in backward$", _PHASES, ["anatomy/measure/liveness.py:measure_phases_live"], []),
     (r"^memory\.(peak|allocated)", _PHASES, _GPU_MEMORY, ["MEMORY_PROBE", "MEMORY_PROBE_RECOMPUTE"]),
     (r"^the step fits in GPU memory", _PHASES, ["conftest.py:gpu_fits"], []),
+    (r"^plan: ", ["anatomy/plan.py:plan", "anatomy/plan.py:peak_bytes"], ["scripts/check_plan.py:user_loop"],
+     ["PLAN_CHECK"]),
     (r"^optimizer state bytes", ["anatomy/calculator/optimizer.py:state_bytes"],
      ["anatomy/optim/baseline.py:AdEMAMix", "anatomy/optim/efficient.py:FusedAdEMAMix"], []),
     (r"^optimizer step bytes", ["anatomy/calculator/timing/kernels.py:optimizer_step_bytes"],
