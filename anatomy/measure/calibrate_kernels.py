@@ -149,41 +149,41 @@ ADAMW_NUMELS = (2**16, 2**20, 2**22, 2**24, 2**26)
 ADAMW_TENSORS = 4
 
 
-def adamw_case(numel: int, tensors: int = ADAMW_TENSORS):
-    """One fused AdamW step (torch.optim.AdamW(fused=True)) over `tensors` fp32 params of `numel` with grads,
-    as the probes' training steps run it; optimizers over distinct parameter sets rotate out of L2."""
+def _optimizer_case(numel: int, tensors: int, bytes_per_elem: int, make):
+    """A step of `make(params)` over `tensors` fp32 params of `numel` with grads; enough optimizers over
+    distinct parameter sets (`bytes_per_elem` of state and params each) that they rotate out of L2."""
     def build():
         import torch
 
         opts = []
-        for _ in range(_sets(tensors * numel * 16)):
+        for _ in range(_sets(tensors * numel * bytes_per_elem)):
             ps = [torch.zeros(numel, device="cuda", requires_grad=True) for _ in range(tensors)]
             for q in ps:
                 q.grad = torch.randn_like(q)
-            opts.append(torch.optim.AdamW(ps, lr=1e-4, fused=True))
+            opts.append(make(ps))
         it, cur = itertools.cycle(opts), [opts[0]]
         return (lambda: cur.__setitem__(0, next(it))), (lambda: cur[0].step())
     return build
+
+
+def adamw_case(numel: int, tensors: int = ADAMW_TENSORS):
+    """One fused AdamW step (torch.optim.AdamW(fused=True)), as the probes' training steps run it."""
+    def make(ps):
+        import torch
+
+        return torch.optim.AdamW(ps, lr=1e-4, fused=True)
+    return _optimizer_case(numel, tensors, 16, make)
 
 
 def ademamix_case(numel: int, tensors: int = ADAMW_TENSORS):
     """One compiled AdEMAMix step (anatomy.optim.FusedAdEMAMix(compile=True): Inductor fuses the step into one
-    read-modify-write pass, 20 B read and 16 B written per fp32 element) over `tensors` fp32 params of `numel`,
-    as `--optimizer ademamix-compiled` runs it. The warm-up compiles it once per size (dynamic=False)."""
-    def build():
-        import torch
-
+    read-modify-write pass, 20 B read and 16 B written per fp32 element), as `--optimizer ademamix-compiled`
+    runs it. The warm-up compiles it once per size (dynamic=False)."""
+    def make(ps):
         from anatomy.optim import FusedAdEMAMix
 
-        opts = []
-        for _ in range(_sets(tensors * numel * 20)):
-            ps = [torch.zeros(numel, device="cuda", requires_grad=True) for _ in range(tensors)]
-            for q in ps:
-                q.grad = torch.randn_like(q)
-            opts.append(FusedAdEMAMix(ps, lr=1e-4, weight_decay=0.1, T_alpha_beta3=10_000, compile=True))
-        it, cur = itertools.cycle(opts), [opts[0]]
-        return (lambda: cur.__setitem__(0, next(it))), (lambda: cur[0].step())
-    return build
+        return FusedAdEMAMix(ps, lr=1e-4, weight_decay=0.1, T_alpha_beta3=10_000, compile=True)
+    return _optimizer_case(numel, tensors, 20, make)
 
 
 def _fused_cases(T: int = FUSED_TOKENS):
