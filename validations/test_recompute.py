@@ -40,35 +40,45 @@ def check_identical(cfg, run, device="cpu", recompute=MLP):
         assert torch.equal(g, g1[name]), f"{name}: max |diff| {(g - g1[name]).abs().max().item():.3e}"
 
 
+# the claims' config suffix of each recompute policy (test_recompute_full.py holds what is full's alone)
+SUFFIX = {MLP: "recompute", "full": "recompute-full"}
+
+
+@pytest.mark.parametrize("recompute", list(SUFFIX))
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", EFFICIENT)
-def test_same_loss_and_gradients_as_without_recompute(name, policy):
-    check_identical(NAMED[name], Run(2, 24, policy))
+def test_same_loss_and_gradients_as_without_recompute(name, policy, recompute):
+    check_identical(NAMED[name], Run(2, 24, policy), recompute=recompute)
 
 
+@pytest.mark.parametrize("recompute", list(SUFFIX))
 @pytest.mark.parametrize("policy", ["amp", "fp32"])
 @pytest.mark.parametrize("name", EFFICIENT)
-def test_matches_baseline(name, policy):
-    check_matches_baseline(NAMED[name], Run(2, 24, policy, MLP))
+def test_matches_baseline(name, policy, recompute):
+    check_matches_baseline(NAMED[name], Run(2, 24, policy, recompute))
 
 
+@pytest.mark.parametrize("recompute", list(SUFFIX))
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", EFFICIENT)
-def test_saved_bytes_exact_named(name, policy, claims):
-    check_saved(claims, NAMED[name], Run(2, 16, policy, MLP), f"{name}/B2S16/{policy}/recompute")
+def test_saved_bytes_exact_named(name, policy, recompute, claims):
+    check_saved(claims, NAMED[name], Run(2, 16, policy, recompute), f"{name}/B2S16/{policy}/{SUFFIX[recompute]}")
 
 
+@pytest.mark.parametrize("recompute", list(SUFFIX))
 @settings(max_examples=15, deadline=None)
 @given(cfg=configs(), run=runs())
-def test_saved_bytes_exact_hypothesis(cfg, run, claims):
-    check_saved(claims, cfg, Run(run.batch, run.seq, run.dtype, MLP), f"{cfg}/{run}/recompute")
+def test_saved_bytes_exact_hypothesis(recompute, cfg, run, claims):
+    check_saved(claims, cfg, Run(run.batch, run.seq, run.dtype, recompute), f"{cfg}/{run}/{SUFFIX[recompute]}")
 
 
+@pytest.mark.parametrize("recompute", list(SUFFIX))
 @pytest.mark.parametrize("name", EFFICIENT)
-def test_flops_exact(name, claims):
-    """Backward counts the gate_up matmul a second time and nothing else: were down (or qkv) re-run,
-    the measured backward would exceed the prediction by its 2·T·d_in·d_out."""
-    check_flops(claims, NAMED[name], Run(2, 16, "fp32", MLP), f"{name}/B2S16/recompute")
+def test_flops_exact(name, recompute, claims):
+    """Under mlp, backward counts the gate_up matmul a second time and nothing else; under full, qkv, o and
+    gate_up (and SDPA's forward, where the counter sees it), not down. Were anything else re-run, the measured
+    backward would exceed the prediction by its 2·T·d_in·d_out."""
+    check_flops(claims, NAMED[name], Run(2, 16, "fp32", recompute), f"{name}/B2S16/{SUFFIX[recompute]}")
 
 
 def test_recompute_saves_what_it_says(claims):

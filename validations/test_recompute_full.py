@@ -21,41 +21,13 @@ from anatomy.measure.liveness import LiveStorage, measure_phases_live
 from anatomy.measure.memory import setup_step
 from anatomy.models import autocast_ctx, build_model
 from validations.configs import NAMED, POLICIES, configs, runs
-from validations.test_efficient import EFFICIENT, check_flops, check_matches_baseline, check_saved
+from validations.test_efficient import EFFICIENT, check_flops, check_saved
 from validations.test_recompute import WALK, check_identical
 
 FULL = "full"
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name", EFFICIENT)
-def test_same_loss_and_gradients_as_without_recompute(name, policy):
-    check_identical(NAMED[name], Run(2, 24, policy), recompute=FULL)
-
-
-@pytest.mark.parametrize("policy", ["amp", "fp32"])
-@pytest.mark.parametrize("name", EFFICIENT)
-def test_matches_baseline(name, policy):
-    check_matches_baseline(NAMED[name], Run(2, 24, policy, FULL))
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("name", EFFICIENT)
-def test_saved_bytes_exact_named(name, policy, claims):
-    check_saved(claims, NAMED[name], Run(2, 16, policy, FULL), f"{name}/B2S16/{policy}/recompute-full")
-
-
-@settings(max_examples=15, deadline=None)
-@given(cfg=configs(), run=runs())
-def test_saved_bytes_exact_hypothesis(cfg, run, claims):
-    check_saved(claims, cfg, Run(run.batch, run.seq, run.dtype, FULL), f"{cfg}/{run}/recompute-full")
-
-
-@pytest.mark.parametrize("name", EFFICIENT)
-def test_flops_exact(name, claims):
-    """Backward counts qkv, o and gate_up a second time (and SDPA's forward, where the counter sees it), not
-    down: were down re-run, the measured backward would exceed the prediction by its 2·T·I·H."""
-    check_flops(claims, NAMED[name], Run(2, 16, "fp32", FULL), f"{name}/B2S16/recompute-full")
+# loss and gradients, the match with the baseline, saved bytes and FLOPs: validations/test_recompute.py, per policy
 
 
 def test_keeps_only_the_block_inputs(claims):
