@@ -64,9 +64,10 @@ KERNELS_GPU_ONLY = H200 / "kernels" / "gpu-only-seed.json"
 OPTIMIZER_STEPS = H200 / "kernels" / "optimizer-steps.json"  # pytest-benchmark JSON of validations/test_optim.py
 LINEAR_CE = H200 / "kernels" / "linear-ce.json"  # bench/linear_ce.py: ours against Liger's, forward + backward
 
-# scripts/probe_timing.py --user-loop --real-depth 30 --presets: the user's own loop on real-depth models drawn
-# out of sample (validations/real_depth.py). Its same-run calibrate failed, so its claims use H200_PROFILE.
-REAL_DEPTH = H200 / "user-loop" / "real-depth.json"
+# scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate: the user's own loop on real-depth
+# models drawn out of sample (validations/real_depth.py), one freshly started H200 per folder, each beside the
+# profile `anatomy calibrate` measured first in the same run (calibrated.json) and the machine's env.json.
+REAL_DEPTH_RUNS = tuple(H200 / "user-loop" / f"machine-{i}" / "real-depth.json" for i in (1, 2))
 
 # scripts/check_plan.py: `anatomy plan --gpu H200`'s micro-batch and the next one, run in a user's loop.
 PLAN_CHECK = H200 / "plan" / "check.json"

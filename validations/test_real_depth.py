@@ -2,15 +2,16 @@
 
 The rows are the out-of-sample cases of validations/real_depth.py (12-32 layers, 0.5-8 B parameters, drawn
 with a seed chosen after the timing model's code was final) and the named real presets, each run as a user
-writes the loop (fused AdamW, bf16 autocast over fp32 weights, steps back to back), against the profile
-`anatomy calibrate` measured in the same run (calibrated.json beside the record) where the record names it, else
-against the packaged profile (anatomy/calculator/profiles/h200.json, calibrated on another machine): every claim's
-note says which. Known misses: validations/known_misses.json. The claims:
+writes the loop (fused AdamW, bf16 autocast over fp32 weights, steps back to back). Each committed run
+(anatomy.records.REAL_DEPTH_RUNS: one freshly started H200 each) is compared with the profile `anatomy
+calibrate` measured first in that run (calibrated.json beside the record); a run whose calibrate failed falls
+back to the packaged profile (anatomy/calculator/profiles/h200.json, another machine's) and every claim's note
+says which. Known misses: validations/known_misses.json. The claims:
   time.real_depth.gpu.forward_backward, time.real_depth.gpu.step   kernel time within ±10%, every row
   time.real_depth.step        the wall-clock step within ±10% where the model calls the row GPU-bound
                               (GPU busy >= 90%); a host-bound row is reported with its bound, not claimed
   time.real_depth.component.forward / .backward   per component within ±15% (rows with a components pass)
-Without the committed record every claim skips, naming the command that makes it. The CPU tests below check
+Without a committed record every claim skips, naming the command that makes it. The CPU tests below check
 the draw and the bookkeeping.
 """
 from __future__ import annotations
@@ -26,35 +27,33 @@ from anatomy import records
 from anatomy.calculator import param_count
 from validations import known_misses, real_depth
 
-RECORD = records.REAL_DEPTH  # scripts/probe_timing.py --user-loop on an H200
-PROFILE = RECORD.with_name("calibrated.json")  # `anatomy calibrate` in the same process, before the rows
-MISSING = ("no committed user-loop record (reports/h200/user-loop/real-depth.json): run `ANATOMY_DRAW_SEED=<new> "
-           "PYTHONPATH=. python3 scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate --out "
-           "$OUT/real-depth.json` on an H200 and commit it with its calibrated.json")
+MISSING = ("no committed user-loop record (reports/h200/user-loop/machine-N/real-depth.json): run `ONLY=real-depth "
+           "REAL_DEPTH_SEED=<new> bash scripts/gpu_records.sh` on a fresh H200 and commit its real-depth.json, "
+           "calibrated.json and env.json")
 WALL_TEST = "validations/test_real_depth.py::test_real_depth_wall_step_within_10pct_when_gpu_bound"
 
 
-def _head() -> dict:
-    return json.loads(RECORD.read_text()) if RECORD.is_file() else {}
+def _run(record: Path) -> tuple[str, str, list[dict]]:
+    """(profile for estimate_time, the claims' note, the rows that ran) of one committed run: the same-run
+    profile where the record names it and it is committed beside it, else the packaged one."""
+    head = json.loads(record.read_text())
+    prof = record.with_name("calibrated.json")
+    machine = record.parent.name
+    if prof.is_file() and head.get("profile") == prof.name:
+        gpu, note = str(prof), f"{machine}, same-run profile (calibrated.json)"
+    else:
+        gpu, note = "h200-measured", (f"{machine}, packaged profile from another machine, not same-run (record: "
+                                      f"{head.get('profile', 'no profile')})")
+    rows = [dict(r, id=f"{machine}-{r['id']}", gpu=gpu, note=note) for r in head["rows"] if "error" not in r]
+    return gpu, note, rows
 
 
-def _rows() -> list[dict]:
-    return [r for r in _head().get("rows", []) if "error" not in r]
-
-
-ROWS = _rows()
-# the same-run profile where the record names one and it is committed beside it; else the packaged profile, which
-# was calibrated on another machine: every claim's note says which (the record's "profile" says why)
-SAME_RUN = PROFILE.is_file() and _head().get("profile") == PROFILE.name
-GPU = str(PROFILE) if SAME_RUN else "h200-measured"
-PROFILE_NOTE = ("same-run profile (calibrated.json)" if SAME_RUN else
-                f"packaged profile from another machine, not same-run (record: {_head().get('profile', 'no profile')})")
-
-
+RUNS = [_run(r) for r in records.REAL_DEPTH_RUNS if r.is_file()]
+ROWS = [r for _, _, rows in RUNS for r in rows]
 ROW_PARAMS = [pytest.param(r, id=r["id"]) for r in ROWS] or [pytest.param(None, id="no-record")]
 WALL_PARAMS = [known_misses.param(WALL_TEST, r["id"], r) for r in ROWS] or [pytest.param(None, id="no-record")]
 COMP_PARAMS = [pytest.param(r, key, id=f"{key.replace(' ', '-')}-{r['id']}") for r in ROWS if r.get("components")
-               for key in real_depth.row_errors(r, GPU) if key.split()[-1] in ("forward", "backward")
+               for key in real_depth.row_errors(r, r["gpu"]) if key.split()[-1] in ("forward", "backward")
                and not key.startswith("GPU")] or [pytest.param(None, None, id="no-record")]
 
 
@@ -67,23 +66,23 @@ def _config(r: dict) -> str:
 def test_real_depth_kernel_time_within_10pct(r, what, claims):
     if r is None:
         pytest.skip(MISSING)
-    res = real_depth.predicted(r, GPU)
+    res = real_depth.predicted(r, r["gpu"])
     if what == "forward_backward":
         pred = (res["phases"]["forward"]["gpu_s"] + res["phases"]["backward"]["gpu_s"]) * 1e3
         claims.check("time.real_depth.gpu.forward_backward", component="step", config=_config(r), variant=r["variant"],
                      predicted=pred, measured=r["kernels"]["forward_backward_ms"], tolerance=0.10, device="cuda (recorded)",
-                     unit="ms", note=f"sustained weight {res['sustained']['weight']:.2f}; {PROFILE_NOTE}")
+                     unit="ms", note=f"sustained weight {res['sustained']['weight']:.2f}; {r['note']}")
     else:
         claims.check("time.real_depth.gpu.step", component="step", config=_config(r), variant=r["variant"],
                      predicted=res["gpu_s"] * 1e3, measured=r["kernels"]["step_ms"], tolerance=0.10, device="cuda (recorded)",
-                     unit="ms", note=f"sustained weight {res['sustained']['weight']:.2f}; {PROFILE_NOTE}")
+                     unit="ms", note=f"sustained weight {res['sustained']['weight']:.2f}; {r['note']}")
 
 
 @pytest.mark.parametrize("r", WALL_PARAMS)
 def test_real_depth_wall_step_within_10pct_when_gpu_bound(r, claims):
     if r is None:
         pytest.skip(MISSING)
-    res = real_depth.predicted(r, GPU)
+    res = real_depth.predicted(r, r["gpu"])
     busy = real_depth.predicted_busy(res)
     if busy < real_depth.GPU_BOUND_BUSY:
         pytest.skip(f"host-bound by the model (GPU busy {busy:.0%} < 90%; measured {r['gpu_busy']:.0%}): "
@@ -92,24 +91,24 @@ def test_real_depth_wall_step_within_10pct_when_gpu_bound(r, claims):
     claims.check("time.real_depth.step", component="step", config=_config(r), variant=r["variant"],
                  predicted=res["steady"]["step_s"] * 1e3, measured=r["wall"]["step_ms"], tolerance=0.10,
                  device="cuda (recorded)", unit="ms",
-                 note=f"GPU busy {busy:.0%} predicted, {r['gpu_busy']:.0%} measured; {PROFILE_NOTE}")
+                 note=f"GPU busy {busy:.0%} predicted, {r['gpu_busy']:.0%} measured; {r['note']}")
 
 
 @pytest.mark.parametrize("r, key", COMP_PARAMS)
 def test_real_depth_component_within_15pct(r, key, claims):
     if r is None:
-        pytest.skip(MISSING if not RECORD.is_file() else "the record has no components pass")
+        pytest.skip(MISSING)
     comp, phase = key.split()
-    res = real_depth.predicted(r, GPU)
+    res = real_depth.predicted(r, r["gpu"])
     pred, meas = res["components"][comp][f"{phase}_s"] * 1e3, r["components"][phase][comp]["ms"]
     if phase == "forward":
         claims.check("time.real_depth.component.forward", component=comp, config=_config(r), variant=r["variant"],
                      predicted=pred, measured=meas, tolerance=0.15, device="cuda (recorded)", unit="ms",
-                     note=PROFILE_NOTE)
+                     note=r["note"])
     else:
         claims.check("time.real_depth.component.backward", component=comp, config=_config(r), variant=r["variant"],
                      predicted=pred, measured=meas, tolerance=0.15, device="cuda (recorded)", unit="ms",
-                     note=PROFILE_NOTE)
+                     note=r["note"])
 
 
 def test_every_known_wall_miss_names_a_row():
@@ -117,14 +116,14 @@ def test_every_known_wall_miss_names_a_row():
 
 
 def test_real_depth_error_table():
-    """Not a claim: MAPE and worst case per quantity, for the calibrated and the datasheet profile, printed
-    for the report (python3 -m validations.real_depth RECORD prints the same table)."""
-    if not ROWS:
+    """Not a claim: MAPE and worst case per quantity of each run, for its own profile, the packaged one and
+    the datasheet (python3 -m validations.real_depth RECORD prints the same table)."""
+    if not RUNS:
         pytest.skip(MISSING)
-    table = real_depth.markdown(ROWS, {"same-run" if SAME_RUN else "packaged (not same-run)": GPU,
-                                       "datasheet": "h200-sxm"})
-    assert table.count("\n") >= 4
-    print(table)
+    for gpu, note, rows in RUNS:
+        table = real_depth.markdown(rows, {"this run's": gpu, "packaged": "h200-measured", "datasheet": "h200-sxm"})
+        assert table.count("\n") >= 4
+        print(note, table, sep="\n")
 
 
 # ---- CPU: the draw and the bookkeeping -----------------------------------------------------------------

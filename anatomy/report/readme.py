@@ -295,11 +295,17 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
         put("memory-h200", probes.memory_summary())
         put("memory-recompute", probes.recompute_summary())
         put("timing-h200", probes.timing_summary())
-        if records.H200_PROFILE.exists():  # the timing claims' profile: its kernels on its own roof
+        from anatomy.report import real_depth
+
+        put("real-depth-h200", real_depth.summary())
+        # the real-depth claims' first run calibrated first: its kernels on its own roof
+        roof_src = next((p.with_name("calibrated.json") for p in records.REAL_DEPTH_RUNS
+                         if p.with_name("calibrated.json").exists()), records.H200_PROFILE)
+        if roof_src.exists():
             from anatomy.report import roofline, sdpa_plot
 
-            roof = image("roofline-h200.png", lambda p: roofline.plot(records.H200_PROFILE, p))
-            put("roofline-h200", roofline.summary(records.H200_PROFILE) + f"\n\n![measured roofline]({roof})")
+            roof = image("roofline-h200.png", lambda p: roofline.plot(roof_src, p))
+            put("roofline-h200", roofline.summary(roof_src) + f"\n\n![measured roofline]({roof})")
             sdpa = image("sdpa-schedule-h200.png", sdpa_plot.plot)
             put("sdpa-h200", sdpa_plot.summary() + f"\n\n![cuDNN SDPA kernel, predicted over measured]({sdpa})")
         table, data = saved_table()
