@@ -269,13 +269,24 @@ def _machine() -> dict:
     return info
 
 
+_T0 = [time.monotonic()]
+
+
+def pytest_sessionstart(session):
+    _T0[0] = time.monotonic()
+
+
 def pytest_sessionfinish(session, exitstatus):
     if not _ROWS:
         return
     path = Path(session.config.getoption("--claims-report"))
     path.parent.mkdir(parents=True, exist_ok=True)
+    term = session.config.pluginmanager.get_plugin("terminalreporter")  # its stats: the tests' outcomes so far
+    counts = {k: len(term.stats.get(k, [])) for k in ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+              } if term else {}
     report = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=_machine(),
-                  command="pytest " + " ".join(session.config.invocation_params.args), rows=_ROWS)
+                  command="pytest " + " ".join(session.config.invocation_params.args),
+                  seconds=round(time.monotonic() - _T0[0], 1), outcome=counts, rows=_ROWS)
     from anatomy.io import write_atomic
 
     write_atomic(path, json.dumps(report, separators=(",", ":"), default=str))  # a reader never sees half a report

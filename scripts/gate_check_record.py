@@ -58,7 +58,9 @@ def machine_entry(works: list[Path], commands: list[str], label: str, driver: st
         row["called"] = sorted(n for n, x in cur.items() if x.get("slowdown_calls", {}).get(run))
         factors = {x.get("slowdown", {}).get(run) for n, x in cur.items() if n in row["own"]} - {None}
         row["factor"] = factors.pop() if len(factors) == 1 else None
-    return dict(label=label, **facts, commit=base.get("commit_info", {}).get("id"),
+    # the tree that ran: the baseline's commit where it was recorded here, else the first run report's
+    tree = base or json.loads(_find(works, f"{next(iter(runs))}.json").read_text())
+    return dict(label=label, **facts, commit=tree.get("commit_info", {}).get("id"),
                 baseline_recorded_here=_find(works, "record.log") is not None,
                 commands=[records.command(c) for c in commands], threshold_pct=summary["threshold_pct"],
                 runs=runs, ok=summary["ok"])

@@ -96,8 +96,15 @@ def claims_table(reports: list[dict]) -> str:
         lines.append(f"| {claim} | {dev} | {comps} | {len(rows)} | {passed} | {worst} | {tol} |")
     srcs = sorted({f"{rep['machine'].get('gpu', 'CPU')}, torch {rep['machine'].get('torch')}, "
                    f"triton {rep['machine'].get('triton')}, CUDA {rep['machine'].get('cuda')}, {rep['date']}: "
-                   f"`{records.command(rep.get('command'))}`" for rep in reports})
+                   f"`{records.command(rep.get('command'))}`" + _run_line(rep) for rep in reports})
     return "\n".join(lines + [""] + [f"- {s}" for s in srcs])
+
+
+def _run_line(rep: dict) -> str:
+    """The run's wall time and test outcome, where the report has them."""
+    parts = [f"{rep['seconds']:.0f} s"] if rep.get("seconds") is not None else []
+    parts += [f"{n} {k}" for k, n in (rep.get("outcome") or {}).items() if n]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def replace_between(text: str, marker: str, body: str) -> str:
