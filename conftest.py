@@ -119,6 +119,17 @@ def gpu_profile(cuda_device):
         pytest.fail(str(e), pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def suite_profile(request):
+    """(profile, label): what the GPU suite's time claims predict with. $ANATOMY_GPU_PROFILE (a name or a
+    path) where set; else this GPU's own calibration (gpu_profile), so the suite re-proves its time claims
+    on whatever GPU it runs on, an H200 or not."""
+    name = os.environ.get("ANATOMY_GPU_PROFILE")
+    if name:
+        return name, name
+    return request.getfixturevalue("gpu_profile"), "this GPU's calibration (validations/profile_cache.py)"
+
+
 @pytest.fixture
 def free_cuda():
     """After a benchmark: drop its tensors and give the allocator's cached blocks back."""

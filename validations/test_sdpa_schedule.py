@@ -4,7 +4,6 @@ dims calibrate never timed."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -152,13 +151,14 @@ GPU_SHAPES = [(3, 12, 768, 64), (4, 8, 512, 32), (2, 24, 1536, 128), (6, 20, 102
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "B{}h{}S{}hd{}".format(*s))
-def test_sdpa_kernel_time_within_15pct_gpu(shape, claims, cuda_device):
+def test_sdpa_kernel_time_within_15pct_gpu(shape, claims, cuda_device, suite_profile):
     """cuDNN's main SDPA kernel, forward and backward, at a shape calibrate never timed: its profiled
-    duration against the schedule of $ANATOMY_GPU_PROFILE (calibrated on this machine), ±15%."""
-    profile = os.environ.get("ANATOMY_GPU_PROFILE", "h200-measured")
+    duration against the schedule of the suite's profile (conftest.py suite_profile: $ANATOMY_GPU_PROFILE,
+    else this GPU's own calibration), ±15%."""
+    profile, label = suite_profile
     prof = timing.get(profile)
     if not (prof.get("sdpa_schedule") or {}).get("cudnn"):
-        pytest.skip(f"profile {profile} has no cuDNN SDPA schedule")
+        pytest.skip(f"profile {label} has no cuDNN SDPA schedule")
     B, h, S, hd = shape
     # in a process of its own: the profiler leaves CUPTI attached, and the host-bound step tests after
     # this one would pay for it (calibrate.py profiles last for the same reason)
@@ -172,7 +172,7 @@ def test_sdpa_kernel_time_within_15pct_gpu(shape, claims, cuda_device):
         claims.check("time.sdpa_kernel.forward" if phase == "forward" else "time.sdpa_kernel.backward",
                      component="attention", config=f"B{B}h{h}S{S}hd{hd}",
                      variant="efficient", predicted=pred, measured=row[f"{key}_ms"], tolerance=0.15, device="cuda",
-                     unit="ms", note=f"profile {profile}; {note}; kernel {row[key]}")
+                     unit="ms", note=f"profile {label}; {note}; kernel {row[key]}")
 
 
 IN_STEP_TEST = "validations/test_sdpa_schedule.py::test_sdpa_kernel_in_step_within_15pct"

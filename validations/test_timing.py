@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 
 import pytest
@@ -220,10 +219,10 @@ def _measure_step_ms(cfg: ModelConfig, run: Run, variant: str, warmup: int = 3, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_CASES))
-def test_step_time_within_10pct_gpu(case, claims, cuda_device):
+def test_step_time_within_10pct_gpu(case, claims, cuda_device, suite_profile):
     """Predicted vs measured forward + backward on this GPU, ±10% (the DESIGN goal for time). The
-    profile is $ANATOMY_GPU_PROFILE (a name or a path; default h200-measured): run `anatomy
-    calibrate` first in the same session so the profile describes this machine. Where the profile has
+    profile is the suite's (conftest.py suite_profile: $ANATOMY_GPU_PROFILE, else this GPU's own
+    calibration, measured once per machine and cached). Where the profile has
     a tiny host step, the prediction takes the host's speed in this process (calibrate_host.HostStep,
     timed right before and after the steps; timing.at_host_speed): the host's speed moves between
     processes and within one, and this step waits on the host for its loss's syncs."""
@@ -237,14 +236,14 @@ def test_step_time_within_10pct_gpu(case, claims, cuda_device):
     refs.append(hs.reference(variant))
     hs.close()
     measured = statistics.median(times)
-    profile = os.environ.get("ANATOMY_GPU_PROFILE", "h200-measured")
+    profile, label = suite_profile
     prof = timing.get(profile)
     if (prof.get("host_step") or {}).get(variant):
         prof = timing.at_host_speed(prof, variant, statistics.mean(refs))
     pred = timing.estimate_time(cfg, run, variant, prof, optimizer=None, with_kernels=False)
     claims.check("time.forward_backward", component="model", config=f"{preset}/B{B}S{S}/amp", variant=variant,
                  predicted=pred["forward_backward_s"] * 1e3, measured=measured, tolerance=0.10, device="cuda",
-                 unit="ms", note=f"profile {profile}; steps {min(times):.1f}-{max(times):.1f} ms; tiny host step "
+                 unit="ms", note=f"profile {label}; steps {min(times):.1f}-{max(times):.1f} ms; tiny host step "
                                  f"{refs[0]:.2f}, {refs[1]:.2f} ms here")
     assert math.isfinite(measured)
 
