@@ -144,8 +144,10 @@ def timed_rate(fn, work: float, read, target_ms: float = BURST_MS) -> dict:
         time.sleep(0.004)
     b.synchronize()
     ms = a.elapsed_time(b) / calls
-    return dict(rate=work / (ms * 1e-3), ms=ms, calls=calls, clock_MHz=_median(c for c, _ in samples),
-                power_W=_median(p for _, p in samples))
+    clocks = [c for c, _ in samples if c is not None]
+    return dict(rate=work / (ms * 1e-3), ms=ms, calls=calls, clock_MHz=_median(clocks),
+                power_W=_median(p for _, p in samples), clock_min_MHz=min(clocks) if clocks else None,
+                samples=len(samples))
 
 
 def _cases():
@@ -179,6 +181,8 @@ def _regime(cases, read) -> dict:
         r = timed_rate(fn, work, read)
         out[key] = r["rate"] / unit
         out[f"{cls}_clock_MHz"], out[f"{cls}_power_W"] = r["clock_MHz"], r["power_W"]
+        # the lowest clock read during the timing: a regime the power controller left part-way shows here
+        out[f"{cls}_clock_min_MHz"], out[f"{cls}_samples"] = r["clock_min_MHz"], r["samples"]
         clocks.append(r["clock_MHz"] if cls != "memory" else None)  # the compute timings' clock
         powers.append(r["power_W"] if cls != "memory" else None)
     out["clock_MHz"], out["power_W"] = _median(clocks), _median(powers)
