@@ -74,6 +74,8 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
     (r"^time\.sdpa_kernel", ["anatomy/calculator/timing/sdpa_schedule.py:kernel_s"],
      ["anatomy/efficient/attention.py:Attention", *_TIMELINE], ["TIMING_PROBE", "H200_PROFILE"]),
     (r"^step time", _TIME, ["bench/step.py:main"], ["STEPS", "H200_PROFILE"]),
+    (r"^time\.real_depth\.", _TIME, ["scripts/user_loop.py:measure", "scripts/user_loop.py:kernel_ms"],
+     ["REAL_DEPTH_RUNS"]),
     (r"^time\.", _TIME, _TIMELINE, ["TIMING_PROBE", "H200_PROFILE"]),
 ]
 
