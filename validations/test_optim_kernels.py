@@ -193,3 +193,35 @@ def test_compiled_step_takes_its_calibrated_rate():
         assert len(ka) == len(kb) > 0
         for x, y in zip(ka, kb):
             assert x["memory_s"] == pytest.approx(y["memory_s"] / f, rel=1e-9), (impl, x["name"])
+
+
+def test_compiled_step_host_is_its_calibrated_call():
+    """Fake host figures (not a measurement) for the compiled step's call: one host-only entry before its kernels
+    costs call_s + tensor_s x the model's tensors, the GPU waits for it (the optimizer's time grows by exactly
+    tensor_s per tensor, at any depth), and its launches cost nothing more. Without the figures (today's
+    committed profile) the step is priced as before: an eager op per launch, and the call costs nothing.
+    The loop, foreach and AdamW steps do not read the figures."""
+    from anatomy.calculator.timing import estimate_time, get
+
+    p0 = get("h200-measured").replace(sustained_ratio={}, optimizer_host={})
+    fake = lambda a, b: p0.replace(optimizer_host={"ademamix-compiled": dict(call_s=a, tensor_s=b)})  # noqa: E731
+    a, b, db = 1.0e-3, 40e-6, 7e-6
+    run = Run(1, 1024)
+    for layers in (2, 16):
+        cfg = ModelConfig(name="o", hidden=2048, layers=layers, heads=16, kv_heads=8, intermediate=5632, vocab=32000)
+        n = sum(tk.param_sizes(cfg, "efficient").values())
+        r0, r1, r2 = (estimate_time(cfg, run, "efficient", q, optimizer="ademamix-compiled", with_kernels=True)
+                      for q in (p0, fake(a, b), fake(a, b + db)))
+        call = [k for k in r1["kernels"] if k["name"] == "optimizer.ademamix_compiled.call"]
+        assert len(call) == 1 and call[0]["host_s"] == pytest.approx(a + b * n) and call[0]["time_s"] == 0
+        assert r2["optimizer_s"] - r1["optimizer_s"] == pytest.approx(db * n, rel=1e-9)
+        assert r1["optimizer_s"] == pytest.approx(a + b * n + r1["phases"]["optimizer"]["gpu_s"], rel=1e-9)
+        assert r1["phases"]["optimizer"]["host_s"] == pytest.approx(a + b * n)
+        assert r1["phases"]["optimizer"]["kernels"] == r0["phases"]["optimizer"]["kernels"] == n  # a launch per tensor
+        launches = [k for k in r0["kernels"] if k["phase"] == "optimizer" and k["name"] != call[0]["name"]]
+        assert all(k["host_s"] == pytest.approx(k["count"] * p0.host_op_s) for k in launches)
+        assert r0["phases"]["optimizer"]["host_s"] == pytest.approx(n * p0.host_op_s)
+        for impl, v in (("adamw", "efficient"), ("ademamix-foreach", "efficient"), ("ademamix-loop", "baseline")):
+            x, y = (estimate_time(cfg, run, v, q, optimizer=impl, with_kernels=False)["optimizer_s"]
+                    for q in (p0, fake(a, b)))
+            assert x == y, impl
