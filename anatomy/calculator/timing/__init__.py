@@ -124,7 +124,8 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     comps: dict[str, dict] = {}
     phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
     for k, t, host in timed_ks:
-        time_s, n = t[3] * k.count, 0 if k.kind == "host" else k.count  # roofline.row's time_s; host work launches nothing
+        # roofline.row's time_s; a host-only entry launches nothing
+        time_s, n = t[3] * k.count, 0 if k.kind == "host" else k.count
         c = comps.get(k.component)
         if c is None:
             c = comps[k.component] = dict({_KEY[ph]: 0.0 for ph in PHASES}, kernels=0,

@@ -245,7 +245,8 @@ def optimizer_host_fit(rows: list[dict]) -> dict:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     a = my - b * mx
-    return dict(call_s=a, tensor_s=b, tensors=sorted(set(xs)), max_error=max(abs(a + b * x - y) / y for x, y in zip(xs, ys)))
+    return dict(call_s=a, tensor_s=b, tensors=sorted(set(xs)),
+                max_error=max(abs(a + b * x - y) / y for x, y in zip(xs, ys)))
 
 
 # ---- the sustained-load regime ------------------------------------------------------------------------

@@ -86,11 +86,11 @@ def host_scale(prof: Profile, variant: str, sdpa_backend: str | None = None) -> 
 
 
 def at_host_speed(prof: Profile, variant: str, step_ms: float) -> Profile:
-    """The profile with every host figure (per op, per custom call, the tiny steps, the optimizer's call) scaled by step_ms over
-    its own tiny host step of `variant`: the host as fast as it was when that step took step_ms (the probe
-    times the tiny step beside each row: host_ref_ms). The host's speed moves between processes on one
-    machine and within one, so a host-bound row's time follows the host then, not at calibration
-    (reports/h200/timing-probe/*.json). GPU figures are left as they are."""
+    """The profile with every host figure (per op, per custom call, the tiny steps, the optimizer's call)
+    scaled by step_ms over its own tiny host step of `variant`: the host as fast as it was when that step
+    took step_ms (the probe times the tiny step beside each row: host_ref_ms). The host's speed moves
+    between processes on one machine and within one, so a host-bound row's time follows the host then, not
+    at calibration (reports/h200/timing-probe/*.json). GPU figures are left as they are."""
     base = ((prof.get("host_step") or {}).get(variant) or {}).get("forward_backward_ms")
     if not base or step_ms <= 0:
         raise ValueError(f"profile {prof.get('name')!r} has no tiny host step of {variant!r} to scale from")
