@@ -265,7 +265,7 @@ def measure_optimizer_host(counts: tuple[int, ...] = OPTIMIZER_HOST_TENSORS, rep
         if deadline is not None and time.monotonic() > deadline:
             break
         torch._dynamo.reset()
-        params = [torch.zeros(1, device=device, requires_grad=True) for _ in range(n)]
+        params = [torch.nn.Parameter(torch.zeros(1, device=device)) for _ in range(n)]  # a model's, as guarded
         for p in params:
             p.grad = torch.ones_like(p)
         opt = make(params)
