@@ -16,6 +16,8 @@ from anatomy.measure import calibrate, calibrate_host
 from validations.test_calibrate import _fake_measurements
 
 FIXED_US, CHUNK_US, BACKWARD_US = 900.0, 150.0, 470.0  # fake host costs of one call (not measured)
+CALL_US, TENSOR_US = 120.0, 45.0  # fake host cost of the compiled optimizer step: call + per tensor (not measured)
+_OPT_HOST = dict(rows=[dict(tensors=n, us=CALL_US + TENSOR_US * n) for n in calibrate_host.OPTIMIZER_HOST_TENSORS])
 
 
 class _FakeClock:
@@ -107,6 +109,7 @@ def _fake_calibrate(monkeypatch, measurements: dict, host_step: dict) -> None:
                  measure_gemms_in_step=lambda _g, _d: [], measure_fused=lambda _d: [],
                  measure_vocab_matmuls=lambda _g, _d: [], measure_sdpa_kernels=lambda _d: [],
                  measure_kernel_gap=lambda: None, measure_sustained=lambda _w: None,
+                 measure_optimizer_host=lambda **_: json.loads(json.dumps(m.get("optimizer_host", _OPT_HOST))),
                  _env=lambda argv: dict(gpu="fake", command="anatomy calibrate (fake)"))
     for name, f in fakes.items():
         monkeypatch.setattr(calibrate, name, f)
@@ -136,3 +139,90 @@ def test_calibrate_that_cannot_build_a_profile_fails_in_one_line_and_keeps_the_m
     assert not out.exists()
     kept = json.loads(calibrate.rejected_path(out).read_text())
     assert kept["measurements"]["copy_tbps"] == 0.0 and "copy_tbps" in kept["error"]
+
+
+class _FakeStep:
+    """A stand-in optimizer whose step costs CALL_US + TENSOR_US per parameter tensor on the fake clock."""
+    def __init__(self, clock: _FakeClock, params: list):
+        self.clock, self.n = clock, len(params)
+
+    def step(self):
+        self.clock.t += (CALL_US + TENSOR_US * self.n) * 1e-6
+
+
+def test_optimizer_host_times_the_step_at_each_tensor_count(monkeypatch):
+    """measure_optimizer_host times one step per tensor count on the host clock (a fake clock and a fake step here,
+    not a measurement); the profile's line through the rows is the step's call and per-tensor cost, exactly."""
+    clock = _FakeClock()
+    monkeypatch.setattr(calibrate_host, "time", types.SimpleNamespace(perf_counter=clock, monotonic=clock))
+    got = calibrate_host.measure_optimizer_host(counts=(4, 16, 64), reps=5, device="cpu",
+                                                make=lambda ps: _FakeStep(clock, ps))
+    assert [r["tensors"] for r in got["rows"]] == [4, 16, 64]
+    assert [r["us"] for r in got["rows"]] == pytest.approx([CALL_US + TENSOR_US * n for n in (4, 16, 64)])
+    f = fit.optimizer_host_fit(got["rows"])
+    assert (f["call_s"], f["tensor_s"], f["max_error"]) == pytest.approx((CALL_US * 1e-6, TENSOR_US * 1e-6, 0.0))
+    # past the deadline no count is started
+    assert calibrate_host.measure_optimizer_host(counts=(4, 16), device="cpu", deadline=clock.t - 1,
+                                                 make=lambda ps: _FakeStep(clock, ps)) == dict(rows=[])
+
+
+def test_optimizer_host_runs_a_real_step_on_cpu():
+    """The same function over real parameters and AdEMAMix's eager foreach step (compile=False: the compiled one
+    spends ~30 s compiling C++ per count here): a row per count, each a time > 0, and every parameter stepped."""
+    from anatomy.optim import FusedAdEMAMix
+
+    made = []
+
+    def make(ps):
+        made.append(ps)
+        return FusedAdEMAMix(ps, lr=1e-3, compile=False)
+    got = calibrate_host.measure_optimizer_host(counts=(2, 8), reps=3, warmup=1, device="cpu", make=make)
+    assert [r["tensors"] for r in got["rows"]] == [2, 8] and all(r["us"] > 0 for r in got["rows"])
+    assert all(bool((p != 0).all()) for ps in made for p in ps)  # lr x sign of the grad: every parameter moved
+
+
+def test_profile_with_and_without_the_optimizer_host():
+    """A profile without measurements.optimizer_host loads with none and names the fallback (an eager op per
+    launch); with it, the fitted call and per-tensor seconds; a malformed one is one line naming the field."""
+    p0 = fit.from_measured(calibrate.build_profile(_fake_measurements(), {}, "h200-sxm"))
+    assert p0.optimizer_host == {} and p0["sources"]["optimizer_host"].startswith("not measured")
+    sheet = timing.get("h200-sxm")
+    assert sheet.optimizer_host == {} and sheet["sources"]["optimizer_host"].startswith("not measured")
+    m = dict(_fake_measurements(), optimizer_host={"ademamix-compiled": _OPT_HOST})
+    p = fit.from_measured(calibrate.build_profile(m, {}, "h200-sxm"))
+    f = p.optimizer_host["ademamix-compiled"]
+    assert (f["call_s"], f["tensor_s"]) == pytest.approx((CALL_US * 1e-6, TENSOR_US * 1e-6))
+    assert f["tensors"] == list(calibrate_host.OPTIMIZER_HOST_TENSORS)
+    assert "per tensor" in p["sources"]["optimizer_host"]
+    flat = [dict(tensors=n, us=500.0 - n) for n in (8, 32, 128)]  # a slope <= 0: not the host following the list
+    p1 = fit.from_measured(calibrate.build_profile(dict(m, optimizer_host={"ademamix-compiled": dict(rows=flat)}),
+                                                   {}, "h200-sxm"))
+    assert p1.optimizer_host == {} and p1["sources"]["optimizer_host"].startswith("not measured")
+    bad = [({"ademamix-compiled": dict(rows=_OPT_HOST["rows"][:1])}, r"ademamix-compiled\.rows must be rows at two"),
+           ({"adamw": _OPT_HOST}, r"adamw must be one of ademamix-compiled"),  # its call is not timed whole
+           ({"ademamix-compiled": dict(rows=[dict(tensors=8, us=0.0), dict(tensors=32, us=1.0)])},
+            r"ademamix-compiled\.rows\[0\]\.us must be a finite number > 0"),
+           ({"ademamix-compiled": [1, 2]}, r"ademamix-compiled\.rows must be a list")]
+    for oh, msg in bad:
+        data = dict(name="h200-measured", base="h200-sxm", kind="measured", provenance={},
+                    measurements=dict(_fake_measurements(), optimizer_host=oh))
+        with pytest.raises(ConfigError, match=r"calibrated profile: field measurements\.optimizer_host\." + msg):
+            profile.check_measured(data, "calibrated profile")
+
+
+def test_calibrate_writes_the_optimizer_host_and_leaves_out_a_single_count(tmp_path, monkeypatch, capsys):
+    """calibrate.main keeps the optimizer's rows (fake here); rows at one count, as a deadline can leave, are left out
+    of the profile with one warning line, and the profile is still written."""
+    hs = dict(calibrate_host.HOST_STEP, efficient=dict(forward_backward_ms=9.0))
+    _fake_calibrate(monkeypatch, _fake_measurements(), hs)
+    out = tmp_path / "h200.json"
+    assert calibrate.main(["--out", str(out)]) == 0
+    assert json.loads(out.read_text())["measurements"]["optimizer_host"] == {"ademamix-compiled": _OPT_HOST}
+    assert timing.get(str(out)).optimizer_host["ademamix-compiled"]["tensor_s"] == pytest.approx(TENSOR_US * 1e-6)
+    _fake_calibrate(monkeypatch, dict(_fake_measurements(), optimizer_host=dict(rows=_OPT_HOST["rows"][:1])), hs)
+    capsys.readouterr()
+    out1 = tmp_path / "h200-one.json"
+    assert calibrate.main(["--out", str(out1)]) == 0
+    assert "WARNING: optimizer_host: 1 tensor count(s)" in capsys.readouterr().err
+    data = json.loads(out1.read_text())
+    assert "optimizer_host" not in data["measurements"] and len(data["provenance"]["dropped"]) == 1

@@ -80,10 +80,12 @@ def _impl_optimizer(impl: str, params):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["adamw", "ademamix-loop", "ademamix-foreach", "ademamix-compiled"])
-def test_optimizer_step_time_on_this_gpu(cuda_device, impl, claims):
+def test_optimizer_step_time_on_this_gpu(cuda_device, gpu_profile, impl, claims):
     """One optimizer step of anchor-1b's parameters (fp32, amp's master weights) on an idle GPU, host sync to
-    host sync, against estimate_time's optimizer segment for the same implementation on the committed H200
-    profile (anatomy/calculator/profiles/h200.json): ±15%, the per-component bound of the timing claims."""
+    host sync, against estimate_time's optimizer segment for the same implementation on this GPU's own
+    calibration (the session's gpu_profile: `anatomy calibrate` here, cached per GPU and software versions;
+    it times the compiled step's host call too, calibrate_host.measure_optimizer_host): ±15%, the
+    per-component bound of the timing claims."""
     import statistics
     import time
 
@@ -105,10 +107,10 @@ def test_optimizer_step_time_on_this_gpu(cuda_device, impl, claims):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     measured = statistics.median(times)
-    predicted = estimate_time(cfg, run, variant, "h200-measured", optimizer=impl, with_kernels=False)["optimizer_s"]
+    predicted = estimate_time(cfg, run, variant, gpu_profile, optimizer=impl, with_kernels=False)["optimizer_s"]
     claims.check("optimizer step time", component="optimizer", config=cfg.name, variant=impl, predicted=predicted,
                  measured=measured, tolerance=0.15, device="cuda", unit="s",
-                 note=f"{torch.cuda.get_device_name(0)}, median of 10 steps")
+                 note=f"{torch.cuda.get_device_name(0)}, median of 10 steps, against this GPU's calibration")
 
 
 # ---- the compiled step: one pass over the state, as optimizer_step_bytes counts it ------------------------------
@@ -193,3 +195,35 @@ def test_compiled_step_takes_its_calibrated_rate():
         assert len(ka) == len(kb) > 0
         for x, y in zip(ka, kb):
             assert x["memory_s"] == pytest.approx(y["memory_s"] / f, rel=1e-9), (impl, x["name"])
+
+
+def test_compiled_step_host_is_its_calibrated_call():
+    """Fake host figures (not a measurement) for the compiled step's call: one host-only entry before its kernels
+    costs call_s + tensor_s x the model's tensors, the GPU waits for it (the optimizer's time grows by exactly
+    tensor_s per tensor, at any depth), and its launches cost nothing more. Without the figures (today's
+    committed profile) the step is priced as before: an eager op per launch, and the call costs nothing.
+    The loop, foreach and AdamW steps do not read the figures."""
+    from anatomy.calculator.timing import estimate_time, get
+
+    p0 = get("h200-measured").replace(sustained_ratio={}, optimizer_host={})
+    fake = lambda a, b: p0.replace(optimizer_host={"ademamix-compiled": dict(call_s=a, tensor_s=b)})  # noqa: E731
+    a, b, db = 1.0e-3, 40e-6, 7e-6
+    run = Run(1, 1024)
+    for layers in (2, 16):
+        cfg = ModelConfig(name="o", hidden=2048, layers=layers, heads=16, kv_heads=8, intermediate=5632, vocab=32000)
+        n = sum(tk.param_sizes(cfg, "efficient").values())
+        r0, r1, r2 = (estimate_time(cfg, run, "efficient", q, optimizer="ademamix-compiled", with_kernels=True)
+                      for q in (p0, fake(a, b), fake(a, b + db)))
+        call = [k for k in r1["kernels"] if k["name"] == "optimizer.ademamix_compiled.call"]
+        assert len(call) == 1 and call[0]["host_s"] == pytest.approx(a + b * n) and call[0]["time_s"] == 0
+        assert r2["optimizer_s"] - r1["optimizer_s"] == pytest.approx(db * n, rel=1e-9)
+        assert r1["optimizer_s"] == pytest.approx(a + b * n + r1["phases"]["optimizer"]["gpu_s"], rel=1e-9)
+        assert r1["phases"]["optimizer"]["host_s"] == pytest.approx(a + b * n)
+        assert r1["phases"]["optimizer"]["kernels"] == r0["phases"]["optimizer"]["kernels"] == n  # a launch per tensor
+        launches = [k for k in r0["kernels"] if k["phase"] == "optimizer" and k["name"] != call[0]["name"]]
+        assert all(k["host_s"] == pytest.approx(k["count"] * p0.host_op_s) for k in launches)
+        assert r0["phases"]["optimizer"]["host_s"] == pytest.approx(n * p0.host_op_s)
+        for impl, v in (("adamw", "efficient"), ("ademamix-foreach", "efficient"), ("ademamix-loop", "baseline")):
+            x, y = (estimate_time(cfg, run, v, q, optimizer=impl, with_kernels=False)["optimizer_s"]
+                    for q in (p0, fake(a, b)))
+            assert x == y, impl

@@ -28,6 +28,8 @@ timing reuses one L2-resident input):
   host_op_us, host_custom_us, host_step   the host's side (calibrate_host.py): CPU time per eager op,
                   per call of our custom ops and of Liger's fused linear CE (per call and per chunk),
                   and a tiny host-bound training step of each variant timed as the probe times steps
+  optimizer_host  the compiled AdEMAMix step's host time at 8, 32 and 128 one-element tensors
+                  (calibrate_host.measure_optimizer_host; each count compiles, tens of seconds)
   matmul_bf16_in_step  the same GEMM grid as a step runs it: each call after a copy that writes its
                   activation operand, GPU time only (calibrate_kernels.py says why); the profile
                   fits its GEMM rate to these when present
@@ -56,7 +58,7 @@ from anatomy.calculator import gpus
 from anatomy.calculator.timing import fit, lookup, profile
 from anatomy.config import PRESETS, ConfigError
 from anatomy.kernel_shapes import chunk_rows
-from anatomy.measure.calibrate_host import drop_unmeasured, measure_host, measure_host_step
+from anatomy.measure.calibrate_host import drop_unmeasured, measure_host, measure_host_step, measure_optimizer_host
 from anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
 from anatomy.measure.calibrate_sdpa import measure_sdpa_kernels
 from anatomy.measure.calibrate_sustained import measure_sustained
@@ -320,6 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     m["matmul_bf16_in_step"] = measure_gemms_in_step(gemm_grid(), deadline)
     m["fused"] = measure_fused(deadline + 15)  # 32 short rows, ~5 s
     m["matmul_vocab"] = measure_vocab_matmuls(vocab_grid(), deadline + 10)  # small: 42 GEMMs, a few seconds
+    # before the profiler (it leaves every later launch slower on the host); each tensor count compiles the step
+    oh = measure_optimizer_host(deadline=time.monotonic() + 120)
+    if len(oh["rows"]) >= 2:  # a line needs two counts; without it the calculator keeps an eager op per launch
+        m["optimizer_host"] = {"ademamix-compiled": oh}
+    else:
+        dropped.append(f"optimizer_host: {len(oh['rows'])} tensor count(s) timed before the deadline, not two: left "
+                       "out of the profile (the optimizer's host is one eager op per launch)")
+        print(f"anatomy calibrate: WARNING: {dropped[-1]}", file=sys.stderr, flush=True)
     # the profiler from here on: SDPA's main kernel at small to large grids (calibrate_sdpa.py), then
     # last: the profiler leaves CUPTI attached, and every launch after it costs the host more
     # (pytorch/pytorch#144455; scripts/probe_host_noise.py --profiler)

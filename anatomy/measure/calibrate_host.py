@@ -8,6 +8,11 @@
                   timed as scripts/probe_timing.py times its unmarked steps (timeline._plain_steps: CUDA
                   events around forward + backward, AdamW between steps): what an op costs the host
                   inside a model.
+  optimizer_host  the compiled AdEMAMix step (FusedAdEMAMix(compile=True)) over 1-element parameters at
+                  several tensor counts, host sync to host sync: with the GPU work negligible, the host's
+                  time of the call (the step's Python per parameter, Dynamo's guards over every tensor
+                  argument, AOTAutograd's and Inductor's wrappers, the launches). The calculator fits
+                  call + tensor x n to it (timing/fit.py: optimizer_host_fit).
 
 Why Liger's loop is measured in place: its per-chunk Python (slices, an autocast matmul, a Triton
 launch with 25 keyword arguments, two more matmuls and a copy) cost 137-170 µs a chunk on the H200
@@ -233,3 +238,48 @@ def liger_from_blocks(pairs: list[tuple[float, dict]], step_ms: float) -> dict:
     out = {k: statistics.median(lg[k] / ref for ref, lg in pairs) * step_ms for k in keys}
     out["blocks"] = [dict(step_ms=ref, **{k: lg[k] for k in keys}) for ref, lg in pairs]
     return out
+
+
+# tensor counts of the compiled optimizer step's host time: around a real model's list (anchor-1b: 99 tensors)
+OPTIMIZER_HOST_TENSORS = (8, 32, 128)
+
+
+def compiled_ademamix(params):
+    """The optimizer `--optimizer ademamix-compiled` runs (anatomy.optim.FusedAdEMAMix(compile=True))."""
+    from anatomy.optim import FusedAdEMAMix
+
+    return FusedAdEMAMix(params, lr=1e-4, weight_decay=0.1, T_alpha_beta3=10_000, compile=True)
+
+
+def measure_optimizer_host(counts: tuple[int, ...] = OPTIMIZER_HOST_TENSORS, reps: int = 30, warmup: int = 3,
+                           device: str = "cuda", make=compiled_ademamix, deadline: float | None = None) -> dict:
+    """{"rows": [{tensors, us, p10_us, p90_us}]}: one optimizer step (`make(params)`) over `tensors` parameters
+    of one element each, with gradients, timed on the host clock from a drained GPU until the GPU has
+    drained again (as validations/test_optim_kernels.py times the step). The GPU's work is a few tiny
+    kernels, so the time is the host's. Each count compiles its own graph (torch._dynamo.reset() first:
+    one cache entry, as a training process has). Counts past `deadline` (time.monotonic()) are left out."""
+    import torch
+
+    rows = []
+    for n in counts:
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        torch._dynamo.reset()
+        params = [torch.nn.Parameter(torch.zeros(1, device=device)) for _ in range(n)]  # a model's, as guarded
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = make(params)
+        for _ in range(warmup):  # the state, and the compile
+            opt.step()
+        ts = []
+        for _ in range(reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(device)
+            ts.append((time.perf_counter() - t0) * 1e6)
+        ts.sort()
+        rows.append(dict(tensors=n, us=statistics.median(ts), p10_us=ts[len(ts) // 10], p90_us=ts[9 * len(ts) // 10]))
+        del opt, params
+    torch._dynamo.reset()
+    return dict(rows=rows)

@@ -58,6 +58,8 @@ def step_weight(ks: list[Kernel], prof: Profile, terms: list[tuple] | None = Non
     terms = terms or [kernel_terms(k, prof) for k in ks]
     launch, gap, burst = prof.launch_s, launch_term(prof), 0
     for (t_c, t_m, *_), k in zip(terms, ks):  # roofline.burst_seconds, written out
+        if k.kind == "host":
+            continue
         t = max(t_c, t_m)
         burst += (t + (launch if launch > t else gap)) * k.count
     return sustained_weight(burst, prof.sustained_tau_s) if prof.sustained_ratio else 0.0, burst
@@ -122,14 +124,16 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     comps: dict[str, dict] = {}
     phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
     for k, t, host in timed_ks:
-        time_s, n = t[3] * k.count, k.count  # roofline.row's time_s
+        # roofline.row's time_s; a host-only entry launches nothing
+        time_s, n = t[3] * k.count, 0 if k.kind == "host" else k.count
         c = comps.get(k.component)
         if c is None:
             c = comps[k.component] = dict({_KEY[ph]: 0.0 for ph in PHASES}, kernels=0,
                                           bound_s=dict(compute=0.0, memory=0.0, launch=0.0))
         c[_KEY[k.phase]] += time_s
         c["kernels"] += n
-        c["bound_s"][t[4]] += time_s
+        if n:
+            c["bound_s"][t[4]] += time_s
         ph = phases[k.phase]
         ph["gpu_s"] += time_s
         ph["host_s"] += host

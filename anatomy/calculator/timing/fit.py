@@ -171,6 +171,14 @@ def from_measured(data: dict) -> Profile:
         p["host_custom_s"] = {k: {ph: us * 1e-6 for ph, us in v.items() if isinstance(us, (int, float))}
                               for k, v in m["host_custom_us"].items() if isinstance(v, dict)}
         p["sources"]["host_custom_s"] = m["host_custom_us"].get("source", where)
+    for impl, rec in (m.get("optimizer_host") or {}).items():
+        f = optimizer_host_fit(rec["rows"])
+        if f["tensor_s"] > 0:  # a slope <= 0 says the host's time did not follow the list: today's model stays
+            p["optimizer_host"] = dict(p["optimizer_host"], **{impl: f})
+            p["sources"]["optimizer_host"] = (
+                f"{where}: the {impl} step's host time at {', '.join(str(r['tensors']) for r in rec['rows'])} "
+                f"1-element tensors, fitted as {f['call_s'] * 1e6:.1f} us + {f['tensor_s'] * 1e6:.2f} us per tensor "
+                f"(worst row {f['max_error']:.0%})")
     if m.get("sustained"):
         p.update(sustained_fields(m["sustained"], where))
         p["sources"].update(sustained_ratio=f"{where}: the same GEMM, SDPA and copy in a burst and after a "
@@ -227,6 +235,18 @@ def schedule_table(rows: list[dict], sms: int) -> dict:
 @lru_cache(maxsize=64)
 def _fit_schedule(pts: tuple, sms: int, phase: str) -> dict:
     return sdpa_schedule.fit(list(pts), sms, phase)  # a profile is built on every load: fit once
+
+
+def optimizer_host_fit(rows: list[dict]) -> dict:
+    """{call_s, tensor_s, tensors, max_error}: the least-squares line host_s = call_s + tensor_s x tensors through
+    calibrate's optimizer step times {tensors, us} (calibrate_host:measure_optimizer_host), the counts it was
+    fitted at, and its worst relative error on them. Nothing is clamped: the caller keeps a slope > 0 only."""
+    xs, ys = [r["tensors"] for r in rows], [r["us"] * 1e-6 for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = my - b * mx
+    return dict(call_s=a, tensor_s=b, tensors=sorted(set(xs)),
+                max_error=max(abs(a + b * x - y) / y for x, y in zip(xs, ys)))
 
 
 # ---- the sustained-load regime ------------------------------------------------------------------------

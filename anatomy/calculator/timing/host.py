@@ -6,6 +6,12 @@ measured Profile.host_custom_s figure, or `host_ops` eager ops where the profile
 calls, autocast, autograd nodes, views): host_scale measures that from a tiny host-bound step
 (calibrate_host:measure_host_step) and multiplies every forward and backward op by it, except the calls
 calibrate measured as the model makes them (IN_SITU).
+
+The optimizer step: one eager op per launch, issued beside the GPU's work; the compiled AdEMAMix step, where
+the profile measured its call (Profile.optimizer_host, calibrate_host:measure_optimizer_host), costs
+call_s + tensor_s x its tensors, all before its first kernel: the step's Python per parameter, Dynamo's guards
+on every tensor argument and the wrappers' per-input checks run before Inductor's code launches anything, so
+the GPU waits for all of it (the pipeline adds it to the GPU's time, it does not hide it).
 """
 from __future__ import annotations
 
@@ -30,8 +36,19 @@ def host_seconds(kern: Kernel, prof: Profile) -> float:
     if kern.host == "op":
         return calls * prof["host_op_s"]
     op, phase = kern.host.split(".")
+    if op in ("optimizer_call", "optimizer_launch"):  # phase: the implementation
+        fitted = (prof.get("optimizer_host") or {}).get(phase)
+        if op == "optimizer_launch":  # inside the measured call; without it, one eager op each
+            return 0.0 if fitted else calls * prof["host_op_s"]
+        return optimizer_call_seconds(fitted, kern.shape[0]) if fitted else 0.0
     t = prof["host_custom_s"].get(op, {}).get(phase)
     return calls * (t if t is not None else (kern.host_ops or CUSTOM_FALLBACK_OPS) * prof["host_op_s"])
+
+
+def optimizer_call_seconds(fitted: dict, tensors: int) -> float:
+    """CPU seconds of one optimizer step's call over `tensors` tensors: call_s + tensor_s x tensors (fit.
+    optimizer_host_fit), at least 0 (a fitted intercept below 0 meets a list shorter than calibrate's)."""
+    return max(0.0, fitted["call_s"] + fitted["tensor_s"] * tensors)
 
 
 def in_situ(kern: Kernel, prof: Profile) -> bool:
@@ -69,11 +86,11 @@ def host_scale(prof: Profile, variant: str, sdpa_backend: str | None = None) -> 
 
 
 def at_host_speed(prof: Profile, variant: str, step_ms: float) -> Profile:
-    """The profile with every host figure (per op, per custom call, the tiny steps) scaled by step_ms over
-    its own tiny host step of `variant`: the host as fast as it was when that step took step_ms (the probe
-    times the tiny step beside each row: host_ref_ms). The host's speed moves between processes on one
-    machine and within one, so a host-bound row's time follows the host then, not at calibration
-    (reports/h200/timing-probe/*.json). GPU figures are left as they are."""
+    """The profile with every host figure (per op, per custom call, the tiny steps, the optimizer's call)
+    scaled by step_ms over its own tiny host step of `variant`: the host as fast as it was when that step
+    took step_ms (the probe times the tiny step beside each row: host_ref_ms). The host's speed moves
+    between processes on one machine and within one, so a host-bound row's time follows the host then, not
+    at calibration (reports/h200/timing-probe/*.json). GPU figures are left as they are."""
     base = ((prof.get("host_step") or {}).get(variant) or {}).get("forward_backward_ms")
     if not base or step_ms <= 0:
         raise ValueError(f"profile {prof.get('name')!r} has no tiny host step of {variant!r} to scale from")
@@ -81,5 +98,7 @@ def at_host_speed(prof: Profile, variant: str, step_ms: float) -> Profile:
     hs = {k: (dict(v, forward_backward_ms=v["forward_backward_ms"] * f) if isinstance(v, dict) and
               "forward_backward_ms" in v else v) for k, v in prof["host_step"].items()}
     custom = {op: {ph: t * f for ph, t in v.items()} for op, v in prof["host_custom_s"].items()}
-    changes = dict(host_op_s=prof["host_op_s"] * f, host_step=hs, host_custom_s=custom)
+    opt = {impl: dict(v, call_s=v["call_s"] * f, tensor_s=v["tensor_s"] * f)
+           for impl, v in (prof.get("optimizer_host") or {}).items()}
+    changes = dict(host_op_s=prof["host_op_s"] * f, host_step=hs, host_custom_s=custom, optimizer_host=opt)
     return replace(prof, **changes) if isinstance(prof, Profile) else dict(prof, **changes)

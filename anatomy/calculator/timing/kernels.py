@@ -69,7 +69,10 @@ def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str =
                   per group of same-size tensors, a launch per tensor;
       ademamix-loop     15 eager ops per tensor (_EAGER), one tensor at a time (bf16: 3 casts more);
       ademamix-foreach  18 foreach ops over the list of every tensor, each foreach_launches() launches
-                  (bf16: the casts of g and p per tensor, and one foreach copy back)."""
+                  (bf16: the casts of g and p per tensor, and one foreach copy back).
+    Host: a launch costs one eager op (host.host_seconds), except the compiled step's where the profile
+    measured its call (Profile.optimizer_host): then one host-only entry first, the call (shape: its
+    tensors), holds the host time of the whole step, and its launches none (they are inside the call)."""
     impl = implementation(optimizer, variant)
     pb = BYTES[dtypes(run).param]
     cast = pb != 4
@@ -85,7 +88,11 @@ def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str =
                            6 * numel) for numel, n in sorted(sizes.items())]
         return out
     name = "adamw_fused" if impl == "adamw" else impl.replace("-", "_")
-    out = []
+    out, host = [], "op"
+    if impl == "ademamix-compiled":  # the call's host time, before its first kernel (host.optimizer_call_seconds)
+        host = f"optimizer_launch.{impl}"
+        out.append(Kernel(f"optimizer.{name}.call", "optimizer", "optimizer", "host", 1, 0, 0,
+                          shape=(sum(sizes.values()),), host=f"optimizer_call.{impl}", order=0))
     for numel, n in sorted(sizes.items()):
         nbytes = optimizer_step_bytes(impl, numel, pb)
         if impl == "ademamix-loop":
@@ -94,7 +101,7 @@ def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str =
                               nbytes // launches))  # the ops' average: the time is the bytes' and the launches'
         else:
             out.append(Kernel(f"optimizer.{name}[{numel}]", "optimizer", "optimizer", "memory", n, 0, nbytes,
-                              fused=(f"optimizer.{of_implementation(impl)}", numel)))
+                              host=host, fused=(f"optimizer.{of_implementation(impl)}", numel)))
     return out
 
 

@@ -27,11 +27,11 @@ class Kernel(NamedTuple):
     name: str
     component: str
     phase: str
-    kind: str  # matmul | sdpa | memory
+    kind: str  # matmul | sdpa | memory | host (host work alone: no GPU time, no launch)
     count: int = 1  # launches per step
     flops: int = 0  # per launch
     bytes: int = 0  # per launch: minimal HBM bytes read + written
-    shape: tuple = ()  # matmul (batch, m, n, k); sdpa (B, heads, S, head_dim)
+    shape: tuple = ()  # matmul (batch, m, n, k); sdpa (B, heads, S, head_dim); an optimizer call (tensors,)
     dtype: str = "bfloat16"
     backend: str = ""
     host: str | None = "op"  # "op": one eager op; "rms_norm.forward": a custom-op call; None: inside another's

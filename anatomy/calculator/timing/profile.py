@@ -28,7 +28,10 @@ ASSUMED = dict(
               "node, cudaLaunchKernel); calibrate_host.measure_host measures it",
     attention="no measured attention throughput in a datasheet profile: SDPA is timed as a matmul at the bf16 "
               "peak (a pure roofline, optimistic by design)",
-    matmul_k_half="not modelled without measurements (0)")
+    matmul_k_half="not modelled without measurements (0)",
+    optimizer_host="not measured: an optimizer step's host time is one eager op (host_op_s) per kernel launch, "
+                   "issued beside the GPU's work; calibrate_host.measure_optimizer_host measures the compiled "
+                   "AdEMAMix step's call")
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +57,11 @@ class Profile(Mapping):
     # linear CE (liger_ce: forward, chunk, backward; calibrate_host:measure_host_step)
     host_custom_s: dict = field(default_factory=dict)
     kernel_gap_s: float = 0.0  # idle seconds between dependent kernels of real size; calibrate_kernels:measure_kernel_gap
+    # {implementation: {call_s, tensor_s, tensors, max_error}}: CPU seconds of one optimizer step's call, call_s +
+    # tensor_s x its parameter tensors, all of it before the step's first kernel (the step's Python, Dynamo's
+    # guards, the wrappers); calibrate_host:measure_optimizer_host, fitted by fit.optimizer_host_fit. Empty (a
+    # datasheet profile, or a calibration without it): the step's host is one eager op per launch (host_op_s).
+    optimizer_host: dict = field(default_factory=dict)
     # a tiny host-bound step: {cfg, batch, seq, dtype, <variant>: {forward_backward_ms}}; calibrate_host:measure_host_step
     host_step: dict = field(default_factory=dict)
     # {backend: {head_dim: {fwd, fwd_bwd: FLOP/s at a full wave, seq: {S: {fwd, fwd_bwd}}}}}; calibrate:measure_attention
@@ -237,6 +245,8 @@ def check_measured(data, where: str) -> dict:
                     raise _bad(where, f"measurements.host_custom_us.{op}.{ph}", _POS, us)
     if m.get("sustained") is not None:
         _check_sustained(where, m["sustained"])
+    if m.get("optimizer_host") is not None:
+        _check_optimizer_host(where, m["optimizer_host"])
     hs = m.get("host_step")
     if hs is not None:
         if not isinstance(hs, dict) or not isinstance(hs.get("cfg"), dict):
@@ -253,6 +263,31 @@ def check_measured(data, where: str) -> dict:
             if v in hs and not (isinstance(hs[v], dict) and _ok(hs[v].get("forward_backward_ms"), _POS)):
                 raise _bad(where, f"measurements.host_step.{v}.forward_backward_ms", _POS, hs[v])
     return data
+
+
+OPTIMIZER_HOST_IMPLS = ("ademamix-compiled",)  # the implementations whose call calibrate times whole
+
+
+def _check_optimizer_host(where: str, oh) -> None:
+    """measurements.optimizer_host (calibrate_host:measure_optimizer_host): {implementation: {rows: [{tensors > 0,
+    us > 0}]}}, each implementation one of OPTIMIZER_HOST_IMPLS with rows at two or more tensor counts."""
+    name = "measurements.optimizer_host"
+    if not isinstance(oh, dict):
+        raise _bad(where, name, "an object", oh)
+    for impl, rec in oh.items():
+        if impl not in OPTIMIZER_HOST_IMPLS:
+            raise _bad(where, f"{name}.{impl}", f"one of {', '.join(OPTIMIZER_HOST_IMPLS)}", impl)
+        rows = rec.get("rows") if isinstance(rec, dict) else None
+        if not isinstance(rows, list):
+            raise _bad(where, f"{name}.{impl}.rows", "a list of objects", rows)
+        for i, r in enumerate(rows):
+            if not isinstance(r, dict):
+                raise _bad(where, f"{name}.{impl}.rows[{i}]", "an object", r)
+            for f, kind in (("tensors", _INT), ("us", _POS)):
+                if not _ok(r.get(f), kind):
+                    raise _bad(where, f"{name}.{impl}.rows[{i}].{f}", kind, r.get(f))
+        if len({r["tensors"] for r in rows}) < 2:
+            raise _bad(where, f"{name}.{impl}.rows", "rows at two or more tensor counts", rows)
 
 
 SUSTAINED_RATES = dict(matmul="matmul_tflops", attention="attention_tflops", memory="copy_tbps")

@@ -170,6 +170,8 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
 
 def burst_seconds(terms: tuple, kern: Kernel, prof: Profile) -> float:
     """A kernel's time (x count) at burst rates, from its kernel_terms."""
+    if kern.kind == "host":
+        return 0.0
     t_c, t_m = terms[0], terms[1]
     launch = prof.launch_s if prof.launch_s > max(t_c, t_m) else launch_term(prof)
     return (max(t_c, t_m) + launch) * kern.count
@@ -185,6 +187,8 @@ def timed(kern: Kernel, prof: Profile, sustained: float = 0.0, terms: tuple | No
     """One launch at the step's regime: (compute s, memory s, launch s, seconds, bound, rate, note).
     sustained: the sustained-load weight of the step it runs in (sustained_weight; 0: burst rates);
     terms: its kernel_terms, and speeds: regime_speeds(prof, sustained), where the caller has them."""
+    if kern.kind == "host":  # host work alone (an optimizer call's Python): no GPU time, no launch
+        return 0.0, 0.0, 0.0, 0.0, "host", 0.0, ""
     t_c, t_m, cls, rate, note = terms or kernel_terms(kern, prof)
     if sustained:
         speeds = speeds or regime_speeds(prof, sustained)
