@@ -83,7 +83,8 @@ def cached_profile(key: dict, calibrate: Callable[[Path], int], folder: Path | N
 
 
 def calibrate_with_anatomy(out: Path) -> int:
-    """The real calibration: `anatomy calibrate --out OUT` in this process."""
-    from anatomy.measure.calibrate import main
+    """The real calibration: `anatomy calibrate --out OUT` in a process of its own. Its profiler steps leave
+    CUPTI attached to the process that ran them, which would slow the suite's host-bound timings after it."""
+    import sys
 
-    return main(["--out", str(out)])
+    return subprocess.run([sys.executable, "-m", "anatomy.cli", "calibrate", "--out", str(out)]).returncode

@@ -80,7 +80,7 @@ def _impl_optimizer(impl: str, params):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["adamw", "ademamix-loop", "ademamix-foreach", "ademamix-compiled"])
-def test_optimizer_step_time_on_this_gpu(cuda_device, gpu_profile, impl, claims):
+def test_optimizer_step_time_on_this_gpu(cuda_device, suite_profile, impl, claims):
     """One optimizer step of anchor-1b's parameters (fp32, amp's master weights) on an idle GPU, host sync to
     host sync, against estimate_time's optimizer segment for the same implementation on this GPU's own
     calibration (the session's gpu_profile: `anatomy calibrate` here, cached per GPU and software versions;
@@ -107,10 +107,11 @@ def test_optimizer_step_time_on_this_gpu(cuda_device, gpu_profile, impl, claims)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     measured = statistics.median(times)
-    predicted = estimate_time(cfg, run, variant, gpu_profile, optimizer=impl, with_kernels=False)["optimizer_s"]
+    profile, label = suite_profile
+    predicted = estimate_time(cfg, run, variant, profile, optimizer=impl, with_kernels=False)["optimizer_s"]
     claims.check("optimizer step time", component="optimizer", config=cfg.name, variant=impl, predicted=predicted,
                  measured=measured, tolerance=0.15, device="cuda", unit="s",
-                 note=f"{torch.cuda.get_device_name(0)}, median of 10 steps, against this GPU's calibration")
+                 note=f"{torch.cuda.get_device_name(0)}, median of 10 steps, profile {label}")
 
 
 # ---- the compiled step: one pass over the state, as optimizer_step_bytes counts it ------------------------------
