@@ -24,7 +24,7 @@ timing reuses one L2-resident input):
                   timed last, as the profiler leaves every later launch slower)
   sustained       one GEMM, causal SDPA fwd+bwd and copy in a burst and again after a warm-up of GEMMs back
                   to back that drives the GPU to its power-limited clock, with the SM clock and power of
-                  each regime and the warm-up's trace (calibrate_sustained.py; ~12 s, timed last)
+                  each regime and the warm-up's trace (calibrate_sustained.py; ~16 s, timed last)
   host_op_us, host_custom_us, host_step   the host's side (calibrate_host.py): CPU time per eager op,
                   per call of our custom ops and of Liger's fused linear CE (per call and per chunk),
                   and a tiny host-bound training step of each variant timed as the probe times steps

@@ -6,7 +6,9 @@ board's power limit at that clock, and the power controller lowers the SM clock 
 ~1980 MHz in bursts, 1515-1650 MHz at 460-550 W in real-depth steps). measure_sustained times one GEMM, one
 causal SDPA forward + backward and one device copy in both regimes:
 
-  1. burst       after IDLE_S of idle, each timed over ~BURST_MS of back-to-back calls
+  1. burst       each timed over ~BURST_MS of back-to-back calls, after IDLE_S of idle of its own: a
+                 GEMM burst draws enough power for the controller to start lowering the clock within
+                 ~100 ms, so a timing that followed it would not be a burst
   2. warm-up     8192^3 GEMMs back to back (the queue kept two chunks deep, so the GPU never idles) for at
                  least MIN_WARMUP_S and at most warmup_s, until the chunk rate has settled (its spread over
                  the last SETTLE_S within SETTLE_TOL); every chunk's rate, SM clock and power is the trace
@@ -16,7 +18,7 @@ causal SDPA forward + backward and one device copy in both regimes:
 The SM clock and the board power are read during each timing (NVML through pynvml, else torch.cuda's
 clock_rate / power_draw, else the latest line of a background `nvidia-smi -lms 20`, else None). The
 calculator reads the rate ratios (Profile.sustained_ratio), the time constant (Profile.sustained_tau_s) and
-the clocks (Profile.clocks). About 12 s.
+the clocks (Profile.clocks). About 16 s.
 """
 from __future__ import annotations
 
@@ -173,11 +175,13 @@ def _cases():
                 memory=(lambda: y.copy_(x), 2 * COPY_NUMEL * 2, 1e12))
 
 
-def _regime(cases, read) -> dict:
+def _regime(cases, read, idle_s: float = 0.0) -> dict:
+    """Each class's rate, clock and power; idle_s of idle before each timing (the burst regime's)."""
     out = {}
     clocks, powers = [], []
     for cls, key in (("matmul", "matmul_tflops"), ("attention", "attention_tflops"), ("memory", "copy_tbps")):
         fn, work, unit = cases[cls]
+        time.sleep(idle_s)
         r = timed_rate(fn, work, read)
         out[key] = r["rate"] / unit
         out[f"{cls}_clock_MHz"], out[f"{cls}_power_W"] = r["clock_MHz"], r["power_W"]
@@ -234,8 +238,7 @@ def measure_sustained(warmup_s: float = 8.0) -> dict:
     for fn, _, _ in cases.values():  # cuBLAS/cuDNN handles and plans, outside every timing
         fn()
     torch.cuda.synchronize()
-    time.sleep(IDLE_S)
-    burst = _regime(cases, read)
+    burst = _regime(cases, read, IDLE_S)
     trace, settled = warm_up(read, warmup_s)
     sustained = _regime(cases, read)
     reasons = read.reasons()
