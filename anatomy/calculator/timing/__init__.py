@@ -28,6 +28,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from anatomy.calculator import Estimate, estimate
+import anatomy.calculator.timing.layout as layout
 import anatomy.calculator.timing.pipeline as pipeline
 from anatomy.calculator.timing.host import at_host_speed, host_scale, host_seconds, in_situ
 from anatomy.calculator.timing.kernels import (SDPA_BACKENDS, VARIANTS, kernels, optimizer_kernels,
@@ -57,8 +58,8 @@ def step_weight(ks: list[Kernel], prof: Profile, terms: list[tuple] | None = Non
     kernel's roofline.kernel_terms, where the caller has them."""
     terms = terms or [kernel_terms(k, prof) for k in ks]
     launch, gap, burst = prof.launch_s, launch_term(prof), 0
-    for (t_c, t_m, *_), k in zip(terms, ks):  # roofline.burst_seconds, written out
-        t = max(t_c, t_m)
+    for tr, k in zip(terms, ks):  # roofline.burst_seconds, written out
+        t = max(tr[0], tr[1])
         burst += (t + (launch if launch > t else gap)) * k.count
     return sustained_weight(burst, prof.sustained_tau_s) if prof.sustained_ratio else 0.0, burst
 
@@ -115,10 +116,15 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     scale = host_scale(prof, variant, sdpa_backend)  # 3. the host's in-step factor (host.py)
     terms = [kernel_terms(k, prof) for k in ks]  # 4. each kernel on the roofline at burst rates (roofline.py)
     weight, burst_s = step_weight(ks, prof, terms)  # 5. the sustained-load regime, from the step's length
+    # 6. the kernels at the step's regime and the host/GPU pipeline over the step (pipeline.py), in the order,
+    # host seconds and blocks the model fixes (layout.py: prepared once per model, not per micro-batch)
+    lay = layout.of(ks, prof, scale, (cfg, variant, sdpa_backend, optimizer, run.dtype, run.recompute, run.loss_impl),
+                    cfg.layers)
+    timed_ks = layout.timed(ks, lay, prof, weight, terms)
+    steps = pipeline.compose_layout(lay.blocks, [k for k, _, _ in timed_ks], [t[3] for _, t, _ in timed_ks],
+                                    lay.host_launch)
     clock = pipeline.Clock()
-    # 6. the kernels at the step's regime and the host/GPU pipeline over the step (pipeline.py)
-    timed_ks = _timed(ks, prof, scale, weight, terms)
-    segs, steady = _pipeline(timed_ks, cfg.layers, clock)
+    segs, steady = pipeline.simulate(None, cfg.layers, clock, steps), pipeline.steady(None, cfg.layers, steps)
     comps: dict[str, dict] = {}
     phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
     for k, t, host in timed_ks:

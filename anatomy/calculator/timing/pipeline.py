@@ -96,30 +96,54 @@ def _chunked(entries: list) -> list[tuple[list, int]]:
     return out
 
 
-def plan(entries: list, layers: int) -> dict[str, list[tuple]]:
-    """{phase: [(first kernel, map, GPU seconds, host seconds, blocks)]}: each block of launch_order composed
-    once into its map over all its repeats; simulate and steady walk these."""
-    out, by_phase = {}, {phase: [] for phase in PHASES}
-    for e in entries:  # one pass: launch_order then reads its phase's entries only
-        by_phase[e.kernel.phase].append(e)
-    for phase in PHASES:
+def layout(kernels: list, layers: int) -> dict[str, list[tuple[list[tuple[int, int]], int]]]:
+    """{phase: [(block, repeats)]}: launch_order of each phase over these kernels (ops.Kernel), a block being
+    [(index into kernels, launches)]. It reads only what fixes the order (phase, order, count, sync, loop), so
+    one layout serves every micro-batch of a model (timing.layout caches it)."""
+    by_phase = {phase: [] for phase in PHASES}
+    for i, k in enumerate(kernels):  # one pass: launch_order then reads its phase's entries only
+        by_phase[k.phase].append(_Slot(k, i))
+    return {phase: [([(e.i, n) for e, n in block], reps) for block, reps in launch_order(by_phase[phase], phase, layers)]
+            for phase in PHASES}
+
+
+class _Slot:
+    """An entry of launch_order: a kernel and its index."""
+    __slots__ = ("kernel", "i")
+
+    def __init__(self, kernel, i: int):
+        self.kernel, self.i = kernel, i
+
+
+def compose_layout(lay: dict, kernels: list, gpu_s: list[float], host_s: list[float]) -> dict[str, list[tuple]]:
+    """{phase: [(first kernel, map, GPU seconds, host seconds, blocks)]}: each block of a layout composed once
+    into its map over all its repeats, from each kernel's GPU and host seconds per launch; simulate and
+    steady walk these."""
+    out = {}
+    for phase, blocks in lay.items():
         steps = []
-        for block, reps in launch_order(by_phase[phase], phase, layers):
-            m, gpu, host = IDENTITY, 0.0, 0.0
-            for e, n in block:  # m = compose(m, launch(e.gpu_s, e.host_s, n)), written out
-                g, h = e.gpu_s, e.host_s
+        for block, reps in blocks:
+            m0, m1, m2, gpu, host = 0.0, _NONE, 0.0, 0.0, 0.0  # IDENTITY
+            for i, n in block:  # m = compose(m, launch(gpu_s[i], host_s[i], n)), written out
+                g, h = gpu_s[i], host_s[i]
                 if n > 0:
                     a = g - h
-                    la, lb, lh = n * a, g + max(0.0, (n - 1) * a), n * h
+                    la = n * a
+                    m0, m1, m2 = m0 + la, max(m1 + la, g + max(0.0, (n - 1) * a)), m2 + n * h
                 else:
-                    la, lb, lh = IDENTITY
-                m = (m[0] + la, max(m[1] + la, lb), m[2] + lh)
+                    m0, m1, m2 = m0 + 0.0, max(m1 + 0.0, _NONE), m2 + 0.0
                 gpu += n * g
                 host += n * h
-            a, b, h = power(m, reps)
-            steps.append((block[0][0].kernel, (a, b, h), reps * gpu, reps * host, len(block)))
+            steps.append((kernels[block[0][0]], power((m0, m1, m2), reps), reps * gpu, reps * host, len(block)))
         out[phase] = steps
     return out
+
+
+def plan(entries: list, layers: int) -> dict[str, list[tuple]]:
+    """compose_layout over layout(): each block of launch_order composed once into its map over all its
+    repeats. Each entry has .kernel, .gpu_s and .host_s (per launch)."""
+    ks = [e.kernel for e in entries]
+    return compose_layout(layout(ks, layers), ks, [e.gpu_s for e in entries], [e.host_s for e in entries])
 
 
 class Clock:
