@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer shapes and plans")
     a = ap.parse_args(argv)
     d = dump(a.quick)
-    Path(a.out).write_text(json.dumps(d, sort_keys=True, default=repr) + "\n")
+    Path(a.out).write_text(json.dumps(d, default=repr) + "\n")
     print(f"{len(d)} outputs written to {a.out}")
     return 0
 

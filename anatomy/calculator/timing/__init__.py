@@ -45,7 +45,6 @@ from anatomy.config import ModelConfig, Run
 
 PHASES = ("forward", "backward", "optimizer")
 _RANK = {ph: i for i, ph in enumerate(PHASES)}
-_KEY = {ph: f"{ph}_s" for ph in PHASES}
 __all__ = ["estimate_time", "breakdown_table", "predict", "get", "names", "Profile", "Kernel", "kernels",
            "baseline_kernels", "efficient_kernels", "optimizer_kernels", "standalone_kernels", "param_sizes",
            "time_kernel", "sustained_weight", "step_weight", "fused_efficiency", "host_seconds", "host_scale",
@@ -125,23 +124,7 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
                                     lay.host_launch)
     clock = pipeline.Clock()
     segs, steady = pipeline.simulate(None, cfg.layers, clock, steps), pipeline.steady(None, cfg.layers, steps)
-    comps: dict[str, dict] = {}
-    phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
-    for k, t, host in timed_ks:
-        time_s, n = t[3] * k.count, k.count  # roofline.row's time_s
-        c = comps.get(k.component)
-        if c is None:
-            c = comps[k.component] = dict({_KEY[ph]: 0.0 for ph in PHASES}, kernels=0,
-                                          bound_s=dict(compute=0.0, memory=0.0, launch=0.0))
-        c[_KEY[k.phase]] += time_s
-        c["kernels"] += n
-        c["bound_s"][t[4]] += time_s
-        ph = phases[k.phase]
-        ph["gpu_s"] += time_s
-        ph["host_s"] += host
-        ph["kernels"] += n
-    for c in comps.values():
-        c["total_s"] = sum(c[_KEY[ph]] for ph in PHASES)
+    comps, phases = layout.sums(lay, timed_ks)
     fb = sum(sg["time_s"] for sg in segs if sg["phase"] != "optimizer")
     opt = sum(sg["time_s"] for sg in segs if sg["phase"] == "optimizer")
     est = est or estimate(cfg, run, variant, "cuda")  # FLOPs under both conventions, for MFU

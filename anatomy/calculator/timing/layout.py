@@ -27,6 +27,11 @@ class Layout(NamedTuple):
     host: tuple[float, ...]  # per position in that order: host seconds of all the entry's launches
     host_launch: tuple[float, ...]  # per position: host seconds per launch (the pipeline's)
     blocks: dict  # pipeline.layout over the kernels in phase order
+    slots: tuple[tuple[int, int], ...]  # per position: (index in components, index in PHASES)
+    components: tuple[str, ...]  # in order of first appearance
+    component_kernels: tuple[int, ...]  # launches per component
+    phase_host: tuple[float, ...]  # per phase: host seconds, summed in order
+    phase_kernels: tuple[int, ...]  # per phase: launches
 
 
 def skeleton(k: Kernel) -> tuple:
@@ -42,7 +47,15 @@ def build(ks: list[Kernel], prof: Profile, scale: float, layers: int) -> Layout:
     host = tuple(host_seconds(ks[i], prof) * (scale if ks[i].phase != "optimizer" and not in_situ(ks[i], prof) else 1.0)
                  for i in order)
     host_launch = tuple(h / ks[i].count for h, i in zip(host, order))
-    return Layout(order, host, host_launch, pipeline.layout([ks[i] for i in order], layers))
+    comps: dict[str, int] = {}
+    slots = tuple((comps.setdefault(ks[i].component, len(comps)), _RANK[ks[i].phase]) for i in order)
+    n_comp, ph_host, ph_n = [0] * len(comps), [0.0] * len(_RANK), [0] * len(_RANK)
+    for (ci, pi), i, h in zip(slots, order, host):
+        n_comp[ci] += ks[i].count
+        ph_host[pi] += h
+        ph_n[pi] += ks[i].count
+    return Layout(order, host, host_launch, pipeline.layout([ks[i] for i in order], layers), slots, tuple(comps),
+                  tuple(n_comp), tuple(ph_host), tuple(ph_n))
 
 
 def of(ks: list[Kernel], prof: Profile, scale: float, key: tuple, layers: int) -> Layout:
@@ -81,3 +94,21 @@ def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms:
         else:
             out.append((ks[i], (t_c, t_m, gap, t + gap, "compute" if t_c >= t_m else "memory", rate, note), host))
     return out
+
+
+def sums(lay: Layout, timed_ks: list[tuple]) -> tuple[dict, dict]:
+    """(components, phases) of estimate_time: per component its GPU seconds by phase, launches, seconds by
+    bound and total; per phase its GPU and host seconds and launches. Sums in phase order."""
+    per = [[0.0, 0.0, 0.0] for _ in lay.components]
+    bound = [dict(compute=0.0, memory=0.0, launch=0.0) for _ in lay.components]
+    gpu = [0.0, 0.0, 0.0]
+    for (k, t, _), (ci, pi) in zip(timed_ks, lay.slots):
+        time_s = t[3] * k.count  # roofline.row's time_s
+        per[ci][pi] += time_s
+        bound[ci][t[4]] += time_s
+        gpu[pi] += time_s
+    comps = {name: dict(forward_s=p[0], backward_s=p[1], optimizer_s=p[2], kernels=n, bound_s=b, total_s=sum(p))
+             for name, p, n, b in zip(lay.components, per, lay.component_kernels, bound)}
+    phases = {ph: dict(gpu_s=gpu[i], host_s=lay.phase_host[i], kernels=lay.phase_kernels[i])
+              for i, ph in enumerate(pipeline.PHASES)}
+    return comps, phases

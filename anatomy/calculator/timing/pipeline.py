@@ -171,21 +171,29 @@ def simulate(entries: list, layers: int, clock: Clock | None = None, steps: dict
     steps: plan(entries, layers), where the caller has it."""
     clk, segs = clock or Clock(), []
     steps = steps or plan(entries, layers)
+    h, g, walked, seg, seg_opt = clk.h, clk.g, clk.walked, None, False
     for phase in PHASES:
+        opt = phase == "optimizer"
         for k, m, gpu, host, n in steps[phase]:
-            if not segs or k.sync or (phase == "optimizer") != (segs[-1]["phase"] == "optimizer"):
-                clk.meet()
-                segs.append(dict(phase=phase, starts_at=k.name, gpu_s=0.0, host_s=0.0, start=clk.h))
-            clk.run(m)
-            clk.walked += n
-            segs[-1]["gpu_s"] += gpu
-            segs[-1]["host_s"] += host
-            segs[-1]["end"] = max(clk.g, clk.h)
-    for sg in segs:
-        sg["time_s"] = sg.pop("end") - sg.pop("start")
-        sg["idle_s"] = max(0.0, sg["time_s"] - sg["gpu_s"])
-        sg["bound"] = "host" if sg["host_s"] > sg["gpu_s"] else "gpu"
-    return segs
+            if seg is None or k.sync or opt != seg_opt:
+                h = g = max(h, g)  # Clock.meet
+                seg, seg_opt = [phase, k.name, 0.0, 0.0, h, h], opt  # phase, starts_at, gpu_s, host_s, start, end
+                segs.append(seg)
+            a, b, dh = m  # Clock.run, written out
+            d = max(g - h + a, b)
+            h += dh
+            g = h + d
+            walked += n
+            seg[2] += gpu
+            seg[3] += host
+            seg[5] = max(g, h)
+    clk.h, clk.g, clk.walked = h, g, walked
+    out = []
+    for phase, starts_at, gpu, host, start, end in segs:
+        time_s = end - start
+        out.append(dict(phase=phase, starts_at=starts_at, gpu_s=gpu, host_s=host, time_s=time_s,
+                        idle_s=max(0.0, time_s - gpu), bound="host" if host > gpu else "gpu"))
+    return out
 
 
 def steady(entries: list, layers: int, steps: dict | None = None) -> dict:
@@ -196,15 +204,17 @@ def steady(entries: list, layers: int, steps: dict | None = None) -> dict:
     stamped when the GPU reaches it, max(GPU, h); forward_backward is from the step's start to after its
     backward, step to after its optimizer. The second of two simulated steps is reported (the first starts
     on an idle GPU, as bench/step.py's synchronized steps do: simulate())."""
-    clk = Clock()
     steps = steps or plan(entries, layers)
+    h = g = 0.0  # a Clock's, written out
     for _ in range(2):
-        t0 = max(clk.g, clk.h)
+        t0 = max(g, h)
         for phase in PHASES:
             if phase == "optimizer":
-                t1 = max(clk.g, clk.h)
-            for k, m, *_ in steps[phase]:
+                t1 = max(g, h)
+            for k, (a, b, dh), *_ in steps[phase]:
                 if k.sync:
-                    clk.meet()
-                clk.run(m)
-    return dict(forward_backward_s=t1 - t0, step_s=max(clk.g, clk.h) - t0)
+                    h = g = max(h, g)
+                d = max(g - h + a, b)
+                h += dh
+                g = h + d
+    return dict(forward_backward_s=t1 - t0, step_s=max(g, h) - t0)
