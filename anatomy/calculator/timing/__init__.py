@@ -117,11 +117,9 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     weight, burst_s = step_weight(ks, prof, terms)  # 5. the sustained-load regime, from the step's length
     # 6. the kernels at the step's regime and the host/GPU pipeline over the step (pipeline.py), in the order,
     # host seconds and blocks the model fixes (layout.py: prepared once per model, not per micro-batch)
-    lay = layout.of(ks, prof, scale, (cfg, variant, sdpa_backend, optimizer, run.dtype, run.recompute, run.loss_impl),
-                    cfg.layers)
-    timed_ks = layout.timed(ks, lay, prof, weight, terms)
-    steps = pipeline.compose_layout(lay.blocks, [k for k, _, _ in timed_ks], [t[3] for _, t, _ in timed_ks],
-                                    lay.host_launch)
+    lay = layout.of(ks, prof, scale, layout.key(cfg, run, variant, sdpa_backend, optimizer))
+    timed_ks, host_launch, blocks = layout.timed(ks, lay, prof, weight, terms, cfg.layers)
+    steps = pipeline.compose_layout(blocks, [k for k, _, _ in timed_ks], [t[3] for _, t, _ in timed_ks], host_launch)
     clock = pipeline.Clock()
     segs, steady = pipeline.simulate(None, cfg.layers, clock, steps), pipeline.steady(None, cfg.layers, steps)
     comps, phases = layout.sums(lay, timed_ks)

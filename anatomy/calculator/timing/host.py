@@ -26,12 +26,18 @@ def host_seconds(kern: Kernel, prof: Profile) -> float:
     """CPU seconds to issue this entry's launches (all `count` of them, or its `calls` host calls)."""
     if kern.host is None:
         return 0.0
-    calls = kern.count if kern.calls is None else kern.calls
+    return (kern.count if kern.calls is None else kern.calls) * host_call_s(kern, prof)
+
+
+def host_call_s(kern: Kernel, prof: Profile) -> float:
+    """CPU seconds of one host call of this entry (0.0 for an entry issued inside another's call)."""
+    if kern.host is None:
+        return 0.0
     if kern.host == "op":
-        return calls * prof["host_op_s"]
+        return prof["host_op_s"]
     op, phase = kern.host.split(".")
     t = prof["host_custom_s"].get(op, {}).get(phase)
-    return calls * (t if t is not None else (kern.host_ops or CUSTOM_FALLBACK_OPS) * prof["host_op_s"])
+    return t if t is not None else (kern.host_ops or CUSTOM_FALLBACK_OPS) * prof["host_op_s"]
 
 
 def in_situ(kern: Kernel, prof: Profile) -> bool:
