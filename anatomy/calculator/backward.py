@@ -68,6 +68,10 @@ class Walk:
                 if s.name not in INPUTS:
                     self.one[s.name] = rnd(prod(s.shape) * BYTES[s.dtype])
         self._names = tuple(self.one)
+        self._remade: dict[str, list[tuple[str, int]]] = {}  # remake's tensors, sized once per walk
+        from anatomy.calculator.memory import BLOCK, rounded  # (memory imports this module)
+
+        self.blocks = BLOCK if rnd is rounded else 0  # the CUDA allocator's rounding, which alloc writes out
 
     @property
     def live(self) -> int:
@@ -75,8 +79,10 @@ class Walk:
 
     def peak(self, name: str, *transients: int, kind: str = GRAD) -> None:
         by = dict(self.by)
-        for t in transients:
-            by[kind] += self.rnd(t)
+        if transients:
+            rnd = self.rnd
+            for t in transients:
+                by[kind] += rnd(t)
         self.stages.append(Stage(name, sum(by.values()), by))
 
     def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:
@@ -98,19 +104,33 @@ class Walk:
     def begin(self) -> None:
         self.freed = set()
 
-    def remake(self, saved) -> None:
-        """A checkpoint's recompute makes these saved tensors again (one instance each), as activations."""
-        for s in saved:
-            self.one[s.name] = b = self.rnd(prod(s.shape) * BYTES[s.dtype])
+    def remake(self, what: str, saved) -> None:
+        """A checkpoint's recompute makes these saved tensors again (one instance each), as activations. saved:
+        a function giving them, called once per walk (every layer remakes the same); what names it."""
+        if (sized := self._remade.get(what)) is None:
+            sized = self._remade[what] = [(s.name, self.rnd(prod(s.shape) * BYTES[s.dtype])) for s in saved()]
+        one, new = self.one, False
+        for n, b in sized:
+            new = new or n not in one
+            one[n] = b
             self.by["activation"] += b
-        self._names = tuple(self.one)  # a remade name may be new to free()'s matches
+        if new:
+            self._names = tuple(one)  # a remade name may be new to free()'s matches
 
     def alloc(self, *nbytes: int) -> None:
         """Allocate gradients or backward buffers of these sizes; a negative size frees one (each
         rounded on its own)."""
-        rnd, total = self.rnd, 0
-        for b in nbytes:
-            total += rnd(b) if b >= 0 else -rnd(-b)
+        total, block = 0, self.blocks
+        if block:  # memory.rounded, written out: whole blocks, at least one (0 for 0)
+            for b in nbytes:
+                if b > 0:
+                    total -= (-b // block) * block
+                elif b < 0:
+                    total += (b // block) * block
+        else:
+            rnd = self.rnd
+            for b in nbytes:
+                total += rnd(b) if b >= 0 else -rnd(-b)
         self.by[GRAD] += total
 
     def shift(self, delta: dict[str, int], n: int) -> None:
