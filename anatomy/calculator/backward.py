@@ -69,6 +69,8 @@ class Walk:
                     self.one[s.name] = rnd(prod(s.shape) * BYTES[s.dtype])
         self._names = tuple(self.one)
         self._remade: dict[str, list[tuple[str, int]]] = {}  # remake's tensors, sized once per walk
+        self._hits: dict[tuple, list[str]] = {}  # free()'s matches for the present names
+        self._norm: int | None = None  # free_norm's bytes for the present sizes
         from anatomy.calculator.memory import BLOCK, rounded  # (memory imports this module)
 
         self.blocks = BLOCK if rnd is rounded else 0  # the CUDA allocator's rounding, which alloc writes out
@@ -88,10 +90,12 @@ class Walk:
     def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:
         """Free one instance of each saved tensor named (a name ending in '.' or '_' is a prefix),
         once per layer (begin() starts a layer)."""
-        key = (self._names, names, keep)
-        if (hits := _HITS.get(key)) is None:  # the same names recur in every layer and every walk
-            hits = _HITS[key] = [n for n in self.one if not n.startswith(keep) and
-                                      any(n == x or (x[-1] in "._" and n.startswith(x)) for x in names)]
+        if (hits := self._hits.get((names, keep))) is None:  # this walk's matches, for its present names
+            key = (self._names, names, keep)
+            if (hits := _HITS.get(key)) is None:  # the same names recur in every layer and every walk
+                hits = _HITS[key] = [n for n in self.one if not n.startswith(keep) and
+                                     any(n == x or (x[-1] in "._" and n.startswith(x)) for x in names)]
+            self._hits[(names, keep)] = hits
         for n in hits:
             if n not in self.freed:
                 self.freed.add(n)
@@ -99,7 +103,9 @@ class Walk:
 
     def free_norm(self) -> None:
         """One RMSNorm instance's saved tensors (2 per layer + the final one share the names)."""
-        self.by["activation"] -= sum(b for n, b in self.one.items() if n.startswith("norm."))
+        if self._norm is None:
+            self._norm = sum(b for n, b in self.one.items() if n.startswith("norm."))
+        self.by["activation"] -= self._norm
 
     def begin(self) -> None:
         self.freed = set()
@@ -114,8 +120,9 @@ class Walk:
             new = new or n not in one
             one[n] = b
             self.by["activation"] += b
+        self._norm = None
         if new:
-            self._names = tuple(one)  # a remade name may be new to free()'s matches
+            self._names, self._hits = tuple(one), {}  # a remade name may be new to free()'s matches
 
     def alloc(self, *nbytes: int) -> None:
         """Allocate gradients or backward buffers of these sizes; a negative size frees one (each
