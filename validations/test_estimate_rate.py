@@ -19,6 +19,7 @@ import anatomy.calculator.timing as timing
 import anatomy.calculator.timing.layout as layout
 import anatomy.calculator.timing.lookup as lookup
 import anatomy.calculator.timing.registry as registry
+import anatomy.calculator.timing.roofline as roofline
 from anatomy.calculator.backward import Walk
 from anatomy.cli_estimate import estimate_all
 from anatomy.config import ModelConfig, Run
@@ -51,7 +52,8 @@ def counting(*targets: tuple[object, str]):
 
 def _work(cfg: ModelConfig, run: Run, variant: str) -> Counter:
     estimate_all(cfg, run, variant, gpu="h200-measured")  # the profile loaded, its tables prepared
-    with counting((timing, "kernel_terms"), (Walk, "peak"), (Walk, "alloc")) as calls:
+    with counting((timing, "step_terms"), (roofline, "kernel_terms"), (registry, "efficiency"), (Walk, "peak"),
+                  (Walk, "alloc")) as calls:
         out = estimate_all(cfg, run, variant, gpu="h200-measured")
     assert out["time"]["step_s"] > 0
     calls["entries"] = len(timing.kernels(cfg, run, variant))
@@ -61,11 +63,13 @@ def _work(cfg: ModelConfig, run: Run, variant: str) -> Counter:
 @pytest.mark.parametrize("variant,recompute", [(v, r) for v, rs in CASES.items() for r in rs],
                          ids=lambda x: str(x))
 def test_estimate_work_does_not_grow_with_the_layers(variant, recompute):
-    """Kernel terms, walk stages and allocations: the same counts at 8, 32 and 4,096 layers."""
+    """Kernels priced (matmuls and SDPA one by one, calibrated ops' efficiencies), walk stages and allocations:
+    the same counts at 8, 32 and 4,096 layers."""
     run = Run(1, 4096, recompute=recompute)
     counts = {L: _work(dataclasses.replace(LLAMA, layers=L), run, variant) for L in (8, 32, 4096)}
     assert counts[8] == counts[32] == counts[4096]
-    assert counts[32]["kernel_terms"] == counts[32]["entries"] > 0  # each kernel entry priced once
+    assert counts[32]["step_terms"] == 1  # the step's kernels priced in one pass, each entry once:
+    assert 0 < counts[32]["kernel_terms"] + counts[32]["efficiency"] <= counts[32]["entries"]
     assert counts[32]["peak"] > 0
 
 

@@ -39,7 +39,7 @@ from anatomy.calculator.timing.ops import Kernel
 from anatomy.calculator.timing.lookup import get, names
 from anatomy.calculator.timing.profile import Profile, from_dict
 from anatomy.calculator.timing.registry import efficiency as fused_efficiency
-from anatomy.calculator.timing.roofline import (burst_seconds, kernel_terms, launch_term, regime_speeds, row,
+from anatomy.calculator.timing.roofline import (burst_seconds, kernel_terms, launch_term, regime_speeds, row, step_terms,
                                                 sustained_weight, time_kernel, timed)
 from anatomy.config import ModelConfig, Run
 
@@ -113,8 +113,9 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     prof = get(gpu)  # 1. the GPU: a datasheet or a calibrated profile (profile.py)
     ks = kernels(cfg, run, variant, sdpa_backend, optimizer)  # 2. every kernel the step launches (kernels*.py)
     scale = host_scale(prof, variant, sdpa_backend)  # 3. the host's in-step factor (host.py)
-    terms = [kernel_terms(k, prof) for k in ks]  # 4. each kernel on the roofline at burst rates (roofline.py)
-    weight, burst_s = step_weight(ks, prof, terms)  # 5. the sustained-load regime, from the step's length
+    terms, burst_s = step_terms(ks, prof)  # 4. each kernel on the roofline at burst rates (roofline.py)
+    # 5. the sustained-load regime, from the step's length (step_weight)
+    weight = sustained_weight(burst_s, prof.sustained_tau_s) if prof.sustained_ratio else 0.0
     # 6. the kernels at the step's regime and the host/GPU pipeline over the step (pipeline.py), in the order,
     # host seconds and blocks the model fixes (layout.py: prepared once per model, not per micro-batch)
     lay = layout.of(ks, prof, scale, layout.key(cfg, run, variant, sdpa_backend, optimizer))

@@ -168,6 +168,26 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
     return t_c, t_m, "attention" if kern.kind == "sdpa" else "matmul", rate, note
 
 
+def step_terms(ks: list[Kernel], prof: Profile) -> tuple[list[tuple], float]:
+    """([kernel_terms of each kernel], the kernels' GPU seconds at burst rates: burst_seconds summed in list
+    order) in one pass; a plain memory-bound entry (most of a step's) priced as kernel_terms prices it,
+    written out."""
+    hbm, launch, gap = prof.hbm_Bps, prof.launch_s, launch_term(prof)
+    efficiency = registry.efficiency
+    terms, burst = [], 0
+    for k in ks:
+        if k.kind == "memory" and not k.accumulate:
+            t_m = k.bytes / (hbm * (efficiency(prof, *k.fused) if k.fused else 1.0))
+            terms.append((0.0, t_m, "matmul", 0.0, ""))
+            t = max(0.0, t_m)
+        else:
+            tr = kernel_terms(k, prof)
+            terms.append(tr)
+            t = max(tr[0], tr[1])
+        burst += (t + (launch if launch > t else gap)) * k.count
+    return terms, burst
+
+
 def burst_seconds(terms: tuple, kern: Kernel, prof: Profile) -> float:
     """A kernel's time (x count) at burst rates, from its kernel_terms."""
     t_c, t_m = terms[0], terms[1]
