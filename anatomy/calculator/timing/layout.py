@@ -31,7 +31,7 @@ class Layout(NamedTuple):
     host_call: tuple[float, ...]  # per position: host seconds per host call (host.host_call_s)
     host_factor: tuple[float, ...]  # per position: host_scale, or 1.0 (the optimizer, calls measured in situ)
     calls: tuple[int | None, ...]  # per position: the entry's host calls (None: one per launch)
-    blocks: dict  # {launch counts in phase order: pipeline.layout}
+    blocks: dict  # {launch counts in phase order: pipeline.prepare's blocks}
 
 
 def key(cfg, run, variant: str, sdpa_backend: str | None, optimizer: str | None) -> tuple:
@@ -79,17 +79,16 @@ def of(ks: list[Kernel], prof: Profile, scale: float, key: tuple) -> Layout:
 
 
 def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms: list[tuple],
-          layers: int) -> tuple[list[tuple], list[float], dict]:
-    """([(kernel, roofline.timed figures, host seconds of all its launches)] in phase order, host seconds per
-    launch, pipeline.layout's blocks): roofline.timed of each entry at the step's sustained weight, from its
-    kernel_terms, and host.host_seconds x the host factor, written out."""
+          layers: int) -> tuple[list[tuple], dict]:
+    """([(kernel, roofline.timed figures, host seconds of all its launches)] in phase order, pipeline.prepare's
+    blocks): roofline.timed of each entry at the step's sustained weight, from its kernel_terms, and
+    host.host_seconds x the host factor, written out."""
     speeds = regime_speeds(prof, sustained) if sustained else None
     launch_s, gap = prof.launch_s, launch_term(prof)
-    out, per_launch, counts = [], [], []
+    out = []
     for i, unit, f, calls in zip(lay.order, lay.host_call, lay.host_factor, lay.calls):
         k = ks[i]
-        n = k.count
-        host = ((n if calls is None else calls) * unit) * f
+        host = ((k.count if calls is None else calls) * unit) * f
         t_c, t_m, cls, rate, note = terms[i]
         if sustained:
             speed = speeds[cls]
@@ -100,15 +99,14 @@ def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms:
             out.append((k, (t_c, t_m, launch_s, t + launch_s, "launch", rate, note), host))
         else:
             out.append((k, (t_c, t_m, gap, t + gap, "compute" if t_c >= t_m else "memory", rate, note), host))
-        per_launch.append(host / n)
-        counts.append(n)
-    counts = tuple(counts)
-    blocks = lay.blocks.get(counts)
+    counts = tuple([k.count for k in ks])
+    blocks = lay.blocks.get(counts)  # the host side of the pipeline follows the counts alone
     if blocks is None:
         if len(lay.blocks) >= MEMO_SIZE:
             lay.blocks.clear()
-        blocks = lay.blocks[counts] = pipeline.layout([k for k, _, _ in out], layers)
-    return out, per_launch, blocks
+        blocks = lay.blocks[counts] = pipeline.prepare(pipeline.layout([k for k, _, _ in out], layers),
+                                                       [host / k.count for k, _, host in out])
+    return out, blocks
 
 
 def sums(lay: Layout, timed_ks: list[tuple]) -> tuple[dict, dict]:

@@ -115,28 +115,51 @@ class _Slot:
         self.kernel, self.i = kernel, i
 
 
-def compose_layout(lay: dict, kernels: list, gpu_s: list[float], host_s: list[float]) -> dict[str, list[tuple]]:
-    """{phase: [(first kernel, map, GPU seconds, host seconds, blocks)]}: each block of a layout composed once
-    into its map over all its repeats, from each kernel's GPU and host seconds per launch; simulate and
-    steady walk these."""
+def prepare(lay: dict, host_s: list[float]) -> dict[str, list[tuple]]:
+    """{phase: [(block as [(index, launches, host seconds per launch)], repeats, its first index, the host
+    seconds of its map, its host seconds)]}: what compose takes from the host side of a layout, which the
+    GPU seconds do not change (kept with a layout's count pattern: timing/layout.py)."""
     out = {}
     for phase, blocks in lay.items():
         steps = []
         for block, reps in blocks:
-            m0, m1, m2, gpu, host = 0.0, _NONE, 0.0, 0.0, 0.0  # IDENTITY
-            for i, n in block:  # m = compose(m, launch(gpu_s[i], host_s[i], n)), written out
-                g, h = gpu_s[i], host_s[i]
+            m2, host, pairs = 0.0, 0.0, []
+            for i, n in block:  # compose's host terms, in its order
+                h = host_s[i]
+                m2 += n * h if n > 0 else 0.0
+                host += n * h
+                pairs.append((i, n, h))
+            steps.append((pairs, reps, block[0][0], m2, host))
+        out[phase] = steps
+    return out
+
+
+def compose(prepared: dict, kernels: list, gpu_s: list[float]) -> dict[str, list[tuple]]:
+    """{phase: [(first kernel, map, GPU seconds, host seconds, blocks)]}: each block of a prepared layout
+    composed once into its map over all its repeats, from each kernel's GPU seconds per launch; simulate and
+    steady walk these."""
+    out = {}
+    for phase, blocks in prepared.items():
+        steps = []
+        for pairs, reps, first, m2, host in blocks:
+            m0, m1, gpu = 0.0, _NONE, 0.0  # IDENTITY
+            for i, n, h in pairs:  # m = compose(m, launch(gpu_s[i], h, n)), written out
+                g = gpu_s[i]
                 if n > 0:
                     a = g - h
                     la = n * a
-                    m0, m1, m2 = m0 + la, max(m1 + la, g + max(0.0, (n - 1) * a)), m2 + n * h
+                    m0, m1 = m0 + la, max(m1 + la, g + max(0.0, (n - 1) * a))
                 else:
-                    m0, m1, m2 = m0 + 0.0, max(m1 + 0.0, _NONE), m2 + 0.0
+                    m0, m1 = m0 + 0.0, max(m1 + 0.0, _NONE)
                 gpu += n * g
-                host += n * h
-            steps.append((kernels[block[0][0]], power((m0, m1, m2), reps), reps * gpu, reps * host, len(block)))
+            steps.append((kernels[first], power((m0, m1, m2), reps), reps * gpu, reps * host, len(pairs)))
         out[phase] = steps
     return out
+
+
+def compose_layout(lay: dict, kernels: list, gpu_s: list[float], host_s: list[float]) -> dict[str, list[tuple]]:
+    """compose over prepare: a layout's blocks composed from each kernel's GPU and host seconds per launch."""
+    return compose(prepare(lay, host_s), kernels, gpu_s)
 
 
 def plan(entries: list, layers: int) -> dict[str, list[tuple]]:
