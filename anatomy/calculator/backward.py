@@ -19,7 +19,8 @@ layers are walked once: every layer but the first frees the same saved tensors a
 gradients, so the live bytes of a stage change by the same amount from one layer to the next. The walk
 runs the last two layers and the first two, and shifts the layers between by that step; their largest
 candidate is at one end (a linear function of the layer), so the peak is the full walk's. Stages of the
-skipped layers are not listed.
+skipped layers are not listed. Layer 1's stages are layer L - 2's, shifted by the bytes between their
+starts (a layer's index only names its stages, but the first's), so three layers are walked.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ INPUTS = ("embedding.ids", "loss.targets")  # saved, but they are the step's inp
 # what is live, by kind: the same kinds `anatomy forensics` gives each allocation
 KINDS = ("parameter", "input", "optimizer state", "activation", "gradient / backward buffer")
 GRAD = "gradient / backward buffer"
-WALKED_LAYERS = 4  # the last two and the first two; the layers between are shifted, not walked
+WALKED_LAYERS = 4  # the last two and the first two (layer 1 as a shifted copy of layer L - 2); the rest shifted
 _HITS: dict[tuple, list[str]] = {}  # (saved names, free()'s names, keep) -> the saved names matched
 
 
@@ -185,14 +186,35 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
     g = stages.loss(w)
     g = stages.norm(w, "final norm", g)
     L = cfg.layers
-    order = range(L - 1, -1, -1) if every_layer or L <= WALKED_LAYERS else (L - 1, L - 2, 1, 0)
+    short = not every_layer and L > WALKED_LAYERS
+    order = (L - 1, L - 2, 1, 0) if short else range(L - 1, -1, -1)
     delta: dict[str, int] = {}
     for i, layer in enumerate(order):
         if i == 2 and order[1] - layer > 1:  # the layers between the last two and the first two
             w.shift(delta, order[1] - layer - 1)
         before = dict(w.by)
+        if i == 2 and short:  # layer 1 repeats layer L - 2's stages from its own start
+            g = _repeat(w, order[1], layer, first, before, before_l2, delta, g_l2)
+            continue
+        first = len(w.stages)
         g = stages.layer(w, layer, g)
         if i == 1:
             delta = {k: w.by[k] - before[k] for k in KINDS}  # one layer's change (not the first layer's)
+            before_l2, g_l2 = before, g
     stages.embedding(w)
     return w.stages
+
+
+def _repeat(w: Walk, src: int, layer: int, first: int, start: dict[str, int], src_start: dict[str, int],
+            delta: dict[str, int], g: int) -> int:
+    """Layer `layer`'s stages as layer `src`'s (walked last, its stages from index `first` on), each shifted by
+    the difference of the two layers' starting live bytes: a layer but the first (stages.layer's i == 0) runs
+    the same allocations and frees whatever its index, which only names its stages. Returns its residual
+    gradient, src's; the live bytes end one layer's change (delta) past its start."""
+    off = {k: start[k] - src_start[k] for k in KINDS}
+    old, new = f"layer {src} ", f"layer {layer} "
+    for st in w.stages[first:]:
+        by = {k: v + off[k] for k, v in st.by_kind.items()}
+        w.stages.append(Stage(new + st.name.removeprefix(old), sum(by.values()), by))
+    w.by = {k: start[k] + delta[k] for k in KINDS}
+    return g
