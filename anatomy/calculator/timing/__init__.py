@@ -119,11 +119,10 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     # 6. the kernels at the step's regime and the host/GPU pipeline over the step (pipeline.py), in the order,
     # host seconds and blocks the model fixes (layout.py: prepared once per model, not per micro-batch)
     lay = layout.of(ks, prof, scale, layout.key(cfg, run, variant, sdpa_backend, optimizer))
-    timed_ks, blocks = layout.timed(ks, lay, prof, weight, terms, cfg.layers)
-    steps = pipeline.compose(blocks, [k for k, _, _ in timed_ks], [t[3] for _, t, _ in timed_ks])
+    timed_ks, gpu_s, blocks, comps, phases = layout.timed(ks, lay, prof, weight, terms, cfg.layers)
+    steps = pipeline.compose(blocks, [k for k, _, _ in timed_ks], gpu_s)
     clock = pipeline.Clock()
     segs, steady = pipeline.simulate(None, cfg.layers, clock, steps), pipeline.steady(None, cfg.layers, steps)
-    comps, phases = layout.sums(lay, timed_ks)
     fb = sum(sg["time_s"] for sg in segs if sg["phase"] != "optimizer")
     opt = sum(sg["time_s"] for sg in segs if sg["phase"] == "optimizer")
     est = est or estimate(cfg, run, variant, "cuda")  # FLOPs under both conventions, for MFU

@@ -31,7 +31,7 @@ class Layout(NamedTuple):
     host_call: tuple[float, ...]  # per position: host seconds per host call (host.host_call_s)
     host_factor: tuple[float, ...]  # per position: host_scale, or 1.0 (the optimizer, calls measured in situ)
     calls: tuple[int | None, ...]  # per position: the entry's host calls (None: one per launch)
-    blocks: dict  # {launch counts in phase order: pipeline.prepare's blocks}
+    blocks: dict  # {launch counts: timed's _fixed (pipeline.prepare's blocks, launches, host seconds)}
 
 
 def key(cfg, run, variant: str, sdpa_backend: str | None, optimizer: str | None) -> tuple:
@@ -79,16 +79,22 @@ def of(ks: list[Kernel], prof: Profile, scale: float, key: tuple) -> Layout:
 
 
 def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms: list[tuple],
-          layers: int) -> tuple[list[tuple], dict]:
-    """([(kernel, roofline.timed figures, host seconds of all its launches)] in phase order, pipeline.prepare's
-    blocks): roofline.timed of each entry at the step's sustained weight, from its kernel_terms, and
-    host.host_seconds x the host factor, written out."""
+          layers: int) -> tuple[list[tuple], list[float], dict, dict, dict]:
+    """The step's kernels at its sustained weight, in one pass in phase order: ([(kernel, roofline.timed
+    figures, host seconds of all its launches)], GPU seconds per launch, pipeline.prepare's blocks, the
+    components and the phases of estimate_time). roofline.timed of each entry from its kernel_terms and
+    host.host_seconds x the host factor, written out. Per component: GPU seconds by phase, launches, seconds
+    by bound and total; per phase: GPU and host seconds and launches."""
     speeds = regime_speeds(prof, sustained) if sustained else None
     launch_s, gap = prof.launch_s, launch_term(prof)
-    out = []
-    for i, unit, f, calls in zip(lay.order, lay.host_call, lay.host_factor, lay.calls):
+    per_c = [[0.0, 0.0, 0.0] for _ in lay.components]
+    bound_c = [dict(compute=0.0, memory=0.0, launch=0.0) for _ in lay.components]
+    gpu = [0.0, 0.0, 0.0]
+    out, gpu_s = [], []
+    for i, unit, f, calls, (ci, pi) in zip(lay.order, lay.host_call, lay.host_factor, lay.calls, lay.slots):
         k = ks[i]
-        host = ((k.count if calls is None else calls) * unit) * f
+        n = k.count
+        host = ((n if calls is None else calls) * unit) * f
         t_c, t_m, cls, rate, note = terms[i]
         if sustained:
             speed = speeds[cls]
@@ -96,36 +102,36 @@ def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms:
             t_m /= speeds["memory"]
         t = t_c if t_c >= t_m else t_m
         if launch_s > t:
-            out.append((k, (t_c, t_m, launch_s, t + launch_s, "launch", rate, note), host))
+            per, bound = t + launch_s, "launch"
+            out.append((k, (t_c, t_m, launch_s, per, bound, rate, note), host))
         else:
-            out.append((k, (t_c, t_m, gap, t + gap, "compute" if t_c >= t_m else "memory", rate, note), host))
+            per, bound = t + gap, "compute" if t_c >= t_m else "memory"
+            out.append((k, (t_c, t_m, gap, per, bound, rate, note), host))
+        gpu_s.append(per)
+        time_s = per * n  # roofline.row's time_s
+        per_c[ci][pi] += time_s
+        bound_c[ci][bound] += time_s
+        gpu[pi] += time_s
     counts = tuple([k.count for k in ks])
-    blocks = lay.blocks.get(counts)  # the host side of the pipeline follows the counts alone
-    if blocks is None:
+    fixed = lay.blocks.get(counts)  # the host side and the launches follow the counts alone
+    if fixed is None:
         if len(lay.blocks) >= MEMO_SIZE:
             lay.blocks.clear()
-        blocks = lay.blocks[counts] = pipeline.prepare(pipeline.layout([k for k, _, _ in out], layers),
-                                                       [host / k.count for k, _, host in out])
-    return out, blocks
-
-
-def sums(lay: Layout, timed_ks: list[tuple]) -> tuple[dict, dict]:
-    """(components, phases) of estimate_time: per component its GPU seconds by phase, launches, seconds by
-    bound and total; per phase its GPU and host seconds and launches. Sums in phase order."""
-    per = [[0.0, 0.0, 0.0] for _ in lay.components]
-    bound = [dict(compute=0.0, memory=0.0, launch=0.0) for _ in lay.components]
-    n_comp = [0] * len(lay.components)
-    gpu, host, n_ph = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0, 0, 0]
-    for (k, t, h), (ci, pi) in zip(timed_ks, lay.slots):
-        n = k.count
-        time_s = t[3] * n  # roofline.row's time_s
-        per[ci][pi] += time_s
-        bound[ci][t[4]] += time_s
-        n_comp[ci] += n
-        gpu[pi] += time_s
-        host[pi] += h
-        n_ph[pi] += n
+        fixed = lay.blocks[counts] = _fixed(lay, out, layers)
+    blocks, n_comp, host_ph, n_ph = fixed
     comps = {name: dict(forward_s=p[0], backward_s=p[1], optimizer_s=p[2], kernels=n, bound_s=b, total_s=sum(p))
-             for name, p, n, b in zip(lay.components, per, n_comp, bound)}
-    phases = {ph: dict(gpu_s=gpu[i], host_s=host[i], kernels=n_ph[i]) for i, ph in enumerate(pipeline.PHASES)}
-    return comps, phases
+             for name, p, n, b in zip(lay.components, per_c, n_comp, bound_c)}
+    phases = {ph: dict(gpu_s=gpu[i], host_s=host_ph[i], kernels=n_ph[i]) for i, ph in enumerate(pipeline.PHASES)}
+    return out, gpu_s, blocks, comps, phases
+
+
+def _fixed(lay: Layout, out: list[tuple], layers: int) -> tuple:
+    """(pipeline.prepare's blocks, launches per component, host seconds and launches per phase) of timed's
+    entries: what their counts decide."""
+    n_comp, host, n_ph = [0] * len(lay.components), [0.0, 0.0, 0.0], [0, 0, 0]
+    for (k, _, h), (ci, pi) in zip(out, lay.slots):
+        n_comp[ci] += k.count
+        host[pi] += h
+        n_ph[pi] += k.count
+    blocks = pipeline.prepare(pipeline.layout([k for k, _, _ in out], layers), [h / k.count for k, _, h in out])
+    return blocks, n_comp, host, n_ph
