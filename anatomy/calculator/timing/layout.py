@@ -100,7 +100,7 @@ def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms:
             speed = speeds[cls]
             t_c, rate = t_c / speed, rate * speed
             t_m /= speeds["memory"]
-        t = t_c if t_c >= t_m else t_m
+        t = t_m if t_m > t_c else t_c  # max(t_c, t_m)
         if launch_s > t:
             per, bound = t + launch_s, "launch"
             out.append((k, (t_c, t_m, launch_s, per, bound, rate, note), host))

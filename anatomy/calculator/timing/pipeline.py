@@ -145,10 +145,13 @@ def compose(prepared: dict, kernels: list, gpu_s: list[float]) -> dict[str, list
             m0, m1, gpu = 0.0, _NONE, 0.0  # IDENTITY
             for i, n, h in pairs:  # m = compose(m, launch(gpu_s[i], h, n)), written out
                 g = gpu_s[i]
-                if n > 0:
+                if n > 0:  # max(x, y) written `y if y > x else x`: the same value, without a call
                     a = g - h
                     la = n * a
-                    m0, m1 = m0 + la, max(m1 + la, g + max(0.0, (n - 1) * a))
+                    x = (n - 1) * a
+                    y = g + (x if x > 0.0 else 0.0)
+                    x = m1 + la
+                    m0, m1 = m0 + la, y if y > x else x
                 else:
                     m0, m1 = m0 + 0.0, max(m1 + 0.0, _NONE)
                 gpu += n * g
@@ -199,17 +202,18 @@ def simulate(entries: list, layers: int, clock: Clock | None = None, steps: dict
         opt = phase == "optimizer"
         for k, m, gpu, host, n in steps[phase]:
             if seg is None or k.sync or opt != seg_opt:
-                h = g = max(h, g)  # Clock.meet
+                h = g = g if g > h else h  # Clock.meet: max(h, g)
                 seg, seg_opt = [phase, k.name, 0.0, 0.0, h, h], opt  # phase, starts_at, gpu_s, host_s, start, end
                 segs.append(seg)
-            a, b, dh = m  # Clock.run, written out
-            d = max(g - h + a, b)
+            a, b, dh = m  # Clock.run, written out (max(x, y) as `y if y > x else x`)
+            d = g - h + a
+            d = b if b > d else d
             h += dh
             g = h + d
             walked += n
             seg[2] += gpu
             seg[3] += host
-            seg[5] = max(g, h)
+            seg[5] = h if h > g else g
     clk.h, clk.g, clk.walked = h, g, walked
     out = []
     for phase, starts_at, gpu, host, start, end in segs:
@@ -236,8 +240,9 @@ def steady(entries: list, layers: int, steps: dict | None = None) -> dict:
                 t1 = max(g, h)
             for k, (a, b, dh), *_ in steps[phase]:
                 if k.sync:
-                    h = g = max(h, g)
-                d = max(g - h + a, b)
+                    h = g = g if g > h else h  # max(h, g)
+                d = g - h + a  # max(g - h + a, b)
+                d = b if b > d else d
                 h += dh
                 g = h + d
     return dict(forward_backward_s=t1 - t0, step_s=max(g, h) - t0)

@@ -179,11 +179,11 @@ def step_terms(ks: list[Kernel], prof: Profile) -> tuple[list[tuple], float]:
         if k.kind == "memory" and not k.accumulate:
             t_m = k.bytes / (hbm * (efficiency(prof, *k.fused) if k.fused else 1.0))
             terms.append((0.0, t_m, "matmul", 0.0, ""))
-            t = max(0.0, t_m)
+            t = t_m if t_m > 0.0 else 0.0  # max(0.0, t_m)
         else:
             tr = kernel_terms(k, prof)
             terms.append(tr)
-            t = max(tr[0], tr[1])
+            t = tr[1] if tr[1] > tr[0] else tr[0]  # max(t_c, t_m)
         burst += (t + (launch if launch > t else gap)) * k.count
     return terms, burst
 
