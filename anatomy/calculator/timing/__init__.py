@@ -13,7 +13,8 @@ estimate_time(cfg, run, variant, gpu) reads top to bottom:
                         its compute at the power-limited clock (Profile.sustained_ratio)
   4. predict            each kernel on the roofline (roofline.time_kernel; calibrated ops through
                         registry.efficiency), its host cost (host.host_seconds), and the host/GPU pipeline
-                        (pipeline.py: closed form over identical layers)
+                        (pipeline.py: closed form over identical layers); the order, host figures and
+                        pipeline blocks a model fixes are laid out once per model (layout.py)
 
 Assumptions (docs/timing.md lists each with its error):
   1. Kernels on one stream run back to back: no overlap between kernels.
