@@ -15,12 +15,12 @@ fp32 (B, nh, S, S) score gradients in the last layer, the first MLP of the effic
 elsewhere (validations/test_memory_walk.py: within ±3% on CPU; reports/cpu/claims.json).
 
 Each variant's stages are in their own module (backward_baseline.py, backward_efficient.py). Identical
-layers are walked once: every layer but the first frees the same saved tensors and adds the same
-gradients, so the live bytes of a stage change by the same amount from one layer to the next. The walk
-runs the last two layers and the first two, and shifts the layers between by that step; their largest
-candidate is at one end (a linear function of the layer), so the peak is the full walk's. Stages of the
-skipped layers are not listed. Layer 1's stages are layer L - 2's, shifted by the bytes between their
-starts (a layer's index only names its stages, but the first's), so three layers are walked.
+layers are walked once: every layer but the first runs the same allocations and frees whatever its index
+(which only names its stages), so its live bytes change by the same amount from one layer to the next and
+its stages are the last layer's shifted by the bytes between their starts. The walk runs the last layer and
+the first, and lists the last two and the first two (layer L - 2's and layer 1's stages as the last
+layer's, shifted); the candidates of the layers between are the same shifted again, their largest at one
+end (a linear function of the layer), so the peak is the full walk's. Stages of those layers are not listed.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ INPUTS = ("embedding.ids", "loss.targets")  # saved, but they are the step's inp
 # what is live, by kind: the same kinds `anatomy forensics` gives each allocation
 KINDS = ("parameter", "input", "optimizer state", "activation", "gradient / backward buffer")
 GRAD = "gradient / backward buffer"
-WALKED_LAYERS = 4  # the last two and the first two (layer 1 as a shifted copy of layer L - 2); the rest shifted
+WALKED_LAYERS = 4  # stages listed: the last two layers' and the first two's (two walked, two shifted copies)
 _HITS: dict[tuple, list[str]] = {}  # (saved names, free()'s names, keep) -> the saved names matched
 
 
@@ -141,11 +141,6 @@ class Walk:
                 total += rnd(b) if b >= 0 else -rnd(-b)
         self.by[GRAD] += total
 
-    def shift(self, delta: dict[str, int], n: int) -> None:
-        """n identical layers' change of the live bytes, applied without walking them."""
-        for k in KINDS:
-            self.by[k] += n * delta[k]
-
     # ---- the stages both variants share ----------------------------------------------------------------
     def linear(self, tag: str, din: int, dout: int, grad_out: int, *saved: str, to_residual: bool = False) -> int:
         """One matmul's backward: the weight gradient (the compute dtype under autocast) and the input
@@ -186,35 +181,27 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
     g = stages.loss(w)
     g = stages.norm(w, "final norm", g)
     L = cfg.layers
-    short = not every_layer and L > WALKED_LAYERS
-    order = (L - 1, L - 2, 1, 0) if short else range(L - 1, -1, -1)
-    delta: dict[str, int] = {}
-    for i, layer in enumerate(order):
-        if i == 2 and order[1] - layer > 1:  # the layers between the last two and the first two
-            w.shift(delta, order[1] - layer - 1)
-        before = dict(w.by)
-        if i == 2 and short:  # layer 1 repeats layer L - 2's stages from its own start
-            g = _repeat(w, order[1], layer, first, before, before_l2, delta, g_l2)
-            continue
-        first = len(w.stages)
-        g = stages.layer(w, layer, g)
-        if i == 1:
-            delta = {k: w.by[k] - before[k] for k in KINDS}  # one layer's change (not the first layer's)
-            before_l2, g_l2 = before, g
+    if not every_layer and L > WALKED_LAYERS:  # layers L - 1, L - 2 and 1 as one walk of L - 1, then 0
+        start, first = dict(w.by), len(w.stages)
+        g = stages.layer(w, L - 1, g)
+        src = w.stages[first:]
+        delta = {k: w.by[k] - start[k] for k in KINDS}  # one layer's change
+        for layer, n in ((L - 2, 1), (1, L - 2)):  # n: the layers walked before it
+            _repeat(w, src, L - 1, layer, {k: n * delta[k] for k in KINDS})
+        w.by = {k: start[k] + (L - 1) * delta[k] for k in KINDS}  # after layer 1
+        g = stages.layer(w, 0, g)
+    else:
+        for layer in range(L - 1, -1, -1):
+            g = stages.layer(w, layer, g)
     stages.embedding(w)
     return w.stages
 
 
-def _repeat(w: Walk, src: int, layer: int, first: int, start: dict[str, int], src_start: dict[str, int],
-            delta: dict[str, int], g: int) -> int:
-    """Layer `layer`'s stages as layer `src`'s (walked last, its stages from index `first` on), each shifted by
-    the difference of the two layers' starting live bytes: a layer but the first (stages.layer's i == 0) runs
-    the same allocations and frees whatever its index, which only names its stages. Returns its residual
-    gradient, src's; the live bytes end one layer's change (delta) past its start."""
-    off = {k: start[k] - src_start[k] for k in KINDS}
-    old, new = f"layer {src} ", f"layer {layer} "
-    for st in w.stages[first:]:
+def _repeat(w: Walk, src: list[Stage], src_layer: int, layer: int, off: dict[str, int]) -> None:
+    """Layer `layer`'s stages as layer `src_layer`'s (src), each shifted by `off`, the live bytes between the
+    two layers' starts: a layer but the first (stages.layer's i == 0) runs the same allocations and frees
+    whatever its index, which only names its stages."""
+    old, new = f"layer {src_layer} ", f"layer {layer} "
+    for st in src:
         by = {k: v + off[k] for k, v in st.by_kind.items()}
         w.stages.append(Stage(new + st.name.removeprefix(old), sum(by.values()), by))
-    w.by = {k: start[k] + delta[k] for k in KINDS}
-    return g
