@@ -173,11 +173,16 @@ def step_terms(ks: list[Kernel], prof: Profile) -> tuple[list[tuple], float]:
     order) in one pass; a plain memory-bound entry (most of a step's) priced as kernel_terms prices it,
     written out."""
     hbm, launch, gap = prof.hbm_Bps, prof.launch_s, launch_term(prof)
-    efficiency = registry.efficiency
+    efficiency, known = registry.efficiency, registry.known(prof)
     terms, burst = [], 0
     for k in ks:
         if k.kind == "memory" and not k.accumulate:
-            t_m = k.bytes / (hbm * (efficiency(prof, *k.fused) if k.fused else 1.0))
+            f = k.fused
+            if not f:
+                eff = 1.0
+            elif len(f) != 3 or (eff := known.get(f)) is None:  # efficiency's own memo, read first
+                eff = efficiency(prof, *f)
+            t_m = k.bytes / (hbm * eff)
             terms.append((0.0, t_m, "matmul", 0.0, ""))
             t = t_m if t_m > 0.0 else 0.0  # max(0.0, t_m)
         else:
