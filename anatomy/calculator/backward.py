@@ -202,6 +202,9 @@ def _repeat(w: Walk, src: list[Stage], src_layer: int, layer: int, off: dict[str
     two layers' starts: a layer but the first (stages.layer's i == 0) runs the same allocations and frees
     whatever its index, which only names its stages."""
     old, new = f"layer {src_layer} ", f"layer {layer} "
+    moved, total = [(k, b) for k, b in off.items() if b], sum(off.values())  # bytes: exact integers
     for st in src:
-        by = {k: v + off[k] for k, v in st.by_kind.items()}
-        w.stages.append(Stage(new + st.name.removeprefix(old), sum(by.values()), by))
+        by = dict(st.by_kind)
+        for k, b in moved:
+            by[k] += b
+        w.stages.append(Stage(new + st.name.removeprefix(old), st.live + total, by))
