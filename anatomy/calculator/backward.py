@@ -15,11 +15,12 @@ fp32 (B, nh, S, S) score gradients in the last layer, the first MLP of the effic
 elsewhere (validations/test_memory_walk.py: within ±3% on CPU; reports/cpu/claims.json).
 
 Each variant's stages are in their own module (backward_baseline.py, backward_efficient.py). Identical
-layers are walked once: every layer but the first frees the same saved tensors and adds the same
-gradients, so the live bytes of a stage change by the same amount from one layer to the next. The walk
-runs the last two layers and the first two, and shifts the layers between by that step; their largest
-candidate is at one end (a linear function of the layer), so the peak is the full walk's. Stages of the
-skipped layers are not listed.
+layers are walked once: every layer but the first runs the same allocations and frees whatever its index
+(which only names its stages), so its live bytes change by the same amount from one layer to the next and
+its stages are the last layer's shifted by the bytes between their starts. The walk runs the last layer and
+the first, and lists the last two and the first two (layer L - 2's and layer 1's stages as the last
+layer's, shifted); the candidates of the layers between are the same shifted again, their largest at one
+end (a linear function of the layer), so the peak is the full walk's. Stages of those layers are not listed.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ INPUTS = ("embedding.ids", "loss.targets")  # saved, but they are the step's inp
 # what is live, by kind: the same kinds `anatomy forensics` gives each allocation
 KINDS = ("parameter", "input", "optimizer state", "activation", "gradient / backward buffer")
 GRAD = "gradient / backward buffer"
-WALKED_LAYERS = 4  # the last two and the first two; the layers between are shifted, not walked
+WALKED_LAYERS = 4  # stages listed: the last two layers' and the first two's (two walked, two shifted copies)
 _HITS: dict[tuple, list[str]] = {}  # (saved names, free()'s names, keep) -> the saved names matched
 
 
@@ -68,6 +69,12 @@ class Walk:
                 if s.name not in INPUTS:
                     self.one[s.name] = rnd(prod(s.shape) * BYTES[s.dtype])
         self._names = tuple(self.one)
+        self._remade: dict[str, list[tuple[str, int]]] = {}  # remake's tensors, sized once per walk
+        self._hits: dict[tuple, list[str]] = {}  # free()'s matches for the present names
+        self._norm: int | None = None  # free_norm's bytes for the present sizes
+        from anatomy.calculator.memory import BLOCK, rounded  # (memory imports this module)
+
+        self.blocks = BLOCK if rnd is rounded else 0  # the CUDA allocator's rounding, which alloc writes out
 
     @property
     def live(self) -> int:
@@ -75,17 +82,21 @@ class Walk:
 
     def peak(self, name: str, *transients: int, kind: str = GRAD) -> None:
         by = dict(self.by)
-        for t in transients:
-            by[kind] += self.rnd(t)
+        if transients:
+            rnd = self.rnd
+            for t in transients:
+                by[kind] += rnd(t)
         self.stages.append(Stage(name, sum(by.values()), by))
 
     def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:
         """Free one instance of each saved tensor named (a name ending in '.' or '_' is a prefix),
         once per layer (begin() starts a layer)."""
-        key = (self._names, names, keep)
-        if (hits := _HITS.get(key)) is None:  # the same names recur in every layer and every walk
-            hits = _HITS[key] = [n for n in self.one if not n.startswith(keep) and
-                                      any(n == x or (x[-1] in "._" and n.startswith(x)) for x in names)]
+        if (hits := self._hits.get((names, keep))) is None:  # this walk's matches, for its present names
+            key = (self._names, names, keep)
+            if (hits := _HITS.get(key)) is None:  # the same names recur in every layer and every walk
+                hits = _HITS[key] = [n for n in self.one if not n.startswith(keep) and
+                                     any(n == x or (x[-1] in "._" and n.startswith(x)) for x in names)]
+            self._hits[(names, keep)] = hits
         for n in hits:
             if n not in self.freed:
                 self.freed.add(n)
@@ -93,30 +104,42 @@ class Walk:
 
     def free_norm(self) -> None:
         """One RMSNorm instance's saved tensors (2 per layer + the final one share the names)."""
-        self.by["activation"] -= sum(b for n, b in self.one.items() if n.startswith("norm."))
+        if self._norm is None:
+            self._norm = sum(b for n, b in self.one.items() if n.startswith("norm."))
+        self.by["activation"] -= self._norm
 
     def begin(self) -> None:
         self.freed = set()
 
-    def remake(self, saved) -> None:
-        """A checkpoint's recompute makes these saved tensors again (one instance each), as activations."""
-        for s in saved:
-            self.one[s.name] = b = self.rnd(prod(s.shape) * BYTES[s.dtype])
+    def remake(self, what: str, saved) -> None:
+        """A checkpoint's recompute makes these saved tensors again (one instance each), as activations. saved:
+        a function giving them, called once per walk (every layer remakes the same); what names it."""
+        if (sized := self._remade.get(what)) is None:
+            sized = self._remade[what] = [(s.name, self.rnd(prod(s.shape) * BYTES[s.dtype])) for s in saved()]
+        one, new = self.one, False
+        for n, b in sized:
+            new = new or n not in one
+            one[n] = b
             self.by["activation"] += b
-        self._names = tuple(self.one)  # a remade name may be new to free()'s matches
+        self._norm = None
+        if new:
+            self._names, self._hits = tuple(one), {}  # a remade name may be new to free()'s matches
 
     def alloc(self, *nbytes: int) -> None:
         """Allocate gradients or backward buffers of these sizes; a negative size frees one (each
         rounded on its own)."""
-        rnd, total = self.rnd, 0
-        for b in nbytes:
-            total += rnd(b) if b >= 0 else -rnd(-b)
+        total, block = 0, self.blocks
+        if block:  # memory.rounded, written out: whole blocks, at least one (0 for 0)
+            for b in nbytes:
+                if b > 0:
+                    total -= (-b // block) * block
+                elif b < 0:
+                    total += (b // block) * block
+        else:
+            rnd = self.rnd
+            for b in nbytes:
+                total += rnd(b) if b >= 0 else -rnd(-b)
         self.by[GRAD] += total
-
-    def shift(self, delta: dict[str, int], n: int) -> None:
-        """n identical layers' change of the live bytes, applied without walking them."""
-        for k in KINDS:
-            self.by[k] += n * delta[k]
 
     # ---- the stages both variants share ----------------------------------------------------------------
     def linear(self, tag: str, din: int, dout: int, grad_out: int, *saved: str, to_residual: bool = False) -> int:
@@ -158,14 +181,30 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
     g = stages.loss(w)
     g = stages.norm(w, "final norm", g)
     L = cfg.layers
-    order = range(L - 1, -1, -1) if every_layer or L <= WALKED_LAYERS else (L - 1, L - 2, 1, 0)
-    delta: dict[str, int] = {}
-    for i, layer in enumerate(order):
-        if i == 2 and order[1] - layer > 1:  # the layers between the last two and the first two
-            w.shift(delta, order[1] - layer - 1)
-        before = dict(w.by)
-        g = stages.layer(w, layer, g)
-        if i == 1:
-            delta = {k: w.by[k] - before[k] for k in KINDS}  # one layer's change (not the first layer's)
+    if not every_layer and L > WALKED_LAYERS:  # layers L - 1, L - 2 and 1 as one walk of L - 1, then 0
+        start, first = dict(w.by), len(w.stages)
+        g = stages.layer(w, L - 1, g)
+        src = w.stages[first:]
+        delta = {k: w.by[k] - start[k] for k in KINDS}  # one layer's change
+        for layer, n in ((L - 2, 1), (1, L - 2)):  # n: the layers walked before it
+            _repeat(w, src, L - 1, layer, {k: n * delta[k] for k in KINDS})
+        w.by = {k: start[k] + (L - 1) * delta[k] for k in KINDS}  # after layer 1
+        g = stages.layer(w, 0, g)
+    else:
+        for layer in range(L - 1, -1, -1):
+            g = stages.layer(w, layer, g)
     stages.embedding(w)
     return w.stages
+
+
+def _repeat(w: Walk, src: list[Stage], src_layer: int, layer: int, off: dict[str, int]) -> None:
+    """Layer `layer`'s stages as layer `src_layer`'s (src), each shifted by `off`, the live bytes between the
+    two layers' starts: a layer but the first (stages.layer's i == 0) runs the same allocations and frees
+    whatever its index, which only names its stages."""
+    old, new = f"layer {src_layer} ", f"layer {layer} "
+    moved, total = [(k, b) for k, b in off.items() if b], sum(off.values())  # bytes: exact integers
+    for st in src:
+        by = dict(st.by_kind)
+        for k, b in moved:
+            by[k] += b
+        w.stages.append(Stage(new + st.name.removeprefix(old), st.live + total, by))

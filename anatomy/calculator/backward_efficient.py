@@ -63,7 +63,7 @@ def layer(w, i: int, g: int) -> int:
     if w.recompute == "full":  # the down matmul's backward asks for its input: the block runs again
         rerun_block(w, tag)
     elif w.recompute == "mlp":  # the down matmul's backward asks for its input: the checkpoint re-runs the
-        w.remake(efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
+        w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
     gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
     # swiglu_packed's backward writes d(gate_up) into the saved gate_up storage: the same (T, 2I) bytes
     # change kind from activation to gradient, and nothing is allocated
@@ -94,7 +94,7 @@ def layer(w, i: int, g: int) -> int:
     w.peak(tag + "attention.rope")
     w.alloc(-kv_exp, -kv, -kv)
     if w.recompute == "mlp":  # the qkv matmul's backward asks for its input: the norm runs again
-        w.remake(linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))
+        w.remake("qkv", lambda: linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))
     gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.")
     if i == 0:
         w.free("attention.rope_")  # the tables are shared by every layer
@@ -111,11 +111,11 @@ def rerun_block(w, tag: str) -> None:
     residual sum while attention's output lives."""
     T, H, c, r = w.T, w.H, w.c, w.r
     D = (w.nh + 2 * w.nkv) * w.hd
-    w.remake(linears_saved("attention", T, H, {"qkv": D}, w.dt, 1, w.dt.compute)
+    w.remake("block", lambda: linears_saved("attention", T, H, {"qkv": D}, w.dt, 1, w.dt.compute)
              + sdpa_o_saved(w.cfg, w.run, w.est.device, 1))
     w.peak(tag + "recompute attention.o", T * D * c, T * H * c, kind="activation")
     w.peak(tag + "recompute residual add", T * H * c, T * H * r, kind="activation")
-    w.remake(efficient_saved(w.cfg, w.run, recomputed=True))
+    w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))
 
 
 def embedding(w) -> None:

@@ -23,6 +23,7 @@ references whose fp32 chunk temporaries (torch's logsumexp and softmax internals
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from math import prod
 
 from anatomy.calculator import estimate
@@ -54,6 +55,28 @@ def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int
     else:
         layer = [H, H * H, *qb, kv * H, *kb, kv * H, *kb, H * H, H, I * H, I * H, H * I]
     return [(cfg.vocab * H, 1)] + [(n, L) for n in layer] + [(H, 1)] + ([] if cfg.tie_embeddings else [(cfg.vocab * H, 1)])
+
+
+def _exact(nbytes: int) -> int:
+    return nbytes
+
+
+@lru_cache(maxsize=256)
+def model_state_bytes(cfg: ModelConfig, variant: str, param_dtype: str, optimizer: str | None,
+                      cuda: bool) -> tuple[int, int]:
+    """(parameters, optimizer state) in bytes, each tensor rounded on CUDA: they follow the model, never the
+    micro-batch or sequence, so they are summed once per model, variant, dtype and optimizer."""
+    rnd = rounded if cuda else _exact
+    tensors = param_tensors(cfg, variant)
+    params = sum(rnd(n * BYTES[param_dtype]) * k for n, k in tensors)
+    opt = 0
+    if optimizer:
+        per = state_breakdown(optimizer)
+        # AdamW keeps its moments in the parameter's dtype; AdEMAMix keeps fp32 (calculator.optimizer)
+        scale = BYTES[param_dtype] / 4 if optimizer == "adamw" else 1
+        opt = sum(rnd(int(n * b * scale)) * k for n, k in tensors for b in per.values())
+        opt += sum(k for _, k in tensors) * rnd(4) if optimizer == "adamw" else 0  # torch's 0-dim fp32 `step` per tensor
+    return params, opt
 
 
 def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
@@ -155,17 +178,9 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     the last two and the first two: backward.walk). est: the calculator's estimate of this run on this
     device, where the caller has it."""
     dt = dtypes(run)
-    rnd = rounded if device == "cuda" else (lambda n: n)
-    tensors = param_tensors(cfg, variant)
-    params = sum(rnd(n * BYTES[dt.param]) * k for n, k in tensors)
+    rnd = rounded if device == "cuda" else _exact
+    params, opt = model_state_bytes(cfg, variant, dt.param, optimizer, device == "cuda")
     inputs = 2 * rnd(8 * run.tokens)
-    opt = 0
-    if optimizer:
-        per = state_breakdown(optimizer)
-        # AdamW keeps its moments in the parameter's dtype; AdEMAMix keeps fp32 (calculator.optimizer)
-        scale = BYTES[dt.param] / 4 if optimizer == "adamw" else 1
-        opt = sum(rnd(int(n * b * scale)) * k for n, k in tensors for b in per.values())
-        opt += sum(k for _, k in tensors) * rnd(4) if optimizer == "adamw" else 0  # torch's 0-dim fp32 `step` per tensor
     est = est or estimate(cfg, run, variant, device=device)
     saved = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for c in est.components.values() for s in c.saved
                 if s.name not in INPUTS)

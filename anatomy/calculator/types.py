@@ -74,7 +74,8 @@ class Estimate:
             "memory": {"saved": {
                 "total": sum(saved.values()),
                 "by_component": saved,
-                "tensors": [dict(s.to_dict(), component=c.name, bytes=s.bytes) for c in comps for s in c.saved],
+                "tensors": [dict(name=s.name, shape=s.shape, dtype=s.dtype, count=s.count, why=s.why, component=c.name,
+                                 bytes=s.bytes) for c in comps for s in c.saved],  # Saved.to_dict, and more
             }},
             "components": {c.name: {
                 "instances": c.instances, "params": c.params,

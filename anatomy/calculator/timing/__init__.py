@@ -13,7 +13,8 @@ estimate_time(cfg, run, variant, gpu) reads top to bottom:
                         its compute at the power-limited clock (Profile.sustained_ratio)
   4. predict            each kernel on the roofline (roofline.time_kernel; calibrated ops through
                         registry.efficiency), its host cost (host.host_seconds), and the host/GPU pipeline
-                        (pipeline.py: closed form over identical layers)
+                        (pipeline.py: closed form over identical layers); the order, host figures and
+                        pipeline blocks a model fixes are laid out once per model (layout.py)
 
 Assumptions (docs/timing.md lists each with its error):
   1. Kernels on one stream run back to back: no overlap between kernels.
@@ -28,6 +29,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from anatomy.calculator import Estimate, estimate
+import anatomy.calculator.timing.layout as layout
 import anatomy.calculator.timing.pipeline as pipeline
 from anatomy.calculator.timing.host import at_host_speed, host_scale, host_seconds, in_situ
 from anatomy.calculator.timing.kernels import (SDPA_BACKENDS, VARIANTS, kernels, optimizer_kernels,
@@ -38,13 +40,12 @@ from anatomy.calculator.timing.ops import Kernel
 from anatomy.calculator.timing.lookup import get, names
 from anatomy.calculator.timing.profile import Profile, from_dict
 from anatomy.calculator.timing.registry import efficiency as fused_efficiency
-from anatomy.calculator.timing.roofline import (burst_seconds, kernel_terms, launch_term, regime_speeds, row,
+from anatomy.calculator.timing.roofline import (kernel_terms, launch_term, regime_speeds, row, step_terms,
                                                 sustained_weight, time_kernel, timed)
 from anatomy.config import ModelConfig, Run
 
 PHASES = ("forward", "backward", "optimizer")
 _RANK = {ph: i for i, ph in enumerate(PHASES)}
-_KEY = {ph: f"{ph}_s" for ph in PHASES}
 __all__ = ["estimate_time", "breakdown_table", "predict", "get", "names", "Profile", "Kernel", "kernels",
            "baseline_kernels", "efficient_kernels", "optimizer_kernels", "standalone_kernels", "param_sizes",
            "time_kernel", "sustained_weight", "step_weight", "fused_efficiency", "host_seconds", "host_scale",
@@ -57,10 +58,10 @@ def step_weight(ks: list[Kernel], prof: Profile, terms: list[tuple] | None = Non
     kernel's roofline.kernel_terms, where the caller has them."""
     terms = terms or [kernel_terms(k, prof) for k in ks]
     launch, gap, burst = prof.launch_s, launch_term(prof), 0
-    for (t_c, t_m, *_), k in zip(terms, ks):  # roofline.burst_seconds, written out
+    for tr, k in zip(terms, ks):  # roofline.burst_seconds, written out
         if k.kind == "host":
             continue
-        t = max(t_c, t_m)
+        t = max(tr[0], tr[1])
         burst += (t + (launch if launch > t else gap)) * k.count
     return sustained_weight(burst, prof.sustained_tau_s) if prof.sustained_ratio else 0.0, burst
 
@@ -115,31 +116,16 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     prof = get(gpu)  # 1. the GPU: a datasheet or a calibrated profile (profile.py)
     ks = kernels(cfg, run, variant, sdpa_backend, optimizer)  # 2. every kernel the step launches (kernels*.py)
     scale = host_scale(prof, variant, sdpa_backend)  # 3. the host's in-step factor (host.py)
-    terms = [kernel_terms(k, prof) for k in ks]  # 4. each kernel on the roofline at burst rates (roofline.py)
-    weight, burst_s = step_weight(ks, prof, terms)  # 5. the sustained-load regime, from the step's length
+    terms, burst_s = step_terms(ks, prof)  # 4. each kernel on the roofline at burst rates (roofline.py)
+    # 5. the sustained-load regime, from the step's length (step_weight)
+    weight = sustained_weight(burst_s, prof.sustained_tau_s) if prof.sustained_ratio else 0.0
+    # 6. the kernels at the step's regime and the host/GPU pipeline over the step (pipeline.py), in the order,
+    # host seconds and blocks the model fixes (layout.py: prepared once per model, not per micro-batch)
+    lay = layout.of(ks, prof, scale, layout.key(cfg, run, variant, sdpa_backend, optimizer))
+    timed_ks, gpu_s, blocks, comps, phases = layout.timed(ks, lay, prof, weight, terms, cfg.layers)
+    steps = pipeline.compose(blocks, [k for k, _, _ in timed_ks], gpu_s)
     clock = pipeline.Clock()
-    # 6. the kernels at the step's regime and the host/GPU pipeline over the step (pipeline.py)
-    timed_ks = _timed(ks, prof, scale, weight, terms)
-    segs, steady = _pipeline(timed_ks, cfg.layers, clock)
-    comps: dict[str, dict] = {}
-    phases = {ph: dict(gpu_s=0.0, host_s=0.0, kernels=0) for ph in PHASES}
-    for k, t, host in timed_ks:
-        # roofline.row's time_s; a host-only entry launches nothing
-        time_s, n = t[3] * k.count, 0 if k.kind == "host" else k.count
-        c = comps.get(k.component)
-        if c is None:
-            c = comps[k.component] = dict({_KEY[ph]: 0.0 for ph in PHASES}, kernels=0,
-                                          bound_s=dict(compute=0.0, memory=0.0, launch=0.0))
-        c[_KEY[k.phase]] += time_s
-        c["kernels"] += n
-        if n:
-            c["bound_s"][t[4]] += time_s
-        ph = phases[k.phase]
-        ph["gpu_s"] += time_s
-        ph["host_s"] += host
-        ph["kernels"] += n
-    for c in comps.values():
-        c["total_s"] = sum(c[_KEY[ph]] for ph in PHASES)
+    segs, steady = pipeline.simulate(None, cfg.layers, clock, steps), pipeline.steady(None, cfg.layers, steps)
     fb = sum(sg["time_s"] for sg in segs if sg["phase"] != "optimizer")
     opt = sum(sg["time_s"] for sg in segs if sg["phase"] == "optimizer")
     est = est or estimate(cfg, run, variant, "cuda")  # FLOPs under both conventions, for MFU

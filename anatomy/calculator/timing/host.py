@@ -32,17 +32,23 @@ def host_seconds(kern: Kernel, prof: Profile) -> float:
     """CPU seconds to issue this entry's launches (all `count` of them, or its `calls` host calls)."""
     if kern.host is None:
         return 0.0
-    calls = kern.count if kern.calls is None else kern.calls
+    return (kern.count if kern.calls is None else kern.calls) * host_call_s(kern, prof)
+
+
+def host_call_s(kern: Kernel, prof: Profile) -> float:
+    """CPU seconds of one host call of this entry (0.0 for an entry issued inside another's call)."""
+    if kern.host is None:
+        return 0.0
     if kern.host == "op":
-        return calls * prof["host_op_s"]
+        return prof["host_op_s"]
     op, phase = kern.host.split(".")
     if op in ("optimizer_call", "optimizer_launch"):  # phase: the implementation
         fitted = (prof.get("optimizer_host") or {}).get(phase)
         if op == "optimizer_launch":  # inside the measured call; without it, one eager op each
-            return 0.0 if fitted else calls * prof["host_op_s"]
+            return 0.0 if fitted else prof["host_op_s"]
         return optimizer_call_seconds(fitted, kern.shape[0]) if fitted else 0.0
     t = prof["host_custom_s"].get(op, {}).get(phase)
-    return calls * (t if t is not None else (kern.host_ops or CUSTOM_FALLBACK_OPS) * prof["host_op_s"])
+    return t if t is not None else (kern.host_ops or CUSTOM_FALLBACK_OPS) * prof["host_op_s"]
 
 
 def optimizer_call_seconds(fitted: dict, tensors: int) -> float:

@@ -3,6 +3,8 @@ then the optimizer; and one fused op on its own, as bench/kernels.py times it.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.optimizer import implementation, of_implementation, step_bytes_moved
 from anatomy.calculator.timing.kernels_baseline import baseline_kernels
@@ -60,6 +62,13 @@ def foreach_launches(sizes: dict[int, int]) -> int:
 
 
 def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str = "ademamix") -> list[Kernel]:
+    """One optimizer step's kernels (_optimizer_kernels): they follow the parameters, never the micro-batch or
+    sequence, so they are built once per model, variant, optimizer and parameter dtype."""
+    return list(_optimizer_kernels(cfg, BYTES[dtypes(run).param], variant, optimizer))
+
+
+@lru_cache(maxsize=256)
+def _optimizer_kernels(cfg: ModelConfig, pb: int, variant: str, optimizer: str) -> tuple[Kernel, ...]:
     """One optimizer step, for the implementation the step runs (calculator/optimizer.py:
     implementation(optimizer, variant), what `anatomy train` builds on CUDA; an implementation name picks
     one directly), each timed from the bytes it moves (optimizer_step_bytes):
@@ -74,7 +83,6 @@ def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str =
     measured its call (Profile.optimizer_host): then one host-only entry first, the call (shape: its
     tensors), holds the host time of the whole step, and its launches none (they are inside the call)."""
     impl = implementation(optimizer, variant)
-    pb = BYTES[dtypes(run).param]
     cast = pb != 4
     sizes = param_sizes(cfg, variant)
     if impl == "ademamix-foreach":
@@ -86,7 +94,7 @@ def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str =
         if cast:  # g.to(fp32), p.to(fp32): a launch each per tensor
             out += [Kernel(f"optimizer.ademamix_foreach.cast[{numel}]", "optimizer", "optimizer", "memory", 2 * n, 0,
                            6 * numel) for numel, n in sorted(sizes.items())]
-        return out
+        return tuple(out)
     name = "adamw_fused" if impl == "adamw" else impl.replace("-", "_")
     out, host = [], "op"
     if impl == "ademamix-compiled":  # the call's host time, before its first kernel (host.optimizer_call_seconds)
@@ -102,7 +110,7 @@ def optimizer_kernels(cfg: ModelConfig, run: Run, variant: str, optimizer: str =
         else:
             out.append(Kernel(f"optimizer.{name}[{numel}]", "optimizer", "optimizer", "memory", n, 0, nbytes,
                               host=host, fused=(f"optimizer.{of_implementation(impl)}", numel)))
-    return out
+    return tuple(out)
 
 
 def kernels(cfg: ModelConfig, run: Run, variant: str, sdpa_backend: str | None = None,

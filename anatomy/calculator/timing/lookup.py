@@ -72,12 +72,17 @@ _LOADED: dict[tuple, Profile] = {}  # (path, mtime, size) -> Profile: a file is 
 def load(path: str | Path) -> Profile:
     """A measured profile file, validated (check_measured) and built (fit.from_measured); cached per file
     version, so a sweep of estimates reads and fits it once."""
+    try:  # one stat: no path resolution, no Path object, per call
+        st = os.stat(path)
+        key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+        if key in _LOADED:
+            return _LOADED[key]
+    except (OSError, TypeError, ValueError):
+        pass  # the same error, said as below
     p = Path(path)
     try:
         st = p.stat()
-        key = (str(p.absolute()), st.st_mtime_ns, st.st_size)  # one stat: no path resolution per call
-        if key in _LOADED:
-            return _LOADED[key]
+        key = (os.path.abspath(p), st.st_mtime_ns, st.st_size)
         raw = p.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read gpu profile {str(path)!r}: {e.strerror or e}") from None

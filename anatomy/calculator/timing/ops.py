@@ -45,6 +45,11 @@ class Kernel(NamedTuple):
     op_phase: str = ""  # sdpa: the kernel's own pass where it is not `phase` (a recompute's forward in backward)
 
 
+_tuple_new = tuple.__new__
+assert Kernel._fields == ("name", "component", "phase", "kind", "count", "flops", "bytes", "shape", "dtype", "backend",
+                          "host", "calls", "host_ops", "loop", "sync", "order", "fused", "accumulate", "op_phase")
+
+
 class Ops:
     """Collects kernels; sizes in elements are turned into bytes with the policy's dtypes."""
 
@@ -54,17 +59,20 @@ class Ops:
         self.c, self.r, self.p = BYTES[self.dt.compute], BYTES[self.dt.residual], BYTES[self.dt.param]
         self.amp = self.dt.autocast
 
-    def mem(self, name, comp, phase, read, write, count=1, host="op", sync=False, order=1, fused=(), **kw):
+    def mem(self, name, comp, phase, read, write, count=1, host="op", sync=False, order=1, fused=(), calls=None,
+            host_ops=0, loop=False):
         """A memory-bound kernel launched `count` times, each reading and writing these bytes."""
-        self.k.append(Kernel(name, comp, phase, "memory", count, 0, int(read + write), host=host, sync=sync,
-                             order=order, fused=fused, **kw))
+        # Kernel(...) with these fields, made as its tuple (a step's lists make a hundred of these per estimate)
+        self.k.append(_tuple_new(Kernel, (name, comp, phase, "memory", count, 0, int(read + write), (), "bfloat16", "",
+                                          host, calls, host_ops, loop, sync, order, fused, False, "")))
 
     def mm(self, name, comp, phase, m, n, k, count=1, batch=1, out=None, extra=0, host="op", order=1,
-           accumulate=False, **kw):
+           accumulate=False, host_ops=0, loop=False):
         c = self.c
         nbytes = batch * ((m * k + k * n) * c + m * n * (out or c)) + extra
-        self.k.append(Kernel(name, comp, phase, "matmul", count, 2 * batch * m * n * k, nbytes,
-                             (batch, m, n, k), self.dt.compute, host=host, order=order, accumulate=accumulate, **kw))
+        self.k.append(_tuple_new(Kernel, (name, comp, phase, "matmul", count, 2 * batch * m * n * k, nbytes,
+                                          (batch, m, n, k), self.dt.compute, "", host, None, host_ops, loop, False,
+                                          order, (), accumulate, "")))
 
     def linear(self, name, comp, d_in, d_out, count, in_bytes=None, order=(1, 1), bias=False):
         """An nn.Linear on T tokens. Under autocast an fp32 input is cast per call (in_bytes=4) and

@@ -27,13 +27,6 @@ _NONE = float("-inf")
 IDENTITY = (0.0, _NONE, 0.0)  # (a, b, host seconds): d -> max(d + a, b)
 
 
-def compose(m1: tuple, m2: tuple) -> tuple:
-    """m1, then m2."""
-    a1, b1, h1 = m1
-    a2, b2, h2 = m2
-    return a1 + a2, max(b1 + a2, b2), h1 + h2
-
-
 def power(m: tuple, n: int) -> tuple:
     """m applied n times: d -> max(d + n a, b + max(0, (n - 1) a))."""
     if n <= 0:
@@ -96,30 +89,80 @@ def _chunked(entries: list) -> list[tuple[list, int]]:
     return out
 
 
-def plan(entries: list, layers: int) -> dict[str, list[tuple]]:
-    """{phase: [(first kernel, map, GPU seconds, host seconds, blocks)]}: each block of launch_order composed
-    once into its map over all its repeats; simulate and steady walk these."""
-    out, by_phase = {}, {phase: [] for phase in PHASES}
-    for e in entries:  # one pass: launch_order then reads its phase's entries only
-        by_phase[e.kernel.phase].append(e)
-    for phase in PHASES:
+def layout(kernels: list, layers: int) -> dict[str, list[tuple[list[tuple[int, int]], int]]]:
+    """{phase: [(block, repeats)]}: launch_order of each phase over these kernels (ops.Kernel), a block being
+    [(index into kernels, launches)]. It reads only what fixes the order (phase, order, count, sync, loop), so
+    one layout serves every micro-batch of a model (timing.layout caches it)."""
+    by_phase = {phase: [] for phase in PHASES}
+    for i, k in enumerate(kernels):  # one pass: launch_order then reads its phase's entries only
+        by_phase[k.phase].append(_Slot(k, i))
+    return {phase: [([(e.i, n) for e, n in block], reps) for block, reps in launch_order(by_phase[phase], phase, layers)]
+            for phase in PHASES}
+
+
+class _Slot:
+    """An entry of launch_order: a kernel and its index."""
+    __slots__ = ("kernel", "i")
+
+    def __init__(self, kernel, i: int):
+        self.kernel, self.i = kernel, i
+
+
+def prepare(lay: dict, host_s: list[float]) -> dict[str, list[tuple]]:
+    """{phase: [(block as [(index, launches, host seconds per launch)], repeats, its first index, the host
+    seconds of its map, its host seconds)]}: what compose takes from the host side of a layout, which the
+    GPU seconds do not change (kept with a layout's count pattern: timing/layout.py)."""
+    out = {}
+    for phase, blocks in lay.items():
         steps = []
-        for block, reps in launch_order(by_phase[phase], phase, layers):
-            m, gpu, host = IDENTITY, 0.0, 0.0
-            for e, n in block:  # m = compose(m, launch(e.gpu_s, e.host_s, n)), written out
-                g, h = e.gpu_s, e.host_s
-                if n > 0:
-                    a = g - h
-                    la, lb, lh = n * a, g + max(0.0, (n - 1) * a), n * h
-                else:
-                    la, lb, lh = IDENTITY
-                m = (m[0] + la, max(m[1] + la, lb), m[2] + lh)
-                gpu += n * g
+        for block, reps in blocks:
+            m2, host, pairs = 0.0, 0.0, []
+            for i, n in block:  # compose's host terms, in its order
+                h = host_s[i]
+                m2 += n * h if n > 0 else 0.0
                 host += n * h
-            a, b, h = power(m, reps)
-            steps.append((block[0][0].kernel, (a, b, h), reps * gpu, reps * host, len(block)))
+                pairs.append((i, n, h))
+            steps.append((pairs, reps, block[0][0], m2, host))
         out[phase] = steps
     return out
+
+
+def compose(prepared: dict, kernels: list, gpu_s: list[float]) -> dict[str, list[tuple]]:
+    """{phase: [(first kernel, map, GPU seconds, host seconds, blocks)]}: each block of a prepared layout
+    composed once into its map over all its repeats, from each kernel's GPU seconds per launch; simulate and
+    steady walk these."""
+    out = {}
+    for phase, blocks in prepared.items():
+        steps = []
+        for pairs, reps, first, m2, host in blocks:
+            m0, m1, gpu = 0.0, _NONE, 0.0  # IDENTITY
+            for i, n, h in pairs:  # m = compose(m, launch(gpu_s[i], h, n)), written out
+                g = gpu_s[i]
+                if n > 0:  # max(x, y) written `y if y > x else x`: the same value, without a call
+                    a = g - h
+                    la = n * a
+                    x = (n - 1) * a
+                    y = g + (x if x > 0.0 else 0.0)
+                    x = m1 + la
+                    m0, m1 = m0 + la, y if y > x else x
+                else:
+                    m0, m1 = m0 + 0.0, max(m1 + 0.0, _NONE)
+                gpu += n * g
+            steps.append((kernels[first], power((m0, m1, m2), reps), reps * gpu, reps * host, len(pairs)))
+        out[phase] = steps
+    return out
+
+
+def compose_layout(lay: dict, kernels: list, gpu_s: list[float], host_s: list[float]) -> dict[str, list[tuple]]:
+    """compose over prepare: a layout's blocks composed from each kernel's GPU and host seconds per launch."""
+    return compose(prepare(lay, host_s), kernels, gpu_s)
+
+
+def plan(entries: list, layers: int) -> dict[str, list[tuple]]:
+    """compose_layout over layout(): each block of launch_order composed once into its map over all its
+    repeats. Each entry has .kernel, .gpu_s and .host_s (per launch)."""
+    ks = [e.kernel for e in entries]
+    return compose_layout(layout(ks, layers), ks, [e.gpu_s for e in entries], [e.host_s for e in entries])
 
 
 class Clock:
@@ -147,21 +190,30 @@ def simulate(entries: list, layers: int, clock: Clock | None = None, steps: dict
     steps: plan(entries, layers), where the caller has it."""
     clk, segs = clock or Clock(), []
     steps = steps or plan(entries, layers)
+    h, g, walked, seg, seg_opt = clk.h, clk.g, clk.walked, None, False
     for phase in PHASES:
+        opt = phase == "optimizer"
         for k, m, gpu, host, n in steps[phase]:
-            if not segs or k.sync or (phase == "optimizer") != (segs[-1]["phase"] == "optimizer"):
-                clk.meet()
-                segs.append(dict(phase=phase, starts_at=k.name, gpu_s=0.0, host_s=0.0, start=clk.h))
-            clk.run(m)
-            clk.walked += n
-            segs[-1]["gpu_s"] += gpu
-            segs[-1]["host_s"] += host
-            segs[-1]["end"] = max(clk.g, clk.h)
-    for sg in segs:
-        sg["time_s"] = sg.pop("end") - sg.pop("start")
-        sg["idle_s"] = max(0.0, sg["time_s"] - sg["gpu_s"])
-        sg["bound"] = "host" if sg["host_s"] > sg["gpu_s"] else "gpu"
-    return segs
+            if seg is None or k.sync or opt != seg_opt:
+                h = g = g if g > h else h  # Clock.meet: max(h, g)
+                seg, seg_opt = [phase, k.name, 0.0, 0.0, h, h], opt  # phase, starts_at, gpu_s, host_s, start, end
+                segs.append(seg)
+            a, b, dh = m  # Clock.run, written out (max(x, y) as `y if y > x else x`)
+            d = g - h + a
+            d = b if b > d else d
+            h += dh
+            g = h + d
+            walked += n
+            seg[2] += gpu
+            seg[3] += host
+            seg[5] = h if h > g else g
+    clk.h, clk.g, clk.walked = h, g, walked
+    out = []
+    for phase, starts_at, gpu, host, start, end in segs:
+        time_s = end - start
+        out.append(dict(phase=phase, starts_at=starts_at, gpu_s=gpu, host_s=host, time_s=time_s,
+                        idle_s=max(0.0, time_s - gpu), bound="host" if host > gpu else "gpu"))
+    return out
 
 
 def steady(entries: list, layers: int, steps: dict | None = None) -> dict:
@@ -172,15 +224,18 @@ def steady(entries: list, layers: int, steps: dict | None = None) -> dict:
     stamped when the GPU reaches it, max(GPU, h); forward_backward is from the step's start to after its
     backward, step to after its optimizer. The second of two simulated steps is reported (the first starts
     on an idle GPU, as bench/step.py's synchronized steps do: simulate())."""
-    clk = Clock()
     steps = steps or plan(entries, layers)
+    h = g = 0.0  # a Clock's, written out
     for _ in range(2):
-        t0 = max(clk.g, clk.h)
+        t0 = max(g, h)
         for phase in PHASES:
             if phase == "optimizer":
-                t1 = max(clk.g, clk.h)
-            for k, m, *_ in steps[phase]:
+                t1 = max(g, h)
+            for k, (a, b, dh), *_ in steps[phase]:
                 if k.sync:
-                    clk.meet()
-                clk.run(m)
-    return dict(forward_backward_s=t1 - t0, step_s=max(clk.g, clk.h) - t0)
+                    h = g = g if g > h else h  # max(h, g)
+                d = g - h + a  # max(g - h + a, b)
+                d = b if b > d else d
+                h += dh
+                g = h + d
+    return dict(forward_backward_s=t1 - t0, step_s=max(g, h) - t0)

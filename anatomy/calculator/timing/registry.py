@@ -128,6 +128,12 @@ def efficiency(prof, name: str, width: int, rows: int | None = None) -> float:
 MEMO_SIZE = 1 << 16  # results kept per profile: far more than the (op, width, rows) of a sweep's shapes
 
 
+def known(prof) -> dict:
+    """efficiency's results so far on this profile, keyed by (name, width, rows): a caller with a kernel's
+    three-part `fused` reads it there before calling efficiency."""
+    return _memo(prof)
+
+
 def _memo(prof) -> dict:
     """A per-profile cache of the prepared tables and of efficiency's results (a Profile is frozen: its rows
     never change)."""

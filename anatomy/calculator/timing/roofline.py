@@ -168,6 +168,33 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
     return t_c, t_m, "attention" if kern.kind == "sdpa" else "matmul", rate, note
 
 
+def step_terms(ks: list[Kernel], prof: Profile) -> tuple[list[tuple], float]:
+    """([kernel_terms of each kernel], the kernels' GPU seconds at burst rates: burst_seconds summed in list
+    order) in one pass; a plain memory-bound entry (most of a step's) priced as kernel_terms prices it,
+    written out."""
+    hbm, launch, gap = prof.hbm_Bps, prof.launch_s, launch_term(prof)
+    efficiency, known = registry.efficiency, registry.known(prof)
+    terms, burst = [], 0
+    for k in ks:
+        if k.kind == "memory" and not k.accumulate:
+            f = k.fused
+            if not f:
+                eff = 1.0
+            elif len(f) != 3 or (eff := known.get(f)) is None:  # efficiency's own memo, read first
+                eff = efficiency(prof, *f)
+            t_m = k.bytes / (hbm * eff)
+            terms.append((0.0, t_m, "matmul", 0.0, ""))
+            t = t_m if t_m > 0.0 else 0.0  # max(0.0, t_m)
+        else:
+            tr = kernel_terms(k, prof)
+            terms.append(tr)
+            if k.kind == "host":  # host work alone: no GPU time, no launch (burst_seconds)
+                continue
+            t = tr[1] if tr[1] > tr[0] else tr[0]  # max(t_c, t_m)
+        burst += (t + (launch if launch > t else gap)) * k.count
+    return terms, burst
+
+
 def burst_seconds(terms: tuple, kern: Kernel, prof: Profile) -> float:
     """A kernel's time (x count) at burst rates, from its kernel_terms."""
     if kern.kind == "host":
