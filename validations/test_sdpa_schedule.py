@@ -62,6 +62,29 @@ def test_more_heads_never_finish_sooner(bh, seq, phase):
     assert sdpa_schedule.makespan_units(bh + 1, seq, SMS, 1.0, phase) >= a - 1e-9
 
 
+@settings(max_examples=30, deadline=None)
+@given(order=st.lists(st.integers(1, 120), min_size=2, max_size=8), seq=st.sampled_from([512, 2048]),
+       ratio=st.floats(0.05, 10), phase=st.sampled_from(sdpa_schedule.PHASES))
+def test_a_resumed_schedule_is_the_schedule_from_the_start(order, seq, ratio, phase):
+    """makespan_units resumes a larger grid from the largest of its shape already scheduled: in any order of
+    asks, every figure equals greedy scheduling from empty slots, to the bit."""
+    import heapq
+
+    def fresh(bh):
+        work = [ratio + w for w in sdpa_schedule.cta_work(seq, phase)]
+        if bh * len(work) <= SMS:
+            return max(work)
+        slots = [0.0] * SMS
+        for _ in range(bh):
+            for w in work:
+                heapq.heapreplace(slots, slots[0] + w)
+        return max(slots)
+
+    sdpa_schedule.makespan_units.cache_clear()
+    sdpa_schedule._RESUME.clear()
+    assert [sdpa_schedule.makespan_units(bh, seq, SMS, ratio, phase) for bh in order] == [fresh(bh) for bh in order]
+
+
 def _rows(sched: dict, phase: str) -> list[tuple[int, int, int, float]]:
     return [(B, h, S, sdpa_schedule.kernel_s(sched, B, h, S, SMS, phase)) for B, h, S in calibrate_sdpa.SCHEDULE_GRIDS]
 

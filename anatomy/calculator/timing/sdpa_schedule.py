@@ -39,6 +39,14 @@ def cta_work(seq: int, phase: str) -> list[int]:
     return [i + 1 for i in range(n)] if phase == "forward" else [n - i for i in range(n)]
 
 
+# (seq, sms, ratio, phase) -> (heads scheduled, the slots' heap after them): the schedule of n + k heads is
+# the schedule of n heads continued, so a larger grid of the same shape resumes from the largest one scheduled
+# (the same heap operations in the same order, so the same floats) instead of starting over; a plan's search
+# over micro-batches then schedules each head once
+_RESUME: dict[tuple, tuple[int, list[float]]] = {}
+RESUME_SIZE = 256
+
+
 @lru_cache(maxsize=4096)
 def makespan_units(heads_total: int, seq: int, sms: int, ratio: float, phase: str) -> float:
     """Makespan in units of c, for CTAs costing ratio + w each (ratio = o / c), greedy on `sms` slots:
@@ -46,10 +54,19 @@ def makespan_units(heads_total: int, seq: int, sms: int, ratio: float, phase: st
     work = [ratio + w for w in cta_work(seq, phase)]
     if heads_total * len(work) <= sms:
         return max(work)
-    slots = [0.0] * sms
-    for _ in range(heads_total):
+    key = (seq, sms, ratio, phase)
+    done, slots = _RESUME.get(key, (0, None))
+    if slots is None or done > heads_total:
+        done, slots = 0, [0.0] * sms
+    else:
+        slots = slots.copy()
+    for _ in range(heads_total - done):
         for w in work:
             heapq.heapreplace(slots, slots[0] + w)
+    if heads_total > _RESUME.get(key, (0, None))[0]:
+        if len(_RESUME) >= RESUME_SIZE:
+            _RESUME.clear()
+        _RESUME[key] = (heads_total, slots)
     return max(slots)
 
 
