@@ -40,7 +40,7 @@ from anatomy.calculator.timing.ops import Kernel
 from anatomy.calculator.timing.lookup import get, names
 from anatomy.calculator.timing.profile import Profile, from_dict
 from anatomy.calculator.timing.registry import efficiency as fused_efficiency
-from anatomy.calculator.timing.roofline import (kernel_terms, launch_term, regime_speeds, row, step_terms,
+from anatomy.calculator.timing.roofline import (regime_speeds, row, step_terms,
                                                 sustained_weight, time_kernel, timed)
 from anatomy.config import ModelConfig, Run
 
@@ -52,17 +52,10 @@ __all__ = ["estimate_time", "breakdown_table", "predict", "get", "names", "Profi
            "in_situ", "at_host_speed", "VARIANTS", "SDPA_BACKENDS", "PHASES"]
 
 
-def step_weight(ks: list[Kernel], prof: Profile, terms: list[tuple] | None = None) -> tuple[float, float]:
+def step_weight(ks: list[Kernel], prof: Profile) -> tuple[float, float]:
     """(sustained weight, GPU seconds at burst rates) of a step of these kernels: the regime follows the
-    length of the step's GPU work (roofline.sustained_weight), with no factor per shape. terms: each
-    kernel's roofline.kernel_terms, where the caller has them."""
-    terms = terms or [kernel_terms(k, prof) for k in ks]
-    launch, gap, burst = prof.launch_s, launch_term(prof), 0
-    for tr, k in zip(terms, ks):  # roofline.burst_seconds, written out
-        if k.kind == "host":
-            continue
-        t = max(tr[0], tr[1])
-        burst += (t + (launch if launch > t else gap)) * k.count
+    length of the step's GPU work (roofline.sustained_weight), with no factor per shape."""
+    _, burst = step_terms(ks, prof)
     return sustained_weight(burst, prof.sustained_tau_s) if prof.sustained_ratio else 0.0, burst
 
 

@@ -169,9 +169,9 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
 
 
 def step_terms(ks: list[Kernel], prof: Profile) -> tuple[list[tuple], float]:
-    """([kernel_terms of each kernel], the kernels' GPU seconds at burst rates: burst_seconds summed in list
-    order) in one pass; a plain memory-bound entry (most of a step's) priced as kernel_terms prices it,
-    written out."""
+    """([kernel_terms of each kernel], the kernels' GPU seconds at burst rates: each max(compute, memory) plus
+    its launch or the gap, x its count, summed in list order) in one pass; a plain memory-bound entry (most of
+    a step's) priced as kernel_terms prices it, written out."""
     hbm, launch, gap = prof.hbm_Bps, prof.launch_s, launch_term(prof)
     efficiency, known = registry.efficiency, registry.known(prof)
     terms, burst = [], 0
@@ -188,20 +188,11 @@ def step_terms(ks: list[Kernel], prof: Profile) -> tuple[list[tuple], float]:
         else:
             tr = kernel_terms(k, prof)
             terms.append(tr)
-            if k.kind == "host":  # host work alone: no GPU time, no launch (burst_seconds)
+            if k.kind == "host":  # host work alone: no GPU time, no launch
                 continue
             t = tr[1] if tr[1] > tr[0] else tr[0]  # max(t_c, t_m)
         burst += (t + (launch if launch > t else gap)) * k.count
     return terms, burst
-
-
-def burst_seconds(terms: tuple, kern: Kernel, prof: Profile) -> float:
-    """A kernel's time (x count) at burst rates, from its kernel_terms."""
-    if kern.kind == "host":
-        return 0.0
-    t_c, t_m = terms[0], terms[1]
-    launch = prof.launch_s if prof.launch_s > max(t_c, t_m) else launch_term(prof)
-    return (max(t_c, t_m) + launch) * kern.count
 
 
 def regime_speeds(prof: Profile, weight: float) -> dict[str, float]:
