@@ -326,6 +326,28 @@ def test_fused_step_compiles_once_under_changing_schedules(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_kernel_gets_each_list_smallest_first(monkeypatch):
+    """FusedAdEMAMix hands its kernel the parameters sorted by size (ties in module order), and every state
+    list in the same order: Inductor fuses the list, in order, into kernels that stream at the copy rate
+    only over tensors of one size (docs/timing.md)."""
+    seen = []
+    monkeypatch.setattr(FusedAdEMAMix, "_kernel", lambda self, device: lambda *a: seen.append(a) or
+                        ademamix_foreach_(*a))
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Linear(32, 4), torch.nn.Linear(4, 4))
+    opt = FusedAdEMAMix(model.parameters(), compile=False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    ps, gs, m1s, m2s, nus = seen[0][:5]
+    module_order = list(model.parameters())
+    assert [p.numel() for p in ps] == sorted(p.numel() for p in module_order) != [p.numel() for p in module_order]
+    at = {id(p): i for i, p in enumerate(module_order)}  # numels 384, 32, 128, 4, 16, 4
+    assert [at[id(p)] for p in ps] == [3, 5, 4, 1, 2, 0]
+    assert all(g is p.grad for p, g in zip(ps, gs))
+    assert all(s is opt.state[p][k] for p, s, k in ((p, s, k) for k, lst in
+               (("exp_avg_fast", m1s), ("exp_avg_slow", m2s), ("exp_avg_sq", nus)) for p, s in zip(ps, lst)))
+
+
 # ---- 6. GPU: the step's achieved HBM bandwidth, efficient vs torch's fused AdamW --------------
 def _median_cuda_seconds(fn, repeats: int = 20) -> float:
     times = []

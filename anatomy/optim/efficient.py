@@ -114,6 +114,10 @@ class FusedAdEMAMix(AdEMAMixBase):
             buckets[(p.device, p.dtype, self.state[p]["step"])].append(p)
         beta1, beta2, _ = group["betas"]
         for (device, dtype, t), ps in buckets.items():
+            # smallest to largest: Inductor groups the list, in order, into horizontally fused kernels, and a
+            # kernel over tensors of one size streams at the copy rate where one over a model's interleaved
+            # sizes does not (H200, anchor-1b's 99 tensors: 8.2 ms sorted, 13.3 ms in module order: docs/timing.md)
+            ps.sort(key=torch.Tensor.numel)
             st = [self.state[p] for p in ps]
             scalars = self._scalars(group, t, state_dtype(ps[0]), device)
             self._kernel(device)(ps, [p.grad for p in ps], [s["exp_avg_fast"] for s in st],
