@@ -60,7 +60,7 @@ class Walk:
         self.T, self.H, self.I, self.V = run.tokens, cfg.hidden, cfg.intermediate, cfg.vocab
         self.B, self.S, self.nh, self.nkv, self.hd = run.batch, run.seq, cfg.heads, cfg.kv_heads, cfg.head_dim
         self.cuda, self.recompute = est.device == "cuda", run.recompute  # "none", "mlp" or "full"
-        self.stages: list[Stage] = []
+        self.rec: list = []  # the candidates so far: (name, bytes by KINDS) of a walked stage, or a _Shifted run
         self.freed: set[str] = set()
         self.by = {k: start.get(k, 0) for k in KINDS}
         self.one = {}  # saved name -> bytes of one instance
@@ -81,12 +81,41 @@ class Walk:
         return sum(self.by.values())
 
     def peak(self, name: str, *transients: int, kind: str = GRAD) -> None:
-        by = dict(self.by)
+        """Record a candidate: what is live now, with these transients (each rounded) of `kind`."""
+        by = self.by
         if transients:
-            rnd = self.rnd
+            by, rnd = dict(by), self.rnd
             for t in transients:
                 by[kind] += rnd(t)
-        self.stages.append(Stage(name, sum(by.values()), by))
+        self.rec.append((name, tuple(by.values())))  # by is in KINDS order
+
+    def stages(self) -> list[Stage]:
+        """Every candidate recorded, in execution order."""
+        out = []
+        for r in self.rec:
+            if type(r) is tuple:
+                out.append(Stage(r[0], sum(r[1]), dict(zip(KINDS, r[1]))))
+            else:
+                out += [r.stage(self.rec[i]) for i in range(r.first, r.end)]
+        return out
+
+    def top(self) -> Stage:
+        """The first largest candidate (max over stages() by live), without listing the others: a shifted run's
+        largest is its source's largest, shifted."""
+        lives, best, at = [], 0, None
+        for r in self.rec:
+            if type(r) is tuple:
+                live = sum(r[1])
+                lives.append(live)
+                if at is None or live > best:
+                    best, at = live, r
+            else:
+                lives.append(0)
+                src = lives[r.first:r.end]
+                live = max(src) + r.total
+                if live > best:
+                    best, at = live, r.stage(self.rec[r.first + src.index(live - r.total)])
+        return at if isinstance(at, Stage) else Stage(at[0], best, dict(zip(KINDS, at[1])))
 
     def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:
         """Free one instance of each saved tensor named (a name ending in '.' or '_' is a prefix),
@@ -176,35 +205,48 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
          every_layer: bool = False) -> list[Stage]:
     """Candidate peaks of one backward, in execution order. start: bytes live when it starts, by KINDS.
     every_layer walks each layer (the reference the shortcut is tested against)."""
+    return walked(cfg, run, variant, est, start, rnd, every_layer).stages()
+
+
+def peak_stage(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[str, int], rnd) -> Stage:
+    """The first largest of walk()'s candidates (the backward peak), without listing the others."""
+    return walked(cfg, run, variant, est, start, rnd).top()
+
+
+def walked(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[str, int], rnd,
+           every_layer: bool = False) -> Walk:
+    """The Walk of one backward, its candidates recorded (Walk.stages lists them, Walk.top finds the peak)."""
     stages = VARIANT_STAGES[variant]
     w = Walk(cfg, run, variant, est, rnd, start)
     g = stages.loss(w)
     g = stages.norm(w, "final norm", g)
     L = cfg.layers
     if not every_layer and L > WALKED_LAYERS:  # layers L - 1, L - 2 and 1 as one walk of L - 1, then 0
-        start, first = dict(w.by), len(w.stages)
+        start, first = dict(w.by), len(w.rec)
         g = stages.layer(w, L - 1, g)
-        src = w.stages[first:]
-        delta = {k: w.by[k] - start[k] for k in KINDS}  # one layer's change
+        delta, end = [w.by[k] - start[k] for k in KINDS], len(w.rec)  # one layer's change, its records
         for layer, n in ((L - 2, 1), (1, L - 2)):  # n: the layers walked before it
-            _repeat(w, src, L - 1, layer, {k: n * delta[k] for k in KINDS})
-        w.by = {k: start[k] + (L - 1) * delta[k] for k in KINDS}  # after layer 1
+            w.rec.append(_Shifted(first, end, f"layer {L - 1} ", f"layer {layer} ", [n * d for d in delta]))
+        w.by = {k: start[k] + (L - 1) * d for k, d in zip(KINDS, delta)}  # after layer 1
         g = stages.layer(w, 0, g)
     else:
         for layer in range(L - 1, -1, -1):
             g = stages.layer(w, layer, g)
     stages.embedding(w)
-    return w.stages
+    return w
 
 
-def _repeat(w: Walk, src: list[Stage], src_layer: int, layer: int, off: dict[str, int]) -> None:
-    """Layer `layer`'s stages as layer `src_layer`'s (src), each shifted by `off`, the live bytes between the
-    two layers' starts: a layer but the first (stages.layer's i == 0) runs the same allocations and frees
-    whatever its index, which only names its stages."""
-    old, new = f"layer {src_layer} ", f"layer {layer} "
-    moved, total = [(k, b) for k, b in off.items() if b], sum(off.values())  # bytes: exact integers
-    for st in src:
-        by = dict(st.by_kind)
-        for k, b in moved:
-            by[k] += b
-        w.stages.append(Stage(new + st.name.removeprefix(old), st.live + total, by))
+class _Shifted:
+    """A layer's stages as another's (the walked records first..end), each shifted by `off` (bytes by KINDS),
+    the live bytes between the two layers' starts: a layer but the first (stages.layer's i == 0) runs the same
+    allocations and frees whatever its index, which only names its stages."""
+    __slots__ = ("first", "end", "old", "new", "off", "total")
+
+    def __init__(self, first: int, end: int, old: str, new: str, off: list[int]):
+        self.first, self.end, self.old, self.new, self.off = first, end, old, new, off
+        self.total = sum(off)  # bytes: exact integers
+
+    def stage(self, rec: tuple) -> Stage:
+        """The shifted copy of one walked record (name, bytes by KINDS)."""
+        by = [b + d for b, d in zip(rec[1], self.off)]
+        return Stage(self.new + rec[0].removeprefix(self.old), sum(by), dict(zip(KINDS, by)))
