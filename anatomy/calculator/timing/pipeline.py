@@ -138,16 +138,21 @@ def compose(prepared: dict, kernels: list, gpu_s: list[float]) -> dict[str, list
             m0, m1, gpu = 0.0, _NONE, 0.0  # IDENTITY
             for i, n, h in pairs:  # m = compose(m, launch(gpu_s[i], h, n)), written out
                 g = gpu_s[i]
-                if n > 0:  # max(x, y) written `y if y > x else x`: the same value, without a call
+                if n == 1:  # most entries: as below with n = 1 (1 * a is a, (n - 1) * a is +-0.0), the same floats
+                    a = g - h
+                    x, y = m1 + a, g + 0.0
+                    m0, m1, gpu = m0 + a, y if y > x else x, gpu + g
+                elif n > 0:  # max(x, y) written `y if y > x else x`: the same value, without a call
                     a = g - h
                     la = n * a
                     x = (n - 1) * a
                     y = g + (x if x > 0.0 else 0.0)
                     x = m1 + la
                     m0, m1 = m0 + la, y if y > x else x
+                    gpu += n * g
                 else:
                     m0, m1 = m0 + 0.0, max(m1 + 0.0, _NONE)
-                gpu += n * g
+                    gpu += n * g
             steps.append((kernels[first], power((m0, m1, m2), reps), reps * gpu, reps * host, len(pairs)))
         out[phase] = steps
     return out
