@@ -42,6 +42,13 @@ WALKED_LAYERS = 4  # stages listed: the last two layers' and the first two's (tw
 _HITS: dict[tuple, list[str]] = {}  # (saved names, free()'s names, keep) -> the saved names matched
 
 
+def saved_sizes(est: Estimate, rnd) -> dict[str, int]:
+    """{saved tensor's name: bytes of one instance, rounded by rnd} of the estimate's saved tensors but the
+    step's inputs (INPUTS)."""
+    return {s.name: rnd(prod(s.shape) * BYTES[s.dtype]) for c in est.components.values() for s in c.saved
+            if s.name not in INPUTS}
+
+
 @dataclass
 class Stage:
     name: str  # e.g. "layer 3 attention.softmax"
@@ -53,7 +60,8 @@ class Walk:
     """The live bytes by kind, and the candidate peaks recorded so far. Also the shapes and dtype sizes a
     stage needs (T, H, I, V, B, S, nh, nkv, hd; c, r, p the compute, residual and parameter bytes)."""
 
-    def __init__(self, cfg: ModelConfig, run: Run, variant: str, est: Estimate, rnd, start: dict[str, int]):
+    def __init__(self, cfg: ModelConfig, run: Run, variant: str, est: Estimate, rnd, start: dict[str, int],
+                 one: dict[str, int] | None = None):
         dt = dtypes(run)
         self.cfg, self.run, self.variant, self.est, self.dt, self.rnd = cfg, run, variant, est, dt, rnd
         self.c, self.r, self.p, self.amp = BYTES[dt.compute], BYTES[dt.residual], BYTES[dt.param], dt.autocast
@@ -63,11 +71,7 @@ class Walk:
         self.rec: list = []  # the candidates so far: (name, bytes by KINDS) of a walked stage, or a _Shifted run
         self.freed: set[str] = set()
         self.by = {k: start.get(k, 0) for k in KINDS}
-        self.one = {}  # saved name -> bytes of one instance
-        for comp in est.components.values():
-            for s in comp.saved:
-                if s.name not in INPUTS:
-                    self.one[s.name] = rnd(prod(s.shape) * BYTES[s.dtype])
+        self.one = dict(one) if one is not None else saved_sizes(est, rnd)  # saved name -> bytes of one instance
         self._names = tuple(self.one)
         self._remade: dict[str, list[tuple[str, int]]] = {}  # remake's tensors, sized once per walk
         self._hits: dict[tuple, list[str]] = {}  # free()'s matches for the present names
@@ -208,16 +212,12 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
     return walked(cfg, run, variant, est, start, rnd, every_layer).stages()
 
 
-def peak_stage(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[str, int], rnd) -> Stage:
-    """The first largest of walk()'s candidates (the backward peak), without listing the others."""
-    return walked(cfg, run, variant, est, start, rnd).top()
-
-
 def walked(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[str, int], rnd,
-           every_layer: bool = False) -> Walk:
-    """The Walk of one backward, its candidates recorded (Walk.stages lists them, Walk.top finds the peak)."""
+           every_layer: bool = False, one: dict[str, int] | None = None) -> Walk:
+    """The Walk of one backward, its candidates recorded (Walk.stages lists them, Walk.top finds the first
+    largest). one: saved_sizes(est, rnd), where the caller has it."""
     stages = VARIANT_STAGES[variant]
-    w = Walk(cfg, run, variant, est, rnd, start)
+    w = Walk(cfg, run, variant, est, rnd, start, one)
     g = stages.loss(w)
     g = stages.norm(w, "final norm", g)
     L = cfg.layers

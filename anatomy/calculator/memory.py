@@ -182,8 +182,12 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     params, opt = model_state_bytes(cfg, variant, dt.param, optimizer, device == "cuda")
     inputs = 2 * rnd(8 * run.tokens)
     est = est or estimate(cfg, run, variant, device=device)
-    saved = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for c in est.components.values() for s in c.saved
-                if s.name not in INPUTS)
+    one, saved = {}, 0  # backward.saved_sizes, and the bytes of every instance
+    for c in est.components.values():
+        for s in c.saved:
+            if s.name not in INPUTS:
+                one[s.name] = b = rnd(prod(s.shape) * BYTES[s.dtype])
+                saved += b * s.count
     fwd_end = params + inputs + opt + saved + rnd(4)  # + the loss scalar
     fwd_peak = block_peak = None
     if run.recompute != "none":  # what the forward holds before the final norm and the loss save theirs
@@ -203,7 +207,7 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
         elif run.recompute == "full":  # or inside the last block's checkpoint
             fwd_peak = max(fwd_peak, block_peak)
     start = {"parameter": params, "input": inputs, "optimizer state": opt, "activation": saved + rnd(4)}
-    w = walked(cfg, run, variant, est, start, rnd)
+    w = walked(cfg, run, variant, est, start, rnd, one=one)
     top = w.top()  # the first largest candidate
     bwd_end = params + inputs + opt + params  # one gradient per parameter, in the parameter's dtype
     peak = max(fwd_peak or 0, top.live, fwd_end)

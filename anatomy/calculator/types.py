@@ -62,7 +62,15 @@ class Estimate:
 
     def to_dict(self) -> dict:
         comps = self.components.values()
-        saved = {c.name: c.saved_bytes for c in comps}  # each component's sum, computed once
+        saved, tensors = {}, []  # each component's sum and each tensor's row (Saved.to_dict, and more), in one pass
+        for c in comps:
+            total = 0
+            for s in c.saved:
+                b = s.bytes
+                total += b
+                tensors.append(dict(name=s.name, shape=s.shape, dtype=s.dtype, count=s.count, why=s.why,
+                                    component=c.name, bytes=b))
+            saved[c.name] = total  # Component.saved_bytes
         return {
             "config": self.config, "run": self.run, "variant": self.variant, "device": self.device,
             "params": self.params,
@@ -74,8 +82,7 @@ class Estimate:
             "memory": {"saved": {
                 "total": sum(saved.values()),
                 "by_component": saved,
-                "tensors": [dict(name=s.name, shape=s.shape, dtype=s.dtype, count=s.count, why=s.why, component=c.name,
-                                 bytes=s.bytes) for c in comps for s in c.saved],  # Saved.to_dict, and more
+                "tensors": tensors,
             }},
             "components": {c.name: {
                 "instances": c.instances, "params": c.params,
