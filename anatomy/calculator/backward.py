@@ -183,17 +183,18 @@ class Walk:
         wg = din * dout * (c if self.amp else p)
         self.alloc(wg, T * din * c)
         self.peak(tag)
-        self.alloc(-grad_out)
         self.free(*saved)
-        dx = T * din * c
+        dx, sizes = T * din * c, [-grad_out]  # allocated together: no candidate between them
         if to_residual and r != c:  # the input was an autocast copy of the residual: back to its dtype
-            self.alloc(T * din * r)
-            self.alloc(-dx)
+            sizes += (T * din * r, -dx)
             dx = T * din * r
         if self.amp:
-            self.alloc(din * dout * p)
+            sizes.append(din * dout * p)
+            self.alloc(*sizes)
             self.peak(tag + " grad to fp32")
             self.alloc(-wg)
+        else:
+            self.alloc(*sizes)
         return dx
 
     def residual_add(self, g: int, branch: int) -> int:

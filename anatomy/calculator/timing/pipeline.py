@@ -153,7 +153,9 @@ def compose(prepared: dict, kernels: list, gpu_s: list[float]) -> dict[str, list
                 else:
                     m0, m1 = m0 + 0.0, max(m1 + 0.0, _NONE)
                     gpu += n * g
-            steps.append((kernels[first], power((m0, m1, m2), reps), reps * gpu, reps * host, len(pairs)))
+            # power(m, 1) is (m0, m1 + 0.0, m2): 1 * x is x, and max(0.0, 0 * m0) is 0.0
+            m = (m0, m1 + 0.0, m2) if reps == 1 else power((m0, m1, m2), reps)
+            steps.append((kernels[first], m, reps * gpu, reps * host, len(pairs)))
         out[phase] = steps
     return out
 
@@ -236,7 +238,7 @@ def steady(entries: list, layers: int, steps: dict | None = None) -> dict:
         for phase in PHASES:
             if phase == "optimizer":
                 t1 = max(g, h)
-            for k, (a, b, dh), *_ in steps[phase]:
+            for k, (a, b, dh), _, _, _ in steps[phase]:
                 if k.sync:
                     h = g = g if g > h else h  # max(h, g)
                 d = g - h + a  # max(g - h + a, b)
