@@ -33,7 +33,8 @@ class Layout(NamedTuple):
     host_factor: tuple[float, ...]  # per position: host_scale, or 1.0 (the optimizer, calls measured in situ)
     calls: tuple[int | None, ...]  # per position: the entry's host calls (None: one per launch)
     blocks: dict  # {launch counts: timed's _fixed (pipeline.prepare's blocks, launches, host seconds)}
-    cells: tuple[int, ...]  # per position: 3 x its component's index + its phase's (timed's sums)
+    priced: tuple[tuple[int, int, int], ...]  # per position: (kernel index, 3 x its component's index + its
+    #                                          phase's: timed's sums, or -1 for host work alone, phase index)
     kernels: tuple[Kernel, ...]  # per position: the entry as first laid out (pipeline.compose reads its name
     #                              and sync, which the key decides)
 
@@ -56,7 +57,8 @@ def build(ks: list[Kernel], prof: Profile, scale: float) -> Layout:
     slots = tuple((comps.setdefault(ks[i].component, len(comps)), _RANK[ks[i].phase]) for i in order)
     factor = tuple(scale if ks[i].phase != "optimizer" and not in_situ(ks[i], prof) else 1.0 for i in order)
     return Layout(order, slots, tuple(comps), tuple(host_call_s(ks[i], prof) for i in order), factor,
-                  tuple(ks[i].calls for i in order), {}, tuple(3 * ci + pi for ci, pi in slots),
+                  tuple(ks[i].calls for i in order), {},
+                  tuple((i, -1 if ks[i].kind == "host" else 3 * ci + pi, pi) for i, (ci, pi) in zip(order, slots)),
                   tuple(ks[i] for i in order))
 
 
@@ -97,10 +99,9 @@ def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms:
     acc = [0.0] * (3 * len(lay.components))  # GPU seconds by (component, phase): lay.cells
     by_bound = [0.0] * (3 * len(lay.components))  # by (component, bound): compute, memory, launch
     gpu = [0.0, 0.0, 0.0]
-    gpu_s = []
-    for i, cell, (_, pi) in zip(lay.order, lay.cells, lay.slots):
-        k = ks[i]
-        if k.kind == "host":  # host work alone (an optimizer call's Python): no GPU time, no launch
+    gpu_s, counts = [], [k.count for k in ks]
+    for i, cell, pi in lay.priced:
+        if cell < 0:  # host work alone (an optimizer call's Python): no GPU time, no launch
             gpu_s.append(0.0)
             continue
         t_c, t_m, cls, _, _ = terms[i]
@@ -113,11 +114,11 @@ def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms:
         else:  # a kernel of real size waits for the one before to drain
             per, b = t + gap, 0 if t_c >= t_m else 1
         gpu_s.append(per)
-        time_s = per * k.count  # roofline.row's time_s
+        time_s = per * counts[i]  # roofline.row's time_s
         acc[cell] += time_s
         by_bound[cell - pi + b] += time_s
         gpu[pi] += time_s
-    counts = tuple([k.count for k in ks])
+    counts = tuple(counts)
     fixed = lay.blocks.get(counts)  # the host side and the launches follow the counts alone
     out = []
     if rows or fixed is None:
