@@ -7,7 +7,7 @@ from math import prod
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "bool": 1}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Saved:
     """One tensor autograd keeps for backward: `count` instances across the whole model."""
 
@@ -16,6 +16,12 @@ class Saved:
     dtype: str
     count: int = 1
     why: str = ""  # which op saves it, and why it exists at all
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, count: int = 1, why: str = ""):
+        # frozen: each field written once, into the instance's dict, as the generated __init__ writes it through
+        # object.__setattr__ (three times slower; an estimate makes dozens of these)
+        d = self.__dict__
+        d["name"], d["shape"], d["dtype"], d["count"], d["why"] = name, shape, dtype, count, why
 
     @property
     def bytes(self) -> int:  # all instances

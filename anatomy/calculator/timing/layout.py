@@ -21,6 +21,7 @@ import anatomy.calculator.timing.roofline as roofline
 from anatomy.calculator.timing.roofline import launch_term, regime_speeds
 
 _RANK = {ph: i for i, ph in enumerate(pipeline.PHASES)}
+_BURST = {cls: 1.0 for cls in ("matmul", "attention", "memory")}  # regime_speeds at weight 0
 MEMO_SIZE = 256  # layouts kept per profile (models x policies x optimizers of a sweep), and block layouts kept
 #                 per layout (count patterns: the loss's chunk counts); each memo is cleared when full
 
@@ -94,7 +95,8 @@ def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms:
     pass. Per component: GPU seconds by phase, launches, seconds by bound and total; per phase: GPU and host
     seconds and launches."""
     speeds = regime_speeds(prof, sustained) if sustained else None
-    mem = speeds["memory"] if sustained else 1.0
+    scaled = speeds or _BURST  # x / 1.0 is x: burst rates divide by 1.0
+    mem = scaled["memory"]
     launch_s, gap = prof.launch_s, launch_term(prof)
     acc = [0.0] * (3 * len(lay.components))  # GPU seconds by (component, phase): lay.cells
     by_bound = [0.0] * (3 * len(lay.components))  # by (component, bound): compute, memory, launch
@@ -105,9 +107,8 @@ def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms:
             gpu_s.append(0.0)
             continue
         t_c, t_m, cls, _, _ = terms[i]
-        if sustained:
-            t_c /= speeds[cls]
-            t_m /= mem
+        t_c /= scaled[cls]
+        t_m /= mem
         t = t_m if t_m > t_c else t_c  # max(t_c, t_m)
         if launch_s > t:
             per, b = t + launch_s, 2  # launch-bound
