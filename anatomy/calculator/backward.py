@@ -68,9 +68,12 @@ class Walk:
         self.T, self.H, self.I, self.V = run.tokens, cfg.hidden, cfg.intermediate, cfg.vocab
         self.B, self.S, self.nh, self.nkv, self.hd = run.batch, run.seq, cfg.heads, cfg.kv_heads, cfg.head_dim
         self.cuda, self.recompute = est.device == "cuda", run.recompute  # "none", "mlp" or "full"
-        self.rec: list = []  # the candidates so far: (name, bytes by KINDS) of a walked stage, or a _Shifted run
+        self.rec: list = []  # the candidates so far: (name, activation, gradient bytes) of a walked stage, or a _Shifted run
         self.freed: set[str] = set()
-        self.by = {k: start.get(k, 0) for k in KINDS}
+        # what is live by KINDS: parameters, inputs and optimizer state stay as they start (fixed); a stage frees
+        # or re-makes activations (act) and allocates gradients and backward buffers (grad)
+        self.fixed = tuple(start.get(k, 0) for k in KINDS[:3])
+        self.act, self.grad = start.get("activation", 0), start.get(GRAD, 0)
         self.one = dict(one) if one is not None else saved_sizes(est, rnd)  # saved name -> bytes of one instance
         self._names = tuple(self.one)
         self._remade: dict[str, list[tuple[str, int]]] = {}  # remake's tensors, sized once per walk
@@ -81,26 +84,41 @@ class Walk:
         self.blocks = BLOCK if rnd is rounded else 0  # the CUDA allocator's rounding, which alloc writes out
 
     @property
+    def by(self) -> dict[str, int]:
+        """The live bytes by KINDS."""
+        return dict(zip(KINDS, (*self.fixed, self.act, self.grad)))
+
+    @property
     def live(self) -> int:
-        return sum(self.by.values())
+        return sum(self.fixed) + self.act + self.grad
 
     def peak(self, name: str, *transients: int, kind: str = GRAD) -> None:
-        """Record a candidate: what is live now, with these transients (each rounded) of `kind`."""
-        by = self.by
-        if transients:
-            by, rnd = dict(by), self.rnd
-            for t in transients:
-                by[kind] += rnd(t)
-        self.rec.append((name, tuple(by.values())))  # by is in KINDS order
+        """Record a candidate: what is live now, with these transients (each rounded) of `kind` (GRAD or
+        "activation")."""
+        if not transients:
+            self.rec.append((name, self.act, self.grad))
+            return
+        extra = sum(self.rnd(t) for t in transients)
+        if kind == GRAD:
+            self.rec.append((name, self.act, self.grad + extra))
+        elif kind == "activation":
+            self.rec.append((name, self.act + extra, self.grad))
+        else:
+            raise ValueError(f"a stage's transients are activations or {GRAD!r}, not {kind!r}")
+
+    def stage(self, rec: tuple, off: tuple[int, int] = (0, 0), name: str | None = None) -> Stage:
+        """The Stage of a walked record (name, activation, gradient bytes), shifted by off (bytes of each)."""
+        by = (*self.fixed, rec[1] + off[0], rec[2] + off[1])
+        return Stage(rec[0] if name is None else name, sum(by), dict(zip(KINDS, by)))
 
     def stages(self) -> list[Stage]:
         """Every candidate recorded, in execution order."""
         out = []
         for r in self.rec:
             if type(r) is tuple:
-                out.append(Stage(r[0], sum(r[1]), dict(zip(KINDS, r[1]))))
+                out.append(self.stage(r))
             else:
-                out += [r.stage(self.rec[i]) for i in range(r.first, r.end)]
+                out += [r.stage(self, self.rec[i]) for i in range(r.first, r.end)]
         return out
 
     def top(self) -> Stage:
@@ -109,7 +127,7 @@ class Walk:
         lives, best, at = [], 0, None
         for r in self.rec:
             if type(r) is tuple:
-                live = sum(r[1])
+                live = r[1] + r[2]
                 lives.append(live)
                 if at is None or live > best:
                     best, at = live, r
@@ -118,8 +136,8 @@ class Walk:
                 src = lives[r.first:r.end]
                 live = max(src) + r.total
                 if live > best:
-                    best, at = live, r.stage(self.rec[r.first + src.index(live - r.total)])
-        return at if isinstance(at, Stage) else Stage(at[0], best, dict(zip(KINDS, at[1])))
+                    best, at = live, r.stage(self, self.rec[r.first + src.index(live - r.total)])
+        return at if isinstance(at, Stage) else self.stage(at)
 
     def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:
         """Free one instance of each saved tensor named (a name ending in '.' or '_' is a prefix),
@@ -133,13 +151,13 @@ class Walk:
         for n in hits:
             if n not in self.freed:
                 self.freed.add(n)
-                self.by["activation"] -= self.one[n]
+                self.act -= self.one[n]
 
     def free_norm(self) -> None:
         """One RMSNorm instance's saved tensors (2 per layer + the final one share the names)."""
         if self._norm is None:
             self._norm = sum(b for n, b in self.one.items() if n.startswith("norm."))
-        self.by["activation"] -= self._norm
+        self.act -= self._norm
 
     def begin(self) -> None:
         self.freed = set()
@@ -153,7 +171,7 @@ class Walk:
         for n, b in sized:
             new = new or n not in one
             one[n] = b
-            self.by["activation"] += b
+            self.act += b
         self._norm = None
         if new:
             self._names, self._hits = tuple(one), {}  # a remade name may be new to free()'s matches
@@ -172,7 +190,7 @@ class Walk:
             rnd = self.rnd
             for b in nbytes:
                 total += rnd(b) if b >= 0 else -rnd(-b)
-        self.by[GRAD] += total
+        self.grad += total
 
     # ---- the stages both variants share ----------------------------------------------------------------
     def linear(self, tag: str, din: int, dout: int, grad_out: int, *saved: str, to_residual: bool = False) -> int:
@@ -223,12 +241,12 @@ def walked(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[
     g = stages.norm(w, "final norm", g)
     L = cfg.layers
     if not every_layer and L > WALKED_LAYERS:  # layers L - 1, L - 2 and 1 as one walk of L - 1, then 0
-        start, first = dict(w.by), len(w.rec)
+        act, grad, first = w.act, w.grad, len(w.rec)
         g = stages.layer(w, L - 1, g)
-        delta, end = [w.by[k] - start[k] for k in KINDS], len(w.rec)  # one layer's change, its records
+        d_act, d_grad, end = w.act - act, w.grad - grad, len(w.rec)  # one layer's change, its records
         for layer, n in ((L - 2, 1), (1, L - 2)):  # n: the layers walked before it
-            w.rec.append(_Shifted(first, end, f"layer {L - 1} ", f"layer {layer} ", [n * d for d in delta]))
-        w.by = {k: start[k] + (L - 1) * d for k, d in zip(KINDS, delta)}  # after layer 1
+            w.rec.append(_Shifted(first, end, f"layer {L - 1} ", f"layer {layer} ", (n * d_act, n * d_grad)))
+        w.act, w.grad = act + (L - 1) * d_act, grad + (L - 1) * d_grad  # after layer 1
         g = stages.layer(w, 0, g)
     else:
         for layer in range(L - 1, -1, -1):
@@ -238,16 +256,15 @@ def walked(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[
 
 
 class _Shifted:
-    """A layer's stages as another's (the walked records first..end), each shifted by `off` (bytes by KINDS),
-    the live bytes between the two layers' starts: a layer but the first (stages.layer's i == 0) runs the same
-    allocations and frees whatever its index, which only names its stages."""
+    """A layer's stages as another's (the walked records first..end), each shifted by `off` (activation and
+    gradient bytes), the live bytes between the two layers' starts: a layer but the first (stages.layer's
+    i == 0) runs the same allocations and frees whatever its index, which only names its stages."""
     __slots__ = ("first", "end", "old", "new", "off", "total")
 
-    def __init__(self, first: int, end: int, old: str, new: str, off: list[int]):
+    def __init__(self, first: int, end: int, old: str, new: str, off: tuple[int, int]):
         self.first, self.end, self.old, self.new, self.off = first, end, old, new, off
         self.total = sum(off)  # bytes: exact integers
 
-    def stage(self, rec: tuple) -> Stage:
-        """The shifted copy of one walked record (name, bytes by KINDS)."""
-        by = [b + d for b, d in zip(rec[1], self.off)]
-        return Stage(self.new + rec[0].removeprefix(self.old), sum(by), dict(zip(KINDS, by)))
+    def stage(self, w: Walk, rec: tuple) -> Stage:
+        """The shifted copy of one walked record (name, activation, gradient bytes)."""
+        return w.stage(rec, self.off, self.new + rec[0].removeprefix(self.old))
