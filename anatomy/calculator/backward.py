@@ -124,20 +124,17 @@ class Walk:
     def top(self) -> Stage:
         """The first largest candidate (max over stages() by live), without listing the others: a shifted run's
         largest is its source's largest, shifted."""
-        lives, best, at = [], 0, None
-        for r in self.rec:
-            if type(r) is tuple:
-                live = r[1] + r[2]
-                lives.append(live)
-                if at is None or live > best:
-                    best, at = live, r
-            else:
-                lives.append(0)
-                src = lives[r.first:r.end]
-                live = max(src) + r.total
-                if live > best:
-                    best, at = live, r.stage(self, self.rec[r.first + src.index(live - r.total)])
-        return at if isinstance(at, Stage) else self.stage(at)
+        rec = self.rec
+        lives = [r[1] + r[2] if type(r) is tuple else 0 for r in rec]  # live bytes less the fixed kinds'
+        for j, r in enumerate(rec):
+            if type(r) is not tuple:
+                lives[j] = max(lives[r.first:r.end]) + r.total
+        j = lives.index(max(lives))  # the first largest
+        if type(rec[j]) is tuple:
+            return self.stage(rec[j])
+        r = rec[j]
+        src = lives[r.first:r.end]
+        return r.stage(self, rec[r.first + src.index(max(src))])
 
     def free(self, *names: str, keep: tuple[str, ...] = ()) -> None:
         """Free one instance of each saved tensor named (a name ending in '.' or '_' is a prefix),
