@@ -110,9 +110,8 @@ class _Slot:
 
 def prepare(lay: dict, host_s: list[float]) -> dict[str, list[tuple]]:
     """{phase: [(block as [(index, launches, host seconds per launch)], repeats, its first index, the host
-    seconds of its map, its host seconds, the block as [(index, host seconds)] where each entry launches once,
-    else None)]}: what compose takes from the host side of a layout, which the GPU seconds do not change (kept
-    with a layout's count pattern: timing/layout.py)."""
+    seconds of its map, its host seconds)]}: what compose takes from the host side of a layout, which the
+    GPU seconds do not change (kept with a layout's count pattern: timing/layout.py)."""
     out = {}
     for phase, blocks in lay.items():
         steps = []
@@ -123,8 +122,7 @@ def prepare(lay: dict, host_s: list[float]) -> dict[str, list[tuple]]:
                 m2 += n * h if n > 0 else 0.0
                 host += n * h
                 pairs.append((i, n, h))
-            ones = [(i, h) for i, n, h in pairs] if all(n == 1 for _, n, _ in pairs) else None
-            steps.append((pairs, reps, block[0][0], m2, host, ones))
+            steps.append((pairs, reps, block[0][0], m2, host))
         out[phase] = steps
     return out
 
@@ -136,16 +134,15 @@ def compose(prepared: dict, kernels: list, gpu_s: list[float]) -> dict[str, list
     out = {}
     for phase, blocks in prepared.items():
         steps = []
-        for pairs, reps, first, m2, host, ones in blocks:
+        for pairs, reps, first, m2, host in blocks:
             m0, m1, gpu = 0.0, _NONE, 0.0  # IDENTITY
-            for i, h in ones or ():  # entries of one launch each (most): as below with n = 1, the same floats
-                g = gpu_s[i]  # (1 * a is a, (n - 1) * a is +-0.0, so y is g + 0.0)
-                a = g - h
-                x, y = m1 + a, g + 0.0
-                m0, m1, gpu = m0 + a, y if y > x else x, gpu + g
-            for i, n, h in () if ones else pairs:  # m = compose(m, launch(gpu_s[i], h, n)), written out
+            for i, n, h in pairs:  # m = compose(m, launch(gpu_s[i], h, n)), written out
                 g = gpu_s[i]
-                if n > 0:  # max(x, y) written `y if y > x else x`: the same value, without a call
+                if n == 1:  # most entries: as below with n = 1 (1 * a is a, (n - 1) * a is +-0.0), the same floats
+                    a = g - h
+                    x, y = m1 + a, g + 0.0
+                    m0, m1, gpu = m0 + a, y if y > x else x, gpu + g
+                elif n > 0:  # max(x, y) written `y if y > x else x`: the same value, without a call
                     a = g - h
                     la = n * a
                     x = (n - 1) * a
