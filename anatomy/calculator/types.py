@@ -74,8 +74,8 @@ class Estimate:
             for s in c.saved:
                 b = s.bytes
                 total += b
-                tensors.append(dict(name=s.name, shape=s.shape, dtype=s.dtype, count=s.count, why=s.why,
-                                    component=c.name, bytes=b))
+                tensors.append({"name": s.name, "shape": s.shape, "dtype": s.dtype, "count": s.count, "why": s.why,
+                                "component": c.name, "bytes": b})
             saved[c.name] = total  # Component.saved_bytes
         return {
             "config": self.config, "run": self.run, "variant": self.variant, "device": self.device,

@@ -132,11 +132,11 @@ def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms:
             lay.blocks.clear()
         fixed = lay.blocks[counts] = _fixed(lay, out, layers)
     blocks, n_comp, host_ph, n_ph = fixed
-    comps = {name: dict(forward_s=acc[j], backward_s=acc[j + 1], optimizer_s=acc[j + 2], kernels=n,
-                        bound_s=dict(compute=by_bound[j], memory=by_bound[j + 1], launch=by_bound[j + 2]),
-                        total_s=sum(acc[j:j + 3]))
+    comps = {name: {"forward_s": acc[j], "backward_s": acc[j + 1], "optimizer_s": acc[j + 2], "kernels": n,
+                    "bound_s": {"compute": by_bound[j], "memory": by_bound[j + 1], "launch": by_bound[j + 2]},
+                    "total_s": sum(acc[j:j + 3])}
              for name, n, j in zip(lay.components, n_comp, range(0, len(acc), 3))}
-    phases = {ph: dict(gpu_s=gpu[i], host_s=host_ph[i], kernels=n_ph[i]) for i, ph in enumerate(pipeline.PHASES)}
+    phases = {ph: {"gpu_s": gpu[i], "host_s": host_ph[i], "kernels": n_ph[i]} for i, ph in enumerate(pipeline.PHASES)}
     return out, gpu_s, blocks, comps, phases
 
 

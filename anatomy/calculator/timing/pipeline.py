@@ -221,8 +221,8 @@ def simulate(entries: list, layers: int, clock: Clock | None = None, steps: dict
     out = []
     for phase, starts_at, gpu, host, start, end in segs:
         time_s = end - start
-        out.append(dict(phase=phase, starts_at=starts_at, gpu_s=gpu, host_s=host, time_s=time_s,
-                        idle_s=max(0.0, time_s - gpu), bound="host" if host > gpu else "gpu"))
+        out.append({"phase": phase, "starts_at": starts_at, "gpu_s": gpu, "host_s": host, "time_s": time_s,
+                    "idle_s": max(0.0, time_s - gpu), "bound": "host" if host > gpu else "gpu"})
     return out
 
 
