@@ -39,7 +39,7 @@ INPUTS = ("embedding.ids", "loss.targets")  # saved, but they are the step's inp
 KINDS = ("parameter", "input", "optimizer state", "activation", "gradient / backward buffer")
 GRAD = "gradient / backward buffer"
 WALKED_LAYERS = 4  # stages listed: the last two layers' and the first two's (two walked, two shifted copies)
-_HITS: dict[tuple, frozenset[str]] = {}  # (saved names, free()'s names, keep) -> the saved names matched
+_HITS: dict[tuple, list[str]] = {}  # (saved names, free()'s names, keep) -> the saved names matched
 
 
 def saved_sizes(est: Estimate, rnd) -> dict[str, int]:
@@ -77,7 +77,7 @@ class Walk:
         self.one = dict(one) if one is not None else saved_sizes(est, rnd)  # saved name -> bytes of one instance
         self._names = tuple(self.one)
         self._remade: dict[str, list[tuple[str, int]]] = {}  # remake's tensors, sized once per walk
-        self._hits: dict[tuple, frozenset[str]] = {}  # free()'s matches for the present names
+        self._hits: dict[tuple, list[str]] = {}  # free()'s matches for the present names
         self._norm: int | None = None  # free_norm's bytes for the present sizes
         from anatomy.calculator.memory import BLOCK, rounded  # (memory imports this module)
 
@@ -144,12 +144,14 @@ class Walk:
         if (hits := self._hits.get((names, keep))) is None:  # this walk's matches, for its present names
             key = (self._names, names, keep)
             if (hits := _HITS.get(key)) is None:  # the same names recur in every layer and every walk
-                hits = _HITS[key] = frozenset(n for n in self.one if not n.startswith(keep) and
-                                              any(n == x or (x[-1] in "._" and n.startswith(x)) for x in names))
+                hits = _HITS[key] = [n for n in self.one if not n.startswith(keep) and
+                                     any(n == x or (x[-1] in "._" and n.startswith(x)) for x in names)]
             self._hits[(names, keep)] = hits
-        if fresh := hits - self.freed:  # each freed once per layer
-            self.freed |= fresh
-            self.act -= sum(map(self.one.__getitem__, fresh))  # exact integers: any order
+        freed = self.freed
+        for n in hits:
+            if n not in freed:  # each freed once per layer
+                freed.add(n)
+                self.act -= self.one[n]
 
     def free_norm(self) -> None:
         """One RMSNorm instance's saved tensors (2 per layer + the final one share the names)."""
