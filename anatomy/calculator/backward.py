@@ -181,10 +181,13 @@ class Walk:
         rounded on its own)."""
         total, block = 0, self.blocks
         if block:  # memory.rounded, written out: whole blocks, at least one (0 for 0)
+            mask = block - 1  # BLOCK is a power of two: b & mask is 0 for whole blocks (and 0), at any sign
             for b in nbytes:
-                if b > 0:
+                if not b & mask:  # most sizes: already whole blocks
+                    total += b
+                elif b > 0:
                     total -= (-b // block) * block
-                elif b < 0:
+                else:
                     total += (b // block) * block
         else:
             rnd = self.rnd
