@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import anatomy.calculator.timing.pipeline as pipeline
+import anatomy.calculator.timing.roofline as roofline
 from anatomy.calculator.timing.host import host_call_s, in_situ
 from anatomy.calculator.timing.ops import Kernel
 from anatomy.calculator.timing.profile import Profile
-import anatomy.calculator.timing.roofline as roofline
 from anatomy.calculator.timing.roofline import launch_term, regime_speeds
 
 _RANK = {ph: i for i, ph in enumerate(pipeline.PHASES)}
@@ -98,7 +98,7 @@ def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms:
     scaled = speeds or _BURST  # x / 1.0 is x: burst rates divide by 1.0
     mem = scaled["memory"]
     launch_s, gap = prof.launch_s, launch_term(prof)
-    acc = [0.0] * (3 * len(lay.components))  # GPU seconds by (component, phase): lay.cells
+    acc = [0.0] * (3 * len(lay.components))  # GPU seconds by (component, phase): lay.priced's cells
     by_bound = [0.0] * (3 * len(lay.components))  # by (component, bound): compute, memory, launch
     gpu = [0.0, 0.0, 0.0]
     gpu_s, counts = [], [k.count for k in ks]
