@@ -38,12 +38,13 @@ def _find(works: list[Path], name: str) -> Path | None:
 
 def suite_row(path: Path) -> dict:
     """One GPU-suite run on this machine, from the claims report it wrote (validations/conftest.py
-    --claims-report): its command, wall seconds and outcome."""
+    --claims-report): its command, wall seconds and outcome, and the tests whose claims failed."""
     rep = json.loads(path.read_text())
     if not isinstance(rep.get("seconds"), (int, float)) or not isinstance(rep.get("outcome"), dict):
         raise ValueError(f"{path}: no seconds or outcome: not a claims report of a whole run")
+    failed = sorted({r["test"] for r in rep.get("rows", []) if r.get("passed") is False})
     return dict(command=records.command(rep["command"]), seconds=rep["seconds"], outcome=rep["outcome"],
-                date=rep["date"])
+                date=rep["date"], **({"failed_claims": failed} if failed else {}))
 
 
 def machine_entry(works: list[Path], commands: list[str], label: str, driver: str | None, date: str | None,

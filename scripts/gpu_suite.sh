@@ -13,3 +13,9 @@ cat "$OUT/env.json"
 # junit.xml: each test's own seconds (what a subset such as --quick spends, read from one whole run)
 python3 -m pytest validations -m gpu -q -p no:cacheprovider --claims-report "$OUT/claims-gpu.json" \
   --junitxml "$OUT/junit.xml" "$@" 2>&1 | tee "$OUT/pytest-gpu.log"
+rc=${PIPESTATUS[0]}
+# the calibration the time claims were checked against (validations/profile_cache.py), beside their report
+PROFILES=${ANATOMY_GPU_PROFILE_CACHE:-.anatomy/gpu-profiles}
+newest=$(ls -t "$PROFILES"/*.json 2>/dev/null | head -1)
+[ -n "$newest" ] && cp "$newest" "$OUT/gpu-profile.json"
+exit "$rc"

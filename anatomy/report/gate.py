@@ -82,7 +82,9 @@ def _suites(machines: list[dict]) -> str:
         if not runs:
             continue
         each = "; ".join(f"{label}: {s['outcome']['passed']} passed, {s['outcome']['failed']} failed, "
-                         f"{s['outcome']['error']} errors in {s['seconds']:.0f} s" for label, s in runs)
+                         f"{s['outcome']['error']} errors in {s['seconds']:.0f} s"
+                         + "".join(f" (failed: `{t.split('::')[-1]}`)" for t in s.get("failed_claims", []))
+                         for label, s in runs)
         what = ("`--quick` (the subset without the time claims and the slow tests)" if quick else
                 "The design card's command over the whole GPU suite (`-m gpu`: every claim, every benchmark gated)")
         out.append(f"{what}: {each}.")
@@ -166,6 +168,13 @@ def summary() -> str:
                 todo.append(f"at median:{t}%, the slowdowns of {', '.join(f'`{k}`' for k in left)}")
             elif left:
                 todo.append(f"at median:{t}%, every slowdown")
+    whole = [(m["label"], s) for m in fresh for s in m.get("suites", []) if "--quick" not in s["command"]]
+    clean = [label for label, s in whole if s["outcome"]["failed"] == s["outcome"]["error"] == 0]
+    if len(clean) < MACHINES:
+        dirty = [label for label, s in whole if label not in clean]
+        todo.append(f"the whole GPU suite clean on {MACHINES - len(clean)} more fresh machine"
+                    f"{'s' * (MACHINES - len(clean) > 1)} (clean so far: {', '.join(clean) or 'none'}"
+                    + (f"; with failures: {', '.join(dirty)}" if dirty else "") + ")")
     if gate is not None:
         lines.append(f"**The gate:** median:{gate:g}%, the tightest threshold at which both hold (the CI workflow's "
                      "threshold).")
