@@ -17,7 +17,9 @@ Per shape (T tokens x H hidden x V vocab) and implementation:
     of its small tensors, ~4 KiB, is not in it);
   * host_syncs: synchronizing CUDA calls in one call, counted by torch.cuda.set_sync_debug_mode("warn");
   * ours against Liger: the largest relative difference of the loss and both gradients;
-  * ours, --breakdown: each GEMM and the row kernel of one chunk, timed alone, times the chunk count.
+  * ours, --breakdown: each GEMM and the row kernel of one chunk, timed alone, times the chunk count, and
+    backward's scale kernels at an incoming gradient of 1 (a plain loss.backward()) and of 1 / T;
+    --row-blocks B,...: the row kernel also at each block width B (the width that sets its passes and warps).
 --chunks runs ours with each rows-per-chunk (0: the rule in linear_ce_chunks.chunk_rows), to check the
 rule's derivation on the machine. --dry-run runs the same code on CPU at tiny shapes (perf_counter for
 events, no Liger unless Triton runs there), to check the script itself.
@@ -128,7 +130,7 @@ def peak_and_syncs(dev, call, clear) -> tuple[float | None, int | None]:
     return peak, syncs
 
 
-def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown):
+def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown, row_blocks=()):
     g = torch.Generator(device="cpu").manual_seed(T + V)
     w = (torch.randn(V, H, generator=g) / H ** 0.5).to(dev).requires_grad_()  # fp32 master weight
     sets = [(torch.randn(T, H, generator=g).to(dev, BF16).requires_grad_(),
@@ -157,7 +159,8 @@ def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown):
         if name.startswith("ours"):
             r["predicted_peak_mib"] = peak_bytes(T, H, V, 2, 4, chunk) / 2 ** 20  # backward adds nothing
             if breakdown:
-                r["breakdown_ms"] = chunk_breakdown(T, H, V, chunk or chunk_rows(T, H, V), w, sets[0], clock, reps)
+                r["breakdown_ms"] = chunk_breakdown(T, H, V, chunk or chunk_rows(T, H, V), w, sets[0], clock, reps,
+                                                    row_blocks)
         rows.append(r)
         print(f"{T}x{H}x{V} {name:14s} {ms:8.3f} ms (steady {steady:8.3f})  {r['tflop_s']:6.1f} TFLOP/s "
               f"{r['frac_ceiling']:6.1%} of ceiling  peak {peak if peak is None else round(peak)} MiB  "
@@ -171,16 +174,18 @@ def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown):
     return rows
 
 
-def chunk_breakdown(T, H, V, C, w, inputs, clock, reps) -> dict[str, float]:
-    """Each part of ours for one full chunk, timed alone, times the chunk count T / C (a fraction for the tail)."""
-    from anatomy.kernels.linear_ce import accumulate_grad_weight, ce_rows_reference, ce_rows_triton
+def chunk_breakdown(T, H, V, C, w, inputs, clock, reps, row_blocks=()) -> dict[str, float]:
+    """Each part of ours for one full chunk, timed alone, times the chunk count T / C (a fraction for the tail):
+    backward_scale as a plain loss.backward() runs it (incoming gradient 1), backward_scale_not_one at 1 / T;
+    row_kernel[b] the row kernel at each block width b of row_blocks (0: the op's own)."""
+    from anatomy.kernels.linear_ce import accumulate_grad_weight, ce_rows_reference, ce_rows_triton, scale_
 
     x, t = inputs[0].detach()[:C], inputs[1][:C]
     dev, n = x.device, T / C
     wl = w.detach().to(BF16)
     logits = torch.empty(C, V, dtype=BF16, device=dev)
     gx, gw = torch.empty(C, H, dtype=BF16, device=dev), torch.empty(V, H, dtype=torch.float32, device=dev)
-    losses, scale = torch.empty(C, device=dev), torch.tensor(1 / T, device=dev)
+    losses, scale, one = torch.empty(C, device=dev), torch.tensor(1 / T, device=dev), torch.tensor(1.0, device=dev)
     gx_all = torch.empty(T, H, dtype=BF16, device=dev)
     rows = ce_rows_triton if dev.type == "cuda" else ce_rows_reference
     torch.mm(x, wl.t(), out=logits)
@@ -191,9 +196,15 @@ def chunk_breakdown(T, H, V, C, w, inputs, clock, reps) -> dict[str, float]:
              "row_kernel_restore_copy": (lambda i: logits.copy_(logits_copy), n),
              "grad_x_mm": (lambda i: torch.mm(logits, wl, out=gx), n),
              "grad_w_addmm": (lambda i: accumulate_grad_weight(gw, logits.t(), x, i == 0, dev.type == "cuda"), n),
-             "backward_scale": (lambda i: (gx_all.mul_(scale), gw.mul_(scale)), 1)}
+             "backward_scale": (lambda i: (scale_(gx_all, one), scale_(gw, one)), 1),
+             "backward_scale_not_one": (lambda i: (scale_(gx_all, scale), scale_(gw, scale)), 1)}
+    if dev.type == "cuda" or _triton_on_cpu():
+        parts.update({f"row_kernel[{b}]": (lambda i, b=b: (logits.copy_(logits_copy), ce_rows_triton(
+            logits, t, losses, scale, block=b or None)), n) for b in row_blocks})
     out = {k: timed(clock, fn, reps)[0] * m for k, (fn, m) in parts.items()}
-    out["row_kernel"] -= out.pop("row_kernel_restore_copy")  # the copy restores the logits between repeats
+    copy = out.pop("row_kernel_restore_copy")  # the copy restores the logits between repeats
+    for k in [k for k in out if k.startswith("row_kernel")]:
+        out[k] -= copy
     return out
 
 
@@ -227,14 +238,18 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-liger", action="store_true")
     p.add_argument("--breakdown", action="store_true", help="time each part of one chunk of ours alone")
+    p.add_argument("--row-blocks", default="", help="with --breakdown: the row kernel also at these block "
+                   "widths (powers of two, comma-separated; 0 is the op's own)")
     p.add_argument("--json", help="write the results here (atomically)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: checks the script, measures nothing")
     a = p.parse_args(argv)
     try:
         chunks = [int(c) for c in a.chunks.split(",")]
-        assert all(c >= 0 for c in chunks) and a.reps >= 10
+        blocks = [int(b) for b in a.row_blocks.split(",") if b]
+        assert all(c >= 0 for c in chunks) and a.reps >= 10 and all(b == 0 or b & (b - 1) == 0 for b in blocks)
     except (ValueError, AssertionError):
-        p.exit(2, "bench/linear_ce.py: --chunks wants non-negative ints, --reps at least 10\n")
+        p.exit(2, "bench/linear_ce.py: --chunks wants non-negative ints, --row-blocks 0 or powers of two, --reps "
+                  "at least 10\n")
     shapes = parse_shapes(a.shapes or (DRY_SHAPES if a.dry_run else SHAPES))
     if shapes is None:
         p.exit(2, f"bench/linear_ce.py: --shapes wants TxHxV[,TxHxV...] with positive ints, got {a.shapes!r}\n")
@@ -254,7 +269,7 @@ def main(argv=None):
         p.exit(2, "bench/linear_ce.py: liger_kernel is not importable (pip install liger-kernel, or --no-liger)\n")
     rows = []
     for T, H, V in shapes:
-        rows += bench_shape(T, H, V, impls, clock, dev, a.reps, ceiling, a.breakdown)
+        rows += bench_shape(T, H, V, impls, clock, dev, a.reps, ceiling, a.breakdown, blocks)
     res = dict(environment(dev), matmul_tflop_s=ceiling / 1e12, matmul_shape="8192^3 bf16" if not a.dry_run else
                "256^3 bf16 (dry run)", copy_tb_s=bw / 1e12, dry_run=a.dry_run, rows=rows,
                command=" ".join(["PYTHONPATH=. python3 bench/linear_ce.py",

@@ -1,5 +1,6 @@
 """anatomy::linear_cross_entropy (anatomy/kernels/linear_ce.py): accuracy, the row kernel, shapes under
-fake tensors and torch.compile, autocast, no host sync, the in-place backward, and the chunk rule.
+fake tensors and torch.compile, autocast, no host sync, and the chunk rule (the in-place backward:
+test_linear_ce_backward.py).
 
 Accuracy follows test_kernels.py: err(op vs fp64) <= 2 * err(plain torch in the same dtypes vs fp64)
 + eps(dtype) * max|fp64|, "plain" being F.cross_entropy on x @ Wᵀ as autocast would run it, the fp64
@@ -271,27 +272,6 @@ def test_no_host_sync(path):
         t.sum().item()  # the mode does catch a sync
 
 
-# ---- in-place backward ------------------------------------------------------------------------------
-def test_backward_returns_the_saved_buffers():
-    """Eager backward scales the saved gradients in place and hands them on: w.grad is the very (V, H)
-    buffer the forward filled (no copy, no new allocation); a second backward fails loudly rather than
-    scaling twice; inplace_backward=False keeps them for retain_graph."""
-    x, w, t = case()
-    xl, wl = x.to(BF16).requires_grad_(), w.float().requires_grad_()
-    ptrs = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda v: ptrs.append(v.data_ptr()) or v, lambda v: v):
-        loss = linear_cross_entropy(xl, wl, t)
-    loss.backward(torch.tensor(0.5))
-    assert [xl.grad.data_ptr(), wl.grad.data_ptr()] == ptrs
-    loss = linear_cross_entropy(xl, wl, t)
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward(retain_graph=True)
-    loss = linear_cross_entropy(xl, wl, t, inplace_backward=False)
-    a = torch.autograd.grad(loss, (xl, wl), retain_graph=True)
-    assert all(map(torch.equal, a, torch.autograd.grad(loss, (xl, wl))))
-
-
 @pytest.mark.parametrize("wdt", [FP32, BF16], ids=["w32", "w16"])
 @pytest.mark.parametrize("T,chunk", [(100, 32), (100, 0), (7, 0)], ids=["chunks", "rule", "short"])
 def test_cuda_path_bytes_are_the_table(wdt, T, chunk):
@@ -400,13 +380,15 @@ def test_bench_dry_run(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "lce.json"
     bench.main(["--dry-run", "--no-liger", "--reps", "10", "--shapes", "40x8x30", "--chunks", "0,16", "--breakdown",
-                "--json", str(out)])
+                "--row-blocks", "0,16", "--json", str(out)])
     res = json.loads(out.read_text())
     assert [(r["impl"], r["chunk"]) for r in res["rows"]] == [("ours", 0), ("ours-c16", 16)]
     assert res["rows"][1]["predicted_peak_mib"] * 2 ** 20 == peak_bytes(40, 8, 30, 2, 4, 16)
+    blocks = {"row_kernel[0]", "row_kernel[16]"} if INTERPRET else set()  # the Triton row kernel at each width
     assert set(res["rows"][0]["breakdown_ms"]) == {"weight_cast", "logits_mm", "row_kernel", "grad_x_mm",
-                                                   "grad_w_addmm", "backward_scale"}
+                                                   "grad_w_addmm", "backward_scale", "backward_scale_not_one"} | blocks
     assert res["command"].startswith("PYTHONPATH=. python3 bench/linear_ce.py --dry-run")
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--dry-run", "--shapes", "1x2"])
-    assert e.value.code == 2
+    for bad in (["--shapes", "1x2"], ["--row-blocks", "24"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--dry-run", *bad])
+        assert e.value.code == 2

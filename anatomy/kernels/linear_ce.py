@@ -23,7 +23,9 @@ weight, nor any logits are kept.
 
 No host sync. The count of non-ignored targets stays a device tensor; the row kernel reads the scale
 (1 / max(n, 1)) through a pointer; the loss is the per-row losses' sum over max(n, 1), on the device;
-backward multiplies by the incoming gradient instead of testing it against 1. All targets ignored:
+backward multiplies by the incoming gradient instead of testing it against 1 on the host: its kernel
+reads the gradient on the device and, when it is 1 (a plain loss.backward()), returns without touching
+grad_x or grad_w, so the usual backward moves no bytes. All targets ignored:
 the loss and both gradients are 0, not NaN. A target outside [0, V) other than ignore_index is the
 caller's error: it is clamped into range (checking it would need a sync).
 
@@ -37,7 +39,8 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-from anatomy.kernels._dispatch import (autocast_floating, check_launchable, cpu_uses_triton, jit, num_warps,
+from anatomy.kernels._dispatch import (autocast_floating, check_launchable, cpu_uses_triton, jit, launches_triton,
+                                       num_warps,
                                        register_autocast_rule, tl, triton)
 from anatomy.kernels.linear_ce_chunks import chunk_rows
 
@@ -129,6 +132,33 @@ def ce_rows_reference(logits: Tensor, targets: Tensor, losses: Tensor, scale: Te
         g = torch.exp(z - lse[:, None]) - eps / V
         g.scatter_add_(1, y, torch.full_like(lse[:, None], -(1.0 - eps)))
         logits.copy_(g * torch.where(valid, scale, 0.0)[:, None])
+
+
+# ---- backward: the saved gradients times the incoming one, in place ------------------------------
+@jit
+def _scale_kernel(X, S, N, BLOCK: tl.constexpr):
+    # x := x * s (s cast to x's dtype first, as torch's mul_ by a 0-d CUDA tensor does); s == 1, what a plain
+    # loss.backward() sends, leaves x as it is: the program reads s and returns, moving no other byte
+    s = tl.load(S).to(X.dtype.element_ty).to(tl.float32)
+    if s != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        x = tl.load(X + offs, mask=m).to(tl.float32)
+        tl.store(X + offs, (x * s).to(X.dtype.element_ty), mask=m)
+
+
+SCALE_BLOCK = 4096  # elements per program of _scale_kernel
+
+
+def scale_(t: Tensor, s: Tensor) -> Tensor:
+    """t *= s in place, s a 0-d tensor on t's device, never read by the host: the Triton kernel (CUDA, or CPU
+    under triton_on_cpu) skips the pass when s is 1; elsewhere torch's mul_. Returns t."""
+    if not (launches_triton(t) and t.is_contiguous() and s.numel() == 1):
+        return t.mul_(s)
+    check_launchable(t)
+    if t.numel():
+        _scale_kernel[(triton.cdiv(t.numel(), SCALE_BLOCK),)](t, s, t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
+    return t
 
 
 # ---- the chunk loop (shared by the CPU reference and the CUDA path) -------------------------------
@@ -253,7 +283,7 @@ def _backward(ctx, dloss, _dgrad_x, _dgrad_w):
     if dloss is None:
         need_x = need_w = False
     elif ctx.inplace and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        grad_x, grad_w = grad_x.mul_(dloss) if need_x else None, grad_w.mul_(dloss) if need_w else None
+        grad_x, grad_w = scale_(grad_x, dloss) if need_x else None, scale_(grad_w, dloss) if need_w else None
     else:
         grad_x, grad_w = grad_x * dloss if need_x else None, grad_w * dloss if need_w else None
     return (grad_x if need_x else None), (grad_w if need_w else None), None, None, None, None, None, None

@@ -127,7 +127,8 @@ def anatomy_loss(o: Ops) -> None:
     place: one read of a row up to 32,768 wide, two past it), grad_x rows = d(logits) W written in place,
     grad_w (+)= d(logits)ᵀ x_c into the weight's dtype (fp32 under amp: mm/addmm with an fp32 out_dtype,
     the accumulating family, read and written every chunk after the first). The loss: the row losses
-    summed in fp64 over n. Backward scales grad_x and grad_w by the incoming gradient, in place.
+    summed in fp64 over n. Backward scales grad_x and grad_w by the incoming gradient, in place: a pass only
+    when that gradient is not 1.
 
     Host: one custom-op call (the public function, the autocast rule, the autograd wrapper), the setup's
     eager ops and the chunk loop's Python (slices, two mm launches, a Triton launch, the grad_w mm); the
@@ -159,10 +160,11 @@ def anatomy_loss(o: Ops) -> None:
         first = False
     o.mem("loss.sum", "loss", "forward", T * 4, 8, order=2, host=None)  # fp64 sum of the row losses
     o.mem("loss.mean", "loss", "forward", 16, 12, 2, order=2, host=None)  # / n, to fp32
-    # backward: grad_x and grad_w scaled by the incoming gradient in place, then handed on
-    o.mem("loss.scale_grad_input", "loss", "backward", T * H * c + 4, T * H * c, order=0, host="linear_ce.backward",
-          host_ops=5)
-    o.mem("loss.scale_grad_weight", "loss", "backward", V * H * p + 4, V * H * p, order=0, host=None)
+    # backward: grad_x and grad_w scaled by the incoming gradient in place (linear_ce.scale_), then handed on;
+    # a plain loss.backward() sends 1, so each kernel reads it (4 B) and returns without touching its tensor
+    # (a loss scaled before backward would pay T·H·c and V·H·p read and written)
+    o.mem("loss.scale_grad_input", "loss", "backward", 4, 0, order=0, host="linear_ce.backward", host_ops=5)
+    o.mem("loss.scale_grad_weight", "loss", "backward", 4, 0, order=0, host=None)
 
 
 def liger_loss(o: Ops) -> None:
