@@ -229,3 +229,22 @@ def test_compiled_step_host_is_its_calibrated_call():
             x, y = (estimate_time(cfg, run, v, q, optimizer=impl, with_kernels=False)["optimizer_s"]
                     for q in (p0, fake(a, b)))
             assert x == y, impl
+
+
+def test_host_probe_refuses_without_a_gpu(capsys):
+    """scripts/probe_optimizer_host.py (the compiled step's host time against its GPU time, docs/timing.md) says
+    in one line that it needs a GPU, exit 2; bad arguments likewise, before any GPU work."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "probe_optimizer_host.py"
+    spec = importlib.util.spec_from_file_location("probe_optimizer_host", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    if torch.cuda.is_available():
+        assert probe.main(["--reps", "1"]) == 2 and "--reps must be at least 3" in capsys.readouterr().err
+        assert probe.main(["--config", "no-such-model"]) == 2
+    else:
+        assert probe.main([]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "needs a CUDA GPU" in err
