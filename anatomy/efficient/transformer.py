@@ -26,9 +26,10 @@ class Block(nn.Module):
         super().__init__()
         self.recompute = recompute
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias)
+        lean = recompute == "none"  # inside a checkpoint the matmuls stay nn.Linear (kernels/lean.py says why)
+        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias, lean)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp)
+        self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp, lean)
         if recompute == "full":
             self.checkpoint = BlockCheckpoint()
         self.register_load_state_dict_pre_hook(_fuse_baseline_keys)
