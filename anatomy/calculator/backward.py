@@ -142,14 +142,17 @@ class Walk:
         self.by[GRAD] += total
 
     # ---- the stages both variants share ----------------------------------------------------------------
-    def linear(self, tag: str, din: int, dout: int, grad_out: int, *saved: str, to_residual: bool = False) -> int:
+    def linear(self, tag: str, din: int, dout: int, grad_out: int, *saved: str, to_residual: bool = False,
+               recast: bool = False) -> int:
         """One matmul's backward: the weight gradient (the compute dtype under autocast) and the input
         gradient, then the incoming gradient and the saved tensors go; under autocast the weight
-        gradient is copied to the parameter's dtype. Returns the bytes of the gradient passed on."""
+        gradient is copied to the parameter's dtype. recast: a lean matmul (anatomy/kernels/lean.py),
+        which casts the weight again for the input gradient, live with both gradients. Returns the bytes
+        of the gradient passed on."""
         T, c, r, p = self.T, self.c, self.r, self.p
         wg = din * dout * (c if self.amp else p)
         self.alloc(wg, T * din * c)
-        self.peak(tag)
+        self.peak(tag, *((din * dout * c,) if recast else ()))
         self.alloc(-grad_out)
         self.free(*saved)
         dx = T * din * c

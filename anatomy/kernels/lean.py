@@ -46,16 +46,6 @@ def _2d(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _weight_grads(dy2: Tensor, x2: Tensor, weight: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(dW, dX) of y = x Wᵀ in the compute dtype, as MmBackward makes them: dW = dYᵀ X (one mm, before
-    the cast exists), then the weight cast again for dX = dY W_c; the cast is freed before returning."""
-    dw = dy2.t().mm(x2)  # (out, in)
-    w_c = weight.to(dtype)  # (out, in): the forward's cast, made again
-    dx = dy2.mm(w_c)  # (T, in)
-    del w_c
-    return dw, dx
-
-
 class _RecastLinear(torch.autograd.Function):
     """y = x w_cᵀ (+ b_c). Inputs: x (..., in) in the compute dtype, w_c = w.to(compute) (autograd's cast
     node), w the fp32 parameter (saved, not differentiated here), b_c the cast bias or None."""
@@ -72,8 +62,11 @@ class _RecastLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         dy2 = _2d(dy)  # (T, out), a view
-        with _off(dy):
-            dw, dx = _weight_grads(dy2, _2d(x), w, ctx.dtype)
+        with _off(dy):  # MmBackward's two products on the same operands: dW = dYᵀ X, dX = dY W_c
+            dw = dy2.t().mm(_2d(x))  # (out, in), before the cast exists
+            w_c = w.to(ctx.dtype)  # (out, in): the forward's cast, made again
+            dx = dy2.mm(w_c)  # (T, in)
+            del w_c
             db = dy2.sum(0, keepdim=True).view(-1) if ctx.bias else None  # addmm's bias gradient, as autograd sums it
         return dx.view(x.shape), dw, None, db
 
@@ -120,8 +113,11 @@ class _SwiGLUDown(torch.autograd.Function):
         dy2 = _2d(dy)  # (T, H)
         h = _swiglu(gate_up, ctx.variant)  # (..., I), bitwise the forward's
         with _off(dy):
-            dw, dh = _weight_grads(dy2, _2d(h), w, ctx.dtype)  # dW (H, I); d(h) (T, I)
-        del h
+            dw = dy2.t().mm(_2d(h))  # (H, I)
+            del h  # before the cast and d(h) exist
+            w_c = w.to(ctx.dtype)  # (H, I): the forward's cast, made again
+            dh = dy2.mm(w_c)  # (T, I)
+            del w_c
         # the packed SwiGLU backward: d(gate_up) written into gate_up's storage where that is safe
         sw = SimpleNamespace(saved_tensors=(gate_up,), variant=ctx.variant, inplace=ctx.inplace)
         dgu = _packed_backward(sw, dh.view(*gate_up.shape[:-1], -1))[0]
