@@ -39,8 +39,8 @@ class Block(nn.Module):
             return self.checkpoint(self._block, x, cos, sin)
         if self.recompute == "mlp":
             # Keep x, the attention branch (compute dtype) and what SDPA keeps; drop both normed inputs,
-            # the fp32 residual sum, gate_up and the activation: 6H + 6I bytes a token less per layer
-            # under amp (validations/test_recompute.py counts them). Backward re-runs both norms, the sum,
+            # the fp32 residual sum and gate_up: 6H + 4I bytes a token less per layer under amp, less o's
+            # weight cast, which nn.Linear keeps here (validations/test_recompute.py counts them). Backward re-runs both norms, the sum,
             # the gate_up matmul and the activation; no other matmul runs twice (the checkpoints' early stop).
             return self.mlp(x, norm=self.mlp_norm, branch=self.attn(x, cos, sin, norm=self.attn_norm))
         return self._block(x, cos, sin)

@@ -1,7 +1,8 @@
 """The kernels anatomy/efficient launches in a training step on CUDA, with their FLOPs and minimal bytes:
 one qkv and one gate_up matmul per layer, our fused rms_norm, rope_qkv and swiglu, cuDNN's SDPA (or another
-backend) and the fused linear CE for the loss (Run.loss_impl: ours, anatomy_loss; Liger's, liger_loss). Mirrors
-kernels_baseline.py, component by component.
+backend) and the fused linear CE for the loss (Run.loss_impl: ours, anatomy_loss; Liger's, liger_loss); without
+recompute, the lean matmuls' re-made weight casts and SwiGLU output (lean_kernels). Mirrors kernels_baseline.py,
+component by component.
 """
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     residual(o, "mlp", L, where)
     if run.recompute != "none":
         recompute_kernels(o, sdpa_backend)
+    else:
+        lean_kernels(o)
     liger_loss(o) if run.loss_impl == "liger" else anatomy_loss(o)
     return o.k
 
@@ -118,6 +121,20 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
             o.mem(f"{name}.weight_cast.recompute", comp, "backward", n * o.p, n * c, L)
         if cfg.qkv_bias:  # autocast casts qkv's bias with its weight
             o.mem("attention.qkv.bias_cast.recompute", "attention", "backward", D * o.p, D * c, L)
+
+
+def lean_kernels(o: Ops) -> None:
+    """Without recompute the block's matmuls are lean (anatomy/kernels/lean.py): under autocast each one's
+    backward casts its fp32 weight to bf16 again (the forward's cast is not kept), and the MLP's backward
+    runs SwiGLU's forward again to make h, down's input, from gate_up before down's weight gradient."""
+    cfg, run, c, r = o.cfg, o.run, o.c, o.r
+    T, H, L, I, D = run.tokens, cfg.hidden, cfg.layers, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim
+    if o.amp:
+        for name, comp, n in (("attention.qkv", "attention", D * H), ("attention.o", "attention", H * H),
+                              ("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)):
+            o.mem(f"{name}.weight_recast", comp, "backward", n * o.p, n * c, L)
+    sw = ("swiglu.forward", I)
+    o.mem("mlp.swiglu.remake", "mlp", "backward", *fused_bytes(*sw, T, c, r), L, host=sw[0], fused=(*sw, T))
 
 
 def anatomy_loss(o: Ops) -> None:
