@@ -27,14 +27,12 @@ autograd.Function is after its forward, so the last matmul of the region would r
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from anatomy.kernels._dispatch import autocast_dtype, autocast_floating, fast_path, no_autocast
-from anatomy.kernels.swiglu import _eager, _packed_backward, _packed_forward, _swiglu_packed_op, swiglu_packed
+from anatomy.kernels.swiglu import _eager, _packed_forward, _swiglu_packed_op, packed_grad, swiglu_packed
 
 
 def _off(t: Tensor):
@@ -119,8 +117,7 @@ class _SwiGLUDown(torch.autograd.Function):
             dh = dy2.mm(w_c)  # (T, I)
             del w_c
         # the packed SwiGLU backward: d(gate_up) written into gate_up's storage where that is safe
-        sw = SimpleNamespace(saved_tensors=(gate_up,), variant=ctx.variant, inplace=ctx.inplace)
-        dgu = _packed_backward(sw, dh.view(*gate_up.shape[:-1], -1))[0]
+        dgu = packed_grad(dh.view(*gate_up.shape[:-1], -1), gate_up, ctx.variant, ctx.inplace)
         return dgu, dw, None, None, None  # dw: the cast's gradient (its ToCopy node makes the fp32 one), or w's
 
 
