@@ -152,7 +152,8 @@ def test_estimate_reports_it():
     d = json.loads(out.stdout)
     assert d["run"]["recompute"] == MLP
     none = phases(ModelConfig.from_name("seed"), Run(16, 4096), "efficient")
-    assert d["memory"]["saved"]["total"] < none["saved"] / 2  # seed B16 S4096: 2.9 of 6.4 GiB
+    # seed B16 S4096: 2.9 of 5.5 GiB (without recompute the lean matmuls keep no weight cast and no h)
+    assert d["memory"]["saved"]["total"] < 0.53 * none["saved"]
 
 
 @pytest.mark.gpu
