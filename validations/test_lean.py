@@ -2,6 +2,7 @@
 every gradient it gives with nn.Linear and a saved SwiGLU output, and keeps neither the weight casts nor h."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from anatomy.config import ModelConfig, Run
 from anatomy.efficient.attention import Attention
@@ -24,28 +25,53 @@ def _set_lean(model, lean: bool):
     return model
 
 
-def _step(model, ids, targets, run):
+def _step(model, ids, targets, run, device="cpu"):
     model.zero_grad(set_to_none=True)
-    with autocast_ctx(run, "cpu"):
+    with autocast_ctx(run, device):
         loss = model(ids, targets)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("policy", ["amp", "fp32", "bf16"])
-@pytest.mark.parametrize("cfg", [NAMED["tiny"], NAMED["tiny-gqa"], NAMED["tiny-gptoss-tied"], QWEN], ids=lambda c: c.name)
-def test_lean_model_is_bitwise_the_plain_one(cfg, policy):
-    run = Run(2, 16, policy)
-    ids, targets = make_batch(cfg, run)
+def check_bitwise(cfg: ModelConfig, run: Run, device: str = "cpu"):
+    ids, targets = (t.to(device) for t in make_batch(cfg, run))
     out = []
     for lean in (False, True):
-        model = _set_lean(build_model(cfg, "efficient", dtype=param_dtype(run)), lean)
-        out.append(_step(model, ids, targets, run))
+        model = _set_lean(build_model(cfg, "efficient", device=device, dtype=param_dtype(run)), lean)
+        out.append(_step(model, ids, targets, run, device))
     (l0, g0), (l1, g1) = out
     assert torch.equal(l0, l1)
     assert g0.keys() == g1.keys()
     for n in g0:
         assert g0[n].dtype == g1[n].dtype and torch.equal(g0[n], g1[n]), n
+
+
+@pytest.mark.parametrize("policy", ["amp", "fp32", "bf16"])
+@pytest.mark.parametrize("cfg", [NAMED["tiny"], NAMED["tiny-gqa"], NAMED["tiny-gptoss-tied"], QWEN], ids=lambda c: c.name)
+def test_lean_model_is_bitwise_the_plain_one(cfg, policy):
+    check_bitwise(cfg, Run(2, 16, policy))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["swiglu", "gpt-oss"])
+def test_lean_ops_are_bitwise_the_plain_ones_cuda(variant):
+    """On the GPU (the model as a whole is not compared: SDPA's backward may sum in another order run to
+    run): qkv-like linear with a bias, then SwiGLU + down, against nn.Linear and swiglu_packed; the
+    Triton SwiGLU made again in backward, cuBLAS's products on the same operands."""
+    g = torch.Generator().manual_seed(0)
+    x0, wq, b, wd = (torch.randn(*s, generator=g).cuda() for s in ((4, 512, 1024), (2 * 2816, 1024), (2 * 2816,),
+                                                                    (1024, 2816)))
+    plain = lambda x, wq, b, wd: F.linear(swiglu_packed(F.linear(x, wq, b), variant), wd)  # noqa: E731
+    lean = lambda x, wq, b, wd: swiglu_down(linear(x, wq, b), wd, variant)  # noqa: E731
+    res = []
+    for fn in (plain, lean):
+        args = [t.clone().requires_grad_() for t in (x0, wq, b, wd)]
+        with torch.autocast("cuda", dtype=BF16):
+            y = fn(args[0].to(BF16), *args[1:])
+        y.backward(torch.ones_like(y))
+        res.append([y] + [a.grad for a in args])
+    for a, b_ in zip(*res):
+        assert a.dtype == b_.dtype and torch.equal(a, b_)
 
 
 def test_lean_ops_through_the_triton_kernels_are_bitwise_the_plain_ones():

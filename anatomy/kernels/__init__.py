@@ -5,10 +5,13 @@
     swiglu_packed(gate_up, variant)             -> h                 saves gate_up; d(gate_up) in place
     rope_qkv(qkv, cos, sin, heads, kv_heads)    -> (q, k, v)         saves cos, sin
     linear_cross_entropy(x, weight, targets)    -> loss              saves grad_x, grad_w (made in forward)
+    lean.linear(x, weight, bias)                -> y                 saves x, the fp32 weight (cast again in backward)
+    lean.swiglu_down(gate_up, weight, variant)  -> y                 saves gate_up, the weight (h made again in backward)
 
 Each op: plain-torch reference on CPU (and any non-CUDA device), Triton kernel on CUDA, fake
 implementation for meta/fake tensors and torch.compile, an explicit autocast rule, and a backward
 that is itself a custom op (linear_cross_entropy's backward only scales its saved gradients).
+(lean.py's two are autograd Functions over these ops and aten matmuls, not ops of their own.)
 ``*_triton`` are the Triton launchers, callable on CPU tensors under TRITON_INTERPRET=1;
 ``triton_on_cpu()`` routes the ops themselves through them. ``_dispatch.py``
 documents the dispatch and autocast design; each op's module documents its fusion and savings.
