@@ -1,0 +1,140 @@
+"""The fused residual add + RMSNorm op (anatomy/kernels/add_rms_norm.py): bitwise the unfused add and
+rms_norm on CPU (forward, every gradient), the Triton kernels under the interpreter against the
+reference, the absent x_new gradient, saved tensors, fake tensors, opcheck and torch.compile."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anatomy.kernels import add_rms_norm, rms_norm
+from anatomy.kernels.add_rms_norm import add_rms_norm_backward_triton, add_rms_norm_triton
+from validations.kernel_cases import BF16, FP32, PATHS, gen, path_ctx
+
+EPS = 1e-5
+
+
+def _inputs(shape=(2, 7, 48), xdt=FP32, bdt=BF16, seed=0):
+    g = gen(seed)
+    x = torch.randn(shape, generator=g).to(xdt).requires_grad_()
+    b = torch.randn(shape, generator=g).to(bdt).requires_grad_()
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).requires_grad_()
+    dxn, dy = torch.randn(shape, generator=g).to(xdt), torch.randn(shape, generator=g)
+    return x, b, w, dxn, dy
+
+
+def _run(fused, x, b, w, dxn, dy, amp, use_dxn=True):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, b, w)]
+    with torch.autocast("cpu", dtype=BF16, enabled=amp):
+        if fused:
+            xn, y = add_rms_norm(*leaves, EPS)
+        else:
+            xn = leaves[0] + leaves[1]
+            y = rms_norm(xn, leaves[2], EPS)
+    loss = (y.float() * dy).sum() + ((xn.float() * dxn.float()).sum() if use_dxn else 0)
+    loss.backward()
+    return [xn, y] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("xdt,bdt,amp", [(FP32, BF16, True), (FP32, FP32, False), (BF16, BF16, False),
+                                         (FP32, BF16, False)], ids=["amp", "fp32", "bf16", "fp32-bf16-branch"])
+@pytest.mark.parametrize("use_dxn", [True, False], ids=["dxn", "no-dxn"])
+def test_reference_is_bitwise_the_unfused_pair(xdt, bdt, amp, use_dxn):
+    """Same fp32 ops in the same order: x + branch.to(x.dtype), rms_norm's reduction on the rounded sum;
+    backward the norm's dx rounded to x's dtype plus d_x_new (a two-term sum, exact in either order)."""
+    args = _inputs(xdt=xdt, bdt=bdt)
+    fused, plain = _run(True, *args, amp, use_dxn), _run(False, *args, amp, use_dxn)
+    for name, a, b in zip(("x_new", "y", "dx", "dbranch", "dw"), fused, plain):
+        assert a.dtype == b.dtype, name
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif("triton" not in str(PATHS[-1]) or not __import__("anatomy.kernels").kernels.INTERPRET,
+                    reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("shape", [(2, 7, 48), (50, 1000), (9, 300), (3, 33)])
+@pytest.mark.parametrize("use_dxn", [True, False], ids=["dxn", "no-dxn"])
+def test_triton_matches_reference(shape, use_dxn):
+    """The interpreter's kernels against the reference: x_new bitwise (one rounded add); y, dx, d_branch
+    and dw within fp32 reduction-order error (the kernels sum rows in tiles, torch in its own order),
+    then each rounded to its dtype: bf16 outputs within one bf16 ulp."""
+    args = _inputs(shape=shape, seed=shape[-1])
+    ref = _run(True, *args, True, use_dxn)
+    with path_ctx("triton"):
+        tri = _run(True, *args, True, use_dxn)
+    assert torch.equal(tri[0], ref[0])
+    for name, a, b, tol in zip(("y", "dx", "dbranch", "dw"), tri[1:], ref[1:], (8e-3, 1e-5, 8e-3, 1e-4)):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.float().abs().max().item(),
+                                   msg=name)
+
+
+@pytest.mark.skipif(not __import__("anatomy.kernels").kernels.INTERPRET, reason="needs TRITON_INTERPRET=1")
+def test_launchers_direct():
+    """The launchers on CPU tensors: empty rows, and the absent d_x_new (HAS_DXN=False)."""
+    x, b, w, dxn, dy = (t.detach() for t in _inputs(shape=(5, 40)))
+    xn, y = add_rms_norm_triton(x, b, w, EPS, BF16)
+    assert torch.equal(xn, x + b.float()) and y.dtype == BF16
+    dx0, db0, dw0 = add_rms_norm_backward_triton(None, dy, xn, w, EPS, BF16)
+    dx1, db1, dw1 = add_rms_norm_backward_triton(dxn, dy, xn, w, EPS, BF16)
+    torch.testing.assert_close(dx1, dx0 + dxn)
+    assert torch.equal(dw0, dw1)
+    # d_branch is d_x cast in the kernel; the interpreter casts fp32 -> bf16 toward zero (torch: to nearest
+    # even), so the two agree within one bf16 ulp here and bitwise on the GPU's round-to-nearest cast
+    for db, dx in ((db0, dx0), (db1, dx1)):
+        torch.testing.assert_close(db.float(), dx, rtol=2 ** -7, atol=0)
+    e = torch.empty(0, 40)
+    assert add_rms_norm_triton(e, e, w, EPS)[1].shape == (0, 40)
+
+
+def test_saves_x_new_and_weight_only():
+    """What backward keeps: x_new (the residual dtype) and the weight, as the unfused norm kept its input."""
+    x, b, w, _, _ = _inputs()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=BF16):
+            xn, y = add_rms_norm(x, b, w, EPS)
+    assert len(saved) == 2 and saved[0].data_ptr() == xn.data_ptr() and saved[1] is w
+    assert xn.dtype == FP32 and y.dtype == BF16
+
+
+def test_fake_and_opcheck():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    make = FakeTensorMode().from_tensor
+    xn, y = add_rms_norm(make(torch.randn(2, 7, 48)), make(torch.randn(2, 7, 48, dtype=BF16)), make(torch.randn(48)))
+    assert (xn.dtype, y.dtype, y.shape) == (FP32, FP32, (2, 7, 48))
+    x, b, w, dxn, dy = (t.detach() for t in _inputs())
+    rg = lambda t: t.clone().requires_grad_()  # noqa: E731
+    ops = torch.ops.anatomy
+    torch.library.opcheck(ops.add_rms_norm.default, (rg(x), rg(b), rg(w), EPS, BF16))
+    torch.library.opcheck(ops.add_rms_norm_backward.default, (dxn, dy, x, w, EPS, BF16))
+    torch.library.opcheck(ops.add_rms_norm_backward.default, (None, dy, x, w, EPS, FP32))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_compile_fullgraph(path):
+    """fullgraph=True through the custom op: values and gradients equal eager's."""
+    torch._dynamo.reset()
+
+    def f(x, b, w):
+        xn, y = add_rms_norm(x, b, w, EPS)
+        xn2, y2 = add_rms_norm(xn, y, w, EPS)
+        return y2.float().square().sum() + xn2.sum()
+
+    x, b, w, _, _ = _inputs(shape=(3, 16))
+    results = []
+    with path_ctx(path):
+        for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, b, w)]
+            with torch.autocast("cpu", dtype=BF16):
+                loss = fn(*leaves)
+            loss.backward()
+            results.append([loss] + [t.grad for t in leaves])
+    for a, b_ in zip(*results):
+        assert torch.equal(a, b_)
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="branch shape"):
+        add_rms_norm(torch.randn(2, 4), torch.randn(2, 5), torch.randn(4))
+    with pytest.raises(ValueError, match="weight shape"):
+        add_rms_norm(torch.randn(2, 4), torch.randn(2, 4), torch.randn(5))
