@@ -138,3 +138,42 @@ def test_bad_shapes_raise():
         add_rms_norm(torch.randn(2, 4), torch.randn(2, 5), torch.randn(4))
     with pytest.raises(ValueError, match="weight shape"):
         add_rms_norm(torch.randn(2, 4), torch.randn(2, 4), torch.randn(5))
+
+
+# ---- the efficient model: each norm fused with the residual add in front of it ------------------
+def _unfused_forward(model, ids, targets):
+    """The efficient model as it runs without add_rms_norm: each block's _block (x + attn(norm(x)),
+    x + mlp(norm(x))), then the final norm."""
+    from anatomy.baseline.transformer import rope_tables
+
+    x = model.embed(ids)
+    cos, sin = rope_tables(ids.shape[1], model.cfg.head_dim, model.cfg.rope_theta, ids.device, torch.float32)
+    for layer in model.layers:
+        x = layer._block(x, cos, sin)
+    return model.head(model.norm(x), targets)
+
+
+@pytest.mark.parametrize("policy", ["amp", "fp32", "bf16"])
+@pytest.mark.parametrize("cfg", ["tiny", "tiny-gqa", "tiny-gptoss-tied"])
+def test_model_is_bitwise_the_unfused_one(cfg, policy):
+    """recompute "none": loss and every gradient torch.equal to the same model's unfused adds and norms."""
+    from anatomy.config import Run
+    from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
+    from validations.configs import NAMED
+
+    cfg, run = NAMED[cfg], Run(2, 16, policy)
+    ids, targets = make_batch(cfg, run)
+    model = build_model(cfg, "efficient", device="cpu", dtype=param_dtype(run))
+    out = []
+    for fwd in (lambda: model(ids, targets), lambda: _unfused_forward(model, ids, targets)):
+        model.zero_grad(set_to_none=True)
+        with autocast_ctx(run, "cpu"):
+            loss = fwd()
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = out
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        assert g0[n].dtype == g1[n].dtype and torch.equal(g0[n], g1[n]), n
+

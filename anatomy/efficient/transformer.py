@@ -34,7 +34,9 @@ class Block(nn.Module):
             self.checkpoint = BlockCheckpoint()
         self.register_load_state_dict_pre_hook(_fuse_baseline_keys)
 
-    def forward(self, x, cos, sin):  # x: (B, S, H) fp32 residual under amp
+    def forward(self, x, cos, sin, branch=None):  # x: (B, S, H) fp32 residual under amp
+        if self.recompute == "none":
+            return self._fused(x, cos, sin, branch)
         if self.recompute == "full":
             return self.checkpoint(self._block, x, cos, sin)
         if self.recompute == "mlp":
@@ -44,6 +46,17 @@ class Block(nn.Module):
             # the gate_up matmul and the activation; no other matmul runs twice (the checkpoints' early stop).
             return self.mlp(x, norm=self.mlp_norm, branch=self.attn(x, cos, sin, norm=self.attn_norm))
         return self._block(x, cos, sin)
+
+    def _fused(self, x, cos, sin, branch):
+        """recompute "none": each residual add runs inside the norm that reads its sum (add_rms_norm).
+        The block takes the previous block's pending MLP branch (None for the first block) and returns
+        (residual, its own MLP branch): the add that ends a block is the next block's attn_norm, or the
+        model's final norm, so every norm fuses with the add in front of it while each block's norm
+        weights are read only inside that block (FSDP gathers a block's parameters for its own forward).
+        Bitwise the unfused _block (validations/test_add_rms_norm.py, test_efficient.py)."""
+        x, y = (x, self.attn_norm(x)) if branch is None else self.attn_norm(x, branch)
+        x, y = self.mlp_norm(x, self.attn(y, cos, sin))
+        return x, self.mlp(y)  # (B, S, H) residual dtype, (B, S, H) compute dtype
 
     def _block(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -114,6 +127,11 @@ class Transformer(nn.Module):
         x = self.embed(ids)  # (B, S, H)
         # fp32 tables: the RoPE kernel rotates in fp32 registers and keeps only these two (S, hd) tables
         cos, sin = rope_tables(ids.shape[1], self.cfg.head_dim, self.cfg.rope_theta, ids.device, torch.float32)
+        if self.recompute == "none":  # blocks hand on (residual, pending MLP branch): Block._fused
+            branch = None
+            for layer in self.layers:
+                x, branch = layer(x, cos, sin, branch)
+            return self.head(self.norm(x, branch)[1], targets, reduction)  # layers >= 1 (config.py)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.head(self.norm(x), targets, reduction)  # ids, targets: (B, S); "none": (B*S,) losses
