@@ -59,7 +59,7 @@ def test_bound_classification():
     for name in ("attention.qkv", "mlp.gate_up", "mlp.down.grad_weight", "attention.sdpa", "attention.sdpa.backward",
                  "loss.logits"):
         assert _kernel(eff, name)["bound"] == "compute", name
-    for name in ("norm.rms_norm", "mlp.swiglu", "attention.rope_qkv", "attention.residual_add",
+    for name in ("norm.rms_norm", "mlp.swiglu", "attention.rope_qkv", "norm.add_rms_norm",
                  "loss.cross_entropy"):
         assert _kernel(eff, name)["bound"] == "memory", name
     for name in ("norm.rms_norm.dw_sum", "loss.sum", "loss.scale"):
