@@ -35,16 +35,19 @@ def loss(w) -> int:
     return T * H * c
 
 
-def norm(w, tag: str, g_in: int, kept: str | tuple = "norm.") -> int:
+def norm(w, tag: str, g_in: int, kept: str | tuple = "norm.", fused: bool | None = None) -> int:
     """RMSNorm's backward: takes the output's gradient, leaves the input's (residual dtype). kept: what goes
-    with it ("norm.": its own saved x; under recompute, the checkpoint's tensors)."""
-    T, H, r, p = w.T, w.H, w.r, w.p
-    if w.cuda:  # the Triton backward: dx, the (programs, H) fp32 dw partials, dw
-        w.alloc(T * H * r, rms_norm_programs(H, T) * H * 4, H * p)
+    with it ("norm.": its own saved x; under recompute, the checkpoint's tensors). fused (default: without
+    recompute, every norm but the first): add_rms_norm's backward, which also writes the branch's gradient
+    (T, H) in the compute dtype, the one the branch's backward starts from (layer() allocates no cast)."""
+    T, H, c, r, p = w.T, w.H, w.c, w.r, w.p
+    db = T * H * c if (w.recompute == "none" if fused is None else fused) else 0
+    if w.cuda:  # the Triton backward: dx (and d_branch), the (programs, H) fp32 dw partials, dw
+        w.alloc(T * H * r, db, rms_norm_programs(H, T) * H * 4, H * p)
         w.peak(tag)
         w.alloc(-rms_norm_programs(H, T) * H * 4)
-    else:  # the CPU reference: dx in the residual dtype and dw in fp32, cast to the weight's dtype
-        w.alloc(T * H * r, H * 4)
+    else:  # the CPU reference: dx in the residual dtype (d_x_new added in place), d_branch, dw in fp32 cast
+        w.alloc(T * H * r, db, H * 4)
         w.peak(tag)
         w.alloc(H * p, -H * 4)
     w.free_norm() if kept == "norm." else w.free(*([kept] if isinstance(kept, str) else kept))
@@ -59,13 +62,15 @@ def layer(w, i: int, g: int) -> int:
     kv_exp, kv = B * nh * S * hd * c, B * nkv * S * hd * c
     tag = f"layer {i} "
     w.begin()
-    gc = T * H * c if r != c else 0  # the residual gradient cast for the bf16 matmul (a view when r == c)
-    w.alloc(gc)
+    lean = w.recompute == "none"  # the lean matmuls and SwiGLU + down (anatomy/kernels/lean.py)
+    # the branch's incoming gradient: without recompute add_rms_norm's d_branch, already made by the norm after
+    # it (norm(..., fused)); otherwise the residual gradient's cast for the bf16 matmul (a view when r == c)
+    gc = T * H * c if r != c or lean else 0
+    w.alloc(0 if lean else gc)
     if w.recompute == "full":  # the down matmul's backward asks for its input: the block runs again
         rerun_block(w, tag)
     elif w.recompute == "mlp":  # the down matmul's backward asks for its input: the checkpoint re-runs the
         w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
-    lean = w.recompute == "none"  # the lean matmuls and SwiGLU + down (anatomy/kernels/lean.py)
     if lean:
         swiglu_down(w, tag, gc)
     else:
@@ -82,7 +87,7 @@ def layer(w, i: int, g: int) -> int:
     g = w.residual_add(g, norm(w, tag + "norm 2", gn, kept))
     # ---- attention branch
     w.begin()
-    w.alloc(gc)
+    w.alloc(0 if lean else gc)
     go = w.linear(tag + "attention.o", H, H, gc, "attention.o.", recast=lean and w.amp)  # d(merged heads), (T, H)
     w.alloc(kv_exp, kv, kv)  # SDPA's backward: dq, dk, dv
     # under GQA, cuDNN's backward writes dk and dv per query head in fp32 into one workspace, with the
@@ -104,7 +109,9 @@ def layer(w, i: int, g: int) -> int:
     if i == 0:
         w.free("attention.rope_")  # the tables are shared by every layer
     # under recompute the checkpoint's block input goes with the first norm (the block's first op)
-    return w.residual_add(g, norm(w, tag + "norm 1", gn, "attention.x" if w.recompute != "none" else "norm."))
+    # layer 0's attn_norm is a plain rms_norm (no add in front of it)
+    return w.residual_add(g, norm(w, tag + "norm 1", gn, "attention.x" if w.recompute != "none" else "norm.",
+                                  fused=lean and i > 0))
 
 
 def swiglu_down(w, tag: str, grad_out: int) -> None:

@@ -135,8 +135,8 @@ def add_rms_norm_reference(x: Tensor, branch: Tensor, weight: Tensor, eps: float
 def add_rms_norm_backward_reference(dxn: Tensor | None, dy: Tensor, xn: Tensor, weight: Tensor, eps: float,
                                     branch_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw = rms_norm_backward_reference(dy, xn, weight, eps)
-    if dxn is not None:
-        dx = dxn.to(dx.dtype) + dx  # autograd's sum of the residual path's gradient and the norm's
+    if dxn is not None:  # autograd's sum of the residual path's gradient and the norm's, into dx (a new tensor)
+        dx = dx.add_(dxn)  # in place, as autograd's input buffer adds: no second (T, H) buffer
     return dx.contiguous(), dx.to(branch_dtype, copy=True).contiguous(), dw  # copy: an op's outputs never alias
 
 
