@@ -3,6 +3,8 @@ rms_norm on CPU (forward, every gradient), the Triton kernels under the interpre
 reference, the absent x_new gradient, saved tensors, fake tensors, opcheck and torch.compile."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -177,3 +179,29 @@ def test_model_is_bitwise_the_unfused_one(cfg, policy):
     for n in g0:
         assert g0[n].dtype == g1[n].dtype and torch.equal(g0[n], g1[n]), n
 
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "autocast-bf16"])
+@pytest.mark.parametrize("path", PATHS)
+def test_fast_path_equals_the_custom_op(path, amp):
+    """The eager autograd.Function (_AddRMSNormFn) and the dispatcher's custom op: the same bits, saved
+    tensors and gradients (validations/test_fast_path.py's check for the other ops)."""
+    from validations.test_fast_path import _Dispatcher
+
+    x, b, w, dxn, dy = _inputs(shape=(3, 5, 48))
+    runs = []
+    for mode in (contextlib.nullcontext(), _Dispatcher()):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, b, w)]
+        saved = []
+        with path_ctx(path), mode:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.shape, t.dtype)) or t,
+                                                          lambda t: t):
+                with torch.autocast("cpu", dtype=BF16, enabled=amp):
+                    xn, y = add_rms_norm(*leaves, EPS)
+            node = type(y.grad_fn).__name__
+            torch.autograd.backward([xn, y], [dxn, dy.to(y.dtype)])
+        runs.append(([xn.detach(), y.detach()] + [t.grad for t in leaves], saved, node))
+    assert runs[0][2].startswith("_AddRMSNormFn") and not runs[1][2].startswith("_AddRMSNormFn")
+    for a, b_ in zip(runs[0][0], runs[1][0], strict=True):
+        assert a.dtype == b_.dtype and torch.equal(a, b_)
+    assert runs[0][1] == runs[1][1] and len(runs[0][1]) == 2
