@@ -24,9 +24,10 @@ def _inputs(shape=(2, 7, 48), xdt=FP32, bdt=BF16, seed=0):
     return x, b, w, dxn, dy
 
 
-def _run(fused, x, b, w, dxn, dy, amp, use_dxn=True):
-    leaves = [t.detach().clone().requires_grad_() for t in (x, b, w)]
-    with torch.autocast("cpu", dtype=BF16, enabled=amp):
+def _run(fused, x, b, w, dxn, dy, amp, use_dxn=True, device="cpu"):
+    leaves = [t.detach().to(device).requires_grad_() for t in (x, b, w)]
+    dxn, dy = dxn.to(device), dy.to(device)
+    with torch.autocast(device, dtype=BF16, enabled=amp):
         if fused:
             xn, y = add_rms_norm(*leaves, EPS)
         else:
@@ -48,6 +49,18 @@ def test_reference_is_bitwise_the_unfused_pair(xdt, bdt, amp, use_dxn):
     for name, a, b in zip(("x_new", "y", "dx", "dbranch", "dw"), fused, plain):
         assert a.dtype == b.dtype, name
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8, 2048, 2048), (4, 1000, 576)])
+@pytest.mark.parametrize("use_dxn", [True, False], ids=["dxn", "no-dxn"])
+def test_cuda_bitwise_the_unfused_pair(shape, use_dxn):
+    """On the GPU the fused kernels reduce in the same tiles and order as rms_norm's and round at the same
+    points: x_new, y, d_x, d_branch and dw bitwise the add + rms_norm pair under amp."""
+    args = _inputs(shape=shape, seed=1)
+    fused, plain = _run(True, *args, True, use_dxn, "cuda"), _run(False, *args, True, use_dxn, "cuda")
+    for name, a, b in zip(("x_new", "y", "dx", "dbranch", "dw"), fused, plain):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 @pytest.mark.skipif("triton" not in str(PATHS[-1]) or not __import__("anatomy.kernels").kernels.INTERPRET,
