@@ -33,8 +33,9 @@ def pytest_addoption(parser):
     parser.addoption("--claims-report", default=".anatomy/claims.json",
                      help="where the claim rows (predicted vs measured) are written as JSON")
     parser.addoption("--quick", action="store_true",
-                     help="the quick subset: leave out tests marked slow (on the H200, the seed config at "
-                          "B=16 S=4096); with -m gpu, the GPU suite's fast gate")
+                     help="the quick subset: leave out tests marked slow (on a GPU: the seed config's benchmarks at "
+                          "B=16 S=4096, the compiled optimizer's, the sustained clock) and the time claims that need "
+                          "this GPU's calibration (fixture suite_profile, about two minutes on a machine without one)")
     parser.addoption("--live-n", type=int, default=30,
                      help="how many configs validations/test_live_claims.py draws and measures on the GPU (default 30)")
     parser.addoption("--live-seed", type=int, default=2026,
@@ -75,9 +76,9 @@ def _check_baseline_timer(config) -> None:
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--quick"):
-        keep = [it for it in items if "slow" not in it.keywords]
-        config.hook.pytest_deselected(items=[it for it in items if "slow" in it.keywords])
-        items[:] = keep
+        out = lambda it: "slow" in it.keywords or "suite_profile" in getattr(it, "fixturenames", ())  # noqa: E731
+        config.hook.pytest_deselected(items=[it for it in items if out(it)])
+        items[:] = [it for it in items if not out(it)]
 
 
 def pytest_runtest_setup(item):

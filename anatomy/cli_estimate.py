@@ -40,7 +40,7 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose {' or '.join(CHOICES)}")
     est = estimate(cfg, run, check_variant(variant), device=device)  # one estimate: memory and time read it
     out = est.to_dict()
-    ph = phases(cfg, run, variant, optimizer=optimizer, device=device, est=est)
+    ph = phases(cfg, run, variant, optimizer=optimizer, device=device, est=est, stages=False)  # the peak, no list
     out["optimizer"] = dict(name=optimizer, implementation=implementation(optimizer, variant))
     out["memory"]["phases"] = {k: ph[k] for k in PHASE_KEYS} | {"optimizer": optimizer}
     out["memory"]["need_bytes"] = peak_bytes(ph)

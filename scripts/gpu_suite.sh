@@ -10,4 +10,6 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 python3 scripts/env_json.py > "$OUT/env.json"
 cat "$OUT/env.json"
-python3 -m pytest validations -m gpu -q -p no:cacheprovider --claims-report "$OUT/claims-gpu.json" "$@" 2>&1 | tee "$OUT/pytest-gpu.log"
+# junit.xml: each test's own seconds (what a subset such as --quick spends, read from one whole run)
+python3 -m pytest validations -m gpu -q -p no:cacheprovider --claims-report "$OUT/claims-gpu.json" \
+  --junitxml "$OUT/junit.xml" "$@" 2>&1 | tee "$OUT/pytest-gpu.log"

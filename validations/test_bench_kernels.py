@@ -21,7 +21,9 @@ from validations.test_benchmarks import env_info
 
 KERNEL_IDS = [pytest.param(k, s, p, id=f"{k}/{s}/{p}") for k, phs in KERNEL_PHASES.items() for s in KERNEL_SHAPES
               for p in phs]
-OPTIMIZER_IDS = [pytest.param(o, s, id=f"{o}/{s}/step") for o in OPTIMIZERS for s in KERNEL_SHAPES]
+# the compiled step compiles once per shape (~7-25 s on an H200's host): slow, out of --quick
+OPTIMIZER_IDS = [pytest.param(o, s, id=f"{o}/{s}/step", marks=[pytest.mark.slow] if o == "fused_ademamix" else [])
+                 for o in OPTIMIZERS for s in KERNEL_SHAPES]
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ pyproject's addopts disable pytest-benchmark and a disabled run calls each targe
   test_model      the full model: forward, forward+backward, forward+backward+AdamW step.
   (each fused kernel, SDPA and each optimizer step alone: validations/test_bench_kernels.py)
 ids: <config>/<variant>/<component>/<phase>, e.g. test_component[seed-B16-S4096/efficient/norm/fwd+bwd].
-The seed config at B=16, S=4096 is `slow`; `-m "gpu and not slow"` is the quick subset.
+The seed config at B=16, S=4096 is `slow`, out of the quick subset (`--quick`, conftest.py).
 Every round is GPU time (validations/gpu_clock.py: pytest-benchmark's timer is gpu_time), so the
 design card's `--benchmark-compare=baselines.json --benchmark-compare-fail=median:X%` gates them all.
 See docs/benchmarks.md.

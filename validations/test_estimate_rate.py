@@ -143,3 +143,20 @@ def test_the_shared_estimate_changes_no_figure():
     a = timing.estimate_time(LLAMA, run, "efficient", est=est)
     assert a == timing.estimate_time(LLAMA, run, "efficient")
     assert a["kernels"] and len(a["kernels"]) == a["cost"]["kernel_entries"]
+
+
+@pytest.mark.parametrize("variant,recompute", [(v, r) for v, rs in CASES.items() for r in rs],
+                         ids=lambda x: str(x))
+def test_the_lean_paths_change_no_figure(variant, recompute):
+    """What estimate_all skips changes no figure it keeps: the memory phases without their stage list (the walk
+    finds its peak without listing the candidates) equal the full phases less that list; the step time without
+    kernel rows equals the time with them less the rows, at a micro-batch laid out before and at a new one."""
+    cfg = dataclasses.replace(LLAMA, layers=9)  # a model no other test lays out
+    for b in (3, 1, 3):  # 1 and 3: the embedding backward's launch counts differ (timing/layout.py's patterns)
+        run = Run(b, 2048, recompute=recompute)
+        lean = memory.phases(cfg, run, variant, "adamw", stages=False)
+        full = memory.phases(cfg, run, variant, "adamw")
+        assert full.pop("backward_stages") and lean == full
+        lean = timing.estimate_time(cfg, run, variant, with_kernels=False)  # first: a count pattern new to the layout
+        rows = timing.estimate_time(cfg, run, variant, with_kernels=True)
+        assert rows.pop("kernels") and lean == rows

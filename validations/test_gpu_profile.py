@@ -234,6 +234,7 @@ def test_calibrate_writes_to_the_user_cache_and_reads_back_as_calibrated(tmp_pat
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # holds the GPU under load for its warm-up and trace (~10 s)
 def test_sustained_regime_measures_on_this_gpu():
     """calibrate_sustained on the GPU at hand (a short warm-up): both regimes' rates are positive, the copy
     barely follows the SM clock, a sustained compute rate is not above its burst rate by more than noise,

@@ -163,6 +163,7 @@ def test_compiled_step_is_one_pass_over_each_tensor():
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # Inductor compiles a 99-tensor step (~25 s on an H200's host)
 def test_compiled_step_is_one_pass_on_this_gpu(cuda_device):
     """The same on CUDA, over anchor-1b's parameter sizes (99 tensors: Inductor's foreach kernels group them
     into launches of several tensors each, each tensor still in one launch)."""

@@ -78,3 +78,25 @@ def test_the_suite_has_a_session_fixture_for_it():
     r = subprocess.run([sys.executable, "-m", "pytest", "--fixtures", "-p", "no:cacheprovider",
                         "validations/test_profile_cache.py"], cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "gpu_profile [session scope] -- conftest.py" in r.stdout, r.stdout[-600:]
+
+
+def test_quick_leaves_out_what_needs_a_calibration_or_is_slow():
+    """`--quick` collects no test that requests suite_profile (each would wait for a calibration, about two
+    minutes on a fresh machine) and none marked slow; the full selection holds both kinds."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = ["validations/test_timing.py", "validations/test_optim_kernels.py", "validations/test_bench_kernels.py"]
+
+    def ids(*extra):
+        r = subprocess.run([sys.executable, "-m", "pytest", *files, "-m", "gpu", "--collect-only", "-q",
+                            "-p", "no:cacheprovider", *extra], cwd=root, capture_output=True, text=True, timeout=300)
+        return {line for line in r.stdout.splitlines() if "::" in line}
+
+    full, quick = ids(), ids("--quick")
+    calibrated = {i for i in full if "step_time_within_10pct_gpu" in i or "optimizer_step_time_on_this_gpu" in i}
+    slow = {i for i in full if "fused_ademamix" in i or "compiled_step_is_one_pass_on_this_gpu" in i}
+    assert calibrated and slow and quick
+    assert quick == full - calibrated - slow

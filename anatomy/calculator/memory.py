@@ -28,7 +28,7 @@ from math import prod
 
 from anatomy.calculator import estimate
 from anatomy.calculator.attention import sdpa_o_saved
-from anatomy.calculator.backward import INPUTS, walk
+from anatomy.calculator.backward import INPUTS, walked
 from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.optimizer import state_breakdown
 from anatomy.calculator.types import BYTES, Estimate
@@ -171,19 +171,23 @@ def _block_forward_peak(cfg: ModelConfig, run: Run, device: str, rnd) -> int:
 
 
 def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
-           device: str = "cuda", est: Estimate | None = None) -> dict:
+           device: str = "cuda", est: Estimate | None = None, stages: bool = True) -> dict:
     """Bytes live at each phase boundary of a training step after the first (the optimizer's state
     exists), and the peaks inside forward and backward, on `device` ("cuda": 512-byte blocks; "cpu":
     exact storage sizes). backward_stages lists the walk's candidates in execution order (of identical layers,
-    the last two and the first two: backward.walk). est: the calculator's estimate of this run on this
-    device, where the caller has it."""
+    the last two and the first two: backward.walk); stages=False leaves it out (the peak is the same). est:
+    the calculator's estimate of this run on this device, where the caller has it."""
     dt = dtypes(run)
     rnd = rounded if device == "cuda" else _exact
     params, opt = model_state_bytes(cfg, variant, dt.param, optimizer, device == "cuda")
     inputs = 2 * rnd(8 * run.tokens)
     est = est or estimate(cfg, run, variant, device=device)
-    saved = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for c in est.components.values() for s in c.saved
-                if s.name not in INPUTS)
+    one, saved = {}, 0  # backward.saved_sizes, and the bytes of every instance
+    for c in est.components.values():
+        for s in c.saved:
+            if s.name not in INPUTS:
+                one[s.name] = b = rnd(prod(s.shape) * BYTES[s.dtype])
+                saved += b * s.count
     fwd_end = params + inputs + opt + saved + rnd(4)  # + the loss scalar
     fwd_peak = block_peak = None
     if run.recompute != "none":  # what the forward holds before the final norm and the loss save theirs
@@ -203,14 +207,15 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
         elif run.recompute == "full":  # or inside the last block's checkpoint
             fwd_peak = max(fwd_peak, block_peak)
     start = {"parameter": params, "input": inputs, "optimizer state": opt, "activation": saved + rnd(4)}
-    stages = walk(cfg, run, variant, est, start, rnd)
-    top = max(stages, key=lambda st: st.live)
+    w = walked(cfg, run, variant, est, start, rnd, one=one)
+    top = w.top()  # the first largest candidate
     bwd_end = params + inputs + opt + params  # one gradient per parameter, in the parameter's dtype
     peak = max(fwd_peak or 0, top.live, fwd_end)
     return dict(params=params, inputs=inputs, optimizer=opt, saved=saved, init=params + inputs + opt,
                 forward_end=fwd_end, forward_peak=fwd_peak, forward_peak_last_block=block_peak,
                 backward_peak=top.live, backward_peak_at=top.name, backward_peak_by_kind=top.by_kind,
-                backward_stages=[dict(name=st.name, live=st.live, by_kind=st.by_kind) for st in stages],
+                **({"backward_stages": [dict(name=st.name, live=st.live, by_kind=st.by_kind) for st in w.stages()]}
+                   if stages else {}),
                 backward_end=bwd_end, optimizer_end=bwd_end - params, **reserved(peak))
 
 

@@ -7,7 +7,7 @@ from math import prod
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "bool": 1}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Saved:
     """One tensor autograd keeps for backward: `count` instances across the whole model."""
 
@@ -16,6 +16,12 @@ class Saved:
     dtype: str
     count: int = 1
     why: str = ""  # which op saves it, and why it exists at all
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str, count: int = 1, why: str = ""):
+        # frozen: each field written once, into the instance's dict, as the generated __init__ writes it through
+        # object.__setattr__ (three times slower; an estimate makes dozens of these)
+        d = self.__dict__
+        d["name"], d["shape"], d["dtype"], d["count"], d["why"] = name, shape, dtype, count, why
 
     @property
     def bytes(self) -> int:  # all instances
@@ -62,7 +68,15 @@ class Estimate:
 
     def to_dict(self) -> dict:
         comps = self.components.values()
-        saved = {c.name: c.saved_bytes for c in comps}  # each component's sum, computed once
+        saved, tensors = {}, []  # each component's sum and each tensor's row (Saved.to_dict, and more), in one pass
+        for c in comps:
+            total = 0
+            for s in c.saved:
+                b = s.bytes
+                total += b
+                tensors.append({"name": s.name, "shape": s.shape, "dtype": s.dtype, "count": s.count, "why": s.why,
+                                "component": c.name, "bytes": b})
+            saved[c.name] = total  # Component.saved_bytes
         return {
             "config": self.config, "run": self.run, "variant": self.variant, "device": self.device,
             "params": self.params,
@@ -74,8 +88,7 @@ class Estimate:
             "memory": {"saved": {
                 "total": sum(saved.values()),
                 "by_component": saved,
-                "tensors": [dict(name=s.name, shape=s.shape, dtype=s.dtype, count=s.count, why=s.why, component=c.name,
-                                 bytes=s.bytes) for c in comps for s in c.saved],  # Saved.to_dict, and more
+                "tensors": tensors,
             }},
             "components": {c.name: {
                 "instances": c.instances, "params": c.params,

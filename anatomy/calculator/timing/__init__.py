@@ -115,8 +115,8 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     # 6. the kernels at the step's regime and the host/GPU pipeline over the step (pipeline.py), in the order,
     # host seconds and blocks the model fixes (layout.py: prepared once per model, not per micro-batch)
     lay = layout.of(ks, prof, scale, layout.key(cfg, run, variant, sdpa_backend, optimizer))
-    timed_ks, gpu_s, blocks, comps, phases = layout.timed(ks, lay, prof, weight, terms, cfg.layers)
-    steps = pipeline.compose(blocks, [k for k, _, _ in timed_ks], gpu_s)
+    timed_ks, gpu_s, blocks, comps, phases = layout.timed(ks, lay, prof, weight, terms, cfg.layers, with_kernels)
+    steps = pipeline.compose(blocks, lay.kernels, gpu_s)
     clock = pipeline.Clock()
     segs, steady = pipeline.simulate(None, cfg.layers, clock, steps), pipeline.steady(None, cfg.layers, steps)
     fb = sum(sg["time_s"] for sg in segs if sg["phase"] != "optimizer")
@@ -136,7 +136,7 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
                  flops=dict(model=model, counter=counter), over="forward + backward time (as bench/step.py)"),
         sustained=dict(weight=weight, burst_gpu_s=burst_s, tau_s=prof.sustained_tau_s, ratio=prof.sustained_ratio,
                        clocks=prof.clocks),
-        sources=prof["sources"], cost=dict(kernel_entries=len(timed_ks), pipeline_blocks=clock.walked))
+        sources=prof["sources"], cost=dict(kernel_entries=len(ks), pipeline_blocks=clock.walked))
     if with_kernels:
         out["kernels"] = [dict(row(k, t), host_s=host) for k, t, host in timed_ks]
     return out

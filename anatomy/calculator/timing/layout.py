@@ -14,12 +14,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import anatomy.calculator.timing.pipeline as pipeline
+import anatomy.calculator.timing.roofline as roofline
 from anatomy.calculator.timing.host import host_call_s, in_situ
 from anatomy.calculator.timing.ops import Kernel
 from anatomy.calculator.timing.profile import Profile
 from anatomy.calculator.timing.roofline import launch_term, regime_speeds
 
 _RANK = {ph: i for i, ph in enumerate(pipeline.PHASES)}
+_BURST = {cls: 1.0 for cls in ("matmul", "attention", "memory")}  # regime_speeds at weight 0
 MEMO_SIZE = 256  # layouts kept per profile (models x policies x optimizers of a sweep), and block layouts kept
 #                 per layout (count patterns: the loss's chunk counts); each memo is cleared when full
 
@@ -32,6 +34,10 @@ class Layout(NamedTuple):
     host_factor: tuple[float, ...]  # per position: host_scale, or 1.0 (the optimizer, calls measured in situ)
     calls: tuple[int | None, ...]  # per position: the entry's host calls (None: one per launch)
     blocks: dict  # {launch counts: timed's _fixed (pipeline.prepare's blocks, launches, host seconds)}
+    priced: tuple[tuple[int, int, int], ...]  # per position: (kernel index, 3 x its component's index + its
+    #                                          phase's: timed's sums, or -1 for host work alone, phase index)
+    kernels: tuple[Kernel, ...]  # per position: the entry as first laid out (pipeline.compose reads its name
+    #                              and sync, which the key decides)
 
 
 def key(cfg, run, variant: str, sdpa_backend: str | None, optimizer: str | None) -> tuple:
@@ -52,7 +58,9 @@ def build(ks: list[Kernel], prof: Profile, scale: float) -> Layout:
     slots = tuple((comps.setdefault(ks[i].component, len(comps)), _RANK[ks[i].phase]) for i in order)
     factor = tuple(scale if ks[i].phase != "optimizer" and not in_situ(ks[i], prof) else 1.0 for i in order)
     return Layout(order, slots, tuple(comps), tuple(host_call_s(ks[i], prof) for i in order), factor,
-                  tuple(ks[i].calls for i in order), {})
+                  tuple(ks[i].calls for i in order), {},
+                  tuple((i, -1 if ks[i].kind == "host" else 3 * ci + pi, pi) for i, (ci, pi) in zip(order, slots)),
+                  tuple(ks[i] for i in order))
 
 
 def _memo(owner, attr: str) -> dict:
@@ -79,53 +87,56 @@ def of(ks: list[Kernel], prof: Profile, scale: float, key: tuple) -> Layout:
 
 
 def timed(ks: list[Kernel], lay: Layout, prof: Profile, sustained: float, terms: list[tuple],
-          layers: int) -> tuple[list[tuple], list[float], dict, dict, dict]:
-    """The step's kernels at its sustained weight, in one pass in phase order: ([(kernel, roofline.timed
-    figures, host seconds of all its launches)], GPU seconds per launch, pipeline.prepare's blocks, the
-    components and the phases of estimate_time). roofline.timed of each entry from its kernel_terms and
-    host.host_seconds x the host factor, written out. Per component: GPU seconds by phase, launches, seconds
-    by bound and total; per phase: GPU and host seconds and launches."""
+          layers: int, rows: bool = True) -> tuple[list[tuple], list[float], dict, dict, dict]:
+    """The step's kernels at its sustained weight, in phase order: ([(kernel, roofline.timed figures, host
+    seconds of all its launches)] where rows is true (else [] when the launch counts were laid out before),
+    GPU seconds per launch, pipeline.prepare's blocks, the components and the phases of estimate_time). Each
+    entry's seconds per launch and bound as roofline.timed gives them from its kernel_terms, written out in one
+    pass. Per component: GPU seconds by phase, launches, seconds by bound and total; per phase: GPU and host
+    seconds and launches."""
     speeds = regime_speeds(prof, sustained) if sustained else None
+    scaled = speeds or _BURST  # x / 1.0 is x: burst rates divide by 1.0
+    mem = scaled["memory"]
     launch_s, gap = prof.launch_s, launch_term(prof)
-    per_c = [[0.0, 0.0, 0.0] for _ in lay.components]
-    bound_c = [dict(compute=0.0, memory=0.0, launch=0.0) for _ in lay.components]
+    acc = [0.0] * (3 * len(lay.components))  # GPU seconds by (component, phase): lay.priced's cells
+    by_bound = [0.0] * (3 * len(lay.components))  # by (component, bound): compute, memory, launch
     gpu = [0.0, 0.0, 0.0]
-    out, gpu_s = [], []
-    for i, unit, f, calls, (ci, pi) in zip(lay.order, lay.host_call, lay.host_factor, lay.calls, lay.slots):
-        k = ks[i]
-        n = k.count
-        host = ((n if calls is None else calls) * unit) * f
-        if k.kind == "host":  # host work alone (an optimizer call's Python): no GPU time, no launch
-            out.append((k, (0.0, 0.0, 0.0, 0.0, "host", 0.0, ""), host))
+    gpu_s, counts = [], [k.count for k in ks]
+    for i, cell, pi in lay.priced:
+        if cell < 0:  # host work alone (an optimizer call's Python): no GPU time, no launch
             gpu_s.append(0.0)
             continue
-        t_c, t_m, cls, rate, note = terms[i]
-        if sustained:
-            speed = speeds[cls]
-            t_c, rate = t_c / speed, rate * speed
-            t_m /= speeds["memory"]
+        t_c, t_m, cls, _, _ = terms[i]
+        t_c /= scaled[cls]
+        t_m /= mem
         t = t_m if t_m > t_c else t_c  # max(t_c, t_m)
         if launch_s > t:
-            per, bound = t + launch_s, "launch"
-            out.append((k, (t_c, t_m, launch_s, per, bound, rate, note), host))
-        else:
-            per, bound = t + gap, "compute" if t_c >= t_m else "memory"
-            out.append((k, (t_c, t_m, gap, per, bound, rate, note), host))
+            per, b = t + launch_s, 2  # launch-bound
+        else:  # a kernel of real size waits for the one before to drain
+            per, b = t + gap, 0 if t_c >= t_m else 1
         gpu_s.append(per)
-        time_s = per * n  # roofline.row's time_s
-        per_c[ci][pi] += time_s
-        bound_c[ci][bound] += time_s
+        time_s = per * counts[i]  # roofline.row's time_s
+        acc[cell] += time_s
+        by_bound[cell - pi + b] += time_s
         gpu[pi] += time_s
-    counts = tuple([k.count for k in ks])
+    counts = tuple(counts)
     fixed = lay.blocks.get(counts)  # the host side and the launches follow the counts alone
+    out = []
+    if rows or fixed is None:
+        for i, unit, f, calls in zip(lay.order, lay.host_call, lay.host_factor, lay.calls):
+            k = ks[i]
+            host = ((k.count if calls is None else calls) * unit) * f  # host.host_seconds x the host factor
+            out.append((k, roofline.timed(k, prof, sustained, terms[i], speeds), host))
     if fixed is None:
         if len(lay.blocks) >= MEMO_SIZE:
             lay.blocks.clear()
         fixed = lay.blocks[counts] = _fixed(lay, out, layers)
     blocks, n_comp, host_ph, n_ph = fixed
-    comps = {name: dict(forward_s=p[0], backward_s=p[1], optimizer_s=p[2], kernels=n, bound_s=b, total_s=sum(p))
-             for name, p, n, b in zip(lay.components, per_c, n_comp, bound_c)}
-    phases = {ph: dict(gpu_s=gpu[i], host_s=host_ph[i], kernels=n_ph[i]) for i, ph in enumerate(pipeline.PHASES)}
+    comps = {name: {"forward_s": acc[j], "backward_s": acc[j + 1], "optimizer_s": acc[j + 2], "kernels": n,
+                    "bound_s": {"compute": by_bound[j], "memory": by_bound[j + 1], "launch": by_bound[j + 2]},
+                    "total_s": sum(acc[j:j + 3])}
+             for name, n, j in zip(lay.components, n_comp, range(0, len(acc), 3))}
+    phases = {ph: {"gpu_s": gpu[i], "host_s": host_ph[i], "kernels": n_ph[i]} for i, ph in enumerate(pipeline.PHASES)}
     return out, gpu_s, blocks, comps, phases
 
 

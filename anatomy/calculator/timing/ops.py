@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from anatomy.calculator.dtypes import dtypes
-from anatomy.calculator.timing.op_bytes import fused_bytes
+from anatomy.calculator.timing.op_bytes import EAGER_CHAINS, fused_bytes
 from anatomy.calculator.timing.registry import launches
 from anatomy.calculator.types import BYTES
 from anatomy.config import ModelConfig, Run
@@ -65,6 +65,14 @@ class Ops:
         # Kernel(...) with these fields, made as its tuple (a step's lists make a hundred of these per estimate)
         self.k.append(_tuple_new(Kernel, (name, comp, phase, "memory", count, 0, int(read + write), (), "bfloat16", "",
                                           host, calls, host_ops, loop, sync, order, fused, False, "")))
+
+    def chain(self, op, prefix, comp, phase, width, rows, count=1, order=1, fused=(), suffix=""):
+        """One memory-bound kernel per op of the eager chain `op` over `rows` rows of `width`
+        (op_bytes.EAGER_CHAINS), named prefix + the op's name + suffix, each launched `count` times: mem()'s
+        entries, made in one pass. fused: the chain's calibration (registry op, width, rows), where it has one."""
+        self.k += [_tuple_new(Kernel, (f"{prefix}{name}{suffix}", comp, phase, "memory", count, 0, int(rd + wr), (),
+                                       "bfloat16", "", "op", None, 0, False, False, order, fused, False, ""))
+                   for name, rd, wr in EAGER_CHAINS[op](rows, width, self.c, self.r)]
 
     def mm(self, name, comp, phase, m, n, k, count=1, batch=1, out=None, extra=0, host="op", order=1,
            accumulate=False, host_ops=0, loop=False):

@@ -138,17 +138,24 @@ def compose(prepared: dict, kernels: list, gpu_s: list[float]) -> dict[str, list
             m0, m1, gpu = 0.0, _NONE, 0.0  # IDENTITY
             for i, n, h in pairs:  # m = compose(m, launch(gpu_s[i], h, n)), written out
                 g = gpu_s[i]
-                if n > 0:  # max(x, y) written `y if y > x else x`: the same value, without a call
+                if n == 1:  # most entries: as below with n = 1 (1 * a is a, (n - 1) * a is +-0.0), the same floats
+                    a = g - h
+                    x, y = m1 + a, g + 0.0
+                    m0, m1, gpu = m0 + a, y if y > x else x, gpu + g
+                elif n > 0:  # max(x, y) written `y if y > x else x`: the same value, without a call
                     a = g - h
                     la = n * a
                     x = (n - 1) * a
                     y = g + (x if x > 0.0 else 0.0)
                     x = m1 + la
                     m0, m1 = m0 + la, y if y > x else x
+                    gpu += n * g
                 else:
                     m0, m1 = m0 + 0.0, max(m1 + 0.0, _NONE)
-                gpu += n * g
-            steps.append((kernels[first], power((m0, m1, m2), reps), reps * gpu, reps * host, len(pairs)))
+                    gpu += n * g
+            # power(m, 1) is (m0, m1 + 0.0, m2): 1 * x is x, and max(0.0, 0 * m0) is 0.0
+            m = (m0, m1 + 0.0, m2) if reps == 1 else power((m0, m1, m2), reps)
+            steps.append((kernels[first], m, reps * gpu, reps * host, len(pairs)))
         out[phase] = steps
     return out
 
@@ -195,6 +202,8 @@ def simulate(entries: list, layers: int, clock: Clock | None = None, steps: dict
         opt = phase == "optimizer"
         for k, m, gpu, host, n in steps[phase]:
             if seg is None or k.sync or opt != seg_opt:
+                if seg is not None:  # the segment before ends where its last block left the clocks
+                    seg[5] = h if h > g else g
                 h = g = g if g > h else h  # Clock.meet: max(h, g)
                 seg, seg_opt = [phase, k.name, 0.0, 0.0, h, h], opt  # phase, starts_at, gpu_s, host_s, start, end
                 segs.append(seg)
@@ -206,13 +215,14 @@ def simulate(entries: list, layers: int, clock: Clock | None = None, steps: dict
             walked += n
             seg[2] += gpu
             seg[3] += host
-            seg[5] = h if h > g else g
+    if seg is not None:
+        seg[5] = h if h > g else g
     clk.h, clk.g, clk.walked = h, g, walked
     out = []
     for phase, starts_at, gpu, host, start, end in segs:
         time_s = end - start
-        out.append(dict(phase=phase, starts_at=starts_at, gpu_s=gpu, host_s=host, time_s=time_s,
-                        idle_s=max(0.0, time_s - gpu), bound="host" if host > gpu else "gpu"))
+        out.append({"phase": phase, "starts_at": starts_at, "gpu_s": gpu, "host_s": host, "time_s": time_s,
+                    "idle_s": max(0.0, time_s - gpu), "bound": "host" if host > gpu else "gpu"})
     return out
 
 
@@ -231,7 +241,7 @@ def steady(entries: list, layers: int, steps: dict | None = None) -> dict:
         for phase in PHASES:
             if phase == "optimizer":
                 t1 = max(g, h)
-            for k, (a, b, dh), *_ in steps[phase]:
+            for k, (a, b, dh), _, _, _ in steps[phase]:
                 if k.sync:
                     h = g = g if g > h else h  # max(h, g)
                 d = g - h + a  # max(g - h + a, b)
