@@ -28,6 +28,8 @@ settings.register_profile("dev", max_examples=20, **_common)
 settings.register_profile("thorough", max_examples=250, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+pytest_plugins = ["validations.progress"]  # a progress line per part of the GPU suite (or with --parts)
+
 
 def pytest_addoption(parser):
     parser.addoption("--claims-report", default=".anatomy/claims.json",

@@ -1,7 +1,7 @@
 """Add one machine's gate check (scripts/gate_check.sh) to the committed record, anatomy/records.py GATE_CHECK.
 
     python3 scripts/gate_check_record.py RECORD WORK [WORK ...] --command CMD [--command CMD ...]
-        [--label NAME] [--driver VERSION] [--date YYYY-MM-DD]
+        [--suite CLAIMS_JSON ...] [--label NAME] [--driver VERSION] [--date YYYY-MM-DD]
 
 Each WORK is a copy of gate_check.sh's folder (its OUT) from one machine: gate_check.json, each run's report
 (<run>.json), baseline.json and env.json. The summary is the last WORK's gate_check.json (gate_check.sh writes
@@ -9,7 +9,9 @@ it over every run in its folder); the run reports, the baseline and env.json are
 order. The GPU's facts come from env.json, else from the baseline's extra_info with --driver and --date.
 Each slowed run's row gains, when its summary lacks them, `called` (the benchmarks whose work called the
 target: extra_info["slowdown_calls"]) and `factor`, so the record alone shows which failures the gate's rules
-allow. The entry named --label (default "machine <n>") is replaced if present. Commands are stored with
+allow; the unmodified row gains the session's reference times (`refs`). Each --suite is the claims report
+(claims-gpu.json) of a GPU-suite run on the same machine: its command, seconds and outcome are kept under
+`suites`. The entry named --label (default "machine <n>") is replaced if present. Commands are stored with
 absolute paths cut to out/<name> (anatomy.records.command). Exit 2 on unreadable input.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from anatomy import records  # noqa: E402
+from gate_check_summary import _load, refs  # noqa: E402
 
 ENV_KEYS = ("gpu", "driver", "torch", "cuda", "cudnn", "triton")
 # every slowdown target of validations/slowdown.py, as gate_check.sh's ALL_TARGETS runs them
@@ -33,8 +36,20 @@ def _find(works: list[Path], name: str) -> Path | None:
     return hits[-1] if hits else None
 
 
-def machine_entry(works: list[Path], commands: list[str], label: str, driver: str | None, date: str | None) -> dict:
-    """One machine's entry: the GPU's facts, the commands, and the summary's runs with `called` and `factor`."""
+def suite_row(path: Path) -> dict:
+    """One GPU-suite run on this machine, from the claims report it wrote (validations/conftest.py
+    --claims-report): its command, wall seconds and outcome."""
+    rep = json.loads(path.read_text())
+    if not isinstance(rep.get("seconds"), (int, float)) or not isinstance(rep.get("outcome"), dict):
+        raise ValueError(f"{path}: no seconds or outcome: not a claims report of a whole run")
+    return dict(command=records.command(rep["command"]), seconds=rep["seconds"], outcome=rep["outcome"],
+                date=rep["date"])
+
+
+def machine_entry(works: list[Path], commands: list[str], label: str, driver: str | None, date: str | None,
+                  suites: list[Path] = ()) -> dict:
+    """One machine's entry: the GPU's facts, the commands, the summary's runs with `called` and `factor` (and
+    the unmodified run's `refs`), and the GPU-suite runs of that machine (`suites`, from their claims reports)."""
     summary = json.loads((works[-1] / "gate_check.json").read_text())
     base_path = _find(works, "baseline.json")
     base = json.loads(base_path.read_text()) if base_path else {}
@@ -48,6 +63,9 @@ def machine_entry(works: list[Path], commands: list[str], label: str, driver: st
     if missing:
         raise ValueError(f"no {', '.join(missing)}: give --driver / --date, or a WORK with env.json")
     runs = summary["runs"]
+    unmodified = _find(works, "unmodified.json")
+    if "unmodified" in runs and not runs["unmodified"].get("refs") and unmodified:
+        runs["unmodified"]["refs"] = refs(_load(str(unmodified)))
     for run, row in runs.items():
         if run == "unmodified" or "error" in row or ("called" in row and "factor" in row):
             continue
@@ -63,7 +81,7 @@ def machine_entry(works: list[Path], commands: list[str], label: str, driver: st
     return dict(label=label, **facts, commit=tree.get("commit_info", {}).get("id"),
                 baseline_recorded_here=_find(works, "record.log") is not None,
                 commands=[records.command(c) for c in commands], threshold_pct=summary["threshold_pct"],
-                runs=runs, ok=summary["ok"])
+                runs=runs, ok=summary["ok"], suites=[suite_row(p) for p in suites])
 
 
 def main(argv: list[str]) -> int:
@@ -71,6 +89,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("record", type=Path)
     p.add_argument("work", type=Path, nargs="+")
     p.add_argument("--command", action="append", required=True, help="a command that made WORK, in order")
+    p.add_argument("--suite", type=Path, action="append", default=[],
+                   help="a claims report (claims-gpu.json) of a GPU-suite run on this machine")
     p.add_argument("--label")
     p.add_argument("--driver")
     p.add_argument("--date")
@@ -78,7 +98,7 @@ def main(argv: list[str]) -> int:
     try:
         doc = json.loads(a.record.read_text()) if a.record.exists() else dict(targets=list(TARGETS), machines=[])
         label = a.label or f"machine {len(doc['machines']) + 1}"
-        entry = machine_entry(a.work, a.command, label, a.driver, a.date)
+        entry = machine_entry(a.work, a.command, label, a.driver, a.date, a.suite)
     except (OSError, ValueError, KeyError, IndexError) as e:
         print(f"gate_check_record: error: {e}", file=sys.stderr)
         return 2

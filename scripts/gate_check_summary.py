@@ -6,7 +6,8 @@ behaved as it must.
 A run named "unmodified" must fail nothing (and exit 0). A run named after a slowdown target K (validations/
 slowdown.py) must fail every benchmark of K's own (test_kernel[K/...], test_optimizer[K/...]) and no
 benchmark whose work never called K (its extra_info["slowdown_calls"] has no K); its row lists the
-benchmarks that called K (`called`) and the factor it ran with. A benchmark fails
+benchmarks that called K (`called`) and the factor it ran with. The unmodified row keeps the session's
+reference GEMM and copy times (`refs`). A benchmark fails
 when its median exceeds the baseline's by more than THRESHOLD_PCT, which is
 pytest-benchmark's --benchmark-compare-fail=median:X% rule; a benchmark missing from the baseline
 is listed as ungated. Exit 0 when every run behaved, 1 when one did not, 2 on unreadable input.
@@ -27,6 +28,16 @@ def own(name: str, target: str) -> bool:
     return f"::test_kernel[{target}/" in name or f"::test_optimizer[{target}/" in name
 
 
+def refs(cur: dict[str, dict]) -> dict | None:
+    """The run's reference GEMM and copy times (measured once per session, in every benchmark's extra_info):
+    what the README compares between machines beside the absolute medians."""
+    for b in cur.values():
+        x = b.get("extra_info", {})
+        if x.get("ref_gemm_s") and x.get("ref_copy_s"):
+            return dict(gemm_s=x["ref_gemm_s"], copy_s=x["ref_copy_s"])
+    return None
+
+
 def summarize(base: dict[str, dict], runs: dict[str, tuple[dict[str, dict], int]], threshold: float) -> dict:
     out = dict(threshold_pct=threshold, runs={})
     ok_all = True
@@ -42,6 +53,7 @@ def summarize(base: dict[str, dict], runs: dict[str, tuple[dict[str, dict], int]
                    ratio={n: round(r, 4) for n, r in sorted(ratios.items())})
         if run == "unmodified":
             row["ok"] = not failed and not row["ungated"] and rc == 0
+            row["refs"] = refs(cur)
         else:  # the target's own benchmarks, from the baseline: one that crashed counts as not failed
             mine = sorted(n for n in base if own(n, run))
             called = sorted(n for n in cur if cur[n].get("extra_info", {}).get("slowdown_calls", {}).get(run))
