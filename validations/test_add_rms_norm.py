@@ -171,14 +171,15 @@ def _unfused_forward(model, ids, targets):
 @pytest.mark.parametrize("policy", ["amp", "fp32", "bf16"])
 @pytest.mark.parametrize("cfg", ["tiny", "tiny-gqa", "tiny-gptoss-tied"])
 def test_model_is_bitwise_the_unfused_one(cfg, policy):
-    """recompute "none": loss and every gradient torch.equal to the same model's unfused adds and norms."""
+    """The lean block (Run.lean): loss and every gradient torch.equal to the same model's unfused adds and norms."""
     from anatomy.config import Run
     from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
     from validations.configs import NAMED
 
-    cfg, run = NAMED[cfg], Run(2, 16, policy)
+    cfg, run = NAMED[cfg], Run(2, 16, policy, lean=True)
     ids, targets = make_batch(cfg, run)
-    model = build_model(cfg, "efficient", device="cpu", dtype=param_dtype(run))
+    model = build_model(cfg, "efficient", device="cpu", dtype=param_dtype(run), lean=run.lean)
+    assert model.lean and all(layer.lean for layer in model.layers)  # the fused path, not _block
     out = []
     for fwd in (lambda: model(ids, targets), lambda: _unfused_forward(model, ids, targets)):
         model.zero_grad(set_to_none=True)

@@ -18,13 +18,6 @@ QWEN = ModelConfig(name="tiny-qkv-bias", hidden=64, layers=2, heads=4, kv_heads=
                    qkv_bias=True)
 
 
-def _set_lean(model, lean: bool):
-    for m in model.modules():
-        if isinstance(m, (Attention, MLP)):
-            m.lean = lean
-    return model
-
-
 def _step(model, ids, targets, run, device="cpu"):
     model.zero_grad(set_to_none=True)
     with autocast_ctx(run, device):
@@ -36,8 +29,9 @@ def _step(model, ids, targets, run, device="cpu"):
 def check_bitwise(cfg: ModelConfig, run: Run, device: str = "cpu"):
     ids, targets = (t.to(device) for t in make_batch(cfg, run))
     out = []
-    for lean in (False, True):
-        model = _set_lean(build_model(cfg, "efficient", device=device, dtype=param_dtype(run)), lean)
+    for lean in (False, True):  # the plain block; the lean one (its matmuls and its adds inside the norms)
+        model = build_model(cfg, "efficient", device=device, dtype=param_dtype(run), lean=lean)
+        assert model.lean == lean and all(m.lean == lean for m in model.modules() if isinstance(m, (Attention, MLP)))
         out.append(_step(model, ids, targets, run, device))
     (l0, g0), (l1, g1) = out
     assert torch.equal(l0, l1)

@@ -68,6 +68,7 @@ class Walk:
         self.T, self.H, self.I, self.V = run.tokens, cfg.hidden, cfg.intermediate, cfg.vocab
         self.B, self.S, self.nh, self.nkv, self.hd = run.batch, run.seq, cfg.heads, cfg.kv_heads, cfg.head_dim
         self.cuda, self.recompute = est.device == "cuda", run.recompute  # "none", "mlp" or "full"
+        self.lean = variant == "efficient" and run.lean_block  # Run.lean: the efficient model's lean block
         self.rec: list = []  # the candidates so far: (name, activation, gradient bytes) of a walked stage, or a _Shifted run
         self.freed: set[str] = set()
         # what is live by KINDS: parameters, inputs and optimizer state stay as they start (fixed); a stage frees

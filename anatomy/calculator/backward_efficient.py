@@ -1,6 +1,6 @@
 """The efficient model's backward stages (anatomy/efficient): the fused linear CE hands back what its
 forward made, the fused norm's row pass and dw partials, the packed SwiGLU writing d(gate_up) in place, and
-SDPA's backward; without recompute the lean matmuls' weight casts and SwiGLU's h made again; under
+SDPA's backward; in the lean block (Run.lean) the weight casts and SwiGLU's h made again; under
 recompute, the checkpoints' tensors made again. backward.walk runs them."""
 from __future__ import annotations
 
@@ -37,11 +37,11 @@ def loss(w) -> int:
 
 def norm(w, tag: str, g_in: int, kept: str | tuple = "norm.", fused: bool | None = None) -> int:
     """RMSNorm's backward: takes the output's gradient, leaves the input's (residual dtype). kept: what goes
-    with it ("norm.": its own saved x; under recompute, the checkpoint's tensors). fused (default: without
-    recompute, every norm but the first): add_rms_norm's backward, which also writes the branch's gradient
+    with it ("norm.": its own saved x; under recompute, the checkpoint's tensors). fused (default: in the lean
+    block, every norm but the first): add_rms_norm's backward, which also writes the branch's gradient
     (T, H) in the compute dtype, the one the branch's backward starts from (layer() allocates no cast)."""
     T, H, c, r, p = w.T, w.H, w.c, w.r, w.p
-    db = T * H * c if (w.recompute == "none" if fused is None else fused) else 0
+    db = T * H * c if (w.lean if fused is None else fused) else 0
     if w.cuda:  # the Triton backward: dx (and d_branch), the (programs, H) fp32 dw partials, dw
         w.alloc(T * H * r, db, rms_norm_programs(H, T) * H * 4, H * p)
         w.peak(tag)
@@ -62,7 +62,7 @@ def layer(w, i: int, g: int) -> int:
     kv_exp, kv = B * nh * S * hd * c, B * nkv * S * hd * c
     tag = f"layer {i} "
     w.begin()
-    lean = w.recompute == "none"  # the lean matmuls and SwiGLU + down (anatomy/kernels/lean.py)
+    lean = w.lean  # the lean block: lean matmuls, SwiGLU + down, adds inside the norms (anatomy/kernels/lean.py)
     # the branch's incoming gradient: without recompute add_rms_norm's d_branch, already made by the norm after
     # it (norm(..., fused)); otherwise the residual gradient's cast for the bf16 matmul (a view when r == c)
     gc = T * H * c if r != c or lean else 0

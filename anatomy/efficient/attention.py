@@ -10,7 +10,7 @@
   (plus backend extras, e.g. an RNG seed/offset on CUDA). GQA goes to the kernel (enable_gqa), so
   k and v are kept at kv-head size. Its output is laid out (B, S, nh, hd), so the o projection's
   input is a view of it, not a copy.
-- Without recompute (lean=True) qkv and o run anatomy.kernels.lean.linear: under autocast their nodes
+- In the lean block (Run.lean, without recompute) qkv and o run anatomy.kernels.lean.linear: under autocast their nodes
   keep the fp32 weight, not a bf16 cast of it; backward casts it again (the same bits).
 - Recompute (Run.recompute == "mlp"): called with the block's norm, norm -> qkv runs under a
   non-reentrant torch.utils.checkpoint that keeps only x; in backward it re-runs the norm and stops
@@ -54,7 +54,7 @@ def sdpa_backend_name(grad_fn) -> str:
 class Attention(nn.Module):
     component = "attention"
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, qkv_bias: bool = False, lean: bool = True):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, qkv_bias: bool = False, lean: bool = False):
         super().__init__()
         self.lean = lean  # qkv and o keep no weight cast for backward (False inside a checkpoint: see kernels/lean.py)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads

@@ -6,7 +6,7 @@ whole gate_up tensor (so no SplitBackward has to cat the two gradients), saves o
 the gpt-oss clamp masks are recomputed in backward) and writes d(gate_up) in place into it.
 State dict: gate_up.weight = cat(gate.weight, up.weight).
 
-Without recompute (lean=True), gate_up runs anatomy.kernels.lean.linear (under autocast its node keeps the
+In the lean block (Run.lean, without recompute), gate_up runs anatomy.kernels.lean.linear (under autocast its node keeps the
 fp32 weight, not a bf16 cast), and the activation and down run as one node, lean.swiglu_down, which keeps
 gate_up and down's fp32 weight: not the activation h (T, I), which backward makes again from gate_up with
 the forward's kernel (the same bits), nor down's weight cast.
@@ -28,7 +28,7 @@ from anatomy.kernels.lean import linear, swiglu_down
 class MLP(nn.Module):
     component = "mlp"
 
-    def __init__(self, hidden: int, intermediate: int, variant: str = "swiglu", lean: bool = True):
+    def __init__(self, hidden: int, intermediate: int, variant: str = "swiglu", lean: bool = False):
         super().__init__()
         self.variant, self.intermediate, self.lean = variant, intermediate, lean  # lean: False inside a checkpoint
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)

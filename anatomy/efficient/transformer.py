@@ -22,20 +22,22 @@ FUSED = (("attn.qkv.weight", ("attn.q.weight", "attn.k.weight", "attn.v.weight")
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, recompute: str = "none"):
+    def __init__(self, cfg: ModelConfig, recompute: str = "none", lean: bool = False):
         super().__init__()
         self.recompute = recompute
+        # Run.lean: the lean block, without recompute only (inside a checkpoint the matmuls stay nn.Linear:
+        # kernels/lean.py says why)
+        self.lean = lean and recompute == "none"
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        lean = recompute == "none"  # inside a checkpoint the matmuls stay nn.Linear (kernels/lean.py says why)
-        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias, lean)
+        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias, self.lean)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp, lean)
+        self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp, self.lean)
         if recompute == "full":
             self.checkpoint = BlockCheckpoint()
         self.register_load_state_dict_pre_hook(_fuse_baseline_keys)
 
     def forward(self, x, cos, sin, branch=None):  # x: (B, S, H) fp32 residual under amp
-        if self.recompute == "none":
+        if self.lean:
             return self._fused(x, cos, sin, branch)
         if self.recompute == "full":
             return self.checkpoint(self._block, x, cos, sin)
@@ -48,7 +50,7 @@ class Block(nn.Module):
         return self._block(x, cos, sin)
 
     def _fused(self, x, cos, sin, branch):
-        """recompute "none": each residual add runs inside the norm that reads its sum (add_rms_norm).
+        """The lean block: each residual add runs inside the norm that reads its sum (add_rms_norm).
         The block takes the previous block's pending MLP branch (None for the first block) and returns
         (residual, its own MLP branch): the add that ends a block is the next block's attn_norm, or the
         model's final norm, so every norm fuses with the add in front of it while each block's norm
@@ -113,11 +115,11 @@ def to_baseline_names(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
 class Transformer(nn.Module):
     variant = "efficient"
 
-    def __init__(self, cfg: ModelConfig, recompute: str = "none", loss_impl: str = "anatomy"):
+    def __init__(self, cfg: ModelConfig, recompute: str = "none", loss_impl: str = "anatomy", lean: bool = False):
         super().__init__()
-        self.cfg, self.recompute = cfg, recompute
+        self.cfg, self.recompute, self.lean = cfg, recompute, lean and recompute == "none"
         self.embed = Embedding(cfg.vocab, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg, recompute) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(Block(cfg, recompute, lean) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = LMHeadLoss(cfg.hidden, cfg.vocab, loss_impl)  # ours, or "liger" (efficient/loss.py)
         if cfg.tie_embeddings:
@@ -127,7 +129,7 @@ class Transformer(nn.Module):
         x = self.embed(ids)  # (B, S, H)
         # fp32 tables: the RoPE kernel rotates in fp32 registers and keeps only these two (S, hd) tables
         cos, sin = rope_tables(ids.shape[1], self.cfg.head_dim, self.cfg.rope_theta, ids.device, torch.float32)
-        if self.recompute == "none":  # blocks hand on (residual, pending MLP branch): Block._fused
+        if self.lean:  # blocks hand on (residual, pending MLP branch): Block._fused
             branch = None
             for layer in self.layers:
                 x, branch = layer(x, cos, sin, branch)

@@ -1,7 +1,7 @@
 """The kernels anatomy/efficient launches in a training step on CUDA, with their FLOPs and minimal bytes:
 one qkv and one gate_up matmul per layer, our fused rms_norm, rope_qkv and swiglu, cuDNN's SDPA (or another
-backend) and the fused linear CE for the loss (Run.loss_impl: ours, anatomy_loss; Liger's, liger_loss); without
-recompute, the lean matmuls' re-made weight casts and SwiGLU output (lean_kernels). Mirrors kernels_baseline.py,
+backend) and the fused linear CE for the loss (Run.loss_impl: ours, anatomy_loss; Liger's, liger_loss); in the
+lean block (Run.lean), its adds inside the norms and its re-made weight casts and SwiGLU output. Mirrors kernels_baseline.py,
 component by component.
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     rope_tables(o, cast=False)  # fp32 tables, built once per step
     # norms: read x (residual dtype), write y (compute dtype); backward reads dy, x, writes dx, and a
     # second launch sums the (programs, H) fp32 partials of dw
-    # Without recompute every norm but the first runs fused with the residual add in front of it
+    # In the lean block (Run.lean, without recompute) every norm but the first runs fused with the residual add in front of it
     # (anatomy::add_rms_norm, efficient/transformer.py Block._fused): fused_norms()
-    fused = run.recompute == "none"
+    fused = run.lean_block
     n_norms = 1 if fused else 2 * L + 1
     fw, bw = ("rms_norm.forward", H), ("rms_norm.backward", H)
     o.mem("norm.rms_norm", "norm", "forward", *fused_bytes(*fw, T, c, r), n_norms, host=fw[0], fused=(*fw, T))
@@ -77,14 +77,14 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
         residual(o, "mlp", L, where)
     if run.recompute != "none":
         recompute_kernels(o, sdpa_backend)
-    else:
+    elif run.lean_block:
         lean_kernels(o)
     liger_loss(o) if run.loss_impl == "liger" else anatomy_loss(o)
     return o.k
 
 
 def fused_norms(o: Ops) -> None:
-    """recompute "none": 2L residual adds, each fused with the norm that reads its sum (each block's mlp_norm,
+    """The lean block: 2L residual adds, each fused with the norm that reads its sum (each block's mlp_norm,
     the next block's attn_norm, the final norm). Forward reads x and the branch, writes x_new and y; backward
     reads d_x_new, dy and x_new, writes d_x and d_branch (the final norm's x_new has no gradient: no d_x_new
     read), then sums the dw partials. What stays unfused: the first attn_norm (an rms_norm, priced with the
@@ -148,7 +148,7 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
 
 
 def lean_kernels(o: Ops) -> None:
-    """Without recompute the block's matmuls are lean (anatomy/kernels/lean.py): under autocast each one's
+    """In the lean block the matmuls are lean (anatomy/kernels/lean.py): under autocast each one's
     backward casts its fp32 weight to bf16 again (the forward's cast is not kept), and the MLP's backward
     runs SwiGLU's forward again to make h, down's input, from gate_up before down's weight gradient."""
     cfg, run, c, r = o.cfg, o.run, o.c, o.r
