@@ -67,5 +67,11 @@ if [ -n "${ONLY:-}" ]; then
     for peer in efficient hf-liger hf-compile; do
       python3 bench/step.py --peer $peer --preset $1 --batch $2 --seq $3 --json "$0/step-$1-$peer.json" || true
     done; done' "$R"
+  # the lean block (Run.lean) beside the plain one and HF + Liger, each in its own process, in one run
+  part peers-lean 540 bash -c 'for c in "seed 16 4096" "tinyllama-1.1b 8 2048" "llama3.2-1b 4 4096"; do set -- $c
+    for peer in "efficient" "efficient --lean" "hf-liger"; do
+      python3 bench/step.py --peer $peer --preset $1 --batch $2 --seq $3 \
+        --json "$0/step-$1-$(echo $peer | tr -d " " | sed "s/--/-/").json" || true
+    done; done' "$R"
 fi
 echo done
