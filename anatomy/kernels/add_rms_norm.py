@@ -51,8 +51,8 @@ def _add_rms_norm_fwd_kernel(X, B, W, XN, Y, stride_x, stride_b, stride_xn, stri
 
 @jit
 def _add_rms_norm_bwd_kernel(DXN, DY, XN, W, DX, DB, DW, stride_dxn, stride_dy, stride_xn, stride_dx, stride_db,
-                             M, N, eps, rows_per_program, HAS_DXN: tl.constexpr, NUM_STAGES: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                             M, N, eps, rows_per_program, HAS_DXN: tl.constexpr, ADD_RN: tl.constexpr,
+                             NUM_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # rms_norm's backward row loop; each row's dx (rounded to DX's dtype, as the unfused norm wrote it)
     # plus d_x_new goes to DX and, cast, to DB: one write each, no separate sum or cast kernel.
     pid = tl.program_id(0)
@@ -72,7 +72,12 @@ def _add_rms_norm_bwd_kernel(DXN, DY, XN, W, DX, DB, DW, stride_dxn, stride_dy, 
         dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
         dx = dx.to(DX.dtype.element_ty).to(tl.float32)
         if HAS_DXN:
-            dx = tl.load(DXN + rws * stride_dxn + cols, mask=m, other=0.0).to(tl.float32) + dx
+            dxn = tl.load(DXN + rws * stride_dxn + cols, mask=m, other=0.0).to(tl.float32)
+            if ADD_RN:  # PTX add.rn is never contracted with rstd * (...) into an fma, which would skip
+                dx = tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [dxn, dx],  # dx's rounding
+                                               dtype=tl.float32, is_pure=True, pack=1)
+            else:
+                dx = dxn + dx
         dx = dx.to(DX.dtype.element_ty)
         tl.store(DX + rws * stride_dx + cols, dx, mask=m)
         tl.store(DB + rws * stride_db + cols, dx.to(DB.dtype.element_ty), mask=m)
@@ -117,7 +122,8 @@ def add_rms_norm_backward_triton(dxn: Tensor | None, dy: Tensor, xn: Tensor, wei
     bm, warps = _bwd_tile(block)
     _add_rms_norm_bwd_kernel[(programs,)](dxn2, dy2, x2, weight.contiguous(), dx, db, dw_partial, dxn2.stride(0),
                                           dy2.stride(0), x2.stride(0), dx.stride(0), db.stride(0), M, N, eps, per,
-                                          HAS_DXN=dxn is not None, NUM_STAGES=3, BLOCK_M=bm, BLOCK_N=block,
+                                          HAS_DXN=dxn is not None, ADD_RN=xn.device.type == "cuda", NUM_STAGES=3,
+                                          BLOCK_M=bm, BLOCK_N=block,
                                           num_warps=warps)
     dw = torch.empty(N, dtype=weight.dtype, device=xn.device)
     bn = _sum_block(block)
