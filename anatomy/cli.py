@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 
 from anatomy.cli_args import (DEFAULT_PRESET, Parser, add_config_flags, add_optimizer_flag,  # noqa: F401
-                              config_from_args, nonempty)
+                              config_from_args, nonempty, run_from_args)
 from anatomy.cli_estimate import MAX_WORLD, _recompute, check_variant, estimate_all, print_estimate  # noqa: F401 (MAX_WORLD: re-exported)
 from anatomy.config import ConfigError, ModelConfig, Run, oneline
 
@@ -72,9 +73,9 @@ def _measurable_run(cfg, run, variant, device) -> Run:
     r = run
     while (need := _need_bytes(cfg, r, variant, device)) > cap:
         if r.batch > 1:
-            r = Run(batch=1, seq=r.seq, dtype=r.dtype, recompute=r.recompute)
+            r = replace(r, batch=1)
         elif r.seq > 16:
-            r = Run(batch=1, seq=r.seq // 2, dtype=r.dtype, recompute=r.recompute)
+            r = replace(r, batch=1, seq=r.seq // 2)
         else:
             refuse_unless_fits(what, need, device, f" even at its smallest run, batch 1 and seq {r.seq}")
     return r
@@ -296,9 +297,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         cfg = config_from_args(a)
-        run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype, recompute=a.recompute)
-        if run.recompute != "none" and a.variant != "efficient":
-            raise ConfigError(f"--recompute {run.recompute} is an option of the efficient variant (--variant efficient)")
+        run = run_from_args(a)
         out = COMMANDS[a.cmd](a, cfg, run)
         if (where := _nonfinite(out)) is not None:  # a profile or a config value outside what the model covers
             raise ConfigError(f"the {a.cmd} came out non-finite at {where}: an input is out of the model's range")

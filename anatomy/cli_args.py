@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from anatomy.config import PRESETS, ConfigError, ModelConfig, oneline
+from anatomy.config import PRESETS, ConfigError, ModelConfig, Run, oneline
 from anatomy.hf_config import read_hf_config
 
 DEFAULT_PRESET = "seed"
@@ -101,7 +101,19 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                    help="efficient only: none; mlp (keep the block input, the attention branch and SDPA's "
                         "tensors; re-run both norms, gate_up and the activation in backward); or full (keep "
                         "only each block's input; re-run the whole block's forward in backward)")
+    r.add_argument("--lean", action="store_true",
+                   help="efficient only, without recompute: the lean block (its matmuls keep no bf16 weight casts, "
+                        "SwiGLU + down re-makes h in backward, each residual add runs inside the next norm)")
     p.add_argument("--json", action="store_true", help="machine-readable output (keys in the README)")
+
+
+def run_from_args(a) -> Run:
+    """The run the flags name; --recompute and --lean are options of the efficient variant."""
+    run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype, recompute=a.recompute, lean=a.lean)
+    for flag, on in ((f"--recompute {run.recompute}", run.recompute != "none"), ("--lean", run.lean)):
+        if on and a.variant != "efficient":
+            raise ConfigError(f"{flag} is an option of the efficient variant (--variant efficient)")
+    return run
 
 
 def config_from_args(a) -> ModelConfig:

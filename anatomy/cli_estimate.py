@@ -78,8 +78,9 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
 
 
 def _recompute(out: dict) -> str:
+    """The run's efficient-only options for a header line: recompute when on, the lean block when set."""
     r = out["run"].get("recompute", "none")
-    return "" if r == "none" else f" · recompute {r}"
+    return ("" if r == "none" else f" · recompute {r}") + (" · lean" if out["run"].get("lean") else "")
 
 
 def print_estimate(con, out: dict) -> None:

@@ -137,6 +137,11 @@ class Run:
     dtype: str = "amp"
     recompute: str = "none"
     loss_impl: str = "anatomy"  # the efficient variant's loss kernel (LOSS_IMPLS); the baseline ignores it
+    # the efficient variant's lean block without recompute (anatomy/kernels/lean.py, add_rms_norm.py): its matmuls
+    # keep no weight casts, SwiGLU + down re-makes h in backward, each residual add runs inside the next norm.
+    # Under recompute the checkpoints keep plain nn.Linear and separate adds, so it changes nothing there; the
+    # baseline ignores it.
+    lean: bool = False
 
     def __post_init__(self):
         _positive_int("batch", self.batch, MAX_BATCH)
@@ -152,13 +157,21 @@ class Run:
         if self.loss_impl not in LOSS_IMPLS:
             raise ConfigError(f"loss_impl must be one of {', '.join(LOSS_IMPLS)}, got "
                               f"{oneline(repr(self.loss_impl), 60)}")
+        if not isinstance(self.lean, bool):
+            raise ConfigError(f"lean must be true or false, got {oneline(repr(self.lean), 60)}")
 
     def to_dict(self) -> dict:
-        """batch, seq, dtype, and recompute when it is on and loss_impl when it is not ours (so reports of
-        plain runs keep their keys)."""
+        """batch, seq, dtype, and recompute when it is on, loss_impl when it is not ours and lean when it is
+        set (so reports of plain runs keep their keys)."""
         d = dict(batch=self.batch, seq=self.seq, dtype=self.dtype)
         d = d if self.recompute == "none" else dict(d, recompute=self.recompute)
-        return d if self.loss_impl == "anatomy" else dict(d, loss_impl=self.loss_impl)
+        d = d if self.loss_impl == "anatomy" else dict(d, loss_impl=self.loss_impl)
+        return dict(d, lean=True) if self.lean else d
+
+    @property
+    def lean_block(self) -> bool:
+        """Does the efficient model run its lean block (lean, without recompute)?"""
+        return self.lean and self.recompute == "none"
 
     @property
     def tokens(self) -> int:
@@ -168,9 +181,9 @@ class Run:
     def from_record(cls, rec: dict, dtype: str = "amp") -> "Run":
         """The Run a committed measurement row describes (batch, seq, and recompute and loss_impl where it
         names them). A row without loss_impl ran Liger's loss: every record written before ours became the
-        efficient model's loss."""
+        efficient model's loss; a row without lean ran the block without it."""
         return cls(rec["batch"], rec["seq"], rec.get("dtype", dtype), rec.get("recompute", "none"),
-                   rec.get("loss_impl", "liger"))
+                   rec.get("loss_impl", "liger"), rec.get("lean", False))
 
 
 def _p(name, **kw) -> ModelConfig:

@@ -9,14 +9,16 @@ VARIANTS = ("baseline", "efficient")
 
 
 def build_model(cfg: ModelConfig, variant: str = "baseline", device="cpu", dtype=None, seed: int | None = 0,
-                recompute: str = "none"):
+                recompute: str = "none", lean: bool = False):
     """Build a model on `device`; dtype defaults to fp32 (master weights). Meta builds allocate nothing.
-    recompute: Run.recompute, an option of the efficient variant."""
+    recompute, lean: Run.recompute and Run.lean, options of the efficient variant."""
     if recompute not in RECOMPUTE:
         raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     if recompute != "none" and variant != "efficient":
         raise ConfigError(f"recompute={recompute!r} is an option of the efficient variant, not {variant!r}")
     kw = {} if recompute == "none" else dict(recompute=recompute)
+    if lean and variant == "efficient":  # the baseline ignores it, as it ignores Run.loss_impl
+        kw["lean"] = True
     if variant == "baseline":
         from anatomy.baseline.transformer import Transformer
     elif variant == "efficient":

@@ -3,6 +3,7 @@
 python3 bench/step.py --peer efficient --preset seed --batch 16 --seq 4096 [--repeats 10] [--json OUT]
 python3 bench/step.py --peer efficient --recompute mlp ...   # reported as peer "efficient-recompute"
 python3 bench/step.py --peer efficient --loss-impl liger ... # Liger's loss: peer "efficient-liger-loss"
+python3 bench/step.py --peer efficient --lean ...            # the lean block (Run.lean): peer "efficient-lean"
 
 Peers: baseline, baseline-compile, efficient, efficient-compile (ours; the efficient peers' loss is our fused
 linear CE unless --loss-impl liger, and each record says which: loss_impl); hf, hf-compile, hf-liger
@@ -38,7 +39,7 @@ def matmul_ceiling(n: int = 8192, reps: int = 20) -> float:
     return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3)
 
 
-def build(peer: str, cfg: ModelConfig, recompute: str = "none", loss_impl: str = "anatomy"):
+def build(peer: str, cfg: ModelConfig, recompute: str = "none", loss_impl: str = "anatomy", lean: bool = False):
     if peer.startswith("hf"):
         import transformers
 
@@ -57,7 +58,7 @@ def build(peer: str, cfg: ModelConfig, recompute: str = "none", loss_impl: str =
     else:
         from anatomy.models import build_model
 
-        model = build_model(cfg, peer.removesuffix("-compile"), device="cuda", recompute=recompute)
+        model = build_model(cfg, peer.removesuffix("-compile"), device="cuda", recompute=recompute, lean=lean)
         if hasattr(model.head, "impl"):  # the efficient model's fused linear CE (efficient/loss.py)
             model.head.impl = loss_impl
         step = model
@@ -76,21 +77,27 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--recompute", default="none", help="none | mlp (the efficient peer only: Run.recompute)")
     p.add_argument("--loss-impl", default="anatomy", help="anatomy | liger (the efficient peers' loss: Run.loss_impl)")
+    p.add_argument("--lean", action="store_true", help="the efficient peers' lean block (Run.lean)")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if a.recompute != "none" and a.peer != "efficient":
         p.error(f"--recompute applies to --peer efficient, not {a.peer}")
     if a.loss_impl != "anatomy" and not a.peer.startswith("efficient"):
         p.error(f"--loss-impl applies to the efficient peers, not {a.peer}")
+    if a.lean and not a.peer.startswith("efficient"):
+        p.error(f"--lean applies to the efficient peers, not {a.peer}")
+    if a.lean and a.recompute != "none":
+        p.error("--lean is the block without recompute: drop --recompute or --lean")
     try:
-        cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp", loss_impl=a.loss_impl)
+        cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp", loss_impl=a.loss_impl,
+                                                         lean=a.lean)
     except ConfigError as e:
         p.error(str(e))  # one line, exit 2
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     torch.manual_seed(0)
     ceiling = matmul_ceiling()
-    model, step = build(a.peer, cfg, a.recompute, a.loss_impl)
+    model, step = build(a.peer, cfg, a.recompute, a.loss_impl, run.lean)
     ids = [torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda") for _ in range(2)]
     times = []
     t_compile = time.perf_counter()
@@ -115,8 +122,10 @@ def main(argv=None) -> dict:
     est = estimate(cfg, run).to_dict()["flops"]["model"]  # model FLOPs: a recompute's are not counted
     model_flops = est["forward"] + est["backward"]
     ms = statistics.median(times)
-    peer = a.peer + ("-recompute" if a.recompute != "none" else "") + ("-liger-loss" if a.loss_impl == "liger" else "")
-    own = {"loss_impl": a.loss_impl} if a.peer.startswith("efficient") else {}  # a row without it ran Liger's
+    peer = (a.peer + ("-recompute" if a.recompute != "none" else "") + ("-liger-loss" if a.loss_impl == "liger" else "")
+            + ("-lean" if run.lean else ""))
+    # a row without loss_impl ran Liger's; one without lean, the plain block (Run.from_record)
+    own = dict(loss_impl=a.loss_impl, **(dict(lean=True) if run.lean else {})) if a.peer.startswith("efficient") else {}
     res = dict(peer=peer, recompute=a.recompute, **own, preset=a.preset, batch=run.batch, seq=run.seq, median_ms=ms, times_ms=times,
                tokens_per_s=run.tokens / (ms / 1e3), peak_mib=torch.cuda.max_memory_allocated() / 2**20,
                reserved_mib=torch.cuda.max_memory_reserved() / 2**20, mfu=model_flops / (ms / 1e3) / ceiling,

@@ -64,8 +64,9 @@ if [ -n "${ONLY:-}" ]; then
     ANATOMY_DRAW_SEED=$1 python3 scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate \
       --out "$0/real-depth.json"' "$R" "${REAL_DEPTH_SEED:-}"
   part peers 540 bash -c 'for c in "seed 16 4096" "tinyllama-1.1b 8 2048" "llama3.2-1b 4 4096"; do set -- $c
-    for peer in efficient hf-liger hf-compile; do
-      python3 bench/step.py --peer $peer --preset $1 --batch $2 --seq $3 --json "$0/step-$1-$peer.json" || true
+    for peer in "efficient" "efficient --lean" "hf-liger" "hf-compile"; do
+      python3 bench/step.py --peer $peer --preset $1 --batch $2 --seq $3 \
+        --json "$0/step-$1-$(echo $peer | tr -d " " | sed "s/--/-/").json" || true
     done; done' "$R"
   # the compiled AdEMAMix step: how long the GPU waits for its call (issue 25's one failed claim; docs/timing.md)
   part optimizer-host 200 python3 scripts/probe_optimizer_host.py --json "$R/optimizer-host.json"

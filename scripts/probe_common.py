@@ -58,7 +58,8 @@ def run_rows(prog: str, a: argparse.Namespace, cases: list[tuple], measure: Call
     for k, (name, cfg, run, variants, opt) in enumerate(cases):
         for variant in variants:
             row = dict(config=name, cfg=cfg.to_dict(), batch=run.batch, seq=run.seq, variant=variant, optimizer=opt,
-                       **({} if run.recompute == "none" else dict(recompute=run.recompute)))
+                       **({} if run.recompute == "none" else dict(recompute=run.recompute)),
+                       **(dict(lean=True) if run.lean else {}))
             try:
                 row.update(measure(cfg, run, variant, opt))
             except Exception as e:  # noqa: BLE001 - a probe records what failed (an OOM too) and goes on

@@ -90,7 +90,7 @@ class Smi:
 def setup(cfg, run, variant):
     from anatomy.models import build_model
 
-    model = build_model(cfg, variant, device="cuda", recompute=run.recompute)
+    model = build_model(cfg, variant, device="cuda", recompute=run.recompute, lean=run.lean)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda", generator=g)

@@ -1,10 +1,12 @@
 """The efficient model: same function as the baseline (to within the baseline's own error), and the
 calculator's saved bytes and FLOPs for it, exact per component."""
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from anatomy.calculator import estimate
 from anatomy.config import ModelConfig, Run
@@ -45,7 +47,7 @@ def check_matches_baseline(cfg: ModelConfig, run: Run, device="cpu"):  # run.rec
     of summation order while the fused kernels sum in another order."""
     ref = build_model(cfg, "baseline", device=device, dtype=torch.float64)
     base = build_model(cfg, "baseline", device=device, dtype=param_dtype(run))
-    eff = build_model(cfg, "efficient", device=device, dtype=param_dtype(run), recompute=run.recompute)
+    eff = build_model(cfg, "efficient", device=device, dtype=param_dtype(run), recompute=run.recompute, lean=run.lean)
     eff.load_state_dict(base.state_dict())
     ids, targets = make_batch(cfg, run, device)
     fp64, run_b = Run(run.batch, run.seq, "fp32"), Run(run.batch, run.seq, run.dtype)
@@ -63,23 +65,28 @@ def check_matches_baseline(cfg: ModelConfig, run: Run, device="cpu"):  # run.rec
     return worst
 
 
+LEAN = pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])  # Run.lean: the lean block or not
+
+
+@LEAN
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", EFFICIENT)
-def test_matches_baseline_named(name, policy):
-    check_matches_baseline(NAMED[name], Run(2, 24, policy))
+def test_matches_baseline_named(name, policy, lean):
+    check_matches_baseline(NAMED[name], Run(2, 24, policy, lean=lean))
 
 
 @settings(max_examples=25)
-@given(cfg=accuracy_configs(), run=accuracy_runs())
-def test_matches_baseline_hypothesis(cfg, run):
-    check_matches_baseline(cfg, run)
+@given(cfg=accuracy_configs(), run=accuracy_runs(), lean=st.booleans())
+def test_matches_baseline_hypothesis(cfg, run, lean):
+    check_matches_baseline(cfg, replace(run, lean=lean))
 
 
 @pytest.mark.gpu
+@LEAN
 @pytest.mark.parametrize("policy", ["amp", "bf16"])
 @pytest.mark.parametrize("name", EFFICIENT)
-def test_matches_baseline_cuda(name, policy):
-    check_matches_baseline(NAMED[name], Run(2, 128, policy), device="cuda")
+def test_matches_baseline_cuda(name, policy, lean):
+    check_matches_baseline(NAMED[name], Run(2, 128, policy, lean=lean), device="cuda")
 
 
 # ---- exact accounting ------------------------------------------------------------------------
@@ -96,22 +103,26 @@ def check_saved(claims, cfg, run, name, device="cpu"):
                      predicted=c.saved_bytes, measured=measured.get(comp, 0), device=device, unit="B")
 
 
+@LEAN
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", EFFICIENT)
-def test_saved_bytes_exact_named(name, policy, claims):
-    check_saved(claims, NAMED[name], Run(2, 16, policy), f"{name}/B2S16/{policy}")
+def test_saved_bytes_exact_named(name, policy, lean, claims):
+    check_saved(claims, NAMED[name], Run(2, 16, policy, lean=lean), f"{name}/B2S16/{policy}{'/lean' * lean}")
 
 
-@given(cfg=configs(), run=runs())
-def test_saved_bytes_exact_hypothesis(cfg, run, claims):
+@given(cfg=configs(), run=runs(), lean=st.booleans())
+def test_saved_bytes_exact_hypothesis(cfg, run, lean, claims):
+    run = replace(run, lean=lean)
     check_saved(claims, cfg, run, f"{cfg}/{run}")
 
 
 @pytest.mark.gpu
+@LEAN
 @pytest.mark.parametrize("policy", ["amp", "bf16"])
 @pytest.mark.parametrize("name", EFFICIENT + ["seed-narrow"])
-def test_saved_bytes_exact_cuda(name, policy, claims):
-    check_saved(claims, NAMED[name], Run(2, 256, policy), f"{name}/B2S256/{policy}", device="cuda")
+def test_saved_bytes_exact_cuda(name, policy, lean, claims):
+    check_saved(claims, NAMED[name], Run(2, 256, policy, lean=lean), f"{name}/B2S256/{policy}{'/lean' * lean}",
+                device="cuda")
 
 
 def check_flops(claims, cfg, run, name, device="cpu"):

@@ -6,6 +6,8 @@ On CPU the figure is tensor-level: exact storage sizes, no allocator rounding an
 inside a kernel. The CUDA side of the same model (512-byte rounding, cuDNN) is checked against the
 committed H200 probe in test_memory_model.py. ±3% is the issue's bound for peak memory.
 """
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
@@ -48,6 +50,17 @@ def test_phases_named(name, run_id, policy, variant, claims):
     _check(claims, NAMED[name], Run(r.batch, r.seq, policy), variant, None, f"{name}/{run_id}/{policy}")
 
 
+@pytest.mark.parametrize("policy", ["amp", "bf16", "fp32"])
+@pytest.mark.parametrize("run_id", list(RUNS))
+@pytest.mark.parametrize("name", list(NAMED))
+def test_phases_named_lean(name, run_id, policy, claims):
+    """The efficient model's lean block (Run.lean): its adds inside the norms, no saved weight casts, h made
+    again in backward."""
+    r = RUNS[run_id]
+    _check(claims, NAMED[name], Run(r.batch, r.seq, policy, lean=True), "efficient", None,
+           f"{name}/{run_id}/{policy}/lean")
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "ademamix"])
 @pytest.mark.parametrize("variant", ["baseline", "efficient"])
 def test_phases_with_optimizer_state(variant, optimizer, claims):
@@ -60,8 +73,8 @@ def test_phases_with_optimizer_state(variant, optimizer, claims):
 @settings(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(cfg=configs(), run=runs())
 def test_phases_hypothesis(cfg, run, claims):
-    for variant in ("baseline", "efficient"):
-        _check(claims, cfg, run, variant, "adamw", f"hypothesis {cfg.to_dict()} {run}")
+    for variant, r in (("baseline", run), ("efficient", run), ("efficient", replace(run, lean=True))):
+        _check(claims, cfg, r, variant, "adamw", f"hypothesis {cfg.to_dict()} {r}")
 
 
 def _backward_peak_by_kind(snapshot) -> tuple[int, dict]:

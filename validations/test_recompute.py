@@ -23,7 +23,7 @@ MLP = "mlp"
 
 def _grads(cfg, run, device="cpu"):
     model = build_model(cfg, "efficient", device=device, dtype=torch.bfloat16 if run.dtype == "bf16" else None,
-                        recompute=run.recompute)
+                        recompute=run.recompute, lean=run.lean)
     ids, targets = make_batch(cfg, run, device)
     with autocast_ctx(run, torch.device(device).type):
         loss = model(ids, targets)
@@ -81,17 +81,22 @@ def test_flops_exact(name, recompute, claims):
     check_flops(claims, NAMED[name], Run(2, 16, "fp32", recompute), f"{name}/B2S16/{SUFFIX[recompute]}")
 
 
-def test_recompute_saves_what_it_says(claims):
-    """Per layer and token, 6H + 6I bytes fewer under amp: out go two fp32 norm inputs (8H), the two
-    bf16 normed inputs (4H), gate_up (4I) and the activation (2I); in come the fp32 block input, now
-    kept by attention's checkpoint (4H), and the bf16 branch (2H). And the three weight casts."""
-    cfg, run = NAMED["tiny-gqa"], Run(2, 16, "amp")
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
+def test_recompute_saves_what_it_says(lean, claims):
+    """Per layer and token, 6H + 6I bytes fewer under amp: out go two fp32 norm inputs (8H), the two bf16
+    normed inputs (4H), gate_up (4I) and the activation (2I); in come the fp32 block input, now kept by
+    attention's checkpoint (4H), and the bf16 branch (2H); and the three weight casts. Against the lean
+    block (Run.lean) 6H + 4I (it keeps no activation: lean.py), and per layer o's (H, H) bf16 weight cast
+    comes in: o is nn.Linear under recompute, a lean matmul without, which keeps no cast."""
+    cfg, run = NAMED["tiny-gqa"], Run(2, 16, "amp", lean=lean)
     none, mlp = (measure_saved(cfg, r, "efficient").report.storage_bytes() for r in (run, Run(2, 16, "amp", MLP)))
     H, I, L, T, D = cfg.hidden, cfg.intermediate, cfg.layers, run.tokens, cfg.hidden + 2 * cfg.kv_dim
-    casts = L * 2 * (D * H + 2 * I * H + I * H)
-    claims.check("memory.saved: recompute's saving", component="model", config="tiny-gqa/B2S16/amp",
-                 variant="efficient", predicted=L * T * (6 * H + 6 * I) + casts, measured=none - mlp,
-                 device="cpu", unit="B", note="the docstring's arithmetic against saved storage measured with and without")
+    predicted = (L * T * (6 * H + 4 * I) - L * 2 * H * H if lean else
+                 L * T * (6 * H + 6 * I) + L * 2 * (D * H + 2 * I * H + I * H))
+    claims.check("memory.saved: recompute's saving", component="model",
+                 config=f"tiny-gqa/B2S16/amp{'/lean' if lean else ''}", variant="efficient", predicted=predicted,
+                 measured=none - mlp, device="cpu", unit="B",
+                 note="the docstring's arithmetic against saved storage measured with and without")
 
 
 # where the backward peak sits: the MLP of the last layer, the loss, attention (see test_memory_walk)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -62,6 +63,9 @@ def test_bound_classification():
     for name in ("norm.rms_norm", "mlp.swiglu", "attention.rope_qkv", "attention.residual_add",
                  "loss.cross_entropy"):
         assert _kernel(eff, name)["bound"] == "memory", name
+    lean = timing.estimate_time(SEED, replace(SEED_RUN, lean=True), "efficient", "h200-measured")  # Run.lean
+    assert _kernel(lean, "norm.add_rms_norm")["bound"] == "memory"
+    assert not any(k["name"] == "attention.residual_add" for k in lean["kernels"])  # the adds run inside the norms
     for name in ("norm.rms_norm.dw_sum", "loss.sum", "loss.scale"):
         assert _kernel(eff, name)["bound"] == "launch", name
     # the baseline's S x S work is memory-bound; QKᵀ at head dim 64 (32 FLOPs per byte, its main loop at

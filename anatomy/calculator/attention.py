@@ -88,12 +88,13 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     elif run.recompute == "mlp":  # the norm -> qkv checkpoint keeps x; backward re-runs the norm alone
         saved = [Saved("attention.x", (run.batch, S, H), dt.residual, L,
                        "the checkpoint keeps the block input; the norm runs again in backward, qkv does not")]
-    else:  # the fused norm already returns the compute dtype: one saved input for the single qkv matmul
-        saved = linears_saved("attention", T, H, {"qkv": qkv}, dt, L, c)
+    else:  # the fused norm already returns the compute dtype: one saved input for the single qkv matmul (in
+        # the lean block its node keeps the fp32 weight, not its cast: anatomy/kernels/lean.py)
+        saved = linears_saved("attention", T, H, {"qkv": qkv}, dt, L, c, weight_cast=not run.lean_block)
     saved += [Saved("attention.rope_cos", (S, hd), "float32", 1, "rope_qkv (or the checkpoint) keeps the fp32 tables"),
               Saved("attention.rope_sin", (S, hd), "float32", 1, "built once per step, shared by all layers")]
     if run.recompute != "full":
-        saved += sdpa_o_saved(cfg, run, device, L)
+        saved += sdpa_o_saved(cfg, run, device, L, o_cast=not run.lean_block)
     proj, sdpa = _flops(cfg, run)
     counted = sdpa if device == "cuda" else 0  # FlopCounterMode has no formula for the CPU SDPA kernel
     # under full recompute backward runs qkv, SDPA's forward and o again (the early stop spares only down)
@@ -102,12 +103,13 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
                      proj + sdpa // 2, 2 * (proj + sdpa // 2), L * T * (3 * (H + cfg.kv_dim) + qkv_bias(cfg)), saved)
 
 
-def sdpa_o_saved(cfg: ModelConfig, run: Run, device: str, count: int) -> list[Saved]:
+def sdpa_o_saved(cfg: ModelConfig, run: Run, device: str, count: int, o_cast: bool = True) -> list[Saved]:
     """SDPA's tensors and, under autocast, o's weight cast: `count` instances (L; or 1, what one block's
-    re-run makes again in backward under recompute="full")."""
+    re-run makes again in backward under recompute="full"). o_cast=False: o is a lean matmul (the lean
+    block), which keeps the fp32 weight instead."""
     dt = dtypes(run)
     saved = [Saved(s.name, s.shape, s.dtype, count, s.why) for s in _sdpa_saved(cfg, run, device, dt.compute)]
-    if dt.autocast:  # o's input is a view of SDPA's out (laid out (B, S, nh, hd)): only its weight cast is new
+    if dt.autocast and o_cast:  # o's input is a view of SDPA's out (laid out (B, S, nh, hd)): only its weight cast is new
         saved.append(Saved("attention.o.weight_cast", (cfg.hidden, cfg.hidden), dt.compute, count,
                            "autocast's cached cast of the fp32 weight"))
     return saved

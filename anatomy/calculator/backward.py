@@ -68,6 +68,7 @@ class Walk:
         self.T, self.H, self.I, self.V = run.tokens, cfg.hidden, cfg.intermediate, cfg.vocab
         self.B, self.S, self.nh, self.nkv, self.hd = run.batch, run.seq, cfg.heads, cfg.kv_heads, cfg.head_dim
         self.cuda, self.recompute = est.device == "cuda", run.recompute  # "none", "mlp" or "full"
+        self.lean = variant == "efficient" and run.lean_block  # Run.lean: the efficient model's lean block
         self.rec: list = []  # the candidates so far: (name, activation, gradient bytes) of a walked stage, or a _Shifted run
         self.freed: set[str] = set()
         # what is live by KINDS: parameters, inputs and optimizer state stay as they start (fixed); a stage frees
@@ -196,14 +197,17 @@ class Walk:
         self.grad += total
 
     # ---- the stages both variants share ----------------------------------------------------------------
-    def linear(self, tag: str, din: int, dout: int, grad_out: int, *saved: str, to_residual: bool = False) -> int:
+    def linear(self, tag: str, din: int, dout: int, grad_out: int, *saved: str, to_residual: bool = False,
+               recast: bool = False) -> int:
         """One matmul's backward: the weight gradient (the compute dtype under autocast) and the input
         gradient, then the incoming gradient and the saved tensors go; under autocast the weight
-        gradient is copied to the parameter's dtype. Returns the bytes of the gradient passed on."""
+        gradient is copied to the parameter's dtype. recast: a lean matmul (anatomy/kernels/lean.py),
+        which casts the weight again for the input gradient, live with both gradients. Returns the bytes
+        of the gradient passed on."""
         T, c, r, p = self.T, self.c, self.r, self.p
         wg = din * dout * (c if self.amp else p)
         self.alloc(wg, T * din * c)
-        self.peak(tag)
+        self.peak(tag, *((din * dout * c,) if recast else ()))
         self.free(*saved)
         dx, sizes = T * din * c, [-grad_out]  # allocated together: no candidate between them
         if to_residual and r != c:  # the input was an autocast copy of the residual: back to its dtype

@@ -1,6 +1,7 @@
 """The efficient model's backward stages (anatomy/efficient): the fused linear CE hands back what its
 forward made, the fused norm's row pass and dw partials, the packed SwiGLU writing d(gate_up) in place, and
-SDPA's backward; under recompute, the checkpoints' tensors made again. backward.walk runs them."""
+SDPA's backward; in the lean block (Run.lean) the weight casts and SwiGLU's h made again; under
+recompute, the checkpoints' tensors made again. backward.walk runs them."""
 from __future__ import annotations
 
 from anatomy.calculator.attention import sdpa_o_saved
@@ -34,16 +35,19 @@ def loss(w) -> int:
     return T * H * c
 
 
-def norm(w, tag: str, g_in: int, kept: str | tuple = "norm.") -> int:
+def norm(w, tag: str, g_in: int, kept: str | tuple = "norm.", fused: bool | None = None) -> int:
     """RMSNorm's backward: takes the output's gradient, leaves the input's (residual dtype). kept: what goes
-    with it ("norm.": its own saved x; under recompute, the checkpoint's tensors)."""
-    T, H, r, p = w.T, w.H, w.r, w.p
-    if w.cuda:  # the Triton backward: dx, the (programs, H) fp32 dw partials, dw
-        w.alloc(T * H * r, rms_norm_programs(H, T) * H * 4, H * p)
+    with it ("norm.": its own saved x; under recompute, the checkpoint's tensors). fused (default: in the lean
+    block, every norm but the first): add_rms_norm's backward, which also writes the branch's gradient
+    (T, H) in the compute dtype, the one the branch's backward starts from (layer() allocates no cast)."""
+    T, H, c, r, p = w.T, w.H, w.c, w.r, w.p
+    db = T * H * c if (w.lean if fused is None else fused) else 0
+    if w.cuda:  # the Triton backward: dx (and d_branch), the (programs, H) fp32 dw partials, dw
+        w.alloc(T * H * r, db, rms_norm_programs(H, T) * H * 4, H * p)
         w.peak(tag)
         w.alloc(-rms_norm_programs(H, T) * H * 4)
-    else:  # the CPU reference: dx in the residual dtype and dw in fp32, cast to the weight's dtype
-        w.alloc(T * H * r, H * 4)
+    else:  # the CPU reference: dx in the residual dtype (d_x_new added in place), d_branch, dw in fp32 cast
+        w.alloc(T * H * r, db, H * 4)
         w.peak(tag)
         w.alloc(H * p, -H * 4)
     w.free_norm() if kept == "norm." else w.free(*([kept] if isinstance(kept, str) else kept))
@@ -58,27 +62,33 @@ def layer(w, i: int, g: int) -> int:
     kv_exp, kv = B * nh * S * hd * c, B * nkv * S * hd * c
     tag = f"layer {i} "
     w.begin()
-    gc = T * H * c if r != c else 0  # the residual gradient cast for the bf16 matmul (a view when r == c)
-    w.alloc(gc)
+    lean = w.lean  # the lean block: lean matmuls, SwiGLU + down, adds inside the norms (anatomy/kernels/lean.py)
+    # the branch's incoming gradient: without recompute add_rms_norm's d_branch, already made by the norm after
+    # it (norm(..., fused)); otherwise the residual gradient's cast for the bf16 matmul (a view when r == c)
+    gc = T * H * c if r != c or lean else 0
+    w.alloc(0 if lean else gc)
     if w.recompute == "full":  # the down matmul's backward asks for its input: the block runs again
         rerun_block(w, tag)
     elif w.recompute == "mlp":  # the down matmul's backward asks for its input: the checkpoint re-runs the
         w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
-    gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
-    # swiglu_packed's backward writes d(gate_up) into the saved gate_up storage: the same (T, 2I) bytes
-    # change kind from activation to gradient, and nothing is allocated
-    w.free("mlp.gate_up")
-    w.alloc(2 * T * I * c)
-    w.peak(tag + "mlp.act")
-    w.alloc(-gi)  # d(h) gone
-    gn = w.linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.")
+    if lean:
+        swiglu_down(w, tag, gc)
+    else:
+        gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
+        # swiglu_packed's backward writes d(gate_up) into the saved gate_up storage: the same (T, 2I) bytes
+        # change kind from activation to gradient, and nothing is allocated
+        w.free("mlp.gate_up")
+        w.alloc(2 * T * I * c)
+        w.peak(tag + "mlp.act")
+        w.alloc(-gi)  # d(h) gone
+    gn = w.linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.", recast=lean and w.amp)
     # under recompute the re-made sum goes with the norm (and under "mlp" the checkpoint's branch with it)
     kept = {"none": "norm.", "mlp": ("mlp.x", "mlp.branch"), "full": "mlp.x"}[w.recompute]
     g = w.residual_add(g, norm(w, tag + "norm 2", gn, kept))
     # ---- attention branch
     w.begin()
-    w.alloc(gc)
-    go = w.linear(tag + "attention.o", H, H, gc, "attention.o.")  # d(merged heads), (T, H)
+    w.alloc(0 if lean else gc)
+    go = w.linear(tag + "attention.o", H, H, gc, "attention.o.", recast=lean and w.amp)  # d(merged heads), (T, H)
     w.alloc(kv_exp, kv, kv)  # SDPA's backward: dq, dk, dv
     # under GQA, cuDNN's backward writes dk and dv per query head in fp32 into one workspace, with the
     # fp32 dot(dO, O) row sums, and then sums each group into dk, dv (timing: gqa_reduce):
@@ -95,11 +105,34 @@ def layer(w, i: int, g: int) -> int:
     w.alloc(-kv_exp, -kv, -kv)
     if w.recompute == "mlp":  # the qkv matmul's backward asks for its input: the norm runs again
         w.remake("qkv", lambda: linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))
-    gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.")
+    gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.", recast=lean and w.amp)
     if i == 0:
         w.free("attention.rope_")  # the tables are shared by every layer
     # under recompute the checkpoint's block input goes with the first norm (the block's first op)
-    return w.residual_add(g, norm(w, tag + "norm 1", gn, "attention.x" if w.recompute != "none" else "norm."))
+    # layer 0's attn_norm is a plain rms_norm (no add in front of it)
+    return w.residual_add(g, norm(w, tag + "norm 1", gn, "attention.x" if w.recompute != "none" else "norm.",
+                                  fused=lean and i > 0))
+
+
+def swiglu_down(w, tag: str, grad_out: int) -> None:
+    """The fused SwiGLU + down node (anatomy/kernels/lean.py): h made again from gate_up, down's weight
+    gradient (compute dtype under autocast), then h goes; down's weight cast again and d(h); the packed
+    SwiGLU backward writes d(gate_up) into gate_up's storage (the same bytes change kind); d(h) and the
+    incoming gradient go; under autocast the cast node makes the fp32 weight gradient."""
+    T, H, I, c, p = w.T, w.H, w.I, w.c, w.p
+    wg = H * I * (c if w.amp else p)
+    w.alloc(T * I * c, wg)  # h, dW
+    w.peak(tag + "mlp.down.weight_grad")
+    w.alloc(-T * I * c, T * I * c)  # h goes; d(h)
+    w.peak(tag + "mlp.down", *((H * I * c,) if w.amp else ()))  # with the weight's cast
+    w.free("mlp.gate_up")
+    w.alloc(2 * T * I * c)
+    w.peak(tag + "mlp.act")
+    w.alloc(-T * I * c, -grad_out)  # d(h), the incoming gradient
+    if w.amp:
+        w.alloc(H * I * p)
+        w.peak(tag + "mlp.down grad to fp32")
+        w.alloc(-wg)
 
 
 def rerun_block(w, tag: str) -> None:

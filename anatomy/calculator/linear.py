@@ -6,6 +6,9 @@ but an fp32 input that is not a leaf is cast anew by every linear that reads it:
 keep their own bf16 copy of the same normed activations. An input already in bf16 is kept as it
 is: one storage, however many linears read it. Without autocast the weight is a parameter, not
 an activation, and the input is kept as it is.
+
+weight_cast=False: the efficient model's lean matmuls (anatomy/kernels/lean.py) keep the fp32 weight
+itself, not its cast, and cast it again in backward: only the input is new storage.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from anatomy.calculator.types import Saved
 
 
 def linears_saved(prefix: str, tokens: int, d_in: int, outs: dict[str, int], dt: Dtypes, count: int,
-                  input_dtype: str) -> list[Saved]:
+                  input_dtype: str, weight_cast: bool = True) -> list[Saved]:
     """Saved tensors of len(outs) linears that read one (tokens, d_in) input of `input_dtype`."""
     if dt.autocast and input_dtype != dt.compute:
         out = [Saved(f"{prefix}.{n}.input_cast", (tokens, d_in), dt.compute, count,
@@ -22,7 +25,7 @@ def linears_saved(prefix: str, tokens: int, d_in: int, outs: dict[str, int], dt:
     else:
         out = [Saved(f"{prefix}.{'+'.join(outs)}.input", (tokens, d_in), input_dtype, count,
                      "the matmul's input, kept as it is")]
-    if dt.autocast:
+    if dt.autocast and weight_cast:
         out += [Saved(f"{prefix}.{n}.weight_cast", (d_in, d), dt.compute, count,
                       "autocast's cached cast of the fp32 weight, saved by the matmul") for n, d in outs.items()]
     return out

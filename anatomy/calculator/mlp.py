@@ -33,17 +33,20 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
 
 
 def efficient_saved(cfg: ModelConfig, run: Run, recomputed: bool = False) -> list[Saved]:
-    """What the MLP keeps without recompute. recomputed: what one layer's checkpoint makes again in
-    backward under recompute="mlp": the same tensors and the residual sum that its norm keeps."""
+    """What the MLP keeps without recompute: gate_up's input and weight cast, gate_up, and down's input (the
+    activation h) and weight cast. In the lean block (Run.lean) gate_up's lean matmul and the fused SwiGLU +
+    down node keep the fp32 weights, not their casts, and h is made again in backward (anatomy/kernels/lean.py).
+    recomputed: what one layer's checkpoint makes again in backward under recompute (nn.Linear there): the
+    residual sum that its norm keeps and the same tensors as without the lean block."""
     dt, L, T, H, I = dtypes(run), cfg.layers, run.tokens, cfg.hidden, cfg.intermediate
-    c = dt.compute
+    c, lean = dt.compute, run.lean_block and not recomputed
     if recomputed:
         L = 1
     saved = [Saved("mlp.x", (run.batch, run.seq, H), dt.residual, 1, "the norm keeps the sum")] if recomputed else []
-    saved += linears_saved("mlp", T, H, {"gate_up": 2 * I}, dt, L, c)
+    saved += linears_saved("mlp", T, H, {"gate_up": 2 * I}, dt, L, c, weight_cast=not lean)
     saved.append(Saved("mlp.gate_up", (run.batch, run.seq, 2 * I), c, L,
                        "the fused activation keeps gate and up (two views of one tensor); silu is recomputed"))
-    return saved + linears_saved("mlp", T, I, {"down": H}, dt, L, c)
+    return saved + ([] if lean else linears_saved("mlp", T, I, {"down": H}, dt, L, c))
 
 
 def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:

@@ -6,6 +6,11 @@ whole gate_up tensor (so no SplitBackward has to cat the two gradients), saves o
 the gpt-oss clamp masks are recomputed in backward) and writes d(gate_up) in place into it.
 State dict: gate_up.weight = cat(gate.weight, up.weight).
 
+In the lean block (Run.lean, without recompute), gate_up runs anatomy.kernels.lean.linear (under autocast its node keeps the
+fp32 weight, not a bf16 cast), and the activation and down run as one node, lean.swiglu_down, which keeps
+gate_up and down's fp32 weight: not the activation h (T, I), which backward makes again from gate_up with
+the forward's kernel (the same bits), nor down's weight cast.
+
 Recompute (Run.recompute == "mlp"): called with the block's norm and the attention branch's output,
 the MLP forms the residual sum itself and runs sum -> norm -> gate_up -> activation -> down -> + sum
 under a non-reentrant torch.utils.checkpoint, which keeps only its inputs: the block input x (kept
@@ -17,14 +22,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from anatomy.kernels import swiglu_packed
+from anatomy.kernels.lean import linear, swiglu_down
 
 
 class MLP(nn.Module):
     component = "mlp"
 
-    def __init__(self, hidden: int, intermediate: int, variant: str = "swiglu"):
+    def __init__(self, hidden: int, intermediate: int, variant: str = "swiglu", lean: bool = False):
         super().__init__()
-        self.variant, self.intermediate = variant, intermediate
+        self.variant, self.intermediate, self.lean = variant, intermediate, lean  # lean: False inside a checkpoint
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down = nn.Linear(intermediate, hidden, bias=False)
 
@@ -40,5 +46,8 @@ class MLP(nn.Module):
         return checkpoint(tail, x, branch, use_reentrant=False, preserve_rng_state=False)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, H), normed
-        gate_up = self.gate_up(x)  # (B, S, 2I): gate and up are its column halves
+        if self.lean:
+            gate_up = linear(x, self.gate_up.weight)  # (B, S, 2I): gate and up are its column halves
+            return swiglu_down(gate_up, self.down.weight, self.variant)  # keeps gate_up; h is made again in backward
+        gate_up = self.gate_up(x)
         return self.down(swiglu_packed(gate_up, self.variant))  # (B, S, I); down keeps it

@@ -22,27 +22,43 @@ FUSED = (("attn.qkv.weight", ("attn.q.weight", "attn.k.weight", "attn.v.weight")
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, recompute: str = "none"):
+    def __init__(self, cfg: ModelConfig, recompute: str = "none", lean: bool = False):
         super().__init__()
         self.recompute = recompute
+        # Run.lean: the lean block, without recompute only (inside a checkpoint the matmuls stay nn.Linear:
+        # kernels/lean.py says why)
+        self.lean = lean and recompute == "none"
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias)
+        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias, self.lean)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp)
+        self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp, self.lean)
         if recompute == "full":
             self.checkpoint = BlockCheckpoint()
         self.register_load_state_dict_pre_hook(_fuse_baseline_keys)
 
-    def forward(self, x, cos, sin):  # x: (B, S, H) fp32 residual under amp
+    def forward(self, x, cos, sin, branch=None):  # x: (B, S, H) fp32 residual under amp
+        if self.lean:
+            return self._fused(x, cos, sin, branch)
         if self.recompute == "full":
             return self.checkpoint(self._block, x, cos, sin)
         if self.recompute == "mlp":
             # Keep x, the attention branch (compute dtype) and what SDPA keeps; drop both normed inputs,
-            # the fp32 residual sum, gate_up and the activation: 6H + 6I bytes a token less per layer
-            # under amp (validations/test_recompute.py counts them). Backward re-runs both norms, the sum,
+            # the fp32 residual sum and gate_up: 6H + 4I bytes a token less per layer under amp, less o's
+            # weight cast, which nn.Linear keeps here (validations/test_recompute.py counts them). Backward re-runs both norms, the sum,
             # the gate_up matmul and the activation; no other matmul runs twice (the checkpoints' early stop).
             return self.mlp(x, norm=self.mlp_norm, branch=self.attn(x, cos, sin, norm=self.attn_norm))
         return self._block(x, cos, sin)
+
+    def _fused(self, x, cos, sin, branch):
+        """The lean block: each residual add runs inside the norm that reads its sum (add_rms_norm).
+        The block takes the previous block's pending MLP branch (None for the first block) and returns
+        (residual, its own MLP branch): the add that ends a block is the next block's attn_norm, or the
+        model's final norm, so every norm fuses with the add in front of it while each block's norm
+        weights are read only inside that block (FSDP gathers a block's parameters for its own forward).
+        Bitwise the unfused _block (validations/test_add_rms_norm.py, test_efficient.py)."""
+        x, y = (x, self.attn_norm(x)) if branch is None else self.attn_norm(x, branch)
+        x, y = self.mlp_norm(x, self.attn(y, cos, sin))
+        return x, self.mlp(y)  # (B, S, H) residual dtype, (B, S, H) compute dtype
 
     def _block(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -99,11 +115,11 @@ def to_baseline_names(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
 class Transformer(nn.Module):
     variant = "efficient"
 
-    def __init__(self, cfg: ModelConfig, recompute: str = "none", loss_impl: str = "anatomy"):
+    def __init__(self, cfg: ModelConfig, recompute: str = "none", loss_impl: str = "anatomy", lean: bool = False):
         super().__init__()
-        self.cfg, self.recompute = cfg, recompute
+        self.cfg, self.recompute, self.lean = cfg, recompute, lean and recompute == "none"
         self.embed = Embedding(cfg.vocab, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg, recompute) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(Block(cfg, recompute, lean) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = LMHeadLoss(cfg.hidden, cfg.vocab, loss_impl)  # ours, or "liger" (efficient/loss.py)
         if cfg.tie_embeddings:
@@ -113,6 +129,11 @@ class Transformer(nn.Module):
         x = self.embed(ids)  # (B, S, H)
         # fp32 tables: the RoPE kernel rotates in fp32 registers and keeps only these two (S, hd) tables
         cos, sin = rope_tables(ids.shape[1], self.cfg.head_dim, self.cfg.rope_theta, ids.device, torch.float32)
+        if self.lean:  # blocks hand on (residual, pending MLP branch): Block._fused
+            branch = None
+            for layer in self.layers:
+                x, branch = layer(x, cos, sin, branch)
+            return self.head(self.norm(x, branch)[1], targets, reduction)  # layers >= 1 (config.py)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.head(self.norm(x), targets, reduction)  # ids, targets: (B, S); "none": (B*S,) losses

@@ -317,17 +317,23 @@ def _packed_setup_context(ctx, inputs, output):
 
 def _packed_backward(ctx, dh):
     (gate_up,) = ctx.saved_tensors
-    if ctx.inplace and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    return packed_grad(dh, gate_up, ctx.variant, ctx.inplace), None, None
+
+
+def packed_grad(dh: Tensor, gate_up: Tensor, variant: str, inplace: bool) -> Tensor:
+    """d(gate_up) from d(h) and the saved gate_up: written into gate_up's storage when inplace (decided in
+    forward, as _packed_setup_context does) and no graph is being made or traced, else a new tensor."""
+    if inplace and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         gate_up = gate_up.detach()  # an alias: the version counter bump stays visible
         gate, up = gate_up.chunk(2, dim=-1)
         if fast_path(dh, gate_up):  # the in-place op's implementation, without the dispatcher
             with no_autocast(dh):
-                _swiglu_backward_inplace(dh, gate, up, ctx.variant)
+                _swiglu_backward_inplace(dh, gate, up, variant)
             torch.autograd.graph.increment_version(gate_up)  # as the op's mutates_args would: a Triton write bumps nothing
         else:
-            _swiglu_backward_inplace_op(dh, gate, up, ctx.variant)
-        return gate_up, None, None  # now d(gate_up)
-    return torch.cat(_swiglu_backward_op(dh, *gate_up.chunk(2, dim=-1), ctx.variant), dim=-1), None, None
+            _swiglu_backward_inplace_op(dh, gate, up, variant)
+        return gate_up  # now d(gate_up)
+    return torch.cat(_swiglu_backward_op(dh, *gate_up.chunk(2, dim=-1), variant), dim=-1)
 
 
 _swiglu_packed_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)

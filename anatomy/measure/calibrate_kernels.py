@@ -204,6 +204,18 @@ def _fused_cases(T: int = FUSED_TOKENS):
             return pre, lambda: ops.rms_norm(cur[0][0], w, 1e-5, torch.bfloat16)
         return build
 
+    def add_rms(H, backward):
+        def build():
+            sets = [(torch.randn(T, H, **f32), torch.randn(T, H, **bf), torch.randn(T, H, **f32))
+                    for _ in range(_sets(T * H * 16))]
+            w, it, cur = torch.rand(H, **f32) + 0.5, itertools.cycle(sets), [sets[0]]
+            pre = lambda: cur.__setitem__(0, next(it))  # noqa: E731
+            if backward:  # d_x_new (fp32, the residual path's), dy (bf16), x_new (fp32) -> d_x, d_branch, dw
+                return pre, lambda: ops.add_rms_norm_backward(cur[0][2], cur[0][1], cur[0][0], w, 1e-5,
+                                                              torch.bfloat16)
+            return pre, lambda: ops.add_rms_norm(cur[0][0], cur[0][1], w, 1e-5, torch.bfloat16)
+        return build
+
     def swiglu(I, backward):
         def build():
             sets = [(torch.randn(T, 2 * I, **bf), torch.randn(T, I, **bf)) for _ in range(_sets(T * I * 6))]
@@ -248,6 +260,7 @@ def _fused_cases(T: int = FUSED_TOKENS):
     for bwd in (False, True):
         suffix = ".backward" if bwd else ".forward"
         yield from ((f"rms_norm{suffix}", H, dict(), rms(H, bwd)) for H in RMS_WIDTHS)
+        yield from ((f"add_rms_norm{suffix}", H, dict(), add_rms(H, bwd)) for H in RMS_WIDTHS)
         yield from ((f"swiglu{suffix}", I, dict(), swiglu(I, bwd)) for I in SWIGLU_WIDTHS)
         yield from ((f"rope_qkv{suffix}", (nh + 2 * nkv) * hd, dict(heads=nh, kv_heads=nkv, head_dim=hd),
                      rope(nh, nkv, hd, bwd)) for nh, nkv, hd in ROPE_HEADS)

@@ -50,8 +50,8 @@ def _print(report: dict) -> None:
 
 def main(argv=None) -> int:
     """anatomy forensics: the phase table and the contents of the peak of a training step (CUDA, or CPU)."""
-    from anatomy.cli_args import OPTIMIZER_HELP, Parser, add_config_flags, config_from_args
-    from anatomy.config import ConfigError, Run, oneline
+    from anatomy.cli_args import OPTIMIZER_HELP, Parser, add_config_flags, config_from_args, run_from_args
+    from anatomy.config import ConfigError, oneline
 
     p = Parser(prog="anatomy forensics", description=main.__doc__)
     add_config_flags(p)
@@ -68,11 +68,9 @@ def main(argv=None) -> int:
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = config_from_args(a)
-        run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype, recompute=a.recompute)
         if a.variant not in ("baseline", "efficient"):
             raise ConfigError(f"unknown variant {a.variant!r}; choose baseline or efficient")
-        if run.recompute != "none" and a.variant != "efficient":
-            raise ConfigError(f"--recompute {run.recompute} is an option of the efficient variant (--variant efficient)")
+        run = run_from_args(a)
         if a.top < 1:
             raise ConfigError(f"--top must be >= 1, got {a.top}")
         if a.png is not None and Path(a.png).suffix.lower() != ".png":

@@ -62,7 +62,7 @@ def _phase(name: str) -> Phase:
 def setup_step(cfg: ModelConfig, run: Run, variant: str, optimizer: str | None, device: str = "cuda"):
     """The model, a batch and the optimizer on `device`, as a training step would have them (fused
     optimizers on CUDA, plain ones elsewhere)."""
-    model = build_model(cfg, variant, device=device, dtype=param_dtype(run), recompute=run.recompute)
+    model = build_model(cfg, variant, device=device, dtype=param_dtype(run), recompute=run.recompute, lean=run.lean)
     ids, targets = make_batch(cfg, run, device)
     opt = None
     if optimizer == "adamw":

@@ -15,7 +15,7 @@ def measure_params(cfg: ModelConfig, variant: str = "baseline") -> int:
 
 
 def measure_flops(cfg: ModelConfig, run: Run, variant: str = "baseline", device="meta") -> dict:
-    model = build_model(cfg, variant, device=device, dtype=param_dtype(run), recompute=run.recompute)
+    model = build_model(cfg, variant, device=device, dtype=param_dtype(run), recompute=run.recompute, lean=run.lean)
     ids, targets = make_batch(cfg, run, device)
     dev = torch.device(device).type
 
@@ -27,7 +27,7 @@ def measure_flops(cfg: ModelConfig, run: Run, variant: str = "baseline", device=
 
 
 def measure_saved(cfg: ModelConfig, run: Run, variant: str = "baseline", device="cpu") -> SavedTensorTracer:
-    model = build_model(cfg, variant, device=device, dtype=param_dtype(run), recompute=run.recompute)
+    model = build_model(cfg, variant, device=device, dtype=param_dtype(run), recompute=run.recompute, lean=run.lean)
     ids, targets = make_batch(cfg, run, device)
     with SavedTensorTracer(model) as tracer, autocast_ctx(run, torch.device(device).type):
         loss = model(ids, targets)

@@ -58,7 +58,7 @@ def _met(ok: bool) -> str:
 
 def _verdicts(by: dict) -> list[str]:
     lines = []
-    for (preset, t), ours in itertools.product(TARGETS.items(), ("efficient", "efficient-recompute")):
+    for (preset, t), ours in itertools.product(TARGETS.items(), ("efficient", "efficient-lean", "efficient-recompute")):
         e, lg = by.get((preset, ours)), by.get((preset, "hf-liger"))
         if not (e and lg):
             continue

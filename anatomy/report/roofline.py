@@ -25,6 +25,8 @@ from anatomy.calculator.timing.registry import OPS
 ELEMENTWISE_FLOPS = {
     "rms_norm.forward": 4,  # x², the row sum, x·rstd, ·w
     "rms_norm.backward": 11,  # x², sum, x̂, g = dy·w, g·x̂, sum, g − x̂·m (2), ·rstd, dw += dy·x̂ (2)
+    "add_rms_norm.forward": 5,  # x + branch, then the norm's 4
+    "add_rms_norm.backward": 12,  # the norm's 11, then + the residual path's gradient (the bf16 copy moves bytes only)
     "swiglu.forward": 5,  # silu(g) = g / (1 + exp(−g)): neg, exp, add, div; ·up
     "swiglu.backward": 11,  # σ again (3), silu, dh·silu, σ(1 + g(1 − σ)) (4), dh·up·dsilu (2)
     "rope_qkv.forward": 3,  # q and k: x·cos + rot(x)·sin (v is copied: counted 3 anyway, an upper bound)

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from anatomy.config import ConfigError, Run
+from anatomy.config import ConfigError
 
 PROG = "anatomy train"
 EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INTERRUPTED = 2, 3, 130
@@ -118,17 +118,15 @@ def main(argv=None) -> int:
         _say("error", f"anatomy train needs {e.name}: pip install 'efficient-llm-anatomy[train]'")
         return EXIT_BAD_INPUT
     try:
-        from anatomy.cli_args import config_from_args
+        from anatomy.cli_args import config_from_args, run_from_args
         from anatomy.models import VARIANTS
         from anatomy.train.data import load_data
         from anatomy.train.loop import train
 
         cfg = config_from_args(a)
-        run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype, recompute=a.recompute)
         if a.variant not in VARIANTS:
             raise ConfigError(f"unknown variant {a.variant!r}; choose baseline or efficient")
-        if run.recompute != "none" and a.variant != "efficient":
-            raise ConfigError(f"--recompute {run.recompute} is an option of the efficient variant (--variant efficient)")
+        run = run_from_args(a)
         opts = _options(a)
         opts.validate()
         data = load_data(a.data, cfg.vocab, cache_dir=a.cache_dir, bin_dtype=a.bin_dtype,

@@ -1,7 +1,8 @@
 """The kernels anatomy/efficient launches in a training step on CUDA, with their FLOPs and minimal bytes:
 one qkv and one gate_up matmul per layer, our fused rms_norm, rope_qkv and swiglu, cuDNN's SDPA (or another
-backend) and the fused linear CE for the loss (Run.loss_impl: ours, anatomy_loss; Liger's, liger_loss). Mirrors
-kernels_baseline.py, component by component.
+backend) and the fused linear CE for the loss (Run.loss_impl: ours, anatomy_loss; Liger's, liger_loss); in the
+lean block (Run.lean), its adds inside the norms and its re-made weight casts and SwiGLU output. Mirrors kernels_baseline.py,
+component by component.
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     rope_tables(o, cast=False)  # fp32 tables, built once per step
     # norms: read x (residual dtype), write y (compute dtype); backward reads dy, x, writes dx, and a
     # second launch sums the (programs, H) fp32 partials of dw
-    n_norms = 2 * L + 1
+    # In the lean block (Run.lean, without recompute) every norm but the first runs fused with the residual add in front of it
+    # (anatomy::add_rms_norm, efficient/transformer.py Block._fused): fused_norms()
+    fused = run.lean_block
+    n_norms = 1 if fused else 2 * L + 1
     fw, bw = ("rms_norm.forward", H), ("rms_norm.backward", H)
     o.mem("norm.rms_norm", "norm", "forward", *fused_bytes(*fw, T, c, r), n_norms, host=fw[0], fused=(*fw, T))
     o.mem("norm.rms_norm.backward", "norm", "backward", *fused_bytes(*bw, T, c, r), n_norms, host=bw[0],
@@ -58,7 +62,8 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     # where the residual adds run: in the block ("other"); in the MLP's checkpoint under "mlp"; in the block's
     # checkpoint, a module credited to attention (efficient/transformer.py, BlockCheckpoint), under "full"
     where = {"none": "other", "mlp": "mlp", "full": "attention"}[run.recompute]
-    residual(o, "attention", L, where)
+    if not fused:
+        residual(o, "attention", L, where)
     # MLP: one gate_up matmul, the fused activation (saves gate_up; backward writes dgate/dup in place)
     o.linear("mlp.gate_up", "mlp", H, 2 * I, L)
     for ph, name in (("forward", "mlp.swiglu"), ("backward", "mlp.swiglu.backward")):
@@ -66,11 +71,33 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
         o.mem(name, "mlp", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
     # (swiglu_packed owns the split, so no SplitBackward cats dgate and dup: d(gate_up) is gate_up's storage)
     o.linear("mlp.down", "mlp", I, H, L)
-    residual(o, "mlp", L, where)
+    if fused:
+        fused_norms(o)
+    else:
+        residual(o, "mlp", L, where)
     if run.recompute != "none":
         recompute_kernels(o, sdpa_backend)
+    elif run.lean_block:
+        lean_kernels(o)
     liger_loss(o) if run.loss_impl == "liger" else anatomy_loss(o)
     return o.k
+
+
+def fused_norms(o: Ops) -> None:
+    """The lean block: 2L residual adds, each fused with the norm that reads its sum (each block's mlp_norm,
+    the next block's attn_norm, the final norm). Forward reads x and the branch, writes x_new and y; backward
+    reads d_x_new, dy and x_new, writes d_x and d_branch (the final norm's x_new has no gradient: no d_x_new
+    read), then sums the dw partials. What stays unfused: the first attn_norm (an rms_norm, priced with the
+    others above) and autograd's sum of the embedding output's two gradients (that norm's and the residual's)."""
+    T, H, L, c, r = o.run.tokens, o.cfg.hidden, o.cfg.layers, o.c, o.r
+    fw, bw = ("add_rms_norm.forward", H), ("add_rms_norm.backward", H)
+    o.mem("norm.add_rms_norm", "norm", "forward", *fused_bytes(*fw, T, c, r), 2 * L, host=fw[0], fused=(*fw, T))
+    o.mem("norm.add_rms_norm.backward", "norm", "backward", *fused_bytes(*bw, T, c, r), 2 * L - 1, host=bw[0],
+          fused=(*bw, T))
+    o.mem("norm.add_rms_norm.backward.final", "norm", "backward", T * H * (r + c), T * H * (r + c), host=bw[0],
+          fused=(*bw, T))
+    o.mem("norm.add_rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H, T), 2 * L, host=None, fused=(*bw, T))
+    o.mem("norm.attention_input_grad_sum", "norm", "backward", 2 * T * H * r, T * H * r, order=2)
 
 
 def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
@@ -118,6 +145,20 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
             o.mem(f"{name}.weight_cast.recompute", comp, "backward", n * o.p, n * c, L)
         if cfg.qkv_bias:  # autocast casts qkv's bias with its weight
             o.mem("attention.qkv.bias_cast.recompute", "attention", "backward", D * o.p, D * c, L)
+
+
+def lean_kernels(o: Ops) -> None:
+    """In the lean block the matmuls are lean (anatomy/kernels/lean.py): under autocast each one's
+    backward casts its fp32 weight to bf16 again (the forward's cast is not kept), and the MLP's backward
+    runs SwiGLU's forward again to make h, down's input, from gate_up before down's weight gradient."""
+    cfg, run, c, r = o.cfg, o.run, o.c, o.r
+    T, H, L, I, D = run.tokens, cfg.hidden, cfg.layers, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim
+    if o.amp:
+        for name, comp, n in (("attention.qkv", "attention", D * H), ("attention.o", "attention", H * H),
+                              ("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)):
+            o.mem(f"{name}.weight_recast", comp, "backward", n * o.p, n * c, L)
+    sw = ("swiglu.forward", I)
+    o.mem("mlp.swiglu.remake", "mlp", "backward", *fused_bytes(*sw, T, c, r), L, host=sw[0], fused=(*sw, T))
 
 
 def anatomy_loss(o: Ops) -> None:

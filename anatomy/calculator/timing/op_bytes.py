@@ -29,6 +29,10 @@ _FUSED = {
     "rms_norm.forward": lambda T, W, c, r: (T * W * r, T * W * c),  # x in, y out (compute dtype)
     # dy, x in; dx out (the dw partials: dw_sum_bytes)
     "rms_norm.backward": lambda T, W, c, r: (T * W * (c + r), T * W * r),
+    # add_rms_norm (kernels/add_rms_norm.py): x (r) and the branch (c) in; x_new (r) and y (c) out
+    "add_rms_norm.forward": lambda T, W, c, r: (T * W * (r + c), T * W * (r + c)),
+    # d_x_new (r), dy (c), x_new (r) in; d_x (r) and d_branch (c) out (the dw partials: dw_sum_bytes)
+    "add_rms_norm.backward": lambda T, W, c, r: (T * W * (2 * r + c), T * W * (r + c)),
     "swiglu.forward": lambda T, W, c, r: (T * 2 * W * c, T * W * c),  # gate_up in, h out
     # dh, gate_up in; d(gate_up) written in place
     "swiglu.backward": lambda T, W, c, r: (T * W * c + T * 2 * W * c, T * 2 * W * c),

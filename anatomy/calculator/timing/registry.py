@@ -11,7 +11,7 @@ fraction of the copy bandwidth (Profile.hbm_Bps) the op reaches at the width and
 piecewise linear in log(width) at each calibrated row count, then in log(rows) between them, flat beyond
 the calibrated range; 1.0 (the copy roofline) where the profile has no rows for the op (a datasheet).
 
-Op names follow the components: rms_norm, swiglu, rope_qkv, linear_ce (impl liger), linear_ce.anatomy (ours),
+Op names follow the components: rms_norm, add_rms_norm, swiglu, rope_qkv, linear_ce (impl liger), linear_ce.anatomy (ours),
 residual_add, embedding.backward, optimizer.<name>, and the baseline's eager chains (eager_norm, eager_mlp, ...).
 """
 from __future__ import annotations
@@ -48,12 +48,21 @@ def _rms_norm_backward_bytes(width: int, tokens: int) -> int:
     return sum(fused_bytes("rms_norm.backward", width, tokens)) + sum(dw_sum_bytes(width, tokens))
 
 
+def _add_rms_norm_backward_bytes(width: int, tokens: int) -> int:
+    """As rms_norm's backward: the row pass (with d_x_new), and the dw partials' sum."""
+    return sum(fused_bytes("add_rms_norm.backward", width, tokens)) + sum(dw_sum_bytes(width, tokens))
+
+
 _OURS = ("rms_norm.forward", "swiglu.forward", "swiglu.backward", "rope_qkv.forward", "rope_qkv.backward")
 _ATEN = ("residual_add", "sxs.scale", "sxs.mask_add", "sxs.float", "sxs.to_compute", "sxs.softmax",
          "sxs.softmax.backward", *EAGER_CHAINS)
 OPS: dict[str, Op] = {o.name: o for o in (
     *(Op(n, n) for n in _OURS),
     Op("rms_norm.backward", "rms_norm.backward", nbytes=_rms_norm_backward_bytes, launches=lambda w, t: 2),
+    # the residual add + RMSNorm (anatomy::add_rms_norm): the copy roofline until calibrate times it
+    Op("add_rms_norm.forward", "add_rms_norm.forward"),
+    Op("add_rms_norm.backward", "add_rms_norm.backward", nbytes=_add_rms_norm_backward_bytes,
+       launches=lambda w, t: 2),
     *(Op(n, n, "aten") for n in _ATEN if n not in EAGER_CHAINS),
     # the baseline's eager chains: each timed as a whole, one launch per op of the chain
     *(Op(n, n, "aten", launches=lambda w, t, n=n: len(EAGER_CHAINS[n](t, w))) for n in EAGER_CHAINS),

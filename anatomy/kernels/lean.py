@@ -1,0 +1,139 @@
+"""Matmuls that keep the fp32 weight, not its bf16 cast, for backward; SwiGLU + down that keeps only gate_up.
+
+Why. Under autocast nn.Linear's fp32 weight is cast to bf16 by autocast, which caches the cast for
+the region, and the matmul's autograd node saves it: an (out, in) bf16 copy of every weight lives
+from forward to backward. `linear` casts the weight itself, outside autocast's cache, multiplies,
+and lets the cast go; its node saves the input and the fp32 parameter (resident anyway, so no new
+storage), and backward casts the weight again. The cast is deterministic: bitwise the forward's.
+
+`swiglu_down` is h = swiglu(gate_up) followed by down's matmul, in one node that saves gate_up and
+down's fp32 weight: not h, the (T, I) activation that down's matmul would keep. Backward makes h
+again from gate_up with the forward's kernel (bitwise the same h), multiplies, and runs the packed
+SwiGLU backward, which writes d(gate_up) into gate_up's storage (anatomy.kernels.swiglu).
+
+Neither adds a GEMM or changes a number: every aten call is the one nn.Linear's autograd makes
+(mm / addmm forward; dW = dYᵀ X and dX = dY W_c in backward; a bias's gradient the column sum of dY),
+on the same operands. The cost is one more read of the fp32 weight and write of its cast per matmul
+in backward, and one SwiGLU forward pass in the MLP's backward.
+
+Gradient order, kept from nn.Linear: the weight's bf16 gradient leaves the node as the gradient of
+the cast (an autograd ToCopy node made in forward, w.to(bf16)), whose backward makes the fp32
+gradient after this node has released what it saved, as nn.Linear's does. The node takes the fp32
+weight as a further input only to save it (its gradient there is None).
+
+Where a checkpoint re-runs the region (Run.recompute), the efficient model keeps nn.Linear: a
+checkpoint's early stop halts a re-run when the last saved tensor is packed, which for an
+autograd.Function is after its forward, so the last matmul of the region would run twice.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from anatomy.kernels._dispatch import autocast_dtype, autocast_floating, fast_path, no_autocast
+from anatomy.kernels.swiglu import _eager, _packed_forward, _swiglu_packed_op, packed_grad, swiglu_packed
+
+
+def _off(t: Tensor):
+    """Autocast off for t's device type: the forward and backward ops run on explicit dtypes."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
+def _2d(t: Tensor) -> Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _RecastLinear(torch.autograd.Function):
+    """y = x w_cᵀ (+ b_c). Inputs: x (..., in) in the compute dtype, w_c = w.to(compute) (autograd's cast
+    node), w the fp32 parameter (saved, not differentiated here), b_c the cast bias or None."""
+
+    @staticmethod
+    def forward(ctx, x, w_c, w, b_c):
+        with _off(x):
+            y = F.linear(x, w_c, b_c)  # (..., out): mm, or addmm with the bias, as nn.Linear
+        ctx.save_for_backward(x, w)  # the input and the fp32 parameter: no (out, in) cast is kept
+        ctx.dtype, ctx.bias = w_c.dtype, b_c is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dy2 = _2d(dy)  # (T, out), a view
+        with _off(dy):  # MmBackward's two products on the same operands: dW = dYᵀ X, dX = dY W_c
+            dw = dy2.t().mm(_2d(x))  # (out, in), before the cast exists
+            w_c = w.to(ctx.dtype)  # (out, in): the forward's cast, made again
+            dx = dy2.mm(w_c)  # (T, in)
+            del w_c
+            db = dy2.sum(0, keepdim=True).view(-1) if ctx.bias else None  # addmm's bias gradient, as autograd sums it
+        return dx.view(x.shape), dw, None, db
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear(x, weight, bias) with the same numbers; under autocast, with an fp32 weight that needs a
+    gradient, the weight's bf16 cast is not kept for backward (module docstring). x: (..., in)."""
+    dt = autocast_dtype(x)
+    if dt is None or weight.dtype == dt or not torch.is_grad_enabled() or not weight.requires_grad:
+        return F.linear(x, weight, bias)
+    x = autocast_floating(x, x.device.type, dt)
+    with _off(x):  # explicit casts: autocast would cache the weight's for the region
+        w_c = weight.to(dt)
+        b_c = bias.to(dt) if bias is not None else None
+    return _RecastLinear.apply(x, w_c, weight, b_c)
+
+
+def _swiglu(gate_up: Tensor, variant: str) -> Tensor:
+    """The packed SwiGLU forward, through the op unless the fast path holds (as swiglu_packed picks)."""
+    if fast_path(gate_up):
+        with no_autocast(gate_up):
+            return _packed_forward(gate_up, variant)
+    return _swiglu_packed_op(gate_up, variant)
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """y = swiglu(gate_up) w_cᵀ. Inputs: gate_up (..., 2I) in the compute dtype, w_c the down weight in the
+    compute dtype (its cast under autocast, else the parameter), w the parameter, variant, inplace_backward."""
+
+    @staticmethod
+    def forward(ctx, gate_up, w_c, w, variant, inplace_backward):
+        h = _swiglu(gate_up, variant)  # (..., I): not kept
+        with _off(gate_up):
+            y = F.linear(h, w_c)  # (..., H)
+        ctx.save_for_backward(gate_up, w)  # gate_up: SwiGLU's input; h is made again from it
+        ctx.variant, ctx.dtype = variant, w_c.dtype
+        ctx.inplace = (inplace_backward and not torch.compiler.is_compiling() and _eager(gate_up)
+                       and gate_up.grad_fn is not None)  # as swiglu_packed decides
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        gate_up, w = ctx.saved_tensors
+        dy2 = _2d(dy)  # (T, H)
+        h = _swiglu(gate_up, ctx.variant)  # (..., I), bitwise the forward's
+        with _off(dy):
+            dw = dy2.t().mm(_2d(h))  # (H, I)
+            del h  # before the cast and d(h) exist
+            w_c = w.to(ctx.dtype)  # (H, I): the forward's cast, made again
+            dh = dy2.mm(w_c)  # (T, I)
+            del w_c
+        # the packed SwiGLU backward: d(gate_up) written into gate_up's storage where that is safe
+        dgu = packed_grad(dh.view(*gate_up.shape[:-1], -1), gate_up, ctx.variant, ctx.inplace)
+        return dgu, dw, None, None, None  # dw: the cast's gradient (its ToCopy node makes the fp32 one), or w's
+
+
+def swiglu_down(gate_up: Tensor, weight: Tensor, variant: str = "swiglu", inplace_backward: bool = True) -> Tensor:
+    """swiglu_packed(gate_up, variant) @ weightᵀ, saving gate_up and the parameter only: h (..., I) is made
+    again in backward. gate_up (..., 2I), weight (H, I) -> (..., H)."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_down: the last dim ({gate_up.shape[-1]}) must be 2 x intermediate")
+    if not torch.is_grad_enabled() or not (gate_up.requires_grad or weight.requires_grad):
+        return F.linear(swiglu_packed(gate_up, variant), weight)
+    dt = autocast_dtype(gate_up)
+    if dt is not None:
+        gate_up = autocast_floating(gate_up, gate_up.device.type, dt)
+    w_c = weight
+    if dt is not None and weight.dtype != dt:
+        with _off(gate_up):
+            w_c = weight.to(dt)  # explicit: autocast would cache it for the region
+    return _SwiGLUDown.apply(gate_up, w_c, weight, variant, inplace_backward)
+
