@@ -16,6 +16,10 @@ model's own parameter list (fp32 master weights, random gradients, after three s
   first_kernel_ms the profiler's time from the step's start on the host to its first kernel's start on the GPU,
                   from a drained GPU (median over --reps profiled steps): the wait the model charges;
   tail_ms         the profiler's time from the last kernel's end to the step's end on the host;
+  scalars_busy_ms the step's scalars' copy to the GPU (FusedAdEMAMix._scalars: pageable memory, non_blocking)
+                  timed on the host while the GPU is busy: about the spin's length if the driver syncs the
+                  stream before staging it (CUDA documents that it may), which in training would make the
+                  step wait for backward to drain;
   one_element     calibrate's own measurement at 8, 32, 128 and the model's tensor count, and its fit.
 
 wall - gpu is what the claim's measurement exposes of the host; first_kernel + tail is where that exposure
@@ -76,6 +80,15 @@ def measure(config: str, reps: int) -> dict:
         torch.cuda.synchronize()
         gpu.append(a.elapsed_time(b) / 1e3)
 
+    scalars = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        t0 = time.perf_counter()
+        opt._scalars(opt.param_groups[0], 1, torch.float32, torch.device("cuda"))
+        scalars.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+
     first, tail = [], []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -95,9 +108,9 @@ def measure(config: str, reps: int) -> dict:
     one = measure_optimizer_host(counts=(8, 32, 128, tensors))
     fit = optimizer_host_fit([r for r in one["rows"] if r["tensors"] != tensors])
     return dict(config=config, tensors=tensors, reps=reps, wall_ms=_median_ms(wall), gpu_ms=_median_ms(gpu),
-                host_busy_ms=_median_ms(busy), first_kernel_ms=_median_ms(first) if first else None,
-                tail_ms=_median_ms(tail) if tail else None, one_element=one,
-                one_element_fit_ms_at_tensors=(fit["call_s"] + fit["tensor_s"] * tensors) * 1e3)
+                host_busy_ms=_median_ms(busy), scalars_busy_ms=_median_ms(scalars),
+                first_kernel_ms=_median_ms(first) if first else None, tail_ms=_median_ms(tail) if tail else None,
+                one_element=one, one_element_fit_ms_at_tensors=(fit["call_s"] + fit["tensor_s"] * tensors) * 1e3)
 
 
 def main(argv=None) -> int:
