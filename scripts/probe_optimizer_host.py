@@ -16,10 +16,10 @@ model's own parameter list (fp32 master weights, random gradients, after three s
   first_kernel_ms the profiler's time from the step's start on the host to its first kernel's start on the GPU,
                   from a drained GPU (median over --reps profiled steps): the wait the model charges;
   tail_ms         the profiler's time from the last kernel's end to the step's end on the host;
-  scalars_busy_ms the step's scalars' copy to the GPU (FusedAdEMAMix._scalars: pageable memory, non_blocking)
-                  timed on the host while the GPU is busy: about the spin's length if the driver syncs the
-                  stream before staging it (CUDA documents that it may), which in training would make the
-                  step wait for backward to drain;
+  scalars_busy_ms the step's scalars' copy to the GPU (FusedAdEMAMix._scalars: from pinned memory) timed on
+                  the host while the GPU is busy; scalars_pageable_busy_ms the same copy from pageable memory,
+                  as the step made it before: about the spin's length where the driver syncs the stream before
+                  staging it (CUDA documents that it may), which in training makes the step wait for backward;
   one_element     calibrate's own measurement at 8, 32, 128 and the model's tensor count, and its fit.
 
 wall - gpu is what the claim's measurement exposes of the host; first_kernel + tail is where that exposure
@@ -80,14 +80,16 @@ def measure(config: str, reps: int) -> dict:
         torch.cuda.synchronize()
         gpu.append(a.elapsed_time(b) / 1e3)
 
-    scalars = []
+    scalars, pageable = [], []
     for _ in range(reps):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)
-        t0 = time.perf_counter()
-        opt._scalars(opt.param_groups[0], 1, torch.float32, torch.device("cuda"))
-        scalars.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
+        for out, copy in ((scalars, lambda: opt._scalars(opt.param_groups[0], 1, torch.float32, torch.device("cuda"))),
+                          (pageable, lambda: torch.tensor([0.9] * 8).to("cuda", non_blocking=True))):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(200_000_000)
+            t0 = time.perf_counter()
+            copy()
+            out.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
 
     first, tail = [], []
     for _ in range(reps):
@@ -109,6 +111,7 @@ def measure(config: str, reps: int) -> dict:
     fit = optimizer_host_fit([r for r in one["rows"] if r["tensors"] != tensors])
     return dict(config=config, tensors=tensors, reps=reps, wall_ms=_median_ms(wall), gpu_ms=_median_ms(gpu),
                 host_busy_ms=_median_ms(busy), scalars_busy_ms=_median_ms(scalars),
+                scalars_pageable_busy_ms=_median_ms(pageable),
                 first_kernel_ms=_median_ms(first) if first else None, tail_ms=_median_ms(tail) if tail else None,
                 one_element=one, one_element_fit_ms_at_tensors=(fit["call_s"] + fit["tensor_s"] * tensors) * 1e3)
 

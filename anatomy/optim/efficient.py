@@ -102,7 +102,11 @@ class FusedAdEMAMix(AdEMAMixBase):
     @staticmethod
     def _scalars(group: dict, t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         host = torch.tensor(step_scalars(group, t), dtype=torch.float64).to(dtype)
-        # pageable -> device with non_blocking: the driver stages it and returns, no stream sync
+        if device.type == "cuda":
+            # pinned (torch's caching host allocator, which keeps the block until the copy has run): the copy is
+            # then asynchronous; from pageable memory CUDA may sync the stream first, so the step would wait for
+            # backward to drain before its call's host work even starts
+            host = host.pin_memory()
         return host.to(device, non_blocking=True)
 
     def _update(self, group, params) -> None:
