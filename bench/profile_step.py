@@ -1,6 +1,7 @@
 """Where one training step's GPU time goes: torch.profiler over a few steps of one peer.
 
 python3 bench/profile_step.py --peer efficient --preset seed --batch 16 --seq 4096 --json OUT.json [--trace T.json.gz]
+                              [--lean]
 
 Writes, per step: wall time (CUDA events), GPU busy time (the union of kernel intervals, so that idle
 gaps where the GPU waits for the host show up as wall - busy), and every kernel name with its count
@@ -54,16 +55,19 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--json", required=True)
     p.add_argument("--trace")
+    p.add_argument("--lean", action="store_true", help="the efficient peer's lean block (Run.lean), as bench/step.py")
     a = p.parse_args(argv)
+    if a.lean and not a.peer.startswith("efficient"):
+        p.error(f"--lean applies to the efficient peers, not {a.peer}")
     if not torch.cuda.is_available():
         print("profile_step: no CUDA device", file=sys.stderr)
         return 2
     try:
-        cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp")
+        cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp", lean=a.lean)
     except ConfigError as e:
         p.error(str(e))  # one line, exit 2
     torch.manual_seed(0)
-    model, step = build(a.peer, cfg)
+    model, step = build(a.peer, cfg, lean=run.lean)
     ids = torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda")
 
     def one():
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
     fams = defaultdict(float)
     for r in rows:
         fams[r["family"]] += r["ms"]
-    res = dict(peer=a.peer, preset=a.preset, batch=run.batch, seq=run.seq, steps=a.steps, wall_ms=walls,
+    res = dict(peer=a.peer + ("-lean" if run.lean else ""), preset=a.preset, batch=run.batch, seq=run.seq, steps=a.steps, wall_ms=walls,
                gpu_busy_ms=busy_ms, kernel_ms=sum(r["ms"] for r in rows), kernels_per_step=len(kernels) / a.steps,
                families=dict(sorted(fams.items(), key=lambda kv: -kv[1])), kernels=rows,
                gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,

@@ -68,6 +68,12 @@ if [ -n "${ONLY:-}" ]; then
       python3 bench/step.py --peer $peer --preset $1 --batch $2 --seq $3 \
         --json "$0/step-$1-$(echo $peer | tr -d " " | sed "s/--/-/").json" || true
     done; done' "$R"
+  # where the efficient step's GPU time goes at the two real configs, plain and lean (issue 26's speed goals)
+  part profile-real 240 bash -c 'for c in "tinyllama-1.1b 8 2048" "llama3.2-1b 4 4096"; do set -- $c
+    for lean in "" "--lean"; do
+      python3 bench/profile_step.py --peer efficient $lean --preset $1 --batch $2 --seq $3 \
+        --json "$0/profile-$1-efficient${lean:+-lean}.json" || true
+    done; done' "$R"
   # the compiled AdEMAMix step: how long the GPU waits for its call (issue 25's one failed claim; docs/timing.md)
   part optimizer-host 200 python3 scripts/probe_optimizer_host.py --json "$R/optimizer-host.json"
   # the fused CE's parts, with backward's scale kernel and the row kernel at each block width (issue 26)

@@ -1,7 +1,9 @@
 """The `anatomy` command: documented JSON keys, one-line errors with exit code 2, never a traceback."""
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -277,3 +279,14 @@ def test_world_size_text_is_lines_not_json(capsys):
     assert rc == 0 and "ddp on 8 ranks, rank 0:" in text and "per-rank memory at the step's peak" in text
     assert "collectives per step" in text and "ms exposed" in text
     assert '"collectives"' not in out and "{" not in out
+
+
+@pytest.mark.parametrize("script", ["bench/step.py", "bench/profile_step.py"])
+def test_bench_lean_is_refused_for_other_peers(script, tmp_path):
+    """--lean is the efficient peers' block: for any other peer the bench scripts refuse it, exit 2, before
+    touching a GPU."""
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / script), "--peer", "hf-liger", "--lean", "--json",
+                        str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(root)))
+    assert r.returncode == 2 and "--lean applies to the efficient peers, not hf-liger" in r.stderr.splitlines()[-1]
