@@ -40,8 +40,7 @@ from torch import Tensor
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from anatomy.kernels._dispatch import (autocast_floating, check_launchable, cpu_uses_triton, jit, launches_triton,
-                                       num_warps,
-                                       register_autocast_rule, tl, triton)
+                                       num_warps, register_autocast_rule, tl, triton)
 from anatomy.kernels.linear_ce_chunks import chunk_rows
 
 IGNORE_INDEX = -100
