@@ -27,7 +27,7 @@ from torch import Tensor
 
 from anatomy.kernels._dispatch import (autocast_dtype, check_launchable, fast_path, jit, launches_triton, no_autocast,
                                        register_autocast_rule, rows, tl, triton)
-from anatomy.kernels.rms_norm import (_block, _bwd_tile, _fwd_tile, _sum_block, _sum_partials_kernel,
+from anatomy.kernels.rms_norm import (_block, _bwd_tile, _fwd_tile, _row_grads, _sum_block, _sum_partials_kernel,
                                       backward_programs, rms_norm_backward_reference, rms_norm_reference)
 
 
@@ -66,10 +66,7 @@ def _add_rms_norm_bwd_kernel(DXN, DY, XN, W, DX, DB, DW, stride_dxn, stride_dy, 
         m = (j < rows_per_program) & (rws < M) & (cols < N)
         x = tl.load(XN + rws * stride_xn + cols, mask=m, other=0.0).to(tl.float32)
         dy = tl.load(DY + rws * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)[:, None]
-        xhat = x * rstd
-        g = dy * w
-        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
+        dx, dw_rows = _row_grads(x, dy, w, N, eps)
         dx = dx.to(DX.dtype.element_ty).to(tl.float32)
         if HAS_DXN:
             dxn = tl.load(DXN + rws * stride_dxn + cols, mask=m, other=0.0).to(tl.float32)
@@ -81,7 +78,7 @@ def _add_rms_norm_bwd_kernel(DXN, DY, XN, W, DX, DB, DW, stride_dxn, stride_dy, 
         dx = dx.to(DX.dtype.element_ty)
         tl.store(DX + rws * stride_dx + cols, dx, mask=m)
         tl.store(DB + rws * stride_db + cols, dx.to(DB.dtype.element_ty), mask=m)
-        dw += dy * xhat
+        dw += dw_rows
     c1 = tl.arange(0, BLOCK_N)
     tl.store(DW + pid * N + c1, tl.sum(dw, axis=0), mask=c1 < N)
 

@@ -46,6 +46,16 @@ def _rms_norm_fwd_kernel(X, W, Y, stride_x, stride_y, M, N, eps, BLOCK_M: tl.con
 
 
 @jit
+def _row_grads(x, dy, w, N, eps):
+    # one tile of rows (fp32): dx, and the rows' dweight terms dy * xhat; add_rms_norm's backward shares it
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)[:, None]  # recomputed: rstd is not saved
+    xhat = x * rstd
+    g = dy * w  # d loss / d xhat
+    # d/dx of xhat = x*rstd(x): rstd * (g - xhat * mean(g * xhat))
+    return rstd * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None]), dy * xhat
+
+
+@jit
 def _rms_norm_bwd_kernel(DY, X, W, DX, DW, stride_dy, stride_x, stride_dx, M, N, eps, rows_per_program,
                          NUM_STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Each program owns `rows_per_program` consecutive rows, walks them BLOCK_M rows at a time
@@ -64,13 +74,9 @@ def _rms_norm_bwd_kernel(DY, X, W, DX, DW, stride_dy, stride_x, stride_dx, M, N,
         m = (j < rows_per_program) & (rws < M) & (cols < N)
         x = tl.load(X + rws * stride_x + cols, mask=m, other=0.0).to(tl.float32)
         dy = tl.load(DY + rws * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)[:, None]  # recomputed: rstd is not saved
-        xhat = x * rstd
-        g = dy * w  # d loss / d xhat
-        # d/dx of xhat = x*rstd(x): rstd * (g - xhat * mean(g * xhat))
-        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
+        dx, dw_rows = _row_grads(x, dy, w, N, eps)
         tl.store(DX + rws * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=m)
-        dw += dy * xhat
+        dw += dw_rows
     c1 = tl.arange(0, BLOCK_N)
     tl.store(DW + pid * N + c1, tl.sum(dw, axis=0), mask=c1 < N)
 
