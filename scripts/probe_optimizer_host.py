@@ -3,10 +3,10 @@
     PYTHONPATH=. python3 scripts/probe_optimizer_host.py [--config anchor-1b] [--reps 10] [--json OUT]
 
 The GPU suite's `optimizer step time` claim (validations/test_optim_kernels.py) times one compiled step from
-a drained GPU to a drained GPU and predicts it as the step's GPU time plus the call's host time, in series; the
-host time is calibrate's fit over one-element tensors (calibrate_host.measure_optimizer_host). Over three
-fresh H200s that fit did not predict the wait (docs/timing.md). This probe measures, in one process, on the
-model's own parameter list (fp32 master weights, random gradients, after three steps that compile it):
+a drained GPU to a drained GPU and predicts it as the step's GPU time plus the host time before its first
+kernel, in series; calibrate measures that host time as the step's wall less its kernels' GPU time over
+synthetic lists (calibrate_host.measure_optimizer_host). This probe measures, in one process, on the model's
+own parameter list (fp32 master weights, random gradients, after three steps that compile it):
 
   wall_ms         the step host sync to host sync, as the claim times it (median of --reps);
   gpu_ms          the step's kernels alone: queued behind a spin long enough to hide the host, between CUDA
@@ -20,10 +20,13 @@ model's own parameter list (fp32 master weights, random gradients, after three s
                   the host while the GPU is busy; scalars_pageable_busy_ms the same copy from pageable memory,
                   as the step made it before: about the spin's length where the driver syncs the stream before
                   staging it (CUDA documents that it may), which in training makes the step wait for backward;
-  one_element     calibrate's own measurement at 8, 32, 128 and the model's tensor count, and its fit.
+  one_element     calibrate's measurement at 8, 32, 128 and the model's tensor count over one-element tensors
+                  (there the GPU waits for every launch too: the whole call's host time), and its fit;
+  exposed         the same over calibrate's tensors (OPTIMIZER_HOST_NUMEL elements each), and its fit.
 
 wall - gpu is what the claim's measurement exposes of the host; first_kernel + tail is where that exposure
-comes from, host_busy and the one-element fit are the two candidate models of it. Exit 2 without a GPU.
+comes from (the profiler slows the host, so first_kernel reads high); host_busy, the one-element fit and the
+exposed fit are the candidate models of it. Exit 2 without a GPU.
 """
 from __future__ import annotations
 
@@ -107,13 +110,17 @@ def measure(config: str, reps: int) -> dict:
         tail.append(max(0.0, step.time_range.end - max(k.time_range.end for k in kernels)) / 1e6)
 
     tensors = len(params)
-    one = measure_optimizer_host(counts=(8, 32, 128, tensors))
-    fit = optimizer_host_fit([r for r in one["rows"] if r["tensors"] != tensors])
-    return dict(config=config, tensors=tensors, reps=reps, wall_ms=_median_ms(wall), gpu_ms=_median_ms(gpu),
-                host_busy_ms=_median_ms(busy), scalars_busy_ms=_median_ms(scalars),
-                scalars_pageable_busy_ms=_median_ms(pageable),
-                first_kernel_ms=_median_ms(first) if first else None, tail_ms=_median_ms(tail) if tail else None,
-                one_element=one, one_element_fit_ms_at_tensors=(fit["call_s"] + fit["tensor_s"] * tensors) * 1e3)
+    del opt, params
+    out = dict(config=config, tensors=tensors, reps=reps, wall_ms=_median_ms(wall), gpu_ms=_median_ms(gpu),
+               host_busy_ms=_median_ms(busy), scalars_busy_ms=_median_ms(scalars),
+               scalars_pageable_busy_ms=_median_ms(pageable),
+               first_kernel_ms=_median_ms(first) if first else None, tail_ms=_median_ms(tail) if tail else None)
+    for name, numel in (("one_element", 1), ("exposed", None)):
+        rows = measure_optimizer_host(counts=(8, 32, 128, tensors), numel=numel)
+        fit = optimizer_host_fit([r for r in rows["rows"] if r["tensors"] != tensors])
+        out[name] = rows
+        out[f"{name}_fit_ms_at_tensors"] = (fit["call_s"] + fit["tensor_s"] * tensors) * 1e3
+    return out
 
 
 def main(argv=None) -> int:

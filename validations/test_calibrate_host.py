@@ -166,6 +166,22 @@ def test_optimizer_host_times_the_step_at_each_tensor_count(monkeypatch):
                                                  make=lambda ps: _FakeStep(clock, ps)) == dict(rows=[])
 
 
+def test_optimizer_host_subtracts_the_steps_gpu_time(monkeypatch):
+    """What the row keeps is the host time the GPU waited for: the wall time less the step's GPU time (a fake
+    clock, a fake step and a fake GPU timer here, not a measurement)."""
+    clock, gpu = _FakeClock(), 40.0
+
+    def gpu_us(step):  # the GPU timer steps too (it times a step), off the host clock's wall samples
+        step()
+        return gpu
+    monkeypatch.setattr(calibrate_host, "time", types.SimpleNamespace(perf_counter=clock, monotonic=clock))
+    got = calibrate_host.measure_optimizer_host(counts=(4, 16), reps=5, device="cpu", numel=3, gpu_us=gpu_us,
+                                                make=lambda ps: _FakeStep(clock, ps))
+    assert [(r["tensors"], r["numel"]) for r in got["rows"]] == [(4, 3), (16, 3)]
+    assert [r["us"] for r in got["rows"]] == pytest.approx([CALL_US + TENSOR_US * n - gpu for n in (4, 16)])
+    assert [r["wall_us"] - r["gpu_us"] for r in got["rows"]] == pytest.approx([r["us"] for r in got["rows"]])
+
+
 def test_optimizer_host_runs_a_real_step_on_cpu():
     """The same function over real parameters and AdEMAMix's eager foreach step (compile=False: the compiled one
     spends ~30 s compiling C++ per count here): a row per count, each a time > 0, and every parameter stepped."""

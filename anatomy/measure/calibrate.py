@@ -28,8 +28,9 @@ timing reuses one L2-resident input):
   host_op_us, host_custom_us, host_step   the host's side (calibrate_host.py): CPU time per eager op,
                   per call of our custom ops and of Liger's fused linear CE (per call and per chunk),
                   and a tiny host-bound training step of each variant timed as the probe times steps
-  optimizer_host  the compiled AdEMAMix step's host time at 8, 32 and 128 one-element tensors
-                  (calibrate_host.measure_optimizer_host; each count compiles, tens of seconds)
+  optimizer_host  the host time the compiled AdEMAMix step exposes (wall less its kernels' GPU time) at 8,
+                  32 and 128 tensors (calibrate_host.measure_optimizer_host; each count compiles, tens of
+                  seconds)
   matmul_bf16_in_step  the same GEMM grid as a step runs it: each call after a copy that writes its
                   activation operand, GPU time only (calibrate_kernels.py says why); the profile
                   fits its GEMM rate to these when present

@@ -8,11 +8,11 @@
                   timed as scripts/probe_timing.py times its unmarked steps (timeline._plain_steps: CUDA
                   events around forward + backward, AdamW between steps): what an op costs the host
                   inside a model.
-  optimizer_host  the compiled AdEMAMix step (FusedAdEMAMix(compile=True)) over 1-element parameters at
-                  several tensor counts, host sync to host sync: with the GPU work negligible, the host's
-                  time of the call (the step's Python per parameter, Dynamo's guards over every tensor
-                  argument, AOTAutograd's and Inductor's wrappers, the launches). The calculator fits
-                  call + tensor x n to it (timing/fit.py: optimizer_host_fit).
+  optimizer_host  the compiled AdEMAMix step (FusedAdEMAMix(compile=True)) at several tensor counts, host
+                  sync to host sync less its kernels' GPU time: the host time the GPU waits for, before the
+                  step's first kernel (the step's Python per parameter, Dynamo's guards over every tensor
+                  argument, AOTAutograd's and Inductor's wrappers). The calculator fits call + tensor x n to
+                  it (timing/fit.py: optimizer_host_fit).
 
 Why Liger's loop is measured in place: its per-chunk Python (slices, an autocast matmul, a Triton
 launch with 25 keyword arguments, two more matmuls and a copy) cost 137-170 µs a chunk on the H200
@@ -242,6 +242,9 @@ def liger_from_blocks(pairs: list[tuple[float, dict]], step_ms: float) -> dict:
 
 # tensor counts of the compiled optimizer step's host time: around a real model's list (anchor-1b: 99 tensors)
 OPTIMIZER_HOST_TENSORS = (8, 32, 128)
+# elements per tensor there, on a GPU: 36 B each per step is ~36 µs of kernel per tensor on an H200, longer than
+# a launch, so the GPU never waits for the launches after the first kernel (128 tensors: 10.7 GB of state)
+OPTIMIZER_HOST_NUMEL = 1 << 22
 
 
 def compiled_ademamix(params):
@@ -251,35 +254,64 @@ def compiled_ademamix(params):
     return FusedAdEMAMix(params, lr=1e-4, weight_decay=0.1, T_alpha_beta3=10_000, compile=True)
 
 
-def measure_optimizer_host(counts: tuple[int, ...] = OPTIMIZER_HOST_TENSORS, reps: int = 30, warmup: int = 3,
-                           device: str = "cuda", make=compiled_ademamix, deadline: float | None = None) -> dict:
-    """{"rows": [{tensors, us, p10_us, p90_us}]}: one optimizer step (`make(params)`) over `tensors` parameters
-    of one element each, with gradients, timed on the host clock from a drained GPU until the GPU has
-    drained again (as validations/test_optim_kernels.py times the step). The GPU's work is a few tiny
-    kernels, so the time is the host's. Each count compiles its own graph (torch._dynamo.reset() first:
-    one cache entry, as a training process has). Counts past `deadline` (time.monotonic()) are left out."""
+def _queued_gpu_us(step) -> float:
+    """GPU µs of one step(), enqueued behind a spin that outlasts its host time (CUDA events)."""
     import torch
 
+    from anatomy.measure.calibrate_kernels import SLEEP_CYCLES
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    a.record()
+    step()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3
+
+
+def measure_optimizer_host(counts: tuple[int, ...] = OPTIMIZER_HOST_TENSORS, reps: int = 30, warmup: int = 3,
+                           device: str = "cuda", make=compiled_ademamix, deadline: float | None = None,
+                           numel: int | None = None, gpu_us=None) -> dict:
+    """{"rows": [{tensors, numel, us, p10_us, p90_us, wall_us, gpu_us}]}: the host time one optimizer step
+    (`make(params)`) exposes over `tensors` parameters of `numel` elements each. wall_us: the step on the host
+    clock from a drained GPU until the GPU has drained again, as validations/test_optim_kernels.py times it;
+    gpu_us: its kernels alone (`gpu_us(step)`; on CUDA by default queued behind a spin, on CPU none); us =
+    wall - gpu (medians; p10/p90 of wall less the gpu median). What is left is what the GPU waited for: the
+    host's time before the step's first kernel (its Python per parameter, Dynamo's guards, AOTAutograd's and
+    Inductor's wrappers). At OPTIMIZER_HOST_NUMEL elements each kernel outlasts the next launch, so the later
+    launches run beside the GPU's work, as they do over a model's tensors; at 1 element the GPU also waits
+    for every launch, and the figure is the whole call's, as it is on CPU (numel 1, no GPU time). Each count
+    compiles its own graph (torch._dynamo.reset() first: one cache entry, as a training process has). Counts
+    past `deadline` (time.monotonic()) are left out."""
+    import torch
+
+    numel = numel or (OPTIMIZER_HOST_NUMEL if device == "cuda" else 1)
+    gpu_us = gpu_us or (_queued_gpu_us if device == "cuda" else None)
     rows = []
     for n in counts:
         if deadline is not None and time.monotonic() > deadline:
             break
         torch._dynamo.reset()
-        params = [torch.nn.Parameter(torch.zeros(1, device=device)) for _ in range(n)]  # a model's, as guarded
+        params = [torch.nn.Parameter(torch.zeros(numel, device=device)) for _ in range(n)]  # a model's, as guarded
         for p in params:
-            p.grad = torch.ones_like(p)
+            p.grad = torch.randn_like(p) if numel > 1 else torch.ones_like(p)  # never step on zeros
         opt = make(params)
         for _ in range(warmup):  # the state, and the compile
             opt.step()
-        ts = []
+        walls, gpus = [], []
         for _ in range(reps):
             _sync(device)
             t0 = time.perf_counter()
             opt.step()
             _sync(device)
-            ts.append((time.perf_counter() - t0) * 1e6)
-        ts.sort()
-        rows.append(dict(tensors=n, us=statistics.median(ts), p10_us=ts[len(ts) // 10], p90_us=ts[9 * len(ts) // 10]))
+            walls.append((time.perf_counter() - t0) * 1e6)
+            if gpu_us is not None:
+                gpus.append(gpu_us(opt.step))
+        gpu = statistics.median(gpus) if gpus else 0.0
+        ts = sorted(w - gpu for w in walls)
+        rows.append(dict(tensors=n, numel=numel, us=statistics.median(ts), p10_us=ts[len(ts) // 10],
+                         p90_us=ts[9 * len(ts) // 10], wall_us=statistics.median(walls), gpu_us=gpu))
         del opt, params
     torch._dynamo.reset()
     return dict(rows=rows)

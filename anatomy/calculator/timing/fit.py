@@ -176,8 +176,9 @@ def from_measured(data: dict) -> Profile:
         if f["tensor_s"] > 0:  # a slope <= 0 says the host's time did not follow the list: today's model stays
             p["optimizer_host"] = dict(p["optimizer_host"], **{impl: f})
             p["sources"]["optimizer_host"] = (
-                f"{where}: the {impl} step's host time at {', '.join(str(r['tensors']) for r in rec['rows'])} "
-                f"1-element tensors, fitted as {f['call_s'] * 1e6:.1f} us + {f['tensor_s'] * 1e6:.2f} us per tensor "
+                f"{where}: the host time the {impl} step exposes at "
+                f"{', '.join(str(r['tensors']) for r in rec['rows'])} tensors of {rec['rows'][0].get('numel', 1):,} "
+                f"element(s), fitted as {f['call_s'] * 1e6:.1f} us + {f['tensor_s'] * 1e6:.2f} us per tensor "
                 f"(worst row {f['max_error']:.0%})")
     if m.get("sustained"):
         p.update(sustained_fields(m["sustained"], where))

@@ -9,9 +9,10 @@ calibrate measured as the model makes them (IN_SITU).
 
 The optimizer step: one eager op per launch, issued beside the GPU's work; the compiled AdEMAMix step, where
 the profile measured its call (Profile.optimizer_host, calibrate_host:measure_optimizer_host), costs
-call_s + tensor_s x its tensors, all before its first kernel: the step's Python per parameter, Dynamo's guards
+call_s + tensor_s x its tensors before its first kernel: the step's Python per parameter, Dynamo's guards
 on every tensor argument and the wrappers' per-input checks run before Inductor's code launches anything, so
-the GPU waits for all of it (the pipeline adds it to the GPU's time, it does not hide it).
+a drained GPU waits for all of it (the pipeline adds it to the GPU's time). Calibrate measures just that part
+(the step's wall time less its kernels'); the launches after the first run beside the kernels and cost none.
 """
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def host_call_s(kern: Kernel, prof: Profile) -> float:
 
 
 def optimizer_call_seconds(fitted: dict, tensors: int) -> float:
-    """CPU seconds of one optimizer step's call over `tensors` tensors: call_s + tensor_s x tensors (fit.
-    optimizer_host_fit), at least 0 (a fitted intercept below 0 meets a list shorter than calibrate's)."""
+    """Host seconds before the first kernel of one optimizer step over `tensors` tensors: call_s + tensor_s x
+    tensors (fit.optimizer_host_fit), at least 0 (a fitted intercept below 0 meets a list shorter than
+    calibrate's)."""
     return max(0.0, fitted["call_s"] + fitted["tensor_s"] * tensors)
 
 

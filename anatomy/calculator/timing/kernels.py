@@ -81,7 +81,8 @@ def _optimizer_kernels(cfg: ModelConfig, pb: int, variant: str, optimizer: str) 
                   (bf16: the casts of g and p per tensor, and one foreach copy back).
     Host: a launch costs one eager op (host.host_seconds), except the compiled step's where the profile
     measured its call (Profile.optimizer_host): then one host-only entry first, the call (shape: its
-    tensors), holds the host time of the whole step, and its launches none (they are inside the call)."""
+    tensors), holds the host time before the step's first kernel, and its launches none (inside the call,
+    they run beside the kernels)."""
     impl = implementation(optimizer, variant)
     cast = pb != 4
     sizes = param_sizes(cfg, variant)

@@ -57,9 +57,10 @@ class Profile(Mapping):
     # linear CE (liger_ce: forward, chunk, backward; calibrate_host:measure_host_step)
     host_custom_s: dict = field(default_factory=dict)
     kernel_gap_s: float = 0.0  # idle seconds between dependent kernels of real size; calibrate_kernels:measure_kernel_gap
-    # {implementation: {call_s, tensor_s, tensors, max_error}}: CPU seconds of one optimizer step's call, call_s +
-    # tensor_s x its parameter tensors, all of it before the step's first kernel (the step's Python, Dynamo's
-    # guards, the wrappers); calibrate_host:measure_optimizer_host, fitted by fit.optimizer_host_fit. Empty (a
+    # {implementation: {call_s, tensor_s, tensors, max_error}}: host seconds one optimizer step's call holds the
+    # GPU back, call_s + tensor_s x its parameter tensors: its time before the step's first kernel (the step's
+    # Python, Dynamo's guards, the wrappers), measured as the step's wall time less its kernels' GPU time
+    # (calibrate_host:measure_optimizer_host), fitted by fit.optimizer_host_fit. Empty (a
     # datasheet profile, or a calibration without it): the step's host is one eager op per launch (host_op_s).
     optimizer_host: dict = field(default_factory=dict)
     # a tiny host-bound step: {cfg, batch, seq, dtype, <variant>: {forward_backward_ms}}; calibrate_host:measure_host_step
