@@ -19,7 +19,8 @@ Per shape (T tokens x H hidden x V vocab) and implementation:
   * ours against Liger: the largest relative difference of the loss and both gradients;
   * ours, --breakdown: each GEMM and the row kernel of one chunk, timed alone, times the chunk count, and
     backward's scale kernels at an incoming gradient of 1 (a plain loss.backward()) and of 1 / T;
-    --row-blocks B,...: the row kernel also at each block width B (the width that sets its passes and warps).
+    --row-blocks B,...: the row kernel also at each block width B (the width that sets its passes and warps),
+    in interleaved rounds (row_block_sweep).
 --chunks runs ours with each rows-per-chunk (0: the rule in linear_ce_chunks.chunk_rows), to check the
 rule's derivation on the machine. --dry-run runs the same code on CPU at tiny shapes (perf_counter for
 events, no Liger unless Triton runs there), to check the script itself.
@@ -198,14 +199,30 @@ def chunk_breakdown(T, H, V, C, w, inputs, clock, reps, row_blocks=()) -> dict[s
              "grad_w_addmm": (lambda i: accumulate_grad_weight(gw, logits.t(), x, i == 0, dev.type == "cuda"), n),
              "backward_scale": (lambda i: (scale_(gx_all, one), scale_(gw, one)), 1),
              "backward_scale_not_one": (lambda i: (scale_(gx_all, scale), scale_(gw, scale)), 1)}
-    if dev.type == "cuda" or _triton_on_cpu():
-        parts.update({f"row_kernel[{b}]": (lambda i, b=b: (logits.copy_(logits_copy), ce_rows_triton(
-            logits, t, losses, scale, block=b or None)), n) for b in row_blocks})
     out = {k: timed(clock, fn, reps)[0] * m for k, (fn, m) in parts.items()}
-    copy = out.pop("row_kernel_restore_copy")  # the copy restores the logits between repeats
-    for k in [k for k in out if k.startswith("row_kernel")]:
-        out[k] -= copy
+    out["row_kernel"] -= out.pop("row_kernel_restore_copy")  # the copy restores the logits between repeats
+    if row_blocks and (dev.type == "cuda" or _triton_on_cpu()):
+        out.update({f"row_kernel[{b}]": ms * n for b, ms in row_block_sweep(logits, t, losses, scale, row_blocks,
+                                                                            clock).items()})
     return out
+
+
+def row_block_sweep(logits, t, losses, scale, blocks, clock, rounds: int = 7, reps: int = 5) -> dict[int, float]:
+    """{b: median ms of one row-kernel call over `logits` at block width b (0: the op's own)}. Rounds visit
+    every width in turn, so a clock's drift meets each alike; each call rewrites the logits in place, and no
+    restoring copy is timed (the kernel's work does not depend on the values it reads)."""
+    from anatomy.kernels.linear_ce import ce_rows_triton
+
+    def call(b):
+        ce_rows_triton(logits, t, losses, scale, block=b or None)
+    for b in blocks:  # compile every width first
+        call(b)
+    clock.sync()
+    seen = {b: [] for b in blocks}
+    for _ in range(rounds):
+        for b in blocks:
+            seen[b].append(timed(clock, lambda i, b=b: call(b), reps, warmup=1)[0])
+    return {b: statistics.median(v) for b, v in seen.items()}
 
 
 def environment(dev) -> dict:

@@ -110,7 +110,7 @@ def measure(config: str, reps: int) -> dict:
         tail.append(max(0.0, step.time_range.end - max(k.time_range.end for k in kernels)) / 1e6)
 
     tensors = len(params)
-    del opt, params
+    opt = params = None  # the model's state freed before the synthetic lists
     out = dict(config=config, tensors=tensors, reps=reps, wall_ms=_median_ms(wall), gpu_ms=_median_ms(gpu),
                host_busy_ms=_median_ms(busy), scalars_busy_ms=_median_ms(scalars),
                scalars_pageable_busy_ms=_median_ms(pageable),
