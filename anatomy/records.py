@@ -38,11 +38,10 @@ TIMING_PROBE = {"named": H200 / "timing-probe" / "named.json",
 # bench/step.py: one peer per process, forward + backward, median of 10 steps. Five runs, each its own
 # folder (compare peers only within one): the first run with the baseline peers; the seed step on a second
 # machine 18 minutes later; the seed step profiled (bench/profile_step.py) with the efficient steps of its run;
-# efficient with and without recompute; the peers table (efficient, HF + Liger, HF + compile at the seed and
-# two real configs; scripts/gpu_records.sh's "peers" part, its machine in PEERS_ENV); the lean block (Run.lean)
-# beside the plain one and HF + Liger at llama3.2-1b (the lean-mlp branch at 8982c9f, the gate record's machine 6).
-STEPS = {name: H200 / "steps" / name for name in ("peers", "first-run", "second-machine", "profiled", "recompute",
-                                                  "lean")}
+# efficient with and without recompute; the peers table (efficient, efficient with the lean block (Run.lean),
+# HF + Liger, HF + compile at the seed and two real configs; scripts/gpu_records.sh's "peers" part, its machine
+# in PEERS_ENV).
+STEPS = {name: H200 / "steps" / name for name in ("peers", "first-run", "second-machine", "profiled", "recompute")}
 PEERS_ENV = STEPS["peers"] / "env.json"  # scripts/env_json.py, same run: cuDNN, Triton and driver versions
 # (record, variant) of every step record of our own models, uncompiled (the other records are peers'): the
 # memory and timing claims against the committed steps both read this one list
@@ -52,8 +51,9 @@ OWN_STEPS = tuple((STEPS[run] / f"step-{name}.json", "baseline" if "baseline" in
                                      ("profiled", ("seed-efficient", "1b-efficient")),
                                      ("recompute", ("seed-efficient", "seed-efficient-recompute", "anchor-1b-efficient",
                                                     "anchor-1b-efficient-recompute")),
-                                     ("peers", ("seed-efficient", "tinyllama-1.1b-efficient", "llama3.2-1b-efficient")),
-                                     ("lean", ("llama3.2-1b-efficient-lean", "llama3.2-1b-efficient")))
+                                     ("peers", tuple(f"{c}-efficient{lean}" for c in ("seed", "tinyllama-1.1b",
+                                                                                      "llama3.2-1b")
+                                                     for lean in ("", "-lean"))))
                   for name in names)
 STEP_PROFILE = STEPS["profiled"] / "profile-seed-efficient.json"  # bench/profile_step.py, same run as "profiled"
 

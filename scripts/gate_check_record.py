@@ -1,7 +1,7 @@
 """Add one machine's gate check (scripts/gate_check.sh) to the committed record, anatomy/records.py GATE_CHECK.
 
     python3 scripts/gate_check_record.py RECORD WORK [WORK ...] --command CMD [--command CMD ...]
-        [--suite CLAIMS_JSON ...] [--label NAME] [--driver VERSION] [--date YYYY-MM-DD]
+        [--suite CLAIMS_JSON ...] [--label NAME] [--driver VERSION] [--date YYYY-MM-DD] [--commit SHA]
 
 Each WORK is a copy of gate_check.sh's folder (its OUT) from one machine: gate_check.json, each run's report
 (<run>.json), baseline.json and env.json. The summary is the last WORK's gate_check.json (gate_check.sh writes
@@ -95,11 +95,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--label")
     p.add_argument("--driver")
     p.add_argument("--date")
+    p.add_argument("--commit", help="the commit whose tree ran, where the report's git facts name another (a "
+                   "copied working tree keeps the .git of an older HEAD: commit_info.dirty)")
     a = p.parse_args(argv)
     try:
         doc = json.loads(a.record.read_text()) if a.record.exists() else dict(targets=list(TARGETS), machines=[])
         label = a.label or f"machine {len(doc['machines']) + 1}"
         entry = machine_entry(a.work, a.command, label, a.driver, a.date, a.suite)
+        entry["commit"] = a.commit or entry["commit"]
     except (OSError, ValueError, KeyError, IndexError) as e:
         print(f"gate_check_record: error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Where the compiled AdEMAMix step's host time goes, on a CUDA GPU: how long the GPU waits for the call.
 
-    PYTHONPATH=. python3 scripts/probe_optimizer_host.py [--config anchor-1b] [--reps 10] [--json OUT]
+    PYTHONPATH=. python3 scripts/probe_optimizer_host.py [--config anchor-1b] [--reps 10] [--no-one-element] [--json OUT]
 
 The GPU suite's `optimizer step time` claim (validations/test_optim_kernels.py) times one compiled step from
 a drained GPU to a drained GPU and predicts it as the step's GPU time plus the host time before its first
@@ -16,10 +16,10 @@ own parameter list (fp32 master weights, random gradients, after three steps tha
   first_kernel_ms the profiler's time from the step's start on the host to its first kernel's start on the GPU,
                   from a drained GPU (median over --reps profiled steps): the wait the model charges;
   tail_ms         the profiler's time from the last kernel's end to the step's end on the host;
-  scalars_busy_ms the step's scalars' copy to the GPU (FusedAdEMAMix._scalars: from pinned memory) timed on
-                  the host while the GPU is busy; scalars_pageable_busy_ms the same copy from pageable memory,
-                  as the step made it before: about the spin's length where the driver syncs the stream before
-                  staging it (CUDA documents that it may), which in training makes the step wait for backward;
+  scalars_busy_ms the step's scalars' copy to the GPU (FusedAdEMAMix._scalars: from pageable memory) timed
+                  on the host while the GPU is busy: about the spin's length if the driver synced the stream
+                  before staging it (CUDA documents that it may), which in training would make the step wait
+                  for backward; scalars_pinned_busy_ms the same size of copy through pin_memory() first;
   one_element     calibrate's measurement at 8, 32, 128 and the model's tensor count over one-element tensors
                   (there the GPU waits for every launch too: the whole call's host time), and its fit;
   exposed         the same over calibrate's tensors (OPTIMIZER_HOST_NUMEL elements each), and its fit.
@@ -44,7 +44,7 @@ def _median_ms(xs) -> float:
     return statistics.median(xs) * 1e3
 
 
-def measure(config: str, reps: int) -> dict:
+def measure(config: str, reps: int, one_element: bool = True) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -83,10 +83,10 @@ def measure(config: str, reps: int) -> dict:
         torch.cuda.synchronize()
         gpu.append(a.elapsed_time(b) / 1e3)
 
-    scalars, pageable = [], []
+    scalars, pinned = [], []
     for _ in range(reps):
         for out, copy in ((scalars, lambda: opt._scalars(opt.param_groups[0], 1, torch.float32, torch.device("cuda"))),
-                          (pageable, lambda: torch.tensor([0.9] * 8).to("cuda", non_blocking=True))):
+                          (pinned, lambda: torch.tensor([0.9] * 8).pin_memory().to("cuda", non_blocking=True))):
             torch.cuda.synchronize()
             torch.cuda._sleep(200_000_000)
             t0 = time.perf_counter()
@@ -113,9 +113,9 @@ def measure(config: str, reps: int) -> dict:
     opt = params = None  # the model's state freed before the synthetic lists
     out = dict(config=config, tensors=tensors, reps=reps, wall_ms=_median_ms(wall), gpu_ms=_median_ms(gpu),
                host_busy_ms=_median_ms(busy), scalars_busy_ms=_median_ms(scalars),
-               scalars_pageable_busy_ms=_median_ms(pageable),
+               scalars_pinned_busy_ms=_median_ms(pinned),
                first_kernel_ms=_median_ms(first) if first else None, tail_ms=_median_ms(tail) if tail else None)
-    for name, numel in (("one_element", 1), ("exposed", None)):
+    for name, numel in (("one_element", 1), ("exposed", None))[0 if one_element else 1:]:
         rows = measure_optimizer_host(counts=(8, 32, 128, tensors), numel=numel)
         fit = optimizer_host_fit([r for r in rows["rows"] if r["tensors"] != tensors])
         out[name] = rows
@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="anchor-1b")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--no-one-element", action="store_true", help="skip the one-element lists (4 compiles fewer)")
     a = ap.parse_args(argv)
     try:
         import torch
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
         return 2
     out = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
                cuda=torch.version.cuda, command="PYTHONPATH=. python3 scripts/probe_optimizer_host.py "
-               + " ".join(argv if argv is not None else sys.argv[1:]), **measure(a.config, a.reps))
+               + " ".join(argv if argv is not None else sys.argv[1:]), **measure(a.config, a.reps, not a.no_one_element))
     text = json.dumps(out, indent=1)
     print(text)
     if a.json:

@@ -80,16 +80,22 @@ def _impl_optimizer(impl: str, params):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["adamw", "ademamix-loop", "ademamix-foreach", "ademamix-compiled"])
-def test_optimizer_step_time_on_this_gpu(cuda_device, suite_profile, impl, claims):
+def test_optimizer_step_time_on_this_gpu(cuda_device, suite_profile, gpu_refs, impl, claims):
     """One optimizer step of anchor-1b's parameters (fp32, amp's master weights) on an idle GPU, host sync to
     host sync, against estimate_time's optimizer segment for the same implementation on this GPU's own
-    calibration (the session's gpu_profile: `anatomy calibrate` here, cached per GPU and software versions;
-    it times the compiled step's host call too, calibrate_host.measure_optimizer_host): ±15%, the
-    per-component bound of the timing claims."""
+    calibration (the session's gpu_profile: `anatomy calibrate` here, cached per GPU and software versions):
+    ±15%, the per-component bound of the timing claims.
+
+    Where the profile measured the step's call (the compiled step: a host-only wait ahead of its kernels,
+    calibrate_host.measure_optimizer_host), that wait is host noise of about ±50% between machines of one
+    kind and between lists in one process (docs/timing.md), so the claim is the physical pair: the kernels'
+    GPU time (queued behind a spin) ±15%, and the step's wall time between the kernels' time and the kernels'
+    plus the calibrated wait, each side 15% wide."""
     import statistics
     import time
 
-    from anatomy.calculator.timing import estimate_time
+    from anatomy.calculator.timing import estimate_time, get
+    from validations.gpu_clock import queued_median
 
     cfg, run = ModelConfig.from_name("anchor-1b"), Run(1, 1024)
     variant = "baseline" if impl == "ademamix-loop" else "efficient"  # the model each runs with in training
@@ -108,10 +114,19 @@ def test_optimizer_step_time_on_this_gpu(cuda_device, suite_profile, impl, claim
         times.append(time.perf_counter() - t0)
     measured = statistics.median(times)
     profile, label = suite_profile
-    predicted = estimate_time(cfg, run, variant, profile, optimizer=impl, with_kernels=False)["optimizer_s"]
-    claims.check("optimizer step time", component="optimizer", config=cfg.name, variant=impl, predicted=predicted,
-                 measured=measured, tolerance=0.15, device="cuda", unit="s",
-                 note=f"{torch.cuda.get_device_name(0)}, median of 10 steps, profile {label}")
+    res = estimate_time(cfg, run, variant, profile, optimizer=impl, with_kernels=False)
+    predicted, kernels_s = res["optimizer_s"], res["phases"]["optimizer"]["gpu_s"]
+    where = dict(component="optimizer", config=cfg.name, variant=impl, device="cuda", unit="s")
+    note = f"{torch.cuda.get_device_name(0)}, median of 10 steps, profile {label}"
+    if not get(profile).optimizer_host.get(impl):
+        claims.check("optimizer step time", predicted=predicted, measured=measured, tolerance=0.15, note=note,
+                     **where)
+        return
+    gpu = queued_median(opt.step, 10, cycles_per_s=gpu_refs["sleep_cycles_per_s"])
+    claims.check("optimizer step time, its kernels' GPU time", predicted=kernels_s, measured=gpu, tolerance=0.15,
+                 note=f"{note}, each queued behind a spin", **where)
+    claims.within("optimizer step time, between its kernels and its kernels plus the calibrated wait",
+                  low=0.85 * kernels_s, high=1.15 * predicted, measured=measured, note=note, **where)
 
 
 # ---- the compiled step: one pass over the state, as optimizer_step_bytes counts it ------------------------------

@@ -9,7 +9,8 @@ fraction of the copy bandwidth (Profile.hbm_Bps) the op reaches at the width and
     efficiency = minimal bytes / hbm_Bps / (measured seconds - launches x launch_s - own_fill)
 
 piecewise linear in log(width) at each calibrated row count, then in log(rows) between them, flat beyond
-the calibrated range; 1.0 (the copy roofline) where the profile has no rows for the op (a datasheet).
+the calibrated range; where the profile has no rows for the op, the efficiency of the op it names `like`
+(the same kernel shape), else 1.0 (the copy roofline, as on a datasheet).
 
 Op names follow the components: rms_norm, add_rms_norm, swiglu, rope_qkv, linear_ce (impl liger), linear_ce.anatomy (ours),
 residual_add, embedding.backward, optimizer.<name>, and the baseline's eager chains (eager_norm, eager_mlp, ...).
@@ -38,6 +39,8 @@ class Op:
     own_fill: bool = False  # the calibrated call includes a (vocab, width) fp32 zero fill timed at hbm_Bps
     # kernels one call launches at (width, tokens): its timing less these launches is its busy time
     launches: Callable[[int, int], int] = lambda width, tokens: 1
+    # where the profile has no rows of its own: the op whose calibrated efficiency it runs at (same kernel shape)
+    like: str | None = None
 
     def call_bytes(self, width: int, tokens: int) -> int:
         return self.nbytes(width, tokens) if self.nbytes else sum(fused_bytes(self.rows, width, tokens))
@@ -59,10 +62,12 @@ _ATEN = ("residual_add", "sxs.scale", "sxs.mask_add", "sxs.float", "sxs.to_compu
 OPS: dict[str, Op] = {o.name: o for o in (
     *(Op(n, n) for n in _OURS),
     Op("rms_norm.backward", "rms_norm.backward", nbytes=_rms_norm_backward_bytes, launches=lambda w, t: 2),
-    # the residual add + RMSNorm (anatomy::add_rms_norm): the copy roofline until calibrate times it
-    Op("add_rms_norm.forward", "add_rms_norm.forward"),
+    # the residual add + RMSNorm (anatomy::add_rms_norm): rms_norm's row kernels with one more stream in and
+    # out (kernels/add_rms_norm.py), so at rms_norm's efficiency at the same width and rows until calibrate
+    # times it itself
+    Op("add_rms_norm.forward", "add_rms_norm.forward", like="rms_norm.forward"),
     Op("add_rms_norm.backward", "add_rms_norm.backward", nbytes=_add_rms_norm_backward_bytes,
-       launches=lambda w, t: 2),
+       launches=lambda w, t: 2, like="rms_norm.backward"),
     *(Op(n, n, "aten") for n in _ATEN if n not in EAGER_CHAINS),
     # the baseline's eager chains: each timed as a whole, one launch per op of the chain
     *(Op(n, n, "aten", launches=lambda w, t, n=n: len(EAGER_CHAINS[n](t, w))) for n in EAGER_CHAINS),
@@ -123,7 +128,9 @@ def efficiency(prof, name: str, width: int, rows: int | None = None) -> float:
     if key not in memo:
         memo[key] = _table(prof, op, aligned)
     by_rows = memo[key]
-    if not by_rows:
+    if not by_rows and op.like:
+        eff = efficiency(prof, op.like, width, rows)
+    elif not by_rows:
         eff = 1.0
     else:
         lanes = op.lanes(width) if op.lanes else width
