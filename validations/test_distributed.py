@@ -296,6 +296,21 @@ def test_fsdp_peak_shrinks_with_ranks_and_keeps_its_buffers():
     assert per_rank_peak(LLAMA, run, "efficient", 8, "ddp")["peak"] > p8["peak"]
 
 
+def test_fsdp_prices_the_runs_own_loss():
+    """FSDP's compute run keeps the run's loss kernel: its candidate at the loss holds the walk's forward peak
+    for that loss (Liger's chunked CE and ours keep different transients at a 128k vocab), net of the
+    parameters and inputs the FSDP units account for themselves."""
+    from anatomy.calculator.memory import phases
+
+    got = {}
+    for impl in ("anatomy", "liger"):
+        p = per_rank_peak(LLAMA, Run(batch=1, seq=4096, dtype="amp", loss_impl=impl), "efficient", 8, "fsdp")
+        ph = phases(LLAMA, Run(batch=1, seq=4096, dtype="bf16", loss_impl=impl), "efficient", optimizer=None)
+        got[impl] = next(c for c in p["candidates"] if c["at"] == "forward: loss")["by_kind"]["activations"]
+        assert got[impl] == (ph["forward_peak"] or ph["forward_end"]) - ph["params"] - ph["inputs"]
+    assert got["anatomy"] != got["liger"]
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("call", [
     lambda: estimate_distributed(SMALL, Run(), 0, "fsdp"),

@@ -261,7 +261,7 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
         return _ddp_peak(cfg, run, variant, world_size, rank, optimizer, device, rnd)
     # FSDP computes at its all-gather dtype: amp's bf16 parameters without autocast are the bf16 policy
     crun = Run(batch=run.batch, seq=run.seq, dtype="bf16" if run.dtype in ("amp", "bf16") else "fp32",
-               recompute=run.recompute, lean=run.lean)
+               recompute=run.recompute, loss_impl=run.loss_impl, lean=run.lean)
     ph = phases(cfg, crun, variant, optimizer=None, device=device)
     u = _fsdp_unit_bytes(cfg, run, world_size, rank, rnd)
     root, blk, L, W = u["root"], u["block"], cfg.layers, world_size
