@@ -15,7 +15,8 @@ Per shape (T tokens x H hidden x V vocab) and implementation:
   * peak_mib: max_memory_allocated during one call above what was allocated before it (inputs, weight);
     for ours also linear_ce_chunks.peak_bytes beside it (tensor bytes: the allocator's 512-byte rounding
     of its small tensors, ~4 KiB, is not in it);
-  * host_syncs: synchronizing CUDA calls in one call, counted by torch.cuda.set_sync_debug_mode("warn");
+  * host_syncs: synchronizing CUDA calls in one call, counted by torch.cuda.set_sync_debug_mode("warn"), and
+    first_sync_at: where the first is made (the call again under mode "error");
   * ours against Liger: the largest relative difference of the loss and both gradients;
   * ours, --breakdown: each GEMM and the row kernel of one chunk, timed alone, times the chunk count, and
     backward's scale kernels at an incoming gradient of 1 (a plain loss.backward()) and of 1 / T;
@@ -33,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -107,12 +109,14 @@ def liger_fn():
     return lambda x, w, t: LigerFusedLinearCrossEntropyFunction.apply(x, w, t)[0]
 
 
-def peak_and_syncs(dev, call, clear) -> tuple[float | None, int | None]:
-    """(MiB allocated at the call's peak above what was allocated before it, synchronizing calls).
-    clear() drops the previous call's gradients first, so that their freeing does not hide in the figure."""
+def peak_and_syncs(dev, call, clear) -> tuple[float | None, int | None, list[str]]:
+    """(MiB allocated at the call's peak above what was allocated before it, synchronizing calls, where the
+    first of them was made: the innermost frames of the call under sync debug mode "error", which raises
+    there). clear() drops the previous call's gradients first, so that their freeing does not hide in the
+    figure."""
     if dev.type != "cuda":
         call()
-        return None, None
+        return None, None, []
     clear()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -128,7 +132,18 @@ def peak_and_syncs(dev, call, clear) -> tuple[float | None, int | None]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return peak, syncs
+    site = []
+    if syncs:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+        except RuntimeError as e:
+            frames = traceback.extract_tb(e.__traceback__)[-4:]
+            site = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in frames]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+    return peak, syncs, site
 
 
 def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown, row_blocks=()):
@@ -150,13 +165,13 @@ def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown, row_blocks
     flops = 6 * T * H * V
     for name, fn, chunk in impls:
         ms, steady = timed(clock, lambda i, fn=fn: step(fn, i), reps)
-        peak, syncs = peak_and_syncs(dev, lambda fn=fn: step(fn, 0), lambda: setattr(w, "grad", None) or [
+        peak, syncs, site = peak_and_syncs(dev, lambda fn=fn: step(fn, 0), lambda: setattr(w, "grad", None) or [
             setattr(x, "grad", None) for x, _ in sets])
         loss = step(fn, 0)
         results[name] = (loss.detach().clone(), sets[0][0].grad.clone(), w.grad.clone())
         r = dict(impl=name, T=T, H=H, V=V, chunk=chunk, ms=ms, steady_ms=steady, flops=flops,
                  tflop_s=flops / (ms / 1e3) / 1e12, frac_ceiling=flops / (ms / 1e3) / ceiling,
-                 peak_mib=peak, host_syncs=syncs)
+                 peak_mib=peak, host_syncs=syncs, first_sync_at=site)
         if name.startswith("ours"):
             r["predicted_peak_mib"] = peak_bytes(T, H, V, 2, 4, chunk) / 2 ** 20  # backward adds nothing
             if breakdown:
