@@ -21,12 +21,13 @@ own parameter list (fp32 master weights, random gradients, after three steps tha
                   before staging it (CUDA documents that it may), which in training would make the step wait
                   for backward; scalars_pinned_busy_ms the same size of copy through pin_memory() first;
   one_element     calibrate's measurement at 8, 32, 128 and the model's tensor count over one-element tensors
-                  (there the GPU waits for every launch too: the whole call's host time), and its fit;
-  exposed         the same over calibrate's tensors (OPTIMIZER_HOST_NUMEL elements each), and its fit.
+                  (there the GPU waits for every launch too: the whole call's host time);
+  exposed         the same over calibrate's tensors (OPTIMIZER_HOST_NUMEL elements each). The row at the
+                  model's count is measured, not fitted: the probe reads no calculator.
 
 wall - gpu is what the claim's measurement exposes of the host; first_kernel + tail is where that exposure
-comes from (the profiler slows the host, so first_kernel reads high); host_busy, the one-element fit and the
-exposed fit are the candidate models of it. Exit 2 without a GPU.
+comes from (the profiler slows the host, so first_kernel reads high); host_busy and the one-element and
+exposed rows at the model's count are the candidate models of it. Exit 2 without a GPU.
 """
 from __future__ import annotations
 
@@ -48,7 +49,6 @@ def measure(config: str, reps: int, one_element: bool = True) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from anatomy.calculator.timing.fit import optimizer_host_fit
     from anatomy.config import ModelConfig
     from anatomy.measure.calibrate_host import compiled_ademamix, measure_optimizer_host
     from anatomy.models import build_model
@@ -116,10 +116,7 @@ def measure(config: str, reps: int, one_element: bool = True) -> dict:
                scalars_pinned_busy_ms=_median_ms(pinned),
                first_kernel_ms=_median_ms(first) if first else None, tail_ms=_median_ms(tail) if tail else None)
     for name, numel in (("one_element", 1), ("exposed", None))[0 if one_element else 1:]:
-        rows = measure_optimizer_host(counts=(8, 32, 128, tensors), numel=numel)
-        fit = optimizer_host_fit([r for r in rows["rows"] if r["tensors"] != tensors])
-        out[name] = rows
-        out[f"{name}_fit_ms_at_tensors"] = (fit["call_s"] + fit["tensor_s"] * tensors) * 1e3
+        out[name] = measure_optimizer_host(counts=(8, 32, 128, tensors), numel=numel)
     return out
 
 
