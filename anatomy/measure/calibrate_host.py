@@ -255,19 +255,11 @@ def compiled_ademamix(params):
 
 
 def _queued_gpu_us(step) -> float:
-    """GPU µs of one step(), enqueued behind a spin that outlasts its host time (CUDA events)."""
-    import torch
+    """GPU µs of one step(), alone behind a spin that outlasts its host time (a step's host time is ms: back
+    to back, later steps would wait for the host)."""
+    from anatomy.measure.calibrate_kernels import queued_ms
 
-    from anatomy.measure.calibrate_kernels import SLEEP_CYCLES
-
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(SLEEP_CYCLES)
-    a.record()
-    step()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3
+    return queued_ms(step, reps=1, warmup=0)[0] * 1e3
 
 
 def measure_optimizer_host(counts: tuple[int, ...] = OPTIMIZER_HOST_TENSORS, reps: int = 30, warmup: int = 3,
