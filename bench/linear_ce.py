@@ -111,9 +111,9 @@ def liger_fn():
 
 def peak_and_syncs(dev, call, clear) -> tuple[float | None, int | None, list[str]]:
     """(MiB allocated at the call's peak above what was allocated before it, synchronizing calls, where the
-    first of them was made: the innermost frames of the call again under sync debug mode "error", which raises
-    there; empty where that call made none, a sync that did not recur). clear() drops the previous call's gradients first, so that their freeing does not hide in the
-    figure."""
+    first of them was made: the innermost frames of the call again under sync debug mode "error", which
+    raises there; empty where that call made none, a sync that did not recur). clear() drops the previous
+    call's gradients first, so that their freeing does not hide in the figure."""
     if dev.type != "cuda":
         call()
         return None, None, []
