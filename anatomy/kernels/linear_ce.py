@@ -10,8 +10,8 @@ Why the gradients are computed in forward. The loss is the last op, so d(loss)/d
 a chunk's logits are. Per chunk of C rows (C from linear_ce_chunks.chunk_rows):
     logits = x_c Wᵀ                 cuBLAS, (C, V) in the compute dtype, one buffer for every chunk
     row kernel                      per row: logsumexp, the row loss, and the gradient written over the
-                                    logits in place (Triton, fp32 math: two passes over V in blocks of up
-                                    to 32768, or one read when the row fits one block)
+                                    logits in place (Triton, fp32 math: two passes over V in blocks of
+                                    LCE_ROW_BLOCK lanes, or one read when the row fits one block)
     grad_x[c] = g W                 (C, H) in x's dtype
     grad_w (+)= gᵀ x_c              (V, H); an fp32 accumulator is written by bf16 x bf16 GEMMs with an
                                     fp32 output (mm/addmm out_dtype on CUDA; the first chunk writes, the
@@ -41,11 +41,11 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from anatomy.kernels._dispatch import (autocast_floating, check_launchable, cpu_uses_triton, jit, launches_triton,
                                        num_warps, register_autocast_rule, tl, triton)
+from anatomy.kernel_shapes import LCE_ROW_BLOCK
 from anatomy.kernels.linear_ce_chunks import chunk_rows
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("mean", "sum", "none")
-MAX_BLOCK = 32768  # columns per pass step of the row kernel (Liger's MAX_FUSED_SIZE, with 32 warps)
 
 
 # ---- the row kernel (grid: one program per row of a chunk) -----------------------------------
@@ -109,7 +109,7 @@ def ce_rows_triton(logits: Tensor, targets: Tensor, losses: Tensor, scale: Tenso
     R, V = logits.shape
     if R == 0:
         return
-    block = block or min(MAX_BLOCK, triton.next_power_of_2(V))
+    block = block or min(LCE_ROW_BLOCK, triton.next_power_of_2(V))  # why this width: kernel_shapes
     _ce_rows_kernel[(R,)](logits, logits.stride(0), targets, losses, scale, V, ignore_index, float(label_smoothing),
                           WRITE_GRAD=write_grad, SMOOTH=label_smoothing != 0, SINGLE=V <= block, BLOCK_V=block,
                           num_warps=num_warps(block))

@@ -5,9 +5,9 @@ become bandwidth efficiencies through the same formulas (registry.efficiency).
 """
 from __future__ import annotations
 
-from anatomy.kernel_shapes import rms_norm_programs
+from anatomy.kernel_shapes import LCE_ROW_BLOCK, rms_norm_programs
 
-CE_BLOCK = 32768  # lanes per pass of both CE row kernels (ours: linear_ce.MAX_BLOCK; Liger's MAX_FUSED_SIZE)
+CE_BLOCK = 32768  # lanes per pass of Liger's CE kernel (its MAX_FUSED_SIZE); ours: kernel_shapes.LCE_ROW_BLOCK
 
 
 def fused_bytes(op: str, width: int, tokens: int, c: int = 2, r: int = 4) -> tuple[int, int]:
@@ -43,9 +43,9 @@ _FUSED = {
     # written in place; targets in (int64), losses out (fp32)
     "liger_ce": lambda T, W, c, r: (2 * T * W * c + T * 8, T * W * c + T * 4),
     # our CE row kernel (anatomy/kernels/linear_ce.py) over (T, V = W) logits: a row that fits one block of
-    # CE_BLOCK lanes stays in registers (read once), a wider one is read twice; the gradient written in
+    # LCE_ROW_BLOCK lanes stays in registers (read once), a wider one is read twice; the gradient written in
     # place; targets (int64) and the 0-d scale in, losses out (fp32)
-    "anatomy_ce": lambda T, W, c, r: ((1 if W <= CE_BLOCK else 2) * T * W * c + T * 8 + 4, T * W * c + T * 4),
+    "anatomy_ce": lambda T, W, c, r: ((1 if W <= LCE_ROW_BLOCK else 2) * T * W * c + T * 8 + 4, T * W * c + T * 4),
     # the baseline's S x S chain over T rows of W = S (calibrate_kernels.sxs_case): scale and the (broadcast)
     # mask add in the compute dtype, the casts, the fp32 softmax and its backward
     "sxs.scale": lambda T, W, c, r: (T * W * c, T * W * c),
@@ -157,9 +157,14 @@ def liger_ce_width(V: int, max_block: int = CE_BLOCK) -> int:
     """The row width Liger's CE kernel works through: its BLOCK_SIZE = min(32768, next_pow2(V)) lanes
     per pass, masked past V (liger_kernel ops/cross_entropy.py). Its time follows this, not V: a vocab
     just past a power of two runs a pass twice as wide (the profile's liger_ce rows). Our row kernel
-    blocks its rows the same way (linear_ce.ce_rows_triton)."""
+    blocks its rows the same way with max_block = LCE_ROW_BLOCK (anatomy_ce_width)."""
     block = min(max_block, 1 << max(0, V - 1).bit_length())
     return -(-V // block) * block
+
+
+def anatomy_ce_width(V: int) -> int:
+    """The row width our CE row kernel works through (linear_ce.ce_rows_triton: blocks of LCE_ROW_BLOCK)."""
+    return liger_ce_width(V, LCE_ROW_BLOCK)
 
 
 def dw_sum_bytes(H: int, M: int) -> tuple[int, int]:

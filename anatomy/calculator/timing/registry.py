@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from anatomy.calculator.timing.op_bytes import (EAGER_CHAINS, dw_sum_bytes, embedding_backward_launches, fused_bytes,
-                                                liger_ce_width)
+from anatomy.calculator.timing.op_bytes import (EAGER_CHAINS, anatomy_ce_width, dw_sum_bytes,
+                                                embedding_backward_launches, fused_bytes, liger_ce_width)
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ OPS: dict[str, Op] = {o.name: o for o in (
     Op("linear_ce", "liger_ce", "liger", lanes=liger_ce_width, align=16),
     # our CE row kernel (anatomy::linear_cross_entropy's): rows "anatomy_ce"; the copy roofline until
     # calibrate times it
-    Op("linear_ce.anatomy", "anatomy_ce", lanes=liger_ce_width),
+    Op("linear_ce.anatomy", "anatomy_ce", lanes=anatomy_ce_width),
     Op("embedding.backward", "embedding.backward", "aten", own_fill=True, launches=embedding_backward_launches),
     Op("optimizer.adamw", "optimizer.adamw", "torch"),
     Op("optimizer.ademamix", "optimizer.ademamix", "torch"),
