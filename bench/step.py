@@ -8,7 +8,9 @@ python3 bench/step.py --peer efficient --lean ...            # the lean block (R
 Peers: baseline, baseline-compile, efficient, efficient-compile (ours; the efficient peers' loss is our fused
 linear CE unless --loss-impl liger, and each record says which: loss_impl); hf, hf-compile, hf-liger
 (transformers' LlamaForCausalLM with SDPA, optionally Liger's instance patch). Autocast bf16 over fp32
-weights, as in ANCHORS.md. Median of `repeats` CUDA-event timings after warm-up; peak is
+weights, as in ANCHORS.md. Median of `repeats` CUDA-event timings after warm-up, each step started on an idle
+GPU; host_ms: the median time the host takes to issue a step (forward and backward return before the GPU
+finishes), so a step whose host_ms is near its median_ms is host-bound; peak is
 torch.cuda.max_memory_allocated over the timed steps. MFU: the calculator's model FLOPs (causal
 attention halved) over the bf16 matmul ceiling measured in this process.
 """
@@ -99,7 +101,7 @@ def main(argv=None) -> dict:
     ceiling = matmul_ceiling()
     model, step = build(a.peer, cfg, a.recompute, a.loss_impl, run.lean)
     ids = [torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda") for _ in range(2)]
-    times = []
+    times, host = [], []  # host: the step's issue time on the host (the call returns before the GPU finishes)
     t_compile = time.perf_counter()
     for i in range(a.warmup + a.repeats):
         if i == a.warmup:
@@ -108,15 +110,18 @@ def main(argv=None) -> dict:
             torch.cuda.reset_peak_memory_stats()
         x = ids[i % 2]  # rotate inputs: never time the same batch twice in a row
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = step(x, x)
         loss.backward()
         end.record()
+        t1 = time.perf_counter()
         model.zero_grad(set_to_none=True)
         if i >= a.warmup:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
+            host.append((t1 - t0) * 1e3)
     from anatomy.calculator import estimate
 
     est = estimate(cfg, run).to_dict()["flops"]["model"]  # model FLOPs: a recompute's are not counted
@@ -127,6 +132,7 @@ def main(argv=None) -> dict:
     # a row without loss_impl ran Liger's; one without lean, the plain block (Run.from_record)
     own = dict(loss_impl=a.loss_impl, **(dict(lean=True) if run.lean else {})) if a.peer.startswith("efficient") else {}
     res = dict(peer=peer, recompute=a.recompute, **own, preset=a.preset, batch=run.batch, seq=run.seq, median_ms=ms, times_ms=times,
+               host_ms=statistics.median(host),
                tokens_per_s=run.tokens / (ms / 1e3), peak_mib=torch.cuda.max_memory_allocated() / 2**20,
                reserved_mib=torch.cuda.max_memory_reserved() / 2**20, mfu=model_flops / (ms / 1e3) / ceiling,
                model_flops=model_flops, matmul_ceiling_tflops=ceiling / 1e12, warmup_s=t_compile,
