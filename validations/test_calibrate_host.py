@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from anatomy import records
 from anatomy.calculator import timing
 from anatomy.calculator.timing import fit, profile
 from anatomy.config import ConfigError, ModelConfig, Run
@@ -95,6 +96,9 @@ def test_host_step_records_the_loss_it_runs():
     assert Run.from_record(calibrate_host.HOST_STEP).loss_impl == default
 
 
+_SDPA_ROWS = json.loads(records.H200_PROFILE.read_text())["measurements"]["attention_kernels"]  # every grid
+
+
 def _fake_calibrate(monkeypatch, measurements: dict, host_step: dict) -> None:
     """calibrate.main with every measurement replaced by fake numbers (not a measurement) on a fake H200."""
     import torch
@@ -107,7 +111,8 @@ def _fake_calibrate(monkeypatch, measurements: dict, host_step: dict) -> None:
                  measure_host_step=lambda **_: json.loads(json.dumps(host_step)),
                  measure_attention=lambda _d: (m["attention"], []), measure_matmuls=lambda _g, _d: m["matmul_bf16"],
                  measure_gemms_in_step=lambda _g, _d: [], measure_fused=lambda _d: [],
-                 measure_vocab_matmuls=lambda _g, _d: [], measure_sdpa_kernels=lambda _d: [],
+                 measure_vocab_matmuls=lambda _g, _d: [],
+                 measure_sdpa_kernels=lambda _d: json.loads(json.dumps(m.get("attention_kernels", _SDPA_ROWS))),
                  measure_kernel_gap=lambda: None, measure_sustained=lambda _w: None,
                  measure_optimizer_host=lambda **_: json.loads(json.dumps(m.get("optimizer_host", _OPT_HOST))),
                  _env=lambda argv: dict(gpu="fake", command="anatomy calibrate (fake)"))
@@ -242,3 +247,27 @@ def test_calibrate_writes_the_optimizer_host_and_leaves_out_a_single_count(tmp_p
     assert "WARNING: optimizer_host: 1 tensor count(s)" in capsys.readouterr().err
     data = json.loads(out1.read_text())
     assert "optimizer_host" not in data["measurements"] and len(data["provenance"]["dropped"]) == 1
+
+
+def test_calibrate_times_the_sdpa_schedule_whatever_the_budget_left(tmp_path, monkeypatch, capsys):
+    """SDPA's kernel schedule gets its own seconds (SDPA_KERNELS_S) from when it starts, not what is left of
+    --budget-s (the host and optimizer measurements before it may spend all of that); grids it could not
+    time are named in one warning line and in provenance.dropped."""
+    import time
+
+    from anatomy.measure.calibrate_sdpa import schedule_shapes
+
+    hs = dict(calibrate_host.HOST_STEP, efficient=dict(forward_backward_ms=9.0))
+    _fake_calibrate(monkeypatch, _fake_measurements(), hs)
+    given = []
+    monkeypatch.setattr(calibrate, "measure_sdpa_kernels", lambda d: given.append(d - time.monotonic()) or _SDPA_ROWS)
+    out = tmp_path / "h200.json"
+    assert calibrate.main(["--out", str(out), "--budget-s", "0"]) == 0
+    assert given and given[0] > calibrate.SDPA_KERNELS_S - 5
+    assert not json.loads(out.read_text())["provenance"]["dropped"]
+    _fake_calibrate(monkeypatch, dict(_fake_measurements(), attention_kernels=_SDPA_ROWS[:3]), hs)
+    capsys.readouterr()
+    assert calibrate.main(["--out", str(tmp_path / "h200-short.json")]) == 0
+    assert f"WARNING: attention_kernels: 3 of {len(schedule_shapes())} SDPA grids" in capsys.readouterr().err
+    data = json.loads((tmp_path / "h200-short.json").read_text())
+    assert len(data["measurements"]["attention_kernels"]) == 3 and len(data["provenance"]["dropped"]) == 1
