@@ -2,6 +2,7 @@
 
     python3 scripts/gate_check_record.py RECORD WORK [WORK ...] --command CMD [--command CMD ...]
         [--suite CLAIMS_JSON ...] [--label NAME] [--driver VERSION] [--date YYYY-MM-DD] [--commit SHA]
+        [--note TEXT]
 
 Each WORK is a copy of gate_check.sh's folder (its OUT) from one machine: gate_check.json, each run's report
 (<run>.json), baseline.json and env.json. The summary is the last WORK's gate_check.json (gate_check.sh writes
@@ -97,12 +98,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--date")
     p.add_argument("--commit", help="the commit whose tree ran, where the report's git facts name another (a "
                    "copied working tree keeps the .git of an older HEAD: commit_info.dirty)")
+    p.add_argument("--note", help="what the run's outcome does not say (why its skipped tests skipped), rendered "
+                   "after its commands")
     a = p.parse_args(argv)
     try:
         doc = json.loads(a.record.read_text()) if a.record.exists() else dict(targets=list(TARGETS), machines=[])
         label = a.label or f"machine {len(doc['machines']) + 1}"
         entry = machine_entry(a.work, a.command, label, a.driver, a.date, a.suite)
         entry["commit"] = a.commit or entry["commit"]
+        if a.note:
+            entry["note"] = a.note
     except (OSError, ValueError, KeyError, IndexError) as e:
         print(f"gate_check_record: error: {e}", file=sys.stderr)
         return 2

@@ -82,7 +82,9 @@ def _suites(machines: list[dict]) -> str:
         if not runs:
             continue
         each = "; ".join(f"{label}: {s['outcome']['passed']} passed, {s['outcome']['failed']} failed, "
-                         f"{s['outcome']['error']} errors in {s['seconds']:.0f} s"
+                         f"{s['outcome']['error']} errors"
+                         + (f", {s['outcome']['skipped']} skipped" if s["outcome"].get("skipped") else "")
+                         + f" in {s['seconds']:.0f} s"
                          + "".join(f" (failed: `{t.split('::')[-1]}`)" for t in s.get("failed_claims", []))
                          for label, s in runs)
         what = ("`--quick` (the subset without the time claims and the slow tests)" if quick else
@@ -135,7 +137,8 @@ def summary() -> str:
                      f"cuDNN {_cudnn(m['cudnn'])}, triton {m['triton']}, {m['date']}, commit {(m.get('commit') or '?')[:7]}"
                      + ("; the baseline was recorded on this machine in the same session (the committed "
                         "`baselines.json`)" if m["baseline_recorded_here"] else "; gated against the committed "
-                        "`baselines.json`") + ": " + "; ".join(f"`{c}`" for c in m["commands"]) + ".")
+                        "`baselines.json`") + ": " + "; ".join(f"`{c}`" for c in m["commands"]) + "."
+                     + (f" {m['note']}" if m.get("note") else ""))
     fresh = _fresh(machines)
     gate = gate_threshold(doc)
     tight = _tightest(machines)
