@@ -76,9 +76,9 @@ def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
 # (16 warps): two passes over the row (max and sum of exp, then the gradient written in place), so it reads
 # the row twice and writes it once; a row of at most one block stays in registers and is read once. A whole
 # row of 16k-32k lanes in one program (16-32 warps) leaves one or two programs per SM, too few loads in
-# flight: on one H200 it ran at 60-65% of the copy rate for its two passes, where blocks of 8,192 ran at
-# 95-100% for their three (bench/linear_ce.py --row-blocks, docs/peers.md); three passes at the copy rate
-# are the faster of the two from V = 16k up.
+# flight: on two H200s it ran at 60-67% of the copy rate for its two passes, where blocks of 8,192 ran at
+# 96-102% for their three (bench/linear_ce.py --row-blocks, docs/peers.md); three passes at the copy rate
+# are the faster of the two from V = 16k up, and the calculator prices the row kernel at that rate.
 LCE_ROW_BLOCK = 8192  # lanes per pass step of our CE row kernel
 C_MIN = 4096  # rows: keeps the per-chunk grad_w accumulation under 1/16 of the chunk's GEMM time (above)
 LOGITS_BUDGET = 1 << 30  # bytes of one logits chunk, unless the (T, H) input is larger (above)

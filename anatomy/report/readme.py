@@ -147,14 +147,14 @@ def linear_ce_table(path: Path) -> str:
     for r in d["rows"]:
         chunk = "Liger's rule" if r["impl"] == "liger" else (r["chunk"] or "the rule")
         out.append(f"| {r['T']:,} × {r['H']:,} × {r['V']:,} | {r['impl'].split('-')[0]} | {chunk} | {r['ms']:.2f} | "
-                   f"{r['tflop_s']:.0f} | {r['frac_ceiling']:.0%} | {r['peak_mib']:,.0f} | {r['host_syncs']} |")
+                   f"{r['tflop_s']:.0f} | {r['frac_ceiling']:.1%} | {r['peak_mib']:,.0f} | {r['host_syncs']} |")
     rule = {r["V"]: r for r in d["rows"] if r["impl"].startswith("ours") and not r["chunk"] and r["V"] in LCE_TARGET_VOCABS}
     if rule:
         fr = [rule[v]["frac_ceiling"] for v in sorted(rule)]
         lg = {r["V"]: r["frac_ceiling"] for r in d["rows"] if r["impl"] == "liger" and r["V"] in rule}
         out += ["", f"Goal: ours at ≥ {LCE_TARGET:.0%} of the ceiling at vocab {' and '.join(f'{v:,}' for v in sorted(rule))}: "
-                f"{' and '.join(f'{f:.0%}' for f in fr)} ({_met(min(fr) >= LCE_TARGET)}); Liger's "
-                f"{' and '.join(f'{lg[v]:.0%}' for v in sorted(rule) if v in lg)}."]
+                f"{' and '.join(f'{f:.1%}' for f in fr)} ({_met(min(fr) >= LCE_TARGET)}); Liger's "
+                f"{' and '.join(f'{lg[v]:.1%}' for v in sorted(rule) if v in lg)}."]
     out += ["", f"FLOPs: the three GEMMs, 6·T·H·V. Ceiling: bf16 matmul {d['matmul_tflop_s']:.0f} TFLOP/s ({d['matmul_shape']}), "
             f"measured in the same process; liger-kernel {d.get('liger_kernel')}. Source: {_src(d)}."]
     return "\n".join(out)
