@@ -41,7 +41,10 @@ def pytest_addoption(parser):
     parser.addoption("--live-n", type=int, default=30,
                      help="how many configs validations/test_live_claims.py draws and measures on the GPU (default 30)")
     parser.addoption("--live-seed", type=int, default=2026,
-                     help="the seed those configs are drawn with (default 2026)")
+                     help="the seed those configs, and the live real-depth cases, are drawn with (default 2026)")
+    parser.addoption("--live-real-depth", type=int, default=3,
+                     help="how many real-depth cases validations/test_real_depth_live.py draws and times in the "
+                          "user's loop on the GPU (default 3)")
 
 
 def pytest_configure(config):

@@ -1,0 +1,123 @@
+"""The real-depth time claims measured now, on this GPU: the user's own loop on drawn real-depth cases.
+
+test_real_depth.py checks the committed user-loop records (scripts/probe_timing.py --user-loop, 30 drawn cases
+and the presets per run); this file re-proves the same claims live, on `--live-real-depth` cases (default 3) of
+validations/real_depth.py's draw with the seed `--live-seed` (default 2026), so the GPU suite checks the
+timing model on 12-32-layer, 0.5-8 B-parameter models on whatever GPU it runs on. Each case runs the loop of
+scripts/user_loop.py (measure: fused AdamW, bf16 autocast over fp32 weights, steps back to back, then a
+profiled pass) in a process of its own (its profiler leaves CUPTI attached, which would slow every later
+launch of this one), and is predicted with the suite's profile (conftest.py suite_profile):
+  time.real_depth.gpu.forward_backward, time.real_depth.gpu.step   kernel time within ±10%
+  time.real_depth.step        the wall-clock step within ±10% where the model calls the case GPU-bound
+A case the calculator does not fit on this GPU is skipped, quoting its peak.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from validations import real_depth
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+QUANTITIES = ("forward_backward", "step", "wall")
+_MEASURED: dict[str, dict] = {}  # case id -> its row, measured once for its three claims
+
+
+def pytest_generate_tests(metafunc):
+    if "live_case" in metafunc.fixturenames:
+        n, seed = metafunc.config.getoption("--live-real-depth"), metafunc.config.getoption("--live-seed")
+        cases = real_depth.draw(n, seed) if n > 0 else []
+        metafunc.parametrize("live_case", cases, ids=[c.id for c in cases])
+
+
+def _measure(case: real_depth.Case) -> dict:
+    """The case's row as scripts/user_loop.py records it, from a process of its own."""
+    if case.id not in _MEASURED:
+        row = dict(id=case.id, cfg=case.cfg.to_dict(), batch=case.run.batch, seq=case.run.seq,
+                   recompute=case.run.recompute, variant=case.variant, optimizer="adamw")
+        code = (f"import json, sys; sys.path.insert(0, {str(SCRIPTS)!r}); import user_loop; "
+                "from validations.real_depth import case_of; "
+                "print(json.dumps(user_loop.measure(case_of(json.loads(sys.argv[1])), False)))")
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(row)], capture_output=True, text=True,
+                             timeout=300)
+        if out.returncode != 0:
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            pytest.fail(f"{case.id}: the user's loop exited {out.returncode}: {last}", pytrace=False)
+        row.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        _MEASURED[case.id] = row
+    return _MEASURED[case.id]
+
+
+def claim_of(row: dict, what: str, profile, label: str) -> dict | str:
+    """The claim `what` (QUANTITIES) on one user-loop row against `profile`: claim, predicted and measured ms,
+    tolerance and note; or, for the wall step of a case the model calls host-bound, why it is not claimed."""
+    res = real_depth.predicted(row, profile)
+    busy = real_depth.predicted_busy(res)
+    note = f"live, profile {label}; sustained weight {res['sustained']['weight']:.2f}; GPU busy {busy:.0%} predicted"
+    if what == "forward_backward":
+        return dict(claim="time.real_depth.gpu.forward_backward", note=note,
+                    predicted=(res["phases"]["forward"]["gpu_s"] + res["phases"]["backward"]["gpu_s"]) * 1e3,
+                    measured=row["kernels"]["forward_backward_ms"], tolerance=real_depth.TOL["GPU time, forward+backward"])
+    if what == "step":
+        return dict(claim="time.real_depth.gpu.step", predicted=res["gpu_s"] * 1e3, measured=row["kernels"]["step_ms"],
+                    tolerance=real_depth.TOL["GPU time, step"], note=note)
+    pred = res["steady"]["step_s"] * 1e3
+    if busy < real_depth.GPU_BOUND_BUSY:
+        return (f"host-bound by the model (GPU busy {busy:.0%} < 90%; measured {row['gpu_busy']:.0%}): "
+                f"predicted {pred:.1f} ms, measured {row['wall']['step_ms']:.1f} ms; reported, not claimed")
+    return dict(claim="time.real_depth.step", predicted=pred, measured=row["wall"]["step_ms"],
+                tolerance=real_depth.TOL["wall step (GPU-bound)"], note=note)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", QUANTITIES)
+def test_real_depth_time_on_this_gpu(live_case, what, claims, cuda_device, suite_profile):
+    """One drawn real-depth case, measured in the user's loop now, against estimate_time on the suite's profile."""
+    import torch
+
+    case, (profile, label) = live_case, suite_profile
+    need, total = real_depth.peak_bytes(case.cfg, case.run, case.variant), torch.cuda.get_device_properties(0).total_memory
+    if need > real_depth.HEADROOM * total:
+        pytest.skip(f"predicted not to fit: {need / 2**30:,.1f} GiB at the peak with AdamW, over "
+                    f"{real_depth.HEADROOM:.0%} of this GPU's {total / 2**30:,.1f} GiB")
+    c = claim_of(_measure(case), what, profile, label)
+    if isinstance(c, str):
+        pytest.skip(c)
+    claims.check(c["claim"], component="step", config=f"{case.id} (live)", variant=case.variant,
+                 predicted=c["predicted"], measured=c["measured"], tolerance=c["tolerance"], device="cuda", unit="ms",
+                 note=c["note"])
+
+
+# ---- on CPU: the wiring ---------------------------------------------------------------------------------
+def test_claims_read_a_user_loop_row_as_the_record_tests_do():
+    """claim_of on committed user-loop rows gives the predictions and measurements test_real_depth.py checks."""
+    from validations.test_real_depth import ROWS
+
+    rows = [r for r in ROWS if r is not None][:6]
+    if not rows:
+        pytest.skip("no committed user-loop record")
+    for r in rows:
+        res = real_depth.predicted(r, r["gpu"])
+        fb, st = claim_of(r, "forward_backward", r["gpu"], "x"), claim_of(r, "step", r["gpu"], "x")
+        assert fb["predicted"] == pytest.approx((res["phases"]["forward"]["gpu_s"] + res["phases"]["backward"]["gpu_s"]) * 1e3)
+        assert (fb["measured"], st["measured"]) == (r["kernels"]["forward_backward_ms"], r["kernels"]["step_ms"])
+        assert st["predicted"] == pytest.approx(res["gpu_s"] * 1e3)
+        wall = claim_of(r, "wall", r["gpu"], "x")
+        assert isinstance(wall, str) == (real_depth.predicted_busy(res) < real_depth.GPU_BOUND_BUSY)
+
+
+def test_the_loop_process_imports_and_names_its_failure():
+    """The measuring process's code runs as far as the GPU: on a machine without one it exits non-zero and the
+    test fails with that process's last line, not with an import error of its own."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the GPU test runs the process itself")
+    case = real_depth.draw(1, 2026)[0]
+    _MEASURED.pop(case.id, None)
+    with pytest.raises(pytest.fail.Exception, match=rf"{case.id}: the user's loop exited 1: .*(CUDA|cuda|GPU|NVIDIA)"):
+        _measure(case)
