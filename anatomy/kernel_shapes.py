@@ -72,6 +72,7 @@ def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
 #
 # Evaluation (no gradient, or reduction "none"): weight_cast, losses (the output) and a logits chunk;
 # no grad_x, no grad_w.
+#
 # The row kernel's block. Each program works through one row of V logits in blocks of LCE_ROW_BLOCK lanes
 # (16 warps): two passes over the row (max and sum of exp, then the gradient written in place), so it reads
 # the row twice and writes it once; a row of at most one block stays in registers and is read once. A whole
