@@ -329,7 +329,25 @@ def test_the_gate_section_says_what_is_not_shown(tmp_path, monkeypatch):
     text = gate.summary()
     assert gate.gate_threshold(doc) == 5.0 and "(failed: `test_claim[a]`)" in text
     assert ("**Not yet shown:** the whole GPU suite clean on 1 more fresh machine (clean so far: m1, m2; with "
-            "failures: m3).") in text
+            "failures or skips: m3).") in text
+    # a run that skipped claims did not re-prove them: not clean either, and its skips are shown
+    doc["machines"][2] = fresh(1.041, 5.0, ("rms_norm", "swiglu"), "m3")
+    doc["machines"][2]["suites"][0]["outcome"]["skipped"] = 2
+    path.write_text(json.dumps(doc))
+    text = gate.summary()
+    assert "m3: 9 passed, 0 failed, 0 errors, 2 skipped in 400 s" in text and "with failures or skips: m3" in text
+    # the newest machine runs a kernel's own benchmark 5% under the baseline: there a 1.075x slowdown would pass
+    # median:5%, so the baseline no longer guards it; a model benchmark as far under is not a slowdown's own
+    doc["machines"][2] = fresh(1.041, 5.0, ("rms_norm", "swiglu"), "m3")
+    kernel, model = names[0], names[3]
+    doc["machines"][2]["runs"]["unmodified"]["ratio"].update({kernel: 0.95, model: 0.95})
+    path.write_text(json.dumps(doc))
+    todo = gate.summary().split("**Not yet shown:**")[1].split("\n")[0]
+    assert "on m3, the newest record, 1 kernel or optimizer benchmark ran so far under" in todo
+    assert kernel.split("::")[-1] in todo and model.split("::")[-1] not in todo
+    doc["machines"][2]["runs"]["unmodified"]["ratio"][kernel] = 0.98  # 0.98 x 1.075 > 1.05: still caught
+    path.write_text(json.dumps(doc))
+    assert "guards the newest tree" not in gate.summary()
     # a slowdown shown at 4% counts at 4% only: with swiglu missing there, the gate stays at 5%
     doc["machines"] = [fresh(1.02, 5.0, ("rms_norm", "swiglu"), f"m{i}") for i in (1, 2)] + [fresh(1.02, 4.0, ("rms_norm",), "m3")]
     path.write_text(json.dumps(doc))
