@@ -4,9 +4,10 @@ python3 bench/profile_step.py --peer efficient --preset seed --batch 16 --seq 40
                               [--lean]
 
 Writes, per step: wall time (CUDA events), GPU busy time (the union of kernel intervals, so that idle
-gaps where the GPU waits for the host show up as wall - busy), and every kernel name with its count
+gaps where the GPU waits for the host show up as wall - busy), every kernel name with its count
 and device time, grouped into families by name (GEMM, attention, Triton, elementwise, reduction,
-copy). The peers and the step are bench/step.py's; nothing here reads the calculator.
+copy), and where the GPU idles (idle_gaps_us: the gaps between kernels by the pair of kernels around
+them). The peers and the step are bench/step.py's; nothing here reads the calculator.
 """
 from __future__ import annotations
 
@@ -44,6 +45,22 @@ def busy_union(intervals: list[tuple[float, float]]) -> float:
         total += e - max(s, end)
         end = e
     return total
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]], steps: int, top: int = 12) -> list[dict]:
+    """Where the GPU idles: the gaps between kernels (start, end, name; any one time unit), summed by the
+    kernel that ran before the gap and the one that starts it, per step, largest first. The gap between two
+    profiled steps (their sync and the next step's first launches) is one of them, once per step."""
+    pairs: dict[tuple[str, str], list] = defaultdict(lambda: [0, 0.0])
+    end, last = None, None
+    for s, e, name in sorted(kernels):
+        if end is not None and s > end:
+            pairs[last, name][0] += 1
+            pairs[last, name][1] += s - end
+        if end is None or e > end:
+            end, last = e, name
+    rows = [dict(before=b, after=n, count=c / steps, idle=t / steps) for (b, n), (c, t) in pairs.items()]
+    return sorted(rows, key=lambda r: -r["idle"])[:top]
 
 
 def main(argv=None) -> int:
@@ -102,6 +119,7 @@ def main(argv=None) -> int:
     res = dict(peer=a.peer + ("-lean" if run.lean else ""), preset=a.preset, batch=run.batch, seq=run.seq, steps=a.steps, wall_ms=walls,
                gpu_busy_ms=busy_ms, kernel_ms=sum(r["ms"] for r in rows), kernels_per_step=len(kernels) / a.steps,
                families=dict(sorted(fams.items(), key=lambda kv: -kv[1])), kernels=rows,
+               idle_gaps_us=idle_gaps([(ev.time_range.start, ev.time_range.end, ev.name) for ev in kernels], a.steps),
                gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,
                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                command="python3 bench/profile_step.py " + " ".join(argv if argv is not None else sys.argv[1:]))
@@ -114,6 +132,9 @@ def main(argv=None) -> int:
         print(f"  {f:12s} {ms:8.2f} ms")
     for r in rows[:25]:
         print(f"  {r['ms']:8.3f} ms  x{r['count']:5.0f}  {r['family']:11s} {r['name'][:110]}")
+    print("  where the GPU idles (per step, between the kernel before and the kernel after):")
+    for g in res["idle_gaps_us"][:8]:
+        print(f"  {g['idle'] / 1e3:8.3f} ms  x{g['count']:5.1f}  {g['before'][:50]} -> {g['after'][:50]}")
     return 0
 
 

@@ -68,8 +68,9 @@ if [ -n "${ONLY:-}" ]; then
       python3 bench/step.py --peer $peer --preset $1 --batch $2 --seq $3 \
         --json "$0/step-$1-$(echo $peer | tr -d " " | sed "s/--/-/").json" || true
     done; done' "$R"
-  # where the efficient step's GPU time goes at the two real configs, plain and lean (issue 26's speed goals)
-  part profile-real 240 bash -c 'for c in "tinyllama-1.1b 8 2048" "llama3.2-1b 4 4096"; do set -- $c
+  # where the efficient step's GPU time goes, and where the GPU idles, at the seed and the two real configs,
+  # plain and lean (issue 26's speed goals; the seed lean step's known miss)
+  part profile-real 330 bash -c 'for c in "seed 16 4096" "tinyllama-1.1b 8 2048" "llama3.2-1b 4 4096"; do set -- $c
     for lean in "" "--lean"; do
       python3 bench/profile_step.py --peer efficient $lean --preset $1 --batch $2 --seq $3 \
         --json "$0/profile-$1-efficient${lean:+-lean}.json" || true

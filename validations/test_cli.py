@@ -290,3 +290,17 @@ def test_bench_lean_is_refused_for_other_peers(script, tmp_path):
                         str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=str(root)))
     assert r.returncode == 2 and "--lean applies to the efficient peers, not hf-liger" in r.stderr.splitlines()[-1]
+
+
+def test_profile_step_names_where_the_gpu_idles():
+    """bench/profile_step.idle_gaps: gaps between kernels, summed per step by the kernels around them, largest
+    first; overlapping kernels (another stream) leave no gap, and a kernel inside another's span is no 'before'."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_step", Path(__file__).resolve().parent.parent / "bench/profile_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    k = [(0, 10, "a"), (2, 5, "inner"), (12, 20, "b"), (18, 25, "c"), (40, 50, "a"), (52, 60, "b"), (60, 65, "c")]
+    g = mod.idle_gaps(k, steps=2)
+    assert [(r["before"], r["after"], r["count"], r["idle"]) for r in g] == [("c", "a", 0.5, 7.5), ("a", "b", 1.0, 2.0)]
+    assert mod.idle_gaps(k, steps=2, top=1) == g[:1] and mod.idle_gaps([], steps=1) == []
