@@ -6,6 +6,7 @@ report` work from any directory); `rel()` turns one into the repo-relative form 
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +78,7 @@ PLAN_CHECK = H200 / "plan" / "check.json"
 
 # scripts/gate_check.sh's runs (the regression gate's own check), one entry per machine: scripts/gate_check_record.py.
 GATE_CHECK = H200 / "gate" / "check.json"
+BASELINE = ROOT / "baselines.json"  # the regression gate's baseline (docs/benchmarks.md); GATE_CHECK names its sha256
 
 # `anatomy train` on the seed config, baseline and efficient, from the same weights and data.
 LOSS_CURVES = H200 / "training" / "loss-curves-seed.json"
@@ -102,3 +104,8 @@ def command(cmd: str | None) -> str:
     import re
 
     return re.sub(r"(?<![\w.])/[^\s`'\"]*/([^\s/`'\"]+)", r"out/\1", cmd or "")
+
+
+def sha256(path: Path) -> str:
+    """A file's SHA-256, hex: which baseline a gate run compared against (GATE_CHECK's baseline_sha256)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -7,7 +7,9 @@
 Each WORK is a copy of gate_check.sh's folder (its OUT) from one machine: gate_check.json, each run's report
 (<run>.json), baseline.json and env.json. The summary is the last WORK's gate_check.json (gate_check.sh writes
 it over every run in its folder); the run reports, the baseline and env.json are looked up in every WORK, in
-order. The GPU's facts come from env.json, else from the baseline's extra_info with --driver and --date.
+order. The GPU's facts come from env.json, else from the baseline's extra_info with --driver and --date. The
+entry names the baseline its runs compared against by SHA-256 (WORK's baseline.json, else the committed
+baselines.json): anatomy/report/gate.py counts only the runs against the committed one.
 Each slowed run's row gains, when its summary lacks them, `called` (the benchmarks whose work called the
 target: extra_info["slowdown_calls"]) and `factor`, so the record alone shows which failures the gate's rules
 allow; the unmodified row gains the session's reference times (`refs`). Each --suite is the claims report
@@ -82,6 +84,7 @@ def machine_entry(works: list[Path], commands: list[str], label: str, driver: st
     tree = base or json.loads(_find(works, f"{next(iter(runs))}.json").read_text())
     return dict(label=label, **facts, commit=tree.get("commit_info", {}).get("id"),
                 baseline_recorded_here=_find(works, "record.log") is not None,
+                baseline_sha256=records.sha256(base_path or records.BASELINE),
                 commands=[records.command(c) for c in commands], threshold_pct=summary["threshold_pct"],
                 runs=runs, ok=summary["ok"], suites=[suite_row(p) for p in suites])
 

@@ -214,6 +214,8 @@ def test_gate_check_record_adds_a_machine(tmp_path):
     absolute path in a command is cut to out/<name>; without a driver it is a one-line error, exit 2."""
     from gate_check_record import main as record
 
+    from anatomy import records
+
     names = list(BASE)
     work = tmp_path / "w"
     work.mkdir()
@@ -236,6 +238,7 @@ def test_gate_check_record_adds_a_machine(tmp_path):
     assert [m["label"] for m in doc["machines"]] == ["machine 1", "machine 2"]
     m = doc["machines"][0]
     assert (m["gpu"], m["driver"], m["date"], m["commit"]) == ("G", "580", "2026-12-01", "abc")
+    assert m["baseline_sha256"] == records.sha256(work / "baseline.json")  # the baseline its runs compared against
     assert m["commands"] == ["OUT=out/out bash scripts/gate_check.sh"]
     assert m["runs"]["rms_norm"]["called"] == sorted([names[0], names[3]]) and m["runs"]["rms_norm"]["factor"] == 1.075
     (work / "env.json").write_text(json.dumps(dict(gpu="H", driver="590", torch="t2", cuda="c2", cudnn=2,
@@ -284,7 +287,7 @@ def test_the_gate_section_says_what_is_not_shown(tmp_path, monkeypatch):
                                                {names[0]: 1, names[1]: 1}), 1)}, 5.0)
     good["runs"]["rms_norm"]["factor"] = stray["runs"]["rms_norm"]["factor"] = 1.075
     facts = dict(gpu="G", driver="d", torch="t", cuda="c", cudnn=91900, triton="tr", date="2026-12-01", commands=["x"],
-                 threshold_pct=5.0, commit="abc")
+                 threshold_pct=5.0, commit="abc", baseline_sha256=records.sha256(records.BASELINE))
     m1 = dict(facts, label="machine 1", baseline_recorded_here=True, runs=dict(good["runs"], **stray["runs"]), ok=False)
     path = tmp_path / "check.json"
     monkeypatch.setattr(records, "GATE_CHECK", path)
@@ -348,6 +351,12 @@ def test_the_gate_section_says_what_is_not_shown(tmp_path, monkeypatch):
     doc["machines"][2]["runs"]["unmodified"]["ratio"][kernel] = 0.98  # 0.98 x 1.075 > 1.05: still caught
     path.write_text(json.dumps(doc))
     assert "guards the newest tree" not in gate.summary()
+    # a machine gated against another baseline (one re-recorded since) counts for nothing here, and is named
+    doc["machines"][0] = dict(doc["machines"][0], baseline_sha256="0" * 64)
+    path.write_text(json.dumps(doc))
+    text = gate.summary()
+    assert "Left out, gated against an earlier baseline: m1." in text and "| m1 |" not in text
+    assert "1 more fresh machine" in text and gate.gate_threshold(gate.current(doc)) is None
     # a slowdown shown at 4% counts at 4% only: with swiglu missing there, the gate stays at 5%
     doc["machines"] = [fresh(1.02, 5.0, ("rms_norm", "swiglu"), f"m{i}") for i in (1, 2)] + [fresh(1.02, 4.0, ("rms_norm",), "m3")]
     path.write_text(json.dumps(doc))
@@ -359,7 +368,7 @@ def test_the_ci_workflow_gates_at_the_recorded_threshold():
     """.github/workflows/gpu.yml runs the design card's command at the threshold the committed record proves."""
     from anatomy.report import gate
 
-    t = gate.gate_threshold(_gate_record())
+    t = gate.gate_threshold(gate.current(_gate_record()))
     assert t is not None and f"--benchmark-compare-fail=median:{t:g}%" in (ROOT / ".github/workflows/gpu.yml").read_text()
 
 

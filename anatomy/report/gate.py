@@ -128,16 +128,26 @@ def _spread(machines: list[dict]) -> str:
             f"{figs}; {verdict}")
 
 
+def current(doc: dict, baseline: str | None = None) -> dict:
+    """The record with only the machines whose runs compared against `baseline` (a SHA-256; default the
+    committed baselines.json's): a gate verdict holds for one baseline, and a re-recorded one starts anew."""
+    baseline = baseline or records.sha256(records.BASELINE)
+    return dict(doc, machines=[m for m in doc["machines"] if m.get("baseline_sha256") == baseline])
+
+
 def summary() -> str:
     """The section's markdown: the runs' table, each machine's facts and commands, then what is shown and
-    what is not, stated from the record alone."""
-    doc = json.loads(records.GATE_CHECK.read_text())
+    what is not, stated from the record alone, over the machines gated against the committed baseline."""
+    full = json.loads(records.GATE_CHECK.read_text())
+    doc = current(full)
     machines, targets = doc["machines"], doc["targets"]
+    earlier = [m["label"] for m in full["machines"] if m not in machines]
     lines = [f"The gate's own check (`scripts/gate_check.sh`, [docs/benchmarks.md](docs/benchmarks.md)), from "
              f"`{records.rel(records.GATE_CHECK)}`: each run is the design card's command over every benchmark "
              "against `baselines.json`; a slowed run adds a calibrated spin after every call of one kernel "
              "(`ANATOMY_SLOWDOWN`, 1 + 1.5 x the threshold). \"failed\" is past the threshold; the ratio is "
-             "the run's median over the baseline's.", "",
+             "the run's median over the baseline's."
+             + (f" Left out, gated against an earlier baseline: {', '.join(earlier)}." if earlier else ""), "",
              "| machine | run | threshold | slowdown | failed of gated | own benchmarks failed | others failed | max ratio |",
              "|---|---|---:|---:|---:|---:|---|---:|"]
     lines += [_row(m["label"], run, row, m["threshold_pct"]) for m in machines for run, row in m["runs"].items()]
