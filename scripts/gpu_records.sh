@@ -77,8 +77,9 @@ if [ -n "${ONLY:-}" ]; then
     done; done' "$R"
   # the compiled AdEMAMix step: how long the GPU waits for its call (issue 25's one failed claim; docs/timing.md)
   part optimizer-host 200 python3 scripts/probe_optimizer_host.py --json "$R/optimizer-host.json"
-  # the fused CE's parts, with backward's scale kernel and the row kernel at each block width (issue 26)
-  part linear-ce 300 python3 bench/linear_ce.py --chunks 0 --breakdown --row-blocks 0,4096,8192,16384,32768 \
+  # the fused CE's parts, with backward's scale kernel and the row kernel at each block width, and 8,192-row
+  # chunks beside the rule's 4,096 (half the grad_w accumulation passes for 1 GiB more logits; issue 26)
+  part linear-ce 300 python3 bench/linear_ce.py --chunks 0,8192 --breakdown --row-blocks 0,4096,8192,16384,32768 \
     --json "$R/linear-ce.json"
 fi
 echo done
