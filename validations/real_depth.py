@@ -147,6 +147,7 @@ def preset_cases(capacity: int = H200_CAPACITY, batch: int = 1, seq: int = 4096)
 
 
 # ---- the comparison (CPU): committed user-loop rows against estimate_time --------------------------------
+QUANTITIES = ("forward_backward", "step", "wall")  # the claims of claim()
 TOL = {"GPU time, forward+backward": 0.10, "GPU time, step": 0.10, "wall step (GPU-bound)": 0.10}
 COMPONENT_TOL, COMPONENT_SHARE, GPU_BOUND_BUSY = 0.15, 0.05, 0.90
 
@@ -186,6 +187,28 @@ def row_errors(row: dict, gpu) -> dict[str, float]:
             if c["ms"] >= COMPONENT_SHARE * total and comp in res["components"]:
                 out[f"{comp} {ph}"] = res["components"][comp][f"{ph}_s"] * 1e3 / c["ms"] - 1
     return out
+
+
+def claim(row: dict, what: str, gpu, note: str) -> dict | str:
+    """The claim `what` (QUANTITIES) on one user-loop row against `gpu`: claim, predicted and measured ms,
+    tolerance and note (`note` and the prediction's sustained weight and GPU busy fraction); or, for the wall
+    step of a row the model calls host-bound, why it is not claimed."""
+    res = predicted(row, gpu)
+    busy = predicted_busy(res)
+    note = f"{note}; sustained weight {res['sustained']['weight']:.2f}; GPU busy {busy:.0%} predicted"
+    if what == "forward_backward":
+        return dict(claim="time.real_depth.gpu.forward_backward", note=note,
+                    predicted=(res["phases"]["forward"]["gpu_s"] + res["phases"]["backward"]["gpu_s"]) * 1e3,
+                    measured=row["kernels"]["forward_backward_ms"], tolerance=TOL["GPU time, forward+backward"])
+    if what == "step":
+        return dict(claim="time.real_depth.gpu.step", predicted=res["gpu_s"] * 1e3, measured=row["kernels"]["step_ms"],
+                    tolerance=TOL["GPU time, step"], note=note)
+    pred = res["steady"]["step_s"] * 1e3
+    if busy < GPU_BOUND_BUSY:
+        return (f"host-bound by the model (GPU busy {busy:.0%} < 90%; measured {row['gpu_busy']:.0%}): "
+                f"predicted {pred:.1f} ms, measured {row['wall']['step_ms']:.1f} ms; reported, not claimed")
+    return dict(claim="time.real_depth.step", predicted=pred, measured=row["wall"]["step_ms"],
+                tolerance=TOL["wall step (GPU-bound)"], note=note)
 
 
 def clock_weight(row: dict, gpu) -> float | None:

@@ -24,7 +24,6 @@ import pytest
 from validations import real_depth
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-QUANTITIES = ("forward_backward", "step", "wall")
 _MEASURED: dict[str, dict] = {}  # case id -> its row, measured once for its three claims
 
 
@@ -53,29 +52,8 @@ def _measure(case: real_depth.Case) -> dict:
     return _MEASURED[case.id]
 
 
-def claim_of(row: dict, what: str, profile, label: str) -> dict | str:
-    """The claim `what` (QUANTITIES) on one user-loop row against `profile`: claim, predicted and measured ms,
-    tolerance and note; or, for the wall step of a case the model calls host-bound, why it is not claimed."""
-    res = real_depth.predicted(row, profile)
-    busy = real_depth.predicted_busy(res)
-    note = f"live, profile {label}; sustained weight {res['sustained']['weight']:.2f}; GPU busy {busy:.0%} predicted"
-    if what == "forward_backward":
-        return dict(claim="time.real_depth.gpu.forward_backward", note=note,
-                    predicted=(res["phases"]["forward"]["gpu_s"] + res["phases"]["backward"]["gpu_s"]) * 1e3,
-                    measured=row["kernels"]["forward_backward_ms"], tolerance=real_depth.TOL["GPU time, forward+backward"])
-    if what == "step":
-        return dict(claim="time.real_depth.gpu.step", predicted=res["gpu_s"] * 1e3, measured=row["kernels"]["step_ms"],
-                    tolerance=real_depth.TOL["GPU time, step"], note=note)
-    pred = res["steady"]["step_s"] * 1e3
-    if busy < real_depth.GPU_BOUND_BUSY:
-        return (f"host-bound by the model (GPU busy {busy:.0%} < 90%; measured {row['gpu_busy']:.0%}): "
-                f"predicted {pred:.1f} ms, measured {row['wall']['step_ms']:.1f} ms; reported, not claimed")
-    return dict(claim="time.real_depth.step", predicted=pred, measured=row["wall"]["step_ms"],
-                tolerance=real_depth.TOL["wall step (GPU-bound)"], note=note)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("what", QUANTITIES)
+@pytest.mark.parametrize("what", real_depth.QUANTITIES)
 def test_real_depth_time_on_this_gpu(live_case, what, claims, cuda_device, suite_profile):
     """One drawn real-depth case, measured in the user's loop now, against estimate_time on the suite's profile."""
     import gc
@@ -90,7 +68,8 @@ def test_real_depth_time_on_this_gpu(live_case, what, claims, cuda_device, suite
     if need > real_depth.HEADROOM * free:
         pytest.skip(f"predicted not to fit: {need / 2**30:,.1f} GiB at the peak with AdamW, over "
                     f"{real_depth.HEADROOM:.0%} of the {free / 2**30:,.1f} GiB free of {total / 2**30:,.1f}")
-    c = claim_of(_measure(case), what, profile, label)
+    row = _measure(case)
+    c = real_depth.claim(row, what, profile, f"live, profile {label}")
     if isinstance(c, str):
         pytest.skip(c)
     claims.check(c["claim"], component="step", config=f"{case.id} (live)", variant=case.variant,
@@ -100,7 +79,7 @@ def test_real_depth_time_on_this_gpu(live_case, what, claims, cuda_device, suite
 
 # ---- on CPU: the wiring ---------------------------------------------------------------------------------
 def test_claims_read_a_user_loop_row_as_the_record_tests_do():
-    """claim_of on committed user-loop rows gives the predictions and measurements test_real_depth.py checks."""
+    """real_depth.claim on committed user-loop rows: the predictions and measurements of the quantities."""
     from validations.test_real_depth import ROWS
 
     rows = [r for r in ROWS if r is not None][:6]
@@ -108,11 +87,11 @@ def test_claims_read_a_user_loop_row_as_the_record_tests_do():
         pytest.skip("no committed user-loop record")
     for r in rows:
         res = real_depth.predicted(r, r["gpu"])
-        fb, st = claim_of(r, "forward_backward", r["gpu"], "x"), claim_of(r, "step", r["gpu"], "x")
+        fb, st = real_depth.claim(r, "forward_backward", r["gpu"], "x"), real_depth.claim(r, "step", r["gpu"], "x")
         assert fb["predicted"] == pytest.approx((res["phases"]["forward"]["gpu_s"] + res["phases"]["backward"]["gpu_s"]) * 1e3)
         assert (fb["measured"], st["measured"]) == (r["kernels"]["forward_backward_ms"], r["kernels"]["step_ms"])
         assert st["predicted"] == pytest.approx(res["gpu_s"] * 1e3)
-        wall = claim_of(r, "wall", r["gpu"], "x")
+        wall = real_depth.claim(r, "wall", r["gpu"], "x")
         assert isinstance(wall, str) == (real_depth.predicted_busy(res) < real_depth.GPU_BOUND_BUSY)
 
 
