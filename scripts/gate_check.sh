@@ -27,7 +27,7 @@ FACTOR=${FACTOR:-$(python3 -c "print(round(1 + 1.5 * $THRESHOLD / 100, 6))")}
 ALL_TARGETS="rms_norm swiglu gpt_oss rope_qkv linear_ce attention adamw fused_ademamix"
 RUNS=${RUNS:-unmodified $ALL_TARGETS}
 DEADLINE_S=${DEADLINE_S:-560}
-read -r -a SELECT <<< "${SELECT:-validations/test_benchmarks.py validations/test_bench_kernels.py validations/test_optim.py::test_step_bandwidth}"
+read -r -a SELECT <<< "${SELECT:-validations/test_bench_kernels.py validations/test_benchmarks.py validations/test_optim.py::test_step_bandwidth}"
 ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(-m gpu)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 unset ANATOMY_SLOWDOWN
