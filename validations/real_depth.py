@@ -195,7 +195,9 @@ def claim(row: dict, what: str, gpu, note: str) -> dict | str:
     step of a row the model calls host-bound, why it is not claimed."""
     res = predicted(row, gpu)
     busy = predicted_busy(res)
-    note = f"{note}; sustained weight {res['sustained']['weight']:.2f}; GPU busy {busy:.0%} predicted"
+    cw, mhz = clock_weight(row, gpu), (row.get("clocks") or {}).get("sm_mhz")
+    seen = f" (the row's SM clock, {mhz:.0f} MHz, implies {cw:.2f})" if cw is not None else ""
+    note = f"{note}; sustained weight {res['sustained']['weight']:.2f}{seen}; GPU busy {busy:.0%} predicted"
     if what == "forward_backward":
         return dict(claim="time.real_depth.gpu.forward_backward", note=note,
                     predicted=(res["phases"]["forward"]["gpu_s"] + res["phases"]["backward"]["gpu_s"]) * 1e3,

@@ -10,7 +10,8 @@ launch of this one), and is predicted with the suite's profile (conftest.py suit
   time.real_depth.gpu.forward_backward, time.real_depth.gpu.step   kernel time within ±10%
   time.real_depth.step        the wall-clock step within ±10% where the model calls the case GPU-bound
 A case the calculator does not fit in this GPU's free memory (the same 85% rule as the draw's) is skipped,
-quoting its peak.
+quoting its peak. The measured rows (clocks and per-component kernel times included) are written beside the
+claims report as real-depth-live.json.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from validations import real_depth
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 _MEASURED: dict[str, dict] = {}  # case id -> its row, measured once for its three claims
+LIVE_ROWS = "real-depth-live.json"  # the measured rows, beside the claims report
 
 
 def pytest_generate_tests(metafunc):
@@ -34,14 +36,15 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("live_case", cases, ids=[c.id for c in cases])
 
 
-def _measure(case: real_depth.Case) -> dict:
-    """The case's row as scripts/user_loop.py records it, from a process of its own."""
+def _measure(case: real_depth.Case, keep: Path | None = None) -> dict:
+    """The case's row as scripts/user_loop.py records it (with its components' kernel times), from a process of
+    its own; every row measured so far is written to `keep` (JSON), so a miss can be read after the run."""
     if case.id not in _MEASURED:
         row = dict(id=case.id, cfg=case.cfg.to_dict(), batch=case.run.batch, seq=case.run.seq,
                    recompute=case.run.recompute, variant=case.variant, optimizer="adamw")
         code = (f"import json, sys; sys.path.insert(0, {str(SCRIPTS)!r}); import user_loop; "
                 "from validations.real_depth import case_of; "
-                "print(json.dumps(user_loop.measure(case_of(json.loads(sys.argv[1])), False)))")
+                "print(json.dumps(user_loop.measure(case_of(json.loads(sys.argv[1])), True)))")
         out = subprocess.run([sys.executable, "-c", code, json.dumps(row)], capture_output=True, text=True,
                              timeout=300)
         if out.returncode != 0:
@@ -49,12 +52,15 @@ def _measure(case: real_depth.Case) -> dict:
             pytest.fail(f"{case.id}: the user's loop exited {out.returncode}: {last}", pytrace=False)
         row.update(json.loads(out.stdout.strip().splitlines()[-1]))
         _MEASURED[case.id] = row
+        if keep is not None:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            keep.write_text(json.dumps(dict(rows=list(_MEASURED.values())), indent=1) + "\n")
     return _MEASURED[case.id]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("what", real_depth.QUANTITIES)
-def test_real_depth_time_on_this_gpu(live_case, what, claims, cuda_device, suite_profile):
+def test_real_depth_time_on_this_gpu(live_case, what, claims, cuda_device, suite_profile, request):
     """One drawn real-depth case, measured in the user's loop now, against estimate_time on the suite's profile."""
     import gc
 
@@ -68,7 +74,7 @@ def test_real_depth_time_on_this_gpu(live_case, what, claims, cuda_device, suite
     if need > real_depth.HEADROOM * free:
         pytest.skip(f"predicted not to fit: {need / 2**30:,.1f} GiB at the peak with AdamW, over "
                     f"{real_depth.HEADROOM:.0%} of the {free / 2**30:,.1f} GiB free of {total / 2**30:,.1f}")
-    row = _measure(case)
+    row = _measure(case, Path(request.config.getoption("--claims-report")).with_name(LIVE_ROWS))
     c = real_depth.claim(row, what, profile, f"live, profile {label}")
     if isinstance(c, str):
         pytest.skip(c)
@@ -106,3 +112,22 @@ def test_the_loop_process_imports_and_names_its_failure():
     _MEASURED.pop(case.id, None)
     with pytest.raises(pytest.fail.Exception, match=rf"{case.id}: the user's loop exited 1: .*(CUDA|cuda|GPU|NVIDIA)"):
         _measure(case)
+
+
+def test_the_measured_rows_are_kept_beside_the_claims_report(tmp_path, monkeypatch):
+    """_measure writes every row measured so far to `keep` (real-depth-live.json beside the claims report),
+    the loop's own figures merged into the case's, so a missed claim can be read after the run."""
+    import types
+
+    case = real_depth.draw(1, 2026)[0]
+    _MEASURED.pop(case.id, None)
+    loop = dict(wall=dict(step_ms=100.0), clocks=dict(sm_mhz=1700.0), kernels=dict(step_ms=99.0))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(
+        returncode=0, stdout="noise\n" + json.dumps(loop) + "\n", stderr=""))
+    keep = tmp_path / "out" / LIVE_ROWS
+    try:
+        row = _measure(case, keep)
+    finally:
+        _MEASURED.pop(case.id, None)
+    kept = json.loads(keep.read_text())["rows"]
+    assert kept == [row] and row["id"] == case.id and row["clocks"] == loop["clocks"] and row["variant"] == case.variant
