@@ -104,3 +104,65 @@ def test_bad_sustained_measurements_are_one_line_errors(path, value):
 def test_warmup_flag_is_checked_before_cuda(capsys):
     assert calibrate.main(["--warmup-s", "0.1"]) == 2
     assert "--warmup-s" in capsys.readouterr().err
+
+
+class _FakeEvent:
+    """A CUDA event on a fake GPU clock: record() stamps the clock, elapsed_time() is in ms."""
+
+    def __init__(self, gpu):
+        self.gpu = gpu
+
+    def record(self):
+        self.t = self.gpu["t"]
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def test_settle_stops_when_the_rate_settles(monkeypatch):
+    """settle: one trace row per chunk after the first two, the rate is work x chunk over the chunk's GPU time,
+    and it stops once the last SETTLE_S of rates spreads within SETTLE_TOL after min_s (a fake load whose
+    chunks slow from 1.0 to 1.25 ms and stay there; a fake wall clock moving 10 ms per chunk)."""
+    from anatomy.measure import calibrate_sustained as cs
+
+    gpu, wall, calls = {"t": 0.0}, {"t": 0.0}, []
+
+    def fn():  # each call: 0.1 ms, slowing by 25% over the first 40 chunks' calls
+        calls.append(1)
+        gpu["t"] += 1e-4 * (1 + 0.25 * min(1.0, len(calls) / 400))
+        wall["t"] += 1e-3
+
+    monkeypatch.setattr(cs.time, "monotonic", lambda: wall["t"])
+    trace, settled = cs.settle(fn, 2.0, lambda: (1500.0, 690.0), max_s=30.0, min_s=1.5, chunk=10,
+                               event=lambda: _FakeEvent(gpu), sync=lambda: None)
+    assert settled and 1.5 <= trace[-1]["t_s"] < 30.0
+    assert trace[-1]["rate"] == pytest.approx(2.0 * 10 / 1.25e-3, rel=1e-6)
+    assert trace[0]["rate"] > trace[-1]["rate"] and trace[-1]["clock_MHz"] == 1500.0
+    short, ok = cs.settle(fn, 2.0, lambda: (None, None), max_s=0.05, min_s=1.5, chunk=10,
+                          event=lambda: _FakeEvent(gpu), sync=lambda: None)
+    assert not ok and short[-1]["t_s"] >= 0.05 and short[-1]["power_W"] is None
+
+
+def test_the_power_probe_summarizes_and_refuses_without_a_gpu(tmp_path, capsys):
+    """scripts/probe_power.py: summary() takes the first chunk as the burst and the medians of the last second;
+    bad arguments and a machine without a GPU are one line each, exit 2."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "scripts"))
+    import probe_power
+
+    trace = [dict(t_s=0.1 * i, rate=10.0 - min(i, 5), clock_MHz=1980.0 - 10 * min(i, 5), power_W=700.0)
+             for i in range(1, 30)]
+    s = probe_power.summary(trace)
+    assert (s["burst_rate"], s["burst_clock_MHz"], s["rate"], s["clock_MHz"], s["power_W"]) == (9.0, 1970.0, 5.0,
+                                                                                                1930.0, 700.0)
+    assert probe_power.main(["--out", str(tmp_path / "p.json"), "--max-s", "0"]) == 2
+    assert "--max-s" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        assert probe_power.main(["--out", str(tmp_path / "p.json")]) == 2
+        assert capsys.readouterr().err.strip() == "probe_power: error: needs a CUDA GPU; this machine has none"

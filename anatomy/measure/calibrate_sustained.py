@@ -193,39 +193,54 @@ def _regime(cases, read, idle_s: float = 0.0) -> dict:
     return out
 
 
+def settle(fn, work: float, read, max_s: float, min_s: float = MIN_WARMUP_S, chunk: int = 10,
+           event=None, sync=None) -> tuple[list[dict], bool]:
+    """Back-to-back chunks of `chunk` calls of fn (each `work` units: FLOPs or bytes) until the chunk rate
+    settles (its spread over the last SETTLE_S within SETTLE_TOL, after min_s) or max_s: [{t_s, rate,
+    clock_MHz, power_W}] per chunk, and whether it settled. The host waits for chunk i-1 while chunk i runs,
+    so the GPU never idles. event/sync are injectable for the CPU tests."""
+    if event is None or sync is None:
+        import torch
+
+        event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        sync = sync or torch.cuda.synchronize
+    events = [event()]
+    events[0].record()
+    t0, trace, settled = time.monotonic(), [], False
+    while True:
+        for _ in range(chunk):
+            fn()
+        events.append(event())
+        events[-1].record()
+        if len(events) < 3:
+            continue
+        events[-2].synchronize()  # chunk i-1 done; chunk i still queued
+        clock, power = read()
+        ms = events[-3].elapsed_time(events[-2])
+        trace.append(dict(t_s=round(time.monotonic() - t0, 4), rate=work * chunk / (ms * 1e-3), clock_MHz=clock,
+                          power_W=power))
+        t = trace[-1]["t_s"]
+        last = [r["rate"] for r in trace if r["t_s"] >= t - SETTLE_S]
+        if t >= min_s and len(last) >= 3 and max(last) / min(last) - 1 <= SETTLE_TOL:
+            settled = True
+        if settled or t >= max_s:
+            break
+        events = events[-2:]
+    sync()
+    return trace, settled
+
+
 def warm_up(read, warmup_s: float, chunk: int = 10) -> tuple[list[dict], bool]:
-    """Back-to-back chunks of 8192^3 GEMMs until the rate settles (or warmup_s): [{t_s, tflops, clock_MHz,
-    power_W}] per chunk, and whether it settled. The host waits for chunk i-1 while chunk i runs."""
+    """8192^3 GEMMs back to back until their rate settles (settle): [{t_s, tflops, clock_MHz, power_W}] per
+    chunk, and whether it settled."""
     import torch
 
     n = GEMM_N
     bf = dict(device="cuda", dtype=torch.bfloat16)
     A, B, C = torch.randn(n, n, **bf), torch.randn(n, n, **bf), torch.empty(n, n, **bf)
-    flops = 2 * n ** 3 * chunk
-    events = [torch.cuda.Event(enable_timing=True)]
-    events[0].record()
-    t0, trace, settled = time.monotonic(), [], False
-    while True:
-        for _ in range(chunk):
-            torch.mm(A, B, out=C)
-        events.append(torch.cuda.Event(enable_timing=True))
-        events[-1].record()
-        if len(events) < 3:
-            continue
-        events[-2].synchronize()  # chunk i-1 done; chunk i still queued: the GPU never idles
-        clock, power = read()
-        ms = events[-3].elapsed_time(events[-2])
-        trace.append(dict(t_s=round(time.monotonic() - t0, 4), tflops=flops / (ms * 1e-3) / 1e12, clock_MHz=clock,
-                          power_W=power))
-        t = trace[-1]["t_s"]
-        last = [r["tflops"] for r in trace if r["t_s"] >= t - SETTLE_S]
-        if t >= MIN_WARMUP_S and len(last) >= 3 and max(last) / min(last) - 1 <= SETTLE_TOL:
-            settled = True
-        if settled or t >= warmup_s:
-            break
-        events = events[-2:]
-    torch.cuda.synchronize()
-    return trace, settled
+    trace, settled = settle(lambda: torch.mm(A, B, out=C), 2 * n ** 3, read, warmup_s, chunk=chunk)
+    return [dict(t_s=r["t_s"], tflops=r["rate"] / 1e12, clock_MHz=r["clock_MHz"], power_W=r["power_W"])
+            for r in trace], settled
 
 
 def measure_sustained(warmup_s: float = 8.0) -> dict:
