@@ -81,5 +81,8 @@ if [ -n "${ONLY:-}" ]; then
   # chunks beside the rule's 4,096 (half the grad_w accumulation passes for 1 GiB more logits; issue 26)
   part linear-ce 300 python3 bench/linear_ce.py --chunks 0,8192 --breakdown --row-blocks 0,4096,8192,16384,32768 \
     --json "$R/linear-ce.json"
+  # each kernel class's own sustained load, its settled SM clock and board power (the sustained regime's
+  # miss on real-depth steps: power, not length, sets the clock; docs/timing.md)
+  part power 60 python3 scripts/probe_power.py --out "$R/power.json"
 fi
 echo done
