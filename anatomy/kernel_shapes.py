@@ -95,28 +95,42 @@ def lce_chunk_rows(tokens: int, hidden: int, vocab: int, logit_bytes: int = 2) -
     return min(tokens, max(chunk_rows(tokens, hidden, vocab), min(C_MIN, fit)))
 
 
-def lce_forward_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4, chunk: int = 0) -> dict[str, int]:
+def lce_vocab(vocab: int, align: int = 1) -> int:
+    """The vocabulary the op's GEMMs run over: vocab rounded up to a multiple of `align`. A GEMM dimension that
+    is not a multiple of 8 bf16 elements runs at a third of the rate or less (calibrate's matmul_misaligned);
+    with align 8 the op casts the weight into a zero-padded (V', H) buffer, and the pad columns' logits and
+    gradients are exact zeros (anatomy/kernels/linear_ce.py)."""
+    return -(-vocab // align) * align
+
+
+def lce_forward_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4, chunk: int = 0,
+                      align: int = 1) -> dict[str, int]:
     """Every tensor one training call allocates on CUDA, in bytes (the table above), keyed by
-    the names above. c: bytes of the compute dtype; p: bytes of the weight's dtype."""
-    T, H, V = tokens, hidden, vocab
+    the names above. c: bytes of the compute dtype; p: bytes of the weight's dtype; align: lce_vocab's."""
+    T, H, V = tokens, hidden, lce_vocab(vocab, align)
     C = chunk or lce_chunk_rows(T, H, V, c)  # chunk: the op's override, 0 for the rule
-    return {"valid": T, "n": 4, "scale": 4, "weight_cast": V * H * c if p != c else 0, "losses": T * 4,
+    cast = p != c or V != vocab  # a padded vocabulary needs the padded copy even without a cast
+    return {"valid": T, "n": 4, "scale": 4, "weight_cast": V * H * c if cast else 0, "losses": T * 4,
             "grad_x": T * H * c, "grad_w": V * H * p, "logits": min(C, T) * V * c, "loss_sum": 16, "loss": 4}
 
 
-def lce_peak_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4, chunk: int = 0) -> int:
+def lce_peak_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4, chunk: int = 0,
+                   align: int = 1) -> int:
     """The most bytes one training call holds at once (the table above), its saved tensors included."""
-    return sum(lce_forward_bytes(tokens, hidden, vocab, c, p, chunk).values()) - tokens
+    return sum(lce_forward_bytes(tokens, hidden, vocab, c, p, chunk, align).values()) - tokens
 
 
-def lce_saved_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4) -> int:
-    """Bytes autograd keeps for backward: grad_x (T, H) in the compute dtype and grad_w (V, H) in the weight's."""
-    return tokens * hidden * c + vocab * hidden * p
+def lce_saved_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4, align: int = 1) -> int:
+    """Bytes autograd keeps for backward: grad_x (T, H) in the compute dtype and grad_w (V, H) in the weight's
+    (a view of its (V', H) accumulator where the vocabulary is padded)."""
+    return tokens * hidden * c + lce_vocab(vocab, align) * hidden * p
 
 
-def lce_transient_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4, chunk: int = 0) -> int:
+def lce_transient_bytes(tokens: int, hidden: int, vocab: int, c: int = 2, p: int = 4, chunk: int = 0,
+                        align: int = 1) -> int:
     """Bytes alive at the forward's peak beyond its saved tensors and the loss."""
-    return lce_peak_bytes(tokens, hidden, vocab, c, p, chunk) - lce_saved_bytes(tokens, hidden, vocab, c, p) - 4
+    return (lce_peak_bytes(tokens, hidden, vocab, c, p, chunk, align)
+            - lce_saved_bytes(tokens, hidden, vocab, c, p, align) - 4)
 
 
 RMS_MIN_ROWS = 4  # rows per program at least (the kernels' _dispatch.MIN_ROWS_PER_PROGRAM)

@@ -163,7 +163,7 @@ def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown, row_blocks
 
     rows, results = [], {}
     flops = 6 * T * H * V
-    for name, fn, chunk in impls:
+    for name, fn, chunk, align in impls:
         ms, steady = timed(clock, lambda i, fn=fn: step(fn, i), reps)
         peak, syncs, site = peak_and_syncs(dev, lambda fn=fn: step(fn, 0), lambda: setattr(w, "grad", None) or [
             setattr(x, "grad", None) for x, _ in sets])
@@ -173,7 +173,8 @@ def bench_shape(T, H, V, impls, clock, dev, reps, ceiling, breakdown, row_blocks
                  tflop_s=flops / (ms / 1e3) / 1e12, frac_ceiling=flops / (ms / 1e3) / ceiling,
                  peak_mib=peak, host_syncs=syncs, first_sync_at=site)
         if name.startswith("ours"):
-            r["predicted_peak_mib"] = peak_bytes(T, H, V, 2, 4, chunk) / 2 ** 20  # backward adds nothing
+            r["align"] = align
+            r["predicted_peak_mib"] = peak_bytes(T, H, V, 2, 4, chunk, align) / 2 ** 20  # backward adds nothing
             if breakdown:
                 r["breakdown_ms"] = chunk_breakdown(T, H, V, chunk or chunk_rows(T, H, V), w, sets[0], clock, reps,
                                                     row_blocks)
@@ -267,6 +268,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", help=f"TxHxV,... (default {SHAPES}; --dry-run {DRY_SHAPES})")
     p.add_argument("--chunks", default="0", help="rows per chunk for ours, comma-separated; 0 is the rule")
+    p.add_argument("--aligns", default="1", help="ours with the vocabulary padded to a multiple of each (comma-"
+                   "separated; 1 pads nothing): kernel_shapes.lce_vocab")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-liger", action="store_true")
     p.add_argument("--breakdown", action="store_true", help="time each part of one chunk of ours alone")
@@ -277,11 +280,13 @@ def main(argv=None):
     a = p.parse_args(argv)
     try:
         chunks = [int(c) for c in a.chunks.split(",")]
+        aligns = [int(v) for v in a.aligns.split(",")]
+        assert all(v >= 1 for v in aligns)
         blocks = [int(b) for b in a.row_blocks.split(",") if b]
         assert all(c >= 0 for c in chunks) and a.reps >= 10 and all(b == 0 or b & (b - 1) == 0 for b in blocks)
     except (ValueError, AssertionError):
-        p.exit(2, "bench/linear_ce.py: --chunks wants non-negative ints, --row-blocks 0 or powers of two, --reps "
-                  "at least 10\n")
+        p.exit(2, "bench/linear_ce.py: --chunks wants non-negative ints, --aligns positive ints, --row-blocks 0 or "
+                  "powers of two, --reps at least 10\n")
     shapes = parse_shapes(a.shapes or (DRY_SHAPES if a.dry_run else SHAPES))
     if shapes is None:
         p.exit(2, f"bench/linear_ce.py: --shapes wants TxHxV[,TxHxV...] with positive ints, got {a.shapes!r}\n")
@@ -292,11 +297,12 @@ def main(argv=None):
     ceiling = matmul_ceiling(clock, 256 if a.dry_run else 8192, dev)
     bw = copy_bandwidth(clock, 1 << 16 if a.dry_run else 1 << 30, dev)
     print(f"ceilings: bf16 matmul {ceiling / 1e12:.1f} TFLOP/s, copy {bw / 1e12:.2f} TB/s", flush=True)
-    impls = [("ours" if c == 0 else f"ours-c{c}", lambda x, w, t, c=c: linear_cross_entropy(x, w, t, chunk=c), c)
-             for c in chunks]
+    impls = [("ours" + (f"-c{c}" if c else "") + (f"-a{v}" if v != 1 else ""),
+              lambda x, w, t, c=c, v=v: linear_cross_entropy(x, w, t, chunk=c, align=v), c, v)
+             for v in aligns for c in chunks]
     liger = None if a.no_liger or (a.dry_run and not _triton_on_cpu()) else liger_fn()
     if liger is not None:
-        impls.append(("liger", liger, 0))
+        impls.append(("liger", liger, 0, 1))
     elif not a.no_liger and not a.dry_run:
         p.exit(2, "bench/linear_ce.py: liger_kernel is not importable (pip install liger-kernel, or --no-liger)\n")
     rows = []

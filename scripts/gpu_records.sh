@@ -81,6 +81,10 @@ if [ -n "${ONLY:-}" ]; then
   # chunks beside the rule's 4,096 (half the grad_w accumulation passes for 1 GiB more logits; issue 26)
   part linear-ce 300 python3 bench/linear_ce.py --chunks 0,8192 --breakdown --row-blocks 0,4096,8192,16384,32768 \
     --json "$R/linear-ce.json"
+  # the CE over vocabularies that are not a multiple of 8 (GPT-2's; the live real-depth case's), as is and with
+  # the vocabulary padded (align 8, 64): the misaligned GEMM rates against the aligned ones (docs/peers.md)
+  part linear-ce-align 150 python3 bench/linear_ce.py --shapes 16384x2048x50257,16384x3072x108812 --aligns 1,8,64 \
+    --json "$R/linear-ce-align.json"
   # each kernel class's own sustained load, its settled SM clock and board power (the sustained regime's
   # miss on real-depth steps: power, not length, sets the clock; docs/timing.md)
   part power 60 python3 scripts/probe_power.py --out "$R/power.json"

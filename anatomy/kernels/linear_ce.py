@@ -29,7 +29,10 @@ grad_x or grad_w, so the usual backward moves no bytes. All targets ignored:
 the loss and both gradients are 0, not NaN. A target outside [0, V) other than ignore_index is the
 caller's error: it is clamped into range (checking it would need a sync).
 
-The weight is cast to the compute dtype once per call (a (V, H) transient), never per chunk. Every
+The weight is cast to the compute dtype once per call (a (V, H) transient), never per chunk. With align > 1
+the cast writes a (V', H) buffer, V' = V rounded up to a multiple of align, its extra rows zeros: a vocabulary
+that is not a multiple of 8 puts every GEMM on the misaligned rates (a third of the aligned ones or less), and
+the pad columns' logits are exact zeros that the row kernel never reads, so every output is unchanged. Every
 byte the call allocates, and the chunk rule's derivation: anatomy/kernel_shapes.py (no torch, so the
 calculator can count the same bytes).
 """
@@ -41,7 +44,7 @@ from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from anatomy.kernels._dispatch import (autocast_floating, check_launchable, cpu_uses_triton, jit, launches_triton,
                                        num_warps, register_autocast_rule, tl, triton)
-from anatomy.kernel_shapes import LCE_ROW_BLOCK
+from anatomy.kernel_shapes import LCE_ROW_BLOCK, lce_vocab
 from anatomy.kernels.linear_ce_chunks import chunk_rows
 
 IGNORE_INDEX = -100
@@ -189,7 +192,9 @@ def total(losses: Tensor, n: Tensor | None = None) -> Tensor:
     return (s if n is None else s / n).to(torch.float32)
 
 
-def _check(x: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float, reduction: str) -> None:
+def _check(x: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float, reduction: str, align: int = 1) -> None:
+    if align < 1:
+        raise ValueError(f"linear_cross_entropy: align must be a positive number of rows, got {align}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or targets.shape != x.shape[:1]:
@@ -199,45 +204,63 @@ def _check(x: Tensor, weight: Tensor, targets: Tensor, label_smoothing: float, r
         raise ValueError(f"linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
 
 
+def _weight(weight: Tensor, dtype: torch.dtype, align: int) -> Tensor:
+    """The weight the GEMMs read: (V', H) in the compute dtype, V' = lce_vocab(V, align). The call's one cast;
+    a padded vocabulary's extra rows are zeros, so their logits are exact zeros and add nothing to grad_x."""
+    V, H = weight.shape
+    Vp = lce_vocab(V, align)
+    if Vp == V:
+        return weight if weight.dtype == dtype else weight.to(dtype)
+    w = torch.empty((Vp, H), dtype=dtype, device=weight.device)
+    w[:V].copy_(weight)
+    w[V:].zero_()
+    return w
+
+
 def _forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, label_smoothing: float, reduction: str,
-             chunk: int, rows_fn, native: bool) -> tuple[Tensor, Tensor, Tensor]:
+             chunk: int, rows_fn, native: bool, align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, grad_x, grad_w). rows_fn: the row kernel (ce_rows_triton or ce_rows_reference); native: the
-    CUDA grad_w accumulation (accumulate_grad_weight). Allocation order and sizes: linear_ce_chunks."""
-    _check(x, weight, targets, label_smoothing, reduction)
+    CUDA grad_w accumulation (accumulate_grad_weight); align: the GEMMs' vocabulary is a multiple of it
+    (kernel_shapes.lce_vocab; grad_w is then the first V rows of the padded accumulator). Allocation order
+    and sizes: linear_ce_chunks."""
+    _check(x, weight, targets, label_smoothing, reduction, align)
     T, H = x.shape
     V, dev = weight.shape[0], x.device
+    Vp = lce_vocab(V, align)
     n = valid_count(targets, ignore_index) if reduction == "mean" else torch.ones((), dtype=torch.float32, device=dev)
     scale = n.reciprocal()  # 0-d: the row kernel's gradient scale, read through a pointer
-    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)  # (V, H): the call's one cast of the weight
+    w = _weight(weight, x.dtype, align)  # (V', H)
     losses = torch.empty(T, dtype=torch.float32, device=dev)  # (T,) unscaled row losses
     grad_x = torch.empty((T, H), dtype=x.dtype, device=dev)
-    grad_w = (torch.empty if T else torch.zeros)((V, H), dtype=weight.dtype, device=dev)
-    C = chunk or chunk_rows(T, H, V, x.element_size())
-    logits = torch.empty((min(C, T), V), dtype=x.dtype, device=dev)  # (C, V): the only V-wide tensor
+    grad_w = (torch.empty if T else torch.zeros)((Vp, H), dtype=weight.dtype, device=dev)
+    C = chunk or chunk_rows(T, H, Vp, x.element_size())
+    logits = torch.empty((min(C, T), Vp), dtype=x.dtype, device=dev)  # (C, V'): the only V-wide tensor
     for i, s in enumerate(range(0, T, C)):
         e = min(s + C, T)
         xc, lc = x[s:e], logits[:e - s]
         torch.mm(xc, w.t(), out=lc)
-        rows_fn(lc, targets[s:e], losses[s:e], scale, ignore_index, label_smoothing, True)  # lc := d loss/d logits
+        # lc[:, :V] := d loss/d logits; the pad columns stay the zeros the GEMM wrote
+        rows_fn(lc[:, :V], targets[s:e], losses[s:e], scale, ignore_index, label_smoothing, True)
         torch.mm(lc, w, out=grad_x[s:e])
         accumulate_grad_weight(grad_w, lc.t(), xc, i == 0, native)
-    return total(losses, n), grad_x, grad_w
+    return total(losses, n), grad_x, grad_w[:V]
 
 
 def _rows_forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, label_smoothing: float, chunk: int,
-                  rows_fn) -> Tensor:
+                  rows_fn, align: int = 1) -> Tensor:
     """(T,) fp32 row losses (0 where ignored), no gradients: evaluation."""
-    _check(x, weight, targets, label_smoothing, "none")
+    _check(x, weight, targets, label_smoothing, "none", align)
     T, H = x.shape
     V, dev = weight.shape[0], x.device
-    w = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    Vp = lce_vocab(V, align)
+    w = _weight(weight, x.dtype, align)
     losses = torch.empty(T, dtype=torch.float32, device=dev)
-    C = chunk or chunk_rows(T, H, V, x.element_size())
-    logits = torch.empty((min(C, T), V), dtype=x.dtype, device=dev)
+    C = chunk or chunk_rows(T, H, Vp, x.element_size())
+    logits = torch.empty((min(C, T), Vp), dtype=x.dtype, device=dev)
     for s in range(0, T, C):
         e = min(s + C, T)
         torch.mm(x[s:e], w.t(), out=logits[:e - s])
-        rows_fn(logits[:e - s], targets[s:e], losses[s:e], losses, ignore_index, label_smoothing, False)  # no scale
+        rows_fn(logits[:e - s, :V], targets[s:e], losses[s:e], losses, ignore_index, label_smoothing, False)  # no scale
     return losses
 
 
@@ -248,20 +271,21 @@ def _cpu_rows():
 
 @torch.library.custom_op("anatomy::linear_cross_entropy", mutates_args=())
 def _lce_op(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0,
-            reduction: str = "mean", chunk: int = 0, inplace_backward: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    return _forward(x, weight, targets, ignore_index, label_smoothing, reduction, chunk, _cpu_rows(), False)
+            reduction: str = "mean", chunk: int = 0, inplace_backward: bool = True,
+            align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    return _forward(x, weight, targets, ignore_index, label_smoothing, reduction, chunk, _cpu_rows(), False, align)
 
 
 @_lce_op.register_kernel("cuda")
 def _(x, weight, targets, ignore_index=IGNORE_INDEX, label_smoothing=0.0, reduction="mean", chunk=0,
-      inplace_backward=True):
-    return _forward(x, weight, targets, ignore_index, label_smoothing, reduction, chunk, ce_rows_triton, True)
+      inplace_backward=True, align=1):
+    return _forward(x, weight, targets, ignore_index, label_smoothing, reduction, chunk, ce_rows_triton, True, align)
 
 
 @_lce_op.register_fake
 def _(x, weight, targets, ignore_index=IGNORE_INDEX, label_smoothing=0.0, reduction="mean", chunk=0,
-      inplace_backward=True):
-    _check(x, weight, targets, label_smoothing, reduction)
+      inplace_backward=True, align=1):
+    _check(x, weight, targets, label_smoothing, reduction, align)
     return x.new_empty((), dtype=torch.float32), x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
@@ -272,7 +296,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(grad_x, grad_w)  # everything backward needs, already multiplied by d(loss)/d(logits)
     # In place: the buffers are this op's own outputs, which the public function drops, so only autograd holds
     # them; a second backward (retain_graph) fails on their version counters instead of scaling twice.
-    ctx.inplace = (inputs[-1] and not torch.compiler.is_compiling() and type(grad_x) is torch.Tensor
+    ctx.inplace = (inputs[7] and not torch.compiler.is_compiling() and type(grad_x) is torch.Tensor
                    and grad_x.device.type != "meta")
 
 
@@ -285,7 +309,7 @@ def _backward(ctx, dloss, _dgrad_x, _dgrad_w):
         grad_x, grad_w = scale_(grad_x, dloss) if need_x else None, scale_(grad_w, dloss) if need_w else None
     else:
         grad_x, grad_w = grad_x * dloss if need_x else None, grad_w * dloss if need_w else None
-    return (grad_x if need_x else None), (grad_w if need_w else None), None, None, None, None, None, None
+    return (grad_x if need_x else None), (grad_w if need_w else None), None, None, None, None, None, None, None
 
 
 _lce_op.register_autograd(_backward, setup_context=_setup_context)
@@ -293,18 +317,18 @@ _lce_op.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("anatomy::linear_cross_entropy_rows", mutates_args=())
 def _rows_op(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX,
-             label_smoothing: float = 0.0, chunk: int = 0) -> Tensor:
-    return _rows_forward(x, weight, targets, ignore_index, label_smoothing, chunk, _cpu_rows())
+             label_smoothing: float = 0.0, chunk: int = 0, align: int = 1) -> Tensor:
+    return _rows_forward(x, weight, targets, ignore_index, label_smoothing, chunk, _cpu_rows(), align)
 
 
 @_rows_op.register_kernel("cuda")
-def _(x, weight, targets, ignore_index=IGNORE_INDEX, label_smoothing=0.0, chunk=0):
-    return _rows_forward(x, weight, targets, ignore_index, label_smoothing, chunk, ce_rows_triton)
+def _(x, weight, targets, ignore_index=IGNORE_INDEX, label_smoothing=0.0, chunk=0, align=1):
+    return _rows_forward(x, weight, targets, ignore_index, label_smoothing, chunk, ce_rows_triton, align)
 
 
 @_rows_op.register_fake
-def _(x, weight, targets, ignore_index=IGNORE_INDEX, label_smoothing=0.0, chunk=0):
-    _check(x, weight, targets, label_smoothing, "none")
+def _(x, weight, targets, ignore_index=IGNORE_INDEX, label_smoothing=0.0, chunk=0, align=1):
+    _check(x, weight, targets, label_smoothing, "none", align)
     return x.new_empty(x.shape[:1], dtype=torch.float32)
 
 
@@ -333,13 +357,14 @@ for _op, _n in ((torch.ops.anatomy.linear_cross_entropy, 3), (torch.ops.anatomy.
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = IGNORE_INDEX,
                          label_smoothing: float = 0.0, reduction: str = "mean", chunk: int = 0,
-                         inplace_backward: bool = True) -> Tensor:
+                         inplace_backward: bool = True, align: int = 1) -> Tensor:
     """x (..., H), weight (V, H), targets (...) -> fp32 loss: 0-d for "mean"/"sum", targets' shape for "none".
 
     With a gradient to compute ("mean"/"sum" only), the gradients are made in forward and saved
     (module docstring); otherwise only the row losses are computed. chunk: rows per chunk, 0 for the
     rule (linear_ce_chunks.chunk_rows). inplace_backward=False keeps the saved gradients unscaled, for
-    retain_graph."""
+    retain_graph. align: the GEMMs run over the vocabulary padded to a multiple of it (kernel_shapes.lce_vocab;
+    8 takes a vocabulary that is not a multiple of 8 off the misaligned GEMM rates); 1 pads nothing."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     x2, t2 = x.reshape(-1, x.shape[-1]), targets.reshape(-1).contiguous()  # (T, H), (T,)
@@ -347,8 +372,8 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, ignore_inde
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         if reduction == "none":
             raise ValueError("linear_cross_entropy: reduction='none' is for evaluation: run it under torch.no_grad()")
-        return _lce_op(x2, weight, t2, ignore_index, ls, reduction, chunk, inplace_backward)[0]
-    losses = _rows_op(x2, weight, t2, ignore_index, ls, chunk)
+        return _lce_op(x2, weight, t2, ignore_index, ls, reduction, chunk, inplace_backward, align)[0]
+    losses = _rows_op(x2, weight, t2, ignore_index, ls, chunk, align)
     if reduction == "none":
         return losses.view(targets.shape)
     return total(losses, valid_count(t2, ignore_index) if reduction == "mean" else None)

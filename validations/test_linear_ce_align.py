@@ -1,0 +1,85 @@
+"""anatomy::linear_cross_entropy with a padded vocabulary (align, kernel_shapes.lce_vocab): the GEMMs run over
+V' = V rounded up to a multiple of `align`, so a vocabulary that is not a multiple of 8 leaves the misaligned
+GEMM rates. The pad rows of the weight are zeros, so the pad logits are exact zeros, the row kernel never
+reads them, and they add nothing to grad_x or grad_w: every output equals the unpadded op's, bit for bit.
+The bytes are the table's with V' (grad_w is the first V rows of a (V', H) accumulator)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anatomy.kernel_shapes import lce_vocab
+from anatomy.kernels import linear_ce as lce
+from anatomy.kernels.linear_ce import linear_cross_entropy
+from anatomy.kernels.linear_ce_chunks import peak_bytes, saved_bytes
+from validations.test_linear_ce import BF16, DTYPES, FP32, PATHS, _path, case
+
+
+def _run(x, w, t, align, **kw):
+    """(loss, grad_x, grad_w) of one training call, then the eval row losses, at this align."""
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_cross_entropy(x, w, t, align=align, **kw)
+    loss.backward()
+    with torch.no_grad():
+        rows = linear_cross_entropy(x, w, t, align=align, reduction="none", chunk=kw.get("chunk", 0))
+    return loss.detach(), x.grad, w.grad, rows
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtypes", ["bf16-w32", "fp32"])
+@pytest.mark.parametrize("align", [8, 64])
+def test_a_padded_vocabulary_changes_no_output(path, dtypes, align):
+    """V = 50 over chunks of 16 rows, label smoothing and ignored rows: every output at align 8 and 64 is the
+    unpadded op's, exactly; grad_w keeps the (V, H) shape over a (V', H) storage."""
+    xdt, wdt = DTYPES[dtypes]
+    x, w, t = case(T=37, H=24, V=50)
+    x, w = x.to(xdt), w.to(wdt)
+    with _path(path):
+        want = _run(x, w, t, 1, label_smoothing=0.1, chunk=16)
+        got = _run(x, w, t, align, label_smoothing=0.1, chunk=16)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    gw = got[2]
+    assert gw.shape == (50, 24) and gw.is_contiguous()
+    assert gw.untyped_storage().nbytes() == lce_vocab(50, align) * 24 * wdt.itemsize
+
+
+@pytest.mark.parametrize("wdt", [FP32, BF16], ids=["w32", "w16"])
+@pytest.mark.parametrize("T,chunk", [(100, 32), (100, 0)], ids=["chunks", "rule"])
+def test_padded_bytes_are_the_table(wdt, T, chunk):
+    """The CUDA path on meta tensors under the liveness walk with V = 300 (a multiple of 4, not of 8) at
+    align 8: its peak and what it keeps are linear_ce_chunks' table with V' = 304; a bf16 weight, which
+    needs no cast, now gets the padded copy."""
+    from anatomy.measure.liveness import LiveStorage
+
+    H, V, align = 16, 300, 8
+    x, w = torch.empty(T, H, dtype=BF16, device="meta"), torch.empty(V, H, dtype=wdt, device="meta")
+    t = torch.zeros(T, dtype=torch.long, device="meta")
+    live = LiveStorage()
+    live.track(x, w, t)
+    inputs = live.allocated
+    with live:
+        out = lce._forward(x, w, t, -100, 0.0, "mean", chunk, lambda *a: None, True, align)
+        row = live.phase("forward")
+    p = wdt.itemsize
+    assert row["peak"] - inputs == peak_bytes(T, H, V, 2, p, chunk, align) > peak_bytes(T, H, V, 2, p, chunk)
+    assert row["allocated"] - inputs == saved_bytes(T, H, V, 2, p, align) + 4
+    assert [o.untyped_storage().nbytes() for o in out] == [4, T * H * 2, 304 * H * p]
+
+
+def test_an_aligned_vocabulary_is_not_copied():
+    """align never copies a weight whose vocabulary is already a multiple of it and whose dtype is the
+    compute dtype; lce_vocab rounds up, and align < 1 is a one-line error."""
+    w = torch.randn(64, 8, dtype=BF16)
+    assert lce._weight(w, BF16, 8) is w and lce._weight(w, BF16, 64) is w
+    assert lce._weight(w, BF16, 128).shape == (128, 8)
+    assert [lce_vocab(v, a) for v, a in ((50, 8), (48, 8), (50257, 64), (7, 1))] == [56, 48, 50304, 7]
+    x, w, t = (v.float() if v.is_floating_point() else v for v in case(T=4))
+    with pytest.raises(ValueError, match="align must be a positive"):
+        linear_cross_entropy(x, w, t, align=0)
+
+
+def test_opcheck_with_a_padded_vocabulary():
+    x, w, t = (v.float() if v.is_floating_point() else v for v in case(T=9, H=8, V=13))
+    torch.library.opcheck(torch.ops.anatomy.linear_cross_entropy.default,
+                          (x.requires_grad_(), w.clone().requires_grad_(), t, -100, 0.1, "mean", 4, True, 8))
+    torch.library.opcheck(torch.ops.anatomy.linear_cross_entropy_rows.default, (x.detach(), w, t, -100, 0.0, 4, 8))
