@@ -81,6 +81,9 @@ def chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
 # 96-102% for their three (bench/linear_ce.py --row-blocks, docs/peers.md); three passes at the copy rate
 # are the faster of the two from V = 16k up, and the calculator prices the row kernel at that rate.
 LCE_ROW_BLOCK = 8192  # lanes per pass step of our CE row kernel
+# the efficient model's CE runs its GEMMs over the vocabulary padded to a multiple of this (lce_vocab); 1 pads
+# nothing. The model and the calculator both read it (docs/peers.md: what 8 does to a vocabulary off 8)
+LCE_ALIGN = 1
 C_MIN = 4096  # rows: keeps the per-chunk grad_w accumulation under 1/16 of the chunk's GEMM time (above)
 LOGITS_BUDGET = 1 << 30  # bytes of one logits chunk, unless the (T, H) input is larger (above)
 

@@ -83,3 +83,38 @@ def test_opcheck_with_a_padded_vocabulary():
     torch.library.opcheck(torch.ops.anatomy.linear_cross_entropy.default,
                           (x.requires_grad_(), w.clone().requires_grad_(), t, -100, 0.1, "mean", 4, True, 8))
     torch.library.opcheck(torch.ops.anatomy.linear_cross_entropy_rows.default, (x.detach(), w, t, -100, 0.0, 4, 8))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+def test_the_calculator_follows_the_models_padding(monkeypatch, claims, tied, policy):
+    """kernel_shapes.LCE_ALIGN is read by the efficient model's loss and by the calculator alike: at 8, on a
+    vocabulary of 101, the saved bytes and every phase boundary of a step with AdamW are what the CPU run
+    holds, to the byte (an untied lm_head's .grad keeps the padded accumulator's storage; a tied head's is
+    the sum with the embedding's gradient, a new (V, H) tensor)."""
+    from anatomy import kernel_shapes
+    from anatomy.config import ModelConfig, Run
+    from validations.test_memory_walk import _check
+
+    monkeypatch.setattr(kernel_shapes, "LCE_ALIGN", 8)
+    cfg = ModelConfig(name=f"align8-{'tied' if tied else 'untied'}", hidden=48, layers=2, heads=3, kv_heads=1,
+                      intermediate=80, vocab=101, tie_embeddings=tied)
+    _check(claims, cfg, Run(2, 8, policy), "efficient", "adamw", f"{cfg.name}/B2S8/{policy}/adamw")
+
+
+def test_the_timing_model_prices_the_padded_gemms(monkeypatch):
+    """At LCE_ALIGN 8 the timing model's CE GEMMs run over V' = 104 for a vocabulary of 97 (off the misaligned
+    rates), the row kernel still over 97 columns, and a bf16 run gets the padded weight copy it makes."""
+    from anatomy import kernel_shapes
+    from anatomy.calculator.timing import kernels
+    from anatomy.config import ModelConfig, Run
+
+    cfg = ModelConfig(name="align8-timing", hidden=64, layers=1, heads=4, intermediate=128, vocab=97)
+    row_bytes = []
+    for align, vg in ((1, 97), (8, 104)):
+        monkeypatch.setattr(kernel_shapes, "LCE_ALIGN", align)
+        ks = {k.name: k for k in kernels(cfg, Run(2, 64, "bf16"), "efficient", None, None)}
+        assert ks["loss.logits"].shape[2] == vg and ks["loss.grad_weight"].shape[1] == vg
+        assert ("loss.lm_head.weight_cast" in ks) == (align == 8)
+        row_bytes.append(ks["loss.cross_entropy"].bytes)
+    assert row_bytes[0] == row_bytes[1] > 0  # the row kernel reads and writes the same 97 columns a row

@@ -5,6 +5,7 @@ from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.linear import linears_saved
 from anatomy.calculator.types import Component, Saved
 from anatomy.config import ModelConfig, Run
+from anatomy import kernel_shapes
 
 
 def params(cfg: ModelConfig) -> int:
@@ -31,7 +32,9 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     either kernel (anatomy/kernels/linear_ce.py: ctx.save_for_backward(grad_x, grad_w)); its transients are
     the memory phases' (calculator/memory.py)."""
     dt, T, H, V = dtypes(run), run.tokens, cfg.hidden, cfg.vocab
+    # ours: grad_w is a view of its (V', H) accumulator (kernel_shapes.LCE_ALIGN); Liger's is (V, H)
+    Vg = V if run.loss_impl == "liger" else kernel_shapes.lce_vocab(V, kernel_shapes.LCE_ALIGN)
     saved = [Saved("loss.grad_input", (T, H), dt.compute, 1, "computed in forward, scaled in backward"),
-             Saved("loss.grad_weight", (V, H), dt.param, 1, "computed in forward, in the weight's dtype")]
+             Saved("loss.grad_weight", (Vg, H), dt.param, 1, "computed in forward, in the weight's dtype")]
     f = 2 * T * H * V
     return Component("loss", 1, params(cfg), 3 * f, 0, f, 2 * f, T * V * 5, saved)

@@ -33,7 +33,8 @@ from anatomy.calculator.dtypes import dtypes
 from anatomy.calculator.optimizer import state_breakdown
 from anatomy.calculator.types import BYTES, Estimate
 from anatomy.config import ModelConfig, Run
-from anatomy.kernel_shapes import chunk_rows, lce_forward_bytes
+from anatomy import kernel_shapes
+from anatomy.kernel_shapes import chunk_rows, lce_forward_bytes, lce_vocab
 
 BLOCK = 512  # the CUDA caching allocator's rounding (kMinBlockSize)
 
@@ -111,7 +112,7 @@ def _anatomy_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
     bf16 once, inside the op."""
     dt = dtypes(run)
     c, p = BYTES[dt.compute], BYTES[dt.param]
-    b = lce_forward_bytes(run.tokens, cfg.hidden, cfg.vocab, c, p)
+    b = lce_forward_bytes(run.tokens, cfg.hidden, cfg.vocab, c, p, align=kernel_shapes.LCE_ALIGN)
     alive = sum(rnd(n) for k, n in b.items() if k not in ("valid", "grad_x", "grad_w", "loss_sum"))
     return rnd(run.tokens * cfg.hidden * c) + alive + 2 * rnd(8)  # loss_sum: the fp64 sum and its quotient
 
@@ -170,6 +171,14 @@ def _block_forward_peak(cfg: ModelConfig, run: Run, device: str, rnd) -> int:
     return max(attn, _mlp_region_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd))
 
 
+def _head_grad_pad(cfg: ModelConfig, run: Run, rnd) -> int:
+    """The bytes lm_head's .grad holds beyond its (V, H): our CE's padded accumulator's rows past V. A tied
+    head's gradient is the sum of the CE's and the embedding's, a new (V, H) tensor: no pad."""
+    V, H, p = cfg.vocab, cfg.hidden, BYTES[dtypes(run).param]
+    Vp = V if run.loss_impl == "liger" or cfg.tie_embeddings else lce_vocab(V, kernel_shapes.LCE_ALIGN)
+    return rnd(Vp * H * p) - rnd(V * H * p)
+
+
 def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
            device: str = "cuda", est: Estimate | None = None, stages: bool = True) -> dict:
     """Bytes live at each phase boundary of a training step after the first (the optimizer's state
@@ -209,14 +218,17 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     start = {"parameter": params, "input": inputs, "optimizer state": opt, "activation": saved + rnd(4)}
     w = walked(cfg, run, variant, est, start, rnd, one=one)
     top = w.top()  # the first largest candidate
-    bwd_end = params + inputs + opt + params  # one gradient per parameter, in the parameter's dtype
+    # one gradient per parameter, in the parameter's dtype; our CE's grad_w, lm_head's .grad, keeps the storage
+    # of its (V', H) accumulator where the vocabulary is padded (kernel_shapes.LCE_ALIGN)
+    grads = params + (_head_grad_pad(cfg, run, rnd) if variant == "efficient" else 0)
+    bwd_end = params + inputs + opt + grads
     peak = max(fwd_peak or 0, top.live, fwd_end)
     return dict(params=params, inputs=inputs, optimizer=opt, saved=saved, init=params + inputs + opt,
                 forward_end=fwd_end, forward_peak=fwd_peak, forward_peak_last_block=block_peak,
                 backward_peak=top.live, backward_peak_at=top.name, backward_peak_by_kind=top.by_kind,
                 **({"backward_stages": [dict(name=st.name, live=st.live, by_kind=st.by_kind) for st in w.stages()]}
                    if stages else {}),
-                backward_end=bwd_end, optimizer_end=bwd_end - params, **reserved(peak))
+                backward_end=bwd_end, optimizer_end=bwd_end - grads, **reserved(peak))
 
 
 # reserved - the step's peak, as a fraction of the peak: free cached blocks too small or too split for

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from anatomy.config import LOSS_IMPLS, ConfigError
+from anatomy import kernel_shapes
 from anatomy.kernel_shapes import chunk_rows
 from anatomy.kernels._dispatch import cpu_uses_triton
 from anatomy.kernels.linear_ce import IGNORE_INDEX, linear_cross_entropy
@@ -105,7 +106,7 @@ def linear_ce(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, redu
     (evaluation). impl: "anatomy" (our op) or "liger"."""
     if impl == "liger":
         return liger_linear_ce(x, weight, targets, reduction)
-    return linear_cross_entropy(x, weight, targets, IGNORE_INDEX, 0.0, reduction)
+    return linear_cross_entropy(x, weight, targets, IGNORE_INDEX, 0.0, reduction, align=kernel_shapes.LCE_ALIGN)
 
 
 class LMHeadLoss(nn.Module):

@@ -9,7 +9,8 @@ from __future__ import annotations
 from anatomy.calculator.timing.op_bytes import dw_sum_bytes, fused_bytes
 from anatomy.calculator.timing.ops import Kernel, Ops, causal_attention_flops, embedding, residual, rope_tables
 from anatomy.config import ConfigError, ModelConfig, Run
-from anatomy.kernel_shapes import chunk_rows, lce_chunk_rows
+from anatomy import kernel_shapes
+from anatomy.kernel_shapes import chunk_rows, lce_chunk_rows, lce_vocab
 
 
 def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -> list[Kernel]:
@@ -173,24 +174,26 @@ def anatomy_loss(o: Ops) -> None:
 
     Host: one custom-op call (the public function, the autocast rule, the autograd wrapper), the setup's
     eager ops and the chunk loop's Python (slices, two mm launches, a Triton launch, the grad_w mm); the
-    profile has no measured figure for it, so each part counts as host_ops eager ops."""
-    T, H, V, c, p = o.run.tokens, o.cfg.hidden, o.cfg.vocab, o.c, o.p
+    profile has no measured figure for it, so each part counts as host_ops eager ops. The GEMMs run over V'
+    (kernel_shapes.lce_vocab at LCE_ALIGN: the weight cast into a zero-padded buffer), the row kernel over V."""
+    T, H, c, p = o.run.tokens, o.cfg.hidden, o.c, o.p
+    V0, V = o.cfg.vocab, lce_vocab(o.cfg.vocab, kernel_shapes.LCE_ALIGN)  # the vocabulary, and the GEMMs' (padded) one
     C = lce_chunk_rows(T, H, V, c)
     full, rest = divmod(T, C)
     # targets != -100 and its sum, then clamp, to fp32 and the reciprocal: 0-d device tensors, no .item()
     o.mem("loss.count_targets", "loss", "forward", T * 8 + T, T + 8, order=2, host="linear_ce.forward",
           host_ops=12 + o.amp)  # the call (3), 5 small ops, the cast, 4 empties
     o.mem("loss.scale", "loss", "forward", 8, 8, 3, order=2, host=None)
-    if o.amp:  # the fp32 weight cast to bf16 once per call (V, H), not per chunk
-        o.mem("loss.lm_head.weight_cast", "loss", "forward", V * H * p, V * H * c, order=2, host=None)
+    if o.amp or V != V0:  # the weight cast to bf16 (or padded) once per call (V', H), not per chunk
+        o.mem("loss.lm_head.weight_cast", "loss", "forward", V0 * H * p, V * H * c, order=2, host=None)
     first = True
     for rows, n in ((C, full), (rest, 1 if rest else 0)):
         if not n:
             continue
         chunk = dict(order=2, loop=True, host=None)
         o.mm("loss.logits", "loss", "forward", rows, V, H, n, **dict(chunk, host="linear_ce.chunk"), host_ops=6)
-        o.mem("loss.cross_entropy", "loss", "forward", *fused_bytes("anatomy_ce", V, rows, c), n,
-              fused=("linear_ce.anatomy", V, rows) if c == 2 else (), **chunk)
+        o.mem("loss.cross_entropy", "loss", "forward", *fused_bytes("anatomy_ce", V0, rows, c), n,
+              fused=("linear_ce.anatomy", V0, rows) if c == 2 else (), **chunk)
         o.mm("loss.grad_input", "loss", "forward", rows, H, V, n, **chunk)
         # grad_w: the first chunk writes the (V, H) accumulator (weight's dtype), every later one reads and
         # writes it (under amp an fp32 accumulator: the mm/addmm out_dtype=fp32 family); the first group's
