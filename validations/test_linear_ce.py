@@ -272,12 +272,14 @@ def test_no_host_sync(path):
         t.sum().item()  # the mode does catch a sync
 
 
+@pytest.mark.parametrize("align", [1, 8], ids=["unpadded", "align8"])
 @pytest.mark.parametrize("wdt", [FP32, BF16], ids=["w32", "w16"])
 @pytest.mark.parametrize("T,chunk", [(100, 32), (100, 0), (7, 0)], ids=["chunks", "rule", "short"])
-def test_cuda_path_bytes_are_the_table(wdt, T, chunk):
+def test_cuda_path_bytes_are_the_table(wdt, T, chunk, align):
     """The CUDA path (the native grad_w accumulation; the row kernel, which allocates nothing, left out)
     on meta tensors under the liveness walk: every storage it makes, and their peak, are what
-    linear_ce_chunks tabulates, to the byte."""
+    linear_ce_chunks tabulates, to the byte. V = 300 is a multiple of 4, not of 8: at align 8 the table's
+    V' = 304, and a bf16 weight, which needs no cast, gets the padded copy."""
     from anatomy.measure.liveness import LiveStorage
 
     H, V = 16, 300
@@ -287,12 +289,13 @@ def test_cuda_path_bytes_are_the_table(wdt, T, chunk):
     live.track(x, w, t)
     inputs = live.allocated
     with live:
-        out = lce._forward(x, w, t, -100, 0.0, "mean", chunk, lambda *a: None, True)
+        out = lce._forward(x, w, t, -100, 0.0, "mean", chunk, lambda *a: None, True, align)
         row = live.phase("forward")
     p = wdt.itemsize
-    assert row["peak"] - inputs == peak_bytes(T, H, V, 2, p, chunk)
-    assert row["allocated"] - inputs == saved_bytes(T, H, V, 2, p) + 4  # what stays: grad_x, grad_w, the loss
-    assert [o.untyped_storage().nbytes() for o in out] == [4, T * H * 2, V * H * p]
+    assert row["peak"] - inputs == peak_bytes(T, H, V, 2, p, chunk, align)
+    assert row["allocated"] - inputs == saved_bytes(T, H, V, 2, p, align) + 4  # what stays: grad_x, grad_w, the loss
+    assert [o.untyped_storage().nbytes() for o in out] == [4, T * H * 2, (304 if align == 8 else V) * H * p]
+    assert align == 1 or peak_bytes(T, H, V, 2, p, chunk, align) > peak_bytes(T, H, V, 2, p, chunk)
 
 
 def test_cuda_accumulation_calls_are_valid():

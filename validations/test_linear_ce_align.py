@@ -2,7 +2,8 @@
 V' = V rounded up to a multiple of `align`, so a vocabulary that is not a multiple of 8 leaves the misaligned
 GEMM rates. The pad rows of the weight are zeros, so the pad logits are exact zeros, the row kernel never
 reads them, and they add nothing to grad_x or grad_w: every output equals the unpadded op's, bit for bit.
-The bytes are the table's with V' (grad_w is the first V rows of a (V', H) accumulator)."""
+The bytes are the table's with V' (grad_w is the first V rows of a (V', H) accumulator): test_linear_ce.py's
+test_cuda_path_bytes_are_the_table at align 8."""
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,7 @@ import torch
 from anatomy.kernel_shapes import lce_vocab
 from anatomy.kernels import linear_ce as lce
 from anatomy.kernels.linear_ce import linear_cross_entropy
-from anatomy.kernels.linear_ce_chunks import peak_bytes, saved_bytes
-from validations.test_linear_ce import BF16, DTYPES, FP32, PATHS, _path, case
+from validations.test_linear_ce import BF16, DTYPES, PATHS, _path, case
 
 
 def _run(x, w, t, align, **kw):
@@ -41,29 +41,6 @@ def test_a_padded_vocabulary_changes_no_output(path, dtypes, align):
     gw = got[2]
     assert gw.shape == (50, 24) and gw.is_contiguous()
     assert gw.untyped_storage().nbytes() == lce_vocab(50, align) * 24 * wdt.itemsize
-
-
-@pytest.mark.parametrize("wdt", [FP32, BF16], ids=["w32", "w16"])
-@pytest.mark.parametrize("T,chunk", [(100, 32), (100, 0)], ids=["chunks", "rule"])
-def test_padded_bytes_are_the_table(wdt, T, chunk):
-    """The CUDA path on meta tensors under the liveness walk with V = 300 (a multiple of 4, not of 8) at
-    align 8: its peak and what it keeps are linear_ce_chunks' table with V' = 304; a bf16 weight, which
-    needs no cast, now gets the padded copy."""
-    from anatomy.measure.liveness import LiveStorage
-
-    H, V, align = 16, 300, 8
-    x, w = torch.empty(T, H, dtype=BF16, device="meta"), torch.empty(V, H, dtype=wdt, device="meta")
-    t = torch.zeros(T, dtype=torch.long, device="meta")
-    live = LiveStorage()
-    live.track(x, w, t)
-    inputs = live.allocated
-    with live:
-        out = lce._forward(x, w, t, -100, 0.0, "mean", chunk, lambda *a: None, True, align)
-        row = live.phase("forward")
-    p = wdt.itemsize
-    assert row["peak"] - inputs == peak_bytes(T, H, V, 2, p, chunk, align) > peak_bytes(T, H, V, 2, p, chunk)
-    assert row["allocated"] - inputs == saved_bytes(T, H, V, 2, p, align) + 4
-    assert [o.untyped_storage().nbytes() for o in out] == [4, T * H * 2, 304 * H * p]
 
 
 def test_an_aligned_vocabulary_is_not_copied():
