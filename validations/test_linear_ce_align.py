@@ -43,6 +43,20 @@ def test_a_padded_vocabulary_changes_no_output(path, dtypes, align):
     assert gw.untyped_storage().nbytes() == lce_vocab(50, align) * 24 * wdt.itemsize
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_unpadded_grad_w_is_the_buffer_itself(path):
+    """Where nothing is padded (align 1, or a vocabulary already a multiple of align), grad_w is the op's
+    accumulator itself, not a view of it: a view of all its rows cost the H200's backward 5.9 MB over the
+    byte table (machine 14: V 9,480, H 512, tied), where the buffer itself matched it to 512 B."""
+    x, w, t = (v.float() if v.is_floating_point() else v for v in case(T=37, H=24, V=48))
+    with _path(path):
+        for align in (1, 8, 16):
+            _, gx, gw = torch.ops.anatomy.linear_cross_entropy(x, w, t, align=align)
+            assert gx._base is None and gw._base is None and gw.shape == (48, 24)
+        _, _, gw = torch.ops.anatomy.linear_cross_entropy(x, w, t, align=32)  # V' = 64: the first 48 rows
+        assert gw._base is not None and gw.shape == (48, 24) and gw.is_contiguous()
+
+
 def test_an_aligned_vocabulary_is_not_copied():
     """align never copies a weight whose vocabulary is already a multiple of it and whose dtype is the
     compute dtype; lce_vocab rounds up, and align < 1 is a one-line error."""
