@@ -25,7 +25,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from anatomy.config import ConfigError, ModelConfig, Run
 from anatomy.distributed.counting import CollectiveCounter, rank_memory
-from anatomy.distributed.strategies import check_strategy, default_mixed_precision, init_distributed, wrap
+from anatomy.distributed.strategies import (check_strategy, default_mixed_precision, exit_rank, init_distributed,
+                                            wrap)
 from anatomy.io import write_atomic
 from anatomy.models import autocast_ctx, build_model, make_batch
 
@@ -235,4 +236,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

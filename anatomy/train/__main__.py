@@ -1,5 +1,4 @@
-import sys
-
+from anatomy.distributed.strategies import exit_rank
 from anatomy.train.cli import main
 
-sys.exit(main())
+exit_rank(main())

@@ -152,4 +152,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from anatomy.distributed.strategies import exit_rank
+
+    exit_rank(main())
