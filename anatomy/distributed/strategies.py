@@ -133,7 +133,7 @@ def exit_rank(code: int) -> None:
     finalization, once its process group is destroyed and its files are written; any other process
     exits normally. At finalization gloo's worker threads can still hold work objects whose destruction
     aborts the process (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291
-    describes the race): the two-rank CPU tests saw it about once in five full-suite runs and never alone."""
+    describes the race), which the two-rank CPU tests hit in full-suite runs, never alone (docs/history.md)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()
         sys.stderr.flush()
