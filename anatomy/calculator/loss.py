@@ -32,7 +32,8 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     either kernel (anatomy/kernels/linear_ce.py: ctx.save_for_backward(grad_x, grad_w)); its transients are
     the memory phases' (calculator/memory.py)."""
     dt, T, H, V = dtypes(run), run.tokens, cfg.hidden, cfg.vocab
-    # ours: grad_w is a view of its (V', H) accumulator (kernel_shapes.LCE_ALIGN); Liger's is (V, H)
+    # ours: grad_w keeps its (V', H) accumulator's storage where the vocabulary is padded (kernel_shapes.LCE_ALIGN),
+    # else it is that (V, H) buffer; Liger's is (V, H)
     Vg = V if run.loss_impl == "liger" else kernel_shapes.lce_vocab(V, kernel_shapes.LCE_ALIGN)
     saved = [Saved("loss.grad_input", (T, H), dt.compute, 1, "computed in forward, scaled in backward"),
              Saved("loss.grad_weight", (Vg, H), dt.param, 1, "computed in forward, in the weight's dtype")]
