@@ -85,17 +85,40 @@ def test_accumulate_epilogue_bandwidth():
     a, b = (timing.estimate_time(cfg, Run(1, 4096), "efficient", q, with_kernels=True) for q in (p, p0))
     assert _kernel(a, "loss.grad_weight")["memory_s"] == pytest.approx(_kernel(b, "loss.grad_weight")["memory_s"] / 0.6)
     assert _kernel(a, "loss.logits")["memory_s"] == _kernel(b, "loss.logits")["memory_s"]
-    # at a misaligned vocab, the 512-row chunk's measured rate over the aligned model's sets the rate
+
+
+def test_misaligned_accumulate_follows_its_own_main_loop():
+    """At a misaligned vocab Liger's fp32-accumulating grad_weight runs a fallback kernel whose rate climbs
+    with the chunk's K on a curve of its own: fake rows of class 4 on 290 TFLOP/s x matmul_efficiency with
+    k_half 400 (class 1 on 150 and 160) give back those figures, and the loss's grad_weight at a class-4
+    vocab is priced on that curve, at its chunk's K, in place of the aligned rate x the accumulate factor;
+    the other GEMMs keep theirs."""
+    sms = fit.datasheet("h200-sxm").sms
+    curve = {4: (290e12, 400.0), 1: (150e12, 160.0)}
+    rows = [dict(op=op, rows=T, hidden=H, vocab=V, tflops=600.0, ms=2 * T * H * V / 600e12 * 1e3)
+            for op, T, H, V in calibrate.vocab_grid()]
+    for r in rows:
+        a = roofline.alignment_class(r["vocab"])
+        if r["op"] == "grad_weight_acc" and a is not None:
+            R, kh = curve.get(a, curve[4])
+            r["tflops"] = R * roofline.matmul_efficiency(r["vocab"], r["hidden"], r["rows"], sms, kh) / 1e12
+    assert len({r["rows"] for r in rows if r["op"] == "grad_weight_acc" and r["vocab"] == 32004}) >= 3
+    p = fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), matmul_vocab=rows), dict(date="fake"),
+                                                  "h200-sxm"))
     mis = p["matmul_misaligned_accumulate"]
     assert set(mis) == {"1", "2", "4"}
-    model = p["matmul_flops"]["bfloat16"] * roofline.matmul_efficiency(32004, 2048, 512, p["sms"], p["matmul_k_half"]) * \
-        p.get("matmul_fp32_accumulate", 1.0)
-    assert mis["4"] == pytest.approx(600e12 / model)
+    for a, (R, kh) in curve.items():
+        assert mis[str(a)]["rate_flops"] == pytest.approx(R, rel=1e-9) and mis[str(a)]["k_half"] == kh
+    p = dict(p, sustained_ratio={})
     cfg4 = ModelConfig(name="v4", hidden=2048, layers=1, heads=16, intermediate=4096, vocab=34732)  # class 4
     c, d = (timing.estimate_time(cfg4, Run(1, 4096), "efficient", q, with_kernels=True)
             for q in (p, dict(p, matmul_misaligned_accumulate={})))
-    ratio = mis["4"] / roofline.alignment_factor(p, 34732, 2048, 512)
-    assert _kernel(c, "loss.grad_weight")["compute_s"] == pytest.approx(_kernel(d, "loss.grad_weight")["compute_s"] / ratio)
+    gw, gw0 = _kernel(c, "loss.grad_weight"), _kernel(d, "loss.grad_weight")
+    _, V, H, K = gw["shape"]
+    assert gw["rate_flops"] == pytest.approx(290e12 * roofline.matmul_efficiency(V, H, K, sms, 400.0), rel=1e-9)
+    assert gw0["rate_flops"] == pytest.approx(
+        p["matmul_flops"]["bfloat16"] * roofline.matmul_efficiency(V, H, K, sms, p["matmul_k_half"])
+        * roofline.alignment_factor(p, V, H, K) * p["matmul_fp32_accumulate"], rel=1e-9)
     assert _kernel(c, "loss.logits")["compute_s"] == _kernel(d, "loss.logits")["compute_s"]
 
 

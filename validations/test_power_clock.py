@@ -16,11 +16,12 @@ import check_power_clock as cpc  # noqa: E402
 def test_the_documented_figures():
     """76 committed user-loop rows: the probe-calibrated power model tracks the measured clock (correlation 0.88,
     rms 93 MHz), yet no weight, not even the one the row's own clock implies, predicts forward+backward kernel
-    time better than the length rule (efficient mae 2.7% under the rule, 2.6% with the measured clock)."""
+    time better than the length rule (efficient mae 2.88% under the rule, 2.93% with the measured clock)."""
     s = cpc.check(json.loads(cpc.POWER.read_text()), cpc.ROWS)["summary"]
     assert s["n"] == 76
     assert round(s["clock_correlation"], 2) == 0.88 and round(s["clock_rms_MHz"]) == 93
-    assert round(s["efficient/rule"]["mae"], 3) == 0.027 and round(s["efficient/clock"]["mae"], 3) == 0.026
+    assert round(s["efficient/rule"]["mae"], 3) == 0.029 and round(s["efficient/clock"]["mae"], 3) == 0.029
+    assert s["efficient/clock"]["mae"] > s["efficient/rule"]["mae"]
     assert round(s["baseline/rule"]["mae"], 3) == 0.014 and round(s["baseline/clock"]["mae"], 3) == 0.034
     assert s["efficient/power"]["mae"] > s["efficient/rule"]["mae"]
 

@@ -59,29 +59,29 @@ def accumulate_bandwidth(rows: list[dict], hbm_Bps: float) -> float | None:
     return min(1.0, max(fr)) if fr else None
 
 
-def misaligned_accumulate(rows: list[dict], rate: float, sms: int, k_half: float, acc: float) -> dict:
-    """{alignment class: factor} for Liger's fp32-accumulating grad_weight at a misaligned vocab and a
-    chunk's K (<= ACC_MAX_K): its measured rate over the aligned model's rate for the same shape
-    (fitted rate x matmul_efficiency x the accumulate factor); geometric mean per class. It replaces
-    alignment_factor for such GEMMs, whose fallback kernel the big-K head shapes do not show."""
+def misaligned_accumulate(rows: list[dict], sms: int) -> dict:
+    """{alignment class: {rate_flops, k_half}} of Liger's fp32-accumulating grad_weight at a misaligned
+    vocab: cuBLAS runs it on a fallback kernel with a main loop of its own (its rate climbs with the
+    chunk's K from ~150 TFLOP/s at K 512 to ~280 at 16,384 on the H200, class 4), so each class gets
+    its own rate and k_half, fitted as fit_matmul fits the aligned GEMMs to calibrate's rows of that
+    class (K from ACC_MISALIGNED's chunk to VOCAB_SHAPES' full steps), each row weighing the same."""
     out: dict = {}
     for r in rows:
         a = alignment_class(r["vocab"])
-        if r["op"] == "grad_weight_acc" and a is not None and r["rows"] <= ACC_MAX_K:
-            model = rate * matmul_efficiency(r["vocab"], r["hidden"], r["rows"], sms, k_half) * acc
-            out.setdefault(str(a), []).append(math.log(r["tflops"] * 1e12 / model))
-    return {a: math.exp(sum(v) / len(v)) for a, v in out.items()}
+        if r["op"] == "grad_weight_acc" and a is not None:
+            out.setdefault(str(a), []).append(dict(m=r["vocab"], n=r["hidden"], k=r["rows"], tflops=r["tflops"]))
+    return {a: dict(zip(("rate_flops", "k_half"), fit_matmul(pts, sms, by_flops=False))) for a, pts in out.items()}
 
 
 # ---- measured profiles ---------------------------------------------------------------------------
-def fit_matmul(points: list[dict], sms: int) -> tuple[float, float]:
+def fit_matmul(points: list[dict], sms: int, by_flops: bool = True) -> tuple[float, float]:
     """(asymptotic rate FLOP/s, k_half) fitted to measured GEMM points {m, n, k, tflops}.
 
     For each k_half on a grid, the rate is the weighted geometric mean of measured / efficiency, and
     k_half is the grid value with the least weighted squared log error. Each point weighs its FLOPs:
     a step's time is spent in its large GEMMs, and the microsecond-scale shapes are the noisiest to
-    time. One point fixes the rate only (k_half = 0)."""
-    w = [2 * p["m"] * p["n"] * p["k"] * p.get("batch", 1) for p in points]
+    time (by_flops=False: each point weighs the same). One point fixes the rate only (k_half = 0)."""
+    w = [2 * p["m"] * p["n"] * p["k"] * p.get("batch", 1) if by_flops else 1 for p in points]
 
     def rate_and_err(kh):
         logs = [math.log(p["tflops"] * 1e12 / matmul_efficiency(p["m"], p["n"], p["k"], sms, kh, p.get("batch", 1)))
@@ -135,12 +135,11 @@ def from_measured(data: dict) -> Profile:
         if acc is not None:
             p["matmul_fp32_accumulate"] = acc
             p["sources"]["matmul_fp32_accumulate"] = f"{where}: addmm(out_dtype=fp32) over bf16-out, head shapes"
-        mis = misaligned_accumulate(m["matmul_vocab"], p["matmul_flops"]["bfloat16"], sms, p["matmul_k_half"],
-                                    acc or 1.0)
+        mis = misaligned_accumulate(m["matmul_vocab"], sms)
         if mis:
             p["matmul_misaligned_accumulate"] = mis
             p["sources"]["matmul_misaligned_accumulate"] = (f"{where}: addmm(out_dtype=fp32) at vocab 32001/32002/"
-                                                            "32004, a 512-row chunk, over the aligned model's rate")
+                                                            "32004, rate and k_half per class over K 512-16384")
         bw = accumulate_bandwidth(m["matmul_vocab"], m["copy_tbps"] * 1e12) if m.get("copy_tbps") else None
         if bw is not None:
             p["matmul_accumulate_bw"] = bw

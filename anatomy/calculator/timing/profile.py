@@ -76,8 +76,8 @@ class Profile(Mapping):
     # {alignment class: {m|n|k: rate ratio}} of bf16 GEMMs with a dimension not a multiple of 8 (an odd vocab);
     # calibrate:measure_vocab_matmuls, fit.misaligned_factors
     matmul_misaligned: dict = field(default_factory=dict)
-    # {alignment class: rate ratio} of the fp32-accumulating grad_weight at a misaligned vocab and a chunk's K;
-    # calibrate:measure_vocab_matmuls, fit.misaligned_accumulate
+    # {alignment class: {rate_flops, k_half}} of the fp32-accumulating grad_weight at a misaligned vocab (a
+    # fallback kernel with its own main loop); calibrate:measure_vocab_matmuls, fit.misaligned_accumulate
     matmul_misaligned_accumulate: dict = field(default_factory=dict)
     matmul_fp32_accumulate: float = 1.0  # rate ratio of addmm(out_dtype=fp32) over bf16-out; measure_vocab_matmuls
     matmul_accumulate_bw: float = 1.0  # fraction of hbm_Bps an fp32 accumulator's epilogue moves at; same rows

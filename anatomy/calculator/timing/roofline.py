@@ -143,12 +143,15 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
     t_c, rate, note = 0.0, 0.0, ""
     if kern.kind == "matmul":
         b, m, n, k = kern.shape
-        rate = prof.matmul_flops[kern.dtype] * matmul_efficiency(m, n, k, prof.sms, prof.matmul_k_half, b)
         mis = prof.matmul_misaligned_accumulate.get(str(alignment_class(m))) if kern.accumulate else None
-        if kern.dtype in ("bfloat16", "float16") and (mis is not None or (m | n | k) & 7):  # else a factor of 1.0
-            rate *= mis if mis is not None else alignment_factor(prof, m, n, k)
-        if kern.accumulate:
-            rate *= prof.matmul_fp32_accumulate
+        if mis is not None and kern.dtype in ("bfloat16", "float16"):  # the fallback kernel's own fit
+            rate = mis["rate_flops"] * matmul_efficiency(m, n, k, prof.sms, mis["k_half"], b)
+        else:
+            rate = prof.matmul_flops[kern.dtype] * matmul_efficiency(m, n, k, prof.sms, prof.matmul_k_half, b)
+            if kern.dtype in ("bfloat16", "float16") and (m | n | k) & 7:  # else a factor of 1.0
+                rate *= alignment_factor(prof, m, n, k)
+            if kern.accumulate:
+                rate *= prof.matmul_fp32_accumulate
     elif kern.kind == "sdpa":
         B, nh, S, hd = kern.shape
         sched, note = sdpa_schedule.lookup(prof, kern.backend, hd)
