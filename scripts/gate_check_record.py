@@ -80,8 +80,11 @@ def machine_entry(works: list[Path], commands: list[str], label: str, driver: st
         row["called"] = sorted(n for n, x in cur.items() if x.get("slowdown_calls", {}).get(run))
         factors = {x.get("slowdown", {}).get(run) for n, x in cur.items() if n in row["own"]} - {None}
         row["factor"] = factors.pop() if len(factors) == 1 else None
-    # the tree that ran: the baseline's commit where it was recorded here, else the first run report's
-    tree = base or json.loads(_find(works, f"{next(iter(runs))}.json").read_text())
+    # the tree that ran: the baseline's commit where it was recorded here, else the first run report found
+    reports = [r for r in (_find(works, f"{run}.json") for run in runs) if r is not None]
+    if not base and not reports:
+        raise ValueError(f"no run report (<run>.json) in {', '.join(map(str, works))}")
+    tree = base or json.loads(reports[0].read_text())
     return dict(label=label, **facts, commit=tree.get("commit_info", {}).get("id"),
                 baseline_recorded_here=_find(works, "record.log") is not None,
                 baseline_sha256=records.sha256(base_path or records.BASELINE),

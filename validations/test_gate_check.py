@@ -191,9 +191,10 @@ def _gate_record() -> dict:
 
 def test_the_gate_check_record_obeys_the_gates_rules():
     """Each machine of the committed gate check, read against the committed baseline: the threshold is at
-    most 10%; the unmodified run gated every benchmark and failed none, its largest ratio under the
-    threshold; each slowdown (1 + 1.5 x threshold) failed every benchmark of the target's own and only
-    benchmarks whose work called it. Each run's failures are recomputed from its ratios."""
+    most 10%; the unmodified run gated every benchmark, and it failed none (exit 0, its largest ratio under
+    the threshold) or failed the gate alone (exit 1, a ratio past it); each slowdown (1 + 1.5 x threshold)
+    failed every benchmark of the target's own and only benchmarks whose work called it. Each run's failures
+    are recomputed from its ratios."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from gate_check_summary import own
 
@@ -209,8 +210,9 @@ def test_the_gate_check_record_obeys_the_gates_rules():
             assert set(row["ratio"]) == names and row["benchmarks"] == len(names) and not row["ungated"]
             assert row["failed"] == sorted(n for n, r in row["ratio"].items() if (r - 1) * 100 > thr)
             assert row["max_ratio"] == pytest.approx(max(row["ratio"].values()), abs=5e-5)
-            if run == "unmodified":
-                assert row["rc"] == 0 and not row["failed"] and (row["max_ratio"] - 1) * 100 <= thr
+            if run == "unmodified":  # clean, or exit 1 from the gate alone (a benchmark past the threshold)
+                assert (row["rc"] == 0) == (not row["failed"]) == ((row["max_ratio"] - 1) * 100 <= thr)
+                assert row["rc"] in (0, 1) and row["ok"] == (row["rc"] == 0)
                 continue
             mine = sorted(n for n in names if own(n, run))
             assert row["factor"] == pytest.approx(1 + 1.5 * thr / 100)
@@ -228,7 +230,8 @@ def test_the_gate_check_record_obeys_the_gates_rules():
 def test_gate_check_record_adds_a_machine(tmp_path):
     """scripts/gate_check_record.py: the summary's runs gain `called` and `factor` from the run reports; the
     GPU's facts come from env.json or the baseline plus --driver; a label is replaced, not repeated; an
-    absolute path in a command is cut to out/<name>; without a driver it is a one-line error, exit 2."""
+    absolute path in a command is cut to out/<name>; without a driver, or with neither a baseline nor a run
+    report to name the tree, it is a one-line error, exit 2."""
     from gate_check_record import main as record
 
     from anatomy import records
@@ -248,6 +251,12 @@ def test_gate_check_record_adds_a_machine(tmp_path):
         row.pop("called", None), row.pop("factor", None)  # a summary from before the rows carried them
     (work / "gate_check.json").write_text(json.dumps(s))
     rec = tmp_path / "gate" / "check.json"
+    bare = tmp_path / "bare"  # a summary and env.json whose run reports did not come back
+    bare.mkdir()
+    (bare / "gate_check.json").write_text(json.dumps(dict(s, runs={"unmodified": s["runs"]["unmodified"]})))
+    (bare / "env.json").write_text(json.dumps(dict(gpu="H", driver="590", torch="t", cuda="c", cudnn=2, triton="tr",
+                                                   date="2026-12-03 00:00:00 UTC")))
+    assert record([str(rec), str(bare), "--command", "x"]) == 2 and not rec.exists()
     argv = [str(rec), str(work), "--command", f"OUT={tmp_path}/out bash scripts/gate_check.sh"]
     assert record(argv) == 2 and not rec.exists()  # no env.json, no --driver
     assert record(argv + ["--driver", "580"]) == 0 and record(argv + ["--driver", "580"]) == 0
@@ -374,6 +383,17 @@ def test_the_gate_section_says_what_is_not_shown(tmp_path, monkeypatch):
     text = gate.summary()
     assert "Left out, gated against an earlier baseline: m1." in text and "| m1 |" not in text
     assert "1 more fresh machine" in text and gate.gate_threshold(gate.current(doc)) is None
+    # an unmodified run that exited 1 on its own gate (median:4%, ratio 1.042) passes 5% by its ratios; one that
+    # exited 1 with no benchmark past its gate had a failed test, and passes no threshold
+    doc["machines"] = [fresh(1.02, 5.0, ("rms_norm", "swiglu"), f"m{i}") for i in (1, 2)]
+    doc["machines"].append(fresh(1.042, 4.0, (), "m3"))
+    doc["machines"][2]["runs"]["unmodified"].update(rc=1, failed=[names[0]], ok=False)
+    path.write_text(json.dumps(doc))
+    assert gate.gate_threshold(doc) == 5.0
+    assert f"m3: 9 passed, 0 failed, 0 errors in 400 s; its gate at median:4% failed `{names[0].split('::')[-1]}` at " \
+           "1.042" in gate.summary()
+    doc["machines"][2]["runs"]["unmodified"].update(rc=1, failed=[], max_ratio=1.01)
+    assert gate.gate_threshold(doc) is None
     # a slowdown shown at 4% counts at 4% only: with swiglu missing there, the gate stays at 5%
     doc["machines"] = [fresh(1.02, 5.0, ("rms_norm", "swiglu"), f"m{i}") for i in (1, 2)] + [fresh(1.02, 4.0, ("rms_norm",), "m3")]
     path.write_text(json.dumps(doc))

@@ -172,9 +172,21 @@ GPU_SHAPES = [(3, 12, 768, 64), (4, 8, 512, 32), (2, 24, 1536, 128), (6, 20, 102
               (2, 10, 2560, 96)]
 
 
+@pytest.fixture(scope="module")
+def sdpa_kernel_rows(cuda_device) -> dict[tuple, dict]:
+    """cuDNN's SDPA kernels at every GPU_SHAPES shape, {(B, h, S, hd): calibrate's row}, from one profiler
+    pass in a process of its own: the profiler leaves CUPTI attached, and the host-bound step tests after
+    these would pay for it (calibrate.py profiles last for the same reason). One process, not one per
+    shape: each start (CUDA, cuDNN, the profiler) costs several seconds."""
+    code = ("import json, sys, time; from anatomy.measure.calibrate_sdpa import measure_sdpa_kernels; "
+            f"print(json.dumps(measure_sdpa_kernels(time.monotonic() + 120, reps=10, shapes={GPU_SHAPES!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return {(r["B"], r["heads"], r["S"], r["hd"]): r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "B{}h{}S{}hd{}".format(*s))
-def test_sdpa_kernel_time_within_15pct_gpu(shape, claims, cuda_device, suite_profile):
+def test_sdpa_kernel_time_within_15pct_gpu(shape, claims, cuda_device, suite_profile, sdpa_kernel_rows):
     """cuDNN's main SDPA kernel, forward and backward, at a shape calibrate never timed: its profiled
     duration against the schedule of the suite's profile (conftest.py suite_profile: $ANATOMY_GPU_PROFILE,
     else this GPU's own calibration), ±15%."""
@@ -183,12 +195,8 @@ def test_sdpa_kernel_time_within_15pct_gpu(shape, claims, cuda_device, suite_pro
     if not (prof.get("sdpa_schedule") or {}).get("cudnn"):
         pytest.skip(f"profile {label} has no cuDNN SDPA schedule")
     B, h, S, hd = shape
-    # in a process of its own: the profiler leaves CUPTI attached, and the host-bound step tests after
-    # this one would pay for it (calibrate.py profiles last for the same reason)
-    code = ("import json, sys, time; from anatomy.measure.calibrate_sdpa import measure_sdpa_kernels; "
-            f"print(json.dumps(measure_sdpa_kernels(time.monotonic() + 60, reps=10, shapes=[{tuple(shape)}])))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True)
-    (row,) = json.loads(out.stdout.strip().splitlines()[-1])
+    row = sdpa_kernel_rows.get(tuple(shape))
+    assert row is not None, f"the profiler pass credited no forward and backward kernels to {shape}"
     sched, note = sdpa_schedule.lookup(prof, "cudnn", hd)
     for phase, key in (("forward", "fwd_kernel"), ("backward", "bwd_kernel")):
         pred = sdpa_schedule.kernel_s(sched[phase], B, h, S, prof["sms"], phase) * 1e3
