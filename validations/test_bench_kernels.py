@@ -80,3 +80,26 @@ def test_optimizer_case_steps(optimizer, monkeypatch):
     args, kw = setup()
     work(*args, **kw)
     assert info["tensors"] == 2 and all(not torch.equal(a, p) for a, p in zip(before, params))
+
+
+def test_the_optimizer_mode_probe_reads_kernels_and_refuses_without_a_gpu(tmp_path, capsys):
+    """scripts/probe_optimizer_modes.py: the kernels of a Chrome trace in start order, their summed duration and
+    the GPU's idle time between them; bad arguments and a machine without a GPU are one line each, exit 2."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import probe_optimizer_modes as probe
+
+    trace = {"traceEvents": [dict(cat="kernel", ts=10.0, dur=2.0), dict(cat="cpu_op", ts=0.0, dur=50.0),
+                             dict(cat="kernel", ts=0.0, dur=3.0), dict(cat="kernel", ts=5.0, dur=1.0)]}
+    ks = probe.kernel_list(trace)
+    assert ks == [(0.0, 3.0), (5.0, 1.0), (10.0, 2.0)] and probe.busy_and_idle(ks) == (6.0, 6.0)
+    assert probe.busy_and_idle([]) == (0.0, 0.0)
+    assert probe.main(["--out", str(tmp_path / "m.json"), "--cases", "0"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "probe_optimizer_modes: error: --processes and --cases must be at least 1"
+    if not torch.cuda.is_available():
+        assert probe.main(["--out", str(tmp_path / "m.json")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == "probe_optimizer_modes: error: needs a CUDA GPU; this machine has none"
