@@ -4,10 +4,12 @@
 
 `test_optimizer[ademamix/seed/step]` (AdEMAMix's per-tensor loop over the seed model's 57 fp32 tensors, about
 855 kernels) runs at one of two GPU times per process, about 4% apart, and sets the regression gate's
-threshold (docs/benchmarks.md). Each of --processes fresh processes, one after another, builds the
-benchmark's own case (validations/bench_kernels.optimizer_case) --cases times, freeing the previous one and
-the allocator's cache in between, and records for each case:
-  - the step's GPU time: the median of 10 rounds queued behind a spin, the benchmark's clock;
+threshold (docs/benchmarks.md). Each of --processes fresh processes (one after another, under the
+benchmarks' expandable-segments allocator) builds the benchmark's own case (validations/bench_kernels.
+optimizer_case) --cases times, freeing the previous one and the allocator's cache in between, and records for
+each case:
+  - the step's GPU time: the median of 10 rounds queued behind a spin, the benchmark's clock, with the host's
+    issue time, the spin's length and how many rounds were queued;
   - one profiled step: every kernel's duration in issue order, their sum and the GPU's idle time between them;
   - the spin kernel's rate (the SM clock) before the case;
   - each optimizer state tensor's address modulo 2 MiB, and the allocator's segment count.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 PAGE = 2 << 20  # the allocator's expandable-segment page
+# the benchmarks' allocator (scripts/gpu_suite.sh and gate_check.sh export it)
+CHILD_ENV = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
 
 
 def kernel_list(trace: dict) -> list[tuple[float, float]]:
@@ -53,7 +58,7 @@ def one_case() -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from validations.bench_kernels import optimizer_case
-    from validations.gpu_clock import queued_median, sleep_rate
+    from validations.gpu_clock import GpuRound, sleep_rate
 
     rate = sleep_rate()
     _, step, info = optimizer_case("ademamix", "seed", "cuda")
@@ -61,7 +66,10 @@ def one_case() -> dict:
     for _ in range(3):  # the state, then two warm steps
         step()
     torch.cuda.synchronize()
-    gpu_s = queued_median(step, 10, cycles_per_s=rate)
+    rnd = GpuRound(step, cycles_per_s=rate, clock=[0.0])
+    for _ in range(11):  # queued_median's rounds: one untimed, then ten
+        rnd()
+    gpu_s, issue_s = statistics.median(rnd.gpu_s[1:]), statistics.median(rnd.host_issue_s[1:])
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
@@ -71,7 +79,8 @@ def one_case() -> dict:
     busy, idle = busy_and_idle(ks)
     states = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.is_cuda]
     offsets = [t.data_ptr() % PAGE for t in states]
-    row = dict(gpu_s=gpu_s, sleep_cycles_per_s=rate, kernels=len(ks), busy_us=busy, idle_us=idle,
+    row = dict(gpu_s=gpu_s, host_issue_s=issue_s, spin_s=rnd.spin_s, queued=sum(rnd.queued[1:]),
+               sleep_cycles_per_s=rate, kernels=len(ks), busy_us=busy, idle_us=idle,
                durations_us=[round(d, 3) for _, d in ks], state_offsets_mod_2MiB=offsets,
                segments=len(torch.cuda.memory_snapshot()), tensors=info["tensors"])
     del opt, step, states
@@ -108,7 +117,7 @@ def main(argv=None) -> int:
     doc = dict(env=json.loads(env.stdout) if env.returncode == 0 else None, command=command, processes=[])
     for i in range(a.processes):
         cmd = [sys.executable, __file__, "--out", str(a.out), "--cases", str(a.cases), "--child"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=CHILD_ENV)
         if out.returncode != 0:
             doc["processes"].append(dict(error=out.stderr.strip().splitlines()[-1:]))
         else:
