@@ -73,7 +73,8 @@ for name in $RUNS; do
   case " unmodified $ALL_TARGETS " in *" $name "*) ;; *) echo "gate_check: error: unknown run $name" >&2; exit 2;; esac
   slow=(); [ "$name" != unmodified ] && slow=(ANATOMY_SLOWDOWN="$name=$FACTOR")
   t=$SECONDS
-  env "${slow[@]}" "${PYTEST[@]}" "${GATE[@]}" --benchmark-json="$WORK/$name.json" > "$WORK/$name.log" 2>&1
+  env "${slow[@]}" "${PYTEST[@]}" "${GATE[@]}" --benchmark-json="$WORK/$name.json" --junitxml="$WORK/$name.xml" \
+    > "$WORK/$name.log" 2>&1
   rc=$?; last=$((SECONDS - t))
   echo $rc > "$WORK/$name.rc"
   printf '== %-15s rc=%d %4d s  %s %s\n' "$name" $rc $last "$(grep -E '(passed|failed|error).* in [0-9.]+s' "$WORK/$name.log" | tail -1)" \
@@ -86,8 +87,9 @@ echo "== $((SECONDS - T0)) s${left:+; left for another call (the deadline): RUNS
 SPECS=()
 for name in unmodified $ALL_TARGETS; do
   [ -f "$WORK/$name.rc" ] || continue
-  if [ -f "$WORK/$name.json" ]; then SPECS+=("$name=$WORK/$name.json:$(cat "$WORK/$name.rc")")
-  else SPECS+=("$name=:$(cat "$WORK/$name.rc")"); fi
+  xml=""; [ -f "$WORK/$name.xml" ] && xml=":$WORK/$name.xml"
+  if [ -f "$WORK/$name.json" ]; then SPECS+=("$name=$WORK/$name.json:$(cat "$WORK/$name.rc")$xml")
+  else SPECS+=("$name=:$(cat "$WORK/$name.rc")$xml"); fi
 done
 python3 scripts/gate_check_summary.py "$BASELINE" "$THRESHOLD" "$WORK/gate_check.json" "${SPECS[@]}"
 rc=$?

@@ -1,7 +1,7 @@
 """Summarise scripts/gate_check.sh's runs: which benchmarks each slowdown failed, and whether the gate
 behaved as it must.
 
-    python3 scripts/gate_check_summary.py BASELINE THRESHOLD_PCT OUT_JSON RUN=JSON[:RC] ...
+    python3 scripts/gate_check_summary.py BASELINE THRESHOLD_PCT OUT_JSON RUN=JSON[:RC[:JUNIT]] ...
 
 A run named "unmodified" must fail nothing (and exit 0). A run named after a slowdown target K (validations/
 slowdown.py) must fail every benchmark of K's own (test_kernel[K/...], test_optimizer[K/...]) and no
@@ -10,12 +10,16 @@ benchmarks that called K (`called`) and the factor it ran with. The unmodified r
 reference GEMM and copy times (`refs`). A benchmark fails
 when its median exceeds the baseline's by more than THRESHOLD_PCT, which is
 pytest-benchmark's --benchmark-compare-fail=median:X% rule; a benchmark missing from the baseline
-is listed as ungated. Exit 0 when every run behaved, 1 when one did not, 2 on unreadable input.
+is listed as ungated. With the run's JUnit XML (pytest --junitxml), its row keeps `tests_failed`: the tests
+that failed or errored, which its exit code alone does not tell apart from the gate's own failure (pytest-
+benchmark's regression check exits 1 after every test passed). Exit 0 when every run behaved, 1 when one did
+not, 2 on unreadable input.
 """
 from __future__ import annotations
 
 import json
 import sys
+import xml.etree.ElementTree as ET
 
 
 def _load(path: str) -> dict[str, dict]:
@@ -28,6 +32,13 @@ def own(name: str, target: str) -> bool:
     return f"::test_kernel[{target}/" in name or f"::test_optimizer[{target}/" in name
 
 
+def tests_failed(junit: str) -> int:
+    """Failures plus errors over every testsuite of a JUnit XML report."""
+    root = ET.parse(junit).getroot()
+    suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+    return sum(int(x.get("failures", 0)) + int(x.get("errors", 0)) for x in suites)
+
+
 def refs(cur: dict[str, dict]) -> dict | None:
     """The run's reference GEMM and copy times (measured once per session, in every benchmark's extra_info):
     what the README compares between machines beside the absolute medians."""
@@ -38,10 +49,11 @@ def refs(cur: dict[str, dict]) -> dict | None:
     return None
 
 
-def summarize(base: dict[str, dict], runs: dict[str, tuple[dict[str, dict], int]], threshold: float) -> dict:
+def summarize(base: dict[str, dict], runs: dict[str, tuple], threshold: float) -> dict:
+    """runs: {name: (report's benchmarks or None, exit code[, tests failed])}."""
     out = dict(threshold_pct=threshold, runs={})
     ok_all = True
-    for run, (cur, rc) in runs.items():
+    for run, (cur, rc, *tests) in runs.items():
         if cur is None:  # the run wrote no report (pytest crashed): see its log
             out["runs"][run] = dict(rc=rc, ok=False, error="no report")
             ok_all = False
@@ -51,6 +63,8 @@ def summarize(base: dict[str, dict], runs: dict[str, tuple[dict[str, dict], int]
         row = dict(rc=rc, benchmarks=len(cur), ungated=sorted(set(cur) - set(base)), failed=failed,
                    max_ratio=max(ratios.values(), default=None),
                    ratio={n: round(r, 4) for n, r in sorted(ratios.items())})
+        if tests and tests[0] is not None:
+            row["tests_failed"] = tests[0]
         if run == "unmodified":
             row["ok"] = not failed and not row["ungated"] and rc == 0
             row["refs"] = refs(cur)
@@ -79,9 +93,10 @@ def main(argv: list[str]) -> int:
         runs = {}
         for spec in argv[3:]:
             name, _, rest = spec.partition("=")
-            path, _, rc = rest.partition(":")
-            runs[name] = (_load(path) if path else None, int(rc or 0))
-    except (OSError, ValueError, KeyError) as e:
+            path, _, rest = rest.partition(":")
+            rc, _, junit = rest.partition(":")
+            runs[name] = (_load(path) if path else None, int(rc or 0), tests_failed(junit) if junit else None)
+    except (OSError, ValueError, KeyError, ET.ParseError) as e:
         print(f"gate_check_summary: error: {e}", file=sys.stderr)
         return 2
     s = summarize(base, runs, threshold)

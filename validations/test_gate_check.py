@@ -55,6 +55,14 @@ def test_main_writes_the_summary(tmp_path):
     assert main([str(base), "5", str(tmp_path / "s.json"), f"unmodified={cur}:0"]) == 0
     assert json.loads((tmp_path / "s.json").read_text())["runs"]["unmodified"]["max_ratio"] == 1.0
     assert main([str(tmp_path / "missing.json"), "5", str(tmp_path / "s.json"), f"unmodified={cur}:0"]) == 2
+    # with the run's JUnit report, its row keeps the tests that failed or errored, over every testsuite
+    junit = tmp_path / "u.xml"
+    junit.write_text('<testsuites><testsuite failures="1" errors="1" tests="5"/><testsuite failures="0" errors="0"/>'
+                     '</testsuites>')
+    assert main([str(base), "5", str(tmp_path / "s.json"), f"unmodified={cur}:1:{junit}"]) == 1
+    assert json.loads((tmp_path / "s.json").read_text())["runs"]["unmodified"]["tests_failed"] == 2
+    junit.write_text("<testsuite")
+    assert main([str(base), "5", str(tmp_path / "s.json"), f"unmodified={cur}:1:{junit}"]) == 2
 
 
 def test_gate_check_refuses_without_a_gpu():
@@ -146,6 +154,7 @@ def test_gate_check_end_to_end_on_a_fake_gpu(tmp_path):
     s = json.loads((tmp_path / "w1" / "gate_check.json").read_text())
     assert s["ok"] and set(s["runs"]) == {"unmodified", "rms_norm", "swiglu"}
     assert s["runs"]["rms_norm"]["failed"] == ["test_gate.py::test_kernel[rms_norm/seed/fwd]"]  # the model: +0.4%
+    assert all(row["tests_failed"] == 0 for row in s["runs"].values())  # each run's JUnit report
     assert (tmp_path / "out" / "gate_check.json").exists()
     r = check("w2", "10", "1.075")  # a gate looser than the slowdown lets the kernels' own benchmarks pass
     assert r.returncode == 1 and "BAD" in r.stdout, r.stdout + r.stderr
@@ -392,8 +401,10 @@ def test_the_gate_section_says_what_is_not_shown(tmp_path, monkeypatch):
     assert gate.gate_threshold(doc) == 5.0
     assert f"m3: 9 passed, 0 failed, 0 errors in 400 s; its gate at median:4% failed `{names[0].split('::')[-1]}` at " \
            "1.042" in gate.summary()
-    doc["machines"][2]["runs"]["unmodified"].update(rc=1, failed=[], max_ratio=1.01)
+    doc["machines"][2]["runs"]["unmodified"].update(tests_failed=1)  # its JUnit report: a test failed too
     assert gate.gate_threshold(doc) is None
+    doc["machines"][2]["runs"]["unmodified"].update(rc=1, failed=[], max_ratio=1.01, tests_failed=0)
+    assert gate.gate_threshold(doc) is None  # exit 1 with nothing past its gate: not the gate's exit
     # a slowdown shown at 4% counts at 4% only: with swiglu missing there, the gate stays at 5%
     doc["machines"] = [fresh(1.02, 5.0, ("rms_norm", "swiglu"), f"m{i}") for i in (1, 2)] + [fresh(1.02, 4.0, ("rms_norm",), "m3")]
     path.write_text(json.dumps(doc))

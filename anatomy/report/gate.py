@@ -45,11 +45,13 @@ def _fresh(machines: list[dict]) -> list[dict]:
 
 def _passes(m: dict, threshold: float) -> bool:
     """Does the machine's unmodified run pass median:threshold%? Its ratios decide, whatever threshold it ran
-    at: a nonzero exit counts against it only where no benchmark failed that run's own gate, for then it was a
-    test that failed (pytest-benchmark's regression check exits 1 after every test has passed)."""
+    at, once its tests passed: its exit code counts against it only where no benchmark failed that run's own
+    gate (pytest-benchmark's regression check exits 1 after every test has passed), and `tests_failed` (its
+    JUnit report), where recorded, must be 0."""
     row = m["runs"].get("unmodified", {})
-    return ((row.get("rc") == 0 or bool(row.get("failed"))) and not row.get("ungated")
-            and row.get("max_ratio") is not None and (row["max_ratio"] - 1) * 100 <= threshold)
+    tests_ok = (row.get("rc") == 0 or bool(row.get("failed"))) and row.get("tests_failed", 0) == 0
+    return (tests_ok and not row.get("ungated") and row.get("max_ratio") is not None
+            and (row["max_ratio"] - 1) * 100 <= threshold)
 
 
 def _unguarded(m: dict, threshold: float) -> list[str]:
