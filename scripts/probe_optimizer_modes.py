@@ -16,7 +16,7 @@ each case:
 A mode that changes between cases of one process follows the allocation; one that changes only between
 processes follows the context. The kernel lists of a fast and a slow case, index by index, say which kernels
 carry the difference, and the idle time says whether it is in the kernels or between them.
-Exit 2 without a CUDA GPU or with a bad argument.
+Exit 1 when a process failed (its last error line is kept), 2 without a CUDA GPU or with a bad argument.
 """
 from __future__ import annotations
 
@@ -117,9 +117,13 @@ def main(argv=None) -> int:
     doc = dict(env=json.loads(env.stdout) if env.returncode == 0 else None, command=command, processes=[])
     for i in range(a.processes):
         cmd = [sys.executable, __file__, "--out", str(a.out), "--cases", str(a.cases), "--child"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=CHILD_ENV)
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=CHILD_ENV)
+        except subprocess.TimeoutExpired:
+            out = subprocess.CompletedProcess(cmd, 1, "", "the process ran past 300 s")
         if out.returncode != 0:
             doc["processes"].append(dict(error=out.stderr.strip().splitlines()[-1:]))
+            print(f"process {i + 1}/{a.processes}: failed: {doc['processes'][-1]['error']}", flush=True)
         else:
             doc["processes"].append(json.loads(out.stdout.strip().splitlines()[-1]))
             ms = [round(c["gpu_s"] * 1e3, 4) for c in doc["processes"][-1]]
@@ -130,7 +134,7 @@ def main(argv=None) -> int:
     if ok:
         print(f"all cases: {len(ok)}, GPU ms {min(ok) * 1e3:.3f}-{max(ok) * 1e3:.3f}, "
               f"median {statistics.median(ok) * 1e3:.3f}")
-    return 0
+    return 0 if all(isinstance(p, list) for p in doc["processes"]) else 1
 
 
 if __name__ == "__main__":
