@@ -52,8 +52,8 @@ def _gate_record() -> dict:
 
 def test_the_gate_check_record_obeys_the_gates_rules():
     """Each machine of the committed gate check, read against the committed baseline: the threshold is at
-    most 10%; the unmodified run gated every benchmark, and it failed none (exit 0, its largest ratio under
-    the threshold) or failed the gate alone (exit 1, a ratio past it); each slowdown (1 + 1.5 x threshold)
+    most 10%; each run gated every benchmark; the unmodified run, where there is one, failed none (exit 0,
+    its largest ratio under the threshold) or failed the gate alone (exit 1, a ratio past it); each slowdown (1 + 1.5 x threshold)
     failed every benchmark of the target's own and only benchmarks whose work called it. Each run's failures
     are recomputed from its ratios."""
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -66,7 +66,9 @@ def test_the_gate_check_record_obeys_the_gates_rules():
         thr = m["threshold_pct"]
         assert 0 < thr <= 10 and m["gpu"] and m["driver"] and m["torch"] and m["date"]
         assert all(not c.startswith("/") and " /" not in c for c in m["commands"])
-        assert "unmodified" in m["runs"] and set(m["runs"]) <= {"unmodified", *doc["targets"]}
+        # a slowed run is judged within itself (its own benchmarks and the others, in one process), so a
+        # machine may hold slowed runs without an unmodified one; only machines with one count as fresh
+        assert m["runs"] and set(m["runs"]) <= {"unmodified", *doc["targets"]}
         for run, row in m["runs"].items():
             assert set(row["ratio"]) == names and row["benchmarks"] == len(names) and not row["ungated"]
             assert row["failed"] == sorted(n for n, r in row["ratio"].items() if (r - 1) * 100 > thr)
@@ -292,4 +294,4 @@ def test_the_recorded_suite_runs_are_gated_and_their_failures_named():
     shown = [s for m in current(doc)["machines"] for s in m.get("suites", [])]
     for t in (t for s in shown for t in s.get("failed_claims", [])):
         assert f"(failed: `{t.split('::')[-1]}`)" in section
-    assert all(m["runs"]["unmodified"]["refs"]["gemm_s"] > 0 for m in doc["machines"])
+    assert all(m["runs"]["unmodified"]["refs"]["gemm_s"] > 0 for m in doc["machines"] if "unmodified" in m["runs"])
