@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REPORTS = ROOT / "reports"
 H200 = REPORTS / "h200"
 
-# The calibrated H200 profile the timing claims use (`anatomy calibrate`, same run as TIMING_PROBE).
+# The packaged H200 profile (`anatomy calibrate` on a fresh H200): what `--gpu h200-measured` predicts with.
 H200_PROFILE = ROOT / "anatomy" / "calculator" / "profiles" / "h200.json"
 
 # Claims reports written by the suite (`pytest --claims-report`): the CPU run and the GPU-marked run.
@@ -31,7 +31,9 @@ MEMORY_PROBE_RECOMPUTE = (H200 / "memory-probe" / "recompute-named.json",
                           H200 / "memory-probe" / "recompute-drawn.json",
                           H200 / "memory-probe" / "recompute-drawn-training.json")
 
-# scripts/probe_timing.py: unmarked steps and per-component intervals, with H200_PROFILE from the same run.
+# scripts/probe_timing.py: unmarked steps and per-component intervals, with the profile calibrated in the same
+# run (TIMING_PROBE_PROFILE), which their claims are judged against.
+TIMING_PROBE_PROFILE = H200 / "timing-probe" / "profile.json"
 TIMING_PROBE = {"named": H200 / "timing-probe" / "named.json",
                 "drawn, training-sized": H200 / "timing-probe" / "drawn-training.json",
                 "drawn, small": H200 / "timing-probe" / "drawn-small.json"}

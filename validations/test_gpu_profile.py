@@ -75,8 +75,8 @@ def test_device_names_map_to_one_datasheet_table(device_name, profile):
 
 
 def test_committed_h200_profile_is_a_calibration():
-    """The packaged `h200-measured` profile is an `anatomy calibrate` output (the run of the timing probe's
-    rows), with its provenance; every figure the datasheet had is replaced by a measurement, and the
+    """The packaged `h200-measured` profile is an `anatomy calibrate` output of a fresh H200, with its
+    provenance and its measured sustained regime; every figure the datasheet had is replaced by a measurement, and the
     attention table reproduces the SDPA rows it measured at their own shapes (a round trip, not a
     prediction)."""
     committed = records.H200_PROFILE
@@ -87,6 +87,8 @@ def test_committed_h200_profile_is_a_calibration():
     for key in ("matmul_flops", "hbm_Bps", "launch_s", "host_op_s", "host_custom_s", "attention", "mfu_peak_flops"):
         assert p["sources"][key].startswith("measured"), key
     assert p["matmul_k_half"] > 0 and set(p["host_custom_s"]) >= {"rms_norm", "swiglu", "rope_qkv", "liger_ce"}
+    assert "sustained" in json.loads(committed.read_text())["measurements"]
+    assert p["sources"]["sustained_ratio"].startswith("measured") and 0.5 < p["sustained_ratio"]["matmul"] < 1
     from anatomy.measure.calibrate_aten import SXS_OPS, SXS_SEQS
     from anatomy.measure.calibrate_kernels import LIGER_VOCABS
 

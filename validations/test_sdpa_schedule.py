@@ -235,7 +235,7 @@ def test_sdpa_kernel_in_step_within_15pct(point, claims):
     ones (the seed B16 S4096 is also one of calibrate's grids)."""
     from anatomy.report import sdpa_plot
 
-    prof = timing.get(str(records.H200_PROFILE))
+    prof = timing.get(str(records.TIMING_PROBE_PROFILE))
     claims.check("time.sdpa_kernel.forward" if point["phase"] == "forward" else "time.sdpa_kernel.backward",
                  component="attention",
                  config="B{B}h{heads}S{S}hd{hd}".format(**point), variant="efficient",

@@ -9,6 +9,7 @@ stated bias; docs/timing.md carries the error table, generated from the same row
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -139,13 +140,13 @@ def test_plain_steps_fill_their_budget_and_the_reference_brackets_them():
 
 # ---- the timing model against committed H200 rows ------------------------------------------------
 # The probe's rows (reports/h200/timing-probe/*.json) with the profile calibrated in the same run
-# (anatomy/calculator/profiles/h200.json): host speed differs between machines of one kind, so a row is
+# (reports/h200/timing-probe/profile.json): host speed differs between machines of one kind, so a row is
 # compared only with its own run's profile. Known misses: validations/known_misses.json.
 PROFILE = probes.PROFILE
 SETS = probes.timing_rows()
 STEP_TEST = "validations/test_timing_probe.py::test_step_time_within_10pct"
 COMPONENT_TEST = "validations/test_timing_probe.py::test_component_time_within_15pct"
-NOTE = "reports/h200/timing-probe; profile anatomy/calculator/profiles/h200.json"
+NOTE = "reports/h200/timing-probe; profile reports/h200/timing-probe/profile.json"
 
 
 def _id(r: dict) -> str:
@@ -192,6 +193,18 @@ def _component_cases():
     out = [known_misses.param(COMPONENT_TEST, f"{key.replace(' ', '-')}-{_id(r)}", r, key)
            for r in rows for key in probes.component_errors(r, PROFILE)]
     return out or [pytest.param(None, None, marks=pytest.mark.skip(reason="no timing rows"))]
+
+
+def test_the_rows_and_their_profile_are_one_run():
+    """The profile these rows are judged against was calibrated on their machine, minutes before them."""
+    from datetime import datetime
+
+    def at(d: str) -> datetime:
+        return datetime.strptime(d, "%Y-%m-%d %H:%M:%S UTC")
+
+    cal = at(json.loads(Path(PROFILE).read_text())["provenance"]["date"])
+    for path in records.TIMING_PROBE.values():
+        assert 0 <= (at(json.loads(path.read_text())["date"]) - cal).total_seconds() < 30 * 60, path
 
 
 def test_every_known_miss_names_a_case():

@@ -72,11 +72,11 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
     (r"^mean train loss", ["-"], ["anatomy/train/loop.py:train", *_MODELS], []),
     (r"kill \+ resume", ["-"], ["anatomy/train/checkpoint.py:save", "anatomy/train/checkpoint.py:load"], []),
     (r"^time\.sdpa_kernel", ["anatomy/calculator/timing/sdpa_schedule.py:kernel_s"],
-     ["anatomy/efficient/attention.py:Attention", *_TIMELINE], ["TIMING_PROBE", "H200_PROFILE"]),
+     ["anatomy/efficient/attention.py:Attention", *_TIMELINE], ["TIMING_PROBE", "TIMING_PROBE_PROFILE"]),
     (r"^step time", _TIME, ["bench/step.py:main"], ["STEPS", "H200_PROFILE"]),
     (r"^time\.real_depth\.", _TIME, ["scripts/user_loop.py:measure", "scripts/user_loop.py:kernel_ms"],
      ["REAL_DEPTH_RUNS"]),
-    (r"^time\.", _TIME, _TIMELINE, ["TIMING_PROBE", "H200_PROFILE"]),
+    (r"^time\.", _TIME, _TIMELINE, ["TIMING_PROBE", "TIMING_PROBE_PROFILE"]),
 ]
 
 

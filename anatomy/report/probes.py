@@ -18,7 +18,7 @@ from anatomy import records
 from anatomy.config import ModelConfig, Run
 
 SPLIT, DEFAULT = "expandable segments", "default allocator"
-PROFILE = str(records.H200_PROFILE)  # calibrated in the same run as the timing probe's rows
+PROFILE = str(records.TIMING_PROBE_PROFILE)  # calibrated in the same run as the timing probe's rows
 # (the calculator's key, the probe's phase, "allocated" at its end or its "peak")
 FIGURES = (("forward_end", "forward", "allocated"), ("forward_peak", "forward", "peak"),
            ("backward_peak", "backward", "peak"), ("backward_end", "backward", "allocated"),
@@ -273,7 +273,7 @@ def timing_table(rows_: list[dict], profile: str, row_host: bool = True) -> dict
 def timing_markdown() -> str:
     sets = timing_rows()
     lines = ["Rows: reports/h200/timing-probe/*.json (scripts/probe_timing.py), against the profile `anatomy calibrate` "
-             "measured in the same run (anatomy/calculator/profiles/h200.json) or the datasheet's; error "
+             "measured in the same run (reports/h200/timing-probe/profile.json) or the datasheet's; error "
              "= (predicted - measured) / measured. Steps: the unmarked steps' forward + backward (and AdamW step). "
              "Components: GPU kernel time from a torch.profiler trace, credited to the component marked before each "
              "launch; those holding ≥ 5% of the step's kernel time. Profile \"calibrated\": the host at the speed "
@@ -310,7 +310,7 @@ def timing_summary() -> str:
     named = ", ".join(f"{r['config']} B{r['batch']} S{r['seq']} {r['variant']} {time_error(r, 'forward_backward', prof):+.1%}"
                       for r in sets["named"])
     out = ["Forward + backward against the profile calibrated in the same run (`reports/h200/timing-probe/`, "
-           f"`anatomy/calculator/profiles/h200.json`): named rows {named}."]
+           f"`reports/h200/timing-probe/profile.json`): named rows {named}."]
     for name in ("drawn, training-sized", "drawn, small"):
         for v in ("efficient", "baseline"):
             rs = [r for r in sets[name] if r["variant"] == v]

@@ -46,7 +46,7 @@ def predict_us(prof: dict, p: dict, schedule: bool = True) -> float:
 
 def sets() -> dict[str, list[tuple[float, float]]]:
     """{label: [(measured us, predicted us)]}."""
-    raw = json.loads(records.H200_PROFILE.read_text())
+    raw = json.loads(records.TIMING_PROBE_PROFILE.read_text())
     prof = lookup.get(raw)
     cal = [(r[f"{k}_kernel_ms"] * 1e3, predict_us(prof, dict(r, phase=ph)))
            for r in raw["measurements"].get("attention_kernels", []) for k, ph in (("fwd", "forward"), ("bwd", "backward"))]
@@ -65,7 +65,7 @@ def summary() -> str:
         if pts:
             e = [abs(p / m - 1) for m, p in pts]
             rows.append(f"| {label} | {len(pts)} | {sum(x <= 0.15 for x in e)} | {statistics.mean(e):.1%} | {max(e):.1%} |")
-    pv = json.loads(records.H200_PROFILE.read_text())["provenance"]
+    pv = json.loads(records.TIMING_PROBE_PROFILE.read_text())["provenance"]
     return "\n".join(["| cuDNN main SDPA kernel | n | within ±15% | MAPE | worst |", "|---|---:|---:|---:|---:|", *rows, "",
                       f"Source: {pv['gpu']}, torch {pv['torch']}, CUDA {pv['cuda']}, cuDNN {pv.get('cudnn')}, "
                       f"{pv['date']}: `{records.command(pv['command'])}` and the timing probes of the same run "
