@@ -73,7 +73,7 @@ LINEAR_CE = H200 / "kernels" / "linear-ce.json"  # bench/linear_ce.py: ours agai
 # scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate: the user's own loop on real-depth
 # models drawn out of sample (validations/real_depth.py), one freshly started H200 per folder, each beside the
 # profile `anatomy calibrate` measured first in the same run (calibrated.json) and the machine's env.json.
-REAL_DEPTH_RUNS = tuple(H200 / "user-loop" / f"machine-{i}" / "real-depth.json" for i in (1, 2))
+REAL_DEPTH_RUNS = tuple(H200 / "user-loop" / f"machine-{i}" / "real-depth.json" for i in (1, 2, 3))
 
 # scripts/check_plan.py: `anatomy plan --gpu H200`'s micro-batch and the next one, run in a user's loop.
 PLAN_CHECK = H200 / "plan" / "check.json"

@@ -31,6 +31,8 @@ MISSING = ("no committed user-loop record (reports/h200/user-loop/machine-N/real
            "REAL_DEPTH_SEED=<new> bash scripts/gpu_records.sh` on a fresh H200 and commit its real-depth.json, "
            "calibrated.json and env.json")
 WALL_TEST = "validations/test_real_depth.py::test_real_depth_wall_step_within_10pct_when_gpu_bound"
+KERNEL_TEST = "validations/test_real_depth.py::test_real_depth_kernel_time_within_10pct"
+COMPONENT_TEST = "validations/test_real_depth.py::test_real_depth_component_within_15pct"
 
 
 def _run(record: Path) -> tuple[str, str, list[dict]]:
@@ -50,9 +52,11 @@ def _run(record: Path) -> tuple[str, str, list[dict]]:
 
 RUNS = [_run(r) for r in records.REAL_DEPTH_RUNS if r.is_file()]
 ROWS = [r for _, _, rows in RUNS for r in rows]
-ROW_PARAMS = [pytest.param(r, id=r["id"]) for r in ROWS] or [pytest.param(None, id="no-record")]
+KERNEL_PARAMS = ([known_misses.param(KERNEL_TEST, f"{r['id']}-{what}", r, what) for r in ROWS
+                  for what in ("forward_backward", "step")] or [pytest.param(None, None, id="no-record")])
 WALL_PARAMS = [known_misses.param(WALL_TEST, r["id"], r) for r in ROWS] or [pytest.param(None, id="no-record")]
-COMP_PARAMS = [pytest.param(r, key, id=f"{key.replace(' ', '-')}-{r['id']}") for r in ROWS if r.get("components")
+COMP_PARAMS = [known_misses.param(COMPONENT_TEST, f"{key.replace(' ', '-')}-{r['id']}", r, key) for r in ROWS
+               if r.get("components")
                for key in real_depth.row_errors(r, r["gpu"]) if key.split()[-1] in ("forward", "backward")
                and not key.startswith("GPU")] or [pytest.param(None, None, id="no-record")]
 
@@ -69,8 +73,7 @@ def _check(claims, r: dict, what: str) -> None:
                  measured=c["measured"], tolerance=c["tolerance"], device="cuda (recorded)", unit="ms", note=c["note"])
 
 
-@pytest.mark.parametrize("what", ["forward_backward", "step"])
-@pytest.mark.parametrize("r", ROW_PARAMS)
+@pytest.mark.parametrize("r, what", KERNEL_PARAMS)
 def test_real_depth_kernel_time_within_10pct(r, what, claims):
     if r is None:
         pytest.skip(MISSING)
@@ -102,8 +105,10 @@ def test_real_depth_component_within_15pct(r, key, claims):
                      note=r["note"])
 
 
-def test_every_known_wall_miss_names_a_row():
+def test_every_known_miss_names_a_case():
     assert not known_misses.unused(WALL_TEST, [r["id"] for r in ROWS])
+    assert not known_misses.unused(KERNEL_TEST, [p.id for p in KERNEL_PARAMS])
+    assert not known_misses.unused(COMPONENT_TEST, [p.id for p in COMP_PARAMS])
 
 
 def test_real_depth_error_table():
