@@ -3,12 +3,14 @@ every gradient it gives with nn.Linear and a saved SwiGLU output, and keeps neit
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from anatomy.config import ModelConfig, Run
 from anatomy.efficient.attention import Attention
 from anatomy.efficient.mlp import MLP
 from anatomy.kernels import swiglu_packed, triton_on_cpu
-from anatomy.kernels.lean import linear, swiglu_down
+from anatomy.kernels.lean import linear, remake_grad, swiglu_down
+from anatomy.kernels.swiglu import packed_grad
 from anatomy.measure.saved import SavedTensorTracer
 from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
 from validations.configs import NAMED
@@ -68,14 +70,16 @@ def test_lean_ops_are_bitwise_the_plain_ones_cuda(variant):
         assert a.dtype == b_.dtype and torch.equal(a, b_)
 
 
-def test_lean_ops_through_the_triton_kernels_are_bitwise_the_plain_ones():
-    """swiglu_down under the interpreter, forward and backward: the re-made h is the forward's, so dW and
-    d(gate_up) match. (Both passes inside triton_on_cpu: h is made again by the kernel the backward runs.)"""
+@pytest.mark.parametrize("variant", ["swiglu", "gpt-oss"])
+def test_lean_ops_through_the_triton_kernels_are_bitwise_the_plain_ones(variant):
+    """swiglu_down under the interpreter, forward and backward: the h that SwiGLU's backward pass writes is
+    the forward kernel's, so dW and d(gate_up) match. (Both inside triton_on_cpu.)"""
     g = torch.Generator().manual_seed(0)
-    gu0 = torch.randn(2, 5, 2 * 24, generator=g)
+    gu0 = torch.randn(2, 5, 2 * 24, generator=g) * 4  # * 4: gpt-oss's clamps at 7 are crossed
     w0 = torch.randn(16, 24, generator=g)
     res = []
-    for fn in (lambda gu, w: torch.nn.functional.linear(swiglu_packed(gu), w), swiglu_down):
+    for fn in (lambda gu, w: torch.nn.functional.linear(swiglu_packed(gu, variant), w),
+               lambda gu, w: swiglu_down(gu, w, variant)):
         gu, w = (gu0 * 1).requires_grad_(), w0.clone().requires_grad_()
         with triton_on_cpu():
             with torch.autocast("cpu", dtype=BF16):
@@ -84,6 +88,26 @@ def test_lean_ops_through_the_triton_kernels_are_bitwise_the_plain_ones():
         res.append((y, gu.grad, w.grad))
     for a, b in zip(*res):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["reference", "triton"])
+@pytest.mark.parametrize("variant", ["swiglu", "gpt-oss"])
+def test_remake_grad_writes_h_over_dh_and_the_gradient_over_gate_up(variant, triton):
+    """One pass, no new storage: h (bitwise the forward op's) in d(h)'s storage, d(gate_up) (bitwise the
+    packed backward's) in gate_up's; the same through the custom op (a dispatch mode: no fast path)."""
+    g = torch.Generator().manual_seed(1)
+    gu0 = (torch.randn(3, 7, 2 * 40, generator=g) * 4).to(BF16)
+    dh0 = torch.randn(3, 7, 40, generator=g).to(BF16)
+    with triton_on_cpu() if triton else torch.autocast("cpu", enabled=False):
+        h_want = swiglu_packed(gu0, variant)
+        dgu_want = packed_grad(dh0, gu0.clone(), variant, False)
+        for mode in (None, FlopCounterMode):
+            gu, dh = gu0.clone(), dh0.clone()
+            ptrs = gu.data_ptr(), dh.data_ptr()
+            with torch.no_grad(), (mode(display=False) if mode else torch.autocast("cpu", enabled=False)):
+                h, dgu = remake_grad(dh, gu, variant, inplace=True)
+            assert (dgu.data_ptr(), h.data_ptr()) == ptrs
+            assert torch.equal(h, h_want) and torch.equal(dgu, dgu_want)
 
 
 def test_lean_linear_keeps_no_weight_cast():

@@ -115,20 +115,20 @@ def layer(w, i: int, g: int) -> int:
 
 
 def swiglu_down(w, tag: str, grad_out: int) -> None:
-    """The fused SwiGLU + down node (anatomy/kernels/lean.py): h made again from gate_up, down's weight
-    gradient (compute dtype under autocast), then h goes; down's weight cast again and d(h); the packed
-    SwiGLU backward writes d(gate_up) into gate_up's storage (the same bytes change kind); d(h) and the
-    incoming gradient go; under autocast the cast node makes the fp32 weight gradient."""
+    """The fused SwiGLU + down node (anatomy/kernels/lean.py): down's weight cast again and d(h); the cast
+    goes; one pass writes h over d(h) and d(gate_up) over gate_up's storage (the same bytes change kind);
+    down's weight gradient (compute dtype under autocast); h and the incoming gradient go; under autocast
+    the cast node makes the fp32 weight gradient."""
     T, H, I, c, p = w.T, w.H, w.I, w.c, w.p
     wg = H * I * (c if w.amp else p)
-    w.alloc(T * I * c, wg)  # h, dW
-    w.peak(tag + "mlp.down.weight_grad")
-    w.alloc(-T * I * c, T * I * c)  # h goes; d(h)
+    w.alloc(T * I * c)  # d(h)
     w.peak(tag + "mlp.down", *((H * I * c,) if w.amp else ()))  # with the weight's cast
     w.free("mlp.gate_up")
     w.alloc(2 * T * I * c)
-    w.peak(tag + "mlp.act")
-    w.alloc(-T * I * c, -grad_out)  # d(h), the incoming gradient
+    w.peak(tag + "mlp.act")  # h in d(h)'s storage, d(gate_up) in gate_up's
+    w.alloc(wg)  # dW
+    w.peak(tag + "mlp.down.weight_grad")
+    w.alloc(-T * I * c, -grad_out)  # h, the incoming gradient
     if w.amp:
         w.alloc(H * I * p)
         w.peak(tag + "mlp.down grad to fp32")

@@ -70,9 +70,10 @@ def _swiglu_fwd_kernel(G, U, H, stride_g, stride_u, stride_h, I, GPT_OSS: tl.con
 
 
 @jit
-def _swiglu_bwd_kernel(DH, G, U, DG, DU, stride_dh, stride_g, stride_u, stride_dg, stride_du, I,
-                       GPT_OSS: tl.constexpr, BLOCK_I: tl.constexpr):
-    # DG/DU may be G/U themselves (in-place backward): every element is loaded before it is stored.
+def _swiglu_bwd_kernel(DH, G, U, DG, DU, H, stride_dh, stride_g, stride_u, stride_dg, stride_du, stride_h, I,
+                       GPT_OSS: tl.constexpr, REMAKE: tl.constexpr, BLOCK_I: tl.constexpr):
+    # DG/DU may be G/U themselves (in-place backward), H may be DH (REMAKE: h written over d(h)): every
+    # element is loaded before it is stored.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = cols < I
@@ -93,6 +94,8 @@ def _swiglu_bwd_kernel(DH, G, U, DG, DU, stride_dh, stride_g, stride_u, stride_d
         du = tl.where(u_pass, du, 0.0)
     tl.store(DG + row * stride_dg + cols, dg.to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + row * stride_du + cols, du.to(DU.dtype.element_ty), mask=mask)
+    if REMAKE:  # the forward's h, bitwise: (g * sigmoid(g)) * u on the same fp32 values
+        tl.store(H + row * stride_h + cols, (silu * u).to(H.dtype.element_ty), mask=mask)
 
 
 # ---- launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) ------------------------
@@ -113,18 +116,23 @@ def swiglu_triton(gate: Tensor, up: Tensor, variant: str = "swiglu") -> Tensor:
 
 
 def swiglu_backward_triton(dh: Tensor, gate: Tensor, up: Tensor, variant: str = "swiglu",
-                           inplace: bool = False) -> tuple[Tensor, Tensor]:
-    """(dgate, dup). inplace=True writes them into gate and up and returns gate and up."""
+                           inplace: bool = False, h_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(dgate, dup). inplace=True writes them into gate and up and returns gate and up. h_out (gate's
+    shape, e.g. dh itself): the same pass also writes the forward's h there (anatomy.kernels.lean)."""
     check_launchable(gate)
     d2, g2, u2 = rows(dh), rows(gate), rows(up)
+    h2 = d2 if h_out is None else rows(h_out)
+    if h_out is not None and h2.data_ptr() != h_out.data_ptr():
+        raise ValueError("swiglu_backward_triton: h_out must merge to (M, I) rows without a copy")
     if inplace:
         dg, du = g2, u2
     else:
         dg, du = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device), torch.empty_like(u2)
     if dg.numel():
         grid, block = _grid(*g2.shape)
-        _swiglu_bwd_kernel[grid](d2, g2, u2, dg, du, d2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0),
-                                 du.stride(0), g2.shape[1], GPT_OSS=variant == "gpt-oss", BLOCK_I=block)
+        _swiglu_bwd_kernel[grid](d2, g2, u2, dg, du, h2, d2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0),
+                                 du.stride(0), h2.stride(0), g2.shape[1], GPT_OSS=variant == "gpt-oss",
+                                 REMAKE=h_out is not None, BLOCK_I=block)
     if not inplace:
         return dg.view(gate.shape), du.view(up.shape)
     for t, t2 in ((gate, g2), (up, u2)):

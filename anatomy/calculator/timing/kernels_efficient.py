@@ -1,7 +1,7 @@
 """The kernels anatomy/efficient launches in a training step on CUDA, with their FLOPs and minimal bytes:
 one qkv and one gate_up matmul per layer, our fused rms_norm, rope_qkv and swiglu, cuDNN's SDPA (or another
 backend) and the fused linear CE for the loss (Run.loss_impl: ours, anatomy_loss; Liger's, liger_loss); in the
-lean block (Run.lean), its adds inside the norms and its re-made weight casts and SwiGLU output. Mirrors kernels_baseline.py,
+lean block (Run.lean), its adds inside the norms, its re-made weight casts and SwiGLU output. Mirrors kernels_baseline.py,
 component by component.
 """
 from __future__ import annotations
@@ -69,7 +69,9 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     o.linear("mlp.gate_up", "mlp", H, 2 * I, L)
     for ph, name in (("forward", "mlp.swiglu"), ("backward", "mlp.swiglu.backward")):
         op = (f"swiglu.{ph}", I)
-        o.mem(name, "mlp", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
+        # the lean block's backward pass also writes h (lean.remake_grad): its bytes, the same kernel's rate
+        priced = ("swiglu.backward_remake", I) if fused and ph == "backward" else op
+        o.mem(name, "mlp", ph, *fused_bytes(*priced, T, c, r), L, host=op[0], fused=(*op, T))
     # (swiglu_packed owns the split, so no SplitBackward cats dgate and dup: d(gate_up) is gate_up's storage)
     o.linear("mlp.down", "mlp", I, H, L)
     if fused:
@@ -150,16 +152,14 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
 
 def lean_kernels(o: Ops) -> None:
     """In the lean block the matmuls are lean (anatomy/kernels/lean.py): under autocast each one's
-    backward casts its fp32 weight to bf16 again (the forward's cast is not kept), and the MLP's backward
-    runs SwiGLU's forward again to make h, down's input, from gate_up before down's weight gradient."""
-    cfg, run, c, r = o.cfg, o.run, o.c, o.r
-    T, H, L, I, D = run.tokens, cfg.hidden, cfg.layers, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim
+    backward casts its fp32 weight to bf16 again (the forward's cast is not kept). (h, down's input, is made
+    again inside SwiGLU's backward pass: priced there, in efficient_kernels.)"""
+    cfg, c = o.cfg, o.c
+    H, L, I, D = cfg.hidden, cfg.layers, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim
     if o.amp:
         for name, comp, n in (("attention.qkv", "attention", D * H), ("attention.o", "attention", H * H),
                               ("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)):
             o.mem(f"{name}.weight_recast", comp, "backward", n * o.p, n * c, L)
-    sw = ("swiglu.forward", I)
-    o.mem("mlp.swiglu.remake", "mlp", "backward", *fused_bytes(*sw, T, c, r), L, host=sw[0], fused=(*sw, T))
 
 
 def anatomy_loss(o: Ops) -> None:

@@ -36,6 +36,8 @@ _FUSED = {
     "swiglu.forward": lambda T, W, c, r: (T * 2 * W * c, T * W * c),  # gate_up in, h out
     # dh, gate_up in; d(gate_up) written in place
     "swiglu.backward": lambda T, W, c, r: (T * W * c + T * 2 * W * c, T * 2 * W * c),
+    # the lean block's (kernels/lean.py remake_grad): the same pass also writes h over dh
+    "swiglu.backward_remake": lambda T, W, c, r: (T * W * c + T * 2 * W * c, T * 3 * W * c),
     "rope_qkv.forward": lambda T, W, c, r: (T * W * c, T * W * c),  # qkv in; q, k, v out
     "rope_qkv.backward": lambda T, W, c, r: (T * W * c, T * W * c),
     "residual_add": lambda T, W, c, r: (T * W * (r + c), T * W * r),  # stream + branch in, stream out
