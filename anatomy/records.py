@@ -30,6 +30,8 @@ MEMORY_PROBE = {
 MEMORY_PROBE_RECOMPUTE = (H200 / "memory-probe" / "recompute-named.json",
                           H200 / "memory-probe" / "recompute-drawn.json",
                           H200 / "memory-probe" / "recompute-drawn-training.json")
+# and the efficient model's lean block (Run.lean), expandable segments: named and drawn training-sized configs
+MEMORY_PROBE_LEAN = (H200 / "memory-probe" / "lean-named.json", H200 / "memory-probe" / "lean-drawn-training.json")
 
 # scripts/probe_timing.py: unmarked steps and per-component intervals, with the profile calibrated in the same
 # run (TIMING_PROBE_PROFILE), which their claims are judged against.

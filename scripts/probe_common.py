@@ -25,6 +25,8 @@ def parse(prog: str, argv=None) -> argparse.Namespace:
     ap.add_argument("--out", help="write the JSON here after every row (default: stdout at the end)")
     ap.add_argument("--recompute", choices=("none", "mlp", "full"), default="none",
                     help="probe_memory: the efficient variant alone, under this Run.recompute")
+    ap.add_argument("--lean", action="store_true", help="probe_memory: the efficient variant alone, its lean block "
+                    "(Run.lean)")
     return ap.parse_args(argv)
 
 
@@ -59,6 +61,7 @@ def run_rows(prog: str, a: argparse.Namespace, cases: list[tuple], measure: Call
         for variant in variants:
             row = dict(config=name, cfg=cfg.to_dict(), batch=run.batch, seq=run.seq, variant=variant, optimizer=opt,
                        **({} if run.recompute == "none" else dict(recompute=run.recompute)),
+                       **(dict(loss_impl=run.loss_impl) if variant == "efficient" else {}),
                        **(dict(lean=True) if run.lean else {}))
             try:
                 row.update(measure(cfg, run, variant, opt))

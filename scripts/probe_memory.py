@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 scripts/probe_memory.py --hypothesis 32 --seed 2026 \\
         --out $OUT/probe_memory_hypothesis.json                                  # + 32 drawn GPU configs
     PYTHONPATH=. python3 scripts/probe_memory.py --recompute mlp ...             # efficient, Run.recompute="mlp"
+    PYTHONPATH=. python3 scripts/probe_memory.py --lean ...                      # efficient, its lean block
 
 Each row also holds `trace`: the same phase figures from the allocator trace's live bytes (requested
 sizes), without the slack of reused unsplit blocks that max_memory_allocated counts; and each phase
@@ -38,8 +39,12 @@ def main() -> int:
     both = ("baseline", "efficient")
     cases = [] if a.skip_named else [(n, c, r, both, opt) for n, c, r in CASES for opt in ("adamw", None)]
     cases += [(n, c, r, both, None) for n, c, r in probe_common.drawn(a.hypothesis, a.seed, a.strategy)]
-    if a.recompute != "none":  # an option of the efficient variant
-        cases = [(n, c, Run(r.batch, r.seq, r.dtype, a.recompute), ("efficient",), o) for n, c, r, _, o in cases]
+    if a.lean and a.recompute != "none":
+        print("probe_memory: error: --lean is the block without recompute: drop --recompute or --lean", file=sys.stderr)
+        return 2
+    if a.recompute != "none" or a.lean:  # options of the efficient variant
+        cases = [(n, c, Run(r.batch, r.seq, r.dtype, a.recompute, lean=a.lean), ("efficient",), o)
+                 for n, c, r, _, o in cases]
     # Process-level allocations (the cuBLAS/cuBLASLt workspaces, about 64 MiB on the H200) are made by
     # a process's first matmuls and stay: one throwaway step of each variant makes them before any
     # row is measured, so that the first row measures its step alone, like every other row.

@@ -53,7 +53,9 @@ def test_lean_model_is_bitwise_the_plain_one(cfg, policy):
 def test_lean_ops_are_bitwise_the_plain_ones_cuda(variant):
     """On the GPU (the model as a whole is not compared: SDPA's backward may sum in another order run to
     run): qkv-like linear with a bias, then SwiGLU + down, against nn.Linear and swiglu_packed; the
-    Triton SwiGLU made again in backward, cuBLAS's products on the same operands."""
+    Triton SwiGLU made again in backward, cuBLAS's products on the same operands. The output, the input's
+    and the bias's gradients are bitwise; the weights' gradients are the GEMM's fp32 output (lean.fp32_grad)
+    where nn.Linear's are that sum rounded to bf16: within bf16's rounding of them, and not all equal."""
     g = torch.Generator().manual_seed(0)
     x0, wq, b, wd = (torch.randn(*s, generator=g).cuda() for s in ((4, 512, 1024), (2 * 2816, 1024), (2 * 2816,),
                                                                     (1024, 2816)))
@@ -66,8 +68,13 @@ def test_lean_ops_are_bitwise_the_plain_ones_cuda(variant):
             y = fn(args[0].to(BF16), *args[1:])
         y.backward(torch.ones_like(y))
         res.append([y] + [a.grad for a in args])
-    for a, b_ in zip(*res):
-        assert a.dtype == b_.dtype and torch.equal(a, b_)
+    for i, (a, b_) in enumerate(zip(*res)):
+        assert a.dtype == b_.dtype
+        if i in (2, 4):  # the weights' gradients
+            assert torch.allclose(b_, a, rtol=2 ** -7, atol=0) and not torch.equal(a, b_)  # one bf16 ulp
+            assert torch.equal(b_.to(BF16), a.to(BF16)) or (b_.to(BF16) != a.to(BF16)).float().mean() < 0.01
+        else:
+            assert torch.equal(a, b_)
 
 
 @pytest.mark.parametrize("variant", ["swiglu", "gpt-oss"])

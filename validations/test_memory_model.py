@@ -1,7 +1,8 @@
 """The phase memory model against the H200 probe committed in reports/ (a record of one real run:
 scripts/probe_memory.py; each header gives GPU, versions, date, command and allocator settings):
 four named configs and 32 configs drawn with a fixed seed, both variants, with and without AdamW
-for the named ones, under two allocator settings.
+for the named ones, under two allocator settings; and the efficient variant alone under Run.recompute and
+under Run.lean (its lean block: a different backward on CUDA, lean.fp32_grad), under expandable segments.
 
 The claim, ±1%, is on max_memory_allocated / memory_allocated with
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. There the caching allocator splits every block it
@@ -24,7 +25,8 @@ from anatomy import records
 from anatomy.config import ModelConfig, Run
 from anatomy.report import probes
 
-ALL = probes.memory_rows(probes.SPLIT) + probes.memory_rows(probes.DEFAULT) + probes.recompute_rows()
+ALL = (probes.memory_rows(probes.SPLIT) + probes.memory_rows(probes.DEFAULT) + probes.recompute_rows()
+       + probes.lean_rows())
 # the claim's bound on the allocator's own figure, per setting (DESIGN: relative, justified): ±1% under expandable
 # segments, where the figure is the requested bytes rounded to 512; ±3% under the default allocator, whose
 # cached blocks handed out whole add their slack (above)
@@ -166,18 +168,20 @@ def test_reserved_within_predicted_range(row, claims):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,recompute,optimizer", [("baseline", "none", "adamw"), ("efficient", "none", "adamw"),
-                                                         ("efficient", "mlp", "adamw"), ("efficient", "full", "adamw"),
-                                                         ("efficient", "full", None)])
-def test_phases_on_this_gpu(variant, recompute, optimizer, claims):
-    """The same checks in this process, each recompute policy too: strict under expandable segments
-    (scripts/gpu_suite.sh sets them), the default allocator's explained slack an expected failure otherwise."""
+@pytest.mark.parametrize("variant,recompute,optimizer,lean", [
+    ("baseline", "none", "adamw", False), ("efficient", "none", "adamw", False), ("efficient", "mlp", "adamw", False),
+    ("efficient", "full", "adamw", False), ("efficient", "full", None, False), ("efficient", "none", "adamw", True)])
+def test_phases_on_this_gpu(variant, recompute, optimizer, lean, claims):
+    """The same checks in this process, each recompute policy and the lean block too: strict under expandable
+    segments (scripts/gpu_suite.sh sets them), the default allocator's explained slack an expected failure
+    otherwise."""
     from anatomy.measure.memory import measure_phases, splits_every_block, trace_phases
 
     cfg = ModelConfig(name="mem", hidden=256, layers=2, heads=8, kv_heads=2, intermediate=640, vocab=5000)
-    run = Run(4, 512, recompute=recompute)
+    run = Run(4, 512, recompute=recompute, lean=lean)
     row = dict(config="mem", batch=4, seq=512, variant=variant, optimizer=optimizer, recompute=recompute,
-               cfg=cfg.to_dict(), alloc=probes.SPLIT if splits_every_block() else probes.DEFAULT)
+               cfg=cfg.to_dict(), alloc=probes.SPLIT if splits_every_block() else probes.DEFAULT,
+               **(dict(lean=True) if lean else {}))
     phs = measure_phases(cfg, run, variant, optimizer=optimizer)
     row["phases"] = phs
     ph = {p["name"]: p for p in phs}

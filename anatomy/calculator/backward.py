@@ -202,10 +202,12 @@ class Walk:
         """One matmul's backward: the weight gradient (the compute dtype under autocast) and the input
         gradient, then the incoming gradient and the saved tensors go; under autocast the weight
         gradient is copied to the parameter's dtype. recast: a lean matmul (anatomy/kernels/lean.py),
-        which casts the weight again for the input gradient, live with both gradients. Returns the bytes
-        of the gradient passed on."""
+        which casts the weight again for the input gradient, live with both gradients, and on CUDA writes
+        the weight gradient in fp32 itself (lean.fp32_grad: no copy). Returns the bytes of the gradient
+        passed on."""
         T, c, r, p = self.T, self.c, self.r, self.p
-        wg = din * dout * (c if self.amp else p)
+        copy = self.amp and not (recast and self.cuda)  # the weight gradient's copy to the parameter dtype
+        wg = din * dout * (c if copy else p)
         self.alloc(wg, T * din * c)
         self.peak(tag, *((din * dout * c,) if recast else ()))
         self.free(*saved)
@@ -213,7 +215,7 @@ class Walk:
         if to_residual and r != c:  # the input was an autocast copy of the residual: back to its dtype
             sizes += (T * din * r, -dx)
             dx = T * din * r
-        if self.amp:
+        if copy:
             sizes.append(din * dout * p)
             self.alloc(*sizes)
             self.peak(tag + " grad to fp32")

@@ -117,10 +117,11 @@ def layer(w, i: int, g: int) -> int:
 def swiglu_down(w, tag: str, grad_out: int) -> None:
     """The fused SwiGLU + down node (anatomy/kernels/lean.py): down's weight cast again and d(h); the cast
     goes; one pass writes h over d(h) and d(gate_up) over gate_up's storage (the same bytes change kind);
-    down's weight gradient (compute dtype under autocast); h and the incoming gradient go; under autocast
-    the cast node makes the fp32 weight gradient."""
+    down's weight gradient (compute dtype under autocast, fp32 from the GEMM on CUDA: lean.fp32_grad); h and
+    the incoming gradient go; under autocast on CPU the cast node makes the fp32 weight gradient."""
     T, H, I, c, p = w.T, w.H, w.I, w.c, w.p
-    wg = H * I * (c if w.amp else p)
+    copy = w.amp and not w.cuda
+    wg = H * I * (c if copy else p)
     w.alloc(T * I * c)  # d(h)
     w.peak(tag + "mlp.down", *((H * I * c,) if w.amp else ()))  # with the weight's cast
     w.free("mlp.gate_up")
@@ -129,7 +130,7 @@ def swiglu_down(w, tag: str, grad_out: int) -> None:
     w.alloc(wg)  # dW
     w.peak(tag + "mlp.down.weight_grad")
     w.alloc(-T * I * c, -grad_out)  # h, the incoming gradient
-    if w.amp:
+    if copy:
         w.alloc(H * I * p)
         w.peak(tag + "mlp.down grad to fp32")
         w.alloc(-wg)

@@ -14,15 +14,21 @@ and d(gate_up) written over gate_up. Why one pass: making h with the forward ker
 SwiGLU backward reads gate_up twice; the fused pass moves 12·T·I bytes (bf16) instead of 16·T·I, and
 allocates nothing (h lives in d(h)'s storage).
 
-Neither adds a GEMM or changes a number: every aten call is the one nn.Linear's autograd makes
-(mm / addmm forward; dW = dYᵀ X and dX = dY W_c in backward; a bias's gradient the column sum of dY),
-on the same operands. The cost is one more read of the fp32 weight and write of its cast per matmul
-in backward, and one more write of (T, I) in the MLP's backward.
+Neither adds a GEMM, and on CPU neither changes a number: every aten call is the one nn.Linear's autograd
+makes (mm / addmm forward; dW = dYᵀ X and dX = dY W_c in backward; a bias's gradient the column sum of dY),
+on the same operands. On CUDA, under autocast over an fp32 weight, dW is the same GEMM written in fp32
+(mm's out_dtype: cuBLAS's fp32 accumulator, not rounded to bf16), handed to the weight directly. Why: nn.Linear's
+dW is written in bf16 and then cast to fp32 by the cast's autograd node, a separate pass that reads 2 and writes
+4 bytes per weight (about 1.4 ms per step at llama3.2-1b); the fp32 output costs the GEMM 2 more bytes per
+weight of write and drops the bf16 rounding, so this dW is nearer the fp32 product than nn.Linear's.
+The cost of the lean nodes: one more read of the fp32 weight and write of its cast per matmul in backward,
+and one more write of (T, I) in the MLP's backward.
 
-Gradient order, kept from nn.Linear: the weight's bf16 gradient leaves the node as the gradient of
+Gradient order, kept from nn.Linear on CPU: the weight's bf16 gradient leaves the node as the gradient of
 the cast (an autograd ToCopy node made in forward, w.to(bf16)), whose backward makes the fp32
-gradient after this node has released what it saved, as nn.Linear's does. The node takes the fp32
-weight as a further input only to save it (its gradient there is None).
+gradient after this node has released what it saved, as nn.Linear's does; the node takes the fp32
+weight as a further input only to save it (its gradient there is None). On CUDA (fp32_grad) the cast is
+made outside autograd and the node returns the fp32 gradient for the weight itself.
 
 Where a checkpoint re-runs the region (Run.recompute), the efficient model keeps nn.Linear: a
 checkpoint's early stop halts a re-run when the last saved tensor is packed, which for an
@@ -49,16 +55,35 @@ def _2d(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def fp32_grad(x: Tensor, weight: Tensor, dt: torch.dtype) -> bool:
+    """Is dW written in fp32 by the GEMM itself (CUDA: mm's out_dtype; module docstring)?"""
+    return x.device.type == "cuda" and weight.dtype == torch.float32 and dt in (torch.bfloat16, torch.float16)
+
+
+def _cast(weight: Tensor, dt: torch.dtype, native: bool) -> Tensor:
+    """The weight's compute-dtype cast: an autograd ToCopy node, or (native) made outside autograd."""
+    if not native:
+        return weight.to(dt)
+    with torch.no_grad():
+        return weight.to(dt)
+
+
+def _grad_weight(dy2: Tensor, h2: Tensor, native: bool) -> Tensor:
+    """dW = dYᵀ H: (out, T) x (T, in), in the compute dtype, or in fp32 straight from the GEMM (native)."""
+    return torch.mm(dy2.t(), h2, out_dtype=torch.float32) if native else dy2.t().mm(h2)
+
+
 class _RecastLinear(torch.autograd.Function):
     """y = x w_cᵀ (+ b_c). Inputs: x (..., in) in the compute dtype, w_c = w.to(compute) (autograd's cast
-    node), w the fp32 parameter (saved, not differentiated here), b_c the cast bias or None."""
+    node, or made outside autograd when native), w the fp32 parameter (saved; differentiated here only when
+    native), b_c the cast bias or None."""
 
     @staticmethod
-    def forward(ctx, x, w_c, w, b_c):
+    def forward(ctx, x, w_c, w, b_c, native):
         with _off(x):
             y = F.linear(x, w_c, b_c)  # (..., out): mm, or addmm with the bias, as nn.Linear
         ctx.save_for_backward(x, w)  # the input and the fp32 parameter: no (out, in) cast is kept
-        ctx.dtype, ctx.bias = w_c.dtype, b_c is not None
+        ctx.dtype, ctx.bias, ctx.native = w_c.dtype, b_c is not None, native
         return y
 
     @staticmethod
@@ -66,12 +91,14 @@ class _RecastLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         dy2 = _2d(dy)  # (T, out), a view
         with _off(dy):  # MmBackward's two products on the same operands: dW = dYᵀ X, dX = dY W_c
-            dw = dy2.t().mm(_2d(x))  # (out, in), before the cast exists
+            dw = _grad_weight(dy2, _2d(x), ctx.native)  # (out, in), before the cast exists
             w_c = w.to(ctx.dtype)  # (out, in): the forward's cast, made again
             dx = dy2.mm(w_c)  # (T, in)
             del w_c
             db = dy2.sum(0, keepdim=True).view(-1) if ctx.bias else None  # addmm's bias gradient, as autograd sums it
-        return dx.view(x.shape), dw, None, db
+        if ctx.native:
+            return dx.view(x.shape), None, dw, db, None
+        return dx.view(x.shape), dw, None, db, None
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -81,10 +108,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if dt is None or weight.dtype == dt or not torch.is_grad_enabled() or not weight.requires_grad:
         return F.linear(x, weight, bias)
     x = autocast_floating(x, x.device.type, dt)
+    native = fp32_grad(x, weight, dt)
     with _off(x):  # explicit casts: autocast would cache the weight's for the region
-        w_c = weight.to(dt)
+        w_c = _cast(weight, dt, native)
         b_c = bias.to(dt) if bias is not None else None
-    return _RecastLinear.apply(x, w_c, weight, b_c)
+    return _RecastLinear.apply(x, w_c, weight, b_c, native)
 
 
 def _swiglu(gate_up: Tensor, variant: str) -> Tensor:
@@ -138,15 +166,16 @@ def remake_grad(dh: Tensor, gate_up: Tensor, variant: str, inplace: bool) -> tup
 
 class _SwiGLUDown(torch.autograd.Function):
     """y = swiglu(gate_up) w_cᵀ. Inputs: gate_up (..., 2I) in the compute dtype, w_c the down weight in the
-    compute dtype (its cast under autocast, else the parameter), w the parameter, variant, inplace_backward."""
+    compute dtype (its cast under autocast, else the parameter), w the parameter, variant, inplace_backward,
+    native (dW in fp32 from the GEMM, for w itself: fp32_grad)."""
 
     @staticmethod
-    def forward(ctx, gate_up, w_c, w, variant, inplace_backward):
+    def forward(ctx, gate_up, w_c, w, variant, inplace_backward, native):
         h = _swiglu(gate_up, variant)  # (..., I): not kept
         with _off(gate_up):
             y = F.linear(h, w_c)  # (..., H)
         ctx.save_for_backward(gate_up, w)  # gate_up: SwiGLU's input; h is made again from it
-        ctx.variant, ctx.dtype = variant, w_c.dtype
+        ctx.variant, ctx.dtype, ctx.native = variant, w_c.dtype, native
         ctx.inplace = (inplace_backward and not torch.compiler.is_compiling() and _eager(gate_up)
                        and gate_up.grad_fn is not None)  # as swiglu_packed decides
         return y
@@ -163,9 +192,11 @@ class _SwiGLUDown(torch.autograd.Function):
         h, dgu = remake_grad(dh.view(*gate_up.shape[:-1], -1), gate_up, ctx.variant, ctx.inplace)
         del dh
         with _off(dy):
-            dw = dy2.t().mm(_2d(h))  # (H, I)
+            dw = _grad_weight(dy2, _2d(h), ctx.native)  # (H, I)
         del h
-        return dgu, dw, None, None, None  # dw: the cast's gradient (its ToCopy node makes the fp32 one), or w's
+        if ctx.native:  # the fp32 weight's own gradient
+            return dgu, None, dw, None, None, None
+        return dgu, dw, None, None, None, None  # dw: the cast's gradient (its ToCopy node makes the fp32 one), or w's
 
 
 def swiglu_down(gate_up: Tensor, weight: Tensor, variant: str = "swiglu", inplace_backward: bool = True) -> Tensor:
@@ -178,9 +209,10 @@ def swiglu_down(gate_up: Tensor, weight: Tensor, variant: str = "swiglu", inplac
     dt = autocast_dtype(gate_up)
     if dt is not None:
         gate_up = autocast_floating(gate_up, gate_up.device.type, dt)
-    w_c = weight
+    w_c, native = weight, False
     if dt is not None and weight.dtype != dt:
+        native = fp32_grad(gate_up, weight, dt)
         with _off(gate_up):
-            w_c = weight.to(dt)  # explicit: autocast would cache it for the region
-    return _SwiGLUDown.apply(gate_up, w_c, weight, variant, inplace_backward)
+            w_c = _cast(weight, dt, native)  # explicit: autocast would cache it for the region
+    return _SwiGLUDown.apply(gate_up, w_c, weight, variant, inplace_backward, native)
 

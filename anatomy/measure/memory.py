@@ -63,6 +63,8 @@ def setup_step(cfg: ModelConfig, run: Run, variant: str, optimizer: str | None, 
     """The model, a batch and the optimizer on `device`, as a training step would have them (fused
     optimizers on CUDA, plain ones elsewhere)."""
     model = build_model(cfg, variant, device=device, dtype=param_dtype(run), recompute=run.recompute, lean=run.lean)
+    if hasattr(model.head, "impl"):  # the efficient model's loss: Run.loss_impl
+        model.head.impl = run.loss_impl
     ids, targets = make_batch(cfg, run, device)
     opt = None
     if optimizer == "adamw":

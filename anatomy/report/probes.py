@@ -39,7 +39,8 @@ def rows(path: Path) -> list[dict]:
 
 def row_id(r: dict) -> str:
     return (f"{r['config']}-B{r['batch']}S{r['seq']}-{r['variant']}" + (f"-{r['optimizer']}" if r["optimizer"] else "")
-            + (f"-recompute-{r['recompute']}" if r.get("recompute", "none") != "none" else ""))
+            + (f"-recompute-{r['recompute']}" if r.get("recompute", "none") != "none" else "")
+            + ("-lean" if r.get("lean") else ""))
 
 
 # ---- memory -----------------------------------------------------------------------------------------
@@ -52,6 +53,11 @@ def recompute_rows() -> list[dict]:
     """Run.recompute="mlp" rows (efficient only), under expandable segments: named configs, 16 drawn small
     ones and 32 drawn training-sized ones."""
     return [dict(r, alloc=SPLIT) for f in records.MEMORY_PROBE_RECOMPUTE for r in rows(f)]
+
+
+def lean_rows() -> list[dict]:
+    """Run.lean rows (efficient only), under expandable segments: named configs and drawn training-sized ones."""
+    return [dict(r, alloc=SPLIT) for f in records.MEMORY_PROBE_LEAN for r in rows(f)]
 
 
 def recompute_summary() -> str:

@@ -27,7 +27,8 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     # norms: read x (residual dtype), write y (compute dtype); backward reads dy, x, writes dx, and a
     # second launch sums the (programs, H) fp32 partials of dw
     # In the lean block (Run.lean, without recompute) every norm but the first runs fused with the residual add in front of it
-    # (anatomy::add_rms_norm, efficient/transformer.py Block._fused): fused_norms()
+    # (anatomy::add_rms_norm, efficient/transformer.py Block._fused): fused_norms(); its matmuls write dW in fp32
+    # (anatomy/kernels/lean.py: fp32_grad), so no cast of dW follows them
     fused = run.lean_block
     n_norms = 1 if fused else 2 * L + 1
     fw, bw = ("rms_norm.forward", H), ("rms_norm.backward", H)
@@ -36,7 +37,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
           fused=(*bw, T))
     o.mem("norm.rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H, T), n_norms, host=None, fused=(*bw, T))
     # attention: one qkv matmul, fused split + RoPE, SDPA, o
-    o.linear("attention.qkv", "attention", H, D, L, bias=cfg.qkv_bias)
+    o.linear("attention.qkv", "attention", H, D, L, bias=cfg.qkv_bias, fp32_grad=fused)
     for ph, name in (("forward", "attention.rope_qkv"), ("backward", "attention.rope_qkv.backward")):
         op = (f"rope_qkv.{ph}", D)
         o.mem(name, "attention", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
@@ -59,21 +60,21 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
         # under GQA cuDNN's backward writes dK, dV per query head in fp32 and sums each group after
         # (fmha_reduce_head in the H200 traces): read 2 (T, H) fp32, write 2 (T, Hkv) in the compute dtype
         o.mem("attention.sdpa.gqa_reduce", "attention", "backward", 2 * T * H * 4, 2 * T * Hkv * c, L, host=None)
-    o.linear("attention.o", "attention", H, H, L)  # its input is a view of SDPA's output: no copy
+    o.linear("attention.o", "attention", H, H, L, fp32_grad=fused)  # its input is a view of SDPA's output: no copy
     # where the residual adds run: in the block ("other"); in the MLP's checkpoint under "mlp"; in the block's
     # checkpoint, a module credited to attention (efficient/transformer.py, BlockCheckpoint), under "full"
     where = {"none": "other", "mlp": "mlp", "full": "attention"}[run.recompute]
     if not fused:
         residual(o, "attention", L, where)
     # MLP: one gate_up matmul, the fused activation (saves gate_up; backward writes dgate/dup in place)
-    o.linear("mlp.gate_up", "mlp", H, 2 * I, L)
+    o.linear("mlp.gate_up", "mlp", H, 2 * I, L, fp32_grad=fused)
     for ph, name in (("forward", "mlp.swiglu"), ("backward", "mlp.swiglu.backward")):
         op = (f"swiglu.{ph}", I)
         # the lean block's backward pass also writes h (lean.remake_grad): its bytes, the same kernel's rate
         priced = ("swiglu.backward_remake", I) if fused and ph == "backward" else op
         o.mem(name, "mlp", ph, *fused_bytes(*priced, T, c, r), L, host=op[0], fused=(*op, T))
     # (swiglu_packed owns the split, so no SplitBackward cats dgate and dup: d(gate_up) is gate_up's storage)
-    o.linear("mlp.down", "mlp", I, H, L)
+    o.linear("mlp.down", "mlp", I, H, L, fp32_grad=fused)
     if fused:
         fused_norms(o)
     else:

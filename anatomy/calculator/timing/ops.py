@@ -82,12 +82,14 @@ class Ops:
                                           (batch, m, n, k), self.dt.compute, "", host, None, host_ops, loop, False,
                                           order, (), accumulate, "")))
 
-    def linear(self, name, comp, d_in, d_out, count, in_bytes=None, order=(1, 1), bias=False):
+    def linear(self, name, comp, d_in, d_out, count, in_bytes=None, order=(1, 1), bias=False, fp32_grad=False):
         """An nn.Linear on T tokens. Under autocast an fp32 input is cast per call (in_bytes=4) and
-        the fp32 weight is cast once per step; backward casts dW (bf16) back to fp32 and, for a cast
-        input, dX back to the input's dtype. A bias is read by the matmul (addmm: cuBLASLt's bias
-        epilogue); its gradient is a separate sum over the T rows of the output's gradient."""
+        the fp32 weight is cast once per step; backward casts dW (bf16) back to fp32 (unless fp32_grad:
+        the GEMM writes it in fp32, anatomy/kernels/lean.py) and, for a cast input, dX back to the input's
+        dtype. A bias is read by the matmul (addmm: cuBLASLt's bias epilogue); its gradient is a separate
+        sum over the T rows of the output's gradient."""
         T, c, p = self.run.tokens, self.c, self.p
+        fp32_grad = fp32_grad and self.amp
         cast_in = self.amp and in_bytes is not None and in_bytes != c
         of, ob = order
         if cast_in:
@@ -98,10 +100,10 @@ class Ops:
                 self.mem(f"{name}.bias_cast", comp, "forward", d_out * p, d_out * c, count, order=of)
         self.mm(name, comp, "forward", T, d_out, d_in, count, order=of, extra=d_out * c if bias else 0)
         self.mm(f"{name}.grad_input", comp, "backward", T, d_in, d_out, count, order=ob)
-        self.mm(f"{name}.grad_weight", comp, "backward", d_out, d_in, T, count, order=ob)
+        self.mm(f"{name}.grad_weight", comp, "backward", d_out, d_in, T, count, order=ob, out=p if fp32_grad else None)
         if bias:
             self.mem(f"{name}.grad_bias", comp, "backward", T * d_out * c, d_out * c, count, order=ob)
-        if self.amp:
+        if self.amp and not fp32_grad:
             self.mem(f"{name}.grad_weight_cast", comp, "backward", d_out * d_in * c, d_out * d_in * p, count, order=ob)
             if bias:
                 self.mem(f"{name}.grad_bias_cast", comp, "backward", d_out * c, d_out * p, count, order=ob)
