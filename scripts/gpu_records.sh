@@ -75,6 +75,18 @@ if [ -n "${ONLY:-}" ]; then
       python3 bench/profile_step.py --peer efficient $lean --preset $1 --batch $2 --seq $3 \
         --json "$0/profile-$1-efficient${lean:+-lean}.json" || true
     done; done' "$R"
+  # the lean block's phase memory (its CUDA backward differs from the CPU one: lean.fp32_grad), named and drawn
+  # training-sized configs, efficient only (validations/test_memory_model.py; records.MEMORY_PROBE_LEAN)
+  part probe-memory-lean 150 $SPLIT bash -c 'python3 scripts/probe_memory.py --lean --out "$0/lean-named.json" &&
+    python3 scripts/probe_memory.py --lean --skip-named --hypothesis 8 --seed 7 --strategy training \
+      --out "$0/lean-drawn-training.json"' "$R"
+  # the lean step and HF + Liger's, profiled by kernel family at the two real configs (docs/peers.md: where the
+  # time goes in each)
+  part profile-peers 200 bash -c 'for c in "tinyllama-1.1b 8 2048" "llama3.2-1b 4 4096"; do set -- $c
+    python3 bench/profile_step.py --peer efficient --lean --preset $1 --batch $2 --seq $3 \
+      --json "$0/profile-$1-efficient-lean.json" || true
+    python3 bench/profile_step.py --peer hf-liger --preset $1 --batch $2 --seq $3 \
+      --json "$0/profile-$1-hf-liger.json" || true; done' "$R"
   # the compiled AdEMAMix step: how long the GPU waits for its call (issue 25's one failed claim; docs/timing.md)
   part optimizer-host 200 python3 scripts/probe_optimizer_host.py --json "$R/optimizer-host.json"
   # the fused CE's parts, with backward's scale kernel and the row kernel at each block width, and 8,192-row
