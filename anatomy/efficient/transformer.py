@@ -133,7 +133,9 @@ class Transformer(nn.Module):
             branch = None
             for layer in self.layers:
                 x, branch = layer(x, cos, sin, branch)
-            return self.head(self.norm(x, branch)[1], targets, reduction)  # layers >= 1 (config.py)
+            y = self.norm(x, branch)[1]  # layers >= 1 (config.py)
+            del x, branch  # the last MLP output is not saved: it goes before the loss, the forward's peak
+            return self.head(y, targets, reduction)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.head(self.norm(x), targets, reduction)  # ids, targets: (B, S); "none": (B*S,) losses
