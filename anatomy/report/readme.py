@@ -101,6 +101,29 @@ def profile_text(path: Path, step: Path | None = None) -> str:
 
 
 
+def peers_profile_table(profiles: dict[str, tuple[Path, Path]]) -> str:
+    """The lean step against HF + Liger's by kernel family (bench/profile_step.py, one process each): GPU
+    time per step, and what is left beside the GEMMs and attention (the memory-bound passes' share)."""
+    heads = {cfg: [json.loads(p.read_text()) for p in paths] for cfg, paths in profiles.items() if
+             all(p.exists() for p in paths)}
+    if not heads:
+        return "(no profiles committed)"
+    fams = ("gemm", "attention", "triton", "copy", "elementwise", "reduction", "other")
+    cols = [f"{cfg}: {d['peer']}" for cfg, ds in heads.items() for d in ds]
+    out = ["| kernel family, ms per step | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    out += [f"| {f} | " + " | ".join(f"{d['families'].get(f, 0.0):.1f}" for ds in heads.values() for d in ds) + " |"
+            for f in fams]
+    rest = lambda d: d["kernel_ms"] - d["families"].get("gemm", 0.0) - d["families"].get("attention", 0.0)  # noqa: E731
+    out += ["| **GPU busy** | " + " | ".join(f"**{d['gpu_busy_ms']:.1f}**" for ds in heads.values() for d in ds) + " |",
+            "| beside GEMMs and attention | " + " | ".join(f"{rest(d):.1f}" for ds in heads.values() for d in ds) + " |",
+            "| kernels per step | " + " | ".join(f"{d['kernels_per_step']:.0f}" for ds in heads.values() for d in ds)
+            + " |"]
+    d0 = next(iter(heads.values()))[0]
+    out += ["", f"GPU time per step over {d0['steps']} profiled steps after warm-up (torch.profiler), each peer in its "
+            f"own process. Source: {_src(d0)} (one command per config and peer)."]
+    return "\n".join(out)
+
+
 def kernels_table(path: Path) -> str:
     d = json.loads(path.read_text())
     out = ["| kernel | implementation | fwd+bwd ms | achieved | of ceiling |", "|---|---|---:|---:|---:|"]
@@ -272,6 +295,7 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
             steps = records.step_records(run)
             if steps:
                 put(marker, steps_table(steps, records.PEERS_ENV if run == "peers" else None))
+        put("profile-peers", peers_profile_table(records.PEERS_PROFILES))
         if records.STEP_PROFILE.exists():
             put("profile-seed", profile_text(records.STEP_PROFILE, records.STEPS["profiled"] / "step-seed-efficient.json"))
         if records.KERNELS_BACK_TO_BACK.exists():
