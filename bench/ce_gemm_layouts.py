@@ -70,7 +70,7 @@ def main() -> None:
                     print(f"{lib:8s} V{V:6d} C{C:5d} {name:42s} {ms:7.3f} ms {rows[-1]['frac']:.3f}", flush=True)
                 except Exception as e:  # noqa: BLE001  (an exploration: record what fails)
                     print(lib, V, C, name, "failed:", str(e).splitlines()[0], flush=True)
-            del x, w, wt, lc, lct, gw, gwt, gx
+            cases.clear()  # the closures hold this shape's tensors: release them before the next
             torch.cuda.empty_cache()
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ceiling_tflop_s": ceil / 1e12,
            "rows": rows}
