@@ -170,7 +170,8 @@ def test_reserved_within_predicted_range(row, claims):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,recompute,optimizer,lean", [
     ("baseline", "none", "adamw", False), ("efficient", "none", "adamw", False), ("efficient", "mlp", "adamw", False),
-    ("efficient", "full", "adamw", False), ("efficient", "full", None, False), ("efficient", "none", "adamw", True)])
+    ("efficient", "full", "adamw", False), ("efficient", "full", None, False), ("efficient", "none", "adamw", True),
+    ("efficient", "none", None, True)])
 def test_phases_on_this_gpu(variant, recompute, optimizer, lean, claims):
     """The same checks in this process, each recompute policy and the lean block too: strict under expandable
     segments (scripts/gpu_suite.sh sets them), the default allocator's explained slack an expected failure

@@ -121,11 +121,12 @@ def _refs(refs: list[str]) -> str:
 
 
 def _data(names: list[str]) -> list[str]:
+    """The committed records behind a claim (a record a GPU run has not yet written is left out)."""
     paths = []
     for name in names:
         v = getattr(records, name)
         for p in (v.values() if isinstance(v, dict) else [v]):
-            paths += [f"`{records.rel(q)}`" for q in (p if isinstance(p, tuple) else [p])]
+            paths += [f"`{records.rel(q)}`" for q in (p if isinstance(p, tuple) else [p]) if q.exists()]
     return list(dict.fromkeys(paths))
 
 
