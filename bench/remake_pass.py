@@ -1,25 +1,15 @@
 """Exploration (not a claim): the lean MLP backward's SwiGLU work, the forward kernel again then the in-place
 backward (two passes over gate_up) against the one pass that writes h over d(h) (anatomy/kernels/lean.py),
 at the real configs' shapes. PYTHONPATH=. python3 bench/remake_pass.py"""
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
 from anatomy.kernels.swiglu import swiglu_backward_triton, swiglu_triton
 
-
-def timed(fn, reps=20):
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+sys.path.insert(0, str(Path(__file__).parent))
+from ce_gemm_layouts import timed  # noqa: E402
 
 
 for T, I in ((16384, 8192), (16384, 5632), (65536, 1408)):

@@ -4,11 +4,16 @@ the query heads first (Hugging Face's repeat_kv, its copy and its backward's sum
 v as transposed views of (B, S, h, hd). Interleaved rounds in one process.
 PYTHONPATH=. python3 bench/sdpa_gqa.py"""
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from anatomy.efficient.attention import backend_context
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ce_gemm_layouts import timed  # noqa: E402
 
 SHAPES = {"tinyllama-1.1b B8 S2048": (8, 2048, 32, 4, 64), "llama3.2-1b B4 S4096": (4, 4096, 32, 8, 64)}
 
@@ -34,17 +39,9 @@ def main():
                  "k, v repeated (HF's repeat_kv)": lambda: step(q, k, v, dout, "repeat"),
                  "gqa, q k v transposed views": lambda: step(*views, dout, "gqa")}
         times = {c: [] for c in cases}
-        for fn in cases.values():
-            for _ in range(3):
-                fn()
-        for _ in range(10):
+        for _ in range(10):  # interleaved rounds: each case once per round (timed warms it up first)
             for c, fn in cases.items():
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times[c].append(a.elapsed_time(b))
+                times[c].append(timed(fn, reps=1))
         for c, t in times.items():
             print(f"{name}: {c:34s} median {statistics.median(t):.3f} ms per layer (min {min(t):.3f})", flush=True)
 
