@@ -19,7 +19,7 @@ makes (mm / addmm forward; dW = dYᵀ X and dX = dY W_c in backward; a bias's gr
 on the same operands. On CUDA, under autocast over an fp32 weight, dW is the same GEMM written in fp32
 (mm's out_dtype: cuBLAS's fp32 accumulator, not rounded to bf16), handed to the weight directly. Why: nn.Linear's
 dW is written in bf16 and then cast to fp32 by the cast's autograd node, a separate pass that reads 2 and writes
-4 bytes per weight (about 1.4 ms per step at llama3.2-1b); the fp32 output costs the GEMM 2 more bytes per
+4 bytes per weight (1.4 ms per step at llama3.2-1b, predicted); the fp32 output costs the GEMM 2 more bytes per
 weight of write and drops the bf16 rounding, so this dW is nearer the fp32 product than nn.Linear's.
 The cost of the lean nodes: one more read of the fp32 weight and write of its cast per matmul in backward,
 and one more write of (T, I) in the MLP's backward.
