@@ -46,12 +46,17 @@ TIMING_PROBE = {"named": H200 / "timing-probe" / "named.json",
 # efficient with and without recompute; the peers table (efficient, efficient with the lean block (Run.lean),
 # HF + Liger, HF + compile at the seed and two real configs; scripts/gpu_records.sh's "peers" part, its machine
 # in PEERS_ENV).
-STEPS = {name: H200 / "steps" / name for name in ("peers", "first-run", "second-machine", "profiled", "recompute")}
+STEPS = {name: H200 / "steps" / name for name in ("peers", "first-run", "second-machine", "profiled", "recompute",
+                                                  "power")}
 PEERS_ENV = STEPS["peers"] / "env.json"  # scripts/env_json.py, same run: cuDNN, Triton and driver versions
 # bench/profile_step.py on the peers' machine, the call after theirs (gpu_records.sh "profile-peers"): the lean
 # step and HF + Liger's by kernel family at the two real configs
 PEERS_PROFILES = {cfg: tuple(STEPS["peers"] / f"profile-{cfg}-{peer}.json" for peer in ("efficient-lean", "hf-liger"))
                   for cfg in ("tinyllama-1.1b", "llama3.2-1b")}
+# bench/step_power.py (gpu_records.sh "power-peers"): the same two steps back to back, with clock, power, energy
+PEERS_POWER = {cfg: tuple(STEPS["power"] / f"power-{cfg}-{peer}.json" for peer in ("efficient-lean", "hf-liger"))
+               for cfg in ("tinyllama-1.1b", "llama3.2-1b")}
+PEERS_POWER_ENV = STEPS["power"] / "env.json"  # scripts/env_json.py, same run
 # (record, variant) of every step record of our own models, uncompiled (the other records are peers'): the
 # memory and timing claims against the committed steps both read this one list
 OWN_STEPS = tuple((STEPS[run] / f"step-{name}.json", "baseline" if "baseline" in name else "efficient")

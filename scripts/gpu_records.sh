@@ -87,6 +87,13 @@ if [ -n "${ONLY:-}" ]; then
       --json "$0/profile-$1-efficient-lean.json" || true
     python3 bench/profile_step.py --peer hf-liger --preset $1 --batch $2 --seq $3 \
       --json "$0/profile-$1-hf-liger.json" || true; done' "$R"
+  # the lean step and HF + Liger's run back to back at the two real configs: sustained step time, SM clock, board
+  # power and energy per step (README "power-peers"; docs/peers.md: the lead at the power limit is in energy)
+  part power-peers 200 bash -c 'for c in "tinyllama-1.1b 8 2048" "llama3.2-1b 4 4096"; do set -- $c
+    python3 bench/step_power.py --peer efficient --lean --preset $1 --batch $2 --seq $3 \
+      --json "$0/power-$1-efficient-lean.json" || true
+    python3 bench/step_power.py --peer hf-liger --preset $1 --batch $2 --seq $3 \
+      --json "$0/power-$1-hf-liger.json" || true; done' "$R"
   # the compiled AdEMAMix step: how long the GPU waits for its call (issue 25's one failed claim; docs/timing.md)
   part optimizer-host 200 python3 scripts/probe_optimizer_host.py --json "$R/optimizer-host.json"
   # the fused CE's parts, with backward's scale kernel and the row kernel at each block width, and 8,192-row

@@ -86,6 +86,31 @@ def test_gpu_only_kernel_table_marks_the_85pct_bar(tmp_path):
     assert len([line for line in lines if line.startswith("| rms_norm")]) == 2 and "`cmd`" in lines[-1]
 
 
+def test_power_table_divides_the_peers_times_and_energies(tmp_path):
+    """The README's power table (readme.peers_power_table): one row per peer and a ratio row per config, the
+    speed-up from the step times and the energy ratio from the energies, HF + Liger's over the lean step's; the
+    versions from the run's env record in the source line; a config whose records are missing is left out."""
+    import json
+
+    from anatomy.report.readme import peers_power_table
+
+    common = dict(steps=40, samples=300, sm_clock_mhz=1500.0, power_cap_share=1.0, power_limit_w=700.0,
+                  max_sm_clock_mhz=1980.0, gpu="G", torch="t", cuda="c", date="d", command="cmd")
+    paths = {}
+    for peer, ms, w, j in (("efficient-lean", 200.0, 690.0, 140.0), ("hf-liger", 250.0, 692.0, 182.0)):
+        paths[peer] = tmp_path / f"{peer}.json"
+        paths[peer].write_text(json.dumps(dict(common, peer=peer, step_ms=ms, power_w=w, energy_j_per_step=j)))
+    env = tmp_path / "env.json"
+    env.write_text(json.dumps(dict(cudnn=91900, triton="3.6.0", driver="580")))
+    pair = (paths["efficient-lean"], paths["hf-liger"])
+    lines = peers_power_table({"cfg": pair, "absent": (tmp_path / "x.json", tmp_path / "y.json")}, env).splitlines()
+    ratio = [line for line in lines if "speed-up" in line]
+    assert len(ratio) == 1 and "| 1.250x |" in ratio[0] and ratio[0].endswith("| 1.300x |")
+    assert not any("absent" in line for line in lines)
+    assert "cuDNN 9.19, Triton 3.6.0, driver 580" in lines[-1] and "`cmd`" in lines[-1]
+    assert peers_power_table({"absent": (tmp_path / "x.json", tmp_path / "y.json")}) == "(no power records committed)"
+
+
 def test_roofline_points_and_roofs(tmp_path):
     """anatomy.report.roofline on a synthetic calibrate profile: one point per measured kernel, work and
     bytes counted as its docstring says, the roofs from the same run, and the fraction of the roof."""

@@ -19,6 +19,16 @@ def _src(d: dict) -> str:
     return f"{d.get('gpu')}, torch {d.get('torch')}, CUDA {d.get('cuda')}, {d.get('date')}: `{records.command(d.get('command'))}`"
 
 
+def _with_env(d: dict, env: Path | None) -> dict:
+    """d with the versions its record lacks (the run's scripts/env_json.py record) after CUDA's in its source line."""
+    d = dict(d)
+    if env and env.exists():
+        e = json.loads(env.read_text())
+        d["cuda"] = (f"{d['cuda']}, cuDNN {e['cudnn'] // 10000}.{e['cudnn'] // 100 % 100}, Triton {e['triton']}, "
+                     f"driver {e['driver']}")
+    return d
+
+
 def steps_table(paths: list[Path], env: Path | None = None) -> str:
     """bench/step.py records of one run: a row per peer, configs in order of their model FLOPs, and the verdict
     lines against TARGETS. env: the run's scripts/env_json.py record, for the versions a step record lacks."""
@@ -32,11 +42,7 @@ def steps_table(paths: list[Path], env: Path | None = None) -> str:
     ceil = [d["matmul_ceiling_tflops"] for d in rows]
     ceiling = f"{ceil[0]:.0f} TFLOP/s" if round(min(ceil)) == round(max(ceil)) else f"{min(ceil):.0f}-{max(ceil):.0f} TFLOP/s"
     loss = sorted({_LOSS[d.get("loss_impl", "liger")] for d in rows if d["peer"].startswith("efficient")})
-    d = dict(rows[0])
-    if env and env.exists():  # the versions the step records lack, in the source line after CUDA's
-        e = json.loads(env.read_text())
-        d["cuda"] = (f"{d['cuda']}, cuDNN {e['cudnn'] // 10000}.{e['cudnn'] // 100 % 100}, Triton {e['triton']}, "
-                     f"driver {e['driver']}")
+    d = _with_env(rows[0], env)
     out += ["", f"Each peer in its own process; median of {len(rows[0]['times_ms'])} steps after warm-up; MFU against "
             f"the bf16 matmul ceiling measured in the same process ({ceiling}). The efficient rows' loss: "
             f"{' and '.join(loss)}. Source: {_src(d)} (one command per peer)."]
@@ -121,6 +127,29 @@ def peers_profile_table(profiles: dict[str, tuple[Path, Path]]) -> str:
     d0 = next(iter(heads.values()))[0]
     out += ["", f"GPU time per step over {d0['steps']} profiled steps after warm-up (torch.profiler), each peer in its "
             f"own process. Source: {_src(d0)} (one command per config and peer)."]
+    return "\n".join(out)
+
+
+def peers_power_table(power: dict[str, tuple[Path, Path]], env: Path | None = None) -> str:
+    """The lean step and HF + Liger's run back to back (bench/step_power.py): the SM clock and board power they
+    settle at, and the energy per step, whose ratio is the speed-up when both draw the power limit."""
+    runs = {cfg: [json.loads(p.read_text()) for p in paths] for cfg, paths in power.items()
+            if all(p.exists() for p in paths)}
+    if not runs:
+        return "(no power records committed)"
+    out = ["| config | peer | ms per step | SM clock, MHz | board power, W | at the power limit | J per step |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+    for cfg, ds in runs.items():
+        out += [f"| {cfg} | {d['peer']} | {d['step_ms']:.1f} | {d['sm_clock_mhz']:.0f} | {d['power_w']:.0f} | "
+                f"{d['power_cap_share']:.0%} | {d['energy_j_per_step']:.1f} |" for d in ds]
+        lean, hf = ds
+        out.append(f"| {cfg} | speed-up, energy ratio | {hf['step_ms'] / lean['step_ms']:.3f}x | | | | "
+                   f"{hf['energy_j_per_step'] / lean['energy_j_per_step']:.3f}x |")
+    d0 = _with_env(next(iter(runs.values()))[0], env)
+    out += ["", f"{d0['steps']} steps back to back after 5 of warm-up, each peer in its own process; clock and power: "
+            f"medians of nvidia-smi samples every 20 ms after the loop's first half second; power limit "
+            f"{d0['power_limit_w']:.0f} W, maximum SM clock {d0['max_sm_clock_mhz']:.0f} MHz. "
+            f"Source: {_src(d0)} (one command per config and peer)."]
     return "\n".join(out)
 
 
@@ -296,6 +325,7 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
             if steps:
                 put(marker, steps_table(steps, records.PEERS_ENV if run == "peers" else None))
         put("profile-peers", peers_profile_table(records.PEERS_PROFILES))
+        put("power-peers", peers_power_table(records.PEERS_POWER, records.PEERS_POWER_ENV))
         if records.STEP_PROFILE.exists():
             put("profile-seed", profile_text(records.STEP_PROFILE, records.STEPS["profiled"] / "step-seed-efficient.json"))
         if records.KERNELS_BACK_TO_BACK.exists():
