@@ -391,6 +391,9 @@ def test_bench_dry_run(tmp_path):
     assert set(res["rows"][0]["breakdown_ms"]) == {"weight_cast", "logits_mm", "row_kernel", "grad_x_mm",
                                                    "grad_w_addmm", "backward_scale", "backward_scale_not_one"} | blocks
     assert res["command"].startswith("PYTHONPATH=. python3 bench/linear_ce.py --dry-run")
+    sustained = res["matmul_tflop_s_sustained"]  # each row against the ceiling of the power limit too
+    assert sustained > 0 and all(r["frac_ceiling_sustained"] == pytest.approx(r["tflop_s"] / sustained)
+                                 for r in res["rows"])
     for bad in (["--shapes", "1x2"], ["--row-blocks", "24"]):
         with pytest.raises(SystemExit) as e:
             bench.main(["--dry-run", *bad])
