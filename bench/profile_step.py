@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from step import build  # noqa: E402
+from step import loop_step  # noqa: E402
 
 from anatomy.config import ConfigError, ModelConfig, Run  # noqa: E402
 from anatomy.io import write_atomic  # noqa: E402
@@ -83,15 +83,7 @@ def main(argv=None) -> int:
         cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp", lean=a.lean)
     except ConfigError as e:
         p.error(str(e))  # one line, exit 2
-    torch.manual_seed(0)
-    model, step = build(a.peer, cfg, lean=run.lean)
-    ids = torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda")
-
-    def one():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = step(ids, ids)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+    one = loop_step(a.peer, cfg, run)
 
     for _ in range(3):
         one()

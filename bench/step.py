@@ -69,6 +69,22 @@ def build(peer: str, cfg: ModelConfig, recompute: str = "none", loss_impl: str =
     return model, step
 
 
+def loop_step(peer: str, cfg: ModelConfig, run: Run):
+    """The peer built (seed 0) and one training-loop step on a fixed batch: forward under bf16 autocast,
+    backward, zero_grad. For the scripts that run it back to back (profile_step.py, step_power.py)."""
+    torch.manual_seed(0)
+    model, step = build(peer, cfg, lean=run.lean)
+    ids = torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda")
+
+    def one():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step(ids, ids)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return one
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--peer", required=True)

@@ -23,7 +23,7 @@ import torch
 from anatomy.config import ConfigError, ModelConfig, Run
 
 sys.path.insert(0, str(Path(__file__).parent))
-from step import build  # noqa: E402
+from step import loop_step  # noqa: E402
 
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.sw_power_cap"
 PERIOD_MS = 20
@@ -54,15 +54,7 @@ def main():
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     limit_w, max_mhz, driver = smi("power.limit,clocks.max.sm,driver_version")
-    torch.manual_seed(0)
-    model, step = build(a.peer, cfg, lean=run.lean)
-    ids = torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda")
-
-    def one():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = step(ids, ids)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+    one = loop_step(a.peer, cfg, run)
 
     for _ in range(5):
         one()

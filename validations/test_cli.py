@@ -281,13 +281,13 @@ def test_world_size_text_is_lines_not_json(capsys):
     assert '"collectives"' not in out and "{" not in out
 
 
-@pytest.mark.parametrize("script", ["bench/step.py", "bench/profile_step.py"])
+@pytest.mark.parametrize("script", ["bench/step.py", "bench/profile_step.py", "bench/step_power.py"])
 def test_bench_lean_is_refused_for_other_peers(script, tmp_path):
     """--lean is the efficient peers' block: for any other peer the bench scripts refuse it, exit 2, before
     touching a GPU."""
     root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, str(root / script), "--peer", "hf-liger", "--lean", "--json",
-                        str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, str(root / script), "--peer", "hf-liger", "--lean", "--preset", "seed",
+                        "--batch", "1", "--seq", "8", "--json", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=str(root)))
     assert r.returncode == 2 and "--lean applies to the efficient peers, not hf-liger" in r.stderr.splitlines()[-1]
 
