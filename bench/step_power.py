@@ -12,6 +12,7 @@ Samples from the half second before the loop and the loop's first half second ar
 from its burst value within about 0.1 s: docs/timing.md, sustained_tau_s)."""
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,8 +52,8 @@ def main():
         cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp", lean=a.lean)
     except ConfigError as e:
         p.error(str(e))
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU")
+    if not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+        p.error("needs a CUDA GPU and nvidia-smi")
     limit_w, max_mhz, driver = smi("power.limit,clocks.max.sm,driver_version")
     one = loop_step(a.peer, cfg, run)
 
@@ -72,7 +73,7 @@ def main():
     rows = [[c.strip() for c in line.split(",")] for line in sampler.communicate()[0].strip().splitlines()]
     rows = rows[1000 // PERIOD_MS:-2]  # the loop after its first half second, to its end
     if len(rows) < 50:
-        sys.exit(f"step_power: {len(rows)} clock samples in the loop; raise --steps")
+        p.exit(2, f"step_power: {len(rows)} clock samples in the loop, under 50; raise --steps\n")
     clock, power = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
     step_ms = start.elapsed_time(end) / a.steps
     res = dict(peer=a.peer + ("-lean" if run.lean else ""), preset=a.preset, batch=run.batch, seq=run.seq,

@@ -147,7 +147,8 @@ def peers_power_table(power: dict[str, tuple[Path, Path]], env: Path | None = No
                    f"{hf['energy_j_per_step'] / lean['energy_j_per_step']:.3f}x |")
     d0 = _with_env(next(iter(runs.values()))[0], env)
     out += ["", f"{d0['steps']} steps back to back after 5 of warm-up, each peer in its own process; clock and power: "
-            f"medians of nvidia-smi samples every 20 ms after the loop's first half second; power limit "
+            f"medians of nvidia-smi samples every 20 ms after the loop's first half second; J per step: their mean "
+            f"power times the step time; power limit "
             f"{d0['power_limit_w']:.0f} W, maximum SM clock {d0['max_sm_clock_mhz']:.0f} MHz. "
             f"Source: {_src(d0)} (one command per config and peer)."]
     return "\n".join(out)
