@@ -220,13 +220,13 @@ _NEED = pytest.StashKey[dict]()
 @pytest.fixture
 def gpu_fits(request):
     """gpu_fits(cfg, run, variant, optimizer=None): skip the test when the calculator's peak for this
-    step (anatomy.calculator.memory.phases: the larger of the forward and backward peaks) exceeds the
+    step (llm_anatomy.calculator.memory.phases: the larger of the forward and backward peaks) exceeds the
     GPU's free memory, quoting both; otherwise remember the prediction, so an out-of-memory error the
     calculator did not predict becomes a failed claim with the prediction beside the limit."""
     def check(cfg, run, variant, optimizer=None):
         import torch
 
-        from anatomy.calculator.memory import phases
+        from llm_anatomy.calculator.memory import phases
 
         ph = phases(cfg, run, variant, optimizer=optimizer, device="cuda")
         need = max(ph["forward_peak"] or 0, ph["backward_peak"])
@@ -304,7 +304,7 @@ def pytest_sessionfinish(session, exitstatus):
     report = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), machine=_machine(),
                   command="pytest " + " ".join(session.config.invocation_params.args),
                   seconds=round(time.monotonic() - _T0[0], 1), outcome=counts, rows=_ROWS)
-    from anatomy.io import write_atomic
+    from llm_anatomy.io import write_atomic
 
     write_atomic(path, json.dumps(report, separators=(",", ":"), default=str))  # a reader never sees half a report
 

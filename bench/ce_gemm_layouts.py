@@ -1,7 +1,7 @@
 """Exploration (not a claim): the fused CE's three GEMMs in each operand layout cuBLAS can be handed, timed
 alone at T 16,384, H 2,048 and vocab 32,000 / 128,256, against the 8192^3 bf16 ceiling in the same process.
 
-PYTHONPATH=. python3 bench/ce_gemm_layouts.py --json OUT.json
+python3 -m bench.ce_gemm_layouts --json OUT.json
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ cli_estimate.estimate_all with a GPU (measured and datasheet profiles), memory.p
 stage, timing.estimate_time with every kernel row and segment, per-rank figures on several ranks, and
 `anatomy plan`'s candidates. An error is recorded as its message (the same input must fail the same way).
 
-python3 bench/estimate_dump.py OUT.json [--quick]
+python3 -m bench.estimate_dump OUT.json [--quick]
 """
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from anatomy.config import PRESETS, ConfigError, ModelConfig, Run
+from llm_anatomy.config import PRESETS, ConfigError, ModelConfig, Run
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = (("efficient", "none"), ("efficient", "mlp"), ("efficient", "full"), ("baseline", "none"))
 
 
 def configs() -> dict[str, ModelConfig]:
-    from anatomy.hf_config import from_hf_config
+    from llm_anatomy.hf_config import from_hf_config
 
     out = dict(PRESETS)
     for p in sorted((ROOT / "validations" / "data" / "hf_configs").glob("*/config.json")):
@@ -51,10 +51,10 @@ def guard(fn):
 
 
 def dump(quick: bool = False) -> dict:
-    from anatomy.calculator.memory import phases
-    from anatomy.calculator.timing import estimate_time
-    from anatomy.cli_estimate import estimate_all
-    from anatomy.plan import plan
+    from llm_anatomy.calculator.memory import phases
+    from llm_anatomy.calculator.timing import estimate_time
+    from llm_anatomy.cli_estimate import estimate_all
+    from llm_anatomy.plan import plan
 
     out: dict = {}
     cfgs = configs()

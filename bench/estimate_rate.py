@@ -2,7 +2,7 @@
 time model and the fit verdict, as `anatomy estimate --gpu h200-measured` and each `anatomy plan`
 candidate call (cli_estimate.estimate_all). Pure Python, no GPU.
 
-python3 bench/estimate_rate.py [--preset llama3-8b] [--gpu h200-measured] [--batch 1 --batches 1 --seq 4096]
+python3 -m bench.estimate_rate [--preset llama3-8b] [--gpu h200-measured] [--batch 1 --batches 1 --seq 4096]
                                [--repeats 5 --seconds 0.5] [--json]
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import replace
 
-from anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 CASES = (("efficient", "none"), ("efficient", "mlp"), ("efficient", "full"), ("baseline", "none"))
 
@@ -33,7 +33,7 @@ def rate(fn, seconds: float) -> tuple[float, float]:
 
 def measure(cfg: ModelConfig, run: Run, variant: str, gpu: str, optimizer: str, repeats: int,
             seconds: float, batches: int = 1) -> dict:
-    from anatomy.cli_estimate import estimate_all
+    from llm_anatomy.cli_estimate import estimate_all
 
     # call i asks for micro-batch run.batch + i % batches: with batches > 1, consecutive calls are new Runs (as
     # `anatomy plan`'s candidates are), and with many, more than any cache of per-shape figures keeps

@@ -2,7 +2,7 @@
 LigerFusedLinearCrossEntropyFunction, forward + backward, bf16 x and an fp32 weight under bf16 autocast
 (the model's layout), next to the bf16 matmul ceiling measured in the same process.
 
-    PYTHONPATH=. python3 bench/linear_ce.py [--shapes 16384x2048x32000,...] [--chunks 0,2048,8192]
+    python3 -m bench.linear_ce [--shapes 16384x2048x32000,...] [--chunks 0,2048,8192]
                                             [--reps 20] [--json OUT] [--dry-run]
 
 Per shape (T tokens x H hidden x V vocab) and implementation:
@@ -41,8 +41,8 @@ import warnings
 
 import torch
 
-from anatomy.kernels.linear_ce import linear_cross_entropy
-from anatomy.kernels.linear_ce_chunks import chunk_rows, peak_bytes
+from llm_anatomy.kernels.linear_ce import linear_cross_entropy
+from llm_anatomy.kernels.linear_ce_chunks import chunk_rows, peak_bytes
 
 BF16 = torch.bfloat16
 SHAPES = "16384x2048x32000,16384x2048x128256,65536x512x16000"  # 1B-class at vocab 32k and 128k; the seed
@@ -211,7 +211,7 @@ def chunk_breakdown(T, H, V, C, w, inputs, clock, reps, row_blocks=()) -> dict[s
     """Each part of ours for one full chunk, timed alone, times the chunk count T / C (a fraction for the tail):
     backward_scale as a plain loss.backward() runs it (incoming gradient 1), backward_scale_not_one at 1 / T;
     row_kernel[b] the row kernel at each block width b of row_blocks (0: the op's own)."""
-    from anatomy.kernels.linear_ce import accumulate_grad_weight, ce_rows_reference, ce_rows_triton, scale_
+    from llm_anatomy.kernels.linear_ce import accumulate_grad_weight, ce_rows_reference, ce_rows_triton, scale_
 
     x, t = inputs[0].detach()[:C], inputs[1][:C]
     dev, n = x.device, T / C
@@ -243,7 +243,7 @@ def row_block_sweep(logits, t, losses, scale, blocks, clock, rounds: int = 7, re
     """{b: median ms of one row-kernel call over `logits` at block width b (0: the op's own)}. Rounds visit
     every width in turn, so a clock's drift meets each alike; each call rewrites the logits in place, and no
     restoring copy is timed (the kernel's work does not depend on the values it reads)."""
-    from anatomy.kernels.linear_ce import ce_rows_triton
+    from llm_anatomy.kernels.linear_ce import ce_rows_triton
 
     def call(b):
         ce_rows_triton(logits, t, losses, scale, block=b or None)
@@ -331,17 +331,17 @@ def main(argv=None):
     res = dict(environment(dev), matmul_tflop_s=ceiling / 1e12, matmul_tflop_s_sustained=sustained / 1e12,
                matmul_shape="8192^3 bf16" if not a.dry_run else "256^3 bf16 (dry run)",
                copy_tb_s=bw / 1e12, dry_run=a.dry_run, rows=rows,
-               command=" ".join(["PYTHONPATH=. python3 bench/linear_ce.py",
+               command=" ".join(["python3 -m bench.linear_ce",
                                  *(argv if argv is not None else sys.argv[1:])]))
     if a.json:
-        from anatomy.io import write_atomic
+        from llm_anatomy.io import write_atomic
 
         write_atomic(a.json, json.dumps(res, indent=1) + "\n")
     return res
 
 
 def _triton_on_cpu() -> bool:
-    from anatomy.kernels import INTERPRET
+    from llm_anatomy.kernels import INTERPRET
     return INTERPRET
 
 

@@ -1,10 +1,10 @@
 """Memory of the efficient model with our fused linear CE, on the GPU: the step's phases and peak, and the loss
 op's own saved and peak bytes, at the issue's configs. One JSON per config under --out (default $OUT).
 
-    PYTHONPATH=. python3 bench/loss_memory.py [--out DIR] [--configs seed,tinyllama,llama3.2]
+    python3 -m bench.loss_memory [--out DIR] [--configs seed,tinyllama,llama3.2]
 
 Per config (autocast bf16 over fp32 weights, no optimizer: forward + backward as bench/step.py runs it):
-  step:  anatomy.measure.memory.measure_phases (allocated after forward / backward, the peak inside each)
+  step:  llm_anatomy.measure.memory.measure_phases (allocated after forward / backward, the peak inside each)
          and max_memory_allocated over one more step after warm-up;
   loss:  the op alone on the same shapes (x (T, H) bf16 and the fp32 head weight, both leaves):
          forward peak and what stays after forward, over what was live before it, the bytes of the
@@ -29,7 +29,7 @@ CONFIGS = {"seed": ("seed", 16, 4096), "tinyllama": ("tinyllama-1.1b", 8, 2048),
 def _loss_alone(cfg, run, impl: str) -> dict:
     import torch
 
-    from anatomy.efficient.loss import linear_ce
+    from llm_anatomy.efficient.loss import linear_ce
 
     T, H, V = run.tokens, cfg.hidden, cfg.vocab
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -59,9 +59,9 @@ def _loss_alone(cfg, run, impl: str) -> dict:
 
 
 def _predicted(cfg, run) -> dict:
-    from anatomy.calculator import estimate
-    from anatomy.calculator.memory import phases
-    from anatomy.kernel_shapes import lce_peak_bytes
+    from llm_anatomy.calculator import estimate
+    from llm_anatomy.calculator.memory import phases
+    from llm_anatomy.kernel_shapes import lce_peak_bytes
 
     ph = phases(cfg, run, "efficient", optimizer=None)
     saved = sum(s.bytes for s in estimate(cfg, run, "efficient").components["loss"].saved)
@@ -84,9 +84,9 @@ def main(argv=None) -> int:
         p.error(f"unknown config {bad[0]!r}; choose from {', '.join(CONFIGS)}" if bad else "--out or $OUT is needed")
     import torch
 
-    from anatomy.config import ConfigError, ModelConfig, Run
-    from anatomy.io import write_atomic
-    from anatomy.measure.memory import allocator_conf, measure_phases
+    from llm_anatomy.config import ConfigError, ModelConfig, Run
+    from llm_anatomy.io import write_atomic
+    from llm_anatomy.measure.memory import allocator_conf, measure_phases
 
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         rec = dict(config=n, preset=preset, batch=B, seq=S, dtype="amp", loss_impl=run.loss_impl, variant="efficient",
                    gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,
                    allocator=allocator_conf(), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                   command="python3 bench/loss_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+                   command="python3 -m bench.loss_memory " + " ".join(argv if argv is not None else sys.argv[1:]))
         t0 = time.perf_counter()
         rec["phases"] = measure_phases(cfg, run, "efficient", optimizer=None)
         rec["step_peak"] = max(ph["peak"] for ph in rec["phases"] if ph["name"] in ("forward", "backward"))

@@ -1,6 +1,6 @@
 """Where one training step's GPU time goes: torch.profiler over a few steps of one peer.
 
-python3 bench/profile_step.py --peer efficient --preset seed --batch 16 --seq 4096 --json OUT.json [--trace T.json.gz]
+python3 -m bench.profile_step --peer efficient --preset seed --batch 16 --seq 4096 --json OUT.json [--trace T.json.gz]
                               [--lean]
 
 Writes, per step: wall time (CUDA events), GPU busy time (the union of kernel intervals, so that idle
@@ -17,16 +17,14 @@ import re
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).parent))
-from step import loop_step  # noqa: E402
+from bench.step import loop_step
 
-from anatomy.config import ConfigError, ModelConfig, Run  # noqa: E402
-from anatomy.io import write_atomic  # noqa: E402
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.io import write_atomic
 
 FAMILIES = (("attention", r"cudnn|fmha|flash|attention|sdpa"), ("gemm", r"gemm|sm90|cutlass|nvjet|xmma|gemv"),
             ("triton", r"^triton|_kernel$|liger"), ("reduction", r"reduce|sum|norm"),
@@ -114,7 +112,7 @@ def main(argv=None) -> int:
                idle_gaps_us=idle_gaps([(ev.time_range.start, ev.time_range.end, ev.name) for ev in kernels], a.steps),
                gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,
                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-               command="python3 bench/profile_step.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+               command="python3 -m bench.profile_step " + " ".join(argv if argv is not None else sys.argv[1:]))
     write_atomic(a.json, json.dumps(res, indent=1))
     if a.trace:
         prof.export_chrome_trace(a.trace)

@@ -1,15 +1,12 @@
 """Exploration (not a claim): the lean MLP backward's SwiGLU work, the forward kernel again then the in-place
-backward (two passes over gate_up) against the one pass that writes h over d(h) (anatomy/kernels/lean.py),
-at the real configs' shapes. PYTHONPATH=. python3 bench/remake_pass.py"""
-import sys
-from pathlib import Path
+backward (two passes over gate_up) against the one pass that writes h over d(h) (llm_anatomy/kernels/lean.py),
+at the real configs' shapes. python3 -m bench.remake_pass"""
 
 import torch
 
-from anatomy.kernels.swiglu import swiglu_backward_triton, swiglu_triton
+from llm_anatomy.kernels.swiglu import swiglu_backward_triton, swiglu_triton
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ce_gemm_layouts import timed  # noqa: E402
+from bench.ce_gemm_layouts import timed
 
 
 for T, I in ((16384, 8192), (16384, 5632), (65536, 1408)):

@@ -4,20 +4,18 @@ q laid out (B, S, h, hd) and seen as (B, h, S, hd), k and v contiguous (B, h, S,
 three transposed views of (B, S, h, hd); all contiguous; and k, v repeated to the query heads first (repeat_kv,
 its copy and its backward's sum included). The gradient of the output is laid out (B, S, h, hd) as the o
 projection's backward makes it. Interleaved rounds in one process.
-PYTHONPATH=. python3 bench/sdpa_gqa.py [--json OUT]"""
+python3 -m bench.sdpa_gqa [--json OUT]"""
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from anatomy.efficient.attention import backend_context
+from llm_anatomy.efficient.attention import backend_context
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ce_gemm_layouts import timed  # noqa: E402
+from bench.ce_gemm_layouts import timed
 
 SHAPES = {"tinyllama-1.1b B8 S2048": (8, 2048, 32, 4, 64), "llama3.2-1b B4 S4096": (4, 4096, 32, 8, 64)}
 

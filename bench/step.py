@@ -1,9 +1,9 @@
 """Time one training-step variant (forward + backward) on the GPU, in its own process for a clean peak.
 
-python3 bench/step.py --peer efficient --preset seed --batch 16 --seq 4096 [--repeats 10] [--json OUT]
-python3 bench/step.py --peer efficient --recompute mlp ...   # reported as peer "efficient-recompute"
-python3 bench/step.py --peer efficient --loss-impl liger ... # Liger's loss: peer "efficient-liger-loss"
-python3 bench/step.py --peer efficient --lean ...            # the lean block (Run.lean): peer "efficient-lean"
+python3 -m bench.step --peer efficient --preset seed --batch 16 --seq 4096 [--repeats 10] [--json OUT]
+python3 -m bench.step --peer efficient --recompute mlp ...   # reported as peer "efficient-recompute"
+python3 -m bench.step --peer efficient --loss-impl liger ... # Liger's loss: peer "efficient-liger-loss"
+python3 -m bench.step --peer efficient --lean ...            # the lean block (Run.lean): peer "efficient-lean"
 
 Peers: baseline, baseline-compile, efficient, efficient-compile (ours; the efficient peers' loss is our fused
 linear CE unless --loss-impl liger, and each record says which: loss_impl); hf, hf-compile, hf-liger
@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from anatomy.config import ConfigError, ModelConfig, Run
-from anatomy.io import write_atomic
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.io import write_atomic
 
 
 def matmul_ceiling(n: int = 8192, reps: int = 20) -> float:
@@ -58,7 +58,7 @@ def build(peer: str, cfg: ModelConfig, recompute: str = "none", loss_impl: str =
             apply_liger_kernel_to_llama(model=model)
         step = lambda ids, tgt: model(input_ids=ids, labels=tgt).loss  # noqa: E731  (HF shifts labels itself)
     else:
-        from anatomy.models import build_model
+        from llm_anatomy.models import build_model
 
         model = build_model(cfg, peer.removesuffix("-compile"), device="cuda", recompute=recompute, lean=lean)
         if hasattr(model.head, "impl"):  # the efficient model's fused linear CE (efficient/loss.py)
@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
             host.append((t1 - t0) * 1e3)
-    from anatomy.calculator import estimate
+    from llm_anatomy.calculator import estimate
 
     est = estimate(cfg, run).to_dict()["flops"]["model"]  # model FLOPs: a recompute's are not counted
     model_flops = est["forward"] + est["backward"]
@@ -154,7 +154,7 @@ def main(argv=None) -> dict:
                model_flops=model_flops, matmul_ceiling_tflops=ceiling / 1e12, warmup_s=t_compile,
                loss=float(loss), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
                cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-               command="python3 bench/step.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+               command="python3 -m bench.step " + " ".join(argv if argv is not None else sys.argv[1:]))
     if a.json:
         write_atomic(a.json, json.dumps(res, indent=1))
     print(f"{peer:20s} {ms:8.2f} ms  {res['tokens_per_s'] / 1e6:6.3f} Mtok/s  peak {res['peak_mib']:9,.0f} MiB  "

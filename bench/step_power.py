@@ -6,7 +6,7 @@ Why. A step of a 1B model draws the board's power limit (700 W on an H200) the w
 controller sets its SM clock, and a peer's time is its energy per step over the limit: a step with less
 memory-bound time draws more power per millisecond and runs its GEMMs and attention at a lower clock.
 
-PYTHONPATH=. python3 bench/step_power.py --peer efficient --lean --preset tinyllama-1.1b --batch 8 --seq 2048
+python3 -m bench.step_power --peer efficient --lean --preset tinyllama-1.1b --batch 8 --seq 2048
     [--steps 40] [--json OUT]
 Samples from the half second before the loop and the loop's first half second are dropped (the clock falls
 from its burst value within about 0.1 s: docs/timing.md, sustained_tau_s)."""
@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.config import ConfigError, ModelConfig, Run
 
-sys.path.insert(0, str(Path(__file__).parent))
-from step import loop_step  # noqa: E402
+from bench.step import loop_step
 
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.sw_power_cap"
 PERIOD_MS = 20
@@ -85,7 +84,7 @@ def main():
                power_limit_w=float(limit_w), max_sm_clock_mhz=float(max_mhz), driver=driver,
                gpu=torch.cuda.get_device_name(0), torch=torch.__version__, cuda=torch.version.cuda,
                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-               command="python3 bench/step_power.py " + " ".join(sys.argv[1:]))
+               command="python3 -m bench.step_power " + " ".join(sys.argv[1:]))
     print(f"{res['peer']:16s} {a.preset:16s} {step_ms:8.2f} ms/step  {res['sm_clock_mhz']:.0f} MHz  "
           f"{res['power_w']:.0f} W  {res['energy_j_per_step']:.1f} J/step  "
           f"at the power cap {res['power_cap_share']:.0%}")

@@ -1,11 +1,11 @@
 """GPU check of `anatomy plan`: does the plan's boundary sit where the GPU's is? (measurement + the plan)
 
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=. python3 scripts/check_plan.py \\
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m scripts.check_plan \\
         --out $OUT/plan.json [--only llama-3.1-8b,qwen2.5-7b] [--steps 3]
 
 For each real Hugging Face config (validations/hf_configs.py), at its sequence length: `anatomy plan --gpu H200`
 (one GPU, the efficient variant, AdamW) picks a recompute policy and a micro-batch b. Each of b and b + 1 then
-runs in a process of its own, in the plain loop a user writes (nothing of anatomy.measure): fused AdamW,
+runs in a process of its own, in the plain loop a user writes (nothing of llm_anatomy.measure): fused AdamW,
 bf16 autocast over fp32 weights, `steps` steps back to back, the peak of torch.cuda.max_memory_allocated
 over the steps after the first (the first creates the optimizer state), or "oom". The JSON is rewritten
 after every run, so a run cut short keeps its rows; validations/test_plan.py reads it.
@@ -21,9 +21,8 @@ import time
 from datetime import datetime, timezone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from anatomy.io import write_atomic  # noqa: E402
+from llm_anatomy.io import write_atomic  # noqa: E402
 
 # each model at a sequence its users train at (its max_position_embeddings allows it)
 SEQ = {"default": 4096, "Qwen2.5-0.5B": 2048, "TinyLlama-1.1B-intermediate-step-1431k-3T": 2048,
@@ -34,8 +33,8 @@ def user_loop(path: str, batch: int, seq: int, recompute: str, steps: int) -> di
     """One run in this process: the peak allocated bytes of the steps after the first, or an OOM."""
     import torch
 
-    from anatomy.hf_config import read_hf_config
-    from anatomy.models import build_model
+    from llm_anatomy.hf_config import read_hf_config
+    from llm_anatomy.models import build_model
 
     cfg = read_hf_config(path).config
     free, total = torch.cuda.mem_get_info()
@@ -91,8 +90,8 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    from anatomy.hf_config import read_hf_config
-    from anatomy.plan import peak_bytes, plan
+    from llm_anatomy.hf_config import read_hf_config
+    from llm_anatomy.plan import peak_bytes, plan
     from validations.hf_configs import HF_CONFIGS
 
     if not torch.cuda.is_available():
@@ -102,7 +101,7 @@ def main() -> int:
     doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-               command="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH=. python3 scripts/check_plan.py "
+               command="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m scripts.check_plan "
                        + " ".join(sys.argv[1:]).replace(os.environ.get("OUT", "\0"), "out"),
                steps=a.steps, rows=[])
     for name in names:
@@ -116,7 +115,7 @@ def main() -> int:
         if best is None:
             row["runs"].append(dict(note="the plan says nothing fits"))
         else:
-            from anatomy.config import Run
+            from llm_anatomy.config import Run
 
             for b in (best["micro_batch"], best["micro_batch"] + 1):
                 run = Run(batch=b, seq=seq, recompute=best["recompute"])

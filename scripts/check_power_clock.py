@@ -1,7 +1,7 @@
 """Offline check: does each kernel class's own power, measured alone, predict a training step's SM clock, and
 would that clock predict the step's time better than the timing model's length rule? (records only, no GPU)
 
-    PYTHONPATH=. python3 scripts/check_power_clock.py [--power reports/h200/power/machine-14.json] \\
+    python3 -m scripts.check_power_clock [--power reports/h200/power/machine-14.json] \\
         [--rows reports/h200/user-loop/machine-1 reports/h200/user-loop/machine-2] [--json out.json]
 
 The power model, every figure from scripts/probe_power.py's record, none fitted to the rows:
@@ -28,9 +28,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from anatomy.io import write_atomic  # noqa: E402
+from llm_anatomy.io import write_atomic  # noqa: E402
 
 POWER = ROOT / "reports/h200/power/machine-14.json"
 ROWS = [ROOT / "reports/h200/user-loop/machine-1", ROOT / "reports/h200/user-loop/machine-2"]
@@ -65,7 +64,7 @@ class PowerModel:
 
 def class_seconds(ks, prof) -> dict:
     """The step's GPU seconds at burst rates per class (roofline.step_terms' own terms)."""
-    from anatomy.calculator.timing.roofline import launch_term, step_terms
+    from llm_anatomy.calculator.timing.roofline import launch_term, step_terms
 
     terms, _ = step_terms(ks, prof)
     gap = launch_term(prof)
@@ -83,7 +82,7 @@ def class_seconds(ks, prof) -> dict:
 
 def fb_error(row: dict, gpu: str, weight: float | None) -> float:
     """(predicted - measured) / measured forward+backward kernel time, at this sustained weight (None: the rule)."""
-    import anatomy.calculator.timing as timing
+    import llm_anatomy.calculator.timing as timing
     from validations.real_depth import row_errors
 
     rule = timing.sustained_weight
@@ -96,7 +95,7 @@ def fb_error(row: dict, gpu: str, weight: float | None) -> float:
 
 
 def check(power_doc: dict, dirs: list[Path]) -> dict:
-    from anatomy.calculator.timing import estimate_time, get, kernels
+    from llm_anatomy.calculator.timing import estimate_time, get, kernels
     from validations.real_depth import case_of, clock_weight
 
     pm, rows = PowerModel(power_doc), []

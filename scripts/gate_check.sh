@@ -37,7 +37,7 @@ if ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
   exit 2
 fi
 mkdir -p "$WORK"
-python3 scripts/env_json.py > "$WORK/env.json" 2>/dev/null || { rm -f "$WORK/env.json"; echo "gate_check: warning: no env.json (scripts/env_json.py failed)" >&2; }
+python3 -m scripts.env_json > "$WORK/env.json" 2>/dev/null || { rm -f "$WORK/env.json"; echo "gate_check: warning: no env.json (scripts/env_json.py failed)" >&2; }
 PYTEST=(python3 -m pytest "${SELECT[@]}" -q -p no:cacheprovider --benchmark-enable
         --benchmark-columns=median,iqr,rounds --benchmark-sort=fullname "${ARGS[@]}")
 T0=$SECONDS; last=0
@@ -91,7 +91,7 @@ for name in unmodified $ALL_TARGETS; do
   if [ -f "$WORK/$name.json" ]; then SPECS+=("$name=$WORK/$name.json:$(cat "$WORK/$name.rc")$xml")
   else SPECS+=("$name=:$(cat "$WORK/$name.rc")$xml"); fi
 done
-python3 scripts/gate_check_summary.py "$BASELINE" "$THRESHOLD" "$WORK/gate_check.json" "${SPECS[@]}"
+python3 -m scripts.gate_check_summary "$BASELINE" "$THRESHOLD" "$WORK/gate_check.json" "${SPECS[@]}"
 rc=$?
 publish
 [ ${#left[@]} -gt 0 ] && exit 1

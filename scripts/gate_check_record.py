@@ -1,6 +1,6 @@
-"""Add one machine's gate check (scripts/gate_check.sh) to the committed record, anatomy/records.py GATE_CHECK.
+"""Add one machine's gate check (scripts/gate_check.sh) to the committed record, llm_anatomy/records.py GATE_CHECK.
 
-    python3 scripts/gate_check_record.py RECORD WORK [WORK ...] --command CMD [--command CMD ...]
+    python3 -m scripts.gate_check_record RECORD WORK [WORK ...] --command CMD [--command CMD ...]
         [--suite CLAIMS_JSON ...] [--label NAME] [--driver VERSION] [--date YYYY-MM-DD] [--commit SHA]
         [--note TEXT]
 
@@ -9,13 +9,13 @@ Each WORK is a copy of gate_check.sh's folder (its OUT) from one machine: gate_c
 it over every run in its folder); the run reports, the baseline and env.json are looked up in every WORK, in
 order. The GPU's facts come from env.json, else from the baseline's extra_info with --driver and --date. The
 entry names the baseline its runs compared against by SHA-256 (WORK's baseline.json, else the committed
-baselines.json): anatomy/report/gate.py counts only the runs against the committed one.
+baselines.json): llm_anatomy/report/gate.py counts only the runs against the committed one.
 Each slowed run's row gains, when its summary lacks them, `called` (the benchmarks whose work called the
 target: extra_info["slowdown_calls"]) and `factor`, so the record alone shows which failures the gate's rules
 allow; the unmodified row gains the session's reference times (`refs`). Each --suite is the claims report
 (claims-gpu.json) of a GPU-suite run on the same machine: its command, seconds and outcome are kept under
 `suites`. The entry named --label (default "machine <n>") is replaced if present. Commands are stored with
-absolute paths cut to out/<name> (anatomy.records.command). Exit 2 on unreadable input.
+absolute paths cut to out/<name> (llm_anatomy.records.command). Exit 2 on unreadable input.
 """
 from __future__ import annotations
 
@@ -25,9 +25,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from anatomy import records  # noqa: E402
-from gate_check_summary import _load, refs  # noqa: E402
+from llm_anatomy import records  # noqa: E402
+from scripts.gate_check_summary import _load, refs  # noqa: E402
 
 ENV_KEYS = ("gpu", "driver", "torch", "cuda", "cudnn", "triton")
 # every slowdown target of validations/slowdown.py, as gate_check.sh's ALL_TARGETS runs them

@@ -1,7 +1,7 @@
 """Summarise scripts/gate_check.sh's runs: which benchmarks each slowdown failed, and whether the gate
 behaved as it must.
 
-    python3 scripts/gate_check_summary.py BASELINE THRESHOLD_PCT OUT_JSON RUN=JSON[:RC[:JUNIT]] ...
+    python3 -m scripts.gate_check_summary BASELINE THRESHOLD_PCT OUT_JSON RUN=JSON[:RC[:JUNIT]] ...
 
 A run named "unmodified" must fail nothing (and exit 0). A run named after a slowdown target K (validations/
 slowdown.py) must fail every benchmark of K's own (test_kernel[K/...], test_optimizer[K/...]) and no

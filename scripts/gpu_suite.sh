@@ -6,9 +6,9 @@ OUT=${OUT:-.anatomy/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # the allocator splits every block it reuses: max_memory_allocated is then what the memory model
-# predicts (anatomy/measure/memory.py); under the default settings the memory tests xfail the slack
+# predicts (llm_anatomy/measure/memory.py); under the default settings the memory tests xfail the slack
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-python3 scripts/env_json.py > "$OUT/env.json"
+python3 -m scripts.env_json > "$OUT/env.json"
 cat "$OUT/env.json"
 # junit.xml: each test's own seconds (what a subset such as --quick spends, read from one whole run)
 python3 -m pytest validations -m gpu -q -p no:cacheprovider --claims-report "$OUT/claims-gpu.json" \

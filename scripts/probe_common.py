@@ -55,7 +55,7 @@ def run_rows(prog: str, a: argparse.Namespace, cases: list[tuple], measure: Call
     for the header, measured after the first pass and before the second."""
     head = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
                 cuda=torch.version.cuda, **header,
-                command=f"PYTHONPATH=. python3 scripts/{prog}.py " + " ".join(sys.argv[1:]), seed=a.seed, rows=[])
+                command=f"python3 -m scripts.{prog} " + " ".join(sys.argv[1:]), seed=a.seed, rows=[])
     t0, done = time.time(), []
     for k, (name, cfg, run, variants, opt) in enumerate(cases):
         for variant in variants:
@@ -96,7 +96,7 @@ def write_json(prog: str, out: str | None, **fields) -> None:
     """A one-shot probe's result: the GPU, torch and CUDA versions, the date and the exact command, then
     `fields`; written to `out` (or printed)."""
     head = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-                cuda=torch.version.cuda, command=f"PYTHONPATH=. python3 scripts/{prog}.py " + " ".join(sys.argv[1:]),
+                cuda=torch.version.cuda, command=f"python3 -m scripts.{prog} " + " ".join(sys.argv[1:]),
                 **fields)
     text = json.dumps(head, indent=1)
     if out:

@@ -1,10 +1,10 @@
 """Probe: CUDA memory at each phase of a training step, for both variants (measurement only).
 
-    PYTHONPATH=. python3 scripts/probe_memory.py > memory.json                 # the four named cases
-    PYTHONPATH=. python3 scripts/probe_memory.py --hypothesis 32 --seed 2026 \\
+    python3 -m scripts.probe_memory > memory.json                 # the four named cases
+    python3 -m scripts.probe_memory --hypothesis 32 --seed 2026 \\
         --out $OUT/probe_memory_hypothesis.json                                  # + 32 drawn GPU configs
-    PYTHONPATH=. python3 scripts/probe_memory.py --recompute mlp ...             # efficient, Run.recompute="mlp"
-    PYTHONPATH=. python3 scripts/probe_memory.py --lean ...                      # efficient, its lean block
+    python3 -m scripts.probe_memory --recompute mlp ...             # efficient, Run.recompute="mlp"
+    python3 -m scripts.probe_memory --lean ...                      # efficient, its lean block
 
 Each row also holds `trace`: the same phase figures from the allocator trace's live bytes (requested
 sizes), without the slack of reused unsplit blocks that max_memory_allocated counts; and each phase
@@ -17,11 +17,11 @@ never re-draws. With --out the JSON is rewritten after every row: a run cut shor
 """
 import sys
 
-import probe_common
+from scripts import probe_common
 import torch
 
-from anatomy.config import ModelConfig, PRESETS, Run
-from anatomy.measure.memory import allocator_conf, measure_phases, splits_every_block, trace_phases
+from llm_anatomy.config import ModelConfig, PRESETS, Run
+from llm_anatomy.measure.memory import allocator_conf, measure_phases, splits_every_block, trace_phases
 
 CASES = [("seed", PRESETS["seed"], Run(4, 1024)),
          ("seed", PRESETS["seed"], Run(2, 4096)),

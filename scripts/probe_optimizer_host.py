@@ -1,6 +1,6 @@
 """Where the compiled AdEMAMix step's host time goes, on a CUDA GPU: how long the GPU waits for the call.
 
-    PYTHONPATH=. python3 scripts/probe_optimizer_host.py [--config anchor-1b] [--reps 10] [--no-one-element] [--json OUT]
+    python3 -m scripts.probe_optimizer_host [--config anchor-1b] [--reps 10] [--no-one-element] [--json OUT]
 
 The GPU suite's `optimizer step time` claim (validations/test_optim_kernels.py) times one compiled step from
 a drained GPU to a drained GPU and predicts it as the step's GPU time plus the host time before its first
@@ -38,7 +38,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _median_ms(xs) -> float:
@@ -49,9 +48,9 @@ def measure(config: str, reps: int, one_element: bool = True) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from anatomy.config import ModelConfig
-    from anatomy.measure.calibrate_host import compiled_ademamix, measure_optimizer_host
-    from anatomy.models import build_model
+    from llm_anatomy.config import ModelConfig
+    from llm_anatomy.measure.calibrate_host import compiled_ademamix, measure_optimizer_host
+    from llm_anatomy.models import build_model
 
     cfg = ModelConfig.from_name(config)
     params = list(build_model(cfg, "efficient", device="cuda", dtype=torch.float32).parameters())
@@ -137,7 +136,7 @@ def main(argv=None) -> int:
     if a.reps < 3:
         print("probe_optimizer_host.py: error: --reps must be at least 3", file=sys.stderr)
         return 2
-    from anatomy.config import ConfigError, ModelConfig
+    from llm_anatomy.config import ConfigError, ModelConfig
 
     try:
         ModelConfig.from_name(a.config)
@@ -145,7 +144,7 @@ def main(argv=None) -> int:
         print(f"probe_optimizer_host.py: error: {e}", file=sys.stderr)
         return 2
     out = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-               cuda=torch.version.cuda, command="PYTHONPATH=. python3 scripts/probe_optimizer_host.py "
+               cuda=torch.version.cuda, command="python3 -m scripts.probe_optimizer_host "
                + " ".join(argv if argv is not None else sys.argv[1:]), **measure(a.config, a.reps, not a.no_one_element))
     text = json.dumps(out, indent=1)
     print(text)

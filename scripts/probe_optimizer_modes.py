@@ -1,6 +1,6 @@
 """Probe: why the baseline AdEMAMix step's GPU time falls in one of two modes per process (measurement only).
 
-    PYTHONPATH=. python3 scripts/probe_optimizer_modes.py --out $OUT/optimizer-modes.json [--processes 6] [--cases 3]
+    python3 -m scripts.probe_optimizer_modes --out $OUT/optimizer-modes.json [--processes 6] [--cases 3]
 
 `test_optimizer[ademamix/seed/step]` (AdEMAMix's per-tensor loop over the seed model's 57 fp32 tensors, about
 855 kernels) runs at one of two GPU times per process, about 4% apart, and sets the regression gate's
@@ -30,7 +30,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 PAGE = 2 << 20  # the allocator's expandable-segment page
 # the benchmarks' allocator (scripts/gpu_suite.sh and gate_check.sh export it)
@@ -112,8 +111,8 @@ def main(argv=None) -> int:
         return 2
     if a.child:
         return child(a.cases)
-    env = subprocess.run([sys.executable, str(ROOT / "scripts" / "env_json.py")], capture_output=True, text=True)
-    command = f"PYTHONPATH=. python3 scripts/probe_optimizer_modes.py --processes {a.processes} --cases {a.cases}"
+    env = subprocess.run([sys.executable, "-m", "scripts.env_json"], cwd=ROOT, capture_output=True, text=True)
+    command = f"python3 -m scripts.probe_optimizer_modes --processes {a.processes} --cases {a.cases}"
     doc = dict(env=json.loads(env.stdout) if env.returncode == 0 else None, command=command, processes=[])
     for i in range(a.processes):
         cmd = [sys.executable, __file__, "--out", str(a.out), "--cases", str(a.cases), "--child"]

@@ -1,6 +1,6 @@
 """Probe: each kernel class's own sustained load, its settled SM clock and board power (measurement only).
 
-    PYTHONPATH=. python3 scripts/probe_power.py --out $OUT/power.json [--max-s 6] [--idle-s 3]
+    python3 -m scripts.probe_power --out $OUT/power.json [--max-s 6] [--idle-s 3]
 
 The timing model's sustained regime (docs/timing.md) slows a long step's compute by the clock that
 calibrate's GEMM warm-up settles at, whatever the step runs. The power controller lowers the clock only while
@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 THROTTLE_MHZ = 15  # a settled clock this far under the maximum is the power controller's, not boost jitter
 SMALL_NUMEL = 1 << 14  # the launch-bound load: an add of 16k elements, ~2 us of fixed cost per kernel
@@ -48,7 +47,7 @@ def _loads():
     """{class: (fn, work per call, unit name)}: calibrate_sustained's three and the launch-bound one."""
     import torch
 
-    from anatomy.measure.calibrate_sustained import _cases
+    from llm_anatomy.measure.calibrate_sustained import _cases
 
     loads = {cls: (fn, work, "FLOP" if cls != "memory" else "B") for cls, (fn, work, _) in _cases().items()}
     a = torch.randn(SMALL_NUMEL, device="cuda")
@@ -70,9 +69,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("probe_power: error: needs a CUDA GPU; this machine has none", file=sys.stderr)
         return 2
-    from anatomy.measure.calibrate_sustained import nvml_reader, settle
+    from llm_anatomy.measure.calibrate_sustained import nvml_reader, settle
 
-    env = subprocess.run([sys.executable, str(ROOT / "scripts" / "env_json.py")], capture_output=True, text=True)
+    env = subprocess.run([sys.executable, "-m", "scripts.env_json"], cwd=ROOT, capture_output=True, text=True)
     read, limits, source = nvml_reader()
     doc = dict(env=json.loads(env.stdout) if env.returncode == 0 else None, limits=limits, reader=source,
                command="scripts/probe_power.py " + " ".join(argv or sys.argv[1:]), throttle_MHz=THROTTLE_MHZ,

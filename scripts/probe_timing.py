@@ -1,12 +1,12 @@
 """Probe: GPU time of each component, per phase, of a training step, for both variants (measurement only).
 
-    PYTHONPATH=. python3 scripts/probe_timing.py --out $OUT/probe_timing.json              # the named cases
-    PYTHONPATH=. python3 scripts/probe_timing.py --skip-named --hypothesis 32 --seed 2026 \\
+    python3 -m scripts.probe_timing --out $OUT/probe_timing.json              # the named cases
+    python3 -m scripts.probe_timing --skip-named --hypothesis 32 --seed 2026 \\
         --out $OUT/probe_timing_hypothesis.json                                            # 32 drawn configs
-    PYTHONPATH=. python3 scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate \\
+    python3 -m scripts.probe_timing --user-loop --real-depth 30 --presets --calibrate \\
         --out $OUT/user_loop.json          # the user's own loop on real-depth models (scripts/user_loop.py)
 
-Each row holds anatomy.measure.timeline.component_times (CUDA events at every component change,
+Each row holds llm_anatomy.measure.timeline.component_times (CUDA events at every component change,
 median of 6 steps after 2 warm-up steps, plus 6-24 unmarked steps, each kept, with calibrate's tiny
 host step timed right before and after them: host_ref_ms), `kernels`: the GPU kernel time per
 phase and component from a torch.profiler trace of 2 more marked steps (timeline.kernel_times: what
@@ -16,11 +16,11 @@ JSON is rewritten after every row: a run cut short keeps its rows.
 """
 import sys
 
-import probe_common
+from scripts import probe_common
 import torch
 
-from anatomy.config import ModelConfig, PRESETS, Run
-from anatomy.measure.timeline import component_times, kernel_times
+from llm_anatomy.config import ModelConfig, PRESETS, Run
+from llm_anatomy.measure.timeline import component_times, kernel_times
 
 BOTH, EFF = ("baseline", "efficient"), ("efficient",)
 # unmarked steps per row: as many as fit in this at the marked steps' median, 6 to 24. Their median is the
@@ -43,7 +43,7 @@ def _summary(t: dict) -> str:
 
 def main() -> int:
     if sys.argv[1:2] == ["--user-loop"]:  # a plain training loop on real-depth models: scripts/user_loop.py
-        import user_loop
+        from scripts import user_loop
 
         return user_loop.main(sys.argv[2:])
     a = probe_common.parse("probe_timing")
@@ -62,7 +62,7 @@ def main() -> int:
     # before and right after the row's unmarked steps): the host's speed moves between processes and within
     # one, so the comparison reads the host's speed where the row ran. A measurement only: nothing here reads
     # the calculator.
-    from anatomy.measure.calibrate_host import HostStep, measure_host_step
+    from llm_anatomy.measure.calibrate_host import HostStep, measure_host_step
 
     before, ref = measure_host_step(), HostStep()
 

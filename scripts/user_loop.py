@@ -1,9 +1,9 @@
 """The user's own training loop on real-depth models: what a step costs when nobody tunes the loop to us.
 
-    PYTHONPATH=. python3 scripts/probe_timing.py --user-loop --real-depth 30 --presets --calibrate \\
+    python3 -m scripts.probe_timing --user-loop --real-depth 30 --presets --calibrate \\
         --out $OUT/user_loop.json          # ANATOMY_DRAW_SEED=<n> picks the draw (validations/real_depth.py)
 
-The loop is written as a user writes it, not through anatomy.measure: the model (anatomy.models.build_model,
+The loop is written as a user writes it, not through llm_anatomy.measure: the model (llm_anatomy.models.build_model,
 fp32 weights on the GPU), torch.optim.AdamW(fused=True), random token ids, and per step
 
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -18,7 +18,7 @@ the named presets), after WARMUP steps:
   kernels      a torch.profiler trace of PROFILED more steps with record_function ranges around forward,
                backward and the optimizer: the summed GPU time of the kernels each range launched (fwd+bwd
                and the whole step, per step), and the GPU's busy fraction of the wall step
-  components   on the first --components cases: anatomy.measure.timeline.kernel_times (per component and
+  components   on the first --components cases: llm_anatomy.measure.timeline.kernel_times (per component and
                phase), a separate pass
 With --calibrate, `anatomy calibrate` runs first in this process and writes its profile beside --out
 (calibrated.json): the comparison (validations/test_timing_probe.py) predicts against the profile
@@ -88,7 +88,7 @@ class Smi:
 
 
 def setup(cfg, run, variant):
-    from anatomy.models import build_model
+    from llm_anatomy.models import build_model
 
     model = build_model(cfg, variant, device="cuda", recompute=run.recompute, lean=run.lean)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -191,7 +191,7 @@ def measure(case, components: bool) -> dict:
     del model, opt, ids, targets
     torch.cuda.empty_cache()
     if components:
-        from anatomy.measure.timeline import kernel_times
+        from llm_anatomy.measure.timeline import kernel_times
 
         row["components"] = kernel_times(case.cfg, case.run, case.variant, "adamw")["components"]
     return row
@@ -216,10 +216,10 @@ def main(argv=None) -> int:
                 cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), seed=seed, draw="validations/real_depth.py",
                 loop=dict(warmup=WARMUP, steps=STEPS, profiled=PROFILED, optimizer="torch.optim.AdamW(fused=True)",
                           autocast="bfloat16", weights="float32"),
-                command="PYTHONPATH=. python3 scripts/probe_timing.py --user-loop " + " ".join(argv), rows=[])
+                command="python3 -m scripts.probe_timing --user-loop " + " ".join(argv), rows=[])
     if a.calibrate:  # its own process: its caches and its profiler sessions stay out of this one
         prof_path = out.with_name("calibrated.json")
-        rc = subprocess.run([sys.executable, "-c", "import sys; from anatomy.measure.calibrate import main; "
+        rc = subprocess.run([sys.executable, "-c", "import sys; from llm_anatomy.measure.calibrate import main; "
                              "sys.exit(main(sys.argv[1:]))", "--out", str(prof_path)]).returncode
         head["profile"] = prof_path.name if rc == 0 else f"calibrate exited {rc}"
         if rc != 0:  # the rows still run; the comparison then predicts with the packaged profile and says so

@@ -24,9 +24,9 @@ from typing import Callable
 
 import torch
 
-from anatomy.config import PRESETS, ModelConfig, Run
-from anatomy.measure.components import component_modules
-from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
+from llm_anatomy.config import PRESETS, ModelConfig, Run
+from llm_anatomy.measure.components import component_modules
+from llm_anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
 from validations.configs import NAMED
 from validations.gpu_clock import GpuRound
 

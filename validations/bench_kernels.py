@@ -3,13 +3,13 @@
 A case is (setup, work): setup() (untimed) returns the args of one round, work(*args) is the GPU
 work gpu_clock.GpuRound times. Shapes: "seed" is the seed model's (B=16, S=4096: 65,536 tokens of
 hidden 512, intermediate 1024, 8 heads of 64, vocab 16,000); "wide" a llama-7B/8B-like layer (hidden
-4096, intermediate 11008, 32 heads of 128 with 8 kv heads, vocab 128,256), as anatomy.kernels.bench
+4096, intermediate 11008, 32 heads of 128 with 8 kv heads, vocab 128,256), as llm_anatomy.kernels.bench
 times them. Dtypes are the efficient model's under amp: the residual stream and the norm weight
 fp32, activations bf16, the lm-head weight fp32 (cast per call), fp32 parameters for the optimizers.
 
 Phases: "fwd" runs the op as a training forward (autograd records it); "bwd" runs only its backward
 (torch.autograd.grad), the forward done in setup; linear_ce has one phase, "fwd+bwd": its forward
-computes the gradients (anatomy/kernels/linear_ce.py) and its backward only scales them.
+computes the gradients (llm_anatomy/kernels/linear_ce.py) and its backward only scales them.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ KERNEL_SHAPES = {
 KERNEL_PHASES = {"rms_norm": ("fwd", "bwd"), "swiglu": ("fwd", "bwd"), "gpt_oss": ("fwd", "bwd"),
                  "rope_qkv": ("fwd", "bwd"), "linear_ce": ("fwd+bwd",), "attention": ("fwd", "bwd")}
 KERNELS = tuple(KERNEL_PHASES)
-OPTIMIZERS = ("adamw", "ademamix", "fused_ademamix")  # torch fused AdamW; anatomy.optim's two AdEMAMix forms
+OPTIMIZERS = ("adamw", "ademamix", "fused_ademamix")  # torch fused AdamW; llm_anatomy.optim's two AdEMAMix forms
 L2_BYTES = 60 * 2**20
 
 
@@ -41,8 +41,8 @@ def _rope_tables(S: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _inputs(kernel: str, sh: dict, device, g: torch.Generator):
     """(op, differentiable inputs, other args) of one input set."""
-    from anatomy.efficient.attention import backend_context
-    from anatomy.kernels import linear_cross_entropy, rms_norm, rope_qkv, swiglu
+    from llm_anatomy.efficient.attention import backend_context
+    from llm_anatomy.kernels import linear_cross_entropy, rms_norm, rope_qkv, swiglu
 
     bf = dict(device=device, dtype=torch.bfloat16)
 
@@ -119,8 +119,8 @@ def kernel_case(kernel: str, shape: str, phase: str, device, shapes: dict = KERN
 
 def _param_shapes(shape: str) -> list[tuple[int, ...]]:
     if shape == "seed":  # the seed model's parameters
-        from anatomy.config import PRESETS
-        from anatomy.models import build_model
+        from llm_anatomy.config import PRESETS
+        from llm_anatomy.models import build_model
 
         return [tuple(p.shape) for p in build_model(PRESETS["seed"], "baseline", device="meta").parameters()]
     h, i = 4096, 11008  # two llama-7B-like layers: q, k, v, o, gate, up, down and two norms each
@@ -129,7 +129,7 @@ def _param_shapes(shape: str) -> list[tuple[int, ...]]:
 
 def optimizer_case(name: str, shape: str, device):
     """(setup, work, info): one optimizer step over fp32 parameters with random gradients."""
-    from anatomy.optim import AdEMAMix, FusedAdEMAMix
+    from llm_anatomy.optim import AdEMAMix, FusedAdEMAMix
 
     g = torch.Generator(device=device)
     g.manual_seed(0)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from anatomy.config import ModelConfig, Run
+from llm_anatomy.config import ModelConfig, Run
 
 NAMED = {
     "tiny": ModelConfig(name="tiny", hidden=64, layers=2, heads=4, intermediate=96, vocab=128),

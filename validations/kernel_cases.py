@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from anatomy.kernels import INTERPRET, rms_norm, rope_qkv, swiglu, triton_on_cpu
+from llm_anatomy.kernels import INTERPRET, rms_norm, rope_qkv, swiglu, triton_on_cpu
 
 BF16, FP32, FP64 = torch.bfloat16, torch.float32, torch.float64
 needs_interpreter = pytest.mark.skipif(

@@ -59,7 +59,7 @@ def _read(path: Path, key: dict) -> dict | None:
 
 def cached_profile(key: dict, calibrate: Callable[[Path], int], folder: Path | None = None) -> tuple[dict, Path, bool]:
     """(profile, its cache file, whether it was measured now). `calibrate(path)` measures and writes the
-    profile JSON to `path`, returning 0 (anatomy.measure.calibrate.main(["--out", path]) does); it runs only
+    profile JSON to `path`, returning 0 (llm_anatomy.measure.calibrate.main(["--out", path]) does); it runs only
     when the cache has no valid file for `key`. A failed calibration writes nothing and raises RuntimeError."""
     folder = Path(folder or cache_dir())
     path = folder / file_name(key)
@@ -87,4 +87,4 @@ def calibrate_with_anatomy(out: Path) -> int:
     CUPTI attached to the process that ran them, which would slow the suite's host-bound timings after it."""
     import sys
 
-    return subprocess.run([sys.executable, "-m", "anatomy.cli", "calibrate", "--out", str(out)]).returncode
+    return subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "calibrate", "--out", str(out)]).returncode

@@ -4,7 +4,7 @@ A case is (config, run, variant). The hypothesis strategy real_depth_cases draws
 layers and 0.5-8 B parameters, GQA and MHA, tied and untied, vocab 32k-128k (multiples of 8 and not), sequence
 1k-16k, each kept only where a step with AdamW fits one H200 by the calculator's memory phases (with MLP
 recompute where the plain step does not fit and the variant has it). PRESET_CASES are the named real presets
-(anatomy/config.py) on the same rule. The timing claims on these rows are out of sample: the timing model's
+(llm_anatomy/config.py) on the same rule. The timing claims on these rows are out of sample: the timing model's
 fit never saw them, and draw() takes a seed (ANATOMY_DRAW_SEED) chosen after the model's code is final.
 
 Pure Python over the config (no torch): the GPU script (scripts/probe_timing.py --user-loop) and the CPU
@@ -18,9 +18,9 @@ from typing import NamedTuple
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from anatomy.calculator import param_count
-from anatomy.calculator.memory import phases
-from anatomy.config import PRESETS, ModelConfig, Run
+from llm_anatomy.calculator import param_count
+from llm_anatomy.calculator.memory import phases
+from llm_anatomy.config import PRESETS, ModelConfig, Run
 
 # torch.cuda.get_device_properties(0).total_memory of an H200 is ~139.8 GiB (the datasheet's "141 GB");
 # a case's allocated peak must leave 15% of it to the CUDA context, the cuBLAS/cuDNN workspaces and the
@@ -159,7 +159,7 @@ def case_of(row: dict) -> Case:
 
 def predicted(row: dict, gpu) -> dict:
     """estimate_time for a committed row, with fused AdamW (what the user's loop runs)."""
-    from anatomy.calculator.timing import estimate_time
+    from llm_anatomy.calculator.timing import estimate_time
 
     c = case_of(row)
     return estimate_time(c.cfg, c.run, c.variant, gpu, optimizer="adamw", with_kernels=False)
@@ -216,7 +216,7 @@ def claim(row: dict, what: str, gpu, note: str) -> dict | str:
 def clock_weight(row: dict, gpu) -> float | None:
     """The sustained weight the row's own SM clock implies, (burst - clock) / (burst - sustained) with the
     profile's clocks, in [0, 1]; None without clocks. Beside the model's weight it tests the blend itself."""
-    from anatomy.calculator.timing import get
+    from llm_anatomy.calculator.timing import get
 
     ck, c = get(gpu).clocks, (row.get("clocks") or {}).get("sm_mhz")
     b, s = ck.get("burst_MHz"), ck.get("sustained_MHz")

@@ -29,20 +29,20 @@ def _variant(pos: int, default: str = "swiglu") -> Callable:
 
 # target -> [(module, attribute, keep(args, kwargs) -> bool)]: the callables wrapped for it
 TARGETS: dict[str, list[tuple[str, str, Callable]]] = {
-    "rms_norm": [("anatomy.kernels.rms_norm", "rms_norm_triton", None),
-                 ("anatomy.kernels.rms_norm", "rms_norm_backward_triton", None)],
-    "swiglu": [("anatomy.kernels.swiglu", "swiglu_triton", lambda a, k: _variant(2)(a, k) == "swiglu"),
-               ("anatomy.kernels.swiglu", "swiglu_backward_triton", lambda a, k: _variant(3)(a, k) == "swiglu")],
-    "gpt_oss": [("anatomy.kernels.swiglu", "swiglu_triton", lambda a, k: _variant(2)(a, k) == "gpt-oss"),
-                ("anatomy.kernels.swiglu", "swiglu_backward_triton", lambda a, k: _variant(3)(a, k) == "gpt-oss")],
-    "rope_qkv": [("anatomy.kernels.rope", "rope_qkv_triton", None),
-                 ("anatomy.kernels.rope", "rope_qkv_backward_triton", None)],
+    "rms_norm": [("llm_anatomy.kernels.rms_norm", "rms_norm_triton", None),
+                 ("llm_anatomy.kernels.rms_norm", "rms_norm_backward_triton", None)],
+    "swiglu": [("llm_anatomy.kernels.swiglu", "swiglu_triton", lambda a, k: _variant(2)(a, k) == "swiglu"),
+               ("llm_anatomy.kernels.swiglu", "swiglu_backward_triton", lambda a, k: _variant(3)(a, k) == "swiglu")],
+    "gpt_oss": [("llm_anatomy.kernels.swiglu", "swiglu_triton", lambda a, k: _variant(2)(a, k) == "gpt-oss"),
+                ("llm_anatomy.kernels.swiglu", "swiglu_backward_triton", lambda a, k: _variant(3)(a, k) == "gpt-oss")],
+    "rope_qkv": [("llm_anatomy.kernels.rope", "rope_qkv_triton", None),
+                 ("llm_anatomy.kernels.rope", "rope_qkv_backward_triton", None)],
     # the whole fused op runs in forward (GEMMs, row kernel, gradients); backward only scales them
-    "linear_ce": [("anatomy.kernels.linear_ce", "_forward", None)],
+    "linear_ce": [("llm_anatomy.kernels.linear_ce", "_forward", None)],
     # SDPA forward here; its backward through hooks on the autograd node it creates
     "attention": [("torch.nn.functional", "scaled_dot_product_attention", None)],
     "adamw": [("torch.optim", "AdamW.step", None)],  # fused=True on CUDA: torch's _fused_adamw_
-    "fused_ademamix": [("anatomy.optim.efficient", "FusedAdEMAMix.step", None)],
+    "fused_ademamix": [("llm_anatomy.optim.efficient", "FusedAdEMAMix.step", None)],
 }
 __doc__ += "".join(f"    {t:15s} {', '.join(sorted({m + '.' + a for m, a, _ in w}))}\n" for t, w in TARGETS.items())
 

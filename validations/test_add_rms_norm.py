@@ -1,4 +1,4 @@
-"""The fused residual add + RMSNorm op (anatomy/kernels/add_rms_norm.py): bitwise the unfused add and
+"""The fused residual add + RMSNorm op (llm_anatomy/kernels/add_rms_norm.py): bitwise the unfused add and
 rms_norm on CPU (forward, every gradient), the Triton kernels under the interpreter against the
 reference, the absent x_new gradient, saved tensors, fake tensors, opcheck and torch.compile."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import contextlib
 import pytest
 import torch
 
-from anatomy.kernels import add_rms_norm, rms_norm
-from anatomy.kernels.add_rms_norm import add_rms_norm_backward_triton, add_rms_norm_triton
+from llm_anatomy.kernels import add_rms_norm, rms_norm
+from llm_anatomy.kernels.add_rms_norm import add_rms_norm_backward_triton, add_rms_norm_triton
 from validations.kernel_cases import BF16, FP32, PATHS, gen, path_ctx
 
 EPS = 1e-5
@@ -63,7 +63,7 @@ def test_cuda_bitwise_the_unfused_pair(shape, use_dxn):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
-@pytest.mark.skipif("triton" not in str(PATHS[-1]) or not __import__("anatomy.kernels").kernels.INTERPRET,
+@pytest.mark.skipif("triton" not in str(PATHS[-1]) or not __import__("llm_anatomy.kernels").kernels.INTERPRET,
                     reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("shape", [(2, 7, 48), (50, 1000), (9, 300), (3, 33)])
 @pytest.mark.parametrize("use_dxn", [True, False], ids=["dxn", "no-dxn"])
@@ -82,7 +82,7 @@ def test_triton_matches_reference(shape, use_dxn):
                                    msg=name)
 
 
-@pytest.mark.skipif(not __import__("anatomy.kernels").kernels.INTERPRET, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.skipif(not __import__("llm_anatomy.kernels").kernels.INTERPRET, reason="needs TRITON_INTERPRET=1")
 def test_launchers_direct():
     """The launchers on CPU tensors: empty rows, and the absent d_x_new (HAS_DXN=False)."""
     x, b, w, dxn, dy = (t.detach() for t in _inputs(shape=(5, 40)))
@@ -159,7 +159,7 @@ def test_bad_shapes_raise():
 def _unfused_forward(model, ids, targets):
     """The efficient model as it runs without add_rms_norm: each block's _block (x + attn(norm(x)),
     x + mlp(norm(x))), then the final norm."""
-    from anatomy.baseline.transformer import rope_tables
+    from llm_anatomy.baseline.transformer import rope_tables
 
     x = model.embed(ids)
     cos, sin = rope_tables(ids.shape[1], model.cfg.head_dim, model.cfg.rope_theta, ids.device, torch.float32)
@@ -172,8 +172,8 @@ def _unfused_forward(model, ids, targets):
 @pytest.mark.parametrize("cfg", ["tiny", "tiny-gqa", "tiny-gptoss-tied"])
 def test_model_is_bitwise_the_unfused_one(cfg, policy):
     """The lean block (Run.lean): loss and every gradient torch.equal to the same model's unfused adds and norms."""
-    from anatomy.config import Run
-    from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
+    from llm_anatomy.config import Run
+    from llm_anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
     from validations.configs import NAMED
 
     cfg, run = NAMED[cfg], Run(2, 16, policy, lean=True)

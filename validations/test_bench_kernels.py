@@ -3,7 +3,7 @@
   test_kernel     rms_norm, swiglu, gpt_oss (the gpt-oss swiglu variant), rope_qkv, attention (SDPA,
                   the model's backend choice): forward and backward; linear_ce (our fused linear
                   cross-entropy, whose forward computes the gradients): forward+backward.
-  test_optimizer  one step of torch's fused AdamW and of anatomy.optim's AdEMAMix and FusedAdEMAMix.
+  test_optimizer  one step of torch's fused AdamW and of llm_anatomy.optim's AdEMAMix and FusedAdEMAMix.
 Each at the seed shape and a wide one (validations/bench_kernels.py). ids: <kernel>/<shape>/<phase>,
 e.g. test_kernel[rms_norm/seed/bwd], test_optimizer[fused_ademamix/wide/step]. The harness, the
 timer and the slowdown are validations/test_benchmarks.py's; docs/benchmarks.md has the commands.
@@ -85,11 +85,8 @@ def test_optimizer_case_steps(optimizer, monkeypatch):
 def test_the_optimizer_mode_probe_reads_kernels_and_refuses_without_a_gpu(tmp_path, capsys):
     """scripts/probe_optimizer_modes.py: the kernels of a Chrome trace in start order, their summed duration and
     the GPU's idle time between them; bad arguments and a machine without a GPU are one line each, exit 2."""
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import probe_optimizer_modes as probe
+    from scripts import probe_optimizer_modes as probe
 
     trace = {"traceEvents": [dict(cat="kernel", ts=10.0, dur=2.0), dict(cat="cpu_op", ts=0.0, dur=50.0),
                              dict(cat="kernel", ts=0.0, dur=3.0), dict(cat="kernel", ts=5.0, dur=1.0)]}

@@ -34,9 +34,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from anatomy.config import Run
-from anatomy.measure.components import COMPONENTS, component_modules
-from anatomy.models import VARIANTS, build_model, make_batch
+from llm_anatomy.config import Run
+from llm_anatomy.measure.components import COMPONENTS, component_modules
+from llm_anatomy.models import VARIANTS, build_model, make_batch
 from validations.bench_harness import COMPONENT_PHASES, CONFIGS, MODEL_PHASES, bench, capture, component_case, model_case
 from validations.configs import NAMED
 from validations.fake_gpu import REFS, BenchStub, FakeGPU

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from anatomy import io
-from anatomy.calculator import timing
-from anatomy.calculator.timing import fit, roofline
-from anatomy.config import ConfigError, ModelConfig, Run
-from anatomy.measure import calibrate, calibrate_host
+from llm_anatomy import io
+from llm_anatomy.calculator import timing
+from llm_anatomy.calculator.timing import fit, roofline
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.measure import calibrate, calibrate_host
 
 ONE_B = ModelConfig.from_name("anchor-1b")
 
@@ -224,8 +224,8 @@ def test_baseline_sxs_chain_takes_its_calibrated_rates():
     at its own fraction of the copy bandwidth: the baseline step's kernels of those ops take exactly
     those times at a calibrated S (bytes / (bandwidth x fraction)), the fp32 policy keeps only the
     softmax's, and the efficient model does not change."""
-    from anatomy.calculator.timing.op_bytes import fused_bytes
-    from anatomy.measure.calibrate_aten import SXS_OPS, SXS_ROWS, SXS_SEQS
+    from llm_anatomy.calculator.timing.op_bytes import fused_bytes
+    from llm_anatomy.measure.calibrate_aten import SXS_OPS, SXS_ROWS, SXS_SEQS
 
     hbm = 4.0e12
     frac = {"sxs.scale": 0.9, "sxs.mask_add": 0.34, "sxs.float": 0.5, "sxs.softmax": 0.52, "sxs.to_compute": 0.9,
@@ -259,8 +259,8 @@ def test_fused_adamw_takes_its_calibrated_rate():
     bandwidth: every AdamW kernel of a step takes exactly its bytes at that rate, AdEMAMix (not
     calibrated) stays on the copy roofline, and the forward and backward do not change (at burst rates:
     the sustained-load weight follows the whole step's length, optimizer included)."""
-    from anatomy.calculator.timing.op_bytes import fused_bytes
-    from anatomy.measure.calibrate_kernels import ADAMW_NUMELS, ADAMW_TENSORS
+    from llm_anatomy.calculator.timing.op_bytes import fused_bytes
+    from llm_anatomy.measure.calibrate_kernels import ADAMW_NUMELS, ADAMW_TENSORS
 
     hbm, frac = 4.0e12, 0.8
     fused = [dict(op="optimizer.adamw", tokens=ADAMW_TENSORS, width=n, queued=True,
@@ -306,9 +306,9 @@ def test_baseline_eager_chains_take_their_calibrated_rates():
     width and row count every kernel of the chain takes exactly its bytes at that fraction, the fp32 policy
     (not calibrated) keeps the copy roofline, gpt-oss's clamps take their own chain's rate, and the
     efficient model does not change."""
-    from anatomy.calculator.timing.op_bytes import EAGER_CHAINS, fused_bytes
-    from anatomy.measure.calibrate_aten import EAGER_CE_ROWS, EAGER_CE_VOCABS, ROPE_HEAD_DIMS, ROPE_ROWS
-    from anatomy.measure.calibrate_kernels import FUSED_TOKENS, RMS_WIDTHS, SWIGLU_WIDTHS
+    from llm_anatomy.calculator.timing.op_bytes import EAGER_CHAINS, fused_bytes
+    from llm_anatomy.measure.calibrate_aten import EAGER_CE_ROWS, EAGER_CE_VOCABS, ROPE_HEAD_DIMS, ROPE_ROWS
+    from llm_anatomy.measure.calibrate_kernels import FUSED_TOKENS, RMS_WIDTHS, SWIGLU_WIDTHS
 
     hbm, launch = 4.0e12, 2.2e-6
     frac = {"eager_norm.forward": 0.75, "eager_norm.backward": 0.85, "eager_ce.forward": 0.8, "eager_ce.backward": 0.6,
@@ -351,9 +351,9 @@ def test_embedding_backward_rate_is_calibrated_apart_from_its_zero_fill():
     """Fake embedding_dense_backward timings (not a measurement): the (V, H) fill at the copy rate, then the
     rest at 12% of it up to 3072 ids (the feature kernel) and 30% past (sort + segmented sum). At other
     vocabs, the model's fill follows V and the rest keeps its calibrated rate, per row count."""
-    from anatomy.calculator.timing.op_bytes import fused_bytes
-    from anatomy.calculator.timing.registry import launches as fused_launches
-    from anatomy.measure.calibrate_aten import EMBEDDING_ROWS, EMBEDDING_VOCAB, EMBEDDING_WIDTHS
+    from llm_anatomy.calculator.timing.op_bytes import fused_bytes
+    from llm_anatomy.calculator.timing.registry import launches as fused_launches
+    from llm_anatomy.measure.calibrate_aten import EMBEDDING_ROWS, EMBEDDING_VOCAB, EMBEDDING_WIDTHS
 
     hbm, launch = 4.0e12, 2.2e-6
     eff = lambda T: 0.12 if T <= 3072 else 0.30  # noqa: E731

@@ -9,11 +9,11 @@ import types
 
 import pytest
 
-from anatomy import records
-from anatomy.calculator import timing
-from anatomy.calculator.timing import fit, profile
-from anatomy.config import ConfigError, ModelConfig, Run
-from anatomy.measure import calibrate, calibrate_host
+from llm_anatomy import records
+from llm_anatomy.calculator import timing
+from llm_anatomy.calculator.timing import fit, profile
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.measure import calibrate, calibrate_host
 from validations.test_calibrate import _fake_measurements
 
 FIXED_US, CHUNK_US, BACKWARD_US = 900.0, 150.0, 470.0  # fake host costs of one call (not measured)
@@ -30,7 +30,7 @@ class _FakeClock:
 
 
 def _fake_linear_ce(clock: _FakeClock, calls: list):
-    """A stand-in for anatomy.efficient.loss.linear_ce whose host time is FIXED_US + CHUNK_US per chunk of the
+    """A stand-in for llm_anatomy.efficient.loss.linear_ce whose host time is FIXED_US + CHUNK_US per chunk of the
     loop it runs: Liger's (liger_chunks) with impl="liger", ours (one chunk of up to 4,096 rows) otherwise."""
     def linear_ce(x, w, t, reduction="mean", impl="anatomy"):
         T, H, V = x.shape[0], x.shape[1], w.shape[0]
@@ -49,7 +49,7 @@ def test_liger_host_times_liger_loop_per_chunk(monkeypatch):
     per-chunk cost and the rest the fixed call. Called through the model's default (ours, one chunk at these
     tiny rows) the calls cost the same at every vocab, the slope is 0, and calibrate wrote chunk = 0.0, which
     the profile check rejects (the H200 run of 2026-12-01)."""
-    from anatomy.efficient import loss
+    from llm_anatomy.efficient import loss
 
     clock, calls = _FakeClock(), []
     monkeypatch.setattr(calibrate_host, "time", types.SimpleNamespace(perf_counter=clock))
@@ -89,7 +89,7 @@ def test_a_figure_that_is_not_a_time_is_left_out_loudly_and_the_model_counts_eag
 def test_host_step_records_the_loss_it_runs():
     """The tiny host step runs the efficient model's default loss (setup_step builds the model with it); the
     record says so, or the calculator would rebuild its kernels with Liger's (Run.from_record's default)."""
-    from anatomy.efficient.transformer import Transformer
+    from llm_anatomy.efficient.transformer import Transformer
 
     default = inspect.signature(Transformer.__init__).parameters["loss_impl"].default
     assert calibrate_host.HOST_STEP["loss_impl"] == default == Run(1, 1).loss_impl
@@ -190,7 +190,7 @@ def test_optimizer_host_subtracts_the_steps_gpu_time(monkeypatch):
 def test_optimizer_host_runs_a_real_step_on_cpu():
     """The same function over real parameters and AdEMAMix's eager foreach step (compile=False: the compiled one
     spends ~30 s compiling C++ per count here): a row per count, each a time > 0, and every parameter stepped."""
-    from anatomy.optim import FusedAdEMAMix
+    from llm_anatomy.optim import FusedAdEMAMix
 
     made = []
 
@@ -255,7 +255,7 @@ def test_calibrate_times_the_sdpa_schedule_whatever_the_budget_left(tmp_path, mo
     time are named in one warning line and in provenance.dropped."""
     import time
 
-    from anatomy.measure.calibrate_sdpa import schedule_shapes
+    from llm_anatomy.measure.calibrate_sdpa import schedule_shapes
 
     hs = dict(calibrate_host.HOST_STEP, efficient=dict(forward_backward_ms=9.0))
     _fake_calibrate(monkeypatch, _fake_measurements(), hs)

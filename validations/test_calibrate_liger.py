@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from anatomy.calculator import timing
-from anatomy.calculator.timing import fit
-from anatomy.config import ModelConfig, Run
-from anatomy.measure import calibrate, calibrate_host
+from llm_anatomy.calculator import timing
+from llm_anatomy.calculator.timing import fit
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.measure import calibrate, calibrate_host
 from validations.test_calibrate import _fake_measurements, _liger_host_profile
 
 
 # ---- Liger's loss: its CE kernel in lanes, its host cost measured in place ------------------------
 def test_liger_ce_lanes():
-    from anatomy.calculator.timing.op_bytes import liger_ce_width
+    from llm_anatomy.calculator.timing.op_bytes import liger_ce_width
 
     assert [liger_ce_width(v) for v in (1000, 16000, 16384, 16385, 18042, 32768, 55960, 64000, 128256)] == \
         [1024, 16384, 16384, 32768, 32768, 32768, 65536, 65536, 131072]
@@ -24,8 +24,8 @@ def test_liger_ce_time_follows_lanes_and_alignment():
     """Fake CE timings (not a measurement) that take time per lane, 1.3x per lane at a vocab that is not
     a multiple of 16: at vocabs and chunk rows calibrate never ran, the model's time for the kernel is
     the same law (so V 18042, one 32768-lane pass, costs 2x V 16000 and 1.3x more), not time per vocab."""
-    from anatomy.calculator.timing.op_bytes import fused_bytes, liger_ce_width
-    from anatomy.measure.calibrate_kernels import LIGER_CHUNK_ROWS, LIGER_VOCABS
+    from llm_anatomy.calculator.timing.op_bytes import fused_bytes, liger_ce_width
+    from llm_anatomy.measure.calibrate_kernels import LIGER_CHUNK_ROWS, LIGER_VOCABS
 
     hbm = 4.0e12
     law = lambda V, rows: rows * liger_ce_width(V) * 6 / hbm / 0.8 * (1.3 if V % 16 else 1.0)  # noqa: E731
@@ -46,7 +46,7 @@ def test_liger_host_is_measured_per_call_and_per_chunk():
     """Liger's host time is the measured call (forward, backward) plus the measured cost per chunk, and
     no tiny-step scale touches it; a profile that did not measure it counts the eager ops the loss
     issues (7 a call under amp, 6 a chunk, 2 in backward)."""
-    from anatomy.kernel_shapes import chunk_rows
+    from llm_anatomy.kernel_shapes import chunk_rows
 
     cfg = ModelConfig(name="v", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=18042)
     run = Run(2, 2048, loss_impl="liger")
@@ -88,7 +88,7 @@ def test_liger_host_figures_are_the_median_ratio_to_the_tiny_step_beside_them():
     """calibrate_host.liger_from_blocks: each block's figure over the tiny host step timed right before it,
     the median of those ratios, times the efficient tiny step's median. A slow block whose step was slow
     too moves nothing; the raw blocks are kept."""
-    from anatomy.measure.calibrate_host import liger_from_blocks
+    from llm_anatomy.measure.calibrate_host import liger_from_blocks
 
     blocks = [(10.0, dict(forward=500.0, chunk=200.0, backward=400.0)),
               (15.0, dict(forward=750.0, chunk=300.0, backward=600.0)),  # the host 1.5x slower in both

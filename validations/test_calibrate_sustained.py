@@ -1,4 +1,4 @@
-"""The sustained-load regime (anatomy/measure/calibrate_sustained.py, fit.sustained_fields,
+"""The sustained-load regime (llm_anatomy/measure/calibrate_sustained.py, fit.sustained_fields,
 roofline.sustained_weight): a long step runs at a lower, power-limited clock than calibrate's bursts; the
 profile carries the ratio and its time constant, and the timing model weighs them by the step's length (all
 on CPU, with fake measurements)."""
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from anatomy.calculator import timing
-from anatomy.calculator.timing import fit, roofline
-from anatomy.config import PRESETS, ConfigError, Run
-from anatomy.measure import calibrate
+from llm_anatomy.calculator import timing
+from llm_anatomy.calculator.timing import fit, roofline
+from llm_anatomy.config import PRESETS, ConfigError, Run
+from llm_anatomy.measure import calibrate
 from validations.test_calibrate import _fake_measurements
 
 
@@ -77,7 +77,7 @@ def test_estimate_picks_the_regime_from_the_step_length():
 def test_datasheet_profiles_have_the_clock_term():
     """Every datasheet GPU carries base/boost clocks and TDP with a source; its compute ratio is base/boost,
     memory 1."""
-    from anatomy.calculator import clocks, gpus
+    from llm_anatomy.calculator import clocks, gpus
 
     assert set(clocks.CLOCKS) == set(gpus.GPUS)
     for name, (boost, base, tdp, src) in clocks.CLOCKS.items():
@@ -126,7 +126,7 @@ def test_settle_stops_when_the_rate_settles(monkeypatch):
     """settle: one trace row per chunk after the first two, the rate is work x chunk over the chunk's GPU time,
     and it stops once the last SETTLE_S of rates spreads within SETTLE_TOL after min_s (a fake load whose
     chunks slow from 1.0 to 1.25 ms and stay there; a fake wall clock moving 10 ms per chunk)."""
-    from anatomy.measure import calibrate_sustained as cs
+    from llm_anatomy.measure import calibrate_sustained as cs
 
     gpu, wall, calls = {"t": 0.0}, {"t": 0.0}, []
 
@@ -149,10 +149,8 @@ def test_settle_stops_when_the_rate_settles(monkeypatch):
 def test_the_power_probe_summarizes_and_refuses_without_a_gpu(tmp_path, capsys):
     """scripts/probe_power.py: summary() takes the first chunk as the burst and the medians of the last second;
     bad arguments and a machine without a GPU are one line each, exit 2."""
-    import sys
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "scripts"))
-    import probe_power
+    from scripts import probe_power
 
     trace = [dict(t_s=0.1 * i, rate=10.0 - min(i, 5), clock_MHz=1980.0 - 10 * min(i, 5), power_W=700.0)
              for i in range(1, 30)]

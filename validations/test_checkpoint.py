@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from anatomy.train import checkpoint as ckpt
-from anatomy.train import cli
-from anatomy.train.lock import RunLock
+from llm_anatomy.train import checkpoint as ckpt
+from llm_anatomy.train import cli
+from llm_anatomy.train.lock import RunLock
 from validations import train_cases
 
 one_thread, cache = train_cases.one_thread, train_cases.cache  # the module fixtures
@@ -226,7 +226,7 @@ def test_a_full_disk_is_one_line_naming_the_path(cache, tmp_path, capsys, monkey
 
 
 def test_a_full_disk_for_the_log_is_one_line(cache, tmp_path, capsys, monkeypatch):
-    from anatomy.train import report
+    from llm_anatomy.train import report
 
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from anatomy.cli import main
+from llm_anatomy.cli import main
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "anatomy.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "llm_anatomy.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def _get(d, dotted):
@@ -94,7 +94,7 @@ def test_estimate_unknown_gpu_is_one_line_exit_2():
 
 
 def _main(argv, capsys):
-    """anatomy.cli.main in this process: (exit code, stdout, stderr)."""
+    """llm_anatomy.cli.main in this process: (exit code, stdout, stderr)."""
     try:
         rc = main(argv)
     except SystemExit as e:  # argparse's own exits (--help, --version, usage errors)
@@ -165,9 +165,9 @@ def test_optimizer_moves_memory_and_time_together(capsys):
     """--optimizer picks the optimizer for the memory phases and the step time at once: each figure equals
     the calculator's own for that optimizer (memory.phases, timing.estimate_time), AdEMAMix's state is
     larger than AdamW's at every phase after init's parameters, and the init phase holds the state."""
-    from anatomy.calculator.memory import phases
-    from anatomy.calculator.timing import estimate_time
-    from anatomy.config import ModelConfig, Run
+    from llm_anatomy.calculator.memory import phases
+    from llm_anatomy.calculator.timing import estimate_time
+    from llm_anatomy.config import ModelConfig, Run
 
     cfg, run = ModelConfig.from_name("seed"), Run(4, 1024)
     got = {}
@@ -211,11 +211,10 @@ def test_estimate_text_names_the_optimizer_and_the_efficient_variant(capsys):
 
 def test_no_figure_is_cut_at_80_columns():
     """Every figure of the table whole at 80 columns, and the exact parameter count printed."""
-    import os
 
     for args in (["estimate", "--preset", "llama3-8b"], ["estimate", "--preset", "llama3-8b", "--variant", "efficient",
                                                          "--batch", "1", "--gpu", "H100"]):
-        r = subprocess.run([sys.executable, "-m", "anatomy.cli", *args], capture_output=True, text=True, timeout=300,
+        r = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", *args], capture_output=True, text=True, timeout=300,
                            env=dict(os.environ, COLUMNS="80"))
         assert r.returncode == 0, r.stderr
         assert "…" not in r.stdout and "8,030,261,248 parameters" in r.stdout
@@ -262,9 +261,9 @@ def test_more_bad_input_is_one_line(args, needle, capsys, tmp_path):
 @pytest.mark.parametrize("cmd", ["measure", "forensics"])
 def test_a_run_too_big_for_this_machine_is_refused_at_once(cmd, capsys, monkeypatch):
     """Before anything is built: one line with the predicted bytes and the memory available."""
-    import anatomy.sweep
+    import llm_anatomy.sweep
 
-    monkeypatch.setattr(anatomy.sweep, "available_bytes", lambda device: 2**30)
+    monkeypatch.setattr(llm_anatomy.sweep, "available_bytes", lambda device: 2**30)
     args = [cmd, "--hidden", "2048", "--layers", "4", "--heads", "16", "--intermediate", "5632", "--vocab", "32000",
             "--batch", "1", "--seq", "64", "--device", "cpu"]
     rc, _, err = _main(args, capsys)
@@ -281,25 +280,22 @@ def test_world_size_text_is_lines_not_json(capsys):
     assert '"collectives"' not in out and "{" not in out
 
 
-@pytest.mark.parametrize("script", ["bench/step.py", "bench/profile_step.py", "bench/step_power.py"])
+@pytest.mark.parametrize("script", ["bench.step", "bench.profile_step", "bench.step_power"])
 def test_bench_lean_is_refused_for_other_peers(script, tmp_path):
     """--lean is the efficient peers' block: for any other peer the bench scripts refuse it, exit 2, before
     touching a GPU."""
     root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, str(root / script), "--peer", "hf-liger", "--lean", "--preset", "seed",
+    r = subprocess.run([sys.executable, "-m", script, "--peer", "hf-liger", "--lean", "--preset", "seed",
                         "--batch", "1", "--seq", "8", "--json", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, PYTHONPATH=str(root)))
+                       cwd=root)
     assert r.returncode == 2 and "--lean applies to the efficient peers, not hf-liger" in r.stderr.splitlines()[-1]
 
 
 def test_profile_step_names_where_the_gpu_idles():
     """bench/profile_step.idle_gaps: gaps between kernels, summed per step by the kernels around them, largest
     first; overlapping kernels (another stream) leave no gap, and a kernel inside another's span is no 'before'."""
-    import importlib.util
+    from bench import profile_step as mod
 
-    spec = importlib.util.spec_from_file_location("profile_step", Path(__file__).resolve().parent.parent / "bench/profile_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     k = [(0, 10, "a"), (2, 5, "inner"), (12, 20, "b"), (18, 25, "c"), (40, 50, "a"), (52, 60, "b"), (60, 65, "c")]
     g = mod.idle_gaps(k, steps=2)
     assert [(r["before"], r["after"], r["count"], r["idle"]) for r in g] == [("c", "a", 0.5, 7.5), ("a", "b", 1.0, 2.0)]

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from anatomy.calculator import param_count
-from anatomy.config import ConfigError, ModelConfig, Run
-from anatomy.hf_config import from_hf_config, read_hf_config
+from llm_anatomy.calculator import param_count
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.hf_config import from_hf_config, read_hf_config
 
 # Published counts (the models' own safetensors totals), not derived from our formulas.
 PUBLISHED = {

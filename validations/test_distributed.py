@@ -1,4 +1,4 @@
-"""Claims: data-parallel collectives and per-rank bytes, predicted (anatomy.calculator.comm, .sharding)
+"""Claims: data-parallel collectives and per-rank bytes, predicted (llm_anatomy.calculator.comm, .sharding)
 vs what DDP and FSDP2 actually do.
 
   gloo, 2 and 4 real processes   every collective of every step (op, dtype, bytes; counted as the
@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
-from anatomy.calculator.comm import collective_counts, estimate_distributed
-from anatomy.calculator.sharding import per_rank_memory, per_rank_peak
-from anatomy.config import PRESETS, ConfigError, ModelConfig, Run
+from llm_anatomy.calculator.comm import collective_counts, estimate_distributed
+from llm_anatomy.calculator.sharding import per_rank_memory, per_rank_peak
+from llm_anatomy.config import PRESETS, ConfigError, ModelConfig, Run
 
 # odd row counts, so FSDP pads: vocab 8191 (and its 1.5 MiB head makes DDP's default buckets two)
 SMALL = ModelConfig(name="dist-small", hidden=48, layers=2, heads=4, kv_heads=2, intermediate=90, vocab=8191)
@@ -74,7 +74,7 @@ def _check_memory(claims, *, pred: dict, meas: dict, config: str, variant: str, 
 # ---- real processes, gloo -----------------------------------------------------------------------
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def gloo_run(request):
-    from anatomy.distributed.train_step import spawn
+    from llm_anatomy.distributed.train_step import spawn
 
     world = request.param
     results = spawn(world, list(SCENARIOS.values()), timeout_s=90)
@@ -113,7 +113,7 @@ def test_torchrun_fsdp_two_ranks(tmp_path, claims):
     """The documented launch works on CPU: torchrun, gloo, FSDP2, loss printed by rank 0 each step."""
     report = tmp_path / "report"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "anatomy.distributed.train_step", "--strategy", "fsdp", "--hidden", "48", "--layers", "2",
+           "-m", "llm_anatomy.distributed.train_step", "--strategy", "fsdp", "--hidden", "48", "--layers", "2",
            "--heads", "4", "--kv-heads", "2", "--intermediate", "90", "--vocab", "8191", "--batch", "2",
            "--seq", "16", "--steps", "2", "--report", str(report)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -135,7 +135,7 @@ def test_torchrun_fsdp_two_ranks(tmp_path, claims):
 PEAK_VOCAB = ModelConfig(name="dist-peak-vocab", hidden=48, layers=2, heads=4, kv_heads=2, intermediate=90, vocab=8191)
 PEAK_TIED = ModelConfig(name="dist-peak-tied", hidden=64, layers=3, heads=4, kv_heads=2, intermediate=96, vocab=256,
                         tie_embeddings=True)
-PEAK_SCENARIOS = {  # keyword arguments of anatomy.distributed.peak.peaks(); DDP's buckets settle in step 3
+PEAK_SCENARIOS = {  # keyword arguments of llm_anatomy.distributed.peak.peaks(); DDP's buckets settle in step 3
     "fsdp-amp-vocab": dict(cfg=PEAK_VOCAB, run=Run(batch=1, seq=16, dtype="amp"), strategy="fsdp", steps=2),
     "ddp-amp-vocab": dict(cfg=PEAK_VOCAB, run=Run(batch=1, seq=16, dtype="amp"), strategy="ddp", steps=3),
     "fsdp-bf16-tied": dict(cfg=PEAK_TIED, run=Run(batch=2, seq=128, dtype="bf16"), strategy="fsdp", steps=2),
@@ -145,7 +145,7 @@ PEAK_SCENARIOS = {  # keyword arguments of anatomy.distributed.peak.peaks(); DDP
 
 @pytest.fixture(scope="module")
 def gloo_peaks():
-    from anatomy.distributed.peak import spawn_peaks
+    from llm_anatomy.distributed.peak import spawn_peaks
 
     results = spawn_peaks(2, list(PEAK_SCENARIOS.values()), timeout_s=90)
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(PEAK_SCENARIOS)}
@@ -177,7 +177,7 @@ SIM_RUN = Run(batch=1, seq=16, dtype="amp")
 def test_fake_pg_fsdp_llama3_8b(world, rank, claims):
     """FSDP2's real code on fake tensors: llama3-8b sharded for one rank, one full step.
     The last rank of 1024 holds no embedding rows at all (chunk 126, 1018 ranks suffice)."""
-    from anatomy.distributed.simulate import simulate
+    from llm_anatomy.distributed.simulate import simulate
 
     rec = simulate(LLAMA, SIM_RUN, world, "fsdp", rank=rank)[-1]
     e = estimate_distributed(LLAMA, SIM_RUN, world, "fsdp", rank=rank)
@@ -190,7 +190,7 @@ def test_fake_pg_fsdp_llama3_8b(world, rank, claims):
 
 @pytest.mark.parametrize("world", [8, 64, 1024], ids=["W8", "W64", "W1024"])
 def test_fake_pg_ddp(world, claims):
-    from anatomy.distributed.simulate import simulate
+    from llm_anatomy.distributed.simulate import simulate
 
     run = Run(**B2S16, dtype="amp")
     for rec in simulate(SMALL, run, world, "ddp", steps=3):
@@ -207,9 +207,9 @@ def test_fake_pg_covers_what_gloo_lacks(claims):
     one-rank gloo group); the fake group runs it, with the same collectives as the default mean."""
     import torch.distributed as dist
 
-    from anatomy.distributed.simulate import simulate
-    from anatomy.distributed.strategies import wrap
-    from anatomy.models import build_model
+    from llm_anatomy.distributed.simulate import simulate
+    from llm_anatomy.distributed.strategies import wrap
+    from llm_anatomy.models import build_model
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -232,10 +232,10 @@ def test_counter_agrees_with_comm_debug_mode():
     """The counting mode sees the calls CommDebugMode counts (one FSDP2 step, real tensors, fake PG)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from anatomy.distributed.counting import CollectiveCounter
-    from anatomy.distributed.simulate import fake_process_group
-    from anatomy.distributed.strategies import wrap
-    from anatomy.models import build_model, make_batch
+    from llm_anatomy.distributed.counting import CollectiveCounter
+    from llm_anatomy.distributed.simulate import fake_process_group
+    from llm_anatomy.distributed.strategies import wrap
+    from llm_anatomy.models import build_model, make_batch
 
     run = Run(**B2S16, dtype="fp32")
     with fake_process_group(4):
@@ -251,7 +251,7 @@ def test_capacity_is_what_a_process_can_allocate():
     """Every GPU's capacity is mem_get_info's free figure, with its source: the H200's measured, the others
     derived from a published total; each within 1 GiB of the datasheet's memory less ~1.1 GiB of driver
     reservation and context, never the datasheet's GB read as bytes."""
-    from anatomy.calculator import gpus
+    from llm_anatomy.calculator import gpus
 
     assert gpus.capacity_bytes("H200") == (int(139.29 * 2**30), gpus.H200_MEASURED)
     assert gpus.capacity_bytes("h200-measured")[0] == gpus.capacity_bytes("h200-sxm")[0]
@@ -266,7 +266,7 @@ def test_capacity_is_what_a_process_can_allocate():
 
 
 def test_links_follow_the_gpu():
-    from anatomy.calculator.comm import collective_time, link
+    from llm_anatomy.calculator.comm import collective_time, link
 
     assert link("h200", 8)["name"] == "nvlink" and link("a100-40gb", 8)["GBps"] == 300.0
     assert link("rtx-4090", 8)["name"] == "pcie" and link("h100-pcie", 8)["GBps"] == 50.0
@@ -277,7 +277,7 @@ def test_links_follow_the_gpu():
 
 def test_ddp_table_is_short():
     """DDP's ~200 bucket all-reduces of llama3-8b print as one row; the table has totals by kind."""
-    from anatomy.calculator.comm import estimate_distributed, render_distributed
+    from llm_anatomy.calculator.comm import estimate_distributed, render_distributed
 
     e = estimate_distributed(LLAMA, Run(batch=1, seq=2048, dtype="amp"), 8, "ddp", gpu="h100", variant="efficient")
     text = render_distributed(e)
@@ -288,7 +288,7 @@ def test_ddp_table_is_short():
 
 
 def test_fsdp_peak_shrinks_with_ranks_and_keeps_its_buffers():
-    from anatomy.calculator.sharding import per_rank_peak
+    from llm_anatomy.calculator.sharding import per_rank_peak
 
     run = Run(batch=1, seq=4096, dtype="amp")
     p8, p64 = (per_rank_peak(LLAMA, run, "efficient", w, "fsdp") for w in (8, 64))
@@ -300,7 +300,7 @@ def test_fsdp_prices_the_runs_own_loss():
     """FSDP's compute run keeps the run's loss kernel: its candidate at the loss holds the walk's forward peak
     for that loss (Liger's chunked CE and ours keep different transients at a 128k vocab), net of the
     parameters and inputs the FSDP units account for themselves."""
-    from anatomy.calculator.memory import phases
+    from llm_anatomy.calculator.memory import phases
 
     got = {}
     for impl in ("anatomy", "liger"):
@@ -333,9 +333,9 @@ def test_calculator_bad_input_one_line(call):
 
 
 def test_wrap_and_simulate_bad_input_one_line():
-    from anatomy.distributed.simulate import simulate
-    from anatomy.distributed.strategies import wrap
-    from anatomy.models import build_model
+    from llm_anatomy.distributed.simulate import simulate
+    from llm_anatomy.distributed.strategies import wrap
+    from llm_anatomy.models import build_model
 
     for call in (lambda: wrap(build_model(SMALL, device="meta"), "zero3"),
                  lambda: wrap(build_model(SMALL, device="meta"), "fsdp"),  # no process group
@@ -355,7 +355,7 @@ def test_wrap_and_simulate_bad_input_one_line():
     ["--strategy"],
 ], ids=["strategy", "missing-shape", "ddp-mp-flag", "preset", "argparse"])
 def test_train_step_cli_bad_input(argv, capsys):
-    from anatomy.distributed.train_step import main
+    from llm_anatomy.distributed.train_step import main
 
     try:
         code = main(argv)
@@ -377,12 +377,12 @@ def test_a_failing_rank_brings_the_job_down_and_is_named():
 
     env = {**os.environ, "ANATOMY_DIST_FAULT": "1:2"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
-                        "anatomy.distributed.train_step", "--strategy", "ddp", "--hidden", "48", "--layers", "2",
+                        "llm_anatomy.distributed.train_step", "--strategy", "ddp", "--hidden", "48", "--layers", "2",
                         "--heads", "4", "--intermediate", "90", "--vocab", "500", "--batch", "2", "--seq", "16",
                         "--steps", "5", "--timeout-s", "30"], env=env, capture_output=True, text=True, timeout=150)
     out = r.stdout + r.stderr  # a rank hung in a collective would end in TimeoutExpired, not here
     assert r.returncode != 0
-    summary = out[out.index("anatomy.distributed.train_step FAILED"):]
+    summary = out[out.index("llm_anatomy.distributed.train_step FAILED"):]
     entries = re.split(r"\n\s*\[\d+\]:\n", summary)[1:]  # one block per failed rank
     rank1 = [e for e in entries if re.search(r"rank\s*:\s*1 \(local_rank: 1\)", e)]
     assert len(rank1) == 1, summary

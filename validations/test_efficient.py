@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anatomy.calculator import estimate
-from anatomy.config import ModelConfig, Run
-from anatomy.efficient.transformer import to_baseline_names
-from anatomy.measure.run import measure_flops, measure_saved
-from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
+from llm_anatomy.calculator import estimate
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.efficient.transformer import to_baseline_names
+from llm_anatomy.measure.run import measure_flops, measure_saved
+from llm_anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
 from validations.configs import NAMED, POLICIES, accuracy_configs, accuracy_runs, configs, runs
 
 EFFICIENT = ["tiny", "tiny-gqa", "tiny-gptoss-tied"]
@@ -170,8 +170,8 @@ def test_reduction_ratios_match_prediction(policy, claims):
 
 def test_fused_ce_computes_gradients_in_forward(claims):
     """The gradients exist when forward returns; backward only scales them by the incoming gradient."""
-    from anatomy.efficient.loss import linear_ce
-    from anatomy.measure.flops import flop_counter
+    from llm_anatomy.efficient.loss import linear_ce
+    from llm_anatomy.measure.flops import flop_counter
 
     g = torch.Generator().manual_seed(0)
     T, H, V = 64, 32, 300
@@ -214,7 +214,7 @@ class _OptedInKernel(_BareKernel):
 
 
 def test_autocast_does_not_see_a_bare_function_but_sees_our_ops():
-    from anatomy.kernels import rms_norm, swiglu
+    from llm_anatomy.kernels import rms_norm, swiglu
 
     x, w = torch.randn(4, 16, requires_grad=True), torch.ones(16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -227,7 +227,7 @@ def test_autocast_does_not_see_a_bare_function_but_sees_our_ops():
 def test_efficient_attention_keeps_no_view_of_the_fused_qkv(claims):
     """Views that aren't free: nothing saved in the efficient attention is a view of the fused QKV
     output (rope_qkv writes fresh q, k, v), while the baseline chunk-free path needs no such care."""
-    from anatomy.measure.saved import SavedTensorTracer
+    from llm_anatomy.measure.saved import SavedTensorTracer
 
     cfg, run = NAMED["tiny-gqa"], Run(2, 16, "fp32")
     model = build_model(cfg, "efficient")

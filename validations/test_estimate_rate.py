@@ -13,16 +13,16 @@ from unittest import mock
 
 import pytest
 
-import anatomy.calculator as calculator
-import anatomy.calculator.memory as memory
-import anatomy.calculator.timing as timing
-import anatomy.calculator.timing.layout as layout
-import anatomy.calculator.timing.lookup as lookup
-import anatomy.calculator.timing.registry as registry
-import anatomy.calculator.timing.roofline as roofline
-from anatomy.calculator.backward import Walk
-from anatomy.cli_estimate import estimate_all
-from anatomy.config import ModelConfig, Run
+import llm_anatomy.calculator as calculator
+import llm_anatomy.calculator.memory as memory
+import llm_anatomy.calculator.timing as timing
+import llm_anatomy.calculator.timing.layout as layout
+import llm_anatomy.calculator.timing.lookup as lookup
+import llm_anatomy.calculator.timing.registry as registry
+import llm_anatomy.calculator.timing.roofline as roofline
+from llm_anatomy.calculator.backward import Walk
+from llm_anatomy.cli_estimate import estimate_all
+from llm_anatomy.config import ModelConfig, Run
 
 LLAMA = ModelConfig.from_name("llama3-8b")
 CASES = {"efficient": ("none", "mlp", "full"), "baseline": ("none",)}
@@ -92,7 +92,7 @@ def test_a_layout_is_built_once_per_model(variant, recompute):
 def test_the_layout_key_decides_the_layout():
     """Every run whose kernel list shares a layout key (and length) has the same entries in every field a layout
     reads: over shapes where the loss's chunks and the embedding backward's launches change with the tokens."""
-    from anatomy.config import LOSS_IMPLS
+    from llm_anatomy.config import LOSS_IMPLS
 
     cfgs = (LLAMA, ModelConfig.from_name("qwen2.5-0.5b"), ModelConfig.from_name("seed"),
             ModelConfig(hidden=384, layers=3, heads=6, kv_heads=3, intermediate=1000, vocab=50257, mlp="gpt-oss",

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from anatomy.calculator import estimate
-from anatomy.calculator.backward import walk
-from anatomy.calculator.memory import phases
-from anatomy.calculator.timing import estimate_time, pipeline
-from anatomy.config import ModelConfig, Run
+from llm_anatomy.calculator import estimate
+from llm_anatomy.calculator.backward import walk
+from llm_anatomy.calculator.memory import phases
+from llm_anatomy.calculator.timing import estimate_time, pipeline
+from llm_anatomy.config import ModelConfig, Run
 
 CONFIGS = {
     "seed": ModelConfig.from_name("seed"),
@@ -70,7 +70,7 @@ def test_pipeline_equals_the_per_launch_walk(cfg, variant, run):
         pytest.skip("recompute is an option of the efficient variant")
     from types import SimpleNamespace
 
-    from anatomy.calculator import timing
+    from llm_anatomy.calculator import timing
 
     prof = timing.get("h200-measured")
     ks = timing.kernels(cfg, run, variant)
@@ -96,7 +96,7 @@ def test_memory_walk_equals_the_per_layer_walk(cfg, variant, run, device):
     p = phases(cfg, run, variant, "adamw", device)
     start = {"parameter": p["params"], "input": p["inputs"], "optimizer state": p["optimizer"],
              "activation": p["forward_end"] - p["params"] - p["inputs"] - p["optimizer"]}
-    from anatomy.calculator.memory import rounded
+    from llm_anatomy.calculator.memory import rounded
 
     rnd = rounded if device == "cuda" else (lambda n: n)
     full = walk(cfg, run, variant, estimate(cfg, run, variant, device=device), start, rnd, every_layer=True)

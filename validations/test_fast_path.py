@@ -1,4 +1,4 @@
-"""The fused ops' eager fast path (anatomy.kernels._dispatch.fast_path) against their custom ops.
+"""The fused ops' eager fast path (llm_anatomy.kernels._dispatch.fast_path) against their custom ops.
 
 Eager calls on plain tensors run a torch.autograd.Function over the implementations the custom ops
 call; everything that must see the op (a trace, a dispatch or function mode, a tensor subclass,
@@ -16,8 +16,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from anatomy.kernels import rms_norm, rope_qkv, swiglu_packed, triton_on_cpu
-from anatomy.kernels._dispatch import fast_path
+from llm_anatomy.kernels import rms_norm, rope_qkv, swiglu_packed, triton_on_cpu
+from llm_anatomy.kernels._dispatch import fast_path
 from validations.kernel_cases import IGNORE_OVERFLOW, PATHS
 
 pytestmark = IGNORE_OVERFLOW
@@ -111,6 +111,6 @@ def test_a_dispatch_mode_still_sees_the_ops():
     x, w = torch.randn(4, 8, requires_grad=True), torch.ones(8, requires_grad=True)
     with Spy():
         rms_norm(x, w).sum().backward()
-    assert "anatomy.rms_norm.default" in seen and "anatomy.rms_norm_backward.default" in seen, seen
+    assert "llm_anatomy.rms_norm.default" in seen and "llm_anatomy.rms_norm_backward.default" in seen, seen
     y = rms_norm(x, w)
     assert type(y.grad_fn).__name__.startswith("_RMSNormFn")

@@ -2,9 +2,9 @@
 import pytest
 from hypothesis import given
 
-from anatomy.calculator import estimate
-from anatomy.config import PRESETS, Run
-from anatomy.measure.run import measure_flops
+from llm_anatomy.calculator import estimate
+from llm_anatomy.config import PRESETS, Run
+from llm_anatomy.measure.run import measure_flops
 from validations.configs import NAMED, RUNS, configs, runs
 
 

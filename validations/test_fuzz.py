@@ -1,6 +1,6 @@
 """Fuzzing the inputs: random `anatomy` argument lists, mutated config.json files and mutated GPU profiles.
 
-Every call runs `anatomy.cli.main(argv)` in this process and must end with exit code 0 or 2; on 2,
+Every call runs `llm_anatomy.cli.main(argv)` in this process and must end with exit code 0 or 2; on 2,
 exactly one line on stderr; never a traceback; on 0, no non-finite number in what it printed; and no
 call may hang (each is cut off by an alarm, far above what the sizes drawn cost). Sizes are drawn so
 that a valid draw is cheap: the estimate's cost grows with the layer count, measure, compare and
@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from anatomy.cli import main
+from llm_anatomy.cli import main
 
 SCALE = float(os.environ.get("FUZZ_SCALE", "1"))
 HANG_S = 60  # an alarm, not a timing claim: a valid draw here costs well under a second
@@ -266,9 +266,9 @@ def test_fuzz_hf_config(raw, extra, tmp_path_factory):
 
 
 # ---- GPU profile mutations: exit 2 and one line expected of the profile loader -----------------------
-# The loader is the timing model's (anatomy/calculator/gpus.py, anatomy/calculator/timing/profile.py): this
+# The loader is the timing model's (llm_anatomy/calculator/gpus.py, llm_anatomy/calculator/timing/profile.py): this
 # test states the contract a strict loader keeps, and fails where a mutated profile gives a traceback or a NaN.
-PROFILE = json.loads((Path(__file__).parents[1] / "anatomy/calculator/profiles/h200.json").read_text())
+PROFILE = json.loads((Path(__file__).parents[1] / "llm_anatomy/calculator/profiles/h200.json").read_text())
 
 
 def _paths(d, prefix=()):

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from gate_check_summary import main, summarize  # noqa: E402
+from scripts.gate_check_summary import main, summarize  # noqa: E402
 
 F = "validations/test_bench_kernels.py::"
 M = "validations/test_benchmarks.py::"

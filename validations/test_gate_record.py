@@ -1,6 +1,6 @@
 """The committed gate check (CPU): the committed baseline gates every benchmark, the record
 (reports/h200/gate/check.json) obeys the gate's rules, scripts/gate_check_record.py adds a machine to it, and
-the README's gate section and the CI workflow's threshold are what the record proves (anatomy/report/gate.py)."""
+the README's gate section and the CI workflow's threshold are what the record proves (llm_anatomy/report/gate.py)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import pytest
 
 from validations.test_gate_check import BASE, ROOT, _run, summarize
 
-# ---- the committed baseline and the committed gate check (anatomy/records.py GATE_CHECK) ----------------
+# ---- the committed baseline and the committed gate check (llm_anatomy/records.py GATE_CHECK) ----------------
 def _benchmark_functions() -> set[str]:
     """'<file stem>::<test>' for every test in validations/test_*.py that takes the benchmark fixture."""
     import ast
@@ -45,7 +45,7 @@ def test_the_committed_baseline_gates_every_benchmark():
 
 
 def _gate_record() -> dict:
-    from anatomy import records
+    from llm_anatomy import records
 
     return json.loads(records.GATE_CHECK.read_text())
 
@@ -56,8 +56,7 @@ def test_the_gate_check_record_obeys_the_gates_rules():
     its largest ratio under the threshold) or failed the gate alone (exit 1, a ratio past it); each slowdown (1 + 1.5 x threshold)
     failed every benchmark of the target's own and only benchmarks whose work called it. Each run's failures
     are recomputed from its ratios."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from gate_check_summary import own
+    from scripts.gate_check_summary import own
 
     doc = _gate_record()
     names = {b["fullname"] for b in json.loads((ROOT / "baselines.json").read_text())["benchmarks"]}
@@ -95,9 +94,9 @@ def test_gate_check_record_adds_a_machine(tmp_path):
     GPU's facts come from env.json or the baseline plus --driver; a label is replaced, not repeated; an
     absolute path in a command is cut to out/<name>; without a driver, or with neither a baseline nor a run
     report to name the tree, it is a one-line error, exit 2."""
-    from gate_check_record import main as record
+    from scripts.gate_check_record import main as record
 
-    from anatomy import records
+    from llm_anatomy import records
 
     names = list(BASE)
     work = tmp_path / "w"
@@ -153,7 +152,7 @@ def test_the_readme_gate_section_is_rendered_from_the_record():
     """The README's gate-h200 section is what `anatomy report` renders from the committed record."""
     import re
 
-    from anatomy.report.gate import summary
+    from llm_anatomy.report.gate import summary
 
     text = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- gate-h200:start -->\n(.*?)\n<!-- gate-h200:end -->", text, re.S)
@@ -166,8 +165,8 @@ def test_the_gate_section_says_what_is_not_shown(tmp_path, monkeypatch):
     where every fresh machine passes and every target was caught at it; the tighter thresholds' missing
     slowdowns are named; three fresh machines with every target caught at the tightest whole percent leave
     nothing unshown."""
-    from anatomy import records
-    from anatomy.report import gate
+    from llm_anatomy import records
+    from llm_anatomy.report import gate
 
     names = list(BASE)
     good = summarize(BASE, {"unmodified": (_run({n: 1.0 for n in names}, {}), 0),
@@ -269,7 +268,7 @@ def test_the_gate_section_says_what_is_not_shown(tmp_path, monkeypatch):
 def test_the_ci_workflow_gates_at_the_recorded_threshold():
     """.github/workflows/gpu.yml runs the design card's command at the threshold the committed record proves
     for the committed baseline, or at the 10% ceiling while none is proven (the README's gate section says so)."""
-    from anatomy.report import gate
+    from llm_anatomy.report import gate
 
     t = gate.gate_threshold(gate.current(_gate_record()))
     t = gate.MAX_THRESHOLD_PCT if t is None else t  # unproven for this baseline: the provisional ceiling
@@ -288,7 +287,7 @@ def test_the_recorded_suite_runs_are_gated_and_their_failures_named():
         failed = s["outcome"]["failed"] + s["outcome"]["error"]
         assert bool(s.get("failed_claims")) == (failed > 0), s
         assert len(s.get("failed_claims", [])) <= failed, s
-    from anatomy.report.gate import current, summary
+    from llm_anatomy.report.gate import current, summary
 
     section = summary()  # the section shows the machines gated against the committed baseline
     shown = [s for m in current(doc)["machines"] for s in m.get("suites", [])]

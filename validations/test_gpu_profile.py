@@ -1,5 +1,5 @@
-"""GPU profiles (anatomy/calculator/timing/profile.py, lookup.py, fit.py) and the one GPU table
-(anatomy/calculator/gpus.py): lookup, sources, the packaged calibration, and strict loading of profile files."""
+"""GPU profiles (llm_anatomy/calculator/timing/profile.py, lookup.py, fit.py) and the one GPU table
+(llm_anatomy/calculator/gpus.py): lookup, sources, the packaged calibration, and strict loading of profile files."""
 from __future__ import annotations
 
 import json
@@ -9,17 +9,17 @@ import sys
 
 import pytest
 
-from anatomy import records
-from anatomy.calculator import gpus, timing
-from anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy import records
+from llm_anatomy.calculator import gpus, timing
+from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 SEED, SEED_RUN = ModelConfig.from_name("seed"), Run(16, 4096, "amp")
 
 
 def test_calculator_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from anatomy.calculator import timing, gpus\n"
-            "from anatomy.config import ModelConfig, Run\n"
+            "from llm_anatomy.calculator import timing, gpus\n"
+            "from llm_anatomy.config import ModelConfig, Run\n"
             "timing.estimate_time(ModelConfig.from_name('seed'), Run(2, 256), 'efficient', 'h200-measured')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -89,8 +89,8 @@ def test_committed_h200_profile_is_a_calibration():
     assert p["matmul_k_half"] > 0 and set(p["host_custom_s"]) >= {"rms_norm", "swiglu", "rope_qkv", "liger_ce"}
     assert "sustained" in json.loads(committed.read_text())["measurements"]
     assert p["sources"]["sustained_ratio"].startswith("measured") and 0.5 < p["sustained_ratio"]["matmul"] < 1
-    from anatomy.measure.calibrate_aten import SXS_OPS, SXS_SEQS
-    from anatomy.measure.calibrate_kernels import LIGER_VOCABS
+    from llm_anatomy.measure.calibrate_aten import SXS_OPS, SXS_SEQS
+    from llm_anatomy.measure.calibrate_kernels import LIGER_VOCABS
 
     fused = {(r["op"], r["width"]) for r in p["fused_rows"]}
     assert {(op, S) for op in SXS_OPS for S in SXS_SEQS} <= fused and {("liger_ce", V) for V in LIGER_VOCABS} <= fused
@@ -106,7 +106,7 @@ def test_committed_h200_profile_is_a_calibration():
         assert per["forward"] == pytest.approx(row["fwd_ms"], rel=1e-9)
         assert per["forward"] + per["backward"] == pytest.approx(row["fwd_bwd_ms"], rel=1e-9)
     # cuDNN's CTA schedule holds every main-kernel duration it was fitted to within 5%
-    from anatomy.measure.calibrate_sdpa import schedule_shapes
+    from llm_anatomy.measure.calibrate_sdpa import schedule_shapes
 
     assert {(r["B"], r["heads"], r["S"], r["hd"]) for r in m["attention_kernels"]} == set(schedule_shapes())
     assert all(e["max_error"] < 0.05 for e in p["sdpa_schedule"]["cudnn"].values())
@@ -115,7 +115,7 @@ def test_committed_h200_profile_is_a_calibration():
 def test_one_gpu_table_serves_timing_and_comm():
     """Links live in the same table as the datasheet peaks: comm reads them (PCIe for a part without
     NVLink), and an unknown GPU is a one-line error there."""
-    from anatomy.calculator import comm
+    from llm_anatomy.calculator import comm
 
     assert gpus.entry("H200")["nvlink_GBps"] == 450.0 and gpus.entry("a100-40gb")["nvlink_GBps"] == 300.0
     assert gpus.entry("rtx-4090")["nvlink_GBps"] is None
@@ -206,7 +206,7 @@ def test_a_profile_file_is_read_once_per_version(tmp_path):
 
 def test_estimate_cli_refuses_a_bad_profile_in_one_line(tmp_path):
     bad = _write(tmp_path, dict(base="h200-sxm", measurements=dict(copy_tbps=None)), b'{"base": "h200-sxm", "measurements": {"copy_tbps": NaN}}')
-    r = subprocess.run([sys.executable, "-m", "anatomy.cli", "estimate", "--preset", "seed", "--gpu", str(bad)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--preset", "seed", "--gpu", str(bad)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "copy_tbps" in r.stderr, r.stderr
 
@@ -216,9 +216,9 @@ def test_calibrate_writes_to_the_user_cache_and_reads_back_as_calibrated(tmp_pat
     `--gpu <stem>-calibrated` reads that file back; `<stem>-measured` stays the committed profile."""
     import shutil
 
-    from anatomy import records
-    from anatomy.calculator.timing import lookup
-    from anatomy.measure.calibrate import default_out
+    from llm_anatomy import records
+    from llm_anatomy.calculator.timing import lookup
+    from llm_anatomy.measure.calibrate import default_out
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     out = default_out("h200-sxm")
@@ -241,9 +241,9 @@ def test_sustained_regime_measures_on_this_gpu():
     """calibrate_sustained on the GPU at hand (a short warm-up): both regimes' rates are positive, the copy
     barely follows the SM clock, a sustained compute rate is not above its burst rate by more than noise,
     and the result is a valid measurements.sustained (the profile's strict check)."""
-    from anatomy.calculator.timing import fit
-    from anatomy.calculator.timing import profile as prof_mod
-    from anatomy.measure.calibrate_sustained import measure_sustained
+    from llm_anatomy.calculator.timing import fit
+    from llm_anatomy.calculator.timing import profile as prof_mod
+    from llm_anatomy.measure.calibrate_sustained import measure_sustained
 
     s = measure_sustained(warmup_s=4.0)
     prof_mod._check_sustained("this GPU", s)

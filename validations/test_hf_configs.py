@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from anatomy.calculator import estimate
-from anatomy.config import Run
-from anatomy.hf_config import read_hf_config
+from llm_anatomy.calculator import estimate
+from llm_anatomy.config import Run
+from llm_anatomy.hf_config import read_hf_config
 from validations.hf_configs import DATA, HF_CONFIGS, MODELS
 
 NAMES = list(MODELS)

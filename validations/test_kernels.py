@@ -1,4 +1,4 @@
-"""Fused kernels (anatomy/kernels), all three ops together: strided inputs and NaN, saved tensors, autocast.
+"""Fused kernels (llm_anatomy/kernels), all three ops together: strided inputs and NaN, saved tensors, autocast.
 
 Per op: test_rms_norm.py, test_swiglu.py, test_rope.py; fake/meta and torch.compile:
 test_kernels_compile.py. The accuracy rule and the two CPU paths ("reference", "triton") are
@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 
-from anatomy.kernels import rms_norm, rope_qkv, swiglu
+from llm_anatomy.kernels import rms_norm, rope_qkv, swiglu
 from validations.kernel_cases import BF16, FP32, IGNORE_OVERFLOW, PATHS, path_ctx, plain_swiglu, rope_tables
 
 pytestmark = IGNORE_OVERFLOW

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anatomy.kernels import linear_cross_entropy, rms_norm, rope_qkv, swiglu
+from llm_anatomy.kernels import linear_cross_entropy, rms_norm, rope_qkv, swiglu
 from validations.kernel_cases import BF16, FP32, gen, rope_tables
 
 

@@ -1,18 +1,18 @@
-"""The lean matmuls (anatomy/kernels/lean.py): the efficient model with them gives bitwise the loss and
+"""The lean matmuls (llm_anatomy/kernels/lean.py): the efficient model with them gives bitwise the loss and
 every gradient it gives with nn.Linear and a saved SwiGLU output, and keeps neither the weight casts nor h."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from anatomy.config import ModelConfig, Run
-from anatomy.efficient.attention import Attention
-from anatomy.efficient.mlp import MLP
-from anatomy.kernels import swiglu_packed, triton_on_cpu
-from anatomy.kernels.lean import linear, remake_grad, swiglu_down
-from anatomy.kernels.swiglu import packed_grad
-from anatomy.measure.saved import SavedTensorTracer
-from anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.efficient.attention import Attention
+from llm_anatomy.efficient.mlp import MLP
+from llm_anatomy.kernels import swiglu_packed, triton_on_cpu
+from llm_anatomy.kernels.lean import linear, remake_grad, swiglu_down
+from llm_anatomy.kernels.swiglu import packed_grad
+from llm_anatomy.measure.saved import SavedTensorTracer
+from llm_anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
 from validations.configs import NAMED
 
 BF16 = torch.bfloat16

@@ -1,4 +1,4 @@
-"""anatomy::linear_cross_entropy (anatomy/kernels/linear_ce.py): accuracy, the row kernel, shapes under
+"""anatomy::linear_cross_entropy (llm_anatomy/kernels/linear_ce.py): accuracy, the row kernel, shapes under
 fake tensors and torch.compile, autocast, no host sync, and the chunk rule (the in-place backward:
 test_linear_ce_backward.py).
 
@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from anatomy.kernels import INTERPRET, triton_on_cpu
-from anatomy.kernels import linear_ce as lce
-from anatomy.kernels.linear_ce import linear_cross_entropy
-from anatomy.kernels.linear_ce_chunks import (C_MIN, LOGITS_BUDGET, chunk_rows, forward_bytes, liger_rows,
+from llm_anatomy.kernels import INTERPRET, triton_on_cpu
+from llm_anatomy.kernels import linear_ce as lce
+from llm_anatomy.kernels.linear_ce import linear_cross_entropy
+from llm_anatomy.kernels.linear_ce_chunks import (C_MIN, LOGITS_BUDGET, chunk_rows, forward_bytes, liger_rows,
                                               peak_bytes, saved_bytes)
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -280,7 +280,7 @@ def test_cuda_path_bytes_are_the_table(wdt, T, chunk, align):
     on meta tensors under the liveness walk: every storage it makes, and their peak, are what
     linear_ce_chunks tabulates, to the byte. V = 300 is a multiple of 4, not of 8: at align 8 the table's
     V' = 304, and a bf16 weight, which needs no cast, gets the padded copy."""
-    from anatomy.measure.liveness import LiveStorage
+    from llm_anatomy.measure.liveness import LiveStorage
 
     H, V = 16, 300
     x, w = torch.empty(T, H, dtype=BF16, device="meta"), torch.empty(V, H, dtype=wdt, device="meta")
@@ -342,7 +342,7 @@ def test_chunk_rows_rule(T, H, V, c):
 
 def test_chunks_module_imports_without_torch():
     """The calculator (no torch) can use the rule: the module imports nothing from torch."""
-    spec = importlib.util.find_spec("anatomy.kernels.linear_ce_chunks")
+    spec = importlib.util.find_spec("llm_anatomy.kernels.linear_ce_chunks")
     code = (f"import sys, importlib.util; sys.modules['torch'] = None\n"
             f"s = importlib.util.spec_from_file_location('m', {spec.origin!r})\n"
             f"m = importlib.util.module_from_spec(s)\n"
@@ -375,12 +375,9 @@ def test_bench_dry_run(tmp_path):
     """bench/linear_ce.py end to end on CPU at a tiny shape (the GPU run's code path, minus the GPU): its
     JSON has a row per implementation and chunk, ours beside its predicted peak, the command; bad flags exit 2."""
     import json
-    from pathlib import Path
 
-    path = Path(__file__).parents[1] / "bench" / "linear_ce.py"
-    spec = importlib.util.spec_from_file_location("bench_linear_ce", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench import linear_ce as bench
+
     out = tmp_path / "lce.json"
     bench.main(["--dry-run", "--no-liger", "--reps", "10", "--shapes", "40x8x30", "--chunks", "0,16", "--breakdown",
                 "--row-blocks", "0,16", "--json", str(out)])
@@ -390,7 +387,7 @@ def test_bench_dry_run(tmp_path):
     blocks = {"row_kernel[0]", "row_kernel[16]"} if INTERPRET else set()  # the Triton row kernel at each width
     assert set(res["rows"][0]["breakdown_ms"]) == {"weight_cast", "logits_mm", "row_kernel", "grad_x_mm",
                                                    "grad_w_addmm", "backward_scale", "backward_scale_not_one"} | blocks
-    assert res["command"].startswith("PYTHONPATH=. python3 bench/linear_ce.py --dry-run")
+    assert res["command"].startswith("python3 -m bench.linear_ce --dry-run")
     sustained = res["matmul_tflop_s_sustained"]  # each row against the ceiling of the power limit too
     assert sustained > 0 and all(r["frac_ceiling_sustained"] == pytest.approx(r["tflop_s"] / sustained)
                                  for r in res["rows"])

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anatomy.kernel_shapes import lce_vocab
-from anatomy.kernels import linear_ce as lce
-from anatomy.kernels.linear_ce import linear_cross_entropy
+from llm_anatomy.kernel_shapes import lce_vocab
+from llm_anatomy.kernels import linear_ce as lce
+from llm_anatomy.kernels.linear_ce import linear_cross_entropy
 from validations.test_linear_ce import BF16, DTYPES, PATHS, _path, case
 
 
@@ -83,8 +83,8 @@ def test_the_calculator_follows_the_models_padding(monkeypatch, claims, tied, po
     vocabulary of 101, the saved bytes and every phase boundary of a step with AdamW are what the CPU run
     holds, to the byte (an untied lm_head's .grad keeps the padded accumulator's storage; a tied head's is
     the sum with the embedding's gradient, a new (V, H) tensor)."""
-    from anatomy import kernel_shapes
-    from anatomy.config import ModelConfig, Run
+    from llm_anatomy import kernel_shapes
+    from llm_anatomy.config import ModelConfig, Run
     from validations.test_memory_walk import _check
 
     monkeypatch.setattr(kernel_shapes, "LCE_ALIGN", 8)
@@ -96,9 +96,9 @@ def test_the_calculator_follows_the_models_padding(monkeypatch, claims, tied, po
 def test_the_timing_model_prices_the_padded_gemms(monkeypatch):
     """At LCE_ALIGN 8 the timing model's CE GEMMs run over V' = 104 for a vocabulary of 97 (off the misaligned
     rates), the row kernel still over 97 columns, and a bf16 run gets the padded weight copy it makes."""
-    from anatomy import kernel_shapes
-    from anatomy.calculator.timing import kernels
-    from anatomy.config import ModelConfig, Run
+    from llm_anatomy import kernel_shapes
+    from llm_anatomy.calculator.timing import kernels
+    from llm_anatomy.config import ModelConfig, Run
 
     cfg = ModelConfig(name="align8-timing", hidden=64, layers=1, heads=4, intermediate=128, vocab=97)
     row_bytes = []

@@ -1,4 +1,4 @@
-"""The fused linear cross-entropy's backward (anatomy/kernels/linear_ce.py): the saved gradients scaled by the
+"""The fused linear cross-entropy's backward (llm_anatomy/kernels/linear_ce.py): the saved gradients scaled by the
 incoming one in place and handed on, and the scale kernel (`scale_`), which leaves them untouched when the
 incoming gradient is 1 and otherwise rounds as torch's mul_ by a 0-d CUDA tensor does (the gradient cast to
 the tensor's dtype first). Paths as in test_linear_ce.py: "reference" (torch's mul_) and "triton" (the kernel
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anatomy.kernels import linear_ce as lce
-from anatomy.kernels.linear_ce import linear_cross_entropy
+from llm_anatomy.kernels import linear_ce as lce
+from llm_anatomy.kernels.linear_ce import linear_cross_entropy
 from validations.kernel_cases import BF16, FP32
 from validations.test_linear_ce import _path, case, needs_interpreter
 

@@ -3,7 +3,7 @@
 The committed probe records (test_memory_model) are the README's source; these tests re-prove the same
 claims on the user's own GPU, so a run on a new machine checks what the README says instead of re-reading
 it. `--live-n` configs (default 30) are drawn from validations.configs.gpu_configs/gpu_runs with the seed
-`--live-seed` (default 2026); each is measured in this process through anatomy.measure, the functions the
+`--live-seed` (default 2026); each is measured in this process through llm_anatomy.measure, the functions the
 probes use, and every figure goes to the claims report (`--claims-report`), which `anatomy report` reads.
   memory: each phase of both variants with AdamW, of max_memory_allocated / memory_allocated ±1% under
           expandable segments and ±3% under the default allocator (where a miss its own accounts explain
@@ -12,8 +12,8 @@ probes use, and every figure goes to the claims report (`--claims-report`), whic
 """
 import pytest
 
-from anatomy.calculator.memory import phases
-from anatomy.report import probes
+from llm_anatomy.calculator.memory import phases
+from llm_anatomy.report import probes
 from validations.configs import draw_examples, gpu_configs, gpu_runs
 from validations.test_efficient import check_flops, check_saved
 from validations.test_memory_model import FIGURES, TRACE_TOL, _ids, check_phase
@@ -35,8 +35,8 @@ def _warm():
     import torch
 
     if torch.cuda.is_available():
-        from anatomy.config import ModelConfig, Run
-        from anatomy.measure.memory import measure_phases
+        from llm_anatomy.config import ModelConfig, Run
+        from llm_anatomy.measure.memory import measure_phases
 
         warm = ModelConfig(name="warm-up", hidden=256, layers=1, heads=4, intermediate=512, vocab=1000)
         for variant in ("baseline", "efficient"):
@@ -46,7 +46,7 @@ def _warm():
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["baseline", "efficient"])
 def test_live_phase_memory(drawn, variant, claims):
-    from anatomy.measure.memory import measure_phases, splits_every_block, trace_phases
+    from llm_anatomy.measure.memory import measure_phases, splits_every_block, trace_phases
 
     cfg, run = drawn
     row = dict(config="live", batch=run.batch, seq=run.seq, variant=variant, optimizer="adamw",

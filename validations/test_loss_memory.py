@@ -13,10 +13,10 @@ import json
 
 import pytest
 
-from anatomy import records
-from anatomy.calculator import estimate
-from anatomy.calculator.memory import phases
-from anatomy.config import ModelConfig, Run
+from llm_anatomy import records
+from llm_anatomy.calculator import estimate
+from llm_anatomy.calculator.memory import phases
+from llm_anatomy.config import ModelConfig, Run
 
 PEAK_TOL = 0.01  # the bound for the step peak with the new loss on the H200
 IDS = [p.stem.removeprefix("loss-memory-") for p in records.LOSS_MEMORY]

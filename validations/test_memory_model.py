@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from anatomy.calculator.memory import phases
-from anatomy import records
-from anatomy.config import ModelConfig, Run
-from anatomy.report import probes
+from llm_anatomy.calculator.memory import phases
+from llm_anatomy import records
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.report import probes
 
 ALL = (probes.memory_rows(probes.SPLIT) + probes.memory_rows(probes.DEFAULT) + probes.recompute_rows()
        + probes.lean_rows())
@@ -176,7 +176,7 @@ def test_phases_on_this_gpu(variant, recompute, optimizer, lean, claims):
     """The same checks in this process, each recompute policy and the lean block too: strict under expandable
     segments (scripts/gpu_suite.sh sets them), the default allocator's explained slack an expected failure
     otherwise."""
-    from anatomy.measure.memory import measure_phases, splits_every_block, trace_phases
+    from llm_anatomy.measure.memory import measure_phases, splits_every_block, trace_phases
 
     cfg = ModelConfig(name="mem", hidden=256, layers=2, heads=8, kv_heads=2, intermediate=640, vocab=5000)
     run = Run(4, 512, recompute=recompute, lean=lean)
@@ -272,7 +272,7 @@ def test_a_predicted_oom_is_skipped_with_the_prediction(gpu_fits, monkeypatch):
     (mem_get_info faked to a 16 GiB card with 10 GiB free), and lets a step that fits through."""
     import torch
 
-    from anatomy.config import PRESETS
+    from llm_anatomy.config import PRESETS
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10 * 2**30, 16 * 2**30))
     need = gpu_fits(PRESETS["seed"], Run(2, 256), "efficient")

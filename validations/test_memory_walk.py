@@ -1,5 +1,5 @@
-"""The phase memory model (anatomy.calculator.memory.phases, device="cpu") against live tensor storage
-counted on CPU (anatomy.measure.liveness): forward end, the peak inside backward, backward end and
+"""The phase memory model (llm_anatomy.calculator.memory.phases, device="cpu") against live tensor storage
+counted on CPU (llm_anatomy.measure.liveness): forward end, the peak inside backward, backward end and
 optimizer end, on the named configs and on hypothesis configs drawn with a fixed seed.
 
 On CPU the figure is tensor-level: exact storage sizes, no allocator rounding and no workspace
@@ -11,13 +11,13 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
-from anatomy.calculator.memory import phases
-from anatomy.config import Run
-from anatomy.measure.liveness import LiveStorage, measure_phases_live
+from llm_anatomy.calculator.memory import phases
+from llm_anatomy.config import Run
+from llm_anatomy.measure.liveness import LiveStorage, measure_phases_live
 from validations.configs import NAMED, RUNS, configs, runs
 
 TOL = 0.03
-# the claim per kind of live storage (anatomy.calculator.backward.KINDS)
+# the claim per kind of live storage (llm_anatomy.calculator.backward.KINDS)
 PEAK_IN_BACKWARD = {"parameter": "memory.peak in backward: parameter", "input": "memory.peak in backward: input",
                     "optimizer state": "memory.peak in backward: optimizer state",
                     "activation": "memory.peak in backward: activation",
@@ -81,7 +81,7 @@ def _backward_peak_by_kind(snapshot) -> tuple[int, dict]:
     """The last step's peak inside backward in a forensics replay, and what is live there by kind."""
     from collections import defaultdict
 
-    from anatomy.measure.forensics import replay
+    from llm_anatomy.measure.forensics import replay
 
     r = replay(snapshot)
     total, best, pos = r.pre_existing, -1, -1
@@ -107,8 +107,8 @@ def test_backward_peak_composition_matches_forensics(regime, policy, optimizer, 
     """What is live at the backward peak, by kind (parameters, inputs, optimizer state, saved
     activations, gradients and backward buffers): the walk's breakdown at its peak stage against
     `anatomy forensics`' attribution of the live storages at the measured peak (CPU)."""
-    from anatomy.calculator.backward import KINDS
-    from anatomy.measure.liveness import record_step_live
+    from llm_anatomy.calculator.backward import KINDS
+    from llm_anatomy.measure.liveness import record_step_live
 
     name, r = REGIMES[regime]
     cfg, run = NAMED[name], Run(r.batch, r.seq, policy)

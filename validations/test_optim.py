@@ -18,10 +18,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import anatomy.optim.efficient as efficient
-from anatomy.calculator.optimizer import state_bytes, step_bytes_moved
-from anatomy.optim import AdEMAMix, FusedAdEMAMix, alpha_at, beta3_at
-from anatomy.optim.efficient import ademamix_foreach_
+import llm_anatomy.optim.efficient as efficient
+from llm_anatomy.calculator.optimizer import state_bytes, step_bytes_moved
+from llm_anatomy.optim import AdEMAMix, FusedAdEMAMix, alpha_at, beta3_at
+from llm_anatomy.optim.efficient import ademamix_foreach_
 from validations.gpu_clock import GpuRound, gpu_time
 
 U32 = 2.0 ** -24  # fp32 unit roundoff: |fl(x) - x| <= U32 |x|

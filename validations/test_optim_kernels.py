@@ -1,4 +1,4 @@
-"""The optimizer step's kernels as the timing model counts them (anatomy/calculator/timing/kernels.py:
+"""The optimizer step's kernels as the timing model counts them (llm_anatomy/calculator/timing/kernels.py:
 optimizer_kernels), against AdEMAMix's loop and foreach form run op by op on CPU, and its compiled form as
 Inductor writes it (one kernel launch per tensor group, one pass); the compiled step's rate is calibrated
 (calibrate_kernels.ademamix_case), not the copy bandwidth."""
@@ -11,11 +11,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from anatomy.config import ModelConfig, Run
-from anatomy.models import build_model
-from anatomy.optim import AdEMAMix, FusedAdEMAMix
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.models import build_model
+from llm_anatomy.optim import AdEMAMix, FusedAdEMAMix
 
-tk = importlib.import_module("anatomy.calculator.timing.kernels")  # the module, not timing's kernels()
+tk = importlib.import_module("llm_anatomy.calculator.timing.kernels")  # the module, not timing's kernels()
 
 
 class _OpBytes(TorchDispatchMode):
@@ -94,7 +94,7 @@ def test_optimizer_step_time_on_this_gpu(cuda_device, suite_profile, gpu_refs, i
     import statistics
     import time
 
-    from anatomy.calculator.timing import estimate_time, get
+    from llm_anatomy.calculator.timing import estimate_time, get
     from validations.gpu_clock import queued_median
 
     cfg, run = ModelConfig.from_name("anchor-1b"), Run(1, 1024)
@@ -143,7 +143,7 @@ def _kernel_calls(code: str) -> list[set[str]]:
 def _compiled_step_code(device: str, sizes: list[int]) -> str:
     from torch._inductor.utils import run_and_get_code
 
-    from anatomy.optim.efficient import ademamix_foreach_
+    from llm_anatomy.optim.efficient import ademamix_foreach_
 
     torch._dynamo.reset()
     lists = [[torch.randn(n, device=device) for n in sizes] for _ in range(5)]  # p, g, m1, m2, nu
@@ -190,10 +190,10 @@ def test_compiled_step_takes_its_calibrated_rate():
     """Fake timings (not a measurement) of the compiled step at calibrate's sizes (calibrate_kernels.ademamix_case)
     at 50% of the copy bandwidth: every ademamix-compiled kernel takes its one pass's bytes at that rate, the loop
     and foreach forms (their own ops' bytes) and fused AdamW (not timed here) stay as they were."""
-    from anatomy.calculator.timing import estimate_time, fit
-    from anatomy.calculator.timing.op_bytes import fused_bytes
-    from anatomy.measure import calibrate
-    from anatomy.measure.calibrate_kernels import ADAMW_NUMELS, ADAMW_TENSORS, _fused_cases
+    from llm_anatomy.calculator.timing import estimate_time, fit
+    from llm_anatomy.calculator.timing.op_bytes import fused_bytes
+    from llm_anatomy.measure import calibrate
+    from llm_anatomy.measure.calibrate_kernels import ADAMW_NUMELS, ADAMW_TENSORS, _fused_cases
     from validations.test_calibrate import _fake_measurements
 
     assert [(op, w) for op, w, *_ in _fused_cases() if op == "optimizer.ademamix"] == \
@@ -220,7 +220,7 @@ def test_compiled_step_host_is_its_calibrated_call():
     tensor_s per tensor, at any depth), and its launches cost nothing more. Without the figures (today's
     committed profile) the step is priced as before: an eager op per launch, and the call costs nothing.
     The loop, foreach and AdamW steps do not read the figures."""
-    from anatomy.calculator.timing import estimate_time, get
+    from llm_anatomy.calculator.timing import estimate_time, get
 
     p0 = get("h200-measured").replace(sustained_ratio={}, optimizer_host={})
     fake = lambda a, b: p0.replace(optimizer_host={"ademamix-compiled": dict(call_s=a, tensor_s=b)})  # noqa: E731
@@ -249,13 +249,7 @@ def test_compiled_step_host_is_its_calibrated_call():
 def test_host_probe_refuses_without_a_gpu(capsys):
     """scripts/probe_optimizer_host.py (the compiled step's host time against its GPU time, docs/timing.md) says
     in one line that it needs a GPU, exit 2; bad arguments likewise, before any GPU work."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "probe_optimizer_host.py"
-    spec = importlib.util.spec_from_file_location("probe_optimizer_host", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    from scripts import probe_optimizer_host as probe
     if torch.cuda.is_available():
         assert probe.main(["--reps", "1"]) == 2 and "--reps must be at least 3" in capsys.readouterr().err
         assert probe.main(["--config", "no-such-model"]) == 2

@@ -2,11 +2,11 @@
 import pytest
 from hypothesis import given
 
-from anatomy.calculator import COMPONENT_MODULES, param_count
-from anatomy.config import PRESETS
-from anatomy.measure.components import component_modules
-from anatomy.measure.run import measure_params
-from anatomy.models import build_model
+from llm_anatomy.calculator import COMPONENT_MODULES, param_count
+from llm_anatomy.config import PRESETS
+from llm_anatomy.measure.components import component_modules
+from llm_anatomy.measure.run import measure_params
+from llm_anatomy.models import build_model
 from validations.configs import NAMED, configs
 
 ALL = {**NAMED, **PRESETS}

@@ -1,4 +1,4 @@
-"""The host/GPU pipeline (anatomy/calculator/timing/pipeline.py), exact on synthetic kernel lists: where the GPU
+"""The host/GPU pipeline (llm_anatomy/calculator/timing/pipeline.py), exact on synthetic kernel lists: where the GPU
 idles behind the host, the launch order of the layers and of Liger's chunk loop, and steps run back to back."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 def _entry(name, phase, host, gpu, count=1, order=1, sync=False):
     from types import SimpleNamespace
 
-    from anatomy.calculator.timing.ops import Kernel
+    from llm_anatomy.calculator.timing.ops import Kernel
 
     return SimpleNamespace(kernel=Kernel(name, "other", phase, "memory", count, order=order, sync=sync),
                            host_s=host, gpu_s=gpu)
@@ -15,7 +15,7 @@ def _entry(name, phase, host, gpu, count=1, order=1, sync=False):
 def test_pipeline_idles_the_gpu_where_the_host_is_behind():
     """k1 is issued at host 3 and runs 3-4; k2 is issued at 4 and runs 4-9: 9 in all, 6 of GPU work, 3
     idle, though the host's total (4) is below the GPU's (6), where max(GPU, host) says 6."""
-    from anatomy.calculator.timing import pipeline
+    from llm_anatomy.calculator.timing import pipeline
 
     (seg,) = pipeline.simulate([_entry("k1", "forward", 3, 1), _entry("k2", "forward", 1, 5)], layers=1)
     assert (seg["time_s"], seg["gpu_s"], seg["host_s"], seg["idle_s"], seg["bound"]) == (9, 6, 4, 3, "gpu")
@@ -30,7 +30,7 @@ def test_pipeline_idles_the_gpu_where_the_host_is_behind():
 
 
 def test_pipeline_launch_order_interleaves_the_layers():
-    from anatomy.calculator.timing import pipeline
+    from llm_anatomy.calculator.timing import pipeline
 
     es = [_entry("pre", "forward", 0, 0, order=0), _entry("a", "forward", 0, 0, count=2),
           _entry("norm", "forward", 0, 0, count=3), _entry("post", "forward", 0, 0, order=2)]
@@ -47,8 +47,8 @@ def test_pipeline_runs_liger_chunk_by_chunk():
     chunk's entries after; entries outside the loop keep their order, each count times in a row."""
     from types import SimpleNamespace
 
-    from anatomy.calculator.timing import pipeline
-    from anatomy.calculator.timing.ops import Kernel
+    from llm_anatomy.calculator.timing import pipeline
+    from llm_anatomy.calculator.timing.ops import Kernel
 
     def e(name, count, loop=True):
         return SimpleNamespace(kernel=Kernel(name, "loss", "forward", "memory", count, order=2, loop=loop))
@@ -65,7 +65,7 @@ def test_steady_steps_overlap_the_next_forward_with_this_backward():
     running 10-11): 11. Back to back, the next f is issued at 5-8 while the GPU still runs b and o, so
     the step is the GPU's 7 (forward + backward 6). With a host sync before b, the host waits for f in
     every step: 8 (forward + backward 7), against 12 on an idle GPU."""
-    from anatomy.calculator.timing import pipeline
+    from llm_anatomy.calculator.timing import pipeline
 
     es = [_entry("f", "forward", 3, 1), _entry("b", "backward", 1, 5), _entry("o", "optimizer", 1, 1)]
     assert sum(s["time_s"] for s in pipeline.simulate(es, layers=1)) == 11

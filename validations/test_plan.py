@@ -8,10 +8,10 @@ import time
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from anatomy.cli import main
-from anatomy.config import PRESETS, Run
-from anatomy.plan import largest_fitting, max_batch, peak_bytes, plan
-from anatomy.records import PLAN_CHECK, ROOT
+from llm_anatomy.cli import main
+from llm_anatomy.config import PRESETS, Run
+from llm_anatomy.plan import largest_fitting, max_batch, peak_bytes, plan
+from llm_anatomy.records import PLAN_CHECK, ROOT
 
 GiB = 2**30
 
@@ -110,8 +110,8 @@ def _rows():
 def test_plan_record_covers_the_architectures_the_claim_names():
     """At least 8 real architectures, among them a Qwen2 with q/k/v biases, a tied embedding, a 128k vocabulary
     and a model of 7B parameters or more that the plan runs with recompute."""
-    from anatomy.calculator import param_count
-    from anatomy.hf_config import read_hf_config
+    from llm_anatomy.calculator import param_count
+    from llm_anatomy.hf_config import read_hf_config
 
     rows = _rows()
     assert len({r["model"] for r in rows}) >= 8, [r["model"] for r in rows]
@@ -126,7 +126,7 @@ def test_plan_record_covers_the_architectures_the_claim_names():
 
 def test_planned_run_peak_within_1_percent(claims):
     """The setting the plan picks runs on the H200, its peak within ±1% of the prediction made now."""
-    from anatomy.hf_config import read_hf_config
+    from llm_anatomy.hf_config import read_hf_config
 
     for r in _rows():
         cfg = read_hf_config(ROOT / r["config"]).config
@@ -144,7 +144,7 @@ def test_planned_run_peak_within_1_percent(claims):
 def test_next_micro_batch_runs_out_or_passes_the_margin(claims):
     """The micro-batch after the plan's either runs out of memory or peaks above the plan's budget (within ±1% of
     its own prediction): the plan's boundary is the GPU's."""
-    from anatomy.hf_config import read_hf_config
+    from llm_anatomy.hf_config import read_hf_config
 
     for r in _rows():
         cfg = read_hf_config(ROOT / r["config"]).config

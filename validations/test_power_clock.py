@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import check_power_clock as cpc  # noqa: E402
+from scripts import check_power_clock as cpc  # noqa: E402
 
 
 def test_the_documented_figures():
@@ -29,6 +27,6 @@ def test_the_documented_figures():
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "power.json"
     bad.write_text(json.dumps({"classes": {"matmul": {}}}))
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/check_power_clock.py"), "--power", str(bad)],
+    p = subprocess.run([sys.executable, "-m", "scripts.check_power_clock", "--power", str(bad)],
                        capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "check_power_clock: error:" in p.stderr

@@ -3,15 +3,12 @@ a failing row recorded and skipped, the second pass only after every first, `bet
 between the two, and the JSON rewritten after every row (so a run cut short keeps what it measured)."""
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-from anatomy.config import ModelConfig, Run
+from llm_anatomy.config import ModelConfig, Run
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import probe_common  # noqa: E402
+from scripts import probe_common
 
 
 def test_run_rows_order_errors_between_and_header(tmp_path, monkeypatch):
@@ -41,7 +38,7 @@ def test_run_rows_order_errors_between_and_header(tmp_path, monkeypatch):
     assert calls == [("first", 1, "baseline"), ("first", 1, "efficient"), ("first", 2, "efficient"), ("between",),
                      ("second", 1, "baseline"), ("second", 1, "efficient")]
     head = json.loads(out.read_text())
-    assert head["gpu"] == "fake GPU" and head["seed"] == 7 and head["command"].startswith("PYTHONPATH=. python3 scripts/probe_x.py")
+    assert head["gpu"] == "fake GPU" and head["seed"] == 7 and head["command"].startswith("python3 -m scripts.probe_x")
     assert (head["host_step_before"], head["host_step_after"]) == (4.0, 3.0)
     rows = head["rows"]
     assert [(r["config"], r["variant"]) for r in rows] == [("a", "baseline"), ("a", "efficient"), ("b", "efficient")]

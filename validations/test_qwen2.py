@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 
-from anatomy.calculator import estimate, param_count
-from anatomy.calculator.memory import param_tensors
-from anatomy.calculator.sharding import param_shapes
-from anatomy.calculator.timing import kernels, param_sizes
-from anatomy.config import PRESETS, ModelConfig, Run
-from anatomy.measure.saved import SavedTensorTracer
-from anatomy.models import autocast_ctx, build_model, make_batch
+from llm_anatomy.calculator import estimate, param_count
+from llm_anatomy.calculator.memory import param_tensors
+from llm_anatomy.calculator.sharding import param_shapes
+from llm_anatomy.calculator.timing import kernels, param_sizes
+from llm_anatomy.config import PRESETS, ModelConfig, Run
+from llm_anatomy.measure.saved import SavedTensorTracer
+from llm_anatomy.models import autocast_ctx, build_model, make_batch
 from validations import test_efficient, test_flops, test_saved
 from validations.configs import POLICIES, configs, runs
 
@@ -275,10 +275,10 @@ def test_estimate_reads_a_qwen25_config(tmp_path):
                                                    ("tiny-qwen2-tied", "fsdp", 4)],
                          ids=["tiny-tied-ddp-W4", "tiny-gqa-fsdp-W3", "tiny-tied-fsdp-W4"])
 def test_fake_pg_collectives_and_per_rank_bytes(name, strategy, world, claims):
-    """FSDP2 / DDP's real code on a fake process group (anatomy.distributed.simulate), rank 0. FSDP pads
+    """FSDP2 / DDP's real code on a fake process group (llm_anatomy.distributed.simulate), rank 0. FSDP pads
     each bias's shard like a weight's (64 / 3 ranks: chunks of 22, the last short)."""
-    from anatomy.calculator.comm import collective_counts, estimate_distributed
-    from anatomy.distributed.simulate import simulate
+    from llm_anatomy.calculator.comm import collective_counts, estimate_distributed
+    from llm_anatomy.distributed.simulate import simulate
     from validations.test_distributed import (
         _check_collectives,
         _check_memory,

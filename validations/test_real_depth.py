@@ -3,9 +3,9 @@
 The rows are the out-of-sample cases of validations/real_depth.py (12-32 layers, 0.5-8 B parameters, drawn
 with a seed chosen after the timing model's code was final) and the named real presets, each run as a user
 writes the loop (fused AdamW, bf16 autocast over fp32 weights, steps back to back). Each committed run
-(anatomy.records.REAL_DEPTH_RUNS: one freshly started H200 each) is compared with the profile `anatomy
+(llm_anatomy.records.REAL_DEPTH_RUNS: one freshly started H200 each) is compared with the profile `anatomy
 calibrate` measured first in that run (calibrated.json beside the record); a run whose calibrate failed falls
-back to the packaged profile (anatomy/calculator/profiles/h200.json, another machine's) and every claim's note
+back to the packaged profile (llm_anatomy/calculator/profiles/h200.json, another machine's) and every claim's note
 says which. Known misses: validations/known_misses.json. The claims:
   time.real_depth.gpu.forward_backward, time.real_depth.gpu.step   kernel time within ±10%, every row
   time.real_depth.step        the wall-clock step within ±10% where the model calls the row GPU-bound
@@ -16,15 +16,14 @@ the draw and the bookkeeping.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from anatomy import records
-from anatomy.calculator import param_count
+from llm_anatomy import records
+from llm_anatomy.calculator import param_count
 from validations import known_misses, real_depth
 
 MISSING = ("no committed user-loop record (reports/h200/user-loop/machine-N/real-depth.json): run `ONLY=real-depth "
@@ -163,11 +162,9 @@ def test_presets_include_a_7b_class_row_at_B1S4096():
 
 
 def _user_loop():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "user_loop.py"
-    spec = importlib.util.spec_from_file_location("user_loop", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from scripts import user_loop
+
+    return user_loop
 
 
 def test_user_loop_kernel_time_by_phase_from_a_trace():

@@ -42,11 +42,11 @@ def _measure(case: real_depth.Case, keep: Path | None = None) -> dict:
     if case.id not in _MEASURED:
         row = dict(id=case.id, cfg=case.cfg.to_dict(), batch=case.run.batch, seq=case.run.seq,
                    recompute=case.run.recompute, variant=case.variant, optimizer="adamw")
-        code = (f"import json, sys; sys.path.insert(0, {str(SCRIPTS)!r}); import user_loop; "
+        code = ("import json, sys; from scripts import user_loop; "
                 "from validations.real_depth import case_of; "
                 "print(json.dumps(user_loop.measure(case_of(json.loads(sys.argv[1])), True)))")
         out = subprocess.run([sys.executable, "-c", code, json.dumps(row)], capture_output=True, text=True,
-                             timeout=300)
+                             timeout=300, cwd=SCRIPTS.parent)
         if out.returncode != 0:
             last = (out.stderr.strip().splitlines() or ["no output"])[-1]
             pytest.fail(f"{case.id}: the user's loop exited {out.returncode}: {last}", pytrace=False)

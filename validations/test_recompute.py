@@ -1,6 +1,6 @@
 """Run.recompute="mlp": the efficient model keeps per layer only the block input, the attention
 branch and SDPA's tensors, and re-runs both norms, the residual sum, gate_up and the activation in
-backward (anatomy/efficient/transformer.py). The claims: the same numbers as without recompute, the
+backward (llm_anatomy/efficient/transformer.py). The claims: the same numbers as without recompute, the
 calculator's saved bytes and FLOPs exact per component (the re-run gate_up in backward, and no
 other matmul: the checkpoints' early stop), and its memory walk exact on CPU."""
 import subprocess
@@ -10,11 +10,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from anatomy.calculator.memory import phases
-from anatomy.config import ConfigError, ModelConfig, Run
-from anatomy.measure.liveness import measure_phases_live
-from anatomy.measure.run import measure_saved
-from anatomy.models import autocast_ctx, build_model, make_batch
+from llm_anatomy.calculator.memory import phases
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.measure.liveness import measure_phases_live
+from llm_anatomy.measure.run import measure_saved
+from llm_anatomy.models import autocast_ctx, build_model, make_batch
 from validations.configs import NAMED, POLICIES, configs, runs
 from validations.test_efficient import EFFICIENT, check_flops, check_matches_baseline, check_saved
 
@@ -140,17 +140,17 @@ def test_recompute_is_an_efficient_option():
         Run(2, 16, "amp", "all")
     with pytest.raises(ConfigError, match="option of the efficient variant"):
         build_model(NAMED["tiny"], "baseline", device="meta", recompute=MLP)
-    from anatomy.calculator import estimate
+    from llm_anatomy.calculator import estimate
 
     with pytest.raises(ConfigError, match="option of the efficient variant"):
         estimate(NAMED["tiny"], Run(2, 16, "amp", MLP), "baseline")
-    out = subprocess.run([sys.executable, "-m", "anatomy.cli", "estimate", "--preset", "seed", "--recompute", MLP],
+    out = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--preset", "seed", "--recompute", MLP],
                          capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--variant efficient" in out.stderr, out.stderr
 
 
 def test_estimate_reports_it():
-    out = subprocess.run([sys.executable, "-m", "anatomy.cli", "estimate", "--preset", "seed", "--variant",
+    out = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--preset", "seed", "--variant",
                           "efficient", "--recompute", MLP, "--json"], capture_output=True, text=True, check=True)
     import json
 

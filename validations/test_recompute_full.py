@@ -1,5 +1,5 @@
 """Run.recompute="full": each efficient block runs under one checkpoint that keeps only its input; backward
-re-runs the block's forward but its last matmul (anatomy/efficient/transformer.py, BlockCheckpoint). The
+re-runs the block's forward but its last matmul (llm_anatomy/efficient/transformer.py, BlockCheckpoint). The
 claims: the same numbers as without recompute; the calculator's saved bytes and FLOPs exact per component;
 its memory on CPU exact against live storage: after forward, the backward peak (each block's re-run makes
 its saved tensors again), after backward, the largest moment inside the last block's forward (autocast's
@@ -13,14 +13,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from anatomy.calculator import estimate
-from anatomy.calculator.memory import phases
-from anatomy.calculator.timing import efficient_kernels
-from anatomy.config import ConfigError, ModelConfig, Run
-from anatomy.kernel_shapes import LCE_ALIGN, lce_vocab
-from anatomy.measure.liveness import LiveStorage, measure_phases_live
-from anatomy.measure.memory import setup_step
-from anatomy.models import autocast_ctx, build_model
+from llm_anatomy.calculator import estimate
+from llm_anatomy.calculator.memory import phases
+from llm_anatomy.calculator.timing import efficient_kernels
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.kernel_shapes import LCE_ALIGN, lce_vocab
+from llm_anatomy.measure.liveness import LiveStorage, measure_phases_live
+from llm_anatomy.measure.memory import setup_step
+from llm_anatomy.models import autocast_ctx, build_model
 from validations.configs import NAMED, POLICIES, configs, runs
 from validations.test_efficient import EFFICIENT, check_flops, check_saved
 from validations.test_recompute import WALK, check_identical
@@ -35,7 +35,7 @@ def test_keeps_only_the_block_inputs(claims):
     """Per layer only the block input, (B, S, H) in the residual dtype (fp32 under amp); besides, what no
     block keeps: the ids (int64), the two fp32 (S, hd) RoPE tables, the final norm's fp32 input, and the
     fused loss's bf16 grad_input (T, H) and fp32 grad_weight (V, H)."""
-    from anatomy.measure.run import measure_saved
+    from llm_anatomy.measure.run import measure_saved
 
     cfg, run = NAMED["tiny-gqa"], Run(2, 16, "amp", FULL)
     T, H, L, V = run.tokens, cfg.hidden, cfg.layers, cfg.vocab
@@ -158,15 +158,15 @@ def test_full_is_an_efficient_option():
         build_model(NAMED["tiny"], "baseline", device="meta", recompute=FULL)
     with pytest.raises(ConfigError, match="option of the efficient variant"):
         estimate(NAMED["tiny"], Run(2, 16, "amp", FULL), "baseline")
-    out = subprocess.run([sys.executable, "-m", "anatomy.cli", "estimate", "--preset", "seed", "--recompute", FULL],
+    out = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--preset", "seed", "--recompute", FULL],
                          capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--variant efficient" in out.stderr, out.stderr
-    out = subprocess.run([sys.executable, "-m", "anatomy.cli", "estimate", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--help"], capture_output=True, text=True)
     assert "full (keep" in " ".join(out.stdout.split()), out.stdout
 
 
 def test_estimate_reports_it():
-    out = subprocess.run([sys.executable, "-m", "anatomy.cli", "estimate", "--preset", "seed", "--variant",
+    out = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--preset", "seed", "--variant",
                           "efficient", "--recompute", FULL, "--json"], capture_output=True, text=True, check=True)
     d = json.loads(out.stdout)
     assert d["run"]["recompute"] == FULL

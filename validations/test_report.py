@@ -1,8 +1,8 @@
 """`anatomy report`: claims JSON -> README tables and plots, on a synthetic report."""
 import pytest
 
-from anatomy.report import claims_table, replace_between
-from anatomy.report.plots import error_distribution, family, predicted_vs_measured
+from llm_anatomy.report import claims_table, replace_between
+from llm_anatomy.report.plots import error_distribution, family, predicted_vs_measured
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -73,7 +73,7 @@ def test_gpu_only_kernel_table_marks_the_85pct_bar(tmp_path):
     against 85% of the 4.24 TB/s copy computed per row, and the run's source line."""
     import json
 
-    from anatomy.report.readme import kernels_gpu_only_table
+    from llm_anatomy.report.readme import kernels_gpu_only_table
 
     rows = [dict(op=op, impl=impl, gpu_only_us=10.0, gpu_only_tbps=tb, steady_us=20.0, cpu_issue_us=30.0)
             for op, impl, tb in (("rms_norm fwd", "fused", 3.61), ("rms_norm bwd", "fused", 3.59),
@@ -92,7 +92,7 @@ def test_power_table_divides_the_peers_times_and_energies(tmp_path):
     versions from the run's env record in the source line; a config whose records are missing is left out."""
     import json
 
-    from anatomy.report.readme import peers_power_table
+    from llm_anatomy.report.readme import peers_power_table
 
     common = dict(steps=40, samples=300, sm_clock_mhz=1500.0, power_cap_share=1.0, power_limit_w=700.0,
                   max_sm_clock_mhz=1980.0, gpu="G", torch="t", cuda="c", date="d", command="cmd")
@@ -112,11 +112,11 @@ def test_power_table_divides_the_peers_times_and_energies(tmp_path):
 
 
 def test_roofline_points_and_roofs(tmp_path):
-    """anatomy.report.roofline on a synthetic calibrate profile: one point per measured kernel, work and
+    """llm_anatomy.report.roofline on a synthetic calibrate profile: one point per measured kernel, work and
     bytes counted as its docstring says, the roofs from the same run, and the fraction of the roof."""
     import json
 
-    from anatomy.report import roofline
+    from llm_anatomy.report import roofline
 
     m = dict(matmul_bf16=[dict(m=1024, n=1024, k=1024, ms=0.01, tflops=214.7)], copy_tbps=4.0,
              matmul_bf16_in_step=[dict(m=1024, n=1024, k=1024, ms=0.005)],
@@ -145,8 +145,8 @@ def test_roofline_points_and_roofs(tmp_path):
 def test_roofline_counts_flops_for_every_op_calibrate_times():
     """Every op calibrate's fused pass times (calibrate_kernels._fused_cases) has a FLOP count per element in
     the roofline figure, so a new calibrated op cannot break `anatomy report`."""
-    from anatomy.measure.calibrate_kernels import _fused_cases
-    from anatomy.report.roofline import ELEMENTWISE_FLOPS
+    from llm_anatomy.measure.calibrate_kernels import _fused_cases
+    from llm_anatomy.report.roofline import ELEMENTWISE_FLOPS
 
     ops = {op for op, *_ in _fused_cases(1024)}
     assert ops and ops <= set(ELEMENTWISE_FLOPS), sorted(ops - set(ELEMENTWISE_FLOPS))
@@ -158,7 +158,7 @@ def _readme_copy(tmp_path):
     """A copy of the README and its images in a temp folder: what `anatomy report --readme` rewrites."""
     import shutil
 
-    from anatomy import records
+    from llm_anatomy import records
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     shutil.copy(records.ROOT / "README.md", tmp_path / "README.md")
@@ -205,8 +205,8 @@ def _bad(kind: str) -> bytes:
 def test_malformed_claims_file_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, kind):
     """A malformed claims report: exit 2, one line on stderr naming the file, no traceback, and the README and
     its images exactly as they were (the reports are checked before anything is rendered)."""
-    from anatomy import records
-    from anatomy.cli import main
+    from llm_anatomy import records
+    from llm_anatomy.cli import main
 
     readme = _readme_copy(tmp_path / "out")
     before = _snapshot(tmp_path / "out")
@@ -221,8 +221,8 @@ def test_malformed_claims_file_is_one_line_exit_2_and_writes_nothing(tmp_path, m
 
 
 def test_load_accepts_the_committed_claims_reports():
-    from anatomy import records
-    from anatomy.report import load
+    from llm_anatomy import records
+    from llm_anatomy.report import load
 
     assert all(rep["rows"] for rep in load([records.CPU_CLAIMS, records.GPU_CLAIMS]))
 
@@ -230,8 +230,8 @@ def test_load_accepts_the_committed_claims_reports():
 def test_claims_doc_maps_every_claim_to_a_formula_and_code_that_exist():
     """docs/claims.md's mapping (claims_doc.FAMILIES) covers every claim of the committed reports, and every
     `path:symbol` it names is defined in the tree (where the file moved, in the same folder or once in anatomy/)."""
-    from anatomy import records
-    from anatomy.report import claims_doc, load
+    from llm_anatomy import records
+    from llm_anatomy.report import claims_doc, load
 
     paths = [records.CPU_CLAIMS, records.GPU_CLAIMS]
     reports = list(zip(paths, load(paths)))
@@ -240,7 +240,7 @@ def test_claims_doc_maps_every_claim_to_a_formula_and_code_that_exist():
 
 
 def test_claims_doc_lists_an_unmapped_claim_and_its_test(tmp_path):
-    from anatomy.report import claims_doc
+    from llm_anatomy.report import claims_doc
 
     rep = _report()
     rep["rows"].append(dict(rep["rows"][0], claim="a claim nobody mapped", test="validations/test_z.py::test_w[p]"))
@@ -256,8 +256,8 @@ def test_report_twice_changes_nothing_and_writes_no_absolute_path(tmp_path):
     absolute path (this machine's repo or temp folders, or a home or root directory)."""
     import re
 
-    from anatomy import records
-    from anatomy.report.readme import regenerate
+    from llm_anatomy import records
+    from llm_anatomy.report.readme import regenerate
 
     readme = _readme_copy(tmp_path)
     regenerate(readme)
@@ -276,8 +276,8 @@ def test_report_twice_changes_nothing_and_writes_no_absolute_path(tmp_path):
 def test_a_section_that_fails_to_render_leaves_readme_and_images_untouched(tmp_path, monkeypatch, capsys):
     """All or nothing: the claims plots are drawn before the timing section; when that section fails, no
     image and no README byte has been written (everything is rendered before the first write)."""
-    from anatomy.cli import main
-    from anatomy.report import probes
+    from llm_anatomy.cli import main
+    from llm_anatomy.report import probes
 
     readme = _readme_copy(tmp_path)
     before = _snapshot(tmp_path)
@@ -295,7 +295,7 @@ def test_user_docs_links_resolve():
     """Every relative link of the README and the user docs points at a file or folder of the tree."""
     import re
 
-    from anatomy import records
+    from llm_anatomy import records
 
     pages = ["README.md"] + [f"docs/{n}.md" for n in ("planning", "calculator", "memory", "benchmarks",
                                                         "distributed", "history", "claims")]
@@ -311,7 +311,7 @@ def test_a_row_without_a_measured_figure_loads_and_renders(tmp_path):
     """conftest's unpredicted-OOM row carries null measured and error: a valid claims row, shown without an error."""
     import json
 
-    from anatomy.report import load
+    from llm_anatomy.report import load
 
     row = dict(_GOOD_ROW, claim="the step fits in GPU memory", measured=None, error=None, passed=False)
     p = tmp_path / "c.json"

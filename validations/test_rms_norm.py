@@ -1,4 +1,4 @@
-"""The fused RMSNorm op (anatomy/kernels/rms_norm.py): accuracy against the reference's own error
+"""The fused RMSNorm op (llm_anatomy/kernels/rms_norm.py): accuracy against the reference's own error
 (validations/kernel_cases.py), odd shapes, the row tiles of the Triton launchers, and the backward's
 program count against the calculator's."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from anatomy.kernel_shapes import RMS_MIN_ROWS, rms_norm_programs
-from anatomy.kernels import HAS_TRITON, INTERPRET, rms_norm_backward_triton, rms_norm_triton
-from anatomy.kernels.rms_norm import MAX_BLOCK, backward_programs
+from llm_anatomy.kernel_shapes import RMS_MIN_ROWS, rms_norm_programs
+from llm_anatomy.kernels import HAS_TRITON, INTERPRET, rms_norm_backward_triton, rms_norm_triton
+from llm_anatomy.kernels.rms_norm import MAX_BLOCK, backward_programs
 from validations.kernel_cases import BF16, FP32, PATHS, check_accuracy, path_ctx, rms_case
 
 

@@ -1,4 +1,4 @@
-"""The fused RoPE-on-QKV op (anatomy/kernels/rope.py): accuracy against the reference's own error
+"""The fused RoPE-on-QKV op (llm_anatomy/kernels/rope.py): accuracy against the reference's own error
 (validations/kernel_cases.py) over head counts and head dims, the q/k/v layouts, and that no output
 keeps the qkv input alive."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from anatomy.kernels import INTERPRET, rope_qkv
+from llm_anatomy.kernels import INTERPRET, rope_qkv
 from validations.kernel_cases import BF16, FP32, PATHS, check_accuracy, path_ctx, rope_case, rope_tables
 
 

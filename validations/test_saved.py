@@ -3,9 +3,9 @@ import pytest
 import torch
 from hypothesis import given
 
-from anatomy.calculator import estimate
-from anatomy.config import ModelConfig, Run
-from anatomy.measure.run import measure_saved
+from llm_anatomy.calculator import estimate
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.measure.run import measure_saved
 from validations.configs import NAMED, POLICIES, RUNS, configs, runs
 
 
@@ -35,7 +35,7 @@ def test_saved_bytes_exact_named(name, run_id, policy, claims):
 def test_saved_bytes_exact_full_size_on_meta(name, run, claims):
     """Full-size presets on meta tensors: storage sizes without memory (tens to hundreds of GB here).
     Autocast has no meta kernel, so the amp policy is checked on real CPU and CUDA tensors instead."""
-    from anatomy.config import PRESETS
+    from llm_anatomy.config import PRESETS
 
     _check(claims, PRESETS[name], run, f"{name}/B{run.batch}S{run.seq}/{run.dtype}", device="meta")
 
@@ -55,7 +55,7 @@ def test_saved_bytes_exact_cuda(name, policy, claims):
 @pytest.mark.gpu
 def test_saved_bytes_exact_cuda_seed_full(claims):
     """The whole seed config at B=2, S=4096 on the GPU (about 11 GiB of saved activations)."""
-    from anatomy.config import PRESETS
+    from llm_anatomy.config import PRESETS
 
     _check(claims, PRESETS["seed"], Run(2, 4096), "seed/B2S4096/amp", device="cuda")
 
@@ -99,7 +99,7 @@ class _ChunkedV(torch.nn.Module):
 
 @pytest.mark.parametrize("contiguous", [False, True], ids=["view", "contiguous"])
 def test_chunked_qkv_view_keeps_fused_tensor_alive(contiguous, claims):
-    from anatomy.measure.saved import SavedTensorTracer
+    from llm_anatomy.measure.saved import SavedTensorTracer
 
     B, S, H = 2, 8, 32
     mod = _ChunkedV(H, contiguous)

@@ -1,4 +1,4 @@
-"""The causal SDPA kernel's CTA schedule (anatomy/calculator/timing/sdpa_schedule.py), its fit to calibrate's
+"""The causal SDPA kernel's CTA schedule (llm_anatomy/calculator/timing/sdpa_schedule.py), its fit to calibrate's
 rows (timing/fit.schedule_table, measure/calibrate_sdpa.py), and, on a GPU, its prediction at grids and head
 dims calibrate never timed."""
 from __future__ import annotations
@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anatomy import records
-from anatomy.calculator import timing
-from anatomy.calculator.timing import sdpa_schedule
-from anatomy.calculator.timing.kernels_efficient import efficient_kernels
-from anatomy.config import ModelConfig, Run
-from anatomy.measure import calibrate_sdpa
+from llm_anatomy import records
+from llm_anatomy.calculator import timing
+from llm_anatomy.calculator.timing import sdpa_schedule
+from llm_anatomy.calculator.timing.kernels_efficient import efficient_kernels
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.measure import calibrate_sdpa
 from validations import known_misses
 
 SMS = 132
@@ -178,7 +178,7 @@ def sdpa_kernel_rows(cuda_device) -> dict[tuple, dict]:
     pass in a process of its own: the profiler leaves CUPTI attached, and the host-bound step tests after
     these would pay for it (calibrate.py profiles last for the same reason). One process, not one per
     shape: each start (CUDA, cuDNN, the profiler) costs several seconds."""
-    code = ("import json, sys, time; from anatomy.measure.calibrate_sdpa import measure_sdpa_kernels; "
+    code = ("import json, sys, time; from llm_anatomy.measure.calibrate_sdpa import measure_sdpa_kernels; "
             f"print(json.dumps(measure_sdpa_kernels(time.monotonic() + 120, reps=10, shapes={GPU_SHAPES!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     return {(r["B"], r["heads"], r["S"], r["hd"]): r for r in json.loads(out.stdout.strip().splitlines()[-1])}
@@ -212,7 +212,7 @@ IN_STEP_TEST = "validations/test_sdpa_schedule.py::test_sdpa_kernel_in_step_with
 def _in_step_cases():
     """Every efficient row of the probe's run: cuDNN's main kernel per layer as the probe profiled it in the
     step, each id its shape and its occurrence; known misses: validations/known_misses.json."""
-    from anatomy.report import sdpa_plot
+    from llm_anatomy.report import sdpa_plot
 
     seen: dict[str, int] = {}
     out = []
@@ -233,7 +233,7 @@ def test_sdpa_kernel_in_step_within_15pct(point, claims):
     profiled kernels over the layers) against the schedule of the profile calibrated in the same run,
     ±15%, in the step's own conditions: the drawn rows' shapes, which the fit never saw, and the named
     ones (the seed B16 S4096 is also one of calibrate's grids)."""
-    from anatomy.report import sdpa_plot
+    from llm_anatomy.report import sdpa_plot
 
     prof = timing.get(str(records.TIMING_PROBE_PROFILE))
     claims.check("time.sdpa_kernel.forward" if point["phase"] == "forward" else "time.sdpa_kernel.backward",

@@ -109,7 +109,7 @@ def test_each_targets_wrapper_sits_on_its_benchmarks_path(kernel, phase):
     """The Triton launchers run on CPU under the interpreter (triton_on_cpu), so the real kernel paths
     reach the wrappers here as they do on CUDA: each kernel's own benchmark calls its target, in the
     timed work of its phase (a bwd round calls the backward launcher), and no other target."""
-    from anatomy.kernels import triton_on_cpu
+    from llm_anatomy.kernels import triton_on_cpu
     from validations.bench_kernels import kernel_case, optimizer_case
 
     fake = FakeGPU()
@@ -138,8 +138,8 @@ def test_each_targets_wrapper_sits_on_its_benchmarks_path(kernel, phase):
 def test_the_efficient_model_calls_every_kernel_target_and_the_baseline_none_of_ours():
     """Through the real model paths (Triton launchers under the interpreter): the efficient step calls
     every fused kernel's target and the AdamW step; the baseline step calls none of the fused kernels."""
-    from anatomy.config import Run
-    from anatomy.kernels import triton_on_cpu
+    from llm_anatomy.config import Run
+    from llm_anatomy.kernels import triton_on_cpu
     from validations.bench_harness import model_case
     from validations.configs import NAMED
 

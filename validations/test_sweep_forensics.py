@@ -15,7 +15,7 @@ def _f(path, name, line=1):
 
 def _synthetic_snapshot():
     """A build, then one step: forward, backward (a built-in op with no Python frames), optimizer."""
-    from anatomy.measure.forensics import MARKER_FUNC, marker_size
+    from llm_anatomy.measure.forensics import MARKER_FUNC, marker_size
 
     addr = itertools.count(0x7000_0000, 0x10_0000)
     trace, live = [], {}
@@ -72,7 +72,7 @@ def _synthetic_snapshot():
 
 
 def test_forensics_attributes_the_peak_of_a_synthetic_snapshot():
-    from anatomy.measure.forensics import attribute_peak, replay
+    from llm_anatomy.measure.forensics import attribute_peak, replay
 
     snap, MiB = _synthetic_snapshot()
     r = replay(snap)
@@ -94,7 +94,7 @@ def test_forensics_attributes_the_peak_of_a_synthetic_snapshot():
 
 
 def test_forensics_plot_of_a_synthetic_snapshot(tmp_path):
-    from anatomy.measure.forensics import plot_timeline, replay, step_series
+    from llm_anatomy.measure.forensics import plot_timeline, replay, step_series
 
     snap, MiB = _synthetic_snapshot()
     r = replay(snap)
@@ -111,7 +111,7 @@ def test_forensics_plot_of_a_synthetic_snapshot(tmp_path):
 
 
 def test_forensics_cli_asks_for_cuda_only_when_told(capsys):
-    from anatomy.measure.forensics_cli import main
+    from llm_anatomy.measure.forensics_cli import main
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the CPU exit is what is tested here")
@@ -129,7 +129,7 @@ def test_forensics_on_cpu_live_storage(variant, tmp_path, capsys):
     """`anatomy forensics --device cpu`: the live-storage trace goes through the CUDA path's replay,
     attribution and plot. The replayed peak must equal LiveStorage's own per-phase peaks of the same
     steps, and what is live at the peak must be credited to components, not left unattributed."""
-    from anatomy.measure.forensics_cli import main
+    from llm_anatomy.measure.forensics_cli import main
 
     png, out = tmp_path / "f.png", tmp_path / "f.json"
     argv = ["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--intermediate", "160",
@@ -150,7 +150,7 @@ def test_forensics_on_cpu_live_storage(variant, tmp_path, capsys):
 
 # ---- CPU: anatomy sweep ------------------------------------------------------------------------------
 def _sweep(tmp_path, *argv):
-    from anatomy.sweep import main
+    from llm_anatomy.sweep import main
 
     out = tmp_path / "sweep.json"
     rc = main([*argv, "--out", str(out), "--quiet"])
@@ -173,7 +173,7 @@ def test_sweep_predicts_and_measures_small_configs_on_cpu(tmp_path):
 
 
 def test_sweep_skips_a_predicted_oom_and_records_an_unpredicted_one(tmp_path, monkeypatch):
-    import anatomy.sweep as sw
+    import llm_anatomy.sweep as sw
 
     rc, rep = _sweep(tmp_path, "--preset", "seed", "--batch", "16", "--seq", "4096", "--variant", "baseline",
                      "--measure", "on", "--device", "cpu", "--mem-limit", "1")
@@ -199,14 +199,14 @@ def test_sweep_skips_a_predicted_oom_and_records_an_unpredicted_one(tmp_path, mo
 
 
 def test_sweep_predicts_a_large_grid_without_torch_models(tmp_path, monkeypatch):
-    import anatomy.measure.run
-    import anatomy.models
+    import llm_anatomy.measure.run
+    import llm_anatomy.models
 
     def no_model(*a, **k):
         raise AssertionError("a prediction-only sweep built or measured a torch model")
 
-    monkeypatch.setattr(anatomy.models, "build_model", no_model)
-    monkeypatch.setattr(anatomy.measure.run, "measure", no_model)
+    monkeypatch.setattr(llm_anatomy.models, "build_model", no_model)
+    monkeypatch.setattr(llm_anatomy.measure.run, "measure", no_model)
     rc, rep = _sweep(tmp_path, "--preset", "seed,llama3-8b", "--batch", "1", "8", "--seq", "2048,8192",
                      "--device", "cuda")
     assert rc == 0 and rep["grid"]["points"] == 2 * 2 * 2 * 2 and rep["grid"]["device"] == "cuda"
@@ -224,7 +224,7 @@ def test_sweep_predicts_a_large_grid_without_torch_models(tmp_path, monkeypatch)
     (["--mem-limit", "0"], "--mem-limit"),
 ])
 def test_sweep_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, msg):
-    from anatomy.sweep import main
+    from llm_anatomy.sweep import main
 
     try:  # argparse's own errors leave through sys.exit(2); the rest return 2
         rc = main([*argv, "--out", str(tmp_path / "s.json"), "--quiet", "--device", "cpu"])
@@ -236,7 +236,7 @@ def test_sweep_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, msg):
 
 
 def _estimate(capsys, *argv) -> dict:
-    from anatomy.cli import main
+    from llm_anatomy.cli import main
 
     capsys.readouterr()
     assert main(["estimate", *argv, "--json"]) == 0

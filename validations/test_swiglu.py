@@ -1,4 +1,4 @@
-"""The fused SwiGLU op (anatomy/kernels/swiglu.py): accuracy of both variants against the reference's
+"""The fused SwiGLU op (llm_anatomy/kernels/swiglu.py): accuracy of both variants against the reference's
 own error (validations/kernel_cases.py), gpt-oss's inclusive clamps, and the in-place backward (exact,
 and never silent). The packed form is validations/test_swiglu_packed.py."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anatomy.kernels import swiglu
-from anatomy.kernels.swiglu import _disjoint
+from llm_anatomy.kernels import swiglu
+from llm_anatomy.kernels.swiglu import _disjoint
 from validations.kernel_cases import (BF16, FP32, IGNORE_OVERFLOW, PATHS, check_accuracy, path_ctx, plain_swiglu,
                                       swiglu_case)
 

@@ -1,4 +1,4 @@
-"""swiglu_packed (anatomy.kernels.swiglu): the MLP's activation on one (..., 2I) gate_up tensor.
+"""swiglu_packed (llm_anatomy.kernels.swiglu): the MLP's activation on one (..., 2I) gate_up tensor.
 
 It must compute exactly what swiglu computes on the two column halves, and its backward must hand
 back gate_up's own storage, filled in place with d(gate_up): no SplitBackward, no cat, no new
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from anatomy.kernels import swiglu, swiglu_packed
+from llm_anatomy.kernels import swiglu, swiglu_packed
 from validations.kernel_cases import IGNORE_OVERFLOW, PATHS, path_ctx
 
 pytestmark = IGNORE_OVERFLOW

@@ -1,7 +1,7 @@
-"""The timing model (anatomy/calculator/timing/) against itself and the committed H200 records.
+"""The timing model (llm_anatomy/calculator/timing/) against itself and the committed H200 records.
 
 CPU tests check the model's internal claims (monotonicity, bound classification, FLOP bookkeeping, MFU,
-host syncs) and compare its predictions with the committed H200 step and kernel records (anatomy.records;
+host syncs) and compare its predictions with the committed H200 step and kernel records (llm_anatomy.records;
 known misses: validations/known_misses.json); the gpu-marked test times full steps in-process and holds
 the model to ±10%. The profiles themselves: test_gpu_profile.py.
 """
@@ -14,12 +14,12 @@ from dataclasses import replace
 
 import pytest
 
-from anatomy import records
-from anatomy.calculator import estimate, timing
-from anatomy.calculator.timing import roofline
-from anatomy.calculator.optimizer import step_bytes_moved
-from anatomy.config import ConfigError, ModelConfig, Run
-from anatomy.report import steps
+from llm_anatomy import records
+from llm_anatomy.calculator import estimate, timing
+from llm_anatomy.calculator.timing import roofline
+from llm_anatomy.calculator.optimizer import step_bytes_moved
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.report import steps
 from validations import known_misses
 
 SEED, ONE_B = ModelConfig.from_name("seed"), ModelConfig.from_name("anchor-1b")
@@ -108,7 +108,7 @@ def test_mfu_definitions():
 
 def test_optimizer_phase():
     eff = timing.optimizer_kernels(SEED, SEED_RUN, "efficient")
-    from anatomy.calculator import param_count
+    from llm_anatomy.calculator import param_count
 
     assert sum(k.bytes * k.count for k in eff) == step_bytes_moved(param_count(SEED), "ademamix")  # one pass
     for v in timing.VARIANTS:
@@ -200,7 +200,7 @@ def _measure_step_ms(cfg: ModelConfig, run: Run, variant: str, warmup: int = 3, 
     bench/step.py. Reads no calculator."""
     import torch
 
-    from anatomy.models import build_model
+    from llm_anatomy.models import build_model
 
     model = build_model(cfg, variant, device="cuda")
     ids = [torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda") for _ in range(2)]
@@ -230,7 +230,7 @@ def test_step_time_within_10pct_gpu(case, claims, cuda_device, suite_profile):
     a tiny host step, the prediction takes the host's speed in this process (calibrate_host.HostStep,
     timed right before and after the steps; timing.at_host_speed): the host's speed moves between
     processes and within one, and this step waits on the host for its loss's syncs."""
-    from anatomy.measure.calibrate_host import HostStep
+    from llm_anatomy.measure.calibrate_host import HostStep
 
     preset, B, S, variant = GPU_CASES[case]
     cfg, run = ModelConfig.from_name(preset), Run(B, S, "amp")
@@ -256,7 +256,7 @@ def test_gqa_backward_reduces_heads_under_cudnn_only():
     """Under GQA, cuDNN's SDPA backward writes dK and dV per query head in fp32 and sums each group
     after (fmha_reduce_head in every GQA row's H200 trace): one memory kernel per layer, under cuDNN
     only, and none without GQA."""
-    from anatomy.calculator.timing.kernels_efficient import efficient_kernels
+    from llm_anatomy.calculator.timing.kernels_efficient import efficient_kernels
 
     cfg = ModelConfig(name="gqa", hidden=1024, layers=2, heads=16, kv_heads=4, intermediate=2816, vocab=8192)
     run = Run(2, 1024, "amp")

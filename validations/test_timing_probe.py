@@ -1,4 +1,4 @@
-"""In-situ per-component timing (anatomy/measure/timeline.py) and the timing model against it.
+"""In-situ per-component timing (llm_anatomy/measure/timeline.py) and the timing model against it.
 
 CPU tests check the measurement's bookkeeping: the interval attribution on a synthetic mark
 sequence (exact), and a real CPU run's phases, components and sums. The comparison reads the
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from anatomy import records
-from anatomy.config import ModelConfig, Run
-from anatomy.report import probes
-from anatomy.measure.components import COMPONENTS
-from anatomy.measure.timeline import MARK, PHASES, attribute, attribute_kernels, component_times, trace_kernels
+from llm_anatomy import records
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.report import probes
+from llm_anatomy.measure.components import COMPONENTS
+from llm_anatomy.measure.timeline import MARK, PHASES, attribute, attribute_kernels, component_times, trace_kernels
 from validations import known_misses
 
 TINY = ModelConfig(name="tiny", hidden=64, layers=2, heads=4, intermediate=96, vocab=128)
@@ -113,7 +113,7 @@ def test_plain_steps_fill_their_budget_and_the_reference_brackets_them():
     """plain_budget_ms: as many unmarked steps as fit at the marked steps' median, between `steps` and
     4 x `steps`, each kept; reference() runs once right before and once right after them (host_ref_ms),
     here calibrate's tiny host step on CPU (calibrate_host.HostStep)."""
-    from anatomy.measure.calibrate_host import HostStep
+    from llm_anatomy.measure.calibrate_host import HostStep
 
     hs, calls = HostStep(warmup=1, device="cpu"), []
 
@@ -264,7 +264,7 @@ def test_kernel_time_per_component_adds_up():
 
 
 def test_error_table_in_docs_is_current():
-    """docs/timing.md's probe table is generated from these rows (anatomy.report.probes.timing_markdown)."""
+    """docs/timing.md's probe table is generated from these rows (llm_anatomy.report.probes.timing_markdown)."""
     assert probes.timing_markdown() in (Path(__file__).parent.parent / "docs/timing.md").read_text()
 
 
@@ -275,7 +275,7 @@ def test_rows_the_probe_could_not_run_were_predicted_ooms():
     import json
     import re
 
-    from anatomy.calculator.memory import phases
+    from llm_anatomy.calculator.memory import phases
 
     failed = [r for p in records.TIMING_PROBE.values() for r in json.loads(p.read_text())["rows"] if "error" in r]
     for r in failed:

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from anatomy.config import ModelConfig, Run
-from anatomy.train import checkpoint as ckpt
-from anatomy.train import cli
-from anatomy.train.data import Batches, load_data
-from anatomy.train.loop import Diverged, TrainOptions, train
-from anatomy.train.resume import latest
-from anatomy.train.tokenizer import EOT
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.train import checkpoint as ckpt
+from llm_anatomy.train import cli
+from llm_anatomy.train.data import Batches, load_data
+from llm_anatomy.train.loop import Diverged, TrainOptions, train
+from llm_anatomy.train.resume import latest
+from llm_anatomy.train.tokenizer import EOT
 from validations import train_cases
 
 SHAPE = train_cases.SHAPE
@@ -59,7 +59,7 @@ def _float64_throughout():
     the loss) and builds the RoPE tables in fp32; on a float64 model those would round to fp32, so
     the reference would share fp32 roundings with the runs it judges and understate their error
     (measured: it halves the fp32 baseline's curve error, 8.4e-8 -> 4.6e-8)."""
-    import anatomy.baseline.transformer as bt
+    import llm_anatomy.baseline.transformer as bt
 
     to_float = torch.Tensor.float
 
@@ -111,7 +111,7 @@ def test_variants_follow_the_same_loss_curve(policy, data, fp64_curve, tmp_path,
 def test_recompute_trains_the_same_curve(data, tmp_path, monkeypatch):
     """`anatomy train --variant efficient --recompute mlp` runs the recomputing model (Run.recompute in
     its log's identity) and, recompute being exact, follows the plain efficient curve bit for bit."""
-    from anatomy.train import setup
+    from llm_anatomy.train import setup
 
     built, init = [], setup.init_model
     monkeypatch.setattr(setup, "init_model", lambda *a, **k: built.append(init(*a, **k)) or built[-1])
@@ -129,7 +129,7 @@ def test_recompute_trains_the_same_curve(data, tmp_path, monkeypatch):
 
 # ---- 2. kill and resume -----------------------------------------------------------------------------
 def _run_cli(args: list[str], env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "anatomy.train.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "llm_anatomy.train.cli", *args], capture_output=True, text=True,
                           timeout=300, env=env or ENV)
 
 
@@ -264,7 +264,7 @@ def test_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(args, env, b
     log = json.loads((ck / "train_log.json").read_text())
     assert log["status"] == "diverged" and len(log["steps"]) == bad_step - 1
     # the survivor loads, and holds finite weights
-    from anatomy.train.loop import init_model, make_optimizer
+    from llm_anatomy.train.loop import init_model, make_optimizer
 
     o = TrainOptions(steps=10)
     model = init_model(TINY, "baseline", "cpu", torch.float32, seed=1)
@@ -363,7 +363,7 @@ def test_torchrun_two_ranks_follow_the_one_process_curve(variant, strategy, cach
             "--eval-every", "10", "--ckpt-dir", str(out), "--cache-dir", str(cache),
             "--optimizer", "ademamix"]  # the optimizer of _curve and the float64 reference
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "anatomy.train.cli", *args]
+           "-m", "llm_anatomy.train.cli", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr[-8000:]  # the ranks' own lines come before torchrun's summary
     log = json.loads((out / "train_log.json").read_text())

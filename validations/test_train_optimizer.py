@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from anatomy.train import cli
-from anatomy.train.loop import TrainOptions
+from llm_anatomy.train import cli
+from llm_anatomy.train.loop import TrainOptions
 from validations import train_cases
 
 SHAPE = train_cases.SHAPE
@@ -18,13 +18,13 @@ one_thread, cache = train_cases.one_thread, train_cases.cache  # the module fixt
 @pytest.mark.parametrize("variant", ["baseline", "efficient"])
 @pytest.mark.parametrize("name", ["adamw", "ademamix"])
 def test_each_variant_runs_the_optimizer_the_calculator_times(name, variant):
-    """make_optimizer on CUDA builds what anatomy/calculator/optimizer.py: implementation() names (and the
+    """make_optimizer on CUDA builds what llm_anatomy/calculator/optimizer.py: implementation() names (and the
     timing model times): torch's fused AdamW for either variant; AdEMAMix's loop for the baseline and its
     compiled foreach step for the efficient variant. adamw is the default."""
-    from anatomy.calculator.optimizer import implementation
-    from anatomy.optim import AdEMAMix, FusedAdEMAMix
-    from anatomy.optim.efficient import compiled_ademamix_foreach_
-    from anatomy.train.loop import make_optimizer
+    from llm_anatomy.calculator.optimizer import implementation
+    from llm_anatomy.optim import AdEMAMix, FusedAdEMAMix
+    from llm_anatomy.optim.efficient import compiled_ademamix_foreach_
+    from llm_anatomy.train.loop import make_optimizer
 
     assert TrainOptions().optimizer == "adamw" and cli.parser().parse_args([]).optimizer == "adamw"
     model = torch.nn.Linear(4, 4)

@@ -1,4 +1,0 @@
-from anatomy.distributed.strategies import exit_rank
-from anatomy.train.cli import main
-
-exit_rank(main())

@@ -1,0 +1,115 @@
+"""Causal self-attention with GQA and RoPE, and optionally a bias on q, k and v (Qwen2).
+
+A bias changes the parameters and the elementwise work only. nn.Linear with a bias runs one addmm
+(a 3-D input is flattened to 2-D first), and that node saves the same two operands as the mm of a
+bias-free linear: the bias's gradient is a sum of the output's gradient, which needs nothing kept.
+FlopCounterMode counts addmm as the mm alone, so the counter FLOPs are unchanged too, and the model
+convention counts matmuls only.
+"""
+from __future__ import annotations
+
+from llm_anatomy.calculator.dtypes import dtypes
+from llm_anatomy.calculator.linear import linears_saved
+from llm_anatomy.calculator.types import Component, Saved
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+
+
+def params(cfg: ModelConfig) -> int:
+    H, kv = cfg.hidden, cfg.kv_dim
+    return cfg.layers * (H * H + 2 * H * kv + H * H + qkv_bias(cfg))  # q, k, v, o, and q, k, v's biases
+
+
+def qkv_bias(cfg: ModelConfig) -> int:
+    """Elements of one layer's q, k and v biases (0 without them)."""
+    return cfg.hidden + 2 * cfg.kv_dim if cfg.qkv_bias else 0
+
+
+def _flops(cfg: ModelConfig, run: Run) -> tuple[int, int]:
+    """(projection FLOPs, score + AV FLOPs) of one forward over all layers, no causal discount."""
+    T, H, kv, L = run.tokens, cfg.hidden, cfg.kv_dim, cfg.layers
+    proj = 2 * T * H * (H + 2 * kv + H)
+    sdpa = 2 * (2 * run.batch * cfg.heads * run.seq * run.seq * cfg.head_dim)  # QKᵀ and PV
+    return L * proj, L * sdpa
+
+
+def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
+    dt, L = dtypes(run), cfg.layers
+    B, S, T, H, nh, hd = run.batch, run.seq, run.tokens, cfg.hidden, cfg.heads, cfg.head_dim
+    c = dt.compute
+    # repeat_kv is expand + reshape. With one kv head and batch 1 every reshape down to the bmm stays a
+    # stride-0 view, so k and v are kept at kv-head size; otherwise a reshape must copy to all nh heads.
+    kv_saved = (B * cfg.kv_heads if B == 1 and cfg.kv_heads == 1 else B * nh)
+    # the baseline norm returns the residual's dtype: fp32 under amp, so each projection casts it
+    saved = linears_saved("attention", T, H, {"q": H, "k": cfg.kv_dim, "v": cfg.kv_dim}, dt, L, dt.residual)
+    saved += [
+        # built once per step by the model and shared by every layer, so saved once
+        Saved("attention.rope_cos", (S, hd), c, 1, "q*cos and k*cos keep the table (q, k need no saving)"),
+        Saved("attention.rope_sin", (S, hd), c, 1, "rotate_half(q)*sin keeps the table"),
+        Saved("attention.q", (B * nh, S, hd), c, L, "QKᵀ keeps q"),
+        Saved("attention.k", (kv_saved, hd, S), c, L, "QKᵀ keeps k, expanded to all query heads under GQA"),
+        Saved("attention.probs_fp32", (B, nh, S, S), "float32", L, "softmax keeps its output"),
+    ]
+    if c != "float32":  # the cast for P@V is a second S×S copy; under fp32 it is the same tensor
+        saved.append(Saved("attention.probs_cast", (B * nh, S, S), c, L, "P@V keeps the cast probabilities"))
+    saved.append(Saved("attention.v", (kv_saved, S, hd), c, L, "P@V keeps v"))
+    saved += linears_saved("attention", T, H, {"o": H}, dt, L, c)  # o keeps the merged heads (a copy)
+    proj, sdpa = _flops(cfg, run)
+    # RoPE: 3/element; scale, mask, softmax: 7/score; a bias: 1/element of q, k, v
+    ew = L * (3 * T * (H + cfg.kv_dim) + 7 * B * nh * S * S + T * qkv_bias(cfg))
+    return Component("attention", L, params(cfg), proj + sdpa, 2 * (proj + sdpa),
+                     proj + sdpa // 2, 2 * (proj + sdpa // 2), ew, saved)
+
+
+def _sdpa_saved(cfg: ModelConfig, run: Run, device: str, c: str) -> list[Saved]:
+    """What the SDPA kernel keeps, per device (read off each backend; see reports/h200/probe_sdpa_h200.json)."""
+    B, S, nh, nkv, hd, L = run.batch, run.seq, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.layers
+    saved = [Saved("attention.sdpa.q", (B, nh, S, hd), c, L, "SDPA backward recomputes P from q, k"),
+             Saved("attention.sdpa.k", (B, nkv, S, hd), c, L, "kept at kv-head size: GQA goes to the kernel"),
+             Saved("attention.sdpa.v", (B, nkv, S, hd), c, L, "P@V's backward needs v"),
+             Saved("attention.sdpa.out", (B, nh, S, hd), c, L, "dP needs out (rowsum(dO·O)); o reads a view of it")]
+    if device == "cpu":  # the CPU flash-style kernel
+        return saved + [Saved("attention.sdpa.logsumexp", (B, nh, S), "float32", L, "softmax statistics per row")]
+    if device == "cuda":  # cuDNN, the first choice on Hopper
+        if c != "bfloat16":
+            raise ConfigError("efficient attention on CUDA is modelled for bf16 (amp or bf16), where cuDNN runs")
+        return saved + [Saved("attention.sdpa.stats", (B, nh, S, 1), "float32", L, "softmax statistics per row"),
+                        Saved("attention.sdpa.philox_seed", (), "int64", L, "cuDNN keeps its RNG state"),
+                        Saved("attention.sdpa.philox_offset", (), "int64", L, "even without dropout")]
+    raise ConfigError(f"no SDPA model for device {device!r} (cpu or cuda)")
+
+
+def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
+    dt, L, T, H, S, hd = dtypes(run), cfg.layers, run.tokens, cfg.hidden, run.seq, cfg.head_dim
+    c = dt.compute
+    qkv = (cfg.heads + 2 * cfg.kv_heads) * hd
+    if run.recompute == "full":  # the block's checkpoint keeps its input and the tables, nothing else
+        saved = [Saved("attention.x", (run.batch, S, H), dt.residual, L,
+                       "the block's checkpoint keeps its input; backward runs the block's forward again")]
+    elif run.recompute == "mlp":  # the norm -> qkv checkpoint keeps x; backward re-runs the norm alone
+        saved = [Saved("attention.x", (run.batch, S, H), dt.residual, L,
+                       "the checkpoint keeps the block input; the norm runs again in backward, qkv does not")]
+    else:  # the fused norm already returns the compute dtype: one saved input for the single qkv matmul (in
+        # the lean block its node keeps the fp32 weight, not its cast: llm_anatomy/kernels/lean.py)
+        saved = linears_saved("attention", T, H, {"qkv": qkv}, dt, L, c, weight_cast=not run.lean_block)
+    saved += [Saved("attention.rope_cos", (S, hd), "float32", 1, "rope_qkv (or the checkpoint) keeps the fp32 tables"),
+              Saved("attention.rope_sin", (S, hd), "float32", 1, "built once per step, shared by all layers")]
+    if run.recompute != "full":
+        saved += sdpa_o_saved(cfg, run, device, L, o_cast=not run.lean_block)
+    proj, sdpa = _flops(cfg, run)
+    counted = sdpa if device == "cuda" else 0  # FlopCounterMode has no formula for the CPU SDPA kernel
+    # under full recompute backward runs qkv, SDPA's forward and o again (the early stop spares only down)
+    again = proj + counted if run.recompute == "full" else 0
+    return Component("attention", L, params(cfg), proj + counted, 2 * proj + counted * 5 // 2 + again,
+                     proj + sdpa // 2, 2 * (proj + sdpa // 2), L * T * (3 * (H + cfg.kv_dim) + qkv_bias(cfg)), saved)
+
+
+def sdpa_o_saved(cfg: ModelConfig, run: Run, device: str, count: int, o_cast: bool = True) -> list[Saved]:
+    """SDPA's tensors and, under autocast, o's weight cast: `count` instances (L; or 1, what one block's
+    re-run makes again in backward under recompute="full"). o_cast=False: o is a lean matmul (the lean
+    block), which keeps the fp32 weight instead."""
+    dt = dtypes(run)
+    saved = [Saved(s.name, s.shape, s.dtype, count, s.why) for s in _sdpa_saved(cfg, run, device, dt.compute)]
+    if dt.autocast and o_cast:  # o's input is a view of SDPA's out (laid out (B, S, nh, hd)): only its weight cast is new
+        saved.append(Saved("attention.o.weight_cast", (cfg.hidden, cfg.hidden), dt.compute, count,
+                           "autocast's cached cast of the fp32 weight"))
+    return saved

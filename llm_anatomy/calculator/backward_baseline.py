@@ -1,0 +1,92 @@
+"""The baseline's backward stages (llm_anatomy/baseline): the loss over full fp32 logits, the eager norm, the
+MLP's separate gate and up, and attention over materialised (B, nh, S, S) scores. backward.walk runs them."""
+from __future__ import annotations
+
+
+def loss(w) -> int:
+    """nll_loss_backward makes the fp32 (T, V) gradient, log_softmax's backward a second one."""
+    T, V, H, c = w.T, w.V, w.H, w.c
+    w.peak("loss", 4, T * V * 4, T * V * 4)
+    w.free("loss.log_probs", "loss.total_weight")
+    w.alloc(T * V * c)  # the logits' gradient in the compute dtype (the fp32 ones are gone)
+    return w.linear("loss.lm_head", H, V, T * V * c, "loss.", to_residual=True)
+
+
+def norm(w, tag: str, g_in: int, kept: str | tuple = "norm.") -> int:
+    """RMSNorm's backward in eager ops: x̂·g, g·w and the rstd terms in fp32; a bf16 residual adds its fp32
+    copies (under bf16 the incoming gradient is first copied to fp32 and then freed). Leaves the input's
+    gradient in the residual dtype."""
+    T, H, r, p = w.T, w.H, w.r, w.p
+    w.peak(tag, *([T * H * 4] * 3 + ([] if r == 4 else [T * H * 4 - T * H * r])))
+    w.alloc(T * H * r, H * p)
+    w.free_norm()
+    w.alloc(-g_in)
+    return T * H * r
+
+
+def layer(w, i: int, g: int) -> int:
+    """One block's backward, the MLP branch then the attention branch; returns the residual gradient."""
+    T, H, I, c, r = w.T, w.H, w.I, w.c, w.r
+    B, S, nh, nkv, hd = w.B, w.S, w.nh, w.nkv, w.hd
+    scores, kv_exp = B * nh * S * S, B * nh * S * hd * c  # one S x S tensor; q's size, or k/v expanded
+    tag = f"layer {i} "
+    w.begin()
+    gc = T * H * c if r != c else 0  # the residual gradient cast for the bf16 matmul (a view when r == c)
+    w.alloc(gc)
+    gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
+    w.peak(tag + "mlp.act", T * I * c, T * I * c)  # d(silu(gate)), d(up), d(gate) at once
+    w.free("mlp.gate", "mlp.up", "mlp.silu_gate", "mlp.gate_raw", "mlp.up_raw", "mlp.up_plus_1")
+    w.alloc(T * I * c, T * I * c, -gi)  # d(gate), d(up) live, d(h) gone
+    gu = w.linear(tag + "mlp.up", H, I, T * I * c, "mlp.up.", to_residual=True)
+    gg = w.linear(tag + "mlp.gate", H, I, T * I * c, "mlp.gate.", to_residual=True)
+    w.free("mlp.")  # without autocast gate and up share one saved input ("mlp.gate+up.input")
+    w.alloc(T * H * r)  # their sum
+    w.peak(tag + "mlp.sum")
+    w.alloc(-gu, -gg)
+    g = w.residual_add(g, norm(w, tag + "norm 2", T * H * r))
+    # ---- attention branch
+    w.begin()
+    w.alloc(gc)
+    go = w.linear(tag + "attention.o", H, H, gc, "attention.o.")  # d(merged heads), (T, H)
+    w.alloc(T * H * c, -go)  # made contiguous as (B, nh, S, hd)
+    w.alloc(kv_exp, scores * c)  # P@V's backward: d(v) expanded, d(P)
+    w.peak(tag + "attention.pv")
+    w.free("attention.probs_cast", "attention.v")
+    w.alloc(-T * H * c)
+    w.alloc(scores * 4, -scores * c)  # d(P) to fp32
+    # softmax's backward; on CUDA it first makes tmp = grad * output, a third fp32 (B, nh, S, S)
+    # (aten/src/ATen/native/cuda/SoftMax.cu, softmax_backward_cuda_out), freed when it returns
+    tmp = scores * 4 if w.cuda else 0
+    w.alloc(scores * 4, tmp)
+    w.peak(tag + "attention.softmax")
+    w.alloc(-tmp)
+    w.free("attention.probs_fp32")
+    w.alloc(scores * c, -scores * 4, -scores * 4)  # back to the scores' dtype, then scaled
+    w.alloc(2 * kv_exp)  # QKᵀ's backward: d(q), d(k) expanded
+    w.peak(tag + "attention.qk")
+    w.free("attention.q", "attention.k")
+    w.alloc(-scores * c)
+    w.alloc(T * (nh + 2 * nkv) * hd * c)  # d(k), d(v) summed over each group; RoPE's backward for q and k
+    w.peak(tag + "attention.rope")
+    w.alloc(-kv_exp, -kv_exp, -kv_exp)
+    gq = w.linear(tag + "attention.q", H, nh * hd, T * nh * hd * c, "attention.q.", to_residual=True)
+    gk = w.linear(tag + "attention.k", H, nkv * hd, T * nkv * hd * c, "attention.k.", to_residual=True)
+    gv = w.linear(tag + "attention.v", H, nkv * hd, T * nkv * hd * c, "attention.v.", to_residual=True)
+    # without autocast q, k and v share one saved input ("attention.q+k+v.input")
+    w.free("attention.", keep=() if i == 0 else ("attention.rope_",))
+    w.alloc(T * H * r)
+    w.peak(tag + "attention.sum")
+    w.alloc(-gq, -gk, -gv)
+    if i == 0:
+        w.free("attention.rope_")  # the tables are shared by every layer
+    return w.residual_add(g, norm(w, tag + "norm 1", T * H * r))
+
+
+def embedding(w) -> None:
+    """embedding_dense_backward's (V, H) gradient; a tied head's gradient from autograd is a third: the
+    sum AccumulateGrad makes when another reference to the .grad exists."""
+    V, H, p = w.V, w.H, w.p
+    w.alloc(V * H * p)
+    if w.cfg.tie_embeddings:
+        w.alloc(V * H * p)
+    w.peak("embedding")

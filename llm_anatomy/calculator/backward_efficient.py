@@ -1,0 +1,164 @@
+"""The efficient model's backward stages (llm_anatomy/efficient): the fused linear CE hands back what its
+forward made, the fused norm's row pass and dw partials, the packed SwiGLU writing d(gate_up) in place, and
+SDPA's backward; in the lean block (Run.lean) the weight casts and SwiGLU's h made again; under
+recompute, the checkpoints' tensors made again. backward.walk runs them."""
+from __future__ import annotations
+
+from llm_anatomy.calculator.attention import sdpa_o_saved
+from llm_anatomy.calculator.linear import linears_saved
+from llm_anatomy.calculator.mlp import efficient_saved
+from llm_anatomy.kernel_shapes import rms_norm_programs
+
+
+def loss(w) -> int:
+    T, H, V, c, p = w.T, w.H, w.V, w.c, w.p
+    if w.run.loss_impl == "liger" and not w.cuda:
+        # Liger's CPU mirror returns grad_input·g and grad_weight·g: new tensors, then the saved ones go;
+        # g itself, the engine's 0-dim fp32 seed, stays live to the end of backward
+        w.alloc(4, T * H * c, V * H * p)
+        w.peak("loss")
+        w.free("loss.")
+    else:
+        # ours (both devices) and Liger's on CUDA hand back what forward made, scaled in place by the seed g
+        # (Liger's only when g is not 1, which it compares against a new 0-dim tensor): no new (T, H) or
+        # (V, H) buffer. On CPU g is counted live to the end of backward, as above
+        if w.cuda:
+            w.peak("loss", *((4, 4) if w.run.loss_impl == "liger" else (4,)))
+        else:
+            w.alloc(4)
+            w.peak("loss")
+        # grad_input's storage flows on as the final norm's incoming gradient (freed with it); grad_weight's
+        # becomes lm_head's .grad, still the storage forward allocated: counted as an activation, as the
+        # forensics replay credits a storage to the phase that allocated it
+        w.free("loss.grad_input")
+        w.alloc(T * H * c)
+    return T * H * c
+
+
+def norm(w, tag: str, g_in: int, kept: str | tuple = "norm.", fused: bool | None = None) -> int:
+    """RMSNorm's backward: takes the output's gradient, leaves the input's (residual dtype). kept: what goes
+    with it ("norm.": its own saved x; under recompute, the checkpoint's tensors). fused (default: in the lean
+    block, every norm but the first): add_rms_norm's backward, which also writes the branch's gradient
+    (T, H) in the compute dtype, the one the branch's backward starts from (layer() allocates no cast)."""
+    T, H, c, r, p = w.T, w.H, w.c, w.r, w.p
+    db = T * H * c if (w.lean if fused is None else fused) else 0
+    if w.cuda:  # the Triton backward: dx (and d_branch), the (programs, H) fp32 dw partials, dw
+        w.alloc(T * H * r, db, rms_norm_programs(H, T) * H * 4, H * p)
+        w.peak(tag)
+        w.alloc(-rms_norm_programs(H, T) * H * 4)
+    else:  # the CPU reference: dx in the residual dtype (d_x_new added in place), d_branch, dw in fp32 cast
+        w.alloc(T * H * r, db, H * 4)
+        w.peak(tag)
+        w.alloc(H * p, -H * 4)
+    w.free_norm() if kept == "norm." else w.free(*([kept] if isinstance(kept, str) else kept))
+    w.alloc(-g_in)
+    return T * H * r
+
+
+def layer(w, i: int, g: int) -> int:
+    """One block's backward, the MLP branch then the attention branch; returns the residual gradient."""
+    T, H, I, c, r = w.T, w.H, w.I, w.c, w.r
+    B, S, nh, nkv, hd = w.B, w.S, w.nh, w.nkv, w.hd
+    kv_exp, kv = B * nh * S * hd * c, B * nkv * S * hd * c
+    tag = f"layer {i} "
+    w.begin()
+    lean = w.lean  # the lean block: lean matmuls, SwiGLU + down, adds inside the norms (llm_anatomy/kernels/lean.py)
+    # the branch's incoming gradient: without recompute add_rms_norm's d_branch, already made by the norm after
+    # it (norm(..., fused)); otherwise the residual gradient's cast for the bf16 matmul (a view when r == c)
+    gc = T * H * c if r != c or lean else 0
+    w.alloc(0 if lean else gc)
+    if w.recompute == "full":  # the down matmul's backward asks for its input: the block runs again
+        rerun_block(w, tag)
+    elif w.recompute == "mlp":  # the down matmul's backward asks for its input: the checkpoint re-runs the
+        w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
+    if lean:
+        swiglu_down(w, tag, gc)
+    else:
+        gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
+        # swiglu_packed's backward writes d(gate_up) into the saved gate_up storage: the same (T, 2I) bytes
+        # change kind from activation to gradient, and nothing is allocated
+        w.free("mlp.gate_up")
+        w.alloc(2 * T * I * c)
+        w.peak(tag + "mlp.act")
+        w.alloc(-gi)  # d(h) gone
+    gn = w.linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.", recast=lean and w.amp)
+    # under recompute the re-made sum goes with the norm (and under "mlp" the checkpoint's branch with it)
+    kept = {"none": "norm.", "mlp": ("mlp.x", "mlp.branch"), "full": "mlp.x"}[w.recompute]
+    g = w.residual_add(g, norm(w, tag + "norm 2", gn, kept))
+    # ---- attention branch
+    w.begin()
+    w.alloc(0 if lean else gc)
+    go = w.linear(tag + "attention.o", H, H, gc, "attention.o.", recast=lean and w.amp)  # d(merged heads), (T, H)
+    w.alloc(kv_exp, kv, kv)  # SDPA's backward: dq, dk, dv
+    # under GQA, cuDNN's backward writes dk and dv per query head in fp32 into one workspace, with the
+    # fp32 dot(dO, O) row sums, and then sums each group into dk, dv (timing: gqa_reduce):
+    # 2*T*nh*hd*4 + 4*B*nh*S + 256 bytes at all four GQA/MQA rows `anatomy forensics` traced on the H200,
+    # live at the step's backward peak in each
+    ws = 2 * B * nh * S * hd * 4 + 4 * B * nh * S + 256 if nkv < nh and w.cuda else 0
+    w.alloc(ws)
+    w.peak(tag + "attention.sdpa")
+    w.alloc(-ws, -go)
+    w.free("attention.sdpa.")
+    dqkv = T * (nh + 2 * nkv) * hd * c
+    w.alloc(dqkv)  # rope_qkv's backward: d(qkv)
+    w.peak(tag + "attention.rope")
+    w.alloc(-kv_exp, -kv, -kv)
+    if w.recompute == "mlp":  # the qkv matmul's backward asks for its input: the norm runs again
+        w.remake("qkv", lambda: linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))
+    gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.", recast=lean and w.amp)
+    if i == 0:
+        w.free("attention.rope_")  # the tables are shared by every layer
+    # under recompute the checkpoint's block input goes with the first norm (the block's first op)
+    # layer 0's attn_norm is a plain rms_norm (no add in front of it)
+    return w.residual_add(g, norm(w, tag + "norm 1", gn, "attention.x" if w.recompute != "none" else "norm.",
+                                  fused=lean and i > 0))
+
+
+def swiglu_down(w, tag: str, grad_out: int) -> None:
+    """The fused SwiGLU + down node (llm_anatomy/kernels/lean.py): down's weight cast again and d(h); the cast
+    goes; one pass writes h over d(h) and d(gate_up) over gate_up's storage (the same bytes change kind);
+    down's weight gradient (compute dtype under autocast, fp32 from the GEMM on CUDA: lean.fp32_grad); h and
+    the incoming gradient go; under autocast on CPU the cast node makes the fp32 weight gradient."""
+    T, H, I, c, p = w.T, w.H, w.I, w.c, w.p
+    copy = w.amp and not w.cuda
+    wg = H * I * (c if copy else p)
+    w.alloc(T * I * c)  # d(h)
+    w.peak(tag + "mlp.down", *((H * I * c,) if w.amp else ()))  # with the weight's cast
+    w.free("mlp.gate_up")
+    w.alloc(2 * T * I * c)
+    w.peak(tag + "mlp.act")  # h in d(h)'s storage, d(gate_up) in gate_up's
+    w.alloc(wg)  # dW
+    w.peak(tag + "mlp.down.weight_grad")
+    w.alloc(-T * I * c, -grad_out)  # h, the incoming gradient
+    if copy:
+        w.alloc(H * I * p)
+        w.peak(tag + "mlp.down grad to fp32")
+        w.alloc(-wg)
+
+
+def rerun_block(w, tag: str) -> None:
+    """recompute="full": the block's forward runs again and stops (early stop) once down's input and weight
+    cast are saved again, so every tensor the block saves without recompute is live again: one layer's
+    qkv input (and cast), SDPA's tensors, o's cast, the residual sum, the MLP's. The block input is the
+    checkpoint's own, the RoPE tables the model's: no new storage. Two moments of the re-run carry
+    temporaries: o's output while qkv's output still lives (a local until attention returns), and the
+    residual sum while attention's output lives."""
+    T, H, c, r = w.T, w.H, w.c, w.r
+    D = (w.nh + 2 * w.nkv) * w.hd
+    w.remake("block", lambda: linears_saved("attention", T, H, {"qkv": D}, w.dt, 1, w.dt.compute)
+             + sdpa_o_saved(w.cfg, w.run, w.est.device, 1))
+    w.peak(tag + "recompute attention.o", T * D * c, T * H * c, kind="activation")
+    w.peak(tag + "recompute residual add", T * H * c, T * H * r, kind="activation")
+    w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))
+
+
+def embedding(w) -> None:
+    """embedding_dense_backward's (V, H) gradient. Tied: the head already left a gradient in the shared
+    weight; AccumulateGrad adds in place when it holds the only reference to that .grad, so on CUDA, where
+    the fused CE's grad_weight storage became the .grad, nothing more; on CPU the sum is a third (V, H)
+    tensor, under either loss (the live-storage walk of validations/test_memory_walk.py)."""
+    V, H, p = w.V, w.H, w.p
+    w.alloc(V * H * p)
+    if w.cfg.tie_embeddings and not w.cuda:
+        w.alloc(V * H * p)
+    w.peak("embedding")

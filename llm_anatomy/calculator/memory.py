@@ -1,0 +1,250 @@
+"""Memory of a training step, phase by phase, as torch.cuda.memory_allocated reports it.
+
+Pure Python. On CUDA the caching allocator hands out blocks rounded up to 512 bytes, so every
+tensor is rounded before it is summed (device="cpu" sums exact storage bytes: what a live-storage
+tracer sees there). The phases:
+  - init: parameters + the (B, S) int64 ids and targets + the optimizer state;
+  - forward end: + every saved tensor (the calculator's saved list; the ids and targets it names are
+    the inputs themselves) + the loss scalar;
+  - forward peak, baseline: + what lives only while the loss is computed: the final norm's output
+    (held by the caller), the bf16 logits and their fp32 copy, and the (S, S) causal bias;
+  - backward peak: the largest candidate of llm_anatomy.calculator.backward.walk, starting from forward end;
+  - backward end: parameters + inputs + one gradient per parameter (saved tensors all released);
+  - optimizer end: the gradients set to None, the state stays.
+Optimizer state (AdamW / AdEMAMix) is added to every phase, as in a step after the first.
+  - reserved_low / reserved_high: the range memory_reserved stays in (reserved(): the looser figure).
+  - forward peak, efficient on CUDA: + the fused linear CE's transients (Run.loss_impl: ours,
+    _anatomy_forward_transient; Liger's, _liger_forward_transient), and under recompute the weight casts
+    autocast caches for the forward (_cached_casts); or, under recompute, the largest moment inside the last
+    layer's checkpoint (the MLP's; under "full" the block's, _block_forward_peak, also given on any device as
+    forward_peak_last_block).
+Not modelled: the efficient variant's forward peak on CPU (None, not guessed): there the loss runs plain-torch
+references whose fp32 chunk temporaries (torch's logsumexp and softmax internals) are not the CUDA kernels'.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from math import prod
+
+from llm_anatomy.calculator import estimate
+from llm_anatomy.calculator.attention import sdpa_o_saved
+from llm_anatomy.calculator.backward import INPUTS, walked
+from llm_anatomy.calculator.dtypes import dtypes
+from llm_anatomy.calculator.optimizer import state_breakdown
+from llm_anatomy.calculator.types import BYTES, Estimate
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy import kernel_shapes
+from llm_anatomy.kernel_shapes import chunk_rows, lce_forward_bytes, lce_vocab
+
+BLOCK = 512  # the CUDA caching allocator's rounding (kMinBlockSize)
+
+
+def rounded(nbytes: int) -> int:
+    """nbytes rounded up to whole blocks, at least one block; 0 for 0 (a negative size is one block)."""
+    if nbytes > 0:
+        return -(-nbytes // BLOCK) * BLOCK  # at least BLOCK
+    return BLOCK if nbytes else 0
+
+
+def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int, int]]:
+    """(elements, how many) of the parameter tensors, in module order: the embedding, each layer's tensors
+    (L of each), the final norm, the head (a tied head counted once)."""
+    H, I, kv, L = cfg.hidden, cfg.intermediate, cfg.kv_dim, cfg.layers
+    qb, kb, qkvb = ([H], [kv], [H + 2 * kv]) if cfg.qkv_bias else ([], [], [])  # each bias follows its weight
+    if variant == "efficient":
+        layer = [H, (H + 2 * kv) * H, *qkvb, H * H, H, 2 * I * H, H * I]
+    else:
+        layer = [H, H * H, *qb, kv * H, *kb, kv * H, *kb, H * H, H, I * H, I * H, H * I]
+    return [(cfg.vocab * H, 1)] + [(n, L) for n in layer] + [(H, 1)] + ([] if cfg.tie_embeddings else [(cfg.vocab * H, 1)])
+
+
+def _exact(nbytes: int) -> int:
+    return nbytes
+
+
+@lru_cache(maxsize=256)
+def model_state_bytes(cfg: ModelConfig, variant: str, param_dtype: str, optimizer: str | None,
+                      cuda: bool) -> tuple[int, int]:
+    """(parameters, optimizer state) in bytes, each tensor rounded on CUDA: they follow the model, never the
+    micro-batch or sequence, so they are summed once per model, variant, dtype and optimizer."""
+    rnd = rounded if cuda else _exact
+    tensors = param_tensors(cfg, variant)
+    params = sum(rnd(n * BYTES[param_dtype]) * k for n, k in tensors)
+    opt = 0
+    if optimizer:
+        per = state_breakdown(optimizer)
+        # AdamW keeps its moments in the parameter's dtype; AdEMAMix keeps fp32 (calculator.optimizer)
+        scale = BYTES[param_dtype] / 4 if optimizer == "adamw" else 1
+        opt = sum(rnd(int(n * b * scale)) * k for n, k in tensors for b in per.values())
+        opt += sum(k for _, k in tensors) * rnd(4) if optimizer == "adamw" else 0  # torch's 0-dim fp32 `step` per tensor
+    return params, opt
+
+
+def _liger_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
+    """What lives only while Liger's fused linear CE runs its forward on CUDA (read off
+    liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5, and checked against H200 allocator traces), at
+    its largest. Always live: the final norm's output (T, H), held by the
+    caller; loss_1d (T,) fp32 and the target mask (T,) bool. Under autocast the head weight is cast to
+    bf16 twice: `grad_logits @ weight` casts the leaf weight once and autocast caches it for the whole
+    forward, while `x @ weight.t()` casts the transposed view, which is not a leaf, anew in each chunk.
+    The largest of two moments:
+      - the first chunk's `grad_logits @ weight`: its (chunk, V) logits, the cached cast, and the
+        (chunk, H) product, a new tensor before it is copied into grad_input (the transposed cast is
+        gone by then);
+      - a later chunk's logits matmul: both casts and that chunk's logits; the largest later chunk
+        is a full one from the third chunk on, else the second, the remainder T - chunk.
+    chunk = next_pow2(ceil(T / ceil(V / H))), capped at T (llm_anatomy.kernel_shapes.chunk_rows)."""
+    dt = dtypes(run)
+    T, H, V, c = run.tokens, cfg.hidden, cfg.vocab, BYTES[dt.compute]
+    chunk = chunk_rows(T, H, V)
+    cast = rnd(V * H * c) if dt.autocast else 0
+    first = rnd(chunk * V * c) + cast + rnd(chunk * H * c)
+    later = rnd((chunk if T >= 3 * chunk else T - chunk) * V * c) + 2 * cast if T > chunk else 0
+    return rnd(T * H * c) + rnd(T * 4) + rnd(T) + max(first, later)
+
+
+def _anatomy_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
+    """What lives only while our fused linear CE (anatomy::linear_cross_entropy) runs its forward on CUDA,
+    at its largest: the final norm's output (T, H), held by the caller, and every tensor the op allocates
+    but its saved grad_x and grad_w (counted in `saved`), at the loss's final cast, where all of them are
+    alive (the byte table: llm_anatomy/kernel_shapes.lce_forward_bytes, the rule's chunk of logits; the
+    target mask is gone by then), the loss scalar included. Under autocast the head weight is cast to
+    bf16 once, inside the op."""
+    dt = dtypes(run)
+    c, p = BYTES[dt.compute], BYTES[dt.param]
+    b = lce_forward_bytes(run.tokens, cfg.hidden, cfg.vocab, c, p, align=kernel_shapes.LCE_ALIGN)
+    alive = sum(rnd(n) for k, n in b.items() if k not in ("valid", "grad_x", "grad_w", "loss_sum"))
+    return rnd(run.tokens * cfg.hidden * c) + alive + 2 * rnd(8)  # loss_sum: the fp64 sum and its quotient
+
+
+def _loss_forward_transient(cfg: ModelConfig, run: Run, rnd) -> int:
+    """The fused linear CE's forward transients on CUDA, for the run's loss kernel (Run.loss_impl)."""
+    if run.loss_impl == "liger":
+        return _liger_forward_transient(cfg, run, rnd)
+    return _anatomy_forward_transient(cfg, run, rnd)
+
+
+def _cached_casts(cfg: ModelConfig, run: Run, rnd, layers: int | None = None) -> int:
+    """Under recompute and autocast: the bf16 casts of the qkv, gate_up and down weights of every layer
+    (and o's under "full"). Autocast caches a leaf weight's cast until its region ends, after the loss;
+    without recompute the matmuls save them (they are in `saved`), inside a checkpoint nobody does, so
+    they are extra bytes at the forward's peak and gone by its end (H200 memory probe,
+    reports/h200/memory-probe/recompute-*.json: 27 MiB at the seed, 1.41 GiB at anchor-1b; under "full",
+    validations/test_recompute_full.py on CPU). layers: that many layers' casts (default: all)."""
+    dt = dtypes(run)
+    if run.recompute == "none" or not dt.autocast:
+        return 0
+    H, I, D = cfg.hidden, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim
+    weights = (D * H, 2 * I * H, I * H) + ((H * H,) if run.recompute == "full" else ())
+    return (cfg.layers if layers is None else layers) * sum(rnd(n * BYTES[dt.compute]) for n in weights)
+
+
+def _mlp_region_transient(cfg: ModelConfig, run: Run, rnd) -> int:
+    """The largest moment of a recomputed MLP half in forward (efficient/mlp.py, MLP.forward's tail):
+    inside, the sum x (residual dtype), its normed copy, gate_up, the activation and down's output are
+    all live; then x, down's output and the block output x + h."""
+    dt = dtypes(run)
+    T, H, I, c, r = run.tokens, cfg.hidden, cfg.intermediate, BYTES[dt.compute], BYTES[dt.residual]
+    inside = rnd(T * H * r) + rnd(T * H * c) + rnd(T * 2 * I * c) + rnd(T * I * c) + rnd(T * H * c)
+    return max(inside, 2 * rnd(T * H * r) + rnd(T * H * c))
+
+
+def _block_forward_peak(cfg: ModelConfig, run: Run, device: str, rnd) -> int:
+    """Under recompute="full", what lives beyond the checkpoints' kept inputs at the largest moment inside
+    the last block's forward, where the step's forward peak is unless it is in the loss. Inside a
+    checkpoint nothing is saved, so what lives is what the code still holds, and every weight cast made
+    so far (autocast's cache). The larger of:
+      - o's output in attention: the normed input (an argument until attention returns), qkv's output
+        (a local until then), q, k, v and SDPA's output; the earlier layers' casts and this layer's qkv
+        and o casts;
+      - the MLP's largest moment (_mlp_region_transient), every layer's casts made."""
+    dt = dtypes(run)
+    T, H, c = run.tokens, cfg.hidden, BYTES[dt.compute]
+    D = cfg.hidden + 2 * cfg.kv_dim
+    # q, k, v and SDPA's output; its statistics are not held by the code (and a checkpoint does not save them)
+    sdpa = sum(rnd(prod(s.shape) * BYTES[s.dtype]) for s in sdpa_o_saved(cfg, run, device, 1)
+               if s.name in ("attention.sdpa.q", "attention.sdpa.k", "attention.sdpa.v", "attention.sdpa.out"))
+    casts = _cached_casts(cfg, run, rnd, cfg.layers - 1)
+    if dt.autocast:
+        casts += rnd(D * H * c) + rnd(H * H * c)
+    attn = rnd(T * H * c) + rnd(T * D * c) + sdpa + rnd(T * H * c) + casts
+    return max(attn, _mlp_region_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd))
+
+
+def _head_grad_pad(cfg: ModelConfig, run: Run, rnd) -> int:
+    """The bytes lm_head's .grad holds beyond its (V, H): our CE's padded accumulator's rows past V. A tied
+    head's gradient is the sum of the CE's and the embedding's, a new (V, H) tensor: no pad (so the CPU run
+    holds; the H200 measured 5.9 MB more at the backward's peak of a padded tied step, an open miss of the
+    option: docs/peers.md)."""
+    V, H, p = cfg.vocab, cfg.hidden, BYTES[dtypes(run).param]
+    Vp = V if run.loss_impl == "liger" or cfg.tie_embeddings else lce_vocab(V, kernel_shapes.LCE_ALIGN)
+    return rnd(Vp * H * p) - rnd(V * H * p)
+
+
+def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
+           device: str = "cuda", est: Estimate | None = None, stages: bool = True) -> dict:
+    """Bytes live at each phase boundary of a training step after the first (the optimizer's state
+    exists), and the peaks inside forward and backward, on `device` ("cuda": 512-byte blocks; "cpu":
+    exact storage sizes). backward_stages lists the walk's candidates in execution order (of identical layers,
+    the last two and the first two: backward.walk); stages=False leaves it out (the peak is the same). est:
+    the calculator's estimate of this run on this device, where the caller has it."""
+    dt = dtypes(run)
+    rnd = rounded if device == "cuda" else _exact
+    params, opt = model_state_bytes(cfg, variant, dt.param, optimizer, device == "cuda")
+    inputs = 2 * rnd(8 * run.tokens)
+    est = est or estimate(cfg, run, variant, device=device)
+    one, saved = {}, 0  # backward.saved_sizes, and the bytes of every instance
+    for c in est.components.values():
+        for s in c.saved:
+            if s.name not in INPUTS:
+                one[s.name] = b = rnd(prod(s.shape) * BYTES[s.dtype])
+                saved += b * s.count
+    fwd_end = params + inputs + opt + saved + rnd(4)  # + the loss scalar
+    fwd_peak = block_peak = None
+    if run.recompute != "none":  # what the forward holds before the final norm and the loss save theirs
+        after = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for n in ("loss", "norm")
+                    for s in est.components[n].saved if s.name not in INPUTS)
+        if run.recompute == "full":  # any device: no loss in it
+            block_peak = fwd_end - rnd(4) - after + _block_forward_peak(cfg, run, device, rnd)
+    if variant == "baseline":
+        T, V, S, c = run.tokens, cfg.vocab, run.seq, dt.compute
+        logits = rnd(T * V * BYTES[c]) + (rnd(T * V * 4) if c != "float32" else 0)
+        fwd_peak = fwd_end - rnd(4) + rnd(T * cfg.hidden * BYTES[dt.residual]) + logits + rnd(S * S * BYTES[c])
+    elif device == "cuda":
+        fwd_peak = fwd_end - rnd(4) + _loss_forward_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd)
+        if run.recompute == "mlp":  # or inside the last layer's MLP checkpoint, before the loss's tensors
+            fwd_peak = max(fwd_peak, fwd_end - rnd(4) - after + _mlp_region_transient(cfg, run, rnd)
+                           + _cached_casts(cfg, run, rnd))
+        elif run.recompute == "full":  # or inside the last block's checkpoint
+            fwd_peak = max(fwd_peak, block_peak)
+    start = {"parameter": params, "input": inputs, "optimizer state": opt, "activation": saved + rnd(4)}
+    w = walked(cfg, run, variant, est, start, rnd, one=one)
+    top = w.top()  # the first largest candidate
+    # one gradient per parameter, in the parameter's dtype; our CE's grad_w, lm_head's .grad, keeps the storage
+    # of its (V', H) accumulator where the vocabulary is padded (kernel_shapes.LCE_ALIGN)
+    grads = params + (_head_grad_pad(cfg, run, rnd) if variant == "efficient" else 0)
+    bwd_end = params + inputs + opt + grads
+    peak = max(fwd_peak or 0, top.live, fwd_end)
+    return dict(params=params, inputs=inputs, optimizer=opt, saved=saved, init=params + inputs + opt,
+                forward_end=fwd_end, forward_peak=fwd_peak, forward_peak_last_block=block_peak,
+                backward_peak=top.live, backward_peak_at=top.name, backward_peak_by_kind=top.by_kind,
+                **({"backward_stages": [dict(name=st.name, live=st.live, by_kind=st.by_kind) for st in w.stages()]}
+                   if stages else {}),
+                backward_end=bwd_end, optimizer_end=bwd_end - grads, **reserved(peak))
+
+
+# reserved - the step's peak, as a fraction of the peak: free cached blocks too small or too split for
+# the next request (fragmentation). Fitted: the worst of the H200 memory probe's 160 rows (reports/h200/
+# memory-probe/, both allocator settings) is 1.37x (hyp2 B4 S1024 baseline, whose fp32 logits leave large
+# freed segments behind); the step benchmarks, not used in the fit, sit at 1.02-1.08x.
+RESERVED_SLACK = 0.40
+RESERVED_FIXED = 128 * 2**20  # segments the process held before the step: cuBLAS/cuBLASLt workspaces
+
+
+def reserved(peak: int) -> dict:
+    """torch.cuda.memory_reserved over a step after the first, the looser figure: what the caching
+    allocator holds from the driver. At least the step's peak of allocated bytes; at most that peak
+    + RESERVED_SLACK of it + RESERVED_FIXED (the process's own segments from before the step: the
+    cuBLAS and cuBLASLt workspaces, 64-86 MiB of reserved memory in the H200 probes' smallest rows).
+    A range, not a figure: which blocks stay cached depends on the order of every allocation and free."""
+    return dict(reserved_low=peak, reserved_high=int(peak * (1 + RESERVED_SLACK)) + RESERVED_FIXED)

@@ -1,0 +1,102 @@
+"""Finding a profile: by datasheet name or alias ("H200", "h200-sxm", case-insensitive), "<stem>-measured"
+for the packaged llm_anatomy/calculator/profiles/<stem>.json, a path to a profile .json, or a mapping.
+A profile file is read, validated (profile.check_measured) and fitted (fit.from_measured) once per version
+of the file; every failure is a ConfigError of one line naming the file (and the field).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+
+from llm_anatomy.calculator import gpus
+from llm_anatomy.calculator.timing.fit import from_measured
+from llm_anatomy.calculator.timing.profile import Profile, check_measured, datasheet, from_dict
+from llm_anatomy.config import ConfigError
+
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"  # the committed profiles the claims use
+
+
+def user_profile_dir() -> Path:
+    """Where `anatomy calibrate` writes by default: the user's cache, never the installed package."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "anatomy" / "profiles"
+
+
+@lru_cache(maxsize=1)
+def measured_files() -> dict[str, Path]:
+    """{"<stem>-measured": path} of the packaged profiles, and {"<stem>-calibrated": path} of the ones
+    `anatomy calibrate` wrote on this machine (listed once per process)."""
+    out = {f"{f.stem}-measured": f for f in sorted(PROFILE_DIR.glob("*.json"))}
+    out.update({f"{f.stem}-calibrated": f for f in sorted(user_profile_dir().glob("*.json"))})
+    return out
+
+
+def profile_stem(base: str) -> str:
+    """The file stem a measured profile of a datasheet base is written under: h200-sxm -> h200."""
+    return base.removesuffix("-sxm")
+
+
+def names() -> list[str]:
+    return [*gpus.GPUS, *measured_files()]
+
+
+def get(gpu: str | Path | Mapping) -> Profile:
+    """The profile a name, path or mapping stands for; a ConfigError of one line for anything else."""
+    if isinstance(gpu, Profile):
+        return gpu
+    if isinstance(gpu, Mapping):
+        if "measurements" in gpu:
+            return from_measured(check_measured(dict(gpu), "gpu profile"))
+        return from_dict(gpu)
+    s = str(gpu).strip()
+    if not s:
+        raise ConfigError("empty gpu profile: give a name or a profile .json path")
+    if s.endswith(".json"):
+        return load(s)
+    k = gpus.key(s)
+    if k is not None:
+        return datasheet(k)
+    low = s.lower().replace("_", "-").replace(":measured", "-measured")
+    files = measured_files()
+    for kind in ("measured", "calibrated"):
+        if low.endswith(f"-{kind}") and f"{profile_stem(low.removesuffix(f'-{kind}'))}-{kind}" in files:
+            return load(files[f"{profile_stem(low.removesuffix(f'-{kind}'))}-{kind}"])
+    raise ConfigError(f"unknown gpu {s!r}; choose from {', '.join(names())}, or a profile .json path")
+
+
+_LOADED: dict[tuple, Profile] = {}  # (path, mtime, size) -> Profile: a file is parsed and fitted once
+
+
+def load(path: str | Path) -> Profile:
+    """A measured profile file, validated (check_measured) and built (fit.from_measured); cached per file
+    version, so a sweep of estimates reads and fits it once."""
+    try:  # one stat: no path resolution, no Path object, per call
+        st = os.stat(path)
+        key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+        if key in _LOADED:
+            return _LOADED[key]
+    except (OSError, TypeError, ValueError):
+        pass  # the same error, said as below
+    p = Path(path)
+    try:
+        st = p.stat()
+        key = (os.path.abspath(p), st.st_mtime_ns, st.st_size)
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read gpu profile {str(path)!r}: {e.strerror or e}") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))  # NaN and Infinity parse, and check_measured names their field
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({str(e).splitlines()[0]})") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: nested too deeply to be a gpu profile") from None
+    try:
+        prof = from_measured(check_measured(data, str(p)))
+    except RecursionError:
+        raise ConfigError(f"{p}: nested too deeply to be a gpu profile") from None
+    _LOADED[key] = prof
+    return prof

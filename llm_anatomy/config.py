@@ -1,0 +1,222 @@
+"""ModelConfig (architecture) and Run (batch, sequence, dtype policy), with named presets. Reading a
+Hugging Face config.json into a ModelConfig is llm_anatomy/hf_config.py.
+
+Pure Python: the calculator imports this, and the calculator must not import torch.
+Every value is checked by type and range here, so the calculator only ever sees sizes it can count.
+"""
+from __future__ import annotations
+
+import math
+import unicodedata
+from dataclasses import dataclass, field, fields
+
+MLP_VARIANTS = ("swiglu", "gpt-oss")
+# dtype policies:
+#   amp  : fp32 master weights, bf16 autocast for matmuls (the default; what most training runs use)
+#   bf16 : parameters and activations in bf16, no autocast
+#   fp32 : everything fp32 (numerical references and CPU checks)
+DTYPE_POLICIES = ("amp", "bf16", "fp32")
+# activation recompute (efficient variant only):
+#   none : keep every saved tensor (the fastest step)
+#   mlp  : keep only the MLP block's input; its norm, gate_up matmul and activation run again in backward
+#   full : keep only each block's input; backward runs the whole block's forward again (but its last matmul)
+RECOMPUTE = ("none", "mlp", "full")
+# the efficient variant's fused linear cross-entropy: ours (llm_anatomy/kernels/linear_ce.py) or Liger-Kernel's
+LOSS_IMPLS = ("anatomy", "liger")
+
+# Sizes no machine could hold are refused before anything is computed from them.
+MAX_WIDTH = 2**24  # hidden, intermediate, vocab: one hidden x hidden matrix at 2**24 is 2.8e14 parameters
+MAX_LAYERS = 1 << 20  # far deeper than any model; an estimate computes identical layers once, so its cost does not grow
+MAX_PARAMS = 10**15  # 2 PB of bf16 weights, 16 PB of AdamW training state: more than any cluster holds
+MAX_BATCH = MAX_SEQ = 2**24
+MAX_TOKENS = 2**36  # batch x seq: the int64 input ids alone would be 512 GiB
+
+
+class ConfigError(ValueError):
+    """Bad user input: the CLI prints the message on one line and exits with code 2."""
+
+
+def oneline(text: str, limit: int = 300) -> str:
+    """`text` safe to print on one line: control and format characters (newlines, escapes, bidi
+    overrides) shown as escapes, and cut to `limit` characters."""
+    out = "".join(c if unicodedata.category(c)[0] != "C" else c.encode("unicode_escape").decode("ascii")
+                  for c in str(text))
+    return out if len(out) <= limit else out[: limit - 1] + "…"
+
+
+def _positive_int(name: str, value, limit: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {oneline(repr(value), 60)}")
+    if limit is not None and value > limit:
+        raise ConfigError(f"{name}={value:.3g} is larger than any machine could hold (at most {limit:,})")
+
+
+def _positive_float(name: str, value, below: float = math.inf) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < below):
+        bound = "" if below == math.inf else f" and < {below:g}"
+        raise ConfigError(f"{name} must be a finite number > 0{bound}, got {oneline(repr(value), 60)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    vocab: int
+    kv_heads: int | None = None  # GQA; None means kv_heads == heads (plain multi-head attention)
+    tie_embeddings: bool = False
+    mlp: str = "swiglu"  # "gpt-oss": (clamp(up) + 1) * silu(clamp(gate)), clamps at 7.0
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    qkv_bias: bool = False  # a bias on the q, k and v projections (Qwen2); o and the MLP stay bias-free
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self):
+        for f in ("hidden", "intermediate", "vocab"):
+            _positive_int(f, getattr(self, f), MAX_WIDTH)
+        _positive_int("layers", self.layers, MAX_LAYERS)
+        _positive_int("heads", self.heads)  # at most hidden, and kv_heads at most heads: by divisibility below
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        _positive_int("kv_heads", self.kv_heads)
+        if self.hidden % self.heads:
+            raise ConfigError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} (hidden/heads) must be even for RoPE")
+        if self.mlp not in MLP_VARIANTS:
+            raise ConfigError(f"mlp must be one of {', '.join(MLP_VARIANTS)}, got {oneline(repr(self.mlp), 60)}")
+        for f in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"{f} must be true or false, got {oneline(repr(getattr(self, f)), 60)}")
+        _positive_float("norm_eps", self.norm_eps, below=1.0)
+        _positive_float("rope_theta", self.rope_theta)
+        if not isinstance(self.name, str):
+            raise ConfigError(f"name must be a string, got {oneline(repr(self.name), 60)}")
+        if self.rough_params > MAX_PARAMS:
+            raise ConfigError(f"{self.rough_params:.3g} parameters is more than any machine could hold "
+                              f"(at most {MAX_PARAMS:.0e})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:  # width of the k (and of the v) projection
+        return self.kv_heads * self.head_dim
+
+    @property
+    def rough_params(self) -> int:
+        """The matmul weights and embeddings (norms left out): enough to bound a size, not a count to report
+        (llm_anatomy.calculator.param_count is that)."""
+        block = 2 * self.hidden * (self.hidden + self.kv_dim) + 3 * self.hidden * self.intermediate
+        block += (self.hidden + 2 * self.kv_dim) if self.qkv_bias else 0
+        return self.layers * block + self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+
+    def to_dict(self) -> dict:
+        """Every field; qkv_bias only when it is on (so reports of bias-free models keep their keys)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # scalars only: no deep copy needed
+        if not self.qkv_bias:
+            del d["qkv_bias"]
+        return d
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelConfig":
+        try:
+            return PRESETS[name]
+        except (KeyError, TypeError):
+            raise ConfigError(f"unknown preset {oneline(repr(name), 60)}; choose from {', '.join(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class Run:
+    batch: int = 16
+    seq: int = 4096
+    dtype: str = "amp"
+    recompute: str = "none"
+    loss_impl: str = "anatomy"  # the efficient variant's loss kernel (LOSS_IMPLS); the baseline ignores it
+    # the efficient variant's lean block without recompute (llm_anatomy/kernels/lean.py, add_rms_norm.py): its matmuls
+    # keep no weight casts, SwiGLU + down re-makes h in backward, each residual add runs inside the next norm.
+    # Under recompute the checkpoints keep plain nn.Linear and separate adds, so it changes nothing there; the
+    # baseline ignores it.
+    lean: bool = False
+
+    def __post_init__(self):
+        _positive_int("batch", self.batch, MAX_BATCH)
+        _positive_int("seq", self.seq, MAX_SEQ)
+        if self.batch * self.seq > MAX_TOKENS:
+            raise ConfigError(f"batch x seq = {self.batch * self.seq:.3g} tokens per step is more than any machine "
+                              f"could hold (at most {MAX_TOKENS:,})")
+        if self.dtype not in DTYPE_POLICIES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPE_POLICIES)}, got {oneline(repr(self.dtype), 60)}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute must be one of {', '.join(RECOMPUTE)}, got "
+                              f"{oneline(repr(self.recompute), 60)}")
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ConfigError(f"loss_impl must be one of {', '.join(LOSS_IMPLS)}, got "
+                              f"{oneline(repr(self.loss_impl), 60)}")
+        if not isinstance(self.lean, bool):
+            raise ConfigError(f"lean must be true or false, got {oneline(repr(self.lean), 60)}")
+
+    def to_dict(self) -> dict:
+        """batch, seq, dtype, and recompute when it is on, loss_impl when it is not ours and lean when it is
+        set (so reports of plain runs keep their keys)."""
+        d = dict(batch=self.batch, seq=self.seq, dtype=self.dtype)
+        d = d if self.recompute == "none" else dict(d, recompute=self.recompute)
+        d = d if self.loss_impl == "anatomy" else dict(d, loss_impl=self.loss_impl)
+        return dict(d, lean=True) if self.lean else d
+
+    @property
+    def lean_block(self) -> bool:
+        """Does the efficient model run its lean block (lean, without recompute)?"""
+        return self.lean and self.recompute == "none"
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @classmethod
+    def from_record(cls, rec: dict, dtype: str = "amp") -> "Run":
+        """The Run a committed measurement row describes (batch, seq, and recompute and loss_impl where it
+        names them). A row without loss_impl ran Liger's loss: every record written before ours became the
+        efficient model's loss; a row without lean ran the block without it."""
+        return cls(rec["batch"], rec["seq"], rec.get("dtype", dtype), rec.get("recompute", "none"),
+                   rec.get("loss_impl", "liger"), rec.get("lean", False))
+
+
+def _p(name, **kw) -> ModelConfig:
+    return ModelConfig(name=name, **kw)
+
+
+# Published shapes are copied from each model's config.json on the Hugging Face hub; the
+# published parameter counts they must reproduce are asserted in validations/test_config.py.
+PRESETS: dict[str, ModelConfig] = {
+    c.name: c
+    for c in (
+        # the seed project's config: small hidden, big vocab relative to it (the loss dominates memory)
+        _p("seed", hidden=512, layers=6, heads=8, intermediate=1024, vocab=16000),
+        # ANCHORS.md's larger config (953 M parameters)
+        _p("anchor-1b", hidden=2048, layers=16, heads=16, intermediate=5632, vocab=32000),
+        _p("tinyllama-1.1b", hidden=2048, layers=22, heads=32, kv_heads=4, intermediate=5632, vocab=32000),
+        _p("llama2-7b", hidden=4096, layers=32, heads=32, intermediate=11008, vocab=32000),
+        _p("llama2-13b", hidden=5120, layers=40, heads=40, intermediate=13824, vocab=32000),
+        _p("mistral-7b", hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=32000,
+           rope_theta=1e6),
+        _p("llama3-8b", hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256,
+           rope_theta=5e5),
+        _p("llama3.2-1b", hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256,
+           tie_embeddings=True, rope_theta=5e5),
+        # Qwen2.5: q/k/v biases, rms_norm_eps 1e-6; the small ones tie their embeddings
+        _p("qwen2.5-0.5b", hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936,
+           tie_embeddings=True, norm_eps=1e-6, rope_theta=1e6, qkv_bias=True),
+        _p("qwen2.5-1.5b", hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936,
+           tie_embeddings=True, norm_eps=1e-6, rope_theta=1e6, qkv_bias=True),
+        _p("qwen2.5-7b", hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064,
+           norm_eps=1e-6, rope_theta=1e6, qkv_bias=True),
+    )
+}
+
+def config_fields() -> list[str]:
+    return [f.name for f in fields(ModelConfig) if f.name != "name"]

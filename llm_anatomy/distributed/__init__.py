@@ -1,0 +1,15 @@
+"""Data-parallel training (DDP, FSDP2) and its cost model.
+
+    strategies   wrap(model, "ddp" | "fsdp", ...), init_distributed(backend, timeout_s)
+    train_step   a few training steps under torchrun (python -m llm_anatomy.distributed.train_step)
+    counting     CollectiveCounter (what the process group did), rank_memory (what a rank holds)
+    peak         each rank's live storage over a step (spawn_peaks): the measured side of per_rank_peak
+    simulate     one rank of 8..1024 with the fake process group and fake tensors
+    report       memory_table(): per-rank bytes of a preset, as markdown
+
+The predictions are pure Python, in llm_anatomy.calculator.comm (estimate_distributed, re-exported
+here, render_distributed) and llm_anatomy.calculator.sharding (per_rank_memory, per_rank_peak). Importing this package does not import torch.
+"""
+from llm_anatomy.calculator.comm import estimate_distributed
+
+__all__ = ["estimate_distributed"]

@@ -1,0 +1,119 @@
+"""Per-rank live storage over data-parallel training steps: the measured side of calculator.sharding.per_rank_peak.
+
+Each rank runs the same loop as train_step.train (wrap(), a plain optimizer, FSDP's MixedPrecisionPolicy or
+DDP under autocast) inside RankStorage (llm_anatomy.measure.liveness.LiveStorage for a rank), entered before the model is built, so that
+everything the rank allocates is counted: the parameters (a DTensor's local shard), DDP's gradient buckets
+(allocated by its reducer in C++, through the dispatcher), FSDP's all-gather and reduce-scatter buffers, the
+activations, the gradients and the optimizer state. Returned per phase of the last step: the bytes alive at its
+end and its peak (forward, backward with FSDP's final callbacks, optimizer step).
+
+    from llm_anatomy.distributed.peak import spawn_peaks
+    spawn_peaks(2, [dict(cfg=..., run=..., strategy="fsdp")])   # results[rank][scenario] = [phases]
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.distributed.strategies import check_strategy, default_mixed_precision, init_distributed, wrap
+from llm_anatomy.distributed.train_step import make_optimizer
+from llm_anatomy.io import write_atomic
+from llm_anatomy.measure.liveness import LiveStorage
+from llm_anatomy.models import autocast_ctx, build_model, make_batch
+
+
+class RankStorage(LiveStorage):
+    """LiveStorage for a data-parallel rank, with two additions:
+      - a DTensor counts as its local shard: the mode sits above the DTensor subclass, so an op on sharded
+        parameters (the optimizer's) returns a DTensor, whose storage is its _local_tensor's;
+      - a storage resized in place counts at its new size: FSDP2 frees an unsharded parameter by resizing its
+        storage to 0 bytes and re-gathers into the same storage (_fsdp_param.py free_storage, alloc_storage),
+        neither of which is an op the mode sees. UntypedStorage.resize_ is wrapped while the mode is active."""
+
+    def _add(self, t: torch.Tensor) -> None:
+        super()._add(getattr(t, "_local_tensor", t))
+
+    def _resized(self, st, old: int) -> None:
+        key = st._cdata
+        if key in self._live:
+            delta = st.nbytes() - old
+            self._live[key] += delta
+            self.allocated += delta
+            if self.allocated > self.peak:
+                self.peak, self.peak_op = self.allocated, "UntypedStorage.resize_"
+
+    def __enter__(self):
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+
+        def resize_(st, size):
+            old = st.nbytes()
+            out = orig(st, size)
+            self._resized(st, old)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
+
+
+def peaks(cfg: ModelConfig, run: Run, strategy: str, *, steps: int = 3, optimizer: str = "adamw",
+          reshard_after_forward: bool = True, bucket_cap_mb: float | None = None, seed: int = 0) -> list[dict]:
+    """Run `steps` steps on the initialized (CPU) process group; the phases of the last one, each
+    {name, allocated, peak, peak_op} in bytes of live storage on this rank."""
+    check_strategy(strategy)
+    rank = dist.get_rank()
+    live = RankStorage()
+    with live:
+        model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
+        if strategy == "fsdp":
+            pd, rd = default_mixed_precision(run)
+            model = wrap(model, "fsdp", param_dtype=pd, reduce_dtype=rd, reshard_after_forward=reshard_after_forward)
+            ctx = contextlib.nullcontext  # the MixedPrecisionPolicy is FSDP's amp
+        else:
+            model = wrap(model, "ddp", bucket_cap_mb=bucket_cap_mb)
+            ctx = lambda: autocast_ctx(run, "cpu")  # noqa: E731
+        opt = make_optimizer(optimizer, model.parameters(), 1e-3)
+        ids, targets = make_batch(cfg, run, seed=seed + 1 + rank)
+        out = []
+        for _ in range(steps):
+            live.phase("start")
+            with ctx():
+                loss = model(ids, targets)
+            fwd = live.phase("forward")
+            loss.backward()
+            del loss
+            bwd = live.phase("backward")
+            opt.step()
+            step = live.phase("optimizer")
+            opt.zero_grad(set_to_none=True)
+            out = [fwd, bwd, step]
+        del model, opt, ids, targets
+    return out
+
+
+def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float) -> None:
+    torch.set_num_threads(1)  # W processes share the cores
+    init_distributed("gloo", timeout_s, rank=rank, world_size=world, init_method=init_method)
+    try:
+        write_atomic(Path(outdir) / f"rank{rank}.json", json.dumps([peaks(**sc) for sc in scenarios]))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_peaks(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> list[list[list[dict]]]:
+    """Each scenario (keyword arguments of peaks()) on `world` local gloo processes:
+    results[rank][scenario] = the last step's phases."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s), nprocs=world, join=True)
+        return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]

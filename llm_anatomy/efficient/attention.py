@@ -1,0 +1,79 @@
+"""Attention: one QKV matmul, fused split + RoPE (llm_anatomy.kernels.rope_qkv), SDPA on the best backend.
+
+- One (H -> (nh + 2·nkv)·hd) projection: one matmul launch, and one saved input instead of three.
+  A q/k/v bias (Qwen2) is its ((nh + 2·nkv)·hd,) bias: added inside the matmul (addmm, cuBLASLt's bias
+  epilogue on CUDA), before rope_qkv rotates q and k, as the baseline adds it before RoPE; addmm saves
+  the same two operands with or without it.
+- rope_qkv writes q, k, v as separate contiguous tensors, so no view keeps the fused output alive;
+  it saves only the cos/sin tables.
+- SDPA never materialises the S×S scores: it keeps q, k, v, its output and a logsumexp per row
+  (plus backend extras, e.g. an RNG seed/offset on CUDA). GQA goes to the kernel (enable_gqa), so
+  k and v are kept at kv-head size. Its output is laid out (B, S, nh, hd), so the o projection's
+  input is a view of it, not a copy.
+- In the lean block (Run.lean, without recompute) qkv and o run llm_anatomy.kernels.lean.linear: under autocast their nodes
+  keep the fp32 weight, not a bf16 cast of it; backward casts it again (the same bits).
+- Recompute (Run.recompute == "mlp"): called with the block's norm, norm -> qkv runs under a
+  non-reentrant torch.utils.checkpoint that keeps only x; in backward it re-runs the norm and stops
+  (early stop) when the qkv matmul has been handed its input again, before that matmul runs.
+State dict: qkv.weight = cat(q.weight, k.weight, v.weight), qkv.bias likewise (see efficient.transformer)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
+
+from llm_anatomy.kernels import rope_qkv
+from llm_anatomy.kernels.lean import linear
+
+# Measured on the H200 (ANCHORS.md): causal, hd 64, fwd+bwd, cuDNN 386 TFLOP/s, flash 238,
+# memory-efficient 103. So: cuDNN first, then flash, then memory-efficient; math never by choice.
+CUDA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def backend_context(device: torch.device):
+    """The SDPA backend preference for a device (CPU has one flash-style kernel: nothing to choose)."""
+    if device.type == "cuda":
+        return sdpa_kernel(CUDA_PRIORITY, set_priority=True)
+    return contextlib.nullcontext()
+
+
+def sdpa_backend_name(grad_fn) -> str:
+    """Which kernel ran, read off the autograd node SDPA created (e.g. 'cudnn', 'flash', 'cpu-flash')."""
+    n = type(grad_fn).__name__.lower()
+    for key, name in (("cudnn", "cudnn"), ("flashattentionforcpu", "cpu-flash"), ("flash", "flash"),
+                      ("efficient", "memory-efficient")):
+        if key in n:
+            return name
+    return "math"
+
+
+class Attention(nn.Module):
+    component = "attention"
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, qkv_bias: bool = False, lean: bool = False):
+        super().__init__()
+        self.lean = lean  # qkv and o keep no weight cast for backward (False inside a checkpoint: see kernels/lean.py)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=qkv_bias)
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.last_backend: str | None = None
+
+    def forward(self, x, cos, sin, norm: nn.Module | None = None):  # x: (B, S, H); cos, sin: (S, hd) fp32
+        B, S, H = x.shape
+        if norm is None:  # x is normed
+            qkv = self._linear(self.qkv, x)  # (B, S, (nh + 2 nkv) hd)
+        else:  # x is the residual stream; keep it, not its normed copy
+            qkv = checkpoint(lambda x: self.qkv(norm(x)), x, use_reentrant=False, preserve_rng_state=False)
+        q, k, v = rope_qkv(qkv, cos, sin, self.heads, self.kv_heads)  # (B, nh|nkv, S, hd), contiguous
+        with backend_context(x.device):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=self.kv_heads != self.heads)  # (B, nh, S, hd)
+        self.last_backend = sdpa_backend_name(out.grad_fn) if out.grad_fn is not None else None
+        return self._linear(self.o, out.transpose(1, 2).reshape(B, S, H))  # a view when out is laid out (B, S, nh, hd)
+
+    def _linear(self, mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, mod.weight, mod.bias) if self.lean else mod(x)

@@ -1,0 +1,252 @@
+"""Reading a Hugging Face config.json (Llama, Mistral, Qwen2) into a ModelConfig: every field used checked by
+type and range; what cannot be modelled is refused in one line naming the file and the field; what changes no
+count (RoPE scaling) is accepted with a note. Pure Python, like llm_anatomy/config.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+from llm_anatomy.config import MAX_LAYERS, MAX_SEQ, MAX_WIDTH, ConfigError, ModelConfig, oneline
+
+# ---- Hugging Face config.json ---------------------------------------------------------------------
+_HF_FAMILIES = ("llama", "mistral", "qwen2")  # qwen2: Qwen2 and Qwen2.5, with q/k/v biases
+# Every RoPE kind transformers knows (transformers.modeling_rope_utils; "su" and "mrope" are older names).
+# Each changes only the rotation frequencies: no parameter, FLOP or byte counted here.
+ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional", "su", "mrope")
+SILU = ("silu", "swish")  # transformers' ACT2FN maps both to nn.SiLU
+MAX_CONFIG_BYTES = 1 << 20  # a real config.json is a few kB
+
+
+class HFConfig(NamedTuple):
+    config: ModelConfig
+    notes: tuple[str, ...]  # one line each: what was read and changes no count predicted here
+    sliding_window: int | None  # attention sees at most this many tokens (None: the whole sequence)
+
+
+class _Field:
+    """Typed reads of one JSON object, each error naming the file and the field."""
+
+    def __init__(self, d: dict, where: str, prefix: str = ""):
+        self.d, self.where, self.prefix = d, where, prefix
+
+    def fail(self, key: str, want: str, v=None, shown: bool = True) -> ConfigError:
+        got = f", got {_show(v)}" if shown else ""
+        return ConfigError(f"{self.where}: {self.prefix}{key} must be {want}{got}")
+
+    def get(self, key: str, required: bool = False):
+        if key not in self.d:
+            if required:
+                raise ConfigError(f"{self.where}: missing field {self.prefix}{key}")
+            return None
+        if self.d[key] is None and required:
+            raise self.fail(key, "given", None)
+        return self.d[key]
+
+    def int(self, key: str, limit: int, required: bool = False) -> int | None:
+        v = self.get(key, required)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise self.fail(key, "a positive integer", v)
+        if v > limit:
+            raise ConfigError(f"{self.where}: {self.prefix}{key}={v:.3g} is larger than any machine could hold "
+                              f"(at most {limit:,})")
+        return v
+
+    def number(self, key: str, below: float = math.inf) -> float | None:
+        v = self.get(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < below:
+            raise self.fail(key, "a finite number > 0" + ("" if below == math.inf else f" and < {below:g}"), v)
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self.fail(key, "true or false (a JSON boolean, not a string or a number)", v)
+        return v
+
+    def str(self, key: str) -> str | None:
+        v = self.get(key)
+        if v is not None and not isinstance(v, str):
+            raise self.fail(key, "a string", v)
+        return v
+
+    def obj(self, key: str) -> dict | None:
+        v = self.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise self.fail(key, "a JSON object", v)
+        return v
+
+
+def _show(v) -> str:
+    if isinstance(v, dict):
+        return "an object"
+    if isinstance(v, list):
+        return "a list"
+    return oneline(json.dumps(v), 60)
+
+
+def _refuse_constant(name: str):
+    raise ConfigError(f"{name} is not a number (non-finite values are refused)")
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ConfigError(f"{oneline(text, 40)} is out of a float's range")
+    return x
+
+
+def load_json_object(p: Path, what: str) -> dict:
+    """A JSON object from a UTF-8 file of at most MAX_CONFIG_BYTES, with only finite numbers."""
+    where = oneline(str(p))
+    try:
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{where}: larger than {MAX_CONFIG_BYTES:,} bytes; not a {what}")
+        text = p.read_bytes().decode("utf-8")
+        d = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}" if not str(e).startswith(where) else str(e)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {e.start}); not a {what}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: JSON nested too deeply; not a {what}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {where}: {oneline(e.strerror or e, 100)}") from None
+    except ValueError as e:  # json.JSONDecodeError, and integers longer than Python reads
+        raise ConfigError(f"{where}: not valid JSON ({oneline(e, 120)}); not a {what}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} is not a JSON object")
+    return d
+
+
+def _display_name(name_or_path: str | None, folder: str) -> str:
+    """A model's name for titles and file stems: the last part of `_name_or_path` (so no absolute path
+    reaches a report), in letters, digits and . _ + - only (no control character or markup reaches a
+    terminal, no path separator reaches a file name)."""
+    def clean(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._+-]", "_", text)[:64].strip(".")
+
+    return clean(re.split(r"[/\\]", (name_or_path or "").strip().rstrip("/\\"))[-1]) or clean(folder) or "hf"
+
+
+def _full_rotary(f: _Field) -> None:
+    factor = f.number("partial_rotary_factor", below=1.0 + 1e-12)
+    if factor is not None and factor != 1.0:
+        raise ConfigError(f"{f.where}: {f.prefix}partial_rotary_factor={factor:g} is not modelled (RoPE turns the "
+                          "whole head here)")
+
+
+def _rope(f: _Field, notes: list[str]) -> float | None:
+    """rope_theta from rope_parameters (transformers 5) or the top level; scaling kinds noted, not refused."""
+    theta = f.number("rope_theta")
+    _full_rotary(f)
+    for key in ("rope_scaling", "rope_parameters"):
+        block = f.obj(key)
+        if not block:
+            continue
+        nested = all(isinstance(v, dict) for v in block.values())  # per layer type: {"full_attention": {...}}
+        for sub, params in (block.items() if nested else [("", block)]):
+            g = _Field(params, f.where, f"{key}.{sub + '.' if sub else ''}")
+            kind = g.str("rope_type") or g.str("type") or "default"
+            if kind not in ROPE_KINDS:
+                raise g.fail("rope_type", f"one of {', '.join(ROPE_KINDS)}", kind)
+            theta = g.number("rope_theta") or theta
+            _full_rotary(g)
+            if kind not in ("default", "mrope"):
+                factor = g.number("factor")
+                notes.append(f"RoPE scaling {kind}{f' (factor {factor:g})' if factor else ''} read from {key}: it "
+                             "changes the rotation frequencies only, no count predicted here")
+    return theta
+
+
+def _qwen2_window(f: _Field) -> int | None:
+    """Qwen2's sliding window, as Qwen2Config reads it: on only under use_sliding_window (Qwen2.5 ships
+    false), then for the layers listed "sliding_attention" in layer_types, or else layers
+    max_window_layers and up. None when no layer uses it."""
+    window = f.int("sliding_window", MAX_SEQ)
+    if not f.bool("use_sliding_window", False) or window is None:
+        return None
+    kinds = f.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+            raise f.fail("layer_types", "a list of strings", kinds)
+        return window if "sliding_attention" in kinds else None
+    first = f.get("max_window_layers")
+    if first is None:
+        first = 28  # Qwen2Config's default
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise f.fail("max_window_layers", "a non-negative integer", first)
+    layers = f.int("num_hidden_layers", MAX_LAYERS, required=True)
+    return window if first < layers else None
+
+
+def read_hf_config(path: str | Path) -> HFConfig:
+    """Read a Hugging Face Llama-family config.json (llama, mistral, qwen2; a file, or a folder holding one),
+    every field used checked by type and range; what cannot be modelled is refused in one line naming the
+    file and field."""
+    if not str(path).strip():
+        raise ConfigError("--hf-config is empty; give a config.json or the folder holding it")
+    p = Path(path)
+    try:
+        if p.is_dir():
+            p = p / "config.json"
+        found = p.is_file()
+    except (OSError, ValueError):  # a name too long, or with a NUL byte
+        found = False
+    if not found:
+        raise ConfigError(f"no Hugging Face config at {oneline(repr(str(path)))}")
+    f = _Field(load_json_object(p, "Hugging Face config"), oneline(str(p)))
+    family = f.get("model_type")
+    if family not in _HF_FAMILIES:
+        raise ConfigError(f"{f.where}: model_type {_show(family)} is not a Llama-family model "
+                          f"({', '.join(_HF_FAMILIES)})")
+    qwen2 = family == "qwen2"  # Qwen2Attention: q, k, v with a bias, o without; no bias flags to read
+    if not qwen2 and f.bool("attention_bias", False):
+        raise ConfigError(f"{f.where}: attention_bias=true is not modelled (it biases q, k, v and o; the models here "
+                          "bias q, k and v only, as Qwen2 does)")
+    if f.bool("mlp_bias", False):
+        raise ConfigError(f"{f.where}: mlp_bias=true is not modelled (the MLP here has no biases)")
+    act = f.str("hidden_act") or "silu"
+    if act not in SILU:
+        raise ConfigError(f"{f.where}: hidden_act {_show(act)} is not modelled (the MLP here is SwiGLU, with SiLU)")
+    hidden = f.int("hidden_size", MAX_WIDTH, required=True)
+    heads = f.int("num_attention_heads", MAX_WIDTH, required=True)
+    head_dim = f.int("head_dim", MAX_WIDTH) or hidden // heads
+    if head_dim * heads != hidden:
+        raise ConfigError(f"{f.where}: head_dim={head_dim} × num_attention_heads={heads} != hidden_size={hidden}")
+    notes: list[str] = []
+    theta = _rope(f, notes)
+    window = _qwen2_window(f) if qwen2 else f.int("sliding_window", MAX_SEQ)
+    try:
+        cfg = ModelConfig(
+            name=_display_name(f.str("_name_or_path"), p.parent.name),
+            hidden=hidden,
+            layers=f.int("num_hidden_layers", MAX_LAYERS, required=True),
+            heads=heads,
+            kv_heads=f.int("num_key_value_heads", MAX_WIDTH) or heads,
+            intermediate=f.int("intermediate_size", MAX_WIDTH, required=True),
+            vocab=f.int("vocab_size", MAX_WIDTH, required=True),
+            tie_embeddings=f.bool("tie_word_embeddings", False),
+            norm_eps=f.number("rms_norm_eps", below=1.0) or 1e-6,  # LlamaConfig's and MistralConfig's default
+            rope_theta=theta or 10000.0,
+            qkv_bias=qwen2,
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{f.where}: {e}") from None
+    return HFConfig(cfg, tuple(notes), window)
+
+
+def from_hf_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face config.json (read_hf_config has its notes and sliding window)."""
+    return read_hf_config(path).config
+
+

@@ -1,0 +1,169 @@
+"""`anatomy plan`: the fastest run of a model that fits a GPU, found from the calculator alone.
+
+For each data-parallel strategy (one GPU: none; several: ddp and fsdp) and each recompute policy (the
+efficient variant: none, mlp, full; the baseline has none), the largest micro-batch whose predicted
+per-rank peak fits the budget is found by bisection (peak grows with the micro-batch), and timed:
+  budget       the GPU's allocatable memory (calculator/gpus.py capacity_bytes: what an idle device
+               reports free) x (1 - margin);
+  peak         one GPU: the largest memory phase (calculator/memory.py phases); N GPUs: the per-rank
+               peak (calculator/sharding.py per_rank_peak) with sharded states, FSDP's gathered units
+               and DDP's buckets;
+  step         the timing model's steady step (back-to-back steps) for one rank's micro-batch, plus
+               the communication compute does not hide (calculator/comm.py), with the optimizer
+               over the rank's own shard under FSDP;
+  tokens/s     gpus x micro-batch x seq / step;
+  MFU          model FLOPs of the step / (step x the datasheet's dense peak), the usual convention.
+The fastest setting that fits is the plan. Pure Python: no torch, nothing is built or allocated.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from llm_anatomy.calculator import gpus
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+
+POLICIES = {"efficient": ("none", "mlp", "full"), "baseline": ("none",)}
+DEFAULT_MARGIN = 0.05  # the memory model's error on real configs (within 1.2% on the H200) + allocator slack
+MAX_MICRO_BATCH = 4096  # the bisection's ceiling: far past any batch a real GPU holds at seq >= 128
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str  # "single" on one GPU, else ddp / fsdp
+    recompute: str
+    micro_batch: int  # the largest that fits the budget, 0 if none does
+    peak_bytes: int  # per rank, at micro_batch (at 1 when none fits)
+    fits: bool
+    step_s: float | None  # None when nothing fits
+    comm_exposed_s: float | None
+    tokens_per_s: float | None
+    mfu: float | None
+
+
+def table_entry(gpu: str) -> dict:
+    """The GPU table's entry a --gpu name, profile name or profile .json stands for (capacity and links come
+    from it)."""
+    from llm_anatomy.calculator.timing import lookup
+
+    k = gpus.base_key(gpu)
+    if k is not None:
+        return gpus.entry(k)
+    prof = lookup.get(gpu)
+    e = gpus.for_device_name(prof.display) or gpus.for_device_name(prof.name)
+    if e is None:
+        raise ConfigError(f"profile {prof.name!r} names no GPU of the table ({', '.join(gpus.GPUS)}): its memory and "
+                          "links are unknown")
+    return e
+
+
+def peak_bytes(cfg: ModelConfig, run: Run, variant: str, world: int, strategy: str, optimizer: str) -> int:
+    """Predicted per-rank peak of allocated bytes on CUDA, in a step after the first."""
+    if world == 1:
+        from llm_anatomy.calculator.memory import phases
+
+        ph = phases(cfg, run, variant, optimizer=optimizer, device="cuda")
+        return max(ph["forward_peak"] or 0, ph["backward_peak"], ph["forward_end"])
+    from llm_anatomy.calculator.sharding import per_rank_peak
+
+    return per_rank_peak(cfg, run, variant, world, strategy, optimizer=optimizer, device="cuda")["peak"]
+
+
+def largest_fitting(fits, ceiling: int = MAX_MICRO_BATCH) -> int:
+    """The largest b in [1, ceiling] with fits(b), for a fits() that is true up to some b and false after;
+    0 if fits(1) is false. Doubling, then bisection: O(log b) calls."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= ceiling and fits(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, ceiling + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi) (or hi past the ceiling)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def step_time(cfg: ModelConfig, run: Run, variant: str, gpu: str, world: int, strategy: str, optimizer: str,
+              gpus_per_node: int) -> dict:
+    """Seconds of one steady step of one rank: compute (timing model) + exposed communication."""
+    from llm_anatomy.calculator.timing import estimate_time
+
+    t = estimate_time(cfg, run, variant, gpu=gpu, optimizer=optimizer)
+    fb, opt = t["steady"]["forward_backward_s"], t["optimizer_s"]
+    exposed = 0.0
+    if world > 1:
+        from llm_anatomy.calculator.comm import estimate_distributed
+
+        ph = t["phases"]
+        compute = dict(forward=ph["forward"]["gpu_s"], backward=ph["backward"]["gpu_s"])  # what hides comm
+        d = estimate_distributed(cfg, run, world, strategy, variant=variant, optimizer=optimizer, gpu=table_entry(gpu)["name"],
+                                 gpus_per_node=gpus_per_node, compute_s=compute)
+        exposed = d["comm"]["exposed_s"]
+        if strategy == "fsdp":
+            opt /= world  # each rank steps its own shard
+    step = fb + opt + exposed
+    model_flops = t["mfu"]["model"] * t["forward_backward_s"] * t["mfu"]["peak_flops"]  # 6N-style, per rank
+    peak = table_entry(gpu)["bf16_tflops" if run.dtype != "fp32" else "fp32_tflops"] * 1e12
+    return dict(step_s=step, comm_exposed_s=exposed, mfu=model_flops / step / peak)
+
+
+def _check(gpus_n: int, gpus_per_node: int, margin: float, seq: int) -> None:
+    for name, v in (("--gpus", gpus_n), ("--gpus-per-node", gpus_per_node)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 2**20:
+            raise ConfigError(f"{name} must be a whole number from 1 to {2**20:,}, got {v!r}")
+    if not 0 <= margin < 1:
+        raise ConfigError(f"--margin must be a fraction in [0, 1), got {margin!r}")
+    Run(batch=1, seq=seq)  # the sequence's own checks
+
+
+def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node: int = 8, optimizer: str = "adamw",
+         margin: float = DEFAULT_MARGIN, variant: str = "efficient", dtype: str = "amp",
+         strategies: tuple[str, ...] | None = None, recomputes: tuple[str, ...] | None = None) -> dict:
+    """Every (strategy, recompute) candidate at its largest fitting micro-batch, and the fastest. JSON-able."""
+    _check(gpus_n, gpus_per_node, margin, seq)
+    if variant not in POLICIES:
+        raise ConfigError(f"unknown variant {variant!r}; choose baseline or efficient")
+    entry = table_entry(gpu)
+    capacity, capacity_source = gpus.capacity_bytes(entry["name"])
+    budget = int(capacity * (1 - margin))
+    if strategies is None:
+        strategies = ("single",) if gpus_n == 1 else ("ddp", "fsdp")
+    elif gpus_n == 1:
+        raise ConfigError("--strategy needs --gpus 2 or more")
+    recomputes = recomputes or POLICIES[variant]
+    if bad := [r for r in recomputes if r not in POLICIES[variant]]:
+        raise ConfigError(f"recompute {bad[0]!r} is not a policy of the {variant} variant "
+                          f"({', '.join(POLICIES[variant])})")
+    rows = []
+    for strategy in strategies:
+        for rc in recomputes:
+            mk = lambda b: Run(batch=b, seq=seq, dtype=dtype, recompute=rc)  # noqa: E731
+            need = lambda b: peak_bytes(cfg, mk(b), variant, gpus_n, strategy, optimizer)  # noqa: E731
+            b = largest_fitting(lambda b: need(b) <= budget, max_batch(seq))
+            if b == 0:
+                rows.append(Candidate(strategy, rc, 0, need(1), False, None, None, None, None))
+                continue
+            t = step_time(cfg, mk(b), variant, gpu, gpus_n, strategy, optimizer, gpus_per_node)
+            rows.append(Candidate(strategy, rc, b, need(b), True, t["step_s"], t["comm_exposed_s"],
+                                  gpus_n * b * seq / t["step_s"], t["mfu"]))
+    fitting = [r for r in rows if r.fits]
+    best = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
+    return dict(config=cfg.to_dict(), variant=variant, gpu=gpu, gpu_entry=entry["name"], gpus=gpus_n,
+                profile_kind="datasheet" if from_datasheet(gpu) else "measured",
+                gpus_per_node=gpus_per_node, seq=seq, dtype=dtype, optimizer=optimizer, margin=margin,
+                capacity_bytes=capacity, capacity_source=capacity_source, budget_bytes=budget,
+                candidates=[asdict(r) for r in rows], best=asdict(best) if best else None)
+
+
+def from_datasheet(gpu: str) -> bool:
+    """Whether --gpu names the datasheet figures (a roofline without calibration) rather than a measured profile."""
+    from llm_anatomy.calculator.timing import lookup
+
+    return lookup.get(gpu)["kind"] == "datasheet"
+
+
+def max_batch(seq: int) -> int:
+    """The bisection's ceiling for a sequence length: Run's own token limit, and MAX_MICRO_BATCH."""
+    from llm_anatomy.config import MAX_TOKENS
+
+    return max(1, min(MAX_MICRO_BATCH, MAX_TOKENS // seq))

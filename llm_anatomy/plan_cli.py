@@ -1,0 +1,136 @@
+"""`anatomy plan`: flags, the candidates table and the verdict (the search is llm_anatomy/plan.py)."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+from llm_anatomy.cli_args import Parser, add_model_flags, add_optimizer_flag, config_from_args, nonempty
+from llm_anatomy.config import ConfigError, oneline
+
+GiB = 2**30
+DESCRIPTION = ("find the fastest run of a model that fits a GPU: for each data-parallel strategy and recompute "
+               "policy, the largest micro-batch whose predicted per-rank peak fits, its step time and tokens/s; "
+               "from the calculator alone, nothing is built")
+
+
+def parser() -> Parser:
+    p = Parser(prog="anatomy plan", description=DESCRIPTION)
+    add_model_flags(p)
+    g = p.add_argument_group("run")
+    g.add_argument("--gpu", required=True, type=nonempty, metavar="NAME|PATH",
+                   help="the GPU: a datasheet name (H100, H200, A100-80GB, L40S, RTX4090, ...), a measured profile "
+                        "(h200-measured), or a profile JSON written by `anatomy calibrate`")
+    g.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs in the data-parallel group")
+    g.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
+                   help="GPUs per node; beyond one node, collectives cross the inter-node network")
+    g.add_argument("--seq", type=int, default=4096, metavar="N", help="tokens per sequence")
+    g.add_argument("--dtype", default="amp", type=nonempty,
+                   help="amp (bf16 autocast, fp32 master weights), bf16 or fp32")
+    g.add_argument("--variant", default="efficient", type=nonempty,
+                   help="efficient (fused kernels) or baseline (unfused, readable)")
+    add_optimizer_flag(g)
+    g.add_argument("--strategy", choices=("ddp", "fsdp"),
+                   help="plan only this data-parallel strategy (default: both when --gpus > 1)")
+    g.add_argument("--recompute", type=nonempty, metavar="POLICY[,POLICY]",
+                   help="plan only these recompute policies (default: every policy of the variant: none, mlp, full "
+                        "for efficient)")
+    g.add_argument("--margin", type=float, default=0.05, metavar="FRACTION",
+                   help="memory held back from the GPU's allocatable memory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def _model_args(a) -> list[str]:
+    """The model flags as the user gave them, for the estimate command line."""
+    out = []
+    if a.hf_config:
+        out += ["--hf-config", a.hf_config]
+    elif a.preset:
+        out += ["--preset", a.preset]
+    for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "mlp"):
+        if getattr(a, k) is not None:
+            out += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    if a.tie_embeddings is not None:
+        out.append("--tie-embeddings" if a.tie_embeddings else "--no-tie-embeddings")
+    return out
+
+
+def estimate_command(a, best: dict, plan: dict) -> str:
+    """The `anatomy estimate` command line that details the planned run."""
+    args = ["anatomy", "estimate", *_model_args(a), "--variant", plan["variant"], "--batch", str(best["micro_batch"]),
+            "--seq", str(plan["seq"]), "--dtype", plan["dtype"], "--optimizer", plan["optimizer"], "--gpu", plan["gpu"]]
+    if best["recompute"] != "none":
+        args += ["--recompute", best["recompute"]]
+    if plan["gpus"] > 1:
+        args += ["--world-size", str(plan["gpus"]), "--strategy", best["strategy"],
+                 "--gpus-per-node", str(plan["gpus_per_node"])]
+    return shlex.join(args)
+
+
+def render(a, out: dict) -> list[str]:
+    """The candidates table and the verdict, as plain text lines (no markup: names are the user's)."""
+    cfg, gib = out["config"], (lambda b: f"{b / GiB:,.2f}")
+    lines = [f"plan: {cfg['name']} · {out['variant']} variant · {out['gpus']} x {out['gpu']} · seq {out['seq']:,} · "
+             f"{out['dtype']} · {out['optimizer']}",
+             f"per GPU: {gib(out['capacity_bytes'])} GiB allocatable ({out['capacity_source']}); budget "
+             f"{gib(out['budget_bytes'])} GiB after a {out['margin']:.0%} margin"]
+    head = ("strategy", "recompute", "micro-batch", "peak GiB/rank", "fits", "step ms", "exposed comm ms",
+            "tokens/s", "MFU")
+    rows = []
+    for c in out["candidates"]:
+        ok = c["fits"]
+        rows.append((c["strategy"], c["recompute"], f"{c['micro_batch']:,}" if ok else "-", gib(c["peak_bytes"]),
+                     "yes" if ok else "no (at 1)", f"{c['step_s'] * 1e3:,.1f}" if ok else "-",
+                     f"{c['comm_exposed_s'] * 1e3:,.1f}" if ok else "-",
+                     f"{c['tokens_per_s']:,.0f}" if ok else "-", f"{c['mfu']:.1%}" if ok and c["mfu"] else "-"))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    fmt = lambda r: "  ".join(s.ljust(w) if i < 2 else s.rjust(w) for i, (s, w) in enumerate(zip(r, widths)))  # noqa: E731
+    lines += ["", fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, rows), ""]
+    b = out["best"]
+    if b is None:
+        least = min(out["candidates"], key=lambda c: c["peak_bytes"])
+        lines.append(f"verdict: predicted OOM: nothing fits. The smallest need is {gib(least['peak_bytes'])} GiB per rank "
+                     f"({least['strategy']}, recompute {least['recompute']}, micro-batch 1) against a budget of "
+                     f"{gib(out['budget_bytes'])} GiB: use more GPUs with fsdp, a shorter --seq or a larger GPU.")
+        return lines
+    lines.append(f"verdict: {b['strategy']}, recompute {b['recompute']}, micro-batch {b['micro_batch']:,}: "
+                 f"{b['tokens_per_s']:,.0f} tokens/s, {gib(b['peak_bytes'])} GiB per rank of {gib(out['budget_bytes'])} "
+                 f"GiB, step {b['step_s'] * 1e3:,.1f} ms")
+    lines.append(f"details: {estimate_command(a, b, out)}")
+    if out["profile_kind"] == "datasheet":
+        lines.append(f"times from {out['gpu']}'s datasheet figures (no calibration: optimistic; a profile from "
+                     "`anatomy calibrate` on the GPU, or h200-measured, is what the timing claims hold to)")
+    lines.append("run it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the peaks are allocated bytes; "
+                 "the default allocator's fragmentation can take part of the margin")
+    if out["variant"] == "efficient" and not a.variant_given:
+        lines.append("(the efficient variant is planned; --variant baseline plans the unfused one)")
+    return lines
+
+
+def main(argv=None) -> int:
+    from llm_anatomy.plan import plan
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    a = p.parse_args(argv)
+    a.variant_given = any(x == "--variant" or x.startswith("--variant=") for x in argv)
+    try:
+        cfg = config_from_args(a)
+        recomputes = tuple(r.strip() for r in a.recompute.split(",")) if a.recompute else None
+        out = plan(cfg, gpu=a.gpu, seq=a.seq, gpus_n=a.gpus, gpus_per_node=a.gpus_per_node, optimizer=a.optimizer,
+                   margin=a.margin, variant=a.variant, dtype=a.dtype,
+                   strategies=(a.strategy,) if a.strategy else None, recomputes=recomputes)
+        if out["best"] is not None:
+            out["estimate_command"] = estimate_command(a, out["best"], out)
+    except ConfigError as e:
+        print(f"anatomy plan: error: {oneline(e)}", file=sys.stderr)
+        return 2
+    for note in a.config_notes:
+        print(f"anatomy plan: note: {oneline(note)}", file=sys.stderr)
+    print(json.dumps(out, indent=1) if a.json else "\n".join(render(a, out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

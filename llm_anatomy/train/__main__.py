@@ -1,0 +1,4 @@
+from llm_anatomy.distributed.strategies import exit_rank
+from llm_anatomy.train.cli import main
+
+exit_rank(main())

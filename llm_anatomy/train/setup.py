@@ -1,0 +1,110 @@
+"""Where a run happens and what it trains: the process placement (one process, DDP or FSDP2 under
+torchrun), the model holding the baseline's initial weights, and the variant's optimizer.
+
+Both variants start from the same weights for the same --seed: the efficient model loads the
+baseline's initial state dict (its q/k/v and gate/up are fused, so its own init would draw the
+same numbers in another layout).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.models import build_model, param_dtype
+from llm_anatomy.train.options import TrainOptions
+
+
+@dataclass
+class Placement:
+    strategy: str  # none | ddp | fsdp
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+    owns_group: bool = False  # we initialised the process group, so we destroy it
+
+
+def place(o: TrainOptions, variant: str) -> Placement:
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", "1")) if launched else 1
+    strategy = o.strategy
+    if strategy == "auto":
+        strategy = "none" if world == 1 else ("ddp" if variant == "baseline" else "fsdp")
+    if strategy == "none" and world > 1:
+        raise ConfigError(f"--strategy none under torchrun with {world} ranks: pick ddp or fsdp (or auto)")
+    cuda = torch.cuda.is_available() and o.device != "cpu"
+    if strategy == "none":
+        return Placement("none", torch.device("cuda" if cuda else "cpu"))
+    if not launched:
+        raise ConfigError(f"--strategy {strategy} needs several processes: launch with "
+                          f"torchrun --nproc_per_node N -m llm_anatomy.cli train ...")
+    try:
+        from llm_anatomy.distributed.strategies import init_distributed
+    except ImportError as e:
+        raise ConfigError(f"distributed training needs llm_anatomy.distributed, which is unavailable: {e}") from None
+    owns = not dist.is_initialized()
+    init_distributed("nccl" if cuda else "gloo", 600.0)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return Placement(strategy, device, dist.get_rank(), dist.get_world_size(), owns)
+
+
+def init_model(cfg: ModelConfig, variant: str, device, dtype, seed: int, recompute: str = "none") -> torch.nn.Module:
+    """The variant's model holding the baseline's initial weights for `seed` (same start for both);
+    recompute is Run.recompute (the efficient variant's)."""
+    base = build_model(cfg, "baseline", device=device, dtype=dtype, seed=seed)
+    if variant == "baseline":
+        return base
+    model = build_model(cfg, variant, device=device, dtype=dtype, seed=seed, recompute=recompute)
+    model.load_state_dict(base.state_dict())  # the efficient model's pre-hook fuses q/k/v and gate/up
+    return model
+
+
+def make_optimizer(name: str, variant: str, model: torch.nn.Module, o: TrainOptions, device: torch.device):
+    """The optimizer a step runs (llm_anatomy/calculator/optimizer.py: implementation() names the same ones, and
+    times each). adamw: torch.optim.AdamW for either variant, fused on CUDA (one pass over each group of
+    tensors: what users run), foreach elsewhere. ademamix: the baseline variant gets the readable
+    per-parameter loop (llm_anatomy.optim.AdEMAMix), the efficient one the foreach step, compiled on CUDA
+    (FusedAdEMAMix); T_alpha_beta3 = --steps, the paper's choice."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "ademamix":
+        from llm_anatomy.optim import AdEMAMix, FusedAdEMAMix
+
+        cls = AdEMAMix if variant == "baseline" else FusedAdEMAMix
+        return cls(params, lr=o.lr, weight_decay=o.weight_decay, T_alpha_beta3=o.steps)
+    if name != "adamw":
+        raise ConfigError(f"unknown optimizer {name!r}; choose adamw or ademamix")
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, fused=fused, foreach=not fused)
+
+
+def build(cfg: ModelConfig, run: Run, variant: str, o: TrainOptions, pl: Placement):
+    """(model wrapped for the placement, its optimizer, whether the loop autocasts)."""
+    dtype = torch.float64 if o.param_dtype == "float64" else param_dtype(run)
+    torch.manual_seed(o.seed)
+    model = init_model(cfg, variant, pl.device, dtype, o.seed, run.recompute)  # the same weights on every rank
+    amp = True
+    if pl.strategy == "ddp":
+        from llm_anatomy.distributed.strategies import wrap
+
+        model = wrap(model, "ddp", device_ids=[pl.device.index] if pl.device.type == "cuda" else None)
+    elif pl.strategy == "fsdp":
+        from llm_anatomy.distributed.strategies import default_mixed_precision, wrap
+
+        pd, rd = default_mixed_precision(run)
+        model = wrap(model, "fsdp", param_dtype=pd, reduce_dtype=rd)
+        amp = False  # FSDP's MixedPrecisionPolicy is its amp: no autocast on top
+    return model, make_optimizer(o.optimizer, variant, model, o, pl.device), amp
+
+
+def model_flops(cfg: ModelConfig, run: Run, variant: str, dev: torch.device) -> int | None:
+    """Model-convention FLOPs of one step on one rank (forward + backward), from the calculator."""
+    try:
+        from llm_anatomy.calculator import estimate
+
+        f = estimate(cfg, run, variant, device="cuda" if dev.type == "cuda" else "cpu").to_dict()["flops"]["model"]
+        return int(f["forward"] + f["backward"])
+    except (ConfigError, KeyError, ImportError):
+        return None
