@@ -311,3 +311,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info.update({f"anatomy_{k}": v for k, v in _machine().items()})
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The test order's seed, printed even under -q (which hides the header pytest-randomly prints it in), so
+    an order bug seen once is replayed with `-p randomly --randomly-seed=N`."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is not None and config.pluginmanager.has_plugin("randomly"):
+        terminalreporter.write_line(f"test order: random, --randomly-seed={seed}")
