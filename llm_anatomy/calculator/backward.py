@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from llm_anatomy.calculator import backward_baseline, backward_efficient
+from llm_anatomy.calculator.allocator import BLOCK, rounded
 from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.types import BYTES, Estimate
 from llm_anatomy.config import ModelConfig, Run
@@ -80,7 +81,6 @@ class Walk:
         self._remade: dict[str, list[tuple[str, int]]] = {}  # remake's tensors, sized once per walk
         self._hits: dict[tuple, list[str]] = {}  # free()'s matches for the present names
         self._norm: int | None = None  # free_norm's bytes for the present sizes
-        from llm_anatomy.calculator.memory import BLOCK, rounded  # (memory imports this module)
 
         self.blocks = BLOCK if rnd is rounded else 0  # the CUDA allocator's rounding, which alloc writes out
 
@@ -181,7 +181,7 @@ class Walk:
         """Allocate gradients or backward buffers of these sizes; a negative size frees one (each
         rounded on its own)."""
         total, block = 0, self.blocks
-        if block:  # memory.rounded, written out: whole blocks, at least one (0 for 0)
+        if block:  # allocator.rounded, written out: whole blocks, at least one (0 for 0)
             mask = block - 1  # BLOCK is a power of two: b & mask is 0 for whole blocks (and 0), at any sign
             for b in nbytes:
                 if not b & mask:  # most sizes: already whole blocks

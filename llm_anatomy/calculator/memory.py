@@ -27,6 +27,7 @@ from functools import lru_cache
 from math import prod
 
 from llm_anatomy.calculator import estimate
+from llm_anatomy.calculator.allocator import rounded
 from llm_anatomy.calculator.attention import sdpa_o_saved
 from llm_anatomy.calculator.backward import INPUTS, walked
 from llm_anatomy.calculator.dtypes import dtypes
@@ -35,16 +36,6 @@ from llm_anatomy.calculator.types import BYTES, Estimate
 from llm_anatomy.config import ModelConfig, Run
 from llm_anatomy import kernel_shapes
 from llm_anatomy.kernel_shapes import chunk_rows, lce_forward_bytes, lce_vocab
-
-BLOCK = 512  # the CUDA caching allocator's rounding (kMinBlockSize)
-
-
-def rounded(nbytes: int) -> int:
-    """nbytes rounded up to whole blocks, at least one block; 0 for 0 (a negative size is one block)."""
-    if nbytes > 0:
-        return -(-nbytes // BLOCK) * BLOCK  # at least BLOCK
-    return BLOCK if nbytes else 0
-
 
 def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int, int]]:
     """(elements, how many) of the parameter tensors, in module order: the embedding, each layer's tensors
