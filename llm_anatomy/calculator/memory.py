@@ -26,6 +26,7 @@ from __future__ import annotations
 from functools import lru_cache
 from math import prod
 
+from llm_anatomy import kernel_shapes
 from llm_anatomy.calculator import estimate
 from llm_anatomy.calculator.allocator import rounded
 from llm_anatomy.calculator.attention import sdpa_o_saved
@@ -34,8 +35,8 @@ from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.optimizer import state_breakdown
 from llm_anatomy.calculator.types import BYTES, Estimate
 from llm_anatomy.config import ModelConfig, Run
-from llm_anatomy import kernel_shapes
 from llm_anatomy.kernel_shapes import chunk_rows, lce_forward_bytes, lce_vocab
+
 
 def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int, int]]:
     """(elements, how many) of the parameter tensors, in module order: the embedding, each layer's tensors
