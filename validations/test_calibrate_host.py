@@ -47,8 +47,8 @@ def _fake_linear_ce(clock: _FakeClock, calls: list):
 def test_liger_host_times_liger_loop_per_chunk(monkeypatch):
     """measure_liger_host calls Liger's loss (impl="liger"), whose chunk count grows with V / H: the slope is the
     per-chunk cost and the rest the fixed call. Called through the model's default (ours, one chunk at these
-    tiny rows) the calls cost the same at every vocab, the slope is 0, and calibrate wrote chunk = 0.0, which
-    the profile check rejects (the H200 run of 2026-12-01)."""
+    tiny rows) the calls cost the same at every vocab, the slope is 0, and calibrate would write chunk = 0.0,
+    which the profile check rejects."""
     from llm_anatomy.efficient import loss
 
     clock, calls = _FakeClock(), []

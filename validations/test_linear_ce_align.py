@@ -58,8 +58,7 @@ def test_a_padded_vocabulary_changes_no_output(path, dtypes, align):
 @pytest.mark.parametrize("path", PATHS)
 def test_unpadded_grad_w_is_the_buffer_itself(path):
     """Where nothing is padded (align 1, or a vocabulary already a multiple of align), grad_w is the op's
-    accumulator itself, not a view of it: a view of all its rows cost the H200's backward 5.9 MB over the
-    byte table (machine 14: V 9,480, H 512, tied), where the buffer itself matched it to 512 B."""
+    accumulator itself, not a view of it: a view keeps the accumulator alive past where the byte table frees it."""
     x, w, t = (v.float() if v.is_floating_point() else v for v in case(T=37, H=24, V=48))
     with _path(path):
         for align in (1, 8, 16):

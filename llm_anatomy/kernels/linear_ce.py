@@ -243,9 +243,9 @@ def _forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, labe
         rows_fn(lc[:, :V], targets[s:e], losses[s:e], scale, ignore_index, label_smoothing, True)
         torch.mm(lc, w, out=grad_x[s:e])
         accumulate_grad_weight(grad_w, lc.t(), xc, i == 0, native)
-    # unpadded, grad_w is the buffer itself, never a view of it: a view (even of all its rows) measured 5.9 MB
-    # over the byte table at the backward's peak on the H200 (machine 14: V 9,480, H 512, tied), the buffer
-    # matched it to 512 B (machine 15). Padded, it is a view of the first V rows (docs/peers.md)
+    # unpadded, grad_w is the buffer itself, never a view of it: a view (even of all its rows) keeps the whole
+    # accumulator alive past the point the byte table frees it, at the backward's peak (docs/history.md has the
+    # measurement). Padded, it is a view of the first V rows (docs/peers.md)
     return total(losses, n), grad_x, (grad_w if Vp == V else grad_w[:V])
 
 

@@ -26,8 +26,6 @@ Assumptions (docs/timing.md lists each with its error):
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from llm_anatomy.calculator import Estimate, estimate
 import llm_anatomy.calculator.timing.layout as layout
 import llm_anatomy.calculator.timing.pipeline as pipeline
@@ -40,12 +38,10 @@ from llm_anatomy.calculator.timing.ops import Kernel
 from llm_anatomy.calculator.timing.lookup import get, names
 from llm_anatomy.calculator.timing.profile import Profile, from_dict
 from llm_anatomy.calculator.timing.registry import efficiency as fused_efficiency
-from llm_anatomy.calculator.timing.roofline import (regime_speeds, row, step_terms,
-                                                sustained_weight, time_kernel, timed)
+from llm_anatomy.calculator.timing.roofline import row, step_terms, sustained_weight, time_kernel
 from llm_anatomy.config import ModelConfig, Run
 
 PHASES = ("forward", "backward", "optimizer")
-_RANK = {ph: i for i, ph in enumerate(PHASES)}
 __all__ = ["estimate_time", "breakdown_table", "predict", "get", "names", "Profile", "Kernel", "kernels",
            "baseline_kernels", "efficient_kernels", "optimizer_kernels", "standalone_kernels", "param_sizes",
            "time_kernel", "sustained_weight", "step_weight", "fused_efficiency", "host_seconds", "host_scale",
@@ -59,40 +55,25 @@ def step_weight(ks: list[Kernel], prof: Profile) -> tuple[float, float]:
     return sustained_weight(burst, prof.sustained_tau_s) if prof.sustained_ratio else 0.0, burst
 
 
-def _timed(ks: list[Kernel], prof: Profile, scale: float, sustained: float, terms: list[tuple] | None):
-    """The kernels in phase order: [(kernel, roofline.timed figures, host seconds of all its launches)]."""
-    order = sorted(range(len(ks)), key=lambda i: (_RANK[ks[i].phase], ks[i].order))  # stable
-    speeds = regime_speeds(prof, sustained) if sustained else None
-    out = []
-    for i in order:
-        k = ks[i]
-        host = host_seconds(k, prof) * (scale if k.phase != "optimizer" and not in_situ(k, prof) else 1.0)
-        out.append((k, timed(k, prof, sustained, terms[i] if terms else None, speeds), host))
-    return out
-
-
-def _pipeline(timed_ks: list[tuple], layers: int, clock: pipeline.Clock | None) -> tuple[list[dict], dict]:
-    """Host-sync segments of a step on an idle GPU and the step run back to back, from _timed's kernels."""
-    entries = [SimpleNamespace(kernel=k, gpu_s=t[3], host_s=host / k.count) for k, t, host in timed_ks]
-    steps = pipeline.plan(entries, layers)  # each block composed once, then walked by both
-    return pipeline.simulate(entries, layers, clock, steps), pipeline.steady(entries, layers, steps)
-
-
 def predict(ks: list[Kernel], prof: Profile, scale: float = 1.0, layers: int = 1,
             clock: pipeline.Clock | None = None, sustained: float = 0.0,
             terms: list[tuple] | None = None) -> tuple[list[dict], list[dict], dict]:
     """Rows (one per kernel entry, in phase order), host-sync segments of one step on an idle GPU, and
-    the step run back to back (pipeline.steady: a training loop's steps). A segment runs from one
-    host sync to the next (the optimizer is always its own); its time comes from the host/GPU
-    pipeline (pipeline.simulate: each kernel starts when the GPU is free and the host has issued it,
-    the kernels of the layers interleaved layer by layer). scale multiplies the host cost of forward
-    and backward ops (host_scale); sustained is the step's sustained-load weight (step_weight); terms are
-    the kernels' roofline.kernel_terms, where the caller has them."""
+    the step run back to back (pipeline.steady: a training loop's steps), for a kernel list as it is: the
+    route estimate_time takes (layout.timed, pipeline.compose), from the list rather than from a config. A
+    segment runs from one host sync to the next (the optimizer is always its own); its time comes from the
+    host/GPU pipeline (pipeline.simulate: each kernel starts when the GPU is free and the host has issued it,
+    the kernels of the layers interleaved layer by layer). scale multiplies the host cost of forward and
+    backward ops (host_scale); sustained is the step's sustained-load weight (step_weight); terms are the
+    kernels' roofline.kernel_terms, where the caller has them."""
     if not isinstance(prof, Profile):
         prof = from_dict(prof)
-    timed_ks = _timed(ks, prof, scale, sustained, terms)
+    terms = terms if terms is not None else step_terms(ks, prof)[0]
+    lay = layout.build(ks, prof, scale)
+    timed_ks, gpu_s, blocks, _, _ = layout.timed(ks, lay, prof, sustained, terms, layers)
+    steps = pipeline.compose(blocks, lay.kernels, gpu_s)
     rows = [dict(row(k, t), host_s=host) for k, t, host in timed_ks]
-    return rows, *_pipeline(timed_ks, layers, clock)
+    return rows, pipeline.simulate(None, layers, clock, steps), pipeline.steady(None, layers, steps)
 
 
 def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: str | dict = "h200-measured",
