@@ -16,7 +16,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "install.sh: no torch found; installing torch==2.13.0 and triton==3.9.0" >&2
   "${PIP[@]}" "torch==2.13.0" "triton==3.9.0"
 fi
-TORCH=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
+TORCH=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null)
 case "$MODE" in
   locked)
     "${PIP[@]}" --no-deps --require-hashes -r requirements.lock
