@@ -5,7 +5,9 @@
 --resume DIR/step-N the run directory is DIR; start from step N
 A damaged candidate is reported in one line and the next older one is tried (manifest.find); when
 checkpoints exist and none is intact, the run stops with one line (ConfigError, exit 2). A
---resume with an empty --ckpt-dir starts at step 0. Rank 0 chooses and every rank loads the same
+--resume with an empty --ckpt-dir starts at step 0. A checkpoint whose identity (identity.py) differs
+from this run's is refused in one line listing the differences, unless --allow-changed names each one;
+an allowed change is warned and recorded in the run's log. Rank 0 chooses and every rank loads the same
 folder, re-checking each file's sha256 as it reads it.
 """
 from __future__ import annotations
@@ -85,10 +87,9 @@ def resume(o: TrainOptions, model, opt, identity: dict, warn: Callable[[str], No
     diffs = ident.differences(tr["identity"], identity)
     refused = [d for d in diffs if not ident.allowed(d[0], tuple(o.allow_changed))]
     if refused:
-        keys = ",".join(dict.fromkeys(k.split(".")[0] if k.split(".")[0] in ("config", "optimizer_hparams") else k
-                                      for k, _, _ in refused))
         raise ConfigError(f"checkpoint {folder} was written by another run ({ident.describe(refused)}): resume with "
-                          f"its options, or pass --allow-changed {keys} if the change is deliberate")
+                          f"its options, or pass --allow-changed {','.join(k for k, _, _ in refused)} if the change "
+                          f"is deliberate")
     for k, was, now in diffs:
         warn(f"resuming {folder} with {k} changed from {was!r} to {now!r} (--allow-changed); the run's log keeps it")
     start = Start(tr["step"], tr["consumed"], tr["history"], folder,
