@@ -56,9 +56,10 @@ def check(prefix: bytes, size: int) -> dict:
         if begin > end or end > data:
             raise BadHeader(f"tensor {name[:80]!r} has offsets [{begin}, {end}] out of range (the data is {data:,} "
                             f"bytes)")
-        if end - begin != prod(t["shape"]) * ITEMSIZE[t["dtype"]]:
-            raise BadHeader(f"tensor {name[:80]!r}: {t['dtype']} {t['shape']} is {prod(t['shape']) * ITEMSIZE[t['dtype']]:,} "
-                            f"bytes, its offsets span {end - begin:,}")
+        nbytes = prod(t["shape"]) * ITEMSIZE[t["dtype"]]
+        if end - begin != nbytes:
+            raise BadHeader(f"tensor {name[:80]!r}: {t['dtype']} {t['shape']} is {nbytes:,} bytes, its offsets span "
+                            f"{end - begin:,}")
         spans.append((begin, end, name))
     at = 0
     for begin, end, name in sorted(spans):
