@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from llm_anatomy.train import checkpoint as ckpt
-from llm_anatomy.train import cli, identity, lock, shard_header, tokenizer
+from llm_anatomy.train import cli, identity, lock, report, shard_header, tokenizer
 from llm_anatomy.train import manifest as mf
 from validations import train_cases
 
@@ -100,6 +100,7 @@ def test_a_full_disk_during_a_save_names_the_checkpoint_and_keeps_the_last_good_
         raise _enospc(path)
 
     monkeypatch.setattr(ckpt, "_write_new", full)
+    monkeypatch.setattr(report, "write_atomic", full)  # the disk stays full for the log written after
     capsys.readouterr()
     assert cli.main(_args(cache, ck, "--resume")) == 2
     err = _err(capsys)
