@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from llm_anatomy.calculator import gpus
 from llm_anatomy.calculator.sharding import (DEFAULT_BUCKET_CAP_MB, DTYPE_BYTES, FIRST_BUCKET_BYTES,  # noqa: F401
-                                         REDUCE_DTYPES, check_world, ddp_bucket_limits, ddp_buckets, fsdp_dtypes,
-                                         fsdp_units, param_dtype_name, param_shapes, per_rank_memory, per_rank_peak,
-                                         shard_numel)
+                                         REDUCE_DTYPES, check_world, ddp_bucket_limits, ddp_bucket_runs, fsdp_dtypes,
+                                         fsdp_unit_shapes, n_tensors, param_dtype_name, per_rank_memory, per_rank_peak,
+                                         shape_counts, shard_numel)
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 
@@ -92,24 +92,21 @@ def ddp_collectives(cfg: ModelConfig, run: Run, *, step: int | None = None,
                     bucket_cap_mb: float | None = None) -> list[dict]:
     """DDP's collectives in training step `step` (1-based; None = steady state, step 3 on)."""
     dt = param_dtype_name(run)
-    shapes = param_shapes(cfg)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
         raise ConfigError(f"step must be a positive integer, got {step!r}")
     if step == 1:
-        total = sum(_numel(s) for _, s in shapes) * DTYPE_BYTES[dt]
+        total = sum(_numel(s) * k for s, k in shape_counts(cfg)) * DTYPE_BYTES[dt]
         return [_row("all_reduce", "backward", "all", 1, total, dt)]
-    buckets = ddp_buckets(cfg, run, bucket_cap_mb)
+    runs = ddp_bucket_runs(cfg, run, bucket_cap_mb)  # consecutive equal buckets: one run, one row
     rows = []
     if step == 2:
-        rows += [_row("broadcast", "forward", "bucket indices", 1, (len(shapes) + 1) * 4, "int32"),
-                 _row("broadcast", "forward", "bucket sizes", 1, len(buckets) * 4, "int32")]
+        rows += [_row("broadcast", "forward", "bucket indices", 1, (n_tensors(cfg) + 1) * 4, "int32"),
+                 _row("broadcast", "forward", "bucket sizes", 1, sum(k for _, k in runs) * 4, "int32")]
     first = 0
-    for i, b in enumerate(buckets):  # consecutive equal buckets share a row
-        if rows and rows[-1]["op"] == "all_reduce" and rows[-1]["bytes_each"] == b:
-            rows[-1].update(count=rows[-1]["count"] + 1, units=f"buckets {first}..{i}")
-        else:
-            first = i
-            rows.append(_row("all_reduce", "backward", f"bucket {i}", 1, b, dt))
+    for b, k in runs:
+        units = f"bucket {first}" if k == 1 else f"buckets {first}..{first + k - 1}"
+        rows.append(_row("all_reduce", "backward", units, k, b, dt))
+        first += k
     return rows
 
 
@@ -120,11 +117,9 @@ def fsdp_collectives(cfg: ModelConfig, run: Run, world_size: int, *, param_dtype
     W = world_size
     if W == 1:  # FSDP2 skips its collectives when there is no one to talk to
         return []
-    units = fsdp_units(cfg)
-    numel = {name: sum(shard_numel(s, W, 0)[1] for _, s in ps) for name, ps in units}  # padded, any rank
+    numel = {name: sum(shard_numel(s, W, 0)[1] for _, s in ps) for name, ps in fsdp_unit_shapes(cfg)}  # padded
     ag, rs = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]]
-    root, L = numel["root"], cfg.layers
-    block = numel["layers.0"]  # every Block has the same shapes
+    root, block, L = numel["root"], numel["block"], cfg.layers
     rows = [_row("all_gather", "forward", "root", 1, W * root * ag, dts["all_gather"]),
             _row("all_gather", "forward", "layers.*", L, W * block * ag, dts["all_gather"])]
     if reshard_after_forward:
@@ -172,10 +167,10 @@ def overlap(strategy: str, rows: list[dict], world: int, compute_s: dict, gpu: s
     total = sum(x * r["count"] for r, x in t)
     fwd_c, bwd_c = compute_s["forward"], compute_s["backward"]
     if strategy == "ddp":
-        ar = [x for r, x in t for _ in range(r["count"]) if r["op"] == "all_reduce"]
+        ar = [(x, r["count"]) for r, x in t if r["op"] == "all_reduce"]  # a row per run of equal buckets
         other = sum(x * r["count"] for r, x in t if r["op"] != "all_reduce")
-        tail = ar[-1] if ar else 0.0
-        exposed = other + tail + max(0.0, sum(ar) - tail - bwd_c)
+        tail = ar[-1][0] if ar else 0.0
+        exposed = other + tail + max(0.0, sum(x * k for x, k in ar) - tail - bwd_c)
     else:
         head = sum(x for r, x in t if r["phase"] == "forward" and r["units"] == "root")
         tail = sum(x for r, x in t if r["op"] == "reduce_scatter" and r["units"] == "root")

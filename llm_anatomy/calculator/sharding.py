@@ -1,12 +1,7 @@
 """Per-rank parameter, gradient and optimizer bytes under DDP and FSDP2. Pure Python: no torch.
 
-The parameter tensors are the baseline module tree's, in registration order (the order of
-`model.named_parameters()`, a tied head counted once under `embed.weight`):
-    embed.weight (V, H)
-    layers.i: attn_norm.weight (H,), attn.q (H, H), attn.k (kv, H), attn.v (kv, H), attn.o (H, H)
-              (with qkv_bias, attn.q.bias (H,) after attn.q.weight, and so on for k and v),
-              mlp_norm.weight (H,), mlp.gate (I, H), mlp.up (I, H), mlp.down (H, I)
-    norm.weight (H,), head.lm_head.weight (V, H) unless tied
+The parameter tensors are the baseline module tree's (calculator/param_layout.py), read per distinct
+shape with its count, never per layer: the cost of every figure here is the same at any depth.
 
 FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.13, _fsdp_param.py `_init_sharded_param`):
   1. every parameter is sharded on dim 0 with torch.chunk semantics: chunk = ceil(d0 / W) rows;
@@ -25,12 +20,13 @@ DDP keeps a full replica: params, grads (.grad, plus DDP's bucket copy, see comm
 """
 from __future__ import annotations
 
-from collections import Counter
-from functools import lru_cache
+from collections.abc import Callable
 from math import prod
 
 from llm_anatomy.calculator.dtypes import dtypes as dtypes_of
 from llm_anatomy.calculator.optimizer import OPTIMIZERS, state_bytes
+from llm_anatomy.calculator.param_layout import (Shape, fsdp_unit_shapes, n_tensors, param_shapes,  # noqa: F401
+                                                 shape_counts, units)
 from llm_anatomy.calculator.types import BYTES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
@@ -39,46 +35,6 @@ DTYPE_BYTES = {**BYTES, "int32": 4}
 FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb default; DDP's "MB" is MiB (_MB_TO_BYTES = 1024 * 1024)
 REDUCE_DTYPES = ("float32", "bfloat16")
-Shape = tuple[int, ...]
-
-
-def param_shapes(cfg: ModelConfig) -> list[tuple[str, Shape]]:
-    """(name, shape) of every parameter tensor, in `named_parameters()` order."""
-    H, I, V, kv = cfg.hidden, cfg.intermediate, cfg.vocab, cfg.kv_dim
-    out: list[tuple[str, Shape]] = [("embed.weight", (V, H))]
-    for i in range(cfg.layers):
-        p = f"layers.{i}."
-        out += [(p + "attn_norm.weight", (H,))]
-        for n, d in (("q", H), ("k", kv), ("v", kv)):  # each projection's bias follows its weight
-            out += [(p + f"attn.{n}.weight", (d, H))] + ([(p + f"attn.{n}.bias", (d,))] if cfg.qkv_bias else [])
-        out += [(p + "attn.o.weight", (H, H)), (p + "mlp_norm.weight", (H,)),
-                (p + "mlp.gate.weight", (I, H)), (p + "mlp.up.weight", (I, H)), (p + "mlp.down.weight", (H, I))]
-    out.append(("norm.weight", (H,)))
-    if not cfg.tie_embeddings:
-        out.append(("head.lm_head.weight", (V, H)))
-    return out
-
-
-@lru_cache(maxsize=64)
-def shape_counts(cfg: ModelConfig) -> tuple[tuple[Shape, int], ...]:
-    """(shape, how many parameter tensors have it): the L identical Blocks counted, not listed."""
-    return tuple(Counter(s for _, s in param_shapes(cfg)).items())
-
-
-def fsdp_units(cfg: ModelConfig) -> list[tuple[str, list[tuple[str, Shape]]]]:
-    """FSDP units as `wrap` builds them: the root (everything outside a Block) first, then each Block."""
-    blocks: dict[str, list] = {f"layers.{i}": [] for i in range(cfg.layers)}
-    root: list = []
-    for name, shape in param_shapes(cfg):
-        unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else None
-        (blocks[unit] if unit else root).append((name, shape))
-    return [("root", root)] + list(blocks.items())
-
-
-@lru_cache(maxsize=64)
-def _root_and_one_block(cfg: ModelConfig) -> tuple:
-    units = fsdp_units(cfg)
-    return units[0], units[1] if len(units) > 1 else ("block", [])
 
 
 def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -135,21 +91,64 @@ def ddp_bucket_limits(bucket_cap_mb: float | None) -> list[int]:
     return [cap, cap]
 
 
-def ddp_buckets(cfg: ModelConfig, run: Run, bucket_cap_mb: float | None = None) -> list[int]:
-    """Bytes of each rebuilt DDP bucket, in launch order (compute_bucket_assignment_by_size)."""
+def _fill(sizes: list[int], st: list[int], limits: list[int], out: Callable[[int], object]) -> None:
+    """Add gradients of `sizes` bytes to the open bucket st = [limit index, bytes]; out(bytes) for each it closes."""
+    for n in sizes:
+        st[1] += n
+        if st[1] >= limits[st[0]]:
+            out(st[1])
+            st[0], st[1] = min(st[0] + 1, len(limits) - 1), 0
+
+
+def ddp_bucket_runs(cfg: ModelConfig, run: Run, bucket_cap_mb: float | None = None) -> list[tuple[int, int]]:
+    """The rebuilt DDP buckets in launch order (compute_bucket_assignment_by_size), as (bytes, how many in a
+    row): walk the gradients in ready order (the reverse of registration), add each one's bytes, close the
+    bucket once it reaches the limit. The walk through the Blocks is a function of (limit index, bytes so far)
+    at each Block's start, so once that state repeats the buckets between repeat to the last Block; Blocks that
+    cannot close a bucket are added whole. The work is bounded by the Block's tensors and the limit, not the
+    depth."""
     gb = DTYPE_BYTES[param_dtype_name(run)]
-    limits, k, size, out = ddp_bucket_limits(bucket_cap_mb), 0, 0, []
-    for _, shape in reversed(param_shapes(cfg)):  # gradient-ready order
-        n = 1
-        for d in shape:
-            n *= d
-        size += n * gb
-        if size >= limits[k]:
-            out.append(size)
-            size, k = 0, min(k + 1, len(limits) - 1)
-    if size:
-        out.append(size)
-    return out
+    limits = ddp_bucket_limits(bucket_cap_mb)
+    before, block, after = ([prod(s) * gb for _, s in reversed(part)] for part in units(cfg))
+    runs: list[list[int]] = []
+    st = [0, 0]  # limit index, bytes in the open bucket
+
+    def emit(nbytes: int, count: int = 1) -> None:
+        if runs and runs[-1][0] == nbytes:
+            runs[-1][1] += count
+        else:
+            runs.append([nbytes, count])
+
+    walk = lambda sizes, out: _fill(sizes, st, limits, out)  # noqa: E731
+    walk(after, emit)
+    B, done, seen, trail = sum(block), 0, {}, []  # trail: buckets closed in the Blocks since the first state
+    while done < cfg.layers:
+        key = tuple(st)
+        if seen is not None and key in seen:  # a cycle: its buckets repeat while whole cycles fit
+            d0, t0 = seen[key]
+            period, cycle = done - d0, trail[t0:]
+            reps = (cfg.layers - done) // period
+            if len(set(cycle)) == 1:
+                emit(cycle[0], len(cycle) * reps)
+            else:
+                for _ in range(reps):
+                    for n in cycle:
+                        emit(n)
+            done, seen = done + reps * period, None
+            continue
+        if seen is not None:
+            seen[key] = (done, len(trail))
+        whole = min(cfg.layers - done, max(0, (limits[st[0]] - 1 - st[1]) // B))
+        if whole:  # Blocks that end below the limit close nothing
+            st[1] += whole * B
+            done += whole
+            continue
+        walk(block, lambda n: (emit(n), trail.append(n)))
+        done += 1
+    walk(before, emit)
+    if st[1]:
+        emit(st[1])
+    return [(n, k) for n, k in runs]
 
 
 def check_world(cfg: ModelConfig, world_size, strategy: str) -> None:
@@ -159,7 +158,7 @@ def check_world(cfg: ModelConfig, world_size, strategy: str) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
     if strategy == "fsdp":
-        largest = max(s[0] for _, s in param_shapes(cfg))
+        largest = max(s[0] for s, _ in shape_counts(cfg))
         if world_size > largest:
             raise ConfigError(f"fsdp cannot shard {cfg.name} over {world_size} ranks: its largest parameter has "
                               f"{largest} rows on dim 0, so ranks >= {largest} would hold no shard of anything")
@@ -171,17 +170,16 @@ def per_rank_memory(cfg: ModelConfig, run: Run, world_size: int, strategy: str, 
     check_world(cfg, world_size, strategy)
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank must be in [0, {world_size}), got {rank!r}")
-    pb = BYTES[param_dtype_name(run)]
-    shapes = [s for _, s in param_shapes(cfg)]
+    pb, counts = BYTES[param_dtype_name(run)], shape_counts(cfg)
     if strategy == "ddp":
-        n = sum(prod(s) for s in shapes)
-        return dict(params=n * pb, grads=n * pb, optimizer=optimizer_bytes(optimizer, n, len(shapes), pb),
+        n = sum(prod(s) * k for s, k in counts)
+        return dict(params=n * pb, grads=n * pb, optimizer=optimizer_bytes(optimizer, n, n_tensors(cfg), pb),
                     params_numel=n, local_numel=n)
     local = padded = 0
-    for s in shapes:
+    for s, k in counts:
         lo, pa = shard_numel(s, world_size, rank)
-        local, padded = local + lo, padded + pa
-    return dict(params=padded * pb, grads=padded * pb, optimizer=optimizer_bytes(optimizer, local, len(shapes), pb),
+        local, padded = local + k * lo, padded + k * pa
+    return dict(params=padded * pb, grads=padded * pb, optimizer=optimizer_bytes(optimizer, local, n_tensors(cfg), pb),
                 params_numel=padded, local_numel=local)
 
 
@@ -214,9 +212,9 @@ def _fsdp_unit_bytes(cfg: ModelConfig, run: Run, world: int, rank: int, rnd) -> 
     dts = fsdp_dtypes(run)
     ag, rs, pb = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]], BYTES[dts["param"]]
     out = {}
-    for name, params in _root_and_one_block(cfg):  # every Block has the same shapes
+    for name, params in fsdp_unit_shapes(cfg):
         padded = [shard_numel(s, world, rank)[1] for _, s in params]
-        out["root" if name == "root" else "block"] = dict(
+        out[name] = dict(
             G=sum(rnd(world * n * ag) for n in padded), F=rnd(world * sum(padded) * ag),
             R=rnd(world * sum(padded) * rs), S=rnd(sum(padded) * pb), P=sum(rnd(n * pb) for n in padded),
             U=sum(rnd(prod(s) * ag) for _, s in params))
@@ -330,7 +328,7 @@ def _ddp_peak(cfg, run, variant, world, rank, optimizer, device, rnd) -> dict:
     from llm_anatomy.calculator.memory import phases
 
     ph = phases(cfg, run, variant, optimizer=optimizer, device=device)
-    buckets = sum(rnd(b) for b in ddp_buckets(cfg, run))
+    buckets = sum(rnd(b) * k for b, k in ddp_bucket_runs(cfg, run))
     base = dict(parameters=ph["params"], optimizer=ph["optimizer"], inputs=ph["inputs"], ddp_buckets=buckets)
     cands = []
 

@@ -37,20 +37,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from llm_anatomy.config import ConfigError
 from llm_anatomy.io import fsync_dir, write_atomic
 from llm_anatomy.train import manifest as mf
-from llm_anatomy.train import ranks
-
-
-class StorageError(ConfigError):
-    """A checkpoint or log could not be written (the disk is full, a folder is read-only): one line."""
+from llm_anatomy.train import ranks, shard_header
+from llm_anatomy.train.storage import StorageError, storage_error  # noqa: F401 (re-exported)
 
 
 def step_dir(ckpt_dir: str | Path, step: int) -> Path:
     return Path(ckpt_dir) / f"step-{step:08d}"
-
-
-def storage_error(e: OSError, what: str) -> StorageError:
-    full = " (the disk holding it is full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-    return StorageError(f"cannot write {what}: {e.strerror or e}{full}")
 
 
 # ---- state dicts <-> flat tensors -------------------------------------------------------------------
@@ -133,7 +125,7 @@ def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer: tor
     """Save on every rank (a collective under torchrun); returns the committed folder. StorageError when
     any rank cannot write (every rank raises it). before_commit(tmp) runs on rank 0 after the manifest
     and before the rename (a test seam)."""
-    d, rank, world = Path(ckpt_dir), ranks.rank(), ranks.world()
+    d, rank = Path(ckpt_dir), ranks.rank()
     final, tmp, fail = step_dir(d, step), None, None
     if rank == 0:
         try:
@@ -144,7 +136,19 @@ def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer: tor
             fail = e
     _fail_together(fail, f"checkpoints to {d}")
     tmp = d / ranks.str_from_rank0(tmp.name if tmp else "")
+    try:
+        _write_shard(tmp, final, model, optimizer, trainer, step, before_commit)
+    except StorageError:
+        if rank == 0:  # a save that did not commit leaves nothing behind; the last good checkpoint is untouched
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
 
+
+def _write_shard(tmp: Path, final: Path, model, optimizer, trainer: dict, step: int, before_commit) -> None:
+    """Every rank writes its shard into tmp; rank 0 commits tmp as `final`. StorageError on every rank when any
+    rank failed."""
+    rank, world, fail = ranks.rank(), ranks.world(), None
     msd, osd = get_state_dict(model, optimizer)
     tensors, sharded, scalars = _flatten(msd, osd)
     if rank != 0:  # a replicated tensor (DDP's every one, FSDP2's AdamW step) is written by rank 0 alone
@@ -158,14 +162,13 @@ def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer: tor
     except OSError as e:
         fail = e
     digests = ranks.gather_digests(bytes.fromhex(mf.sha256_bytes(blob)), len(blob))
-    _fail_together(fail, f"checkpoint {tmp}")
+    _fail_together(fail, f"checkpoint {final}")
     if rank == 0:
         try:
-            _commit(d, tmp, final, step, trainer, digests, before_commit)
+            _commit(final.parent, tmp, final, step, trainer, digests, before_commit)
         except OSError as e:
             fail = e
     _fail_together(fail, f"checkpoint {final}")
-    return final
 
 
 def _commit(d: Path, tmp: Path, final: Path, step: int, trainer: dict, digests: list[tuple[str, int]],
@@ -183,7 +186,13 @@ def _commit(d: Path, tmp: Path, final: Path, step: int, trainer: dict, digests: 
     if os.path.lexists(final):  # re-saving a step (a run resumed from an older checkpoint): swap it out
         old = Path(tempfile.mkdtemp(prefix=f".old-{final.name}-", dir=d))
         final.rename(old / final.name)
-    tmp.rename(final)
+    try:
+        tmp.rename(final)
+    except OSError:
+        if old is not None:  # the step's previous checkpoint goes back where it was
+            (old / final.name).rename(final)
+            old.rmdir()
+        raise
     fsync_dir(d)
     write_atomic(d / mf.LATEST, final.name + "\n")
     if old is not None:
@@ -215,7 +224,10 @@ def _read_shards(folder: Path, m: dict) -> tuple[dict[str, torch.Tensor], dict, 
     headers, rngs = [], []
     for r in range(m["world"]):
         data = _read_verified(folder, mf.shard_name(r, m["world"]), m)
-        header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")]).get("__metadata__", {})
+        try:  # the structure checked before safetensors parses a byte of it
+            header = shard_header.check(data, len(data)).get("__metadata__", {})
+        except shard_header.BadHeader as e:
+            raise mf.Damaged(f"{mf.shard_name(r, m['world'])} is not a valid safetensors file: {e}") from None
         shard = st_load(data)
         rngs.append({k: v for k, v in shard.items() if k.startswith("rng/")})
         headers.append(header)

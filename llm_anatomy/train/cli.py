@@ -74,6 +74,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", nargs="?", const="latest", metavar="PATH",
                    help="continue from PATH (a run directory or its step-N folder), or (no PATH) from the latest "
                         "checkpoint in --ckpt-dir if any; a damaged one is reported and an older one used")
+    c.add_argument("--allow-changed", metavar="KEYS", type=lambda s: tuple(filter(None, s.split(","))),
+                   help="resume although these parts of the run's identity changed (comma-separated: lr, schedule, "
+                        "warmup, weight_decay, grad_clip, seed, run.batch, optimizer_hparams, ...); without it a "
+                        "checkpoint written with other values is refused, listing them")
     r = p.add_argument_group("where and how")
     r.add_argument("--device", help="cpu | cuda (default: cuda when present)")
     r.add_argument("--strategy", default=d.strategy,
@@ -92,7 +96,7 @@ def _options(a):
     return TrainOptions(steps=a.steps, lr=a.lr, optimizer=a.optimizer, schedule=a.schedule, warmup=a.warmup,
                         weight_decay=a.weight_decay, grad_clip=a.grad_clip, eval_every=a.eval_every,
                         eval_batches=a.eval_batches, ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, keep=a.keep,
-                        resume=a.resume, seed=a.seed, device=a.device, strategy=a.strategy, out=a.out,
+                        resume=a.resume, allow_changed=a.allow_changed or (), seed=a.seed, device=a.device, strategy=a.strategy, out=a.out,
                         log_every=a.log_every, progress=a.progress, deterministic=a.deterministic)
 
 

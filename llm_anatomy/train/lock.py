@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from llm_anatomy.config import ConfigError
+from llm_anatomy.train.storage import storage_error
 
 NAME = ".lock"
 
@@ -43,13 +44,13 @@ class RunLock:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"cannot create the run directory {self.path.parent}: {e.strerror or e}") from None
+            raise storage_error(e, f"the run directory {self.path.parent}") from None
         host = socket.gethostname()
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
             except OSError as e:
-                raise ConfigError(f"cannot open the run lock {self.path}: {e.strerror or e}") from None
+                raise storage_error(e, f"the run lock {self.path}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -68,10 +69,15 @@ class RunLock:
         if owner and (owner.get("host") != host or (isinstance(pid, int) and pid != os.getpid() and _alive(pid))):
             os.close(fd)  # flock free but the owner may live: another host, or a file system without flock
             raise self._refuse(owner)
-        os.ftruncate(fd, 0)
         me = dict(pid=os.getpid(), host=host, since=time.strftime("%Y-%m-%d %H:%M:%S"))
-        os.pwrite(fd, json.dumps(me).encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+            os.fsync(fd)
+        except OSError as e:  # a full disk or quota: the lock we hold is ours to remove
+            self.path.unlink(missing_ok=True)
+            os.close(fd)
+            raise storage_error(e, f"the run lock {self.path}") from None
         self.fd = fd
 
     def release(self) -> None:

@@ -35,6 +35,7 @@ from llm_anatomy.models import autocast_ctx
 from llm_anatomy.train import checkpoint as ckpt
 from llm_anatomy.train import ranks
 from llm_anatomy.train.data import Batches, TokenData
+from llm_anatomy.train.identity import identity
 from llm_anatomy.train.lock import RunLock
 from llm_anatomy.train.options import (OPTIMIZERS, PROGRESS, SCHEDULES, STRATEGIES, Diverged,  # noqa: F401 (re-exported)
                                    TrainOptions, lr_at)
@@ -132,8 +133,7 @@ class Trainer:
         self.train_b = Batches(self.data.train, B, S, self.o.seed)
         self.eval_b = Batches(self.data.eval, B, S, self.o.seed, shuffle=False)
         self.n_eval = min(self.o.eval_batches, -(-self.eval_b.windows // (B * self.pl.world)))
-        self.identity = dict(config=self.cfg.to_dict(), run=self.run_.to_dict(), variant=self.variant,
-                             optimizer=self.o.optimizer, seed=self.o.seed, data_fingerprint=self.data.fingerprint)
+        self.identity = identity(self.cfg, self.run_, self.variant, self.o, self.data, self.opt)
 
     # ---- the run, top to bottom ---------------------------------------------------------------------
     def run(self, display: Display | None) -> dict:
@@ -142,6 +142,7 @@ class Trainer:
         start = resume(self.o, self.model, self.opt, self.identity, warn)
         self.consumed, self.hist = start.consumed, start.history
         self.summary = self._summary(start)
+        self.summary["changed_on_resume"] = start.changed
         self.disp = display or Display(self.o.progress, self.o.steps, start.step, self.o.log_every, self.pl.rank)
         self._announce(start)
         self.model.train()
@@ -156,12 +157,20 @@ class Trainer:
         except KeyboardInterrupt:
             self.summary["status"] = "interrupted"
             raise
+        except BaseException:
+            self.summary["status"] = "failed"
+            raise
         finally:
             self.disp.close()
             self.summary.update(steps_done=len(self.hist["loss"]), history=self.hist)
             if self.pl.rank == 0 and self.hist["loss"]:
                 out = Path(self.o.out or self.o.ckpt_dir or "runs/train")
-                self.summary.update(report.write(out, self.summary, plot_png=self.o.plot))
+                try:
+                    self.summary.update(report.write(out, self.summary, plot_png=self.o.plot))
+                except ckpt.StorageError:
+                    if self.summary["status"] == "finished":
+                        raise
+                    # the run already stops for its own reason (a full disk, most often): that is the line said
         self._farewell()
         return self.summary
 

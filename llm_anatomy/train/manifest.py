@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llm_anatomy.config import ConfigError
+from llm_anatomy.train import shard_header
 
 FORMAT = "anatomy-checkpoint/1"
 MANIFEST, TRAINER, LATEST = "manifest.json", "trainer.json", "latest"
@@ -123,8 +124,10 @@ def check(folder: Path) -> dict:
         st = os.lstat(folder)
     except FileNotFoundError:
         raise Damaged("the folder is missing") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise Damaged("it is a symbolic link, not a folder a run wrote (links are never followed)")
     if not stat.S_ISDIR(st.st_mode):
-        raise Damaged("not a folder (a link or a file)")
+        raise Damaged("it is a plain file (or another non-folder), not a checkpoint folder")
     m = read_manifest(folder)
     for name, want in m["files"].items():
         size = _regular(folder / name, name).st_size
@@ -132,6 +135,11 @@ def check(folder: Path) -> dict:
             raise Damaged(f"{name} is {size:,} bytes, the manifest says {want['bytes']:,} (truncated or grown)")
         if _digest_file(folder / name)[0] != want["sha256"]:
             raise Damaged(f"{name} does not match its sha256 in the manifest (corrupted)")
+        if name != TRAINER:
+            try:
+                shard_header.check_file(folder / name)
+            except shard_header.BadHeader as e:
+                raise Damaged(f"{name} is not a valid safetensors file: {e}") from None
     check_trainer(read_json(folder / TRAINER, TRAINER), m["step"])
     return m
 
@@ -152,10 +160,11 @@ def check_trainer(tr: dict, step: int) -> None:
 
 
 def candidates(run_dir: Path) -> list[Path]:
-    """Checkpoint folders (by name) under run_dir, newest first; links and temp folders excluded."""
+    """Entries named like a checkpoint (step-NNNNNNNN) under run_dir, newest first: a link or a plain file by
+    that name is among them, so that check() names it when it is passed over; temp folders are not."""
     if not run_dir.is_dir():
         return []
-    found = [p for p in run_dir.iterdir() if step_of(p) is not None and not p.is_symlink() and p.is_dir()]
+    found = [p for p in run_dir.iterdir() if step_of(p) is not None]
     return sorted(found, key=lambda p: step_of(p), reverse=True)
 
 

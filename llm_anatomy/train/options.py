@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from llm_anatomy.config import ConfigError
+from llm_anatomy.train.identity import check_allowed
 
 OPTIMIZERS = ("adamw", "ademamix")  # adamw first: the default, what users run
 SCHEDULES = ("cosine", "constant")
@@ -35,6 +36,7 @@ class TrainOptions:
     ckpt_every: int | None = None  # None: every eval_every steps (and at the end)
     keep: int = 2
     resume: str | None = None  # "latest" (in ckpt_dir, if any) or a checkpoint path
+    allow_changed: tuple[str, ...] = ()  # identity keys a resume may change (identity.py)
     seed: int = 0
     device: str | None = None  # None: cuda when present, else cpu
     strategy: str = "auto"  # auto: none in one process; ddp (baseline) / fsdp (efficient) under torchrun
@@ -78,6 +80,7 @@ class TrainOptions:
             raise ConfigError("--device cuda asked for, but this machine has no CUDA GPU")
         if self.resume not in (None, "latest") and not Path(self.resume).exists():
             raise ConfigError(f"--resume {self.resume}: no such checkpoint")
+        check_allowed(tuple(self.allow_changed))
         if self.resume == "latest" and not self.ckpt_dir:
             raise ConfigError("--resume without a path needs --ckpt-dir (where to look for the latest checkpoint)")
 

@@ -1,6 +1,6 @@
 """What a run leaves behind: train_log.json (the source of truth: every step's loss, lr, tokens/s,
 and the eval losses) and loss.png drawn from it. Both written by llm_anatomy.io.write_atomic; a write that
-fails (a full disk) is one line naming the file (checkpoint.StorageError)."""
+fails (a full disk) is one line naming the file (storage.StorageError)."""
 from __future__ import annotations
 
 import io
@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from llm_anatomy.io import write_atomic
-from llm_anatomy.train.checkpoint import storage_error
+from llm_anatomy.train.storage import storage_error
 
 
 def log_dict(summary: dict) -> dict:
@@ -17,7 +17,7 @@ def log_dict(summary: dict) -> dict:
     steps = [dict(step=i + 1, loss=l, lr=lr, tokens_per_s=t)  # the history always starts at step 1
              for i, (l, lr, t) in enumerate(zip(h["loss"], h["lr"], h["tokens_per_s"]))]
     keep = ("status", "variant", "strategy", "world", "device", "config", "run", "optimizer", "seed", "data",
-            "options", "start_step", "resumed_from", "checkpoint", "flops_per_step", "peak_flops")
+            "options", "start_step", "resumed_from", "changed_on_resume", "checkpoint", "flops_per_step", "peak_flops")
     return dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), **{k: summary.get(k) for k in keep},
                 steps=steps, eval=[dict(step=s, loss=l) for s, l in h["eval"]])
 

@@ -5,7 +5,9 @@
 --resume DIR/step-N the run directory is DIR; start from step N
 A damaged candidate is reported in one line and the next older one is tried (manifest.find); when
 checkpoints exist and none is intact, the run stops with one line (ConfigError, exit 2). A
---resume with an empty --ckpt-dir starts at step 0. Rank 0 chooses and every rank loads the same
+--resume with an empty --ckpt-dir starts at step 0. A checkpoint whose identity (identity.py) differs
+from this run's is refused in one line listing the differences, unless --allow-changed names each one;
+an allowed change is warned and recorded in the run's log. Rank 0 chooses and every rank loads the same
 folder, re-checking each file's sha256 as it reads it.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from llm_anatomy.config import ConfigError
 from llm_anatomy.train import checkpoint as ckpt
+from llm_anatomy.train import identity as ident
 from llm_anatomy.train import manifest as mf
 from llm_anatomy.train import ranks
 from llm_anatomy.train.options import TrainOptions
@@ -30,6 +33,7 @@ class Start:
     history: dict = field(default_factory=lambda: dict(loss=[], lr=[], tokens_per_s=[], eval=[]))
     path: Path | None = None
     note: str = ""
+    changed: list = field(default_factory=list)  # identity keys this resume changed, as --allow-changed let it
 
 
 def run_dir(o: TrainOptions) -> Path:
@@ -80,11 +84,16 @@ def resume(o: TrainOptions, model, opt, identity: dict, warn: Callable[[str], No
         return Start(note=note)
     folder = ckpt.step_dir(run_dir(o), step)
     tr = ckpt.load(folder, model, opt)
-    for k, v in identity.items():
-        if tr["identity"].get(k) != v:
-            raise ConfigError(f"checkpoint {folder} was written with another {k} ({tr['identity'].get(k)!r}); "
-                              f"this run has {v!r}")
-    start = Start(tr["step"], tr["consumed"], tr["history"], folder)
+    diffs = ident.differences(tr["identity"], identity)
+    refused = [d for d in diffs if not ident.allowed(d[0], tuple(o.allow_changed))]
+    if refused:
+        raise ConfigError(f"checkpoint {folder} was written by another run ({ident.describe(refused)}): resume with "
+                          f"its options, or pass --allow-changed {','.join(k for k, _, _ in refused)} if the change "
+                          f"is deliberate")
+    for k, was, now in diffs:
+        warn(f"resuming {folder} with {k} changed from {was!r} to {now!r} (--allow-changed); the run's log keeps it")
+    start = Start(tr["step"], tr["consumed"], tr["history"], folder,
+                  changed=[dict(key=k, checkpoint=was, now=now) for k, was, now in diffs])
     if start.step >= o.steps:
         start.note = f" · it is at step {start.step} >= --steps {o.steps}: nothing to train"
     elif tr["steps"] != o.steps:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llm_anatomy.config import ConfigError
+from llm_anatomy.train.storage import storage_error
 
 EOT = "<|endoftext|>"
 RECIPE = "bytelevel-bpe/eot/v1"
@@ -144,10 +145,11 @@ def load_or_train(docs: Callable[[], Iterator[str]], vocab: int, cache_dir: str 
         cache.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}-", dir=cache))
     except OSError as e:
-        raise ConfigError(f"cannot write the tokenizer cache {cache}: {e.strerror or e}") from None
+        raise storage_error(e, f"the tokenizer cache {cache}") from None
     try:
         tok = train_bpe(docs(), vocab)
-        tok.save(str(tmp / "tokenizer.json"))
+        # serialised by tokenizers, written by Python: a failed write is an OSError with its errno
+        (tmp / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
         size = tok.get_vocab_size()
         n = _encode_to(tok, docs(), tmp / "tokens.bin", token_dtype(vocab))
         meta = dict(recipe=RECIPE, corpus_sha256=digest, vocab_asked=vocab, vocab_size=size, tokens=n,
@@ -158,6 +160,8 @@ def load_or_train(docs: Callable[[], Iterator[str]], vocab: int, cache_dir: str 
         except OSError:  # another process finished the same entry first: theirs is as good as ours
             if not (entry / "meta.json").is_file():
                 raise
+    except OSError as e:
+        raise storage_error(e, f"the tokenizer cache {cache}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return CachedTokenizer(entry, False, size, n)
