@@ -87,6 +87,8 @@ def _measurable_run(cfg, run, variant, device) -> Run:
 
 
 def _device(a) -> str:
+    if a.device == "cpu":  # no torch import: a refusal on CPU answers at once
+        return "cpu"
     import torch
 
     if a.device:
@@ -97,10 +99,10 @@ def _device(a) -> str:
 
 
 def cmd_measure(a, cfg: ModelConfig, run: Run) -> dict:
+    dev = _device(a)
+    sr = _measurable_run(cfg, run, _check_variant(a.variant), dev)  # refused here, before the models are imported
     from llm_anatomy.measure.run import measure
 
-    dev = _device(a)
-    sr = _measurable_run(cfg, run, _check_variant(a.variant), dev)
     return {"config": cfg.to_dict(), "run": run.to_dict(), **measure(cfg, run, a.variant, dev, saved_run=sr)}
 
 

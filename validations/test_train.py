@@ -253,7 +253,7 @@ def test_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(args, env, b
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     ck = tmp_path / "ck"
-    rc = cli.main([*SHAPE, *args, "--dtype", "fp32", "--steps", "10", "--eval-every", "100", "--ckpt-every", "1",
+    rc = cli.main([*SHAPE, *args, "--variant", "baseline", "--dtype", "fp32", "--steps", "10", "--eval-every", "100", "--ckpt-every", "1",
                    "--keep", "0", "--cache-dir", str(cache), "--ckpt-dir", str(ck)])
     err = capsys.readouterr().err.strip()
     assert rc == cli.EXIT_DIVERGED, err
