@@ -58,7 +58,8 @@ B200_DS = ("NVIDIA Blackwell datasheet, https://nvdam.widen.net/s/wwnsxrhm2w/bla
             "torchtitan's peak-FLOPs table cites), and the HGX B200 specifications, https://www.nvidia.com/en-us/"
             "data-center/hgx/: per GPU FP16/BF16 Tensor Core 4.5 PFLOPS with sparsity (2.25 dense), FP32 75 "
             "TFLOPS (600 for eight), HBM3e 8 TB/s, 180 GB (1,440 GB for eight)")
-B200_SMS = "148 SMs: torch.cuda.get_device_properties on an NVIDIA B200, as commonly reported (no source stored here)"
+B200_SMS = ("Chips and Cheese, \"Nvidia's B200: Keeping the CUDA Juggernaut Rolling\", https://chipsandcheese.com/p/"
+            "nvidias-b200-keeping-the-cuda-juggernaut: 74 SMs enabled on each of two dies, 148 SMs")
 L4_DS = ("NVIDIA L4 product page / datasheet, https://www.nvidia.com/en-us/data-center/l4/: BF16 Tensor Core "
          "242 TFLOPS with sparsity (121 dense), FP32 30.3 TFLOPS, 300 GB/s, 24 GB; 58 SMs (7,424 CUDA cores / 128)")
 
