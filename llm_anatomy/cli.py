@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 
 from llm_anatomy.cli_args import (DEFAULT_PRESET, Parser, add_config_flags, add_optimizer_flag,  # noqa: F401
-                              config_from_args, nonempty, run_from_args)
+                                  assumed, config_from_args, nonempty, run_from_args, say_assumed)
 from llm_anatomy.cli_estimate import MAX_WORLD, _recompute, check_variant, estimate_all, print_estimate  # noqa: F401 (MAX_WORLD: re-exported)
 from llm_anatomy.config import ConfigError, ModelConfig, Run, oneline
 
@@ -64,24 +64,31 @@ def _need_bytes(cfg, run, variant, device) -> int:
 
 
 def _measurable_run(cfg, run, variant, device) -> Run:
-    """The run itself, or a smaller one (batch 1, then halved sequences) whose predicted size fits this
-    device; a model that fits at no size is refused, in one line with the predicted bytes and the memory
-    available, before anything is allocated."""
-    what = f"measuring {cfg.name}"
+    """The run itself, or the same sequence at batch 1 when only that fits this device (a sequence's figures
+    are the batch's, divided). A run that does not fit at batch 1 either is refused, in one line with the
+    predicted bytes, the memory available and the longest --seq that fits, before anything is allocated: a
+    shorter sequence than asked would measure another run (attention grows with its square), and at the
+    length that fits, measuring on CPU can take minutes."""
+    what = f"measuring {cfg.name} ({variant}{' with the lean block' if run.lean_block and variant == 'efficient' else ''})"
     refuse_unless_fits(what, 16 * cfg.rough_params, device, " for its weights alone (16 B a parameter)")
     cap, _ = usable_bytes(device)
-    r = run
-    while (need := _need_bytes(cfg, r, variant, device)) > cap:
-        if r.batch > 1:
-            r = replace(r, batch=1)
-        elif r.seq > 16:
-            r = replace(r, batch=1, seq=r.seq // 2)
-        else:
-            refuse_unless_fits(what, need, device, f" even at its smallest run, batch 1 and seq {r.seq}")
-    return r
+    if _need_bytes(cfg, run, variant, device) <= cap:
+        return run
+    one = replace(run, batch=1)
+    need = _need_bytes(cfg, one, variant, device)
+    if need > cap:
+        seq = one.seq // 2
+        while seq > 1 and _need_bytes(cfg, replace(one, seq=seq), variant, device) > cap:
+            seq //= 2
+        fits = seq >= 1 and _need_bytes(cfg, replace(one, seq=seq), variant, device) <= cap
+        refuse_unless_fits(what, need, device, f" at batch 1 and seq {one.seq:,}"
+                                               f"{f' (--seq {seq:,} fits at batch 1)' if fits else ''}")
+    return one
 
 
 def _device(a) -> str:
+    if a.device == "cpu":  # no torch import: a refusal on CPU answers at once
+        return "cpu"
     import torch
 
     if a.device:
@@ -92,10 +99,10 @@ def _device(a) -> str:
 
 
 def cmd_measure(a, cfg: ModelConfig, run: Run) -> dict:
+    dev = _device(a)
+    sr = _measurable_run(cfg, run, _check_variant(a.variant), dev)  # refused here, before the models are imported
     from llm_anatomy.measure.run import measure
 
-    dev = _device(a)
-    sr = _measurable_run(cfg, run, _check_variant(a.variant), dev)
     return {"config": cfg.to_dict(), "run": run.to_dict(), **measure(cfg, run, a.variant, dev, saved_run=sr)}
 
 
@@ -157,7 +164,7 @@ def _print(cmd: str, out: dict) -> None:
                       f"fit this {out['device']} device ({how}).")
         return
     if cmd == "measure":
-        t = Table(title=f"{out['config']['name']} · {out['variant']} · measured on {out['device']}")
+        t = Table(title=f"{out['config']['name']} · {out['variant']}{_recompute(out)} · measured on {out['device']}")
         for c in ("quantity", "measured", "at"):
             t.add_column(c, justify="left" if c != "measured" else "right")
         fr, sr = out["flops"]["run"], out["memory"]["saved"]["run"]
@@ -299,6 +306,8 @@ def main(argv=None) -> int:
         cfg = config_from_args(a)
         run = run_from_args(a)
         out = COMMANDS[a.cmd](a, cfg, run)
+        out["lean"] = a.variant == "efficient" and run.lean_block  # the block that ran, said even when plain
+        out["defaults"] = assumed(a, run, a.variant)
         if (where := _nonfinite(out)) is not None:  # a profile or a config value outside what the model covers
             raise ConfigError(f"the {a.cmd} came out non-finite at {where}: an input is out of the model's range")
         text = json.dumps(out, indent=1) if a.json else None
@@ -311,6 +320,8 @@ def main(argv=None) -> int:
         print(text)
     else:
         _print(a.cmd, out)
+        if line := say_assumed(out["defaults"]):
+            print(line)
     return 0
 
 

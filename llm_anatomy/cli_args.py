@@ -13,6 +13,10 @@ from llm_anatomy.config import PRESETS, ConfigError, ModelConfig, Run, oneline
 from llm_anatomy.hf_config import read_hf_config
 
 DEFAULT_PRESET = "seed"
+# The default variant is the fastest that fits: the efficient one, with its lean block where the run allows it
+# (Run.lean: without recompute). Measured faster and smaller than the plain efficient block on every real config
+# (docs/planning.md, "Defaults"); --no-lean keeps the plain block, --variant baseline the unfused model.
+DEFAULT_VARIANT = "efficient"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -35,6 +39,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         print(f"{self.prog}: error: {oneline(message)}", file=sys.stderr)
         sys.exit(2)
+
+
+class Given(argparse.Action):
+    """Stores the value and notes the flag's dest in `a.given`, so a command says which defaults it took."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
 
 
 def nonempty(text: str) -> str:
@@ -91,29 +103,61 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("run")
-    r.add_argument("--batch", type=int, default=16, metavar="N", help="sequences per step")
-    r.add_argument("--seq", type=int, default=4096, metavar="N", help="tokens per sequence")
+    r.add_argument("--batch", type=int, default=16, metavar="N", action=Given, help="sequences per step")
+    r.add_argument("--seq", type=int, default=4096, metavar="N", action=Given, help="tokens per sequence")
     r.add_argument("--dtype", default="amp", type=nonempty,
                    help="amp (bf16 autocast, fp32 master weights), bf16 or fp32")
-    r.add_argument("--variant", default="baseline", type=nonempty,
-                   help="baseline (unfused, readable) or efficient (fused kernels)")
+    r.add_argument("--variant", default=DEFAULT_VARIANT, type=nonempty, action=Given,
+                   help="efficient (fused kernels, with the lean block where it applies) or baseline (unfused, "
+                        "readable)")
     r.add_argument("--recompute", default="none", type=nonempty,
                    help="efficient only: none; mlp (keep the block input, the attention branch and SDPA's "
                         "tensors; re-run both norms, gate_up and the activation in backward); or full (keep "
                         "only each block's input; re-run the whole block's forward in backward)")
-    r.add_argument("--lean", action="store_true",
+    r.add_argument("--lean", action=argparse.BooleanOptionalAction, default=None,
                    help="efficient only, without recompute: the lean block (its matmuls keep no bf16 weight casts, "
-                        "SwiGLU + down re-makes h in backward, each residual add runs inside the next norm)")
+                        "SwiGLU + down re-makes h in backward, each residual add runs inside the next norm); on "
+                        "by default where it applies, --no-lean runs the plain efficient block")
     p.add_argument("--json", action="store_true", help="machine-readable output (keys in the README)")
 
 
 def run_from_args(a) -> Run:
-    """The run the flags name; --recompute and --lean are options of the efficient variant."""
-    run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype, recompute=a.recompute, lean=a.lean)
-    for flag, on in ((f"--recompute {run.recompute}", run.recompute != "none"), ("--lean", run.lean)):
+    """The run the flags name; --recompute and --lean are options of the efficient variant. Without --lean or
+    --no-lean the efficient variant runs its lean block where the run allows it (no recompute); where it does
+    not, a note (in a.config_notes) says the plain block runs."""
+    lean = a.lean
+    if lean is None:
+        lean = a.variant == "efficient" and a.recompute == "none"
+        if a.variant == "efficient" and not lean:
+            a.config_notes = (*getattr(a, "config_notes", ()), f"the lean block applies without recompute only: "
+                              f"--recompute {a.recompute} runs the plain efficient block")
+    run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype, recompute=a.recompute, lean=lean)
+    for flag, on in ((f"--recompute {run.recompute}", run.recompute != "none"), ("--lean", a.lean)):
         if on and a.variant != "efficient":
             raise ConfigError(f"{flag} is an option of the efficient variant (--variant efficient)")
     return run
+
+
+def assumed(a, run: Run, variant: str) -> dict:
+    """The run settings the command took by default ({} when every one was given): the variant (with the lean
+    block or not), batch and sequence. Commands print them, and put them in their JSON as "defaults"."""
+    given = getattr(a, "given", frozenset())
+    out = {k: getattr(run, k) for k in ("batch", "seq") if k not in given}
+    if "variant" not in given or (variant == "efficient" and a.lean is None):
+        out["variant"] = variant
+        out["lean"] = variant == "efficient" and run.lean_block
+    return out
+
+
+def say_assumed(d: dict) -> str:
+    """The defaults taken, as one line of text ('' when none were)."""
+    if not d:
+        return ""
+    parts = [f"{k} {v:,}" for k, v in d.items() if k in ("batch", "seq")]
+    if "variant" in d:
+        parts.insert(0, f"variant {d['variant']}" + ((" with the lean block" if d["lean"] else " (plain block)")
+                                                     if d["variant"] == "efficient" else ""))
+    return f"defaults taken: {', '.join(parts)} (flags: --variant, --lean/--no-lean, --batch, --seq)"
 
 
 def config_from_args(a) -> ModelConfig:

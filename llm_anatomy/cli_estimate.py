@@ -65,7 +65,7 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
         gpu_s = {p: v["gpu_s"] for p, v in t["phases"].items()}  # the kernels' time, the GPU's idle time left out
         out["time"]["gpu_busy_s"] = dict(forward_backward=gpu_s["forward"] + gpu_s["backward"],
                                          step=sum(gpu_s.values()))
-        from llm_anatomy.calculator.gpus import capacity_bytes
+        from llm_anatomy.calculator.gpus import capacity_bytes, rule as gpus_rule
         from llm_anatomy.plan import table_entry
 
         cap, source = capacity_bytes(table_entry(gpu)["name"])  # what mem_get_info reports free on an idle device
@@ -73,14 +73,17 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
         if (pk := out.get("distributed", {}).get("peak")) is not None:
             need = pk["peak"]  # one rank's peak, with its sharding and communication buffers
         out["memory"]["fits"] = dict(gpu=gpu, need_bytes=need, capacity_bytes=cap, capacity_source=source,
-                                     per_rank=world_size > 1, fits=need <= cap)
+                                     per_rank=world_size > 1, fits=need <= cap, gpu_rule=gpus_rule(gpu))
     return out
 
 
 def _recompute(out: dict) -> str:
-    """The run's efficient-only options for a header line: recompute when on, the lean block when set."""
+    """The run's efficient-only options for a header line: recompute when on, and which block runs (lean or
+    plain), said either way."""
     r = out["run"].get("recompute", "none")
-    return ("" if r == "none" else f" · recompute {r}") + (" · lean" if out["run"].get("lean") else "")
+    block = "" if out.get("variant") != "efficient" else \
+        " · lean block" if out["run"].get("lean") and r == "none" else " · plain block"
+    return ("" if r == "none" else f" · recompute {r}") + block
 
 
 def print_estimate(con, out: dict) -> None:
@@ -126,6 +129,8 @@ def print_estimate(con, out: dict) -> None:
         con.print(f"{verdict} on {f['gpu']}: needs {gib(f['need_bytes'])}{' per rank' if f.get('per_rank') else ''} "
                   f"of {gib(f['capacity_bytes'])} allocatable",
                   style=None if f["fits"] else "bold red")
+        if f.get("gpu_rule"):
+            con.print(f"(--gpu {f['gpu']}: {f['gpu_rule']})")
     if "time" in out:
         from llm_anatomy.calculator.optimizer import LABELS
 

@@ -31,6 +31,7 @@ MAX_MICRO_BATCH = 4096  # the bisection's ceiling: far past any batch a real GPU
 class Candidate:
     strategy: str  # "single" on one GPU, else ddp / fsdp
     recompute: str
+    lean: bool  # the efficient variant's lean block (Run.lean): without recompute, unless --no-lean
     micro_batch: int  # the largest that fits the budget, 0 if none does
     peak_bytes: int  # per rank, at micro_batch (at 1 when none fits)
     fits: bool
@@ -118,8 +119,10 @@ def _check(gpus_n: int, gpus_per_node: int, margin: float, seq: int) -> None:
 
 def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node: int = 8, optimizer: str = "adamw",
          margin: float = DEFAULT_MARGIN, variant: str = "efficient", dtype: str = "amp",
-         strategies: tuple[str, ...] | None = None, recomputes: tuple[str, ...] | None = None) -> dict:
-    """Every (strategy, recompute) candidate at its largest fitting micro-batch, and the fastest. JSON-able."""
+         strategies: tuple[str, ...] | None = None, recomputes: tuple[str, ...] | None = None,
+         lean: bool = True) -> dict:
+    """Every (strategy, recompute) candidate at its largest fitting micro-batch, and the fastest. JSON-able.
+    lean: the efficient variant runs its lean block where it applies (no recompute)."""
     _check(gpus_n, gpus_per_node, margin, seq)
     if variant not in POLICIES:
         raise ConfigError(f"unknown variant {variant!r}; choose baseline or efficient")
@@ -137,20 +140,21 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
     rows = []
     for strategy in strategies:
         for rc in recomputes:
-            mk = lambda b: Run(batch=b, seq=seq, dtype=dtype, recompute=rc)  # noqa: E731
+            lb = lean and variant == "efficient" and rc == "none"
+            mk = lambda b: Run(batch=b, seq=seq, dtype=dtype, recompute=rc, lean=lb)  # noqa: E731
             need = lambda b: peak_bytes(cfg, mk(b), variant, gpus_n, strategy, optimizer)  # noqa: E731
             b = largest_fitting(lambda b: need(b) <= budget, max_batch(seq))
             if b == 0:
-                rows.append(Candidate(strategy, rc, 0, need(1), False, None, None, None, None))
+                rows.append(Candidate(strategy, rc, lb, 0, need(1), False, None, None, None, None))
                 continue
             t = step_time(cfg, mk(b), variant, gpu, gpus_n, strategy, optimizer, gpus_per_node)
-            rows.append(Candidate(strategy, rc, b, need(b), True, t["step_s"], t["comm_exposed_s"],
+            rows.append(Candidate(strategy, rc, lb, b, need(b), True, t["step_s"], t["comm_exposed_s"],
                                   gpus_n * b * seq / t["step_s"], t["mfu"]))
     fitting = [r for r in rows if r.fits]
     best = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
-    return dict(config=cfg.to_dict(), variant=variant, gpu=gpu, gpu_entry=entry["name"], gpus=gpus_n,
+    return dict(config=cfg.to_dict(), variant=variant, lean=lean and variant == "efficient", gpu=gpu, gpu_entry=entry["name"], gpus=gpus_n,
                 profile_kind="datasheet" if from_datasheet(gpu) else "measured",
-                gpus_per_node=gpus_per_node, seq=seq, dtype=dtype, optimizer=optimizer, margin=margin,
+                gpu_rule=gpus.rule(gpu), gpus_per_node=gpus_per_node, seq=seq, dtype=dtype, optimizer=optimizer, margin=margin,
                 capacity_bytes=capacity, capacity_source=capacity_source, budget_bytes=budget,
                 candidates=[asdict(r) for r in rows], best=asdict(best) if best else None)
 

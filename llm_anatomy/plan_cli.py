@@ -1,12 +1,15 @@
 """`anatomy plan`: flags, the candidates table and the verdict (the search is llm_anatomy/plan.py)."""
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import sys
 
-from llm_anatomy.cli_args import Parser, add_model_flags, add_optimizer_flag, config_from_args, nonempty
+from llm_anatomy.cli_args import (DEFAULT_VARIANT, Given, Parser, add_model_flags, add_optimizer_flag, config_from_args,
+                                  nonempty)
 from llm_anatomy.config import ConfigError, oneline
+from llm_anatomy.plan import DEFAULT_MARGIN
 
 GiB = 2**30
 DESCRIPTION = ("find the fastest run of a model that fits a GPU: for each data-parallel strategy and recompute "
@@ -24,11 +27,14 @@ def parser() -> Parser:
     g.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs in the data-parallel group")
     g.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
                    help="GPUs per node; beyond one node, collectives cross the inter-node network")
-    g.add_argument("--seq", type=int, default=4096, metavar="N", help="tokens per sequence")
+    g.add_argument("--seq", type=int, default=4096, metavar="N", action=Given, help="tokens per sequence")
     g.add_argument("--dtype", default="amp", type=nonempty,
                    help="amp (bf16 autocast, fp32 master weights), bf16 or fp32")
-    g.add_argument("--variant", default="efficient", type=nonempty,
+    g.add_argument("--variant", default=DEFAULT_VARIANT, type=nonempty, action=Given,
                    help="efficient (fused kernels) or baseline (unfused, readable)")
+    g.add_argument("--lean", action=argparse.BooleanOptionalAction, default=True,
+                   help="the efficient variant's lean block where it applies (recompute none); --no-lean plans the "
+                        "plain block")
     add_optimizer_flag(g)
     g.add_argument("--strategy", choices=("ddp", "fsdp"),
                    help="plan only this data-parallel strategy (default: both when --gpus > 1)")
@@ -51,9 +57,22 @@ def _model_args(a) -> list[str]:
     for k in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "mlp"):
         if getattr(a, k) is not None:
             out += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-    if a.tie_embeddings is not None:
-        out.append("--tie-embeddings" if a.tie_embeddings else "--no-tie-embeddings")
+    for k in ("tie_embeddings", "qkv_bias"):
+        if getattr(a, k) is not None:
+            out.append(f"--{'' if getattr(a, k) else 'no-'}{k.replace('_', '-')}")
     return out
+
+
+def plan_command(a, kw: dict) -> str:
+    """The `anatomy plan` command line for the plan() keywords kw (the user's model flags, then the run's)."""
+    args = ["anatomy", "plan", *_model_args(a), "--gpu", kw["gpu"], "--gpus", str(kw["gpus_n"]), "--seq",
+            str(kw["seq"]), "--dtype", kw["dtype"], "--variant", kw["variant"], "--optimizer", kw["optimizer"]]
+    args += [] if kw["lean"] else ["--no-lean"]
+    args += [] if kw["gpus_per_node"] == 8 else ["--gpus-per-node", str(kw["gpus_per_node"])]
+    args += [] if kw["margin"] == DEFAULT_MARGIN else ["--margin", repr(kw["margin"])]
+    args += ["--strategy", kw["strategies"][0]] if kw.get("strategies") else []
+    args += ["--recompute", ",".join(kw["recomputes"])] if kw.get("recomputes") else []
+    return shlex.join(args)
 
 
 def estimate_command(a, best: dict, plan: dict) -> str:
@@ -62,6 +81,8 @@ def estimate_command(a, best: dict, plan: dict) -> str:
             "--seq", str(plan["seq"]), "--dtype", plan["dtype"], "--optimizer", plan["optimizer"], "--gpu", plan["gpu"]]
     if best["recompute"] != "none":
         args += ["--recompute", best["recompute"]]
+    elif plan["variant"] == "efficient":
+        args.append("--lean" if best["lean"] else "--no-lean")
     if plan["gpus"] > 1:
         args += ["--world-size", str(plan["gpus"]), "--strategy", best["strategy"],
                  "--gpus-per-node", str(plan["gpus_per_node"])]
@@ -71,16 +92,20 @@ def estimate_command(a, best: dict, plan: dict) -> str:
 def render(a, out: dict) -> list[str]:
     """The candidates table and the verdict, as plain text lines (no markup: names are the user's)."""
     cfg, gib = out["config"], (lambda b: f"{b / GiB:,.2f}")
-    lines = [f"plan: {cfg['name']} · {out['variant']} variant · {out['gpus']} x {out['gpu']} · seq {out['seq']:,} · "
-             f"{out['dtype']} · {out['optimizer']}",
+    block = " (lean block where recompute is none)" if out["lean"] else " (plain block)" \
+        if out["variant"] == "efficient" else ""
+    lines = [f"plan: {cfg['name']} · {out['variant']} variant{block} · {out['gpus']} x {out['gpu']} · "
+             f"seq {out['seq']:,} · {out['dtype']} · {out['optimizer']}",
              f"per GPU: {gib(out['capacity_bytes'])} GiB allocatable ({out['capacity_source']}); budget "
              f"{gib(out['budget_bytes'])} GiB after a {out['margin']:.0%} margin"]
+    if out["gpu_rule"]:
+        lines.append(f"--gpu {out['gpu']}: {out['gpu_rule']}")
     head = ("strategy", "recompute", "micro-batch", "peak GiB/rank", "fits", "step ms", "exposed comm ms",
             "tokens/s", "MFU")
     rows = []
     for c in out["candidates"]:
         ok = c["fits"]
-        rows.append((c["strategy"], c["recompute"], f"{c['micro_batch']:,}" if ok else "-", gib(c["peak_bytes"]),
+        rows.append((c["strategy"], c["recompute"] + (" (lean)" if c["lean"] else ""), f"{c['micro_batch']:,}" if ok else "-", gib(c["peak_bytes"]),
                      "yes" if ok else "no (at 1)", f"{c['step_s'] * 1e3:,.1f}" if ok else "-",
                      f"{c['comm_exposed_s'] * 1e3:,.1f}" if ok else "-",
                      f"{c['tokens_per_s']:,.0f}" if ok else "-", f"{c['mfu']:.1%}" if ok and c["mfu"] else "-"))
@@ -89,11 +114,7 @@ def render(a, out: dict) -> list[str]:
     lines += ["", fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, rows), ""]
     b = out["best"]
     if b is None:
-        least = min(out["candidates"], key=lambda c: c["peak_bytes"])
-        lines.append(f"verdict: predicted OOM: nothing fits. The smallest need is {gib(least['peak_bytes'])} GiB per rank "
-                     f"({least['strategy']}, recompute {least['recompute']}, micro-batch 1) against a budget of "
-                     f"{gib(out['budget_bytes'])} GiB: use more GPUs with fsdp, a shorter --seq or a larger GPU.")
-        return lines
+        return lines + no_fit(out) + said_defaults(out)
     lines.append(f"verdict: {b['strategy']}, recompute {b['recompute']}, micro-batch {b['micro_batch']:,}: "
                  f"{b['tokens_per_s']:,.0f} tokens/s, {gib(b['peak_bytes'])} GiB per rank of {gib(out['budget_bytes'])} "
                  f"GiB, step {b['step_s'] * 1e3:,.1f} ms")
@@ -103,8 +124,36 @@ def render(a, out: dict) -> list[str]:
                      "`anatomy calibrate` on the GPU, or h200-measured, is what the timing claims hold to)")
     lines.append("run it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the peaks are allocated bytes; "
                  "the default allocator's fragmentation can take part of the margin")
-    if out["variant"] == "efficient" and not a.variant_given:
-        lines.append("(the efficient variant is planned; --variant baseline plans the unfused one)")
+    return lines + said_defaults(out)
+
+
+def said_defaults(out: dict) -> list[str]:
+    """The line naming the defaults the plan took, if any."""
+    if not out["defaults"]:
+        return []
+    took = ", ".join(f"{k} {v:,}" if k == "seq" else f"{k} {v}" for k, v in out["defaults"].items())
+    return [f"defaults taken: {took} (--variant baseline plans the unfused model; --no-lean the plain efficient "
+            "block)"]
+
+
+def no_fit(out: dict) -> list[str]:
+    """The verdict when nothing fits: the smallest need, the floor, and each change the search confirmed."""
+    gib = lambda b: f"{b / GiB:,.2f}"  # noqa: E731
+    least = min(out["candidates"], key=lambda c: c["peak_bytes"])
+    adv = out["advice"]
+    lines = [f"verdict: predicted OOM: nothing fits. The smallest need is {gib(least['peak_bytes'])} GiB per rank "
+             f"({least['strategy']}, recompute {least['recompute']}, micro-batch 1) against a budget of "
+             f"{gib(out['budget_bytes'])} GiB.",
+             f"weights, gradients and optimizer state alone: {gib(adv['floor_bytes'])} GiB per rank "
+             f"({adv['floor_where']}), " + ("under the budget: activations are what does not fit" if adv["floor_fits"]
+                                            else "over the budget: no micro-batch, recompute or --seq can fit")]
+    if not adv["suggestions"]:
+        return lines + ["no change searched fits (more GPUs, bf16 weights, a shorter --seq, a larger GPU)"]
+    lines.append("what fits (each re-checked by this search):")
+    for s in adv["suggestions"]:
+        b = s["best"]
+        lines.append(f"  {s['what']}: {b['strategy']}, recompute {b['recompute']}, micro-batch {b['micro_batch']:,}, "
+                     f"{gib(b['peak_bytes'])} GiB per rank: {s['command']}")
     return lines
 
 
@@ -114,15 +163,23 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser()
     a = p.parse_args(argv)
-    a.variant_given = any(x == "--variant" or x.startswith("--variant=") for x in argv)
     try:
         cfg = config_from_args(a)
         recomputes = tuple(r.strip() for r in a.recompute.split(",")) if a.recompute else None
-        out = plan(cfg, gpu=a.gpu, seq=a.seq, gpus_n=a.gpus, gpus_per_node=a.gpus_per_node, optimizer=a.optimizer,
-                   margin=a.margin, variant=a.variant, dtype=a.dtype,
-                   strategies=(a.strategy,) if a.strategy else None, recomputes=recomputes)
+        kw = dict(gpu=a.gpu, seq=a.seq, gpus_n=a.gpus, gpus_per_node=a.gpus_per_node, optimizer=a.optimizer,
+                  margin=a.margin, variant=a.variant, dtype=a.dtype, strategies=(a.strategy,) if a.strategy else None,
+                  recomputes=recomputes, lean=a.lean)
+        out = plan(cfg, **kw)
+        given = getattr(a, "given", frozenset())
+        out["defaults"] = {k: v for k, v in (("variant", a.variant), ("seq", a.seq)) if k not in given}
         if out["best"] is not None:
             out["estimate_command"] = estimate_command(a, out["best"], out)
+        else:
+            from llm_anatomy.plan_advice import advise
+
+            out["advice"] = advise(cfg, out, kw)
+            for sug in out["advice"]["suggestions"]:
+                sug["command"] = plan_command(a, kw | sug["changes"])
     except ConfigError as e:
         print(f"anatomy plan: error: {oneline(e)}", file=sys.stderr)
         return 2

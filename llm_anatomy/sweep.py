@@ -26,6 +26,7 @@ atomically to --out.
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
@@ -81,7 +82,7 @@ def _row(claim, component, cfg, run, variant, predicted, measured, unit, device,
         passed = measured == predicted
     return dict(test="anatomy sweep", claim=claim, component=component, config=cfg.name, variant=variant,
                 predicted=predicted, measured=measured, error=err, tolerance=0.0, unit=unit, device=device,
-                passed=passed, note=note, batch=run.batch, seq=run.seq, dtype=run.dtype, status=status)
+                passed=passed, note=note, batch=run.batch, seq=run.seq, dtype=run.dtype, lean=run.lean, status=status)
 
 
 def point_rows(cfg: ModelConfig, run: Run, variant: str, device: str, meas: dict | None, status: str,
@@ -275,6 +276,8 @@ def main(argv=None) -> int:
     r.add_argument("--seq", nargs="+", type=_list(int), help="sequence lengths (default 4096)")
     r.add_argument("--dtype", nargs="+", type=_list(str), help="amp | bf16 | fp32 (default amp)")
     r.add_argument("--variant", nargs="+", type=_list(str), help="baseline, efficient (default both)")
+    r.add_argument("--lean", action=argparse.BooleanOptionalAction, default=True,
+                   help="the efficient variant's points with its lean block (Run.lean); --no-lean: the plain block")
     add_optimizer_flag(r)
     r.add_argument("--gpu", type=nonempty, metavar="NAME|PATH",
                    help="also predict each step's time on this GPU and whether its peak fits (as anatomy estimate)")
@@ -310,7 +313,7 @@ def main(argv=None) -> int:
                               "in one sweep")
         cfgs, hiddens, depths, notes = models(a, _flat(a.seq, [4096]))
         points = grid(cfgs, hiddens, depths, _flat(a.batch, [16]), _flat(a.seq, [4096]), _flat(a.dtype, ["amp"]),
-                      _flat(a.variant, VARIANTS))
+                      _flat(a.variant, VARIANTS), lean=a.lean)
         if points and a.gpu is not None:  # an unknown GPU is refused before the sweep starts
             from llm_anatomy.calculator.timing import lookup as gpus
 

@@ -57,9 +57,9 @@ def reshape(base: ModelConfig, hidden: int | None = None, layers: int | None = N
     return ModelConfig(**d)
 
 
-def grid(presets, hiddens, layers, batches, seqs, dtypes, variants) -> list[tuple[ModelConfig, Run, str]]:
+def grid(presets, hiddens, layers, batches, seqs, dtypes, variants, lean: bool = True) -> list[tuple[ModelConfig, Run, str]]:
     """The points: each model (a preset name or a ModelConfig) reshaped to each hidden and depth, at each
-    batch, seq, dtype and variant."""
+    batch, seq, dtype and variant; the efficient variant's with its lean block when `lean` (Run.lean)."""
     for v in variants:
         if v not in VARIANTS:
             raise ConfigError(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
@@ -71,7 +71,7 @@ def grid(presets, hiddens, layers, batches, seqs, dtypes, variants) -> list[tupl
             if cfg not in cfgs:
                 cfgs.append(cfg)
     runs = [Run(batch=b, seq=s, dtype=d) for b, s, d in itertools.product(batches, seqs, dtypes)]
-    return [(c, r, v) for c in cfgs for r in runs for v in variants]
+    return [(c, replace(r, lean=lean and v == "efficient"), v) for c in cfgs for r in runs for v in variants]
 
 
 FIELD_KEYS = ("heads", "kv_heads", "intermediate", "vocab", "tie_embeddings", "mlp", "qkv_bias")

@@ -108,7 +108,7 @@ def main() -> int:
         path = str(HF_CONFIGS[name])
         cfg = read_hf_config(path).config
         seq = SEQ.get(name, SEQ["default"])
-        pl = plan(cfg, gpu=a.gpu, seq=seq)
+        pl = plan(cfg, gpu=a.gpu, seq=seq, lean=False)  # user_loop builds the plain efficient block
         best = pl["best"]
         row = dict(model=name, config=os.path.relpath(path, ROOT), seq=seq, budget=pl["budget_bytes"],
                    capacity=pl["capacity_bytes"], margin=pl["margin"], plan=best, runs=[])

@@ -169,10 +169,11 @@ def test_optimizer_moves_memory_and_time_together(capsys):
     from llm_anatomy.calculator.timing import estimate_time
     from llm_anatomy.config import ModelConfig, Run
 
-    cfg, run = ModelConfig.from_name("seed"), Run(4, 1024)
+    cfg = ModelConfig.from_name("seed")
     got = {}
     for opt in ("adamw", "ademamix"):
         for variant in ("baseline", "efficient"):
+            run = Run(4, 1024, lean=variant == "efficient")  # the efficient variant's default: its lean block
             rc, out, err = _main(["estimate", "--preset", "seed", "--batch", "4", "--seq", "1024", "--variant", variant,
                                   "--gpu", "H200", "--optimizer", opt, "--json"], capsys)
             assert rc == 0, err
@@ -191,16 +192,18 @@ def test_optimizer_moves_memory_and_time_together(capsys):
         assert m["memory"]["phases"]["init"] > a["memory"]["phases"]["init"]
         assert m["time"]["optimizer_s"] > a["time"]["optimizer_s"]
         assert a["time"]["forward_backward_s"] == m["time"]["forward_backward_s"]
-    # the default is AdamW, for both figures
+    # the default is AdamW, for both figures, on the default variant: the efficient one with its lean block
     rc, out, _ = _main(["estimate", "--preset", "seed", "--batch", "4", "--seq", "1024", "--gpu", "H200", "--json"],
                        capsys)
     e = json.loads(out)
     assert e["optimizer"] == dict(name="adamw", implementation="adamw") and e["time"]["optimizer"] == "adamw"
-    assert e["memory"]["need_bytes"] == got["adamw", "baseline"]["memory"]["need_bytes"]
+    assert e["memory"]["need_bytes"] == got["adamw", "efficient"]["memory"]["need_bytes"]
+    assert e["variant"] == "efficient" and e["lean"] is True and e["run"]["lean"] is True
 
 
 def test_estimate_text_names_the_optimizer_and_the_efficient_variant(capsys):
-    rc, out, _ = _main(["estimate", "--preset", "seed", "--gpu", "H200", "--optimizer", "ademamix"], capsys)
+    rc, out, _ = _main(["estimate", "--preset", "seed", "--gpu", "H200", "--optimizer", "ademamix", "--variant",
+                        "baseline"], capsys)
     text = " ".join(out.split())
     assert rc == 0 and "memory with AdEMAMix" in text and "AdEMAMix's per-parameter loop" in text
     assert "--variant efficient estimates the fused model" in text

@@ -123,7 +123,8 @@ ESTIMATE_FLAGS = {
     "--layers": st.sampled_from(["1", "2", "32", "80"]),
     "--preset": st.sampled_from(["seed", "llama3-8b", "mistral-7b", "llama3.2-1b", "nope"]),
     "--world-size": st.sampled_from(["1", "2", "8", "1024"]), "--strategy": st.sampled_from(["ddp", "fsdp"]),
-    "--gpu": st.sampled_from(["H200", "H100", "A100-80GB", "RTX4090", "h200-measured", "Z9000", "x.json"]),
+    "--gpu": st.sampled_from(["H200", "H100", "A100-80GB", "A100", "H100 SXM", "b200", "RTX4090", "h200-measured",
+                              "Z9000", "x.json"]),
     "--device": st.sampled_from(["cpu", "cuda"]),
 }
 SWEEP_FLAGS = {

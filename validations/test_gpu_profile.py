@@ -60,13 +60,13 @@ def test_datasheet_figures():
     got = {n: (timing.get(n)["peak_flops"]["bfloat16"] / 1e12, timing.get(n)["hbm_Bps"] / 1e9) for n in gpus.GPUS}
     assert got == {"a100-40gb-sxm": (312.0, 1555.0), "a100-80gb-sxm": (312.0, 2039.0), "h100-sxm": (989.4, 3350.0),
                    "h200-sxm": (989.4, 4800.0), "rtx-3090": (71.0, 936.0), "rtx-4090": (165.2, 1008.0),
-                   "h100-pcie": (756.5, 2000.0), "l40s": (362.05, 864.0), "l4": (121.0, 300.0)}
+                   "h100-pcie": (756.5, 2000.0), "l40s": (362.05, 864.0), "l4": (121.0, 300.0), "b200": (2250.0, 8000.0)}
 
 
 @pytest.mark.parametrize("device_name, profile", [
     ("NVIDIA H200", "h200-sxm"), ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"),
     ("NVIDIA A100-SXM4-40GB", "a100-40gb-sxm"), ("NVIDIA A100-SXM4-80GB", "a100-80gb-sxm"), ("NVIDIA L40S", "l40s"),
-    ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("Tesla T4", None)])
+    ("NVIDIA L4", "l4"), ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("NVIDIA B200", "b200"), ("Tesla T4", None)])
 def test_device_names_map_to_one_datasheet_table(device_name, profile):
     """torch's device names pick a datasheet profile (first match wins: "H100 PCIe" before "H100",
     "L40S" before "L4"); `anatomy train`'s MFU reads its peak from the same table."""

@@ -40,7 +40,8 @@ def test_every_candidate_sits_on_the_boundary(name, gpu, gpus, seq):
     assert out["candidates"], out
     for c in out["candidates"]:
         b = c["micro_batch"]
-        run = lambda n: Run(batch=n, seq=seq, recompute=c["recompute"])  # noqa: E731
+        run = lambda n: Run(batch=n, seq=seq, recompute=c["recompute"], lean=c["lean"])  # noqa: E731
+        assert c["lean"] == (c["recompute"] == "none")  # the default: the lean block wherever it applies
         if c["fits"]:
             assert peak_bytes(cfg, run(b), "efficient", gpus, c["strategy"], "adamw") <= out["budget_bytes"]
             assert c["peak_bytes"] == peak_bytes(cfg, run(b), "efficient", gpus, c["strategy"], "adamw")
@@ -130,11 +131,11 @@ def test_planned_run_peak_within_1_percent(claims):
 
     for r in _rows():
         cfg = read_hf_config(ROOT / r["config"]).config
-        again = plan(cfg, gpu="H200", seq=r["seq"])["best"]
+        again = plan(cfg, gpu="H200", seq=r["seq"], lean=r["plan"].get("lean", False))["best"]  # the block it ran
         assert (again["recompute"], again["micro_batch"]) == (r["plan"]["recompute"], r["plan"]["micro_batch"]), r["model"]
         ran = r["runs"][0]
-        pred = peak_bytes(cfg, Run(batch=ran["batch"], seq=r["seq"], recompute=ran["recompute"]), "efficient", 1,
-                          "single", "adamw")
+        pred = peak_bytes(cfg, Run(batch=ran["batch"], seq=r["seq"], recompute=ran["recompute"],
+                                   lean=ran.get("lean", False)), "efficient", 1, "single", "adamw")
         assert ran["outcome"] == "ran", (r["model"], ran)
         claims.check("plan: the planned run's measured peak (H200, a user's loop)", predicted=pred, measured=ran["peak"],
                      tolerance=0.01, component=f"B{ran['batch']} {ran['recompute']}", config=r["model"],
@@ -149,8 +150,8 @@ def test_next_micro_batch_runs_out_or_passes_the_margin(claims):
     for r in _rows():
         cfg = read_hf_config(ROOT / r["config"]).config
         nxt = r["runs"][1]
-        pred = peak_bytes(cfg, Run(batch=nxt["batch"], seq=r["seq"], recompute=nxt["recompute"]), "efficient", 1,
-                          "single", "adamw")
+        pred = peak_bytes(cfg, Run(batch=nxt["batch"], seq=r["seq"], recompute=nxt["recompute"],
+                                   lean=nxt.get("lean", False)), "efficient", 1, "single", "adamw")
         where = dict(component=f"B{nxt['batch']} {nxt['recompute']}", config=r["model"], variant="efficient",
                      device="cuda")
         if nxt["outcome"] == "oom":  # over the budget by prediction (1) against out of memory on the GPU (1)

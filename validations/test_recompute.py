@@ -144,8 +144,8 @@ def test_recompute_is_an_efficient_option():
 
     with pytest.raises(ConfigError, match="option of the efficient variant"):
         estimate(NAMED["tiny"], Run(2, 16, "amp", MLP), "baseline")
-    out = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--preset", "seed", "--recompute", MLP],
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--preset", "seed", "--variant", "baseline",
+                          "--recompute", MLP], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--variant efficient" in out.stderr, out.stderr
 
 

@@ -158,8 +158,8 @@ def test_full_is_an_efficient_option():
         build_model(NAMED["tiny"], "baseline", device="meta", recompute=FULL)
     with pytest.raises(ConfigError, match="option of the efficient variant"):
         estimate(NAMED["tiny"], Run(2, 16, "amp", FULL), "baseline")
-    out = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--preset", "seed", "--recompute", FULL],
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--preset", "seed", "--variant", "baseline",
+                          "--recompute", FULL], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--variant efficient" in out.stderr, out.stderr
     out = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--help"], capture_output=True, text=True)
     assert "full (keep" in " ".join(out.stdout.split()), out.stdout

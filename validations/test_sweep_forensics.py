@@ -120,7 +120,7 @@ def test_forensics_cli_asks_for_cuda_only_when_told(capsys):
     assert err.count("\n") == 0 and "needs a CUDA GPU" in err
     assert main(["--preset", "nope"]) == 2
     assert "unknown preset" in capsys.readouterr().err
-    assert main(["--preset", "seed", "--recompute", "mlp", "--device", "cpu"]) == 2  # baseline: no recompute
+    assert main(["--preset", "seed", "--recompute", "mlp", "--device", "cpu", "--variant", "baseline"]) == 2
     assert "option of the efficient variant" in capsys.readouterr().err
 
 
@@ -286,6 +286,6 @@ def test_sweep_takes_the_model_flags_estimate_takes(tmp_path, capsys):
     assert {r["config"] for r in rep["rows"]} == {"custom-h64-l2", "custom-h128-l2"}
     for h in (64, 128):
         e = _estimate(capsys, "--hidden", str(h), "--layers", "2", "--heads", "4", "--intermediate", "96", "--vocab",
-                      "128", "--batch", "2", "--seq", "16", "--device", "cpu")
+                      "128", "--batch", "2", "--seq", "16", "--device", "cpu", "--variant", "baseline")
         p = _point(rep["rows"], f"custom-h{h}-l2", 2, "baseline")
         assert p["params"]["predicted"] == e["params"] and p["memory.need"]["predicted"] == e["memory"]["need_bytes"]

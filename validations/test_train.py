@@ -253,7 +253,7 @@ def test_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(args, env, b
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     ck = tmp_path / "ck"
-    rc = cli.main([*SHAPE, *args, "--dtype", "fp32", "--steps", "10", "--eval-every", "100", "--ckpt-every", "1",
+    rc = cli.main([*SHAPE, *args, "--variant", "baseline", "--dtype", "fp32", "--steps", "10", "--eval-every", "100", "--ckpt-every", "1",
                    "--keep", "0", "--cache-dir", str(cache), "--ckpt-dir", str(ck)])
     err = capsys.readouterr().err.strip()
     assert rc == cli.EXIT_DIVERGED, err
@@ -300,7 +300,8 @@ BAD = {  # id: (arguments, what the one line must say)
                                   "overflows the optimizer's update at step 1"),
     "optimizer": (["--optimizer", "sgd"], "--optimizer must be one of"),
     "variant": (["--variant", "turbo"], "unknown variant"),
-    "recompute-baseline": (["--recompute", "mlp"], "option of the efficient variant"),
+    "recompute-baseline": (["--variant", "baseline", "--recompute", "mlp"], "option of the efficient variant"),
+    "lean-baseline": (["--variant", "baseline", "--lean"], "option of the efficient variant"),
     "recompute-value": (["--variant", "efficient", "--recompute", "all"], "recompute must be one of"),
     "batch-0": (["--batch", "0"], "batch must be a positive integer"),
     "vocab-under-bpe": (["--vocab", "100"], "too small for a byte-level BPE"),

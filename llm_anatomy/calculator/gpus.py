@@ -22,7 +22,9 @@ peaks for MFU. Each entry:
 """
 from __future__ import annotations
 
-from llm_anatomy.config import ConfigError
+import difflib
+
+from llm_anatomy.config import ConfigError, oneline
 
 # ---- sources (one per figure set) --------------------------------------------------------------
 A100_DS = ("NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), "
@@ -52,6 +54,12 @@ H100_PCIE_DS = ("NVIDIA H100 Tensor Core GPU datasheet, https://resources.nvidia
 L40S_DS = ("NVIDIA L40S product page / datasheet, https://www.nvidia.com/en-us/data-center/l40s/: BF16 Tensor "
            "Core 733 TFLOPS with sparsity (362.05 dense), FP32 91.6 TFLOPS, 864 GB/s, 48 GB; 142 SMs "
            "(18,176 CUDA cores / 128)")
+B200_DS = ("NVIDIA Blackwell datasheet, https://nvdam.widen.net/s/wwnsxrhm2w/blackwell-datasheet-3384703 (the source "
+            "torchtitan's peak-FLOPs table cites), and the HGX B200 specifications, https://www.nvidia.com/en-us/"
+            "data-center/hgx/: per GPU FP16/BF16 Tensor Core 4.5 PFLOPS with sparsity (2.25 dense), FP32 75 "
+            "TFLOPS (600 for eight), HBM3e 8 TB/s, 180 GB (1,440 GB for eight)")
+B200_SMS = ("Chips and Cheese, \"Nvidia's B200: Keeping the CUDA Juggernaut Rolling\", https://chipsandcheese.com/p/"
+            "nvidias-b200-keeping-the-cuda-juggernaut: 74 SMs enabled on each of two dies, 148 SMs")
 L4_DS = ("NVIDIA L4 product page / datasheet, https://www.nvidia.com/en-us/data-center/l4/: BF16 Tensor Core "
          "242 TFLOPS with sparsity (121 dense), FP32 30.3 TFLOPS, 300 GB/s, 24 GB; 58 SMs (7,424 CUDA cores / 128)")
 
@@ -60,6 +68,8 @@ L4_DS = ("NVIDIA L4 product page / datasheet, https://www.nvidia.com/en-us/data-
 # (A100 datasheet). IB: DGX H100/H200 give every GPU its own ConnectX-7 NIC at 400 Gb/s = 50 GB/s (DGX H100/H200
 # user guide, "8x single-port ConnectX-7 400Gb/s InfiniBand"); DGX A100: 8x ConnectX-6 HDR 200 Gb/s = 25 GB/s.
 NVLINK4_DGX = ("NVIDIA H100/H200 datasheets (NVLink 4, 900 GB/s total, 450 each way); DGX H100/H200 user guide "
+               "(one 400 Gb/s ConnectX-7 per GPU: 50 GB/s)")
+NVLINK5_DGX = ("NVIDIA HGX B200 specifications (NVLink 5, 1.8 TB/s total per GPU, 900 each way); DGX B200 user guide "
                "(one 400 Gb/s ConnectX-7 per GPU: 50 GB/s)")
 NVLINK3_DGX = "NVIDIA A100 datasheet (NVLink 3, 600 GB/s total, 300 each way); DGX A100 (one 200 Gb/s HDR per GPU)"
 ALPHA_INTRA_US, ALPHA_INTER_US = 10.0, 25.0  # assumption: NCCL-tests' small-message times, inside / across nodes
@@ -94,39 +104,85 @@ GPUS: dict[str, dict] = {g["name"]: g for g in (
     _gpu("h100-pcie", "NVIDIA H100 PCIe", 114, 756.5, 51.2, 2000.0, 80, H100_PCIE_DS, pcie=PCIE5),
     _gpu("h200-sxm", "NVIDIA H200 SXM", 132, 989.4, 66.9, 4800.0, 141, H200_DS, HOPPER_WP, 450.0, 50.0, NVLINK4_DGX,
          pcie=PCIE5),
+    _gpu("b200", "NVIDIA B200", 148, 2250.0, 75.0, 8000.0, 180, B200_DS, B200_SMS, 900.0, 50.0, NVLINK5_DGX,
+         pcie=PCIE5),
     _gpu("l40s", "NVIDIA L40S", 142, 362.05, 91.6, 864.0, 48, L40S_DS),
     _gpu("l4", "NVIDIA L4", 58, 121.0, 30.3, 300.0, 24, L4_DS),
     _gpu("rtx-3090", "NVIDIA GeForce RTX 3090", 82, 71.0, 35.6, 936.0, 24, GA102_WP),
     _gpu("rtx-4090", "NVIDIA GeForce RTX 4090", 128, 165.2, 82.6, 1008.0, 24, ADA_WP),
 )}
 
+# Names as users type them, matched after fold() (case, spaces, '-' and '_' ignored): each table key and each
+# display name, and these. torch.cuda.get_device_name()'s strings are among them.
 ALIASES = {
-    "a100": "a100-80gb-sxm", "a100-sxm": "a100-80gb-sxm", "a100-80gb": "a100-80gb-sxm", "a100-40gb": "a100-40gb-sxm",
-    "nvidia a100-sxm4-80gb": "a100-80gb-sxm", "nvidia a100-sxm4-40gb": "a100-40gb-sxm",
-    "h100": "h100-sxm", "nvidia h100": "h100-sxm", "nvidia h100 80gb hbm3": "h100-sxm",
-    "h200": "h200-sxm", "nvidia h200": "h200-sxm",
-    "3090": "rtx-3090", "rtx3090": "rtx-3090", "nvidia geforce rtx 3090": "rtx-3090",
-    "4090": "rtx-4090", "rtx4090": "rtx-4090", "nvidia geforce rtx 4090": "rtx-4090",
+    "a100-80gb": "a100-80gb-sxm", "a100-sxm4-80gb": "a100-80gb-sxm", "nvidia a100-sxm4-80gb": "a100-80gb-sxm",
+    "a100-40gb": "a100-40gb-sxm", "a100-sxm4-40gb": "a100-40gb-sxm", "nvidia a100-sxm4-40gb": "a100-40gb-sxm",
+    "h100-sxm5": "h100-sxm", "h100-sxm-80gb": "h100-sxm", "nvidia h100 80gb hbm3": "h100-sxm",
+    "h100-pcie-80gb": "h100-pcie", "nvidia h100 pcie": "h100-pcie",
+    "h200": "h200-sxm", "nvidia h200": "h200-sxm", "h200-141gb": "h200-sxm",
+    "b200-180gb": "b200", "l40s-48gb": "l40s", "l4-24gb": "l4",
+    "3090": "rtx-3090", "geforce rtx 3090": "rtx-3090", "4090": "rtx-4090", "geforce rtx 4090": "rtx-4090",
 }
+# Names that fit more than one part. Refused, listing the parts, where the parts differ in memory (what a plan
+# fits into); otherwise resolved by the stated rule, which the commands print.
+AMBIGUOUS = {name: ("a100-40gb-sxm", "a100-80gb-sxm") for name in ("a100", "a100-sxm", "a100-sxm4", "nvidia a100")}
+RULES = {name: ("h100-sxm", "H100 without SXM or PCIe means the SXM part (132 SMs, NVLink 4); --gpu h100-pcie names "
+                            "the PCIe card, 80 GB as well")
+         for name in ("h100", "h100-80gb", "nvidia h100")}
 
 # torch.cuda.get_device_name() substring (lower case) -> entry; the first match wins
-_DEVICE_NAMES = (("h200", "h200-sxm"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
+_DEVICE_NAMES = (("h200", "h200-sxm"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"), ("b200", "b200"),
                  ("a100-sxm4-40gb", "a100-40gb-sxm"), ("a100", "a100-80gb-sxm"), ("l40s", "l40s"), ("l4", "l4"),
                  ("rtx 3090", "rtx-3090"), ("rtx 4090", "rtx-4090"))
 
 
+def fold(name) -> str:
+    """A name as it is matched: lower case, with spaces, '-' and '_' left out ("H100 SXM" is "h100-sxm")."""
+    return "".join(c for c in str(name).lower() if not (c.isspace() or c in "-_"))
+
+
+def _names() -> dict[str, str]:
+    """fold(name) -> table key, for every key, display name and alias."""
+    out = {fold(d): k for k, g in GPUS.items() for d in (k, g["display"])}
+    out.update({fold(a): k for a, k in ALIASES.items()})
+    out.update({fold(a): k for a, (k, _) in RULES.items()})
+    return out
+
+
+NAMES = _names()
+_AMBIGUOUS = {fold(a): parts for a, parts in AMBIGUOUS.items()}
+_RULES = {fold(a): rule for a, (_, rule) in RULES.items()}
+
+
 def key(name: str) -> str | None:
-    """The table's key for a name as a user types it (case-insensitive, '_' for '-', aliases), or None."""
-    k = str(name).strip().lower().replace("_", "-")
-    k = ALIASES.get(k, k)
-    return k if k in GPUS else None
+    """The table's key for a name as a user types it (fold(): case, spaces, '-' and '_' ignored; aliases), or
+    None. A name that fits parts of different memory (A100: 40 or 80 GB) is a one-line ConfigError listing them."""
+    f = fold(name)
+    if f in _AMBIGUOUS:
+        raise ConfigError(f"gpu {oneline(repr(str(name)), 60)} is ambiguous: it names "
+                          f"{' or '.join(_AMBIGUOUS[f])} (memory differs); give one of them")
+    return NAMES.get(f)
+
+
+def rule(name: str) -> str | None:
+    """The stated rule by which an ambiguous name was resolved ("H100": the SXM part), or None."""
+    return _RULES.get(fold(name))
+
+
+def unknown(name: str, choices=()) -> ConfigError:
+    """The one-line error for a name that is no GPU here: the closest names (difflib), else the table's keys."""
+    pool = {fold(c): c for c in (*ALIASES, *RULES, *GPUS, *choices)}
+    close = [pool[m] for m in difflib.get_close_matches(fold(name), pool, n=4, cutoff=0.5)]
+    hint = f"closest: {', '.join(dict.fromkeys(close))}" if close else f"choose from {', '.join(GPUS)}"
+    return ConfigError(f"unknown gpu {oneline(repr(str(name)), 60)}; {hint} (anatomy plan -h lists every name; or "
+                       "a profile .json path)")
 
 
 def entry(name: str) -> dict:
     """The table's entry (a copy) for a name, or a one-line ConfigError."""
     k = key(name)
     if k is None:
-        raise ConfigError(f"unknown gpu {name!r}; choose from {', '.join(GPUS)}")
+        raise unknown(name)
     return dict(GPUS[k])
 
 
@@ -179,14 +235,15 @@ DRIVER_RESERVED_GiB = 81_559 / 1024 - 79.11
 _NVIDIA_SMI_MIB = {
     "h100-pcie": (81_559, "nvidia-smi 'Total' assumed the H100 SXM's 81,559 MiB (both 80 GB HBM parts)"),
     "l4": (23_034, "nvidia-smi 'Total' 23,034 MiB as commonly reported for the L4 (no source stored here)"),
+    "b200": (183_359, "nvidia-smi 'Total' 183,359 MiB as commonly reported for the B200 (no source stored here)"),
 }
 
 
 def base_key(name: str) -> str | None:
     """The table's key for a name, an alias or a profile name ("h200-measured", "h200-calibrated": the
     datasheet part it was measured on), or None."""
-    low = str(name).strip().lower().replace("_", "-")
-    for suffix in ("-measured", "-calibrated"):
+    low = fold(name)
+    for suffix in ("measured", "calibrated"):
         low = low.removesuffix(suffix)
     return key(low)
 
@@ -197,7 +254,7 @@ def capacity_bytes(name: str) -> tuple[int, str]:
     torch.cuda.mem_get_info()'s free figure: measured on the H200; elsewhere derived, and the source says how."""
     k = base_key(name)
     if k is None:
-        raise ConfigError(f"unknown gpu {name!r} for its capacity; choose from {', '.join(GPUS)}")
+        raise unknown(name)
     ctx = f"less the CUDA context, {CONTEXT_GiB:.2f} GiB (total - free on the H200, measured)"
     if k == "h200-sxm":
         return int(139.29 * GiB), H200_MEASURED

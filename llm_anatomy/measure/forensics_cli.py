@@ -46,6 +46,10 @@ def _print(report: dict) -> None:
         t.add_row(_mib(a["size"]), a["component"], a["via"], a["kind"], f"{a['phase']} (step {a['step']})", a["where"])
     con.print(t)
     con.print(f"plot: {report['png']}   report: {report['out']}")
+    from llm_anatomy.cli_args import say_assumed
+
+    if line := say_assumed(report["defaults"]):
+        con.print(line, highlight=False)
 
 
 def main(argv=None) -> int:
@@ -93,6 +97,8 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"anatomy forensics: error: {oneline(e)}", file=sys.stderr)
         return 2
+    for note in a.config_notes:
+        print(f"anatomy forensics: note: {oneline(note)}", file=sys.stderr)
     return _record_and_report(a, cfg, run, device, sys.argv[1:] if argv is None else argv)
 
 
@@ -115,6 +121,8 @@ def _record_and_report(a: argparse.Namespace, cfg, run, device: str, argv: list[
     report, and print it (a table, or the JSON with --json)."""
     import torch
 
+    from llm_anatomy.cli_args import assumed
+
     if device == "cuda":
         from llm_anatomy.measure.memory import measure_phases, record_step
     else:
@@ -123,7 +131,8 @@ def _record_and_report(a: argparse.Namespace, cfg, run, device: str, argv: list[
 
     opt = None if a.optimizer == "none" else a.optimizer
     rec = "" if run.recompute == "none" else f"-recompute-{run.recompute}"
-    stem = f"{cfg.name}-{a.variant}{rec}-B{run.batch}-S{run.seq}"
+    lean = a.variant == "efficient" and run.lean_block
+    stem = f"{cfg.name}-{a.variant}{'-lean' if lean else ''}{rec}-B{run.batch}-S{run.seq}"
     png = Path(a.png or f".anatomy/forensics/{stem}.png")
     out = Path(a.out or png.with_suffix(".json"))
     try:
@@ -139,11 +148,12 @@ def _record_and_report(a: argparse.Namespace, cfg, run, device: str, argv: list[
         write_atomic(a.snapshot, pickle.dumps(snap))
     r = replay(snap, peak_phase=a.peak_phase)
     where = torch.cuda.get_device_name(0) if device == "cuda" else "CPU live tensor storage"
-    title = (f"{cfg.name} · {a.variant}{'' if not rec else f' (recompute {run.recompute})'} · B={run.batch} "
+    title = (f"{cfg.name} · {a.variant}{' (lean block)' if lean else ''}"
+             f"{'' if not rec else f' (recompute {run.recompute})'} · B={run.batch} "
              f"S={run.seq} {run.dtype} · {where}")
     plot_timeline(r, png, title)
     report = dict(title=title, config=cfg.to_dict(), run=run.to_dict(),
-                  variant=a.variant, optimizer=opt, phases=phases,
+                  variant=a.variant, lean=lean, defaults=assumed(a, run, a.variant), optimizer=opt, phases=phases,
                   peak=attribute_peak(snap, a.top, phase=a.peak_phase),
                   png=str(png), out=str(out), device=where, torch=torch.__version__,
                   cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -131,6 +131,8 @@ def main(argv=None) -> int:
         if a.variant not in VARIANTS:
             raise ConfigError(f"unknown variant {a.variant!r}; choose baseline or efficient")
         run = run_from_args(a)
+        for note in a.config_notes:
+            _say("note", note)
         opts = _options(a)
         opts.validate()
         data = load_data(a.data, cfg.vocab, cache_dir=a.cache_dir, bin_dtype=a.bin_dtype,

@@ -288,7 +288,8 @@ class Trainer:
     def _announce(self, start: Start) -> None:
         o, r, pl = self.o, self.run_, self.pl
         n_params = sum(p.numel() for p in self.model.parameters())  # a DTensor reports its global numel
-        self.disp.print(f"{self.cfg.name} · {self.variant} · {n_params / 1e6:.2f} M params · B={r.batch} S={r.seq} "
+        lean = " (lean block)" if self.variant == "efficient" and r.lean_block else ""
+        self.disp.print(f"{self.cfg.name} · {self.variant}{lean} · {n_params / 1e6:.2f} M params · B={r.batch} S={r.seq} "
                         f"{r.dtype} · {o.optimizer} lr {o.lr:g} · {pl.strategy} on {pl.world} × {pl.device.type} · "
                         f"data: {self.data.source}"
                         + (f" · resumed at step {start.step} from {start.path}" if start.path else "") + start.note)

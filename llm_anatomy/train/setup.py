@@ -51,13 +51,14 @@ def place(o: TrainOptions, variant: str) -> Placement:
     return Placement(strategy, device, dist.get_rank(), dist.get_world_size(), owns)
 
 
-def init_model(cfg: ModelConfig, variant: str, device, dtype, seed: int, recompute: str = "none") -> torch.nn.Module:
+def init_model(cfg: ModelConfig, variant: str, device, dtype, seed: int, recompute: str = "none",
+               lean: bool = False) -> torch.nn.Module:
     """The variant's model holding the baseline's initial weights for `seed` (same start for both);
-    recompute is Run.recompute (the efficient variant's)."""
+    recompute and lean are Run.recompute and Run.lean (the efficient variant's)."""
     base = build_model(cfg, "baseline", device=device, dtype=dtype, seed=seed)
     if variant == "baseline":
         return base
-    model = build_model(cfg, variant, device=device, dtype=dtype, seed=seed, recompute=recompute)
+    model = build_model(cfg, variant, device=device, dtype=dtype, seed=seed, recompute=recompute, lean=lean)
     model.load_state_dict(base.state_dict())  # the efficient model's pre-hook fuses q/k/v and gate/up
     return model
 
@@ -84,7 +85,7 @@ def build(cfg: ModelConfig, run: Run, variant: str, o: TrainOptions, pl: Placeme
     """(model wrapped for the placement, its optimizer, whether the loop autocasts)."""
     dtype = torch.float64 if o.param_dtype == "float64" else param_dtype(run)
     torch.manual_seed(o.seed)
-    model = init_model(cfg, variant, pl.device, dtype, o.seed, run.recompute)  # the same weights on every rank
+    model = init_model(cfg, variant, pl.device, dtype, o.seed, run.recompute, run.lean)  # the same weights on every rank
     amp = True
     if pl.strategy == "ddp":
         from llm_anatomy.distributed.strategies import wrap

@@ -63,7 +63,7 @@ def get(gpu: str | Path | Mapping) -> Profile:
     for kind in ("measured", "calibrated"):
         if low.endswith(f"-{kind}") and f"{profile_stem(low.removesuffix(f'-{kind}'))}-{kind}" in files:
             return load(files[f"{profile_stem(low.removesuffix(f'-{kind}'))}-{kind}"])
-    raise ConfigError(f"unknown gpu {s!r}; choose from {', '.join(names())}, or a profile .json path")
+    raise gpus.unknown(s, names())
 
 
 _LOADED: dict[tuple, Profile] = {}  # (path, mtime, size) -> Profile: a file is parsed and fitted once
