@@ -369,4 +369,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llm_anatomy.entry import guarded
+
+    sys.exit(guarded("anatomy calibrate", main))

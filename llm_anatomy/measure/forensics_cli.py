@@ -158,4 +158,6 @@ def _record_and_report(a: argparse.Namespace, cfg, run, device: str, argv: list[
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llm_anatomy.entry import guarded
+
+    sys.exit(guarded("anatomy forensics", main))
