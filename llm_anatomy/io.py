@@ -90,7 +90,18 @@ def refuse_special_target(path: str | os.PathLike, what: str = "output") -> None
         mode = os.stat(path).st_mode
     except (OSError, ValueError):
         return  # absent (or unreachable): the write itself says why, if it fails
-    _refuse_unless_regular(mode, oneline(repr(str(path)), 200), what)
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{oneline(repr(str(path)), 200)} is {_kind(mode)}; an {what} must be a regular file "
+                          "or a new path (writing would replace it)")
+
+
+def _new_mode(path: Path) -> int:
+    """The replaced file's permissions, or for a new file 0666 less the process's umask (as open() gives)."""
+    with contextlib.suppress(OSError, ValueError):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes, *, parents: bool = False) -> None:
@@ -99,6 +110,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, *, parents: bool = 
     path = Path(path)
     raw = data.encode() if isinstance(data, str) else data
     refuse_special_target(path)
+    mode = _new_mode(path)
     folder = path.parent
     try:
         if parents:
@@ -106,8 +118,11 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, *, parents: bool = 
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     except OSError as e:
         raise OutputError(e.errno, e.strerror or str(e), str(path)) from None
+    except ValueError:
+        raise OutputError(errno.EINVAL, "not a valid path (a NUL byte)", str(path)) from None
     try:
         try:
+            os.fchmod(fd, mode)  # mkstemp's 0600 would hide a report from the user's group
             view = memoryview(raw)
             while view:
                 view = view[os.write(fd, view):]
