@@ -63,7 +63,7 @@ def open_input(path: str | os.PathLike, what: str, limit: int):
         st = os.fstat(fd)
         _refuse_unless_regular(st.st_mode, where, what)  # the path may have changed since the stat
         if st.st_size > limit:
-            raise ConfigError(f"{where} is {st.st_size:,} bytes, more than {limit:,}: too large for a {what}")
+            raise ConfigError(f"{where} is {st.st_size:,} bytes, over the {limit:,}-byte bound of a {what}")
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -78,8 +78,8 @@ def read_input(path: str | os.PathLike, what: str, limit: int) -> bytes:
         except OSError as e:
             raise ConfigError(f"cannot read {what} {oneline(repr(str(path)), 200)}: {e.strerror or e}") from None
     if len(raw) > limit:
-        raise ConfigError(f"{oneline(repr(str(path)), 200)} grew past {limit:,} bytes while read: too large "
-                          f"for a {what}")
+        raise ConfigError(f"{oneline(repr(str(path)), 200)} grew past the {limit:,}-byte bound of a {what} "
+                          "while read")
     return raw
 
 
