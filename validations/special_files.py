@@ -91,3 +91,8 @@ def failing(monkeypatch, call: str, err: int, name: str):
 
 
 ENOSPC, EROFS, EACCES = errno.ENOSPC, errno.EROFS, errno.EACCES
+
+
+def without_progress(err: str) -> str:
+    """stderr less `anatomy sweep`'s progress bar: a report of the work done, drawn before any failure."""
+    return "".join(ln for ln in err.splitlines(keepends=True) if not ln.startswith("sweep ━"))

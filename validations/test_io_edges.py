@@ -25,7 +25,8 @@ from llm_anatomy import io as aio
 from llm_anatomy.cli import main
 from llm_anatomy.config import ConfigError
 from llm_anatomy.entry import PIPE_STATUS
-from validations.special_files import EACCES, ENOSPC, EROFS, KIND_WORDS, KINDS, failing, make_special, mode_of
+from validations.special_files import (EACCES, ENOSPC, EROFS, KIND_WORDS, KINDS, failing, make_special, mode_of,
+                                      without_progress)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--hidden", "32", "--heads", "2", "--layers", "1", "--intermediate", "32", "--vocab", "33", "--batch", "1",
@@ -58,13 +59,8 @@ def cli(argv, monkeypatch, stdout=None) -> tuple[int, str, str]:
     return rc, out.getvalue() if hasattr(out, "getvalue") else "", err.getvalue()
 
 
-def _progress(err: str) -> str:
-    """stderr without sweep's progress bar (a report of work done, not of the failure)."""
-    return "".join(ln for ln in err.splitlines(keepends=True) if not ln.startswith("sweep ━"))
-
-
 def one_line_2(rc, err, *needles):
-    err = _progress(err)
+    err = without_progress(err)
     assert rc == 2, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     for n in needles:
@@ -178,7 +174,7 @@ def test_closed_pipe_ends_quietly_with_141(cmd, tmp_path):
                            cwd=tmp_path, env=_env(), timeout=120)
     finally:
         os.close(w)
-    assert (p.returncode, _progress(p.stderr)) == (PIPE_STATUS, "")
+    assert (p.returncode, without_progress(p.stderr)) == (PIPE_STATUS, "")
 
 
 def test_plan_into_head_20_times_never_a_traceback(tmp_path):
