@@ -93,8 +93,10 @@ def guarded(prog: str, fn, *args) -> int:
         _say(prog, f"cannot write standard output: {e.error.strerror or e.error}")
         return EXIT_BAD_OUTPUT
     except (OutputError, ConfigError) as e:  # a file the command writes: not there, or not a file
-        with contextlib.suppress(StdoutFailed):
+        try:
             sys.stdout.flush()
+        except StdoutFailed:
+            _silence(real)
         _say(prog, str(e))
         return EXIT_BAD_OUTPUT
     finally:
