@@ -151,7 +151,7 @@ def test_full_stdout_in_a_process_leaves_nothing_for_exit(cmd, tmp_path):
     _claims(tmp_path)
     with open("/dev/full", "w") as full:
         r = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", *STDOUT_CMDS[cmd]], stdout=full,
-                           stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=_env(), timeout=120)
+                           stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=_env(), timeout=120, check=False)
     one_line_2(r.returncode, r.stderr, "standard output", os.strerror(errno.ENOSPC))
 
 
@@ -171,7 +171,7 @@ def test_closed_pipe_ends_quietly_with_141(cmd, tmp_path):
     os.close(r)
     try:
         p = subprocess.run([sys.executable, *PIPE_CMDS[cmd]], stdout=w, stderr=subprocess.PIPE, text=True,
-                           cwd=tmp_path, env=_env(), timeout=120)
+                           cwd=tmp_path, env=_env(), timeout=120, check=False)
     finally:
         os.close(w)
     assert (p.returncode, without_progress(p.stderr)) == (PIPE_STATUS, "")
@@ -200,9 +200,8 @@ def test_write_atomic_failure_is_one_line_target_unchanged_no_temp(where, err, t
     target = tmp_path / "t.json"
     target.write_text("old")
     before = _listing(tmp_path)
-    with failing(monkeypatch, where, err, "t.json"):
-        with pytest.raises(aio.OutputError) as e:
-            aio.write_atomic(target, "new" * 1000)
+    with failing(monkeypatch, where, err, "t.json"), pytest.raises(aio.OutputError) as e:
+        aio.write_atomic(target, "new" * 1000)
     assert str(e.value) == f"cannot write {target}: {os.strerror(err)}"
     assert _listing(tmp_path) == before
 
