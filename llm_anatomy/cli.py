@@ -200,7 +200,8 @@ def cmd_report(argv) -> int:
     try:
         reports = report.load(a.claims)
         readme = Path(a.readme)
-        report.write_atomic(readme, report.replace_between(report.read_readme(readme), a.marker, report.claims_table(reports)))
+        text = report.replace_between(report.read_readme(readme), a.marker, report.claims_table(reports))
+        report.write_atomic(readme, text)
     except (OSError, ValueError, KeyError) as e:
         print(f"anatomy report: error: {oneline(str(e))}", file=sys.stderr)
         return 2

@@ -99,9 +99,17 @@ def _new_mode(path: Path) -> int:
     """The replaced file's permissions, or for a new file 0666 less the process's umask (as open() gives)."""
     with contextlib.suppress(OSError, ValueError):
         return stat.S_IMODE(os.stat(path).st_mode)
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux says it (setting it to read it would race other threads)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            return int(next(ln for ln in f if ln.startswith("Umask:")).split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
-    return 0o666 & ~mask
+    return mask
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes, *, parents: bool = False) -> None:

@@ -322,6 +322,15 @@ def test_write_atomic_keeps_the_replaced_files_mode(tmp_path):
     assert stat.S_IMODE(t.stat().st_mode) == 0o640 and t.read_text() == "b"
 
 
+def test_write_atomic_gives_a_new_file_the_umasks_mode(tmp_path):
+    old = os.umask(0o027)
+    try:
+        aio.write_atomic(tmp_path / "n", "x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "n").stat().st_mode) == 0o640  # not mkstemp's 0600
+
+
 # ---- small refusals -----------------------------------------------------------------------------
 def test_calibrate_usage_error_is_one_line(monkeypatch):
     rc, _, err = cli(["calibrate", "--no-such-flag"], monkeypatch)
