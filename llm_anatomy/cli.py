@@ -207,7 +207,8 @@ def cmd_report(argv) -> int:
     try:
         reports = report.load(a.claims)
         readme = Path(a.readme)
-        report.write_atomic(readme, report.replace_between(readme.read_text(), a.marker, report.claims_table(reports)))
+        text = report.replace_between(report.read_readme(readme), a.marker, report.claims_table(reports))
+        report.write_atomic(readme, text)
     except (OSError, ValueError, KeyError) as e:
         print(f"anatomy report: error: {oneline(str(e))}", file=sys.stderr)
         return 2
@@ -273,7 +274,14 @@ def _delegate(cmd: str, argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
+    """The `anatomy` command; its output failures and a closed pipe end as llm_anatomy/entry.py says."""
+    from llm_anatomy.entry import guarded
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    return guarded(f"anatomy {argv[0]}" if argv[:1] and argv[0] in HELP else "anatomy", _main, argv)
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
     p = Parser(prog="anatomy", description="Where every byte and FLOP of a transformer training step goes: "

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from llm_anatomy.config import MAX_LAYERS, MAX_SEQ, MAX_WIDTH, ConfigError, ModelConfig, oneline
+from llm_anatomy.io import read_input
 
 # ---- Hugging Face config.json ---------------------------------------------------------------------
 _HF_FAMILIES = ("llama", "mistral", "qwen2")  # qwen2: Qwen2 and Qwen2.5, with q/k/v biases
@@ -108,10 +109,9 @@ def _finite_float(text: str) -> float:
 def load_json_object(p: Path, what: str) -> dict:
     """A JSON object from a UTF-8 file of at most MAX_CONFIG_BYTES, with only finite numbers."""
     where = oneline(str(p))
+    raw = read_input(p, what, MAX_CONFIG_BYTES)  # a regular file of bounded size; its refusal names the path
     try:
-        if p.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{where}: larger than {MAX_CONFIG_BYTES:,} bytes; not a {what}")
-        text = p.read_bytes().decode("utf-8")
+        text = raw.decode("utf-8")
         d = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}" if not str(e).startswith(where) else str(e)) from None
@@ -119,8 +119,6 @@ def load_json_object(p: Path, what: str) -> dict:
         raise ConfigError(f"{where}: not UTF-8 text (byte {e.start}); not a {what}") from None
     except RecursionError:
         raise ConfigError(f"{where}: JSON nested too deeply; not a {what}") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read {where}: {oneline(e.strerror or e, 100)}") from None
     except ValueError as e:  # json.JSONDecodeError, and integers longer than Python reads
         raise ConfigError(f"{where}: not valid JSON ({oneline(e, 120)}); not a {what}") from None
     if not isinstance(d, dict):
@@ -199,7 +197,7 @@ def read_hf_config(path: str | Path) -> HFConfig:
     try:
         if p.is_dir():
             p = p / "config.json"
-        found = p.is_file()
+        found = p.exists()  # a FIFO, a device or a socket is refused by name when read
     except (OSError, ValueError):  # a name too long, or with a NUL byte
         found = False
     if not found:
@@ -215,7 +213,7 @@ def read_hf_config(path: str | Path) -> HFConfig:
                           "bias q, k and v only, as Qwen2 does)")
     if f.bool("mlp_bias", False):
         raise ConfigError(f"{f.where}: mlp_bias=true is not modelled (the MLP here has no biases)")
-    act = f.str("hidden_act") or "silu"
+    act = f.str("hidden_act") if "hidden_act" in f.d else "silu"  # absent: LlamaConfig's default; null is none
     if act not in SILU:
         raise ConfigError(f"{f.where}: hidden_act {_show(act)} is not modelled (the MLP here is SwiGLU, with SiLU)")
     hidden = f.int("hidden_size", MAX_WIDTH, required=True)
@@ -240,8 +238,11 @@ def read_hf_config(path: str | Path) -> HFConfig:
             rope_theta=theta or 10000.0,
             qkv_bias=qwen2,
         )
-    except ConfigError as e:
-        raise ConfigError(f"{f.where}: {e}") from None
+    except ConfigError as e:  # ModelConfig's own check names no file; a field's read already does
+        raise ConfigError(str(e) if str(e).startswith(f"{f.where}: ") else f"{f.where}: {e}") from None
+    if f.get("quantization_config") is not None:
+        notes.append("quantization_config ignored: the counts are of the model trained in the run's dtype (a "
+                     "quantized checkpoint's storage format changes no training step predicted here)")
     return HFConfig(cfg, tuple(notes), window)
 
 

@@ -190,4 +190,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llm_anatomy.entry import guarded
+
+    sys.exit(guarded("anatomy plan", main))

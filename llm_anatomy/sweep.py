@@ -39,7 +39,7 @@ from pathlib import Path
 from llm_anatomy.cli_args import HF_CONFIG_HELP, Parser, add_model_fields, add_optimizer_flag, nonempty
 from llm_anatomy.config import PRESETS, ConfigError, ModelConfig, Run, oneline
 from llm_anatomy.cli_estimate import peak_bytes
-from llm_anatomy.io import write_atomic
+from llm_anatomy.io import OutputError, refuse_special_target, write_atomic
 from llm_anatomy.sweep_grid import VARIANTS, _flat, _list, grid, models, reshape  # noqa: F401 (re-exported)
 NEED = "memory.need (peak, with the optimizer's state)"  # anatomy estimate's memory.need_bytes
 COMPONENTS = ("embedding", "attention", "norm", "mlp", "loss")
@@ -198,8 +198,7 @@ def machine() -> dict:
 
 
 def write_report(path: Path, report: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(report, indent=1, allow_nan=False))  # a reader never sees half a report
+    write_atomic(path, json.dumps(report, indent=1, allow_nan=False), parents=True)  # all or nothing
 
 
 def _summary(rows: list[dict]) -> None:
@@ -320,9 +319,7 @@ def main(argv=None) -> int:
             gpus.get(a.gpu)
         if not 1 <= a.world_size <= MAX_WORLD:
             raise ConfigError(f"--world-size must be between 1 and {MAX_WORLD:,}, got {a.world_size:.3g}")
-        out = Path(a.out)
-        if out.is_dir():
-            raise ConfigError(f"--out {a.out} is a directory; give a file path")
+        refuse_special_target(a.out, "--out target")  # a directory, a device, a FIFO: refused before the sweep
     except ConfigError as e:
         print(f"anatomy sweep: error: {oneline(e)}", file=sys.stderr)
         return 2
@@ -345,8 +342,8 @@ def main(argv=None) -> int:
                   rows=rows)
     try:
         write_report(Path(a.out), report)
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-        print(f"anatomy sweep: error: cannot write {oneline(a.out)}: {oneline(getattr(e, 'strerror', None) or e)}", file=sys.stderr)
+    except (OutputError, ConfigError) as e:  # each names the path and why
+        print(f"anatomy sweep: error: {oneline(e)}", file=sys.stderr)
         return 2
     if not a.quiet:
         _summary(rows)
@@ -356,4 +353,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llm_anatomy.entry import guarded
+
+    sys.exit(guarded("anatomy sweep", main))

@@ -11,6 +11,7 @@ FUZZ_SCALE=1; a one-off larger run: FUZZ_SCALE=20).
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import math
@@ -26,6 +27,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from llm_anatomy.cli import main
+from llm_anatomy.entry import PIPE_STATUS
+from validations.special_files import KINDS, make_special, without_progress
 
 SCALE = float(os.environ.get("FUZZ_SCALE", "1"))
 HANG_S = 60  # an alarm, not a timing claim: a valid draw here costs well under a second
@@ -48,20 +51,29 @@ def _alarm(*_):
     raise Hang(f"no answer in {HANG_S} s")
 
 
+# special files the flags below name, made in the scratch folder: read or written, each must be refused
+SPECIAL = {f"{kind}.{ext}": kind for kind in KINDS for ext in ("json", "png", "md")}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _in_a_scratch_folder(tmp_path_factory):
-    """Every file a command writes (sweep reports, forensics plots, README) lands in a scratch folder."""
+    """Every file a command writes (sweep reports, forensics plots, README) lands in a scratch folder, beside
+    the special files (a kind mknod may not make here is left out: its name is then a missing file)."""
     old = Path.cwd()
     os.chdir(tmp_path_factory.mktemp("fuzz"))
+    for name, kind in SPECIAL.items():
+        with contextlib.suppress(pytest.skip.Exception):
+            make_special(kind, name)
     yield
     os.chdir(old)
     print("\nfuzz calls: " + ", ".join(f"{k} {v}" for k, v in sorted(COUNTS.items())))
 
 
-def run_cli(argv: list[str], kind: str) -> tuple[int, str, str]:
-    """main(argv) in this process; asserts the contract and returns (exit code, stdout, stderr)."""
+def run_cli(argv: list[str], kind: str, out: io.StringIO | None = None) -> tuple[int, str, str]:
+    """main(argv) in this process; asserts the contract and returns (exit code, stdout, stderr). `out`:
+    standard output (a StringIO by default); a closed pipe there may end the call quietly with 141."""
     COUNTS[kind] += 1
-    out, err = io.StringIO(), io.StringIO()
+    out, err = out or io.StringIO(), io.StringIO()
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(HANG_S)
     try:
@@ -77,7 +89,10 @@ def run_cli(argv: list[str], kind: str) -> tuple[int, str, str]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
-    o, e = out.getvalue(), err.getvalue()
+    o, e = out.getvalue(), without_progress(err.getvalue())
+    if rc == PIPE_STATUS and getattr(out, "errno", None) == errno.EPIPE:
+        assert e == "", (argv, e)  # a closed pipe ends quietly
+        return rc, o, e
     assert rc in (0, 2), (argv, rc, e)
     assert "Traceback" not in e, (argv, e)
     if rc == 2:
@@ -124,7 +139,8 @@ ESTIMATE_FLAGS = {
     "--preset": st.sampled_from(["seed", "llama3-8b", "mistral-7b", "llama3.2-1b", "nope"]),
     "--world-size": st.sampled_from(["1", "2", "8", "1024"]), "--strategy": st.sampled_from(["ddp", "fsdp"]),
     "--gpu": st.sampled_from(["H200", "H100", "A100-80GB", "A100", "H100 SXM", "b200", "RTX4090", "h200-measured",
-                              "Z9000", "x.json"]),
+                              "Z9000", "x.json", *SPECIAL]),
+    "--hf-config": st.sampled_from([n for n in SPECIAL if n.endswith(".json")]),
     "--device": st.sampled_from(["cpu", "cuda"]),
 }
 SWEEP_FLAGS = {
@@ -133,12 +149,15 @@ SWEEP_FLAGS = {
     "--batch": st.sampled_from(["1", "1,16", str(2**24)]), "--seq": st.sampled_from(["16", "128,4096"]),
     "--dtype": st.sampled_from(["amp", "bf16,fp32", "fp16"]), "--variant": st.sampled_from(["baseline", "efficient"]),
     "--mem-limit": st.sampled_from(["1", "0.5", "1e9", "inf", "nan", "-1", "1e400"]),
-    "--out": st.sampled_from(["s.json", "d/s.json", ".", ""]), "--device": st.sampled_from(["cpu", "auto"]),
+    "--out": st.sampled_from(["s.json", "d/s.json", ".", "", *SPECIAL]), "--device": st.sampled_from(["cpu", "auto"]),
+    "--gpu": st.sampled_from(["H200", *SPECIAL]),
 }
 FORENSICS_FLAGS = {**MODEL_FLAGS, "--top": st.sampled_from(["1", "3", "0", "-1"]),
                    "--optimizer": st.sampled_from(["adamw", "ademamix", "none"]),
                    "--peak-phase": st.sampled_from(["forward", "backward", "optimizer"]),
-                   "--device": st.just("cpu"), "--png": st.sampled_from(["f.png", "f/g.png"])}
+                   "--device": st.just("cpu"), "--png": st.sampled_from(["f.png", "f/g.png", *SPECIAL]),
+                   "--out": st.sampled_from([n for n in SPECIAL if n.endswith(".json")]),
+                   "--snapshot": st.sampled_from(list(SPECIAL))}
 TINY = ["--hidden", "32", "--heads", "2", "--layers", "1", "--intermediate", "32", "--vocab", "33", "--batch", "1",
         "--seq", "4"]
 
@@ -189,7 +208,7 @@ def test_fuzz_forensics_flags(argv):
 
 
 @_examples(40)
-@given(st.lists(st.one_of(st.sampled_from(["--readme", "--marker", "nope.json", "README.md", "-h", "--x"]),
+@given(st.lists(st.one_of(st.sampled_from(["--readme", "--marker", "nope.json", "README.md", "-h", "--x", *SPECIAL]),
                           WILD, _text()), max_size=4))
 def test_fuzz_report_and_top_level_flags(rest):
     """report reads only files that are not there (its malformed-file fuzzing is the report's own), and the
@@ -197,6 +216,32 @@ def test_fuzz_report_and_top_level_flags(rest):
     run_cli(["report", *rest], "report")
     if rest and rest[0] not in ("report", "train", "sweep", "forensics", "calibrate"):
         run_cli(rest, "top level")
+
+
+# ---- standard output that fails part-way -----------------------------------------------------------
+class FailingOut(io.StringIO):
+    """Standard output that takes `room` characters, then fails every write with OSError(errno)."""
+
+    def __init__(self, room: int, err: int):
+        super().__init__()
+        self.room, self.errno = room, err
+
+    def write(self, text):
+        if self.tell() + len(text) > self.room:
+            raise OSError(self.errno, os.strerror(self.errno))
+        return super().write(text)
+
+
+@_examples(60)
+@given(argv=st.one_of(argv_for("estimate", ESTIMATE_FLAGS, wild=1), argv_for("sweep", SWEEP_FLAGS, ["--device", "cpu"], wild=1),
+                      st.sampled_from([["plan", "--gpu", "H200"], ["plan", "--json"], ["-h"], ["estimate", "-h"]])),
+       room=st.sampled_from([0, 1, 100, 4000]), err=st.sampled_from([errno.ENOSPC, errno.EPIPE, errno.EIO]))
+def test_fuzz_failing_stdout(argv, room, err):
+    """Whatever the command, output that fails is one line and exit 2 (a closed pipe: quiet, 141), or the
+    output fit in the room given and the call ended as it would have."""
+    rc, out, e = run_cli(argv, "failing stdout", FailingOut(room, err))
+    if rc == 2 and "standard output" in e:
+        assert os.strerror(err) in e, (argv, e)
 
 
 # ---- config.json mutations -----------------------------------------------------------------------

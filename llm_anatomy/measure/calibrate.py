@@ -46,7 +46,6 @@ On a machine without CUDA it prints one line and exits 2.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -57,6 +56,7 @@ from pathlib import Path
 from llm_anatomy import io
 from llm_anatomy.calculator import gpus
 from llm_anatomy.calculator.timing import fit, lookup, profile
+from llm_anatomy.cli_args import Parser
 from llm_anatomy.config import PRESETS, ConfigError
 from llm_anatomy.kernel_shapes import chunk_rows
 from llm_anatomy.measure.calibrate_host import drop_unmeasured, measure_host, measure_host_step, measure_optimizer_host
@@ -285,7 +285,7 @@ def _env(argv) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="anatomy calibrate", description=__doc__.splitlines()[0])
+    p = Parser(prog="anatomy calibrate", description=__doc__.splitlines()[0])  # usage errors: one line
     p.add_argument("--out", help="profile path (default: ~/.cache/anatomy/profiles/<gpu>.json, read back by "
                                         "--gpu <gpu>-calibrated)")
     p.add_argument("--base", help="datasheet profile it refines (default: from the device name)")
@@ -296,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 1.0 <= a.warmup_s <= 60.0:
         print(f"anatomy calibrate: --warmup-s must be between 1 and 60 seconds, got {a.warmup_s:g}", file=sys.stderr)
         return 2
+    if a.out is not None:  # a device or a FIFO is refused before minutes of measuring, not after
+        try:
+            io.refuse_special_target(a.out, "--out target")
+        except ConfigError as e:
+            print(f"anatomy calibrate: error: {e}", file=sys.stderr)
+            return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -348,16 +354,16 @@ def main(argv: list[str] | None = None) -> int:
                 gemm_grid=f"{len(m['matmul_bf16'])} of {len(gemm_grid())} shapes",
                 gemm_grid_in_step=f"{len(m['matmul_bf16_in_step'])} of {len(gemm_grid())} shapes")
     out = Path(a.out or default_out(base))
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         data = build_profile(m, prov, base)
     except ConfigError as e:  # no profile: say so in one line and keep what was measured for the post-mortem
         kept = rejected_path(out)
-        io.write_atomic(kept, json.dumps(dict(error=str(e), provenance=prov, measurements=m), indent=1) + "\n")
+        io.write_atomic(kept, json.dumps(dict(error=str(e), provenance=prov, measurements=m), indent=1) + "\n",
+                        parents=True)
         print(f"anatomy calibrate: FAILED, no profile written to {out}: {e} (the measurements: {kept})",
               file=sys.stderr, flush=True)
         return 1
-    io.write_atomic(out, json.dumps(data, indent=1) + "\n")
+    io.write_atomic(out, json.dumps(data, indent=1) + "\n", parents=True)
     prof = fit.from_measured(data)
     print(f"{name}: bf16 GEMM {prof['matmul_flops']['bfloat16'] / 1e12:.0f} TFLOP/s "
           f"(k_half {prof['matmul_k_half']:.0f}), copy {m['copy_tbps']:.2f} TB/s, launch {m['launch_us']:.2f} us, host op {m['host_op_us']:.1f} us, "
@@ -369,4 +375,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llm_anatomy.entry import guarded
+
+    sys.exit(guarded("anatomy calibrate", main))

@@ -22,10 +22,13 @@ from live tensor storage: exact sizes, no allocator rounding, no reserved figure
 """
 from __future__ import annotations
 
+import io
 import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from llm_anatomy.io import write_atomic
 
 COMPONENTS = ("embedding", "attention", "norm", "mlp", "loss", "optimizer")
 PRE_EXISTING = "pre-existing"  # allocated before the recording began (or outside its ring buffer)
@@ -304,9 +307,8 @@ def plot_timeline(r: Replay, path: str | Path, title: str = "", step: int | None
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, format=path.suffix.lstrip(".") or "png")
+    buf = io.BytesIO()  # rendered in memory, then written all or nothing (a unique temp name, no link followed)
+    fig.savefig(buf, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
-    tmp.replace(path)  # atomic: a reader never sees half a PNG
+    write_atomic(path, buf.getvalue(), parents=True)
     return path

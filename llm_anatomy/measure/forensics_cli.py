@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from llm_anatomy.io import write_atomic
+from llm_anatomy.io import refuse_special_target, write_atomic
 from llm_anatomy.measure.forensics import attribute_peak, plot_timeline, replay
 
 
@@ -81,6 +81,9 @@ def main(argv=None) -> int:
             raise ConfigError(f"--png must name a .png file, got {oneline(repr(a.png), 60)}")
         if a.out is not None and Path(a.out).suffix.lower() != ".json":
             raise ConfigError(f"--out must name a .json file, got {oneline(repr(a.out), 60)}")
+        for flag, target in (("--png", a.png), ("--out", a.out), ("--snapshot", a.snapshot)):
+            if target is not None:  # a device or a FIFO is refused before the step runs, not after
+                refuse_special_target(target, f"{flag} target")
     except ConfigError as e:
         print(f"anatomy forensics: error: {oneline(e)}", file=sys.stderr)
         return 2
@@ -144,8 +147,7 @@ def _record_and_report(a: argparse.Namespace, cfg, run, device: str, argv: list[
     if a.snapshot:
         import pickle
 
-        Path(a.snapshot).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(a.snapshot, pickle.dumps(snap))
+        write_atomic(a.snapshot, pickle.dumps(snap), parents=True)
     r = replay(snap, peak_phase=a.peak_phase)
     where = torch.cuda.get_device_name(0) if device == "cuda" else "CPU live tensor storage"
     title = (f"{cfg.name} · {a.variant}{' (lean block)' if lean else ''}"
@@ -158,8 +160,7 @@ def _record_and_report(a: argparse.Namespace, cfg, run, device: str, argv: list[
                   png=str(png), out=str(out), device=where, torch=torch.__version__,
                   cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                   command="anatomy forensics " + " ".join(argv))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, json.dumps(report, indent=1))
+    write_atomic(out, json.dumps(report, indent=1), parents=True)
     if a.json:
         print(json.dumps(report, indent=1))
     else:
@@ -168,4 +169,6 @@ def _record_and_report(a: argparse.Namespace, cfg, run, device: str, argv: list[
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llm_anatomy.entry import guarded
+
+    sys.exit(guarded("anatomy forensics", main))

@@ -8,7 +8,11 @@ from collections import defaultdict
 from pathlib import Path
 
 from llm_anatomy import records
-from llm_anatomy.io import write_atomic  # noqa: F401  (the report package's one way to write a file)
+from llm_anatomy.config import ConfigError
+from llm_anatomy.io import read_input, write_atomic  # noqa: F401  (the report package's one way to write a file)
+
+MAX_CLAIMS_BYTES = 256 << 20  # a claims report of the whole suite is a few MB
+MAX_README_BYTES = 16 << 20  # the README is ~100 kB
 
 
 class ReportInputError(ValueError):
@@ -56,7 +60,10 @@ def load(paths) -> list[dict]:
     for p in paths:
         where = records.rel(Path(p))
         try:
-            d = json.loads(Path(p).read_bytes().decode("utf-8"))  # NaN/Infinity parse, then fail the finite check
+            raw = read_input(p, "claims report", MAX_CLAIMS_BYTES)
+            d = json.loads(raw.decode("utf-8"))  # NaN/Infinity parse, then fail the finite check
+        except ConfigError as e:  # not a regular file, or too large: the message names the file
+            raise ReportInputError(str(e)) from None
         except UnicodeDecodeError:
             raise ReportInputError(f"{where}: not UTF-8 text") from None
         except (json.JSONDecodeError, RecursionError) as e:
@@ -105,6 +112,14 @@ def _run_line(rep: dict) -> str:
     parts = [f"{rep['seconds']:.0f} s"] if rep.get("seconds") is not None else []
     parts += [f"{n} {k}" for k, n in (rep.get("outcome") or {}).items() if n]
     return f" ({', '.join(parts)})" if parts else ""
+
+
+def read_readme(path) -> str:
+    """The README to regenerate: a regular UTF-8 file of at most MAX_README_BYTES (ConfigError otherwise)."""
+    try:
+        return read_input(path, "README", MAX_README_BYTES).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
 
 
 def replace_between(text: str, marker: str, body: str) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from llm_anatomy import records
 from llm_anatomy.io import write_atomic
-from llm_anatomy.report import claims_table, load, replace_between
+from llm_anatomy.report import claims_table, load, read_readme, replace_between
 
 
 def _src(d: dict) -> str:
@@ -291,7 +291,7 @@ def regenerate(readme: Path = Path("README.md")) -> list[str]:
     root = readme.parent
     claim_paths = [p for p in (records.CPU_CLAIMS, records.GPU_CLAIMS) if p.exists()]
     claim_reports = load(claim_paths)  # before anything is rendered: a malformed file stops the run here
-    text, done, files = readme.read_text(), [], {}
+    text, done, files = read_readme(readme), [], {}
 
     def put(marker, body):
         nonlocal text

@@ -159,5 +159,6 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     from llm_anatomy.distributed.strategies import exit_rank
+    from llm_anatomy.entry import guarded
 
-    exit_rank(main())
+    exit_rank(guarded("anatomy train", main))

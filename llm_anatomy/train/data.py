@@ -25,6 +25,7 @@ position survives a restart, even onto a different world size.
 from __future__ import annotations
 
 import hashlib
+import io
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,11 +34,16 @@ import numpy as np
 import torch
 
 from llm_anatomy.config import ConfigError
+from llm_anatomy.io import open_input
 from llm_anatomy.train import tokenizer as tk
 
 CORPUS = Path(__file__).parent / "corpus" / "python_reference.txt"
 DOC_SEP = "\f\n"  # the default corpus separates its documents with a form-feed line
 BIN_DTYPES = ("uint16", "uint32")
+# each data file: a regular file (a FIFO or a device is refused by name) of at most these bytes; both are
+# read in pieces (text) or mapped (token ids), so the bounds sit far above any real corpus file
+MAX_TEXT_BYTES = 64 << 30
+MAX_BIN_BYTES = 1 << 40
 _TEXT_CHUNK = 1 << 20  # a long text file reaches the tokenizer in ~1 MiB pieces, cut at line ends
 
 
@@ -64,7 +70,7 @@ def _text_file_docs(files: list[Path]) -> Iterator[str]:
 
     Only a file's last piece has `end` set: <|endoftext|> goes between files, not between pieces."""
     for f in files:
-        with open(f, encoding="utf-8") as fh:
+        with io.TextIOWrapper(open_input(f, "training text", MAX_TEXT_BYTES), encoding="utf-8") as fh:
             chunk = fh.read(_TEXT_CHUNK)
             while chunk:
                 chunk += fh.readline()  # finish the line, so no word is split between pieces
@@ -103,11 +109,14 @@ def _classify(paths: list[str]) -> tuple[str, list[Path]]:
         elif p.suffix == ".bin":
             kinds.add("bin")
             files.append(p)
+            open_input(p, "token-id file", MAX_BIN_BYTES).close()
         else:
             raise ConfigError(f"{p}: unsupported data file; give .txt files, a .bin of token ids, "
                               f"or a folder saved by datasets.save_to_disk")
     if len(kinds) > 1 or (kinds & {"bin", "hf"} and len(files) > 1):
         raise ConfigError("give text files, or one .bin, or one saved dataset folder: not a mix")
+    for f in files if kinds == {"text"} else ():  # every file checked before the tokenizer reads the first
+        open_input(f, "training text", MAX_TEXT_BYTES).close()
     return kinds.pop(), files
 
 

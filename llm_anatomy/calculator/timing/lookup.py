@@ -15,7 +15,9 @@ from llm_anatomy.calculator import gpus
 from llm_anatomy.calculator.timing.fit import from_measured
 from llm_anatomy.calculator.timing.profile import Profile, check_measured, datasheet, from_dict
 from llm_anatomy.config import ConfigError
+from llm_anatomy.io import read_input
 
+MAX_PROFILE_BYTES = 16 << 20  # a profile `anatomy calibrate` writes is ~120 kB
 PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"  # the committed profiles the claims use
 
 
@@ -72,20 +74,16 @@ _LOADED: dict[tuple, Profile] = {}  # (path, mtime, size) -> Profile: a file is 
 def load(path: str | Path) -> Profile:
     """A measured profile file, validated (check_measured) and built (fit.from_measured); cached per file
     version, so a sweep of estimates reads and fits it once."""
+    key = None
     try:  # one stat: no path resolution, no Path object, per call
         st = os.stat(path)
         key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
         if key in _LOADED:
             return _LOADED[key]
     except (OSError, TypeError, ValueError):
-        pass  # the same error, said as below
+        pass  # the same error, said by read_input
     p = Path(path)
-    try:
-        st = p.stat()
-        key = (os.path.abspath(p), st.st_mtime_ns, st.st_size)
-        raw = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read gpu profile {str(path)!r}: {e.strerror or e}") from None
+    raw = read_input(p, "gpu profile", MAX_PROFILE_BYTES)  # a regular file, or one line saying what it is
     try:
         data = json.loads(raw.decode("utf-8"))  # NaN and Infinity parse, and check_measured names their field
     except UnicodeDecodeError:
@@ -98,5 +96,6 @@ def load(path: str | Path) -> Profile:
         prof = from_measured(check_measured(data, str(p)))
     except RecursionError:
         raise ConfigError(f"{p}: nested too deeply to be a gpu profile") from None
-    _LOADED[key] = prof
+    if key is not None:
+        _LOADED[key] = prof
     return prof
