@@ -15,7 +15,7 @@ the highest f <= the maximum at which the step's mean power is at most the limit
 
 Each row of a user-loop record (scripts/probe_timing.py --user-loop, with its machine's calibrated profile)
 then gets three forward+backward kernel-time predictions: the length rule (the model as it is), the weight
-the power model's clock implies, and the weight the row's own measured clock implies (validations/
+the power model's clock implies, and the weight the row's own measured clock implies (llm_anatomy.
 real_depth.clock_weight). Printed: the clock's error and correlation, and each weight's error per variant.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def class_seconds(ks, prof) -> dict:
 def fb_error(row: dict, gpu: str, weight: float | None) -> float:
     """(predicted - measured) / measured forward+backward kernel time, at this sustained weight (None: the rule)."""
     import llm_anatomy.calculator.timing as timing
-    from validations.real_depth import row_errors
+    from llm_anatomy.real_depth import row_errors
 
     rule = timing.sustained_weight
     if weight is not None:
@@ -96,7 +96,7 @@ def fb_error(row: dict, gpu: str, weight: float | None) -> float:
 
 def check(power_doc: dict, dirs: list[Path]) -> dict:
     from llm_anatomy.calculator.timing import estimate_time, get, kernels
-    from validations.real_depth import case_of, clock_weight
+    from llm_anatomy.real_depth import case_of, clock_weight
 
     pm, rows = PowerModel(power_doc), []
     for d in dirs:

@@ -1,6 +1,6 @@
 """The README's timing section: the user's loop at real depth (llm_anatomy.records.REAL_DEPTH_RUNS), one freshly
 started H200 per run, against the profile calibrated first in that run, the packaged profile (another machine's)
-and the datasheet. The comparison is validations/real_depth.py's, the functions validations/test_real_depth.py
+and the datasheet. The comparison is llm_anatomy/real_depth.py's, the functions validations/test_real_depth.py
 claims with, so the README prints the numbers the tests check.
 
 python3 -m llm_anatomy.report.real_depth prints the section.
@@ -43,7 +43,7 @@ def _components(t: dict) -> dict | None:
 
 
 def table(runs: list[tuple[Path, dict]]) -> str:
-    from validations import real_depth as rd
+    from llm_anatomy import real_depth as rd
 
     lines = ["| run | variant | quantity (tolerance) | this run's profile: within | MAPE | worst | packaged: within | "
              "MAPE | worst | datasheet: within | MAPE | worst |", "|---|---|---|" + "---:|" * 9]
@@ -64,7 +64,7 @@ def table(runs: list[tuple[Path, dict]]) -> str:
 def seven_b_lines(runs: list[tuple[Path, dict]]) -> list[str]:
     """`anatomy estimate --gpu h200-measured --optimizer adamw` (the packaged profile) for the 7B-class presets
     at B1 S4096, efficient, against the wall-clock step measured in each run."""
-    from validations import real_depth as rd
+    from llm_anatomy import real_depth as rd
 
     out = []
     for path, run in runs:
