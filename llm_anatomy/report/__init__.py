@@ -1,9 +1,11 @@
-"""JSON reports -> README tables. The README's result sections are regenerated between markers, never hand-edited."""
+"""JSON reports -> the tables of docs/results.md and the README's summary, regenerated between markers, never hand-edited."""
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
+import zlib
 from collections import defaultdict
 from pathlib import Path
 
@@ -56,7 +58,12 @@ def load(paths) -> list[dict]:
     for p in paths:
         where = records.rel(Path(p))
         try:
-            d = json.loads(Path(p).read_bytes().decode("utf-8"))  # NaN/Infinity parse, then fail the finite check
+            raw = Path(p).read_bytes()
+            if Path(p).suffix == ".gz":  # the committed CPU report is gzipped JSON
+                raw = gzip.decompress(raw)
+            d = json.loads(raw.decode("utf-8"))  # NaN/Infinity parse, then fail the finite check
+        except (gzip.BadGzipFile, EOFError, zlib.error):
+            raise ReportInputError(f"{where}: not a gzip file") from None
         except UnicodeDecodeError:
             raise ReportInputError(f"{where}: not UTF-8 text") from None
         except (json.JSONDecodeError, RecursionError) as e:
@@ -111,5 +118,5 @@ def replace_between(text: str, marker: str, body: str) -> str:
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
     pat = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     if not pat.search(text):
-        raise ValueError(f"README has no {start} … {end} markers")
+        raise ValueError(f"no {start} … {end} markers in the document")
     return pat.sub(lambda _: f"{start}\n{body}\n{end}", text)

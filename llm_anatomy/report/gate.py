@@ -1,4 +1,4 @@
-"""The README's regression-gate section: what the gate's own check (scripts/gate_check.sh) has shown, per
+"""docs/results.md's regression-gate section: what the gate's own check (scripts/gate_check.sh) has shown, per
 machine, from llm_anatomy/records.py GATE_CHECK, and what it has not shown yet.
 
 The gate's threshold is the tightest one at which (a) the unmodified tree passes on every fresh machine in the
