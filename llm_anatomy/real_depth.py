@@ -125,7 +125,7 @@ def draw(n: int, seed: int | None = None, capacity: int = H200_CAPACITY) -> list
 
 
 def preset_cases(capacity: int = H200_CAPACITY, batch: int = 1, seq: int = 4096) -> list[Case]:
-    """The named real presets at B1 S4096 (the issue's 7B-class row), both variants, where they fit with AdamW
+    """The named real presets at B1 S4096 (the 7B-class rows among them), both variants, where they fit with AdamW
     (with MLP recompute where the efficient variant needs it)."""
     out = []
     for name in REAL_PRESETS:

@@ -135,6 +135,8 @@ def _layout(root: Path) -> dict:
 
 
 def __getattr__(name: str):
+    """A record's path, computed on each read (a test patches _layout, never a name: a name set on the module
+    would stop following the checkout)."""
     layout = _layout(root())
     if name in layout:
         return layout[name]

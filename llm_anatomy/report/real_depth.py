@@ -14,7 +14,7 @@ from llm_anatomy import records
 
 PACKAGED, DATASHEET = "h200-measured", "h200-sxm"
 QUANTITIES = ("GPU time, forward+backward", "GPU time, step", "wall step (GPU-bound)")
-SEVEN_B = ("llama2-7b-B1S4096-efficient", "mistral-7b-B1S4096-efficient")  # the 7B-class check
+SEVEN_B = ("llama2-7b-B1S4096-efficient", "mistral-7b-B1S4096-efficient")  # the 7B-class presets, one step each
 
 
 def load(record: Path) -> dict:

@@ -20,6 +20,8 @@ README = Path("README.md")
 RESULTS = Path("docs/results.md")
 IMG = Path("docs/img")
 CLAIMS_DOC = Path("docs/claims.md")
+# the step tables of docs/results.md: marker -> the records.STEPS run whose step-*.json records it shows
+STEP_TABLES = {"bench-steps": "peers", "bench-steps-rerun": "baseline-peers", "bench-steps-recompute": "recompute"}
 _LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
 
 
@@ -102,8 +104,7 @@ def _records(put, image, files, root) -> None:
                                            peers_power_table, peers_profile_table, profile_text, saved_plot,
                                            saved_table, steps_table)
 
-    for marker, run in (("bench-steps", "peers"), ("bench-steps-rerun", "baseline-peers"),
-                        ("bench-steps-recompute", "recompute")):
+    for marker, run in STEP_TABLES.items():
         steps = records.step_records(run)
         if steps:
             put(marker, steps_table(steps, records.PEERS_ENV if run == "peers" else None))
@@ -127,7 +128,7 @@ def _records(put, image, files, root) -> None:
     put("memory-recompute", probes.recompute_summary())
     put("timing-h200", probes.timing_summary())
     put("real-depth-h200", real_depth.summary())
-    # the first real-depth run that calibrated first: its kernels on its own roof
+    # the roof of the first real-depth run with its own calibration: its kernels on that roof
     roof_src = next((p.with_name("calibrated.json") for p in records.REAL_DEPTH_RUNS
                      if p.with_name("calibrated.json").exists()), records.H200_PROFILE)
     if roof_src.exists():
