@@ -169,7 +169,7 @@ def render(reports: list[tuple[Path, dict]]) -> str:
              "kernel code (and the instrument) whose measurement it is checked against, the tests that check it",
              "(`path::function`), and where the measured side comes from: computed live in the test, measured live",
              "by the GPU suite, or read from a committed record (`llm_anatomy/records.py`). Tolerances and results are",
-             "in the README's claims tables.",
+             "in the claims tables of docs/results.md.",
              "",
              "| claim | devices | checks | formula | code | tests | data |",
              "|---|---|---:|---|---|---|---|"]
