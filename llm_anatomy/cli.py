@@ -179,8 +179,6 @@ COMMANDS = {"estimate": cmd_estimate, "measure": cmd_measure, "compare": cmd_com
 def cmd_report(argv) -> int:
     """anatomy report [--root DIR] [CLAIMS.json... [--doc FILE] [--marker NAME]]: regenerate the generated
     sections of a checkout (docs/results.md, the README's summary, docs/img/, docs/claims.md) from its reports/."""
-    from pathlib import Path
-
     from llm_anatomy import records, report
 
     p = _Parser(prog="anatomy report", description=cmd_report.__doc__)

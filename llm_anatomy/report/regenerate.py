@@ -100,9 +100,18 @@ def _claims(put, image, files, root, claim_paths, claim_reports) -> None:
 
 def _records(put, image, files, root) -> None:
     from llm_anatomy.report import gate, plan, probes, real_depth
-    from llm_anatomy.report.readme import (curves_text, kernels_gpu_only_table, kernels_table, linear_ce_table,
-                                           peers_power_table, peers_profile_table, profile_text, saved_plot,
-                                           saved_table, steps_table)
+    from llm_anatomy.report.readme import (
+        curves_text,
+        kernels_gpu_only_table,
+        kernels_table,
+        linear_ce_table,
+        peers_power_table,
+        peers_profile_table,
+        profile_text,
+        saved_plot,
+        saved_table,
+        steps_table,
+    )
 
     for marker, run in STEP_TABLES.items():
         steps = records.step_records(run)
