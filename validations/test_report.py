@@ -324,3 +324,27 @@ def test_a_row_without_a_measured_figure_loads_and_renders(tmp_path):
     p = tmp_path / "c.json"
     p.write_text(json.dumps(dict(date="d", machine={}, command=None, rows=[row])))
     assert "| the step fits in GPU memory | cpu | model | 1 | 0 | – | exact |" in claims_table(load([p]))
+
+
+def test_readme_is_a_short_guide_whose_map_names_every_top_level_entry():
+    """The README stays a guide (at most 200 lines), its record tables live in docs/results.md, and its map
+    names every top-level module and folder of the package and every tracked top-level entry of the repo."""
+    import re
+    import subprocess
+
+    from llm_anatomy import records
+
+    text = (records.ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    markers = set(re.findall(r"<!-- ([\w-]+):start -->", text))
+    assert markers == {"plan-example", "results-summary"}, markers
+    block = re.search(r"## Map\n+```\n(.*?)```", text, re.S).group(1)
+    words = set(re.findall(r"[\w.]+/?", block))
+    pkg = records.PACKAGE
+    entries = [p.name + "/" if p.is_dir() else p.name for p in pkg.iterdir()
+               if not p.name.startswith("__") and (p.suffix == ".py" or (p / "__init__.py").exists())]
+    assert sorted(e for e in entries if e not in words) == []
+    r = subprocess.run(["git", "ls-files"], cwd=records.ROOT, capture_output=True, text=True)
+    if r.returncode == 0:
+        top = {n.split("/")[0] + ("/" if "/" in n else "") for n in r.stdout.split()}
+        assert sorted(t for t in top if t not in words and t not in (".gitignore", "README.md")) == []
