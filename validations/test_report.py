@@ -348,3 +348,25 @@ def test_readme_is_a_short_guide_whose_map_names_every_top_level_entry():
     if r.returncode == 0:
         top = {n.split("/")[0] + ("/" if "/" in n else "") for n in r.stdout.split()}
         assert sorted(t for t in top if t not in words and t not in (".gitignore", "README.md")) == []
+
+
+def test_summary_table_groups_checks_by_what_they_predict():
+    from llm_anatomy.report.summary import summary_table
+
+    table = summary_table([_report()], [])
+    assert "| peak memory and phases | 1 / 2 | 10.0% | – | – |" in table
+    assert "| FLOPs | 1 / 1 | exact | – | – |" in table
+    assert "parameters" not in table and "CPU 2026-11-29" in table
+
+
+def test_readme_summary_is_rendered_from_the_committed_claims_reports():
+    """The README's results-summary section is what `anatomy report` renders from the committed reports."""
+    import re
+
+    from llm_anatomy import records
+    from llm_anatomy.report import load
+    from llm_anatomy.report.summary import summary_table
+
+    block = re.search(r"<!-- results-summary:start -->\n(.*?)\n<!-- results-summary:end -->",
+                      (records.ROOT / "README.md").read_text(), re.S)
+    assert block and block.group(1) == summary_table(load([records.CPU_CLAIMS]), load([records.GPU_CLAIMS]))
