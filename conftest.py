@@ -306,7 +306,12 @@ def pytest_sessionfinish(session, exitstatus):
                   seconds=round(time.monotonic() - _T0[0], 1), outcome=counts, rows=_ROWS)
     from llm_anatomy.io import write_atomic
 
-    write_atomic(path, json.dumps(report, separators=(",", ":"), default=str))  # a reader never sees half a report
+    raw = json.dumps(report, separators=(",", ":"), default=str).encode()
+    if path.suffix == ".gz":  # the committed CPU report: gzip without a timestamp, so equal reports are equal bytes
+        import gzip
+
+        raw = gzip.compress(raw, mtime=0)
+    write_atomic(path, raw)  # a reader never sees half a report
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):

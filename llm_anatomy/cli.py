@@ -184,35 +184,40 @@ COMMANDS = {"estimate": cmd_estimate, "measure": cmd_measure, "compare": cmd_com
 
 
 def cmd_report(argv) -> int:
-    """anatomy report [--readme README.md] CLAIMS.json...: regenerate the README's claim tables."""
-    from pathlib import Path
-
-    from llm_anatomy import report
+    """anatomy report [--root DIR] [CLAIMS.json... [--doc FILE] [--marker NAME]]: regenerate the generated
+    sections of a checkout (docs/results.md, the README's summary, docs/img/, docs/claims.md) from its reports/."""
+    from llm_anatomy import records, report
 
     p = _Parser(prog="anatomy report", description=cmd_report.__doc__)
     p.add_argument("claims", nargs="*", help="claims JSON files written by the validation suite; with none, "
-                                             "every generated README section is rebuilt from reports/")
-    p.add_argument("--readme", default="README.md")
+                                             "every generated section is rebuilt from the checkout's reports/")
+    p.add_argument("--root", default=".", help="the checkout to read and write (default: the current directory)")
+    p.add_argument("--doc", "--readme", dest="doc", default="docs/results.md",
+                   help="with CLAIMS.json: the document whose marker section is rewritten, relative to --root")
     p.add_argument("--marker", default="claims-h200")
     a = p.parse_args(argv)
+    try:
+        root = records.checkout(a.root)
+    except records.NotACheckout as e:
+        print(f"anatomy report: error: {oneline(str(e))}", file=sys.stderr)
+        return 2
     if not a.claims:
-        from llm_anatomy.report.readme import regenerate
+        from llm_anatomy.report.regenerate import regenerate
 
         try:
-            print("regenerated:", ", ".join(regenerate(Path(a.readme))))
+            print("regenerated:", ", ".join(regenerate(root)))
         except (OSError, ValueError, KeyError) as e:
             print(f"anatomy report: error: {oneline(str(e))}", file=sys.stderr)
             return 2
         return 0
     try:
         reports = report.load(a.claims)
-        readme = Path(a.readme)
-        text = report.replace_between(report.read_readme(readme), a.marker, report.claims_table(reports))
-        report.write_atomic(readme, text)
+        doc = root / a.doc
+        report.write_atomic(doc, report.replace_between(report.read_readme(doc), a.marker, report.claims_table(reports)))
     except (OSError, ValueError, KeyError) as e:
         print(f"anatomy report: error: {oneline(str(e))}", file=sys.stderr)
         return 2
-    print(f"updated {a.readme} ({a.marker}) from {len(reports)} report(s)")
+    print(f"updated {a.doc} ({a.marker}) from {len(reports)} report(s)")
     return 0
 
 
@@ -246,7 +251,7 @@ HELP = {
                  "architecture alone (no model is built); with --gpu, the step time and whether it fits"),
     "measure": "build the model on this machine and measure its parameters, FLOPs and saved tensors",
     "compare": "estimate and measure side by side, with the relative error of each figure",
-    "report": "regenerate the README's generated tables from the claims JSON (see: anatomy report -h)",
+    "report": "regenerate docs/results.md and the README's summary from reports/ (see: anatomy report -h)",
     "train": "train a model on this machine, or on several GPUs under torchrun (see: anatomy train -h)",
     "sweep": "estimate (and optionally measure) over a grid of configs (see: anatomy sweep -h)",
     "forensics": "run a step and show memory by phase and what is live at the peak (see: anatomy forensics -h)",

@@ -1,8 +1,8 @@
 """Offline check: does each kernel class's own power, measured alone, predict a training step's SM clock, and
 would that clock predict the step's time better than the timing model's length rule? (records only, no GPU)
 
-    python3 -m scripts.check_power_clock [--power reports/h200/power/machine-14.json] \\
-        [--rows reports/h200/user-loop/machine-1 reports/h200/user-loop/machine-2] [--json out.json]
+    python3 -m scripts.check_power_clock [--power reports/h200/power/clock-by-kernel-class.json] \\
+        [--rows reports/h200/user-loop/seed-20261202 reports/h200/user-loop/seed-20261203] [--json out.json]
 
 The power model, every figure from scripts/probe_power.py's record, none fitted to the rows:
   - a compute class (GEMM, attention) draws idle + a·f at SM clock f, a = (its settled power - idle) / its
@@ -15,7 +15,7 @@ the highest f <= the maximum at which the step's mean power is at most the limit
 
 Each row of a user-loop record (scripts/probe_timing.py --user-loop, with its machine's calibrated profile)
 then gets three forward+backward kernel-time predictions: the length rule (the model as it is), the weight
-the power model's clock implies, and the weight the row's own measured clock implies (validations/
+the power model's clock implies, and the weight the row's own measured clock implies (llm_anatomy.
 real_depth.clock_weight). Printed: the clock's error and correlation, and each weight's error per variant.
 """
 from __future__ import annotations
@@ -27,12 +27,12 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from llm_anatomy import records
+from llm_anatomy.io import write_atomic
 
-from llm_anatomy.io import write_atomic  # noqa: E402
-
-POWER = ROOT / "reports/h200/power/machine-14.json"
-ROWS = [ROOT / "reports/h200/user-loop/machine-1", ROOT / "reports/h200/user-loop/machine-2"]
+POWER = records.POWER_PROBE  # each kernel class's rate, clock and power, alone, at the power limit
+# the user-loop runs docs/timing.md quotes: the two drawn before the packaged profile changed
+ROWS = [p.parent for p in records.REAL_DEPTH_RUNS[:2]]
 COMPUTE = ("matmul", "attention")
 
 
@@ -83,7 +83,7 @@ def class_seconds(ks, prof) -> dict:
 def fb_error(row: dict, gpu: str, weight: float | None) -> float:
     """(predicted - measured) / measured forward+backward kernel time, at this sustained weight (None: the rule)."""
     import llm_anatomy.calculator.timing as timing
-    from validations.real_depth import row_errors
+    from llm_anatomy.real_depth import row_errors
 
     rule = timing.sustained_weight
     if weight is not None:
@@ -96,7 +96,7 @@ def fb_error(row: dict, gpu: str, weight: float | None) -> float:
 
 def check(power_doc: dict, dirs: list[Path]) -> dict:
     from llm_anatomy.calculator.timing import estimate_time, get, kernels
-    from validations.real_depth import case_of, clock_weight
+    from llm_anatomy.real_depth import case_of, clock_weight
 
     pm, rows = PowerModel(power_doc), []
     for d in dirs:

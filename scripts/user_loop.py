@@ -1,7 +1,7 @@
 """The user's own training loop on real-depth models: what a step costs when nobody tunes the loop to us.
 
     python3 -m scripts.probe_timing --user-loop --real-depth 30 --presets --calibrate \\
-        --out $OUT/user_loop.json          # ANATOMY_DRAW_SEED=<n> picks the draw (validations/real_depth.py)
+        --out $OUT/user_loop.json          # ANATOMY_DRAW_SEED=<n> picks the draw (llm_anatomy/real_depth.py)
 
 The loop is written as a user writes it, not through llm_anatomy.measure: the model (llm_anatomy.models.build_model,
 fp32 weights on the GPU), torch.optim.AdamW(fused=True), random token ids, and per step
@@ -10,7 +10,7 @@ fp32 weights on the GPU), torch.optim.AdamW(fused=True), random token ids, and p
         loss = model(ids, targets)
     loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 
-steps back to back, no synchronize between them. Per case (validations/real_depth.py: the drawn cases and
+steps back to back, no synchronize between them. Per case (llm_anatomy/real_depth.py: the drawn cases and
 the named presets), after WARMUP steps:
   wall         CUDA events at every step's start and after its backward over STEPS steps back to back:
                the step and its forward + backward (median), and the host's own step time
@@ -48,7 +48,7 @@ PHASES = ("forward", "backward", "optimizer")
 
 def parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="probe_timing.py --user-loop")
-    ap.add_argument("--real-depth", type=int, default=30, help="drawn real-depth cases (validations/real_depth.py)")
+    ap.add_argument("--real-depth", type=int, default=30, help="drawn real-depth cases (llm_anatomy/real_depth.py)")
     ap.add_argument("--seed", type=int, default=None, help="the draw's seed (default: ANATOMY_DRAW_SEED, else 24)")
     ap.add_argument("--presets", action="store_true", help="also the named real presets at B1 S4096")
     ap.add_argument("--components", type=int, default=6, help="per-component kernel times on the first N cases")
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("probe_timing --user-loop: error: needs a CUDA GPU; this machine has none", file=sys.stderr)
         return 2
-    from validations import real_depth
+    from llm_anatomy import real_depth
 
     try:
         seed = real_depth.draw_seed() if a.seed is None else a.seed
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     out = Path(a.out)
     head = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), seed=seed, draw="validations/real_depth.py",
+                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), seed=seed, draw="llm_anatomy/real_depth.py",
                 loop=dict(warmup=WARMUP, steps=STEPS, profiled=PROFILED, optimizer="torch.optim.AdamW(fused=True)",
                           autocast="bfloat16", weights="float32"),
                 command="python3 -m scripts.probe_timing --user-loop " + " ".join(argv), rows=[])

@@ -1,6 +1,6 @@
 """Real-depth claims: the user's own training loop (scripts/probe_timing.py --user-loop) against estimate_time.
 
-The rows are the out-of-sample cases of validations/real_depth.py (12-32 layers, 0.5-8 B parameters, drawn
+The rows are the out-of-sample cases of llm_anatomy/real_depth.py (12-32 layers, 0.5-8 B parameters, drawn
 with a seed chosen after the timing model's code was final) and the named real presets, each run as a user
 writes the loop (fused AdamW, bf16 autocast over fp32 weights, steps back to back). Each committed run
 (llm_anatomy.records.REAL_DEPTH_RUNS: one freshly started H200 each) is compared with the profile `anatomy
@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from llm_anatomy import records
+from llm_anatomy import real_depth, records
 from llm_anatomy.calculator import param_count
-from validations import known_misses, real_depth
+from validations import known_misses
+from validations.real_depth import real_depth_cases
 
 MISSING = ("no committed user-loop record (reports/h200/user-loop/machine-N/real-depth.json): run `ONLY=real-depth "
            "REAL_DEPTH_SEED=<new> bash scripts/gpu_records.sh` on a fresh H200 and commit its real-depth.json, "
@@ -112,7 +113,7 @@ def test_every_known_miss_names_a_case():
 
 def test_real_depth_error_table():
     """Not a claim: MAPE and worst case per quantity of each run, for its own profile, the packaged one and
-    the datasheet (python3 -m validations.real_depth RECORD prints the same table)."""
+    the datasheet (python3 -m llm_anatomy.real_depth RECORD prints the same table)."""
     if not RUNS:
         pytest.skip(MISSING)
     for gpu, note, rows in RUNS:
@@ -150,7 +151,7 @@ def test_a_32_case_draw_spans_the_space():
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
-@given(real_depth.real_depth_cases())
+@given(real_depth_cases())
 def test_strategy_cases_fit_and_are_real_depth(c):
     assert 12 <= c.cfg.layers <= 32 and 0.5e9 <= param_count(c.cfg) <= 8e9
     assert real_depth.peak_bytes(*c) <= real_depth.HEADROOM * real_depth.H200_CAPACITY

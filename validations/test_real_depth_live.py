@@ -2,7 +2,7 @@
 
 test_real_depth.py checks the committed user-loop records (scripts/probe_timing.py --user-loop, 30 drawn cases
 and the presets per run); this file re-proves the same claims live, on `--live-real-depth` cases (default 3) of
-validations/real_depth.py's draw with the seed `--live-seed` (default 2026), so the GPU suite checks the
+llm_anatomy/real_depth.py's draw with the seed `--live-seed` (default 2026), so the GPU suite checks the
 timing model on 12-32-layer, 0.5-8 B-parameter models on whatever GPU it runs on. Each case runs the loop of
 scripts/user_loop.py (measure: fused AdamW, bf16 autocast over fp32 weights, steps back to back, then a
 profiled pass) in a process of its own (its profiler leaves CUPTI attached, which would slow every later
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from validations import real_depth
+from llm_anatomy import real_depth
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 _MEASURED: dict[str, dict] = {}  # case id -> its row, measured once for its three claims
@@ -43,7 +43,7 @@ def _measure(case: real_depth.Case, keep: Path | None = None) -> dict:
         row = dict(id=case.id, cfg=case.cfg.to_dict(), batch=case.run.batch, seq=case.run.seq,
                    recompute=case.run.recompute, variant=case.variant, optimizer="adamw")
         code = ("import json, sys; from scripts import user_loop; "
-                "from validations.real_depth import case_of; "
+                "from llm_anatomy.real_depth import case_of; "
                 "print(json.dumps(user_loop.measure(case_of(json.loads(sys.argv[1])), True)))")
         out = subprocess.run([sys.executable, "-c", code, json.dumps(row)], capture_output=True, text=True,
                              timeout=300, cwd=SCRIPTS.parent)

@@ -1,4 +1,5 @@
-"""`anatomy report`: claims JSON -> README tables and plots, on a synthetic report."""
+"""`anatomy report`: claims JSON -> docs/results.md tables, the README summary and plots, on a synthetic report
+and on a copy of the checkout."""
 import pytest
 
 from llm_anatomy.report import claims_table, replace_between
@@ -154,20 +155,31 @@ def test_roofline_counts_flops_for_every_op_calibrate_times():
 
 # ---- anatomy report: strict inputs, all or nothing, reproducible --------------------------------------------
 
-def _readme_copy(tmp_path):
-    """A copy of the README and its images in a temp folder: what `anatomy report --readme` rewrites."""
+def _checkout_copy(tmp_path, claims: bytes | None = None):
+    """A checkout for `anatomy report --root`: the documents it rewrites copied, what it only reads linked;
+    with `claims`, the CPU claims report is those bytes (gzipped) and the GPU one is absent."""
+    import gzip
     import shutil
 
     from llm_anatomy import records
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    shutil.copy(records.ROOT / "README.md", tmp_path / "README.md")
-    shutil.copytree(records.ROOT / "docs" / "img", tmp_path / "docs" / "img")
-    return tmp_path / "README.md"
+    for name in ("README.md", "docs"):
+        (shutil.copytree if (records.ROOT / name).is_dir() else shutil.copy)(records.ROOT / name, tmp_path / name)
+    for name in ("llm_anatomy", "validations", "bench", "scripts", "baselines.json"):
+        (tmp_path / name).symlink_to(records.ROOT / name)
+    if claims is None:
+        (tmp_path / "reports").symlink_to(records.ROOT / "reports")
+        return tmp_path
+    shutil.copytree(records.ROOT / "reports", tmp_path / "reports", ignore=shutil.ignore_patterns("claims*"))
+    (tmp_path / "reports" / "cpu").mkdir(exist_ok=True)
+    (tmp_path / "reports" / "cpu" / "claims.json.gz").write_bytes(gzip.compress(claims, mtime=0))
+    return tmp_path
 
 
 def _snapshot(folder):
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.relative_to(folder).parts[0] in ("README.md", "docs")}
 
 
 _GOOD_ROW = dict(test="validations/test_x.py::test_y[a]", claim="params", component="model", config="c",
@@ -205,19 +217,14 @@ def _bad(kind: str) -> bytes:
 def test_malformed_claims_file_is_one_line_exit_2_and_writes_nothing(tmp_path, monkeypatch, capsys, kind):
     """A malformed claims report: exit 2, one line on stderr naming the file, no traceback, and the README and
     its images exactly as they were (the reports are checked before anything is rendered)."""
-    from llm_anatomy import records
     from llm_anatomy.cli import main
 
-    readme = _readme_copy(tmp_path / "out")
-    before = _snapshot(tmp_path / "out")
-    bad = tmp_path / "claims-bad.json"
-    bad.write_bytes(_bad(kind))
-    monkeypatch.setattr(records, "CPU_CLAIMS", bad)
-    monkeypatch.setattr(records, "GPU_CLAIMS", tmp_path / "absent.json")
-    assert main(["report", "--readme", str(readme)]) == 2
+    root = _checkout_copy(tmp_path / "out", claims=_bad(kind))
+    before = _snapshot(root)
+    assert main(["report", "--root", str(root)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "claims-bad.json" in err[0] and "Traceback" not in err[0], err
-    assert _snapshot(tmp_path / "out") == before
+    assert len(err) == 1 and "reports/cpu/claims.json.gz" in err[0] and "Traceback" not in err[0], err
+    assert _snapshot(root) == before
 
 
 def test_load_accepts_the_committed_claims_reports():
@@ -257,15 +264,15 @@ def test_report_twice_changes_nothing_and_writes_no_absolute_path(tmp_path):
     import re
 
     from llm_anatomy import records
-    from llm_anatomy.report.readme import regenerate
+    from llm_anatomy.report.regenerate import regenerate
 
-    readme = _readme_copy(tmp_path)
-    regenerate(readme)
+    root = _checkout_copy(tmp_path)
+    regenerate(root)
     first = _snapshot(tmp_path)
-    regenerate(readme)
+    regenerate(root)
     assert _snapshot(tmp_path) == first
-    assert not list(tmp_path.rglob("*.tmp*")) and "docs/claims.md" in first
-    for name in ("README.md", "docs/claims.md"):
+    assert not list((tmp_path / "docs").rglob("*.tmp*")) and "docs/claims.md" in first
+    for name in ("README.md", "docs/results.md", "docs/claims.md"):
         text = first[name].decode()
         for root in (str(records.ROOT), str(tmp_path)):
             assert root not in text, (name, root)
@@ -279,14 +286,14 @@ def test_a_section_that_fails_to_render_leaves_readme_and_images_untouched(tmp_p
     from llm_anatomy.cli import main
     from llm_anatomy.report import probes
 
-    readme = _readme_copy(tmp_path)
+    root = _checkout_copy(tmp_path)
     before = _snapshot(tmp_path)
 
     def fail():
         raise ValueError("timing rows unreadable")
 
     monkeypatch.setattr(probes, "timing_summary", fail)
-    assert main(["report", "--readme", str(readme)]) == 2
+    assert main(["report", "--root", str(root)]) == 2
     assert "timing rows unreadable" in capsys.readouterr().err
     assert _snapshot(tmp_path) == before
 
@@ -298,7 +305,7 @@ def test_user_docs_links_resolve():
     from llm_anatomy import records
 
     pages = ["README.md"] + [f"docs/{n}.md" for n in ("planning", "calculator", "memory", "benchmarks",
-                                                        "distributed", "history", "claims")]
+                                                        "distributed", "history", "claims", "results")]
     for page in pages:
         path = records.ROOT / page
         for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
@@ -317,3 +324,49 @@ def test_a_row_without_a_measured_figure_loads_and_renders(tmp_path):
     p = tmp_path / "c.json"
     p.write_text(json.dumps(dict(date="d", machine={}, command=None, rows=[row])))
     assert "| the step fits in GPU memory | cpu | model | 1 | 0 | – | exact |" in claims_table(load([p]))
+
+
+def test_readme_is_a_short_guide_whose_map_names_every_top_level_entry():
+    """The README stays a guide (at most 200 lines), its record tables live in docs/results.md, and its map
+    names every top-level module and folder of the package and every tracked top-level entry of the repo."""
+    import re
+    import subprocess
+
+    from llm_anatomy import records
+
+    text = (records.ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    markers = set(re.findall(r"<!-- ([\w-]+):start -->", text))
+    assert markers == {"plan-example", "results-summary"}, markers
+    block = re.search(r"## Map\n+```\n(.*?)```", text, re.S).group(1)
+    words = set(re.findall(r"[\w.]+/?", block))
+    pkg = records.PACKAGE
+    entries = [p.name + "/" if p.is_dir() else p.name for p in pkg.iterdir()
+               if not p.name.startswith("__") and (p.suffix == ".py" or (p / "__init__.py").exists())]
+    assert sorted(e for e in entries if e not in words) == []
+    r = subprocess.run(["git", "ls-files"], cwd=records.ROOT, capture_output=True, text=True)
+    if r.returncode == 0:
+        top = {n.split("/")[0] + ("/" if "/" in n else "") for n in r.stdout.split()}
+        assert sorted(t for t in top if t not in words and t not in (".gitignore", "README.md")) == []
+
+
+def test_summary_table_groups_checks_by_what_they_predict():
+    from llm_anatomy.report.summary import summary_table
+
+    table = summary_table([_report()], [])
+    assert "| peak memory and phases | 1 / 2 | 10.0% | – | – |" in table
+    assert "| FLOPs | 1 / 1 | exact | – | – |" in table
+    assert "parameters" not in table and "CPU 2026-11-29" in table
+
+
+def test_readme_summary_is_rendered_from_the_committed_claims_reports():
+    """The README's results-summary section is what `anatomy report` renders from the committed reports."""
+    import re
+
+    from llm_anatomy import records
+    from llm_anatomy.report import load
+    from llm_anatomy.report.summary import summary_table
+
+    block = re.search(r"<!-- results-summary:start -->\n(.*?)\n<!-- results-summary:end -->",
+                      (records.ROOT / "README.md").read_text(), re.S)
+    assert block and block.group(1) == summary_table(load([records.CPU_CLAIMS]), load([records.GPU_CLAIMS]))

@@ -142,7 +142,7 @@ def test_plain_steps_fill_their_budget_and_the_reference_brackets_them():
 # The probe's rows (reports/h200/timing-probe/*.json) with the profile calibrated in the same run
 # (reports/h200/timing-probe/profile.json): host speed differs between machines of one kind, so a row is
 # compared only with its own run's profile. Known misses: validations/known_misses.json.
-PROFILE = probes.PROFILE
+PROFILE = probes.profile()
 SETS = probes.timing_rows()
 STEP_TEST = "validations/test_timing_probe.py::test_step_time_within_10pct"
 COMPONENT_TEST = "validations/test_timing_probe.py::test_component_time_within_15pct"

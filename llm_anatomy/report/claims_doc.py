@@ -90,11 +90,13 @@ def _defines(path: Path, symbol: str) -> bool:
     return re.search(rf"^(\s*)(def|class)\s+{re.escape(symbol)}\b|^{re.escape(symbol)}\s*[:=]", text, re.M) is not None
 
 
-def resolve(ref: str, root: Path = records.ROOT) -> str | None:
+def resolve(ref: str, root: Path | None = None) -> str | None:
     """`path:symbol` as it stands, or where the symbol moved (the same folder first, then anatomy/ where it
-    is defined exactly once); None where it is nowhere to be found."""
+    is defined exactly once) in the checkout `root` (default: the records' checkout); None where it is
+    nowhere to be found."""
     if ref == "-":
         return ref
+    root = records.ROOT if root is None else root
     path, symbol = ref.split(":")
     if _defines(root / path, symbol):
         return ref
@@ -167,7 +169,7 @@ def render(reports: list[tuple[Path, dict]]) -> str:
              "kernel code (and the instrument) whose measurement it is checked against, the tests that check it",
              "(`path::function`), and where the measured side comes from: computed live in the test, measured live",
              "by the GPU suite, or read from a committed record (`llm_anatomy/records.py`). Tolerances and results are",
-             "in the README's claims tables.",
+             "in the claims tables of docs/results.md.",
              "",
              "| claim | devices | checks | formula | code | tests | data |",
              "|---|---|---:|---|---|---|---|"]

@@ -1,4 +1,4 @@
-"""The README's regression-gate section: what the gate's own check (scripts/gate_check.sh) has shown, per
+"""docs/results.md's regression-gate section: what the gate's own check (scripts/gate_check.sh) has shown, per
 machine, from llm_anatomy/records.py GATE_CHECK, and what it has not shown yet.
 
 The gate's threshold is the tightest one at which (a) the unmodified tree passes on every fresh machine in the
@@ -98,7 +98,7 @@ def _gate_failures(m: dict) -> str:
 
 
 def _suites(machines: list[dict]) -> str:
-    """The design card's whole GPU suite (and --quick) as run on these machines, from their claims reports."""
+    """The gate's whole GPU suite (and --quick) as run on these machines, from their claims reports."""
     out = []
     for quick in (False, True):
         runs = [(m, s) for m in machines for s in m.get("suites", []) if ("--quick" in s["command"]) == quick]
@@ -111,7 +111,7 @@ def _suites(machines: list[dict]) -> str:
                          + "".join(f" (failed: `{t.split('::')[-1]}`)" for t in s.get("failed_claims", []))
                          + _gate_failures(m) for m, s in runs)
         what = ("`--quick` (the subset without the time claims and the slow tests)" if quick else
-                "The design card's command over the whole GPU suite (`-m gpu`: every claim, every benchmark gated)")
+                "The gate's command over the whole GPU suite (`-m gpu`: every claim, every benchmark gated)")
         out.append(f"{what}: {each}.")
     return " ".join(out)
 
@@ -156,7 +156,7 @@ def summary() -> str:
     machines, targets = doc["machines"], doc["targets"]
     earlier = [m["label"] for m in full["machines"] if m not in machines]
     lines = [f"The gate's own check (`scripts/gate_check.sh`, [docs/benchmarks.md](docs/benchmarks.md)), from "
-             f"`{records.rel(records.GATE_CHECK)}`: each run is the design card's command over every benchmark "
+             f"`{records.rel(records.GATE_CHECK)}`: each run is the gate's command over every benchmark "
              "against `baselines.json`; a slowed run adds a calibrated spin after every call of one kernel "
              "(`ANATOMY_SLOWDOWN`, 1 + 1.5 x the threshold). \"failed\" is past the threshold; the ratio is "
              "the run's median over the baseline's."

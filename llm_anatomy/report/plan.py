@@ -1,4 +1,5 @@
-"""The README's "Plan a run" sections: a plan's own output, and the H200 check of plans (scripts/check_plan.py)."""
+"""The "Plan a run" sections: a plan's own output (the README's example) and the H200 check of plans
+(docs/results.md, from scripts/check_plan.py's record)."""
 from __future__ import annotations
 
 import contextlib

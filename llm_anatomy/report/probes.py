@@ -18,7 +18,11 @@ from llm_anatomy import records
 from llm_anatomy.config import ModelConfig, Run
 
 SPLIT, DEFAULT = "expandable segments", "default allocator"
-PROFILE = str(records.TIMING_PROBE_PROFILE)  # calibrated in the same run as the timing probe's rows
+
+
+def profile() -> str:
+    """The profile calibrated in the same run as the timing probe's rows, which their claims are judged against."""
+    return str(records.TIMING_PROBE_PROFILE)
 # (the calculator's key, the probe's phase, "allocated" at its end or its "peak")
 FIGURES = (("forward_end", "forward", "allocated"), ("forward_peak", "forward", "peak"),
            ("backward_peak", "backward", "peak"), ("backward_end", "backward", "allocated"),
@@ -291,7 +295,7 @@ def timing_markdown() -> str:
         for variant in ("efficient", "baseline"):
             vr = [r for r in rs if r["variant"] == variant]
             with_ref = any(row_host_ms(r) for r in vr)
-            for label, prof, rh in (("calibrated", PROFILE, True), ("host at calibration", PROFILE, False),
+            for label, prof, rh in (("calibrated", profile(), True), ("host at calibration", profile(), False),
                                     ("datasheet", "h200-sxm", False)):
                 if label == "host at calibration" and not with_ref:
                     continue
@@ -307,7 +311,7 @@ def timing_summary() -> str:
     sets = timing_rows()
     if not sets["named"]:
         return "(no probe rows committed)"
-    prof = PROFILE
+    prof = profile()
 
     def line(rs, what="forward+backward", prof=prof, row_host=True):
         t = timing_table(rs, prof, row_host).get(what)

@@ -1,18 +1,12 @@
-"""Regenerate every generated section of the README from the committed JSON reports.
-
-`anatomy report` (no arguments) runs this. Each section sits between <!-- name:start --> and
-<!-- name:end --> markers; the text between is replaced, never edited by hand.
-"""
+"""The record tables of docs/results.md (steps, profiles, power, kernels, loss curves, saved bytes), each
+rendered from its committed JSON; llm_anatomy/report/regenerate.py puts them between their markers."""
 from __future__ import annotations
 
 import itertools
 import json
-import tempfile
 from pathlib import Path
 
 from llm_anatomy import records
-from llm_anatomy.io import write_atomic
-from llm_anatomy.report import claims_table, load, read_readme, replace_between
 
 
 def _src(d: dict) -> str:
@@ -275,115 +269,3 @@ def curves_text(path: Path) -> str:
             f"{env['cuda']}, {env['date']}: `python3 -m llm_anatomy.cli train --preset seed --batch 16 --seq 1024 "
             f"--steps 60 --variant baseline|efficient --device cuda --eval-every 20` (`{records.rel(path)}`).\n\n"
             f"![loss curves]({records.rel(path.with_suffix('.png'))})")
-
-
-IMG = Path("docs/img")
-CLAIMS_DOC = Path("docs/claims.md")
-
-
-def regenerate(readme: Path = Path("README.md")) -> list[str]:
-    """Rebuild every generated section of `readme`, the images under docs/img/ and docs/claims.md beside it.
-
-    All or nothing: the claims reports are checked first (ReportInputError names a malformed one), and
-    every output is rendered to memory or a private temporary folder before the first file is written;
-    then each changed file is written with llm_anatomy.io.write_atomic. Nothing written carries an absolute path."""
-    readme = Path(readme)
-    root = readme.parent
-    claim_paths = [p for p in (records.CPU_CLAIMS, records.GPU_CLAIMS) if p.exists()]
-    claim_reports = load(claim_paths)  # before anything is rendered: a malformed file stops the run here
-    text, done, files = read_readme(readme), [], {}
-
-    def put(marker, body):
-        nonlocal text
-        text = replace_between(text, marker, body)
-        done.append(marker)
-
-    with tempfile.TemporaryDirectory(prefix="anatomy-report-") as stage:
-        stage = Path(stage)
-
-        def image(name: str, draw) -> str:
-            """Draw into the private folder, keep the bytes for the commit; the link as the README writes it."""
-            draw(stage / name)
-            files[root / IMG / name] = (stage / name).read_bytes()
-            return (IMG / name).as_posix()
-
-        cpu = [r for p, r in zip(claim_paths, claim_reports) if p == records.CPU_CLAIMS]
-        gpu = [r for p, r in zip(claim_paths, claim_reports) if p == records.GPU_CLAIMS]
-        if cpu:
-            put("claims-cpu", claims_table(cpu))
-        if gpu:
-            put("claims-h200", claims_table(gpu))
-        if claim_reports:
-            from llm_anatomy.report import claims_doc
-            from llm_anatomy.report.plots import error_distribution, predicted_vs_measured
-
-            pvm = image("claims-predicted-vs-measured.png", lambda p: predicted_vs_measured(claim_reports, p))
-            err = image("claims-error-distribution.png", lambda p: error_distribution(claim_reports, p))
-            srcs = ", ".join(f"`{records.rel(p)}`" for p in claim_paths)
-            put("claims-plots", f"From {srcs}. Rows whose device reads `cuda (recorded)` or `cuda` in the CPU report "
-                "compare against committed H200 measurements. Each claim's formula, code, tests and data: "
-                f"[{CLAIMS_DOC.as_posix()}]({CLAIMS_DOC.as_posix()}).\n\n"
-                f"![predicted against measured]({pvm})\n![error distribution of the bounded claims]({err})")
-            files[root / CLAIMS_DOC] = claims_doc.render(list(zip(claim_paths, claim_reports)))
-        for marker, run in (("bench-steps", "peers"), ("bench-steps-rerun", "first-run"),
-                            ("bench-steps-recompute", "recompute")):
-            steps = records.step_records(run)
-            if steps:
-                put(marker, steps_table(steps, records.PEERS_ENV if run == "peers" else None))
-        put("profile-peers", peers_profile_table(records.PEERS_PROFILES))
-        put("power-peers", peers_power_table(records.PEERS_POWER, records.PEERS_POWER_ENV))
-        if records.STEP_PROFILE.exists():
-            put("profile-seed", profile_text(records.STEP_PROFILE, records.STEPS["profiled"] / "step-seed-efficient.json"))
-        if records.KERNELS_BACK_TO_BACK.exists():
-            put("bench-kernels", kernels_table(records.KERNELS_BACK_TO_BACK))
-        if records.KERNELS_GPU_ONLY.exists():
-            put("bench-kernels-gpu-only", kernels_gpu_only_table(records.KERNELS_GPU_ONLY))
-        if records.LINEAR_CE.exists():
-            put("bench-linear-ce", linear_ce_table(records.LINEAR_CE))
-        if records.LOSS_CURVES.exists():
-            put("train-seed", curves_text(records.LOSS_CURVES))
-        from llm_anatomy.report import gate, plan, probes
-
-        if records.GATE_CHECK.exists():
-            put("gate-h200", gate.summary())
-
-        put("plan-example", plan.example())
-        put("plan-h200", plan.check_table() if records.PLAN_CHECK.exists() else
-            f"No GPU record yet: `scripts/check_plan.py` writes `{records.rel(records.PLAN_CHECK)}` on an H200, and "
-            "the claims above are unproven until it is committed.")
-
-        put("memory-h200", probes.memory_summary())
-        put("memory-recompute", probes.recompute_summary())
-        put("timing-h200", probes.timing_summary())
-        from llm_anatomy.report import real_depth
-
-        put("real-depth-h200", real_depth.summary())
-        # the real-depth claims' first run calibrated first: its kernels on its own roof
-        roof_src = next((p.with_name("calibrated.json") for p in records.REAL_DEPTH_RUNS
-                         if p.with_name("calibrated.json").exists()), records.H200_PROFILE)
-        if roof_src.exists():
-            from llm_anatomy.report import roofline, sdpa_plot
-
-            roof = image("roofline-h200.png", lambda p: roofline.plot(roof_src, p))
-            put("roofline-h200", roofline.summary(roof_src) + f"\n\n![measured roofline]({roof})")
-            sdpa = image("sdpa-schedule-h200.png", sdpa_plot.plot)
-            put("sdpa-h200", sdpa_plot.summary() + f"\n\n![cuDNN SDPA kernel, predicted over measured]({sdpa})")
-        table, data = saved_table()
-        files[root / IMG / "saved-by-component.png"] = saved_plot(data)
-        put("saved-seed", table + f"\n\n![saved bytes per component]({(IMG / 'saved-by-component.png').as_posix()})")
-        from llm_anatomy.distributed.report import memory_table
-
-        put("distributed-memory", memory_table())
-    files[readme] = text
-    commit(files)
-    return done
-
-
-def commit(files: dict[Path, str | bytes]) -> None:
-    """Write every rendered file that changed (write_atomic each); unchanged files are left untouched."""
-    for path, data in files.items():
-        raw = data.encode() if isinstance(data, str) else data
-        if path.exists() and path.read_bytes() == raw:
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, raw)

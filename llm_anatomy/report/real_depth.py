@@ -1,7 +1,7 @@
-"""The README's timing section: the user's loop at real depth (llm_anatomy.records.REAL_DEPTH_RUNS), one freshly
-started H200 per run, against the profile calibrated first in that run, the packaged profile (another machine's)
-and the datasheet. The comparison is validations/real_depth.py's, the functions validations/test_real_depth.py
-claims with, so the README prints the numbers the tests check.
+"""docs/results.md's real-depth timing section: the user's loop at real depth (llm_anatomy.records.
+REAL_DEPTH_RUNS), one freshly started H200 per run, against the profile calibrated first in that run, the
+packaged profile (another machine's) and the datasheet. The comparison is llm_anatomy/real_depth.py's, the functions validations/test_real_depth.py
+claims with, so docs/results.md prints the numbers the tests check.
 
 python3 -m llm_anatomy.report.real_depth prints the section.
 """
@@ -14,7 +14,7 @@ from llm_anatomy import records
 
 PACKAGED, DATASHEET = "h200-measured", "h200-sxm"
 QUANTITIES = ("GPU time, forward+backward", "GPU time, step", "wall step (GPU-bound)")
-SEVEN_B = ("llama2-7b-B1S4096-efficient", "mistral-7b-B1S4096-efficient")  # the issue's 7B-class check
+SEVEN_B = ("llama2-7b-B1S4096-efficient", "mistral-7b-B1S4096-efficient")  # the 7B-class presets, one step each
 
 
 def load(record: Path) -> dict:
@@ -43,7 +43,7 @@ def _components(t: dict) -> dict | None:
 
 
 def table(runs: list[tuple[Path, dict]]) -> str:
-    from validations import real_depth as rd
+    from llm_anatomy import real_depth as rd
 
     lines = ["| run | variant | quantity (tolerance) | this run's profile: within | MAPE | worst | packaged: within | "
              "MAPE | worst | datasheet: within | MAPE | worst |", "|---|---|---|" + "---:|" * 9]
@@ -64,7 +64,7 @@ def table(runs: list[tuple[Path, dict]]) -> str:
 def seven_b_lines(runs: list[tuple[Path, dict]]) -> list[str]:
     """`anatomy estimate --gpu h200-measured --optimizer adamw` (the packaged profile) for the 7B-class presets
     at B1 S4096, efficient, against the wall-clock step measured in each run."""
-    from validations import real_depth as rd
+    from llm_anatomy import real_depth as rd
 
     out = []
     for path, run in runs:
@@ -79,8 +79,8 @@ def seven_b_lines(runs: list[tuple[Path, dict]]) -> list[str]:
     return out
 
 
-def summary(paths: tuple[Path, ...] = records.REAL_DEPTH_RUNS) -> str:
-    runs = [(p, load(p)) for p in paths if p.is_file()]
+def summary(paths: tuple[Path, ...] | None = None) -> str:
+    runs = [(p, load(p)) for p in (records.REAL_DEPTH_RUNS if paths is None else paths) if p.is_file()]
     if not runs:
         return "No real-depth run is committed (`ONLY=real-depth REAL_DEPTH_SEED=<new> bash scripts/gpu_records.sh`)."
     n_rows = sum(len(r["rows"]) for _, r in runs)

@@ -9,14 +9,17 @@ from llm_anatomy.calculator import timing
 from llm_anatomy.calculator.optimizer import step_bytes_moved
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
-# (file, variant): our own models' forward + backward, median of 10, CUDA events; recompute read off the record
-STEP_RECORDS = tuple((records.rel(p), v) for p, v in records.OWN_STEPS)
+
+def step_records() -> tuple[tuple[str, str], ...]:
+    """(file, variant): our own models' forward + backward, median of 10, CUDA events; recompute read off the
+    record."""
+    return tuple((records.rel(p), v) for p, v in records.OWN_STEPS)
 
 
 def compare_committed(gpu: str | dict = "h200-measured") -> list[dict]:
     """Predicted vs measured forward + backward for every committed step record of our models."""
     out = []
-    for rel, variant in STEP_RECORDS:
+    for rel, variant in step_records():
         path = records.ROOT / rel
         if not path.exists():
             continue
