@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 from dataclasses import replace
 
 from llm_anatomy.cli_args import (DEFAULT_PRESET, Parser, add_config_flags, add_optimizer_flag,  # noqa: F401
@@ -212,7 +213,7 @@ def cmd_report(argv) -> int:
         return 0
     try:
         reports = report.load(a.claims)
-        doc = root / a.doc
+        doc = Path(a.root) / a.doc  # the checkout as the user named it: errors name the path as typed
         report.write_atomic(doc, report.replace_between(report.read_readme(doc), a.marker, report.claims_table(reports)))
     except (OSError, ValueError, KeyError) as e:
         print(f"anatomy report: error: {oneline(str(e))}", file=sys.stderr)

@@ -13,7 +13,7 @@ Pure Python: no torch, nothing is built or allocated.
 from __future__ import annotations
 
 from llm_anatomy.calculator import gpus as gpu_table
-from llm_anatomy.config import ModelConfig
+from llm_anatomy.config import ConfigError, ModelConfig
 from llm_anatomy.plan import POLICIES, plan
 
 MAX_GPUS = 2**14  # the fewest-GPUs search stops here: beyond it, a model needs more than data parallelism
@@ -47,8 +47,11 @@ def fewest_gpus(cfg: ModelConfig, kw: dict) -> tuple[int, dict] | None:
     lo, hi = kw["gpus_n"], max(2, 2 * kw["gpus_n"])
     if kw.get("strategies") and (best := at(lo)) is not None:  # --strategy narrowed the search: both strategies
         return lo, best
-    while hi <= MAX_GPUS and (best := at(hi)) is None:
-        lo, hi = hi, 2 * hi
+    try:
+        while hi <= MAX_GPUS and (best := at(hi)) is None:
+            lo, hi = hi, 2 * hi
+    except ConfigError:  # more ranks than the model has rows to shard: no count past here plans at all
+        return None
     if hi > MAX_GPUS:
         return None
     while hi - lo > 1:  # nothing fits at lo, something at hi

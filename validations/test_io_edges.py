@@ -68,7 +68,9 @@ def one_line_2(rc, err, *needles):
 
 
 def _claims(folder: Path) -> tuple[Path, Path]:
-    """A valid (empty) claims report and a README with its markers."""
+    """A valid (empty) claims report and a README with its markers, in a folder `anatomy report` takes for a
+    checkout (it holds reports/)."""
+    (folder / "reports").mkdir(exist_ok=True)
     c = folder / "c.json"
     c.write_text(json.dumps(dict(rows=[], machine={}, date="2026-12-04")))
     readme = folder / "R.md"

@@ -49,4 +49,4 @@ def test_resume_with_another_optimizer_is_one_line(cache, tmp_path, capsys):
     capsys.readouterr()
     assert cli.main([*common, "--steps", "3", "--optimizer", "ademamix", "--resume"]) == cli.EXIT_BAD_INPUT
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "with the baseline variant and adamw" in err and "Traceback" not in err, err
+    assert len(err.splitlines()) == 1 and "with the efficient variant and adamw" in err and "Traceback" not in err, err

@@ -28,6 +28,8 @@ CLOCKS: dict[str, tuple[int, int, int, str]] = {
                   "product brief PB-11133-001: 350 W max TDP"),
     "h200-sxm": (1980, 1590, 700, TPU + "H200 SXM 141 GB: base 1590 MHz, boost 1980 MHz, 700 W (the H100 "
                  "SXM's GH100 die and clocks); NVIDIA H200 datasheet: max TDP up to 700 W"),
+    "b200": (1837, 1665, 1000, TPU + "B200 SXM 192 GB: base 1665 MHz, boost 1837 MHz, 1000 W; NVIDIA HGX B200 "
+             "specifications: up to 1,000 W per GPU"),
     "l40s": (2520, 1110, 350, TPU + "L40S: base 1110 MHz, boost 2520 MHz, 350 W"),
     "l4": (2040, 795, 72, TPU + "L4: base 795 MHz, boost 2040 MHz, 72 W"),
     "rtx-3090": (1695, 1395, 350, TPU + "GeForce RTX 3090: base 1395 MHz, boost 1695 MHz, 350 W"),
