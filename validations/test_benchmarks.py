@@ -16,15 +16,13 @@ See docs/benchmarks.md.
 
 CPU part (not gpu-marked): the harness's inputs match what the model feeds each component; the GPU
 clock's semantics on fake CUDA events (the slowdown's: validations/test_slowdown.py); every fused
-kernel, component and optimizer has a benchmark id; and the gate itself (pytest-benchmark's
-compare/compare-fail on a synthetic benchmark timed by gpu_time, in a subprocess).
+kernel, component and optimizer has a benchmark id. The gate's flags and verdict:
+validations/test_bench_gate.py.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -209,68 +207,3 @@ def test_every_kernel_component_and_step_has_a_gpu_timed_benchmark():
     for name, fn in timed.items():
         marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "benchmark"]
         assert [m.kwargs.get("timer") for m in marks] == [gpu_time], f"{name} is not timed on gpu_time"
-
-
-
-# ---- CPU: the regression gate itself ---------------------------------------------------------------
-# The synthetic benchmarks time as the GPU ones do: a GpuRound, pytest-benchmark's timer gpu_time set by
-# the benchmark marker; the GPU is a fake whose events read a clock the work advances, so each round of
-# test_kernel costs exactly 2 ms x GATE_SLOWDOWN of "GPU time", and the host may take any time it likes.
-GATE_TEST = '''
-import os
-
-import pytest
-
-from validations.fake_gpu import FakeGPU
-from validations.gpu_clock import GpuRound, gpu_time
-
-GPU = FakeGPU()
-
-def round_(seconds):
-    return GpuRound(lambda: GPU.run(seconds), cycles_per_s=GPU.rate, event=GPU.event, sleep=GPU.sleep)
-
-@pytest.mark.benchmark(timer=gpu_time)
-def test_kernel(benchmark):
-    f = float(os.environ.get("GATE_SLOWDOWN", "1"))
-    benchmark.pedantic(round_(0.002 * f), rounds=15, warmup_rounds=2)
-
-@pytest.mark.benchmark(timer=gpu_time)
-def test_other(benchmark):
-    benchmark.pedantic(round_(0.002), rounds=15, warmup_rounds=2)
-'''
-
-
-@pytest.mark.slow  # ~8 s: four pytest runs, each gathering machine info (py-cpuinfo) for its JSON
-def test_regression_gate_commands(tmp_path):
-    """The exact flags of docs/benchmarks.md, on a synthetic benchmark timed on gpu_time: record with
-    --benchmark-json, a 30% slower kernel fails --benchmark-compare-fail=median:10% against that file, an
-    unchanged run passes, and a missing baseline is a usage error (exit 4), not a silent pass."""
-    (tmp_path / "test_gate.py").write_text(GATE_TEST)
-    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --benchmark-disable\n")  # as pyproject has
-
-    def pytest_(*flags, slowdown="1"):  # only pytest-benchmark loaded: 0.4 s a run instead of 2.5
-        env = dict(os.environ, GATE_SLOWDOWN=slowdown, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONPATH=str(ROOT))
-        return subprocess.run([sys.executable, "-m", "pytest", "test_gate.py", "-q", "-p", "pytest_benchmark.plugin",
-                               "-p", "no:cacheprovider", "--benchmark-enable", *flags], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=120)
-
-    rec = pytest_("--benchmark-json=baselines.json")
-    assert rec.returncode == 0, rec.stdout + rec.stderr
-    saved = json.loads((tmp_path / "baselines.json").read_text())
-    assert {b["fullname"] for b in saved["benchmarks"]} == {"test_gate.py::test_kernel", "test_gate.py::test_other"}
-    assert all(b["stats"]["median"] == pytest.approx(0.002, rel=1e-9) for b in saved["benchmarks"])  # GPU seconds
-    assert all(b["options"]["timer"] == "gpu_time" for b in saved["benchmarks"])  # the marker's timer, by name
-    gate = ("--benchmark-compare=baselines.json", "--benchmark-compare-fail=median:10%",
-            "--benchmark-json=current.json")
-    slow = pytest_(*gate, slowdown="1.3")
-    assert slow.returncode != 0
-    # pytest-benchmark logs the failed checks, then raises PerformanceRegression out of the terminal
-    # summary: exit code 1 and a traceback, after the JSON report was written
-    verdict = (slow.stdout + slow.stderr).split("Performance has regressed:", 1)[1].split("Traceback", 1)[0]
-    assert "test_kernel" in verdict and "'median' has failed" in verdict and "test_other" not in verdict
-    assert (tmp_path / "current.json").exists()
-    same = pytest_(*gate)
-    assert same.returncode == 0, same.stdout + same.stderr
-    missing = pytest_("--benchmark-compare=nothing-here.json", "--benchmark-compare-fail=median:10%")
-    assert missing.returncode == 4, missing.stdout + missing.stderr
-    assert "requires valid --benchmark-compare" in missing.stdout + missing.stderr
