@@ -146,7 +146,8 @@ def test_a_gate_with_nothing_to_compare_fails_loudly(gate_dir):
     (gate_dir / "renamed.json").write_text(json.dumps(renamed))
     r = pytest_(gate_dir, "--benchmark-compare=renamed.json", "--benchmark-compare-fail=median:6%")
     assert r.returncode == 4 and "none of the 2 benchmarks that ran has a baseline" in _error_line(r)
-    wall = dict(base, benchmarks=[dict(b, options=dict(b["options"], timer="perf_counter")) for b in base["benchmarks"]])
+    wall = dict(base, benchmarks=[dict(b, options=dict(b["options"], timer="perf_counter"))
+                                  for b in base["benchmarks"]])
     (gate_dir / BASELINE).write_text(json.dumps(wall))
     r = pytest_(gate_dir, "--benchmark-compare")
     assert r.returncode == 4 and "holds figures timed by perf_counter, not gpu_time" in _error_line(r)
@@ -166,7 +167,8 @@ def test_the_default_threshold_is_the_one_the_gate_record_proves(tmp_path, monke
     from llm_anatomy import records
 
     gate = default_gate()
-    assert gate == "median:6%" and f"--benchmark-compare-fail={gate}" in (ROOT / ".github/workflows/gpu.yml").read_text()
+    assert gate == "median:6%"
+    assert f"--benchmark-compare-fail={gate}" in (ROOT / ".github/workflows/gpu.yml").read_text()
     other = tmp_path / BASELINE
     other.write_text("{}")  # another file: its SHA-256 is in no machine of the record
     monkeypatch.setattr(records, "BASELINE", other)

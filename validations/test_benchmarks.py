@@ -290,3 +290,18 @@ def test_a_repetition_never_accumulates_into_the_previous_ones_gradients():
     case.fwd_bwd(inputs, grad)
     twice = [p.grad for p in case.module.parameters()] + [inputs[0].grad]
     assert all(torch.equal(a, b) for a, b in zip(once, twice))
+
+
+def test_repetitions_halve_until_a_round_is_queued():
+    """A fake GPU that queues 200 pending kernels: while it spins, the host's 201st launch waits for the spin to
+    end, so a round of 64 repetitions of a 10-kernel, 18 us step is never queued behind its spin. bench() halves
+    the repetitions to 16 (160 launches a round), whose rounds are all queued, and times the step there."""
+    fake, clock = FakeGPU(queue=200), [0.0]
+
+    def step():
+        for _ in range(10):
+            fake.run(1.8e-6, 5e-6)
+
+    stub, _ = _bench_on(fake, clock, step)
+    assert stub.extra_info["reps"] == 16 and stub.extra_info["queued_rounds"] == 1.0
+    assert statistics.median(stub.times) == pytest.approx(18e-6)
