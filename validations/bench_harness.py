@@ -18,9 +18,9 @@ rounds, the same whatever ran before (bench(), in order):
      own gradients dropped, so that the round's edges (event resolution, the first kernel after the spin)
      weigh about 0.1% instead of several percent of a kernel of tens of microseconds;
   3. WARMUP_REPS rounds at those repetitions, then the spin is held: every timed round waits the same spin.
-     A round whose host issue still outlasts its spin has more launches than the GPU queues while it
-     spins (about a thousand kernels, measured on an H200: a 64-repetition round of the baseline norm's
-     fwd+bwd was never queued): the repetitions halve and the WARMUP_REPS rounds run again.
+     A round whose host issue still outlasts its spin holds more launches than the GPU queues while it
+     spins (its queue of pending kernels: about a thousand; docs/benchmarks.md): the repetitions halve and
+     the WARMUP_REPS rounds run again.
 The warm-up's GPU work is then the benchmark's own, in count and kind, whatever test ran before it.
 
 Beside the gated GPU time, extra_info records the median wall time of a few
