@@ -223,7 +223,7 @@ def bench(benchmark, work, setup, *, refs: dict, rounds: int = ROUNDS, warmup: i
         while True:
             for _ in range(WARMUP_REPS):
                 one_round()
-            if rnd.queued[-1] or rnd.reps == 1:
+            if all(rnd.queued[-WARMUP_REPS:]) or rnd.reps == 1:
                 break
             # the round's launches overflow the GPU's queue of pending kernels: the host would pace the GPU
             rnd.set_reps(rnd.reps // 2)
