@@ -170,6 +170,9 @@ def pytest_sessionfinish(session, exitstatus):
         return
     code = _verdict(bs, gate)
     if code == 4:
+        term = session.config.pluginmanager.get_plugin("terminalreporter")
+        if term is not None and term._tw.width_of_current_line:
+            term._tw.line()  # the progress line ends first: the error is a line of its own
         print(f"benchmark gate: error: {gate.error}", file=sys.stderr, flush=True)
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
     elif code == 1 and exitstatus in (0, 5):
