@@ -28,7 +28,8 @@ settings.register_profile("dev", max_examples=20, **_common)
 settings.register_profile("thorough", max_examples=250, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-pytest_plugins = ["validations.progress"]  # a progress line per part of the GPU suite (or with --parts)
+# a progress line per part of the GPU suite (or with --parts); the regression gate's flags and verdict
+pytest_plugins = ["validations.progress", "validations.bench_gate"]
 
 
 def pytest_addoption(parser):
@@ -56,27 +57,6 @@ def pytest_configure(config):
         from_env()
     except ValueError as e:
         raise pytest.UsageError(str(e)) from None
-    _check_baseline_timer(config)
-
-
-def _check_baseline_timer(config) -> None:
-    """Comparing against a baseline recorded on another timer (wall-clock seconds against GPU seconds)
-    gates nothing: refuse it with one line. Only a file path is checked (pytest-benchmark's storage
-    lookups are its own)."""
-    try:
-        target = config.getoption("benchmark_compare")
-    except ValueError:  # pytest-benchmark not loaded
-        return
-    if not isinstance(target, str) or not Path(target).is_file():
-        return
-    try:
-        timers = {b.get("options", {}).get("timer") for b in json.loads(Path(target).read_text())["benchmarks"]}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return  # pytest-benchmark reports an unreadable baseline itself
-    if timers - {"gpu_time"}:
-        raise pytest.UsageError(
-            f"{target} holds figures timed by {', '.join(sorted(map(str, timers - {'gpu_time'})))}, not gpu_time: "
-            f"the gate would compare them with GPU seconds; re-record it (docs/benchmarks.md, 'Record the baseline')")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -78,7 +78,7 @@ for name in $RUNS; do
   rc=$?; last=$((SECONDS - t))
   echo $rc > "$WORK/$name.rc"
   printf '== %-15s rc=%d %4d s  %s %s\n' "$name" $rc $last "$(grep -E '(passed|failed|error).* in [0-9.]+s' "$WORK/$name.log" | tail -1)" \
-    "$(grep -c "has failed" "$WORK/$name.log" | sed 's/^0$//; s/.\{1,\}/& regressed past the gate/')"
+    "$(grep -o "[0-9]* of [0-9]* benchmarks failed" "$WORK/$name.log" | tail -1 | sed 's/$/ the gate/')"
   [ -f "$WORK/$name.json" ] || echo "   no report: see $WORK/$name.log" >&2
   publish
 done

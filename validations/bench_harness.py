@@ -3,10 +3,27 @@
 Timing: benchmark.pedantic, one call per round, on GPU time (validations/gpu_clock.py): the round's
 work is queued behind a spin kernel and timed between two CUDA events, and pytest-benchmark's
 timer is gpu_clock.gpu_time, so its stats (and --benchmark-compare-fail) are GPU seconds. setup
-(untimed) picks the next input set, drops the previous gradients and synchronizes. Warm-up rounds
-(Triton JIT, cuDNN plans, the AdamW state) are not timed. Input sets rotate, enough of them that one
-round's inputs are not still in the 60 MB L2 from the round before. Inputs and weights are random
-normals: never zeros. Beside the gated GPU time, extra_info records the median wall time of a few
+(untimed) picks the next input set, drops the previous gradients and synchronizes. Input sets rotate,
+enough of them that one round's inputs are not still in the 60 MB L2 from the round before. Inputs and
+weights are random normals: never zeros.
+
+No benchmark's figure may depend on what ran before it in the process (the gate holds in every selection:
+the whole suite, --quick, one file). So each benchmark reaches a steady state of its own before its timed
+rounds, the same whatever ran before (bench(), in order):
+  1. settle: the allocator's cached blocks returned, the L2 flushed to clean lines of a buffer 4x its size,
+     a fixed 50 ms spin (gpu_clock.settle): no dirty line, cached block or busy GPU left by another test;
+  2. WARMUP rounds of one repetition (Triton JIT, cuDNN plans, the cuBLAS workspace, optimizer state,
+     compiles), whose smallest GPU time sets the repetitions per round (gpu_clock.reps_for): work under
+     MIN_ROUND_S (1 ms) repeats to a round of at least 1 ms, each repetition on the next input set with its
+     own gradients dropped, so that the round's edges (event resolution, the first kernel after the spin)
+     weigh about 0.1% instead of several percent of a kernel of tens of microseconds;
+  3. WARMUP_REPS rounds at those repetitions, then the spin is held: every timed round waits the same spin.
+     A round whose host issue still outlasts its spin holds more launches than the GPU queues while it
+     spins (its queue of pending kernels: about a thousand; docs/benchmarks.md): the repetitions halve and
+     the WARMUP_REPS rounds run again.
+The warm-up's GPU work is then the benchmark's own, in count and kind, whatever test ran before it.
+
+Beside the gated GPU time, extra_info records the median wall time of a few
 unqueued rounds (launch and finish, as eager training pays it; not gated) and the GPU time relative
 to the session's reference GEMM and copy (gpu_clock.references).
 
@@ -28,7 +45,8 @@ from llm_anatomy.config import PRESETS, ModelConfig, Run
 from llm_anatomy.measure.components import component_modules
 from llm_anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
 from validations.configs import NAMED
-from validations.gpu_clock import GpuRound
+from validations.gpu_clock import GpuRound, reps_for
+from validations.gpu_clock import settle as cuda_settle
 
 
 @dataclass(frozen=True)
@@ -47,7 +65,8 @@ COMPONENT_PHASES = ("fwd", "fwd+bwd")
 MODEL_PHASES = ("fwd", "fwd+bwd", "fwd+bwd+adamw")
 L2_BYTES = 60 * 2**20  # H200 L2 (DESIGN.md): rotate at least twice its size of inputs
 ROUNDS = 10  # GPU-time rounds: how steady their median is, run to run, scripts/gate_check.sh's unmodified runs show
-WARMUP = 3
+WARMUP = 3  # rounds of one repetition: JIT, plans, workspaces, optimizer state
+WARMUP_REPS = 2  # rounds at the chosen repetitions: the spin follows their issue time, then is held
 WALL_ROUNDS = 3  # unqueued rounds after the timed ones: extra_info's wall time, not gated
 
 
@@ -82,6 +101,10 @@ class Case:
         self._forward(inputs)
 
     def fwd_bwd(self, inputs, grad) -> None:
+        for t in inputs:  # host only: a round's repetitions may reuse an input set, never accumulate into it
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.grad = None
+        self.module.zero_grad(set_to_none=True)
         out = self._forward(inputs)
         out.backward(grad)  # grad None: a scalar loss
 
@@ -161,11 +184,14 @@ def model_case(cfg: ModelConfig, run: Run, variant: str, device, optimizer: bool
 
 def bench(benchmark, work, setup, *, refs: dict, rounds: int = ROUNDS, warmup: int = WARMUP, slowdown=None,
           wall_rounds: int = WALL_ROUNDS, make_round: Callable | None = None,
-          host: Callable[[], float] = time.perf_counter, sync: Callable[[], None] | None = None) -> None:
-    """benchmark.pedantic over a GpuRound of `work` (the test's timer must be gpu_clock.gpu_time), then
-    extra_info: the GPU median, its ratio to the reference GEMM and copy, the host's side (issue time,
-    rounds queued) and the wall time of `wall_rounds` plain rounds. With a slowdown (validations/
-    slowdown.py): warm-up and calibration rounds first, then the spin is fixed and recorded."""
+          host: Callable[[], float] = time.perf_counter, sync: Callable[[], None] | None = None,
+          settle: Callable[[], dict | None] | None = None) -> None:
+    """benchmark.pedantic over a GpuRound of `work` (the test's timer must be gpu_clock.gpu_time), after the
+    benchmark's own warm-up (module docstring: settle, warm-up, repetitions, held spin); then extra_info: the
+    GPU median, its ratio to the reference GEMM and copy, the repetitions, the host's side (issue time,
+    rounds queued) and the wall time of `wall_rounds` plain rounds. `setup()` prepares one repetition.
+    With a slowdown (validations/slowdown.py): calibration rounds after the warm-up, then the spin is fixed
+    and recorded. make_round, host, sync and settle are the fake GPU's in the CPU tests."""
     if slowdown is not None:  # count the targets' calls inside the work only (not in setup or building)
         slowdown.calls, slowdown.counting, inner = {}, False, work
 
@@ -175,19 +201,44 @@ def bench(benchmark, work, setup, *, refs: dict, rounds: int = ROUNDS, warmup: i
                 return inner(*args, **kwargs)
             finally:
                 slowdown.counting = False
-    rnd = (make_round or (lambda w: GpuRound(w, cycles_per_s=refs["sleep_cycles_per_s"])))(work)
-    if slowdown is not None and not benchmark.disabled:
-        for i in range(warmup + slowdown.ROUNDS):
-            if i == warmup:
-                slowdown.calibrate()  # the rounds from here on are queued: their events time the GPU
-            args, kw = setup()
-            rnd(*args, **kw)
-        injected = slowdown.freeze()
-        per: dict[str, list[float]] = {}  # target -> injected GPU time / the call's own, per call shape
-        for key, frac in injected.items():
-            per.setdefault(key[0], []).append(round(frac, 4))
-        benchmark.extra_info.update(slowdown=dict(slowdown.factors), slowdown_injected=per)
-    benchmark.pedantic(rnd, setup=setup, rounds=rounds, warmup_rounds=warmup, iterations=1)
+
+    def repeated(batch) -> None:  # one round: each repetition on its own prepared inputs, back to back
+        for args, kw in batch:
+            work(*args, **kw)
+
+    rnd = (make_round or (lambda w: GpuRound(w, cycles_per_s=refs["sleep_cycles_per_s"])))(repeated)
+
+    def round_setup():
+        return ([setup() for _ in range(rnd.reps)],), {}
+
+    def one_round() -> None:
+        args, kw = round_setup()
+        rnd(*args, **kw)
+
+    if not benchmark.disabled:
+        settled = (settle or (lambda: cuda_settle(refs["sleep_cycles_per_s"])))()
+        for _ in range(warmup):
+            one_round()
+        rnd.set_reps(reps_for(min(rnd.gpu_s)))
+        while True:
+            for _ in range(WARMUP_REPS):
+                one_round()
+            if all(rnd.queued[-WARMUP_REPS:]) or rnd.reps == 1:
+                break
+            # the round's launches overflow the GPU's queue of pending kernels: the host would pace the GPU
+            rnd.set_reps(rnd.reps // 2)
+        if slowdown is not None:
+            slowdown.calibrate()  # the rounds from here on are queued: their events time the GPU
+            for _ in range(slowdown.ROUNDS):
+                one_round()
+            injected = slowdown.freeze()
+            per: dict[str, list[float]] = {}  # target -> injected GPU time / the call's own, per call shape
+            for key, frac in injected.items():
+                per.setdefault(key[0], []).append(round(frac, 4))
+            benchmark.extra_info.update(slowdown=dict(slowdown.factors), slowdown_injected=per)
+        rnd.hold_spin()
+        benchmark.extra_info.update(reps=rnd.reps, settle=settled)
+    benchmark.pedantic(rnd, setup=round_setup, rounds=rounds, warmup_rounds=0, iterations=1)
     if benchmark.disabled:
         return
     if slowdown is not None:  # which slowed targets the timed work called: scripts/gate_check.sh reads it

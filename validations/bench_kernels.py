@@ -1,7 +1,8 @@
 """What the kernel and optimizer benchmarks run: each fused kernel, SDPA and each optimizer step alone.
 
-A case is (setup, work): setup() (untimed) returns the args of one round, work(*args) is the GPU
-work gpu_clock.GpuRound times. Shapes: "seed" is the seed model's (B=16, S=4096: 65,536 tokens of
+A case is (setup, work): setup() (untimed) returns the args of one repetition, work(*args) is the GPU
+work of one repetition (bench_harness.bench runs one or more a round, each on its own setup()).
+Shapes: "seed" is the seed model's (B=16, S=4096: 65,536 tokens of
 hidden 512, intermediate 1024, 8 heads of 64, vocab 16,000); "wide" a llama-7B/8B-like layer (hidden
 4096, intermediate 11008, 32 heads of 128 with 8 kv heads, vocab 128,256), as llm_anatomy.kernels.bench
 times them. Dtypes are the efficient model's under amp: the residual stream and the norm weight
@@ -96,6 +97,9 @@ def kernel_case(kernel: str, shape: str, phase: str, device, shapes: dict = KERN
             return (op, xs), {}
 
         def work(op, xs):
+            if phase == "fwd+bwd":  # host only: a round's repetitions may reuse a set, never accumulate into it
+                for x in xs:
+                    x.grad = None
             with ac():
                 out = op(*xs)
             if phase == "fwd+bwd":

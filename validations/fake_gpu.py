@@ -12,18 +12,44 @@ REFS = dict(gemm_s=0.002, copy_s=0.0005, sleep_cycles_per_s=1e9, extra_launch_s=
 
 class FakeGPU:
     """A GPU and a host that only the test moves. Ops queue in order: an event records the GPU time
-    at which the ops before it are done; a spin of c cycles lasts launch_s + c / rate."""
+    at which the ops before it are done; a spin of c cycles lasts launch_s + c / rate.
 
-    def __init__(self, rate: float = 1e9, launch_s: float = 0.0):
+    What a GPU carries from one test to the next, as the tests of the harness need it:
+    - `dirty_s`: GPU time the next ops pay to write back L2 lines that an earlier test left dirty (each op
+      pays what is left, up to its own time), until a flush (settle) writes them back untimed;
+    - `edge_s`: GPU time the first op after a spin pays on top of its own (a cold start at a round's edge);
+    - `resolution_s`: events read the clock rounded down to this step (CUDA's are about 0.5 us);
+    - `queue`: pending kernels the GPU holds; the launch past them waits, on the host, for the spin to end.
+    `log` lists what ran: ("spin", seconds), ("run", seconds), ("settle",)."""
+
+    def __init__(self, rate: float = 1e9, launch_s: float = 0.0, edge_s: float = 0.0, resolution_s: float = 0.0,
+                 queue: int = 0):
         self.gpu = self.host = 0.0
-        self.rate, self.launch_s = rate, launch_s
+        self.rate, self.launch_s, self.edge_s, self.resolution_s, self.queue = rate, launch_s, edge_s, resolution_s, queue
+        self.dirty_s, self._after_spin, self._spin_s, self._since_spin = 0.0, False, 0.0, 0
+        self.log: list[tuple] = []
 
     def run(self, gpu_s: float, host_s: float = 0.0) -> None:  # one op: its GPU time, the host's issue time
-        self.gpu += gpu_s
-        self.host += host_s
+        paid = min(self.dirty_s, gpu_s)
+        self.dirty_s -= paid
+        self.gpu += gpu_s + paid + (self.edge_s if self._after_spin else 0.0)
+        self._since_spin += 1
+        self.host += host_s + (self._spin_s if self._since_spin == self.queue + 1 and self.queue else 0.0)
+        self._after_spin = False
+        self.log.append(("run", gpu_s))
 
     def sleep(self, cycles: int) -> None:
         self.gpu += self.launch_s + cycles / self.rate
+        self._after_spin, self._spin_s, self._since_spin = True, cycles / self.rate, 0
+        self.log.append(("spin", cycles / self.rate))
+
+    def settle(self) -> dict:
+        """gpu_clock.settle's effect: the dirty lines written back untimed, then the fixed spin."""
+        self.gpu += self.dirty_s
+        self.dirty_s = 0.0
+        self.log.append(("settle",))
+        self.sleep(0)
+        return dict(flush_bytes=0, spin_s=0.0)
 
     def event(self):
         gpu = self
@@ -32,7 +58,8 @@ class FakeGPU:
             t = None
 
             def record(self):
-                self.t = gpu.gpu
+                step = gpu.resolution_s
+                self.t = gpu.gpu if not step else (gpu.gpu // step) * step
 
             def elapsed_time(self, other) -> float:
                 return (other.t - self.t) * 1e3  # ms, as CUDA's

@@ -13,13 +13,23 @@ wait for the host (Python, launch latency, the allocator). The spin adapts: each
 the longest host issue time of the two rounds before it (at least MIN_SPIN_S, at most MAX_SPIN_S,
 so a warm-up round that compiled kernels does not leave seconds of spin behind). A round whose host
 issue outlasted its spin is counted as not queued (`extra_info["queued_rounds"]`); its figure
-may include host gaps.
+may include host gaps. A round may hold several repetitions of the work (`reps`): its GPU time
+divided by reps is what the clock records, so a kernel of tens of microseconds is timed over a round of
+at least MIN_ROUND_S, and the round's edges (the event's 0.5 us resolution, the first kernel after the
+spin) weigh 1/reps as much (bench_harness.bench picks reps). hold_spin() fixes the spin for the rounds
+that follow: every timed round of a benchmark then waits the same spin before its work.
+
+settle() is each benchmark's own start (bench_harness.bench runs it before the warm-up): the allocator's
+cached blocks returned, the L2 flushed by writing then reading a buffer of 4x its size (it ends holding
+clean lines, so no line another test left dirty is written back during this benchmark's rounds), then a
+fixed spin, so that the GPU's recent history is the same whatever test ran before in the process.
 
 Everything CUDA is injected (event factory, sleep, synchronize), so the CPU tests drive a GpuRound
 on a fake GPU clock (validations/test_benchmarks.py).
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -48,9 +58,23 @@ class GpuRound:
             sleep = sleep or torch.cuda._sleep
         self.work, self.rate, self.event, self.sleep, self.host, self.clock = work, cycles_per_s, event, sleep, host, clock
         self.spin_s = self.MIN_SPIN_S
-        self.gpu_s: list[float] = []  # every round's GPU time, warm-up included
-        self.host_issue_s: list[float] = []
+        self.reps = 1  # repetitions of the work that one call of `work` holds
+        self.held = False
+        self.gpu_s: list[float] = []  # every round's GPU time per repetition, warm-up included
+        self.host_issue_s: list[float] = []  # the host's issue time per repetition
         self.queued: list[bool] = []
+
+    def _spin_for(self, reps: int) -> float:
+        """Twice the longest per-repetition issue time of the last two rounds, times reps."""
+        last = max(self.host_issue_s[-2:], default=0.0)
+        return min(self.MAX_SPIN_S, max(self.MIN_SPIN_S, 2 * reps * last))
+
+    def set_reps(self, reps: int) -> None:
+        self.reps, self.spin_s = reps, self._spin_for(reps)
+
+    def hold_spin(self) -> None:
+        """From now on every round spins the same time: the one the last two rounds' issue asks for."""
+        self.spin_s, self.held = self._spin_for(self.reps), True
 
     def __call__(self, *args, **kwargs) -> None:
         before, start, end = self.event(), self.event(), self.event()
@@ -62,12 +86,49 @@ class GpuRound:
         end.record()
         issue = self.host() - t0
         end.synchronize()
-        gpu = start.elapsed_time(end) * 1e-3  # elapsed_time is in ms
+        gpu = start.elapsed_time(end) * 1e-3 / self.reps  # elapsed_time is in ms
         self.clock[0] += gpu
         self.gpu_s.append(gpu)
-        self.host_issue_s.append(issue)
+        self.host_issue_s.append(issue / self.reps)
         self.queued.append(issue < before.elapsed_time(start) * 1e-3)
-        self.spin_s = min(self.MAX_SPIN_S, max(self.MIN_SPIN_S, 2 * max(self.host_issue_s[-2:])))
+        if not self.held:
+            self.spin_s = self._spin_for(self.reps)
+
+
+MIN_ROUND_S = 1e-3  # a timed round holds at least this much GPU work: a microsecond at its edges weighs 0.1%
+MAX_REPS = 1024  # a round of 1 us kernels: launches, not kernels, would fill it past this
+SETTLE_SPIN_S = 0.05  # the fixed spin that ends settle(): the GPU's last 50 ms before a benchmark's warm-up
+L2_FALLBACK_BYTES = 60 * 2**20  # H200 (DESIGN.md), where torch does not report the device's L2 size
+
+
+def reps_for(gpu_s: float, min_round_s: float = MIN_ROUND_S) -> int:
+    """Repetitions per round for work of gpu_s GPU seconds: 1 at or above min_round_s, else the power of two
+    that lifts a round to at least min_round_s (a power of two, so that a few percent of noise in gpu_s
+    moves reps across at most one step, whose edges weigh under 1/reps either way)."""
+    if gpu_s >= min_round_s:
+        return 1
+    return min(MAX_REPS, 2 ** math.ceil(math.log2(min_round_s / max(gpu_s, 1e-9))))
+
+
+def settle(cycles_per_s: float, spin_s: float = SETTLE_SPIN_S) -> dict:
+    """A benchmark's own start on CUDA (module docstring): the allocator's cache returned, the L2 flushed to
+    clean lines, a fixed spin. Returns what it did, for extra_info."""
+    import gc
+
+    import torch
+
+    gc.collect()  # tensors the previous test left in reference cycles: freed before the cache is returned
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or L2_FALLBACK_BYTES
+    buf = torch.empty(4 * l2 // 4, device="cuda")  # 4x the L2, fp32
+    buf.zero_()  # every line of the L2 now the buffer's, dirty
+    buf.sum()  # read back: the dirty lines are written back, the L2 ends holding clean lines of buf
+    del buf
+    torch.cuda.empty_cache()
+    torch.cuda._sleep(int(spin_s * cycles_per_s))
+    torch.cuda.synchronize()
+    return dict(flush_bytes=4 * l2, spin_s=spin_s)
 
 
 def queued_median(fn: Callable, reps: int, *, cycles_per_s: float, **inject) -> float:

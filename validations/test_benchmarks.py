@@ -16,15 +16,13 @@ See docs/benchmarks.md.
 
 CPU part (not gpu-marked): the harness's inputs match what the model feeds each component; the GPU
 clock's semantics on fake CUDA events (the slowdown's: validations/test_slowdown.py); every fused
-kernel, component and optimizer has a benchmark id; and the gate itself (pytest-benchmark's
-compare/compare-fail on a synthetic benchmark timed by gpu_time, in a subprocess).
+kernel, component and optimizer has a benchmark id. The gate's flags and verdict:
+validations/test_bench_gate.py.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -37,10 +35,11 @@ import torch
 from llm_anatomy.config import Run
 from llm_anatomy.measure.components import COMPONENTS, component_modules
 from llm_anatomy.models import VARIANTS, build_model, make_batch
-from validations.bench_harness import COMPONENT_PHASES, CONFIGS, MODEL_PHASES, bench, capture, component_case, model_case
+from validations.bench_harness import (COMPONENT_PHASES, CONFIGS, MODEL_PHASES, WALL_ROUNDS, WARMUP, WARMUP_REPS, bench,
+                                       capture, component_case, model_case)
 from validations.configs import NAMED
 from validations.fake_gpu import REFS, BenchStub, FakeGPU
-from validations.gpu_clock import gpu_time
+from validations.gpu_clock import MAX_REPS, MIN_ROUND_S, gpu_time, reps_for
 from validations.slowdown import TARGETS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +159,8 @@ def test_bench_records_gpu_time_and_the_relative_fields():
     fake, clock = FakeGPU(), [0.0]
     stub = BenchStub(lambda: clock[0])
     bench(stub, lambda: fake.run(0.003, 0.0002), lambda: ((), {}), refs=REFS, rounds=5, warmup=2,
-          make_round=lambda w: fake.round(w, clock), host=lambda: fake.host + fake.gpu, sync=lambda: None)
+          make_round=lambda w: fake.round(w, clock), host=lambda: fake.host + fake.gpu, sync=lambda: None,
+          settle=fake.settle)
     assert statistics.median(stub.times) == pytest.approx(0.003)
     x = stub.extra_info
     assert x["timer"] == "gpu_time" and x["gpu_median_s"] == pytest.approx(0.003)
@@ -211,66 +211,97 @@ def test_every_kernel_component_and_step_has_a_gpu_timed_benchmark():
         assert [m.kwargs.get("timer") for m in marks] == [gpu_time], f"{name} is not timed on gpu_time"
 
 
-
-# ---- CPU: the regression gate itself ---------------------------------------------------------------
-# The synthetic benchmarks time as the GPU ones do: a GpuRound, pytest-benchmark's timer gpu_time set by
-# the benchmark marker; the GPU is a fake whose events read a clock the work advances, so each round of
-# test_kernel costs exactly 2 ms x GATE_SLOWDOWN of "GPU time", and the host may take any time it likes.
-GATE_TEST = '''
-import os
-
-import pytest
-
-from validations.fake_gpu import FakeGPU
-from validations.gpu_clock import GpuRound, gpu_time
-
-GPU = FakeGPU()
-
-def round_(seconds):
-    return GpuRound(lambda: GPU.run(seconds), cycles_per_s=GPU.rate, event=GPU.event, sleep=GPU.sleep)
-
-@pytest.mark.benchmark(timer=gpu_time)
-def test_kernel(benchmark):
-    f = float(os.environ.get("GATE_SLOWDOWN", "1"))
-    benchmark.pedantic(round_(0.002 * f), rounds=15, warmup_rounds=2)
-
-@pytest.mark.benchmark(timer=gpu_time)
-def test_other(benchmark):
-    benchmark.pedantic(round_(0.002), rounds=15, warmup_rounds=2)
-'''
+# ---- CPU: each benchmark's own steady state (bench_harness.bench, on a fake GPU) ---------------------------
+def test_reps_for_lifts_a_round_to_a_millisecond():
+    assert [reps_for(t) for t in (2e-3, 1e-3, 0.9e-3, 0.3e-3, 18e-6)] == [1, 1, 2, 4, 64]
+    assert reps_for(0.0) == MAX_REPS and reps_for(18e-6) * 18e-6 >= MIN_ROUND_S
 
 
-@pytest.mark.slow  # ~8 s: four pytest runs, each gathering machine info (py-cpuinfo) for its JSON
-def test_regression_gate_commands(tmp_path):
-    """The exact flags of docs/benchmarks.md, on a synthetic benchmark timed on gpu_time: record with
-    --benchmark-json, a 30% slower kernel fails --benchmark-compare-fail=median:10% against that file, an
-    unchanged run passes, and a missing baseline is a usage error (exit 4), not a silent pass."""
-    (tmp_path / "test_gate.py").write_text(GATE_TEST)
-    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --benchmark-disable\n")  # as pyproject has
+def _bench_on(fake: FakeGPU, clock: list, work, setup=lambda: ((), {}), settle=True, rounds: int = 5):
+    stub = BenchStub(lambda: clock[0])
+    start = len(fake.log)
+    bench(stub, work, setup, refs=REFS, rounds=rounds, make_round=lambda w: fake.round(w, clock),
+          host=lambda: fake.host + fake.gpu, sync=lambda: None, settle=fake.settle if settle else (lambda: None))
+    return stub, fake.log[start:]
 
-    def pytest_(*flags, slowdown="1"):  # only pytest-benchmark loaded: 0.4 s a run instead of 2.5
-        env = dict(os.environ, GATE_SLOWDOWN=slowdown, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONPATH=str(ROOT))
-        return subprocess.run([sys.executable, "-m", "pytest", "test_gate.py", "-q", "-p", "pytest_benchmark.plugin",
-                               "-p", "no:cacheprovider", "--benchmark-enable", *flags], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=120)
 
-    rec = pytest_("--benchmark-json=baselines.json")
-    assert rec.returncode == 0, rec.stdout + rec.stderr
-    saved = json.loads((tmp_path / "baselines.json").read_text())
-    assert {b["fullname"] for b in saved["benchmarks"]} == {"test_gate.py::test_kernel", "test_gate.py::test_other"}
-    assert all(b["stats"]["median"] == pytest.approx(0.002, rel=1e-9) for b in saved["benchmarks"])  # GPU seconds
-    assert all(b["options"]["timer"] == "gpu_time" for b in saved["benchmarks"])  # the marker's timer, by name
-    gate = ("--benchmark-compare=baselines.json", "--benchmark-compare-fail=median:10%",
-            "--benchmark-json=current.json")
-    slow = pytest_(*gate, slowdown="1.3")
-    assert slow.returncode != 0
-    # pytest-benchmark logs the failed checks, then raises PerformanceRegression out of the terminal
-    # summary: exit code 1 and a traceback, after the JSON report was written
-    verdict = (slow.stdout + slow.stderr).split("Performance has regressed:", 1)[1].split("Traceback", 1)[0]
-    assert "test_kernel" in verdict and "'median' has failed" in verdict and "test_other" not in verdict
-    assert (tmp_path / "current.json").exists()
-    same = pytest_(*gate)
-    assert same.returncode == 0, same.stdout + same.stderr
-    missing = pytest_("--benchmark-compare=nothing-here.json", "--benchmark-compare-fail=median:10%")
-    assert missing.returncode == 4, missing.stdout + missing.stderr
-    assert "requires valid --benchmark-compare" in missing.stdout + missing.stderr
+def test_a_tiny_kernel_is_timed_over_repetitions_of_its_own():
+    """An 18 us kernel whose round edge costs 1 us more (the first kernel after the spin) and whose events
+    tick every 0.5 us: one repetition a round reads it 5.6% slow; bench() repeats it 64 times a round (at least
+    1 ms of work), each repetition on its own setup(), and records it within 0.1%."""
+    fake, clock, setups = FakeGPU(edge_s=1e-6, resolution_s=5e-7), [0.0], []
+
+    def setup():
+        setups.append(1)
+        return (), {}
+
+    alone = fake.round(lambda: fake.run(18e-6, 2e-5), [0.0])
+    for _ in range(5):
+        alone()
+    assert statistics.median(alone.gpu_s) == pytest.approx(19e-6)
+    stub, _ = _bench_on(fake, clock, lambda: fake.run(18e-6, 2e-5), setup)
+    assert stub.extra_info["reps"] == 64 and statistics.median(stub.times) == pytest.approx(18e-6, rel=1e-3)
+    assert len(setups) == WARMUP + 64 * (WARMUP_REPS + 5) + WALL_ROUNDS
+    assert stub.extra_info["queued_rounds"] == 1.0
+    stub, _ = _bench_on(fake, clock, lambda: fake.run(3e-3, 2e-5))  # a round of 1 ms or more: one repetition
+    assert stub.extra_info["reps"] == 1
+
+
+def _process(before: bool, settle: bool = True):
+    """One pytest process on a fake GPU: benchmark B (an 18 us kernel), alone or after benchmark A, which
+    compiles B's kernel (B's first call then skips the 0.2 s JIT on the host) and leaves 10 ms of dirty L2
+    lines for whatever runs next."""
+    fake, clock, compiled = FakeGPU(edge_s=1e-6, resolution_s=5e-7), [0.0], set()
+
+    def kernel(name: str, gpu_s: float) -> None:
+        fake.run(gpu_s, 2e-5 if name in compiled else 0.2)
+        compiled.add(name)
+
+    if before:
+        _bench_on(fake, clock, lambda: (kernel("gemm", 4e-3), kernel("norm", 18e-6)), settle=settle)
+        fake.dirty_s = 0.01
+    return _bench_on(fake, clock, lambda: kernel("norm", 18e-6), settle=settle)
+
+
+def test_a_benchmarks_warm_up_and_figures_do_not_depend_on_what_ran_before_it():
+    """B alone and B after A in one process: the same GPU work in the same order from B's settle on (its warm-up,
+    its repetitions, its timed rounds), the same spins from the rounds at its repetitions on (only the first
+    warm-up rounds' spins follow a JIT on the host), and the same figures. Without settle's flush, A's dirty
+    lines are paid inside B's timed rounds, and B's figure depends on A."""
+    (alone, log_alone), (after, log_after) = _process(False), _process(True)
+    assert log_alone[0] == log_after[0] == ("settle",)
+    assert [op for op in log_alone if op[0] == "run"] == [op for op in log_after if op[0] == "run"]
+    spins = [[op[1] for op in log if op[0] == "spin"][1 + WARMUP:] for log in (log_alone, log_after)]
+    assert spins[1] == pytest.approx(spins[0], rel=1e-6)  # up to the host clock's float rounding
+    assert len(set(spins[0][WARMUP_REPS:])) == 1  # the held spin of the timed rounds
+    assert alone.extra_info["reps"] == after.extra_info["reps"] == 64
+    assert after.times == pytest.approx(alone.times, rel=1e-3)
+    (plain, _), (polluted, _) = _process(False, settle=False), _process(True, settle=False)
+    assert statistics.median(polluted.times) > 1.5 * statistics.median(plain.times)
+
+
+def test_a_repetition_never_accumulates_into_the_previous_ones_gradients():
+    """A round's repetitions may reuse an input set: fwd+bwd drops the gradients it would accumulate into, on
+    the host, so repeating it leaves what one call leaves."""
+    case = component_case(TINY, Run(2, 8, "amp"), "efficient", "mlp", "cpu")
+    (inputs, grad), _ = case.setup()
+    case.fwd_bwd(inputs, grad)
+    once = [p.grad.clone() for p in case.module.parameters()] + [inputs[0].grad.clone()]
+    case.fwd_bwd(inputs, grad)
+    twice = [p.grad for p in case.module.parameters()] + [inputs[0].grad]
+    assert all(torch.equal(a, b) for a, b in zip(once, twice))
+
+
+def test_repetitions_halve_until_a_round_is_queued():
+    """A fake GPU that queues 200 pending kernels: while it spins, the host's 201st launch waits for the spin to
+    end, so a round of 64 repetitions of a 10-kernel, 18 us step is never queued behind its spin. bench() halves
+    the repetitions to 16 (160 launches a round), whose rounds are all queued, and times the step there."""
+    fake, clock = FakeGPU(queue=200), [0.0]
+
+    def step():
+        for _ in range(10):
+            fake.run(1.8e-6, 5e-6)
+
+    stub, _ = _bench_on(fake, clock, step)
+    assert stub.extra_info["reps"] == 16 and stub.extra_info["queued_rounds"] == 1.0
+    assert statistics.median(stub.times) == pytest.approx(18e-6)

@@ -85,8 +85,9 @@ def test_gate_check_runs_the_benchmark_files_in_the_suites_order():
 def test_a_baseline_on_another_timer_is_refused(tmp_path):
     """--benchmark-compare against figures timed by another clock (wall-clock seconds) is a one-line usage
     error, not a comparison of wall seconds with GPU seconds; a gpu_time file is accepted."""
-    wall = dict(benchmarks=[dict(fullname="x", options=dict(timer="perf_counter"), stats=dict(median=1.0))])
-    gpu = dict(benchmarks=[dict(fullname="x", options=dict(timer="gpu_time"), stats=dict(median=1.0))])
+    one = json.loads((ROOT / "baselines.json").read_text())["benchmarks"][0]
+    wall = dict(machine_info={}, benchmarks=[dict(one, options=dict(one["options"], timer="perf_counter"))])
+    gpu = dict(machine_info={}, benchmarks=[one])
     for data, rc in ((wall, 4), (gpu, 0)):
         path = tmp_path / f"{rc}.json"
         path.write_text(json.dumps(data))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from validations.bench_harness import bench
+from validations.bench_harness import WARMUP_REPS, bench
 from validations.bench_kernels import KERNEL_PHASES
 from validations.fake_gpu import REFS, BenchStub, FakeGPU
 from validations.slowdown import ENV, TARGETS, Slowdown, parse
@@ -63,13 +63,13 @@ def test_slowdown_adds_its_factor_of_the_kernels_own_gpu_time():
     for name, s in (("plain", None), ("slowed", sd)):
         stub = BenchStub(lambda: clock[0])
         bench(stub, work, lambda: ((), {}), refs=dict(REFS, sleep_cycles_per_s=fake.rate), rounds=5, warmup=2,
-              slowdown=s, make_round=lambda w: fake.round(w, clock), sync=lambda: None)
+              slowdown=s, make_round=lambda w: fake.round(w, clock), sync=lambda: None, settle=fake.settle)
         medians[name] = statistics.median(stub.times)
     assert medians["plain"] == pytest.approx(0.005) and medians["slowed"] == pytest.approx(0.0056)
     assert stub.extra_info["slowdown_injected"] == {"rms_norm": [pytest.approx(0.3)]}
-    # calls inside the work, 2 a round: warm-up, calibration, warm-up and timed rounds (recorded before the
-    # wall rounds); the call outside the work, before bench(), is not counted
-    assert stub.extra_info["slowdown_calls"] == {"rms_norm": 2 * (2 + Slowdown.ROUNDS + 2 + 5)}
+    # calls inside the work, 2 a round: warm-up, warm-up at the chosen repetitions, calibration and timed rounds
+    # (recorded before the wall rounds); the call outside the work, before bench(), is not counted
+    assert stub.extra_info["slowdown_calls"] == {"rms_norm": 2 * (2 + WARMUP_REPS + Slowdown.ROUNDS + 5)}
     with pytest.raises(RuntimeError, match="not seen while calibrating"):
         ns.kernel(torch.zeros(2, 8))
     sd.uninstall()
