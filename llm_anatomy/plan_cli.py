@@ -119,6 +119,11 @@ def render(a, out: dict) -> list[str]:
                  f"{b['tokens_per_s']:,.0f} tokens/s, {gib(b['peak_bytes'])} GiB per rank of {gib(out['budget_bytes'])} "
                  f"GiB, step {b['step_s'] * 1e3:,.1f} ms")
     lines.append(f"details: {estimate_command(a, b, out)}")
+    if (rg := out.get("range")) is not None:
+        lines.append(f"times from a derived profile (the measured H200's kernel efficiencies on {out['gpu']}'s "
+                     f"datasheet, docs/derived-gpus.md): plausible range {rg['low']['tokens_per_s']:,.0f} to "
+                     f"{rg['high']['tokens_per_s']:,.0f} tokens/s, MFU {rg['low']['mfu']:.1%} to {rg['high']['mfu']:.1%}; "
+                     f"--gpu {out['gpu_entry']}-datasheet times the datasheet roofline")
     if out["profile_kind"] == "datasheet":
         lines.append(f"times from {out['gpu']}'s datasheet figures (no calibration: optimistic; a profile from "
                      "`anatomy calibrate` on the GPU, or h200-measured, is what the timing claims hold to)")

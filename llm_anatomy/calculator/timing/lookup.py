@@ -12,6 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from llm_anatomy.calculator import gpus
+from llm_anatomy.calculator.timing import derived
 from llm_anatomy.calculator.timing.fit import from_measured
 from llm_anatomy.calculator.timing.profile import Profile, check_measured, datasheet, from_dict
 from llm_anatomy.config import ConfigError
@@ -41,7 +42,25 @@ def profile_stem(base: str) -> str:
 
 
 def names() -> list[str]:
-    return [*gpus.GPUS, *measured_files()]
+    return [*gpus.GPUS, *measured_files(), *(f"{k}-{kind}" for k in gpus.GPUS for kind in ("derived", "datasheet"))]
+
+
+# "<gpu>-datasheet": the datasheet roofline; "<gpu>-derived[-low|-high]": the derived profile (derived.py)
+_SUFFIXES = (("-derived-low", "low"), ("-derived-high", "high"), ("-derived", "point"), ("-datasheet", None))
+
+
+def by_table_name(s: str) -> Profile | None:
+    """The profile a GPU table name stands for, or None: a plain name times with its derived profile where
+    one exists (every part but the measured base's own, derived.has_derived), else its datasheet; the
+    suffixes name either one, or a derived bound."""
+    low = s.lower().replace("_", "-")
+    for suffix, bound in _SUFFIXES:
+        if low.endswith(suffix) and (k := gpus.key(low.removesuffix(suffix))) is not None:
+            return datasheet(k) if bound is None else derived.derive(k, bound)
+    k = gpus.key(s)
+    if k is None:
+        return None
+    return derived.derive(k) if derived.has_derived(k) else datasheet(k)
 
 
 def get(gpu: str | Path | Mapping) -> Profile:
@@ -57,9 +76,8 @@ def get(gpu: str | Path | Mapping) -> Profile:
         raise ConfigError("empty gpu profile: give a name or a profile .json path")
     if s.endswith(".json"):
         return load(s)
-    k = gpus.key(s)
-    if k is not None:
-        return datasheet(k)
+    if (prof := by_table_name(s)) is not None:
+        return prof
     low = s.lower().replace("_", "-").replace(":measured", "-measured")
     files = measured_files()
     for kind in ("measured", "calibrated"):
