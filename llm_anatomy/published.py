@@ -101,3 +101,20 @@ def table(cmp: dict) -> str:
                      f"({p['low']['tokens_per_s']:,.0f}-{p['high']['tokens_per_s']:,.0f}) | "
                      f"{r['ratio']['derived']:.2f} | {r['ratio']['datasheet']:.2f} |")
     return "\n".join(lines)
+
+
+def profiles_table() -> str:
+    """Each table GPU's derived figures, as the markdown table docs/derived-gpus.md carries."""
+    from llm_anatomy.calculator import gpus
+    from llm_anatomy.calculator.timing import derived, lookup
+
+    base = lookup.get(derived.BASE)
+    lines = ["| GPU | generation | GEMM TFLOP/s of peak | copy GB/s of datasheet | sustained GEMM ratio (low-high) "
+             "| fraction spread |", "|---|---|---:|---:|---:|---:|"]
+    for k in gpus.GPUS:
+        d, low, ds = derived.derive(k), derived.derive(k, "low"), lookup.datasheet(k)
+        lines.append(f"| {k} | {derived.GENERATION[k]} | {d.matmul_flops['bfloat16'] / 1e12:,.0f} of "
+                     f"{d.peak_flops['bfloat16'] / 1e12:,.0f} | {d.hbm_Bps / 1e9:,.0f} of {ds.hbm_Bps / 1e9:,.0f} | "
+                     f"{d.sustained_ratio['matmul']:.3f} ({low.sustained_ratio['matmul']:.3f}-1) | "
+                     f"±{derived.spread(k, base)[0]:.0%} |")
+    return "\n".join(lines)

@@ -137,6 +137,7 @@ def derive(target: str, bound: str = "point", base_name: str = BASE) -> Profile:
         matmul_k_half=same_kernels, matmul_misaligned=same_kernels, matmul_fp32_accumulate=same_kernels,
         matmul_accumulate_bw=same_kernels,
         matmul_misaligned_accumulate=f"{b}'s fallback-kernel rates x the bf16 peak ratio",
+        matmul_loop_fit=f"{b}'s back-to-back GEMM fit x the bf16 peak ratio (reports only)",
         hbm_Bps=f"{b}'s copy as a fraction of its datasheet bandwidth x this part's ({ds.sources['hbm_Bps']})",
         attention=f"{b}'s SDPA rates x the bf16 peak ratio ({peak_ratio:.3f})",
         sdpa_schedule=f"{b}'s CTA costs x the per-SM bf16 peak ratio; the fixed term unchanged",
