@@ -180,10 +180,10 @@ def profile_kind(gpu: str) -> str:
 
 def derived_bounds(gpu: str) -> dict | None:
     """{low, high: profile name, source: what the range spans} where --gpu times with a derived profile."""
-    from llm_anatomy.calculator.timing import derived
+    from llm_anatomy.calculator.timing import lookup
 
-    names = derived.bound_names(gpu)
-    return None if names is None else dict(names, source=derived.range_source(gpu))
+    names = lookup.bound_names(gpu)
+    return None if names is None else dict(names, source=lookup.range_source(gpu))
 
 
 def mk_run(c: Candidate, seq: int, dtype: str) -> Run:

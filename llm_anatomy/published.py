@@ -112,7 +112,7 @@ def profiles_table() -> str:
     lines = ["| GPU | generation | GEMM TFLOP/s of peak | copy GB/s of datasheet | sustained GEMM ratio (low-high) "
              "| fraction spread |", "|---|---|---:|---:|---:|---:|"]
     for k in gpus.GPUS:
-        d, low, ds = derived.derive(k), derived.derive(k, "low"), lookup.datasheet(k)
+        d, low, ds = lookup.get(f"{k}-derived"), lookup.get(f"{k}-derived-low"), lookup.datasheet(k)
         lines.append(f"| {k} | {derived.GENERATION[k]} | {d.matmul_flops['bfloat16'] / 1e12:,.0f} of "
                      f"{d.peak_flops['bfloat16'] / 1e12:,.0f} | {d.hbm_Bps / 1e9:,.0f} of {ds.hbm_Bps / 1e9:,.0f} | "
                      f"{d.sustained_ratio['matmul']:.3f} ({low.sustained_ratio['matmul']:.3f}-1) | "

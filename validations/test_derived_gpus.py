@@ -21,6 +21,11 @@ OTHERS = [k for k in gpus.GPUS if k != "h200-sxm"]
 NOT_FIGURES = {"name", "display", "kind", "provenance", "sources", "matmul_fit"}
 
 
+def named(gpu: str, bound: str) -> str:
+    """The profile name of a derived bound: h100-sxm-derived, h100-sxm-derived-low, ..."""
+    return f"{gpu}-derived" + ("" if bound == "point" else f"-{bound}")
+
+
 def close(a, b, rel=1e-12) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(close(a[k], b[k], rel) for k in a)
@@ -34,7 +39,7 @@ def close(a, b, rel=1e-12) -> bool:
 def test_h200_derived_from_its_own_measurement_reproduces_it():
     """Carrying the H200's fractions over to the H200's own datasheet gives back every measured rate (same
     generation, same clocks: every scale factor is 1) and the same predicted step."""
-    d, m = derived.derive("h200-sxm"), get(MEASURED)
+    d, m = get("h200-sxm-derived"), get(MEASURED)
     for f in ("matmul_flops", "matmul_k_half", "mfu_peak_flops", "hbm_Bps", "launch_s", "kernel_gap_s", "host_op_s",
               "attention", "sdpa_schedule", "fused_rows", "matmul_misaligned", "matmul_misaligned_accumulate",
               "sustained_ratio", "sustained_tau_s"):
@@ -48,7 +53,7 @@ def test_h200_derived_from_its_own_measurement_reproduces_it():
 def test_fractions_of_the_roof_carry_over(gpu):
     """The GEMM, copy and SDPA rates keep the measured H200's fraction of their roof; each calibrated op keeps
     its fraction of the copy bandwidth; launch and host figures are the H200's unchanged."""
-    d, m, ds, hds = derived.derive(gpu), get(MEASURED), lookup.datasheet(gpu), lookup.datasheet("h200-sxm")
+    d, m, ds, hds = get(f"{gpu}-derived"), get(MEASURED), lookup.datasheet(gpu), lookup.datasheet("h200-sxm")
     bf = "bfloat16"
     assert math.isclose(d.matmul_flops[bf] / ds.peak_flops[bf], m.matmul_flops[bf] / hds.peak_flops[bf], rel_tol=1e-12)
     assert math.isclose(d.hbm_Bps / ds.hbm_Bps, m.hbm_Bps / hds.hbm_Bps, rel_tol=1e-12)
@@ -70,27 +75,27 @@ def test_sustained_ratio_carries_the_share_of_the_clock_gap():
     share = (1 - m.sustained_ratio["matmul"]) / (1 - 1590 / 1980)
     for gpu in OTHERS:
         boost, base, _, _ = derived.clocks.clock(gpu)
-        assert math.isclose(derived.derive(gpu).sustained_ratio["matmul"], 1 - share * (1 - base / boost))
-        assert derived.derive(gpu, "low").sustained_ratio["matmul"] == pytest.approx(base / boost)
-        assert derived.derive(gpu, "high").sustained_ratio["matmul"] == 1.0
+        assert math.isclose(get(f"{gpu}-derived").sustained_ratio["matmul"], 1 - share * (1 - base / boost))
+        assert get(f"{gpu}-derived-low").sustained_ratio["matmul"] == pytest.approx(base / boost)
+        assert get(f"{gpu}-derived-high").sustained_ratio["matmul"] == 1.0
 
 
 @pytest.mark.parametrize("gpu", list(gpus.GPUS))
 def test_every_derived_figure_names_its_source(gpu):
     for bound in derived.BOUNDS:
-        d = derived.derive(gpu, bound)
+        d = get(named(gpu, bound))
         missing = [f for f in d if f not in NOT_FIGURES and not (isinstance(d.sources.get(f), str) and d.sources[f])]
         assert missing == [], (gpu, bound)
         assert d.sources["range"].startswith(f"bound {bound}")
     same = derived.GENERATION[gpu] == "hopper"
-    assert ("assumption" in derived.derive(gpu).sources["generation"]) is not same
+    assert ("assumption" in get(f"{gpu}-derived").sources["generation"]) is not same
 
 
 @pytest.mark.parametrize("gpu", list(gpus.GPUS))
 def test_range_contains_the_point_estimate(gpu):
     """On a GPU-bound step (the range bounds the GPU's rates; a host-bound step's host is the CPU's)."""
     cfg, run = ModelConfig.from_name("llama2-7b"), Run(batch=2, seq=4096, recompute="mlp")
-    t = {b: estimate_time(cfg, run, gpu=derived.derive(gpu, b), with_kernels=False)["steady"]["step_s"]
+    t = {b: estimate_time(cfg, run, gpu=named(gpu, b), with_kernels=False)["steady"]["step_s"]
          for b in derived.BOUNDS}
     assert t["high"] < t["point"] < t["low"], t
 
@@ -114,8 +119,8 @@ def test_names_reach_the_derived_the_datasheet_and_the_bounds():
     assert get("l40s-derived-low").name == "l40s-derived-low"
     assert get("H200").kind == "datasheet" and get(MEASURED).kind == "measured"  # the base keeps its names
     assert gpus.base_key("h100-sxm-derived-high") == gpus.base_key("h100-datasheet") == "h100-sxm"
-    assert derived.bound_names("H100") == {"low": "h100-sxm-derived-low", "high": "h100-sxm-derived-high"}
-    assert derived.bound_names("H100-datasheet") is None and derived.bound_names(MEASURED) is None
+    assert lookup.bound_names("H100") == {"low": "h100-sxm-derived-low", "high": "h100-sxm-derived-high"}
+    assert lookup.bound_names("H100-datasheet") is None and lookup.bound_names(MEASURED) is None
     with pytest.raises(ConfigError) as e:
         get("h100-derived-middle")
     assert "\n" not in str(e.value)

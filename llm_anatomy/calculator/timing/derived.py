@@ -27,8 +27,6 @@ The point estimate lies inside the range by construction (validations/test_deriv
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 from llm_anatomy.calculator import clocks, gpus
 from llm_anatomy.calculator.timing.profile import Profile, datasheet
 
@@ -102,15 +100,24 @@ def _attention(table: dict, f: float) -> dict:
     return {k: _attention(v, f) if isinstance(v, dict) else v * f for k, v in table.items()}
 
 
-@lru_cache(maxsize=64)
-def derive(target: str, bound: str = "point", base_name: str = BASE) -> Profile:
-    """The derived profile of a GPU table entry (a name as users type it) from a measured base profile."""
-    from llm_anatomy.calculator.timing.lookup import get
+_DERIVED: dict[tuple, tuple[Profile, Profile]] = {}  # (key, bound, id(base)) -> (base, derived): built once
 
+
+def derive(target: str, bound: str, base: Profile) -> Profile:
+    """The derived profile of a GPU table entry (a name as users type it) from a measured base profile
+    (lookup.get(BASE): lookup.py resolves the names, `<gpu>-derived[-low|-high]`). One object per (GPU, bound,
+    base), so the timing model's per-profile caches (registry, layout) serve every estimate on it."""
     if bound not in BOUNDS:
         raise ValueError(f"bound must be one of {BOUNDS}, not {bound!r}")
     k = gpus.entry(target)["name"]
-    base, ds, bds = get(base_name), datasheet(k), datasheet(gpus.base_key(get(base_name).name) or "h200-sxm")
+    hit = _DERIVED.get((k, bound, id(base)))
+    if hit is None or hit[0] is not base:
+        hit = _DERIVED[(k, bound, id(base))] = (base, _derive(k, bound, base))
+    return hit[1]
+
+
+def _derive(k: str, bound: str, base: Profile) -> Profile:
+    ds, bds = datasheet(k), datasheet(gpus.base_key(base.name) or "h200-sxm")
     u, usrc = spread(k, base)
     band = {"point": 1.0, "low": 1.0 - u, "high": 1.0 + u}[bound]
     flops = lambda frac: min(frac * band, 1.0)  # noqa: E731 (a fraction of the roof, never above it)
@@ -178,22 +185,3 @@ def has_derived(name: str) -> bool:
     k = gpus.key(name)
     return k is not None and k != gpus.base_key(BASE)
 
-
-def bound_names(gpu) -> dict | None:
-    """{"low": name, "high": name} of the bounds of the derived profile a --gpu value stands for, or None
-    where it is not a derived profile (a measured or datasheet profile has no range)."""
-    from llm_anatomy.calculator.timing.lookup import get
-
-    prof = get(gpu)
-    if prof.kind != "derived":
-        return None
-    point = prof.name.removesuffix("-low").removesuffix("-high")
-    return {b: f"{point}-{b}" for b in ("low", "high")}
-
-
-def range_source(gpu) -> str:
-    """What the range of a derived profile spans, in one sentence (its bounds' stated sources)."""
-    from llm_anatomy.calculator.timing.lookup import get
-
-    names = bound_names(gpu) or {}
-    return "; ".join(f"{b}: {get(n).sources['range']}" for b, n in names.items())

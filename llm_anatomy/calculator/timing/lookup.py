@@ -56,11 +56,26 @@ def by_table_name(s: str) -> Profile | None:
     low = s.lower().replace("_", "-")
     for suffix, bound in _SUFFIXES:
         if low.endswith(suffix) and (k := gpus.key(low.removesuffix(suffix))) is not None:
-            return datasheet(k) if bound is None else derived.derive(k, bound)
+            return datasheet(k) if bound is None else derived.derive(k, bound, get(derived.BASE))
     k = gpus.key(s)
     if k is None:
         return None
-    return derived.derive(k) if derived.has_derived(k) else datasheet(k)
+    return derived.derive(k, "point", get(derived.BASE)) if derived.has_derived(k) else datasheet(k)
+
+
+def bound_names(gpu) -> dict | None:
+    """{"low": name, "high": name} of the bounds of the derived profile a --gpu value stands for, or None
+    where it is not a derived profile (a measured or datasheet profile has no range)."""
+    prof = get(gpu)
+    if prof.kind != "derived":
+        return None
+    point = prof.name.removesuffix("-low").removesuffix("-high")
+    return {b: f"{point}-{b}" for b in ("low", "high")}
+
+
+def range_source(gpu) -> str:
+    """What the range of a derived profile spans, in one sentence (its bounds' stated sources)."""
+    return "; ".join(f"{b}: {get(n).sources['range']}" for b, n in (bound_names(gpu) or {}).items())
 
 
 def get(gpu: str | Path | Mapping) -> Profile:
