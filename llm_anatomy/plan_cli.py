@@ -22,7 +22,8 @@ def parser() -> Parser:
     add_model_flags(p)
     g = p.add_argument_group("run")
     g.add_argument("--gpu", required=True, type=nonempty, metavar="NAME|PATH",
-                   help="the GPU: a datasheet name (H100, H200, A100-80GB, L40S, RTX4090, ...), a measured profile "
+                   help="the GPU: a table name (H100, A100-80GB, L40S, RTX4090, ...: a profile derived from the "
+                        "measured H200, with a range; H200: its datasheet), <name>-datasheet, a measured profile "
                         "(h200-measured), or a profile JSON written by `anatomy calibrate`")
     g.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs in the data-parallel group")
     g.add_argument("--gpus-per-node", type=int, default=8, metavar="N",

@@ -1,5 +1,5 @@
-"""Write the published-runs comparison (llm_anatomy/published.py) to reports/derived-gpus/published.json and print
-its table (pure Python, no GPU):
+"""Write the published-runs comparison (llm_anatomy/report/published.py) to reports/derived-gpus/published.json
+and print its table (pure Python, no GPU):
 
     python3 -m scripts.compare_published [--check]
 
@@ -13,7 +13,7 @@ import sys
 
 from llm_anatomy.io import write_atomic
 from llm_anatomy import records
-from llm_anatomy.published import comparison, table
+from llm_anatomy.report.published import comparison, table
 
 
 def render(cmp: dict) -> str:

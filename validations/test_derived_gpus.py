@@ -1,6 +1,6 @@
 """Derived profiles (llm_anatomy/calculator/timing/derived.py): the rules that carry the measured H200's kernel
 efficiencies over to another GPU's datasheet, the range around each derived estimate, the names that reach them,
-and the committed comparison against published runs (llm_anatomy/published.py)."""
+and the committed comparison against published runs (llm_anatomy/report/published.py)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from llm_anatomy import records
 from llm_anatomy.calculator import gpus
 from llm_anatomy.calculator.timing import derived, estimate_time, get, lookup, registry
 from llm_anatomy.config import ConfigError, ModelConfig, Run
-from llm_anatomy.published import comparison, profiles_table, table
+from llm_anatomy.report.published import comparison, profiles_table, table
 
 ROOT = records.ROOT
 MEASURED = "h200-measured"
