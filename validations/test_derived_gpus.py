@@ -58,7 +58,12 @@ def test_fractions_of_the_roof_carry_over(gpu):
     assert math.isclose(d.matmul_flops[bf] / ds.peak_flops[bf], m.matmul_flops[bf] / hds.peak_flops[bf], rel_tol=1e-12)
     assert math.isclose(d.hbm_Bps / ds.hbm_Bps, m.hbm_Bps / hds.hbm_Bps, rel_tol=1e-12)
     att = lambda p: p.attention["cudnn"]["128"]["fwd_bwd"] / p.peak_flops[bf]  # noqa: E731
-    assert math.isclose(att(d), att(m) * hds.peak_flops[bf] / hds.peak_flops[bf], rel_tol=1e-12)
+    assert math.isclose(att(d), att(m), rel_tol=1e-12)
+    per_sm = (hds.peak_flops[bf] / hds.sms) / (ds.peak_flops[bf] / ds.sms)  # a CTA's cost follows its SM's peak
+    for ph in ("forward", "backward"):
+        got, was = d.sdpa_schedule["cudnn"]["128"][ph], m.sdpa_schedule["cudnn"]["128"][ph]
+        assert math.isclose(got["c"], was["c"] * per_sm) and math.isclose(got["o"], was["o"] * per_sm)
+        assert got["a"] == was["a"]
     for op, width in (("rms_norm.forward", 4096), ("swiglu.backward", 14336), ("residual_add", 4096)):
         assert math.isclose(registry.efficiency(d, op, width, 16384), registry.efficiency(m, op, width, 16384),
                             rel_tol=1e-9), op

@@ -1,5 +1,6 @@
 """Derived profiles: a GPU without a calibration, timed by carrying the measured H200 profile's behaviour
-over to that GPU's datasheet (docs/timing.md, "Derived profiles", states every rule below with its source).
+over to that GPU's datasheet (docs/derived-gpus.md states every rule below with its source; docs/timing.md,
+"Profiles", summarises them).
 
 Each kernel class's measured fraction of its datasheet roof is kept, and the roof is the target's:
 
