@@ -314,7 +314,8 @@ def _main(argv: list[str]) -> int:
                             help="GPUs per node: beyond one node, collectives cross the inter-node network")
             sp.add_argument("--gpu", type=nonempty, metavar="NAME|PATH",
                             help="predict the step time on this GPU: a name (H200, H100, A100-80GB, RTX4090, "
-                                 "h200-measured, ...) or a profile JSON written by `anatomy calibrate`")
+                                 "h200-measured, H100-datasheet, ...; docs/derived-gpus.md) or a profile JSON "
+                                 "written by `anatomy calibrate`")
     a = p.parse_args(argv)
     try:
         cfg = config_from_args(a)

@@ -62,6 +62,18 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
                                          "components", "sources")
                        if k in t} | {"gpu": gpu, "profile": t["gpu"], "profile_kind": t["profile_kind"],
                                      "optimizer": optimizer}
+        if t["profile_kind"] == "derived":  # its plausible range: the same step on the bounds' profiles
+            from llm_anatomy.plan import derived_bounds
+
+            bounds = derived_bounds(gpu)
+            out["time"]["range"] = dict(source=bounds.pop("source"))
+            for b, name in bounds.items():
+                tb = estimate_time(cfg, run, variant, gpu=name, optimizer=optimizer, with_kernels=False,
+                                   est=est if device == "cuda" else None)
+                out["time"]["range"][b] = dict(gpu=name, forward_backward_s=tb["forward_backward_s"],
+                                               step_s=tb["step_s"], steady_step_s=tb["steady"]["step_s"],
+                                               tokens_per_s=run.tokens / tb["forward_backward_s"],
+                                               mfu=tb["mfu"]["model"])
         gpu_s = {p: v["gpu_s"] for p, v in t["phases"].items()}  # the kernels' time, the GPU's idle time left out
         out["time"]["gpu_busy_s"] = dict(forward_backward=gpu_s["forward"] + gpu_s["backward"],
                                          step=sum(gpu_s.values()))
@@ -148,6 +160,14 @@ def print_estimate(con, out: dict) -> None:
                       "one (docs/timing.md), while its kernel time held to ±10%")
         from llm_anatomy.calculator.timing import lookup as gpus
 
+        if (rg := tm.get("range")) is not None:
+            con.print(f"derived profile {tm['profile']} (the measured H200's kernel efficiencies on this part's "
+                      f"datasheet, docs/derived-gpus.md): plausible range of the steady step "
+                      f"{rg['high']['steady_step_s'] * 1e3:,.1f} to {rg['low']['steady_step_s'] * 1e3:,.1f} ms, "
+                      f"forward+backward {rg['high']['forward_backward_s'] * 1e3:,.1f} to "
+                      f"{rg['low']['forward_backward_s'] * 1e3:,.1f} ms ({rg['low']['tokens_per_s']:,.0f} to "
+                      f"{rg['high']['tokens_per_s']:,.0f} tokens/s); --gpu {tm['profile'].removesuffix('-derived')}"
+                      "-datasheet times the datasheet roofline")
         measured = f"{gpus.profile_stem(tm['profile'])}-measured"
         if tm["profile_kind"] == "datasheet" and measured in gpus.names():
             con.print(f"(from datasheet figures; --gpu {measured} uses the profile `anatomy calibrate` measured on "

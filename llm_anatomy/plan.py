@@ -152,8 +152,15 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
                                   gpus_n * b * seq / t["step_s"], t["mfu"]))
     fitting = [r for r in rows if r.fits]
     best = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
+    spread = None  # a derived profile's plausible range of the best setting (timing/derived.py)
+    if best is not None and (bounds := derived_bounds(gpu)) is not None:
+        spread = dict(source=bounds.pop("source"))
+        for b, name in bounds.items():
+            t = step_time(cfg, mk_run(best, seq, dtype), variant, name, gpus_n, best.strategy, optimizer, gpus_per_node)
+            spread[b] = dict(gpu=name, step_s=t["step_s"], tokens_per_s=gpus_n * best.micro_batch * seq / t["step_s"],
+                             mfu=t["mfu"])
     return dict(config=cfg.to_dict(), variant=variant, lean=lean and variant == "efficient", gpu=gpu, gpu_entry=entry["name"], gpus=gpus_n,
-                profile_kind="datasheet" if from_datasheet(gpu) else "measured",
+                profile_kind=profile_kind(gpu), range=spread,
                 gpu_rule=gpus.rule(gpu), gpus_per_node=gpus_per_node, seq=seq, dtype=dtype, optimizer=optimizer, margin=margin,
                 capacity_bytes=capacity, capacity_source=capacity_source, budget_bytes=budget,
                 candidates=[asdict(r) for r in rows], best=asdict(best) if best else None)
@@ -161,9 +168,27 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
 
 def from_datasheet(gpu: str) -> bool:
     """Whether --gpu names the datasheet figures (a roofline without calibration) rather than a measured profile."""
+    return profile_kind(gpu) == "datasheet"
+
+
+def profile_kind(gpu: str) -> str:
+    """The kind of profile --gpu times with: datasheet, derived (timing/derived.py) or measured."""
     from llm_anatomy.calculator.timing import lookup
 
-    return lookup.get(gpu)["kind"] == "datasheet"
+    return lookup.get(gpu)["kind"]
+
+
+def derived_bounds(gpu: str) -> dict | None:
+    """{low, high: profile name, source: what the range spans} where --gpu times with a derived profile."""
+    from llm_anatomy.calculator.timing import lookup
+
+    names = lookup.bound_names(gpu)
+    return None if names is None else dict(names, source=lookup.range_source(gpu))
+
+
+def mk_run(c: Candidate, seq: int, dtype: str) -> Run:
+    """The run a candidate stands for."""
+    return Run(batch=c.micro_batch, seq=seq, dtype=dtype, recompute=c.recompute, lean=c.lean)
 
 
 def max_batch(seq: int) -> int:

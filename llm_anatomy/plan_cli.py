@@ -22,7 +22,8 @@ def parser() -> Parser:
     add_model_flags(p)
     g = p.add_argument_group("run")
     g.add_argument("--gpu", required=True, type=nonempty, metavar="NAME|PATH",
-                   help="the GPU: a datasheet name (H100, H200, A100-80GB, L40S, RTX4090, ...), a measured profile "
+                   help="the GPU: a table name (H100, A100-80GB, L40S, RTX4090, ...: a profile derived from the "
+                        "measured H200, with a range; H200: its datasheet), <name>-datasheet, a measured profile "
                         "(h200-measured), or a profile JSON written by `anatomy calibrate`")
     g.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs in the data-parallel group")
     g.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
@@ -119,6 +120,11 @@ def render(a, out: dict) -> list[str]:
                  f"{b['tokens_per_s']:,.0f} tokens/s, {gib(b['peak_bytes'])} GiB per rank of {gib(out['budget_bytes'])} "
                  f"GiB, step {b['step_s'] * 1e3:,.1f} ms")
     lines.append(f"details: {estimate_command(a, b, out)}")
+    if (rg := out.get("range")) is not None:
+        lines.append(f"times from a derived profile (the measured H200's kernel efficiencies on {out['gpu']}'s "
+                     f"datasheet, docs/derived-gpus.md): plausible range {rg['low']['tokens_per_s']:,.0f} to "
+                     f"{rg['high']['tokens_per_s']:,.0f} tokens/s, MFU {rg['low']['mfu']:.1%} to {rg['high']['mfu']:.1%}; "
+                     f"--gpu {out['gpu_entry']}-datasheet times the datasheet roofline")
     if out["profile_kind"] == "datasheet":
         lines.append(f"times from {out['gpu']}'s datasheet figures (no calibration: optimistic; a profile from "
                      "`anatomy calibrate` on the GPU, or h200-measured, is what the timing claims hold to)")

@@ -131,6 +131,8 @@ def _layout(root: Path) -> dict:
         # `anatomy train` on the seed config, baseline and efficient, from the same weights and data
         LOSS_CURVES=h200 / "training" / "loss-curves-seed.json",
         LOSS_CURVES_ENV=h200 / "training" / "env.json",
+        # scripts/compare_published.py: published runs on other GPUs against the derived profiles (no GPU needed)
+        DERIVED_GPUS=reports / "derived-gpus" / "published.json",
     )
 
 

@@ -46,7 +46,7 @@ def test_unknown_gpu_is_one_line_config_error():
 
 @pytest.mark.parametrize("name", sorted(gpus.GPUS))
 def test_datasheet_profiles_carry_sources(name):
-    p = timing.get(name)
+    p = timing.get(f"{name}-datasheet")
     assert p["kind"] == "datasheet" and p["sms"] > 0 and p["hbm_Bps"] > 0
     assert p["peak_flops"]["bfloat16"] > p["peak_flops"]["float32"] > 0
     for key in ("peak_flops", "hbm_Bps", "sms"):
@@ -57,7 +57,8 @@ def test_datasheet_profiles_carry_sources(name):
 
 def test_datasheet_figures():
     """Dense (no 2:4 sparsity) bf16 with fp32 accumulate, and HBM bandwidth, as the sources print them."""
-    got = {n: (timing.get(n)["peak_flops"]["bfloat16"] / 1e12, timing.get(n)["hbm_Bps"] / 1e9) for n in gpus.GPUS}
+    got = {n: (timing.get(f"{n}-datasheet")["peak_flops"]["bfloat16"] / 1e12, timing.get(f"{n}-datasheet")["hbm_Bps"] / 1e9)
+           for n in gpus.GPUS}
     assert got == {"a100-40gb-sxm": (312.0, 1555.0), "a100-80gb-sxm": (312.0, 2039.0), "h100-sxm": (989.4, 3350.0),
                    "h200-sxm": (989.4, 4800.0), "rtx-3090": (71.0, 936.0), "rtx-4090": (165.2, 1008.0),
                    "h100-pcie": (756.5, 2000.0), "l40s": (362.05, 864.0), "l4": (121.0, 300.0), "b200": (2250.0, 8000.0)}

@@ -33,7 +33,7 @@ def _kernel(res: dict, name: str) -> dict:
 
 # ---- predictions ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", timing.VARIANTS)
-@pytest.mark.parametrize("gpu", ["h200-measured", "h200-sxm", "a100-80gb-sxm", "rtx-4090"])
+@pytest.mark.parametrize("gpu", ["h200-measured", "h200-sxm", "a100-80gb-sxm-datasheet", "rtx-4090-datasheet"])
 @pytest.mark.parametrize("cfg", [SEED, GQA], ids=["seed", "gqa"])
 def test_predictions_positive_and_monotone(variant, gpu, cfg):
     """GPU time grows strictly with batch and sequence; the step time never shrinks (it is flat

@@ -241,9 +241,11 @@ _NVIDIA_SMI_MIB = {
 
 def base_key(name: str) -> str | None:
     """The table's key for a name, an alias or a profile name ("h200-measured", "h200-calibrated": the
-    datasheet part it was measured on), or None."""
+    datasheet part it was measured on; "h100-derived[-low|-high]", "h100-datasheet": that part), or None."""
     low = fold(name)
-    for suffix in ("measured", "calibrated"):
+    for suffix in ("low", "high", "derived", "datasheet", "measured", "calibrated"):
+        if suffix in ("low", "high") and not low.endswith("derived" + suffix):
+            continue
         low = low.removesuffix(suffix)
     return key(low)
 

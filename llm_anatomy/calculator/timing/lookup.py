@@ -12,6 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from llm_anatomy.calculator import gpus
+from llm_anatomy.calculator.timing import derived
 from llm_anatomy.calculator.timing.fit import from_measured
 from llm_anatomy.calculator.timing.profile import Profile, check_measured, datasheet, from_dict
 from llm_anatomy.config import ConfigError
@@ -41,7 +42,40 @@ def profile_stem(base: str) -> str:
 
 
 def names() -> list[str]:
-    return [*gpus.GPUS, *measured_files()]
+    return [*gpus.GPUS, *measured_files(), *(f"{k}-{kind}" for k in gpus.GPUS for kind in ("derived", "datasheet"))]
+
+
+# "<gpu>-datasheet": the datasheet roofline; "<gpu>-derived[-low|-high]": the derived profile (derived.py)
+_SUFFIXES = (("-derived-low", "low"), ("-derived-high", "high"), ("-derived", "point"), ("-datasheet", None))
+
+
+def by_table_name(s: str) -> Profile | None:
+    """The profile a GPU table name stands for, or None: a plain name times with its derived profile where
+    one exists (every part but the measured base's own, derived.has_derived), else its datasheet; the
+    suffixes name either one, or a derived bound."""
+    low = s.lower().replace("_", "-")
+    for suffix, bound in _SUFFIXES:
+        if low.endswith(suffix) and (k := gpus.key(low.removesuffix(suffix))) is not None:
+            return datasheet(k) if bound is None else derived.derive(k, bound, get(derived.BASE))
+    k = gpus.key(s)
+    if k is None:
+        return None
+    return derived.derive(k, "point", get(derived.BASE)) if derived.has_derived(k) else datasheet(k)
+
+
+def bound_names(gpu) -> dict | None:
+    """{"low": name, "high": name} of the bounds of the derived profile a --gpu value stands for, or None
+    where it is not a derived profile (a measured or datasheet profile has no range)."""
+    prof = get(gpu)
+    if prof.kind != "derived":
+        return None
+    point = prof.name.removesuffix("-low").removesuffix("-high")
+    return {b: f"{point}-{b}" for b in ("low", "high")}
+
+
+def range_source(gpu) -> str:
+    """What the range of a derived profile spans, in one sentence (its bounds' stated sources)."""
+    return "; ".join(f"{b}: {get(n).sources['range']}" for b, n in (bound_names(gpu) or {}).items())
 
 
 def get(gpu: str | Path | Mapping) -> Profile:
@@ -57,9 +91,8 @@ def get(gpu: str | Path | Mapping) -> Profile:
         raise ConfigError("empty gpu profile: give a name or a profile .json path")
     if s.endswith(".json"):
         return load(s)
-    k = gpus.key(s)
-    if k is not None:
-        return datasheet(k)
+    if (prof := by_table_name(s)) is not None:
+        return prof
     low = s.lower().replace("_", "-").replace(":measured", "-measured")
     files = measured_files()
     for kind in ("measured", "calibrated"):
