@@ -47,7 +47,7 @@ def layer(w, i: int, g: int) -> int:
     # ---- attention branch
     w.begin()
     w.alloc(gc)
-    go = w.linear(tag + "attention.o", H, H, gc, "attention.o.")  # d(merged heads), (T, H)
+    go = w.linear(tag + "attention.o", w.cfg.q_dim, H, gc, "attention.o.")  # d(merged heads), (T, H)
     w.alloc(T * H * c, -go)  # made contiguous as (B, nh, S, hd)
     w.alloc(kv_exp, scores * c)  # P@V's backward: d(v) expanded, d(P)
     w.peak(tag + "attention.pv")

@@ -67,7 +67,7 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
             o.mem(f"attention.{op}", "attention", "backward", rd, wr, L, fused=sxs(cal))
     o.mm("attention.scores.grad_q", "attention", "backward", S, hd, S, L, batch=B * nh)
     o.mm("attention.scores.grad_k", "attention", "backward", S, hd, S, L, batch=B * nh)
-    o.linear("attention.o", "attention", H, H, L)  # its input (merged heads) is already compute dtype
+    o.linear("attention.o", "attention", cfg.q_dim, H, L)  # its input (merged heads) is already compute dtype
     residual(o, "attention", L)
     # MLP: gate and up each cast x under amp; silu and mul are separate kernels
     o.linear("mlp.gate", "mlp", H, I, L, in_bytes=r)

@@ -60,7 +60,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
         # under GQA cuDNN's backward writes dK, dV per query head in fp32 and sums each group after
         # (fmha_reduce_head in the H200 traces): read 2 (T, H) fp32, write 2 (T, Hkv) in the compute dtype
         o.mem("attention.sdpa.gqa_reduce", "attention", "backward", 2 * T * H * 4, 2 * T * Hkv * c, L, host=None)
-    o.linear("attention.o", "attention", H, H, L, fp32_grad=fused)  # its input is a view of SDPA's output: no copy
+    o.linear("attention.o", "attention", cfg.q_dim, H, L, fp32_grad=fused)  # its input is a view of SDPA's output: no copy
     # where the residual adds run: in the block ("other"); in the MLP's checkpoint under "mlp"; in the block's
     # checkpoint, a module credited to attention (efficient/transformer.py, BlockCheckpoint), under "full"
     where = {"none": "other", "mlp": "mlp", "full": "attention"}[run.recompute]
@@ -112,7 +112,7 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
     of the node that asked for the re-run (down's backward: the MLP), as under "mlp"."""
     cfg, run, c, r = o.cfg, o.run, o.c, o.r
     B, S, T, H, L, I = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers, cfg.intermediate
-    nh, hd, D = cfg.heads, cfg.head_dim, cfg.hidden + 2 * cfg.kv_dim
+    nh, hd, D = cfg.heads, cfg.head_dim, cfg.q_dim + 2 * cfg.kv_dim
     full = run.recompute == "full"
     fw = ("rms_norm.forward", H)
     o.mem("norm.rms_norm.recompute", "norm", "backward", *fused_bytes(*fw, T, c, r), 2 * L, host=fw[0],
@@ -144,7 +144,7 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
     if o.amp:  # autocast's weight casts are made again too (its cache ends with each forward)
         casts = [("attention.qkv", "attention", D * H), ("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)]
         if full:
-            casts.insert(1, ("attention.o", "attention", H * H))
+            casts.insert(1, ("attention.o", "attention", cfg.q_dim * H))
         for name, comp, n in casts:
             o.mem(f"{name}.weight_cast.recompute", comp, "backward", n * o.p, n * c, L)
         if cfg.qkv_bias:  # autocast casts qkv's bias with its weight
@@ -156,9 +156,9 @@ def lean_kernels(o: Ops) -> None:
     backward casts its fp32 weight to bf16 again (the forward's cast is not kept). (h, down's input, is made
     again inside SwiGLU's backward pass: priced there, in efficient_kernels.)"""
     cfg, c = o.cfg, o.c
-    H, L, I, D = cfg.hidden, cfg.layers, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim
+    H, L, I, D = cfg.hidden, cfg.layers, cfg.intermediate, cfg.q_dim + 2 * cfg.kv_dim
     if o.amp:
-        for name, comp, n in (("attention.qkv", "attention", D * H), ("attention.o", "attention", H * H),
+        for name, comp, n in (("attention.qkv", "attention", D * H), ("attention.o", "attention", cfg.q_dim * H),
                               ("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)):
             o.mem(f"{name}.weight_recast", comp, "backward", n * o.p, n * c, L)
 
