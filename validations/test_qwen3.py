@@ -266,3 +266,28 @@ def test_lean_block_saved_exact(cfg, lean, claims):
     """The lean block (Run.lean) with qk-norm: what the efficient model keeps, exact."""
     run = Run(2, 8, "amp", lean=lean)
     test_efficient.check_saved(claims, cfg, run, f"{cfg}/lean={lean}")
+
+
+# ---- memory phases: the norms' saved tensors and their backward in the live storage ---------------------
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("variant, recompute", [("baseline", "none"), ("efficient", "none"), ("efficient", "mlp"),
+                                                ("efficient", "full")])
+@pytest.mark.parametrize("name", ["tiny-qwen3-wide", "tiny-qwen3-tied"])
+def test_phases_against_live_storage(name, variant, recompute, policy, claims):
+    """memory.phases on CPU against live storage (test_memory_walk's claims): the phase ends exact, the peak in
+    backward within ±3%, with q_norm's and k_norm's saved tensors, gradients and weight gradients walked."""
+    from validations.test_memory_walk import _check
+
+    _check(claims, QWEN3[name], Run(2, 16, policy, recompute=recompute), variant, "adamw",
+           f"{name}/B2S16/{policy}/{recompute}/adamw")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("variant, recompute", [("baseline", "none"), ("efficient", "none"), ("efficient", "full")])
+def test_phases_attention_bound(variant, recompute, policy, claims):
+    """A shape whose backward peak is in attention (S = 64 over a vocab of 16), where the qk-norm stages run."""
+    from validations.test_memory_walk import _check
+
+    cfg = ModelConfig(name="qwen3-attn-bound", hidden=32, layers=2, heads=4, kv_heads=2, head_dim=16,
+                      intermediate=32, vocab=16, qk_norm=True)
+    _check(claims, cfg, Run(1, 64, policy, recompute=recompute), variant, "adamw", f"attn-bound/{policy}/{recompute}")

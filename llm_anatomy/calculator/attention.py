@@ -55,6 +55,14 @@ def _qk_norm_saved_baseline(cfg: ModelConfig, run: Run) -> list[Saved]:
     return out
 
 
+def qk_norm_saved_efficient(cfg: ModelConfig, run: Run, count: int) -> list[Saved]:
+    """The fused q_norm and k_norm keep their inputs, views of the qkv output: one storage, `count` instances."""
+    if not cfg.qk_norm:
+        return []
+    return [Saved("attention.qk_norm.x", (run.tokens, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim),
+                  dtypes(run).compute, count, "the fused norms keep views of the qkv output; rstd is recomputed")]
+
+
 def _flops(cfg: ModelConfig, run: Run) -> tuple[int, int]:
     """(projection FLOPs, score + AV FLOPs) of one forward over all layers, no causal discount."""
     T, H, q, kv, L = run.tokens, cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.layers
@@ -123,9 +131,8 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     else:  # the fused norm already returns the compute dtype: one saved input for the single qkv matmul (in
         # the lean block its node keeps the fp32 weight, not its cast: llm_anatomy/kernels/lean.py)
         saved = linears_saved("attention", T, H, {"qkv": qkv}, dt, L, c, weight_cast=not run.lean_block)
-    if cfg.qk_norm and run.recompute != "full":  # q_norm and k_norm keep views of the qkv output: one storage
-        saved.append(Saved("attention.qk_norm.x", (T, qkv), c, L,
-                           "the fused norms keep their inputs, views of the qkv output; rstd is recomputed"))
+    if run.recompute != "full":
+        saved += qk_norm_saved_efficient(cfg, run, L)
     saved += [Saved("attention.rope_cos", (S, hd), "float32", 1, "rope_qkv (or the checkpoint) keeps the fp32 tables"),
               Saved("attention.rope_sin", (S, hd), "float32", 1, "built once per step, shared by all layers")]
     if run.recompute != "full":
