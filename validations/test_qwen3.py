@@ -291,3 +291,31 @@ def test_phases_attention_bound(variant, recompute, policy, claims):
     cfg = ModelConfig(name="qwen3-attn-bound", hidden=32, layers=2, heads=4, kv_heads=2, head_dim=16,
                       intermediate=32, vocab=16, qk_norm=True)
     _check(claims, cfg, Run(1, 64, policy, recompute=recompute), variant, "adamw", f"attn-bound/{policy}/{recompute}")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_phases_lean_block(policy, claims):
+    """The lean block (Run.lean) with qk-norm: the phase ends exact, the backward peak within ±3%."""
+    from validations.test_memory_walk import _check
+
+    _check(claims, QWEN3["tiny-qwen3-wide"], Run(1, 64, policy, lean=True), "efficient", "adamw",
+           f"tiny-qwen3-wide/B1S64/{policy}/lean/adamw")
+
+
+# ---- the timing model's kernel lists -------------------------------------------------------------------
+@pytest.mark.parametrize("variant, recompute", [("baseline", "none"), ("efficient", "none"), ("efficient", "full")])
+def test_kernel_lists_name_the_qk_norms(variant, recompute):
+    """q_norm and k_norm have kernels (forward and backward; re-run under full recompute) only with qk_norm, and
+    the attention kernels' bytes grow with heads x head_dim, not with hidden."""
+    from llm_anatomy.calculator.timing import kernels
+
+    cfg, run = from_hf_config(HF_CONFIGS["Qwen3-0.6B"]), Run(1, 1024, "amp", recompute=recompute)
+    names = {k.name for k in kernels(cfg, run, variant)}
+    for n in ("q_norm", "k_norm"):
+        assert any(f"attention.{n}" in k and "backward" in k for k in names)
+        assert any(f"attention.{n}" in k and "backward" not in k for k in names)
+    assert ("attention.q_norm.recompute" in names) == (recompute == "full")
+    plain = {k.name for k in kernels(dataclasses.replace(cfg, qk_norm=False), run, variant)}
+    assert not [k for k in plain if "_norm" in k and k.startswith("attention.")]
+    o = {k.name: k for k in kernels(cfg, run, variant)}["attention.o"]
+    assert o.flops == 2 * run.tokens * cfg.q_dim * cfg.hidden != 2 * run.tokens * cfg.hidden ** 2
