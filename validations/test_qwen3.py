@@ -319,3 +319,23 @@ def test_kernel_lists_name_the_qk_norms(variant, recompute):
     assert not [k for k in plain if "_norm" in k and k.startswith("attention.")]
     o = {k.name: k for k in kernels(cfg, run, variant)}["attention.o"]
     assert o.flops == 2 * run.tokens * cfg.q_dim * cfg.hidden != 2 * run.tokens * cfg.hidden ** 2
+
+
+# ---- data parallel: the q_norm / k_norm weights and the heads x head_dim projections, sharded and reduced ------
+@pytest.mark.parametrize("name, strategy, world", [("tiny-qwen3-wide", "fsdp", 3), ("tiny-qwen3-tied", "ddp", 2)],
+                         ids=["wide-fsdp-W3", "tied-ddp-W2"])
+def test_fake_pg_collectives_and_per_rank_bytes(name, strategy, world, claims):
+    """FSDP2 / DDP's real code on a fake process group (llm_anatomy.distributed.simulate), rank 0: collectives
+    and per-rank parameter, gradient and optimizer bytes as the calculator's parameter layout predicts them."""
+    from llm_anatomy.calculator.comm import collective_counts, estimate_distributed
+    from llm_anatomy.distributed.simulate import simulate
+    from validations.test_distributed import _check_collectives, _check_memory, _measured_counts
+
+    cfg, run = QWEN3[name], Run(batch=1, seq=16, dtype="amp")
+    for rec in simulate(cfg, run, world, strategy, steps=1):
+        e = estimate_distributed(cfg, run, world, strategy, step=rec["step"] if strategy == "ddp" else None)
+        note = f"{strategy} amp, fake PG, W={world}, step {rec['step']}"
+        _check_collectives(claims, pred=collective_counts(e["collectives"]), meas=_measured_counts(rec),
+                           config=name, variant=strategy, device="cpu-fake-pg", note=note)
+        _check_memory(claims, pred=e["memory"], meas=rec["memory"], config=name, variant=strategy,
+                      device="cpu-fake-pg", note=note)
