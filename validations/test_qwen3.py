@@ -14,20 +14,22 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_anatomy.calculator import estimate, param_count
-from llm_anatomy.calculator.memory import param_tensors
-from llm_anatomy.calculator.sharding import param_shapes
-from llm_anatomy.calculator.timing import param_sizes
+from llm_anatomy.calculator import param_count
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.hf_config import from_hf_config
 from llm_anatomy.models import build_model, make_batch
 from validations import test_efficient, test_saved
 from validations.configs import POLICIES, qk_norm_configs, runs
 from validations.hf_configs import HF_CONFIGS, MODELS
+from validations.test_qwen2 import (
+    check_fake_pg,
+    check_flops_against_hf,
+    check_parameter_lists,
+    check_same_losses,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,22 +53,6 @@ def hf_qwen3(cfg: ModelConfig, device="cpu"):
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, attn_implementation="eager")
     with torch.device(device):
         return transformers.Qwen3ForCausalLM(hf)
-
-
-# our baseline's names -> Qwen3ForCausalLM's (Qwen2's map, and q_norm / k_norm under the same names)
-_HF_NAMES = [(r"^embed\.", "model.embed_tokens."), (r"^layers\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
-             (r"^layers\.(\d+)\.attn\.([qkvo])\.", r"model.layers.\1.self_attn.\2_proj."),
-             (r"^layers\.(\d+)\.attn\.([qk]_norm)\.", r"model.layers.\1.self_attn.\2."),
-             (r"^layers\.(\d+)\.mlp_norm\.", r"model.layers.\1.post_attention_layernorm."),
-             (r"^layers\.(\d+)\.mlp\.(gate|up|down)\.", r"model.layers.\1.mlp.\2_proj."),
-             (r"^norm\.", "model.norm."), (r"^head\.lm_head\.", "lm_head.")]
-
-
-def _hf_name(name: str) -> str:
-    for pat, rep in _HF_NAMES:
-        if re.match(pat, name):
-            return re.sub(pat, rep, name)
-    raise KeyError(name)
 
 
 # ---- configs -----------------------------------------------------------------------------------------
@@ -109,7 +95,7 @@ def test_unmodelled_fields_are_refused_in_one_line(tmp_path, field, value, messa
         d.update(sliding_window=4096, max_window_layers=20)
     p = tmp_path / "config.json"
     p.write_text(json.dumps(d))
-    rc, out, err = run_cli(["estimate", "--hf-config", str(p), "--batch", "1", "--seq", "8192"], "qwen3")
+    rc, _, err = run_cli(["estimate", "--hf-config", str(p), "--batch", "1", "--seq", "8192"], "qwen3")
     assert rc == 2 and err.count("\n") == 1, err
     assert (message or "sliding_window=4096 is shorter than --seq 8192") in err
 
@@ -138,20 +124,7 @@ def test_params_equal_huggingface_qwen3(name, claims):
 def test_parameter_lists_are_the_models(name):
     """memory.param_tensors, sharding.param_shapes and timing.param_sizes list the models' own tensors."""
     cfg = QWEN3.get(name) or dataclasses.replace(from_hf_config(HF_CONFIGS[name]), layers=2)
-    for variant in ("baseline", "efficient"):
-        model = build_model(cfg, variant, device="meta")
-        numels = [p.numel() for p in model.parameters()]
-        L, t = cfg.layers, param_tensors(cfg, variant)
-        head = [] if cfg.tie_embeddings else [t[-1][0]]
-        layer = [n for n, k in t[1:len(t) - 1 - len(head)]]
-        assert all(k == L for n, k in t[1:len(t) - 1 - len(head)])
-        assert numels == [t[0][0], *layer * L, t[len(t) - 1 - len(head)][0], *head], variant
-        sizes: dict[int, int] = {}
-        for n in numels:
-            sizes[n] = sizes.get(n, 0) + 1
-        assert param_sizes(cfg, variant) == sizes, variant
-    baseline = build_model(cfg, device="meta")
-    assert param_shapes(cfg) == [(n, tuple(p.shape)) for n, p in baseline.named_parameters()]
+    check_parameter_lists(cfg)
 
 
 @pytest.mark.parametrize("run", [Run(2, 16, "fp32"), Run(1, 33, "fp32")], ids=["B2S16", "B1S33"])
@@ -159,25 +132,8 @@ def test_parameter_lists_are_the_models(name):
 def test_flops_equal_huggingface_qwen3(name, run, claims):
     """Counter: FlopCounterMode's totals of HF's eager Qwen3, forward, then backward of logits.sum(). Model: HF's
     matmuls with the S×S ones (its only bmm) halved for the causal mask. The q/k norms have no matmul."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    cfg = QWEN3[name]
-    model = hf_qwen3(cfg)
-    ids, _ = make_batch(cfg, run)
-    est = estimate(cfg, run, "baseline", device="cpu")
-    with FlopCounterMode(display=False) as fwd:
-        logits = model(input_ids=ids).logits
-    with FlopCounterMode(display=False) as bwd:
-        logits.sum().backward()
-    cfg_id = f"{name}/B{run.batch}S{run.seq}"
-    for mode, short, phase in ((fwd, "fwd", "forward"), (bwd, "bwd", "backward")):
-        by_op = {str(op): n for op, n in mode.get_flop_counts()["Global"].items()}
-        assert set(by_op) <= {"aten.mm", "aten.bmm"}, by_op
-        model_flops = by_op.get("aten.mm", 0) + by_op.get("aten.bmm", 0) // 2
-        claims.check(f"flops.counter.{phase}", component="model", config=cfg_id, variant="hf-qwen3",
-                     predicted=est.total(f"flops_counter_{short}"), measured=mode.get_total_flops(), unit="FLOP")
-        claims.check(f"flops.model.{phase}", component="model", config=cfg_id, variant="hf-qwen3",
-                     predicted=est.total(f"flops_model_{short}"), measured=model_flops, unit="FLOP")
+    check_flops_against_hf(claims, QWEN3[name], hf_qwen3(QWEN3[name]), run, f"{name}/B{run.batch}S{run.seq}",
+                           "hf-qwen3")
 
 
 # ---- the same function as Hugging Face's ------------------------------------------------------------
@@ -191,19 +147,11 @@ def test_baseline_computes_huggingface_qwen3(name):
         for n, p in ours.named_parameters():
             if n.endswith("norm.weight"):
                 p.normal_(1.0, 0.5)
-    hf = hf_qwen3(cfg).to(torch.float64)
-    state = {_hf_name(n): t for n, t in ours.state_dict().items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set()), (missing,
-                                                                                                       unexpected)
     ids, targets = make_batch(cfg, run)
+    mine = check_same_losses(ours, hf_qwen3(cfg).to(torch.float64), ids, targets)
     with torch.no_grad():
-        mine = ours(ids, targets, reduction="none")
-        logits = hf(input_ids=ids).logits
-        theirs = F.cross_entropy(logits.float().view(-1, cfg.vocab), targets.view(-1), reduction="none")
-        torch.testing.assert_close(mine, theirs)
         plain = build_model(dataclasses.replace(cfg, qk_norm=False), dtype=torch.float64)  # the norms matter
-        plain.load_state_dict({n: t for n, t in ours.state_dict().items() if "_norm." not in n or "attn." not in n})
+        plain.load_state_dict({n: t for n, t in ours.state_dict().items() if not re.search(r"attn\.[qk]_norm\.", n)})
         assert not torch.allclose(plain(ids, targets, reduction="none"), mine)
 
 
@@ -327,15 +275,4 @@ def test_kernel_lists_name_the_qk_norms(variant, recompute):
 def test_fake_pg_collectives_and_per_rank_bytes(name, strategy, world, claims):
     """FSDP2 / DDP's real code on a fake process group (llm_anatomy.distributed.simulate), rank 0: collectives
     and per-rank parameter, gradient and optimizer bytes as the calculator's parameter layout predicts them."""
-    from llm_anatomy.calculator.comm import collective_counts, estimate_distributed
-    from llm_anatomy.distributed.simulate import simulate
-    from validations.test_distributed import _check_collectives, _check_memory, _measured_counts
-
-    cfg, run = QWEN3[name], Run(batch=1, seq=16, dtype="amp")
-    for rec in simulate(cfg, run, world, strategy, steps=1):
-        e = estimate_distributed(cfg, run, world, strategy, step=rec["step"] if strategy == "ddp" else None)
-        note = f"{strategy} amp, fake PG, W={world}, step {rec['step']}"
-        _check_collectives(claims, pred=collective_counts(e["collectives"]), meas=_measured_counts(rec),
-                           config=name, variant=strategy, device="cpu-fake-pg", note=note)
-        _check_memory(claims, pred=e["memory"], meas=rec["memory"], config=name, variant=strategy,
-                      device="cpu-fake-pg", note=note)
+    check_fake_pg(claims, QWEN3[name], name, strategy, world, steps=1)
