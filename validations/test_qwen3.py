@@ -8,6 +8,7 @@ model's error within twice the baseline's, and the parameter lists the memory, s
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -276,3 +277,51 @@ def test_fake_pg_collectives_and_per_rank_bytes(name, strategy, world, claims):
     """FSDP2 / DDP's real code on a fake process group (llm_anatomy.distributed.simulate), rank 0: collectives
     and per-rank parameter, gradient and optimizer bytes as the calculator's parameter layout predicts them."""
     check_fake_pg(claims, QWEN3[name], name, strategy, world, steps=1)
+
+
+# ---- the Triton path: rms_norm over non-contiguous head views of the qkv output ---------------------------
+def test_qk_norm_triton_matches_reference():
+    """The efficient attention's q_norm and k_norm through the Triton kernels (interpreter, on CPU) against the
+    plain-torch reference: the same output and gradients (q, k heads are strided views of the qkv output;
+    the launchers take a row copy of each), within torch's fp32 tolerances (another summation order)."""
+    from llm_anatomy.baseline.transformer import rope_tables
+    from llm_anatomy.efficient.attention import Attention
+    from llm_anatomy.kernels import INTERPRET, triton_on_cpu
+
+    if not INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (conftest sets it where there is no GPU)")
+    torch.manual_seed(0)
+    attn = Attention(24, heads=3, kv_heads=1, head_dim=16, qk_norm=True, eps=1e-6)
+    with torch.no_grad():
+        attn.q_norm.weight.normal_(1.0, 0.3)
+        attn.k_norm.weight.normal_(1.0, 0.3)
+    cos, sin = rope_tables(8, 16, 1e6, "cpu", torch.float32)
+    x = torch.randn(2, 8, 24)
+    outs = []
+    for ctx in (triton_on_cpu, contextlib.nullcontext):
+        xi = x.clone().requires_grad_()
+        attn.zero_grad()
+        with ctx():
+            y = attn(xi, cos, sin)
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append((y.detach(), xi.grad, attn.q_norm.weight.grad.clone(), attn.k_norm.weight.grad.clone(),
+                     attn.qkv.weight.grad.clone()))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+@pytest.mark.parametrize("name", QWEN3)
+def test_saved_exact_cuda(name, policy, claims):
+    """On CUDA: the baseline's matmuls, the efficient model's Triton rms_norm on head views, cuDNN SDPA."""
+    cfg, run, cid = QWEN3[name], Run(2, 256, policy), f"{name}/B2S256/{policy}"
+    test_saved._check(claims, cfg, run, cid, device="cuda")
+    test_efficient.check_saved(claims, cfg, run, cid, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+@pytest.mark.parametrize("name", ACCURACY)
+def test_efficient_matches_baseline_cuda(name, policy):
+    test_efficient.check_matches_baseline(ACCURACY[name], Run(2, 128, policy), device="cuda")

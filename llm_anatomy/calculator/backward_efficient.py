@@ -124,9 +124,10 @@ def qk_norm(w, tag: str, dqkv: int) -> int:
     T, c, p, hd = w.T, w.c, w.p, w.hd
     for name, heads in (("k_norm", w.nkv), ("q_norm", w.nh)):
         rows = T * heads
-        if w.cuda:  # the Triton backward: dx, the (programs, hd) fp32 dw partials, dw
+        if w.cuda:  # the Triton backward: dx, the (programs, hd) fp32 dw partials, dw; x and dy are strided head
+            # views, so the launcher takes a row copy of each (kernels/_dispatch.rows) for the kernel's time
             w.alloc(rows * hd * c, rms_norm_programs(hd, rows) * hd * 4, hd * p)
-            w.peak(tag + "attention." + name)
+            w.peak(tag + "attention." + name, rows * hd * c, rows * hd * c)
             w.alloc(-rms_norm_programs(hd, rows) * hd * 4)
         else:  # the CPU reference: dx, dw in fp32 then cast
             w.alloc(rows * hd * c, hd * 4)
