@@ -49,7 +49,8 @@ def _qk_norm_saved_baseline(cfg: ModelConfig, run: Run) -> list[Saved]:
     T, hd, L = run.tokens, cfg.head_dim, cfg.layers
     out = []
     for n, heads in (("q", cfg.heads), ("k", cfg.kv_heads)):
-        out += [Saved(f"attention.{n}_norm.x_fp32", (T, heads, hd), "float32", L, "pow(2) and x*rstd keep the fp32 input"),
+        out += [Saved(f"attention.{n}_norm.x_fp32", (T, heads, hd), "float32", L,
+                      "pow(2) and x*rstd keep the fp32 input"),
                 Saved(f"attention.{n}_norm.rstd", (T, heads, 1), "float32", L, "rsqrt keeps its output, x*rstd too"),
                 Saved(f"attention.{n}_norm.x_hat", (T, heads, hd), "float32", L, "x_hat*weight keeps x_hat")]
     return out

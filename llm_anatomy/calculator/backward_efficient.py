@@ -88,7 +88,8 @@ def layer(w, i: int, g: int) -> int:
     # ---- attention branch
     w.begin()
     w.alloc(0 if lean else gc)
-    go = w.linear(tag + "attention.o", w.cfg.q_dim, H, gc, "attention.o.", recast=lean and w.amp)  # d(merged heads), (T, H)
+    # d(merged heads), (T, heads x hd)
+    go = w.linear(tag + "attention.o", w.cfg.q_dim, H, gc, "attention.o.", recast=lean and w.amp)
     w.alloc(kv_exp, kv, kv)  # SDPA's backward: dq, dk, dv
     # under GQA, cuDNN's backward writes dk and dv per query head in fp32 into one workspace, with the
     # fp32 dot(dO, O) row sums, and then sums each group into dk, dv (timing: gqa_reduce):

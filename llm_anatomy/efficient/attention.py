@@ -72,7 +72,7 @@ class Attention(nn.Module):
         self.last_backend: str | None = None
 
     def forward(self, x, cos, sin, norm: nn.Module | None = None):  # x: (B, S, H); cos, sin: (S, hd) fp32
-        B, S, H = x.shape
+        B, S, _ = x.shape
         if norm is None:  # x is normed
             qkv = self._linear(self.qkv, x)  # (B, S, (nh + 2 nkv) hd)
         else:  # x is the residual stream; keep it, not its normed copy

@@ -63,7 +63,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
         # under GQA cuDNN's backward writes dK, dV per query head in fp32 and sums each group after
         # (fmha_reduce_head in the H200 traces): read 2 (T, H) fp32, write 2 (T, Hkv) in the compute dtype
         o.mem("attention.sdpa.gqa_reduce", "attention", "backward", 2 * T * q * 4, 2 * T * Hkv * c, L, host=None)
-    o.linear("attention.o", "attention", cfg.q_dim, H, L, fp32_grad=fused)  # its input is a view of SDPA's output: no copy
+    o.linear("attention.o", "attention", q, H, L, fp32_grad=fused)  # its input is a view of SDPA's output: no copy
     # where the residual adds run: in the block ("other"); in the MLP's checkpoint under "mlp"; in the block's
     # checkpoint, a module credited to attention (efficient/transformer.py, BlockCheckpoint), under "full"
     where = {"none": "other", "mlp": "mlp", "full": "attention"}[run.recompute]
@@ -95,11 +95,13 @@ def qk_norm_kernels(o: Ops) -> None:
     the compute dtype, forward and backward (and its dw sum); the cat that hands rope_qkv one tensor, and the
     split's backward, the cat of d(q), d(k) and d(v). Priced by bytes at the rms_norm and copy rates (no
     calibration at width hd)."""
-    T, L, c, hd, D = o.run.tokens, o.cfg.layers, o.c, o.cfg.head_dim, (o.cfg.heads + 2 * o.cfg.kv_heads) * o.cfg.head_dim
+    T, L, c, hd = o.run.tokens, o.cfg.layers, o.c, o.cfg.head_dim
+    D = (o.cfg.heads + 2 * o.cfg.kv_heads) * hd
     for name, heads in (("q_norm", o.cfg.heads), ("k_norm", o.cfg.kv_heads)):
         rows = T * heads
         o.mem(f"attention.{name}", "attention", "forward", *fused_bytes("rms_norm.forward", hd, rows, c, c), L)
-        o.mem(f"attention.{name}.backward", "attention", "backward", *fused_bytes("rms_norm.backward", hd, rows, c, c), L)
+        o.mem(f"attention.{name}.backward", "attention", "backward", *fused_bytes("rms_norm.backward", hd, rows, c, c),
+              L)
         o.mem(f"attention.{name}.dw_sum", "attention", "backward", *dw_sum_bytes(hd, rows), L, host=None)
     o.mem("attention.qk_norm.cat", "attention", "forward", T * D * c, T * D * c, L)
     o.mem("attention.qk_norm.split.backward", "attention", "backward", T * D * c, T * D * c, L)
