@@ -70,6 +70,10 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     qkv_bias: bool = False  # a bias on the q, k and v projections (Qwen2); o and the MLP stay bias-free
+    # Qwen3 states its head width: heads * head_dim need not equal hidden (Qwen3-0.6B: 16 x 128 over 1024).
+    # None derives hidden // heads, so every config that never names it is what it was.
+    head_dim: int | None = None
+    qk_norm: bool = False  # RMSNorm over each q and k head (weights of head_dim), after the projections, before RoPE
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -80,15 +84,21 @@ class ModelConfig:
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         _positive_int("kv_heads", self.kv_heads)
-        if self.hidden % self.heads:
-            raise ConfigError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise ConfigError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        _positive_int("head_dim", self.head_dim, MAX_WIDTH)
         if self.heads % self.kv_heads:
             raise ConfigError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.head_dim % 2:
-            raise ConfigError(f"head_dim={self.head_dim} (hidden/heads) must be even for RoPE")
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.q_dim > MAX_WIDTH:
+            raise ConfigError(f"heads x head_dim = {self.q_dim:.3g} is larger than any machine could hold "
+                              f"(at most {MAX_WIDTH:,})")
         if self.mlp not in MLP_VARIANTS:
             raise ConfigError(f"mlp must be one of {', '.join(MLP_VARIANTS)}, got {oneline(repr(self.mlp), 60)}")
-        for f in ("tie_embeddings", "qkv_bias"):
+        for f in ("tie_embeddings", "qkv_bias", "qk_norm"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"{f} must be true or false, got {oneline(repr(getattr(self, f)), 60)}")
         _positive_float("norm_eps", self.norm_eps, below=1.0)
@@ -100,8 +110,8 @@ class ModelConfig:
                               f"(at most {MAX_PARAMS:.0e})")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def q_dim(self) -> int:  # width of the q projection, and of o's input: hidden unless head_dim is stated
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:  # width of the k (and of the v) projection
@@ -111,15 +121,19 @@ class ModelConfig:
     def rough_params(self) -> int:
         """The matmul weights and embeddings (norms left out): enough to bound a size, not a count to report
         (llm_anatomy.calculator.param_count is that)."""
-        block = 2 * self.hidden * (self.hidden + self.kv_dim) + 3 * self.hidden * self.intermediate
-        block += (self.hidden + 2 * self.kv_dim) if self.qkv_bias else 0
+        block = 2 * self.hidden * (self.q_dim + self.kv_dim) + 3 * self.hidden * self.intermediate
+        block += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
         return self.layers * block + self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
 
     def to_dict(self) -> dict:
-        """Every field; qkv_bias only when it is on (so reports of bias-free models keep their keys)."""
+        """Every field; qkv_bias and qk_norm only when on, head_dim only when it is not hidden // heads (so
+        reports of Llama-family models keep their keys)."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # scalars only: no deep copy needed
-        if not self.qkv_bias:
-            del d["qkv_bias"]
+        for f in ("qkv_bias", "qk_norm"):
+            if not d[f]:
+                del d[f]
+        if self.head_dim * self.heads == self.hidden:
+            del d["head_dim"]
         return d
 
     @classmethod

@@ -1,6 +1,6 @@
-"""Reading a Hugging Face config.json (Llama, Mistral, Qwen2) into a ModelConfig: every field used checked by
-type and range; what cannot be modelled is refused in one line naming the file and the field; what changes no
-count (RoPE scaling) is accepted with a note. Pure Python, like llm_anatomy/config.py.
+"""Reading a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3 dense) into a ModelConfig: every field used
+checked by type and range; what cannot be modelled is refused in one line naming the file and the field; what
+changes no count (RoPE scaling) is accepted with a note. Pure Python, like llm_anatomy/config.py.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from llm_anatomy.config import MAX_LAYERS, MAX_SEQ, MAX_WIDTH, ConfigError, Mode
 from llm_anatomy.io import read_input
 
 # ---- Hugging Face config.json ---------------------------------------------------------------------
-_HF_FAMILIES = ("llama", "mistral", "qwen2")  # qwen2: Qwen2 and Qwen2.5, with q/k/v biases
+# qwen2: Qwen2 and Qwen2.5, with q/k/v biases; qwen3: dense Qwen3, RMSNorm on each q and k head, its own head_dim
+_HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Every RoPE kind transformers knows (transformers.modeling_rope_utils; "su" and "mrope" are older names).
 # Each changes only the rotation frequencies: no parameter, FLOP or byte counted here.
 ROPE_KINDS = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional", "su", "mrope")
@@ -188,7 +189,7 @@ def _qwen2_window(f: _Field) -> int | None:
 
 
 def read_hf_config(path: str | Path) -> HFConfig:
-    """Read a Hugging Face Llama-family config.json (llama, mistral, qwen2; a file, or a folder holding one),
+    """Read a Hugging Face Llama-family config.json (llama, mistral, qwen2, qwen3; a file, or a folder holding one),
     every field used checked by type and range; what cannot be modelled is refused in one line naming the
     file and field."""
     if not str(path).strip():
@@ -218,12 +219,13 @@ def read_hf_config(path: str | Path) -> HFConfig:
         raise ConfigError(f"{f.where}: hidden_act {_show(act)} is not modelled (the MLP here is SwiGLU, with SiLU)")
     hidden = f.int("hidden_size", MAX_WIDTH, required=True)
     heads = f.int("num_attention_heads", MAX_WIDTH, required=True)
-    head_dim = f.int("head_dim", MAX_WIDTH) or hidden // heads
-    if head_dim * heads != hidden:
+    qwen3 = family == "qwen3"  # Qwen3Attention: q_norm and k_norm of head_dim, and o reads heads x head_dim
+    head_dim = f.int("head_dim", MAX_WIDTH) or (128 if qwen3 else hidden // heads)  # Qwen3Config's default: 128
+    if head_dim * heads != hidden and not qwen3:
         raise ConfigError(f"{f.where}: head_dim={head_dim} × num_attention_heads={heads} != hidden_size={hidden}")
     notes: list[str] = []
     theta = _rope(f, notes)
-    window = _qwen2_window(f) if qwen2 else f.int("sliding_window", MAX_SEQ)
+    window = _qwen2_window(f) if qwen2 or qwen3 else f.int("sliding_window", MAX_SEQ)
     try:
         cfg = ModelConfig(
             name=_display_name(f.str("_name_or_path"), p.parent.name),
@@ -237,6 +239,8 @@ def read_hf_config(path: str | Path) -> HFConfig:
             norm_eps=f.number("rms_norm_eps", below=1.0) or 1e-6,  # LlamaConfig's and MistralConfig's default
             rope_theta=theta or 10000.0,
             qkv_bias=qwen2,
+            head_dim=head_dim,
+            qk_norm=qwen3,
         )
     except ConfigError as e:  # ModelConfig's own check names no file; a field's read already does
         raise ConfigError(str(e) if str(e).startswith(f"{f.where}: ") else f"{f.where}: {e}") from None

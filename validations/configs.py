@@ -29,6 +29,20 @@ def configs(draw) -> ModelConfig:
 
 
 @st.composite
+def qk_norm_configs(draw) -> ModelConfig:
+    """Qwen3-style: q_norm and k_norm, and a head_dim drawn apart from hidden (heads x head_dim is mostly not
+    hidden, and hidden need not divide by heads)."""
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6]))
+    return ModelConfig(
+        name="hypothesis-qk-norm", hidden=draw(st.integers(4, 72)), layers=draw(st.integers(1, 2)), heads=heads,
+        kv_heads=draw(st.sampled_from([d for d in range(1, heads + 1) if heads % d == 0])),
+        head_dim=draw(st.sampled_from([2, 4, 8, 16, 32])), intermediate=draw(st.integers(1, 96)),
+        vocab=draw(st.integers(2, 300)), tie_embeddings=draw(st.booleans()),
+        mlp=draw(st.sampled_from(["swiglu", "gpt-oss"])), norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
+        qk_norm=True)
+
+
+@st.composite
 def runs(draw) -> Run:
     return Run(batch=draw(st.integers(1, 3)), seq=draw(st.integers(1, 24)), dtype=draw(st.sampled_from(POLICIES)))
 

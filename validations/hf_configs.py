@@ -17,7 +17,7 @@ DATA = Path(__file__).parent / "data" / "hf_configs"
 class HFModel:
     name: str  # folder under data/hf_configs, and the last part of the hub repository
     repo: str  # the hub repository the config.json is published in
-    model_type: str  # "llama", "mistral" or "qwen2"
+    model_type: str  # "llama", "mistral", "qwen2" or "qwen3"
     params: int  # transformers' count on the meta device (sum of numel, a tied matrix once)
     hidden: int
     layers: int
@@ -66,6 +66,11 @@ MODELS: dict[str, HFModel] = {
         # linear RoPE scaling under the older key "type"; 2,048 wide with 16 heads of 128
         _m("deepseek-coder-1.3b-base", "deepseek-ai/deepseek-coder-1.3b-base", "llama", 1_346_471_936, 2048, 24,
            32256, False, verbatim=False),
+        # Qwen3: heads x head_dim (128) need not be hidden (0.6B: 16 x 128 over 1024); q_norm and k_norm per head
+        _m("Qwen3-0.6B", "Qwen/Qwen3-0.6B", "qwen3", 596_049_920, 1024, 28, 151936, True),
+        _m("Qwen3-1.7B", "Qwen/Qwen3-1.7B", "qwen3", 1_720_574_976, 2048, 28, 151936, True, verbatim=False),
+        _m("Qwen3-4B", "Qwen/Qwen3-4B", "qwen3", 4_022_468_096, 2560, 36, 151936, True),
+        _m("Qwen3-8B", "Qwen/Qwen3-8B", "qwen3", 8_190_735_360, 4096, 36, 151936, False),
     )
 }
 

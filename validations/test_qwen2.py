@@ -50,9 +50,10 @@ def hf_qwen2(cfg: ModelConfig, device="cpu"):
         return transformers.Qwen2ForCausalLM(hf)
 
 
-# our baseline's names -> Qwen2ForCausalLM's
+# our baseline's names -> Qwen2ForCausalLM's (and Qwen3ForCausalLM's)
 _HF_NAMES = [(r"^embed\.", "model.embed_tokens."), (r"^layers\.(\d+)\.attn_norm\.", r"model.layers.\1.input_layernorm."),
              (r"^layers\.(\d+)\.attn\.([qkvo])\.", r"model.layers.\1.self_attn.\2_proj."),
+             (r"^layers\.(\d+)\.attn\.([qk]_norm)\.", r"model.layers.\1.self_attn.\2."),  # Qwen3's, same names
              (r"^layers\.(\d+)\.mlp_norm\.", r"model.layers.\1.post_attention_layernorm."),
              (r"^layers\.(\d+)\.mlp\.(gate|up|down)\.", r"model.layers.\1.mlp.\2_proj."),
              (r"^norm\.", "model.norm."), (r"^head\.lm_head\.", "lm_head.")]
@@ -77,7 +78,10 @@ def test_params_equal_huggingface_qwen2(name, claims):
 @pytest.mark.parametrize("name", QWEN)
 def test_parameter_lists_are_the_models(name):
     """memory.param_tensors, sharding.param_shapes and timing.param_sizes list the models' own tensors."""
-    cfg = QWEN[name]
+    check_parameter_lists(QWEN[name])
+
+
+def check_parameter_lists(cfg: ModelConfig) -> None:
     for variant in ("baseline", "efficient"):
         model = build_model(cfg, variant, device="meta")
         numels = [p.numel() for p in model.parameters()]
@@ -101,10 +105,12 @@ def test_flops_equal_huggingface_qwen2(name, run, claims):
     """Counter: FlopCounterMode's totals of HF's eager Qwen2, forward, then backward of logits.sum() (the
     baseline's loss adds no matmul). Model: HF's matmuls with the S×S ones (its only bmm: QKᵀ and P@V)
     halved for the causal mask. A bias is an addmm, which FlopCounterMode counts as the mm alone."""
+    check_flops_against_hf(claims, QWEN[name], hf_qwen2(QWEN[name]), run, f"{name}/B{run.batch}S{run.seq}", "hf-qwen2")
+
+
+def check_flops_against_hf(claims, cfg: ModelConfig, model, run: Run, cfg_id: str, variant: str) -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
-    cfg = QWEN[name]
-    model = hf_qwen2(cfg)
     ids, _ = make_batch(cfg, run)
     est = estimate(cfg, run, "baseline", device="cpu")
     measured = {}
@@ -114,7 +120,6 @@ def test_flops_equal_huggingface_qwen2(name, run, claims):
     with FlopCounterMode(display=False) as mode:
         logits.sum().backward()
     measured["backward"] = mode
-    cfg_id = f"{name}/B{run.batch}S{run.seq}"
     for phase, short in (("forward", "fwd"), ("backward", "bwd")):
         mode = measured[phase]
         by_op = {str(op): n for op, n in mode.get_flop_counts()["Global"].items()}
@@ -122,14 +127,14 @@ def test_flops_equal_huggingface_qwen2(name, run, claims):
         model_flops = by_op.get("aten.mm", 0) + by_op.get("aten.addmm", 0) + by_op.get("aten.bmm", 0) // 2
         counter, model = est.total(f"flops_counter_{short}"), est.total(f"flops_model_{short}")
         if phase == "forward":
-            claims.check("flops.counter.forward", component="model", config=cfg_id, variant="hf-qwen2",
+            claims.check("flops.counter.forward", component="model", config=cfg_id, variant=variant,
                          predicted=counter, measured=mode.get_total_flops(), unit="FLOP")
-            claims.check("flops.model.forward", component="model", config=cfg_id, variant="hf-qwen2",
+            claims.check("flops.model.forward", component="model", config=cfg_id, variant=variant,
                          predicted=model, measured=model_flops, unit="FLOP")
         else:
-            claims.check("flops.counter.backward", component="model", config=cfg_id, variant="hf-qwen2",
+            claims.check("flops.counter.backward", component="model", config=cfg_id, variant=variant,
                          predicted=counter, measured=mode.get_total_flops(), unit="FLOP")
-            claims.check("flops.model.backward", component="model", config=cfg_id, variant="hf-qwen2",
+            claims.check("flops.model.backward", component="model", config=cfg_id, variant=variant,
                          predicted=model, measured=model_flops, unit="FLOP")
 
 
@@ -167,22 +172,28 @@ def test_baseline_computes_huggingface_qwen2(name):
     so they differ by float32 rounding at most: torch's default float32 tolerances."""
     cfg, run = QWEN[name], Run(2, 24, "fp32")
     ours = build_model(cfg, dtype=torch.float64)
-    hf = hf_qwen2(cfg).to(torch.float64)
-    state = {_hf_name(n): t for n, t in ours.state_dict().items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set()), (missing,
-                                                                                                       unexpected)
     ids, targets = make_batch(cfg, run)
-    with torch.no_grad():
-        mine = ours(ids, targets, reduction="none")
-        logits = hf(input_ids=ids).logits
-        theirs = F.cross_entropy(logits.float().view(-1, cfg.vocab), targets.view(-1), reduction="none")
-    torch.testing.assert_close(mine, theirs)
+    mine = check_same_losses(ours, hf_qwen2(cfg).to(torch.float64), ids, targets)
     without = dataclasses.replace(cfg, qkv_bias=False)  # the biases matter: a model without them differs
     plain = build_model(without, dtype=torch.float64)
     plain.load_state_dict({n: t for n, t in ours.state_dict().items() if not n.endswith(".bias")})
     with torch.no_grad():
         assert not torch.allclose(plain(ids, targets, reduction="none"), mine)
+
+
+def check_same_losses(ours, hf, ids, targets) -> torch.Tensor:
+    """Our model's weights loaded into HF's under HF's names; both models' per-token losses equal (torch's float32
+    tolerances). Returns ours."""
+    cfg = ours.cfg
+    missing, unexpected = hf.load_state_dict({_hf_name(n): t for n, t in ours.state_dict().items()}, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set()), (missing,
+                                                                                                       unexpected)
+    with torch.no_grad():
+        mine = ours(ids, targets, reduction="none")
+        logits = hf(input_ids=ids).logits
+        theirs = F.cross_entropy(logits.float().view(-1, cfg.vocab), targets.view(-1), reduction="none")
+    torch.testing.assert_close(mine, theirs)
+    return mine
 
 
 # ---- our two models with biases: exact accounting, same function --------------------------------------
@@ -277,6 +288,12 @@ def test_estimate_reads_a_qwen25_config(tmp_path):
 def test_fake_pg_collectives_and_per_rank_bytes(name, strategy, world, claims):
     """FSDP2 / DDP's real code on a fake process group (llm_anatomy.distributed.simulate), rank 0. FSDP pads
     each bias's shard like a weight's (64 / 3 ranks: chunks of 22, the last short)."""
+    cfg = QWEN.get(name) or PRESETS[name]
+    check_fake_pg(claims, cfg, name, strategy, world, steps=3 if strategy == "ddp" else 1)
+
+
+def check_fake_pg(claims, cfg: ModelConfig, name: str, strategy: str, world: int, steps: int) -> None:
+    """Rank 0 of FSDP2 / DDP on a fake process group: collectives and per-rank bytes against the calculator."""
     from llm_anatomy.calculator.comm import collective_counts, estimate_distributed
     from llm_anatomy.distributed.simulate import simulate
     from validations.test_distributed import (
@@ -285,8 +302,8 @@ def test_fake_pg_collectives_and_per_rank_bytes(name, strategy, world, claims):
         _measured_counts,
     )
 
-    cfg, run = QWEN.get(name) or PRESETS[name], Run(batch=1, seq=16, dtype="amp")
-    for rec in simulate(cfg, run, world, strategy, steps=3 if strategy == "ddp" else 1):
+    run = Run(batch=1, seq=16, dtype="amp")
+    for rec in simulate(cfg, run, world, strategy, steps=steps):
         e = estimate_distributed(cfg, run, world, strategy, step=rec["step"] if strategy == "ddp" else None)
         note = f"{strategy} amp, fake PG, W={world}, step {rec['step']}"
         _check_collectives(claims, pred=collective_counts(e["collectives"]), meas=_measured_counts(rec),

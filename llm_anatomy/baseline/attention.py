@@ -1,9 +1,12 @@
-"""Unfused causal self-attention: separate q/k/v projections (optionally biased), RoPE, explicit QKᵀ, mask, softmax, then @V."""
+"""Unfused causal self-attention: separate q/k/v projections (optionally biased), an optional RMSNorm over each
+q and k head (Qwen3's q_norm, k_norm), RoPE, explicit QKᵀ, mask, softmax, then @V."""
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llm_anatomy.baseline.norm import RMSNorm
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -26,20 +29,27 @@ def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:  # (B, nkv, S, hd) -> (B
 class Attention(nn.Module):
     component = "attention"
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, qkv_bias: bool = False):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, qkv_bias: bool = False, head_dim: int | None = None,
+                 qk_norm: bool = False, eps: float = 1e-6):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim or hidden // heads
+        qd = heads * self.head_dim  # hidden, unless the config states its head_dim (Qwen3)
         # a bias (Qwen2) goes into each matmul (addmm), which saves the same two operands as without it
-        self.q = nn.Linear(hidden, hidden, bias=qkv_bias)
+        self.q = nn.Linear(hidden, qd, bias=qkv_bias)
         self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
         self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=qkv_bias)
-        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.o = nn.Linear(qd, hidden, bias=False)
+        if qk_norm:  # one weight of head_dim each, shared by every head (Qwen3RMSNorm over the last dim)
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, eps), RMSNorm(self.head_dim, eps)
+        self.qk_norm = qk_norm
 
     def forward(self, x, cos, sin, causal_bias):  # x: (B, S, H); causal_bias: (S, S), 0 or -inf
         B, S, _ = x.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        q = self.q(x).view(B, S, nh, hd).transpose(1, 2)  # (B, nh, S, hd)
-        k = self.k(x).view(B, S, nkv, hd).transpose(1, 2)  # (B, nkv, S, hd)
+        q, k = self.q(x).view(B, S, nh, hd), self.k(x).view(B, S, nkv, hd)
+        if self.qk_norm:  # over each head's hd, before RoPE; each keeps its fp32 input, rstd and x_hat
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, S, hd), (B, nkv, S, hd)
         v = self.v(x).view(B, S, nkv, hd).transpose(1, 2)  # (B, nkv, S, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = repeat_kv(k, nh // nkv), repeat_kv(v, nh // nkv)  # (B, nh, S, hd)

@@ -35,7 +35,8 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias)
+        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias, cfg.head_dim, cfg.qk_norm,
+                              cfg.norm_eps)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp)
 

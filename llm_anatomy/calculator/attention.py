@@ -5,6 +5,12 @@ A bias changes the parameters and the elementwise work only. nn.Linear with a bi
 bias-free linear: the bias's gradient is a sum of the output's gradient, which needs nothing kept.
 FlopCounterMode counts addmm as the mm alone, so the counter FLOPs are unchanged too, and the model
 convention counts matmuls only.
+
+qk-norm (Qwen3) is an RMSNorm over each q and k head (weights of head_dim): 2·hd parameters a layer, no
+matmul (no counter or model FLOP), and 4·hd + 2 elementwise FLOPs a head-row, as the block norms count
+theirs. The modules are attention's, so what they keep is attention's. The baseline's RMSNorm keeps, per
+norm, the fp32 input, rstd and x_hat, like a block norm over rows of hd; the fused kernel keeps only its
+input, a view of the qkv output: q's and k's views share that one storage.
 """
 from __future__ import annotations
 
@@ -15,19 +21,53 @@ from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 
 def params(cfg: ModelConfig) -> int:
-    H, kv = cfg.hidden, cfg.kv_dim
-    return cfg.layers * (H * H + 2 * H * kv + H * H + qkv_bias(cfg))  # q, k, v, o, and q, k, v's biases
+    H, q, kv = cfg.hidden, cfg.q_dim, cfg.kv_dim
+    # q, k, v, o, q, k and v's biases, q_norm and k_norm
+    return cfg.layers * (H * q + 2 * H * kv + q * H + qkv_bias(cfg) + qk_norm(cfg))
 
 
 def qkv_bias(cfg: ModelConfig) -> int:
     """Elements of one layer's q, k and v biases (0 without them)."""
-    return cfg.hidden + 2 * cfg.kv_dim if cfg.qkv_bias else 0
+    return cfg.q_dim + 2 * cfg.kv_dim if cfg.qkv_bias else 0
+
+
+def qk_norm(cfg: ModelConfig) -> int:
+    """Elements of one layer's q_norm and k_norm weights (0 without them)."""
+    return 2 * cfg.head_dim if cfg.qk_norm else 0
+
+
+def qk_norm_elementwise(cfg: ModelConfig, run: Run) -> int:
+    """Forward elementwise FLOPs of every layer's q_norm and k_norm: 4·hd + 2 a head-row (norm.py's rule)."""
+    return cfg.layers * run.tokens * (cfg.heads + cfg.kv_heads) * (4 * cfg.head_dim + 2) if cfg.qk_norm else 0
+
+
+def _qk_norm_saved_baseline(cfg: ModelConfig, run: Run) -> list[Saved]:
+    """The baseline RMSNorm over (B, S, heads, hd), for q and for k: its fp32 input (a copy of the bf16
+    projection output, or that fp32 output itself), rstd per head-row, and x_hat."""
+    if not cfg.qk_norm:
+        return []
+    T, hd, L = run.tokens, cfg.head_dim, cfg.layers
+    out = []
+    for n, heads in (("q", cfg.heads), ("k", cfg.kv_heads)):
+        out += [Saved(f"attention.{n}_norm.x_fp32", (T, heads, hd), "float32", L,
+                      "pow(2) and x*rstd keep the fp32 input"),
+                Saved(f"attention.{n}_norm.rstd", (T, heads, 1), "float32", L, "rsqrt keeps its output, x*rstd too"),
+                Saved(f"attention.{n}_norm.x_hat", (T, heads, hd), "float32", L, "x_hat*weight keeps x_hat")]
+    return out
+
+
+def qk_norm_saved_efficient(cfg: ModelConfig, run: Run, count: int) -> list[Saved]:
+    """The fused q_norm and k_norm keep their inputs, views of the qkv output: one storage, `count` instances."""
+    if not cfg.qk_norm:
+        return []
+    return [Saved("attention.qk_norm.x", (run.tokens, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim),
+                  dtypes(run).compute, count, "the fused norms keep views of the qkv output; rstd is recomputed")]
 
 
 def _flops(cfg: ModelConfig, run: Run) -> tuple[int, int]:
     """(projection FLOPs, score + AV FLOPs) of one forward over all layers, no causal discount."""
-    T, H, kv, L = run.tokens, cfg.hidden, cfg.kv_dim, cfg.layers
-    proj = 2 * T * H * (H + 2 * kv + H)
+    T, H, q, kv, L = run.tokens, cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.layers
+    proj = 2 * T * H * (q + 2 * kv + q)
     sdpa = 2 * (2 * run.batch * cfg.heads * run.seq * run.seq * cfg.head_dim)  # QKᵀ and PV
     return L * proj, L * sdpa
 
@@ -40,7 +80,8 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     # stride-0 view, so k and v are kept at kv-head size; otherwise a reshape must copy to all nh heads.
     kv_saved = (B * cfg.kv_heads if B == 1 and cfg.kv_heads == 1 else B * nh)
     # the baseline norm returns the residual's dtype: fp32 under amp, so each projection casts it
-    saved = linears_saved("attention", T, H, {"q": H, "k": cfg.kv_dim, "v": cfg.kv_dim}, dt, L, dt.residual)
+    saved = linears_saved("attention", T, H, {"q": cfg.q_dim, "k": cfg.kv_dim, "v": cfg.kv_dim}, dt, L, dt.residual)
+    saved += _qk_norm_saved_baseline(cfg, run)
     saved += [
         # built once per step by the model and shared by every layer, so saved once
         Saved("attention.rope_cos", (S, hd), c, 1, "q*cos and k*cos keep the table (q, k need no saving)"),
@@ -52,10 +93,10 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     if c != "float32":  # the cast for P@V is a second S×S copy; under fp32 it is the same tensor
         saved.append(Saved("attention.probs_cast", (B * nh, S, S), c, L, "P@V keeps the cast probabilities"))
     saved.append(Saved("attention.v", (kv_saved, S, hd), c, L, "P@V keeps v"))
-    saved += linears_saved("attention", T, H, {"o": H}, dt, L, c)  # o keeps the merged heads (a copy)
+    saved += linears_saved("attention", T, cfg.q_dim, {"o": H}, dt, L, c)  # o keeps the merged heads (a copy)
     proj, sdpa = _flops(cfg, run)
-    # RoPE: 3/element; scale, mask, softmax: 7/score; a bias: 1/element of q, k, v
-    ew = L * (3 * T * (H + cfg.kv_dim) + 7 * B * nh * S * S + T * qkv_bias(cfg))
+    # RoPE: 3/element; scale, mask, softmax: 7/score; a bias: 1/element of q, k, v; qk-norm: 4·hd + 2 a head-row
+    ew = L * (3 * T * (cfg.q_dim + cfg.kv_dim) + 7 * B * nh * S * S + T * qkv_bias(cfg)) + qk_norm_elementwise(cfg, run)
     return Component("attention", L, params(cfg), proj + sdpa, 2 * (proj + sdpa),
                      proj + sdpa // 2, 2 * (proj + sdpa // 2), ew, saved)
 
@@ -91,6 +132,8 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     else:  # the fused norm already returns the compute dtype: one saved input for the single qkv matmul (in
         # the lean block its node keeps the fp32 weight, not its cast: llm_anatomy/kernels/lean.py)
         saved = linears_saved("attention", T, H, {"qkv": qkv}, dt, L, c, weight_cast=not run.lean_block)
+    if run.recompute != "full":
+        saved += qk_norm_saved_efficient(cfg, run, L)
     saved += [Saved("attention.rope_cos", (S, hd), "float32", 1, "rope_qkv (or the checkpoint) keeps the fp32 tables"),
               Saved("attention.rope_sin", (S, hd), "float32", 1, "built once per step, shared by all layers")]
     if run.recompute != "full":
@@ -100,7 +143,8 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     # under full recompute backward runs qkv, SDPA's forward and o again (the early stop spares only down)
     again = proj + counted if run.recompute == "full" else 0
     return Component("attention", L, params(cfg), proj + counted, 2 * proj + counted * 5 // 2 + again,
-                     proj + sdpa // 2, 2 * (proj + sdpa // 2), L * T * (3 * (H + cfg.kv_dim) + qkv_bias(cfg)), saved)
+                     proj + sdpa // 2, 2 * (proj + sdpa // 2),
+                     L * T * (3 * (cfg.q_dim + cfg.kv_dim) + qkv_bias(cfg)) + qk_norm_elementwise(cfg, run), saved)
 
 
 def sdpa_o_saved(cfg: ModelConfig, run: Run, device: str, count: int, o_cast: bool = True) -> list[Saved]:
@@ -110,6 +154,6 @@ def sdpa_o_saved(cfg: ModelConfig, run: Run, device: str, count: int, o_cast: bo
     dt = dtypes(run)
     saved = [Saved(s.name, s.shape, s.dtype, count, s.why) for s in _sdpa_saved(cfg, run, device, dt.compute)]
     if dt.autocast and o_cast:  # o's input is a view of SDPA's out (laid out (B, S, nh, hd)): only its weight cast is new
-        saved.append(Saved("attention.o.weight_cast", (cfg.hidden, cfg.hidden), dt.compute, count,
+        saved.append(Saved("attention.o.weight_cast", (cfg.hidden, cfg.q_dim), dt.compute, count,
                            "autocast's cached cast of the fp32 weight"))
     return saved

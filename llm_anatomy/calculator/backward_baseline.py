@@ -24,6 +24,18 @@ def norm(w, tag: str, g_in: int, kept: str | tuple = "norm.") -> int:
     return T * H * r
 
 
+def qk_norm(w, tag: str) -> None:
+    """k_norm's then q_norm's eager backward, as norm()'s over (T·heads) rows of hd, from the compute dtype: each
+    takes RoPE's d(k) or d(q) and leaves one of the same size, with its (hd,) weight gradient; its saved go."""
+    c, p, hd = w.c, w.p, w.hd
+    for name, heads in (("k_norm", w.nkv), ("q_norm", w.nh)):
+        n = w.T * heads * hd
+        w.peak(tag + "attention." + name, *([n * 4] * 3 + ([] if c == 4 else [n * 4 - n * c])))
+        w.alloc(n * c, hd * p)
+        w.free(f"attention.{name}.")
+        w.alloc(-n * c)
+
+
 def layer(w, i: int, g: int) -> int:
     """One block's backward, the MLP branch then the attention branch; returns the residual gradient."""
     T, H, I, c, r = w.T, w.H, w.I, w.c, w.r
@@ -47,12 +59,12 @@ def layer(w, i: int, g: int) -> int:
     # ---- attention branch
     w.begin()
     w.alloc(gc)
-    go = w.linear(tag + "attention.o", H, H, gc, "attention.o.")  # d(merged heads), (T, H)
-    w.alloc(T * H * c, -go)  # made contiguous as (B, nh, S, hd)
+    go = w.linear(tag + "attention.o", w.cfg.q_dim, H, gc, "attention.o.")  # d(merged heads), (T, H)
+    w.alloc(T * nh * hd * c, -go)  # made contiguous as (B, nh, S, hd)
     w.alloc(kv_exp, scores * c)  # P@V's backward: d(v) expanded, d(P)
     w.peak(tag + "attention.pv")
     w.free("attention.probs_cast", "attention.v")
-    w.alloc(-T * H * c)
+    w.alloc(-T * nh * hd * c)
     w.alloc(scores * 4, -scores * c)  # d(P) to fp32
     # softmax's backward; on CUDA it first makes tmp = grad * output, a third fp32 (B, nh, S, S)
     # (aten/src/ATen/native/cuda/SoftMax.cu, softmax_backward_cuda_out), freed when it returns
@@ -69,6 +81,8 @@ def layer(w, i: int, g: int) -> int:
     w.alloc(T * (nh + 2 * nkv) * hd * c)  # d(k), d(v) summed over each group; RoPE's backward for q and k
     w.peak(tag + "attention.rope")
     w.alloc(-kv_exp, -kv_exp, -kv_exp)
+    if w.cfg.qk_norm:
+        qk_norm(w, tag)
     gq = w.linear(tag + "attention.q", H, nh * hd, T * nh * hd * c, "attention.q.", to_residual=True)
     gk = w.linear(tag + "attention.k", H, nkv * hd, T * nkv * hd * c, "attention.k.", to_residual=True)
     gv = w.linear(tag + "attention.v", H, nkv * hd, T * nkv * hd * c, "attention.v.", to_residual=True)

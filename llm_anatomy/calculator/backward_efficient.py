@@ -4,7 +4,7 @@ SDPA's backward; in the lean block (Run.lean) the weight casts and SwiGLU's h ma
 recompute, the checkpoints' tensors made again. backward.walk runs them."""
 from __future__ import annotations
 
-from llm_anatomy.calculator.attention import sdpa_o_saved
+from llm_anatomy.calculator.attention import qk_norm_saved_efficient, sdpa_o_saved
 from llm_anatomy.calculator.linear import linears_saved
 from llm_anatomy.calculator.mlp import efficient_saved
 from llm_anatomy.kernel_shapes import rms_norm_programs
@@ -88,7 +88,8 @@ def layer(w, i: int, g: int) -> int:
     # ---- attention branch
     w.begin()
     w.alloc(0 if lean else gc)
-    go = w.linear(tag + "attention.o", H, H, gc, "attention.o.", recast=lean and w.amp)  # d(merged heads), (T, H)
+    # d(merged heads), (T, heads x hd)
+    go = w.linear(tag + "attention.o", w.cfg.q_dim, H, gc, "attention.o.", recast=lean and w.amp)
     w.alloc(kv_exp, kv, kv)  # SDPA's backward: dq, dk, dv
     # under GQA, cuDNN's backward writes dk and dv per query head in fp32 into one workspace, with the
     # fp32 dot(dO, O) row sums, and then sums each group into dk, dv (timing: gqa_reduce):
@@ -103,6 +104,8 @@ def layer(w, i: int, g: int) -> int:
     w.alloc(dqkv)  # rope_qkv's backward: d(qkv)
     w.peak(tag + "attention.rope")
     w.alloc(-kv_exp, -kv, -kv)
+    if w.cfg.qk_norm:
+        dqkv = qk_norm(w, tag, dqkv)
     if w.recompute == "mlp":  # the qkv matmul's backward asks for its input: the norm runs again
         w.remake("qkv", lambda: linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))
     gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.", recast=lean and w.amp)
@@ -112,6 +115,30 @@ def layer(w, i: int, g: int) -> int:
     # layer 0's attn_norm is a plain rms_norm (no add in front of it)
     return w.residual_add(g, norm(w, tag + "norm 1", gn, "attention.x" if w.recompute != "none" else "norm.",
                                   fused=lean and i > 0))
+
+
+def qk_norm(w, tag: str, dqkv: int) -> int:
+    """q_norm's and k_norm's backward, from rope_qkv's d(qkv), whose q and k columns (views: the cat's backward)
+    they read: k_norm's node first (the later one), then q_norm's, each writing d(input) in the compute dtype
+    and its (hd,) weight gradient; then the qkv output they kept goes, and the split's backward concatenates
+    d(q), d(k) and d(qkv)'s v columns into the d(qkv) the qkv matmul reads. Returns that gradient's bytes."""
+    T, c, p, hd = w.T, w.c, w.p, w.hd
+    for name, heads in (("k_norm", w.nkv), ("q_norm", w.nh)):
+        rows = T * heads
+        if w.cuda:  # the Triton backward: dx, the (programs, hd) fp32 dw partials, dw; x and dy are strided head
+            # views, so the launcher takes a row copy of each (kernels/_dispatch.rows) for the kernel's time
+            w.alloc(rows * hd * c, rms_norm_programs(hd, rows) * hd * 4, hd * p)
+            w.peak(tag + "attention." + name, rows * hd * c, rows * hd * c)
+            w.alloc(-rms_norm_programs(hd, rows) * hd * 4)
+        else:  # the CPU reference: dx, dw in fp32 then cast
+            w.alloc(rows * hd * c, hd * 4)
+            w.peak(tag + "attention." + name)
+            w.alloc(hd * p, -hd * 4)
+    w.free("attention.qk_norm.x")
+    w.alloc(dqkv)
+    w.peak(tag + "attention.qk_norm.split")
+    w.alloc(-T * (w.nh + w.nkv) * hd * c, -dqkv)
+    return dqkv
 
 
 def swiglu_down(w, tag: str, grad_out: int) -> None:
@@ -146,7 +173,7 @@ def rerun_block(w, tag: str) -> None:
     T, H, c, r = w.T, w.H, w.c, w.r
     D = (w.nh + 2 * w.nkv) * w.hd
     w.remake("block", lambda: linears_saved("attention", T, H, {"qkv": D}, w.dt, 1, w.dt.compute)
-             + sdpa_o_saved(w.cfg, w.run, w.est.device, 1))
+             + qk_norm_saved_efficient(w.cfg, w.run, 1) + sdpa_o_saved(w.cfg, w.run, w.est.device, 1))
     w.peak(tag + "recompute attention.o", T * D * c, T * H * c, kind="activation")
     w.peak(tag + "recompute residual add", T * H * c, T * H * r, kind="activation")
     w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))

@@ -41,12 +41,13 @@ from llm_anatomy.kernel_shapes import chunk_rows, lce_forward_bytes, lce_vocab
 def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int, int]]:
     """(elements, how many) of the parameter tensors, in module order: the embedding, each layer's tensors
     (L of each), the final norm, the head (a tied head counted once)."""
-    H, I, kv, L = cfg.hidden, cfg.intermediate, cfg.kv_dim, cfg.layers
-    qb, kb, qkvb = ([H], [kv], [H + 2 * kv]) if cfg.qkv_bias else ([], [], [])  # each bias follows its weight
+    H, I, kv, L, q = cfg.hidden, cfg.intermediate, cfg.kv_dim, cfg.layers, cfg.q_dim
+    qb, kb, qkvb = ([q], [kv], [q + 2 * kv]) if cfg.qkv_bias else ([], [], [])  # each bias follows its weight
+    qkn = [cfg.head_dim] * 2 if cfg.qk_norm else []  # q_norm, k_norm after o
     if variant == "efficient":
-        layer = [H, (H + 2 * kv) * H, *qkvb, H * H, H, 2 * I * H, H * I]
+        layer = [H, (q + 2 * kv) * H, *qkvb, q * H, *qkn, H, 2 * I * H, H * I]
     else:
-        layer = [H, H * H, *qb, kv * H, *kb, kv * H, *kb, H * H, H, I * H, I * H, H * I]
+        layer = [H, q * H, *qb, kv * H, *kb, kv * H, *kb, q * H, *qkn, H, I * H, I * H, H * I]
     return [(cfg.vocab * H, 1)] + [(n, L) for n in layer] + [(H, 1)] + ([] if cfg.tie_embeddings else [(cfg.vocab * H, 1)])
 
 
@@ -126,8 +127,8 @@ def _cached_casts(cfg: ModelConfig, run: Run, rnd, layers: int | None = None) ->
     dt = dtypes(run)
     if run.recompute == "none" or not dt.autocast:
         return 0
-    H, I, D = cfg.hidden, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim
-    weights = (D * H, 2 * I * H, I * H) + ((H * H,) if run.recompute == "full" else ())
+    H, I, D = cfg.hidden, cfg.intermediate, cfg.q_dim + 2 * cfg.kv_dim
+    weights = (D * H, 2 * I * H, I * H) + ((cfg.q_dim * H,) if run.recompute == "full" else ())
     return (cfg.layers if layers is None else layers) * sum(rnd(n * BYTES[dt.compute]) for n in weights)
 
 
@@ -152,13 +153,13 @@ def _block_forward_peak(cfg: ModelConfig, run: Run, device: str, rnd) -> int:
       - the MLP's largest moment (_mlp_region_transient), every layer's casts made."""
     dt = dtypes(run)
     T, H, c = run.tokens, cfg.hidden, BYTES[dt.compute]
-    D = cfg.hidden + 2 * cfg.kv_dim
+    D = cfg.q_dim + 2 * cfg.kv_dim
     # q, k, v and SDPA's output; its statistics are not held by the code (and a checkpoint does not save them)
     sdpa = sum(rnd(prod(s.shape) * BYTES[s.dtype]) for s in sdpa_o_saved(cfg, run, device, 1)
                if s.name in ("attention.sdpa.q", "attention.sdpa.k", "attention.sdpa.v", "attention.sdpa.out"))
     casts = _cached_casts(cfg, run, rnd, cfg.layers - 1)
     if dt.autocast:
-        casts += rnd(D * H * c) + rnd(H * H * c)
+        casts += rnd(D * H * c) + rnd(cfg.q_dim * H * c)
     attn = rnd(T * H * c) + rnd(T * D * c) + sdpa + rnd(T * H * c) + casts
     return max(attn, _mlp_region_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd))
 

@@ -4,8 +4,9 @@ Pure Python: no torch.
 
 Registration order (`model.named_parameters()`, a tied head counted once under `embed.weight`):
     embed.weight (V, H)
-    layers.i: attn_norm.weight (H,), attn.q (H, H), attn.k (kv, H), attn.v (kv, H), attn.o (H, H)
-              (with qkv_bias, attn.q.bias (H,) after attn.q.weight, and so on for k and v),
+    layers.i: attn_norm.weight (H,), attn.q (q, H), attn.k (kv, H), attn.v (kv, H), attn.o (H, q)
+              (q = heads x head_dim, H unless the config states head_dim; with qkv_bias, attn.q.bias (q,)
+              after attn.q.weight, and so on for k and v; with qk_norm, attn.q_norm and attn.k_norm (hd,)),
               mlp_norm.weight (H,), mlp.gate (I, H), mlp.up (I, H), mlp.down (H, I)
     norm.weight (H,), head.lm_head.weight (V, H) unless tied
 """
@@ -21,11 +22,13 @@ Shape = tuple[int, ...]
 
 def units(cfg: ModelConfig) -> tuple[list, list, list]:
     """(the root's tensors before the Blocks, one Block's tensors named within the Block, the root's after)."""
-    H, I, V, kv = cfg.hidden, cfg.intermediate, cfg.vocab, cfg.kv_dim
+    H, I, V, kv, q = cfg.hidden, cfg.intermediate, cfg.vocab, cfg.kv_dim, cfg.q_dim
     block: list[tuple[str, Shape]] = [("attn_norm.weight", (H,))]
-    for n, d in (("q", H), ("k", kv), ("v", kv)):  # each projection's bias follows its weight
+    for n, d in (("q", q), ("k", kv), ("v", kv)):  # each projection's bias follows its weight
         block += [(f"attn.{n}.weight", (d, H))] + ([(f"attn.{n}.bias", (d,))] if cfg.qkv_bias else [])
-    block += [("attn.o.weight", (H, H)), ("mlp_norm.weight", (H,)),
+    block += [("attn.o.weight", (H, q))]
+    block += [("attn.q_norm.weight", (cfg.head_dim,)), ("attn.k_norm.weight", (cfg.head_dim,))] if cfg.qk_norm else []
+    block += [("mlp_norm.weight", (H,)),
               ("mlp.gate.weight", (I, H)), ("mlp.up.weight", (I, H)), ("mlp.down.weight", (H, I))]
     after = [("norm.weight", (H,))] + ([] if cfg.tie_embeddings else [("head.lm_head.weight", (V, H))])
     return [("embed.weight", (V, H))], block, after

@@ -29,7 +29,8 @@ class Block(nn.Module):
         # kernels/lean.py says why)
         self.lean = lean and recompute == "none"
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias, self.lean)
+        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias, self.lean, cfg.head_dim, cfg.qk_norm,
+                              cfg.norm_eps)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp, self.lean)
         if recompute == "full":
@@ -97,8 +98,8 @@ def to_baseline_state_dict(model: "Transformer") -> dict[str, torch.Tensor]:
 
 def to_baseline_names(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Rename/split any name -> tensor map (weights, or their gradients) to the baseline's names."""
-    sizes = {"attn.qkv.weight": [cfg.hidden, cfg.kv_dim, cfg.kv_dim],
-             "attn.qkv.bias": [cfg.hidden, cfg.kv_dim, cfg.kv_dim],
+    sizes = {"attn.qkv.weight": [cfg.q_dim, cfg.kv_dim, cfg.kv_dim],
+             "attn.qkv.bias": [cfg.q_dim, cfg.kv_dim, cfg.kv_dim],
              "mlp.gate_up.weight": [cfg.intermediate, cfg.intermediate]}
     out = {}
     for k, v in tensors.items():

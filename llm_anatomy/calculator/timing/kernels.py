@@ -21,11 +21,13 @@ SDPA_BACKENDS = ("cudnn", "flash", "memory-efficient")
 def param_sizes(cfg: ModelConfig, variant: str) -> dict[int, int]:
     """{elements: how many parameter tensors of that size} in the variant's module tree (the efficient
     model holds qkv and gate_up as one tensor each; a tied head is the embedding's tensor)."""
-    H, I, V, kv, L = cfg.hidden, cfg.intermediate, cfg.vocab, cfg.kv_dim, cfg.layers
-    per_layer = ([(H + 2 * kv) * H, H * H, 2 * I * H, I * H] if variant == "efficient"
-                 else [H * H, kv * H, kv * H, H * H, I * H, I * H, H * I])
+    H, I, V, kv, L, q = cfg.hidden, cfg.intermediate, cfg.vocab, cfg.kv_dim, cfg.layers, cfg.q_dim
+    per_layer = ([(q + 2 * kv) * H, q * H, 2 * I * H, I * H] if variant == "efficient"
+                 else [q * H, kv * H, kv * H, q * H, I * H, I * H, H * I])
     if cfg.qkv_bias:  # the q, k, v biases (one fused qkv bias in the efficient model)
-        per_layer += [H + 2 * kv] if variant == "efficient" else [H, kv, kv]
+        per_layer += [q + 2 * kv] if variant == "efficient" else [q, kv, kv]
+    if cfg.qk_norm:  # q_norm and k_norm, head_dim each
+        per_layer += [cfg.head_dim, cfg.head_dim]
     out: dict[int, int] = {}
     for n, count in ((V * H, 1 if cfg.tie_embeddings else 2), (H, 2 * L + 1), *((n, L) for n in per_layer)):
         out[n] = out.get(n, 0) + count
@@ -131,7 +133,7 @@ def standalone_kernels(op: str, cfg: ModelConfig, batch: int, seq: int) -> list[
     """One bf16 fused op, forward + backward, as bench/kernel_rates.py times it (leaves, no autocast,
     a random upstream gradient): "rms_norm", "swiglu", "rope_qkv" (ours) or "linear_ce" (Liger)."""
     o = Ops(cfg, Run(batch, seq, "bf16"))
-    T, H, I, D, c = o.run.tokens, cfg.hidden, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim, o.c
+    T, H, I, D, c = o.run.tokens, cfg.hidden, cfg.intermediate, cfg.q_dim + 2 * cfg.kv_dim, o.c
     if op == "rms_norm":
         o.mem("rms_norm", "norm", "forward", T * H * c, T * H * c, host="rms_norm.forward")
         o.mem("rms_norm.backward", "norm", "backward", 2 * T * H * c, T * H * c, host="rms_norm.backward")

@@ -23,8 +23,13 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
         op = f"eager_norm.{ph}"
         o.chain(op, "norm.", "norm", ph, H, T, n, fused=(op, H, T) if (c, r) == (2, 4) else ())
     # attention: q, k, v each cast the stream's normed x under amp; RoPE as 5 ops per tensor
-    for name, width in (("q", H), ("k", Hkv), ("v", Hkv)):
+    q = cfg.q_dim
+    for name, width in (("q", q), ("k", Hkv), ("v", Hkv)):
         o.linear(f"attention.{name}", "attention", H, width, L, in_bytes=r, bias=cfg.qkv_bias)
+    if cfg.qk_norm:  # q_norm, k_norm: the eager norm chain over head-rows of hd, from the compute dtype (uncalibrated)
+        for name, heads in (("q_norm", nh), ("k_norm", nkv)):
+            for ph in ("forward", "backward"):
+                o.chain(f"eager_norm.{ph}", f"attention.{name}.", "attention", ph, hd, T * heads, L, stream=c)
     o.mem("attention.qkv_input_grad_sum", "attention", "backward", 2 * T * H * r, T * H * r, 2 * L)  # 3 grads: 2 adds
     for name, heads in (("q", nh), ("k", nkv)):  # x*cos + cat(-x2, x1)*sin (fused.eager_rope_*), calibrated per hd
         for ph, suffix in (("forward", ""), ("backward", ".backward")):
@@ -33,8 +38,8 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
                     fused=(op, hd, T * heads) if c == 2 else (), suffix=suffix)
     # torch.matmul reshapes (B, nh, S, hd) operands laid out (B, S, nh, hd) to (B*nh, S, hd): a copy
     # each (repeat_kv's copy replaces it for k, v under GQA); their gradients' views copy back
-    for name, width in (("q", H), ("k", Hkv), ("v", Hkv)):
-        full = T * H * c
+    for name, width in (("q", q), ("k", Hkv), ("v", Hkv)):
+        full = T * q * c
         if name != "q" and nkv != nh:
             o.mem(f"attention.repeat_kv_{name}", "attention", "forward", T * width * c, full, L)
             o.mem(f"attention.repeat_kv_{name}.backward", "attention", "backward", full, T * width * c, L)
@@ -67,7 +72,7 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
             o.mem(f"attention.{op}", "attention", "backward", rd, wr, L, fused=sxs(cal))
     o.mm("attention.scores.grad_q", "attention", "backward", S, hd, S, L, batch=B * nh)
     o.mm("attention.scores.grad_k", "attention", "backward", S, hd, S, L, batch=B * nh)
-    o.linear("attention.o", "attention", H, H, L)  # its input (merged heads) is already compute dtype
+    o.linear("attention.o", "attention", cfg.q_dim, H, L)  # its input (merged heads) is already compute dtype
     residual(o, "attention", L)
     # MLP: gate and up each cast x under amp; silu and mul are separate kernels
     o.linear("mlp.gate", "mlp", H, I, L, in_bytes=r)

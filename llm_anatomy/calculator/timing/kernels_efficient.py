@@ -21,7 +21,8 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
                           "its SDPA backends run")
     B, S, T, H, L = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers
     nh, hd, Hkv, I = cfg.heads, cfg.head_dim, cfg.kv_dim, cfg.intermediate
-    D, c, r = H + 2 * Hkv, o.c, o.r
+    q = cfg.q_dim  # heads x head_dim: q's and SDPA's output width
+    D, c, r = q + 2 * Hkv, o.c, o.r
     embedding(o)
     rope_tables(o, cast=False)  # fp32 tables, built once per step
     # norms: read x (residual dtype), write y (compute dtype); backward reads dy, x, writes dx, and a
@@ -41,26 +42,28 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     for ph, name in (("forward", "attention.rope_qkv"), ("backward", "attention.rope_qkv.backward")):
         op = (f"rope_qkv.{ph}", D)
         o.mem(name, "attention", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
+    if cfg.qk_norm:
+        qk_norm_kernels(o)
     F = causal_attention_flops(B, nh, S, hd)
-    io = T * (H + 2 * Hkv) * c  # q, k, v
-    o.k.append(Kernel("attention.sdpa", "attention", "forward", "sdpa", L, F, io + T * H * c + B * nh * S * 4,
+    io = T * D * c  # q, k, v
+    o.k.append(Kernel("attention.sdpa", "attention", "forward", "sdpa", L, F, io + T * q * c + B * nh * S * 4,
                       (B, nh, S, hd), "bfloat16", sdpa_backend))
     o.k.append(Kernel("attention.sdpa.backward", "attention", "backward", "sdpa", L, 5 * F // 2,
-                      2 * io + 2 * T * H * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend))
+                      2 * io + 2 * T * q * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend))
     if sdpa_backend == "cudnn":
         # cuDNN's call launches small kernels around its main one (every H200 trace): a memset of its
         # (B, heads, S) fp32 row statistics in each phase; in backward, dot(dO, O) per row, which also
         # zeroes the fp32 dQ accumulator, then dQ converted to the compute dtype
         o.mem("attention.sdpa.memset", "attention", "forward", 0, B * nh * S * 4, L, host=None)
         o.mem("attention.sdpa.backward.memset", "attention", "backward", 0, B * nh * S * 4, L, host=None)
-        o.mem("attention.sdpa.dot_do_o", "attention", "backward", 2 * T * H * c, B * nh * S * 4 + T * H * 4, L,
+        o.mem("attention.sdpa.dot_do_o", "attention", "backward", 2 * T * q * c, B * nh * S * 4 + T * q * 4, L,
               host=None)
-        o.mem("attention.sdpa.convert_dq", "attention", "backward", T * H * 4, T * H * c, L, host=None)
+        o.mem("attention.sdpa.convert_dq", "attention", "backward", T * q * 4, T * q * c, L, host=None)
     if cfg.kv_heads < nh and sdpa_backend == "cudnn":
         # under GQA cuDNN's backward writes dK, dV per query head in fp32 and sums each group after
         # (fmha_reduce_head in the H200 traces): read 2 (T, H) fp32, write 2 (T, Hkv) in the compute dtype
-        o.mem("attention.sdpa.gqa_reduce", "attention", "backward", 2 * T * H * 4, 2 * T * Hkv * c, L, host=None)
-    o.linear("attention.o", "attention", H, H, L, fp32_grad=fused)  # its input is a view of SDPA's output: no copy
+        o.mem("attention.sdpa.gqa_reduce", "attention", "backward", 2 * T * q * 4, 2 * T * Hkv * c, L, host=None)
+    o.linear("attention.o", "attention", q, H, L, fp32_grad=fused)  # its input is a view of SDPA's output: no copy
     # where the residual adds run: in the block ("other"); in the MLP's checkpoint under "mlp"; in the block's
     # checkpoint, a module credited to attention (efficient/transformer.py, BlockCheckpoint), under "full"
     where = {"none": "other", "mlp": "mlp", "full": "attention"}[run.recompute]
@@ -85,6 +88,23 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
         lean_kernels(o)
     liger_loss(o) if run.loss_impl == "liger" else anatomy_loss(o)
     return o.k
+
+
+def qk_norm_kernels(o: Ops) -> None:
+    """q_norm and k_norm (efficient/attention.py, Attention._qk_norm): rms_norm over head-rows of hd, from and to
+    the compute dtype, forward and backward (and its dw sum); the cat that hands rope_qkv one tensor, and the
+    split's backward, the cat of d(q), d(k) and d(v). Priced by bytes at the rms_norm and copy rates (no
+    calibration at width hd)."""
+    T, L, c, hd = o.run.tokens, o.cfg.layers, o.c, o.cfg.head_dim
+    D = (o.cfg.heads + 2 * o.cfg.kv_heads) * hd
+    for name, heads in (("q_norm", o.cfg.heads), ("k_norm", o.cfg.kv_heads)):
+        rows = T * heads
+        o.mem(f"attention.{name}", "attention", "forward", *fused_bytes("rms_norm.forward", hd, rows, c, c), L)
+        o.mem(f"attention.{name}.backward", "attention", "backward", *fused_bytes("rms_norm.backward", hd, rows, c, c),
+              L)
+        o.mem(f"attention.{name}.dw_sum", "attention", "backward", *dw_sum_bytes(hd, rows), L, host=None)
+    o.mem("attention.qk_norm.cat", "attention", "forward", T * D * c, T * D * c, L)
+    o.mem("attention.qk_norm.split.backward", "attention", "backward", T * D * c, T * D * c, L)
 
 
 def fused_norms(o: Ops) -> None:
@@ -112,20 +132,25 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
     of the node that asked for the re-run (down's backward: the MLP), as under "mlp"."""
     cfg, run, c, r = o.cfg, o.run, o.c, o.r
     B, S, T, H, L, I = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers, cfg.intermediate
-    nh, hd, D = cfg.heads, cfg.head_dim, cfg.hidden + 2 * cfg.kv_dim
+    nh, hd, D = cfg.heads, cfg.head_dim, cfg.q_dim + 2 * cfg.kv_dim
     full = run.recompute == "full"
     fw = ("rms_norm.forward", H)
     o.mem("norm.rms_norm.recompute", "norm", "backward", *fused_bytes(*fw, T, c, r), 2 * L, host=fw[0],
           fused=(*fw, T))
     if full:
         o.mm("attention.qkv.recompute", "attention", "backward", T, D, H, L)
+        if cfg.qk_norm:  # the norms and their cat run again too
+            for name, heads in (("q_norm", nh), ("k_norm", cfg.kv_heads)):
+                o.mem(f"attention.{name}.recompute", "attention", "backward",
+                      *fused_bytes("rms_norm.forward", hd, T * heads, c, c), L)
+            o.mem("attention.qk_norm.cat.recompute", "attention", "backward", T * D * c, T * D * c, L)
         rp = ("rope_qkv.forward", D)
         o.mem("attention.rope_qkv.recompute", "attention", "backward", *fused_bytes(*rp, T, c, r), L, host=rp[0],
               fused=(*rp, T))
         F = causal_attention_flops(B, nh, S, hd)
         # the forward kernel, priced as one (op_phase) though it runs in the backward phase
         o.k.append(Kernel("attention.sdpa.recompute", "attention", "backward", "sdpa", L, F,
-                          T * D * c + T * H * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend,
+                          T * D * c + T * cfg.q_dim * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend,
                           op_phase="forward"))
         if sdpa_backend == "cudnn":
             o.mem("attention.sdpa.memset.recompute", "attention", "backward", 0, B * nh * S * 4, L, host=None)
@@ -144,7 +169,7 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
     if o.amp:  # autocast's weight casts are made again too (its cache ends with each forward)
         casts = [("attention.qkv", "attention", D * H), ("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)]
         if full:
-            casts.insert(1, ("attention.o", "attention", H * H))
+            casts.insert(1, ("attention.o", "attention", cfg.q_dim * H))
         for name, comp, n in casts:
             o.mem(f"{name}.weight_cast.recompute", comp, "backward", n * o.p, n * c, L)
         if cfg.qkv_bias:  # autocast casts qkv's bias with its weight
@@ -156,9 +181,9 @@ def lean_kernels(o: Ops) -> None:
     backward casts its fp32 weight to bf16 again (the forward's cast is not kept). (h, down's input, is made
     again inside SwiGLU's backward pass: priced there, in efficient_kernels.)"""
     cfg, c = o.cfg, o.c
-    H, L, I, D = cfg.hidden, cfg.layers, cfg.intermediate, cfg.hidden + 2 * cfg.kv_dim
+    H, L, I, D = cfg.hidden, cfg.layers, cfg.intermediate, cfg.q_dim + 2 * cfg.kv_dim
     if o.amp:
-        for name, comp, n in (("attention.qkv", "attention", D * H), ("attention.o", "attention", H * H),
+        for name, comp, n in (("attention.qkv", "attention", D * H), ("attention.o", "attention", cfg.q_dim * H),
                               ("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)):
             o.mem(f"{name}.weight_recast", comp, "backward", n * o.p, n * c, L)
 

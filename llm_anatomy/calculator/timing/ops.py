@@ -66,13 +66,14 @@ class Ops:
         self.k.append(_tuple_new(Kernel, (name, comp, phase, "memory", count, 0, int(read + write), (), "bfloat16", "",
                                           host, calls, host_ops, loop, sync, order, fused, False, "")))
 
-    def chain(self, op, prefix, comp, phase, width, rows, count=1, order=1, fused=(), suffix=""):
+    def chain(self, op, prefix, comp, phase, width, rows, count=1, order=1, fused=(), suffix="", stream=None):
         """One memory-bound kernel per op of the eager chain `op` over `rows` rows of `width`
         (op_bytes.EAGER_CHAINS), named prefix + the op's name + suffix, each launched `count` times: mem()'s
-        entries, made in one pass. fused: the chain's calibration (registry op, width, rows), where it has one."""
+        entries, made in one pass. fused: the chain's calibration (registry op, width, rows), where it has one.
+        stream: the bytes of the chain's input dtype (default: the residual stream's)."""
         self.k += [_tuple_new(Kernel, (f"{prefix}{name}{suffix}", comp, phase, "memory", count, 0, int(rd + wr), (),
                                        "bfloat16", "", "op", None, 0, False, False, order, fused, False, ""))
-                   for name, rd, wr in EAGER_CHAINS[op](rows, width, self.c, self.r)]
+                   for name, rd, wr in EAGER_CHAINS[op](rows, width, self.c, stream or self.r)]
 
     def mm(self, name, comp, phase, m, n, k, count=1, batch=1, out=None, extra=0, host="op", order=1,
            accumulate=False, host_ops=0, loop=False):
