@@ -61,10 +61,11 @@ def test_relock_drops_torch_triton_and_what_only_they_pull():
 
 def _shadowable_names() -> list[tuple[str, Path]]:
     """Each name a repo file can be imported as from the top: the repo's top-level modules and folders, and each
-    module of bench/ and scripts/ (top-level names whenever one is run as a plain script: python3 bench/x.py)."""
+    module of bench/, scripts/ and validations/ (top-level names whenever one is run as a plain script:
+    python3 bench/x.py puts bench/ first on sys.path)."""
     names = [(p.stem if p.is_file() else p.name, p) for p in ROOT.iterdir()
              if (p.is_dir() and not p.name.startswith(".")) or p.suffix == ".py"]
-    names += [(p.stem, p) for d in ("bench", "scripts") for p in (ROOT / d).glob("*.py") if p.stem != "__init__"]
+    names += [(p.stem, p) for d in ("bench", "scripts", "validations") for p in (ROOT / d).glob("*.py") if p.stem != "__init__"]
     return names
 
 
