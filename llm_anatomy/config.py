@@ -11,6 +11,7 @@ import unicodedata
 from dataclasses import dataclass, field, fields
 
 MLP_VARIANTS = ("swiglu", "gpt-oss")
+ROUTERS = ("softmax-topk", "topk-softmax")
 # dtype policies:
 #   amp  : fp32 master weights, bf16 autocast for matmuls (the default; what most training runs use)
 #   bf16 : parameters and activations in bf16, no autocast
@@ -74,6 +75,22 @@ class ModelConfig:
     # None derives hidden // heads, so every config that never names it is what it was.
     head_dim: int | None = None
     qk_norm: bool = False  # RMSNorm over each q and k head (weights of head_dim), after the projections, before RoPE
+    # Mixture of experts (every layer): `experts` routed SwiGLU experts of width expert_intermediate; a linear router
+    # sends each token to `experts_per_token` of them and sums their outputs by the router's weights, plus
+    # `shared_experts` always-on experts, run as one SwiGLU MLP of width shared_experts x shared_intermediate.
+    # experts = 0: the dense MLP of width `intermediate`, and every field below keeps its default.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int | None = None  # None: intermediate
+    shared_experts: int = 0
+    shared_intermediate: int | None = None  # None: expert_intermediate
+    # ROUTERS: "softmax-topk" takes the top k of a softmax over every expert (Mixtral, Qwen3-MoE, OLMoE);
+    # "topk-softmax" takes a softmax over the top k logits (gpt-oss)
+    router: str = "softmax-topk"
+    norm_topk: bool = True  # softmax-topk: rescale the k weights to sum to 1 (Mixtral, Qwen3-MoE; OLMoE does not)
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases on every expert's gate_up and down (gpt-oss)
+    router_aux_coef: float = 0.0  # the load-balancing loss's weight in the training loss (0: none)
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -101,6 +118,7 @@ class ModelConfig:
         for f in ("tie_embeddings", "qkv_bias", "qk_norm"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"{f} must be true or false, got {oneline(repr(getattr(self, f)), 60)}")
+        self._check_moe()
         _positive_float("norm_eps", self.norm_eps, below=1.0)
         _positive_float("rope_theta", self.rope_theta)
         if not isinstance(self.name, str):
@@ -108,6 +126,42 @@ class ModelConfig:
         if self.rough_params > MAX_PARAMS:
             raise ConfigError(f"{self.rough_params:.3g} parameters is more than any machine could hold "
                               f"(at most {MAX_PARAMS:.0e})")
+
+    def _check_moe(self) -> None:
+        moe_fields = ("experts_per_token", "expert_intermediate", "shared_experts", "shared_intermediate",
+                      "router_bias", "expert_bias", "router_aux_coef")
+        if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0:
+            raise ConfigError(f"experts must be a non-negative integer, got {oneline(repr(self.experts), 60)}")
+        if self.experts == 0:
+            for f in moe_fields:
+                if getattr(self, f) not in (0, None, False, 0.0):
+                    raise ConfigError(f"{f} needs experts > 0 (a dense MLP has no {f})")
+            return
+        _positive_int("experts_per_token", self.experts_per_token)
+        if self.experts_per_token > self.experts:
+            raise ConfigError(f"experts_per_token={self.experts_per_token} is more than experts={self.experts}")
+        if self.expert_intermediate is None:
+            object.__setattr__(self, "expert_intermediate", self.intermediate)
+        _positive_int("expert_intermediate", self.expert_intermediate, MAX_WIDTH)
+        if isinstance(self.shared_experts, bool) or not isinstance(self.shared_experts, int) or self.shared_experts < 0:
+            raise ConfigError(f"shared_experts must be a non-negative integer, got "
+                              f"{oneline(repr(self.shared_experts), 60)}")
+        if self.shared_experts and self.shared_intermediate is None:
+            object.__setattr__(self, "shared_intermediate", self.expert_intermediate)
+        if self.shared_intermediate is not None:
+            _positive_int("shared_intermediate", self.shared_intermediate, MAX_WIDTH)
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {oneline(repr(self.router), 60)}")
+        for f in ("norm_topk", "router_bias", "expert_bias"):
+            if not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"{f} must be true or false, got {oneline(repr(getattr(self, f)), 60)}")
+        c = self.router_aux_coef
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < math.inf:
+            raise ConfigError(f"router_aux_coef must be a finite number >= 0, got {oneline(repr(c), 60)}")
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
 
     @property
     def q_dim(self) -> int:  # width of the q projection, and of o's input: hidden unless head_dim is stated
@@ -122,13 +176,20 @@ class ModelConfig:
         """The matmul weights and embeddings (norms left out): enough to bound a size, not a count to report
         (llm_anatomy.calculator.param_count is that)."""
         block = 2 * self.hidden * (self.q_dim + self.kv_dim) + 3 * self.hidden * self.intermediate
+        if self.moe:
+            block += 3 * self.hidden * (self.experts * self.expert_intermediate - self.intermediate
+                                        + self.shared_experts * (self.shared_intermediate or 0)) + self.experts * self.hidden
         block += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
         return self.layers * block + self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
 
     def to_dict(self) -> dict:
-        """Every field; qkv_bias and qk_norm only when on, head_dim only when it is not hidden // heads (so
-        reports of Llama-family models keep their keys)."""
+        """Every field; qkv_bias and qk_norm only when on, head_dim only when it is not hidden // heads, the MoE
+        fields only when experts > 0 (so reports of Llama-family models keep their keys)."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # scalars only: no deep copy needed
+        if not self.moe:
+            for f in ("experts", "experts_per_token", "expert_intermediate", "shared_experts", "shared_intermediate",
+                      "router", "norm_topk", "router_bias", "expert_bias", "router_aux_coef"):
+                del d[f]
         for f in ("qkv_bias", "qk_norm"):
             if not d[f]:
                 del d[f]
