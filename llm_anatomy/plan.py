@@ -13,6 +13,10 @@ per-rank peak fits the budget is found by bisection (peak grows with the micro-b
                over the rank's own shard under FSDP;
   tokens/s     gpus x micro-batch x seq / step;
   MFU          model FLOPs of the step / (step x the datasheet's dense peak), the usual convention.
+With a global batch (sequences per optimizer step over all GPUs), each rank runs the largest micro-batch that
+fits and divides its share, and accumulates gradients over share / micro-batch micro-steps: each micro-step is a
+whole forward and backward with its collectives (DDP and FSDP2 synchronize every backward unless told not to), the
+optimizer steps once. With a token budget, the time and GPU-hours to train it at the planned speed.
 The fastest setting that fits is the plan. Pure Python: no torch, nothing is built or allocated.
 """
 from __future__ import annotations
@@ -32,13 +36,14 @@ class Candidate:
     strategy: str  # "single" on one GPU, else ddp / fsdp
     recompute: str
     lean: bool  # the efficient variant's lean block (Run.lean): without recompute, unless --no-lean
-    micro_batch: int  # the largest that fits the budget, 0 if none does
+    micro_batch: int  # the largest that fits the budget (and divides a rank's share of a global batch), 0 if none
     peak_bytes: int  # per rank, at micro_batch (at 1 when none fits)
     fits: bool
     step_s: float | None  # None when nothing fits
     comm_exposed_s: float | None
     tokens_per_s: float | None
     mfu: float | None
+    accum: int = 1  # micro-steps per optimizer step (a global batch's share / micro_batch)
 
 
 def table_entry(gpu: str) -> dict:
@@ -105,7 +110,44 @@ def step_time(cfg: ModelConfig, run: Run, variant: str, gpu: str, world: int, st
     step = fb + opt + exposed
     model_flops = t["mfu"]["model"] * t["forward_backward_s"] * t["mfu"]["peak_flops"]  # 6N-style, per rank
     peak = table_entry(gpu)["bf16_tflops" if run.dtype != "fp32" else "fp32_tflops"] * 1e12
-    return dict(step_s=step, comm_exposed_s=exposed, mfu=model_flops / step / peak)
+    return dict(step_s=step, comm_exposed_s=exposed, mfu=model_flops / step / peak, optimizer_s=opt,
+                model_flops=model_flops, peak_flops=peak)
+
+
+def accumulated(t: dict, accum: int) -> dict:
+    """One optimizer step of `accum` micro-steps, from step_time()'s one: every micro-step's forward, backward and
+    exposed communication, one optimizer step."""
+    step = accum * (t["step_s"] - t["optimizer_s"]) + t["optimizer_s"]
+    return dict(t, step_s=step, comm_exposed_s=accum * t["comm_exposed_s"],
+                mfu=accum * t["model_flops"] / step / t["peak_flops"])
+
+
+def split_global_batch(global_batch: int | None, dp: int, fitting: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) for a rank's share of a global batch: the largest divisor of the share
+    that is at most the largest micro-batch that fits. Without a global batch: (fitting, 1)."""
+    if global_batch is None or fitting == 0:
+        return fitting, 1
+    share = global_batch // dp
+    m = max(d for d in range(1, min(share, fitting) + 1) if share % d == 0)
+    return m, share // m
+
+
+def check_global_batch(global_batch: int | None, dp: int) -> None:
+    if global_batch is None:
+        return
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"--global-batch must be a positive whole number of sequences, got {global_batch!r}")
+    if global_batch % dp:
+        raise ConfigError(f"--global-batch {global_batch:,} does not split evenly over {dp:,} data-parallel ranks "
+                          f"(take a multiple of {dp:,})")
+
+
+def token_budget(tokens: float | None, tokens_per_s: float, gpus_n: int) -> dict | None:
+    """Wall time and GPU-hours to train `tokens` tokens at `tokens_per_s`."""
+    if tokens is None:
+        return None
+    seconds = tokens / tokens_per_s
+    return dict(tokens=tokens, seconds=seconds, days=seconds / 86400, gpu_hours=seconds / 3600 * gpus_n)
 
 
 def _check(gpus_n: int, gpus_per_node: int, margin: float, seq: int) -> None:
@@ -120,10 +162,15 @@ def _check(gpus_n: int, gpus_per_node: int, margin: float, seq: int) -> None:
 def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node: int = 8, optimizer: str = "adamw",
          margin: float = DEFAULT_MARGIN, variant: str = "efficient", dtype: str = "amp",
          strategies: tuple[str, ...] | None = None, recomputes: tuple[str, ...] | None = None,
-         lean: bool = True) -> dict:
+         lean: bool = True, global_batch: int | None = None, tokens: float | None = None) -> dict:
     """Every (strategy, recompute) candidate at its largest fitting micro-batch, and the fastest. JSON-able.
-    lean: the efficient variant runs its lean block where it applies (no recompute)."""
+    lean: the efficient variant runs its lean block where it applies (no recompute). global_batch: sequences
+    per optimizer step over all GPUs (gradient accumulation follows); tokens: a budget to price."""
     _check(gpus_n, gpus_per_node, margin, seq)
+    check_global_batch(global_batch, gpus_n)
+    if tokens is not None and not (isinstance(tokens, (int, float)) and not isinstance(tokens, bool)
+                                   and 0 < tokens < float("inf")):
+        raise ConfigError(f"--tokens must be a positive number of tokens, got {tokens!r}")
     if variant not in POLICIES:
         raise ConfigError(f"unknown variant {variant!r}; choose baseline or efficient")
     entry = table_entry(gpu)
@@ -147,20 +194,24 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
             if b == 0:
                 rows.append(Candidate(strategy, rc, lb, 0, need(1), False, None, None, None, None))
                 continue
-            t = step_time(cfg, mk(b), variant, gpu, gpus_n, strategy, optimizer, gpus_per_node)
+            b, accum = split_global_batch(global_batch, gpus_n, b)
+            t = accumulated(step_time(cfg, mk(b), variant, gpu, gpus_n, strategy, optimizer, gpus_per_node), accum)
             rows.append(Candidate(strategy, rc, lb, b, need(b), True, t["step_s"], t["comm_exposed_s"],
-                                  gpus_n * b * seq / t["step_s"], t["mfu"]))
+                                  gpus_n * accum * b * seq / t["step_s"], t["mfu"], accum))
     fitting = [r for r in rows if r.fits]
     best = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
     spread = None  # a derived profile's plausible range of the best setting (timing/derived.py)
     if best is not None and (bounds := derived_bounds(gpu)) is not None:
         spread = dict(source=bounds.pop("source"))
         for b, name in bounds.items():
-            t = step_time(cfg, mk_run(best, seq, dtype), variant, name, gpus_n, best.strategy, optimizer, gpus_per_node)
-            spread[b] = dict(gpu=name, step_s=t["step_s"], tokens_per_s=gpus_n * best.micro_batch * seq / t["step_s"],
-                             mfu=t["mfu"])
+            t = accumulated(step_time(cfg, mk_run(best, seq, dtype), variant, name, gpus_n, best.strategy, optimizer,
+                                      gpus_per_node), best.accum)
+            tps = gpus_n * best.accum * best.micro_batch * seq / t["step_s"]
+            spread[b] = dict(gpu=name, step_s=t["step_s"], tokens_per_s=tps, mfu=t["mfu"],
+                             budget=token_budget(tokens, tps, gpus_n))
     return dict(config=cfg.to_dict(), variant=variant, lean=lean and variant == "efficient", gpu=gpu, gpu_entry=entry["name"], gpus=gpus_n,
-                profile_kind=profile_kind(gpu), range=spread,
+                profile_kind=profile_kind(gpu), range=spread, global_batch=global_batch,
+                budget=token_budget(tokens, best.tokens_per_s, gpus_n) if best else None,
                 gpu_rule=gpus.rule(gpu), gpus_per_node=gpus_per_node, seq=seq, dtype=dtype, optimizer=optimizer, margin=margin,
                 capacity_bytes=capacity, capacity_source=capacity_source, budget_bytes=budget,
                 candidates=[asdict(r) for r in rows], best=asdict(best) if best else None)

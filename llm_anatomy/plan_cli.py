@@ -44,8 +44,28 @@ def parser() -> Parser:
                         "for efficient)")
     g.add_argument("--margin", type=float, default=0.05, metavar="FRACTION",
                    help="memory held back from the GPU's allocatable memory")
+    g.add_argument("--global-batch", type=int, metavar="SEQUENCES",
+                   help="sequences per optimizer step over all GPUs: each rank accumulates gradients over its share "
+                        "in micro-batches that fit")
+    g.add_argument("--tokens", type=token_count, metavar="N",
+                   help="a token budget to price: wall time and GPU-hours at the planned speed (15T, 300B, 2e12)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
+
+
+_SUFFIX = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def token_count(text: str) -> float:
+    """A number of tokens: a plain number or one with a K, M, B (or G) or T suffix."""
+    t = text.strip().upper()
+    try:
+        v = float(t[:-1]) * _SUFFIX[t[-1]] if t and t[-1] in _SUFFIX else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r} (e.g. 15T, 300B, 2e12)") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"a token budget must be a positive number, got {text!r}")
+    return v
 
 
 def _model_args(a) -> list[str]:
@@ -73,6 +93,8 @@ def plan_command(a, kw: dict) -> str:
     args += [] if kw["margin"] == DEFAULT_MARGIN else ["--margin", repr(kw["margin"])]
     args += ["--strategy", kw["strategies"][0]] if kw.get("strategies") else []
     args += ["--recompute", ",".join(kw["recomputes"])] if kw.get("recomputes") else []
+    args += ["--global-batch", str(kw["global_batch"])] if kw.get("global_batch") else []
+    args += ["--tokens", f"{kw['tokens']:g}"] if kw.get("tokens") else []
     return shlex.join(args)
 
 
@@ -101,12 +123,16 @@ def render(a, out: dict) -> list[str]:
              f"{gib(out['budget_bytes'])} GiB after a {out['margin']:.0%} margin"]
     if out["gpu_rule"]:
         lines.append(f"--gpu {out['gpu']}: {out['gpu_rule']}")
+    if out["global_batch"]:
+        lines.append(f"global batch {out['global_batch']:,} sequences per optimizer step: micro-batch x accumulation "
+                     f"steps x {out['gpus']:,} GPUs; a step below is one optimizer step")
     head = ("strategy", "recompute", "micro-batch", "peak GiB/rank", "fits", "step ms", "exposed comm ms",
             "tokens/s", "MFU")
     rows = []
     for c in out["candidates"]:
         ok = c["fits"]
-        rows.append((c["strategy"], c["recompute"] + (" (lean)" if c["lean"] else ""), f"{c['micro_batch']:,}" if ok else "-", gib(c["peak_bytes"]),
+        mb = f"{c['micro_batch']:,}" + (f" x {c['accum']:,}" if c["accum"] > 1 else "")
+        rows.append((c["strategy"], c["recompute"] + (" (lean)" if c["lean"] else ""), mb if ok else "-", gib(c["peak_bytes"]),
                      "yes" if ok else "no (at 1)", f"{c['step_s'] * 1e3:,.1f}" if ok else "-",
                      f"{c['comm_exposed_s'] * 1e3:,.1f}" if ok else "-",
                      f"{c['tokens_per_s']:,.0f}" if ok else "-", f"{c['mfu']:.1%}" if ok and c["mfu"] else "-"))
@@ -120,6 +146,12 @@ def render(a, out: dict) -> list[str]:
                  f"{b['tokens_per_s']:,.0f} tokens/s, {gib(b['peak_bytes'])} GiB per rank of {gib(out['budget_bytes'])} "
                  f"GiB, step {b['step_s'] * 1e3:,.1f} ms")
     lines.append(f"details: {estimate_command(a, b, out)}")
+    if (bud := out["budget"]) is not None:
+        lines.append(f"to train {tokens_text(bud['tokens'])} tokens: {days(bud)} on {out['gpus']:,} "
+                     f"GPU{'s' if out['gpus'] > 1 else ''}, "
+                     f"{bud['gpu_hours']:,.0f} GPU-hours" + (
+                         f" (derived range {days(out['range']['high']['budget'])} to "
+                         f"{days(out['range']['low']['budget'])})" if out.get("range") else ""))
     if (rg := out.get("range")) is not None:
         lines.append(f"times from a derived profile (the measured H200's kernel efficiencies on {out['gpu']}'s "
                      f"datasheet, docs/derived-gpus.md): plausible range {rg['low']['tokens_per_s']:,.0f} to "
@@ -131,6 +163,19 @@ def render(a, out: dict) -> list[str]:
     lines.append("run it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the peaks are allocated bytes; "
                  "the default allocator's fragmentation can take part of the margin")
     return lines + said_defaults(out)
+
+
+def tokens_text(n: float) -> str:
+    """A token count as people write it: 15T, 300B, 1.5M."""
+    for suffix, v in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= v:
+            return f"{n / v:.4g}{suffix}"
+    return f"{n:.4g}"
+
+
+def days(budget: dict) -> str:
+    """A training time in days, or hours when under two days."""
+    return f"{budget['days']:,.1f} days" if budget["days"] >= 2 else f"{budget['seconds'] / 3600:,.1f} hours"
 
 
 def said_defaults(out: dict) -> list[str]:
@@ -174,7 +219,7 @@ def main(argv=None) -> int:
         recomputes = tuple(r.strip() for r in a.recompute.split(",")) if a.recompute else None
         kw = dict(gpu=a.gpu, seq=a.seq, gpus_n=a.gpus, gpus_per_node=a.gpus_per_node, optimizer=a.optimizer,
                   margin=a.margin, variant=a.variant, dtype=a.dtype, strategies=(a.strategy,) if a.strategy else None,
-                  recomputes=recomputes, lean=a.lean)
+                  recomputes=recomputes, lean=a.lean, global_batch=a.global_batch, tokens=a.tokens)
         out = plan(cfg, **kw)
         given = getattr(a, "given", frozenset())
         out["defaults"] = {k: v for k, v in (("variant", a.variant), ("seq", a.seq)) if k not in given}
