@@ -162,10 +162,12 @@ def _check(gpus_n: int, gpus_per_node: int, margin: float, seq: int) -> None:
 def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node: int = 8, optimizer: str = "adamw",
          margin: float = DEFAULT_MARGIN, variant: str = "efficient", dtype: str = "amp",
          strategies: tuple[str, ...] | None = None, recomputes: tuple[str, ...] | None = None,
-         lean: bool = True, global_batch: int | None = None, tokens: float | None = None) -> dict:
+         lean: bool = True, global_batch: int | None = None, tokens: float | None = None,
+         meshes: bool = True) -> dict:
     """Every (strategy, recompute) candidate at its largest fitting micro-batch, and the fastest. JSON-able.
     lean: the efficient variant runs its lean block where it applies (no recompute). global_batch: sequences
-    per optimizer step over all GPUs (gradient accumulation follows); tokens: a budget to price."""
+    per optimizer step over all GPUs (gradient accumulation follows); tokens: a budget to price. meshes: on
+    several GPUs, also the tensor- and pipeline-parallel meshes (plan_mesh.py); `winner` is the fastest of all."""
     _check(gpus_n, gpus_per_node, margin, seq)
     check_global_batch(global_batch, gpus_n)
     if tokens is not None and not (isinstance(tokens, (int, float)) and not isinstance(tokens, bool)
@@ -209,7 +211,19 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
             tps = gpus_n * best.accum * best.micro_batch * seq / t["step_s"]
             spread[b] = dict(gpu=name, step_s=t["step_s"], tokens_per_s=tps, mfu=t["mfu"],
                              budget=token_budget(tokens, tps, gpus_n))
+    mesh_rows = []
+    if meshes and gpus_n > 1 and strategies in (None, ("fsdp",), ("ddp", "fsdp")):
+        from llm_anatomy.plan_mesh import search
+
+        peak_flops = entry["bf16_tflops" if dtype != "fp32" else "fp32_tflops"] * 1e12
+        mesh_rows = search(cfg, gpu=gpu, seq=seq, gpus_n=gpus_n, gpus_per_node=gpus_per_node, budget=budget,
+                           variant=variant, dtype=dtype, optimizer=optimizer, recomputes=recomputes, lean=lean,
+                           global_batch=global_batch, peak_flops=peak_flops)
+    winner = None
+    if mesh_rows and (best is None or mesh_rows[0]["tokens_per_s"] > best.tokens_per_s):
+        winner = dict(mesh_rows[0], budget=token_budget(tokens, mesh_rows[0]["tokens_per_s"], gpus_n))
     return dict(config=cfg.to_dict(), variant=variant, lean=lean and variant == "efficient", gpu=gpu, gpu_entry=entry["name"], gpus=gpus_n,
+                meshes=mesh_rows, mesh_winner=winner,
                 profile_kind=profile_kind(gpu), range=spread, global_batch=global_batch,
                 budget=token_budget(tokens, best.tokens_per_s, gpus_n) if best else None,
                 gpu_rule=gpus.rule(gpu), gpus_per_node=gpus_per_node, seq=seq, dtype=dtype, optimizer=optimizer, margin=margin,

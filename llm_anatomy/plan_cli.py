@@ -139,13 +139,35 @@ def render(a, out: dict) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     fmt = lambda r: "  ".join(s.ljust(w) if i < 2 else s.rjust(w) for i, (s, w) in enumerate(zip(r, widths)))  # noqa: E731
     lines += ["", fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, rows), ""]
+    lines += mesh_table(out)
     b = out["best"]
-    if b is None:
+    if b is None and out.get("mesh_winner") is None:
         return lines + no_fit(out) + said_defaults(out)
+    if (w := out.get("mesh_winner")) is not None:
+        from llm_anatomy.plan_mesh import why
+
+        lines.append(f"verdict: {w['mesh']}, recompute {w['recompute']}, micro-batch {w['micro_batch']:,} x "
+                     f"{w['microbatches']:,} per step: {w['tokens_per_s']:,.0f} tokens/s "
+                     f"({w['tokens_per_s'] / out['gpus']:,.0f} per GPU), {gib(w['peak_bytes'])} GiB on the heaviest "
+                     f"rank of {gib(out['budget_bytes'])} GiB, step {w['step_s'] * 1e3:,.1f} ms")
+        lines += ["  " + x for x in why(w, out["meshes"][1:])]
+        if b is not None:
+            lines.append(f"  plain data parallelism ({b['strategy']}) reaches {b['tokens_per_s']:,.0f} tokens/s")
+        if (bud := w["budget"]) is not None:
+            lines.append(f"to train {tokens_text(bud['tokens'])} tokens: {days(bud)} on {out['gpus']:,} GPUs, "
+                         f"{bud['gpu_hours']:,.0f} GPU-hours")
+        return lines + said_defaults(out)
     lines.append(f"verdict: {b['strategy']}, recompute {b['recompute']}, micro-batch {b['micro_batch']:,}: "
                  f"{b['tokens_per_s']:,.0f} tokens/s, {gib(b['peak_bytes'])} GiB per rank of {gib(out['budget_bytes'])} "
                  f"GiB, step {b['step_s'] * 1e3:,.1f} ms")
     lines.append(f"details: {estimate_command(a, b, out)}")
+    if out.get("meshes"):
+        m = out["meshes"][0]
+        lines.append(f"  it beats the fastest tensor/pipeline mesh, {m['mesh']} ({m['tokens_per_s']:,.0f} tokens/s), "
+                     f"which spends {1 - m['parts']['compute'] / m['step_s']:.0%} of its step outside compute: "
+                     f"bubble {m['parts']['bubble'] / m['step_s']:.0%}, tensor-parallel comm "
+                     f"{m['parts']['tp_comm'] / m['step_s']:.0%}, exposed data-parallel comm "
+                     f"{m['parts']['dp_exposed'] / m['step_s']:.0%}")
     if (bud := out["budget"]) is not None:
         lines.append(f"to train {tokens_text(bud['tokens'])} tokens: {days(bud)} on {out['gpus']:,} "
                      f"GPU{'s' if out['gpus'] > 1 else ''}, "
@@ -163,6 +185,23 @@ def render(a, out: dict) -> list[str]:
     lines.append("run it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: the peaks are allocated bytes; "
                  "the default allocator's fragmentation can take part of the margin")
     return lines + said_defaults(out)
+
+
+def mesh_table(out: dict, top: int = 8) -> list[str]:
+    """The fastest tensor- and pipeline-parallel meshes that fit (plan_mesh.py), as text lines."""
+    if not out.get("meshes"):
+        return []
+    gib = lambda b: f"{b / GiB:,.2f}"  # noqa: E731
+    head = ("mesh", "recompute", "micro-batch x n", "peak GiB/rank", "step ms", "bubble", "tokens/s", "MFU")
+    rows = [(m["mesh"], m["recompute"] + (" (lean)" if m["lean"] else ""), f"{m['micro_batch']:,} x {m['microbatches']:,}",
+             gib(m["peak_bytes"]), f"{m['step_s'] * 1e3:,.1f}", f"{m['parts']['bubble'] / m['step_s']:.0%}",
+             f"{m['tokens_per_s']:,.0f}", f"{m['mfu']:.1%}") for m in out["meshes"][:top]]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    fmt = lambda r: "  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
+    more = len(out["meshes"]) - top
+    return [f"tensor- and pipeline-parallel meshes that fit, fastest first (calculator/mesh.py; {len(out['meshes'])} "
+            "in all" + (f", {more} not shown" if more > 0 else "") + "; times unmeasured on several GPUs):",
+            fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, rows), ""]
 
 
 def tokens_text(n: float) -> str:

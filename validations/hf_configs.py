@@ -45,6 +45,8 @@ MODELS: dict[str, HFModel] = {
     m.name: m
     for m in (
         _m("Llama-3.1-8B", "meta-llama/Llama-3.1-8B", "llama", 8_030_261_248, 4096, 32, 128256, False),
+        _m("Llama-3.1-70B", "meta-llama/Llama-3.1-70B", "llama", 70_553_706_496, 8192, 80, 128256, False,
+           verbatim=False),
         _m("Llama-3.2-1B", "meta-llama/Llama-3.2-1B", "llama", 1_235_814_400, 2048, 16, 128256, True,
            verbatim=False),
         _m("Llama-3.2-3B", "meta-llama/Llama-3.2-3B", "llama", 3_212_749_824, 3072, 28, 128256, True),

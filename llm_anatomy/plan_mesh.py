@@ -1,0 +1,141 @@
+"""`anatomy plan` over device meshes: dp x tp x pp, with micro-batch, recompute and pipeline schedule.
+
+The meshes searched (calculator/mesh.py lays them out, times them and prices their heaviest rank):
+  tp   a divisor of the GPUs per node that divides heads, kv heads and the MLP width: tensor parallel's
+       per-layer collectives stay on NVLink;
+  pp   a divisor of the rest, at most the layers; schedules 1F1B and interleaved 1F1B with 2 chunks per rank
+       (where the layers allow);
+  dp   the rest, FSDP2 over it on every stage.
+Meshes with tp = pp = 1 are plain data parallelism, which llm_anatomy/plan.py plans (DDP and FSDP); this
+module adds the others. Each mesh keeps the largest micro-batch whose heaviest rank fits the budget, then is
+timed; the ranking is by tokens/s. Without a global batch, a pipeline runs 4 x pp micro-batches per step (a
+1F1B bubble of at most 1/5) and the rest one micro-batch per step.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from llm_anatomy.calculator import mesh as mesh_model
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.plan import largest_fitting, max_batch
+
+MICROBATCHES_PER_STAGE = 4  # micro-batches per pipeline stage without a global batch
+
+
+@dataclass(frozen=True)
+class MeshCandidate:
+    mesh: str
+    dp: int
+    tp: int
+    pp: int
+    schedule: str | None
+    virtual: int
+    recompute: str
+    lean: bool
+    micro_batch: int
+    microbatches: int  # per optimizer step and pipeline (per dp rank)
+    peak_bytes: int
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    parts: dict  # seconds: compute, bubble, tp_comm, p2p, dp_exposed, optimizer
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(cfg: ModelConfig, gpus_n: int, gpus_per_node: int) -> list[mesh_model.Mesh]:
+    """Every dp x tp x pp mesh of gpus_n GPUs the model can be split over, except plain data parallelism."""
+    out = []
+    for tp in _divisors(min(gpus_per_node, gpus_n)):
+        if gpus_n % tp or cfg.heads % tp or cfg.kv_heads % tp or cfg.intermediate % tp or (cfg.moe and tp > 1):
+            continue
+        for pp in _divisors(gpus_n // tp):
+            if pp > cfg.layers or (tp == 1 and pp == 1):
+                continue
+            dp = gpus_n // (tp * pp)
+            if pp == 1:
+                out.append(mesh_model.Mesh(dp, tp, 1))
+                continue
+            out.append(mesh_model.Mesh(dp, tp, pp, "1f1b", 1))
+            if 2 * pp <= cfg.layers:
+                out.append(mesh_model.Mesh(dp, tp, pp, "interleaved-1f1b", 2))
+    return out
+
+
+@lru_cache(maxsize=4096)
+def _time(cfg, run, variant, gpu, m, microbatches, gpus_per_node, optimizer) -> dict:
+    return mesh_model.step_time(cfg, run, variant, gpu, m, microbatches, gpus_per_node=gpus_per_node,
+                                optimizer=optimizer)
+
+
+def _microbatches(m: mesh_model.Mesh, b: int, global_batch: int | None) -> int:
+    if global_batch is None:
+        return MICROBATCHES_PER_STAGE * m.pp if m.pp > 1 else 1
+    return global_batch // m.dp // b
+
+
+def _fitting_micro_batch(cfg, m, mk, variant, budget, optimizer, global_batch, seq) -> int:
+    """The largest micro-batch whose heaviest rank fits (dividing the rank's share of a global batch, with at
+    least pp micro-batches), 0 if none."""
+    def need(b):
+        return mesh_model.rank_peak(cfg, mk(b), variant, m, _microbatches(m, b, global_batch), optimizer=optimizer)
+
+    if global_batch is None:
+        return largest_fitting(lambda b: need(b) <= budget, max_batch(seq))
+    share = global_batch // m.dp
+    for b in sorted((d for d in _divisors(share) if share // d >= m.pp), reverse=True):
+        if need(b) <= budget:
+            return b
+    return 0
+
+
+def search(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int, gpus_per_node: int, budget: int, variant: str,
+           dtype: str, optimizer: str, recomputes: tuple[str, ...], lean: bool, global_batch: int | None,
+           peak_flops: float) -> list[dict]:
+    """Every mesh candidate that fits, fastest first. JSON-able."""
+    rows = []
+    for m in meshes(cfg, gpus_n, gpus_per_node):
+        if global_batch is not None and global_batch % m.dp:
+            continue
+        for rc in recomputes:
+            lb = lean and variant == "efficient" and rc == "none"
+            mk = lambda b: Run(batch=b, seq=seq, dtype=dtype, recompute=rc, lean=lb)  # noqa: E731
+            try:
+                b = _fitting_micro_batch(cfg, m, mk, variant, budget, optimizer, global_batch, seq)
+            except ConfigError:
+                continue  # a split the calculator refuses (e.g. a shard narrower than a head)
+            if b == 0:
+                continue
+            k = _microbatches(m, b, global_batch)
+            t = _time(cfg, mk(b), variant, gpu, m, k, gpus_per_node, optimizer)
+            tokens = m.dp * k * b * seq / t["step_s"]
+            parts = {p: t[f"{p}_s"] for p in ("compute", "bubble", "tp_comm", "p2p", "dp_exposed", "optimizer")}
+            rows.append(MeshCandidate(m.label(), m.dp, m.tp, m.pp, m.schedule if m.pp > 1 else None, m.virtual, rc,
+                                      lb, b, k, mesh_model.rank_peak(cfg, mk(b), variant, m, k, optimizer=optimizer),
+                                      t["step_s"], tokens, t["model_flops"] / t["step_s"] / peak_flops, parts))
+    rows.sort(key=lambda r: -r.tokens_per_s)
+    return [asdict(r) for r in rows]
+
+
+def why(best: dict, others: list[dict]) -> list[str]:
+    """Why the winner wins: where its step goes, and what the runner-up of another shape loses."""
+    parts = best["parts"]
+    total = best["step_s"]
+    spent = ", ".join(f"{name} {parts[k] / total:.0%}" for k, name in (
+        ("compute", "compute"), ("bubble", "pipeline bubble"), ("tp_comm", "tensor-parallel comm"),
+        ("p2p", "stage sends"), ("dp_exposed", "exposed data-parallel comm"), ("optimizer", "optimizer"))
+        if parts[k] / total >= 0.005)
+    lines = [f"its step: {spent}" + (f"; recompute {best['recompute']}" if best["recompute"] != "none" else "")]
+    rival = next((o for o in others if (o["tp"], o["pp"]) != (best["tp"], best["pp"])), None)
+    if rival is not None:
+        loss = max(("bubble", "tp_comm", "p2p", "dp_exposed"), key=lambda k: rival["parts"][k] / rival["step_s"]
+                   - parts[k] / total)
+        names = dict(bubble="its pipeline bubble", tp_comm="tensor-parallel communication", p2p="stage sends",
+                     dp_exposed="exposed data-parallel communication")
+        lines.append(f"next other shape, {rival['mesh']} ({rival['tokens_per_s']:,.0f} tokens/s, micro-batch "
+                     f"{rival['micro_batch']}), loses most to {names[loss]} "
+                     f"({rival['parts'][loss] / rival['step_s']:.0%} of its step)")
+    return lines
