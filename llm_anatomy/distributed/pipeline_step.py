@@ -1,0 +1,120 @@
+"""Train a few pipeline-parallel steps (x FSDP2 over dp) and report, per step and rank, what the rank did and held.
+
+    torchrun --nproc_per_node 2 -m llm_anatomy.distributed.pipeline_step --pp 2 --schedule 1f1b \\
+        --hidden 64 --layers 4 --heads 4 --intermediate 96 --vocab 256 --batch 4 --seq 32 --microbatches 4 --dtype fp32
+
+The world is a 2-D DeviceMesh ("pp", "dp"), pp x dp ranks (init_device_mesh("cpu" | "cuda", (pp, dp))): every dp
+rank of a pipeline column runs its own data; the pipeline ranks of a column pass activations forward and their
+gradients back through torch.distributed.pipelining (PipelineStage, Schedule1F1B or ScheduleInterleaved1F1B), and
+with dp > 1 each stage is FSDP2-sharded over its dp row (llm_anatomy/distributed/pipeline_parallel.py).
+
+A record per step: step, loss (the rank holding the last stage: the mean of its micro-batch losses, the batch's
+mean loss; None elsewhere), collectives [[op, dtype, bytes, calls], ...] (every send, recv and FSDP collective of
+the step, CollectiveCounter), memory {params, grads, optimizer} after the optimizer step (local storage),
+saved_peak (the most bytes of saved activations alive at once on the rank, SavedInFlight) and chunks_peak (the
+most stage forwards holding saved tensors at once). `spawn()` runs train_pp() in local gloo processes for tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from llm_anatomy.calculator.pipeline_split import SCHEDULES, check_microbatches, check_schedule
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
+from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, shard_stage
+from llm_anatomy.distributed.saved_in_flight import SavedInFlight
+from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank, init_distributed
+from llm_anatomy.distributed.train_step import make_optimizer
+from llm_anatomy.io import write_atomic
+from llm_anatomy.models import build_model, make_batch
+
+
+def check_pipeline_run(run: Run, pp: int, dp: int, schedule: str, microbatches: int, virtual: int) -> None:
+    """ConfigError (one line) for a pipeline run this harness cannot run."""
+    for name, v in (("pp", pp), ("dp", dp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    check_schedule(schedule, virtual)
+    check_microbatches(schedule, pp, microbatches, run.batch)
+    if run.dtype == "amp" and dp == 1:
+        raise ConfigError("dtype amp under pipeline parallel runs as FSDP's MixedPrecisionPolicy: give dp >= 2, "
+                          "or dtype fp32 or bf16")
+
+
+def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, schedule: str = "1f1b", microbatches: int = 2,
+             virtual: int = 1, split=None, variant: str = "baseline", steps: int = 2, optimizer: str = "adamw",
+             lr: float = 1e-3, seed: int = 0) -> list[dict]:
+    """`steps` pipeline steps on the initialized process group of pp x dp ranks; this rank's records."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage
+
+    check_pipeline_run(run, pp, dp, schedule, microbatches, virtual)
+    if dist.get_world_size() != pp * dp:
+        raise ConfigError(f"pp x dp = {pp * dp} ranks, but the job has {dist.get_world_size()}")
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    model = build_model(cfg, variant, device=device, dtype=torch.bfloat16 if run.dtype == "bf16" else None,
+                        seed=seed, recompute=run.recompute)  # the same weights on every rank
+    mods = build_stages(model, pp, pp_rank, virtual=virtual, split=split)
+    if dp > 1:
+        pd, rd = default_mixed_precision(run)
+        mods = [shard_stage(m, mesh["dp"], param_dtype=pd, reduce_dtype=rd) for m in mods]
+    ids, targets = make_batch(cfg, run, device, seed=seed + 1 + dp_rank)  # each dp rank its own data
+    mb = run.batch // microbatches
+    act = torch.bfloat16 if run.dtype in ("bf16", "amp") else torch.float32
+    hidden = torch.empty(mb, run.seq, cfg.hidden, dtype=act, device=device, requires_grad=True)  # grads flow back
+    n_stages = pp * virtual
+    stages = [PipelineStage(m, pp_rank + v * pp, n_stages, device,
+                            input_args=ids[:mb] if m.first else hidden,
+                            output_args=torch.empty((), device=device) if m.last else hidden,
+                            group=mesh["pp"].get_group())
+              for v, m in enumerate(mods)]
+    sched = make_schedule(schedule, stages, microbatches)
+    holder = torch.nn.ModuleList(mods)
+    opt = make_optimizer(optimizer, holder.parameters(), lr)
+    first, last = any(m.first for m in mods), any(m.last for m in mods)
+    records = []
+    for step in range(1, steps + 1):
+        losses: list[torch.Tensor] = []
+        kw = dict(targets=targets, target=targets, losses=losses) if last else {}
+        with CollectiveCounter() as counter, SavedInFlight(mods) as saved:
+            sched.step(*((ids,) if first else ()), return_outputs=False, **kw)
+            opt.step()
+        mem = rank_memory(holder, opt)
+        opt.zero_grad(set_to_none=True)
+        rec = dict(step=step, memory=mem, collectives=[[*k, n] for k, n in sorted(counter.counts().items())],
+                   saved_peak=saved.peak, chunks_peak=saved.chunks_peak, pp_rank=pp_rank, dp_rank=dp_rank,
+                   loss=float(torch.stack(losses).float().mean()) if last else None)
+        records.append(rec)
+    return records
+
+
+# ---- local multi-process launch (tests) -------------------------------------------------------
+def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float) -> None:
+    torch.set_num_threads(1)  # W processes share the cores
+    init_distributed("gloo", timeout_s, rank=rank, world_size=world, init_method=init_method)
+    try:
+        out = [train_pp(**sc) for sc in scenarios]
+        write_atomic(Path(outdir) / f"rank{rank}.json", json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> list[list[list[dict]]]:
+    """Each scenario (keyword arguments of train_pp(), pp x dp = world) on `world` local gloo processes:
+    results[rank][scenario] = that rank's step records."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s), nprocs=world, join=True)
+        return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
