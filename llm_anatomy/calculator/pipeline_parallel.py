@@ -22,7 +22,6 @@ head a root unit, without resharding after forward.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from math import prod
 
 from llm_anatomy.calculator.comm import _row, collective_counts  # noqa: F401  (the row format planners compose)
@@ -33,14 +32,16 @@ from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 
-def check_pipeline(cfg: ModelConfig, run: Run, pp: int, dp: int, schedule: str, microbatches: int,
+def check_pipeline(cfg: ModelConfig, run: Run, pp: int, dp: int, schedule: str, microbatches: int | None,
                    virtual: int, split) -> list[list[int]]:
-    """ConfigError (one line, naming the field) for a pipeline that cannot be run; else the stage layers."""
+    """ConfigError (one line, naming the field) for a pipeline that cannot be run; else the stage layers.
+    microbatches None: the layout only (what a rank holds between steps does not depend on them)."""
     for name, v in (("pp", pp), ("dp", dp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name} must be a positive integer, got {v!r}")
     check_schedule(schedule, virtual)
-    check_microbatches(schedule, pp, microbatches, run.batch)
+    if microbatches is not None:
+        check_microbatches(schedule, pp, microbatches, run.batch)
     if pp > 1 and cfg.tie_embeddings:
         raise ConfigError(f"tie_embeddings: {cfg.name} ties its embedding and head, which stages 0 and "
                           f"{pp * virtual - 1} would both hold; pipeline parallel runs untied models")
@@ -79,7 +80,7 @@ def pp_rank_memory(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, 
                    optimizer: str = "adamw", dp_rank: int = 0, variant: str = "baseline") -> dict:
     """Bytes pipeline rank `rank` (dp rank `dp_rank` of its row) holds between steps: params, grads, optimizer."""
     schedule = "1f1b" if virtual == 1 else "interleaved-1f1b"
-    check_pipeline(cfg, replace(run, batch=1), pp, dp, schedule, 1, virtual, split)
+    check_pipeline(cfg, run, pp, dp, schedule, None, virtual, split)
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp:
         raise ConfigError(f"dp_rank must be in [0, {dp}), got {dp_rank!r}")
     shapes = [s for u in _rank_units(cfg, run, pp, rank, virtual, split, variant) for s in u]

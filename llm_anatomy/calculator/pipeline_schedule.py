@@ -83,14 +83,18 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1)
 # tensor_split, so a micro-batch's ids (saved by the embedding) and targets (saved by the loss) share the batch's
 # storage, held once while any chunk of that stage is in flight
 _BATCH_VIEWS = ("embedding.ids", "loss.targets")
+# FSDP2's MixedPrecisionPolicy casts every floating-point forward input of a unit to its param_dtype
+# (cast_forward_inputs): the efficient variant's fp32 RoPE tables reach each Block as its own bf16 copy
+_ROPE = ("attention.rope_cos", "attention.rope_sin")
 
 
 def stage_saved_bytes(cfg: ModelConfig, mb_run: Run, layers: int, first: bool, last: bool,
-                      variant: str = "baseline", device: str = "cpu") -> tuple[int, dict[str, int]]:
+                      variant: str = "baseline", device: str = "cpu", fsdp_cast: bool = False) -> tuple[int, dict]:
     """What one micro-batch (mb_run) saves in a stage of `layers` Blocks: (bytes of its own tensors, {name: elements}
     of its saved views of the batch). Its own: each per-layer saved tensor of the single-process model
     (calculator.estimate) per Block, the RoPE tables once (each stage's forward builds its own), the embedding's on
-    the first stage, the final norm's and the loss's on the last."""
+    the first stage, the final norm's and the loss's on the last. fsdp_cast: the Blocks are FSDP units under a bf16
+    MixedPrecisionPolicy, so fp32 RoPE tables are saved as a bf16 copy per Block."""
     from llm_anatomy.calculator import estimate
 
     L, n, views = cfg.layers, 0, {}
@@ -103,6 +107,8 @@ def stage_saved_bytes(cfg: ModelConfig, mb_run: Run, layers: int, first: bool, l
                         views[s.name] = BYTES[s.dtype]
                     else:
                         n += b * s.count
+            elif fsdp_cast and s.name in _ROPE and s.dtype == "float32":
+                n += b // 2 * layers
             else:
                 per_layer, rest = divmod(s.count, L)
                 n += b * per_layer * layers
@@ -118,7 +124,8 @@ def saved_peak(cfg: ModelConfig, run: Run, pp: int, rank: int, *, microbatches: 
     per_stage = stage_layers(cfg.layers, pp, virtual, split)
     n = len(per_stage)
     mb = replace(run, batch=run.batch // microbatches, dtype="bf16" if run.dtype == "amp" else run.dtype)
-    chunk = {s: stage_saved_bytes(cfg, mb, len(per_stage[s]), s == 0, s == n - 1, variant, device)
+    cast = run.dtype == "amp"  # amp runs as FSDP's MixedPrecisionPolicy (dp > 1)
+    chunk = {s: stage_saved_bytes(cfg, mb, len(per_stage[s]), s == 0, s == n - 1, variant, device, cast)
              for s in rank_stages(pp, rank, virtual)}
     batch_view = run.batch * run.seq  # elements of the batch's ids or targets
     held, live, peak = 0, {s: 0 for s in chunk}, 0

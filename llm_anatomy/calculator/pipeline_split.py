@@ -77,10 +77,12 @@ def rank_stages(pp: int, rank: int, virtual: int = 1) -> list[int]:
 
 
 def check_microbatches(schedule: str, pp: int, microbatches: int, batch: int | None = None) -> None:
-    """ConfigError for a micro-batch count the schedule cannot run. Interleaved 1F1B (torch's flexible form)
+    """ConfigError for a micro-batch count the schedule cannot run. 1F1B needs one per stage at least; interleaved 1F1B (torch's flexible form)
     needs microbatches to be a multiple of its rounds, max(1, microbatches // pp); a batch splits into equal
     micro-batches only when microbatches divides it."""
     _positive("microbatches", microbatches)
+    if schedule == "1f1b" and microbatches < pp:
+        raise ConfigError(f"microbatches ({microbatches}) must be at least pp ({pp}) for schedule 1f1b")
     if schedule == "interleaved-1f1b":
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:

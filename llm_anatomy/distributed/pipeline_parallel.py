@@ -76,10 +76,14 @@ def build_stages(model: nn.Module, pp: int, rank: int, *, virtual: int = 1, spli
 
 
 def shard_stage(stage: StageModule, dp_mesh, *, param_dtype=None, reduce_dtype=None) -> StageModule:
-    """FSDP2 on one stage over the dp mesh: each Block a unit, then the stage (its embedding / norm / head)."""
+    """FSDP2 on one stage over the dp mesh: each Block a unit, then the stage (its embedding / norm / head).
+    param_dtype / reduce_dtype: 'float32', 'bfloat16' or None, the MixedPrecisionPolicy's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    from llm_anatomy.distributed.strategies import _dtype
+
+    mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
+                              reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))
     for block in stage.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
