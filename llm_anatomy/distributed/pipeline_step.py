@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from llm_anatomy.calculator.pipeline_split import SCHEDULES, check_microbatches, check_schedule
 from llm_anatomy.config import ConfigError, ModelConfig, Run
@@ -32,7 +33,8 @@ from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
 from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, shard_stage
 from llm_anatomy.distributed.saved_in_flight import SavedInFlight
 from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank, init_distributed
-from llm_anatomy.distributed.train_step import make_optimizer
+from llm_anatomy.models import VARIANTS
+from llm_anatomy.distributed.train_step import _config, _free_port, add_run_arguments, make_optimizer
 from llm_anatomy.io import write_atomic
 from llm_anatomy.models import build_model, make_batch
 
@@ -118,3 +120,82 @@ def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> lis
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s), nprocs=world, join=True)
         return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+# ---- CLI (torchrun) ---------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own usage errors: one line, exit 2
+        print(f"pipeline_step: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m llm_anatomy.distributed.pipeline_step", description=__doc__.split("\n")[0])
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks (stages: pp x virtual)")
+    p.add_argument("--dp", type=int, help="FSDP2 ranks per stage (default: world size / pp)")
+    p.add_argument("--schedule", default="1f1b", help=", ".join(SCHEDULES))
+    p.add_argument("--virtual", type=int, help="stages per rank (interleaved-1f1b; default 2, 1f1b: 1)")
+    p.add_argument("--microbatches", type=int, help="micro-batches per step (default: pp); --batch must divide")
+    p.add_argument("--split", help="layers per stage, comma-separated (default: balanced)")
+    p.add_argument("--variant", default="baseline", help=", ".join(VARIANTS))
+    add_run_arguments(p)
+    return p
+
+
+def _split(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"split must be layer counts separated by commas, got {text!r}") from None
+
+
+@record  # a failing rank writes its traceback to torchrun's error file
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        cfg, run = _config(a), Run(batch=a.batch, seq=a.seq, dtype=a.dtype)
+        virtual = a.virtual or (1 if a.schedule == "1f1b" else 2)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        dp = a.dp or max(1, world // a.pp)
+        kw = dict(pp=a.pp, dp=dp, schedule=a.schedule, microbatches=a.microbatches or a.pp, virtual=virtual,
+                  split=_split(a.split), variant=a.variant, steps=a.steps, optimizer=a.optimizer, lr=a.lr,
+                  seed=a.seed)
+        check_pipeline_run(run, a.pp, dp, a.schedule, kw["microbatches"], virtual)
+        if a.pp * dp != world:
+            raise ConfigError(f"pp x dp = {a.pp * dp} ranks, but the job has {world} (torchrun --nproc_per_node)")
+        if "RANK" not in os.environ:  # plain `python -m`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        init_distributed(a.backend, a.timeout_s)
+    except ConfigError as e:
+        print(f"pipeline_step: error: {e}", file=sys.stderr)
+        return 2
+    rank = dist.get_rank()
+    try:
+        recs = train_pp(cfg, run, **kw)
+    except ConfigError as e:
+        dist.destroy_process_group()
+        print(f"pipeline_step: error: {e}", file=sys.stderr)
+        return 2
+    for rec in recs:
+        if rec["loss"] is not None and rec["dp_rank"] == 0:  # the last stage of the first pipeline prints
+            sends = sum(c[3] for c in rec["collectives"] if c[0] in ("send", "recv"))
+            print(f"step {rec['step']}  loss {rec['loss']:.4f}  sends+recvs {sends}  saved at peak "
+                  f"{rec['saved_peak'] / 2**20:.2f} MiB ({rec['chunks_peak']} chunks)", flush=True)
+    if a.report:  # one file per rank: no extra collective at the end of the job
+        out = Path(a.report)
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / f"rank{rank}.json", json.dumps(dict(world_size=dist.get_world_size(), rank=rank,
+                                                               config=cfg.to_dict(), steps=recs, **{
+                                                                   k: kw[k] for k in ("pp", "dp", "schedule",
+                                                                                      "microbatches", "virtual",
+                                                                                      "split", "variant")}),
+                                                          indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_rank(main())

@@ -138,6 +138,16 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m llm_anatomy.distributed.train_step", description=__doc__.split("\n")[0])
     p.add_argument("--strategy", required=True, help="ddp or fsdp")
+    add_run_arguments(p)
+    p.add_argument("--param-dtype", default="auto", help="fsdp: all-gather dtype (float32, bfloat16; auto: policy)")
+    p.add_argument("--reduce-dtype", default="auto", help="fsdp: reduce-scatter dtype (float32, bfloat16; auto)")
+    p.add_argument("--no-reshard-after-forward", action="store_true", help="fsdp: keep Blocks gathered until backward")
+    p.add_argument("--bucket-cap-mb", type=float, help="ddp: bucket size in MiB (default: 1 MiB first, then 25)")
+    return p
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, run, optimizer and launch flags every distributed harness takes."""
     p.add_argument("--preset", help="a named config (llm_anatomy.config.PRESETS)")
     for f in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab"):
         p.add_argument(f"--{f}", type=int)
@@ -149,15 +159,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
-    p.add_argument("--param-dtype", default="auto", help="fsdp: all-gather dtype (float32, bfloat16; auto: policy)")
-    p.add_argument("--reduce-dtype", default="auto", help="fsdp: reduce-scatter dtype (float32, bfloat16; auto)")
-    p.add_argument("--no-reshard-after-forward", action="store_true", help="fsdp: keep Blocks gathered until backward")
-    p.add_argument("--bucket-cap-mb", type=float, help="ddp: bucket size in MiB (default: 1 MiB first, then 25)")
     p.add_argument("--backend", default="auto", help="auto (nccl with a GPU, else gloo), nccl or gloo")
     p.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout: a dead rank fails the job")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", help="a folder: each rank writes its step records to rank<N>.json")
-    return p
 
 
 def _config(a) -> ModelConfig:
