@@ -34,13 +34,14 @@ N = 20  # drawn scenarios per claim group
 
 
 @st.composite
-def pipeline_scenarios(draw, pp: int, dp: int, schedule: str | None = None) -> dict:
+def pipeline_scenarios(draw, pp: int, dp: int, schedule: str | None = None, variant: str | None = None,
+                       dtype: str | None = None) -> dict:
     schedule = schedule or draw(st.sampled_from(["1f1b", "interleaved-1f1b"]))
     virtual = 1 if schedule == "1f1b" else draw(st.integers(2, 3))
     stages = pp * virtual
     heads = draw(st.sampled_from([1, 2, 4]))
     kv = draw(st.sampled_from([d for d in (1, 2, 4) if heads % d == 0]))
-    variant = draw(st.sampled_from(["baseline", "efficient"]))
+    variant = variant or draw(st.sampled_from(["baseline", "efficient"]))
     cfg = ModelConfig(name="hypothesis-pp", hidden=heads * draw(st.sampled_from([4, 8])),
                       layers=draw(st.integers(stages, stages + 3)), heads=heads, kv_heads=kv,
                       intermediate=draw(st.integers(1, 64)), vocab=draw(st.integers(2, 300)),
@@ -50,7 +51,7 @@ def pipeline_scenarios(draw, pp: int, dp: int, schedule: str | None = None) -> d
     else:  # torch's flexible interleaving: a multiple of its rounds, max(1, m // pp)
         micro = draw(st.sampled_from([m for m in range(1, 3 * pp + 1) if m % max(1, m // pp) == 0]))
     dtypes = ["fp32", "bf16"] + (["amp"] if dp > 1 else [])
-    run = Run(batch=micro * draw(st.integers(1, 2)), seq=draw(st.integers(1, 12)), dtype=draw(st.sampled_from(dtypes)),
+    run = Run(batch=micro * draw(st.integers(1, 2)), seq=draw(st.integers(1, 12)), dtype=dtype or draw(st.sampled_from(dtypes)),
               recompute=draw(st.sampled_from(["none", "mlp", "full"])) if variant == "efficient" else "none")
     split = None
     if draw(st.booleans()):  # an uneven split: cut points drawn over the layers
@@ -62,23 +63,27 @@ def pipeline_scenarios(draw, pp: int, dp: int, schedule: str | None = None) -> d
                 split=split, variant=variant, steps=2)
 
 
-def _distinct(strategy, seed: int) -> list[dict]:
-    """N scenarios with N distinct model configs (derandomized draws repeat themselves, so draw more)."""
-    out, seen = [], set()
-    for sc in draw_examples(strategy, 4 * N, seed):
-        if sc["cfg"] not in seen:
+def _distinct(strategy, seed: int, n: int = N, seen: set | None = None) -> list[dict]:
+    """n scenarios whose model configs are new to `seen` (derandomized draws repeat themselves: draw more)."""
+    out, seen = [], set() if seen is None else seen
+    for sc in draw_examples(strategy, 5 * n, seed):
+        if len(out) < n and sc["cfg"] not in seen:
             seen.add(sc["cfg"])
             out.append(sc)
-    return out[:N]
+    return out
 
 
 def _groups(world: int) -> dict[str, list[dict]]:
     if world == 2:
         return {"pp2-1f1b": _distinct(pipeline_scenarios(2, 1, "1f1b"), 2),
                 "pp2-interleaved": _distinct(pipeline_scenarios(2, 1, "interleaved-1f1b"), 3)}
+    seen: set = set()
     return {"pp4-1f1b": _distinct(pipeline_scenarios(4, 1, "1f1b"), 4),
             "pp4-interleaved": _distinct(pipeline_scenarios(4, 1, "interleaved-1f1b"), 5),
-            "pp2xfsdp2": _distinct(pipeline_scenarios(2, 2), 6)}
+            # amp is FSDP's MixedPrecisionPolicy: a quarter of the draws each variant under it, the rest free
+            "pp2xfsdp2": (_distinct(pipeline_scenarios(2, 2, variant="baseline", dtype="amp"), 6, 5, seen)
+                          + _distinct(pipeline_scenarios(2, 2, variant="efficient", dtype="amp"), 7, 5, seen)
+                          + _distinct(pipeline_scenarios(2, 2), 8, 10, seen))}
 
 
 LOSS_CFG = ModelConfig(name="pp-loss", hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64, vocab=97)

@@ -25,9 +25,10 @@ from __future__ import annotations
 from math import prod
 
 from llm_anatomy.calculator.comm import _row, collective_counts  # noqa: F401  (the row format planners compose)
+from llm_anatomy.calculator.param_layout import units
+from llm_anatomy.calculator.pipeline_schedule import bubble_fraction, in_flight, saved_peak  # noqa: F401
 from llm_anatomy.calculator.pipeline_split import (SCHEDULES, check_microbatches, check_schedule,  # noqa: F401
                                                    rank_stages, stage_layers)
-from llm_anatomy.calculator.param_layout import units
 from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
@@ -77,10 +78,21 @@ def _rank_units(cfg, run, pp, rank, virtual, split, variant) -> list:
 
 
 def pp_rank_memory(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, virtual: int = 1, split=None,
-                   optimizer: str = "adamw", dp_rank: int = 0, variant: str = "baseline") -> dict:
-    """Bytes pipeline rank `rank` (dp rank `dp_rank` of its row) holds between steps: params, grads, optimizer."""
+                   optimizer: str = "adamw", dp_rank: int = 0, variant: str = "baseline",
+                   microbatches: int | None = None) -> dict:
+    """Bytes pipeline rank `rank` (dp rank `dp_rank` of its row) holds between steps: params, grads, optimizer;
+    with `microbatches` (run.batch split into them), also saved_activations, the most the rank holds at once
+    in a step under the schedule `virtual` implies (1: 1f1b, more: interleaved-1f1b)."""
     schedule = "1f1b" if virtual == 1 else "interleaved-1f1b"
-    check_pipeline(cfg, run, pp, dp, schedule, None, virtual, split)
+    check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
+    out = _model_state(cfg, run, pp, rank, dp, virtual, split, optimizer, dp_rank, variant)
+    if microbatches is not None:
+        out["saved_activations"] = saved_peak(cfg, run, pp, rank, microbatches=microbatches, schedule=schedule,
+                                              virtual=virtual, split=split, variant=variant)
+    return out
+
+
+def _model_state(cfg, run, pp, rank, dp, virtual, split, optimizer, dp_rank, variant) -> dict:
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp:
         raise ConfigError(f"dp_rank must be in [0, {dp}), got {dp_rank!r}")
     shapes = [s for u in _rank_units(cfg, run, pp, rank, virtual, split, variant) for s in u]

@@ -130,7 +130,7 @@ def saved_peak(cfg: ModelConfig, run: Run, pp: int, rank: int, *, microbatches: 
     batch_view = run.batch * run.seq  # elements of the batch's ids or targets
     held, live, peak = 0, {s: 0 for s in chunk}, 0
     for kind, s, _ in order(schedule, pp, rank, microbatches, virtual):
-        own, views = chunk[s]
+        own = chunk[s][0]
         step = 1 if kind == "F" else -1
         live[s] += step
         held += step * own

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -32,9 +31,9 @@ from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
 from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, shard_stage
 from llm_anatomy.distributed.saved_in_flight import SavedInFlight
-from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank, init_distributed
+from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank
 from llm_anatomy.models import VARIANTS
-from llm_anatomy.distributed.train_step import _config, _free_port, add_run_arguments, make_optimizer
+from llm_anatomy.distributed.train_step import _config, _Parser, add_run_arguments, init_launched, make_optimizer
 from llm_anatomy.io import write_atomic
 from llm_anatomy.models import build_model, make_batch
 
@@ -101,34 +100,15 @@ def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, schedule: str 
     return records
 
 
-# ---- local multi-process launch (tests) -------------------------------------------------------
-def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float) -> None:
-    torch.set_num_threads(1)  # W processes share the cores
-    init_distributed("gloo", timeout_s, rank=rank, world_size=world, init_method=init_method)
-    try:
-        out = [train_pp(**sc) for sc in scenarios]
-        write_atomic(Path(outdir) / f"rank{rank}.json", json.dumps(out))
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> list[list[list[dict]]]:
     """Each scenario (keyword arguments of train_pp(), pp x dp = world) on `world` local gloo processes:
     results[rank][scenario] = that rank's step records."""
-    import torch.multiprocessing as mp
+    from llm_anatomy.distributed import train_step
 
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s), nprocs=world, join=True)
-        return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
+    return train_step.spawn(world, scenarios, timeout_s=timeout_s, fn=train_pp)
 
 
 # ---- CLI (torchrun) ---------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own usage errors: one line, exit 2
-        print(f"pipeline_step: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m llm_anatomy.distributed.pipeline_step", description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks (stages: pp x virtual)")
@@ -165,10 +145,7 @@ def main(argv=None) -> int:
         check_pipeline_run(run, a.pp, dp, a.schedule, kw["microbatches"], virtual)
         if a.pp * dp != world:
             raise ConfigError(f"pp x dp = {a.pp * dp} ranks, but the job has {world} (torchrun --nproc_per_node)")
-        if "RANK" not in os.environ:  # plain `python -m`: a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-        init_distributed(a.backend, a.timeout_s)
+        init_launched(a.backend, a.timeout_s)
     except ConfigError as e:
         print(f"pipeline_step: error: {e}", file=sys.stderr)
         return 2
