@@ -290,7 +290,8 @@ def test_torchrun_pipeline_two_ranks(tmp_path, claims):
     """The documented launch works on CPU: torchrun, gloo, interleaved 1F1B over 2 ranks, the last stage's loss
     printed each step, and each rank's report exact against the calculator."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-           "llm_anatomy.distributed.pipeline_step", "--pp", "2", "--schedule", "interleaved-1f1b", *CLI_SHAPE,
+           "llm_anatomy.distributed.pipeline_step", "--pp", "2", "--schedule", "interleaved-1f1b",
+           "--stages-per-rank", "2", *CLI_SHAPE,
            "--batch", "4", "--seq", "8", "--microbatches", "4", "--dtype", "fp32", "--steps", "2",
            "--split", "1,1,1,1", "--report", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"),

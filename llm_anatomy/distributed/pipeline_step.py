@@ -114,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks (stages: pp x virtual)")
     p.add_argument("--dp", type=int, help="FSDP2 ranks per stage (default: world size / pp)")
     p.add_argument("--schedule", default="1f1b", help=", ".join(SCHEDULES))
-    p.add_argument("--virtual", type=int, help="stages per rank (interleaved-1f1b; default 2, 1f1b: 1)")
+    # not --virtual: torchrun's own parser takes it for an abbreviation of its --virtual-local-rank
+    p.add_argument("--stages-per-rank", type=int, help="interleaved-1f1b's stages per rank (default 2; 1f1b: 1)")
     p.add_argument("--microbatches", type=int, help="micro-batches per step (default: pp); --batch must divide")
     p.add_argument("--split", help="layers per stage, comma-separated (default: balanced)")
     p.add_argument("--variant", default="baseline", help=", ".join(VARIANTS))
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     try:
         cfg, run = _config(a), Run(batch=a.batch, seq=a.seq, dtype=a.dtype)
-        virtual = a.virtual or (1 if a.schedule == "1f1b" else 2)
+        virtual = a.stages_per_rank or (1 if a.schedule == "1f1b" else 2)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         dp = a.dp or max(1, world // a.pp)
         kw = dict(pp=a.pp, dp=dp, schedule=a.schedule, microbatches=a.microbatches or a.pp, virtual=virtual,
