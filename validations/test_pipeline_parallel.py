@@ -1,7 +1,8 @@
 """Claims: pipeline parallel (torch.distributed.pipelining, x FSDP2 over dp) per rank, predicted
 (llm_anatomy.calculator.pipeline_parallel, .pipeline_schedule) against what each gloo rank did and held.
 
-  gloo, 2 processes   PP 2 with Schedule1F1B and with ScheduleInterleaved1F1B, 20 drawn configs and runs each
+  gloo, 2 processes   PP 2 with Schedule1F1B and with ScheduleInterleaved1F1B, 20 drawn configs and runs each;
+                      PP 1 x FSDP 2 (a rank's stages hand over in memory), 6 drawn
   gloo, 4 processes   PP 4 with both schedules, and PP 2 x FSDP 2 (either schedule), 20 drawn each
     per rank, every step: params / grads / optimizer bytes, every send / recv / FSDP collective
     (op, dtype, bytes) -> calls (step 1 with torch's warm-up vote, step 2 steady), the most bytes of saved
@@ -76,7 +77,9 @@ def _distinct(strategy, seed: int, n: int = N, seen: set | None = None) -> list[
 def _groups(world: int) -> dict[str, list[dict]]:
     if world == 2:
         return {"pp2-1f1b": _distinct(pipeline_scenarios(2, 1, "1f1b"), 2),
-                "pp2-interleaved": _distinct(pipeline_scenarios(2, 1, "interleaved-1f1b"), 3)}
+                "pp2-interleaved": _distinct(pipeline_scenarios(2, 1, "interleaved-1f1b"), 3),
+                # one pipeline rank (its stages hand over in memory), FSDP over two
+                "pp1xfsdp2": _distinct(pipeline_scenarios(1, 2), 9, 6)}
     seen: set = set()
     return {"pp4-1f1b": _distinct(pipeline_scenarios(4, 1, "1f1b"), 4),
             "pp4-interleaved": _distinct(pipeline_scenarios(4, 1, "interleaved-1f1b"), 5),
@@ -153,8 +156,8 @@ def _check_rank(claims, sc: dict, rec: dict) -> None:
                  measured=rec["chunks_peak"], unit="chunks", **kw)
 
 
-def _check_group(claims, scenarios) -> None:
-    assert len({sc["cfg"] for sc, _ in scenarios}) >= 20  # distinct drawn configs
+def _check_group(claims, scenarios, n: int = N) -> None:
+    assert len({sc["cfg"] for sc, _ in scenarios}) >= n  # distinct drawn configs
     for sc, ranks in scenarios:
         for recs in ranks:
             for rec in recs:
@@ -165,6 +168,11 @@ def _check_group(claims, scenarios) -> None:
 @pytest.mark.parametrize("group", ["pp2-1f1b", "pp2-interleaved"])
 def test_gloo_two_ranks_per_rank_exact(gloo_w2, group, claims):
     _check_group(claims, gloo_w2[group])
+
+
+@pytest.mark.distributed
+def test_gloo_one_pipeline_rank_fsdp_two_exact(gloo_w2, claims):
+    _check_group(claims, gloo_w2["pp1xfsdp2"], 6)
 
 
 @pytest.mark.distributed

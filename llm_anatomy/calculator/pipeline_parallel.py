@@ -127,6 +127,8 @@ def pp_collectives(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, 
     dt = _stage_dtype(run)
     act = (run.batch // M) * run.seq * cfg.hidden * DTYPE_BYTES[dt]
     rows = []
+    if pp == 1:  # every stage on this rank: each hands its output to the next in memory
+        sends_fwd = sends_bwd = 0
     for op, k_act, k_grad in (("send", sends_fwd, sends_bwd), ("recv", sends_bwd, sends_fwd)):
         if k_act:
             rows.append(_row(op, "forward", "activations", k_act * M, act, dt))

@@ -95,7 +95,7 @@ def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, schedule: str 
         opt.zero_grad(set_to_none=True)
         rec = dict(step=step, memory=mem, collectives=[[*k, n] for k, n in sorted(counter.counts().items())],
                    saved_peak=saved.peak, chunks_peak=saved.chunks_peak, pp_rank=pp_rank, dp_rank=dp_rank,
-                   loss=float(torch.stack(losses).float().mean()) if last else None)
+                   loss=float(torch.stack(losses).detach().float().mean()) if last else None)
         records.append(rec)
     return records
 
