@@ -27,29 +27,10 @@ from math import prod
 from llm_anatomy.calculator.comm import _row, collective_counts  # noqa: F401  (the row format planners compose)
 from llm_anatomy.calculator.param_layout import units
 from llm_anatomy.calculator.pipeline_schedule import bubble_fraction, in_flight, saved_peak  # noqa: F401
-from llm_anatomy.calculator.pipeline_split import (SCHEDULES, check_microbatches, check_schedule,  # noqa: F401
-                                                   rank_stages, stage_layers)
+from llm_anatomy.calculator.pipeline_split import (SCHEDULES, check_pipeline, rank_stages,  # noqa: F401
+                                                   stage_layers)
 from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
 from llm_anatomy.config import ConfigError, ModelConfig, Run
-
-
-def check_pipeline(cfg: ModelConfig, run: Run, pp: int, dp: int, schedule: str, microbatches: int | None,
-                   virtual: int, split) -> list[list[int]]:
-    """ConfigError (one line, naming the field) for a pipeline that cannot be run; else the stage layers.
-    microbatches None: the layout only (what a rank holds between steps does not depend on them)."""
-    for name, v in (("pp", pp), ("dp", dp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-    check_schedule(schedule, virtual)
-    if microbatches is not None:
-        check_microbatches(schedule, pp, microbatches, run.batch)
-    if pp > 1 and cfg.tie_embeddings:
-        raise ConfigError(f"tie_embeddings: {cfg.name} ties its embedding and head, which stages 0 and "
-                          f"{pp * virtual - 1} would both hold; pipeline parallel runs untied models")
-    if run.dtype == "amp" and dp == 1:
-        raise ConfigError("dtype amp under pipeline parallel runs as FSDP's MixedPrecisionPolicy: give dp >= 2, "
-                          "or dtype fp32 or bf16")
-    return stage_layers(cfg.layers, pp, virtual, split)
 
 
 def _block_shapes(cfg: ModelConfig, variant: str) -> list[tuple[int, ...]]:

@@ -14,7 +14,7 @@ the final stage (the head's matmul and the loss are the heaviest non-layer work)
 """
 from __future__ import annotations
 
-from llm_anatomy.config import ConfigError
+from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 SCHEDULES = ("1f1b", "interleaved-1f1b")
 
@@ -91,3 +91,22 @@ def check_microbatches(schedule: str, pp: int, microbatches: int, batch: int | N
     if batch is not None and batch % microbatches:
         raise ConfigError(f"batch ({batch}) must be a multiple of microbatches ({microbatches}): "
                           f"every micro-batch has the same rows")
+
+
+def check_pipeline(cfg: ModelConfig, run: Run, pp: int, dp: int, schedule: str, microbatches: int | None,
+                   virtual: int, split) -> list[list[int]]:
+    """ConfigError (one line, naming the field) for a pipeline that cannot be run; else the stage layers.
+    microbatches None: the layout only (what a rank holds between steps does not depend on them)."""
+    for name, v in (("pp", pp), ("dp", dp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    check_schedule(schedule, virtual)
+    if microbatches is not None:
+        check_microbatches(schedule, pp, microbatches, run.batch)
+    if pp > 1 and cfg.tie_embeddings:
+        raise ConfigError(f"tie_embeddings: {cfg.name} ties its embedding and head, which stages 0 and "
+                          f"{pp * virtual - 1} would both hold; pipeline parallel runs untied models")
+    if run.dtype == "amp" and dp == 1:
+        raise ConfigError("dtype amp under pipeline parallel runs as FSDP's MixedPrecisionPolicy: give dp >= 2, "
+                          "or dtype fp32 or bf16")
+    return stage_layers(cfg.layers, pp, virtual, split)

@@ -26,28 +26,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from llm_anatomy.calculator.pipeline_split import SCHEDULES, check_microbatches, check_schedule
+from llm_anatomy.calculator.pipeline_split import SCHEDULES, check_pipeline
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
 from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, shard_stage
 from llm_anatomy.distributed.saved_in_flight import SavedInFlight
 from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank
-from llm_anatomy.models import VARIANTS
 from llm_anatomy.distributed.train_step import _config, _Parser, add_run_arguments, init_launched, make_optimizer
 from llm_anatomy.io import write_atomic
-from llm_anatomy.models import build_model, make_batch
-
-
-def check_pipeline_run(run: Run, pp: int, dp: int, schedule: str, microbatches: int, virtual: int) -> None:
-    """ConfigError (one line) for a pipeline run this harness cannot run."""
-    for name, v in (("pp", pp), ("dp", dp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-    check_schedule(schedule, virtual)
-    check_microbatches(schedule, pp, microbatches, run.batch)
-    if run.dtype == "amp" and dp == 1:
-        raise ConfigError("dtype amp under pipeline parallel runs as FSDP's MixedPrecisionPolicy: give dp >= 2, "
-                          "or dtype fp32 or bf16")
+from llm_anatomy.models import VARIANTS, build_model, make_batch
 
 
 def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, schedule: str = "1f1b", microbatches: int = 2,
@@ -57,7 +44,7 @@ def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, schedule: str 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage
 
-    check_pipeline_run(run, pp, dp, schedule, microbatches, virtual)
+    check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
     if dist.get_world_size() != pp * dp:
         raise ConfigError(f"pp x dp = {pp * dp} ranks, but the job has {dist.get_world_size()}")
     cuda = dist.get_backend() == "nccl"
@@ -143,7 +130,7 @@ def main(argv=None) -> int:
         kw = dict(pp=a.pp, dp=dp, schedule=a.schedule, microbatches=a.microbatches or a.pp, virtual=virtual,
                   split=_split(a.split), variant=a.variant, steps=a.steps, optimizer=a.optimizer, lr=a.lr,
                   seed=a.seed)
-        check_pipeline_run(run, a.pp, dp, a.schedule, kw["microbatches"], virtual)
+        check_pipeline(cfg, run, a.pp, dp, a.schedule, kw["microbatches"], virtual, kw["split"])
         if a.pp * dp != world:
             raise ConfigError(f"pp x dp = {a.pp * dp} ranks, but the job has {world} (torchrun --nproc_per_node)")
         init_launched(a.backend, a.timeout_s)
