@@ -43,19 +43,19 @@ def _block_shapes(cfg: ModelConfig, variant: str) -> list[tuple[int, ...]]:
     return [(H,), *qkv, (H, q), *qkn, (H,), (2 * I, H), (H, I)]
 
 
-def stage_units(cfg: ModelConfig, layers: list[int], first: bool, last: bool, variant: str = "baseline") -> list:
-    """The stage's FSDP units as lists of parameter shapes: its Blocks, then its root (if it has parameters)."""
+def stage_units(cfg: ModelConfig, layers: int, first: bool, last: bool, variant: str = "baseline") -> list:
+    """The stage's FSDP units, each (name, parameter shapes, how many): its `layers` Blocks (all the same
+    shapes, counted rather than listed), then its root (embedding / norm / head), if it has parameters."""
     V, H = cfg.vocab, cfg.hidden
     root = ([(V, H)] if first else []) + ([(H,), (V, H)] if last else [])
-    blocks = [_block_shapes(cfg, variant) for _ in layers]
-    return blocks + ([root] if root else [])
+    return [("layers.*", _block_shapes(cfg, variant), layers)] + ([("root", root, 1)] if root else [])
 
 
-def _rank_units(cfg, run, pp, rank, virtual, split, variant) -> list:
+def _rank_units(cfg, pp, rank, virtual, split, variant) -> list:
     per_stage = stage_layers(cfg.layers, pp, virtual, split)
     n = len(per_stage)
-    return [u for s in rank_stages(pp, rank, virtual) for u in stage_units(cfg, per_stage[s], s == 0, s == n - 1,
-                                                                           variant)]
+    return [(s, u) for s in rank_stages(pp, rank, virtual)
+            for u in stage_units(cfg, len(per_stage[s]), s == 0, s == n - 1, variant)]
 
 
 def pp_rank_memory(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, virtual: int = 1, split=None,
@@ -76,16 +76,14 @@ def pp_rank_memory(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, 
 def _model_state(cfg, run, pp, rank, dp, virtual, split, optimizer, dp_rank, variant) -> dict:
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp:
         raise ConfigError(f"dp_rank must be in [0, {dp}), got {dp_rank!r}")
-    shapes = [s for u in _rank_units(cfg, run, pp, rank, virtual, split, variant) for s in u]
     pb = DTYPE_BYTES[param_dtype_name(run)]
-    if dp == 1:
-        n = sum(prod(s) for s in shapes)
-        return dict(params=n * pb, grads=n * pb, optimizer=optimizer_bytes(optimizer, n, len(shapes), pb))
-    local = padded = 0
-    for s in shapes:
-        lo, pa = shard_numel(s, dp, dp_rank)
-        local, padded = local + lo, padded + pa
-    return dict(params=padded * pb, grads=padded * pb, optimizer=optimizer_bytes(optimizer, local, len(shapes), pb))
+    local = padded = tensors = 0
+    for _, (_, shapes, k) in _rank_units(cfg, pp, rank, virtual, split, variant):
+        tensors += k * len(shapes)
+        for s in shapes:
+            lo, pa = shard_numel(s, dp, dp_rank) if dp > 1 else (prod(s), prod(s))
+            local, padded = local + k * lo, padded + k * pa
+    return dict(params=padded * pb, grads=padded * pb, optimizer=optimizer_bytes(optimizer, local, tensors, pb))
 
 
 def _stage_dtype(run: Run) -> str:
@@ -120,10 +118,8 @@ def pp_collectives(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, 
     if dp > 1:
         dts = fsdp_dtypes(run)
         ag, rs = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]]
-        for s in mine:
-            for i, u in enumerate(stage_units(cfg, per_stage[s], s == 0, s == n - 1, variant)):
-                padded = sum(shard_numel(shape, dp, 0)[1] for shape in u)
-                name = f"stage {s} unit {i}"
-                rows += [_row("all_gather", "forward", name, 1, dp * padded * ag, dts["all_gather"]),
-                         _row("reduce_scatter", "backward", name, 1, dp * padded * rs, dts["reduce"])]
+        for s, (name, shapes, k) in _rank_units(cfg, pp, rank, virtual, split, variant):
+            padded = sum(shard_numel(shape, dp, 0)[1] for shape in shapes)
+            rows += [_row("all_gather", "forward", f"stage {s} {name}", k, dp * padded * ag, dts["all_gather"]),
+                     _row("reduce_scatter", "backward", f"stage {s} {name}", k, dp * padded * rs, dts["reduce"])]
     return rows
