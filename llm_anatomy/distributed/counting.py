@@ -4,7 +4,7 @@ CollectiveCounter is a TorchDispatchMode, the mechanism CommDebugMode uses: ever
 (DDP's reducer and FSDP2 call them through the dispatcher, eager or functional) passes through
 it, so the count is of real calls with their real tensors, whatever the backend (gloo, nccl, fake).
 Bytes follow NCCL-tests' convention, as the calculator does (llm_anatomy/calculator/comm.py): an
-all-gather is its output, a reduce-scatter its input, an all-reduce or broadcast its buffer.
+all-gather is its output, a reduce-scatter its input, an all-reduce or broadcast its buffer, a send or recv its tensor.
 """
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ _C10D = {
     "alltoall_": ("all_to_all", 1),
     "gather_": ("gather", 1),
     "scatter_": ("scatter", 0),
+    "send": ("send", 0),  # ([tensors], pg, dst, tag): point to point, as pipelining's isend / batch_isend_irecv
+    "recv_": ("recv", 0),
+    "recv_any_source_": ("recv", 0),
     "barrier": ("barrier", None),
     "monitored_barrier_": ("barrier", None),
 }

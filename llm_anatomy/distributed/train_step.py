@@ -105,25 +105,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float) -> None:
+def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float,
+            fn=None) -> None:
     torch.set_num_threads(1)  # W processes share the cores
     init_distributed("gloo", timeout_s, rank=rank, world_size=world, init_method=init_method)
     try:
-        out = [train(**sc) for sc in scenarios]
+        out = [(fn or train)(**sc) for sc in scenarios]
         write_atomic(Path(outdir) / f"rank{rank}.json", json.dumps(out))
     finally:
         dist.destroy_process_group()
 
 
-def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> list[list[list[dict]]]:
-    """Run each scenario (keyword arguments of train()) on `world` local gloo processes.
+def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0, fn=None) -> list[list[list[dict]]]:
+    """Run each scenario (keyword arguments of train(), or of `fn`, a module-level function that returns a
+    rank's step records) on `world` local gloo processes.
 
     Returns results[rank][scenario] = that rank's step records. A rank that fails raises here
     (torch.multiprocessing terminates the others); a collective that never completes times out."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:  # a FileStore in it: no TCP port another process could take first
-        mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s),
+        mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s, fn),
                  nprocs=world, join=True)
         return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -131,13 +133,23 @@ def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> lis
 # ---- CLI --------------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own usage errors: one line, exit 2
-        print(f"train_step: error: {message}", file=sys.stderr)
+        print(f"{self.prog.rsplit('.', 1)[-1]}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m llm_anatomy.distributed.train_step", description=__doc__.split("\n")[0])
     p.add_argument("--strategy", required=True, help="ddp or fsdp")
+    add_run_arguments(p)
+    p.add_argument("--param-dtype", default="auto", help="fsdp: all-gather dtype (float32, bfloat16; auto: policy)")
+    p.add_argument("--reduce-dtype", default="auto", help="fsdp: reduce-scatter dtype (float32, bfloat16; auto)")
+    p.add_argument("--no-reshard-after-forward", action="store_true", help="fsdp: keep Blocks gathered until backward")
+    p.add_argument("--bucket-cap-mb", type=float, help="ddp: bucket size in MiB (default: 1 MiB first, then 25)")
+    return p
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, run, optimizer and launch flags every distributed harness takes."""
     p.add_argument("--preset", help="a named config (llm_anatomy.config.PRESETS)")
     for f in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab"):
         p.add_argument(f"--{f}", type=int)
@@ -149,15 +161,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--optimizer", default="adamw", help=", ".join(OPTIMIZERS))
-    p.add_argument("--param-dtype", default="auto", help="fsdp: all-gather dtype (float32, bfloat16; auto: policy)")
-    p.add_argument("--reduce-dtype", default="auto", help="fsdp: reduce-scatter dtype (float32, bfloat16; auto)")
-    p.add_argument("--no-reshard-after-forward", action="store_true", help="fsdp: keep Blocks gathered until backward")
-    p.add_argument("--bucket-cap-mb", type=float, help="ddp: bucket size in MiB (default: 1 MiB first, then 25)")
     p.add_argument("--backend", default="auto", help="auto (nccl with a GPU, else gloo), nccl or gloo")
     p.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout: a dead rank fails the job")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", help="a folder: each rank writes its step records to rank<N>.json")
-    return p
 
 
 def _config(a) -> ModelConfig:
@@ -171,6 +178,14 @@ def _config(a) -> ModelConfig:
         raise ConfigError(f"without --preset, give --{' --'.join(missing)}")
     return ModelConfig(name="custom", kv_heads=a.kv_heads, tie_embeddings=a.tie_embeddings, qkv_bias=a.qkv_bias,
                        **shape)
+
+
+def init_launched(backend: str, timeout_s: float) -> None:
+    """The process group torchrun's variables describe; under plain `python -m`, a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    init_distributed(backend, timeout_s)
 
 
 def _dtype_arg(v: str):
@@ -187,10 +202,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"unknown optimizer {a.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
         if a.strategy == "ddp" and (a.param_dtype != "auto" or a.reduce_dtype != "auto"):
             raise ConfigError("--param-dtype and --reduce-dtype are fsdp options")
-        if "RANK" not in os.environ:  # plain `python -m`: a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-        init_distributed(a.backend, a.timeout_s)
+        init_launched(a.backend, a.timeout_s)
     except ConfigError as e:
         print(f"train_step: error: {e}", file=sys.stderr)
         return 2

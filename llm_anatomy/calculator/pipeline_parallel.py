@@ -1,0 +1,125 @@
+"""Pipeline parallel (x FSDP2 over dp), per rank: bytes held, activations in flight, sends/recvs, bubble.
+Pure Python: no torch.
+
+The setup is llm_anatomy.distributed.pipeline_parallel's on torch.distributed.pipelining (torch 2.13): stage s of
+pp x virtual on pipeline rank s % pp (pipeline_split.py), the embedding on stage 0, final norm + head + loss on the
+last; with dp > 1 every stage fully_shard'ed over its dp row, each Block a unit and the stage's embedding / norm /
+head a root unit, without resharding after forward.
+
+  parameters, gradients, optimizer  the rank's stages' tensors; under FSDP each tensor's padded dim-0 shard
+                                    (calculator/sharding.py's rules: params and grads padded, optimizer state the
+                                    rows this dp rank really holds, AdamW's 4-byte step per tensor)
+  saved activations                 one micro-batch through a stage saves its layers' tensors, the RoPE tables its
+                                    forward builds, the embedding's ids on stage 0, the final norm's and the loss's
+                                    on the last (calculator.estimate for a micro-batch); a rank holds the chunks
+                                    whose forward ran and backward has not, in the schedule's order (in_flight)
+  sends / recvs                     per micro-batch and stage boundary, the (micro-batch, seq, hidden) activation
+                                    forward and its gradient back, in the stage dtype; in the first step torch's
+                                    warm-up vote adds one int32 send and recv per boundary each way
+  FSDP                              per stage unit with parameters: one all-gather before its first micro-batch and
+                                    one reduce-scatter after its last backward (gradient sync is off until then)
+  bubble                            idle fraction of the step with equal chunk times: (pp - 1) / (v m + pp - 1)
+"""
+from __future__ import annotations
+
+from math import prod
+
+from llm_anatomy.calculator.comm import _row, collective_counts  # noqa: F401  (the row format planners compose)
+from llm_anatomy.calculator.param_layout import units
+from llm_anatomy.calculator.pipeline_schedule import bubble_fraction, in_flight, saved_peak  # noqa: F401
+from llm_anatomy.calculator.pipeline_split import (SCHEDULES, check_pipeline, rank_stages,  # noqa: F401
+                                                   stage_layers)
+from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+
+
+def _block_shapes(cfg: ModelConfig, variant: str) -> list[tuple[int, ...]]:
+    block = [s for _, s in units(cfg)[1]]
+    if variant != "efficient":
+        return block
+    H, I, q, kv = cfg.hidden, cfg.intermediate, cfg.q_dim, cfg.kv_dim  # fused qkv and gate_up
+    qkv = [(q + 2 * kv, H)] + ([(q + 2 * kv,)] if cfg.qkv_bias else [])
+    qkn = [(cfg.head_dim,), (cfg.head_dim,)] if cfg.qk_norm else []
+    return [(H,), *qkv, (H, q), *qkn, (H,), (2 * I, H), (H, I)]
+
+
+def stage_units(cfg: ModelConfig, layers: int, first: bool, last: bool, variant: str = "baseline") -> list:
+    """The stage's FSDP units, each (name, parameter shapes, how many): its `layers` Blocks (all the same
+    shapes, counted rather than listed), then its root (embedding / norm / head), if it has parameters."""
+    V, H = cfg.vocab, cfg.hidden
+    root = ([(V, H)] if first else []) + ([(H,), (V, H)] if last else [])
+    return [("layers.*", _block_shapes(cfg, variant), layers)] + ([("root", root, 1)] if root else [])
+
+
+def _rank_units(cfg, pp, rank, virtual, split, variant) -> list:
+    per_stage = stage_layers(cfg.layers, pp, virtual, split)
+    n = len(per_stage)
+    return [(s, u) for s in rank_stages(pp, rank, virtual)
+            for u in stage_units(cfg, len(per_stage[s]), s == 0, s == n - 1, variant)]
+
+
+def pp_rank_memory(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, virtual: int = 1, split=None,
+                   optimizer: str = "adamw", dp_rank: int = 0, variant: str = "baseline",
+                   microbatches: int | None = None) -> dict:
+    """Bytes pipeline rank `rank` (dp rank `dp_rank` of its row) holds between steps: params, grads, optimizer;
+    with `microbatches` (run.batch split into them), also saved_activations, the most the rank holds at once
+    in a step under the schedule `virtual` implies (1: 1f1b, more: interleaved-1f1b)."""
+    schedule = "1f1b" if virtual == 1 else "interleaved-1f1b"
+    check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
+    out = _model_state(cfg, run, pp, rank, dp, virtual, split, optimizer, dp_rank, variant)
+    if microbatches is not None:
+        out["saved_activations"] = saved_peak(cfg, run, pp, rank, microbatches=microbatches, schedule=schedule,
+                                              virtual=virtual, split=split, variant=variant)
+    return out
+
+
+def _model_state(cfg, run, pp, rank, dp, virtual, split, optimizer, dp_rank, variant) -> dict:
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp:
+        raise ConfigError(f"dp_rank must be in [0, {dp}), got {dp_rank!r}")
+    pb = DTYPE_BYTES[param_dtype_name(run)]
+    local = padded = tensors = 0
+    for _, (_, shapes, k) in _rank_units(cfg, pp, rank, virtual, split, variant):
+        tensors += k * len(shapes)
+        for s in shapes:
+            lo, pa = shard_numel(s, dp, dp_rank) if dp > 1 else (prod(s), prod(s))
+            local, padded = local + k * lo, padded + k * pa
+    return dict(params=padded * pb, grads=padded * pb, optimizer=optimizer_bytes(optimizer, local, tensors, pb))
+
+
+def _stage_dtype(run: Run) -> str:
+    """The dtype of the activations between stages: the compute dtype (amp runs as FSDP's bf16 parameters)."""
+    return "float32" if run.dtype == "fp32" else "bfloat16"
+
+
+def pp_collectives(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, microbatches: int,
+                   schedule: str = "1f1b", virtual: int = 1, split=None, step: int | None = None,
+                   variant: str = "baseline") -> list[dict]:
+    """Every send, recv and FSDP collective of one step on pipeline rank `rank`, in calculator/comm.py's rows.
+    step 1 adds torch's warm-up vote; None (or any later step) is the steady state. run.batch is the dp rank's
+    batch, split into `microbatches`."""
+    per_stage = check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
+        raise ConfigError(f"step must be a positive integer, got {step!r}")
+    n, M, mine = len(per_stage), microbatches, rank_stages(pp, rank, virtual)
+    sends_fwd = sum(1 for s in mine if s < n - 1)  # stages that pass activations on
+    sends_bwd = sum(1 for s in mine if s > 0)  # stages that pass gradients back
+    dt = _stage_dtype(run)
+    act = (run.batch // M) * run.seq * cfg.hidden * DTYPE_BYTES[dt]
+    rows = []
+    if pp == 1:  # every stage on this rank: each hands its output to the next in memory
+        sends_fwd = sends_bwd = 0
+    for op, k_act, k_grad in (("send", sends_fwd, sends_bwd), ("recv", sends_bwd, sends_fwd)):
+        if k_act:
+            rows.append(_row(op, "forward", "activations", k_act * M, act, dt))
+        if k_grad:
+            rows.append(_row(op, "backward", "activation gradients", k_grad * M, act, dt))
+        if step == 1 and k_act + k_grad:
+            rows.append(_row(op, "first step", "warm-up vote", k_act + k_grad, 4, "int32"))
+    if dp > 1:
+        dts = fsdp_dtypes(run)
+        ag, rs = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]]
+        for s, (name, shapes, k) in _rank_units(cfg, pp, rank, virtual, split, variant):
+            padded = sum(shard_numel(shape, dp, 0)[1] for shape in shapes)
+            rows += [_row("all_gather", "forward", f"stage {s} {name}", k, dp * padded * ag, dts["all_gather"]),
+                     _row("reduce_scatter", "backward", f"stage {s} {name}", k, dp * padded * rs, dts["reduce"])]
+    return rows

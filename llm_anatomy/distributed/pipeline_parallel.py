@@ -1,0 +1,105 @@
+"""Pipeline stages of a Transformer for torch.distributed.pipelining, optionally sharded with FSDP2 per stage.
+
+A stage module holds some of the model's own modules, not copies: stage 0 the embedding, the last stage the
+final norm and the head with its loss (the efficient variant's fused linear cross-entropy), every stage a run of
+consecutive decoder Blocks (llm_anatomy.calculator.pipeline_split says which). Blocks keep their model names
+(layers.<i>) in a ModuleDict, as torchtitan's pipeline split does, so a stage's state dict is a slice of the
+model's. Each stage rebuilds the RoPE tables (and the baseline's causal bias) for its own forward.
+
+The last stage's forward takes the targets as a keyword (the schedule hands a rank's step() keywords, split into
+micro-batches, to every stage it runs) and returns the micro-batch's mean loss; the schedule's loss_fn passes it
+on. Schedule1F1B and ScheduleInterleaved1F1B divide the summed gradients by the micro-batch count
+(scale_grads), so equal micro-batches give the full batch's mean-loss gradient.
+
+With dp > 1 every stage is fully_shard'ed on the mesh's "dp" dimension, Blocks first and then the stage
+(embedding / norm / head), without resharding after forward: the pipeline runs several micro-batches through a
+stage before their backwards, and the stage's parameters stay gathered until its last backward
+(PipelineStage sets reshard_after_backward and gradient sync off until then), so each unit all-gathers and
+reduce-scatters once per step.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llm_anatomy.baseline.transformer import compute_dtype, rope_tables
+from llm_anatomy.calculator.pipeline_split import check_schedule, rank_stages, stage_layers
+from llm_anatomy.config import ConfigError
+
+
+class StageModule(nn.Module):
+    """Stage `index` of `stages`: the embedding on the first, norm + head + loss on the last."""
+
+    def __init__(self, model: nn.Module, layers: list[int], index: int, stages: int):
+        super().__init__()
+        self.cfg, self.variant = model.cfg, model.variant
+        self.first, self.last = index == 0, index == stages - 1
+        self.embed = model.embed if self.first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        self.norm = model.norm if self.last else None
+        self.head = model.head if self.last else None
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.first:
+            x = self.embed(x)  # ids (B, S) -> (B, S, H)
+        S, dev = x.shape[1], x.device
+        if self.variant == "baseline":
+            dt = compute_dtype(x)
+            cos, sin = rope_tables(S, self.cfg.head_dim, self.cfg.rope_theta, dev, dt)
+            extra = (torch.full((S, S), float("-inf"), device=dev, dtype=dt).triu(1),)
+        else:  # the efficient Block's RoPE kernel reads fp32 tables
+            cos, sin = rope_tables(S, self.cfg.head_dim, self.cfg.rope_theta, dev, torch.float32)
+            extra = ()
+        for layer in self.layers.values():
+            x = layer(x, cos, sin, *extra)
+        if not self.last:
+            return x
+        return self.head(self.norm(x), targets)  # the micro-batch's mean loss
+
+
+def check_model(model: nn.Module, pp: int) -> None:
+    cfg = model.cfg
+    if pp > 1 and cfg.tie_embeddings:
+        raise ConfigError(f"{cfg.name} ties its embedding and head, which pipeline stages 0 and {pp - 1} would "
+                          f"both hold; pipeline parallel runs untied models")
+    if getattr(model, "lean", False):
+        raise ConfigError("the efficient variant's lean block hands a pending branch across Blocks; "
+                          "pipeline stages run it without lean")
+
+
+def build_stages(model: nn.Module, pp: int, rank: int, *, virtual: int = 1, split=None) -> list[StageModule]:
+    """The stage modules pipeline rank `rank` runs, in stage order (stage s on rank s % pp)."""
+    check_model(model, pp)
+    per_stage = stage_layers(model.cfg.layers, pp, virtual, split)
+    n = len(per_stage)
+    return [StageModule(model, per_stage[s], s, n) for s in rank_stages(pp, rank, virtual)]
+
+
+def shard_stage(stage: StageModule, dp_mesh, *, param_dtype=None, reduce_dtype=None) -> StageModule:
+    """FSDP2 on one stage over the dp mesh: each Block a unit, then the stage (its embedding / norm / head).
+    param_dtype / reduce_dtype: 'float32', 'bfloat16' or None, the MixedPrecisionPolicy's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from llm_anatomy.distributed.strategies import _dtype
+
+    mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
+                              reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))
+    for block in stage.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    return stage
+
+
+def make_schedule(name: str, stages: list, microbatches: int):
+    """torch's schedule for `name` over this rank's PipelineStages; the last stage's output is its loss."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
+    check_schedule(name, len(stages))
+    loss_fn = _stage_loss
+    if name == "1f1b":
+        return Schedule1F1B(stages[0], microbatches, loss_fn=loss_fn)
+    return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn)
+
+
+def _stage_loss(loss: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+    return loss  # the last stage computed it (its head holds the loss)
