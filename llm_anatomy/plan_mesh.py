@@ -87,8 +87,11 @@ def _fitting_micro_batch(cfg, m, mk, variant, budget, optimizer, global_batch, s
         return largest_fitting(lambda b: need(b) <= budget, max_batch(seq))
     share = global_batch // m.dp
     for b in sorted((d for d in _divisors(share) if share // d >= m.pp), reverse=True):
-        if need(b) <= budget:
-            return b
+        try:
+            if need(b) <= budget:
+                return b
+        except ConfigError:
+            continue  # a micro-batch count the schedule refuses (interleaved 1F1B's rounds)
     return 0
 
 

@@ -111,9 +111,12 @@ def _ring_time(op: str, nbytes: int, size: int, stride: int, gpu: str, gpus_per_
 
 
 def bubble_fraction(mesh: Mesh, microbatches: int) -> float:
-    """The fraction of an optimizer step a pipeline rank idles: (pp - 1) / v over m + (pp - 1) / v."""
-    idle = (mesh.pp - 1) / mesh.virtual
-    return idle / (microbatches + idle)
+    """The fraction of an optimizer step a pipeline rank idles (calculator/pipeline_schedule.py)."""
+    if mesh.pp == 1:
+        return 0.0
+    from llm_anatomy.calculator.pipeline_schedule import bubble_fraction as idle
+
+    return idle(mesh.schedule, mesh.pp, microbatches, mesh.virtual)
 
 
 def step_time(cfg: ModelConfig, run: Run, variant: str, gpu: str, mesh: Mesh, microbatches: int, *,
@@ -169,13 +172,13 @@ def _whole(cfg: ModelConfig, seq: int, dtype: str, variant: str, gpu: str, optim
 
 
 def in_flight(mesh: Mesh, microbatches: int) -> float:
-    """Micro-batches of the heaviest stage's whole activations held at once on the first pipeline rank."""
+    """Micro-batches of a whole stage's activations the first pipeline rank holds at once: torch's schedule order
+    (calculator/pipeline_schedule.py), its chunks counted at 1 / v of the rank's layers each."""
     if mesh.pp == 1:
         return 1.0
-    if mesh.schedule == "1f1b":
-        return float(min(mesh.pp, microbatches))
-    warm = (mesh.pp - 1) * 2 + (mesh.virtual - 1) * mesh.pp + 1  # ScheduleInterleaved1F1B's warm-up, chunks
-    return min(warm, microbatches * mesh.virtual) / mesh.virtual
+    from llm_anatomy.calculator.pipeline_schedule import in_flight as chunks
+
+    return chunks(mesh.schedule, mesh.pp, 0, microbatches, mesh.virtual) / mesh.virtual
 
 
 def rank_peak(cfg: ModelConfig, run: Run, variant: str, mesh: Mesh, microbatches: int, *,
