@@ -1,4 +1,5 @@
-"""Reading a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3 dense) into a ModelConfig: every field used
+"""Reading a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3 dense; Qwen3-MoE, Mixtral, gpt-oss and OLMoE
+through llm_anatomy/hf_config_moe.py) into a ModelConfig: every field used
 checked by type and range; what cannot be modelled is refused in one line naming the file and the field; what
 changes no count (RoPE scaling) is accepted with a note. Pure Python, like llm_anatomy/config.py.
 """
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from llm_anatomy.config import MAX_LAYERS, MAX_SEQ, MAX_WIDTH, ConfigError, ModelConfig, oneline
+from llm_anatomy.hf_config_moe import MOE_FAMILIES, moe_fields
 from llm_anatomy.io import read_input
 
 # ---- Hugging Face config.json ---------------------------------------------------------------------
@@ -189,7 +191,8 @@ def _qwen2_window(f: _Field) -> int | None:
 
 
 def read_hf_config(path: str | Path) -> HFConfig:
-    """Read a Hugging Face Llama-family config.json (llama, mistral, qwen2, qwen3; a file, or a folder holding one),
+    """Read a Hugging Face config.json (llama, mistral, qwen2, qwen3, and the MOE_FAMILIES; a file, or a folder
+    holding one),
     every field used checked by type and range; what cannot be modelled is refused in one line naming the
     file and field."""
     if not str(path).strip():
@@ -205,11 +208,13 @@ def read_hf_config(path: str | Path) -> HFConfig:
         raise ConfigError(f"no Hugging Face config at {oneline(repr(str(path)))}")
     f = _Field(load_json_object(p, "Hugging Face config"), oneline(str(p)))
     family = f.get("model_type")
-    if family not in _HF_FAMILIES:
-        raise ConfigError(f"{f.where}: model_type {_show(family)} is not a Llama-family model "
-                          f"({', '.join(_HF_FAMILIES)})")
+    if family not in _HF_FAMILIES + MOE_FAMILIES:
+        raise ConfigError(f"{f.where}: model_type {_show(family)} is not a Llama-family model or a mixture "
+                          f"of experts read here "
+                          f"({', '.join(_HF_FAMILIES + MOE_FAMILIES)})")
+    moe = family in MOE_FAMILIES
     qwen2 = family == "qwen2"  # Qwen2Attention: q, k, v with a bias, o without; no bias flags to read
-    if not qwen2 and f.bool("attention_bias", False):
+    if not qwen2 and not moe and f.bool("attention_bias", False):
         raise ConfigError(f"{f.where}: attention_bias=true is not modelled (it biases q, k, v and o; the models here "
                           "bias q, k and v only, as Qwen2 does)")
     if f.bool("mlp_bias", False):
@@ -220,17 +225,22 @@ def read_hf_config(path: str | Path) -> HFConfig:
     hidden = f.int("hidden_size", MAX_WIDTH, required=True)
     heads = f.int("num_attention_heads", MAX_WIDTH, required=True)
     qwen3 = family == "qwen3"  # Qwen3Attention: q_norm and k_norm of head_dim, and o reads heads x head_dim
-    head_dim = f.int("head_dim", MAX_WIDTH) or (128 if qwen3 else hidden // heads)  # Qwen3Config's default: 128
-    if head_dim * heads != hidden and not qwen3:
+    # Qwen3Config's default: 128; GptOssConfig's: 64; the others derive hidden // heads
+    head_dim = f.int("head_dim", MAX_WIDTH) or {"qwen3": 128, "gpt_oss": 64}.get(family, hidden // heads)
+    if head_dim * heads != hidden and not qwen3 and family not in ("qwen3_moe", "gpt_oss", "mixtral"):
         raise ConfigError(f"{f.where}: head_dim={head_dim} × num_attention_heads={heads} != hidden_size={hidden}")
     notes: list[str] = []
     theta = _rope(f, notes)
-    window = _qwen2_window(f) if qwen2 or qwen3 else f.int("sliding_window", MAX_SEQ)
+    window = _qwen2_window(f) if family in ("qwen2", "qwen3", "qwen3_moe") else f.int("sliding_window", MAX_SEQ)
+    layers = f.int("num_hidden_layers", MAX_LAYERS, required=True)
+    extra = moe_fields(f, family, layers, notes) if moe else {}
+    if family == "gpt_oss":  # its window is part of the model (ModelConfig.window), not a bound on --seq
+        window = None
     try:
         cfg = ModelConfig(
             name=_display_name(f.str("_name_or_path"), p.parent.name),
             hidden=hidden,
-            layers=f.int("num_hidden_layers", MAX_LAYERS, required=True),
+            layers=layers,
             heads=heads,
             kv_heads=f.int("num_key_value_heads", MAX_WIDTH) or heads,
             intermediate=f.int("intermediate_size", MAX_WIDTH, required=True),
@@ -238,9 +248,8 @@ def read_hf_config(path: str | Path) -> HFConfig:
             tie_embeddings=f.bool("tie_word_embeddings", False),
             norm_eps=f.number("rms_norm_eps", below=1.0) or 1e-6,  # LlamaConfig's and MistralConfig's default
             rope_theta=theta or 10000.0,
-            qkv_bias=qwen2,
+            **{"qkv_bias": qwen2, "qk_norm": qwen3, **extra},
             head_dim=head_dim,
-            qk_norm=qwen3,
         )
     except ConfigError as e:  # ModelConfig's own check names no file; a field's read already does
         raise ConfigError(str(e) if str(e).startswith(f"{f.where}: ") else f"{f.where}: {e}") from None
