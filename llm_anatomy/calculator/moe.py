@@ -11,7 +11,8 @@ backward twice forward. No count depends on how the T·k rows spread over the ex
 
 Saved bytes (baseline/moe.py, the per-expert loop): the routing-dependent terms are per-expert row counts, given
 as a histogram (`hist`, rows routed to each expert, summing to T·k; default balanced). Each expert that receives
-rows keeps its index rows, its gathered input, its gate_up output, its activation and its output, and under
+rows keeps its index rows, its gathered input, its gate_up output, its activation, its output and the weighted
+output, and under
 autocast a bf16 cast of its two weight slices (a slice is no leaf, so autocast caches no cast of it): the saved
 bytes grow with the number of experts hit, so the worst histogram hits min(E, T·k) of them (the balanced one).
 """
@@ -110,7 +111,8 @@ def _expert_saved(cfg: ModelConfig, run: Run, n: int, count: int) -> list[Saved]
     out += [Saved("moe.expert.silu_gate", (n, I), c, count, "the product keeps silu(gate)"),
             Saved("moe.expert.h", (n, I), c, count, "down keeps its input"),
             Saved("moe.expert.y", (n, H), c, count, "the weighting keeps the expert's output"),
-            Saved("moe.expert.weight", (n, 1), c, count, "the weighting keeps the gathered routing weights")]
+            Saved("moe.expert.weight", (n, 1), c, count, "the weighting keeps the gathered routing weights"),
+            Saved("moe.expert.weighted", (n, H), c, count, "index_add keeps its source (for the source's shape)")]
     if dt.autocast:
         out += [Saved("moe.expert.gate_up.weight_cast", (2 * I, H), c, count,
                       "autocast casts the expert's slice anew (a slice is no leaf: no cached cast)"),
@@ -119,18 +121,29 @@ def _expert_saved(cfg: ModelConfig, run: Run, n: int, count: int) -> list[Saved]
 
 
 def saved(cfg: ModelConfig, run: Run, hist=None) -> list[Saved]:
-    """Every tensor the baseline MoE blocks keep, under the routing histogram `hist` (default balanced)."""
-    hist = balanced(cfg, run) if hist is None else check_histogram(cfg, run, hist)
+    """Every tensor the baseline MoE blocks keep, under the routing histogram `hist`: one for every layer, or a
+    list of one per layer (default: balanced in every layer)."""
+    layers = _per_layer(cfg, run, hist)
     dt, L, T, H, E, Is = dtypes(run), cfg.layers, run.tokens, cfg.hidden, cfg.experts, shared_width(cfg)
     readers = {"router": E} | ({"shared.gate": Is, "shared.up": Is} if Is else {})
     out = linears_saved("moe", T, H, readers, dt, L, dt.residual) + _router_saved(cfg, run, L)
-    for n, experts in sorted(Counter(n for n in hist if n).items()):
-        out += _expert_saved(cfg, run, n, L * experts)
+    for n, experts in sorted(Counter(n for h in layers for n in h if n).items()):
+        out += _expert_saved(cfg, run, n, experts)
     if Is:
         out += gated_saved("moe.shared", cfg, run, Is, L)
     if cfg.router_aux_coef:
         out.append(Saved("moe.aux.f", (E,), "float32", 1, "f x P keeps f, the routed fractions (P needs the grad)"))
     return out
+
+
+def _per_layer(cfg: ModelConfig, run: Run, hist) -> list[tuple[int, ...]]:
+    if hist is None:
+        return [balanced(cfg, run)] * cfg.layers
+    if isinstance(hist, list) and hist and isinstance(hist[0], (tuple, list)):
+        if len(hist) != cfg.layers:
+            raise ConfigError(f"one routing histogram per layer ({cfg.layers}), got {len(hist)}")
+        return [check_histogram(cfg, run, h) for h in hist]
+    return [check_histogram(cfg, run, hist)] * cfg.layers
 
 
 def flops(cfg: ModelConfig, run: Run) -> int:
