@@ -21,7 +21,7 @@ _DEFAULTS = {"qwen3_moe": (128, 8, 0.001), "mixtral": (8, 2, 0.001), "gpt_oss": 
 
 
 def _refuse(f, key: str, why: str) -> ConfigError:
-    return ConfigError(f"{f.where}: {f.prefix}{key} {why}")
+    return ConfigError(f"{f.where}: {f.prefix}{key}{'' if why.startswith('=') else ' '}{why}")
 
 
 def _experts(f, family: str) -> dict:
