@@ -101,8 +101,9 @@ def moe_fields(f, family: str, layers: int, notes: list[str]) -> dict:
             raise _refuse(f, "swiglu_limit", f"={limit:g} is not modelled (the gpt-oss activation clamps at "
                           f"{GPT_OSS_LIMIT:g} here)")
         alpha = f.number("swiglu_alpha")
-        notes.append(f"swiglu_alpha={alpha if alpha is not None else 1.702:g} (1.702 when absent): the gpt-oss activation here is "
-                     "silu (alpha 1) with the same clamps and +1; no parameter or matmul FLOP depends on it")
+        notes.append(f"swiglu_alpha={alpha if alpha is not None else 1.702:g} (1.702 when absent): the gpt-oss "
+                     "activation here is silu (alpha 1) with the same clamps and +1; no parameter or matmul FLOP "
+                     "depends on it")
         bias = f.bool("attention_bias", True)  # GptOssConfig's default
         window = f.int("sliding_window", MAX_SEQ) or 128
         pattern = _layer_types(f, layers)

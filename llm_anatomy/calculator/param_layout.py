@@ -49,7 +49,8 @@ def _moe(cfg: ModelConfig) -> list[tuple[str, Shape]]:
     out += [("mlp.experts.gate_up", (E, 2 * I, H)), ("mlp.experts.down", (E, H, I))]
     out += [("mlp.experts.gate_up_bias", (E, 2 * I)), ("mlp.experts.down_bias", (E, H))] if cfg.expert_bias else []
     if Is:
-        out += [("mlp.shared.gate.weight", (Is, H)), ("mlp.shared.up.weight", (Is, H)), ("mlp.shared.down.weight", (H, Is))]
+        out += [("mlp.shared.gate.weight", (Is, H)), ("mlp.shared.up.weight", (Is, H)),
+                ("mlp.shared.down.weight", (H, Is))]
     return out
 
 
