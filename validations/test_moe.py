@@ -229,3 +229,47 @@ def test_attention_fields_checked(kw, message):
 def test_attention_fields_left_out_of_to_dict_when_off():
     d = ModelConfig(hidden=16, layers=1, heads=2, intermediate=8, vocab=16).to_dict()
     assert not {"o_bias", "attn_sinks", "window", "window_pattern", "qk_norm_whole"} & set(d)
+
+
+# ---- the same function as transformers' ----------------------------------------------------------------
+_HF_MOE_NAMES = [(r"^layers\.(\d+)\.mlp\.router\.", r"model.layers.\1.mlp.gate."),
+                 (r"^layers\.(\d+)\.mlp\.experts\.(gate_up|down)$", r"model.layers.\1.mlp.experts.\2_proj")]
+
+
+def _hf_name(name: str) -> str:
+    import re
+
+    from validations.test_qwen2 import _hf_name as dense_name
+
+    for pat, rep in _HF_MOE_NAMES:
+        if re.match(pat, name):
+            return re.sub(pat, rep, name)
+    return dense_name(name)
+
+
+@pytest.mark.parametrize("name", ["Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "OLMoE-1B-7B-0924"])
+def test_baseline_computes_transformers(name, tmp_path):
+    """Our baseline's weights (norm weights drawn away from 1) loaded into transformers' model of the reduced
+    config under its names, both in float64: the same per-token losses, so the router (softmax, top-k, the
+    renormalisation or not), the experts' gate/up split and the weighted sum are transformers'. (gpt-oss is left
+    out: transformers' activation has alpha 1.702 and interleaves gate and up; ours is the project's gpt-oss MLP.)"""
+    import torch.nn.functional as F
+
+    d = reduced(_json(name))
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = read_hf_config(tmp_path).config
+    ours = build_model(cfg, dtype=torch.float64)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if n.endswith("norm.weight"):
+                p.normal_(1.0, 0.5)
+    hf = hf_model(d).to(torch.float64)
+    missing, unexpected = hf.load_state_dict({_hf_name(n): t for n, t in ours.state_dict().items()}, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    ids = torch.randint(0, cfg.vocab, (B, S), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(ids, -1, 1)
+    with torch.no_grad():
+        mine = ours(ids, targets, reduction="none")
+        logits = hf(input_ids=ids).logits.float()  # as our loss upcasts them
+        theirs = F.cross_entropy(logits.view(-1, cfg.vocab), targets.view(-1), reduction="none")
+    torch.testing.assert_close(mine, theirs)
