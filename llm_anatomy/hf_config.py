@@ -1,6 +1,7 @@
 """Reading a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3 dense; Qwen3-MoE, Mixtral, gpt-oss and OLMoE)
 into a ModelConfig: every field used checked by type and range; what cannot be modelled is refused in one line
-naming the file and the field; what changes no count (RoPE scaling) is accepted with a note. Pure Python, like llm_anatomy/config.py.
+naming the file and the field; what changes no count (RoPE scaling) is accepted with a note. Pure Python, like
+llm_anatomy/config.py.
 """
 from __future__ import annotations
 
