@@ -15,6 +15,16 @@ def check_variant(v: str) -> str:
     return v
 
 
+def moe_routing(cfg: ModelConfig, run: Run) -> dict:
+    """The routing the MoE blocks' saved bytes are counted under (balanced: every expert hit, the worst case),
+    and the same blocks' bytes under the worst and under the skewed routing (every token to experts 0..k-1)."""
+    from llm_anatomy.calculator import moe
+
+    total = lambda hist: sum(s.bytes for s in moe.saved(cfg, run, hist))  # noqa: E731
+    return {"histogram": "balanced", "moe_saved_worst": total(moe.worst_histogram(cfg, run)),
+            "moe_saved_skewed": total(moe.skewed(cfg, run))}
+
+
 def peak_bytes(ph: dict) -> int:
     """The step's peak from llm_anatomy.calculator.memory.phases: the larger of the forward peak (where
     modelled) and the peak inside backward; memory.need_bytes, which the fit verdict and `anatomy sweep`
@@ -44,6 +54,7 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
     out["optimizer"] = dict(name=optimizer, implementation=implementation(optimizer, variant))
     if cfg.moe:  # what one token's forward reaches: every parameter but the routed experts it is not sent to
         out["params_active"] = active_param_count(cfg)
+        out["moe_routing"] = moe_routing(cfg, run)
     if unmodelled(cfg):  # a mixture of experts, gpt-oss's attention: no peak model yet (calculator/moe.py)
         out["memory"]["not_modelled"] = f"the memory phases and peak ({unmodelled(cfg)})"
         if gpu is not None or world_size != 1 or strategy:
@@ -130,6 +141,11 @@ def print_estimate(con, out: dict) -> None:
     if "params_active" in out:
         con.print(f"{out['params_active']:,} parameters active per token (the routed experts a token is not sent "
                   "to left out)")
+    if "moe_routing" in out:
+        r = out["moe_routing"]
+        con.print(f"MoE blocks' saved tensors under balanced routing (the worst: every expert hit) "
+                  f"{r['moe_saved_worst'] / 2**30:,.3f} GiB; every token to the same k experts "
+                  f"{r['moe_saved_skewed'] / 2**30:,.3f} GiB")
     if "not_modelled" in out["memory"]:
         con.print(f"not modelled for this config yet: {out['memory']['not_modelled']}")
     if out["variant"] == "baseline":

@@ -329,3 +329,13 @@ def test_baseline_computes_transformers_gpt_oss(tmp_path):
         logits = hf(input_ids=ids).logits.float()
         theirs = F.cross_entropy(logits.view(-1, cfg.vocab), targets.view(-1), reduction="none")
     torch.testing.assert_close(mine, theirs)
+
+
+def test_estimate_reports_the_routing_it_counts():
+    """The MoE blocks' saved bytes are counted under the balanced routing, the worst one (measured exact under
+    any routing by test_moe_saved.py); the skewed routing's figure is reported beside it, and is smaller under
+    autocast (k experts hit: fewer weight-slice casts kept)."""
+    out = estimate_cli(HF_CONFIGS["Mixtral-8x7B-v0.1"], Run(1, 64, "amp"))
+    r = out["moe_routing"]
+    assert r["histogram"] == "balanced" and r["moe_saved_worst"] == out["memory"]["saved"]["by_component"]["moe"]
+    assert 0 < r["moe_saved_skewed"] < r["moe_saved_worst"]
