@@ -339,3 +339,13 @@ def test_estimate_reports_the_routing_it_counts():
     r = out["moe_routing"]
     assert r["histogram"] == "balanced" and r["moe_saved_worst"] == out["memory"]["saved"]["by_component"]["moe"]
     assert 0 < r["moe_saved_skewed"] < r["moe_saved_worst"]
+
+
+def test_intermediate_flag_refused_for_moe():
+    """--intermediate would change no count of a mixture of experts (no layer has the dense MLP): refused."""
+    rc, _, err = run_cli(["estimate", "--hf-config", str(HF_CONFIGS["Mixtral-8x7B-v0.1"]), "--variant", "baseline",
+                          "--intermediate", "1024"], "moe")
+    assert rc == 2 and err.count("\n") == 1 and "is a mixture of experts" in err, err
+    rc, out, err = run_cli(["estimate", "--hf-config", str(HF_CONFIGS["gpt-oss-20b"]), "--variant", "baseline",
+                            "--layers", "2", "--json"], "moe")
+    assert rc == 0 and json.loads(out)["config"]["layers"] == 2, err
