@@ -4,7 +4,9 @@
 meta device (total, and active per token: the total less the E - k experts a token skips in each layer, one
 expert's size read off transformers' own stacked tensors). FLOPs equal FlopCounterMode's count of transformers'
 model of a depth- and width-reduced version of the same config (2 layers, narrow; every router, bias, sink and
-window field as published), forward and backward. No routing needs forcing there: dropless routing runs every
+window field as published), forward and backward: narrow because two full-width layers of Mixtral alone are 2.9B
+parameters, beyond a shared CPU machine, while the formulas are linear in each width, which the drawn configs of
+test_moe_saved.py vary. No routing needs forcing there: dropless routing runs every
 token through its k experts, so the matmul FLOPs depend only on the T·k routed rows, not on how they spread (the
 eager experts loop skips experts without rows, which would contribute 0 anyway). The model convention counts the
 attended (query, key) pairs, read off transformers' own attention probabilities (output_attentions: the pairs a
