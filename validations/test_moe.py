@@ -195,7 +195,7 @@ def test_unmodelled_fields_are_refused_in_one_line(name, change, message, tmp_pa
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--variant", "efficient"], "the efficient variant's calculator does not model experts"),
+    (["--variant", "efficient"], "the efficient variant's calculator (--variant baseline counts it) does not model"),
     (["--variant", "baseline", "--gpu", "H200"], "does not model experts"),
     (["--variant", "baseline", "--world-size", "8"], "does not model experts"),
 ])
