@@ -249,15 +249,9 @@ def _hf_name(name: str) -> str:
     return dense_name(name)
 
 
-@pytest.mark.parametrize("name", ["Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "OLMoE-1B-7B-0924"])
-def test_baseline_computes_transformers(name, tmp_path):
-    """Our baseline's weights (norm weights drawn away from 1) loaded into transformers' model of the reduced
-    config under its names, both in float64: the same per-token losses, so the router (softmax, top-k, the
-    renormalisation or not), the experts' gate/up split and the weighted sum are transformers'. (gpt-oss is left
-    out: transformers' activation has alpha 1.702 and interleaves gate and up; ours is the project's gpt-oss MLP.)"""
-    import torch.nn.functional as F
-
-    d = reduced(_json(name))
+def _pair(d: dict, tmp_path, wide: bool = False):
+    """(our config, our baseline, transformers' model) of the config dict d, both in float64, ours with norm
+    weights drawn away from 1 (wide: the experts' tensors and the sinks drawn N(0, 1) too)."""
     (tmp_path / "config.json").write_text(json.dumps(d))
     cfg = read_hf_config(tmp_path).config
     ours = build_model(cfg, dtype=torch.float64)
@@ -265,8 +259,15 @@ def test_baseline_computes_transformers(name, tmp_path):
         for n, p in ours.named_parameters():
             if n.endswith("norm.weight"):
                 p.normal_(1.0, 0.5)
-    hf = hf_model(d).to(torch.float64)
-    missing, unexpected = hf.load_state_dict({_hf_name(n): t for n, t in ours.state_dict().items()}, strict=False)
+            elif wide and ("experts" in n or n.endswith("sinks")):
+                p.normal_(0.0, 1.0)  # large enough that the clamps at ±7 and the sinks act
+    return cfg, ours, hf_model(d).to(torch.float64)
+
+
+def _same_losses(cfg, ours, hf, state: dict) -> None:
+    import torch.nn.functional as F
+
+    missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     ids = torch.randint(0, cfg.vocab, (B, S), generator=torch.Generator().manual_seed(0))
     targets = torch.roll(ids, -1, 1)
@@ -276,6 +277,14 @@ def test_baseline_computes_transformers(name, tmp_path):
         theirs = F.cross_entropy(logits.view(-1, cfg.vocab), targets.view(-1), reduction="none")
     torch.testing.assert_close(mine, theirs)
 
+
+@pytest.mark.parametrize("name", ["Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "OLMoE-1B-7B-0924"])
+def test_baseline_computes_transformers(name, tmp_path):
+    """Our baseline's weights (norm weights drawn away from 1) loaded into transformers' model of the reduced
+    config under its names, both in float64: the same per-token losses, so the router (softmax, top-k, the
+    renormalisation or not), the experts' gate/up split and the weighted sum are transformers'. (gpt-oss: below.)"""
+    cfg, ours, hf = _pair(reduced(_json(name)), tmp_path)
+    _same_losses(cfg, ours, hf, {_hf_name(n): t for n, t in ours.state_dict().items()})
 
 def _gpt_oss_state_dict(ours, cfg) -> dict:
     """Our gpt-oss weights under transformers' names and layout: its experts store x @ W ((E, H, 2I), (E, I, H)),
@@ -306,31 +315,12 @@ def test_baseline_computes_transformers_gpt_oss(tmp_path):
     5-token window on layer 0, the top-k-then-softmax router with its bias, the biased experts with the clamps and
     the +1), from the same weights in float64. Two differences set aside on transformers' side, each a count-neutral
     choice of ours (docs/moe.md): its activation's alpha set to 1 (ours is silu) and plain RoPE (no YaRN scaling)."""
-    import torch.nn.functional as F
-
     d = dict(reduced(_json("gpt-oss-20b")), rope_scaling=None,
              rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
-    (tmp_path / "config.json").write_text(json.dumps(d))
-    cfg = read_hf_config(tmp_path).config
-    ours = build_model(cfg, dtype=torch.float64)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if n.endswith("norm.weight"):
-                p.normal_(1.0, 0.5)
-            elif "experts" in n or n.endswith("sinks"):
-                p.normal_(0.0, 1.0)  # large enough that the clamps at ±7 and the sinks act
-    hf = hf_model(d).to(torch.float64)
+    cfg, ours, hf = _pair(d, tmp_path, wide=True)
     for layer in hf.model.layers:
         layer.mlp.experts.alpha = 1.0
-    missing, unexpected = hf.load_state_dict(_gpt_oss_state_dict(ours, cfg), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    ids = torch.randint(0, cfg.vocab, (B, S), generator=torch.Generator().manual_seed(0))
-    targets = torch.roll(ids, -1, 1)
-    with torch.no_grad():
-        mine = ours(ids, targets, reduction="none")
-        logits = hf(input_ids=ids).logits.float()
-        theirs = F.cross_entropy(logits.view(-1, cfg.vocab), targets.view(-1), reduction="none")
-    torch.testing.assert_close(mine, theirs)
+    _same_losses(cfg, ours, hf, _gpt_oss_state_dict(ours, cfg))
 
 
 def test_estimate_reports_the_routing_it_counts():

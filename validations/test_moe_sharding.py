@@ -10,16 +10,14 @@ data-dependent shape, which fake tensors refuse.)
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import llm_anatomy.calculator.comm as comm
-import llm_anatomy.calculator.param_layout as layout
 import llm_anatomy.calculator.sharding as sharding
 from llm_anatomy.config import ModelConfig, Run
-from validations.test_distributed_depth import _listed_buckets, _listed_memory, _listed_units, counted_work
+from validations import test_distributed_depth as depth
+from validations.test_distributed_depth import counted_work
 
 moe_configs = st.builds(
     lambda h, experts, k, width, shared, bias, sinks, layers: ModelConfig(
@@ -35,18 +33,11 @@ moe_configs = st.builds(
 @given(cfg=moe_configs, world=st.integers(1, 256), rank_frac=st.floats(0, 1),
        cap=st.sampled_from([None, 0.001, 0.01, 0.3]))
 def test_per_rank_figures_are_the_sums_over_every_tensor(cfg, world, rank_frac, cap):
-    world = min(world, max(s[0] for s, _ in layout.shape_counts(cfg)))
-    rank = min(world - 1, int(rank_frac * world))
-    run = Run(batch=1, seq=16, dtype="amp")
-    assert dict(layout.shape_counts(cfg)) == dict(Counter(s for _, s in layout.param_shapes(cfg)))
-    m = sharding.per_rank_memory(cfg, run, world, "fsdp", rank=rank)
-    assert (m["params_numel"], m["local_numel"]) == _listed_memory(cfg, run, world, rank)
-    units = _listed_units(cfg, world)
-    rows = {(r["op"], r["phase"], r["units"]): r for r in comm.fsdp_collectives(cfg, run, world)}
-    if world > 1:
-        assert rows[("all_gather", "forward", "layers.*")]["bytes_each"] == world * units["layers.0"] * 2
-    runs = sharding.ddp_bucket_runs(cfg, run, cap)
-    assert [n for n, k in runs for _ in range(k)] == _listed_buckets(cfg, run, cap)
+    """test_distributed_depth's two checks, each run as written there, on a drawn MoE or gpt-oss config."""
+    depth.test_per_rank_bytes_and_fsdp_buffers_are_the_sums_over_every_tensor.hypothesis.inner_test(
+        cfg, world, rank_frac)
+    for dtype in ("amp", "bf16"):
+        depth.test_ddp_buckets_by_runs_are_the_buckets_walked_tensor_by_tensor.hypothesis.inner_test(cfg, dtype, cap)
 
 
 def test_per_rank_figures_cost_the_same_at_ten_layers_and_a_million():
