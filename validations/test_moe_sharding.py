@@ -10,6 +10,7 @@ data-dependent shape, which fake tensors refuse.)
 from __future__ import annotations
 
 import dataclasses
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
