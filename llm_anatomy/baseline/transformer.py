@@ -76,5 +76,7 @@ class Transformer(nn.Module):
         loss = self.head(self.norm(x), targets, reduction)  # ids, targets: (B, S); "none": (B*S,) losses
         if self.balance is None:
             return loss
-        aux = self.balance([layer.mlp.stats for layer in self.layers], self.cfg.experts)
-        return loss + self.cfg.router_aux_coef * aux
+        stats = [layer.mlp.stats for layer in self.layers]
+        for layer in self.layers:  # the blocks hold no graph past this step
+            layer.mlp.stats = None
+        return loss + self.cfg.router_aux_coef * self.balance(stats, self.cfg.experts)
