@@ -186,5 +186,5 @@ def refuse_unmodelled(cfg: ModelConfig, what: str) -> None:
     """A ConfigError naming that field, so that nothing counts such a config as a dense one."""
     name = unmodelled(cfg)
     if name:
-        raise ConfigError(f"{what} does not model {name} yet (config {cfg.name}): the baseline model's parameters, "
+        raise ConfigError(f"{what}: {name} not modelled yet (config {cfg.name}); the baseline model's parameters, "
                           "FLOPs and saved tensors are what is counted for it")
