@@ -341,3 +341,31 @@ def test_intermediate_flag_refused_for_moe():
     rc, out, err = run_cli(["estimate", "--hf-config", str(HF_CONFIGS["gpt-oss-20b"]), "--variant", "baseline",
                             "--layers", "2", "--json"], "moe")
     assert rc == 0 and json.loads(out)["config"]["layers"] == 2, err
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_fuzz_moe_config(name, tmp_path_factory):
+    """Mutated config.json files of each family (test_fuzz's mutations, over every key the reader reads): one line
+    and exit 2, or an estimate whose MoE fields are of their types."""
+    from hypothesis import given as given_
+
+    from validations.test_fuzz import _examples, mutated
+
+    base = _json(name)
+    keys = [*base, "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise", "clip_qkv", "swiglu_limit",
+            "layer_types", "norm_topk_prob", "experts_per_token", "output_router_logits"]
+
+    @_examples(40)
+    @given_(raw=mutated(base, keys))
+    def one(raw):
+        p = tmp_path_factory.mktemp("moe") / "config.json"
+        p.write_bytes(raw)
+        rc, out, _ = run_cli(["estimate", "--hf-config", str(p), "--variant", "baseline", "--batch", "1", "--seq",
+                              "64", "--json"], "config.json")
+        d = json.loads(out) if rc == 0 else {}
+        if "params_active" in d:  # still a mixture of experts (a mutated model_type may name a dense family)
+            c = d["config"]
+            assert isinstance(c["experts"], int) and isinstance(c["norm_topk"], bool)
+            assert isinstance(c["router_aux_coef"], float) and d["params_active"] <= d["params"]
+
+    one()
