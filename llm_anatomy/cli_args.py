@@ -186,6 +186,9 @@ def config_from_args(a) -> ModelConfig:
         if missing:
             raise ConfigError(f"without --preset, give --{' --'.join(m.replace('_', '-') for m in missing)}")
         return ModelConfig(**explicit)
+    if base.moe and "intermediate" in explicit:  # a width no layer of a mixture of experts has
+        raise ConfigError(f"--intermediate sets a dense MLP's width; {base.name} is a mixture of experts (each "
+                          f"expert is {base.expert_intermediate} wide: expert_intermediate)")
     d = base.to_dict()
     if "heads" in explicit and "kv_heads" not in explicit:
         d["kv_heads"] = None

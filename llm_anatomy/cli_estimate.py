@@ -15,6 +15,16 @@ def check_variant(v: str) -> str:
     return v
 
 
+def moe_routing(cfg: ModelConfig, run: Run) -> dict:
+    """The routing the MoE blocks' saved bytes are counted under (balanced: every expert hit, the worst case),
+    and the same blocks' bytes under the worst and under the skewed routing (every token to experts 0..k-1)."""
+    from llm_anatomy.calculator import moe
+
+    total = lambda hist: sum(s.bytes for s in moe.saved(cfg, run, hist))  # noqa: E731
+    return {"histogram": "balanced", "moe_saved_worst": total(moe.worst_histogram(cfg, run)),
+            "moe_saved_skewed": total(moe.skewed(cfg, run))}
+
+
 def peak_bytes(ph: dict) -> int:
     """The step's peak from llm_anatomy.calculator.memory.phases: the larger of the forward peak (where
     modelled) and the peak inside backward; memory.need_bytes, which the fit verdict and `anatomy sweep`
@@ -32,16 +42,25 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
     """What `anatomy estimate` reports, as a dict: the calculator's estimate, the memory phases and the
     step's peak (memory.need_bytes, with the optimizer's state), per-rank figures on world_size ranks, and
     with a GPU the step time and whether the peak fits. One optimizer for memory and time."""
-    from llm_anatomy.calculator import estimate
+    from llm_anatomy.calculator import active_param_count, estimate
     from llm_anatomy.calculator.memory import phases
+    from llm_anatomy.calculator.moe import refuse_unmodelled, unmodelled
     from llm_anatomy.calculator.optimizer import CHOICES, implementation
 
     if optimizer not in CHOICES:
         raise ConfigError(f"unknown optimizer {optimizer!r}; choose {' or '.join(CHOICES)}")
     est = estimate(cfg, run, check_variant(variant), device=device)  # one estimate: memory and time read it
     out = est.to_dict()
-    ph = phases(cfg, run, variant, optimizer=optimizer, device=device, est=est, stages=False)  # the peak, no list
     out["optimizer"] = dict(name=optimizer, implementation=implementation(optimizer, variant))
+    if cfg.moe:  # what one token's forward reaches: every parameter but the routed experts it is not sent to
+        out["params_active"] = active_param_count(cfg)
+        out["moe_routing"] = moe_routing(cfg, run)
+    if unmodelled(cfg):  # a mixture of experts, gpt-oss's attention: no peak model yet (calculator/moe.py)
+        out["memory"]["not_modelled"] = f"the memory phases and peak ({unmodelled(cfg)})"
+        if gpu is not None or world_size != 1 or strategy:
+            refuse_unmodelled(cfg, "--gpu, --world-size and --strategy (the step time, the fit, per-rank peaks)")
+        return out
+    ph = phases(cfg, run, variant, optimizer=optimizer, device=device, est=est, stages=False)  # the peak, no list
     out["memory"]["phases"] = {k: ph[k] for k in PHASE_KEYS} | {"optimizer": optimizer}
     out["memory"]["need_bytes"] = peak_bytes(ph)
     if world_size != 1 or strategy:
@@ -119,6 +138,16 @@ def print_estimate(con, out: dict) -> None:
         con.width = max(con.width, con.measure(t, options=con.options.update_width(1000)).maximum)
     con.print(t)
     con.print(f"{out['params']:,} parameters; TFLOP = 10^12 FLOP; GiB = 2^30 B")
+    if "params_active" in out:
+        con.print(f"{out['params_active']:,} parameters active per token (the routed experts a token is not sent "
+                  "to left out)")
+    if "moe_routing" in out:
+        r = out["moe_routing"]
+        con.print(f"MoE blocks' saved tensors under balanced routing (the worst: every expert hit) "
+                  f"{r['moe_saved_worst'] / 2**30:,.3f} GiB; every token to the same k experts "
+                  f"{r['moe_saved_skewed'] / 2**30:,.3f} GiB")
+    if "not_modelled" in out["memory"]:
+        con.print(f"not modelled for this config yet: {out['memory']['not_modelled']}")
     if out["variant"] == "baseline":
         con.print("(the unfused baseline; --variant efficient estimates the fused model, which saves far less)")
     if "phases" in out["memory"]:

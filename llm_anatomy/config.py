@@ -12,6 +12,9 @@ from dataclasses import dataclass, field, fields
 
 MLP_VARIANTS = ("swiglu", "gpt-oss")
 ROUTERS = ("softmax-topk", "topk-softmax")
+# which layers a sliding window applies to: "all", or "even" (layers 0, 2, 4, ...; the odd ones see the whole
+# sequence: gpt-oss's layer_types, sliding_attention first)
+WINDOW_PATTERNS = ("all", "even")
 # dtype policies:
 #   amp  : fp32 master weights, bf16 autocast for matmuls (the default; what most training runs use)
 #   bf16 : parameters and activations in bf16, no autocast
@@ -75,6 +78,15 @@ class ModelConfig:
     # None derives hidden // heads, so every config that never names it is what it was.
     head_dim: int | None = None
     qk_norm: bool = False  # RMSNorm over each q and k head (weights of head_dim), after the projections, before RoPE
+    # qk_norm over the whole q and the whole k projection (weights of heads x head_dim and kv_heads x head_dim), as
+    # OLMoE normalises them, instead of per head
+    qk_norm_whole: bool = False
+    o_bias: bool = False  # a bias on o too (gpt-oss's attention_bias biases q, k, v and o)
+    attn_sinks: bool = False  # a learned logit per head joins each softmax row and is dropped after it (gpt-oss)
+    # a sliding window: each query sees itself and the window - 1 tokens before it, in the layers window_pattern
+    # names (WINDOW_PATTERNS); None: every layer sees the whole causal prefix
+    window: int | None = None
+    window_pattern: str = "all"
     # Mixture of experts (every layer): `experts` routed SwiGLU experts of width expert_intermediate; a linear router
     # sends each token to `experts_per_token` of them and sums their outputs by the router's weights, plus
     # `shared_experts` always-on experts, run as one SwiGLU MLP of width shared_experts x shared_intermediate.
@@ -118,6 +130,7 @@ class ModelConfig:
         for f in ("tie_embeddings", "qkv_bias", "qk_norm"):
             if not isinstance(getattr(self, f), bool):
                 raise ConfigError(f"{f} must be true or false, got {oneline(repr(getattr(self, f)), 60)}")
+        self._check_attention()
         self._check_moe()
         _positive_float("norm_eps", self.norm_eps, below=1.0)
         _positive_float("rope_theta", self.rope_theta)
@@ -126,6 +139,31 @@ class ModelConfig:
         if self.rough_params > MAX_PARAMS:
             raise ConfigError(f"{self.rough_params:.3g} parameters is more than any machine could hold "
                               f"(at most {MAX_PARAMS:.0e})")
+
+    def _check_attention(self) -> None:
+        for f in ("qk_norm_whole", "o_bias", "attn_sinks"):
+            if not isinstance(getattr(self, f), bool):
+                raise ConfigError(f"{f} must be true or false, got {oneline(repr(getattr(self, f)), 60)}")
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ConfigError("qk_norm_whole needs qk_norm (it says how wide the q and k norms are)")
+        if self.window is not None:
+            _positive_int("window", self.window, MAX_SEQ)
+        if self.window_pattern not in WINDOW_PATTERNS:
+            raise ConfigError(f"window_pattern must be one of {', '.join(WINDOW_PATTERNS)}, got "
+                              f"{oneline(repr(self.window_pattern), 60)}")
+        if self.window is None and self.window_pattern != "all":
+            raise ConfigError("window_pattern needs a window (it says which layers the window applies to)")
+
+    def windowed(self, layer: int) -> bool:
+        """Does layer `layer` (0-based) attend through the sliding window?"""
+        return self.window is not None and (self.window_pattern == "all" or layer % 2 == 0)
+
+    @property
+    def windowed_layers(self) -> int:
+        """How many layers attend through the sliding window."""
+        if self.window is None:
+            return 0
+        return self.layers if self.window_pattern == "all" else (self.layers + 1) // 2
 
     def _check_moe(self) -> None:
         moe_fields = ("experts_per_token", "expert_intermediate", "shared_experts", "shared_intermediate",
@@ -180,19 +218,23 @@ class ModelConfig:
             block += 3 * self.hidden * (self.experts * self.expert_intermediate - self.intermediate
                                         + self.shared_experts * (self.shared_intermediate or 0)) + self.experts * self.hidden
         block += (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+        block += (self.hidden if self.o_bias else 0) + (self.heads if self.attn_sinks else 0)
         return self.layers * block + self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
 
     def to_dict(self) -> dict:
-        """Every field; qkv_bias and qk_norm only when on, head_dim only when it is not hidden // heads, the MoE
+        """Every field; qkv_bias, qk_norm, qk_norm_whole, o_bias and attn_sinks only when on, window and
+        window_pattern only with a window, head_dim only when it is not hidden // heads, the MoE
         fields only when experts > 0 (so reports of Llama-family models keep their keys)."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}  # scalars only: no deep copy needed
         if not self.moe:
             for f in ("experts", "experts_per_token", "expert_intermediate", "shared_experts", "shared_intermediate",
                       "router", "norm_topk", "router_bias", "expert_bias", "router_aux_coef"):
                 del d[f]
-        for f in ("qkv_bias", "qk_norm"):
+        for f in ("qkv_bias", "qk_norm", "qk_norm_whole", "o_bias", "attn_sinks"):
             if not d[f]:
                 del d[f]
+        if self.window is None:
+            del d["window"], d["window_pattern"]
         if self.head_dim * self.heads == self.hidden:
             del d["head_dim"]
         return d

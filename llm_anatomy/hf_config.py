@@ -1,6 +1,7 @@
-"""Reading a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3 dense) into a ModelConfig: every field used
-checked by type and range; what cannot be modelled is refused in one line naming the file and the field; what
-changes no count (RoPE scaling) is accepted with a note. Pure Python, like llm_anatomy/config.py.
+"""Reading a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3 dense; Qwen3-MoE, Mixtral, gpt-oss and OLMoE)
+into a ModelConfig: every field used checked by type and range; what cannot be modelled is refused in one line
+naming the file and the field; what changes no count (RoPE scaling) is accepted with a note. Pure Python, like
+llm_anatomy/config.py.
 """
 from __future__ import annotations
 
@@ -96,6 +97,10 @@ def _show(v) -> str:
     return oneline(json.dumps(v), 60)
 
 
+def _json(v) -> str:  # a value as the file writes it, lists and objects too
+    return oneline(json.dumps(v), 60)
+
+
 def _refuse_constant(name: str):
     raise ConfigError(f"{name} is not a number (non-finite values are refused)")
 
@@ -188,8 +193,113 @@ def _qwen2_window(f: _Field) -> int | None:
     return window if first < layers else None
 
 
+# ---- mixture-of-experts families (Qwen3-MoE, Mixtral, gpt-oss, OLMoE): experts, router, attention fields --------
+# Defaults are transformers' own (models/<family>/configuration_<family>.py in transformers 5.25) for a field a file
+# leaves out. The load-balancing loss: transformers adds router_aux_loss_coef x aux to the loss only when
+# output_router_logits is true (MixtralForCausalLM.forward and its siblings compute aux_loss under that flag alone),
+# and every published config ships it false, so the coefficient is read only under that flag and noted otherwise.
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe")
+GPT_OSS_LIMIT = 7.0  # the clamp of the gpt-oss activation (baseline/mlp.py's GPT_OSS_LIMIT)
+# transformers' defaults for the fields a file may leave out: (experts, experts per token, aux-loss coefficient)
+_DEFAULTS = {"qwen3_moe": (128, 8, 0.001), "mixtral": (8, 2, 0.001), "gpt_oss": (128, 4, 0.001),
+             "olmoe": (64, 8, 0.01)}
+
+
+def _refuse(f, key: str, why: str) -> ConfigError:
+    return ConfigError(f"{f.where}: {f.prefix}{key}{'' if why.startswith('=') else ' '}{why}")
+
+
+def _experts(f, family: str) -> dict:
+    e_default, k_default, _ = _DEFAULTS[family]
+    experts = f.int("num_experts" if family in ("qwen3_moe", "olmoe") else "num_local_experts", 1 << 20) or e_default
+    k = f.int("num_experts_per_tok", 1 << 20)
+    if family == "gpt_oss" and k is None:  # the older key of gpt-oss's published files
+        k = f.int("experts_per_token", 1 << 20)
+    return dict(experts=experts, experts_per_token=k or k_default)
+
+
+def _aux_coef(f, family: str, notes: list[str]) -> float:
+    coef = f.get("router_aux_loss_coef")
+    if coef is None:
+        coef = _DEFAULTS[family][2]
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        raise f.fail("router_aux_loss_coef", "a finite number >= 0", coef)
+    if f.bool("output_router_logits", False):
+        return float(coef)
+    if coef:
+        notes.append(f"router_aux_loss_coef={coef:g} read, but output_router_logits is false: transformers then adds "
+                     "no load-balancing loss, so none is counted (set it true to train with the loss)")
+    return 0.0
+
+
+def _layer_types(f, layers: int) -> str | None:
+    """gpt-oss's layer_types as a window pattern: "even" (sliding first, then alternating, transformers'
+    default), "all", or None (every layer full); any other sequence is refused."""
+    kinds = f.get("layer_types")
+    if kinds is None:
+        return "even"
+    if not isinstance(kinds, list) or not all(k in ("sliding_attention", "full_attention") for k in kinds):
+        raise f.fail("layer_types", 'a list of "sliding_attention" and "full_attention"', kinds)
+    if len(kinds) != layers:
+        raise _refuse(f, "layer_types", f"has {len(kinds)} entries for num_hidden_layers={layers}")
+    patterns = {"even": [i % 2 == 0 for i in range(layers)], "all": [True] * layers, None: [False] * layers}
+    for name, sliding in patterns.items():
+        if [k == "sliding_attention" for k in kinds] == sliding:
+            return name
+    raise _refuse(f, "layer_types", "is not modelled: the sliding window applies to every layer or to the even "
+                  "ones (0, 2, 4, ...) here")
+
+
+def moe_fields(f, family: str, layers: int, notes: list[str]) -> dict:
+    """ModelConfig keywords for the experts, the router and the attention of a mixture-of-experts family."""
+    if family in ("qwen3_moe",):
+        step = f.get("decoder_sparse_step")
+        if step is not None and step != 1:
+            raise _refuse(f, "decoder_sparse_step", f"={_json(step)} is not modelled (every layer is a "
+                          "mixture of experts here: decoder_sparse_step must be 1)")
+        only = f.get("mlp_only_layers")
+        if only not in (None, []):
+            raise _refuse(f, "mlp_only_layers", f"={_json(only)} is not modelled (every layer is a mixture of "
+                          "experts here: mlp_only_layers must be empty)")
+    if family == "mixtral":
+        jitter = f.get("router_jitter_noise")
+        if jitter not in (None, 0, 0.0):
+            raise _refuse(f, "router_jitter_noise", f"={_json(jitter)} is not modelled (the router here scales no "
+                          "input by random noise)")
+    if family == "olmoe" and f.get("clip_qkv") is not None:
+        raise _refuse(f, "clip_qkv", f"={_json(f.get('clip_qkv'))} is not modelled (q, k and v are not clamped here)")
+    inter = f.int("intermediate_size", MAX_WIDTH, required=True)
+    kw = dict(_experts(f, family), router_aux_coef=_aux_coef(f, family, notes))
+    kw["expert_intermediate"] = f.int("moe_intermediate_size", MAX_WIDTH) if family == "qwen3_moe" else inter
+    kw["expert_intermediate"] = kw["expert_intermediate"] or 768  # Qwen3MoeConfig's default
+    # Mixtral always rescales the k weights to sum to 1; Qwen3-MoE and OLMoE under norm_topk_prob (default false)
+    kw["norm_topk"] = True if family == "mixtral" else f.bool("norm_topk_prob", False)
+    if family in ("qwen3_moe", "mixtral", "olmoe") and f.get("attention_bias") is not None:
+        bias = f.bool("attention_bias", False)
+        kw.update(qkv_bias=bias, o_bias=bias)  # each family biases q, k, v and o alike under it
+    if family in ("qwen3_moe", "olmoe"):
+        kw["qk_norm"] = True
+        kw["qk_norm_whole"] = family == "olmoe"  # OLMoE's q_norm and k_norm span the whole projections
+    if family == "gpt_oss":
+        limit = f.number("swiglu_limit")
+        if limit is not None and limit != GPT_OSS_LIMIT:
+            raise _refuse(f, "swiglu_limit", f"={limit:g} is not modelled (the gpt-oss activation clamps at "
+                          f"{GPT_OSS_LIMIT:g} here)")
+        alpha = f.number("swiglu_alpha")
+        notes.append(f"swiglu_alpha={alpha if alpha is not None else 1.702:g} (1.702 when absent): the gpt-oss "
+                     "activation here is silu (alpha 1) with the same clamps and +1; no parameter or matmul FLOP "
+                     "depends on it")
+        bias = f.bool("attention_bias", True)  # GptOssConfig's default
+        window = f.int("sliding_window", MAX_SEQ) or 128
+        pattern = _layer_types(f, layers)
+        kw.update(mlp="gpt-oss", router="topk-softmax", router_bias=True, expert_bias=True, qkv_bias=bias,
+                  o_bias=bias, attn_sinks=True, window=window if pattern else None, window_pattern=pattern or "all")
+    return kw
+
+
 def read_hf_config(path: str | Path) -> HFConfig:
-    """Read a Hugging Face Llama-family config.json (llama, mistral, qwen2, qwen3; a file, or a folder holding one),
+    """Read a Hugging Face config.json (llama, mistral, qwen2, qwen3, and the MOE_FAMILIES; a file, or a folder
+    holding one),
     every field used checked by type and range; what cannot be modelled is refused in one line naming the
     file and field."""
     if not str(path).strip():
@@ -205,11 +315,13 @@ def read_hf_config(path: str | Path) -> HFConfig:
         raise ConfigError(f"no Hugging Face config at {oneline(repr(str(path)))}")
     f = _Field(load_json_object(p, "Hugging Face config"), oneline(str(p)))
     family = f.get("model_type")
-    if family not in _HF_FAMILIES:
-        raise ConfigError(f"{f.where}: model_type {_show(family)} is not a Llama-family model "
-                          f"({', '.join(_HF_FAMILIES)})")
+    if family not in _HF_FAMILIES + MOE_FAMILIES:
+        raise ConfigError(f"{f.where}: model_type {_show(family)} is not a Llama-family model or a mixture "
+                          f"of experts read here "
+                          f"({', '.join(_HF_FAMILIES + MOE_FAMILIES)})")
+    moe = family in MOE_FAMILIES
     qwen2 = family == "qwen2"  # Qwen2Attention: q, k, v with a bias, o without; no bias flags to read
-    if not qwen2 and f.bool("attention_bias", False):
+    if not qwen2 and not moe and f.bool("attention_bias", False):
         raise ConfigError(f"{f.where}: attention_bias=true is not modelled (it biases q, k, v and o; the models here "
                           "bias q, k and v only, as Qwen2 does)")
     if f.bool("mlp_bias", False):
@@ -220,17 +332,22 @@ def read_hf_config(path: str | Path) -> HFConfig:
     hidden = f.int("hidden_size", MAX_WIDTH, required=True)
     heads = f.int("num_attention_heads", MAX_WIDTH, required=True)
     qwen3 = family == "qwen3"  # Qwen3Attention: q_norm and k_norm of head_dim, and o reads heads x head_dim
-    head_dim = f.int("head_dim", MAX_WIDTH) or (128 if qwen3 else hidden // heads)  # Qwen3Config's default: 128
-    if head_dim * heads != hidden and not qwen3:
+    # Qwen3Config's default: 128; GptOssConfig's: 64; the others derive hidden // heads
+    head_dim = f.int("head_dim", MAX_WIDTH) or {"qwen3": 128, "gpt_oss": 64}.get(family, hidden // heads)
+    if head_dim * heads != hidden and not qwen3 and family not in ("qwen3_moe", "gpt_oss", "mixtral"):
         raise ConfigError(f"{f.where}: head_dim={head_dim} × num_attention_heads={heads} != hidden_size={hidden}")
     notes: list[str] = []
     theta = _rope(f, notes)
-    window = _qwen2_window(f) if qwen2 or qwen3 else f.int("sliding_window", MAX_SEQ)
+    window = _qwen2_window(f) if family in ("qwen2", "qwen3", "qwen3_moe") else f.int("sliding_window", MAX_SEQ)
+    layers = f.int("num_hidden_layers", MAX_LAYERS, required=True)
+    extra = moe_fields(f, family, layers, notes) if moe else {}
+    if family == "gpt_oss":  # its window is part of the model (ModelConfig.window), not a bound on --seq
+        window = None
     try:
         cfg = ModelConfig(
             name=_display_name(f.str("_name_or_path"), p.parent.name),
             hidden=hidden,
-            layers=f.int("num_hidden_layers", MAX_LAYERS, required=True),
+            layers=layers,
             heads=heads,
             kv_heads=f.int("num_key_value_heads", MAX_WIDTH) or heads,
             intermediate=f.int("intermediate_size", MAX_WIDTH, required=True),
@@ -238,9 +355,8 @@ def read_hf_config(path: str | Path) -> HFConfig:
             tie_embeddings=f.bool("tie_word_embeddings", False),
             norm_eps=f.number("rms_norm_eps", below=1.0) or 1e-6,  # LlamaConfig's and MistralConfig's default
             rope_theta=theta or 10000.0,
-            qkv_bias=qwen2,
+            **{"qkv_bias": qwen2, "qk_norm": qwen3, **extra},
             head_dim=head_dim,
-            qk_norm=qwen3,
         )
     except ConfigError as e:  # ModelConfig's own check names no file; a field's read already does
         raise ConfigError(str(e) if str(e).startswith(f"{f.where}: ") else f"{f.where}: {e}") from None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from llm_anatomy.calculator.moe import refuse_unmodelled
 from llm_anatomy.config import RECOMPUTE, ConfigError, ModelConfig, Run
 
 VARIANTS = ("baseline", "efficient")
@@ -22,6 +23,7 @@ def build_model(cfg: ModelConfig, variant: str = "baseline", device="cpu", dtype
     if variant == "baseline":
         from llm_anatomy.baseline.transformer import Transformer
     elif variant == "efficient":
+        refuse_unmodelled(cfg, "the efficient variant")  # never a silent dense model for an MoE or gpt-oss config
         try:
             from llm_anatomy.efficient.transformer import Transformer
         except ImportError as e:
@@ -37,7 +39,8 @@ def build_model(cfg: ModelConfig, variant: str = "baseline", device="cpu", dtype
 
 
 def init_weights(model: torch.nn.Module, seed: int | None = 0) -> None:
-    """Normal(0, 0.02) for matrices and biases, ones for norm weights: identical across variants for the same
+    """Normal(0, 0.02) for matrices (the stacked expert tensors too) and biases (an expert's gate_up_bias and
+    down_bias, attention sinks), ones for norm weights: identical across variants for the same
     seed. Biases are drawn after every weight, as one vector split in module order (the same values whether
     q, k, v are separate or fused), so a bias-free model draws what it always drew. They are drawn, not zeroed
     as Hugging Face inits them, so that a test sees where they are added."""
@@ -46,10 +49,11 @@ def init_weights(model: torch.nn.Module, seed: int | None = 0) -> None:
         return
     gen = torch.Generator(device=named[0][1].device)
     gen.manual_seed(seed or 0)
-    biases = [p for n, p in named if n.endswith(".bias")]
+    drawn = lambda n: n.endswith((".bias", "_bias", ".sinks"))  # noqa: E731
+    biases = [p for n, p in named if drawn(n)]
     with torch.no_grad():
         for name, p in named:
-            if name.endswith(".bias"):
+            if drawn(name):
                 continue
             if p.ndim == 1:
                 p.fill_(1.0)
@@ -59,7 +63,7 @@ def init_weights(model: torch.nn.Module, seed: int | None = 0) -> None:
             flat = torch.empty(sum(b.numel() for b in biases), device=biases[0].device).normal_(0.0, 0.02,
                                                                                                  generator=gen)
             for b, part in zip(biases, flat.split([b.numel() for b in biases])):
-                b.copy_(part)
+                b.copy_(part.view_as(b))
 
 
 def param_dtype(run: Run) -> torch.dtype:

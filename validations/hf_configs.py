@@ -17,7 +17,7 @@ DATA = Path(__file__).parent / "data" / "hf_configs"
 class HFModel:
     name: str  # folder under data/hf_configs, and the last part of the hub repository
     repo: str  # the hub repository the config.json is published in
-    model_type: str  # "llama", "mistral", "qwen2" or "qwen3"
+    model_type: str  # "llama", "mistral", "qwen2", "qwen3"; "qwen3_moe", "mixtral", "gpt_oss", "olmoe"
     params: int  # transformers' count on the meta device (sum of numel, a tied matrix once)
     hidden: int
     layers: int
@@ -73,6 +73,17 @@ MODELS: dict[str, HFModel] = {
         _m("Qwen3-1.7B", "Qwen/Qwen3-1.7B", "qwen3", 1_720_574_976, 2048, 28, 151936, True, verbatim=False),
         _m("Qwen3-4B", "Qwen/Qwen3-4B", "qwen3", 4_022_468_096, 2560, 36, 151936, True),
         _m("Qwen3-8B", "Qwen/Qwen3-8B", "qwen3", 8_190_735_360, 4096, 36, 151936, False),
+        # mixtures of experts (validations/test_moe.py): Qwen3-MoE (128 experts, top 8), Mixtral (8, top 2),
+        # gpt-oss (32, top 4; q, k, v, o biased, sinks, a 128-token window on the even layers: not a --seq bound),
+        # OLMoE (64, top 8; q_norm and k_norm over the whole projections)
+        _m("Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B", "qwen3_moe", 30_532_122_624, 2048, 48, 151936, False,
+           verbatim=False),
+        _m("Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-v0.1", "mixtral", 46_702_792_704, 4096, 32, 32000, False,
+           verbatim=False),
+        _m("gpt-oss-20b", "openai/gpt-oss-20b", "gpt_oss", 20_914_757_184, 2880, 24, 201088, False, qkv_bias=True,
+           verbatim=False),
+        _m("OLMoE-1B-7B-0924", "allenai/OLMoE-1B-7B-0924", "olmoe", 6_919_161_856, 2048, 16, 50304, False,
+           verbatim=False),
     )
 }
 

@@ -1,10 +1,12 @@
-"""The baseline LLaMA-style transformer: pre-norm blocks, RoPE, SwiGLU (or gpt-oss) MLP, untied or tied head."""
+"""The baseline LLaMA-style transformer: pre-norm blocks, RoPE, SwiGLU (or gpt-oss) MLP or a mixture of experts
+(baseline/moe.py, with transformers' load-balancing loss), untied or tied head."""
 import torch
 from torch import nn
 
 from llm_anatomy.baseline.attention import Attention
 from llm_anatomy.baseline.loss import LMHeadLoss
 from llm_anatomy.baseline.mlp import MLP
+from llm_anatomy.baseline.moe import MoE, LoadBalance
 from llm_anatomy.baseline.norm import RMSNorm
 from llm_anatomy.config import ModelConfig
 
@@ -36,9 +38,9 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias, cfg.head_dim, cfg.qk_norm,
-                              cfg.norm_eps)
+                              cfg.norm_eps, o_bias=cfg.o_bias, qk_norm_whole=cfg.qk_norm_whole, sinks=cfg.attn_sinks)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp)
+        self.mlp = MoE(cfg) if cfg.moe else MLP(cfg.hidden, cfg.intermediate, cfg.mlp)
 
     def forward(self, x, cos, sin, causal_bias):  # x: (B, S, H); the residual adds save nothing
         x = x + self.attn(self.attn_norm(x), cos, sin, causal_bias)
@@ -57,6 +59,7 @@ class Transformer(nn.Module):
         self.head = LMHeadLoss(cfg.hidden, cfg.vocab)
         if cfg.tie_embeddings:
             self.head.lm_head.weight = self.embed.weight
+        self.balance = LoadBalance() if cfg.router_aux_coef else None
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         S = ids.shape[1]
@@ -64,6 +67,16 @@ class Transformer(nn.Module):
         dt = compute_dtype(x)
         cos, sin = rope_tables(S, self.cfg.head_dim, self.cfg.rope_theta, ids.device, dt)
         causal_bias = torch.full((S, S), float("-inf"), device=ids.device, dtype=dt).triu(1)
-        for layer in self.layers:
-            x = layer(x, cos, sin, causal_bias)
-        return self.head(self.norm(x), targets, reduction)  # ids, targets: (B, S); "none": (B*S,) losses
+        window_bias = None
+        if self.cfg.window is not None:  # a query sees itself and the window - 1 tokens before it
+            far = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril(-self.cfg.window)
+            window_bias = causal_bias.masked_fill(far, float("-inf"))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, window_bias if self.cfg.windowed(i) else causal_bias)
+        loss = self.head(self.norm(x), targets, reduction)  # ids, targets: (B, S); "none": (B*S,) losses
+        if self.balance is None:
+            return loss
+        stats = [layer.mlp.stats for layer in self.layers]
+        for layer in self.layers:  # the blocks hold no graph past this step
+            layer.mlp.stats = None
+        return loss + self.cfg.router_aux_coef * self.balance(stats, self.cfg.experts)

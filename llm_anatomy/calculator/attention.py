@@ -22,8 +22,9 @@ from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 def params(cfg: ModelConfig) -> int:
     H, q, kv = cfg.hidden, cfg.q_dim, cfg.kv_dim
-    # q, k, v, o, q, k and v's biases, q_norm and k_norm
-    return cfg.layers * (H * q + 2 * H * kv + q * H + qkv_bias(cfg) + qk_norm(cfg))
+    # q, k, v, o, q, k and v's biases, o's bias, q_norm and k_norm, the sinks
+    extra = (H if cfg.o_bias else 0) + (cfg.heads if cfg.attn_sinks else 0)
+    return cfg.layers * (H * q + 2 * H * kv + q * H + qkv_bias(cfg) + qk_norm(cfg) + extra)
 
 
 def qkv_bias(cfg: ModelConfig) -> int:
@@ -32,13 +33,27 @@ def qkv_bias(cfg: ModelConfig) -> int:
 
 
 def qk_norm(cfg: ModelConfig) -> int:
-    """Elements of one layer's q_norm and k_norm weights (0 without them)."""
-    return 2 * cfg.head_dim if cfg.qk_norm else 0
+    """Elements of one layer's q_norm and k_norm weights (0 without them): head_dim each, or the whole q and k
+    widths under qk_norm_whole (OLMoE)."""
+    if not cfg.qk_norm:
+        return 0
+    return cfg.q_dim + cfg.kv_dim if cfg.qk_norm_whole else 2 * cfg.head_dim
 
 
 def qk_norm_elementwise(cfg: ModelConfig, run: Run) -> int:
-    """Forward elementwise FLOPs of every layer's q_norm and k_norm: 4·hd + 2 a head-row (norm.py's rule)."""
-    return cfg.layers * run.tokens * (cfg.heads + cfg.kv_heads) * (4 * cfg.head_dim + 2) if cfg.qk_norm else 0
+    """Forward elementwise FLOPs of every layer's q_norm and k_norm: 4 an element + 2 a normalised row (norm.py's
+    rule), over head-rows, or over token rows of the whole q and k under qk_norm_whole."""
+    if not cfg.qk_norm:
+        return 0
+    rows = 2 if cfg.qk_norm_whole else cfg.heads + cfg.kv_heads
+    return cfg.layers * run.tokens * (4 * (cfg.q_dim + cfg.kv_dim) + 2 * rows)
+
+
+def window_pairs_left_out(cfg: ModelConfig, run: Run) -> int:
+    """Causal (query, key) pairs every windowed layer leaves out, summed over those layers: the keys more than
+    window - 1 tokens back, (S - W)(S - W + 1) / 2 per head and sequence."""
+    S, W = run.seq, cfg.window or run.seq
+    return cfg.windowed_layers * run.batch * cfg.heads * ((S - W) * (S - W + 1) // 2 if S > W else 0)
 
 
 def _qk_norm_saved_baseline(cfg: ModelConfig, run: Run) -> list[Saved]:
@@ -49,10 +64,11 @@ def _qk_norm_saved_baseline(cfg: ModelConfig, run: Run) -> list[Saved]:
     T, hd, L = run.tokens, cfg.head_dim, cfg.layers
     out = []
     for n, heads in (("q", cfg.heads), ("k", cfg.kv_heads)):
-        out += [Saved(f"attention.{n}_norm.x_fp32", (T, heads, hd), "float32", L,
+        rows, width = ((T,), heads * hd) if cfg.qk_norm_whole else ((T, heads), hd)  # whole: one row per token
+        out += [Saved(f"attention.{n}_norm.x_fp32", (*rows, width), "float32", L,
                       "pow(2) and x*rstd keep the fp32 input"),
-                Saved(f"attention.{n}_norm.rstd", (T, heads, 1), "float32", L, "rsqrt keeps its output, x*rstd too"),
-                Saved(f"attention.{n}_norm.x_hat", (T, heads, hd), "float32", L, "x_hat*weight keeps x_hat")]
+                Saved(f"attention.{n}_norm.rstd", (*rows, 1), "float32", L, "rsqrt keeps its output, x*rstd too"),
+                Saved(f"attention.{n}_norm.x_hat", (*rows, width), "float32", L, "x_hat*weight keeps x_hat")]
     return out
 
 
@@ -88,17 +104,20 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
         Saved("attention.rope_sin", (S, hd), c, 1, "rotate_half(q)*sin keeps the table"),
         Saved("attention.q", (B * nh, S, hd), c, L, "QKᵀ keeps q"),
         Saved("attention.k", (kv_saved, hd, S), c, L, "QKᵀ keeps k, expanded to all query heads under GQA"),
-        Saved("attention.probs_fp32", (B, nh, S, S), "float32", L, "softmax keeps its output"),
+        # with sinks each softmax row has one more logit, the head's sink, dropped after it
+        Saved("attention.probs_fp32", (B, nh, S, S + cfg.attn_sinks), "float32", L, "softmax keeps its output"),
     ]
     if c != "float32":  # the cast for P@V is a second S×S copy; under fp32 it is the same tensor
         saved.append(Saved("attention.probs_cast", (B * nh, S, S), c, L, "P@V keeps the cast probabilities"))
     saved.append(Saved("attention.v", (kv_saved, S, hd), c, L, "P@V keeps v"))
     saved += linears_saved("attention", T, cfg.q_dim, {"o": H}, dt, L, c)  # o keeps the merged heads (a copy)
     proj, sdpa = _flops(cfg, run)
-    # RoPE: 3/element; scale, mask, softmax: 7/score; a bias: 1/element of q, k, v; qk-norm: 4·hd + 2 a head-row
-    ew = L * (3 * T * (cfg.q_dim + cfg.kv_dim) + 7 * B * nh * S * S + T * qkv_bias(cfg)) + qk_norm_elementwise(cfg, run)
-    return Component("attention", L, params(cfg), proj + sdpa, 2 * (proj + sdpa),
-                     proj + sdpa // 2, 2 * (proj + sdpa // 2), ew, saved)
+    # RoPE: 3/element; scale, mask, softmax: 7/score; a bias: 1/element of q, k, v (and o); qk-norm: norm.py's rule
+    ew = L * (3 * T * (cfg.q_dim + cfg.kv_dim) + 7 * B * nh * S * (S + cfg.attn_sinks) + T * qkv_bias(cfg)
+              + (T * H if cfg.o_bias else 0)) + qk_norm_elementwise(cfg, run)
+    # the model convention counts the (query, key) pairs attended: half of S x S, less what a window leaves out
+    model = proj + sdpa // 2 - 4 * hd * window_pairs_left_out(cfg, run)
+    return Component("attention", L, params(cfg), proj + sdpa, 2 * (proj + sdpa), model, 2 * model, ew, saved)
 
 
 def _sdpa_saved(cfg: ModelConfig, run: Run, device: str, c: str) -> list[Saved]:

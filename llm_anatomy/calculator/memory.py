@@ -33,6 +33,8 @@ from llm_anatomy.calculator.attention import sdpa_o_saved
 from llm_anatomy.calculator.backward import INPUTS, walked
 from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.optimizer import state_breakdown
+from llm_anatomy.calculator.moe import refuse_unmodelled
+from llm_anatomy.calculator.param_layout import units
 from llm_anatomy.calculator.types import BYTES, Estimate
 from llm_anatomy.config import ModelConfig, Run
 from llm_anatomy.kernel_shapes import chunk_rows, lce_forward_bytes, lce_vocab
@@ -41,6 +43,10 @@ from llm_anatomy.kernel_shapes import chunk_rows, lce_forward_bytes, lce_vocab
 def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int, int]]:
     """(elements, how many) of the parameter tensors, in module order: the embedding, each layer's tensors
     (L of each), the final norm, the head (a tied head counted once)."""
+    if variant == "baseline":  # the module tree's own list (param_layout.py), which covers every config field
+        before, block, after = units(cfg)
+        return [(prod(s), 1) for _, s in before] + [(prod(s), cfg.layers) for _, s in block] + \
+            [(prod(s), 1) for _, s in after]
     H, I, kv, L, q = cfg.hidden, cfg.intermediate, cfg.kv_dim, cfg.layers, cfg.q_dim
     qb, kb, qkvb = ([q], [kv], [q + 2 * kv]) if cfg.qkv_bias else ([], [], [])  # each bias follows its weight
     qkn = [cfg.head_dim] * 2 if cfg.qk_norm else []  # q_norm, k_norm after o
@@ -181,6 +187,7 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     exact storage sizes). backward_stages lists the walk's candidates in execution order (of identical layers,
     the last two and the first two: backward.walk); stages=False leaves it out (the peak is the same). est:
     the calculator's estimate of this run on this device, where the caller has it."""
+    refuse_unmodelled(cfg, "the memory phases")
     dt = dtypes(run)
     rnd = rounded if device == "cuda" else _exact
     params, opt = model_state_bytes(cfg, variant, dt.param, optimizer, device == "cuda")

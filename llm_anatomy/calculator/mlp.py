@@ -11,25 +11,35 @@ def params(cfg: ModelConfig) -> int:
     return cfg.layers * 3 * cfg.hidden * cfg.intermediate
 
 
-def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
-    dt, L, T, H, I = dtypes(run), cfg.layers, run.tokens, cfg.hidden, cfg.intermediate
-    B, S, c = run.batch, run.seq, dtypes(run).compute
-    saved = linears_saved("mlp", T, H, {"gate": I, "up": I}, dt, L, dt.residual)
+def gated_saved(prefix: str, cfg: ModelConfig, run: Run, width: int, count: int) -> list[Saved]:
+    """What the unfused gated MLP of `width` keeps after its gate and up matmuls' inputs: gate and up (and
+    gpt-oss's raw ones), silu(gate), and down's input and weight cast."""
+    dt, B, S, H, L = dtypes(run), run.batch, run.seq, cfg.hidden, count
+    c, shape = dt.compute, (run.batch, run.seq, width)
     if cfg.mlp == "gpt-oss":
-        saved += [
-            Saved("mlp.gate_raw", (B, S, I), c, L, "clamp keeps its input for the pass-through mask"),
-            Saved("mlp.up_raw", (B, S, I), c, L, "clamp keeps its input for the pass-through mask"),
-            Saved("mlp.gate", (B, S, I), c, L, "silu keeps the clamped gate"),
-            Saved("mlp.up_plus_1", (B, S, I), c, L, "the product keeps the +1 output"),
+        saved = [
+            Saved(f"{prefix}.gate_raw", shape, c, L, "clamp keeps its input for the pass-through mask"),
+            Saved(f"{prefix}.up_raw", shape, c, L, "clamp keeps its input for the pass-through mask"),
+            Saved(f"{prefix}.gate", shape, c, L, "silu keeps the clamped gate"),
+            Saved(f"{prefix}.up_plus_1", shape, c, L, "the product keeps the +1 output"),
         ]
     else:
-        saved += [Saved("mlp.gate", (B, S, I), c, L, "silu keeps its input"),
-                  Saved("mlp.up", (B, S, I), c, L, "the product keeps up")]
-    saved.append(Saved("mlp.silu_gate", (B, S, I), c, L, "the product keeps silu(gate)"))
-    saved += linears_saved("mlp", T, I, {"down": H}, dt, L, c)  # the product, in the compute dtype
+        saved = [Saved(f"{prefix}.gate", shape, c, L, "silu keeps its input"),
+                 Saved(f"{prefix}.up", shape, c, L, "the product keeps up")]
+    saved.append(Saved(f"{prefix}.silu_gate", shape, c, L, "the product keeps silu(gate)"))
+    return saved + linears_saved(prefix, B * S, width, {"down": H}, dt, L, c)  # the product, in the compute dtype
+
+
+def elementwise_per_row(cfg: ModelConfig, width: int) -> int:
+    """Elementwise FLOPs of one row of the gated activation: silu 4 + mul 1 (+ gpt-oss's 2 clamps and +1)."""
+    return width * (5 + (3 if cfg.mlp == "gpt-oss" else 0))
+
+
+def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
+    dt, L, T, H, I = dtypes(run), cfg.layers, run.tokens, cfg.hidden, cfg.intermediate
+    saved = linears_saved("mlp", T, H, {"gate": I, "up": I}, dt, L, dt.residual) + gated_saved("mlp", cfg, run, I, L)
     f = L * 2 * T * H * I * 3
-    ew = L * T * I * (5 + (3 if cfg.mlp == "gpt-oss" else 0))  # silu 4 + mul 1 (+ 2 clamps, +1)
-    return Component("mlp", L, params(cfg), f, 2 * f, f, 2 * f, ew, saved)
+    return Component("mlp", L, params(cfg), f, 2 * f, f, 2 * f, L * T * elementwise_per_row(cfg, I), saved)
 
 
 def efficient_saved(cfg: ModelConfig, run: Run, recomputed: bool = False) -> list[Saved]:

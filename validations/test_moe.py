@@ -1,0 +1,371 @@
+"""Mixture of experts (Qwen3-MoE, Mixtral, gpt-oss, OLMoE) and gpt-oss's attention, against transformers.
+
+`anatomy estimate --hf-config` on each committed config: parameters equal transformers' model of that config on the
+meta device (total, and active per token: the total less the E - k experts a token skips in each layer, one
+expert's size read off transformers' own stacked tensors). FLOPs equal FlopCounterMode's count of transformers'
+model of a depth- and width-reduced version of the same config (2 layers, narrow; every router, bias, sink and
+window field as published), forward and backward: narrow because two full-width layers of Mixtral alone are 2.9B
+parameters, beyond a shared CPU machine, while the formulas are linear in each width, which the drawn configs of
+test_moe_saved.py vary. No routing needs forcing there: dropless routing runs every
+token through its k experts, so the matmul FLOPs depend only on the T·k routed rows, not on how they spread (the
+eager experts loop skips experts without rows, which would contribute 0 anyway). The model convention counts the
+attended (query, key) pairs, read off transformers' own attention probabilities (output_attentions: the pairs a
+causal or sliding-window mask leaves out have probability 0). Every field the reader does not model is refused
+in one line (a test per kind).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.hf_config import read_hf_config
+from llm_anatomy.models import build_model
+from validations.hf_configs import HF_CONFIGS, MODELS
+from validations.test_fuzz import run_cli
+
+transformers = pytest.importorskip("transformers")
+
+MOE = [n for n, m in MODELS.items() if m.model_type in ("qwen3_moe", "mixtral", "gpt_oss", "olmoe")]
+B, S = 2, 16
+
+
+def _json(name: str) -> dict:
+    return json.loads(HF_CONFIGS[name].read_text())
+
+
+def hf_model(d: dict, device: str = "cpu"):
+    """transformers' model of a config dict: eager attention (QKᵀ and P@V as matmuls), eager experts (a loop)."""
+    d = dict(d)
+    cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager",
+                                                             experts_implementation="eager")
+
+
+def reduced(d: dict) -> dict:
+    """The same config two layers deep and narrow: every structural field (experts, k, router, biases, sinks, the
+    window pattern, head_dim apart from hidden / heads where the config states one) kept."""
+    d = dict(d, num_hidden_layers=2, hidden_size=64, vocab_size=128, num_attention_heads=8, num_key_value_heads=2)
+    for k in ("quantization_config", "pad_token_id", "bos_token_id", "eos_token_id"):  # ids past a vocab of 128
+        d.pop(k, None)
+    if d["model_type"] == "olmoe":  # multi-head attention: every head its own k and v
+        d.update(num_attention_heads=4, num_key_value_heads=4)
+    if "head_dim" in d:
+        d["head_dim"] = 16  # 8 x 16 = 128 wide q over a hidden of 64, as the full models are wider than hidden
+    d["moe_intermediate_size" if d["model_type"] == "qwen3_moe" else "intermediate_size"] = 32
+    if d["model_type"] == "gpt_oss":
+        d.update(sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    return d
+
+
+def estimate_cli(path, run: Run = Run(1, 16, "fp32")) -> dict:
+    rc, out, err = run_cli(["estimate", "--hf-config", str(path), "--variant", "baseline", "--batch", str(run.batch),
+                            "--seq", str(run.seq), "--dtype", run.dtype, "--json"], "moe")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def one_expert(model) -> int:
+    """One routed expert's parameters in transformers' model: a slice of each stacked experts tensor."""
+    experts = model.model.layers[0].mlp.experts
+    return sum(p[0].numel() for p in experts.parameters())
+
+
+# ---- parameters and FLOPs, against transformers ----------------------------------------------------------
+@pytest.mark.parametrize("name", MOE)
+def test_estimate_params_equal_transformers(name, claims):
+    d, cfg = _json(name), read_hf_config(HF_CONFIGS[name]).config
+    model = hf_model(d, device="meta")
+    total = sum(p.numel() for p in model.parameters())
+    active = total - cfg.layers * (cfg.experts - cfg.experts_per_token) * one_expert(model)
+    out = estimate_cli(HF_CONFIGS[name])
+    claims.check("params equal Hugging Face's", component="model", config=name, variant="hf-moe",
+                 predicted=out["params"], measured=total)
+    claims.check("active params per token equal Hugging Face's", component="model", config=name, variant="hf-moe",
+                 predicted=out["params_active"], measured=active)
+    assert total == MODELS[name].params
+
+
+def _attended(attentions) -> int:
+    """Σ over layers of 4·hd·(attended pairs − B·nh·S/2): the model convention's S×S FLOPs (half of S², less what
+    a window leaves out), from the pairs whose probability is not 0."""
+    return sum(int((a > 0).sum()) for a in attentions)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_estimate_flops_equal_transformers(name, tmp_path, claims):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    d = reduced(_json(name))
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = read_hf_config(tmp_path).config
+    est = estimate_cli(tmp_path, Run(B, S, "fp32"))["flops"]
+    torch.manual_seed(0)
+    model = hf_model(d)
+    ids = torch.randint(0, cfg.vocab, (B, S))
+    with FlopCounterMode(display=False) as fwd:
+        out = model(input_ids=ids, output_attentions=True)
+    with FlopCounterMode(display=False) as bwd:
+        out.logits.sum().backward()
+    counts = {ph: {str(op): n for op, n in m.get_flop_counts()["Global"].items()} for ph, m in (("f", fwd), ("b", bwd))}
+    assert set(counts["f"]) | set(counts["b"]) <= {"aten.mm", "aten.addmm", "aten.bmm"}, counts
+    pairs = _attended(out.attentions)
+    attn_model = 4 * cfg.head_dim * pairs - 2 * cfg.layers * B * cfg.heads * S * cfg.head_dim  # pairs less S/2 a row
+    mm = {ph: c.get("aten.mm", 0) + c.get("aten.addmm", 0) for ph, c in counts.items()}
+    ratio = counts["b"]["aten.bmm"] // counts["f"]["aten.bmm"]  # backward runs each S×S matmul twice
+    cid = f"{name}-2L-narrow/B{B}S{S}"
+    claims.check("flops.counter.forward", component="model", config=cid, variant="hf-moe",
+                 predicted=est["counter"]["forward"], measured=fwd.get_total_flops(), unit="FLOP")
+    claims.check("flops.counter.backward", component="model", config=cid, variant="hf-moe",
+                 predicted=est["counter"]["backward"], measured=bwd.get_total_flops(), unit="FLOP")
+    claims.check("flops.model.forward", component="model", config=cid, variant="hf-moe",
+                 predicted=est["model"]["forward"], measured=mm["f"] + attn_model, unit="FLOP")
+    claims.check("flops.model.backward", component="model", config=cid, variant="hf-moe",
+                 predicted=est["model"]["backward"], measured=mm["b"] + ratio * attn_model, unit="FLOP")
+
+
+def test_window_leaves_pairs_out(tmp_path):
+    """The window matters in the reduced gpt-oss (S=16 over a window of 5): fewer model FLOPs than causal
+    attention, the same counter FLOPs (the masked scores are still computed)."""
+    from llm_anatomy.calculator import estimate
+
+    (tmp_path / "config.json").write_text(json.dumps(reduced(_json("gpt-oss-20b"))))
+    cfg, run = read_hf_config(tmp_path).config, Run(B, S, "fp32")
+    full = dataclasses.replace(cfg, window=None, window_pattern="all")
+    assert estimate(cfg, run).total("flops_model_fwd") < estimate(full, run).total("flops_model_fwd")
+    assert estimate(cfg, run).total("flops_counter_fwd") == estimate(full, run).total("flops_counter_fwd")
+
+
+# ---- the reader ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", MOE)
+def test_real_config_fields(name):
+    d, hf = _json(name), read_hf_config(HF_CONFIGS[name])
+    cfg, family = hf.config, d["model_type"]
+    assert cfg.experts == d.get("num_experts", d.get("num_local_experts"))
+    assert cfg.experts_per_token == d["num_experts_per_tok"]
+    assert cfg.expert_intermediate == d.get("moe_intermediate_size", d["intermediate_size"])
+    assert cfg.shared_experts == 0 and cfg.head_dim == d.get("head_dim", d["hidden_size"] // d["num_attention_heads"])
+    assert cfg.router == ("topk-softmax" if family == "gpt_oss" else "softmax-topk")
+    assert cfg.norm_topk == (family == "mixtral" or d.get("norm_topk_prob", False))
+    gpt_oss = family == "gpt_oss"
+    assert (cfg.router_bias, cfg.expert_bias, cfg.attn_sinks, cfg.o_bias, cfg.qkv_bias) == (gpt_oss,) * 5
+    assert cfg.mlp == ("gpt-oss" if gpt_oss else "swiglu")
+    assert (cfg.window, cfg.window_pattern) == ((128, "even") if gpt_oss else (None, "all"))
+    assert cfg.qk_norm == (family in ("qwen3_moe", "olmoe")) and cfg.qk_norm_whole == (family == "olmoe")
+    # the published files leave output_router_logits false: transformers adds no aux loss, and none is counted
+    assert not d["output_router_logits"] and cfg.router_aux_coef == 0
+    assert any(n.startswith(f"router_aux_loss_coef={d['router_aux_loss_coef']:g} read") for n in hf.notes)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_aux_coefficient_read_under_output_router_logits(name, tmp_path):
+    d = dict(_json(name), output_router_logits=True)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = read_hf_config(tmp_path).config
+    assert cfg.router_aux_coef == d["router_aux_loss_coef"] > 0 and cfg.to_dict()["router_aux_coef"] > 0
+
+
+REFUSALS = [  # (config, field changes, the message's part): one per kind of field not modelled
+    ("Qwen3-30B-A3B", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 is not modelled"),
+    ("Qwen3-30B-A3B", {"mlp_only_layers": [0, 3]}, "mlp_only_layers=[0, 3] is not modelled"),
+    ("Mixtral-8x7B-v0.1", {"router_jitter_noise": 0.01}, "router_jitter_noise=0.01 is not modelled"),
+    ("OLMoE-1B-7B-0924", {"clip_qkv": 8.0}, "clip_qkv=8.0 is not modelled"),
+    ("gpt-oss-20b", {"swiglu_limit": 5.0}, "swiglu_limit=5 is not modelled"),
+    ("gpt-oss-20b", {"layer_types": ["full_attention", "sliding_attention"] * 12}, "layer_types is not modelled"),
+    ("gpt-oss-20b", {"layer_types": ["sliding_attention"] * 3}, "layer_types has 3 entries"),
+    ("gpt-oss-20b", {"layer_types": "sliding"}, "layer_types must be a list"),
+    ("Mixtral-8x7B-v0.1", {"num_experts_per_tok": 9}, "experts_per_token=9 is more than experts=8"),
+    ("OLMoE-1B-7B-0924", {"num_experts": 0}, "num_experts must be a positive integer"),
+    ("Qwen3-30B-A3B", {"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+    ("Mixtral-8x7B-v0.1", {"router_aux_loss_coef": -1, "output_router_logits": True},
+     "router_aux_loss_coef must be a finite number >= 0"),
+]
+
+
+@pytest.mark.parametrize("name, change, message", REFUSALS, ids=[f"{r[0]}-{next(iter(r[1]))}" for r in REFUSALS])
+def test_unmodelled_fields_are_refused_in_one_line(name, change, message, tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(dict(_json(name), **change)))
+    rc, _, err = run_cli(["estimate", "--hf-config", str(p), "--variant", "baseline"], "moe")
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variant", "efficient"], "the efficient variant's calculator (--variant baseline counts it): experts not"),
+    (["--variant", "baseline", "--gpu", "H200"], ": experts not modelled yet"),
+    (["--variant", "baseline", "--world-size", "8"], ": experts not modelled yet"),
+])
+def test_what_is_not_modelled_for_moe_is_refused(argv, message):
+    rc, _, err = run_cli(["estimate", "--hf-config", str(HF_CONFIGS["OLMoE-1B-7B-0924"]), *argv], "moe")
+    assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("field", ["experts", "attn_sinks", "window", "o_bias", "qk_norm_whole"])
+def test_efficient_model_refuses_what_it_does_not_build(field):
+    """Until the efficient MoE and gpt-oss attention exist, building them is a ConfigError, never a dense model."""
+    kw = {"experts": dict(experts=4, experts_per_token=2), "attn_sinks": dict(attn_sinks=True),
+          "window": dict(window=4), "o_bias": dict(o_bias=True),
+          "qk_norm_whole": dict(qk_norm=True, qk_norm_whole=True)}[field]
+    cfg = ModelConfig(hidden=16, layers=1, heads=2, intermediate=8, vocab=16, **kw)
+    with pytest.raises(ConfigError, match=f"the efficient variant: {field} not modelled yet"):
+        build_model(cfg, "efficient", device="meta")
+    build_model(cfg, "baseline", device="meta")
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(window_pattern="even"), "window_pattern needs a window"),
+    (dict(window=4, window_pattern="odd"), "window_pattern must be one of all, even"),
+    (dict(window=0), "window must be a positive integer"),
+    (dict(qk_norm_whole=True), "qk_norm_whole needs qk_norm"),
+    (dict(attn_sinks=1), "attn_sinks must be true or false"),
+])
+def test_attention_fields_checked(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(hidden=16, layers=1, heads=2, intermediate=8, vocab=16, **kw)
+
+
+def test_attention_fields_left_out_of_to_dict_when_off():
+    d = ModelConfig(hidden=16, layers=1, heads=2, intermediate=8, vocab=16).to_dict()
+    assert not {"o_bias", "attn_sinks", "window", "window_pattern", "qk_norm_whole"} & set(d)
+
+
+# ---- the same function as transformers' ----------------------------------------------------------------
+_HF_MOE_NAMES = [(r"^layers\.(\d+)\.mlp\.router\.", r"model.layers.\1.mlp.gate."),
+                 (r"^layers\.(\d+)\.mlp\.experts\.(gate_up|down)$", r"model.layers.\1.mlp.experts.\2_proj")]
+
+
+def _hf_name(name: str) -> str:
+    import re
+
+    from validations.test_qwen2 import _hf_name as dense_name
+
+    for pat, rep in _HF_MOE_NAMES:
+        if re.match(pat, name):
+            return re.sub(pat, rep, name)
+    return dense_name(name)
+
+
+def _pair(d: dict, tmp_path, wide: bool = False):
+    """(our config, our baseline, transformers' model) of the config dict d, both in float64, ours with norm
+    weights drawn away from 1 (wide: the experts' tensors and the sinks drawn N(0, 1) too)."""
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = read_hf_config(tmp_path).config
+    ours = build_model(cfg, dtype=torch.float64)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if n.endswith("norm.weight"):
+                p.normal_(1.0, 0.5)
+            elif wide and ("experts" in n or n.endswith("sinks")):
+                p.normal_(0.0, 1.0)  # large enough that the clamps at ±7 and the sinks act
+    return cfg, ours, hf_model(d).to(torch.float64)
+
+
+def _same_losses(cfg, ours, hf, state: dict) -> None:
+    import torch.nn.functional as F
+
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    ids = torch.randint(0, cfg.vocab, (B, S), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(ids, -1, 1)
+    with torch.no_grad():
+        mine = ours(ids, targets, reduction="none")
+        logits = hf(input_ids=ids).logits.float()  # as our loss upcasts them
+        theirs = F.cross_entropy(logits.view(-1, cfg.vocab), targets.view(-1), reduction="none")
+    torch.testing.assert_close(mine, theirs)
+
+
+@pytest.mark.parametrize("name", ["Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "OLMoE-1B-7B-0924"])
+def test_baseline_computes_transformers(name, tmp_path):
+    """Our baseline's weights (norm weights drawn away from 1) loaded into transformers' model of the reduced
+    config under its names, both in float64: the same per-token losses, so the router (softmax, top-k, the
+    renormalisation or not), the experts' gate/up split and the weighted sum are transformers'. (gpt-oss: below.)"""
+    cfg, ours, hf = _pair(reduced(_json(name)), tmp_path)
+    _same_losses(cfg, ours, hf, {_hf_name(n): t for n, t in ours.state_dict().items()})
+
+def _gpt_oss_state_dict(ours, cfg) -> dict:
+    """Our gpt-oss weights under transformers' names and layout: its experts store x @ W ((E, H, 2I), (E, I, H)),
+    gate and up interleaved column by column (gate even, up odd); ours are nn.Linear's (out, in), gate rows first."""
+    out = {}
+    for n, t in ours.state_dict().items():
+        m = n.split(".")
+        if ".mlp.router." in n:
+            out[f"model.layers.{m[1]}.mlp.router.{m[-1]}"] = t
+        elif ".mlp.experts." in n:
+            key, I = f"model.layers.{m[1]}.mlp.experts.", cfg.expert_intermediate
+            if m[-1] in ("gate_up", "gate_up_bias"):
+                t = t.transpose(1, 2) if m[-1] == "gate_up" else t
+                t = torch.stack((t[..., :I], t[..., I:]), dim=-1).flatten(-2)  # gate, up, gate, up, ...
+            elif m[-1] == "down":
+                t = t.transpose(1, 2)
+            names = {"gate_up": "gate_up_proj", "down": "down_proj"}
+            out[key + names.get(m[-1], m[-1].replace("_bias", "_proj_bias"))] = t
+        elif n.endswith("attn.sinks"):
+            out[f"model.layers.{m[1]}.self_attn.sinks"] = t
+        else:
+            out[_hf_name(n)] = t
+    return out
+
+
+def test_baseline_computes_transformers_gpt_oss(tmp_path):
+    """gpt-oss: the same per-token losses as transformers' model of the reduced config (q/k/v/o biases, sinks, a
+    5-token window on layer 0, the top-k-then-softmax router with its bias, the biased experts with the clamps and
+    the +1), from the same weights in float64. Two differences set aside on transformers' side, each a count-neutral
+    choice of ours (docs/moe.md): its activation's alpha set to 1 (ours is silu) and plain RoPE (no YaRN scaling)."""
+    d = dict(reduced(_json("gpt-oss-20b")), rope_scaling=None,
+             rope_parameters={"rope_type": "default", "rope_theta": 150000.0})
+    cfg, ours, hf = _pair(d, tmp_path, wide=True)
+    for layer in hf.model.layers:
+        layer.mlp.experts.alpha = 1.0
+    _same_losses(cfg, ours, hf, _gpt_oss_state_dict(ours, cfg))
+
+
+def test_estimate_reports_the_routing_it_counts():
+    """The MoE blocks' saved bytes are counted under the balanced routing, the worst one (measured exact under
+    any routing by test_moe_saved.py); the skewed routing's figure is reported beside it, and is smaller under
+    autocast (k experts hit: fewer weight-slice casts kept)."""
+    out = estimate_cli(HF_CONFIGS["Mixtral-8x7B-v0.1"], Run(1, 64, "amp"))
+    r = out["moe_routing"]
+    assert r["histogram"] == "balanced" and r["moe_saved_worst"] == out["memory"]["saved"]["by_component"]["moe"]
+    assert 0 < r["moe_saved_skewed"] < r["moe_saved_worst"]
+
+
+def test_intermediate_flag_refused_for_moe():
+    """--intermediate would change no count of a mixture of experts (no layer has the dense MLP): refused."""
+    rc, _, err = run_cli(["estimate", "--hf-config", str(HF_CONFIGS["Mixtral-8x7B-v0.1"]), "--variant", "baseline",
+                          "--intermediate", "1024"], "moe")
+    assert rc == 2 and err.count("\n") == 1 and "is a mixture of experts" in err, err
+    rc, out, err = run_cli(["estimate", "--hf-config", str(HF_CONFIGS["gpt-oss-20b"]), "--variant", "baseline",
+                            "--layers", "2", "--json"], "moe")
+    assert rc == 0 and json.loads(out)["config"]["layers"] == 2, err
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_fuzz_moe_config(name, tmp_path_factory):
+    """Mutated config.json files of each family (test_fuzz's mutations, over every key the reader reads): one line
+    and exit 2, or an estimate whose MoE fields are of their types."""
+    from hypothesis import given as given_
+
+    from validations.test_fuzz import _examples, mutated
+
+    base = _json(name)
+    keys = [*base, "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise", "clip_qkv", "swiglu_limit",
+            "layer_types", "norm_topk_prob", "experts_per_token", "output_router_logits"]
+
+    @_examples(40)
+    @given_(raw=mutated(base, keys))
+    def one(raw):
+        p = tmp_path_factory.mktemp("moe") / "config.json"
+        p.write_bytes(raw)
+        rc, out, _ = run_cli(["estimate", "--hf-config", str(p), "--variant", "baseline", "--batch", "1", "--seq",
+                              "64", "--json"], "config.json")
+        d = json.loads(out) if rc == 0 else {}
+        if "params_active" in d:  # still a mixture of experts (a mutated model_type may name a dense family)
+            c = d["config"]
+            assert isinstance(c["experts"], int) and isinstance(c["norm_topk"], bool)
+            assert isinstance(c["router_aux_coef"], float) and d["params_active"] <= d["params"]
+
+    one()
