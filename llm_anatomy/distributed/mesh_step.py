@@ -1,0 +1,166 @@
+"""Train a few steps on a (dp, tp) mesh — tensor + sequence parallel, FSDP2 over dp — and report, per step and rank,
+the loss, every collective with the mesh dim it ran on, and the rank's bytes.
+
+    torchrun --nproc_per_node 4 -m llm_anatomy.distributed.mesh_step --tp 2 --hidden 64 --layers 2 --heads 4 \\
+        --intermediate 96 --vocab 256 --batch 2 --seq 32 --dtype fp32
+
+The world is dp x tp (dp = world / tp). Rank 0 prints one line per step; --report DIR has every rank write its
+records to DIR/rank<N>.json. `train()` is the loop for library use; `spawn()` runs it in local gloo processes (the
+validation suite uses it), in the style of distributed/train_step.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
+from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank, init_distributed
+from llm_anatomy.distributed.tensor_parallel import MESH_DIMS, build_mesh, full_loss, loss_context, parallelize
+from llm_anatomy.distributed.train_step import _free_port, _Parser, make_optimizer
+from llm_anatomy.io import write_atomic
+from llm_anatomy.models import build_model, make_batch
+
+
+def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str = "adamw", lr: float = 1e-3,
+          param_dtype="auto", reduce_dtype="auto", reshard_after_forward: bool = True, seed: int = 0,
+          on_step=None) -> list[dict]:
+    """`steps` steps on the initialized process group as a (world / tp, tp) mesh; one record per step (this rank's
+    view): step, loss (this dp rank's batch, the full value), collectives [[mesh dim, op, dtype, bytes, calls], ...]
+    of forward + backward + optimizer step, memory {params, grads, optimizer} after the step (local storage)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"steps must be a positive integer, got {steps!r}")
+    world = dist.get_world_size()
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp:
+        raise ConfigError(f"tp must be a positive divisor of the world size {world}, got {tp!r}")
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = build_mesh(world // tp, tp, device.type)
+    pd, rd = default_mixed_precision(run) if mesh["dp"].size() > 1 else (None, None)
+    if run.dtype == "amp" and mesh["dp"].size() == 1:
+        raise ConfigError("dtype amp on a mesh without dp runs no FSDP mixed-precision policy: use fp32 or bf16")
+    model = build_model(cfg, "baseline", device=device, dtype=torch.bfloat16 if run.dtype == "bf16" else None,
+                        seed=seed)  # the same weights on every rank; parallelize keeps this rank's shards
+    parallelize(model, mesh, param_dtype=pd if param_dtype == "auto" else param_dtype,
+                reduce_dtype=rd if reduce_dtype == "auto" else reduce_dtype,
+                reshard_after_forward=reshard_after_forward)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    # the ranks of one TP group read the same batch; each dp rank its own
+    ids, targets = make_batch(cfg, run, device, seed=seed + 1 + mesh["dp"].get_local_rank())
+    names = {mesh.get_group(d).group_name: d for d in MESH_DIMS}
+    records = []
+    for step in range(1, steps + 1):
+        with CollectiveCounter() as counter:
+            with loss_context(tp):  # loss_parallel must cover the backward too
+                loss = model(ids, targets)
+                loss.backward()
+            opt.step()
+        mem = rank_memory(model, opt)
+        opt.zero_grad(set_to_none=True)
+        rec = dict(step=step, loss=full_loss(loss), memory=mem,
+                   collectives=[[*k, n] for k, n in sorted(counter.counts_by_group(names).items())])
+        records.append(rec)
+        if on_step is not None:
+            on_step(rec)
+    return records
+
+
+def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float) -> None:
+    torch.set_num_threads(1)  # W processes share the cores
+    init_distributed("gloo", timeout_s, rank=rank, world_size=world, init_method=init_method)
+    try:
+        out = [train(**sc) for sc in scenarios]
+        write_atomic(Path(outdir) / f"rank{rank}.json", json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> list[list[list[dict]]]:
+    """Run each scenario (keyword arguments of train()) on `world` local gloo processes, all in one launch.
+    Returns results[rank][scenario] = that rank's step records; a failing rank raises here."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:  # a FileStore in it: no TCP port another process could take first
+        mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s), nprocs=world, join=True)
+        return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m llm_anatomy.distributed.mesh_step", description=__doc__.split("\n")[0])
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree (divides the world size)")
+    p.add_argument("--preset", help="a named config (llm_anatomy.config.PRESETS)")
+    for f in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab"):
+        p.add_argument(f"--{f}", type=int)
+    p.add_argument("--batch", type=int, default=2, help="per dp rank")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16, or amp (with dp > 1: FSDP's policy)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--backend", default="auto", help="auto (nccl with a GPU, else gloo), nccl or gloo")
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report", help="a folder: each rank writes its step records to rank<N>.json")
+    return p
+
+
+def _config(a) -> ModelConfig:
+    shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, intermediate=a.intermediate, vocab=a.vocab)
+    if a.preset:
+        if any(v is not None for v in shape.values()) or a.kv_heads is not None:
+            raise ConfigError("give --preset or the shape flags, not both")
+        return ModelConfig.from_name(a.preset)
+    missing = [k for k, v in shape.items() if v is None]
+    if missing:
+        raise ConfigError(f"without --preset, give --{' --'.join(missing)}")
+    return ModelConfig(name="custom", kv_heads=a.kv_heads, **shape)
+
+
+@record
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        cfg, run = _config(a), Run(batch=a.batch, seq=a.seq, dtype=a.dtype)
+        if "RANK" not in os.environ:  # plain `python -m`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        init_distributed(a.backend, a.timeout_s)
+    except ConfigError as e:
+        print(f"mesh_step: error: {e}", file=sys.stderr)
+        return 2
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def show(rec):
+        if rank == 0:
+            n = sum(c[4] for c in rec["collectives"])
+            m = rec["memory"]
+            print(f"step {rec['step']}  loss {rec['loss']:.4f}  collectives {n}  rank 0 holds params "
+                  f"{m['params'] / 2**20:.2f} MiB, grads {m['grads'] / 2**20:.2f} MiB, "
+                  f"optimizer {m['optimizer'] / 2**20:.2f} MiB", flush=True)
+
+    try:
+        recs = train(cfg, run, a.tp, steps=a.steps, optimizer=a.optimizer, lr=a.lr, seed=a.seed, on_step=show)
+        if a.report:
+            out = Path(a.report)
+            out.mkdir(parents=True, exist_ok=True)
+            write_atomic(out / f"rank{rank}.json", json.dumps(dict(tp=a.tp, dp=world // a.tp, rank=rank,
+                                                                   config=cfg.to_dict(), run=run.to_dict(),
+                                                                   steps=recs), indent=1))
+    except ConfigError as e:
+        dist.destroy_process_group()
+        print(f"mesh_step: error: {e}", file=sys.stderr)
+        return 2
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_rank(main())
