@@ -4,7 +4,15 @@ The mesh and plan are llm_anatomy/distributed/tensor_parallel.py's (torchtitan's
 """
 from __future__ import annotations
 
-from llm_anatomy.config import ConfigError, ModelConfig
+from llm_anatomy.calculator.comm import _row, fsdp_collectives
+from llm_anatomy.calculator.param_layout import Shape, fsdp_unit_shapes
+from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
+from llm_anatomy.calculator.types import BYTES
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+
+# how many times each optimizer's foreach step reads a gradient: each read of a Partial DTensor gradient
+# redistributes it (an all-reduce) when no FSDP has made it Replicate first
+OPTIMIZER_GRAD_READS = {"adamw": 3, "sgd": 1}
 
 
 def _pos(name: str, v) -> None:
@@ -38,3 +46,110 @@ def check_mesh(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseli
     for field in ("heads", "kv_heads", "intermediate", "vocab"):
         if getattr(cfg, field) % tp:
             raise ConfigError(f"{field}={getattr(cfg, field)} is not divisible by tp={tp}")
+
+
+def check_run(run: Run, tp: int, dp: int = 1, optimizer: str = "adamw") -> None:
+    """ConfigError (one line) for a run the mesh cannot take: sequence parallel splits seq over tp evenly, amp needs
+    FSDP's mixed-precision policy (dp > 1), and the optimizer's redistributions are known for adamw and sgd."""
+    if tp > 1 and run.seq % tp:
+        raise ConfigError(f"seq={run.seq} is not divisible by tp={tp} (sequence parallel splits it evenly)")
+    if run.dtype == "amp" and dp == 1 and tp > 1:
+        raise ConfigError("dtype amp under tp needs dp > 1 (FSDP's mixed-precision policy); use fp32 or bf16")
+    if optimizer not in OPTIMIZER_GRAD_READS:
+        raise ConfigError(f"tp predicts optimizers {', '.join(OPTIMIZER_GRAD_READS)}, not {optimizer!r}")
+
+
+# ---- the tensors each rank holds ------------------------------------------------------------------------------
+# ColwiseParallel shards a weight (and its bias) on dim 0, RowwiseParallel on dim 1 (the embedding on dim 0: the
+# vocab), SequenceParallel replicates the norms' weights. DTensor's local tensor is the plain chunk.
+def tp_unit_shapes(cfg: ModelConfig, tp: int) -> tuple:
+    """fsdp_unit_shapes on the TP-local tensors: ("root", [(name, shape)]), ("block", [(name, shape)])."""
+    def local(name: str, shape: Shape) -> Shape:
+        if name.endswith(("norm.weight",)) or tp == 1:
+            return shape
+        if name.endswith(("attn.o.weight", "mlp.down.weight")):
+            return (shape[0], shape[1] // tp)
+        return (shape[0] // tp, *shape[1:])  # q/k/v/gate/up weights and biases, embed, head
+
+    return tuple((unit, [(n, local(n, s)) for n, s in ps]) for unit, ps in fsdp_unit_shapes(cfg))
+
+
+def _local_counts(cfg: ModelConfig, tp: int) -> list[tuple[str, Shape, int]]:
+    (_, root), (_, block) = tp_unit_shapes(cfg, tp)
+    return [(n, s, 1) for n, s in root] + [(n, s, cfg.layers) for n, s in block]
+
+
+def tp_rank_memory(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0,
+                   optimizer: str = "adamw") -> dict:
+    """Bytes one rank holds after the optimizer step: {params, grads, optimizer}. rank is the global rank of the
+    (dp, tp) mesh (tp innermost); FSDP2 shards each TP-local tensor on dim 0 over dp (sharding.py's rules).
+
+    Gradients: under FSDP the reduce-scatter's padded shards, like the parameters. Without it, each .grad as
+    DTensor leaves it: the TP-local shape, except the embedding's, which DTensor's embedding backward returns
+    Replicate, the full (V, H) table on every rank."""
+    check_mesh(cfg, tp, dp)
+    check_run(run, tp, dp, optimizer)
+    if not 0 <= rank < tp * dp:
+        raise ConfigError(f"rank must be in [0, {tp * dp}), got {rank!r}")
+    pb, dr = BYTES[param_dtype_name(run)], rank // tp
+    params = grads = local = tensors = 0
+    for name, s, k in _local_counts(cfg, tp):
+        lo, pa = shard_numel(s, dp, dr)
+        tensors += k
+        local += k * lo
+        params += k * pa * pb
+        grad = pa if dp > 1 or name != "embed.weight" or tp == 1 else cfg.vocab * cfg.hidden
+        grads += k * grad * pb
+    return dict(params=params, grads=grads, optimizer=optimizer_bytes(optimizer, local, tensors, pb))
+
+
+# ---- the collectives of one step -------------------------------------------------------------------------------
+def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimizer: str = "adamw",
+                   param_dtype: str | None = None, reduce_dtype: str | None = None,
+                   reshard_after_forward: bool = True) -> list[dict]:
+    """Every collective of one training step on one rank, in comm.py's row format plus `group` ("tp" or "dp").
+
+    tp (torch 2.13 DTensor, the plan of distributed/tensor_parallel.py), with A = batch x seq x hidden elements
+    in the compute dtype:
+      all-gather, A            before attention and before the MLP of every Block (PrepareModuleInput), before the
+                               head (its input layout Shard(1)); in backward, once for each forward reduce-scatter
+      reduce-scatter, A        the embedding's and every o's and down's partial output (RowwiseParallel, output
+                               Shard(1)); in backward, once for each forward all-gather
+      all-reduce, fp32 B x S   loss_parallel: the max and the sum of exp of log_softmax, and nll_loss's gathered
+                               target logits (the logits are upcast before the loss)
+      all-reduce, hidden       each norm's weight gradient is Partial over tp (it sums the rank's rows); FSDP
+                               redistributes it to Replicate once in backward; without FSDP the optimizer's foreach
+                               ops redistribute it at each read of the gradient (AdamW: 3, SGD: 1)
+    dp: FSDP2's rows (comm.fsdp_collectives) on the TP-local units."""
+    check_mesh(cfg, tp, dp)
+    check_run(run, tp, dp, optimizer)
+    dts = fsdp_dtypes(run, param_dtype, reduce_dtype) if dp > 1 else None
+    compute = dts["all_gather"] if dts else param_dtype_name(run)
+    rows = []
+    if tp > 1:
+        L, cb = cfg.layers, DTYPE_BYTES[compute]
+        act = run.batch * run.seq * cfg.hidden * cb
+        rows += [_row("all_gather", "forward", "attn, mlp, head inputs", 2 * L + 1, act, compute),
+                 _row("reduce_scatter", "forward", "embed, o, down outputs", 2 * L + 1, act, compute),
+                 _row("all_gather", "backward", "embed, o, down output grads", 2 * L + 1, act, compute),
+                 _row("reduce_scatter", "backward", "attn, mlp, head input grads", 2 * L + 1, act, compute),
+                 _row("all_reduce", "forward", "loss parallel", 3, run.batch * run.seq * 4, "float32")]
+        reads = 1 if dp > 1 else OPTIMIZER_GRAD_READS[optimizer]
+        rows.append(_row("all_reduce", "backward" if dp > 1 else "optimizer", "norm weight grads",
+                         (2 * L + 1) * reads, cfg.hidden * cb, compute))
+        for r in rows:
+            r["group"] = "tp"
+    if dp > 1:
+        fs = fsdp_collectives(cfg, run, dp, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                              reshard_after_forward=reshard_after_forward, unit_shapes=tp_unit_shapes(cfg, tp))
+        rows += [dict(r, group="dp") for r in fs]
+    return rows
+
+
+def grouped_counts(rows: list[dict]) -> dict[tuple[str, str, str, int], int]:
+    """{(group, op, dtype, bytes_each): count}: the form the measured side (mesh_step) is compared in."""
+    out: dict[tuple[str, str, str, int], int] = {}
+    for r in rows:
+        key = (r["group"], r["op"], r["dtype"], r["bytes_each"])
+        out[key] = out.get(key, 0) + r["count"]
+    return out

@@ -24,7 +24,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
 from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank, init_distributed
-from llm_anatomy.distributed.tensor_parallel import MESH_DIMS, build_mesh, full_loss, loss_context, parallelize
+from llm_anatomy.calculator.tensor_parallel import check_run
+from llm_anatomy.distributed.tensor_parallel import (MESH_DIMS, build_mesh, check_tp, full_loss, loss_context,
+                                                    parallelize)
 from llm_anatomy.distributed.train_step import _free_port, _Parser, make_optimizer
 from llm_anatomy.io import write_atomic
 from llm_anatomy.models import build_model, make_batch
@@ -129,6 +131,11 @@ def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     try:
         cfg, run = _config(a), Run(batch=a.batch, seq=a.seq, dtype=a.dtype)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if a.tp < 1 or world % a.tp:
+            raise ConfigError(f"--tp {a.tp} must be a positive divisor of the world size {world}")
+        check_tp(cfg, a.tp, world // a.tp)
+        check_run(run, a.tp, world // a.tp, a.optimizer)
         if "RANK" not in os.environ:  # plain `python -m`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(_free_port()))

@@ -28,6 +28,7 @@ from torch import nn
 from llm_anatomy.config import ConfigError, ModelConfig
 
 MESH_DIMS = ("dp", "tp")
+_MESHES: dict = {}
 
 
 def check_tp(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseline", cp: int = 1,
@@ -49,7 +50,14 @@ def build_mesh(dp: int, tp: int, device_type: str = "cpu"):
     world = dist.get_world_size()
     if dp * tp != world:
         raise ConfigError(f"dp x tp = {dp} x {tp} = {dp * tp} does not match the world size {world}")
-    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=MESH_DIMS)
+    # one mesh per shape and process group: DTensor's sharding cache keys on the mesh's layout, so a second,
+    # equal mesh would have its ops run on the first one's groups
+    key = (device_type, dp, tp, dist.distributed_c10d._get_default_group())
+    if key not in _MESHES:
+        for k in [k for k in _MESHES if k[3] is not key[3]]:  # a new default group retires the old meshes
+            del _MESHES[k]
+        _MESHES[key] = init_device_mesh(device_type, (dp, tp), mesh_dim_names=MESH_DIMS)
+    return _MESHES[key]
 
 
 def tp_plan(model: nn.Module) -> dict:
