@@ -18,7 +18,7 @@ import torch
 from hypothesis import strategies as st
 
 from llm_anatomy.calculator.tensor_parallel import check_mesh, check_run, grouped_counts, tp_collectives, \
-    tp_rank_memory
+    tp_rank_memory, tp_saved
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
 
@@ -108,6 +108,20 @@ def test_tp_rank_bytes_exact(mesh_run, claims):
                     claims.check(f"tp per-rank {what} bytes", component="comm", config=sc["cfg"].name,
                                  variant="baseline", predicted=pred[what], measured=rec["memory"][what], unit="B",
                                  note=f"{_note(name, sc)}, rank {r}, after step {rec['step']}")
+
+
+@pytest.mark.distributed
+def test_tp_saved_bytes_per_component_exact(mesh_run, claims):
+    """What each rank's forward saves for backward, per component (local storage), equals tp_saved."""
+    world, scen, res = mesh_run
+    for name, sc in scen.items():
+        pred = tp_saved(sc["cfg"], sc["run"], "baseline", sc["tp"], sc["dp"])["total"]
+        for r in range(world):
+            meas = res[name][r][0]["saved"]
+            for comp in sorted(set(pred) | set(meas)):
+                claims.check("tp per-rank saved bytes", component=comp, config=sc["cfg"].name, variant="baseline",
+                             predicted=pred.get(comp, 0), measured=meas.get(comp, 0), unit="B",
+                             note=f"{_note(name, sc)}, rank {r}")
 
 
 def _single_process_losses(sc: dict, dp: int) -> list[float]:

@@ -4,6 +4,8 @@ The mesh and plan are llm_anatomy/distributed/tensor_parallel.py's (torchtitan's
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from llm_anatomy.calculator.comm import _row, fsdp_collectives
 from llm_anatomy.calculator.param_layout import Shape, fsdp_unit_shapes
 from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
@@ -153,3 +155,41 @@ def grouped_counts(rows: list[dict]) -> dict[tuple[str, str, str, int], int]:
         key = (r["group"], r["op"], r["dtype"], r["bytes_each"])
         out[key] = out.get(key, 0) + r["count"]
     return out
+
+
+# ---- what each rank saves for backward ------------------------------------------------------------------------
+def tp_local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model one TP rank computes between its collectives: heads, kv_heads, intermediate and vocab over tp, the
+    head width kept (so q_dim is the rank's share); hidden stays whole."""
+    return replace(cfg, heads=cfg.heads // tp, kv_heads=cfg.kv_heads // tp, head_dim=cfg.head_dim,
+                   intermediate=cfg.intermediate // tp, vocab=cfg.vocab // tp, name=f"{cfg.name} / tp{tp}")
+
+
+def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, device: str = "cpu") -> dict:
+    """Bytes one rank saves for backward per component: {"layer": {component: bytes of one Block}, "root":
+    {component: bytes outside the Blocks}, "total": {component: bytes}}.
+
+    Under the plan every saved tensor is the one-GPU model's (calculator.estimate) on the rank's share
+    (tp_local_config): the projections save their all-gathered (B x S, H) input whole, attention its heads / tp,
+    the MLP its intermediate / tp, the loss its (B x S, V / tp) log-probs; the norms run on the sequence shard, so
+    they save the one-GPU norm's tensors at seq / tp. Under FSDP (dp > 1) amp computes in bf16 (its
+    MixedPrecisionPolicy casts the parameters; no autocast), as in sharding.per_rank_peak."""
+    from llm_anatomy.calculator import estimate
+
+    check_mesh(cfg, tp, dp, variant=variant)
+    check_run(run, tp, dp)
+    dtype = "bf16" if run.dtype == "amp" and dp > 1 else run.dtype
+    local = tp_local_config(cfg, tp)
+
+    def by_component(layers: int) -> dict:
+        c = replace(local, layers=layers)
+        full = estimate(c, replace(run, dtype=dtype), variant, device=device).components
+        seq_shard = estimate(c, replace(run, dtype=dtype, seq=run.seq // tp), variant, device=device).components
+        out = {name: comp.saved_bytes for name, comp in full.items()}
+        out["norm"] = seq_shard["norm"].saved_bytes
+        return out
+
+    one, two = by_component(1), by_component(2)
+    layer = {k: two[k] - one[k] for k in one}
+    root = {k: one[k] - layer[k] for k in one}
+    return dict(layer=layer, root=root, total={k: root[k] + cfg.layers * layer[k] for k in one})

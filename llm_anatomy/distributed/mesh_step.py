@@ -11,6 +11,7 @@ validation suite uses it), in the style of distributed/train_step.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
 from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank, init_distributed
 from llm_anatomy.calculator.tensor_parallel import check_run
+from llm_anatomy.distributed.tp_saved import LocalSavedTracer
 from llm_anatomy.distributed.tensor_parallel import (MESH_DIMS, build_mesh, check_tp, full_loss, loss_context,
                                                     parallelize)
 from llm_anatomy.distributed.train_step import _free_port, _Parser, make_optimizer
@@ -34,10 +36,11 @@ from llm_anatomy.models import build_model, make_batch
 
 def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str = "adamw", lr: float = 1e-3,
           param_dtype="auto", reduce_dtype="auto", reshard_after_forward: bool = True, seed: int = 0,
-          on_step=None) -> list[dict]:
+          trace_saved: bool = True, on_step=None) -> list[dict]:
     """`steps` steps on the initialized process group as a (world / tp, tp) mesh; one record per step (this rank's
     view): step, loss (this dp rank's batch, the full value), collectives [[mesh dim, op, dtype, bytes, calls], ...]
-    of forward + backward + optimizer step, memory {params, grads, optimizer} after the step (local storage)."""
+    of forward + backward + optimizer step, memory {params, grads, optimizer} after the step (local storage), and
+    in step 1 with trace_saved, saved {component: bytes} that the forward kept for backward on this rank."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a positive integer, got {steps!r}")
     world = dist.get_world_size()
@@ -62,13 +65,16 @@ def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str
     for step in range(1, steps + 1):
         with CollectiveCounter() as counter:
             with loss_context(tp):  # loss_parallel must cover the backward too
-                loss = model(ids, targets)
+                with LocalSavedTracer(model) if step == 1 and trace_saved else contextlib.nullcontext() as tr:
+                    loss = model(ids, targets)
                 loss.backward()
             opt.step()
         mem = rank_memory(model, opt)
         opt.zero_grad(set_to_none=True)
         rec = dict(step=step, loss=full_loss(loss), memory=mem,
                    collectives=[[*k, n] for k, n in sorted(counter.counts_by_group(names).items())])
+        if tr is not None:
+            rec["saved"] = tr.report.by_component()  # storage bytes this rank saved for backward
         records.append(rec)
         if on_step is not None:
             on_step(rec)
