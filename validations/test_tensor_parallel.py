@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from llm_anatomy.calculator.tensor_parallel import check_mesh, check_run, grouped_counts, tp_collectives, \
     tp_rank_memory, tp_saved
-from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.config import PRESETS, ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
 
 N_DRAWS = 20  # per mesh
@@ -161,6 +161,27 @@ def test_tp_fsdp_loss_curve_matches_single_process(mesh_run, claims):
         claims.check("tp x fsdp loss vs one process", component="loss", config=CURVE_CFG.name, variant="baseline",
                      predicted=single[step], measured=mesh, tolerance=CURVE_TOL, unit="nats",
                      note=f"2 x 2 mesh, fp32, step {step + 1}")
+
+
+# ---- the fake process group: one rank of a 64- and a 1024-rank mesh, llama3-8b ------------------------------------
+@pytest.mark.parametrize("tp, dp, rank", [(4, 16, 37), (8, 128, 1023)], ids=["tp4xdp16", "tp8xdp128"])
+def test_fake_pg_large_mesh_exact(tp, dp, rank, claims):
+    """DTensor and FSDP2 run their own code on fake tensors for one rank of tp x dp; its collectives (by mesh dim)
+    and its params/grads/optimizer bytes equal the prediction."""
+    from llm_anatomy.distributed.mesh_step import simulate
+
+    cfg, run = PRESETS["llama3-8b"], Run(batch=1, seq=16, dtype="amp")
+    rec = simulate(cfg, run, tp, dp, rank=rank)[-1]
+    pred = grouped_counts(tp_collectives(cfg, run, tp, dp))
+    meas = {tuple(k[:3]) + (k[3],): n for *k, n in rec["collectives"]}
+    note = f"fake process group, tp {tp} x dp {dp}, rank {rank}"
+    claims.check("tp collective calls per step", component="comm", config=cfg.name, variant="baseline",
+                 predicted=sum(pred.values()), measured=sum(meas.values()), unit="calls", note=note)
+    assert meas == pred, f"{note}\n meas {meas}\n pred {pred}"
+    mem = tp_rank_memory(cfg, run, tp, dp, rank=rank)
+    for what in ("params", "grads", "optimizer"):
+        claims.check(f"tp per-rank {what} bytes", component="comm", config=cfg.name, variant="baseline",
+                     predicted=mem[what], measured=rec["memory"][what], unit="B", note=note)
 
 
 # ---- refusals: one line naming the field --------------------------------------------------------------------

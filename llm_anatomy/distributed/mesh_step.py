@@ -60,6 +60,14 @@ def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str
     opt = make_optimizer(optimizer, model.parameters(), lr)
     # the ranks of one TP group read the same batch; each dp rank its own
     ids, targets = make_batch(cfg, run, device, seed=seed + 1 + mesh["dp"].get_local_rank())
+    return _steps(model, opt, ids, targets, mesh, steps, trace_saved=trace_saved, on_step=on_step)
+
+
+def _steps(model, opt, ids, targets, mesh, steps: int, *, trace_saved: bool = False, with_loss: bool = True,
+           on_step=None) -> list[dict]:
+    """`steps` training steps, each with the collectives by mesh dim and this rank's bytes. with_loss=False for fake
+    tensors (the simulation), whose loss has no value to read."""
+    tp = mesh["tp"].size()
     names = {mesh.get_group(d).group_name: d for d in MESH_DIMS}
     records = []
     for step in range(1, steps + 1):
@@ -71,14 +79,43 @@ def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str
             opt.step()
         mem = rank_memory(model, opt)
         opt.zero_grad(set_to_none=True)
-        rec = dict(step=step, loss=full_loss(loss), memory=mem,
+        rec = dict(step=step, memory=mem,
                    collectives=[[*k, n] for k, n in sorted(counter.counts_by_group(names).items())])
+        if with_loss:
+            rec["loss"] = full_loss(loss)
         if tr is not None:
             rec["saved"] = tr.report.by_component()  # storage bytes this rank saved for backward
         records.append(rec)
         if on_step is not None:
             on_step(rec)
     return records
+
+
+def simulate(cfg: ModelConfig, run: Run, tp: int, dp: int, *, rank: int = 0, steps: int = 1,
+             optimizer: str = "adamw") -> list[dict]:
+    """Rank `rank`'s view of `steps` steps on a (dp, tp) mesh of dp x tp ranks, in this process: the fake process
+    group (distributed.simulate) and fake tensors, so TP and FSDP2 run their own code at any size with no data.
+    Records as train()'s, without the loss."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from llm_anatomy.distributed.simulate import fake_process_group
+
+    check_tp(cfg, tp, dp)
+    check_run(run, tp, dp, optimizer)
+    if not 0 <= rank < tp * dp:
+        raise ConfigError(f"rank must be in [0, {tp * dp}), got {rank!r}")
+    with fake_process_group(tp * dp, rank):
+        mesh = build_mesh(dp, tp)
+        pd, rd = default_mixed_precision(run) if dp > 1 else (None, None)
+        model = build_model(cfg, "baseline", device="meta", dtype=torch.bfloat16 if run.dtype == "bf16" else None,
+                            seed=None)
+        parallelize(model, mesh, param_dtype=pd, reduce_dtype=rd)  # shards meta tensors: cheap at any size
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            ids = torch.zeros(run.batch, run.seq, dtype=torch.long)
+            targets = torch.zeros(run.batch, run.seq, dtype=torch.long)
+            opt = make_optimizer(optimizer, model.parameters(), 1e-3)
+            return _steps(model, opt, ids, targets, mesh, steps, with_loss=False)
 
 
 def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float) -> None:
