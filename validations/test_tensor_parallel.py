@@ -17,8 +17,14 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from llm_anatomy.calculator.tensor_parallel import check_mesh, check_run, grouped_counts, tp_collectives, \
-    tp_rank_memory, tp_saved
+from llm_anatomy.calculator.tensor_parallel import (
+    check_mesh,
+    check_run,
+    grouped_counts,
+    tp_collectives,
+    tp_rank_memory,
+    tp_saved,
+)
 from llm_anatomy.config import PRESETS, ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
 
@@ -148,7 +154,7 @@ def _single_process_losses(sc: dict, dp: int) -> list[float]:
 def test_tp_fsdp_loss_curve_matches_single_process(mesh_run, claims):
     """2 x 2 (TP x FSDP, fp32): the mean of the dp ranks' losses equals the one-process run's at every step, within
     CURVE_TOL (reduction order only); the TP ranks of one dp rank agree exactly."""
-    world, scen, res = mesh_run
+    world, _, res = mesh_run
     if world != 4:
         pytest.skip("the 2 x 2 curve runs on 4 ranks")
     ranks = res["curve"]
@@ -210,6 +216,8 @@ def test_unsupported_mesh_refused():
         check_run(Run(batch=1, seq=9, dtype="fp32"), 2)
     with pytest.raises(ConfigError, match="amp"):
         check_run(Run(batch=1, seq=8, dtype="amp"), 2, 1)
+    with pytest.raises(ConfigError, match="ademamix"):
+        tp_collectives(OK, Run(batch=1, seq=8, dtype="fp32"), 2, 1, optimizer="ademamix")
     with pytest.raises(ConfigError, match="rank"):
         tp_rank_memory(OK, Run(batch=1, seq=8, dtype="fp32"), 2, 2, rank=4)
 

@@ -8,57 +8,28 @@ from dataclasses import replace
 
 from llm_anatomy.calculator.comm import _row, fsdp_collectives
 from llm_anatomy.calculator.param_layout import Shape, fsdp_unit_shapes
-from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
+from llm_anatomy.calculator.sharding import (
+    DTYPE_BYTES,
+    fsdp_dtypes,
+    optimizer_bytes,
+    param_dtype_name,
+    shard_numel,
+)
 from llm_anatomy.calculator.types import BYTES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.mesh_rules import check_mesh, check_run
 
 # how many times each optimizer's foreach step reads a gradient: each read of a Partial DTensor gradient
 # redistributes it (an all-reduce) when no FSDP has made it Replicate first
 OPTIMIZER_GRAD_READS = {"adamw": 3, "sgd": 1}
 
 
-def _pos(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-
-
-def check_mesh(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseline", cp: int = 1,
-               device: str = "cpu") -> None:
-    """ConfigError (one line, naming the field) for a (dp, tp) mesh the plan cannot shard this model over."""
-    for name, v in (("tp", tp), ("dp", dp), ("cp", cp)):
-        _pos(name, v)
-    if cp > 1 and device == "cpu":
-        raise ConfigError("cp > 1 needs CUDA: torch's context_parallel shards SDPA's flash/efficient/cuDNN "
-                          "kernels, which CPU (gloo) does not run")
-    if cp > 1:
-        raise ConfigError("cp > 1 is not built yet (see docs/parallelism-tp.md)")
-    if tp == 1:
-        return
-    if variant != "baseline":
-        raise ConfigError(f"tp > 1 runs the baseline variant only: the {variant} variant's fused kernels take "
-                          "plain tensors, not column shards")
-    if cfg.moe:
-        raise ConfigError("tp > 1 does not shard mixture-of-experts layers (experts > 0)")
-    if cfg.tie_embeddings:
-        raise ConfigError("tp > 1 cannot shard tie_embeddings: the embedding and the head would become two "
-                          "DTensors of one table")
-    if cfg.qk_norm:
-        raise ConfigError("tp > 1 cannot shard qk_norm: the per-head norm weight's gradient sums heads that "
-                          "live on different ranks")
-    for field in ("heads", "kv_heads", "intermediate", "vocab"):
-        if getattr(cfg, field) % tp:
-            raise ConfigError(f"{field}={getattr(cfg, field)} is not divisible by tp={tp}")
-
-
-def check_run(run: Run, tp: int, dp: int = 1, optimizer: str = "adamw") -> None:
-    """ConfigError (one line) for a run the mesh cannot take: sequence parallel splits seq over tp evenly, amp needs
-    FSDP's mixed-precision policy (dp > 1), and the optimizer's redistributions are known for adamw and sgd."""
-    if tp > 1 and run.seq % tp:
-        raise ConfigError(f"seq={run.seq} is not divisible by tp={tp} (sequence parallel splits it evenly)")
-    if run.dtype == "amp" and dp == 1 and tp > 1:
-        raise ConfigError("dtype amp under tp needs dp > 1 (FSDP's mixed-precision policy); use fp32 or bf16")
-    if optimizer not in OPTIMIZER_GRAD_READS:
-        raise ConfigError(f"tp predicts optimizers {', '.join(OPTIMIZER_GRAD_READS)}, not {optimizer!r}")
+def check_optimizer(optimizer: str, tp: int, dp: int) -> None:
+    """The optimizers whose redistributions of the norms' Partial gradients are known (they matter without FSDP)."""
+    if tp > 1 and dp == 1 and optimizer not in OPTIMIZER_GRAD_READS:
+        raise ConfigError(f"tp without dp predicts optimizers {', '.join(OPTIMIZER_GRAD_READS)}, not {optimizer!r}")
+    if optimizer not in ("adamw", "ademamix", "sgd"):
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose from adamw, ademamix, sgd")
 
 
 # ---- the tensors each rank holds ------------------------------------------------------------------------------
@@ -90,7 +61,8 @@ def tp_rank_memory(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: in
     DTensor leaves it: the TP-local shape, except the embedding's, which DTensor's embedding backward returns
     Replicate, the full (V, H) table on every rank."""
     check_mesh(cfg, tp, dp)
-    check_run(run, tp, dp, optimizer)
+    check_run(run, tp, dp)
+    check_optimizer(optimizer, tp, dp)
     if not 0 <= rank < tp * dp:
         raise ConfigError(f"rank must be in [0, {tp * dp}), got {rank!r}")
     pb, dr = BYTES[param_dtype_name(run)], rank // tp
@@ -124,7 +96,8 @@ def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimize
                                ops redistribute it at each read of the gradient (AdamW: 3, SGD: 1)
     dp: FSDP2's rows (comm.fsdp_collectives) on the TP-local units."""
     check_mesh(cfg, tp, dp)
-    check_run(run, tp, dp, optimizer)
+    check_run(run, tp, dp)
+    check_optimizer(optimizer, tp, dp)
     dts = fsdp_dtypes(run, param_dtype, reduce_dtype) if dp > 1 else None
     compute = dts["all_gather"] if dts else param_dtype_name(run)
     rows = []

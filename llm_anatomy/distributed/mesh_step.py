@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -23,14 +22,26 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.distributed import train_step
 from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
-from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank, init_distributed
-from llm_anatomy.calculator.tensor_parallel import check_run
+from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank
+from llm_anatomy.distributed.tensor_parallel import (
+    MESH_DIMS,
+    build_mesh,
+    check_tp,
+    full_loss,
+    loss_context,
+    parallelize,
+)
 from llm_anatomy.distributed.tp_saved import LocalSavedTracer
-from llm_anatomy.distributed.tensor_parallel import (MESH_DIMS, build_mesh, check_tp, full_loss, loss_context,
-                                                    parallelize)
-from llm_anatomy.distributed.train_step import _free_port, _Parser, make_optimizer
+from llm_anatomy.distributed.train_step import (
+    _config,
+    _Parser,
+    init_cli,
+    make_optimizer,
+)
 from llm_anatomy.io import write_atomic
+from llm_anatomy.mesh_rules import check_run
 from llm_anatomy.models import build_model, make_batch
 
 
@@ -49,9 +60,8 @@ def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = build_mesh(world // tp, tp, device.type)
+    check_run(run, tp, world // tp)
     pd, rd = default_mixed_precision(run) if mesh["dp"].size() > 1 else (None, None)
-    if run.dtype == "amp" and mesh["dp"].size() == 1:
-        raise ConfigError("dtype amp on a mesh without dp runs no FSDP mixed-precision policy: use fp32 or bf16")
     model = build_model(cfg, "baseline", device=device, dtype=torch.bfloat16 if run.dtype == "bf16" else None,
                         seed=seed)  # the same weights on every rank; parallelize keeps this rank's shards
     parallelize(model, mesh, param_dtype=pd if param_dtype == "auto" else param_dtype,
@@ -101,7 +111,7 @@ def simulate(cfg: ModelConfig, run: Run, tp: int, dp: int, *, rank: int = 0, ste
     from llm_anatomy.distributed.simulate import fake_process_group
 
     check_tp(cfg, tp, dp)
-    check_run(run, tp, dp, optimizer)
+    check_run(run, tp, dp)
     if not 0 <= rank < tp * dp:
         raise ConfigError(f"rank must be in [0, {tp * dp}), got {rank!r}")
     with fake_process_group(tp * dp, rank):
@@ -118,24 +128,10 @@ def simulate(cfg: ModelConfig, run: Run, tp: int, dp: int, *, rank: int = 0, ste
             return _steps(model, opt, ids, targets, mesh, steps, with_loss=False)
 
 
-def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float) -> None:
-    torch.set_num_threads(1)  # W processes share the cores
-    init_distributed("gloo", timeout_s, rank=rank, world_size=world, init_method=init_method)
-    try:
-        out = [train(**sc) for sc in scenarios]
-        write_atomic(Path(outdir) / f"rank{rank}.json", json.dumps(out))
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> list[list[list[dict]]]:
     """Run each scenario (keyword arguments of train()) on `world` local gloo processes, all in one launch.
     Returns results[rank][scenario] = that rank's step records; a failing rank raises here."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as d:  # a FileStore in it: no TCP port another process could take first
-        mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s), nprocs=world, join=True)
-        return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
+    return train_step.spawn(world, scenarios, timeout_s=timeout_s, fn=train)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -144,6 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", help="a named config (llm_anatomy.config.PRESETS)")
     for f in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab"):
         p.add_argument(f"--{f}", type=int)
+    p.add_argument("--tie-embeddings", action="store_true", help="(refused under tp > 1)")
+    p.add_argument("--qkv-bias", action="store_true", help="a bias on q, k and v (Qwen2)")
     p.add_argument("--batch", type=int, default=2, help="per dp rank")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--dtype", default="fp32", help="fp32, bf16, or amp (with dp > 1: FSDP's policy)")
@@ -157,18 +155,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(a) -> ModelConfig:
-    shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, intermediate=a.intermediate, vocab=a.vocab)
-    if a.preset:
-        if any(v is not None for v in shape.values()) or a.kv_heads is not None:
-            raise ConfigError("give --preset or the shape flags, not both")
-        return ModelConfig.from_name(a.preset)
-    missing = [k for k, v in shape.items() if v is None]
-    if missing:
-        raise ConfigError(f"without --preset, give --{' --'.join(missing)}")
-    return ModelConfig(name="custom", kv_heads=a.kv_heads, **shape)
-
-
 @record
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
@@ -178,11 +164,8 @@ def main(argv=None) -> int:
         if a.tp < 1 or world % a.tp:
             raise ConfigError(f"--tp {a.tp} must be a positive divisor of the world size {world}")
         check_tp(cfg, a.tp, world // a.tp)
-        check_run(run, a.tp, world // a.tp, a.optimizer)
-        if "RANK" not in os.environ:  # plain `python -m`: a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-        init_distributed(a.backend, a.timeout_s)
+        check_run(run, a.tp, world // a.tp)
+        init_cli(a.backend, a.timeout_s)
     except ConfigError as e:
         print(f"mesh_step: error: {e}", file=sys.stderr)
         return 2
@@ -198,19 +181,16 @@ def main(argv=None) -> int:
 
     try:
         recs = train(cfg, run, a.tp, steps=a.steps, optimizer=a.optimizer, lr=a.lr, seed=a.seed, on_step=show)
-        if a.report:
-            out = Path(a.report)
-            out.mkdir(parents=True, exist_ok=True)
-            write_atomic(out / f"rank{rank}.json", json.dumps(dict(tp=a.tp, dp=world // a.tp, rank=rank,
-                                                                   config=cfg.to_dict(), run=run.to_dict(),
-                                                                   steps=recs), indent=1))
     except ConfigError as e:
         dist.destroy_process_group()
         print(f"mesh_step: error: {e}", file=sys.stderr)
         return 2
-    dist.destroy_process_group()
+    if a.report:  # one file per rank: no extra collective at the end of the job
+        report = dict(tp=a.tp, dp=world // a.tp, rank=rank, config=cfg.to_dict(), run=run.to_dict(), steps=recs)
+        Path(a.report).mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(a.report) / f"rank{rank}.json", json.dumps(report, indent=1))
+    dist.destroy_process_group()  # the clean path only: see train_step.main
     return 0
-
 
 if __name__ == "__main__":
     exit_rank(main())

@@ -34,7 +34,7 @@ _MESHES: dict = {}
 def check_tp(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseline", cp: int = 1,
              device: str = "cpu") -> None:
     """ConfigError (one line) for a mesh this model cannot run on; the calculator uses the same rule."""
-    from llm_anatomy.calculator.tensor_parallel import check_mesh
+    from llm_anatomy.mesh_rules import check_mesh
 
     check_mesh(cfg, tp, dp, variant=variant, cp=cp, device=device)
 
@@ -63,7 +63,11 @@ def build_mesh(dp: int, tp: int, device_type: str = "cpu"):
 def tp_plan(model: nn.Module) -> dict:
     """The root's plan (embedding, final norm, head); each Block's is block_plan()."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     return {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
@@ -72,8 +76,12 @@ def tp_plan(model: nn.Module) -> dict:
 
 def block_plan() -> dict:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     gather = dict(input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None))
     return {"attn_norm": SequenceParallel(), "attn": PrepareModuleInput(**gather),
@@ -101,8 +109,9 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
             parallelize_module(block, mesh["tp"], block_plan())
             block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
     if mesh["dp"].size() > 1:
-        from llm_anatomy.distributed.strategies import _dtype
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from llm_anatomy.distributed.strategies import _dtype
 
         mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
                                   reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))

@@ -7,7 +7,6 @@ unsharded parameters the modules hold during their forward, are model state and 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from llm_anatomy.measure.components import ComponentTracker
 from llm_anatomy.measure.saved import SavedTensorTracer, _key

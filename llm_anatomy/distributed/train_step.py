@@ -105,25 +105,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float) -> None:
+def init_cli(backend: str, timeout_s: float) -> None:
+    """The process group of a command-line launch: torchrun's env://, or under plain `python -m` a world of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    init_distributed(backend, timeout_s)
+
+
+def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float,
+            fn=None) -> None:
     torch.set_num_threads(1)  # W processes share the cores
     init_distributed("gloo", timeout_s, rank=rank, world_size=world, init_method=init_method)
     try:
-        out = [train(**sc) for sc in scenarios]
+        out = [(fn or train)(**sc) for sc in scenarios]
         write_atomic(Path(outdir) / f"rank{rank}.json", json.dumps(out))
     finally:
         dist.destroy_process_group()
 
 
-def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> list[list[list[dict]]]:
-    """Run each scenario (keyword arguments of train()) on `world` local gloo processes.
+def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0, fn=None) -> list[list[list[dict]]]:
+    """Run each scenario (keyword arguments of train(), or of `fn`, a module-level loop) on `world` local gloo
+    processes.
 
     Returns results[rank][scenario] = that rank's step records. A rank that fails raises here
     (torch.multiprocessing terminates the others); a collective that never completes times out."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:  # a FileStore in it: no TCP port another process could take first
-        mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s),
+        mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s, fn),
                  nprocs=world, join=True)
         return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -187,10 +197,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"unknown optimizer {a.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
         if a.strategy == "ddp" and (a.param_dtype != "auto" or a.reduce_dtype != "auto"):
             raise ConfigError("--param-dtype and --reduce-dtype are fsdp options")
-        if "RANK" not in os.environ:  # plain `python -m`: a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
-        init_distributed(a.backend, a.timeout_s)
+        init_cli(a.backend, a.timeout_s)
     except ConfigError as e:
         print(f"train_step: error: {e}", file=sys.stderr)
         return 2
