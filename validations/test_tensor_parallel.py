@@ -49,8 +49,10 @@ def tp_cases(draw, tp: int, dp: int) -> dict:
 # the 2 x 2 loss curve: fp32, a learning rate that moves the loss, four steps
 CURVE_CFG = ModelConfig(name="tp-curve", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=96, vocab=256)
 CURVE = dict(cfg=CURVE_CFG, run=Run(batch=2, seq=16, dtype="fp32"), tp=2, steps=4, lr=1e-2)
-# reduction order only: fp32 sums over <= 256 terms in a different grouping differ by a few ulp of the loss (~5.5,
-# ulp 4.8e-7) per step, and Adam's update divides by sqrt(v) which amplifies that little over four steps at lr 1e-2
+# reduction order only: TP sums each row-parallel matmul as hidden/tp partials then across ranks, and FSDP averages
+# the dp ranks' gradients where one process sums the whole batch, so step 1 differs by about one fp32 ulp (2^-23
+# relative); Adam's normalised update (lr x m / sqrt(v)) turns last-bit gradient differences into weight differences
+# of order lr x eps that compound step by step. 1e-5 relative is ~80 ulp at step 4 (docs/parallelism-tp.md).
 CURVE_TOL = 1e-5
 
 MESHES = {2: [("tp2", 2, 1)], 4: [("tp4", 4, 1), ("tp2xdp2", 2, 2)]}
