@@ -171,6 +171,33 @@ def test_tp_fsdp_loss_curve_matches_single_process(mesh_run, claims):
                      note=f"2 x 2 mesh, fp32, step {step + 1}")
 
 
+@pytest.mark.distributed
+def test_torchrun_tp_two_ranks(tmp_path, claims):
+    """The documented launch works on CPU: torchrun, gloo, TP 2; rank 0 prints the loss each step, and each rank's
+    report holds the predicted collectives and bytes."""
+    import json
+
+    report = tmp_path / "report"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "llm_anatomy.distributed.mesh_step", "--tp", "2", "--hidden", "32", "--layers", "2", "--heads", "4",
+           "--kv-heads", "2", "--intermediate", "64", "--vocab", "128", "--batch", "2", "--seq", "8", "--steps", "2",
+           "--report", str(report)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sum(line.startswith("step ") and " loss " in line for line in out.stdout.splitlines()) == 2, out.stdout
+    cfg = ModelConfig(name="custom", hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=128)
+    run = Run(batch=2, seq=8, dtype="fp32")
+    pred = grouped_counts(tp_collectives(cfg, run, 2))
+    for r in range(2):
+        rec = json.loads((report / f"rank{r}.json").read_text())["steps"][-1]
+        meas = {tuple(k[:3]) + (k[3],): n for *k, n in rec["collectives"]}
+        assert meas == pred, f"torchrun rank {r}\n meas {meas}\n pred {pred}"
+        mem = tp_rank_memory(cfg, run, 2, rank=r)
+        for what in ("params", "grads", "optimizer"):
+            claims.check(f"tp per-rank {what} bytes", component="comm", config=cfg.name, variant="baseline",
+                         predicted=mem[what], measured=rec["memory"][what], unit="B", note=f"torchrun, rank {r}")
+
+
 # ---- the fake process group: one rank of a 64- and a 1024-rank mesh, llama3-8b ------------------------------------
 @pytest.mark.parametrize("tp, dp, rank", [(4, 16, 37), (8, 128, 1023)], ids=["tp4xdp16", "tp8xdp128"])
 def test_fake_pg_large_mesh_exact(tp, dp, rank, claims):
