@@ -43,7 +43,11 @@ def tp_cases(draw, tp: int, dp: int) -> dict:
                       mlp=draw(st.sampled_from(["swiglu", "gpt-oss"])), qkv_bias=draw(st.booleans()))
     dtypes = ["fp32", "bf16", "amp"] if dp > 1 else ["fp32", "bf16"]
     run = Run(batch=draw(st.integers(1, 3)), seq=tp * draw(st.integers(1, 6)), dtype=draw(st.sampled_from(dtypes)))
-    return dict(cfg=cfg, run=run, tp=tp, steps=2, optimizer=draw(st.sampled_from(["adamw", "sgd"])))
+    case = dict(cfg=cfg, run=run, tp=tp, steps=2, optimizer=draw(st.sampled_from(["adamw", "sgd"])))
+    if dp > 1:  # FSDP's options: its collectives' dtypes and the backward's re-gather
+        case.update(reshard_after_forward=draw(st.booleans()),
+                    reduce_dtype=draw(st.sampled_from(["auto", "float32", "bfloat16"])))
+    return case
 
 
 # the 2 x 2 loss curve: fp32, a learning rate that moves the loss, four steps
@@ -82,7 +86,8 @@ def _note(name: str, sc: dict) -> str:
     c, r = sc["cfg"], sc["run"]
     return (f"{name}: tp {sc['tp']} x dp {sc['dp']}, hidden {c.hidden}, layers {c.layers}, heads {c.heads}/"
             f"{c.kv_heads}, I {c.intermediate}, V {c.vocab}, {c.mlp}, bias {c.qkv_bias}; B{r.batch} S{r.seq} "
-            f"{r.dtype}, {sc.get('optimizer', 'adamw')}")
+            f"{r.dtype}, {sc.get('optimizer', 'adamw')}, reduce {sc.get('reduce_dtype', 'auto')}, "
+            f"reshard {sc.get('reshard_after_forward', True)}")
 
 
 @pytest.mark.distributed
@@ -91,8 +96,12 @@ def test_tp_collectives_exact(mesh_run, claims):
     world, scen, res = mesh_run
     assert len(scen) >= N_DRAWS * len(MESHES[world])
     for name, sc in scen.items():
+        # mesh_step's "auto" is the dtype policy's choice (amp: bf16 all-gathers, fp32 reduce-scatters)
+        pd, rd = {"amp": ("bfloat16", "float32")}.get(sc["run"].dtype, (None, None))
+        rd = rd if sc.get("reduce_dtype", "auto") == "auto" else sc["reduce_dtype"]
         pred = grouped_counts(tp_collectives(sc["cfg"], sc["run"], sc["tp"], sc["dp"],
-                                             optimizer=sc.get("optimizer", "adamw")))
+                                             optimizer=sc.get("optimizer", "adamw"), param_dtype=pd, reduce_dtype=rd,
+                                             reshard_after_forward=sc.get("reshard_after_forward", True)))
         for r in range(world):
             for rec in res[name][r]:
                 meas = {tuple(k[:3]) + (k[3],): n for *k, n in rec["collectives"]}
