@@ -3,6 +3,9 @@
 CollectiveCounter is a TorchDispatchMode, the mechanism CommDebugMode uses: every c10d collective
 (DDP's reducer and FSDP2 call them through the dispatcher, eager or functional) passes through
 it, so the count is of real calls with their real tensors, whatever the backend (gloo, nccl, fake).
+A DTensor op is handed back to DTensor (NotImplemented), so the collectives it issues inside the op
+(tensor parallel's redistributions, loss_parallel's reductions) reach the counter on plain tensors;
+each call keeps its process group's name, which a mesh maps to its dim (counts_by_group).
 Bytes follow NCCL-tests' convention, as the calculator does (llm_anatomy/calculator/comm.py): an
 all-gather is its output, a reduce-scatter its input, an all-reduce or broadcast its buffer.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # c10d op -> (collective, which argument holds the full buffer)
@@ -74,7 +78,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **(kwargs or {}))
-        if any(t is not torch.Tensor and t.__name__ == "DTensor" for t in types):
+        if any(issubclass(t, DTensor) for t in types):
             # a DTensor op: let DTensor run it, so the collectives it desugars into (redistributions, loss
             # parallel's reductions) come back through this mode on plain tensors, as CommDebugMode does
             return NotImplemented
