@@ -17,7 +17,7 @@ def check_mesh(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseli
         _pos(name, v)
     if cp > 1 and device == "cpu":
         raise ConfigError("cp > 1 needs CUDA: torch's context_parallel shards SDPA's flash/efficient/cuDNN "
-                          "kernels, which CPU (gloo) does not run")
+                          "kernels; CPU's SDPA (_scaled_dot_product_flash_attention_for_cpu) has no sharding rule")
     if cp > 1:
         raise ConfigError("cp > 1 is not built yet (see docs/parallelism-tp.md)")
     if tp == 1:
