@@ -17,14 +17,8 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from llm_anatomy.calculator.tensor_parallel import (
-    check_mesh,
-    check_run,
-    grouped_counts,
-    tp_collectives,
-    tp_rank_memory,
-    tp_saved,
-)
+from llm_anatomy.calculator.tensor_parallel import (check_mesh, check_run, grouped_counts, tp_collectives,
+                                                    tp_rank_memory, tp_saved)
 from llm_anatomy.config import PRESETS, ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
 

@@ -8,13 +8,7 @@ from dataclasses import replace
 
 from llm_anatomy.calculator.comm import _row, fsdp_collectives
 from llm_anatomy.calculator.param_layout import Shape, fsdp_unit_shapes
-from llm_anatomy.calculator.sharding import (
-    DTYPE_BYTES,
-    fsdp_dtypes,
-    optimizer_bytes,
-    param_dtype_name,
-    shard_numel,
-)
+from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
 from llm_anatomy.calculator.types import BYTES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.mesh_rules import check_mesh, check_run

@@ -12,7 +12,8 @@
 
 The predictions are pure Python, in llm_anatomy.calculator.comm (estimate_distributed, re-exported
 here, render_distributed), llm_anatomy.calculator.sharding (per_rank_memory, per_rank_peak) and
-llm_anatomy.calculator.tensor_parallel (tp_rank_memory, tp_collectives, tp_saved). Importing this package does not import torch.
+llm_anatomy.calculator.tensor_parallel (tp_rank_memory, tp_collectives, tp_saved). Importing this package does
+not import torch.
 """
 from llm_anatomy.calculator.comm import estimate_distributed
 

@@ -25,21 +25,10 @@ from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.distributed import train_step
 from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
 from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank
-from llm_anatomy.distributed.tensor_parallel import (
-    MESH_DIMS,
-    build_mesh,
-    check_tp,
-    full_loss,
-    loss_context,
-    parallelize,
-)
+from llm_anatomy.distributed.tensor_parallel import (MESH_DIMS, build_mesh, check_tp, full_loss, loss_context,
+                                                     parallelize)
 from llm_anatomy.distributed.tp_saved import LocalSavedTracer
-from llm_anatomy.distributed.train_step import (
-    _config,
-    _Parser,
-    init_cli,
-    make_optimizer,
-)
+from llm_anatomy.distributed.train_step import _config, _Parser, init_cli, make_optimizer
 from llm_anatomy.io import write_atomic
 from llm_anatomy.mesh_rules import check_run
 from llm_anatomy.models import build_model, make_batch

@@ -22,10 +22,20 @@ parallel on CPU (torch's context_parallel shards SDPA's CUDA/flash paths only).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               loss_parallel, parallelize_module)
 
 from llm_anatomy.config import ConfigError, ModelConfig
+from llm_anatomy.distributed.strategies import _dtype
+from llm_anatomy.mesh_rules import check_mesh
 
 MESH_DIMS = ("dp", "tp")
 _MESHES: dict = {}
@@ -33,18 +43,14 @@ _MESHES: dict = {}
 
 def check_tp(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseline", cp: int = 1,
              device: str = "cpu") -> None:
-    """ConfigError (one line) for a mesh this model cannot run on; the calculator uses the same rule."""
-    from llm_anatomy.mesh_rules import check_mesh
-
+    """ConfigError (one line) for a mesh this model cannot run on (llm_anatomy.mesh_rules: the calculator applies
+    the same rule)."""
     check_mesh(cfg, tp, dp, variant=variant, cp=cp, device=device)
 
 
 def build_mesh(dp: int, tp: int, device_type: str = "cpu"):
     """The 2-D DeviceMesh (dp, tp) over the default process group: tp is the inner (fastest-varying) dim, so the
     ranks of one TP group are neighbours, as on a node."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     if not dist.is_initialized():
         raise ConfigError("no process group: launch with torchrun (or init_distributed()) before build_mesh()")
     world = dist.get_world_size()
@@ -60,29 +66,15 @@ def build_mesh(dp: int, tp: int, device_type: str = "cpu"):
     return _MESHES[key]
 
 
-def tp_plan(model: nn.Module) -> dict:
+def tp_plan() -> dict:
     """The root's plan (embedding, final norm, head); each Block's is block_plan()."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
     return {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
             "head.lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
 
 
 def block_plan() -> dict:
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
+    """One Block's plan, on module names inside the Block."""
     gather = dict(input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None))
     return {"attn_norm": SequenceParallel(), "attn": PrepareModuleInput(**gather),
             "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
@@ -98,21 +90,15 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
     """Apply TP + SP on mesh["tp"], then FSDP2 on mesh["dp"] when it has more than one rank (in place).
 
     param_dtype / reduce_dtype: FSDP2's MixedPrecisionPolicy (as distributed.strategies.wrap)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     tp = mesh["tp"].size()
     cfg = model.cfg
     check_tp(cfg, tp, mesh["dp"].size(), variant=getattr(model, "variant", "baseline"))
     if tp > 1:
-        parallelize_module(model, mesh["tp"], tp_plan(model))
+        parallelize_module(model, mesh["tp"], tp_plan())
         for block in model.layers:
             parallelize_module(block, mesh["tp"], block_plan())
             block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
     if mesh["dp"].size() > 1:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        from llm_anatomy.distributed.strategies import _dtype
-
         mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
                                   reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))
         for block in model.layers:
@@ -123,10 +109,6 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
 
 def loss_context(tp: int):
     """The context forward and backward run in: loss_parallel() under TP (the logits are vocab-sharded)."""
-    import contextlib
-
-    from torch.distributed.tensor.parallel import loss_parallel
-
     return loss_parallel() if tp > 1 else contextlib.nullcontext()
 
 
