@@ -27,9 +27,6 @@ def check_mesh(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseli
                           "plain tensors, not column shards")
     if cfg.moe:
         raise ConfigError("tp > 1 does not shard mixture-of-experts layers (experts > 0)")
-    if cfg.tie_embeddings:
-        raise ConfigError("tp > 1 cannot shard tie_embeddings: the embedding and the head would become two "
-                          "DTensors of one table")
     if cfg.qk_norm:
         raise ConfigError("tp > 1 cannot shard qk_norm: the per-head norm weight's gradient sums heads that "
                           "live on different ranks")

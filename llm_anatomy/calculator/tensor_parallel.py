@@ -52,8 +52,9 @@ def tp_rank_memory(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: in
     (dp, tp) mesh (tp innermost); FSDP2 shards each TP-local tensor on dim 0 over dp (sharding.py's rules).
 
     Gradients: under FSDP the reduce-scatter's padded shards, like the parameters. Without it, each .grad as
-    DTensor leaves it: the TP-local shape, except the embedding's, which DTensor's embedding backward returns
-    Replicate, the full (V, H) table on every rank."""
+    DTensor leaves it: the TP-local shape, except an untied embedding's, which DTensor's embedding backward returns
+    Replicate, the full (V, H) table on every rank (tied, the head's Shard(0) gradient comes first and the sum
+    keeps its placement)."""
     check_mesh(cfg, tp, dp)
     check_run(run, tp, dp)
     check_optimizer(optimizer, tp, dp)
@@ -66,7 +67,8 @@ def tp_rank_memory(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: in
         tensors += k
         local += k * lo
         params += k * pa * pb
-        grad = pa if dp > 1 or name != "embed.weight" or tp == 1 else cfg.vocab * cfg.hidden
+        untied_embedding = name == "embed.weight" and not cfg.tie_embeddings
+        grad = cfg.vocab * cfg.hidden if tp > 1 and dp == 1 and untied_embedding else pa
         grads += k * grad * pb
     return dict(params=params, grads=grads, optimizer=optimizer_bytes(optimizer, local, tensors, pb))
 

@@ -14,8 +14,9 @@ The plan is torchtitan's parallelize_llama, on this project's module names:
 Each Attention module is told its local head counts (heads / tp, kv_heads / tp), as torchtitan does, since its
 views read them. FSDP2 (fully_shard per Block, then the root) then shards each TP-local tensor on dim 0 over "dp".
 
-What the engine cannot shard is refused in one line (ConfigError): widths not divisible by tp, tied embeddings
-(parallelize_module makes two DTensors of the one tied table), Qwen3's per-head q/k norms (their weight gradient is
+parallelize_module distributes each module's parameters apart, so a tied head is tied again afterwards to the
+embedding's DTensor (both are sharded on the vocab). What the engine cannot shard is refused in one line
+(ConfigError, llm_anatomy.mesh_rules): widths not divisible by tp, Qwen3's per-head q/k norms (their weight gradient is
 a sum over heads that live on different ranks: it would need a DTensor weight fed local activations), mixture of
 experts, the efficient variant (its fused kernels take plain tensors; see docs/parallelism-tp.md), and context
 parallel on CPU (torch's context_parallel shards SDPA's CUDA/flash paths only).
@@ -95,6 +96,8 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
     check_tp(cfg, tp, mesh["dp"].size(), variant=getattr(model, "variant", "baseline"))
     if tp > 1:
         parallelize_module(model, mesh["tp"], tp_plan())
+        if cfg.tie_embeddings:  # both are Shard(0) over the vocab: the head takes the embedding's DTensor again
+            model.head.lm_head.weight = model.embed.weight
         for block in model.layers:
             parallelize_module(block, mesh["tp"], block_plan())
             block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
