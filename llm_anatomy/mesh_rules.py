@@ -27,9 +27,6 @@ def check_mesh(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseli
                           "plain tensors, not column shards")
     if cfg.moe:
         raise ConfigError("tp > 1 does not shard mixture-of-experts layers (experts > 0)")
-    if cfg.qk_norm:
-        raise ConfigError("tp > 1 cannot shard qk_norm: the per-head norm weight's gradient sums heads that "
-                          "live on different ranks")
     for field in ("heads", "kv_heads", "intermediate", "vocab"):
         if getattr(cfg, field) % tp:
             raise ConfigError(f"{field}={getattr(cfg, field)} is not divisible by tp={tp}")

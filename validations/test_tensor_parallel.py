@@ -32,10 +32,12 @@ def tp_cases(draw, tp: int, dp: int) -> dict:
     kv = tp * draw(st.integers(1, 2))
     heads = kv * draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([2, 4, 6, 8]))
-    cfg = ModelConfig(name=f"tp{tp}-draw", hidden=heads * head_dim, layers=draw(st.integers(1, 2)), heads=heads,
-                      kv_heads=kv, intermediate=tp * draw(st.integers(1, 24)), vocab=tp * draw(st.integers(1, 80)),
-                      mlp=draw(st.sampled_from(["swiglu", "gpt-oss"])), qkv_bias=draw(st.booleans()),
-                      tie_embeddings=draw(st.booleans()))
+    qk_norm = draw(st.booleans())  # Qwen3: per-head q/k norms, and a hidden width apart from heads x head_dim
+    hidden = draw(st.integers(4, 48)) if qk_norm else heads * head_dim
+    cfg = ModelConfig(name=f"tp{tp}-draw", hidden=hidden, layers=draw(st.integers(1, 2)), heads=heads, kv_heads=kv,
+                      head_dim=head_dim, intermediate=tp * draw(st.integers(1, 24)),
+                      vocab=tp * draw(st.integers(1, 80)), mlp=draw(st.sampled_from(["swiglu", "gpt-oss"])),
+                      qkv_bias=draw(st.booleans()), tie_embeddings=draw(st.booleans()), qk_norm=qk_norm)
     dtypes = ["fp32", "bf16", "amp"] if dp > 1 else ["fp32", "bf16"]
     run = Run(batch=draw(st.integers(1, 3)), seq=tp * draw(st.integers(1, 6)), dtype=draw(st.sampled_from(dtypes)))
     case = dict(cfg=cfg, run=run, tp=tp, steps=2, optimizer=draw(st.sampled_from(["adamw", "sgd"])))
@@ -80,7 +82,8 @@ def mesh_run(request):
 def _note(name: str, sc: dict) -> str:
     c, r = sc["cfg"], sc["run"]
     return (f"{name}: tp {sc['tp']} x dp {sc['dp']}, hidden {c.hidden}, layers {c.layers}, heads {c.heads}/"
-            f"{c.kv_heads}, I {c.intermediate}, V {c.vocab}, {c.mlp}, bias {c.qkv_bias}, tied {c.tie_embeddings}; "
+            f"{c.kv_heads}, I {c.intermediate}, V {c.vocab}, {c.mlp}, bias {c.qkv_bias}, tied {c.tie_embeddings}, "
+            f"qk_norm {c.qk_norm} (hd {c.head_dim}); "
             f"B{r.batch} S{r.seq} "
             f"{r.dtype}, {sc.get('optimizer', 'adamw')}, reduce {sc.get('reduce_dtype', 'auto')}, "
             f"reshard {sc.get('reshard_after_forward', True)}")
@@ -233,7 +236,6 @@ OK = ModelConfig(name="ok", hidden=32, layers=1, heads=4, kv_heads=2, intermedia
     (ModelConfig(hidden=32, layers=1, heads=4, kv_heads=1, intermediate=64, vocab=128), 2, "kv_heads"),
     (ModelConfig(hidden=32, layers=1, heads=4, intermediate=66, vocab=128), 4, "intermediate"),
     (ModelConfig(hidden=32, layers=1, heads=4, intermediate=64, vocab=127), 2, "vocab"),
-    (ModelConfig(hidden=32, layers=1, heads=4, intermediate=64, vocab=128, qk_norm=True), 2, "qk_norm"),
 ])
 def test_unshardable_config_refused(cfg, tp, field):
     with pytest.raises(ConfigError, match=field) as e:

@@ -89,7 +89,8 @@ def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimize
                                target logits (the logits are upcast before the loss)
       all-reduce, hidden       each norm's weight gradient is Partial over tp (it sums the rank's rows); FSDP
                                redistributes it to Replicate once in backward; without FSDP the optimizer's foreach
-                               ops redistribute it at each read of the gradient (AdamW: 3, SGD: 1)
+                               ops redistribute it at each read of the gradient (AdamW: 3, SGD: 1); with
+                               qk_norm the same for each q_norm and k_norm weight (head_dim elements)
     dp: FSDP2's rows (comm.fsdp_collectives) on the TP-local units."""
     check_mesh(cfg, tp, dp)
     check_run(run, tp, dp)
@@ -106,8 +107,10 @@ def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimize
                  _row("reduce_scatter", "backward", "attn, mlp, head input grads", 2 * L + 1, act, compute),
                  _row("all_reduce", "forward", "loss parallel", 3, run.batch * run.seq * 4, "float32")]
         reads = 1 if dp > 1 else OPTIMIZER_GRAD_READS[optimizer]
-        rows.append(_row("all_reduce", "backward" if dp > 1 else "optimizer", "norm weight grads",
-                         (2 * L + 1) * reads, cfg.hidden * cb, compute))
+        phase = "backward" if dp > 1 else "optimizer"
+        rows.append(_row("all_reduce", phase, "norm weight grads", (2 * L + 1) * reads, cfg.hidden * cb, compute))
+        if cfg.qk_norm:  # the per-head q/k norms run on the rank's heads: their weight gradients are Partial too
+            rows.append(_row("all_reduce", phase, "q/k norm weight grads", 2 * L * reads, cfg.head_dim * cb, compute))
         for r in rows:
             r["group"] = "tp"
     if dp > 1:

@@ -15,11 +15,11 @@ Each Attention module is told its local head counts (heads / tp, kv_heads / tp),
 views read them. FSDP2 (fully_shard per Block, then the root) then shards each TP-local tensor on dim 0 over "dp".
 
 parallelize_module distributes each module's parameters apart, so a tied head is tied again afterwards to the
-embedding's DTensor (both are sharded on the vocab). What the engine cannot shard is refused in one line
-(ConfigError, llm_anatomy.mesh_rules): widths not divisible by tp, Qwen3's per-head q/k norms (their weight gradient is
-a sum over heads that live on different ranks: it would need a DTensor weight fed local activations), mixture of
-experts, the efficient variant (its fused kernels take plain tensors; see docs/parallelism-tp.md), and context
-parallel on CPU (torch's context_parallel shards SDPA's CUDA/flash paths only).
+embedding's DTensor (both are sharded on the vocab). Qwen3's per-head q/k norms get SequenceParallel on the heads dim
+(their input is the rank's heads), so their weight gradients are Partial over tp like the other norms'.
+What the engine cannot shard is refused in one line (ConfigError, llm_anatomy.mesh_rules): widths not divisible
+by tp, mixture of experts, the efficient variant (its fused kernels take plain tensors; see docs/parallelism-tp.md),
+and context parallel on CPU (torch's context_parallel shards SDPA's CUDA kernels only).
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def tp_plan() -> dict:
             "head.lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
 
 
-def block_plan() -> dict:
+def block_plan(cfg: ModelConfig) -> dict:
     """One Block's plan, on module names inside the Block."""
     gather = dict(input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None))
     return {"attn_norm": SequenceParallel(), "attn": PrepareModuleInput(**gather),
@@ -83,7 +83,14 @@ def block_plan() -> dict:
             "mlp_norm": SequenceParallel(),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
-            "mlp.down": RowwiseParallel(output_layouts=Shard(1))}
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1))} | (qk_norm_plan() if cfg.qk_norm else {})
+
+
+def qk_norm_plan() -> dict:
+    """Qwen3's per-head q/k norms see the rank's heads, (B, S, heads / tp, hd): SequenceParallel on the heads dim
+    replicates the weight and makes its gradient Partial over tp, as for the other norms."""
+    return {"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
 
 
 def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
@@ -99,7 +106,7 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
         if cfg.tie_embeddings:  # both are Shard(0) over the vocab: the head takes the embedding's DTensor again
             model.head.lm_head.weight = model.embed.weight
         for block in model.layers:
-            parallelize_module(block, mesh["tp"], block_plan())
+            parallelize_module(block, mesh["tp"], block_plan(cfg))
             block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
     if mesh["dp"].size() > 1:
         mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
