@@ -206,14 +206,19 @@ def test_torchrun_tp_two_ranks(tmp_path, claims):
                          predicted=mem[what], measured=rec["memory"][what], unit="B", note=f"torchrun, rank {r}")
 
 
-# ---- the fake process group: one rank of a 64- and a 1024-rank mesh, llama3-8b ------------------------------------
-@pytest.mark.parametrize("tp, dp, rank", [(4, 16, 37), (8, 128, 1023)], ids=["tp4xdp16", "tp8xdp128"])
-def test_fake_pg_large_mesh_exact(tp, dp, rank, claims):
+# ---- the fake process group: one rank of a 64-, 256- and 1024-rank mesh ---------------------------------------
+@pytest.mark.parametrize("model, tp, dp, rank", [("llama3-8b", 4, 16, 37), ("Qwen3-0.6B", 8, 32, 100),
+                                                 ("llama3-8b", 8, 128, 1023)],
+                         ids=["llama3-8b-tp4xdp16", "qwen3-0.6b-tp8xdp32", "llama3-8b-tp8xdp128"])
+def test_fake_pg_large_mesh_exact(model, tp, dp, rank, claims):
     """DTensor and FSDP2 run their own code on fake tensors for one rank of tp x dp; its collectives (by mesh dim)
-    and its params/grads/optimizer bytes equal the prediction."""
+    and its params/grads/optimizer bytes equal the prediction. Qwen3-0.6B: tied embeddings and per-head q/k norms."""
     from llm_anatomy.distributed.mesh_step import simulate
+    from llm_anatomy.hf_config import from_hf_config
+    from validations.hf_configs import HF_CONFIGS
 
-    cfg, run = PRESETS["llama3-8b"], Run(batch=1, seq=16, dtype="amp")
+    cfg = PRESETS[model] if model in PRESETS else from_hf_config(HF_CONFIGS[model])
+    run = Run(batch=1, seq=16, dtype="amp")
     rec = simulate(cfg, run, tp, dp, rank=rank)[-1]
     pred = grouped_counts(tp_collectives(cfg, run, tp, dp))
     meas = {tuple(k[:3]) + (k[3],): n for *k, n in rec["collectives"]}
