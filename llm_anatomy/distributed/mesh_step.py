@@ -28,7 +28,7 @@ from llm_anatomy.distributed.strategies import default_mixed_precision, exit_ran
 from llm_anatomy.distributed.tensor_parallel import (MESH_DIMS, build_mesh, check_tp, full_loss, loss_context,
                                                      parallelize)
 from llm_anatomy.distributed.tp_saved import LocalSavedTracer
-from llm_anatomy.distributed.train_step import _config, _Parser, init_cli, make_optimizer
+from llm_anatomy.distributed.train_step import _config, _Parser, add_model_flags, init_cli, make_optimizer
 from llm_anatomy.io import write_atomic
 from llm_anatomy.mesh_rules import check_run
 from llm_anatomy.models import build_model, make_batch
@@ -126,11 +126,7 @@ def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> lis
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m llm_anatomy.distributed.mesh_step", description=__doc__.split("\n")[0])
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree (divides the world size)")
-    p.add_argument("--preset", help="a named config (llm_anatomy.config.PRESETS)")
-    for f in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab"):
-        p.add_argument(f"--{f}", type=int)
-    p.add_argument("--tie-embeddings", action="store_true", help="(refused under tp > 1)")
-    p.add_argument("--qkv-bias", action="store_true", help="a bias on q, k and v (Qwen2)")
+    add_model_flags(p)
     p.add_argument("--batch", type=int, default=2, help="per dp rank")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--dtype", default="fp32", help="fp32, bf16, or amp (with dp > 1: FSDP's policy)")

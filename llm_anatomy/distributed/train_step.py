@@ -145,14 +145,19 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m llm_anatomy.distributed.train_step", description=__doc__.split("\n")[0])
-    p.add_argument("--strategy", required=True, help="ddp or fsdp")
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """--preset, or the shape flags that _config() reads."""
     p.add_argument("--preset", help="a named config (llm_anatomy.config.PRESETS)")
     for f in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab"):
         p.add_argument(f"--{f}", type=int)
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--qkv-bias", action="store_true", help="a bias on q, k and v (Qwen2)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m llm_anatomy.distributed.train_step", description=__doc__.split("\n")[0])
+    p.add_argument("--strategy", required=True, help="ddp or fsdp")
+    add_model_flags(p)
     p.add_argument("--batch", type=int, default=2, help="per rank")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--dtype", default="amp", help="amp, bf16 or fp32 (see llm_anatomy.config)")
