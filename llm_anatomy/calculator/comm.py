@@ -111,13 +111,16 @@ def ddp_collectives(cfg: ModelConfig, run: Run, *, step: int | None = None,
 
 
 def fsdp_collectives(cfg: ModelConfig, run: Run, world_size: int, *, param_dtype: str | None = None,
-                     reduce_dtype: str | None = None, reshard_after_forward: bool = True) -> list[dict]:
-    """FSDP2's collectives in one training step (every step is the same)."""
+                     reduce_dtype: str | None = None, reshard_after_forward: bool = True,
+                     unit_shapes=None) -> list[dict]:
+    """FSDP2's collectives in one training step (every step is the same). unit_shapes: the units' tensors as
+    fsdp_unit_shapes gives them (default: the model's; tensor parallel passes its TP-local shapes)."""
     dts = fsdp_dtypes(run, param_dtype, reduce_dtype)
     W = world_size
     if W == 1:  # FSDP2 skips its collectives when there is no one to talk to
         return []
-    numel = {name: sum(shard_numel(s, W, 0)[1] for _, s in ps) for name, ps in fsdp_unit_shapes(cfg)}  # padded
+    numel = {name: sum(shard_numel(s, W, 0)[1] for _, s in ps)  # padded
+             for name, ps in (unit_shapes or fsdp_unit_shapes(cfg))}
     ag, rs = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]]
     root, block, L = numel["root"], numel["block"], cfg.layers
     rows = [_row("all_gather", "forward", "root", 1, W * root * ag, dts["all_gather"]),

@@ -3,6 +3,9 @@
 CollectiveCounter is a TorchDispatchMode, the mechanism CommDebugMode uses: every c10d collective
 (DDP's reducer and FSDP2 call them through the dispatcher, eager or functional) passes through
 it, so the count is of real calls with their real tensors, whatever the backend (gloo, nccl, fake).
+A DTensor op is handed back to DTensor (NotImplemented), so the collectives it issues inside the op
+(tensor parallel's redistributions, loss_parallel's reductions) reach the counter on plain tensors;
+each call keeps its process group's name, which a mesh maps to its dim (counts_by_group).
 Bytes follow NCCL-tests' convention, as the calculator does (llm_anatomy/calculator/comm.py): an
 all-gather is its output, a reduce-scatter its input, an all-reduce or broadcast its buffer, a send or recv its tensor.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # c10d op -> (collective, which argument holds the full buffer)
@@ -44,6 +48,17 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
                 torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8", torch.bool: "bool"}
 
 
+def _c10d_group(args) -> str | None:
+    """The process group's name of a c10d op (its ProcessGroup argument), None if it has none."""
+    pg_type = torch._C._distributed_c10d.ProcessGroup
+    for a in args:  # the dispatcher passes the ProcessGroup boxed in a TorchScript object
+        if isinstance(a, torch.ScriptObject):
+            return pg_type.unbox(a).group_name
+        if isinstance(a, pg_type):
+            return a.group_name
+    return None
+
+
 def _tensors(x) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
@@ -64,25 +79,37 @@ class CollectiveCounter(TorchDispatchMode):
         self.calls: list[dict] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            # a DTensor op: let DTensor run it, so the collectives it desugars into (redistributions, loss
+            # parallel's reductions) come back through this mode on plain tensors, as CommDebugMode does
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         ns, name = func.namespace, func._overloadpacket.__name__
         if ns == "c10d" and name in _C10D:
             op, i = _C10D[name]
             ts = _tensors(args[i]) if i is not None else []
-            self._add(op, ts, _nbytes(ts))
+            self._add(op, ts, _nbytes(ts), _c10d_group(args))
         elif ns in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd") and name in _FUNCTIONAL:
             op, ts = _FUNCTIONAL[name], _tensors(args[0])
             n = _nbytes(ts) * (args[1] if op == "all_gather" and name != "all_gather_into_tensor_out" else 1)
-            self._add(op, ts, n)
+            self._add(op, ts, n, next((a for a in reversed(args) if isinstance(a, str)), None))
         return out
 
-    def _add(self, op: str, ts: list[torch.Tensor], nbytes: int) -> None:
+    def _add(self, op: str, ts: list[torch.Tensor], nbytes: int, group: str | None = None) -> None:
         dtype = _DTYPE_NAMES.get(ts[0].dtype, str(ts[0].dtype)) if ts else "none"
-        self.calls.append(dict(op=op, dtype=dtype, bytes=nbytes))
+        self.calls.append(dict(op=op, dtype=dtype, bytes=nbytes, group=group))
 
     def counts(self) -> dict[tuple[str, str, int], int]:
         """{(op, dtype, bytes): calls}, the form calculator.comm.collective_counts() predicts."""
         return dict(Counter((c["op"], c["dtype"], c["bytes"]) for c in self.calls))
+
+    def counts_by_group(self, names: dict[str, str] | None = None) -> dict[tuple[str, str, str, int], int]:
+        """{(group, op, dtype, bytes): calls}; `names` maps a process group's name to a label (a mesh dim)."""
+        names = names or {}
+        return dict(Counter((names.get(c["group"], c["group"] or "?"), c["op"], c["dtype"], c["bytes"])
+                            for c in self.calls))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

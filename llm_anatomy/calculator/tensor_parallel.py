@@ -1,0 +1,167 @@
+"""Per-rank figures of tensor parallel (+ sequence parallel) x FSDP2 on a (dp, tp) mesh. Pure Python: no torch.
+
+The mesh and plan are llm_anatomy/distributed/tensor_parallel.py's (torchtitan's parallelize_llama).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llm_anatomy.calculator.comm import _row, fsdp_collectives
+from llm_anatomy.calculator.param_layout import Shape, fsdp_unit_shapes
+from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
+from llm_anatomy.calculator.types import BYTES
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.mesh_rules import check_mesh, check_run
+
+# how many times each optimizer's foreach step reads a gradient: each read of a Partial DTensor gradient
+# redistributes it (an all-reduce) when no FSDP has made it Replicate first
+OPTIMIZER_GRAD_READS = {"adamw": 3, "sgd": 1}
+
+
+def check_optimizer(optimizer: str, tp: int, dp: int) -> None:
+    """The optimizers whose redistributions of the norms' Partial gradients are known (they matter without FSDP)."""
+    if tp > 1 and dp == 1 and optimizer not in OPTIMIZER_GRAD_READS:
+        raise ConfigError(f"tp without dp predicts optimizers {', '.join(OPTIMIZER_GRAD_READS)}, not {optimizer!r}")
+    if optimizer not in ("adamw", "ademamix", "sgd"):
+        raise ConfigError(f"unknown optimizer {optimizer!r}; choose from adamw, ademamix, sgd")
+
+
+# ---- the tensors each rank holds ------------------------------------------------------------------------------
+# ColwiseParallel shards a weight (and its bias) on dim 0, RowwiseParallel on dim 1 (the embedding on dim 0: the
+# vocab), SequenceParallel replicates the norms' weights. DTensor's local tensor is the plain chunk.
+def tp_unit_shapes(cfg: ModelConfig, tp: int) -> tuple:
+    """fsdp_unit_shapes on the TP-local tensors: ("root", [(name, shape)]), ("block", [(name, shape)])."""
+    def local(name: str, shape: Shape) -> Shape:
+        if name.endswith(("norm.weight",)) or tp == 1:
+            return shape
+        if name.endswith(("attn.o.weight", "mlp.down.weight")):
+            return (shape[0], shape[1] // tp)
+        return (shape[0] // tp, *shape[1:])  # q/k/v/gate/up weights and biases, embed, head
+
+    return tuple((unit, [(n, local(n, s)) for n, s in ps]) for unit, ps in fsdp_unit_shapes(cfg))
+
+
+def _local_counts(cfg: ModelConfig, tp: int) -> list[tuple[str, Shape, int]]:
+    (_, root), (_, block) = tp_unit_shapes(cfg, tp)
+    return [(n, s, 1) for n, s in root] + [(n, s, cfg.layers) for n, s in block]
+
+
+def tp_rank_memory(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0,
+                   optimizer: str = "adamw") -> dict:
+    """Bytes one rank holds after the optimizer step: {params, grads, optimizer}. rank is the global rank of the
+    (dp, tp) mesh (tp innermost); FSDP2 shards each TP-local tensor on dim 0 over dp (sharding.py's rules).
+
+    Gradients: under FSDP the reduce-scatter's padded shards, like the parameters. Without it, each .grad as
+    DTensor leaves it: the TP-local shape, except an untied embedding's, which DTensor's embedding backward returns
+    Replicate, the full (V, H) table on every rank (tied, the head's Shard(0) gradient comes first and the sum
+    keeps its placement)."""
+    check_mesh(cfg, tp, dp)
+    check_run(run, tp, dp)
+    check_optimizer(optimizer, tp, dp)
+    if not 0 <= rank < tp * dp:
+        raise ConfigError(f"rank must be in [0, {tp * dp}), got {rank!r}")
+    pb, dr = BYTES[param_dtype_name(run)], rank // tp
+    params = grads = local = tensors = 0
+    for name, s, k in _local_counts(cfg, tp):
+        lo, pa = shard_numel(s, dp, dr)
+        tensors += k
+        local += k * lo
+        params += k * pa * pb
+        untied_embedding = name == "embed.weight" and not cfg.tie_embeddings
+        grad = cfg.vocab * cfg.hidden if tp > 1 and dp == 1 and untied_embedding else pa
+        grads += k * grad * pb
+    return dict(params=params, grads=grads, optimizer=optimizer_bytes(optimizer, local, tensors, pb))
+
+
+# ---- the collectives of one step -------------------------------------------------------------------------------
+def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimizer: str = "adamw",
+                   param_dtype: str | None = None, reduce_dtype: str | None = None,
+                   reshard_after_forward: bool = True) -> list[dict]:
+    """Every collective of one training step on one rank, in comm.py's row format plus `group` ("tp" or "dp").
+
+    tp (torch 2.13 DTensor, the plan of distributed/tensor_parallel.py), with A = batch x seq x hidden elements
+    in the compute dtype:
+      all-gather, A            before attention and before the MLP of every Block (PrepareModuleInput), before the
+                               head (its input layout Shard(1)); in backward, once for each forward reduce-scatter
+      reduce-scatter, A        the embedding's and every o's and down's partial output (RowwiseParallel, output
+                               Shard(1)); in backward, once for each forward all-gather
+      all-reduce, fp32 B x S   loss_parallel: the max and the sum of exp of log_softmax, and nll_loss's gathered
+                               target logits (the logits are upcast before the loss)
+      all-reduce, hidden       each norm's weight gradient is Partial over tp (it sums the rank's rows); FSDP
+                               redistributes it to Replicate once in backward; without FSDP the optimizer's foreach
+                               ops redistribute it at each read of the gradient (AdamW: 3, SGD: 1); with
+                               qk_norm the same for each q_norm and k_norm weight (head_dim elements)
+    dp: FSDP2's rows (comm.fsdp_collectives) on the TP-local units."""
+    check_mesh(cfg, tp, dp)
+    check_run(run, tp, dp)
+    check_optimizer(optimizer, tp, dp)
+    dts = fsdp_dtypes(run, param_dtype, reduce_dtype) if dp > 1 else None
+    compute = dts["all_gather"] if dts else param_dtype_name(run)
+    rows = []
+    if tp > 1:
+        L, cb = cfg.layers, DTYPE_BYTES[compute]
+        act = run.batch * run.seq * cfg.hidden * cb
+        rows += [_row("all_gather", "forward", "attn, mlp, head inputs", 2 * L + 1, act, compute),
+                 _row("reduce_scatter", "forward", "embed, o, down outputs", 2 * L + 1, act, compute),
+                 _row("all_gather", "backward", "embed, o, down output grads", 2 * L + 1, act, compute),
+                 _row("reduce_scatter", "backward", "attn, mlp, head input grads", 2 * L + 1, act, compute),
+                 _row("all_reduce", "forward", "loss parallel", 3, run.batch * run.seq * 4, "float32")]
+        reads = 1 if dp > 1 else OPTIMIZER_GRAD_READS[optimizer]
+        phase = "backward" if dp > 1 else "optimizer"
+        rows.append(_row("all_reduce", phase, "norm weight grads", (2 * L + 1) * reads, cfg.hidden * cb, compute))
+        if cfg.qk_norm:  # the per-head q/k norms run on the rank's heads: their weight gradients are Partial too
+            rows.append(_row("all_reduce", phase, "q/k norm weight grads", 2 * L * reads, cfg.head_dim * cb, compute))
+        for r in rows:
+            r["group"] = "tp"
+    if dp > 1:
+        fs = fsdp_collectives(cfg, run, dp, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                              reshard_after_forward=reshard_after_forward, unit_shapes=tp_unit_shapes(cfg, tp))
+        rows += [dict(r, group="dp") for r in fs]
+    return rows
+
+
+def grouped_counts(rows: list[dict]) -> dict[tuple[str, str, str, int], int]:
+    """{(group, op, dtype, bytes_each): count}: the form the measured side (mesh_step) is compared in."""
+    out: dict[tuple[str, str, str, int], int] = {}
+    for r in rows:
+        key = (r["group"], r["op"], r["dtype"], r["bytes_each"])
+        out[key] = out.get(key, 0) + r["count"]
+    return out
+
+
+# ---- what each rank saves for backward ------------------------------------------------------------------------
+def tp_local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model one TP rank computes between its collectives: heads, kv_heads, intermediate and vocab over tp, the
+    head width kept (so q_dim is the rank's share); hidden stays whole."""
+    return replace(cfg, heads=cfg.heads // tp, kv_heads=cfg.kv_heads // tp, head_dim=cfg.head_dim,
+                   intermediate=cfg.intermediate // tp, vocab=cfg.vocab // tp, name=f"{cfg.name} / tp{tp}")
+
+
+def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, device: str = "cpu") -> dict:
+    """Bytes one rank saves for backward per component: {"layer": {component: bytes of one Block}, "root":
+    {component: bytes outside the Blocks}, "total": {component: bytes}}.
+
+    Under the plan every saved tensor is the one-GPU model's (calculator.estimate) on the rank's share
+    (tp_local_config): the projections save their all-gathered (B x S, H) input whole, attention its heads / tp,
+    the MLP its intermediate / tp, the loss its (B x S, V / tp) log-probs; the norms run on the sequence shard, so
+    they save the one-GPU norm's tensors at seq / tp. Under FSDP (dp > 1) amp computes in bf16 (its
+    MixedPrecisionPolicy casts the parameters; no autocast), as in sharding.per_rank_peak."""
+    from llm_anatomy.calculator import estimate
+
+    check_mesh(cfg, tp, dp, variant=variant)
+    check_run(run, tp, dp)
+    dtype = "bf16" if run.dtype == "amp" and dp > 1 else run.dtype
+    local = tp_local_config(cfg, tp)
+
+    def by_component(layers: int) -> dict:
+        c = replace(local, layers=layers)
+        full = estimate(c, replace(run, dtype=dtype), variant, device=device).components
+        seq_shard = estimate(c, replace(run, dtype=dtype, seq=run.seq // tp), variant, device=device).components
+        out = {name: comp.saved_bytes for name, comp in full.items()}
+        out["norm"] = seq_shard["norm"].saved_bytes
+        return out
+
+    one, two = by_component(1), by_component(2)
+    layer = {k: two[k] - one[k] for k in one}
+    root = {k: one[k] - layer[k] for k in one}
+    return dict(layer=layer, root=root, total={k: root[k] + cfg.layers * layer[k] for k in one})

@@ -1,0 +1,128 @@
+"""Tensor parallel (with sequence parallel) on DTensor, composed with FSDP2 on a 2-D DeviceMesh ("dp", "tp").
+
+The plan is torchtitan's parallelize_llama, on this project's module names:
+  embed          RowwiseParallel: vocab-parallel (the table sharded on dim 0), replicated ids in, the residual
+                 stream out sequence-sharded (Shard(1): a reduce-scatter of the partial embeddings)
+  *_norm, norm   SequenceParallel: the norms run on the rank's S/tp rows, weights replicated
+  attn, mlp      PrepareModuleInput: the sequence-sharded input all-gathered (Replicate) before the projections
+  q, k, v        ColwiseParallel (heads split over tp; bias sharded with its rows)
+  o              RowwiseParallel, output Shard(1): a reduce-scatter back to the sequence-sharded stream
+  gate, up       ColwiseParallel;  down: RowwiseParallel, output Shard(1)
+  head.lm_head   ColwiseParallel, input Shard(1) (all-gathered), output Shard(-1) as a DTensor: the logits stay
+                 vocab-sharded and torch.distributed.tensor.parallel.loss_parallel() computes the cross-entropy
+                 on the shards (its reductions are all-reduces over tp)
+Each Attention module is told its local head counts (heads / tp, kv_heads / tp), as torchtitan does, since its
+views read them. FSDP2 (fully_shard per Block, then the root) then shards each TP-local tensor on dim 0 over "dp".
+
+parallelize_module distributes each module's parameters apart, so a tied head is tied again afterwards to the
+embedding's DTensor (both are sharded on the vocab). Qwen3's per-head q/k norms get SequenceParallel on the heads dim
+(their input is the rank's heads), so their weight gradients are Partial over tp like the other norms'.
+What the engine cannot shard is refused in one line (ConfigError, llm_anatomy.mesh_rules): widths not divisible
+by tp, mixture of experts, the efficient variant (its fused kernels take plain tensors; see docs/parallelism-tp.md),
+and context parallel on CPU (torch's context_parallel shards SDPA's CUDA kernels only).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                               loss_parallel, parallelize_module)
+
+from llm_anatomy.config import ConfigError, ModelConfig
+from llm_anatomy.distributed.strategies import _dtype
+from llm_anatomy.mesh_rules import check_mesh
+
+MESH_DIMS = ("dp", "tp")
+_MESHES: dict = {}
+
+
+def check_tp(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseline", cp: int = 1,
+             device: str = "cpu") -> None:
+    """ConfigError (one line) for a mesh this model cannot run on (llm_anatomy.mesh_rules: the calculator applies
+    the same rule)."""
+    check_mesh(cfg, tp, dp, variant=variant, cp=cp, device=device)
+
+
+def build_mesh(dp: int, tp: int, device_type: str = "cpu"):
+    """The 2-D DeviceMesh (dp, tp) over the default process group: tp is the inner (fastest-varying) dim, so the
+    ranks of one TP group are neighbours, as on a node."""
+    if not dist.is_initialized():
+        raise ConfigError("no process group: launch with torchrun (or init_distributed()) before build_mesh()")
+    world = dist.get_world_size()
+    if dp * tp != world:
+        raise ConfigError(f"dp x tp = {dp} x {tp} = {dp * tp} does not match the world size {world}")
+    # one mesh per shape and process group: DTensor's sharding cache keys on the mesh's layout, so a second,
+    # equal mesh would have its ops run on the first one's groups
+    key = (device_type, dp, tp, dist.distributed_c10d._get_default_group())
+    if key not in _MESHES:
+        for k in [k for k in _MESHES if k[3] is not key[3]]:  # a new default group retires the old meshes
+            del _MESHES[k]
+        _MESHES[key] = init_device_mesh(device_type, (dp, tp), mesh_dim_names=MESH_DIMS)
+    return _MESHES[key]
+
+
+def tp_plan() -> dict:
+    """The root's plan (embedding, final norm, head); each Block's is block_plan()."""
+    return {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "head.lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+
+
+def block_plan(cfg: ModelConfig) -> dict:
+    """One Block's plan, on module names inside the Block."""
+    gather = dict(input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None))
+    return {"attn_norm": SequenceParallel(), "attn": PrepareModuleInput(**gather),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+            "mlp.down": RowwiseParallel(output_layouts=Shard(1))} | (qk_norm_plan() if cfg.qk_norm else {})
+
+
+def qk_norm_plan() -> dict:
+    """Qwen3's per-head q/k norms see the rank's heads, (B, S, heads / tp, hd): SequenceParallel on the heads dim
+    replicates the weight and makes its gradient Partial over tp, as for the other norms."""
+    return {"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+            "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
+
+
+def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """Apply TP + SP on mesh["tp"], then FSDP2 on mesh["dp"] when it has more than one rank (in place).
+
+    param_dtype / reduce_dtype: FSDP2's MixedPrecisionPolicy (as distributed.strategies.wrap)."""
+    tp = mesh["tp"].size()
+    cfg = model.cfg
+    check_tp(cfg, tp, mesh["dp"].size(), variant=getattr(model, "variant", "baseline"))
+    if tp > 1:
+        parallelize_module(model, mesh["tp"], tp_plan())
+        if cfg.tie_embeddings:  # both are Shard(0) over the vocab: the head takes the embedding's DTensor again
+            model.head.lm_head.weight = model.embed.weight
+        for block in model.layers:
+            parallelize_module(block, mesh["tp"], block_plan(cfg))
+            block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
+    if mesh["dp"].size() > 1:
+        mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
+                                  reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+def loss_context(tp: int):
+    """The context forward and backward run in: loss_parallel() under TP (the logits are vocab-sharded)."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def full_loss(loss: torch.Tensor) -> float:
+    """The loss as a number: a DTensor's full value (replicated over tp), else the tensor's."""
+    full = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+    return float(full.detach().float())
