@@ -19,7 +19,7 @@ def check_mesh(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseli
         raise ConfigError("cp > 1 needs CUDA: torch's context_parallel shards SDPA's flash/efficient/cuDNN "
                           "kernels; CPU's SDPA (_scaled_dot_product_flash_attention_for_cpu) has no sharding rule")
     if cp > 1:
-        raise ConfigError("cp > 1 is not built yet (see docs/parallelism-tp.md)")
+        raise ConfigError("cp > 1 is not built yet (see docs/parallelism.md)")
     if tp == 1:
         return
     if variant != "baseline":

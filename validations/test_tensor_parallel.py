@@ -53,7 +53,7 @@ CURVE = dict(cfg=CURVE_CFG, run=Run(batch=2, seq=16, dtype="fp32"), tp=2, steps=
 # reduction order only: TP sums each row-parallel matmul as hidden/tp partials then across ranks, and FSDP averages
 # the dp ranks' gradients where one process sums the whole batch, so step 1 differs by about one fp32 ulp (2^-23
 # relative); Adam's normalised update (lr x m / sqrt(v)) turns last-bit gradient differences into weight differences
-# of order lr x eps that compound step by step. 1e-5 relative is ~80 ulp at step 4 (docs/parallelism-tp.md).
+# of order lr x eps that compound step by step. 1e-5 relative is ~80 ulp at step 4 (docs/parallelism.md).
 CURVE_TOL = 1e-5
 
 MESHES = {2: [("tp2", 2, 1)], 4: [("tp4", 4, 1), ("tp2xdp2", 2, 2)]}

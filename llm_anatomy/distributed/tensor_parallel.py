@@ -18,7 +18,7 @@ parallelize_module distributes each module's parameters apart, so a tied head is
 embedding's DTensor (both are sharded on the vocab). Qwen3's per-head q/k norms get SequenceParallel on the heads dim
 (their input is the rank's heads), so their weight gradients are Partial over tp like the other norms'.
 What the engine cannot shard is refused in one line (ConfigError, llm_anatomy.mesh_rules): widths not divisible
-by tp, mixture of experts, the efficient variant (its fused kernels take plain tensors; see docs/parallelism-tp.md),
+by tp, mixture of experts, the efficient variant (its fused kernels take plain tensors; see docs/parallelism.md),
 and context parallel on CPU (torch's context_parallel shards SDPA's CUDA kernels only).
 """
 from __future__ import annotations
