@@ -1,0 +1,155 @@
+"""The efficient mixture-of-experts block: route on device, permute once, two grouped GEMMs around one fused
+activation, and one fused unpermute + weighted sum.
+
+    x (T, H) -> router logits (T, E) -> fp32 softmax/top-k -> weights (T, K), experts (T, K)
+    slots s = t*K + j, stable-sorted by expert -> order (N,), N = T*K; pos = order's inverse (N,)
+    xs = x[order // K] (N, H)                                    the only permute: one gather of the tokens
+    gate_up = grouped_mm(xs, W_gu^T, offs) (+ b_gu[expert])  (N, 2I)
+    h = swiglu_packed(gate_up)                               (N, I)     llm_anatomy.kernels.swiglu
+    y = grouped_mm(h, W_down^T, offs) (+ b_down[expert])     (N, H)
+    out[t] = sum_j w[t, j] * y[pos[t*K + j]]                 (T, H)     llm_anatomy.kernels.moe_unpermute
+    (+ the shared experts: the efficient dense MLP of width shared_experts * shared_intermediate)
+
+No host sync. Every routing quantity stays on the device: the sort is torch.argsort(stable=True), the
+per-expert row ends are a searchsorted of the sorted expert ids (offs, int32, what torch._grouped_mm takes),
+the inverse permutation a scatter. Nothing reads a tensor's value on the host (validations/
+test_moe_efficient_sync.py dispatches the forward and backward and finds no op that syncs, and compiles the
+block with fullgraph=True), so the host can run ahead of the GPU through the whole layer.
+
+Grouped GEMMs. torch._grouped_mm runs every expert's GEMM in one launch over the sorted rows (CUTLASS on
+CUDA sm90+; torch's own loop over the groups on CPU, reading offs in host memory). It takes bf16 operands
+with 16-byte row strides only (H and I multiples of 8), which is also all its meta/fake kernel accepts. Where
+those do not hold (fp32 training, odd widths, GPUs before sm90) the fallback is a loop of one mm per expert over
+the row ends, read to the host once per layer forward (one sync; backward reuses the slices autograd recorded).
+The choice is by capability (_native), never a flag; both give the same FLOPs and the same saved tensors but
+offs, which only the grouped kernel keeps.
+
+What is saved (T tokens, N = T*K rows, c = compute dtype bytes): the router's input x (T, H) and, under amp,
+its weight cast; the fp32 softmax (T, E) (softmax-topk), or the top-k softmax (T, K) (topk-softmax); top-k's
+indices (T, K) int64; the top-k sum (T, 1) and weights (T, K) fp32 when norm_topk divides by it; the gather's
+index order // K (N,) int64; xs (N, H), gate_up (N, 2I), h (N, I) and y (N, H) in c; offs (E,) int32 on the
+grouped path; under amp the two expert weight casts; the expert-id index (N,) int64 with expert biases; pos
+(N,) int64 and the cast weights (T, K) for the unpermute. llm_anatomy/calculator/moe_efficient.py counts them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from llm_anatomy.baseline.transformer import compute_dtype
+from llm_anatomy.config import ModelConfig
+from llm_anatomy.efficient.mlp import MLP, recomputed_tail
+from llm_anatomy.kernels import swiglu_packed
+from llm_anatomy.kernels.moe_unpermute import moe_unpermute
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, stacked (nn.Linear's (out, in) convention per expert)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.experts, cfg.hidden, cfg.expert_intermediate
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))  # rows 0..I-1 the gate, I..2I-1 the up
+        self.down = nn.Parameter(torch.empty(E, H, I))
+        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * I)) if cfg.expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(E, H)) if cfg.expert_bias else None
+
+
+def route(logits: Tensor, cfg: ModelConfig) -> tuple[Tensor | None, Tensor, Tensor]:
+    """logits (T, E) fp32 -> (softmax over all E (T, E) or None, weights (T, K) fp32, experts (T, K) int64).
+    The softmax over all experts is returned where the router computes it anyway (softmax-topk)."""
+    k = cfg.experts_per_token
+    if cfg.router == "softmax-topk":
+        probs = torch.softmax(logits, -1)  # saved: softmax's output
+        w, idx = probs.topk(k, -1)  # saves its indices
+        if cfg.norm_topk:
+            w = w / w.sum(-1, keepdim=True)  # saves w and the (T, 1) sum
+        return probs, w, idx
+    v, idx = logits.topk(k, -1)
+    return None, torch.softmax(v, -1), idx  # softmax saves its (T, K) output
+
+
+def permutation(idx: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """idx (T, K) expert of each slot -> (order (N,) slots sorted by expert, stable so tokens keep their order
+    within an expert; pos (N,) the sorted row of each slot; expert (N,) the expert of each sorted row;
+    offs (E,) int32 the end row of each expert). All on idx's device, none read on the host."""
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    expert = flat.index_select(0, order)  # ascending
+    offs = torch.searchsorted(expert, torch.arange(experts, device=idx.device), right=True).to(torch.int32)
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=idx.device))
+    return order, pos, expert, offs
+
+
+def _native(dtype: torch.dtype, widths: tuple[int, ...], device: torch.device) -> bool:
+    """Does torch._grouped_mm have a kernel for these operands: bf16, every width a multiple of 8 elements
+    (16-byte strides), on CPU or meta (torch's loop, and its fake kernel) or on CUDA sm90+ (CUTLASS)?"""
+    if dtype is not torch.bfloat16 or any(w % 8 for w in widths):
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type in ("cpu", "meta")
+
+
+def grouped_mm(x: Tensor, w: Tensor, offs: Tensor, bounds: list[int] | None) -> Tensor:
+    """x (N, K) rows sorted by group, w (E, K, M), offs (E,) int32 row ends -> (N, M), rows of group e times
+    w[e]. bounds None: torch._grouped_mm (one launch); else the fallback, one mm per group over the host's
+    copy of offs."""
+    if bounds is None:
+        return torch._grouped_mm(x, w, offs=offs)
+    out, start = [], 0
+    for e, end in enumerate(bounds):
+        out.append(x[start:end] @ w[e])  # saves the row slice (a view of x) and w[e]
+        start = end
+    return torch.cat(out)
+
+
+class MoE(nn.Module):
+    component = "moe"
+
+    def __init__(self, cfg: ModelConfig, lean: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.hidden, cfg.experts, bias=cfg.router_bias)
+        self.experts = Experts(cfg)
+        if cfg.shared_experts:  # lean: the shared MLP's own lean form (llm_anatomy/kernels/lean.py)
+            self.shared = MLP(cfg.hidden, cfg.shared_experts * cfg.shared_intermediate, cfg.mlp, lean)
+        self.aux: tuple[Tensor, Tensor] | None = None  # (f, P) of the last forward, when router_aux_coef > 0
+
+    def forward(self, x: Tensor, norm: nn.Module | None = None, branch: Tensor | None = None) -> Tensor:
+        """x (B, S, H), normed -> the block's MoE output; with norm and branch (Run.recompute == "mlp") x is the
+        block's input and the result the block's output (efficient/mlp.py's recomputed_tail)."""
+        return self._moe(x) if norm is None else recomputed_tail(self._moe, x, norm, branch)
+
+    def _moe(self, x: Tensor) -> Tensor:
+        cfg, ex = self.cfg, self.experts
+        E, K, H, I = cfg.experts, cfg.experts_per_token, cfg.hidden, cfg.expert_intermediate
+        dt = compute_dtype(ex.gate_up)
+        x2 = x.reshape(-1, H).to(dt)  # (T, H)
+        logits = self.router(x2).float()  # (T, E), computed in dt, routed in fp32
+        probs, w, idx = route(logits, cfg)
+        order, pos, expert, offs = permutation(idx, E)
+        if cfg.router_aux_coef > 0:
+            probs = torch.softmax(logits, -1) if probs is None else probs
+            counts = torch.diff(offs, prepend=offs.new_zeros(1))
+            self.aux = (counts.float().div_(x2.shape[0]), probs.mean(0))  # f (E,) detached, P (E,)
+        bounds = None if _native(dt, (H, I), x2.device) else offs.tolist()  # the fallback's one host read
+        xs = x2.index_select(0, order // K)  # (N, H): token of each sorted row; saves the index
+        gate_up = grouped_mm(xs, ex.gate_up.to(dt).transpose(1, 2), offs, bounds)  # (N, 2I)
+        if ex.gate_up_bias is not None:
+            gate_up = gate_up + ex.gate_up_bias.to(dt).index_select(0, expert)
+        y = grouped_mm(swiglu_packed(gate_up, cfg.mlp), ex.down.to(dt).transpose(1, 2), offs, bounds)  # (N, H)
+        if ex.down_bias is not None:
+            y = y + ex.down_bias.to(dt).index_select(0, expert)
+        out = moe_unpermute(y, pos, w.to(dt))  # (T, H)
+        if cfg.shared_experts:
+            out = out + self.shared(x2)
+        return out.view(x.shape)
+
+
+def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], experts: int) -> Tensor:
+    """transformers' load_balancing_loss_func over every layer's tokens together: E * sum_e f_e * P_e, with f
+    (slots routed to e per token) and P (mean router probability) each averaged over the layers first."""
+    f = torch.stack([s[0] for s in stats]).mean(0)
+    p = torch.stack([s[1] for s in stats]).mean(0)
+    return experts * (f * p).sum()
