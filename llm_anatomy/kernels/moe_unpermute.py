@@ -10,14 +10,18 @@ autograd, with the weights, for their gradients), and the sum over K reads it ag
 index_put. Here one program per token reads its K rows once, sums them in fp32 registers and rounds once.
 
 What is saved. y (N, H), weights (T, K) and pos (N,): backward needs y for d(weights) and pos for the scatter.
-Saved bytes = N*H*y.element_size() + T*K*weights.element_size() + N*pos.element_size().
+Saved bytes = N*H*y.element_size() + T*K*weights.element_size() + N*pos.element_size() (the weights as passed:
+fp32 from the router, not a cast).
 
 Backward. d(y)[pos[t*K + j]] = weights[t, j] * d(out)[t] and d(weights)[t, j] = <d(out)[t], y[pos[t*K + j]]>: one
 program per token writes its K rows of d(y) (each row belongs to one slot: no atomics) and its K weight
 gradients. d(y) has y's dtype, d(weights) weights' dtype; the math is fp32.
 
-Dtype rule. out has y's dtype. Autocast leaves the op alone: the caller casts the weights to the activation
-dtype (the MoE contract), and y is a grouped GEMM's output, already in it.
+Dtype rule. out has y's dtype, and each weight is rounded to y's dtype before it multiplies (the MoE contract:
+the weights are cast to the activation dtype before the weighted sum). The op takes the router's fp32 weights
+and rounds them itself, so d(weights) comes back in their dtype without a rounding to the activation dtype on
+the way (the cast's gradient, done outside, would round it): the router's gradient keeps fp32's precision.
+Autocast leaves the op alone; y is a grouped GEMM's output, already in the activation dtype.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ def _unpermute_fwd_kernel(Y, POS, W, OUT, H, K: tl.constexpr, BLOCK_H: tl.conste
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(K):
             p = tl.load(POS + t * K + j).to(tl.int64)
-            w = tl.load(W + t * K + j).to(tl.float32)
+            w = tl.load(W + t * K + j).to(OUT.dtype.element_ty).to(tl.float32)  # the weight in y's dtype
             acc += w * tl.load(Y + p * H + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(OUT + t * H + cols, acc.to(OUT.dtype.element_ty), mask=mask)
 
@@ -49,7 +53,7 @@ def _unpermute_bwd_kernel(DOUT, Y, POS, W, DY, DW, H, K: tl.constexpr, BLOCK_H: 
     t = tl.program_id(0).to(tl.int64)
     for j in tl.static_range(K):
         p = tl.load(POS + t * K + j).to(tl.int64)
-        w = tl.load(W + t * K + j).to(tl.float32)
+        w = tl.load(W + t * K + j).to(DY.dtype.element_ty).to(tl.float32)
         dot = tl.zeros([BLOCK_H], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
@@ -96,7 +100,7 @@ def _acc(t: Tensor) -> Tensor:
 def unpermute_reference(y: Tensor, pos: Tensor, weights: Tensor) -> Tensor:
     T, K = weights.shape
     rows = _acc(y.index_select(0, pos)).view(T, K, -1)  # (T, K, H) in token order
-    return (_acc(weights).unsqueeze(-1) * rows).sum(1).to(y.dtype)
+    return (_acc(weights.to(y.dtype)).unsqueeze(-1) * rows).sum(1).to(y.dtype)
 
 
 def unpermute_backward_reference(dout: Tensor, y: Tensor, pos: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,7 +108,7 @@ def unpermute_backward_reference(dout: Tensor, y: Tensor, pos: Tensor, weights: 
     d = _acc(dout).unsqueeze(1)  # (T, 1, H)
     rows = _acc(y.index_select(0, pos)).view(T, K, -1)
     dw = (d * rows).sum(-1).to(weights.dtype)  # (T, K)
-    dy = torch.empty_like(y).index_copy_(0, pos, (_acc(weights).unsqueeze(-1) * d).view(T * K, -1).to(y.dtype))
+    dy = torch.empty_like(y).index_copy_(0, pos, (_acc(weights.to(y.dtype)).unsqueeze(-1) * d).view(T * K, -1).to(y.dtype))
     return dy, dw
 
 

@@ -1,0 +1,178 @@
+"""The efficient MoE block (llm_anatomy/efficient/moe.py): the same function as the contract's readable block
+(validations/moe_reference.py) to within that block's own error, on the grouped-GEMM path and on the fallback;
+wired into the efficient Transformer under every recompute policy and the lean block; the load-balancing loss
+equal to transformers' own."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.efficient import moe as moe_mod
+from llm_anatomy.efficient.moe import MoE
+from llm_anatomy.models import autocast_ctx, build_model, init_weights, make_batch, param_dtype
+from validations.configs import POLICIES
+from validations.moe_reference import ReferenceMoE, moe_configs, reference_state_dict
+
+NAMED_MOE = {  # widths multiples of 8: bf16 and amp run torch._grouped_mm; fp32 the loop of mm
+    "mixtral-like": ModelConfig(name="mixtral-like", hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48,
+                                vocab=64, experts=8, experts_per_token=2, expert_intermediate=24),
+    "qwen-moe-like": ModelConfig(name="qwen-moe-like", hidden=32, layers=2, heads=4, intermediate=48, vocab=64,
+                                 experts=6, experts_per_token=4, expert_intermediate=16, shared_experts=2,
+                                 shared_intermediate=8, norm_topk=False, router_aux_coef=0.01),
+    "gptoss-like": ModelConfig(name="gptoss-like", hidden=32, layers=2, heads=4, kv_heads=1, intermediate=32,
+                               vocab=64, mlp="gpt-oss", experts=4, experts_per_token=2, expert_intermediate=16,
+                               router="topk-softmax", router_bias=True, expert_bias=True, router_aux_coef=0.02),
+    "odd-widths": ModelConfig(name="odd-widths", hidden=30, layers=2, heads=3, intermediate=20, vocab=50,
+                              experts=5, experts_per_token=3, expert_intermediate=13, shared_experts=1,
+                              shared_intermediate=7, expert_bias=True),
+}
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _run_block(block, x, dout, policy):
+    x = x.detach().requires_grad_()
+    logits = []
+    hook = block.router.register_forward_hook(lambda m, a, out: (out.retain_grad(), logits.append(out), None)[-1])
+    with autocast_ctx(Run(1, 1, policy), "cpu"):
+        y = block(x)
+    hook.remove()
+    y.backward(dout.to(y.dtype))
+    grads = {"x": x.grad, **{n: p.grad for n, p in block.named_parameters()}}
+    return y, grads, logits[0].grad
+
+
+def _router_term_scales(x64, dlogits64) -> dict[str, float]:
+    """The router's gradients are sums over tokens of d(logits), rounded to the compute dtype before the sum:
+    d(bias) = sum_t dl_t cancels (a softmax's gradient sums to zero over the experts), d(weight) = dl^T x. One
+    unit of rounding at the terms' magnitude is the floor for them (validations/kernel_cases.py's term_scale):
+    the norms of sum_t |dl_t| and |dl|^T |x|."""
+    x2, dl = x64.reshape(-1, x64.shape[-1]).abs(), dlogits64.abs()
+    return {"router.bias": dl.sum(0).norm().item(), "router.weight": (dl.T @ x2).norm().item()}
+
+
+def check_block_matches_reference(cfg: ModelConfig, policy: str, tokens: int = 24, seed: int = 0):
+    """error(efficient) <= 2 x error(reference, same dtype) + floor, both against the reference in float64: the
+    output and every gradient (test_efficient.py's rule, at the block). The floor is 4 eps(fp32), and for the
+    router's gradients one unit of the compute dtype's rounding at their terms' magnitude (_router_term_scales):
+    there the two errors are independent roundings of a few cancelling sums, whose ratio no kernel controls."""
+    eff = MoE(cfg).to(param_dtype(Run(1, 1, policy)))
+    init_weights(eff, seed)
+    state = reference_state_dict(eff.state_dict())
+    ref64, ref = ReferenceMoE(cfg).double(), ReferenceMoE(cfg).to(param_dtype(Run(1, 1, policy)))
+    ref64.load_state_dict(state)
+    ref.load_state_dict(state)
+    g = torch.Generator().manual_seed(seed)
+    dt = torch.float32 if policy == "fp32" else torch.bfloat16  # the normed input arrives in the compute dtype
+    x = torch.randn(1, tokens, cfg.hidden, generator=g).to(dt)
+    dout = torch.randn(1, tokens, cfg.hidden, generator=g)
+    y64, g64, dl64 = _run_block(ref64, x.double(), dout.double(), "fp32")
+    yb, gb, _ = _run_block(ref, x, dout, policy)
+    ye, ge, _ = _run_block(eff, x, dout, policy)
+    ge = reference_state_dict(ge)
+    terms = _router_term_scales(x.double(), dl64)
+    for name in ["out", *g64]:
+        r, b, e = (y64, yb, ye) if name == "out" else (g64[name], gb[name], ge[name])
+        err_b, err_e = _rel(b, r), _rel(e, r)
+        floor = 4 * torch.finfo(torch.float32).eps
+        if name in terms:
+            floor = max(floor, torch.finfo(dt).eps * terms[name] / r.double().norm().clamp_min(1e-300).item())
+        assert err_e <= 2 * err_b + floor, \
+            f"{name}: efficient error {err_e:.3e} > 2 x reference's {err_b:.3e} + {floor:.3e}"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", NAMED_MOE)
+def test_block_matches_reference_named(name, policy):
+    check_block_matches_reference(NAMED_MOE[name], policy)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cfg=moe_configs(), policy=st.sampled_from(POLICIES), tokens=st.integers(8, 96))
+def test_block_matches_reference_hypothesis(cfg, policy, tokens):
+    check_block_matches_reference(cfg, policy, tokens)
+
+
+def test_block_matches_reference_on_the_fallback(monkeypatch):
+    """The loop-of-mm fallback, where torch._grouped_mm would run (bf16, aligned widths): the same contract."""
+    monkeypatch.setattr(moe_mod, "_native", lambda *a: False)
+    for policy in ("bf16", "amp"):
+        check_block_matches_reference(NAMED_MOE["mixtral-like"], policy)
+
+
+def _matmul_ops(cfg, policy):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    block = MoE(cfg).to(param_dtype(Run(1, 1, policy)))
+    init_weights(block)
+    x = torch.randn(1, 8, cfg.hidden, dtype=torch.float32 if policy == "fp32" else torch.bfloat16)
+    with Ops(), autocast_ctx(Run(1, 1, policy), "cpu"):
+        block(x).float().sum().backward()
+    return seen & {"_grouped_mm", "mm"}
+
+
+@pytest.mark.parametrize("name,policy,expected", [
+    ("mixtral-like", "bf16", {"_grouped_mm"}), ("mixtral-like", "amp", {"_grouped_mm"}),
+    ("mixtral-like", "fp32", {"mm"}), ("odd-widths", "bf16", {"mm"})])
+def test_grouped_path_is_chosen_by_capability(name, policy, expected):
+    """bf16 operands with 16-byte strides run torch._grouped_mm (forward and backward); fp32, or a width
+    that is not a multiple of 8, the loop of mm. (The shared experts' dense MLP is a plain mm too.)"""
+    cfg = NAMED_MOE[name]
+    ops = _matmul_ops(cfg, policy)
+    assert expected <= ops
+    if expected == {"mm"}:
+        assert "_grouped_mm" not in ops
+
+
+def _loss_and_grads(cfg, run):
+    model = build_model(cfg, "efficient", dtype=param_dtype(run), recompute=run.recompute, lean=run.lean)
+    ids, targets = make_batch(cfg, run)
+    with autocast_ctx(run, "cpu"):
+        loss = model(ids, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", ["qwen-moe-like", "gptoss-like"])
+def test_recompute_and_lean_change_no_bit(name, policy):
+    """Run.recompute mlp/full and the lean block run the same kernels on the same values: loss and every
+    gradient bitwise equal to the plain block's (the routing is deterministic: a stable sort)."""
+    cfg = NAMED_MOE[name]
+    loss0, grads0 = _loss_and_grads(cfg, Run(2, 8, policy))
+    for recompute, lean in (("mlp", False), ("full", False), ("none", True)):
+        loss, grads = _loss_and_grads(cfg, Run(2, 8, policy, recompute=recompute, lean=lean))
+        assert torch.equal(loss, loss0), (recompute, lean)
+        for n, g in grads0.items():
+            assert torch.equal(grads[n], g), (recompute, lean, n)
+
+
+@pytest.mark.parametrize("name", ["qwen-moe-like", "gptoss-like"])
+def test_load_balancing_loss_is_transformers(name):
+    """loss = ce + coef * transformers' load_balancing_loss_func over every layer's router logits."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    cfg, run = NAMED_MOE[name], Run(2, 8, "fp32")
+    model = build_model(cfg, "efficient")
+    logits = []
+    for layer in model.layers:
+        layer.mlp.router.register_forward_hook(lambda m, a, out: logits.append(out))
+    ids, targets = make_batch(cfg, run)
+    loss = model(ids, targets)
+    with torch.no_grad():
+        ce = model(ids, targets, reduction="none").mean()
+    aux = load_balancing_loss_func(tuple(logits[:cfg.layers]), cfg.experts, cfg.experts_per_token)
+    torch.testing.assert_close(loss, ce + cfg.router_aux_coef * aux, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+    assert all(layer.mlp.aux is None for layer in model.layers)  # the stash is consumed
