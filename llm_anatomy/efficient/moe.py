@@ -148,9 +148,13 @@ class MoE(nn.Module):
         return out.view(x.shape)
 
 
-def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], experts: int) -> Tensor:
+class LoadBalancingLoss(nn.Module):
     """transformers' load_balancing_loss_func over every layer's tokens together: E * sum_e f_e * P_e, with f
-    (slots routed to e per token) and P (mean router probability) each averaged over the layers first."""
-    f = torch.stack([s[0] for s in stats]).mean(0)
-    p = torch.stack([s[1] for s in stats]).mean(0)
-    return experts * (f * p).sum()
+    (slots routed to e per token) and P (mean router probability) each averaged over the layers first. A module
+    of the "moe" component so that what it keeps, the layer-mean f (E,) fp32 for P's gradient, is credited to it."""
+    component = "moe"
+
+    def forward(self, stats: list[tuple[Tensor, Tensor]], experts: int) -> Tensor:
+        f = torch.stack([s[0] for s in stats]).mean(0)
+        p = torch.stack([s[1] for s in stats]).mean(0)
+        return experts * (f * p).sum()  # the product keeps f

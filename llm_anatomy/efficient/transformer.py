@@ -13,7 +13,7 @@ from llm_anatomy.config import ModelConfig
 from llm_anatomy.efficient.attention import Attention
 from llm_anatomy.efficient.loss import LMHeadLoss
 from llm_anatomy.efficient.mlp import MLP
-from llm_anatomy.efficient.moe import MoE, load_balancing_loss
+from llm_anatomy.efficient.moe import LoadBalancingLoss, MoE
 from llm_anatomy.efficient.norm import RMSNorm
 
 # (fused key, baseline keys in concatenation order)
@@ -129,6 +129,8 @@ class Transformer(nn.Module):
         self.head = LMHeadLoss(cfg.hidden, cfg.vocab, loss_impl)  # ours, or "liger" (efficient/loss.py)
         if cfg.tie_embeddings:
             self.head.lm_head.weight = self.embed.weight
+        if cfg.moe and cfg.router_aux_coef > 0:
+            self.balance = LoadBalancingLoss()
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         x = self.embed(ids)  # (B, S, H)
@@ -156,4 +158,4 @@ class Transformer(nn.Module):
             layer.mlp.aux = None
         if reduction != "mean":
             return loss
-        return loss + self.cfg.router_aux_coef * load_balancing_loss(stats, self.cfg.experts)
+        return loss + self.cfg.router_aux_coef * self.balance(stats, self.cfg.experts)
