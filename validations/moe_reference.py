@@ -80,7 +80,10 @@ def moe_configs(draw, max_experts: int = 8, aligned: bool | None = None, layers:
     """Small MoE configs: every router, activation, bias and shared-expert combination; widths multiples of 8
     (torch._grouped_mm's bf16 path), or any (the fallback), or either when aligned is None."""
     aligned = draw(st.booleans()) if aligned is None else aligned
-    width = (lambda lo, hi: 8 * draw(st.integers(lo, hi))) if aligned else (lambda lo, hi: draw(st.integers(4 * lo, 8 * hi)))
+
+    def width(lo: int, hi: int) -> int:
+        return 8 * draw(st.integers(lo, hi)) if aligned else draw(st.integers(4 * lo, 8 * hi))
+
     experts = draw(st.integers(2, max_experts))
     shared = draw(st.integers(0, 2))
     heads = draw(st.sampled_from([1, 2, 4]))

@@ -50,7 +50,8 @@ def test_unpermute_meta_fake_and_opcheck():
         assert (out.shape, out.dtype) == ((4, 16), BF16)
     torch.library.opcheck(torch.ops.anatomy.moe_unpermute.default, (y.float().requires_grad_(), pos,
                                                                      w.requires_grad_()))
-    torch.library.opcheck(torch.ops.anatomy.moe_unpermute_backward.default, (torch.randn(4, 16), y.float(), pos, w.detach()))
+    torch.library.opcheck(torch.ops.anatomy.moe_unpermute_backward.default,
+                          (torch.randn(4, 16), y.float(), pos, w.detach()))
     with pytest.raises(ValueError, match="moe_unpermute"):
         moe_unpermute(y, pos[:5], w)
 

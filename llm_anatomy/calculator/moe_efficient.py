@@ -106,8 +106,8 @@ def _balance(cfg: ModelConfig) -> list[Saved]:
 def _shared(cfg: ModelConfig, run: Run) -> list[Saved]:
     """The shared experts' efficient dense MLP (calculator/mlp.py's efficient_saved, without the input it shares
     with the router)."""
-    dt, L, T, c, Is = dtypes(run), cfg.layers, run.tokens, dtypes(run).compute, cfg.shared_experts * cfg.shared_intermediate
-    lean = run.lean_block
+    dt, L, T, c, lean = dtypes(run), cfg.layers, run.tokens, dtypes(run).compute, run.lean_block
+    Is = cfg.shared_experts * cfg.shared_intermediate
     out = [Saved("moe.shared.gate_up", (T, 2 * Is), c, L, "the fused activation keeps gate_up")]
     if dt.autocast and not lean:
         out += [Saved("moe.shared.gate_up.weight_cast", (cfg.hidden, 2 * Is), c, L, "saved by the matmul"),

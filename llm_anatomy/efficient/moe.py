@@ -136,7 +136,8 @@ class MoE(nn.Module):
             probs = torch.softmax(logits, -1) if probs is None else probs
             counts = torch.diff(offs, prepend=offs.new_zeros(1))
             self.aux = (counts.float().div_(x2.shape[0]), probs.mean(0))  # f (E,) detached, P (E,)
-        bounds = None if _native(dt, (H, I), x2.device, cfg.expert_bias) else offs.tolist()  # the fallback's one host read
+        # the fallback's one host read
+        bounds = None if _native(dt, (H, I), x2.device, cfg.expert_bias) else offs.tolist()
         xs = x2.index_select(0, order // K)  # (N, H): token of each sorted row; saves the index
         b_gu, b_down = (None if b is None else b.to(dt) for b in (ex.gate_up_bias, ex.down_bias))
         gate_up = grouped_mm(xs, ex.gate_up.to(dt).transpose(1, 2), offs, bounds, b_gu)  # (N, 2I)
