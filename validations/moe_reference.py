@@ -27,6 +27,13 @@ class ReferenceMoE(nn.Module):
         from llm_anatomy.efficient.moe import Experts  # the parameter container only: it computes nothing
 
         self.cfg = cfg
+        self.keep_terms = False  # retain each expert's pre-bias outputs' gradients (bias_term_scales)
+        # the experts (T, K) to route to instead of top-k's choice: float64 takes the low-precision run's
+        # routing, so that a near-tie decided the other way does not compare two different functions
+        self.forced_idx: torch.Tensor | None = None
+        self.last_idx: torch.Tensor | None = None
+        self.last_w: torch.Tensor | None = None
+        self.terms: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.router = nn.Linear(cfg.hidden, cfg.experts, bias=cfg.router_bias)
         self.experts = Experts(cfg)
         if cfg.shared_experts:
@@ -37,13 +44,23 @@ class ReferenceMoE(nn.Module):
         cfg = self.cfg
         logits = self.router(x2).float()
         if cfg.router == "softmax-topk":
-            w, idx = torch.softmax(logits, -1).topk(cfg.experts_per_token, -1)
+            probs = torch.softmax(logits, -1)
+            w, idx = self._topk(probs)
             if cfg.norm_topk:
                 w = w / w.sum(-1, keepdim=True)
         else:
-            v, idx = logits.topk(cfg.experts_per_token, -1)
+            v, idx = self._topk(logits)
             w = torch.softmax(v, -1)
+        self.last_idx = idx.detach()
+        if w.requires_grad:
+            w.retain_grad()
+        self.last_w = w  # the routing weights before their cast (the tests read their gradient)
         return logits, w, idx
+
+    def _topk(self, scores: torch.Tensor):
+        if self.forced_idx is None:
+            return scores.topk(self.cfg.experts_per_token, -1)
+        return scores.gather(-1, self.forced_idx), self.forced_idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, S, H), normed
         cfg, ex = self.cfg, self.experts
@@ -51,16 +68,33 @@ class ReferenceMoE(nn.Module):
         _, w, idx = self.routing(x2)
         w = w.to(x2.dtype)
         out = torch.zeros_like(x2)
+        self.terms = []
         for e in range(cfg.experts):
             tok, slot = (idx == e).nonzero(as_tuple=True)  # the tokens that chose e, and in which slot
             b_gu = None if ex.gate_up_bias is None else ex.gate_up_bias[e]
             b_d = None if ex.down_bias is None else ex.down_bias[e]
-            gate, up = F.linear(x2[tok], ex.gate_up[e], b_gu).chunk(2, -1)
+            gate_up = F.linear(x2[tok], ex.gate_up[e], b_gu)
+            gate, up = gate_up.chunk(2, -1)
             y = F.linear(act(gate, up, cfg.mlp), ex.down[e], b_d)
+            if self.keep_terms:
+                gate_up.retain_grad()
+                y.retain_grad()
+                self.terms.append((e, gate_up, y))
             out = out.index_add(0, tok, (w[tok, slot].unsqueeze(-1) * y).to(out.dtype))
         if cfg.shared_experts:
             out = out + self.shared(x2)
         return out.view(x.shape)
+
+
+def bias_term_scales(ref: ReferenceMoE) -> dict[str, float]:
+    """After a backward with keep_terms: the expert biases' gradients are per-expert sums over rows of d(gate_up)
+    and d(y); the norms of the sums of their magnitudes are those sums' term scales."""
+    cfg = ref.cfg
+    gu = torch.zeros(cfg.experts, 2 * cfg.expert_intermediate, dtype=torch.float64)
+    dn = torch.zeros(cfg.experts, cfg.hidden, dtype=torch.float64)
+    for e, gate_up, y in ref.terms:
+        gu[e], dn[e] = gate_up.grad.abs().sum(0), y.grad.abs().sum(0)
+    return {"experts.gate_up_bias": gu.norm().item(), "experts.down_bias": dn.norm().item()}
 
 
 def reference_state_dict(efficient_state: dict) -> dict:
