@@ -47,7 +47,7 @@ def _run_block(block, x, dout, policy, retain_graph=False):
         w.retain_grad()
         weights.append(w)
         return moe_unpermute(y, pos, w)
-    with mock.patch.object(moe_mod, "moe_unpermute", unpermute), autocast_ctx(Run(1, 1, policy), "cpu"):
+    with mock.patch.object(moe_mod, "moe_unpermute", unpermute), autocast_ctx(Run(1, 1, policy), x.device.type):
         y = block(x)
     y.backward(dout.to(y.dtype), retain_graph=retain_graph)
     grads = {"x": x.grad, **{n: p.grad for n, p in block.named_parameters()}}
@@ -57,7 +57,7 @@ def _run_block(block, x, dout, policy, retain_graph=False):
 ROUTER = ("router.weight", "router.bias")
 
 
-def check_block_matches_reference(cfg: ModelConfig, policy: str, tokens: int = 24, seed: int = 0):
+def check_block_matches_reference(cfg: ModelConfig, policy: str, tokens: int = 24, seed: int = 0, device="cpu"):
     """error(efficient) <= 2 x error(reference, same dtype) + floor, both against the reference in float64: the
     output, every gradient the block computes and the routing weights' gradient d(w) (test_efficient.py's rule,
     at the block). The floor is 4 eps(fp32), and for the expert biases' gradients one unit of the compute
@@ -68,17 +68,17 @@ def check_block_matches_reference(cfg: ModelConfig, policy: str, tokens: int = 2
     The router's own gradients are torch's router backward (linear, softmax, top-k, division) applied to d(w),
     a cancelling sum (with K = 1 and norm_topk it is exactly zero) whose error no ratio can judge: they must
     equal, bit for bit, that backward applied to the efficient block's own d(w)."""
-    eff = MoE(cfg).to(param_dtype(Run(1, 1, policy)))
+    eff = MoE(cfg).to(device, param_dtype(Run(1, 1, policy)))
     init_weights(eff, seed)
     state = reference_state_dict(eff.state_dict())
-    ref64, ref = ReferenceMoE(cfg).double(), ReferenceMoE(cfg).to(param_dtype(Run(1, 1, policy)))
+    ref64, ref = (ReferenceMoE(cfg).to(device, dt) for dt in (torch.float64, param_dtype(Run(1, 1, policy))))
     ref64.load_state_dict(state)
     ref.load_state_dict(state)
     ref64.keep_terms = True
     g = torch.Generator().manual_seed(seed)
     dt = torch.float32 if policy == "fp32" else torch.bfloat16  # the normed input arrives in the compute dtype
-    x = torch.randn(1, tokens, cfg.hidden, generator=g).to(dt)
-    dout = torch.randn(1, tokens, cfg.hidden, generator=g)
+    x = torch.randn(1, tokens, cfg.hidden, generator=g).to(device, dt)
+    dout = torch.randn(1, tokens, cfg.hidden, generator=g).to(device)
     yb, gb, wb = _run_block(ref, x, dout, policy, retain_graph=True)
     ref64.forced_idx = ref.last_idx
     y64, g64, w64 = _run_block(ref64, x.double(), dout.double(), "fp32")
@@ -109,6 +109,14 @@ def test_block_matches_reference_named(name, policy):
 @given(cfg=moe_configs(), policy=st.sampled_from(POLICIES), tokens=st.integers(8, 96))
 def test_block_matches_reference_hypothesis(cfg, policy, tokens):
     check_block_matches_reference(cfg, policy, tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+@pytest.mark.parametrize("name", NAMED_MOE)
+def test_block_matches_reference_cuda(name, policy):
+    """On the GPU: CUTLASS's grouped GEMM (sm90+) and the Triton unpermute and activation kernels."""
+    check_block_matches_reference(NAMED_MOE[name], policy, tokens=512, device="cuda")
 
 
 def test_block_matches_reference_on_the_fallback(monkeypatch):

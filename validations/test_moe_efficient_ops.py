@@ -110,6 +110,25 @@ def test_fullgraph_catches_a_host_read():
         torch.compile(block, fullgraph=True, backend="aot_eager")(x)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["bf16", "amp"])
+@pytest.mark.parametrize("name", ["mixtral-like", "qwen-moe-like"])
+def test_no_host_sync_cuda(name, policy):
+    """On the GPU, CUDA's own sync detector: torch.cuda.set_sync_debug_mode("error") raises on any op that
+    waits for the device (a copy to the host, .item(), nonzero), through the forward and the backward."""
+    block = MoE(NAMED_MOE[name]).to("cuda", torch.float32 if policy == "amp" else BF16)
+    init_weights(block)
+    x = torch.randn(2, 64, block.cfg.hidden, dtype=BF16, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with autocast_ctx(Run(1, 1, policy), "cuda"):
+            y = block(x)
+        y.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("policy", ["bf16", "amp"])
 def test_block_compiles_fullgraph(policy):
     """fullgraph=True raises on a graph break, which any host read of a routing value would cause; the compiled

@@ -31,9 +31,10 @@ def _skew(model) -> list[int]:
     return [0] * cfg.experts  # filled by the caller from the measured routing
 
 
-def measured_moe_bytes(cfg, run: Run, skewed: bool = False) -> tuple[int, list[int]]:
+def measured_moe_bytes(cfg, run: Run, skewed: bool = False, device="cpu") -> tuple[int, list[int]]:
     """(storage bytes the "moe" component saves over one training forward, rows per expert of layer 0)."""
-    model = build_model(cfg, "efficient", dtype=param_dtype(run), recompute=run.recompute, lean=run.lean)
+    model = build_model(cfg, "efficient", device=device, dtype=param_dtype(run), recompute=run.recompute,
+                        lean=run.lean)
     if skewed:
         _skew(model)
     rows: list[int] = []
@@ -44,17 +45,17 @@ def measured_moe_bytes(cfg, run: Run, skewed: bool = False) -> tuple[int, list[i
                 idx = out.float().topk(cfg.experts_per_token, -1).indices
             rows.extend(torch.bincount(idx.flatten(), minlength=cfg.experts).tolist())
     model.layers[0].mlp.router.register_forward_hook(record)
-    ids, targets = make_batch(cfg, run)
-    with SavedTensorTracer(model) as tracer, autocast_ctx(run, "cpu"):
+    ids, targets = make_batch(cfg, run, device)
+    with SavedTensorTracer(model) as tracer, autocast_ctx(run, torch.device(device).type):
         loss = model(ids, targets)
     del loss
     return tracer.report.by_component().get("moe", 0), rows
 
 
-def check(cfg, run: Run, skewed: bool = False):
-    measured, rows = measured_moe_bytes(cfg, run, skewed)
+def check(cfg, run: Run, skewed: bool = False, device="cpu"):
+    measured, rows = measured_moe_bytes(cfg, run, skewed, device)
     predicted = sum(efficient_moe_saved(cfg, run, histogram=rows if run.recompute == "none" else None,
-                                        device="cpu").values())
+                                        device=device).values())
     assert predicted == measured, f"predicted {predicted:,} B, measured {measured:,} B ({cfg}, {run})"
     return rows
 
@@ -82,6 +83,14 @@ def test_saved_exact_under_skewed_routing(policy):
     rows = check(cfg, run, skewed=True)
     assert sorted(rows, reverse=True)[: cfg.experts_per_token] == [run.tokens] * cfg.experts_per_token
     assert sum(efficient_moe_saved(cfg, run, rows, "cpu").values()) == sum(efficient_moe_saved(cfg, run).values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+@pytest.mark.parametrize("name", NAMED_MOE)
+def test_saved_exact_cuda(name, policy, skewed):
+    check(NAMED_MOE[name], Run(2, 256, policy), skewed, device="cuda")
 
 
 def test_grouped_path_rule():
