@@ -141,19 +141,21 @@ def _matmul_ops(cfg, policy):
     x = torch.randn(1, 8, cfg.hidden, dtype=torch.float32 if policy == "fp32" else torch.bfloat16)
     with Ops(), autocast_ctx(Run(1, 1, policy), "cpu"):
         block(x).float().sum().backward()
-    return seen & {"_grouped_mm", "mm"}
+    return seen & {"_grouped_mm", "mm", "addmm"}
 
 
 @pytest.mark.parametrize("name,policy,expected", [
     ("mixtral-like", "bf16", {"_grouped_mm"}), ("mixtral-like", "amp", {"_grouped_mm"}),
-    ("mixtral-like", "fp32", {"mm"}), ("odd-widths", "bf16", {"mm"})])
+    ("gptoss-like", "amp", {"_grouped_mm"}), ("mixtral-like", "fp32", {"mm"}), ("odd-widths", "bf16", {"addmm"}),
+    ("gptoss-like", "bf16", {"addmm"})])
 def test_grouped_path_is_chosen_by_capability(name, policy, expected):
-    """bf16 operands with 16-byte strides run torch._grouped_mm (forward and backward); fp32, or a width
-    that is not a multiple of 8, the loop of mm. (The shared experts' dense MLP is a plain mm too.)"""
+    """bf16 operands with 16-byte strides run torch._grouped_mm (forward and backward), expert biases folded
+    in where the weights are cast (amp); fp32, a width that is not a multiple of 8, or biases on bf16
+    weights, the loop of mm (addmm with biases). (The shared experts' dense MLP is a plain mm too.)"""
     cfg = NAMED_MOE[name]
     ops = _matmul_ops(cfg, policy)
     assert expected <= ops
-    if expected == {"mm"}:
+    if "_grouped_mm" not in expected:
         assert "_grouped_mm" not in ops
 
 

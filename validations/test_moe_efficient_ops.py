@@ -56,14 +56,17 @@ def test_unpermute_meta_fake_and_opcheck():
         moe_unpermute(y, pos[:5], w)
 
 
-def test_fallback_matches_grouped_mm():
-    """torch._grouped_mm within twice the loop of mm's error against float64 (bf16, an empty group included)."""
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+def test_fallback_matches_grouped_mm(bias):
+    """torch._grouped_mm (a bias folded in as a column of ones) within twice the loop of mm's (addmm's) error
+    against float64, for the output and the gradients of x, the weights and the bias (bf16, an empty group)."""
     g = gen(2)
     offs = torch.tensor([5, 5, 12, 20], dtype=torch.int32)  # expert 1 gets no rows
-    w = torch.randn(4, 16, 24, generator=g).to(BF16)
-    inputs = dict(x=torch.randn(20, 16, generator=g).to(BF16))
-    check_accuracy(inputs, lambda t: (grouped_mm(t["x"], w, offs, None),),
-                   lambda t: (grouped_mm(t["x"], w.to(t["x"].dtype), offs, offs.tolist()),))
+    inputs = dict(x=torch.randn(20, 16, generator=g).to(BF16), w=torch.randn(4, 24, 16, generator=g).to(BF16))
+    if bias:
+        inputs["b"] = torch.randn(4, 24, generator=g).to(BF16)
+    check_accuracy(inputs, lambda t: (grouped_mm(t["x"], t["w"], offs, None, t.get("b")),),
+                   lambda t: (grouped_mm(t["x"], t["w"], offs, offs.tolist(), t.get("b")),))
 
 
 # ---- no host sync ---------------------------------------------------------------------------------------
@@ -86,8 +89,11 @@ def _block(name, policy):
     return block
 
 
-@pytest.mark.parametrize("policy", ["bf16", "amp"])
-@pytest.mark.parametrize("name", ["mixtral-like", "qwen-moe-like"])
+GROUPED_CASES = [("mixtral-like", "bf16"), ("mixtral-like", "amp"), ("qwen-moe-like", "bf16"),
+                 ("qwen-moe-like", "amp"), ("gptoss-like", "amp")]  # gpt-oss: biases folded into the GEMMs
+
+
+@pytest.mark.parametrize("name,policy", GROUPED_CASES)
 def test_no_host_sync_on_the_grouped_path(name, policy):
     """Every aten op of the forward and backward is dispatched through a mode that records it: none of them
     reads a value on the host (the bincount, nonzero and repeat_interleave a per-expert loop needs are absent;
@@ -129,12 +135,12 @@ def test_no_host_sync_cuda(name, policy):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("policy", ["bf16", "amp"])
-def test_block_compiles_fullgraph(policy):
+@pytest.mark.parametrize("name,policy", [("mixtral-like", "bf16"), ("qwen-moe-like", "amp"), ("gptoss-like", "amp")])
+def test_block_compiles_fullgraph(name, policy):
     """fullgraph=True raises on a graph break, which any host read of a routing value would cause; the compiled
     block (aot_eager) gives eager's values and gradients bit for bit."""
     torch._dynamo.reset()
-    block = _block("mixtral-like" if policy == "bf16" else "qwen-moe-like", policy)
+    block = _block(name, policy)
     x = torch.randn(2, 9, block.cfg.hidden, dtype=BF16, generator=gen(5), requires_grad=True)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     results = []

@@ -97,7 +97,8 @@ def test_grouped_path_rule():
     """The calculator's path rule is the block's (validations/test_moe_efficient.py checks the block's ops)."""
     run = Run(1, 4, "bf16")
     assert grouped_path(NAMED_MOE["mixtral-like"], run) and not grouped_path(NAMED_MOE["odd-widths"], run)
-    assert not grouped_path(NAMED_MOE["gptoss-like"], run)  # expert biases
+    assert not grouped_path(NAMED_MOE["gptoss-like"], run)  # expert biases on bf16 weights
+    assert grouped_path(NAMED_MOE["gptoss-like"], Run(1, 4, "amp"))  # folded into the weight casts
     assert not grouped_path(NAMED_MOE["mixtral-like"], Run(1, 4, "fp32"))
 
 

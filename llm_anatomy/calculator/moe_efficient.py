@@ -9,7 +9,8 @@ Is = shared_experts * shared_intermediate, c = the compute dtype. Per layer, wit
               router_aux_coef > 0
   permute     the gather's token index (N,) int64: the tokens are permuted once
   experts     xs (N, H), h (N, I) in c (the two GEMMs' inputs), under amp both stacked weights' casts, and on
-              the grouped path offs (E,) int32 (the loop of mm keeps no offsets: its slices are views)
+              the grouped path offs (E,) int32 (the loop of mm keeps no offsets: its slices are views); on the
+              grouped path expert biases fold into the GEMMs: 8 more columns on xs, h and each weight cast
   activation  gate_up (N, 2I) in c: the fused SwiGLU keeps only it and writes d(gate_up) over it
   unpermute   y (N, H) in c, pos (N,) int64, the router's weights (T, K) fp32 (unless softmax's output already is)
   shared      the efficient dense MLP of width Is: its gate_up (T, 2Is), and without the lean block h (T, Is) and,
@@ -33,11 +34,15 @@ from llm_anatomy.config import ConfigError, ModelConfig, Run
 GROUPED_DEVICES = ("cpu", "meta", "cuda")  # cuda: the target GPUs are sm90+ (H200), where CUTLASS's kernel runs
 
 
+FOLD = 8  # the columns a folded bias adds to each GEMM's inner dimension (efficient/moe.py's PAD)
+
+
 def grouped_path(cfg: ModelConfig, run: Run, device: str = "cuda") -> bool:
     """Does the block run torch._grouped_mm (efficient/moe.py's _native): bf16 operands, H and I multiples of 8
-    (16-byte strides), no expert biases (it has no bias epilogue)? Otherwise the loop of mm."""
-    return (dtypes(run).compute == "bfloat16" and not cfg.expert_bias and device in GROUPED_DEVICES
-            and cfg.hidden % 8 == 0 and cfg.expert_intermediate % 8 == 0)
+    (16-byte strides), and expert biases only where the weights are cast (amp), which lets the GEMM carry the
+    bias as a folded column? Otherwise the loop of mm."""
+    return (dtypes(run).compute == "bfloat16" and (not cfg.expert_bias or dtypes(run).autocast)
+            and device in GROUPED_DEVICES and cfg.hidden % 8 == 0 and cfg.expert_intermediate % 8 == 0)
 
 
 def check_histogram(cfg: ModelConfig, run: Run, histogram) -> list[int]:
@@ -79,14 +84,16 @@ def saved_list(cfg: ModelConfig, run: Run, device: str = "cuda") -> list[Saved]:
             saved.append(Saved("moe.router.softmax", (T, E), "float32", L,
                                "the load-balancing loss's softmax over every expert keeps its output"))
     saved.append(Saved("moe.permute.index", (N,), "int64", L, "the token gather keeps its index (order // K)"))
-    saved += [Saved("moe.experts.xs", (N, H), c, L, "the first grouped GEMM keeps its input, the permuted tokens"),
+    grouped = grouped_path(cfg, run, device)
+    f = FOLD if grouped and cfg.expert_bias else 0  # a folded bias: [x, 1, 0 x 7] and [W, b, 0 x 7]
+    saved += [Saved("moe.experts.xs", (N, H + f), c, L, "the first grouped GEMM keeps its input, the permuted tokens"),
               Saved("moe.activation.gate_up", (N, 2 * I), c, L,
                     "the fused activation keeps gate_up; silu and the clamps are recomputed"),
-              Saved("moe.experts.h", (N, I), c, L, "the second grouped GEMM keeps its input")]
+              Saved("moe.experts.h", (N, I + f), c, L, "the second grouped GEMM keeps its input")]
     if dt.autocast:
-        saved += [Saved("moe.experts.gate_up.weight_cast", (E, 2 * I, H), c, L, "the cast the grouped GEMM keeps"),
-                  Saved("moe.experts.down.weight_cast", (E, H, I), c, L, "the cast the grouped GEMM keeps")]
-    if grouped_path(cfg, run, device):
+        saved += [Saved("moe.experts.gate_up.weight_cast", (E, 2 * I, H + f), c, L, "the cast the GEMM keeps"),
+                  Saved("moe.experts.down.weight_cast", (E, H, I + f), c, L, "the cast the GEMM keeps")]
+    if grouped:
         saved.append(Saved("moe.experts.offs", (E,), "int32", L, "torch._grouped_mm keeps the row ends"))
     saved += [Saved("moe.unpermute.y", (N, H), c, L, "kept for d(weights) = <d(out), y>"),
               Saved("moe.unpermute.pos", (N,), "int64", L, "kept for the scatter of d(y)")]

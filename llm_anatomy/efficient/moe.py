@@ -13,16 +13,18 @@ activation, and one fused unpermute + weighted sum.
 No host sync. Every routing quantity stays on the device: the sort is torch.argsort(stable=True), the
 per-expert row ends are a searchsorted of the sorted expert ids (offs, int32, what torch._grouped_mm takes),
 the inverse permutation a scatter. Nothing reads a tensor's value on the host (validations/
-test_moe_efficient_sync.py dispatches the forward and backward and finds no op that syncs, and compiles the
+test_moe_efficient_ops.py dispatches the forward and backward and finds no op that syncs, and compiles the
 block with fullgraph=True), so the host can run ahead of the GPU through the whole layer.
 
 Grouped GEMMs. torch._grouped_mm runs every expert's GEMM in one launch over the sorted rows (CUTLASS on
 CUDA sm90+; torch's own loop over the groups on CPU, reading offs in host memory). It takes bf16 operands
-with 16-byte row strides only (H and I multiples of 8), which is also all its meta/fake kernel accepts. Where
-those do not hold (fp32 training, odd widths, GPUs before sm90) the fallback is a loop of one mm per expert over
-the row ends, read to the host once per layer forward (one sync; backward reuses the slices autograd recorded).
-The choice is by capability (_native), never a flag; both give the same FLOPs and the same saved tensors but
-offs, which only the grouped kernel keeps.
+with 16-byte row strides only (H and I multiples of 8), which is also all its meta/fake kernel accepts, and
+no bias: gpt-oss's expert biases ride in the GEMM as an extra input column of ones (_fold_bias) where the
+weights are cast anyway (amp). Where those do not hold (fp32 training, odd widths, biases under the bf16
+policy, GPUs before sm90) the fallback is a loop of one mm (addmm) per expert over the row ends, read to the
+host once per layer forward (one sync; backward reuses the slices autograd recorded). The choice is by
+capability (_native), never a flag; both paths give the same function and keep the same tensors but offs,
+which only the grouped kernel keeps, and the 8 folded columns of xs, h and the weight casts with biases.
 
 What is saved (T tokens, N = T*K rows, c = compute dtype bytes): the router's input x (T, H) and, under amp,
 its weight cast; the fp32 softmax (T, E) (softmax-topk), or the top-k softmax (T, K) (topk-softmax); top-k's
@@ -81,28 +83,44 @@ def permutation(idx: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor]:
     return order, pos, offs
 
 
-def _native(dtype: torch.dtype, widths: tuple[int, ...], device: torch.device, bias: bool) -> bool:
+def _native(dtype: torch.dtype, widths: tuple[int, ...], device: torch.device, bias: bool, cast: bool) -> bool:
     """Does torch._grouped_mm have a kernel for these operands: bf16, every width a multiple of 8 elements
-    (16-byte strides), no bias, on CPU or meta (torch's loop, and its fake kernel) or on CUDA sm90+ (CUTLASS)?
-    It has no bias epilogue (torch raises "Bias not supported yet"), and a bias added after it rounds the sum
-    a second time: on the drawn configs that puts the router's gradient above twice the reference's error
-    (validations/test_moe_efficient.py), so expert biases take the addmm loop."""
-    if bias or dtype is not torch.bfloat16 or any(w % 8 for w in widths):
+    (16-byte strides), on CPU or meta (torch's loop, and its fake kernel) or on CUDA sm90+ (CUTLASS)? Expert
+    biases need the weights cast (amp): the kernel has no bias epilogue (torch raises "Bias not supported yet")
+    and a bias added after it rounds the sum twice, so grouped_mm folds the bias into the GEMM as an extra input
+    column, which costs only 8 more rows of a weight cast the block makes anyway; without a cast it would copy
+    every expert's weights, so the bf16 policy's biases take the addmm loop."""
+    if dtype is not torch.bfloat16 or any(w % 8 for w in widths) or (bias and not cast):
         return False
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (9, 0)
     return device.type in ("cpu", "meta")
 
 
+PAD = 8  # the bias column and 7 zeros: the folded K stays a multiple of 8 (16-byte bf16 strides)
+
+
+def _fold_bias(x: Tensor, w: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """x (N, K), w (E, M, K), bias (E, M) -> x' (N, K+8) = [x, 1, 0...], w' (E, M, K+8) = [w, bias, 0...]: then
+    x' @ w'[e]^T = x @ w[e]^T + bias[e], summed in the GEMM's fp32 accumulator and rounded once, as addmm does."""
+    ones = x.new_zeros(x.shape[0], PAD)
+    ones[:, 0] = 1
+    return torch.cat([x, ones], 1), torch.cat([w, bias.unsqueeze(-1), w.new_zeros(*w.shape[:2], PAD - 1)], 2)
+
+
 def grouped_mm(x: Tensor, w: Tensor, offs: Tensor, bounds: list[int] | None, bias: Tensor | None = None) -> Tensor:
-    """x (N, K) rows sorted by group, w (E, K, M), offs (E,) int32 row ends, bias (E, M) or None -> (N, M): the
-    rows of group e times w[e], plus bias[e]. bounds None: torch._grouped_mm (one launch, no bias); else the
-    fallback, one mm (addmm with a bias, as nn.Linear adds it) per group over the host's copy of offs."""
+    """x (N, K) rows sorted by group, w (E, M, K) (nn.Linear's layout per group), offs (E,) int32 row ends,
+    bias (E, M) or None -> (N, M): the rows of group e times w[e]^T, plus bias[e]. bounds None: torch._grouped_mm
+    (one launch; a bias folded into it, _fold_bias); else the fallback, one mm (addmm with a bias, as nn.Linear
+    adds it) per group over the host's copy of offs."""
     if bounds is None:
-        return torch._grouped_mm(x, w, offs=offs)
+        if bias is not None:
+            x, w = _fold_bias(x, w, bias)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # saves x, the (cast) weight and offs
     out, start = [], 0
     for e, end in enumerate(bounds):  # each mm saves its row slice (a view of x) and w[e]
-        out.append(x[start:end] @ w[e] if bias is None else torch.addmm(bias[e], x[start:end], w[e]))
+        wt = w[e].t()
+        out.append(x[start:end] @ wt if bias is None else torch.addmm(bias[e], x[start:end], wt))
         start = end
     return torch.cat(out)
 
@@ -137,12 +155,13 @@ class MoE(nn.Module):
             counts = torch.diff(offs, prepend=offs.new_zeros(1))
             self.aux = (counts.float().div_(x2.shape[0]), probs.mean(0))  # f (E,) detached, P (E,)
         # the fallback's one host read
-        bounds = None if _native(dt, (H, I), x2.device, cfg.expert_bias) else offs.tolist()
+        cast = ex.gate_up.dtype != dt
+        bounds = None if _native(dt, (H, I), x2.device, cfg.expert_bias, cast) else offs.tolist()
         xs = x2.index_select(0, order // K)  # (N, H): token of each sorted row; saves the index
         b_gu, b_down = (None if b is None else b.to(dt) for b in (ex.gate_up_bias, ex.down_bias))
-        gate_up = grouped_mm(xs, ex.gate_up.to(dt).transpose(1, 2), offs, bounds, b_gu)  # (N, 2I)
+        gate_up = grouped_mm(xs, ex.gate_up.to(dt), offs, bounds, b_gu)  # (N, 2I)
         h = swiglu_packed(gate_up, cfg.mlp)  # (N, I)
-        y = grouped_mm(h, ex.down.to(dt).transpose(1, 2), offs, bounds, b_down)  # (N, H)
+        y = grouped_mm(h, ex.down.to(dt), offs, bounds, b_down)  # (N, H)
         out = moe_unpermute(y, pos, w)  # (T, H); rounds w to dt inside, returns d(w) in fp32
         if cfg.shared_experts:
             out = out + self.shared(x2)
