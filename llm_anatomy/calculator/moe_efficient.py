@@ -139,19 +139,25 @@ def efficient_moe_transients(cfg: ModelConfig, run: Run, histogram=None, device:
 
     forward: the router logits (T, E) in c and their fp32 copy; the routing state on the device (the sorted
     order (N,) and the sorted expert ids (N,) int64, torch.arange for the searchsorted and the inverse); on the
-    loop-of-mm path each expert's output block until the cat joins them (N x the GEMM's width, both GEMMs) and
-    under amp the weight casts are new buffers either way (saved, so not listed).
-    backward: d(y) (N, H) from the unpermute, d(h) (N, I) from the second GEMM (d(gate_up) is written over the
-    saved gate_up), d(xs) (N, H) from the first GEMM and d(x) (T, H) from the gather's index_add, and the
-    gradients of the stacked weights in c under amp before their fp32 cast (E*3*I*H)."""
+    loop-of-mm path each expert's output block until the cat joins them (N x the GEMM's width, both GEMMs); with
+    folded biases the unfolded xs (N, H), h (N, I), the ones block (N, 8) and the plain weight casts until each
+    cat (under amp the casts are new buffers either way: saved, so not listed).
+    backward: d(y) (N, H) from the unpermute, d(h) (N, I + fold) from the second GEMM (d(gate_up) is written
+    over the saved gate_up), d(xs) (N, H + fold) from the first GEMM and d(x) (T, H) from the gather's
+    index_add, and the gradients of the stacked weight casts under amp before their fp32 cast."""
     hist = check_histogram(cfg, run, histogram)
     T, K, H, E, I = run.tokens, cfg.experts_per_token, cfg.hidden, cfg.experts, cfg.expert_intermediate
     N, c, i64 = T * K, BYTES[dtypes(run).compute], BYTES["int64"]
+    grouped = grouped_path(cfg, run, device)
+    f = FOLD if grouped and cfg.expert_bias else 0
     fwd = {"router.logits": T * E * c, "router.logits_fp32": T * E * 4, "permute.order": N * i64,
            "permute.expert_sorted": N * i64, "permute.arange": (N + E) * i64}
-    if not grouped_path(cfg, run, device):  # cat's inputs: one block per expert, max(hist) rows the largest
+    if not grouped:  # cat's inputs: one block per expert
         fwd["experts.loop_blocks"] = sum(hist) * (2 * I + H) * c
-    bwd = {"unpermute.d_y": N * H * c, "experts.d_h": N * I * c, "experts.d_xs": N * H * c, "permute.d_x": T * H * c}
+    if f:
+        fwd["experts.unfolded"] = (N * (H + I + 2 * FOLD) + E * 3 * I * H) * c
+    bwd = {"unpermute.d_y": N * H * c, "experts.d_h": N * (I + f) * c, "experts.d_xs": N * (H + f) * c,
+           "permute.d_x": T * H * c}
     if dtypes(run).autocast:
-        bwd["experts.d_weight_casts"] = E * 3 * I * H * c
+        bwd["experts.d_weight_casts"] = E * (2 * I * (H + f) + H * (I + f)) * c
     return {**{f"forward.{k}": v for k, v in fwd.items()}, **{f"backward.{k}": v for k, v in bwd.items()}}

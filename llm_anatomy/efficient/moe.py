@@ -88,8 +88,8 @@ def _native(dtype: torch.dtype, widths: tuple[int, ...], device: torch.device, b
     (16-byte strides), on CPU or meta (torch's loop, and its fake kernel) or on CUDA sm90+ (CUTLASS)? Expert
     biases need the weights cast (amp): the kernel has no bias epilogue (torch raises "Bias not supported yet")
     and a bias added after it rounds the sum twice, so grouped_mm folds the bias into the GEMM as an extra input
-    column, which costs only 8 more rows of a weight cast the block makes anyway; without a cast it would copy
-    every expert's weights, so the bf16 policy's biases take the addmm loop."""
+    column, which costs only 8 more columns on a weight cast the block makes anyway; without a cast it would
+    copy every expert's weights, so the bf16 policy's biases take the addmm loop."""
     if dtype is not torch.bfloat16 or any(w % 8 for w in widths) or (bias and not cast):
         return False
     if device.type == "cuda":
@@ -154,9 +154,8 @@ class MoE(nn.Module):
             probs = torch.softmax(logits, -1) if probs is None else probs
             counts = torch.diff(offs, prepend=offs.new_zeros(1))
             self.aux = (counts.float().div_(x2.shape[0]), probs.mean(0))  # f (E,) detached, P (E,)
-        # the fallback's one host read
-        cast = ex.gate_up.dtype != dt
-        bounds = None if _native(dt, (H, I), x2.device, cfg.expert_bias, cast) else offs.tolist()
+        cast = ex.gate_up.dtype != dt  # amp: the stacked weights are cast for the GEMMs
+        bounds = None if _native(dt, (H, I), x2.device, cfg.expert_bias, cast) else offs.tolist()  # one host read
         xs = x2.index_select(0, order // K)  # (N, H): token of each sorted row; saves the index
         b_gu, b_down = (None if b is None else b.to(dt) for b in (ex.gate_up_bias, ex.down_bias))
         gate_up = grouped_mm(xs, ex.gate_up.to(dt), offs, bounds, b_gu)  # (N, 2I)
