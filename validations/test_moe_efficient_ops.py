@@ -7,6 +7,8 @@ break any host read makes (.tolist() included, which reads CPU memory without di
 read is the control)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,6 +41,34 @@ def test_unpermute_accuracy(path, dtype, shape):
     """Output, d(y) and d(weights) within twice plain torch's error (plus one rounding unit)."""
     T, K, H = shape
     check_accuracy(*_unpermute_case(dtype, T, K, H), path=path_ctx(path))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("amp", [False, True], ids=["plain", "amp"])
+def test_unpermute_fast_path_is_the_op(path, amp):
+    """The eager fast path (an autograd.Function) and the custom op (taken under any torch function mode) give
+    the same bits and dtypes: output, d(y) and d(weights); the test sees which path ran."""
+    from torch.overrides import TorchFunctionMode
+
+    class Mode(TorchFunctionMode):  # changes nothing, but is a mode: the custom op runs
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    g = gen(7)
+    pos, dout = torch.randperm(15, generator=g), torch.randn(5, 24, generator=g).to(BF16)
+    results = []
+    for mode in (contextlib.nullcontext(), Mode()):
+        y = torch.randn(15, 24, generator=gen(8)).to(BF16).requires_grad_()
+        w = torch.rand(5, 3, generator=gen(9)).requires_grad_()
+        with path_ctx(path), mode, torch.autocast("cpu", dtype=BF16, enabled=amp):
+            out = moe_unpermute(y, pos, w)
+            out.backward(dout)
+        results.append((type(out.grad_fn).__name__, out, y.grad, w.grad, [t.dtype for t in (out, y.grad, w.grad)]))
+    (fast, *a), (op, *b) = results
+    assert fast == "_UnpermuteFnBackward" and fast != op
+    for x1, x2 in zip(a[:3], b[:3]):
+        torch.testing.assert_close(x1, x2, rtol=0, atol=0)
+    assert a[3] == b[3] == [BF16, BF16, FP32]
 
 
 def test_unpermute_meta_fake_and_opcheck():

@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from llm_anatomy.kernels._dispatch import check_launchable, cpu_uses_triton, jit, register_autocast_rule, tl, triton
+from llm_anatomy.kernels._dispatch import (check_launchable, cpu_uses_triton, fast_path, jit, launches_triton,
+                                           no_autocast, register_autocast_rule, tl, triton)
 
 BLOCK = 1024  # columns per loop step: a row of H is read in chunks of at most this many
 
@@ -168,7 +169,28 @@ register_autocast_rule(_unpermute_op)
 register_autocast_rule(_unpermute_backward_op)
 
 
+class _UnpermuteFn(torch.autograd.Function):
+    """The eager fast path (_dispatch.fast_path): the custom op's implementations and saves, without the
+    dispatcher's four Python layers per call."""
+
+    @staticmethod
+    def forward(ctx, y, pos, weights):
+        _check(y, pos, weights)
+        ctx.save_for_backward(y, pos, weights)
+        return (unpermute_triton if launches_triton(y) else unpermute_reference)(y, pos, weights)
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, pos, weights = ctx.saved_tensors
+        fn = unpermute_backward_triton if launches_triton(y) else unpermute_backward_reference
+        dy, dw = fn(dout, y, pos, weights)
+        return dy, None, dw
+
+
 def moe_unpermute(y: Tensor, pos: Tensor, weights: Tensor) -> Tensor:
     """y (T*K, H) expert outputs sorted by expert, pos (T*K,) int64 the row of each (token, slot), weights (T, K)
     -> (T, H): sum_j weights[t, j] * y[pos[t*K + j]]. Saves y, pos and weights."""
+    if fast_path(y, pos, weights):
+        with no_autocast(y):
+            return _UnpermuteFn.apply(y, pos, weights)
     return _unpermute_op(y, pos, weights)
