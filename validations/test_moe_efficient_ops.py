@@ -99,6 +99,32 @@ def test_fallback_matches_grouped_mm(bias):
                    lambda t: (grouped_mm(t["x"], t["w"], offs, offs.tolist(), t.get("b")),))
 
 
+@pytest.mark.parametrize("name", ["mixtral-like", "gptoss-like"])
+def test_grouped_mm_flops_are_the_loops(name, monkeypatch):
+    """The counter counts torch._grouped_mm as the mms it groups (llm_anatomy/measure/flops.py): the block's
+    forward and backward count the same FLOPs on the grouped path as on the loop of mm (addmm) over the same
+    rows, but for the 8 folded columns a bias adds to the grouped GEMMs' inner dimension."""
+    from llm_anatomy.efficient import moe as moe_mod
+    from llm_anatomy.measure.flops import flop_counter
+
+    cfg = NAMED_MOE[name]
+    x = torch.randn(2, 9, cfg.hidden, dtype=BF16)
+    counts = []
+    for native in (moe_mod._native, lambda *a: False):
+        monkeypatch.setattr(moe_mod, "_native", native)
+        block = _block(name, "amp")
+        xg = x.clone().requires_grad_()
+        with flop_counter() as fwd, autocast_ctx(Run(1, 1, "amp"), "cpu"):
+            y = block(xg)
+        with flop_counter() as bwd:
+            y.float().sum().backward()
+        counts.append((fwd.get_total_flops(), bwd.get_total_flops()))
+    N, H, I, E = 18 * cfg.experts_per_token, cfg.hidden, cfg.expert_intermediate, cfg.experts
+    fold = 2 * N * 8 * (2 * I + H) if cfg.expert_bias else 0  # the ones column (and 7 zeros) in each GEMM
+    assert counts[0] == (counts[1][0] + fold, counts[1][1] + 2 * fold)
+    assert counts[1][0] >= 2 * N * H * 3 * I  # the expert GEMMs are in it
+
+
 # ---- no host sync ---------------------------------------------------------------------------------------
 SYNCS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "bincount", "repeat_interleave"}
 
