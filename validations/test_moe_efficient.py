@@ -199,3 +199,21 @@ def test_load_balancing_loss_is_transformers(name):
     aux = load_balancing_loss_func(tuple(logits[:cfg.layers]), cfg.experts, cfg.experts_per_token)
     torch.testing.assert_close(loss, ce + cfg.router_aux_coef * aux, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
     assert all(layer.mlp.aux is None for layer in model.layers)  # the stash is consumed
+
+
+def test_state_dict_round_trips_through_the_baseline_names():
+    """The contract's names: the shared experts' gate_up splits into gate and up (to_baseline_state_dict), and a
+    state dict under those names loads back into the efficient model unchanged (its pre-hook fuses them)."""
+    from llm_anatomy.efficient.transformer import to_baseline_state_dict
+
+    cfg = NAMED_MOE["qwen-moe-like"]
+    model = build_model(cfg, "efficient")
+    base = to_baseline_state_dict(model)
+    Is = cfg.shared_experts * cfg.shared_intermediate
+    assert base["layers.0.mlp.shared.gate.weight"].shape == base["layers.0.mlp.shared.up.weight"].shape == (Is, 32)
+    assert base["layers.0.mlp.experts.gate_up"].shape == (cfg.experts, 2 * cfg.expert_intermediate, cfg.hidden)
+    assert not any("shared.gate_up" in k for k in base)
+    other = build_model(cfg, "efficient", seed=1)
+    other.load_state_dict(base)
+    for k, v in model.state_dict().items():
+        assert torch.equal(other.state_dict()[k], v), k
