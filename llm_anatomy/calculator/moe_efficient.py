@@ -7,7 +7,7 @@ Is = shared_experts * shared_intermediate, c = the compute dtype. Per layer, wit
               norm_topk the top-k values and their (T, 1) sum, kept by the division (softmax-topk); top-k's
               indices and the top-k softmax (T, K) fp32 (topk-softmax), plus the softmax over E (T, E) when
               router_aux_coef > 0
-  permute     the gather's token index (N,) int64: the tokens are permuted once
+  permute     nothing of its own: its backward sums each token's rows by pos, which the unpermute keeps
   experts     xs (N, H), h (N, I) in c (the two GEMMs' inputs), under amp both stacked weights' casts, and on
               the grouped path offs (E,) int32 (the loop of mm keeps no offsets: its slices are views); on the
               grouped path expert biases fold into the GEMMs: 8 more columns on xs, h and each weight cast
@@ -83,7 +83,6 @@ def saved_list(cfg: ModelConfig, run: Run, device: str = "cuda") -> list[Saved]:
         if cfg.router_aux_coef > 0:
             saved.append(Saved("moe.router.softmax", (T, E), "float32", L,
                                "the load-balancing loss's softmax over every expert keeps its output"))
-    saved.append(Saved("moe.permute.index", (N,), "int64", L, "the token gather keeps its index (order // K)"))
     grouped = grouped_path(cfg, run, device)
     f = FOLD if grouped and cfg.expert_bias else 0  # a folded bias: [x, 1, 0 x 7] and [W, b, 0 x 7]
     saved += [Saved("moe.experts.xs", (N, H + f), c, L, "the first grouped GEMM keeps its input, the permuted tokens"),
@@ -96,7 +95,7 @@ def saved_list(cfg: ModelConfig, run: Run, device: str = "cuda") -> list[Saved]:
     if grouped:
         saved.append(Saved("moe.experts.offs", (E,), "int32", L, "torch._grouped_mm keeps the row ends"))
     saved += [Saved("moe.unpermute.y", (N, H), c, L, "kept for d(weights) = <d(out), y>"),
-              Saved("moe.unpermute.pos", (N,), "int64", L, "kept for the scatter of d(y)")]
+              Saved("moe.unpermute.pos", (N,), "int64", L, "kept for the scatter of d(y) (and the permute's sum)")]
     if cfg.shared_experts:
         saved += _shared(cfg, run)
     return saved + _balance(cfg)
@@ -143,8 +142,8 @@ def efficient_moe_transients(cfg: ModelConfig, run: Run, histogram=None, device:
     folded biases the unfolded xs (N, H), h (N, I), the ones block (N, 8) and the plain weight casts until each
     cat (under amp the casts are new buffers either way: saved, so not listed).
     backward: d(y) (N, H) from the unpermute, d(h) (N, I + fold) from the second GEMM (d(gate_up) is written
-    over the saved gate_up), d(xs) (N, H + fold) from the first GEMM and d(x) (T, H) from the gather's
-    index_add, and the gradients of the stacked weight casts under amp before their fp32 cast."""
+    over the saved gate_up), d(xs) (N, H + fold) from the first GEMM and d(x) (T, H) from the permute's sum,
+    and the gradients of the stacked weight casts under amp before their fp32 cast."""
     hist = check_histogram(cfg, run, histogram)
     T, K, H, E, I = run.tokens, cfg.experts_per_token, cfg.hidden, cfg.experts, cfg.expert_intermediate
     N, c, i64 = T * K, BYTES[dtypes(run).compute], BYTES["int64"]

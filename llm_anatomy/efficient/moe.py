@@ -3,7 +3,7 @@ activation, and one fused unpermute + weighted sum.
 
     x (T, H) -> router logits (T, E) -> fp32 softmax/top-k -> weights (T, K), experts (T, K)
     slots s = t*K + j, stable-sorted by expert -> order (N,), N = T*K; pos = order's inverse (N,)
-    xs = x[order // K] (N, H)                                    the only permute: one gather of the tokens
+    xs = x[order // K] (N, H)                                    the only permute: one gather (Permute)
     gate_up = grouped_mm(xs, W_gu^T, offs) (+ b_gu[e])       (N, 2I)
     h = swiglu_packed(gate_up)                               (N, I)     llm_anatomy.kernels.swiglu
     y = grouped_mm(h, W_down^T, offs) (+ b_down[e])          (N, H)
@@ -28,8 +28,8 @@ which only the grouped kernel keeps, and the 8 folded columns of xs, h and the w
 
 What is saved (T tokens, N = T*K rows, c = compute dtype bytes): the router's input x (T, H) and, under amp,
 its weight cast; the fp32 softmax (T, E) (softmax-topk), or the top-k softmax (T, K) (topk-softmax); top-k's
-indices (T, K) int64; the top-k sum (T, 1) and weights (T, K) fp32 when norm_topk divides by it; the gather's
-index order // K (N,) int64; xs (N, H), gate_up (N, 2I), h (N, I) and y (N, H) in c; offs (E,) int32 on the
+indices (T, K) int64; the top-k sum (T, 1) and weights (T, K) fp32 when norm_topk divides by it; xs (N, H),
+gate_up (N, 2I), h (N, I) and y (N, H) in c; offs (E,) int32 on the
 grouped path; under amp the two expert weight casts; pos (N,) int64 and the fp32 weights (T, K) for the
 unpermute. llm_anatomy/calculator/moe_efficient.py counts them.
 """
@@ -81,6 +81,23 @@ def permutation(idx: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor]:
     offs = torch.searchsorted(expert, torch.arange(experts, device=idx.device), right=True).to(torch.int32)
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=idx.device))
     return order, pos, offs
+
+
+class Permute(torch.autograd.Function):
+    """xs = x[order // K] (N, H): the tokens in expert order, one gather. Backward sums each token's K rows of
+    d(xs) with the unpermute kernel at weight 1 (fp32 sums, one rounding, no atomics: deterministic, where
+    index_select's own backward is an atomic index_add), and keeps only pos, which the unpermute keeps anyway."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, order: Tensor, pos: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(pos)
+        ctx.k = k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, dxs: Tensor):
+        (pos,) = ctx.saved_tensors
+        return moe_unpermute(dxs, pos, dxs.new_ones(pos.numel() // ctx.k, ctx.k)), None, None, None
 
 
 def _native(dtype: torch.dtype, widths: tuple[int, ...], device: torch.device, bias: bool, cast: bool) -> bool:
@@ -156,7 +173,7 @@ class MoE(nn.Module):
             self.aux = (counts.float().div_(x2.shape[0]), probs.mean(0))  # f (E,) detached, P (E,)
         cast = ex.gate_up.dtype != dt  # amp: the stacked weights are cast for the GEMMs
         bounds = None if _native(dt, (H, I), x2.device, cfg.expert_bias, cast) else offs.tolist()  # one host read
-        xs = x2.index_select(0, order // K)  # (N, H): token of each sorted row; saves the index
+        xs = Permute.apply(x2, order, pos, K)  # (N, H): the token of each sorted row
         b_gu, b_down = (None if b is None else b.to(dt) for b in (ex.gate_up_bias, ex.down_bias))
         gate_up = grouped_mm(xs, ex.gate_up.to(dt), offs, bounds, b_gu)  # (N, 2I)
         h = swiglu_packed(gate_up, cfg.mlp)  # (N, I)
