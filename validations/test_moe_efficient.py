@@ -16,7 +16,9 @@ from llm_anatomy.efficient import moe as moe_mod
 from llm_anatomy.efficient.moe import MoE
 from llm_anatomy.kernels.moe_unpermute import moe_unpermute
 from llm_anatomy.models import autocast_ctx, build_model, init_weights, make_batch, param_dtype
+from llm_anatomy.kernels import triton_on_cpu
 from validations.configs import POLICIES
+from validations.kernel_cases import needs_interpreter
 from validations.moe_reference import ReferenceMoE, bias_term_scales, moe_configs, reference_state_dict
 
 NAMED_MOE = {  # widths multiples of 8: bf16 and amp run torch._grouped_mm; fp32 the loop of mm
@@ -117,6 +119,17 @@ def test_block_matches_reference_hypothesis(cfg, policy, tokens):
 def test_block_matches_reference_cuda(name, policy):
     """On the GPU: CUTLASS's grouped GEMM (sm90+) and the Triton unpermute and activation kernels."""
     check_block_matches_reference(NAMED_MOE[name], policy, tokens=512, device="cuda")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", NAMED_MOE)
+def test_block_matches_reference_through_triton(name):
+    """The block with its Triton kernels (activation, unpermute, the permute's sum) under the interpreter: the
+    path CUDA runs, on CPU. fp32 only: the interpreter rounds fp32 -> bf16 stores toward zero (numpy), not to
+    nearest as the GPU does, which doubles every bf16 output's rounding error; bf16 and amp through the kernels
+    are test_block_matches_reference_cuda's."""
+    with triton_on_cpu():
+        check_block_matches_reference(NAMED_MOE[name], "fp32", tokens=16)
 
 
 def test_block_matches_reference_on_the_fallback(monkeypatch):
