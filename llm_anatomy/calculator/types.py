@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "bool": 1}
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 
 @dataclass(frozen=True, init=False)

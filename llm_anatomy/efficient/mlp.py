@@ -37,13 +37,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, branch: torch.Tensor | None = None):
         """x (B, S, H), normed -> the MLP's output. With norm and branch (recompute): x is the block's
         input and the result is the block's output, x + branch + mlp(norm(x + branch))."""
-        if norm is None:
-            return self._mlp(x)
-
-        def tail(x, branch):  # no dropout: no RNG state to replay
-            x = x + branch  # (B, S, H), the residual dtype
-            return x + self._mlp(norm(x))
-        return checkpoint(tail, x, branch, use_reentrant=False, preserve_rng_state=False)
+        return self._mlp(x) if norm is None else recomputed_tail(self._mlp, x, norm, branch)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, S, H), normed
         if self.lean:
@@ -51,3 +45,12 @@ class MLP(nn.Module):
             return swiglu_down(gate_up, self.down.weight, self.variant)  # keeps gate_up; h is made again in backward
         gate_up = self.gate_up(x)
         return self.down(swiglu_packed(gate_up, self.variant))  # (B, S, I); down keeps it
+
+
+def recomputed_tail(mlp, x: torch.Tensor, norm: nn.Module, branch: torch.Tensor) -> torch.Tensor:
+    """x + branch + mlp(norm(x + branch)) under a non-reentrant checkpoint (Run.recompute == "mlp"): the dense
+    MLP's and the MoE block's (llm_anatomy/efficient/moe.py) recompute region."""
+    def tail(x, branch):  # no dropout: no RNG state to replay
+        x = x + branch  # (B, S, H), the residual dtype
+        return x + mlp(norm(x))
+    return checkpoint(tail, x, branch, use_reentrant=False, preserve_rng_state=False)

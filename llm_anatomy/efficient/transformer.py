@@ -13,12 +13,14 @@ from llm_anatomy.config import ModelConfig
 from llm_anatomy.efficient.attention import Attention
 from llm_anatomy.efficient.loss import LMHeadLoss
 from llm_anatomy.efficient.mlp import MLP
+from llm_anatomy.efficient.moe import LoadBalancingLoss, MoE
 from llm_anatomy.efficient.norm import RMSNorm
 
 # (fused key, baseline keys in concatenation order)
 FUSED = (("attn.qkv.weight", ("attn.q.weight", "attn.k.weight", "attn.v.weight")),
          ("attn.qkv.bias", ("attn.q.bias", "attn.k.bias", "attn.v.bias")),
-         ("mlp.gate_up.weight", ("mlp.gate.weight", "mlp.up.weight")))
+         ("mlp.gate_up.weight", ("mlp.gate.weight", "mlp.up.weight")),
+         ("mlp.shared.gate_up.weight", ("mlp.shared.gate.weight", "mlp.shared.up.weight")))
 
 
 class Block(nn.Module):
@@ -32,7 +34,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias, self.lean, cfg.head_dim, cfg.qk_norm,
                               cfg.norm_eps)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MLP(cfg.hidden, cfg.intermediate, cfg.mlp, self.lean)
+        # MoE: the same call protocol as MLP (recompute "mlp" included); component "moe" (llm_anatomy/efficient/moe.py)
+        self.mlp = MoE(cfg, self.lean) if cfg.moe else MLP(cfg.hidden, cfg.intermediate, cfg.mlp, self.lean)
         if recompute == "full":
             self.checkpoint = BlockCheckpoint()
         self.register_load_state_dict_pre_hook(_fuse_baseline_keys)
@@ -100,7 +103,8 @@ def to_baseline_names(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dic
     """Rename/split any name -> tensor map (weights, or their gradients) to the baseline's names."""
     sizes = {"attn.qkv.weight": [cfg.q_dim, cfg.kv_dim, cfg.kv_dim],
              "attn.qkv.bias": [cfg.q_dim, cfg.kv_dim, cfg.kv_dim],
-             "mlp.gate_up.weight": [cfg.intermediate, cfg.intermediate]}
+             "mlp.gate_up.weight": [cfg.intermediate, cfg.intermediate],
+             "mlp.shared.gate_up.weight": [cfg.shared_experts * (cfg.shared_intermediate or 0)] * 2}
     out = {}
     for k, v in tensors.items():
         fused = next(((f, parts) for f, parts in FUSED if k.endswith(f)), None)
@@ -125,6 +129,8 @@ class Transformer(nn.Module):
         self.head = LMHeadLoss(cfg.hidden, cfg.vocab, loss_impl)  # ours, or "liger" (efficient/loss.py)
         if cfg.tie_embeddings:
             self.head.lm_head.weight = self.embed.weight
+        if cfg.moe and cfg.router_aux_coef > 0:
+            self.balance = LoadBalancingLoss()
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         x = self.embed(ids)  # (B, S, H)
@@ -136,7 +142,20 @@ class Transformer(nn.Module):
                 x, branch = layer(x, cos, sin, branch)
             y = self.norm(x, branch)[1]  # layers >= 1 (config.py)
             del x, branch  # the last MLP output is not saved: it goes before the loss, the forward's peak
-            return self.head(y, targets, reduction)
+            return self._aux(self.head(y, targets, reduction), reduction)
         for layer in self.layers:
             x = layer(x, cos, sin)
-        return self.head(self.norm(x), targets, reduction)  # ids, targets: (B, S); "none": (B*S,) losses
+        # ids, targets: (B, S); "none": (B*S,) losses
+        return self._aux(self.head(self.norm(x), targets, reduction), reduction)
+
+    def _aux(self, loss: torch.Tensor, reduction: str) -> torch.Tensor:
+        """loss + router_aux_coef * the load-balancing loss over every MoE layer's stash (the mean loss only:
+        the per-token losses of reduction="none" have no share of it)."""
+        if not (self.cfg.moe and self.cfg.router_aux_coef > 0):
+            return loss
+        stats = [layer.mlp.aux for layer in self.layers]
+        for layer in self.layers:
+            layer.mlp.aux = None
+        if reduction != "mean":
+            return loss
+        return loss + self.cfg.router_aux_coef * self.balance(stats, self.cfg.experts)

@@ -10,6 +10,8 @@ re-calling torch's own formula with arguments it accepts (the counts themselves 
   the kernel computes them: k/v broadcast to the query's heads (torch 2.13's formula does the same).
 - addmm's dtype overload (`out_dtype=`, used by Liger's fp32 weight-gradient accumulation) passes
   an extra positional that collides with the formula's out_shape; counted as the mm it is.
+One op has no formula in torch 2.13: aten._grouped_mm (the MoE block's expert GEMMs) counts 0. It is counted as
+the mms it groups, 2mnk summed over the groups, which its shapes give whatever the offsets (_grouped_mm_flops).
 """
 from __future__ import annotations
 
@@ -42,7 +44,17 @@ def _addmm_as_mm(self, mat1, mat2, *rest, out_val=None, **kwargs):
 
 _addmm_as_mm._get_raw = True
 
-CUSTOM_MAPPING = {aten.addmm: _addmm_as_mm}
+def _grouped_mm_flops(a, b, *rest, out_val=None, **kwargs):
+    """2 x the multiply-adds of every group: two 2D operands (a weight gradient, a (K, N) x (N, M) split along
+    N into (E, K, M)) contract over all of N; otherwise each output element contracts over a's last dim."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
+_grouped_mm_flops._get_raw = True
+
+CUSTOM_MAPPING = {aten.addmm: _addmm_as_mm, aten._grouped_mm: _grouped_mm_flops}
 for _op, _qi in ((aten._scaled_dot_product_cudnn_attention, 0), (aten._scaled_dot_product_flash_attention, 0),
                  (aten._scaled_dot_product_efficient_attention, 0),
                  (aten._scaled_dot_product_cudnn_attention_backward, 1),
