@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_anatomy.calculator.moe import refuse_unmodelled
-from llm_anatomy.config import RECOMPUTE, ConfigError, ModelConfig, Run
+from llm_anatomy.config import RECOMPUTE, ConfigError, ModelConfig, Run, refuse_unmodelled
 
 VARIANTS = ("baseline", "efficient")
 
@@ -23,7 +22,7 @@ def build_model(cfg: ModelConfig, variant: str = "baseline", device="cpu", dtype
     if variant == "baseline":
         from llm_anatomy.baseline.transformer import Transformer
     elif variant == "efficient":
-        refuse_unmodelled(cfg, "the efficient variant")  # never a silent dense model for an MoE or gpt-oss config
+        refuse_unmodelled(cfg, "the efficient variant", "efficient")  # never a silent dense block for gpt-oss's
         try:
             from llm_anatomy.efficient.transformer import Transformer
         except ImportError as e:

@@ -18,7 +18,6 @@ from functools import lru_cache
 
 from llm_anatomy.calculator import mesh as mesh_model
 from llm_anatomy.config import ConfigError, ModelConfig, Run
-from llm_anatomy.plan import largest_fitting, max_batch
 
 MICROBATCHES_PER_STAGE = 4  # micro-batches per pipeline stage without a global batch
 
@@ -77,14 +76,14 @@ def _microbatches(m: mesh_model.Mesh, b: int, global_batch: int | None) -> int:
     return global_batch // m.dp // b
 
 
-def _fitting_micro_batch(cfg, m, mk, variant, budget, optimizer, global_batch, seq) -> int:
+def _fitting_micro_batch(cfg, m, mk, variant, budget, optimizer, global_batch, largest) -> int:
     """The largest micro-batch whose heaviest rank fits (dividing the rank's share of a global batch, with at
     least pp micro-batches), 0 if none."""
     def need(b):
         return mesh_model.rank_peak(cfg, mk(b), variant, m, _microbatches(m, b, global_batch), optimizer=optimizer)
 
     if global_batch is None:
-        return largest_fitting(lambda b: need(b) <= budget, max_batch(seq))
+        return largest(lambda b: need(b) <= budget)
     share = global_batch // m.dp
     for b in sorted((d for d in _divisors(share) if share // d >= m.pp), reverse=True):
         try:
@@ -97,8 +96,9 @@ def _fitting_micro_batch(cfg, m, mk, variant, budget, optimizer, global_batch, s
 
 def search(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int, gpus_per_node: int, budget: int, variant: str,
            dtype: str, optimizer: str, recomputes: tuple[str, ...], lean: bool, global_batch: int | None,
-           peak_flops: float) -> list[dict]:
-    """Every mesh candidate that fits, fastest first. JSON-able."""
+           peak_flops: float, largest) -> list[dict]:
+    """Every mesh candidate that fits, fastest first. JSON-able. largest(fits): the largest micro-batch for which
+    fits() holds, 0 if none (plan.py's search, bounded by its ceiling)."""
     rows = []
     for m in meshes(cfg, gpus_n, gpus_per_node):
         if global_batch is not None and global_batch % m.dp:
@@ -107,7 +107,7 @@ def search(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int, gpus_per_node: 
             lb = lean and variant == "efficient" and rc == "none"
             mk = lambda b: Run(batch=b, seq=seq, dtype=dtype, recompute=rc, lean=lb)  # noqa: E731
             try:
-                b = _fitting_micro_batch(cfg, m, mk, variant, budget, optimizer, global_batch, seq)
+                b = _fitting_micro_batch(cfg, m, mk, variant, budget, optimizer, global_batch, largest)
             except ConfigError:
                 continue  # a split the calculator refuses (e.g. a shard narrower than a head)
             if b == 0:

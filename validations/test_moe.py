@@ -195,7 +195,7 @@ def test_unmodelled_fields_are_refused_in_one_line(name, change, message, tmp_pa
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--variant", "efficient"], "the efficient variant's calculator (--variant baseline counts it): experts not"),
+    (["--variant", "efficient"], "the efficient variant's calculator (--variant baseline counts it): qk_norm_whole"),
     (["--variant", "baseline", "--gpu", "H200"], ": experts not modelled yet"),
     (["--variant", "baseline", "--world-size", "8"], ": experts not modelled yet"),
 ])
@@ -204,11 +204,15 @@ def test_what_is_not_modelled_for_moe_is_refused(argv, message):
     assert rc == 2 and err.count("\n") == 1 and message in err, err
 
 
-@pytest.mark.parametrize("field", ["experts", "attn_sinks", "window", "o_bias", "qk_norm_whole"])
+def test_efficient_model_builds_experts():
+    cfg = ModelConfig(hidden=16, layers=1, heads=2, intermediate=8, vocab=16, experts=4, experts_per_token=2)
+    assert type(build_model(cfg, "efficient", device="meta").layers[0].mlp).__module__ == "llm_anatomy.efficient.moe"
+
+
+@pytest.mark.parametrize("field", ["attn_sinks", "window", "o_bias", "qk_norm_whole"])
 def test_efficient_model_refuses_what_it_does_not_build(field):
-    """Until the efficient MoE and gpt-oss attention exist, building them is a ConfigError, never a dense model."""
-    kw = {"experts": dict(experts=4, experts_per_token=2), "attn_sinks": dict(attn_sinks=True),
-          "window": dict(window=4), "o_bias": dict(o_bias=True),
+    """Until the efficient gpt-oss and OLMoE attention exist, building them is a ConfigError, never another model."""
+    kw = {"attn_sinks": dict(attn_sinks=True), "window": dict(window=4), "o_bias": dict(o_bias=True),
           "qk_norm_whole": dict(qk_norm=True, qk_norm_whole=True)}[field]
     cfg = ModelConfig(hidden=16, layers=1, heads=2, intermediate=8, vocab=16, **kw)
     with pytest.raises(ConfigError, match=f"the efficient variant: {field} not modelled yet"):

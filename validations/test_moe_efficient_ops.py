@@ -119,7 +119,7 @@ def test_grouped_mm_flops_are_the_loops(name, monkeypatch):
         with flop_counter() as bwd:
             y.float().sum().backward()
         counts.append((fwd.get_total_flops(), bwd.get_total_flops()))
-    N, H, I, E = 18 * cfg.experts_per_token, cfg.hidden, cfg.expert_intermediate, cfg.experts
+    N, H, I = 18 * cfg.experts_per_token, cfg.hidden, cfg.expert_intermediate
     fold = 2 * N * 8 * (2 * I + H) if cfg.expert_bias else 0  # the ones column (and 7 zeros) in each GEMM
     assert counts[0] == (counts[1][0] + fold, counts[1][1] + 2 * fold)
     assert counts[1][0] >= 2 * N * H * 3 * I  # the expert GEMMs are in it

@@ -79,4 +79,6 @@ class Transformer(nn.Module):
         stats = [layer.mlp.stats for layer in self.layers]
         for layer in self.layers:  # the blocks hold no graph past this step
             layer.mlp.stats = None
+        if reduction != "mean":  # the load-balancing loss is the batch's: per-token losses have no share of it
+            return loss
         return loss + self.cfg.router_aux_coef * self.balance(stats, self.cfg.experts)

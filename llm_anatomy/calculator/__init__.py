@@ -34,7 +34,7 @@ def estimate(cfg: ModelConfig, run: Run, variant: str = "baseline", device: str 
     if run.recompute != "none" and variant != "efficient":
         raise ConfigError(f"recompute={run.recompute!r} is an option of the efficient variant, not {variant!r}")
     if variant == "efficient":
-        moe.refuse_unmodelled(cfg, "the efficient variant's calculator (--variant baseline counts it)")
+        moe.refuse_unmodelled(cfg, "the efficient variant's calculator (--variant baseline counts it)", "efficient")
     comps = {}
     for name, mod in component_modules(cfg).items():
         fn = getattr(mod, variant, None)

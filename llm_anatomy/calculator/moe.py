@@ -24,6 +24,7 @@ from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.linear import linears_saved
 from llm_anatomy.calculator.mlp import elementwise_per_row, gated_saved
 from llm_anatomy.calculator.types import Component, Saved
+from llm_anatomy.config import refuse_unmodelled, unmodelled  # noqa: F401  (re-exported)
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 
@@ -169,22 +170,10 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda", hist=None) -> Com
 
 
 def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
-    raise ConfigError("the efficient variant has no mixture-of-experts block yet: estimate --variant baseline")
+    """The efficient block (efficient/moe.py): the baseline's FLOPs, its own saved tensors
+    (calculator/moe_efficient.py: routing-independent, since dropless routing keeps T x k rows)."""
+    from llm_anatomy.calculator.moe_efficient import saved_list
 
-
-def unmodelled(cfg: ModelConfig) -> str | None:
-    """The first field of `cfg` that only the baseline's parameters, FLOPs and saved tensors model (experts and
-    the gpt-oss and OLMoE attention fields); None for a config every prediction models."""
-    for name, on in (("experts", cfg.moe), ("attn_sinks", cfg.attn_sinks), ("window", cfg.window is not None),
-                     ("o_bias", cfg.o_bias), ("qk_norm_whole", cfg.qk_norm_whole)):
-        if on:
-            return name
-    return None
-
-
-def refuse_unmodelled(cfg: ModelConfig, what: str) -> None:
-    """A ConfigError naming that field, so that nothing counts such a config as a dense one."""
-    name = unmodelled(cfg)
-    if name:
-        raise ConfigError(f"{what}: {name} not modelled yet (config {cfg.name}); the baseline model's parameters, "
-                          "FLOPs and saved tensors are what is counted for it")
+    f = flops(cfg, run)
+    return Component("moe", cfg.layers, params(cfg), f, 2 * f, f, 2 * f, elementwise(cfg, run),
+                     saved_list(cfg, run, device))
