@@ -167,7 +167,8 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
     """Every (strategy, recompute) candidate at its largest fitting micro-batch, and the fastest. JSON-able.
     lean: the efficient variant runs its lean block where it applies (no recompute). global_batch: sequences
     per optimizer step over all GPUs (gradient accumulation follows); tokens: a budget to price. meshes: on
-    several GPUs, also the tensor- and pipeline-parallel meshes (plan_mesh.py); `winner` is the fastest of all."""
+    several GPUs, unless strategies narrows the plan to data parallelism, also the tensor- and pipeline-parallel
+    meshes (plan_mesh.py); `mesh_winner` is the fastest mesh where it beats data parallelism."""
     _check(gpus_n, gpus_per_node, margin, seq)
     check_global_batch(global_batch, gpus_n)
     if tokens is not None and not (isinstance(tokens, (int, float)) and not isinstance(tokens, bool)
@@ -176,6 +177,7 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
     if variant not in POLICIES:
         raise ConfigError(f"unknown variant {variant!r}; choose baseline or efficient")
     entry = table_entry(gpu)
+    narrowed = strategies is not None  # --strategy: data parallelism only
     capacity, capacity_source = gpus.capacity_bytes(entry["name"])
     budget = int(capacity * (1 - margin))
     if strategies is None:
@@ -212,7 +214,7 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
             spread[b] = dict(gpu=name, step_s=t["step_s"], tokens_per_s=tps, mfu=t["mfu"],
                              budget=token_budget(tokens, tps, gpus_n))
     mesh_rows = []
-    if meshes and gpus_n > 1 and strategies in (None, ("fsdp",), ("ddp", "fsdp")):
+    if meshes and gpus_n > 1 and not narrowed:
         from llm_anatomy.plan_mesh import search
 
         peak_flops = entry["bf16_tflops" if dtype != "fp32" else "fp32_tflops"] * 1e12

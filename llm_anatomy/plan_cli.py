@@ -38,7 +38,8 @@ def parser() -> Parser:
                         "plain block")
     add_optimizer_flag(g)
     g.add_argument("--strategy", choices=("ddp", "fsdp"),
-                   help="plan only this data-parallel strategy (default: both when --gpus > 1)")
+                   help="plan only this data-parallel strategy (default: both, and the tensor- and pipeline-parallel "
+                        "meshes, when --gpus > 1)")
     g.add_argument("--recompute", type=nonempty, metavar="POLICY[,POLICY]",
                    help="plan only these recompute policies (default: every policy of the variant: none, mlp, full "
                         "for efficient)")

@@ -24,6 +24,8 @@ _GPU_MEMORY = ["llm_anatomy/measure/memory.py:measure_phases", "llm_anatomy/meas
 _TIME = ["llm_anatomy/calculator/timing.py:estimate_time"]
 _TIMELINE = ["llm_anatomy/measure/timeline.py:component_times", "llm_anatomy/measure/timeline.py:kernel_times"]
 _DIST = ["llm_anatomy/distributed/strategies.py:wrap"]
+_TP = "llm_anatomy/distributed/tensor_parallel.py:parallelize"
+_PP = "llm_anatomy/distributed/pipeline_step.py:train_pp"
 FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
     (r"^params equal Hugging Face", ["llm_anatomy/calculator/__init__.py:param_count"],
      ["llm_anatomy/hf_config.py:from_hf_config", *_MODELS], []),
@@ -65,6 +67,20 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
      ["llm_anatomy/optim/baseline.py:AdEMAMix", "llm_anatomy/optim/efficient.py:FusedAdEMAMix"], []),
     (r"^optimizer step time", ["llm_anatomy/calculator/timing/kernels.py:optimizer_kernels"],
      ["llm_anatomy/optim/baseline.py:AdEMAMix", "llm_anatomy/optim/efficient.py:FusedAdEMAMix"], ["H200_PROFILE"]),
+    (r"^tp per-rank saved", ["llm_anatomy/calculator/tensor_parallel.py:tp_saved"],
+     [_TP, "llm_anatomy/distributed/tp_saved.py:LocalSavedTracer"], []),
+    (r"^tp (per-rank|collective)", ["llm_anatomy/calculator/tensor_parallel.py:tp_rank_memory",
+                                   "llm_anatomy/calculator/tensor_parallel.py:tp_collectives"],
+     [_TP, "llm_anatomy/distributed/counting.py:CollectiveCounter"], []),
+    (r"^pipeline (saved|chunks)", ["llm_anatomy/calculator/pipeline_schedule.py:saved_peak",
+                                   "llm_anatomy/calculator/pipeline_schedule.py:in_flight"],
+     [_PP, "llm_anatomy/distributed/saved_in_flight.py:SavedInFlight"], []),
+    (r"^pipeline (per-rank|sends)", ["llm_anatomy/calculator/pipeline_parallel.py:pp_rank_memory",
+                                     "llm_anatomy/calculator/pipeline_parallel.py:pp_collectives"],
+     [_PP, "llm_anatomy/distributed/counting.py:CollectiveCounter"], []),
+    (r"pipeline loss curve|^tp x fsdp loss", ["-"], [_PP, "llm_anatomy/distributed/mesh_step.py:train"], []),
+    (r"^active params per token", ["llm_anatomy/calculator/__init__.py:active_param_count"],
+     ["llm_anatomy/hf_config.py:from_hf_config", *_MODELS], []),
     (r"^per-rank ", ["llm_anatomy/calculator/sharding.py:per_rank_memory"],
      [*_DIST, "llm_anatomy/distributed/counting.py:rank_memory"], []),
     (r"^collective ", ["llm_anatomy/calculator/comm.py:ddp_collectives", "llm_anatomy/calculator/comm.py:fsdp_collectives"],

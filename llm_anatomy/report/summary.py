@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 
 # (what is predicted, pattern on the claim name), first match wins
-AREAS = (("parameters", r"^params"),
+AREAS = (("parameters", r"^(active )?params"),
          ("FLOPs", r"^flops|FLOPs"),
-         ("saved tensors", r"^(memory\.saved|saved|gpt-oss)"),
-         ("collectives and per-rank bytes", r"^(collective|per-rank)"),
+         ("saved tensors", r"^(memory\.saved|saved|gpt-oss|tp per-rank saved|pipeline (saved|chunks in flight))"),
+         ("collectives and per-rank bytes", r"^((tp|pipeline) )?(collective|per-rank|sends)"),
          ("time", r"^(time\.|step time|optimizer step time)"),
          ("training loss", r"loss"),
          ("peak memory and phases", r"^(memory|plan:|optimizer (state|step) bytes)"))
