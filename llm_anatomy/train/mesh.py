@@ -121,7 +121,7 @@ class Pipelined(nn.ModuleList):
         losses: list[torch.Tensor] = []
         kw = dict(targets=y, target=y, losses=losses) if self.last else {}
         run = self._schedule.step if backward else self._schedule.eval
-        run(*((x,) if self.first else ()), **kw)
+        run(*((x,) if self.first else ()), return_outputs=False, **kw)
         if not self.last:
             return torch.zeros((), dtype=torch.float64)
         return torch.stack([t.detach().double() for t in losses]).mean()
