@@ -144,6 +144,10 @@ def main(argv=None) -> int:
             _say("note", note)
         opts = _options(a)
         opts.validate()
+        from llm_anatomy.train.mesh import check as check_mesh
+        from llm_anatomy.train.setup import launched_world
+
+        check_mesh(cfg, run, a.variant, opts, launched_world())  # before the data is read or tokenized
         data = load_data(a.data, cfg.vocab, cache_dir=a.cache_dir, bin_dtype=a.bin_dtype,
                          text_column=a.text_column, eval_frac=a.eval_frac, seq=run.seq)
         summary = train(cfg, run, a.variant, data, opts)

@@ -214,7 +214,7 @@ class Trainer:
         self.consumed += B * pl.dp
         if pl.device.type == "cuda":
             torch.cuda.synchronize(pl.device)
-        self._record(step, lval, lr, time.perf_counter() - t0)
+        self._record(step, lval, lr, time.perf_counter() - t0, gnorm)
 
     def _forward_ctx(self) -> contextlib.ExitStack:
         """The forward's (and under TP the backward's) context: the dtype policy's autocast, loss_parallel on TP."""
@@ -245,10 +245,12 @@ class Trainer:
                 raise ConfigError(f"--lr {self.o.lr:g} makes the first update non-finite (step {step}, lr {lr:.3g}): "
                                   f"the weights overflow; learning rates are of order 1e-4 to 1e-2")
 
-    def _record(self, step: int, lval: float, lr: float, dt: float) -> None:
+    def _record(self, step: int, lval: float, lr: float, dt: float, gnorm: float) -> None:
         tokens = self.run_.batch * self.run_.seq * self.pl.dp
         self.hist["loss"].append(lval)
         self.hist["lr"].append(lr)
+        # the norm before clipping; a checkpoint written before grad_norm was recorded has none for its steps
+        self.hist.setdefault("grad_norm", [None] * (len(self.hist["loss"]) - 1)).append(gnorm)
         self.hist["tokens_per_s"].append(tokens / dt)
         self.window.append(dt)  # shown: the mean over the last 10 steps (one step's time is noisy)
         mean_dt = sum(self.window) / len(self.window)

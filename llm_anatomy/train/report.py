@@ -14,8 +14,9 @@ from llm_anatomy.train.storage import storage_error
 
 def log_dict(summary: dict) -> dict:
     h = summary["history"]
-    steps = [dict(step=i + 1, loss=l, lr=lr, tokens_per_s=t)  # the history always starts at step 1
-             for i, (l, lr, t) in enumerate(zip(h["loss"], h["lr"], h["tokens_per_s"]))]
+    norms = h.get("grad_norm") or [None] * len(h["loss"])
+    steps = [dict(step=i + 1, loss=l, lr=lr, tokens_per_s=t, grad_norm=g)  # the history always starts at step 1
+             for i, (l, lr, t, g) in enumerate(zip(h["loss"], h["lr"], h["tokens_per_s"], norms))]
     keep = ("status", "variant", "strategy", "world", "mesh", "device", "config", "run", "optimizer", "seed", "data",
             "options", "start_step", "resumed_from", "changed_on_resume", "checkpoint", "flops_per_step", "peak_flops")
     return dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), **{k: summary.get(k) for k in keep},

@@ -30,7 +30,7 @@ _ERROR = -2  # broadcast from rank 0 when it refused: every rank stops
 class Start:
     step: int = 0
     consumed: int = 0
-    history: dict = field(default_factory=lambda: dict(loss=[], lr=[], tokens_per_s=[], eval=[]))
+    history: dict = field(default_factory=lambda: dict(loss=[], lr=[], tokens_per_s=[], grad_norm=[], eval=[]))
     path: Path | None = None
     note: str = ""
     changed: list = field(default_factory=list)  # identity keys this resume changed, as --allow-changed let it
