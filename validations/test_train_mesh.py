@@ -3,7 +3,7 @@
   gloo, 2 ranks   TP 2; PP 2 with --pp-schedule 1f1b and interleaved-1f1b (2 micro-batches): each 4-step loss curve,
                   its evals and its gradient norms (before the clip, train_log.json) against the one-process
                   `anatomy train` run on the same data: the norm under PP combines the stages
-  gloo, 4 ranks   TP 2 x FSDP 2 (B = 2 per dp rank against one process's B = 4)
+  gloo, 4 ranks   TP 2 x FSDP 2 and PP 2 (1f1b) x FSDP 2 (B = 2 per dp rank against one process's B = 4)
   resume          TP 2 and PP 2 (interleaved): 2 steps + resume 2 from the per-rank checkpoint = the 4 straight
                   steps, exactly (CPU kernels are deterministic); a checkpoint resumed on another mesh is refused
                   in one line, on every rank (exit 2), in a launch and in one process
@@ -92,7 +92,7 @@ def launched(one_process, cache, tmp_path_factory) -> dict[str, tuple[int, Path]
                 "pp2-interleaved-resumed": ["--batch", "4", *PIPE["pp2-interleaved"], "--ckpt-dir",
                                             str(base / "pp2-interleaved"), "--resume",
                                             str(base / "pp2-interleaved" / "step-00000002")]},
-            4: {"tp2xdp2": ["--batch", "2", "--tp", "2"]}}
+            4: {"tp2xdp2": ["--batch", "2", "--tp", "2"], "pp2xdp2": ["--batch", "2", *PIPE["pp2-1f1b"]]}}
     out = {}
     for world, named in runs.items():
         scenarios = []
@@ -144,11 +144,11 @@ def test_tp_curve_matches_one_process(launched, one_process, name, claims):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", list(PIPE))
+@pytest.mark.parametrize("name", [*PIPE, "pp2xdp2"])
 def test_pp_curve_matches_one_process(launched, one_process, name, claims):
-    """A 2-stage pipeline (either schedule, 2 micro-batches) against the one-process run: the curve's relative
-    error against float64 within twice the one-process fp32 run's own (or twice one fp32 rounding); the clip
-    combines the stages' norms (a rank's own norm alone would clip by another factor)."""
+    """A 2-stage pipeline (either schedule, 2 micro-batches; x FSDP 2 with B=2 per dp rank) against the one-process
+    run: the curve's relative error against float64 within twice the one-process fp32 run's own (or twice one fp32
+    rounding); the clip combines the stages' norms (a rank's own norm alone would clip by another factor)."""
     d = _ok(launched, name)
     assert _log(d)["strategy"] == "pp" and _log(d)["mesh"].startswith("pp 2 (")
     _check_norms(d, one_process["fp32"], name, claims)
@@ -199,6 +199,7 @@ BAD = {
     "pp-schedule": (2, ["--pp", "2", "--pp-schedule", "zigzag"], "--pp-schedule must be one of"),
     "pp-microbatches": (2, ["--pp", "2", "--microbatches", "3"], "microbatches"),
     "pp-amp-no-dp": (2, ["--pp", "2", "--dtype", "amp"], "amp"),
+    "microbatches-without-pp": (2, ["--tp", "2", "--microbatches", "2"], "need --pp N > 1"),
 }
 
 

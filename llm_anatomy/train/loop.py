@@ -120,6 +120,12 @@ def _global_mean(x: torch.Tensor, pl: Placement) -> float:
     return float(x.item())
 
 
+def _per_gpu(flops: int | None, o: TrainOptions) -> int | None:
+    """One rank's share of its dp group's model FLOPs: TP and PP split a batch's work over tp x pp ranks (MFU's
+    convention: the model's FLOPs over every GPU that ran them)."""
+    return flops // (o.tp * o.pp) if flops else flops
+
+
 @dataclass
 class Trainer:
     cfg: ModelConfig
@@ -312,16 +318,17 @@ class Trainer:
         return dict(status="running", strategy=self.pl.strategy, world=self.pl.world, mesh=self.pl.layout,
                     device=str(dev),
                     start_step=start.step, resumed_from=str(start.path) if start.path else None, checkpoint=None,
-                    flops_per_step=model_flops(self.cfg, self.run_, self.variant, dev),
+                    flops_per_step=_per_gpu(model_flops(self.cfg, self.run_, self.variant, dev), self.o),
                     peak_flops=peak_flops(dev, self.run_.dtype), data=self.data.describe(), options=asdict(self.o),
                     **self.identity)
 
     def _announce(self, start: Start) -> None:
         o, r, pl = self.o, self.run_, self.pl
-        n_params = sum(p.numel() for p in self.model.parameters())  # a DTensor reports its global numel
+        n_params = getattr(self.model, "n_params", None) or sum(p.numel() for p in self.model.parameters())
+        # (a DTensor reports its global numel; a pipeline rank counts the stages of every rank)
         lean = " (lean block)" if self.variant == "efficient" and r.lean_block else ""
         self.disp.print(f"{self.cfg.name} · {self.variant}{lean} · {n_params / 1e6:.2f} M params · B={r.batch} S={r.seq} "
-                        f"{r.dtype} · {o.optimizer} lr {o.lr:g} · {pl.strategy} on {pl.world} × {pl.device.type} · "
+                        f"{r.dtype} · {o.optimizer} lr {o.lr:g} · {pl.layout or pl.strategy} on {pl.world} × {pl.device.type} · "
                         f"data: {self.data.source}"
                         + (f" · resumed at step {start.step} from {start.path}" if start.path else "") + start.note)
         if self.data.tokenizer:

@@ -39,6 +39,8 @@ def layout(o: TrainOptions, world: int) -> str | None:
 
 def check(cfg: ModelConfig, run: Run, variant: str, o: TrainOptions, world: int) -> None:
     """ConfigError (one line) for a mesh this run cannot take; runs before any process group exists."""
+    if o.pp == 1 and (o.microbatches is not None or o.pp_schedule != "1f1b"):
+        raise ConfigError("--pp-schedule and --microbatches shape a pipeline: they need --pp N > 1")
     if o.tp == 1 and o.pp == 1:
         return
     if o.tp > 1 and o.pp > 1:
@@ -113,6 +115,9 @@ class Pipelined(nn.ModuleList):
         self._schedule = make_schedule(o.pp_schedule, pipeline_stages(mods, pp_rank, o.pp, mb_ids, model.cfg.hidden,
                                                                        act, mesh["pp"]), self.microbatches)
         self._pp_group = mesh["pp"].get_group()
+        n = torch.tensor([sum(p.numel() for p in self.parameters())], dtype=torch.int64, device=device)
+        dist.all_reduce(n, group=self._pp_group)  # every stage once (a DTensor counts its dp shards' whole)
+        self.n_params = int(n.item())
         self.first, self.last = any(m.first for m in mods), any(m.last for m in mods)
 
     def run_schedule(self, x: torch.Tensor, y: torch.Tensor, *, backward: bool) -> torch.Tensor:
