@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from llm_anatomy.config import ModelConfig, Run

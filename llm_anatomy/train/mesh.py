@@ -108,7 +108,6 @@ class Pipelined(nn.ModuleList):
             pd, rd = default_mixed_precision(run)
             mods = [shard_stage(m, mesh["dp"], param_dtype=pd, reduce_dtype=rd) for m in mods]
         super().__init__(mods)
-        self.cfg, self.variant = model.cfg, model.variant
         self.microbatches = o.microbatches or o.pp
         act = torch.bfloat16 if run.dtype in ("bf16", "amp") else next(model.parameters()).dtype
         mb_ids = torch.zeros(run.batch // self.microbatches, run.seq, dtype=torch.long, device=device)
@@ -144,4 +143,4 @@ class Pipelined(nn.ModuleList):
         return total
 
     def forward(self, *_):
-        raise ConfigError("a pipeline rank's stages run through its schedule (run_schedule), not forward()")
+        raise RuntimeError("a pipeline rank's stages run through its schedule (run_schedule), not forward()")
