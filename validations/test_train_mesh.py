@@ -63,18 +63,20 @@ def _evals(out: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def one_process(cache, tmp_path_factory) -> dict[str, Path]:
-    """The one-process runs: fp32 (the reference) and float64 (PP's judge)."""
+    """The one-process runs: the baseline in fp32 (the reference) and in float64 (PP's judge), the efficient model
+    (without its lean block) in fp32."""
     data = load_data(None, CFG.vocab, cache_dir=cache, seq=32)
     out = {}
-    for name, clip, pdt in (("fp32", CLIP, None), ("fp64", CLIP, "float64")):
+    for name, variant, pdt in (("fp32", "baseline", None), ("fp64", "baseline", "float64"),
+                               ("efficient", "efficient", None)):
         d = out[name] = tmp_path_factory.mktemp(name)
-        o = TrainOptions(steps=STEPS, eval_every=2, grad_clip=clip, progress="none", plot=False, out=str(d),
+        o = TrainOptions(steps=STEPS, eval_every=2, grad_clip=CLIP, progress="none", plot=False, out=str(d),
                          param_dtype=pdt)
         if pdt:
             with _float64_throughout():
-                train(CFG, Run(4, 32, "fp32"), "baseline", data, o)
+                train(CFG, Run(4, 32, "fp32"), variant, data, o)
         else:
-            train(CFG, Run(4, 32, "fp32"), "baseline", data, o)
+            train(CFG, Run(4, 32, "fp32"), variant, data, o)  # Run.lean is off by default
     return out
 
 
@@ -88,6 +90,7 @@ def launched(one_process, cache, tmp_path_factory) -> dict[str, tuple[int, Path]
                                 str(base / "tp2" / "step-00000002")],
                 "tp2-on-pp2": ["--batch", "4", *PIPE["pp2-1f1b"], "--ckpt-dir", str(base / "tp2"), "--resume"],
                 **{k: ["--batch", "4", *v, "--ckpt-every", "2"] for k, v in PIPE.items()},
+                "pp2-efficient": ["--batch", "4", *PIPE["pp2-1f1b"], "--variant", "efficient", "--no-lean"],
                 "pp2-interleaved-resumed": ["--batch", "4", *PIPE["pp2-interleaved"], "--ckpt-dir",
                                             str(base / "pp2-interleaved"), "--resume",
                                             str(base / "pp2-interleaved" / "step-00000002")]},
@@ -160,6 +163,18 @@ def test_pp_curve_matches_one_process(launched, one_process, name, claims):
     ev64 = _evals(one_process["fp64"])
     ev_err = max(abs(x - y) / y for x, y in zip(_evals(d), ev64, strict=True))
     assert ev_err <= 2 * max(max(abs(x - y) / y for x, y in zip(_evals(one_process["fp32"]), ev64)), 2.0 ** -24)
+
+
+@pytest.mark.distributed
+def test_pp_efficient_matches_one_process(launched, one_process, claims):
+    """The efficient variant (without its lean block, which hands a pending branch across Blocks) as a 2-stage
+    pipeline: its losses, evals and gradient norms equal its one-process run's within CURVE_TOL."""
+    d, one = _ok(launched, "pp2-efficient"), one_process["efficient"]
+    assert _log(d)["variant"] == "efficient"
+    _check_norms(d, one, "pp2-efficient", claims)
+    for got, want in zip(_losses(d) + _evals(d), _losses(one) + _evals(one), strict=True):
+        claims.check("anatomy train --pp (efficient) loss vs one process", component="loss", config=CFG.name,
+                     variant="efficient", predicted=want, measured=got, tolerance=CURVE_TOL, unit="nats")
 
 
 @pytest.mark.distributed

@@ -57,7 +57,10 @@ def check(cfg: ModelConfig, run: Run, variant: str, o: TrainOptions, world: int)
         from llm_anatomy.distributed.tensor_parallel import check_tp
         from llm_anatomy.mesh_rules import check_run
 
-        check_tp(cfg, o.tp, dp, variant=variant)
+        try:
+            check_tp(cfg, o.tp, dp, variant=variant)
+        except ConfigError as e:  # the engine's refusal; anatomy train's default variant is the efficient one
+            raise ConfigError(f"{e} (--variant baseline)" if variant != "baseline" else str(e)) from None
         check_run(run, o.tp, dp)
         return
     from llm_anatomy.calculator.pipeline_split import check_pipeline
