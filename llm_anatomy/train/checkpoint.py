@@ -16,8 +16,8 @@ sizes this trainer runs on CPU; a GPU-sized run would read ranges instead.
 On a tensor- or pipeline-parallel mesh (per_rank, train/mesh.py) every rank writes all it holds: each
 DTensor's local tensor (TP's row / column / vocab shards, FSDP2's dim-0 shards of them) and a pipeline
 stage's plain tensors, with the header's `layout` naming the mesh; trainer.json names it too. Loading reads
-the rank's own shard and rebuilds each DTensor from it with the placements it has now (checkpoint_mesh.py),
-so a resume needs the same mesh: another layout is refused in one line.
+the rank's own shard and rebuilds each DTensor from it with the placements it has now (_placed), so a
+resume needs the same mesh: another layout is refused in one line.
 
 Why atomic, and how. Every save goes to a fresh `.tmp-step-N-XXXX/` (an exclusive mkdtemp, so a planted
 link cannot redirect it); every rank writes and fsyncs its shard; rank 0 writes trainer.json and then
@@ -271,18 +271,16 @@ def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         mf.check_trainer(trainer, m["step"])
     except (mf.Damaged, OSError, ValueError, KeyError, TypeError) as e:
         fail = e
-    if not fail and (trainer.get("layout") or None) != layout:  # every rank reads the same trainer.json
+    _unreadable_together(folder, fail)
+    if (trainer.get("layout") or None) != layout:  # every rank read the same verified trainer.json
         raise ConfigError(f"checkpoint {folder} was written on {_mesh_words(trainer.get('layout'))}, this run is on "
                           f"{_mesh_words(layout)}: a mesh's checkpoint keeps each rank's shards, so resume it on "
                           f"the same mesh")
     try:
-        if fail is None:
-            full, scalars, rngs, headers = _read_shards(folder, m, [r] if layout else None)
+        full, scalars, rngs, headers = _read_shards(folder, m, [r] if layout else None)
     except (mf.Damaged, OSError, ValueError, KeyError, TypeError) as e:
         fail = e
-    if ranks.max_int(int(fail is not None)):
-        raise ConfigError(f"checkpoint {folder} changed or became unreadable while it was loaded: "
-                          f"{fail if fail is not None else 'on another rank'}")
+    _unreadable_together(folder, fail)
     msd, osd = get_state_dict(model, optimizer)  # a fresh optimizer's state is created (an lr=0 step)
     want = _flatten_keys(msd, osd)
     got = set(full) | set(scalars)
@@ -311,6 +309,13 @@ def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         _set_rng(rngs[i], headers[i]["python_rng"])
     trainer["path"] = str(folder)
     return trainer
+
+
+def _unreadable_together(folder: Path, fail: Exception | None) -> None:
+    """ConfigError on every rank when any rank could not read (a rank that raised alone would hang the rest)."""
+    if ranks.max_int(int(fail is not None)):
+        raise ConfigError(f"checkpoint {folder} changed or became unreadable while it was loaded: "
+                          f"{fail if fail is not None else 'on another rank'}")
 
 
 def _mesh_words(layout: str | None) -> str:
