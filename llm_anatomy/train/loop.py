@@ -141,6 +141,8 @@ class Trainer:
     def __post_init__(self):
         B, S = self.run_.batch, self.run_.seq
         self.model, self.opt, self.amp = build(self.cfg, self.run_, self.variant, self.o, self.pl)
+        if self.loss_hook is not None and isinstance(self.model, mesh.Pipelined):
+            raise ConfigError("loss_hook sees the loss before backward; a pipeline's backward runs inside its schedule")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.train_b = Batches(self.data.train, B, S, self.o.seed)
         self.eval_b = Batches(self.data.eval, B, S, self.o.seed, shuffle=False)
