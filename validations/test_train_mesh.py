@@ -4,7 +4,7 @@
                   its evals and its gradient norms (before the clip, train_log.json) against the one-process
                   `anatomy train` run on the same data: the norm under PP combines the stages
   gloo, 4 ranks   TP 2 x FSDP 2 and PP 2 (1f1b) x FSDP 2 (B = 2 per dp rank against one process's B = 4)
-  resume          TP 2 and PP 2 (interleaved): 2 steps + resume 2 from the per-rank checkpoint = the 4 straight
+  resume          TP 2, PP 2 (interleaved), TP 2 x FSDP 2, PP 2 x FSDP 2: 2 steps + resume 2 from the per-rank checkpoint = the 4 straight
                   steps, exactly (CPU kernels are deterministic); a checkpoint resumed on another mesh is refused
                   in one line, on every rank (exit 2), in a launch and in one process
   tolerances      the engine tests': TP's CURVE_TOL (validations/test_tensor_parallel.py: 1e-5 relative per step,
@@ -94,7 +94,11 @@ def launched(one_process, cache, tmp_path_factory) -> dict[str, tuple[int, Path]
                 "pp2-interleaved-resumed": ["--batch", "4", *PIPE["pp2-interleaved"], "--ckpt-dir",
                                             str(base / "pp2-interleaved"), "--resume",
                                             str(base / "pp2-interleaved" / "step-00000002")]},
-            4: {"tp2xdp2": ["--batch", "2", "--tp", "2"], "pp2xdp2": ["--batch", "2", *PIPE["pp2-1f1b"]]}}
+            4: {"tp2xdp2": ["--batch", "2", "--tp", "2", "--ckpt-every", "2"],
+                "pp2xdp2": ["--batch", "2", *PIPE["pp2-1f1b"], "--ckpt-every", "2"],
+                **{f"{k}-resumed": ["--batch", "2", *flags, "--ckpt-dir", str(base / k), "--resume",
+                                    str(base / k / "step-00000002")]
+                   for k, flags in (("tp2xdp2", ["--tp", "2"]), ("pp2xdp2", PIPE["pp2-1f1b"]))}}}
     out = {}
     for world, named in runs.items():
         scenarios = []
@@ -178,15 +182,16 @@ def test_pp_efficient_matches_one_process(launched, one_process, claims):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["tp2", "pp2-interleaved"])
-def test_resume_on_the_same_mesh_repeats_the_run(launched, name):
+@pytest.mark.parametrize("name, world", [("tp2", 2), ("pp2-interleaved", 2), ("tp2xdp2", 4), ("pp2xdp2", 4)])
+def test_resume_on_the_same_mesh_repeats_the_run(launched, name, world):
     """2 steps, then a resume from the step-2 per-rank checkpoint for 2 more: the 4 straight steps' losses and
-    evals, bit for bit; each rank wrote its own shard."""
+    evals, bit for bit; each rank wrote its own shard (TP's DTensors, FSDP2's dp shards of them, a stage's
+    tensors, a stage's dp shards)."""
     straight, resumed = _ok(launched, name), _ok(launched, f"{name}-resumed")
     assert _log(resumed)["start_step"] == 2
     assert _losses(resumed) == _losses(straight) and _evals(resumed) == _evals(straight)
     shards = sorted(p.name for p in (straight / "step-00000002").glob("shard-*"))
-    assert shards == ["shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    assert shards == [f"shard-{r:05d}-of-{world:05d}.safetensors" for r in range(world)]
 
 
 @pytest.mark.distributed
