@@ -90,6 +90,20 @@ def shard_stage(stage: StageModule, dp_mesh, *, param_dtype=None, reduce_dtype=N
     return stage
 
 
+def pipeline_stages(mods: list[StageModule], pp_rank: int, pp: int, mb_ids: torch.Tensor, hidden: int,
+                    act_dtype: torch.dtype, pp_mesh) -> list:
+    """torch's PipelineStage for each of this rank's stage modules (stage pp_rank + v·pp), with the static shapes
+    of one micro-batch: its ids (mb_ids) into the first stage, (mb, S, hidden) activations between stages."""
+    from torch.distributed.pipelining import PipelineStage
+
+    device = mb_ids.device
+    act = torch.empty(*mb_ids.shape, hidden, dtype=act_dtype, device=device, requires_grad=True)  # grads flow back
+    n_stages = pp * len(mods)
+    return [PipelineStage(m, pp_rank + v * pp, n_stages, device, input_args=mb_ids if m.first else act,
+                          output_args=torch.empty((), device=device) if m.last else act, group=pp_mesh.get_group())
+            for v, m in enumerate(mods)]
+
+
 def make_schedule(name: str, stages: list, microbatches: int):
     """torch's schedule for `name` over this rank's PipelineStages; the last stage's output is its loss."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B

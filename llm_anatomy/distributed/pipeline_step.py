@@ -29,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from llm_anatomy.calculator.pipeline_split import SCHEDULES, check_pipeline
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
-from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, shard_stage
+from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, pipeline_stages, shard_stage
 from llm_anatomy.distributed.saved_in_flight import SavedInFlight
 from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank
 from llm_anatomy.distributed.train_step import _config, _Parser, add_run_arguments, init_launched, make_optimizer
@@ -42,8 +42,6 @@ def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, schedule: str 
              lr: float = 1e-3, seed: int = 0) -> list[dict]:
     """`steps` pipeline steps on the initialized process group of pp x dp ranks; this rank's records."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage
-
     check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
     if dist.get_world_size() != pp * dp:
         raise ConfigError(f"pp x dp = {pp * dp} ranks, but the job has {dist.get_world_size()}")
@@ -58,15 +56,8 @@ def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, schedule: str 
         pd, rd = default_mixed_precision(run)
         mods = [shard_stage(m, mesh["dp"], param_dtype=pd, reduce_dtype=rd) for m in mods]
     ids, targets = make_batch(cfg, run, device, seed=seed + 1 + dp_rank)  # each dp rank its own data
-    mb = run.batch // microbatches
     act = torch.bfloat16 if run.dtype in ("bf16", "amp") else torch.float32
-    hidden = torch.empty(mb, run.seq, cfg.hidden, dtype=act, device=device, requires_grad=True)  # grads flow back
-    n_stages = pp * virtual
-    stages = [PipelineStage(m, pp_rank + v * pp, n_stages, device,
-                            input_args=ids[:mb] if m.first else hidden,
-                            output_args=torch.empty((), device=device) if m.last else hidden,
-                            group=mesh["pp"].get_group())
-              for v, m in enumerate(mods)]
+    stages = pipeline_stages(mods, pp_rank, pp, ids[:run.batch // microbatches], cfg.hidden, act, mesh["pp"])
     sched = make_schedule(schedule, stages, microbatches)
     holder = torch.nn.ModuleList(mods)
     opt = make_optimizer(optimizer, holder.parameters(), lr)

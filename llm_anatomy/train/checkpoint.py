@@ -13,6 +13,12 @@ over the ranks that wrote them, so any world size resumes any other, and hands t
 set_state_dict, which keeps this rank's part. Every rank reads (and verifies) every shard: fine at the
 sizes this trainer runs on CPU; a GPU-sized run would read ranges instead.
 
+On a tensor- or pipeline-parallel mesh (per_rank, train/mesh.py) every rank writes all it holds: each
+DTensor's local tensor (TP's row / column / vocab shards, FSDP2's dim-0 shards of them) and a pipeline
+stage's plain tensors, with the header's `layout` naming the mesh; trainer.json names it too. Loading reads
+the rank's own shard and rebuilds each DTensor from it with the placements it has now (_placed), so a
+resume needs the same mesh: another layout is refused in one line.
+
 Why atomic, and how. Every save goes to a fresh `.tmp-step-N-XXXX/` (an exclusive mkdtemp, so a planted
 link cannot redirect it); every rank writes and fsyncs its shard; rank 0 writes trainer.json and then
 the manifest with every file's sha256, renames the folder to `step-N/` and replaces `latest`
@@ -50,12 +56,15 @@ def _is_dtensor(t) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "placements")
 
 
-def _flatten(msd: dict, osd: dict) -> tuple[dict[str, torch.Tensor], list[str], dict]:
-    """(tensors by key, the keys that are dim-0 shards, non-tensor optimizer state by key)."""
+def _flatten(msd: dict, osd: dict, per_rank: bool = False) -> tuple[dict[str, torch.Tensor], list[str], dict]:
+    """(tensors by key, the keys that are dim-0 shards, non-tensor optimizer state by key). per_rank: every
+    DTensor as its local tensor, whatever its placements."""
     tensors, sharded, scalars, seen = {}, [], {}, set()
 
     def put(key: str, v) -> None:
-        if _is_dtensor(v):
+        if per_rank and _is_dtensor(v):
+            v = v.to_local()
+        elif _is_dtensor(v):
             if [type(pl).__name__ for pl in v.placements] != ["Shard"] or v.placements[0].dim != 0:
                 raise ConfigError(f"cannot checkpoint {key}: placements {v.placements}, not one dim-0 shard")
             v = v.to_local()
@@ -121,10 +130,10 @@ def _sweep_temps(d: Path) -> None:
 
 
 def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         trainer: dict, *, before_commit: Callable[[Path], None] | None = None) -> Path:
+         trainer: dict, *, before_commit: Callable[[Path], None] | None = None, per_rank: bool = False) -> Path:
     """Save on every rank (a collective under torchrun); returns the committed folder. StorageError when
     any rank cannot write (every rank raises it). before_commit(tmp) runs on rank 0 after the manifest
-    and before the rename (a test seam)."""
+    and before the rename (a test seam). per_rank: each rank writes everything it holds (a mesh's layout)."""
     d, rank = Path(ckpt_dir), ranks.rank()
     final, tmp, fail = step_dir(d, step), None, None
     if rank == 0:
@@ -137,7 +146,7 @@ def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer: tor
     _fail_together(fail, f"checkpoints to {d}")
     tmp = d / ranks.str_from_rank0(tmp.name if tmp else "")
     try:
-        _write_shard(tmp, final, model, optimizer, trainer, step, before_commit)
+        _write_shard(tmp, final, model, optimizer, trainer, step, before_commit, per_rank)
     except StorageError:
         if rank == 0:  # a save that did not commit leaves nothing behind; the last good checkpoint is untouched
             shutil.rmtree(tmp, ignore_errors=True)
@@ -145,17 +154,18 @@ def save(ckpt_dir: str | Path, step: int, model: torch.nn.Module, optimizer: tor
     return final
 
 
-def _write_shard(tmp: Path, final: Path, model, optimizer, trainer: dict, step: int, before_commit) -> None:
+def _write_shard(tmp: Path, final: Path, model, optimizer, trainer: dict, step: int, before_commit,
+                 per_rank: bool = False) -> None:
     """Every rank writes its shard into tmp; rank 0 commits tmp as `final`. StorageError on every rank when any
     rank failed."""
     rank, world, fail = ranks.rank(), ranks.world(), None
     msd, osd = get_state_dict(model, optimizer)
-    tensors, sharded, scalars = _flatten(msd, osd)
-    if rank != 0:  # a replicated tensor (DDP's every one, FSDP2's AdamW step) is written by rank 0 alone
+    tensors, sharded, scalars = _flatten(msd, osd, per_rank)
+    if rank != 0 and not per_rank:  # a replicated tensor (DDP's every one, FSDP2's AdamW step) is written by rank 0 alone
         tensors = {k: tensors[k] for k in sharded}
     rng, python_rng = _rng_tensors()
     meta = dict(format=mf.FORMAT, rank=str(rank), world=str(world), sharded=json.dumps(sharded),
-                scalars=json.dumps(scalars), python_rng=python_rng)
+                scalars=json.dumps(scalars), python_rng=python_rng, layout=str(trainer.get("layout") or ""))
     blob = st_save({**tensors, **rng}, metadata=meta)
     try:
         _write_new(tmp / mf.shard_name(rank, world), blob)
@@ -218,11 +228,12 @@ def _read_verified(folder: Path, name: str, m: dict) -> bytes:
     return data
 
 
-def _read_shards(folder: Path, m: dict) -> tuple[dict[str, torch.Tensor], dict, list[dict], list[dict]]:
-    """(full tensors by key, scalars, each rank's rng tensors, each rank's header)."""
+def _read_shards(folder: Path, m: dict, which: list[int] | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict, list[dict], list[dict]]:
+    """(full tensors by key, scalars, the rng tensors and the header of each rank in `which`, default all)."""
     pieces: dict[str, list[torch.Tensor]] = {}
     headers, rngs = [], []
-    for r in range(m["world"]):
+    for r in (range(m["world"]) if which is None else which):
         data = _read_verified(folder, mf.shard_name(r, m["world"]), m)
         try:  # the structure checked before safetensors parses a byte of it
             header = shard_header.check(data, len(data)).get("__metadata__", {})
@@ -247,22 +258,29 @@ def _read_shards(folder: Path, m: dict) -> tuple[dict[str, torch.Tensor], dict, 
     return full, scalars, rngs, headers
 
 
-def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+         layout: str | None = None) -> dict:
     """Load an intact checkpoint folder (manifest.check() passed on rank 0) into model and optimizer on
     every rank; returns the trainer dict. This rank's RNG state is restored when the checkpoint has one
-    for it. ConfigError (on every rank) when a file changed since the check, or the checkpoint holds
-    another model or optimizer."""
-    fail = None
+    for it. ConfigError (on every rank) when a file changed since the check, the checkpoint holds
+    another model or optimizer, or it was written on another mesh layout than `layout` (train.mesh.layout)."""
+    fail, r = None, ranks.rank()
     try:
         m = mf.read_manifest(folder)
         trainer = json.loads(_read_verified(folder, mf.TRAINER, m))
         mf.check_trainer(trainer, m["step"])
-        full, scalars, rngs, headers = _read_shards(folder, m)
     except (mf.Damaged, OSError, ValueError, KeyError, TypeError) as e:
         fail = e
-    if ranks.max_int(int(fail is not None)):
-        raise ConfigError(f"checkpoint {folder} changed or became unreadable while it was loaded: "
-                          f"{fail if fail is not None else 'on another rank'}")
+    _unreadable_together(folder, fail)
+    if (trainer.get("layout") or None) != layout:  # every rank read the same verified trainer.json
+        raise ConfigError(f"checkpoint {folder} was written on {_mesh_words(trainer.get('layout'))}, this run is on "
+                          f"{_mesh_words(layout)}: a mesh's checkpoint keeps each rank's shards, so resume it on "
+                          f"the same mesh")
+    try:
+        full, scalars, rngs, headers = _read_shards(folder, m, [r] if layout else None)
+    except (mf.Damaged, OSError, ValueError, KeyError, TypeError) as e:
+        fail = e
+    _unreadable_together(folder, fail)
     msd, osd = get_state_dict(model, optimizer)  # a fresh optimizer's state is created (an lr=0 step)
     want = _flatten_keys(msd, osd)
     got = set(full) | set(scalars)
@@ -273,20 +291,45 @@ def load(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer)
                           f"{who.get('variant')} variant and {who.get('optimizer')}; missing {miss}, unexpected {extra})")
     new_msd = {fqn: full[f"model/{fqn}"] for fqn in msd}
     for fqn, t in new_msd.items():
-        if tuple(t.shape) != tuple(msd[fqn].shape):
+        now = msd[fqn].to_local() if layout and _is_dtensor(msd[fqn]) else msd[fqn]
+        if tuple(t.shape) != tuple(now.shape):
             raise ConfigError(f"checkpoint {folder} holds {fqn} of shape {tuple(t.shape)}, this model "
-                              f"{tuple(msd[fqn].shape)}")
+                              f"{tuple(now.shape)}")
     state = {fqn: {k: (full[f"optim/{fqn}/{k}"] if isinstance(v, torch.Tensor) else scalars[f"optim/{fqn}/{k}"])
                    for k, v in st.items()} for fqn, st in osd["state"].items()}
     distributed = any(_is_dtensor(v) for v in msd.values())
+    if layout:  # this rank's own tensors, placed as this run's are
+        new_msd = {fqn: _placed(t, msd[fqn]) for fqn, t in new_msd.items()}
+        state = {fqn: {k: _placed(v, osd["state"][fqn][k]) for k, v in st.items()} for fqn, st in state.items()}
     set_state_dict(model, optimizer, model_state_dict=new_msd,
                    optim_state_dict=dict(state=state, param_groups=osd["param_groups"]),
-                   options=StateDictOptions(full_state_dict=distributed))
-    r = ranks.rank()
-    if r < len(rngs) and "rng/torch" in rngs[r]:
-        _set_rng(rngs[r], headers[r]["python_rng"])
+                   options=StateDictOptions(full_state_dict=distributed and not layout))
+    i = 0 if layout else r  # per-rank: only this rank's shard was read
+    if i < len(rngs) and "rng/torch" in rngs[i]:
+        _set_rng(rngs[i], headers[i]["python_rng"])
     trainer["path"] = str(folder)
     return trainer
+
+
+def _unreadable_together(folder: Path, fail: Exception | None) -> None:
+    """ConfigError on every rank when any rank could not read (a rank that raised alone would hang the rest)."""
+    if ranks.max_int(int(fail is not None)):
+        raise ConfigError(f"checkpoint {folder} changed or became unreadable while it was loaded: "
+                          f"{fail if fail is not None else 'on another rank'}")
+
+
+def _mesh_words(layout: str | None) -> str:
+    return f"the mesh {layout}" if layout else "no mesh (one process, DDP or FSDP)"
+
+
+def _placed(t, like):
+    """t (this rank's local tensor) as a DTensor with like's mesh and placements when like is one."""
+    if not _is_dtensor(like):
+        return t
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t.to(like.to_local().device), like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
 
 
 def _flatten_keys(msd: dict, osd: dict) -> set[str]:

@@ -4,6 +4,8 @@ Hugging Face dataset, or the embedded default corpus; one process, or DDP/FSDP2 
     anatomy train --hidden 128 --layers 2 --heads 4 --intermediate 344 --vocab 2048 \\
         --batch 8 --seq 128 --steps 50 --dtype fp32 --device cpu --ckpt-dir runs/tiny
     torchrun --nproc_per_node 2 -m llm_anatomy.cli train --variant efficient ...   # FSDP2 (DDP for baseline)
+    torchrun --nproc_per_node 4 -m llm_anatomy.cli train --variant baseline --tp 2 ...   # TP 2 x FSDP 2
+    torchrun --nproc_per_node 2 -m llm_anatomy.cli train --pp 2 --pp-schedule 1f1b --microbatches 4 ...
 
 Exit codes: 0 done; 2 bad input (one line on stderr); 3 the loss or gradient went NaN/inf (the
 last good checkpoint is kept); 130 interrupted. A full disk, a damaged checkpoint with no intact
@@ -83,6 +85,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--strategy", default=d.strategy,
                    help=f"{' | '.join(STRATEGIES)}: auto = one process, or under torchrun ddp (baseline) / "
                         f"fsdp (efficient)")
+    m = p.add_argument_group("tensor and pipeline parallel (under torchrun; FSDP2 over the remaining ranks)")
+    m.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree: tp x dp = the world (baseline variant)")
+    m.add_argument("--pp", type=int, default=d.pp, help="pipeline ranks: pp x dp = the world (untied models)")
+    m.add_argument("--pp-schedule", default=d.pp_schedule,
+                   help="1f1b | interleaved-1f1b (two stages per rank) — torch.distributed.pipelining's schedules")
+    m.add_argument("--microbatches", type=int, help="micro-batches per pipeline step (default: --pp); divides --batch")
     r.add_argument("--deterministic", action="store_true", help="deterministic kernels (CUDA: exact resume)")
     r.add_argument("--out", help="train_log.json and loss.png go here (default: --ckpt-dir, else runs/train)")
     r.add_argument("--log-every", type=int, default=d.log_every, help="steps between log lines (no terminal)")
@@ -97,7 +105,8 @@ def _options(a):
                         weight_decay=a.weight_decay, grad_clip=a.grad_clip, eval_every=a.eval_every,
                         eval_batches=a.eval_batches, ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, keep=a.keep,
                         resume=a.resume, allow_changed=a.allow_changed or (), seed=a.seed, device=a.device, strategy=a.strategy, out=a.out,
-                        log_every=a.log_every, progress=a.progress, deterministic=a.deterministic)
+                        log_every=a.log_every, progress=a.progress, deterministic=a.deterministic, tp=a.tp, pp=a.pp,
+                        pp_schedule=a.pp_schedule, microbatches=a.microbatches)
 
 
 def _say(kind: str, msg: str) -> None:
@@ -135,6 +144,10 @@ def main(argv=None) -> int:
             _say("note", note)
         opts = _options(a)
         opts.validate()
+        from llm_anatomy.train.mesh import check as check_mesh
+        from llm_anatomy.train.setup import launched_world
+
+        check_mesh(cfg, run, a.variant, opts, launched_world())  # before the data is read or tokenized
         data = load_data(a.data, cfg.vocab, cache_dir=a.cache_dir, bin_dtype=a.bin_dtype,
                          text_column=a.text_column, eval_frac=a.eval_frac, seq=run.seq)
         summary = train(cfg, run, a.variant, data, opts)

@@ -14,6 +14,7 @@ OPTIMIZERS = ("adamw", "ademamix")  # adamw first: the default, what users run
 SCHEDULES = ("cosine", "constant")
 STRATEGIES = ("auto", "none", "ddp", "fsdp")
 PROGRESS = ("auto", "bar", "lines", "none")
+PP_SCHEDULES = ("1f1b", "interleaved-1f1b")  # llm_anatomy.calculator.pipeline_split.SCHEDULES
 MIN_LR_RATIO = 0.1  # cosine decays to 10% of --lr (nanoGPT's and Chinchilla's choice)
 
 
@@ -46,6 +47,10 @@ class TrainOptions:
     deterministic: bool = False
     plot: bool = True  # loss.png beside train_log.json (matplotlib, ~0.3 s)
     param_dtype: str | None = None  # API only: "float64" builds a float64 reference run
+    tp: int = 1  # tensor-parallel degree (train/mesh.py): tp x dp = the world
+    pp: int = 1  # pipeline ranks: pp x dp = the world
+    pp_schedule: str = "1f1b"  # torch.distributed.pipelining's Schedule1F1B or ScheduleInterleaved1F1B
+    microbatches: int | None = None  # per step and pipeline; None: pp
 
     def validate(self) -> None:
         for k in ("steps", "eval_batches", "log_every"):
@@ -58,6 +63,12 @@ class TrainOptions:
                 raise ConfigError(f"--{k.replace('_', '-')} must be an integer >= 0, got {v!r}")
         if self.ckpt_every is not None and (not isinstance(self.ckpt_every, int) or self.ckpt_every < 1):
             raise ConfigError(f"--ckpt-every must be a positive integer, got {self.ckpt_every!r}")
+        for k in ("tp", "pp"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"--{k} must be a positive integer, got {v!r}")
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise ConfigError(f"--microbatches must be a positive integer, got {self.microbatches!r}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError(f"--lr must be a positive number, got {self.lr!r}")
         # the update is lr × a normalised step (AdamW's about 1, AdEMAMix's up to 1 + alpha): an lr past the parameter
@@ -71,9 +82,10 @@ class TrainOptions:
         if not self.grad_clip >= 0:
             raise ConfigError(f"--grad-clip must be >= 0 (0: no clipping), got {self.grad_clip!r}")
         for k, allowed in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("strategy", STRATEGIES),
-                           ("progress", PROGRESS)):
+                           ("progress", PROGRESS), ("pp_schedule", PP_SCHEDULES)):
             if getattr(self, k) not in allowed:
-                raise ConfigError(f"--{k} must be one of {', '.join(allowed)}, got {getattr(self, k)!r}")
+                raise ConfigError(f"--{k.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                                  f"got {getattr(self, k)!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():

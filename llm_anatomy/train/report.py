@@ -14,9 +14,10 @@ from llm_anatomy.train.storage import storage_error
 
 def log_dict(summary: dict) -> dict:
     h = summary["history"]
-    steps = [dict(step=i + 1, loss=l, lr=lr, tokens_per_s=t)  # the history always starts at step 1
-             for i, (l, lr, t) in enumerate(zip(h["loss"], h["lr"], h["tokens_per_s"]))]
-    keep = ("status", "variant", "strategy", "world", "device", "config", "run", "optimizer", "seed", "data",
+    norms = h.get("grad_norm") or [None] * len(h["loss"])
+    steps = [dict(step=i + 1, loss=l, lr=lr, tokens_per_s=t, grad_norm=g)  # the history always starts at step 1
+             for i, (l, lr, t, g) in enumerate(zip(h["loss"], h["lr"], h["tokens_per_s"], norms))]
+    keep = ("status", "variant", "strategy", "world", "mesh", "device", "config", "run", "optimizer", "seed", "data",
             "options", "start_step", "resumed_from", "changed_on_resume", "checkpoint", "flops_per_step", "peak_flops")
     return dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), **{k: summary.get(k) for k in keep},
                 steps=steps, eval=[dict(step=s, loss=l) for s, l in h["eval"]])

@@ -30,7 +30,7 @@ _ERROR = -2  # broadcast from rank 0 when it refused: every rank stops
 class Start:
     step: int = 0
     consumed: int = 0
-    history: dict = field(default_factory=lambda: dict(loss=[], lr=[], tokens_per_s=[], eval=[]))
+    history: dict = field(default_factory=lambda: dict(loss=[], lr=[], tokens_per_s=[], grad_norm=[], eval=[]))
     path: Path | None = None
     note: str = ""
     changed: list = field(default_factory=list)  # identity keys this resume changed, as --allow-changed let it
@@ -67,8 +67,10 @@ def _choose(o: TrainOptions, warn: Callable[[str], None]) -> tuple[Path | None, 
     return None, f" · no checkpoint in {d} yet: starting at step 0"
 
 
-def resume(o: TrainOptions, model, opt, identity: dict, warn: Callable[[str], None]) -> Start:
-    """The step, data position and history to start from, with model and optimizer loaded (every rank)."""
+def resume(o: TrainOptions, model, opt, identity: dict, warn: Callable[[str], None], *,
+           layout: str | None = None) -> Start:
+    """The step, data position and history to start from, with model and optimizer loaded (every rank).
+    layout: the run's mesh (train.mesh.layout); a checkpoint written on another one is refused."""
     if not o.resume:
         return Start()
     found, note, error = None, "", None
@@ -83,7 +85,7 @@ def resume(o: TrainOptions, model, opt, identity: dict, warn: Callable[[str], No
     if step < 0:
         return Start(note=note)
     folder = ckpt.step_dir(run_dir(o), step)
-    tr = ckpt.load(folder, model, opt)
+    tr = ckpt.load(folder, model, opt, layout=layout)
     diffs = ident.differences(tr["identity"], identity)
     refused = [d for d in diffs if not ident.allowed(d[0], tuple(o.allow_changed))]
     if refused:

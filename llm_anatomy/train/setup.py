@@ -1,5 +1,5 @@
 """Where a run happens and what it trains: the process placement (one process, DDP or FSDP2 under
-torchrun), the model holding the baseline's initial weights, and the variant's optimizer.
+torchrun, or a tensor- / pipeline-parallel mesh: train/mesh.py), the model holding the baseline's initial weights, and the variant's optimizer.
 
 Both variants start from the same weights for the same --seed: the efficient model loads the
 baseline's initial state dict (its q/k/v and gate/up are fused, so its own init would draw the
@@ -20,18 +20,34 @@ from llm_anatomy.train.options import TrainOptions
 
 @dataclass
 class Placement:
-    strategy: str  # none | ddp | fsdp
+    strategy: str  # none | ddp | fsdp | tp | pp (tp and pp: FSDP2 over dp when dp > 1)
     device: torch.device
     rank: int = 0
     world: int = 1
     owns_group: bool = False  # we initialised the process group, so we destroy it
+    dp_rank: int = 0  # which batch this rank reads: the ranks of one TP group or one pipeline share it
+    dp: int = 1  # data-parallel ranks: world / tp, world / pp, else world
+    layout: str | None = None  # the mesh (train.mesh.layout) whose per-rank checkpoints this run writes and reads
+
+    @property
+    def loss_ranks(self) -> int:
+        """How many ranks hold a copy of the batch loss (the last pipeline stage's ranks under PP, every rank else)."""
+        return self.dp if self.strategy == "pp" else self.world
+
+
+def launched_world() -> int:
+    """The torchrun world size, 1 for one process."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return int(os.environ.get("WORLD_SIZE", "1")) if launched else 1
 
 
 def place(o: TrainOptions, variant: str) -> Placement:
+    world = launched_world()
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ.get("WORLD_SIZE", "1")) if launched else 1
     strategy = o.strategy
-    if strategy == "auto":
+    if o.tp > 1 or o.pp > 1:
+        strategy = "tp" if o.tp > 1 else "pp"  # train.mesh.check accepted the mesh for this world
+    elif strategy == "auto":
         strategy = "none" if world == 1 else ("ddp" if variant == "baseline" else "fsdp")
     if strategy == "none" and world > 1:
         raise ConfigError(f"--strategy none under torchrun with {world} ranks: pick ddp or fsdp (or auto)")
@@ -48,7 +64,13 @@ def place(o: TrainOptions, variant: str) -> Placement:
     owns = not dist.is_initialized()
     init_distributed("nccl" if cuda else "gloo", 600.0)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return Placement(strategy, device, dist.get_rank(), dist.get_world_size(), owns)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if strategy in ("tp", "pp"):
+        from llm_anatomy.train import mesh
+
+        dp_rank, dp = mesh.dp_coordinates(o)
+        return Placement(strategy, device, rank, world, owns, dp_rank, dp, mesh.layout(o, world))
+    return Placement(strategy, device, rank, world, owns, rank, world)
 
 
 def init_model(cfg: ModelConfig, variant: str, device, dtype, seed: int, recompute: str = "none",
@@ -87,7 +109,13 @@ def build(cfg: ModelConfig, run: Run, variant: str, o: TrainOptions, pl: Placeme
     torch.manual_seed(o.seed)
     model = init_model(cfg, variant, pl.device, dtype, o.seed, run.recompute, run.lean)  # the same weights on every rank
     amp = True
-    if pl.strategy == "ddp":
+    if pl.strategy in ("tp", "pp"):
+        from llm_anatomy.train import mesh
+
+        model = mesh.build_tp(model, o, run, pl.device) if pl.strategy == "tp" else mesh.Pipelined(model, o, run,
+                                                                                                    pl.device)
+        amp = False  # fp32 / bf16 weights as built; amp is FSDP2's MixedPrecisionPolicy (dp > 1)
+    elif pl.strategy == "ddp":
         from llm_anatomy.distributed.strategies import wrap
 
         model = wrap(model, "ddp", device_ids=[pl.device.index] if pl.device.type == "cuda" else None)
