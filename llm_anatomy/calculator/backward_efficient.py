@@ -4,6 +4,7 @@ SDPA's backward; in the lean block (Run.lean) the weight casts and SwiGLU's h ma
 recompute, the checkpoints' tensors made again. backward.walk runs them."""
 from __future__ import annotations
 
+from llm_anatomy.calculator import backward_moe
 from llm_anatomy.calculator.attention import qk_norm_saved_efficient, sdpa_o_saved
 from llm_anatomy.calculator.linear import linears_saved
 from llm_anatomy.calculator.mlp import efficient_saved
@@ -12,6 +13,7 @@ from llm_anatomy.kernel_shapes import rms_norm_programs
 
 def loss(w) -> int:
     T, H, V, c, p = w.T, w.H, w.V, w.c, w.p
+    backward_moe.balance(w)  # the load-balancing loss's, made after the CE's: it runs first
     if w.run.loss_impl == "liger" and not w.cuda:
         # Liger's CPU mirror returns grad_input·g and grad_weight·g: new tensors, then the saved ones go;
         # g itself, the engine's 0-dim fp32 seed, stays live to the end of backward
@@ -67,21 +69,10 @@ def layer(w, i: int, g: int) -> int:
     # it (norm(..., fused)); otherwise the residual gradient's cast for the bf16 matmul (a view when r == c)
     gc = T * H * c if r != c or lean else 0
     w.alloc(0 if lean else gc)
-    if w.recompute == "full":  # the down matmul's backward asks for its input: the block runs again
-        rerun_block(w, tag)
-    elif w.recompute == "mlp":  # the down matmul's backward asks for its input: the checkpoint re-runs the
-        w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
-    if lean:
-        swiglu_down(w, tag, gc)
+    if w.cfg.moe:  # the MoE branch in place of the MLP's (memory.py refuses its recompute and lean forms)
+        gn = backward_moe.layer(w, i, tag, gc)
     else:
-        gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
-        # swiglu_packed's backward writes d(gate_up) into the saved gate_up storage: the same (T, 2I) bytes
-        # change kind from activation to gradient, and nothing is allocated
-        w.free("mlp.gate_up")
-        w.alloc(2 * T * I * c)
-        w.peak(tag + "mlp.act")
-        w.alloc(-gi)  # d(h) gone
-    gn = w.linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.", recast=lean and w.amp)
+        gn = mlp(w, tag, gc)
     # under recompute the re-made sum goes with the norm (and under "mlp" the checkpoint's branch with it)
     kept = {"none": "norm.", "mlp": ("mlp.x", "mlp.branch"), "full": "mlp.x"}[w.recompute]
     g = w.residual_add(g, norm(w, tag + "norm 2", gn, kept))
@@ -115,6 +106,26 @@ def layer(w, i: int, g: int) -> int:
     # layer 0's attn_norm is a plain rms_norm (no add in front of it)
     return w.residual_add(g, norm(w, tag + "norm 1", gn, "attention.x" if w.recompute != "none" else "norm.",
                                   fused=lean and i > 0))
+
+
+def mlp(w, tag: str, gc: int) -> int:
+    """The dense MLP's backward from its incoming gradient (gc bytes); returns the bytes of its d(x)."""
+    T, H, I, c, lean = w.T, w.H, w.I, w.c, w.lean
+    if w.recompute == "full":  # the down matmul's backward asks for its input: the block runs again
+        rerun_block(w, tag)
+    elif w.recompute == "mlp":  # the down matmul's backward asks for its input: the checkpoint re-runs the
+        w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
+    if lean:
+        swiglu_down(w, tag, gc)
+    else:
+        gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
+        # swiglu_packed's backward writes d(gate_up) into the saved gate_up storage: the same (T, 2I) bytes
+        # change kind from activation to gradient, and nothing is allocated
+        w.free("mlp.gate_up")
+        w.alloc(2 * T * I * c)
+        w.peak(tag + "mlp.act")
+        w.alloc(-gi)  # d(h) gone
+    return w.linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.", recast=lean and w.amp)
 
 
 def qk_norm(w, tag: str, dqkv: int) -> int:

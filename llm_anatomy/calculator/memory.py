@@ -33,7 +33,8 @@ from llm_anatomy.calculator.attention import sdpa_o_saved
 from llm_anatomy.calculator.backward import INPUTS, walked
 from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.optimizer import state_breakdown
-from llm_anatomy.calculator.moe import refuse_unmodelled
+from llm_anatomy.calculator.moe import refuse_phases
+from llm_anatomy.calculator.moe_efficient import param_tensors as moe_param_tensors
 from llm_anatomy.calculator.param_layout import units
 from llm_anatomy.calculator.types import BYTES, Estimate
 from llm_anatomy.config import ModelConfig, Run
@@ -51,7 +52,8 @@ def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int
     qb, kb, qkvb = ([q], [kv], [q + 2 * kv]) if cfg.qkv_bias else ([], [], [])  # each bias follows its weight
     qkn = [cfg.head_dim] * 2 if cfg.qk_norm else []  # q_norm, k_norm after o
     if variant == "efficient":
-        layer = [H, (q + 2 * kv) * H, *qkvb, q * H, *qkn, H, 2 * I * H, H * I]
+        ffn = moe_param_tensors(cfg) if cfg.moe else [2 * I * H, H * I]
+        layer = [H, (q + 2 * kv) * H, *qkvb, q * H, *qkn, H, *ffn]
     else:
         layer = [H, q * H, *qb, kv * H, *kb, kv * H, *kb, q * H, *qkn, H, I * H, I * H, H * I]
     return [(cfg.vocab * H, 1)] + [(n, L) for n in layer] + [(H, 1)] + ([] if cfg.tie_embeddings else [(cfg.vocab * H, 1)])
@@ -187,7 +189,7 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     exact storage sizes). backward_stages lists the walk's candidates in execution order (of identical layers,
     the last two and the first two: backward.walk); stages=False leaves it out (the peak is the same). est:
     the calculator's estimate of this run on this device, where the caller has it."""
-    refuse_unmodelled(cfg, "the memory phases")
+    refuse_phases(cfg, run, variant, device)
     dt = dtypes(run)
     rnd = rounded if device == "cuda" else _exact
     params, opt = model_state_bytes(cfg, variant, dt.param, optimizer, device == "cuda")

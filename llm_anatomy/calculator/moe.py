@@ -147,6 +147,25 @@ def _per_layer(cfg: ModelConfig, run: Run, hist) -> list[tuple[int, ...]]:
     return [check_histogram(cfg, run, hist)] * cfg.layers
 
 
+def refuse_phases(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda") -> None:
+    """A ConfigError naming what the memory phases (calculator/memory.py) do not model for this config: the
+    attention fields (config.unmodelled), and for a mixture of experts the baseline's per-expert loop, the
+    efficient block's recompute and lean forms and its loop-of-mm fallback (fp32, widths not multiples of 8,
+    expert biases without autocast), whose backward walks are not written."""
+    refuse_unmodelled(cfg, "the memory phases", "efficient" if variant == "efficient" else "baseline")
+    if not cfg.moe:
+        return
+    from llm_anatomy.calculator.moe_efficient import grouped_path
+
+    what = ("the efficient block under recompute" if run.recompute != "none" else
+            "the efficient block's lean form" if run.lean else
+            "the loop-of-mm fallback (fp32, widths not multiples of 8, or expert biases without autocast)"
+            if not grouped_path(cfg, run, device) else None)
+    if what:
+        raise ConfigError(f"the memory phases: {what} not modelled yet for experts (config {cfg.name}); "
+                          "the grouped-GEMM path under amp or bf16 without recompute is")
+
+
 def flops(cfg: ModelConfig, run: Run) -> int:
     """Forward matmul FLOPs of every MoE layer: the router, the T·k routed rows, the shared MLP."""
     T, H, I = run.tokens, cfg.hidden, cfg.expert_intermediate
