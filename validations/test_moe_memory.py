@@ -1,0 +1,111 @@
+"""The memory phases of a mixture-of-experts model (llm_anatomy.calculator.memory.phases, device="cpu") against
+live tensor storage counted on CPU (llm_anatomy.measure.liveness), the efficient MoE block's grouped-GEMM path:
+forward end, backward end and optimizer end exact, the peak inside backward exact where the walk puts it in an
+MoE stage (else within the dense stages' ±3%, test_memory_walk.py), on the named MoE configs, a
+router-bound config (its peak inside the router's backward), >= 30 drawn configs, and a skewed routing (every
+token forced to experts 0..k-1): dropless routing keeps N = T·k rows, so no byte depends on the histogram.
+
+What the phases do not model is refused in one line (the baseline's per-expert loop, recompute, the lean
+block, the loop-of-mm fallback): tested here too."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+from llm_anatomy.calculator.memory import phases
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.measure.liveness import measure_phases_live
+from validations.moe_reference import moe_configs
+from validations.test_memory_walk import TOL
+from validations.test_moe_efficient import NAMED_MOE
+
+ALIGNED = {n: c for n, c in NAMED_MOE.items() if c.hidden % 8 == 0 and c.expert_intermediate % 8 == 0}
+# many experts over a narrow model: the router's (T, E) fp32 gradients outweigh the experts' (the peak's stage)
+ROUTER_BOUND = ModelConfig(name="router-bound", hidden=8, layers=2, heads=1, intermediate=16, vocab=32,
+                           experts=64, experts_per_token=1, expert_intermediate=8)
+
+
+def skew(model) -> None:
+    """Force every token to experts 0..k-1: each router's logits get +1e4 there (an add that saves nothing)."""
+    for m in model.modules():
+        if m.__class__.__name__ == "MoE":
+            k = m.cfg.experts_per_token
+
+            def hook(_mod, _inp, out, k=k):
+                bump = torch.zeros(out.shape[-1], dtype=out.dtype, device=out.device)
+                bump[:k] = 1e4
+                return out + bump
+            m.router.register_forward_hook(hook)
+
+
+def check(claims, cfg: ModelConfig, run: Run, optimizer: str | None, config_id: str, skewed: bool = False):
+    pred = phases(cfg, run, "efficient", optimizer=optimizer, device="cpu")
+    meas = {p["name"]: p for p in measure_phases_live(cfg, run, "efficient", optimizer=optimizer,
+                                                     prepare=skew if skewed else None)}
+    kw = dict(component="model", config=config_id + ("/skewed" if skewed else ""), variant="efficient",
+              device="cpu", unit="B")
+    claims.check("memory.live after forward (MoE)", predicted=pred["forward_end"],
+                 measured=meas["forward"]["allocated"], **kw)
+    # exact where the walk puts the peak in an MoE stage; elsewhere the dense stages' bound (test_memory_walk.TOL)
+    at = pred["backward_peak_at"]
+    claims.check("memory.peak in backward (MoE)", predicted=pred["backward_peak"], measured=meas["backward"]["peak"],
+                 tolerance=0 if " moe." in at else TOL,
+                 note=f"predicted peak at {at}; measured after {meas['backward']['peak_op']}", **kw)
+    claims.check("memory.live after backward (MoE)", predicted=pred["backward_end"],
+                 measured=meas["backward"]["allocated"], **kw)
+    if optimizer:
+        claims.check("memory.live after optimizer step (MoE)", predicted=pred["optimizer_end"],
+                     measured=meas["optimizer"]["allocated"], **kw)
+    return pred
+
+
+@pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
+@pytest.mark.parametrize("optimizer", [None, "adamw"])
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+@pytest.mark.parametrize("name", list(ALIGNED))
+def test_moe_phases_named(name, policy, optimizer, skewed, claims):
+    cfg = ALIGNED[name]
+    if policy == "bf16" and cfg.expert_bias:
+        pytest.skip("expert biases without autocast take the loop of mm: refused (test_refused)")
+    check(claims, cfg, Run(2, 16, policy), optimizer, f"{name}/B2S16/{policy}/{optimizer}", skewed)
+
+
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+def test_moe_phases_router_bound(policy, claims):
+    """The peak inside the router's backward (top-k's scatter into a zero (T, E) and softmax's gradient)."""
+    pred = check(claims, ROUTER_BOUND, Run(4, 64, policy), "adamw", f"router-bound/B4S64/{policy}")
+    assert ".router" in pred["backward_peak_at"], pred["backward_peak_at"]
+
+
+@st.composite
+def _cases(draw):
+    cfg = replace(draw(moe_configs(max_experts=64, aligned=True)), layers=draw(st.integers(1, 3)))
+    policy = "amp" if cfg.expert_bias else draw(st.sampled_from(["amp", "bf16"]))
+    run = Run(draw(st.integers(1, 3)), draw(st.integers(2, 48)), policy)
+    return cfg, run, draw(st.sampled_from([None, "adamw"])), draw(st.booleans())
+
+
+@seed(20261205)
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=_cases())
+def test_moe_phases_hypothesis(case, claims):
+    cfg, run, optimizer, skewed = case
+    check(claims, cfg, run, optimizer, f"hypothesis {cfg.to_dict()} {run}", skewed)
+
+
+@pytest.mark.parametrize("cfg, run, variant, word", [
+    (NAMED_MOE["mixtral-like"], Run(2, 16), "baseline", "experts"),
+    (NAMED_MOE["mixtral-like"], Run(2, 16, recompute="mlp"), "efficient", "recompute"),
+    (NAMED_MOE["mixtral-like"], Run(2, 16, lean=True), "efficient", "lean"),
+    (NAMED_MOE["mixtral-like"], Run(2, 16, "fp32"), "efficient", "loop-of-mm"),
+    (NAMED_MOE["odd-widths"], Run(2, 16), "efficient", "loop-of-mm"),
+])
+def test_refused(cfg, run, variant, word):
+    with pytest.raises(ConfigError, match=word) as e:
+        phases(cfg, run, variant, device="cpu")
+    assert "\n" not in str(e.value)
