@@ -44,7 +44,7 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
     with a GPU the step time and whether the peak fits. One optimizer for memory and time."""
     from llm_anatomy.calculator import active_param_count, estimate
     from llm_anatomy.calculator.memory import phases
-    from llm_anatomy.calculator.moe import refuse_unmodelled, unmodelled
+    from llm_anatomy.calculator.moe import phases_unmodelled, refuse_phases
     from llm_anatomy.calculator.optimizer import CHOICES, implementation
 
     if optimizer not in CHOICES:
@@ -55,14 +55,18 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
     if cfg.moe:  # what one token's forward reaches: every parameter but the routed experts it is not sent to
         out["params_active"] = active_param_count(cfg)
         out["moe_routing"] = moe_routing(cfg, run)
-    if unmodelled(cfg):  # a mixture of experts, gpt-oss's attention: no peak model yet (calculator/moe.py)
-        out["memory"]["not_modelled"] = f"the memory phases and peak ({unmodelled(cfg)})"
+    if why := phases_unmodelled(cfg, run, variant, device):  # no peak model yet (calculator/moe.py)
+        out["memory"]["not_modelled"] = f"the memory phases and peak ({why})"
         if gpu is not None or world_size != 1 or strategy:
-            refuse_unmodelled(cfg, "--gpu, --world-size and --strategy (the step time, the fit, per-rank peaks)")
+            refuse_phases(cfg, run, variant, device,
+                          "--gpu, --world-size and --strategy (the step time, the fit, per-rank peaks)")
         return out
     ph = phases(cfg, run, variant, optimizer=optimizer, device=device, est=est, stages=False)  # the peak, no list
     out["memory"]["phases"] = {k: ph[k] for k in PHASE_KEYS} | {"optimizer": optimizer}
     out["memory"]["need_bytes"] = peak_bytes(ph)
+    if cfg.moe:  # the efficient block keeps N = T·k rows under any dropless routing: one peak for every histogram
+        out["moe_routing"] |= {"need_bytes_balanced": out["memory"]["need_bytes"],
+                               "need_bytes_worst": out["memory"]["need_bytes"]}
     if world_size != 1 or strategy:
         from llm_anatomy.calculator.comm import estimate_distributed
 

@@ -5,8 +5,9 @@ MoE stage (else within the dense stages' ±3%, test_memory_walk.py), on the name
 router-bound config (its peak inside the router's backward), >= 30 drawn configs, and a skewed routing (every
 token forced to experts 0..k-1): dropless routing keeps N = T·k rows, so no byte depends on the histogram.
 
-What the phases do not model is refused in one line (the baseline's per-expert loop, recompute, the lean
-block, the loop-of-mm fallback): tested here too."""
+What the phases do not model is refused in one line (the baseline's per-expert loop, recompute, the
+loop-of-mm fallback): tested here too. The lean block (Run.lean) is modelled: its fused norms and the
+shared experts' lean MLP."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -64,14 +65,16 @@ def check(claims, cfg: ModelConfig, run: Run, optimizer: str | None, config_id: 
 
 
 @pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
 @pytest.mark.parametrize("optimizer", [None, "adamw"])
 @pytest.mark.parametrize("policy", ["amp", "bf16"])
 @pytest.mark.parametrize("name", list(ALIGNED))
-def test_moe_phases_named(name, policy, optimizer, skewed, claims):
+def test_moe_phases_named(name, policy, optimizer, lean, skewed, claims):
     cfg = ALIGNED[name]
     if policy == "bf16" and cfg.expert_bias:
         pytest.skip("expert biases without autocast take the loop of mm: refused (test_refused)")
-    check(claims, cfg, Run(2, 16, policy), optimizer, f"{name}/B2S16/{policy}/{optimizer}", skewed)
+    check(claims, cfg, Run(2, 16, policy, lean=lean), optimizer, f"{name}/B2S16/{policy}/{optimizer}/lean={lean}",
+          skewed)
 
 
 @pytest.mark.parametrize("policy", ["amp", "bf16"])
@@ -85,7 +88,7 @@ def test_moe_phases_router_bound(policy, claims):
 def _cases(draw):
     cfg = replace(draw(moe_configs(max_experts=64, aligned=True)), layers=draw(st.integers(1, 3)))
     policy = "amp" if cfg.expert_bias else draw(st.sampled_from(["amp", "bf16"]))
-    run = Run(draw(st.integers(1, 3)), draw(st.integers(2, 48)), policy)
+    run = Run(draw(st.integers(1, 3)), draw(st.integers(2, 48)), policy, lean=draw(st.booleans()))
     return cfg, run, draw(st.sampled_from([None, "adamw"])), draw(st.booleans())
 
 
@@ -101,7 +104,6 @@ def test_moe_phases_hypothesis(case, claims):
 @pytest.mark.parametrize("cfg, run, variant, word", [
     (NAMED_MOE["mixtral-like"], Run(2, 16), "baseline", "experts"),
     (NAMED_MOE["mixtral-like"], Run(2, 16, recompute="mlp"), "efficient", "recompute"),
-    (NAMED_MOE["mixtral-like"], Run(2, 16, lean=True), "efficient", "lean"),
     (NAMED_MOE["mixtral-like"], Run(2, 16, "fp32"), "efficient", "loop-of-mm"),
     (NAMED_MOE["odd-widths"], Run(2, 16), "efficient", "loop-of-mm"),
 ])

@@ -152,25 +152,27 @@ def qk_norm(w, tag: str, dqkv: int) -> int:
     return dqkv
 
 
-def swiglu_down(w, tag: str, grad_out: int) -> None:
+def swiglu_down(w, tag: str, grad_out: int, I: int | None = None, name: str = "mlp") -> None:
     """The fused SwiGLU + down node (llm_anatomy/kernels/lean.py): down's weight cast again and d(h); the cast
     goes; one pass writes h over d(h) and d(gate_up) over gate_up's storage (the same bytes change kind);
     down's weight gradient (compute dtype under autocast, fp32 from the GEMM on CUDA: lean.fp32_grad); h and
-    the incoming gradient go; under autocast on CPU the cast node makes the fp32 weight gradient."""
-    T, H, I, c, p = w.T, w.H, w.I, w.c, w.p
+    the incoming gradient go; under autocast on CPU the cast node makes the fp32 weight gradient. I and name:
+    the MLP's width and saved-name prefix (default the dense MLP's; the MoE block's shared experts)."""
+    T, H, c, p = w.T, w.H, w.c, w.p
+    I = w.I if I is None else I
     copy = w.amp and not w.cuda
     wg = H * I * (c if copy else p)
     w.alloc(T * I * c)  # d(h)
-    w.peak(tag + "mlp.down", *((H * I * c,) if w.amp else ()))  # with the weight's cast
-    w.free("mlp.gate_up")
+    w.peak(tag + name + ".down", *((H * I * c,) if w.amp else ()))  # with the weight's cast
+    w.free(name + ".gate_up")
     w.alloc(2 * T * I * c)
-    w.peak(tag + "mlp.act")  # h in d(h)'s storage, d(gate_up) in gate_up's
+    w.peak(tag + name + ".act")  # h in d(h)'s storage, d(gate_up) in gate_up's
     w.alloc(wg)  # dW
-    w.peak(tag + "mlp.down.weight_grad")
+    w.peak(tag + name + ".down.weight_grad")
     w.alloc(-T * I * c, -grad_out)  # h, the incoming gradient
     if copy:
         w.alloc(H * I * p)
-        w.peak(tag + "mlp.down grad to fp32")
+        w.peak(tag + name + ".down grad to fp32")
         w.alloc(-wg)
 
 

@@ -92,8 +92,15 @@ def _gemm(w, tag: str, weight: int, d_in: int, grad_out: int, x: str, cast: str,
 
 
 def _shared(w, tag: str, Is: int) -> None:
-    """The shared experts' efficient dense MLP, from the branch gradient, which stays (the unpermute reads it)."""
+    """The shared experts' efficient dense MLP, from the branch gradient, which stays (the unpermute reads it);
+    in the lean block its lean form (backward_efficient.swiglu_down, gate_up's lean matmul)."""
     T, c = w.T, w.c
+    if w.lean:
+        from llm_anatomy.calculator.backward_efficient import swiglu_down
+
+        swiglu_down(w, tag, 0, Is, "moe.shared")
+        w.linear(tag + "moe.shared.gate_up", w.H, 2 * Is, 2 * T * Is * c, "moe.shared.gate_up.", recast=w.amp)
+        return
     gi = w.linear(tag + "moe.shared.down", Is, w.H, 0, "moe.shared.down.", "moe.shared.h")
     w.free("moe.shared.gate_up")
     w.alloc(2 * T * Is * c)

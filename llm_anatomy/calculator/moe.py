@@ -147,23 +147,28 @@ def _per_layer(cfg: ModelConfig, run: Run, hist) -> list[tuple[int, ...]]:
     return [check_histogram(cfg, run, hist)] * cfg.layers
 
 
-def refuse_phases(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda") -> None:
-    """A ConfigError naming what the memory phases (calculator/memory.py) do not model for this config: the
-    attention fields (config.unmodelled), and for a mixture of experts the baseline's per-expert loop, the
+def phases_unmodelled(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda") -> str | None:
+    """What the memory phases (calculator/memory.py) do not model for this config and run, in words, or None:
+    the attention fields (config.unmodelled), and for a mixture of experts the baseline's per-expert loop, the
     efficient block's recompute and lean forms and its loop-of-mm fallback (fp32, widths not multiples of 8,
     expert biases without autocast), whose backward walks are not written."""
-    refuse_unmodelled(cfg, "the memory phases", "efficient" if variant == "efficient" else "baseline")
-    if not cfg.moe:
-        return
+    name = unmodelled(cfg, "efficient" if variant == "efficient" else "baseline")
+    if name or not cfg.moe:
+        return name
     from llm_anatomy.calculator.moe_efficient import grouped_path
 
-    what = ("the efficient block under recompute" if run.recompute != "none" else
-            "the efficient block's lean form" if run.lean else
+    return ("the efficient block under recompute" if run.recompute != "none" else
             "the loop-of-mm fallback (fp32, widths not multiples of 8, or expert biases without autocast)"
             if not grouped_path(cfg, run, device) else None)
-    if what:
-        raise ConfigError(f"the memory phases: {what} not modelled yet for experts (config {cfg.name}); "
-                          "the grouped-GEMM path under amp or bf16 without recompute is")
+
+
+def refuse_phases(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda", what: str = "the memory phases"
+                  ) -> None:
+    """A one-line ConfigError naming what phases_unmodelled finds."""
+    why = phases_unmodelled(cfg, run, variant, device)
+    if why:
+        raise ConfigError(f"{what}: {why} not modelled yet (config {cfg.name}); for experts the efficient block's "
+                          "grouped-GEMM path under amp or bf16 without recompute is")
 
 
 def flops(cfg: ModelConfig, run: Run) -> int:
