@@ -15,12 +15,17 @@ def check_variant(v: str) -> str:
     return v
 
 
-def moe_routing(cfg: ModelConfig, run: Run) -> dict:
+def moe_routing(cfg: ModelConfig, run: Run, variant: str = "baseline", device: str = "cuda") -> dict:
     """The routing the MoE blocks' saved bytes are counted under (balanced: every expert hit, the worst case),
-    and the same blocks' bytes under the worst and under the skewed routing (every token to experts 0..k-1)."""
+    and the same blocks' bytes under the worst and under the skewed routing (every token to experts 0..k-1).
+    The efficient block's bytes are the same under any dropless routing (N = T·k rows)."""
     from llm_anatomy.calculator import moe
+    from llm_anatomy.calculator.moe_efficient import efficient_moe_saved
 
-    total = lambda hist: sum(s.bytes for s in moe.saved(cfg, run, hist))  # noqa: E731
+    if variant == "efficient":
+        total = lambda hist: sum(efficient_moe_saved(cfg, run, hist, device).values())  # noqa: E731
+    else:
+        total = lambda hist: sum(s.bytes for s in moe.saved(cfg, run, hist))  # noqa: E731
     return {"histogram": "balanced", "moe_saved_worst": total(moe.worst_histogram(cfg, run)),
             "moe_saved_skewed": total(moe.skewed(cfg, run))}
 
@@ -54,7 +59,7 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
     out["optimizer"] = dict(name=optimizer, implementation=implementation(optimizer, variant))
     if cfg.moe:  # what one token's forward reaches: every parameter but the routed experts it is not sent to
         out["params_active"] = active_param_count(cfg)
-        out["moe_routing"] = moe_routing(cfg, run)
+        out["moe_routing"] = moe_routing(cfg, run, variant, device)
     if why := phases_unmodelled(cfg, run, variant, device):  # no peak model yet (calculator/moe.py)
         out["memory"]["not_modelled"] = f"the memory phases and peak ({why})"
         if gpu is not None or world_size != 1 or strategy:
@@ -150,6 +155,9 @@ def print_estimate(con, out: dict) -> None:
         con.print(f"MoE blocks' saved tensors under balanced routing (the worst: every expert hit) "
                   f"{r['moe_saved_worst'] / 2**30:,.3f} GiB; every token to the same k experts "
                   f"{r['moe_saved_skewed'] / 2**30:,.3f} GiB")
+        if "need_bytes_worst" in r:
+            con.print(f"the step's peak under the worst routing {r['need_bytes_worst'] / 2**30:,.2f} GiB (balanced "
+                      f"{r['need_bytes_balanced'] / 2**30:,.2f} GiB: dropless routing keeps T·k expert rows)")
     if "not_modelled" in out["memory"]:
         con.print(f"not modelled for this config yet: {out['memory']['not_modelled']}")
     if out["variant"] == "baseline":
