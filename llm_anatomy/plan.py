@@ -217,7 +217,8 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
             spread[b] = dict(gpu=name, step_s=t["step_s"], tokens_per_s=tps, mfu=t["mfu"],
                              budget=token_budget(tokens, tps, gpus_n))
     mesh_rows = []
-    if meshes and gpus_n > 1 and strategies in (None, ("fsdp",), ("ddp", "fsdp")):
+    # a mixture of experts plans data parallelism only: expert parallelism joins the mesh search when it lands
+    if meshes and gpus_n > 1 and not cfg.moe and strategies in (None, ("fsdp",), ("ddp", "fsdp")):
         from llm_anatomy.plan_mesh import search
 
         peak_flops = entry["bf16_tflops" if dtype != "fp32" else "fp32_tflops"] * 1e12
