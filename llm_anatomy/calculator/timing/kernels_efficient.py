@@ -81,7 +81,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     if run.recompute != "none":
         recompute_kernels(o, sdpa_backend)
     elif run.lean_block:
-        lean_kernels(o)  # (for experts: the router's and shared MLP's recasts are not listed, a small omission)
+        lean_kernels(o)
     liger_loss(o) if run.loss_impl == "liger" else anatomy_loss(o)
     return o.k
 
@@ -191,9 +191,13 @@ def lean_kernels(o: Ops) -> None:
     again inside SwiGLU's backward pass: priced there, in efficient_kernels.)"""
     cfg, c = o.cfg, o.c
     H, L, I, D = cfg.hidden, cfg.layers, cfg.intermediate, cfg.q_dim + 2 * cfg.kv_dim
+    # a mixture of experts: its shared experts' MLP is lean (the router and the stacked experts are not)
+    Is = cfg.shared_experts * (cfg.shared_intermediate or 0)
+    ffn = ((("moe.shared.gate_up", "moe", 2 * Is * H), ("moe.shared.down", "moe", Is * H)) if Is else ()) \
+        if cfg.moe else (("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H))
     if o.amp:
         for name, comp, n in (("attention.qkv", "attention", D * H), ("attention.o", "attention", cfg.q_dim * H),
-                              ("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)):
+                              *ffn):
             o.mem(f"{name}.weight_recast", comp, "backward", n * o.p, n * c, L)
 
 
