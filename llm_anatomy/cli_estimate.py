@@ -30,6 +30,21 @@ def moe_routing(cfg: ModelConfig, run: Run, variant: str = "baseline", device: s
             "moe_saved_skewed": total(moe.skewed(cfg, run))}
 
 
+def moe_peaks(cfg: ModelConfig, run: Run, variant: str, optimizer: str, device: str, need: int) -> dict:
+    """The step's peak under each histogram calculator/moe.py peak_histograms names, and the largest as the worst.
+    The efficient block keeps N = T·k rows under any dropless routing: one peak for every histogram."""
+    from llm_anatomy.calculator.memory import phases
+    from llm_anatomy.calculator.moe import peak_histograms
+
+    if variant == "efficient":
+        return {"need_bytes_balanced": need, "need_bytes_worst": need, "worst_histogram": "any"}
+    peaks = {name: peak_bytes(phases(cfg, run, variant, optimizer=optimizer, device=device, stages=False, hist=h))
+             for name, h in peak_histograms(cfg, run).items()}
+    worst = max(peaks, key=peaks.get)
+    return {f"need_bytes_{k}": v for k, v in peaks.items()} | {"need_bytes_worst": peaks[worst],
+                                                                 "worst_histogram": worst}
+
+
 def peak_bytes(ph: dict) -> int:
     """The step's peak from llm_anatomy.calculator.memory.phases: the larger of the forward peak (where
     modelled) and the peak inside backward; memory.need_bytes, which the fit verdict and `anatomy sweep`
@@ -69,9 +84,8 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
     ph = phases(cfg, run, variant, optimizer=optimizer, device=device, est=est, stages=False)  # the peak, no list
     out["memory"]["phases"] = {k: ph[k] for k in PHASE_KEYS} | {"optimizer": optimizer}
     out["memory"]["need_bytes"] = peak_bytes(ph)
-    if cfg.moe:  # the efficient block keeps N = T·k rows under any dropless routing: one peak for every histogram
-        out["moe_routing"] |= {"need_bytes_balanced": out["memory"]["need_bytes"],
-                               "need_bytes_worst": out["memory"]["need_bytes"]}
+    if cfg.moe:
+        out["moe_routing"] |= moe_peaks(cfg, run, variant, optimizer, device, out["memory"]["need_bytes"])
     if world_size != 1 or strategy:
         from llm_anatomy.calculator.comm import estimate_distributed
 
@@ -155,9 +169,13 @@ def print_estimate(con, out: dict) -> None:
         con.print(f"MoE blocks' saved tensors under balanced routing (the worst: every expert hit) "
                   f"{r['moe_saved_worst'] / 2**30:,.3f} GiB; every token to the same k experts "
                   f"{r['moe_saved_skewed'] / 2**30:,.3f} GiB")
-        if "need_bytes_worst" in r:
-            con.print(f"the step's peak under the worst routing {r['need_bytes_worst'] / 2**30:,.2f} GiB (balanced "
-                      f"{r['need_bytes_balanced'] / 2**30:,.2f} GiB: dropless routing keeps T·k expert rows)")
+        if r.get("worst_histogram") == "any":
+            con.print(f"the step's peak {r['need_bytes_worst'] / 2**30:,.2f} GiB under any routing (dropless: the "
+                      "efficient block keeps T·k expert rows whatever the histogram)")
+        elif "need_bytes_worst" in r:
+            con.print(f"the step's peak by routing: balanced {r['need_bytes_balanced'] / 2**30:,.2f} GiB · skewed "
+                      f"{r['need_bytes_skewed'] / 2**30:,.2f} GiB · one expert full {r['need_bytes_full_last'] / 2**30:,.2f}"
+                      f" GiB; the worst of these {r['need_bytes_worst'] / 2**30:,.2f} GiB ({r['worst_histogram']})")
     if "not_modelled" in out["memory"]:
         con.print(f"not modelled for this config yet: {out['memory']['not_modelled']}")
     if out["variant"] == "baseline":

@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+from llm_anatomy.calculator import moe
 from llm_anatomy.calculator.memory import phases
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.measure.liveness import measure_phases_live
@@ -30,24 +31,33 @@ ROUTER_BOUND = ModelConfig(name="router-bound", hidden=8, layers=2, heads=1, int
                            experts=64, experts_per_token=1, expert_intermediate=8)
 
 
-def skew(model) -> None:
-    """Force every token to experts 0..k-1: each router's logits get +1e4 there (an add that saves nothing)."""
-    for m in model.modules():
-        if m.__class__.__name__ == "MoE":
-            k = m.cfg.experts_per_token
+def force(route: str):
+    """A prepare hook for measure_phases_live that forces every router's choice: "skewed" sends every token to
+    experts 0..k-1; "balanced" sends slot j of token t to expert (t·k + j) mod E, which is calculator/moe.py's
+    balanced histogram in every layer. Each router's logits get +1e4 there (an add that saves nothing)."""
+    def prepare(model) -> None:
+        for m in model.modules():
+            if m.__class__.__name__ == "MoE":
+                E, k = m.cfg.experts, m.cfg.experts_per_token
 
-            def hook(_mod, _inp, out, k=k):
-                bump = torch.zeros(out.shape[-1], dtype=out.dtype, device=out.device)
-                bump[:k] = 1e4
-                return out + bump
-            m.router.register_forward_hook(hook)
+                def hook(_mod, _inp, out, E=E, k=k):
+                    T = out.shape[0]
+                    slots = torch.arange(T * k, device=out.device).view(T, k)
+                    chosen = slots % E if route == "balanced" else slots % k
+                    bump = torch.zeros(T, E, dtype=out.dtype, device=out.device)
+                    return out + bump.scatter_(1, chosen, 1e4)
+                m.router.register_forward_hook(hook)
+    return prepare
 
 
-def check(claims, cfg: ModelConfig, run: Run, optimizer: str | None, config_id: str, skewed: bool = False):
-    pred = phases(cfg, run, "efficient", optimizer=optimizer, device="cpu")
-    meas = {p["name"]: p for p in measure_phases_live(cfg, run, "efficient", optimizer=optimizer,
-                                                     prepare=skew if skewed else None)}
-    kw = dict(component="model", config=config_id + ("/skewed" if skewed else ""), variant="efficient",
+def check(claims, cfg: ModelConfig, run: Run, optimizer: str | None, config_id: str, skewed: bool = False,
+          variant: str = "efficient"):
+    """The phases against the measurement under a forced routing (balanced, or skewed)."""
+    route = "skewed" if skewed else "balanced"
+    hist = (moe.skewed if skewed else moe.balanced)(cfg, run)
+    pred = phases(cfg, run, variant, optimizer=optimizer, device="cpu", hist=hist)
+    meas = {p["name"]: p for p in measure_phases_live(cfg, run, variant, optimizer=optimizer, prepare=force(route))}
+    kw = dict(component="model", config=config_id + ("/skewed" if skewed else ""), variant=variant,
               device="cpu", unit="B")
     claims.check("memory.live after forward (MoE)", predicted=pred["forward_end"],
                  measured=meas["forward"]["allocated"], **kw)
@@ -102,7 +112,9 @@ def test_moe_phases_hypothesis(case, claims):
 
 
 @pytest.mark.parametrize("cfg, run, variant, word", [
-    (NAMED_MOE["mixtral-like"], Run(2, 16), "baseline", "experts"),
+    (NAMED_MOE["odd-widths"], Run(2, 16), "baseline", "expert biases"),
+    (NAMED_MOE["gptoss-like"], Run(2, 16), "baseline", "expert biases"),
+    (replace(NAMED_MOE["mixtral-like"], mlp="gpt-oss"), Run(2, 16), "baseline", "gpt-oss's activation"),
     (NAMED_MOE["mixtral-like"], Run(2, 16, recompute="mlp"), "efficient", "recompute"),
     (NAMED_MOE["mixtral-like"], Run(2, 16, "fp32"), "efficient", "loop-of-mm"),
     (NAMED_MOE["odd-widths"], Run(2, 16), "efficient", "loop-of-mm"),
@@ -111,3 +123,41 @@ def test_refused(cfg, run, variant, word):
     with pytest.raises(ConfigError, match=word) as e:
         phases(cfg, run, variant, device="cpu")
     assert "\n" not in str(e.value)
+
+
+# ---- the baseline's per-expert loop: its transients follow each expert's rows --------------------------------
+BASELINE = {n: c for n, c in NAMED_MOE.items() if not c.expert_bias and c.mlp == "swiglu"}
+
+
+@pytest.mark.parametrize("skewed", [False, True], ids=["balanced", "skewed"])
+@pytest.mark.parametrize("optimizer", [None, "adamw"])
+@pytest.mark.parametrize("policy", ["amp", "bf16", "fp32"])
+@pytest.mark.parametrize("name", list(BASELINE))
+def test_moe_phases_baseline_named(name, policy, optimizer, skewed, claims):
+    check(claims, BASELINE[name], Run(2, 16, policy), optimizer, f"{name}/B2S16/{policy}/{optimizer}", skewed,
+          "baseline")
+
+
+@st.composite
+def _baseline_cases(draw):
+    cfg = replace(draw(moe_configs(max_experts=32)), layers=draw(st.integers(1, 3)), expert_bias=False, mlp="swiglu")
+    run = Run(draw(st.integers(1, 3)), draw(st.integers(2, 32)), draw(st.sampled_from(["amp", "bf16", "fp32"])))
+    return cfg, run, draw(st.sampled_from([None, "adamw"])), draw(st.booleans())
+
+
+@seed(20261206)
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(case=_baseline_cases())
+def test_moe_phases_baseline_hypothesis(case, claims):
+    cfg, run, optimizer, skewed = case
+    check(claims, cfg, run, optimizer, f"hypothesis {cfg.to_dict()} {run}", skewed, "baseline")
+
+
+def test_baseline_peak_follows_the_routing():
+    """The calculator reports the baseline's peak under each histogram: the skewed routing (k experts, every
+    token each) keeps fewer experts' tensors but gives each one T rows of transients."""
+    cfg, run = BASELINE["mixtral-like"], Run(4, 64)
+    bal, skw = (phases(cfg, run, "baseline", device="cpu", hist=h(cfg, run))["backward_peak"]
+                for h in (moe.balanced, moe.skewed))
+    assert bal != skw

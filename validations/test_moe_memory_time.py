@@ -27,19 +27,24 @@ CFG = ModelConfig(name="moe-time", hidden=64, layers=3, heads=4, intermediate=64
                   experts_per_token=2, expert_intermediate=32, shared_experts=1, shared_intermediate=16)
 
 
+@pytest.mark.parametrize("variant", ["efficient", "baseline"])
 @pytest.mark.parametrize("gpu", ["H200", "h200-measured"])
 @pytest.mark.parametrize("name", MOE_CONFIGS)
-def test_estimate_answers_with_time_and_peak(name, gpu):
+def test_estimate_answers_with_time_and_peak(name, gpu, variant):
     rc, out, err = run_cli(["estimate", "--hf-config", str(HF_CONFIGS[name]), "--batch", "1", "--seq", "2048",
-                            "--gpu", gpu, "--layers", "4", "--json"], "moe")
+                            "--gpu", gpu, "--layers", "4", "--variant", variant, "--json"], "moe")
     assert rc == 0, err
     d = json.loads(out)
     assert d["time"]["step_s"] > 0 and d["memory"]["need_bytes"] > d["memory"]["phases"]["init"]
     comps = d["time"]["components"]
     assert 0 < comps["moe"]["total_s"] < d["time"]["step_s"] and "mlp" not in comps  # no dense MLP kernel listed
     r = d["moe_routing"]
-    assert r["need_bytes_worst"] == r["need_bytes_balanced"] == d["memory"]["need_bytes"]
-    assert r["moe_saved_skewed"] == r["moe_saved_worst"] == d["memory"]["saved"]["by_component"]["moe"]
+    assert r["need_bytes_balanced"] == d["memory"]["need_bytes"]
+    if variant == "efficient":  # dropless: T·k rows kept under any histogram
+        assert r["need_bytes_worst"] == r["need_bytes_balanced"] and r["worst_histogram"] == "any"
+        assert r["moe_saved_skewed"] == r["moe_saved_worst"] == d["memory"]["saved"]["by_component"]["moe"]
+    else:  # the per-expert loop: the worst of the histograms tried, each a figure of its own
+        assert r["need_bytes_worst"] == max(r[f"need_bytes_{h}"] for h in ("balanced", "skewed", "full_last"))
 
 
 def _expert_gemms(hist, run=Run(2, 16)):
@@ -96,18 +101,38 @@ def test_plan_plans_moe_with_data_parallelism():
     assert d["meshes"] == [] and d["best"]["strategy"] == "fsdp" and d["best"]["fits"]
 
 
-def test_plan_one_gpu_answers():
+@pytest.mark.parametrize("variant", ["efficient", "baseline"])
+def test_plan_one_gpu_answers(variant):
     rc, out, err = run_cli(["plan", "--hf-config", str(HF_CONFIGS["Mixtral-8x7B-v0.1"]), "--gpu", "H200",
-                            "--seq", "1024", "--layers", "2", "--json"], "moe")
+                            "--seq", "1024", "--layers", "2", "--variant", variant, "--json"], "moe")
     assert rc == 0, err
     assert json.loads(out)["best"]["strategy"] == "single"
 
 
 @pytest.mark.parametrize("argv, word", [
     (["plan", "--gpu", "H100", "--gpus", "8", "--recompute", "mlp"], "under recompute"),
-    (["plan", "--gpu", "H100", "--variant", "baseline"], "experts not modelled yet"),
-    (["estimate", "--variant", "baseline", "--gpu", "H200"], "experts not modelled yet"),
+    (["estimate", "--gpu", "H200", "--recompute", "full"], "under recompute"),
 ])
 def test_unmodelled_refused_in_one_line(argv, word):
     rc, _, err = run_cli([*argv, "--hf-config", str(HF_CONFIGS["Qwen3-30B-A3B"])], "moe")
     assert rc == 2 and err.count("\n") == 1 and word in err, err
+
+
+@pytest.mark.parametrize("hist", ["balanced", "skewed"])
+def test_baseline_loop_launches_per_expert_with_rows(hist):
+    """The baseline's loop: every expert with rows is its own launches (and a host sync: torch.where's size), at
+    its own row count; experts without rows launch nothing; its matmul FLOPs are the calculator's."""
+    from llm_anatomy.calculator.timing.kernels_moe import baseline_moe
+
+    run = Run(2, 24)
+    h = (moe.balanced if hist == "balanced" else moe.skewed)(CFG, run)
+    o = Ops(CFG, run)
+    baseline_moe(o, h)
+    hit = sum(1 for n in h if n)
+    gate_up = [k for k in o.k if k.name == "moe.expert.gate_up"]
+    assert sum(k.count for k in gate_up) == CFG.layers * hit and all(k.host == "op" for k in gate_up)
+    assert sorted(k.shape[1] for k in gate_up for _ in range(k.count // CFG.layers)) == sorted(n for n in h if n)
+    assert sum(k.count for k in o.k if k.sync) == CFG.layers * hit
+    mms = [k for k in o.k if k.kind == "matmul"]
+    assert sum(k.flops * k.count for k in mms if k.phase == "forward") == moe.flops(CFG, run)
+    assert sum(k.flops * k.count for k in mms if k.phase == "backward") == 2 * moe.flops(CFG, run)

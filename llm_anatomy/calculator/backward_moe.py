@@ -23,7 +23,7 @@ from __future__ import annotations
 def balance(w) -> None:
     """The load-balancing loss's backward at the loss: d(P) for every layer, stacked (L, E) fp32; f goes."""
     if w.cfg.router_aux_coef > 0:
-        w.free("moe.balance.f")
+        w.free("moe.balance.f", "moe.aux.f")  # the efficient model's name, the baseline's
         w.alloc(w.cfg.layers * w.cfg.experts * 4)
 
 
@@ -68,8 +68,19 @@ def layer(w, i: int, tag: str, gc: int) -> int:
         w.alloc(TH)
         w.peak(tag + "moe.input grad sum")
         w.alloc(-TH, -TH)
-    _router(w, i, tag)
+    wg = router(w, i, tag)
+    w.alloc(-TH)  # its d(x) is summed into the permute's in place of both
+    weight_copy(w, tag, wg)
     return TH
+
+
+def weight_copy(w, tag: str, wg: int) -> None:
+    """Under autocast the router's weight (and bias) gradient, wg bytes in c, copied to the parameter dtype."""
+    if w.amp:
+        E, p = w.cfg.experts, w.p
+        w.alloc(E * w.H * p + (E * p if w.cfg.router_bias else 0))
+        w.peak(tag + "moe.router grad to fp32")
+        w.alloc(-wg)
 
 
 def _gemm(w, tag: str, weight: int, d_in: int, grad_out: int, x: str, cast: str, param: int, held: list,
@@ -109,17 +120,25 @@ def _shared(w, tag: str, Is: int) -> None:
     w.linear(tag + "moe.shared.gate_up", w.H, 2 * Is, 2 * T * Is * c, "moe.shared.gate_up.")
 
 
-def _router(w, i: int, tag: str) -> None:
-    """The router's backward, from d(w) (T, K) fp32 (live since the unpermute) to d(x) summed into the
-    permute's (module docstring)."""
+def balance_mean(w, i: int) -> None:
+    """P = mean(probs)'s backward: d(probs) (T, E) fp32 over every token; the first layer reads the stacked
+    d(P) for the last time."""
+    w.alloc(w.T * w.cfg.experts * 4)
+    if i == 0:
+        w.alloc(-w.cfg.layers * w.cfg.experts * 4)
+
+
+def router(w, i: int, tag: str, mean_done: bool = False) -> int:
+    """The router's backward, from d(w) (T, K) fp32 to the router matmul's d(x) (T, H) in c, which the caller sums
+    (module docstring). mean_done: the load-balancing loss's mean has made d(probs) already (the baseline block,
+    where it is made last in forward). Returns the bytes of the weight gradient in c, which weight_copy takes to
+    the parameter dtype under autocast."""
     cfg, T, H, c, p = w.cfg, w.T, w.H, w.c, w.p
     E, K = cfg.experts, cfg.experts_per_token
     TE, TK = T * E * 4, T * K * 4
     aux = cfg.router_aux_coef > 0
-    if aux:  # P = mean(probs): d(probs) over every token
-        w.alloc(TE)
-        if i == 0:  # the stacked d(P) of every layer is read for the last time
-            w.alloc(-cfg.layers * E * 4)
+    if aux and not mean_done:
+        balance_mean(w, i)
     if cfg.router == "topk-softmax":
         if aux:  # the load-balancing loss's own softmax over every expert
             w.alloc(TE)
@@ -147,15 +166,13 @@ def _router(w, i: int, tag: str) -> None:
         w.peak(tag + "moe.router.softmax")
         w.free("moe.router.softmax")
         w.alloc(-TE)
-    w.alloc(T * E * c)  # the logits' cast back to c
-    w.alloc(-TE)
+    if c != 4:  # the logits' cast to fp32, back to c
+        w.alloc(T * E * c)
+        w.alloc(-TE)
     copy = w.amp
     wg = E * H * (c if copy else p) + (E * (c if copy else p) if cfg.router_bias else 0)
     w.alloc(wg, T * H * c)  # the router's weight (and bias) gradient, its d(x)
     w.peak(tag + "moe.router")
-    w.free("moe.router.")
-    w.alloc(-T * E * c, -T * H * c)  # d(logits); its d(x) is summed into the permute's in place of both
-    if copy:
-        w.alloc(E * H * p + (E * p if cfg.router_bias else 0))
-        w.peak(tag + "moe.router grad to fp32")
-        w.alloc(-wg)
+    w.free(*(n for n in w.one if n.startswith("moe.router")))  # its input (or cast, or the shared input) and cast
+    w.alloc(-T * E * c)  # d(logits)
+    return wg

@@ -113,3 +113,56 @@ def efficient_moe(o: Ops, hist=None) -> None:
           N * H * c + T * K * 4, L)
     o.mem("moe.router_grad_sum", "moe", "backward", 2 * T * H * c, T * H * c, L)  # the permute's d(x) and the router's
     shared(o, lean)
+
+
+def _expert_linear(o: Ops, name: str, n: int, d_in: int, d_out: int, count: int, host: bool) -> None:
+    """One expert's matmul on its n rows (a slice of the stacked weight): forward, d(x) and dW; under autocast
+    the slice's cast and dW's copy to fp32; the slice's backward writes dW into a zero of the stacked weight,
+    which is summed into its gradient (out of place: read two, write one)."""
+    E, c, p = o.cfg.experts, o.c, o.p
+    h = "op" if host else None
+    if o.amp:
+        o.mem(f"{name}.weight_cast", "moe", "forward", d_out * d_in * p, d_out * d_in * c, count)
+        o.mem(f"{name}.grad_weight_cast", "moe", "backward", d_out * d_in * c, d_out * d_in * p, count)
+    o.mm(name, "moe", "forward", n, d_out, d_in, count, host=h)
+    o.mm(f"{name}.grad_input", "moe", "backward", n, d_in, d_out, count, host=h)
+    o.mm(f"{name}.grad_weight", "moe", "backward", d_out, d_in, n, count, host=h)
+    stacked = E * d_out * d_in * p
+    o.mem(f"{name}.select_backward", "moe", "backward", d_out * d_in * p, stacked, count, calls=2)
+    o.mem(f"{name}.grad_sum", "moe", "backward", 2 * stacked, stacked, count)
+
+
+def baseline_moe(o: Ops, hist=None) -> None:
+    """The baseline block (llm_anatomy/baseline/moe.py), L layers: the router, then per expert with rows (one
+    launch each, its n rows): torch.where over the choices (a host sync: nonzero's size), the gather of its rows,
+    gate_up, the eager activation, down, the weighting and the index_add into the output (out of place: the
+    (T, H) output read and written); backward the same in reverse, each gradient summed into its tensor's."""
+    from llm_anatomy.calculator.timing.kernels_baseline import mlp
+
+    cfg, run, c, r = o.cfg, o.run, o.c, o.r
+    T, L, H, E, K, I = run.tokens, cfg.layers, cfg.hidden, cfg.experts, cfg.experts_per_token, cfg.expert_intermediate
+    router(o)
+    for m, experts in sorted(_rows(o, hist).items()):
+        k = L * experts
+        o.mem("moe.expert.where", "moe", "forward", T * K * 8, m * 16, k, sync=True, calls=3)
+        o.mem("moe.expert.gather", "moe", "forward", m * H * r + m * I64, m * H * r, k)
+        o.mem("moe.expert.gather.backward", "moe", "backward", m * H * r + m * I64, T * H * r, k, calls=2)
+        o.mem("moe.expert.input_grad_sum", "moe", "backward", 2 * T * H * r, T * H * r, k)
+        if o.amp:  # F.linear casts the fp32 rows
+            o.mem("moe.expert.input_cast", "moe", "forward", m * H * r, m * H * c, k)
+            o.mem("moe.expert.input_cast.backward", "moe", "backward", m * H * c, m * H * r, k)
+        _expert_linear(o, "moe.expert.gate_up", m, H, 2 * I, k, True)
+        for ph in ("forward", "backward"):
+            op = f"eager_mlp.{ph}"
+            o.chain(op, "moe.expert.", "moe", ph, I, m, k, fused=(op, I, m) if c == 2 else ())
+        o.mem("moe.expert.chunk.backward", "moe", "backward", 2 * m * I * c, 2 * m * I * c, k)  # cat
+        _expert_linear(o, "moe.expert.down", m, I, H, k, True)
+        o.mem("moe.expert.weighting", "moe", "forward", m * H * c + m * 4, m * H * c + m * c, k, calls=3)
+        o.mem("moe.expert.weighting.backward", "moe", "backward", 3 * m * H * c, 2 * m * H * c + m * 4, k, calls=5)
+        o.mem("moe.expert.weight_index.backward", "moe", "backward", m * 4, T * K * 4, k, calls=3)
+        o.mem("moe.expert.index_add", "moe", "forward", T * H * c + m * H * c, T * H * c, k)
+        o.mem("moe.expert.index_add.backward", "moe", "backward", m * H * c + m * I64, m * H * c, k)
+    if cfg.shared_experts:
+        mlp(o, "moe.shared", "moe", cfg.shared_experts * cfg.shared_intermediate)
+        o.mem("moe.shared.sum", "moe", "forward", 2 * T * H * c, T * H * c, L)
+        o.mem("moe.input_grad_sum", "moe", "backward", 2 * T * H * r, T * H * r, L)
