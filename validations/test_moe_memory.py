@@ -1,13 +1,16 @@
 """The memory phases of a mixture-of-experts model (llm_anatomy.calculator.memory.phases, device="cpu") against
-live tensor storage counted on CPU (llm_anatomy.measure.liveness), the efficient MoE block's grouped-GEMM path:
-forward end, backward end and optimizer end exact, the peak inside backward exact where the walk puts it in an
-MoE stage (else within the dense stages' ±3%, test_memory_walk.py), on the named MoE configs, a
-router-bound config (its peak inside the router's backward), >= 30 drawn configs, and a skewed routing (every
-token forced to experts 0..k-1): dropless routing keeps N = T·k rows, so no byte depends on the histogram.
+live tensor storage counted on CPU (llm_anatomy.measure.liveness): forward end, backward end and optimizer end
+exact, and the peak inside backward exact wherever the walk puts it in an MoE stage (else within the dense stages'
+±3%, test_memory_walk.py). Every router is forced (force()): the balanced routing, calculator/moe.py's default
+histogram, or the skewed one (every token to experts 0..k-1), and the phases are given the same histogram.
 
-What the phases do not model is refused in one line (the baseline's per-expert loop, recompute, the
-loop-of-mm fallback): tested here too. The lean block (Run.lean) is modelled: its fused norms and the
-shared experts' lean MLP."""
+  efficient  the grouped-GEMM path, plain and lean: the named aligned configs (amp, bf16, with and without AdamW),
+             a router-bound config (its peak inside the router's backward), 30 drawn configs (up to 64 experts);
+             dropless routing keeps N = T·k rows, so no byte depends on the histogram;
+  baseline   the per-expert loop (swiglu, no expert biases) under all three dtype policies: the named configs and
+             30 drawn ones; its bytes follow the histogram.
+What the phases do not model is refused in one line (the baseline loop's expert biases and gpt-oss activation,
+the efficient block under recompute, its loop-of-mm fallback)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -161,3 +164,39 @@ def test_baseline_peak_follows_the_routing():
     bal, skw = (phases(cfg, run, "baseline", device="cpu", hist=h(cfg, run))["backward_peak"]
                 for h in (moe.balanced, moe.skewed))
     assert bal != skw
+
+
+# ---- per-rank peaks on 2 gloo ranks (validations/test_distributed.py's harness, which builds the baseline) --------
+# experts == experts_per_token: every token reaches every expert, so each expert has T rows under any routing and
+# the live run's histogram is the calculator's balanced one
+GLOO_MOE = ModelConfig(name="dist-peak-moe", hidden=48, layers=2, heads=4, kv_heads=2, intermediate=32, vocab=64,
+                       experts=2, experts_per_token=2, expert_intermediate=256, shared_experts=1,
+                       shared_intermediate=16)
+GLOO_SCENARIOS = {"fsdp-amp-moe": dict(cfg=GLOO_MOE, run=Run(batch=2, seq=32, dtype="amp"), strategy="fsdp", steps=2),
+                  "ddp-fp32-moe": dict(cfg=GLOO_MOE, run=Run(batch=2, seq=32, dtype="fp32"), strategy="ddp", steps=3)}
+
+
+@pytest.fixture(scope="module")
+def gloo_moe_peaks():
+    from llm_anatomy.distributed.peak import spawn_peaks
+
+    results = spawn_peaks(2, list(GLOO_SCENARIOS.values()), timeout_s=120)
+    return {name: [results[r][i] for r in range(2)] for i, name in enumerate(GLOO_SCENARIOS)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(GLOO_SCENARIOS))
+def test_gloo_moe_per_rank_peak(gloo_moe_peaks, name, claims):
+    """Each rank's largest live storage over a step after the first against sharding.per_rank_peak, within the
+    per-rank claim's 3% (test_distributed.test_gloo_per_rank_peak)."""
+    from llm_anatomy.calculator.sharding import per_rank_peak
+
+    sc = GLOO_SCENARIOS[name]
+    for r, phases_ in enumerate(gloo_moe_peaks[name]):
+        pred = per_rank_peak(sc["cfg"], sc["run"], "baseline", 2, sc["strategy"], rank=r, device="cpu")
+        top = max(phases_, key=lambda p: p["peak"])
+        claims.check("per-rank step peak with activations and FSDP buffers (MoE)", component="comm",
+                     config=sc["cfg"].name, variant=sc["strategy"], device="cpu", predicted=pred["peak"],
+                     measured=top["peak"], tolerance=0.03, unit="B",
+                     note=f"{name}, gloo, W=2, rank {r}, live storage; predicted at {pred['peak_at']}, "
+                          f"measured in {top['name']} after {top['peak_op']}")

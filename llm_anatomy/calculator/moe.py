@@ -165,10 +165,10 @@ def _per_layer(cfg: ModelConfig, run: Run, hist) -> list[tuple[int, ...]]:
 
 
 def phases_unmodelled(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda") -> str | None:
-    """What the memory phases (calculator/memory.py) do not model for this config and run, in words, or None:
-    the attention fields (config.unmodelled), and for a mixture of experts the baseline's per-expert loop, the
-    efficient block's recompute and lean forms and its loop-of-mm fallback (fp32, widths not multiples of 8,
-    expert biases without autocast), whose backward walks are not written."""
+    """What the memory phases (calculator/memory.py) and the timing model do not model for this config and run,
+    in words, or None: the attention fields (config.unmodelled), and for a mixture of experts the baseline loop's
+    expert biases and gpt-oss activation, the efficient block under recompute and its loop-of-mm fallback (fp32,
+    widths not multiples of 8, expert biases without autocast), whose backward walks are not written."""
     name = unmodelled(cfg, "efficient")  # the attention fields
     if name or not cfg.moe:
         return name
@@ -187,8 +187,8 @@ def refuse_phases(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda"
     """A one-line ConfigError naming what phases_unmodelled finds."""
     why = phases_unmodelled(cfg, run, variant, device)
     if why:
-        raise ConfigError(f"{what}: {why} not modelled yet (config {cfg.name}); for experts the efficient block's "
-                          "grouped-GEMM path under amp or bf16 without recompute is")
+        raise ConfigError(f"{what}: {why} not modelled yet (config {cfg.name}); for experts the baseline's swiglu "
+                          "loop and the efficient block's grouped-GEMM path under amp or bf16 without recompute are")
 
 
 def flops(cfg: ModelConfig, run: Run) -> int:
