@@ -189,14 +189,7 @@ def gloo_moe_peaks():
 def test_gloo_moe_per_rank_peak(gloo_moe_peaks, name, claims):
     """Each rank's largest live storage over a step after the first against sharding.per_rank_peak, within the
     per-rank claim's 3% (test_distributed.test_gloo_per_rank_peak)."""
-    from llm_anatomy.calculator.sharding import per_rank_peak
+    from validations.test_distributed import check_rank_peaks
 
-    sc = GLOO_SCENARIOS[name]
-    for r, phases_ in enumerate(gloo_moe_peaks[name]):
-        pred = per_rank_peak(sc["cfg"], sc["run"], "baseline", 2, sc["strategy"], rank=r, device="cpu")
-        top = max(phases_, key=lambda p: p["peak"])
-        claims.check("per-rank step peak with activations and FSDP buffers (MoE)", component="comm",
-                     config=sc["cfg"].name, variant=sc["strategy"], device="cpu", predicted=pred["peak"],
-                     measured=top["peak"], tolerance=0.03, unit="B",
-                     note=f"{name}, gloo, W=2, rank {r}, live storage; predicted at {pred['peak_at']}, "
-                          f"measured in {top['name']} after {top['peak_op']}")
+    check_rank_peaks(claims, GLOO_SCENARIOS[name], gloo_moe_peaks[name], name,
+                     "per-rank step peak with activations and FSDP buffers (MoE)")
