@@ -15,14 +15,34 @@ def check_variant(v: str) -> str:
     return v
 
 
-def moe_routing(cfg: ModelConfig, run: Run) -> dict:
+def moe_routing(cfg: ModelConfig, run: Run, variant: str = "baseline", device: str = "cuda") -> dict:
     """The routing the MoE blocks' saved bytes are counted under (balanced: every expert hit, the worst case),
-    and the same blocks' bytes under the worst and under the skewed routing (every token to experts 0..k-1)."""
+    and the same blocks' bytes under the worst and under the skewed routing (every token to experts 0..k-1).
+    The efficient block's bytes are the same under any dropless routing (N = T·k rows)."""
     from llm_anatomy.calculator import moe
+    from llm_anatomy.calculator.moe_efficient import efficient_moe_saved
 
-    total = lambda hist: sum(s.bytes for s in moe.saved(cfg, run, hist))  # noqa: E731
+    if variant == "efficient":
+        total = lambda hist: sum(efficient_moe_saved(cfg, run, hist, device).values())  # noqa: E731
+    else:
+        total = lambda hist: sum(s.bytes for s in moe.saved(cfg, run, hist))  # noqa: E731
     return {"histogram": "balanced", "moe_saved_worst": total(moe.worst_histogram(cfg, run)),
             "moe_saved_skewed": total(moe.skewed(cfg, run))}
+
+
+def moe_peaks(cfg: ModelConfig, run: Run, variant: str, optimizer: str, device: str, need: int) -> dict:
+    """The step's peak under each histogram calculator/moe.py peak_histograms names, and the largest as the worst.
+    The efficient block keeps N = T·k rows under any dropless routing: one peak for every histogram."""
+    from llm_anatomy.calculator.memory import phases
+    from llm_anatomy.calculator.moe import peak_histograms
+
+    if variant == "efficient":
+        return {"need_bytes_balanced": need, "need_bytes_worst": need, "worst_histogram": "any"}
+    peaks = {name: peak_bytes(phases(cfg, run, variant, optimizer=optimizer, device=device, stages=False, hist=h))
+             for name, h in peak_histograms(cfg, run).items()}
+    worst = max(peaks, key=peaks.get)
+    return {f"need_bytes_{k}": v for k, v in peaks.items()} | {"need_bytes_worst": peaks[worst],
+                                                                 "worst_histogram": worst}
 
 
 def peak_bytes(ph: dict) -> int:
@@ -44,7 +64,7 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
     with a GPU the step time and whether the peak fits. One optimizer for memory and time."""
     from llm_anatomy.calculator import active_param_count, estimate
     from llm_anatomy.calculator.memory import phases
-    from llm_anatomy.calculator.moe import refuse_unmodelled, unmodelled
+    from llm_anatomy.calculator.moe import phases_unmodelled, refuse_phases
     from llm_anatomy.calculator.optimizer import CHOICES, implementation
 
     if optimizer not in CHOICES:
@@ -54,15 +74,18 @@ def estimate_all(cfg: ModelConfig, run: Run, variant: str, *, device: str = "cud
     out["optimizer"] = dict(name=optimizer, implementation=implementation(optimizer, variant))
     if cfg.moe:  # what one token's forward reaches: every parameter but the routed experts it is not sent to
         out["params_active"] = active_param_count(cfg)
-        out["moe_routing"] = moe_routing(cfg, run)
-    if unmodelled(cfg):  # a mixture of experts, gpt-oss's attention: no peak model yet (calculator/moe.py)
-        out["memory"]["not_modelled"] = f"the memory phases and peak ({unmodelled(cfg)})"
+        out["moe_routing"] = moe_routing(cfg, run, variant, device)
+    if why := phases_unmodelled(cfg, run, variant, device):  # no peak model yet (calculator/moe.py)
+        out["memory"]["not_modelled"] = f"the memory phases and peak ({why})"
         if gpu is not None or world_size != 1 or strategy:
-            refuse_unmodelled(cfg, "--gpu, --world-size and --strategy (the step time, the fit, per-rank peaks)")
+            refuse_phases(cfg, run, variant, device,
+                          "--gpu, --world-size and --strategy (the step time, the fit, per-rank peaks)")
         return out
     ph = phases(cfg, run, variant, optimizer=optimizer, device=device, est=est, stages=False)  # the peak, no list
     out["memory"]["phases"] = {k: ph[k] for k in PHASE_KEYS} | {"optimizer": optimizer}
     out["memory"]["need_bytes"] = peak_bytes(ph)
+    if cfg.moe:
+        out["moe_routing"] |= moe_peaks(cfg, run, variant, optimizer, device, out["memory"]["need_bytes"])
     if world_size != 1 or strategy:
         from llm_anatomy.calculator.comm import estimate_distributed
 
@@ -146,6 +169,13 @@ def print_estimate(con, out: dict) -> None:
         con.print(f"MoE blocks' saved tensors under balanced routing (the worst: every expert hit) "
                   f"{r['moe_saved_worst'] / 2**30:,.3f} GiB; every token to the same k experts "
                   f"{r['moe_saved_skewed'] / 2**30:,.3f} GiB")
+        if r.get("worst_histogram") == "any":
+            con.print(f"the step's peak {r['need_bytes_worst'] / 2**30:,.2f} GiB under any routing (dropless: the "
+                      "efficient block keeps T·k expert rows whatever the histogram)")
+        elif "need_bytes_worst" in r:
+            con.print(f"the step's peak by routing: balanced {r['need_bytes_balanced'] / 2**30:,.2f} GiB · skewed "
+                      f"{r['need_bytes_skewed'] / 2**30:,.2f} GiB · one expert full {r['need_bytes_full_last'] / 2**30:,.2f}"
+                      f" GiB; the worst of these {r['need_bytes_worst'] / 2**30:,.2f} GiB ({r['worst_histogram']})")
     if "not_modelled" in out["memory"]:
         con.print(f"not modelled for this config yet: {out['memory']['not_modelled']}")
     if out["variant"] == "baseline":

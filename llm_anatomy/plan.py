@@ -184,10 +184,15 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
         strategies = ("single",) if gpus_n == 1 else ("ddp", "fsdp")
     elif gpus_n == 1:
         raise ConfigError("--strategy needs --gpus 2 or more")
-    recomputes = recomputes or POLICIES[variant]
+    recomputes = recomputes or modelled_policies(cfg, variant, seq, dtype, lean)
     if bad := [r for r in recomputes if r not in POLICIES[variant]]:
         raise ConfigError(f"recompute {bad[0]!r} is not a policy of the {variant} variant "
                           f"({', '.join(POLICIES[variant])})")
+    if cfg.moe:  # a policy the memory phases do not model for experts: one line (calculator/moe.py)
+        from llm_anatomy.calculator.moe import refuse_phases
+
+        for rc in recomputes:
+            refuse_phases(cfg, Run(1, seq, dtype, rc, lean=lean and rc == "none"), variant, what="anatomy plan")
     rows = []
     for strategy in strategies:
         for rc in recomputes:
@@ -214,7 +219,8 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
             spread[b] = dict(gpu=name, step_s=t["step_s"], tokens_per_s=tps, mfu=t["mfu"],
                              budget=token_budget(tokens, tps, gpus_n))
     mesh_rows = []
-    if meshes and gpus_n > 1 and not narrowed:
+    # a mixture of experts plans data parallelism only: expert parallelism joins the mesh search when it lands
+    if meshes and gpus_n > 1 and not cfg.moe and not narrowed:
         from llm_anatomy.plan_mesh import search
 
         peak_flops = entry["bf16_tflops" if dtype != "fp32" else "fp32_tflops"] * 1e12
@@ -232,6 +238,19 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
                 gpu_rule=gpus.rule(gpu), gpus_per_node=gpus_per_node, seq=seq, dtype=dtype, optimizer=optimizer, margin=margin,
                 capacity_bytes=capacity, capacity_source=capacity_source, budget_bytes=budget,
                 candidates=[asdict(r) for r in rows], best=asdict(best) if best else None)
+
+
+def modelled_policies(cfg: ModelConfig, variant: str, seq: int, dtype: str, lean: bool) -> tuple[str, ...]:
+    """The variant's recompute policies the memory phases model for this config: all of them, but for a mixture of
+    experts only those calculator/moe.py's phases_unmodelled passes (the first policy when none does, for
+    plan() to refuse in its words)."""
+    if not cfg.moe:
+        return POLICIES[variant]
+    from llm_anatomy.calculator.moe import phases_unmodelled
+
+    ok = tuple(rc for rc in POLICIES[variant]
+               if phases_unmodelled(cfg, Run(1, seq, dtype, rc, lean=lean and rc == "none"), variant) is None)
+    return ok or POLICIES[variant][:1]
 
 
 def from_datasheet(gpu: str) -> bool:

@@ -156,13 +156,17 @@ def gloo_peaks():
 def test_gloo_per_rank_peak(gloo_peaks, name, claims):
     """Each rank's largest live storage over a step after the first (forward, backward with FSDP's final
     callbacks, optimizer step) against per_rank_peak: within 3%."""
-    sc = PEAK_SCENARIOS[name]
-    for r, phases in enumerate(gloo_peaks[name]):
+    check_rank_peaks(claims, PEAK_SCENARIOS[name], gloo_peaks[name], name)
+
+
+def check_rank_peaks(claims, sc: dict, ranks: list, name: str, claim: str = "per-rank step peak with activations "
+                     "and FSDP buffers") -> None:
+    """Each rank's largest live storage (ranks: its phases) against per_rank_peak, within 3%."""
+    for r, phases in enumerate(ranks):
         pred = per_rank_peak(sc["cfg"], sc["run"], "baseline", 2, sc["strategy"], rank=r, device="cpu")
         top = max(phases, key=lambda p: p["peak"])
-        claims.check("per-rank step peak with activations and FSDP buffers", component="comm",
-                     config=sc["cfg"].name, variant=sc["strategy"], device="cpu", predicted=pred["peak"],
-                     measured=top["peak"], tolerance=0.03, unit="B",
+        claims.check(claim, component="comm", config=sc["cfg"].name, variant=sc["strategy"], device="cpu",
+                     predicted=pred["peak"], measured=top["peak"], tolerance=0.03, unit="B",
                      note=f"{name}, gloo, W=2, rank {r}, live storage; predicted at {pred['peak_at']}, "
                           f"measured in {top['name']} after {top['peak_op']}")
 

@@ -196,8 +196,8 @@ def test_unmodelled_fields_are_refused_in_one_line(name, change, message, tmp_pa
 
 @pytest.mark.parametrize("argv, message", [
     (["--variant", "efficient"], "the efficient variant's calculator (--variant baseline counts it): qk_norm_whole"),
-    (["--variant", "baseline", "--gpu", "H200"], ": experts not modelled yet"),
-    (["--variant", "baseline", "--world-size", "8"], ": experts not modelled yet"),
+    (["--variant", "baseline", "--gpu", "H200"], ": qk_norm_whole not modelled yet"),
+    (["--variant", "baseline", "--world-size", "8"], ": qk_norm_whole not modelled yet"),
 ])
 def test_what_is_not_modelled_for_moe_is_refused(argv, message):
     rc, _, err = run_cli(["estimate", "--hf-config", str(HF_CONFIGS["OLMoE-1B-7B-0924"]), *argv], "moe")

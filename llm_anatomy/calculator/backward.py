@@ -81,6 +81,7 @@ class Walk:
         self._remade: dict[str, list[tuple[str, int]]] = {}  # remake's tensors, sized once per walk
         self._hits: dict[tuple, list[str]] = {}  # free()'s matches for the present names
         self._norm: int | None = None  # free_norm's bytes for the present sizes
+        self.hist: tuple[int, ...] | None = None  # the MoE routing histogram of every layer (None: balanced)
 
         self.blocks = BLOCK if rnd is rounded else 0  # the CUDA allocator's rounding, which alloc writes out
 
@@ -241,11 +242,13 @@ def walk(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[st
 
 
 def walked(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[str, int], rnd,
-           every_layer: bool = False, one: dict[str, int] | None = None) -> Walk:
+           every_layer: bool = False, one: dict[str, int] | None = None, hist: tuple[int, ...] | None = None) -> Walk:
     """The Walk of one backward, its candidates recorded (Walk.stages lists them, Walk.top finds the first
-    largest). one: saved_sizes(est, rnd), where the caller has it."""
+    largest). one: saved_sizes(est, rnd), where the caller has it. hist: the MoE routing histogram, the same in
+    every layer (None: balanced)."""
     stages = VARIANT_STAGES[variant]
     w = Walk(cfg, run, variant, est, rnd, start, one)
+    w.hist = hist
     g = stages.loss(w)
     g = stages.norm(w, "final norm", g)
     L = cfg.layers

@@ -2,11 +2,18 @@
 MLP's separate gate and up, and attention over materialised (B, nh, S, S) scores. backward.walk runs them."""
 from __future__ import annotations
 
+from llm_anatomy.calculator import backward_moe
+
 
 def loss(w) -> int:
     """nll_loss_backward makes the fp32 (T, V) gradient, log_softmax's backward a second one."""
     T, V, H, c = w.T, w.V, w.H, w.c
-    w.peak("loss", 4, T * V * 4, T * V * 4)
+    backward_moe.balance(w)  # the load-balancing loss's, made after the CE's: it runs first
+    if w.cuda:
+        w.peak("loss", 4, T * V * 4, T * V * 4)
+    else:  # on CPU the engine's 0-dim fp32 seed stays live to the end of backward (backward_efficient.loss)
+        w.alloc(4)
+        w.peak("loss", T * V * 4, T * V * 4)
     w.free("loss.log_probs", "loss.total_weight")
     w.alloc(T * V * c)  # the logits' gradient in the compute dtype (the fp32 ones are gone)
     return w.linear("loss.lm_head", H, V, T * V * c, "loss.", to_residual=True)
@@ -36,6 +43,23 @@ def qk_norm(w, tag: str) -> None:
         w.alloc(-n * c)
 
 
+def mlp(w, tag: str, gc: int, I: int, name: str) -> int:
+    """The gated MLP's backward (width I, saved names under `name`) from its incoming gradient (gc bytes, freed
+    after down); leaves d(x), the sum of gate's and up's input gradients, (T, H) in the residual dtype."""
+    T, H, c, r = w.T, w.H, w.c, w.r
+    gi = w.linear(tag + name + ".down", I, H, gc, name + ".down.")
+    w.peak(tag + name + ".act", T * I * c, T * I * c)  # d(silu(gate)), d(up), d(gate) at once
+    w.free(*(f"{name}.{n}" for n in ("gate", "up", "silu_gate", "gate_raw", "up_raw", "up_plus_1")))
+    w.alloc(T * I * c, T * I * c, -gi)  # d(gate), d(up) live, d(h) gone
+    gu = w.linear(tag + name + ".up", H, I, T * I * c, name + ".up.", to_residual=True)
+    gg = w.linear(tag + name + ".gate", H, I, T * I * c, name + ".gate.", to_residual=True)
+    w.free(name + ".")  # without autocast gate and up share one saved input ("mlp.gate+up.input")
+    w.alloc(T * H * r)  # their sum
+    w.peak(tag + name + ".sum")
+    w.alloc(-gu, -gg)
+    return T * H * r
+
+
 def layer(w, i: int, g: int) -> int:
     """One block's backward, the MLP branch then the attention branch; returns the residual gradient."""
     T, H, I, c, r = w.T, w.H, w.I, w.c, w.r
@@ -45,16 +69,12 @@ def layer(w, i: int, g: int) -> int:
     w.begin()
     gc = T * H * c if r != c else 0  # the residual gradient cast for the bf16 matmul (a view when r == c)
     w.alloc(gc)
-    gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
-    w.peak(tag + "mlp.act", T * I * c, T * I * c)  # d(silu(gate)), d(up), d(gate) at once
-    w.free("mlp.gate", "mlp.up", "mlp.silu_gate", "mlp.gate_raw", "mlp.up_raw", "mlp.up_plus_1")
-    w.alloc(T * I * c, T * I * c, -gi)  # d(gate), d(up) live, d(h) gone
-    gu = w.linear(tag + "mlp.up", H, I, T * I * c, "mlp.up.", to_residual=True)
-    gg = w.linear(tag + "mlp.gate", H, I, T * I * c, "mlp.gate.", to_residual=True)
-    w.free("mlp.")  # without autocast gate and up share one saved input ("mlp.gate+up.input")
-    w.alloc(T * H * r)  # their sum
-    w.peak(tag + "mlp.sum")
-    w.alloc(-gu, -gg)
+    if w.cfg.moe:  # the MoE branch in place of the MLP's (backward_moe_baseline.py)
+        from llm_anatomy.calculator import backward_moe_baseline
+
+        backward_moe_baseline.layer(w, i, tag, gc)
+    else:
+        mlp(w, tag, gc, I, "mlp")
     g = w.residual_add(g, norm(w, tag + "norm 2", T * H * r))
     # ---- attention branch
     w.begin()

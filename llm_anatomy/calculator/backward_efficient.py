@@ -4,6 +4,7 @@ SDPA's backward; in the lean block (Run.lean) the weight casts and SwiGLU's h ma
 recompute, the checkpoints' tensors made again. backward.walk runs them."""
 from __future__ import annotations
 
+from llm_anatomy.calculator import backward_moe
 from llm_anatomy.calculator.attention import qk_norm_saved_efficient, sdpa_o_saved
 from llm_anatomy.calculator.linear import linears_saved
 from llm_anatomy.calculator.mlp import efficient_saved
@@ -12,6 +13,7 @@ from llm_anatomy.kernel_shapes import rms_norm_programs
 
 def loss(w) -> int:
     T, H, V, c, p = w.T, w.H, w.V, w.c, w.p
+    backward_moe.balance(w)  # the load-balancing loss's, made after the CE's: it runs first
     if w.run.loss_impl == "liger" and not w.cuda:
         # Liger's CPU mirror returns grad_input·g and grad_weight·g: new tensors, then the saved ones go;
         # g itself, the engine's 0-dim fp32 seed, stays live to the end of backward
@@ -67,21 +69,10 @@ def layer(w, i: int, g: int) -> int:
     # it (norm(..., fused)); otherwise the residual gradient's cast for the bf16 matmul (a view when r == c)
     gc = T * H * c if r != c or lean else 0
     w.alloc(0 if lean else gc)
-    if w.recompute == "full":  # the down matmul's backward asks for its input: the block runs again
-        rerun_block(w, tag)
-    elif w.recompute == "mlp":  # the down matmul's backward asks for its input: the checkpoint re-runs the
-        w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
-    if lean:
-        swiglu_down(w, tag, gc)
+    if w.cfg.moe:  # the MoE branch in place of the MLP's (memory.py refuses its recompute and lean forms)
+        gn = backward_moe.layer(w, i, tag, gc)
     else:
-        gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
-        # swiglu_packed's backward writes d(gate_up) into the saved gate_up storage: the same (T, 2I) bytes
-        # change kind from activation to gradient, and nothing is allocated
-        w.free("mlp.gate_up")
-        w.alloc(2 * T * I * c)
-        w.peak(tag + "mlp.act")
-        w.alloc(-gi)  # d(h) gone
-    gn = w.linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.", recast=lean and w.amp)
+        gn = mlp(w, tag, gc)
     # under recompute the re-made sum goes with the norm (and under "mlp" the checkpoint's branch with it)
     kept = {"none": "norm.", "mlp": ("mlp.x", "mlp.branch"), "full": "mlp.x"}[w.recompute]
     g = w.residual_add(g, norm(w, tag + "norm 2", gn, kept))
@@ -117,6 +108,26 @@ def layer(w, i: int, g: int) -> int:
                                   fused=lean and i > 0))
 
 
+def mlp(w, tag: str, gc: int) -> int:
+    """The dense MLP's backward from its incoming gradient (gc bytes); returns the bytes of its d(x)."""
+    T, H, I, c, lean = w.T, w.H, w.I, w.c, w.lean
+    if w.recompute == "full":  # the down matmul's backward asks for its input: the block runs again
+        rerun_block(w, tag)
+    elif w.recompute == "mlp":  # the down matmul's backward asks for its input: the checkpoint re-runs the
+        w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
+    if lean:
+        swiglu_down(w, tag, gc)
+    else:
+        gi = w.linear(tag + "mlp.down", I, H, gc, "mlp.down.")
+        # swiglu_packed's backward writes d(gate_up) into the saved gate_up storage: the same (T, 2I) bytes
+        # change kind from activation to gradient, and nothing is allocated
+        w.free("mlp.gate_up")
+        w.alloc(2 * T * I * c)
+        w.peak(tag + "mlp.act")
+        w.alloc(-gi)  # d(h) gone
+    return w.linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.", recast=lean and w.amp)
+
+
 def qk_norm(w, tag: str, dqkv: int) -> int:
     """q_norm's and k_norm's backward, from rope_qkv's d(qkv), whose q and k columns (views: the cat's backward)
     they read: k_norm's node first (the later one), then q_norm's, each writing d(input) in the compute dtype
@@ -141,25 +152,27 @@ def qk_norm(w, tag: str, dqkv: int) -> int:
     return dqkv
 
 
-def swiglu_down(w, tag: str, grad_out: int) -> None:
+def swiglu_down(w, tag: str, grad_out: int, I: int | None = None, name: str = "mlp") -> None:
     """The fused SwiGLU + down node (llm_anatomy/kernels/lean.py): down's weight cast again and d(h); the cast
     goes; one pass writes h over d(h) and d(gate_up) over gate_up's storage (the same bytes change kind);
     down's weight gradient (compute dtype under autocast, fp32 from the GEMM on CUDA: lean.fp32_grad); h and
-    the incoming gradient go; under autocast on CPU the cast node makes the fp32 weight gradient."""
-    T, H, I, c, p = w.T, w.H, w.I, w.c, w.p
+    the incoming gradient go; under autocast on CPU the cast node makes the fp32 weight gradient. I and name:
+    the MLP's width and saved-name prefix (default the dense MLP's; the MoE block's shared experts)."""
+    T, H, c, p = w.T, w.H, w.c, w.p
+    I = w.I if I is None else I
     copy = w.amp and not w.cuda
     wg = H * I * (c if copy else p)
     w.alloc(T * I * c)  # d(h)
-    w.peak(tag + "mlp.down", *((H * I * c,) if w.amp else ()))  # with the weight's cast
-    w.free("mlp.gate_up")
+    w.peak(tag + name + ".down", *((H * I * c,) if w.amp else ()))  # with the weight's cast
+    w.free(name + ".gate_up")
     w.alloc(2 * T * I * c)
-    w.peak(tag + "mlp.act")  # h in d(h)'s storage, d(gate_up) in gate_up's
+    w.peak(tag + name + ".act")  # h in d(h)'s storage, d(gate_up) in gate_up's
     w.alloc(wg)  # dW
-    w.peak(tag + "mlp.down.weight_grad")
+    w.peak(tag + name + ".down.weight_grad")
     w.alloc(-T * I * c, -grad_out)  # h, the incoming gradient
     if copy:
         w.alloc(H * I * p)
-        w.peak(tag + "mlp.down grad to fp32")
+        w.peak(tag + name + ".down grad to fp32")
         w.alloc(-wg)
 
 

@@ -33,7 +33,8 @@ from llm_anatomy.calculator.attention import sdpa_o_saved
 from llm_anatomy.calculator.backward import INPUTS, walked
 from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.optimizer import state_breakdown
-from llm_anatomy.calculator.moe import refuse_unmodelled
+from llm_anatomy.calculator.moe import refuse_phases
+from llm_anatomy.calculator.moe_efficient import param_tensors as moe_param_tensors
 from llm_anatomy.calculator.param_layout import units
 from llm_anatomy.calculator.types import BYTES, Estimate
 from llm_anatomy.config import ModelConfig, Run
@@ -51,7 +52,8 @@ def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int
     qb, kb, qkvb = ([q], [kv], [q + 2 * kv]) if cfg.qkv_bias else ([], [], [])  # each bias follows its weight
     qkn = [cfg.head_dim] * 2 if cfg.qk_norm else []  # q_norm, k_norm after o
     if variant == "efficient":
-        layer = [H, (q + 2 * kv) * H, *qkvb, q * H, *qkn, H, 2 * I * H, H * I]
+        ffn = moe_param_tensors(cfg) if cfg.moe else [2 * I * H, H * I]
+        layer = [H, (q + 2 * kv) * H, *qkvb, q * H, *qkn, H, *ffn]
     else:
         layer = [H, q * H, *qb, kv * H, *kb, kv * H, *kb, q * H, *qkn, H, I * H, I * H, H * I]
     return [(cfg.vocab * H, 1)] + [(n, L) for n in layer] + [(H, 1)] + ([] if cfg.tie_embeddings else [(cfg.vocab * H, 1)])
@@ -181,13 +183,22 @@ def _head_grad_pad(cfg: ModelConfig, run: Run, rnd) -> int:
 
 
 def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
-           device: str = "cuda", est: Estimate | None = None, stages: bool = True) -> dict:
+           device: str = "cuda", est: Estimate | None = None, stages: bool = True, hist=None) -> dict:
     """Bytes live at each phase boundary of a training step after the first (the optimizer's state
     exists), and the peaks inside forward and backward, on `device` ("cuda": 512-byte blocks; "cpu":
     exact storage sizes). backward_stages lists the walk's candidates in execution order (of identical layers,
     the last two and the first two: backward.walk); stages=False leaves it out (the peak is the same). est:
-    the calculator's estimate of this run on this device, where the caller has it."""
-    refuse_unmodelled(cfg, "the memory phases")
+    the calculator's estimate of this run on this device, where the caller has it. hist: a mixture of experts'
+    routing histogram, rows per expert, the same in every layer (default balanced; only the baseline's per-expert
+    loop depends on it: calculator/moe.py)."""
+    refuse_phases(cfg, run, variant, device)
+    if hist is not None and cfg.moe and variant == "baseline":
+        from llm_anatomy.calculator.moe import check_histogram
+        from llm_anatomy.calculator.moe import baseline as moe_baseline
+
+        hist = check_histogram(cfg, run, hist)
+        est = estimate(cfg, run, variant, device=device)
+        est.components["moe"] = moe_baseline(cfg, run, device, hist)
     dt = dtypes(run)
     rnd = rounded if device == "cuda" else _exact
     params, opt = model_state_bytes(cfg, variant, dt.param, optimizer, device == "cuda")
@@ -218,7 +229,7 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
         elif run.recompute == "full":  # or inside the last block's checkpoint
             fwd_peak = max(fwd_peak, block_peak)
     start = {"parameter": params, "input": inputs, "optimizer state": opt, "activation": saved + rnd(4)}
-    w = walked(cfg, run, variant, est, start, rnd, one=one)
+    w = walked(cfg, run, variant, est, start, rnd, one=one, hist=hist if variant == "baseline" else None)
     top = w.top()  # the first largest candidate
     # one gradient per parameter, in the parameter's dtype; our CE's grad_w, lm_head's .grad, keeps the storage
     # of its (V', H) accumulator where the vocabulary is padded (kernel_shapes.LCE_ALIGN)

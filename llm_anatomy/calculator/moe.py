@@ -63,6 +63,23 @@ def skewed(cfg: ModelConfig, run: Run) -> tuple[int, ...]:
     return tuple(run.tokens if e < k else 0 for e in range(cfg.experts))
 
 
+def full_last(cfg: ModelConfig, run: Run) -> tuple[int, ...]:
+    """The baseline loop's hardest histogram of those the calculator tries: the last expert (walked first in
+    backward, while every other expert's tensors are still kept) takes every token, and the other T·k - T rows
+    spread as evenly as they allow over the rest, so that as many experts as possible are hit too."""
+    T, E, k = run.tokens, cfg.experts, cfg.experts_per_token
+    if E == 1:
+        return (T,)
+    q, r = divmod(T * (k - 1), E - 1)
+    return tuple(q + (e < r) for e in range(E - 1)) + (T,)
+
+
+def peak_histograms(cfg: ModelConfig, run: Run) -> dict[str, tuple[int, ...]]:
+    """The histograms the step's peak is reported under: balanced (the default), skewed, full_last. Their largest
+    peak is reported as the worst: a maximum over these three, not proven over every histogram."""
+    return {"balanced": balanced(cfg, run), "skewed": skewed(cfg, run), "full_last": full_last(cfg, run)}
+
+
 def check_histogram(cfg: ModelConfig, run: Run, hist) -> tuple[int, ...]:
     """A routing histogram of this config and run, checked: E non-negative row counts, each at most T (a token
     reaches an expert once), summing to T·k (dropless routing)."""
@@ -145,6 +162,33 @@ def _per_layer(cfg: ModelConfig, run: Run, hist) -> list[tuple[int, ...]]:
             raise ConfigError(f"one routing histogram per layer ({cfg.layers}), got {len(hist)}")
         return [check_histogram(cfg, run, h) for h in hist]
     return [check_histogram(cfg, run, hist)] * cfg.layers
+
+
+def phases_unmodelled(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda") -> str | None:
+    """What the memory phases (calculator/memory.py) and the timing model do not model for this config and run,
+    in words, or None: the attention fields (config.unmodelled), and for a mixture of experts the baseline loop's
+    expert biases and gpt-oss activation, the efficient block under recompute and its loop-of-mm fallback (fp32,
+    widths not multiples of 8, expert biases without autocast), whose backward walks are not written."""
+    name = unmodelled(cfg, "efficient")  # the attention fields
+    if name or not cfg.moe:
+        return name
+    from llm_anatomy.calculator.moe_efficient import grouped_path
+
+    if variant != "efficient":
+        return ("the baseline's per-expert loop with expert biases" if cfg.expert_bias else
+                "the baseline's per-expert loop with gpt-oss's activation" if cfg.mlp == "gpt-oss" else None)
+    return ("the efficient block under recompute" if run.recompute != "none" else
+            "the loop-of-mm fallback (fp32, widths not multiples of 8, or expert biases without autocast)"
+            if not grouped_path(cfg, run, device) else None)
+
+
+def refuse_phases(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda", what: str = "the memory phases"
+                  ) -> None:
+    """A one-line ConfigError naming what phases_unmodelled finds."""
+    why = phases_unmodelled(cfg, run, variant, device)
+    if why:
+        raise ConfigError(f"{what}: {why} not modelled yet (config {cfg.name}); for experts the baseline's swiglu "
+                          "loop and the efficient block's grouped-GEMM path under amp or bf16 without recompute are")
 
 
 def flops(cfg: ModelConfig, run: Run) -> int:

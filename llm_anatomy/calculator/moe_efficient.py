@@ -45,6 +45,18 @@ def grouped_path(cfg: ModelConfig, run: Run, device: str = "cuda") -> bool:
             and device in GROUPED_DEVICES and cfg.hidden % 8 == 0 and cfg.expert_intermediate % 8 == 0)
 
 
+def param_tensors(cfg: ModelConfig) -> list[int]:
+    """Elements of one layer's MoE parameter tensors, in module order: the router's weight (and bias), the
+    stacked experts' gate_up and down (and their biases), the shared MLP's gate_up and down."""
+    E, H, I = cfg.experts, cfg.hidden, cfg.expert_intermediate
+    out = [E * H] + ([E] if cfg.router_bias else []) + [E * 2 * I * H, E * H * I]
+    out += [E * 2 * I, E * H] if cfg.expert_bias else []
+    if cfg.shared_experts:
+        Is = cfg.shared_experts * cfg.shared_intermediate
+        out += [2 * Is * H, H * Is]
+    return out
+
+
 def check_histogram(cfg: ModelConfig, run: Run, histogram) -> list[int]:
     """Rows per expert (E ints >= 0 summing to T*K); None: the balanced one."""
     E, N = cfg.experts, run.tokens * cfg.experts_per_token

@@ -101,12 +101,15 @@ def _frames(limit: int = 40) -> list[dict]:
 
 
 def measure_phases_live(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = None,
-                        device: str = "cpu", steps: int = 2) -> list[dict]:
+                        device: str = "cpu", steps: int = 2, prepare=None) -> list[dict]:
     """The phases of measure.memory.measure_phases, counted by LiveStorage on `device` (CPU by default):
-    init, forward, backward (its peak is the peak inside backward), optimizer. The last of `steps` steps."""
+    init, forward, backward (its peak is the peak inside backward), optimizer. The last of `steps` steps.
+    prepare: a function called with the model before the steps (e.g. one that forces the MoE routing)."""
     from llm_anatomy.measure.memory import phased_steps, setup_step
 
     model, ids, targets, opt = setup_step(cfg, run, variant, optimizer, device)
+    if prepare is not None:
+        prepare(model)
     live = LiveStorage()
     live.track(*model.parameters(), ids, targets)
     with live:

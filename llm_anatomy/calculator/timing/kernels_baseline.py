@@ -74,18 +74,14 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
     o.mm("attention.scores.grad_k", "attention", "backward", S, hd, S, L, batch=B * nh)
     o.linear("attention.o", "attention", cfg.q_dim, H, L)  # its input (merged heads) is already compute dtype
     residual(o, "attention", L)
-    # MLP: gate and up each cast x under amp; silu and mul are separate kernels
-    o.linear("mlp.gate", "mlp", H, I, L, in_bytes=r)
-    o.linear("mlp.up", "mlp", H, I, L, in_bytes=r)
-    o.mem("mlp.gate_up_input_grad_sum", "mlp", "backward", 2 * T * H * r, T * H * r, L)
-    # silu and mul (fused.eager_mlp_*), and gpt-oss's clamps and +1 before them (eager_clamp_*), each chain at the
-    # rate calibrate measured for it as a whole where it did (bf16 compute)
-    chains = ("eager_mlp",) + (("eager_clamp",) if cfg.mlp == "gpt-oss" else ())
-    for ph in ("forward", "backward"):
-        for op in (f"{ch}.{ph}" for ch in chains):
-            o.chain(op, "mlp.", "mlp", ph, I, T, L, fused=(op, I, T) if c == 2 else ())
-    o.linear("mlp.down", "mlp", I, H, L)
-    residual(o, "mlp", L)
+    if cfg.moe:  # the per-expert loop in the MLP's place (kernels_moe.py), its residual add credited to it
+        from llm_anatomy.calculator.timing.kernels_moe import baseline_moe
+
+        baseline_moe(o)
+        residual(o, "moe", L)
+    else:
+        mlp(o, "mlp", "mlp", I)
+        residual(o, "mlp", L)
     # loss: lm_head on the normed stream (cast under amp), logits upcast to fp32, log_softmax + nll
     # (fused.eager_ce_*), at the rate calibrate measured for that tail as a whole where it did (bf16 logits)
     o.linear("loss.lm_head", "loss", H, V, 1, in_bytes=r, order=(2, 0))
@@ -93,3 +89,18 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
         op = f"eager_ce.{ph}"
         o.chain(op, "loss.", "loss", ph, V, T, order=2 if ph == "forward" else 0, fused=(op, V, T) if c == 2 else ())
     return o.k
+
+
+def mlp(o: Ops, name: str, comp: str, I: int) -> None:
+    """The gated MLP of width I on every token: gate and up each cast x under amp; silu and mul are separate
+    kernels (fused.eager_mlp_*), and gpt-oss's clamps and +1 before them (eager_clamp_*), each chain at the rate
+    calibrate measured for it as a whole where it did (bf16 compute)."""
+    cfg, T, H, L, c, r = o.cfg, o.run.tokens, o.cfg.hidden, o.cfg.layers, o.c, o.r
+    o.linear(f"{name}.gate", comp, H, I, L, in_bytes=r)
+    o.linear(f"{name}.up", comp, H, I, L, in_bytes=r)
+    o.mem(f"{name}.gate_up_input_grad_sum", comp, "backward", 2 * T * H * r, T * H * r, L)
+    chains = ("eager_mlp",) + (("eager_clamp",) if cfg.mlp == "gpt-oss" else ())
+    for ph in ("forward", "backward"):
+        for op in (f"{ch}.{ph}" for ch in chains):
+            o.chain(op, f"{name}.", comp, ph, I, T, L, fused=(op, I, T) if c == 2 else ())
+    o.linear(f"{name}.down", comp, I, H, L)

@@ -6,6 +6,7 @@ component by component.
 """
 from __future__ import annotations
 
+from llm_anatomy.calculator.timing.kernels_moe import efficient_moe
 from llm_anatomy.calculator.timing.op_bytes import dw_sum_bytes, fused_bytes
 from llm_anatomy.calculator.timing.ops import Kernel, Ops, causal_attention_flops, embedding, residual, rope_tables
 from llm_anatomy.config import ConfigError, ModelConfig, Run
@@ -69,7 +70,25 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     where = {"none": "other", "mlp": "mlp", "full": "attention"}[run.recompute]
     if not fused:
         residual(o, "attention", L, where)
-    # MLP: one gate_up matmul, the fused activation (saves gate_up; backward writes dgate/dup in place)
+    if cfg.moe:  # the MoE block in the MLP's place (kernels_moe.py), its residual add credited to it
+        efficient_moe(o)
+    else:
+        mlp(o, fused)
+    if fused:
+        fused_norms(o)
+    else:
+        residual(o, "moe" if cfg.moe else "mlp", L, where)
+    if run.recompute != "none":
+        recompute_kernels(o, sdpa_backend)
+    elif run.lean_block:
+        lean_kernels(o)
+    liger_loss(o) if run.loss_impl == "liger" else anatomy_loss(o)
+    return o.k
+
+
+def mlp(o: Ops, fused: bool) -> None:
+    """One gate_up matmul, the fused activation (saves gate_up; backward writes dgate/dup in place), down."""
+    T, H, L, I, c, r = o.run.tokens, o.cfg.hidden, o.cfg.layers, o.cfg.intermediate, o.c, o.r
     o.linear("mlp.gate_up", "mlp", H, 2 * I, L, fp32_grad=fused)
     for ph, name in (("forward", "mlp.swiglu"), ("backward", "mlp.swiglu.backward")):
         op = (f"swiglu.{ph}", I)
@@ -78,16 +97,6 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
         o.mem(name, "mlp", ph, *fused_bytes(*priced, T, c, r), L, host=op[0], fused=(*op, T))
     # (swiglu_packed owns the split, so no SplitBackward cats dgate and dup: d(gate_up) is gate_up's storage)
     o.linear("mlp.down", "mlp", I, H, L, fp32_grad=fused)
-    if fused:
-        fused_norms(o)
-    else:
-        residual(o, "mlp", L, where)
-    if run.recompute != "none":
-        recompute_kernels(o, sdpa_backend)
-    elif run.lean_block:
-        lean_kernels(o)
-    liger_loss(o) if run.loss_impl == "liger" else anatomy_loss(o)
-    return o.k
 
 
 def qk_norm_kernels(o: Ops) -> None:
@@ -182,9 +191,13 @@ def lean_kernels(o: Ops) -> None:
     again inside SwiGLU's backward pass: priced there, in efficient_kernels.)"""
     cfg, c = o.cfg, o.c
     H, L, I, D = cfg.hidden, cfg.layers, cfg.intermediate, cfg.q_dim + 2 * cfg.kv_dim
+    # a mixture of experts: its shared experts' MLP is lean (the router and the stacked experts are not)
+    Is = cfg.shared_experts * (cfg.shared_intermediate or 0)
+    ffn = ((("moe.shared.gate_up", "moe", 2 * Is * H), ("moe.shared.down", "moe", Is * H)) if Is else ()) \
+        if cfg.moe else (("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H))
     if o.amp:
         for name, comp, n in (("attention.qkv", "attention", D * H), ("attention.o", "attention", cfg.q_dim * H),
-                              ("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)):
+                              *ffn):
             o.mem(f"{name}.weight_recast", comp, "backward", n * o.p, n * c, L)
 
 
