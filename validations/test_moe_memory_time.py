@@ -122,12 +122,13 @@ def test_unmodelled_refused_in_one_line(argv, word):
 def test_baseline_loop_launches_per_expert_with_rows(hist):
     """The baseline's loop: every expert with rows is its own launches (and a host sync: torch.where's size), at
     its own row count; experts without rows launch nothing; its matmul FLOPs are the calculator's."""
+    from llm_anatomy.calculator.timing.kernels_baseline import mlp
     from llm_anatomy.calculator.timing.kernels_moe import baseline_moe
 
     run = Run(2, 24)
     h = (moe.balanced if hist == "balanced" else moe.skewed)(CFG, run)
     o = Ops(CFG, run)
-    baseline_moe(o, h)
+    baseline_moe(o, mlp, h)
     hit = sum(1 for n in h if n)
     gate_up = [k for k in o.k if k.name == "moe.expert.gate_up"]
     assert sum(k.count for k in gate_up) == CFG.layers * hit and all(k.host == "op" for k in gate_up)

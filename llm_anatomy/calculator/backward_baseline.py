@@ -72,7 +72,7 @@ def layer(w, i: int, g: int) -> int:
     if w.cfg.moe:  # the MoE branch in place of the MLP's (backward_moe_baseline.py)
         from llm_anatomy.calculator import backward_moe_baseline
 
-        backward_moe_baseline.layer(w, i, tag, gc)
+        backward_moe_baseline.layer(w, i, tag, gc, mlp)  # the shared experts walk as the dense MLP
     else:
         mlp(w, tag, gc, I, "mlp")
     g = w.residual_add(g, norm(w, tag + "norm 2", T * H * r))

@@ -59,7 +59,7 @@ def norm(w, tag: str, g_in: int, kept: str | tuple = "norm.", fused: bool | None
 
 def layer(w, i: int, g: int) -> int:
     """One block's backward, the MLP branch then the attention branch; returns the residual gradient."""
-    T, H, I, c, r = w.T, w.H, w.I, w.c, w.r
+    T, H, c, r = w.T, w.H, w.c, w.r
     B, S, nh, nkv, hd = w.B, w.S, w.nh, w.nkv, w.hd
     kv_exp, kv = B * nh * S * hd * c, B * nkv * S * hd * c
     tag = f"layer {i} "
@@ -70,7 +70,7 @@ def layer(w, i: int, g: int) -> int:
     gc = T * H * c if r != c or lean else 0
     w.alloc(0 if lean else gc)
     if w.cfg.moe:  # the MoE branch in place of the MLP's (memory.py refuses its recompute and lean forms)
-        gn = backward_moe.layer(w, i, tag, gc)
+        gn = backward_moe.layer(w, i, tag, gc, swiglu_down)  # the shared experts' lean tail is the dense MLP's
     else:
         gn = mlp(w, tag, gc)
     # under recompute the re-made sum goes with the norm (and under "mlp" the checkpoint's branch with it)

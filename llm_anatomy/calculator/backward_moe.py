@@ -33,15 +33,15 @@ def _fold(w) -> int:
     return FOLD if w.cfg.expert_bias and grouped_path(w.cfg, w.run, w.est.device) else 0
 
 
-def layer(w, i: int, tag: str, gc: int) -> int:
+def layer(w, i: int, tag: str, gc: int, swiglu_down) -> int:
     """The MoE branch's backward from its incoming gradient (gc bytes, 0 where it is a view of the residual's);
     returns the bytes of the gradient it hands the norm (T, H) in c."""
-    cfg, T, H, c, p, amp = w.cfg, w.T, w.H, w.c, w.p, w.amp
+    cfg, T, H, c, p = w.cfg, w.T, w.H, w.c, w.p
     E, K, I = cfg.experts, cfg.experts_per_token, cfg.expert_intermediate
     N, f, TH = T * K, _fold(w), T * H * c
     dx = 0  # the (T, H) input gradients made so far, summed as they join
     if cfg.shared_experts:
-        _shared(w, tag, cfg.shared_experts * cfg.shared_intermediate)
+        _shared(w, tag, cfg.shared_experts * cfg.shared_intermediate, swiglu_down)
         dx = TH
     w.alloc(N * H * c, T * K * 4)  # d(y), d(w)
     w.peak(tag + "moe.unpermute")
@@ -102,13 +102,11 @@ def _gemm(w, tag: str, weight: int, d_in: int, grad_out: int, x: str, cast: str,
             w.alloc(-weight * c)
 
 
-def _shared(w, tag: str, Is: int) -> None:
+def _shared(w, tag: str, Is: int, swiglu_down) -> None:
     """The shared experts' efficient dense MLP, from the branch gradient, which stays (the unpermute reads it);
     in the lean block its lean form (backward_efficient.swiglu_down, gate_up's lean matmul)."""
     T, c = w.T, w.c
     if w.lean:
-        from llm_anatomy.calculator.backward_efficient import swiglu_down
-
         swiglu_down(w, tag, 0, Is, "moe.shared")
         w.linear(tag + "moe.shared.gate_up", w.H, 2 * Is, 2 * T * Is * c, "moe.shared.gate_up.", recast=w.amp)
         return

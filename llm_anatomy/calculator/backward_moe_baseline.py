@@ -22,10 +22,9 @@ transients, and the saved tensors of the experts not yet walked).
 from __future__ import annotations
 
 from llm_anatomy.calculator import backward_moe
-from llm_anatomy.calculator.backward_baseline import mlp
 
 
-def layer(w, i: int, tag: str, gc: int) -> None:
+def layer(w, i: int, tag: str, gc: int, mlp) -> None:
     """The MoE branch's backward from its incoming gradient (gc bytes, 0 where it is a view of the residual's);
     leaves the block input's gradient (T, H) in the residual dtype for the norm, which frees it."""
     from llm_anatomy.calculator.moe import balanced

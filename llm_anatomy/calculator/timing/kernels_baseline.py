@@ -77,7 +77,7 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
     if cfg.moe:  # the per-expert loop in the MLP's place (kernels_moe.py), its residual add credited to it
         from llm_anatomy.calculator.timing.kernels_moe import baseline_moe
 
-        baseline_moe(o)
+        baseline_moe(o, mlp)  # the shared experts price as the dense MLP
         residual(o, "moe", L)
     else:
         mlp(o, "mlp", "mlp", I)

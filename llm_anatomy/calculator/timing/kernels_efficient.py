@@ -21,7 +21,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
         raise ConfigError("the efficient variant's timing is modelled for bf16 compute (amp or bf16), where "
                           "its SDPA backends run")
     B, S, T, H, L = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers
-    nh, hd, Hkv, I = cfg.heads, cfg.head_dim, cfg.kv_dim, cfg.intermediate
+    nh, hd, Hkv = cfg.heads, cfg.head_dim, cfg.kv_dim
     q = cfg.q_dim  # heads x head_dim: q's and SDPA's output width
     D, c, r = q + 2 * Hkv, o.c, o.r
     embedding(o)

@@ -132,15 +132,13 @@ def _expert_linear(o: Ops, name: str, n: int, d_in: int, d_out: int, count: int,
     o.mem(f"{name}.grad_sum", "moe", "backward", 2 * stacked, stacked, count)
 
 
-def baseline_moe(o: Ops, hist=None) -> None:
+def baseline_moe(o: Ops, mlp, hist=None) -> None:
     """The baseline block (llm_anatomy/baseline/moe.py), L layers: the router, then per expert with rows (one
     launch each, its n rows): torch.where over the choices (a host sync: nonzero's size), the gather of its rows,
     gate_up, the eager activation, down, the weighting and the index_add into the output (out of place: the
     (T, H) output read and written); backward the same in reverse, each gradient summed into its tensor's."""
-    from llm_anatomy.calculator.timing.kernels_baseline import mlp
-
     cfg, run, c, r = o.cfg, o.run, o.c, o.r
-    T, L, H, E, K, I = run.tokens, cfg.layers, cfg.hidden, cfg.experts, cfg.experts_per_token, cfg.expert_intermediate
+    T, L, H, K, I = run.tokens, cfg.layers, cfg.hidden, cfg.experts_per_token, cfg.expert_intermediate
     router(o)
     for m, experts in sorted(_rows(o, hist).items()):
         k = L * experts
