@@ -10,7 +10,7 @@ AREAS = (("parameters", r"^(active )?params"),
          ("saved tensors", r"^(memory\.saved|saved|gpt-oss|tp per-rank saved|pipeline (saved|chunks in flight))"),
          ("collectives and per-rank bytes", r"^((tp|pipeline) )?(collective|per-rank|sends)"),
          ("time", r"^(time\.|step time|optimizer step time)"),
-         ("training loss", r"loss"),
+         ("training loss and gradients", r"loss|gradient norm"),
          ("peak memory and phases", r"^(memory|plan:|optimizer (state|step) bytes)"))
 
 
