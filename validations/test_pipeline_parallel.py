@@ -30,6 +30,7 @@ from llm_anatomy.calculator.pipeline_schedule import bubble_fraction, in_flight,
 from llm_anatomy.calculator.pipeline_split import stage_layers
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
+from validations.train_cases import one_process_losses
 
 N = 20  # drawn scenarios per claim group
 
@@ -190,14 +191,7 @@ def _single_process_losses(dtype: torch.dtype) -> list[float]:
     model = build_model(LOSS_CFG, "baseline", seed=0).to(dtype)
     ids, targets = make_batch(LOSS_CFG, LOSS_RUN, seed=1)  # pipeline_step's seed for dp rank 0
     opt = make_optimizer("adamw", model.parameters(), 1e-3)
-    out = []
-    for _ in range(LOSS_STEPS):
-        loss = model(ids, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(float(loss.detach()))
-    return out
+    return one_process_losses(model, opt, ids, targets, LOSS_STEPS)
 
 
 @pytest.mark.distributed

@@ -21,6 +21,7 @@ from llm_anatomy.calculator.tensor_parallel import (check_mesh, check_run, group
                                                     tp_rank_memory, tp_saved)
 from llm_anatomy.config import PRESETS, ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
+from validations.train_cases import one_process_losses
 
 N_DRAWS = 20  # per mesh
 
@@ -150,14 +151,7 @@ def _single_process_losses(sc: dict, dp: int) -> list[float]:
     opt = make_optimizer("adamw", model.parameters(), sc["lr"])
     batches = [make_batch(cfg, run, seed=1 + r) for r in range(dp)]
     ids, targets = (torch.cat([b[i] for b in batches]) for i in (0, 1))
-    out = []
-    for _ in range(sc["steps"]):
-        loss = model(ids, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(float(loss.detach()))
-    return out
+    return one_process_losses(model, opt, ids, targets, sc["steps"])
 
 
 @pytest.mark.distributed

@@ -1,4 +1,5 @@
-"""Shared by the training and checkpoint tests: a tiny model's flags and the module fixtures they both use."""
+"""Shared by the training, checkpoint and parallel-engine tests: a tiny model's flags, the module fixtures they use,
+and the plain one-process loop the engines' loss curves are held to."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,3 +24,15 @@ def one_thread():
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tokenizer-cache")
+
+
+def one_process_losses(model, opt, ids, targets, steps: int) -> list[float]:
+    """The loss of each of `steps` plain training steps on one batch, in one process (the reference curve)."""
+    out = []
+    for _ in range(steps):
+        loss = model(ids, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(float(loss.detach()))
+    return out
