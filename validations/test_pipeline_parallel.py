@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from llm_anatomy.calculator.comm import collective_counts
 from llm_anatomy.calculator.pipeline_parallel import pp_collectives, pp_rank_memory
 from llm_anatomy.calculator.pipeline_schedule import bubble_fraction, in_flight, order, saved_peak
-from llm_anatomy.calculator.pipeline_split import stage_layers
+from llm_anatomy.mesh_rules import stage_layers
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
 from validations.train_cases import one_process_losses

@@ -2,7 +2,7 @@
 Pure Python: no torch.
 
 The setup is llm_anatomy.distributed.pipeline_parallel's on torch.distributed.pipelining (torch 2.13): stage s of
-pp x virtual on pipeline rank s % pp (pipeline_split.py), the embedding on stage 0, final norm + head + loss on the
+pp x virtual on pipeline rank s % pp (llm_anatomy/mesh_rules.py), the embedding on stage 0, final norm + head + loss on the
 last; with dp > 1 every stage fully_shard'ed over its dp row, each Block a unit and the stage's embedding / norm /
 head a root unit, without resharding after forward.
 
@@ -27,7 +27,7 @@ from math import prod
 from llm_anatomy.calculator.comm import _row, collective_counts  # noqa: F401  (the row format planners compose)
 from llm_anatomy.calculator.param_layout import units
 from llm_anatomy.calculator.pipeline_schedule import bubble_fraction, in_flight, saved_peak  # noqa: F401
-from llm_anatomy.calculator.pipeline_split import (SCHEDULES, check_pipeline, rank_stages,  # noqa: F401
+from llm_anatomy.mesh_rules import (SCHEDULES, check_pipeline, rank_stages,  # noqa: F401
                                                    stage_layers)
 from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
 from llm_anatomy.config import ConfigError, ModelConfig, Run

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 from math import prod
 
-from llm_anatomy.calculator.pipeline_split import check_microbatches, check_schedule, rank_stages, stage_layers
+from llm_anatomy.mesh_rules import check_microbatches, check_schedule, rank_stages, stage_layers
 from llm_anatomy.calculator.types import BYTES
 from llm_anatomy.config import ModelConfig, Run
 

@@ -2,7 +2,7 @@
 
 A stage module holds some of the model's own modules, not copies: stage 0 the embedding, the last stage the
 final norm and the head with its loss (the efficient variant's fused linear cross-entropy), every stage a run of
-consecutive decoder Blocks (llm_anatomy.calculator.pipeline_split says which). Blocks keep their model names
+consecutive decoder Blocks (llm_anatomy.mesh_rules says which). Blocks keep their model names
 (layers.<i>) in a ModuleDict, as torchtitan's pipeline split does, so a stage's state dict is a slice of the
 model's. Each stage rebuilds the RoPE tables (and the baseline's causal bias) for its own forward.
 
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from llm_anatomy.baseline.transformer import compute_dtype, rope_tables
-from llm_anatomy.calculator.pipeline_split import check_schedule, rank_stages, stage_layers
+from llm_anatomy.mesh_rules import check_schedule, rank_stages, stage_layers
 from llm_anatomy.config import ConfigError
 
 

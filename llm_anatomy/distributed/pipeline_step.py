@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from llm_anatomy.calculator.pipeline_split import SCHEDULES, check_pipeline
+from llm_anatomy.mesh_rules import SCHEDULES, check_pipeline
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
 from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, pipeline_stages, shard_stage

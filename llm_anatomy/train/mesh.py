@@ -63,7 +63,7 @@ def check(cfg: ModelConfig, run: Run, variant: str, o: TrainOptions, world: int)
             raise ConfigError(f"{e} (--variant baseline)" if variant != "baseline" else str(e)) from None
         check_run(run, o.tp, dp)
         return
-    from llm_anatomy.calculator.pipeline_split import check_pipeline
+    from llm_anatomy.mesh_rules import check_pipeline
     from llm_anatomy.mesh_rules import check_run
 
     check_pipeline(cfg, run, o.pp, dp, o.pp_schedule, o.microbatches or o.pp, _virtual(o), None)

@@ -14,7 +14,7 @@ OPTIMIZERS = ("adamw", "ademamix")  # adamw first: the default, what users run
 SCHEDULES = ("cosine", "constant")
 STRATEGIES = ("auto", "none", "ddp", "fsdp")
 PROGRESS = ("auto", "bar", "lines", "none")
-PP_SCHEDULES = ("1f1b", "interleaved-1f1b")  # llm_anatomy.calculator.pipeline_split.SCHEDULES
+PP_SCHEDULES = ("1f1b", "interleaved-1f1b")  # llm_anatomy.mesh_rules.SCHEDULES
 MIN_LR_RATIO = 0.1  # cosine decays to 10% of --lr (nanoGPT's and Chinchilla's choice)
 
 
