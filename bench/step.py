@@ -4,6 +4,9 @@ python3 -m bench.step --peer efficient --preset seed --batch 16 --seq 4096 [--re
 python3 -m bench.step --peer efficient --recompute mlp ...   # reported as peer "efficient-recompute"
 python3 -m bench.step --peer efficient --loss-impl liger ... # Liger's loss: peer "efficient-liger-loss"
 python3 -m bench.step --peer efficient --lean ...            # the lean block (Run.lean): peer "efficient-lean"
+python3 -m bench.step --peer hf --hf-config validations/data/hf_configs/Qwen3-30B-A3B --layers 6 --optimizer adamw
+    # a Hugging Face config (its own model class for the hf peers, experts on transformers' grouped_mm; hf-eager:
+    # its per-expert loop), the first --layers layers, and fused AdamW's step inside the timed step
 
 Peers: baseline, baseline-compile, efficient, efficient-compile (ours; the efficient peers' loss is our fused
 linear CE unless --loss-impl liger, and each record says which: loss_impl); hf, hf-compile, hf-liger
@@ -21,6 +24,8 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -41,8 +46,32 @@ def matmul_ceiling(n: int = 8192, reps: int = 20) -> float:
     return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3)
 
 
-def build(peer: str, cfg: ModelConfig, recompute: str = "none", loss_impl: str = "anatomy", lean: bool = False):
-    if peer.startswith("hf"):
+def hf_from_config(peer: str, path: str, layers: int):
+    """transformers' own model of a Hugging Face config.json (AutoModelForCausalLM, SDPA attention), the first
+    `layers` layers: experts on its grouped_mm (peer hf) or its per-expert loop (hf-eager)."""
+    import transformers
+
+    from llm_anatomy.hf_config import load_json_object
+
+    d = load_json_object(Path(path) / "config.json" if Path(path).is_dir() else Path(path), "config")
+    d = dict(d, num_hidden_layers=layers)
+    d.pop("quantization_config", None)
+    cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    impl = dict(experts_implementation="eager" if peer == "hf-eager" else "grouped_mm") if _is_moe(cfg) else {}
+    with torch.device("cuda"):
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", **impl)
+
+
+def _is_moe(hf_cfg) -> bool:
+    return any(getattr(hf_cfg, k, None) for k in ("num_experts", "num_local_experts"))
+
+
+def build(peer: str, cfg: ModelConfig, recompute: str = "none", loss_impl: str = "anatomy", lean: bool = False,
+          hf_config: str | None = None):
+    if peer.startswith("hf") and hf_config:
+        model = hf_from_config(peer, hf_config, cfg.layers)
+        step = lambda ids, tgt: model(input_ids=ids, labels=tgt).loss  # noqa: E731  (HF shifts labels itself)
+    elif peer.startswith("hf"):
         import transformers
 
         hf = transformers.LlamaConfig(hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
@@ -96,6 +125,10 @@ def main(argv=None) -> dict:
     p.add_argument("--recompute", default="none", help="none | mlp (the efficient peer only: Run.recompute)")
     p.add_argument("--loss-impl", default="anatomy", help="anatomy | liger (the efficient peers' loss: Run.loss_impl)")
     p.add_argument("--lean", action="store_true", help="the efficient peers' lean block (Run.lean)")
+    p.add_argument("--hf-config", help="a Hugging Face config.json (or its folder) in place of --preset")
+    p.add_argument("--layers", type=int, help="the first LAYERS layers of the model")
+    p.add_argument("--optimizer", choices=["none", "adamw"], default="none",
+                   help="adamw: torch's fused AdamW step inside each timed step (default: forward + backward)")
     p.add_argument("--json")
     a = p.parse_args(argv)
     if a.recompute != "none" and a.peer != "efficient":
@@ -107,15 +140,23 @@ def main(argv=None) -> dict:
     if a.lean and a.recompute != "none":
         p.error("--lean is the block without recompute: drop --recompute or --lean")
     try:
-        cfg, run = ModelConfig.from_name(a.preset), Run(a.batch, a.seq, "amp", loss_impl=a.loss_impl,
-                                                         lean=a.lean)
+        if a.hf_config:
+            from llm_anatomy.hf_config import from_hf_config
+
+            cfg = from_hf_config(a.hf_config)
+        else:
+            cfg = ModelConfig.from_name(a.preset)
+        if a.layers is not None:
+            cfg = replace(cfg, layers=a.layers)
+        run = Run(a.batch, a.seq, "amp", loss_impl=a.loss_impl, lean=a.lean)
     except ConfigError as e:
         p.error(str(e))  # one line, exit 2
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     torch.manual_seed(0)
     ceiling = matmul_ceiling()
-    model, step = build(a.peer, cfg, a.recompute, a.loss_impl, run.lean)
+    model, step = build(a.peer, cfg, a.recompute, a.loss_impl, run.lean, a.hf_config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if a.optimizer == "adamw" else None
     ids = [torch.randint(0, cfg.vocab, (run.batch, run.seq), device="cuda") for _ in range(2)]
     times, host = [], []  # host: the step's issue time on the host (the call returns before the GPU finishes)
     t_compile = time.perf_counter()
@@ -131,6 +172,8 @@ def main(argv=None) -> dict:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = step(x, x)
         loss.backward()
+        if opt is not None:
+            opt.step()
         end.record()
         t1 = time.perf_counter()
         model.zero_grad(set_to_none=True)
@@ -147,7 +190,8 @@ def main(argv=None) -> dict:
             + ("-lean" if run.lean else ""))
     # a row without loss_impl ran Liger's; one without lean, the plain block (Run.from_record)
     own = dict(loss_impl=a.loss_impl, **(dict(lean=True) if run.lean else {})) if a.peer.startswith("efficient") else {}
-    res = dict(peer=peer, recompute=a.recompute, **own, preset=a.preset, batch=run.batch, seq=run.seq, median_ms=ms, times_ms=times,
+    res = dict(peer=peer, recompute=a.recompute, **own, preset=a.hf_config or a.preset, layers=cfg.layers,
+               optimizer=a.optimizer, batch=run.batch, seq=run.seq, median_ms=ms, times_ms=times,
                host_ms=statistics.median(host),
                tokens_per_s=run.tokens / (ms / 1e3), peak_mib=torch.cuda.max_memory_allocated() / 2**20,
                reserved_mib=torch.cuda.max_memory_reserved() / 2**20, mfu=model_flops / (ms / 1e3) / ceiling,

@@ -1,7 +1,7 @@
 """The memory phases of a mixture-of-experts model (llm_anatomy.calculator.memory.phases, device="cpu") against
 live tensor storage counted on CPU (llm_anatomy.measure.liveness): forward end, backward end and optimizer end
 exact, and the peak inside backward exact wherever the walk puts it in an MoE stage (else within the dense stages'
-±3%, test_memory_walk.py). Every router is forced (force()): the balanced routing, calculator/moe.py's default
+±3%, test_memory_walk.py). Every router is forced (measure/routing.py force()): the balanced routing, calculator/moe.py's default
 histogram, or the skewed one (every token to experts 0..k-1), and the phases are given the same histogram.
 
   efficient  the grouped-GEMM path, plain and lean: the named aligned configs (amp, bf16, with and without AdamW),
@@ -24,6 +24,7 @@ from llm_anatomy.calculator import moe
 from llm_anatomy.calculator.memory import phases
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.measure.liveness import measure_phases_live
+from llm_anatomy.measure.routing import force
 from validations.moe_reference import moe_configs
 from validations.test_memory_walk import TOL
 from validations.test_moe_efficient import NAMED_MOE
@@ -32,25 +33,6 @@ ALIGNED = {n: c for n, c in NAMED_MOE.items() if c.hidden % 8 == 0 and c.expert_
 # many experts over a narrow model: the router's (T, E) fp32 gradients outweigh the experts' (the peak's stage)
 ROUTER_BOUND = ModelConfig(name="router-bound", hidden=8, layers=2, heads=1, intermediate=16, vocab=32,
                            experts=64, experts_per_token=1, expert_intermediate=8)
-
-
-def force(route: str):
-    """A prepare hook for measure_phases_live that forces every router's choice: "skewed" sends every token to
-    experts 0..k-1; "balanced" sends slot j of token t to expert (t·k + j) mod E, which is calculator/moe.py's
-    balanced histogram in every layer. Each router's logits get +1e4 there (an add that saves nothing)."""
-    def prepare(model) -> None:
-        for m in model.modules():
-            if m.__class__.__name__ == "MoE":
-                E, k = m.cfg.experts, m.cfg.experts_per_token
-
-                def hook(_mod, _inp, out, E=E, k=k):
-                    T = out.shape[0]
-                    slots = torch.arange(T * k, device=out.device).view(T, k)
-                    chosen = slots % E if route == "balanced" else slots % k
-                    bump = torch.zeros(T, E, dtype=out.dtype, device=out.device)
-                    return out + bump.scatter_(1, chosen, 1e4)
-                m.router.register_forward_hook(hook)
-    return prepare
 
 
 def check(claims, cfg: ModelConfig, run: Run, optimizer: str | None, config_id: str, skewed: bool = False,

@@ -105,13 +105,16 @@ def phased_steps(model, ids, targets, opt, run: Run, steps: int, phase, device: 
 
 
 def measure_phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str | None = "adamw",
-                   steps: int = 2) -> list[dict]:
-    """Phases of the last of `steps` steps (the first allocates optimizer state and warms up kernels)."""
+                   steps: int = 2, prepare=None) -> list[dict]:
+    """Phases of the last of `steps` steps (the first allocates optimizer state and warms up kernels).
+    prepare: a function called with the model before the steps (e.g. measure/routing.py's forced routing)."""
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     base_req = torch.cuda.memory_stats().get("requested_bytes.all.current", 0)
     torch.cuda.reset_peak_memory_stats()
     model, ids, targets, opt = setup_step(cfg, run, variant, optimizer)
+    if prepare is not None:
+        prepare(model)
     phases = phased_steps(model, ids, targets, opt, run, steps, _phase)
     out = [dict(asdict(p), allocated=p.allocated - base, peak=p.peak - base, requested=p.requested - base_req,
                 requested_peak=p.requested_peak - base_req) for p in phases]
