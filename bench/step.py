@@ -48,7 +48,8 @@ def matmul_ceiling(n: int = 8192, reps: int = 20) -> float:
 
 def hf_from_config(peer: str, path: str, layers: int):
     """transformers' own model of a Hugging Face config.json (AutoModelForCausalLM, SDPA attention), the first
-    `layers` layers: experts on its grouped_mm (peer hf) or its per-expert loop (hf-eager)."""
+    `layers` layers: experts on its grouped_mm (peer hf) or its per-expert loop (hf-eager). fp32 weights under
+    bf16 autocast, as ours (from_config would otherwise build the file's torch_dtype, bf16)."""
     import transformers
 
     from llm_anatomy.hf_config import load_json_object
@@ -59,7 +60,8 @@ def hf_from_config(peer: str, path: str, layers: int):
     cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
     impl = dict(experts_implementation="eager" if peer == "hf-eager" else "grouped_mm") if _is_moe(cfg) else {}
     with torch.device("cuda"):
-        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", **impl)
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32,
+                                                             **impl)
 
 
 def _is_moe(hf_cfg) -> bool:
@@ -112,6 +114,14 @@ def loop_step(peer: str, cfg: ModelConfig, run: Run):
         model.zero_grad(set_to_none=True)
 
     return one
+
+
+def _versions(peer: str) -> dict:
+    if not peer.startswith("hf"):
+        return {}
+    import transformers
+
+    return dict(transformers=transformers.__version__)
 
 
 def main(argv=None) -> dict:
@@ -197,7 +207,7 @@ def main(argv=None) -> dict:
                reserved_mib=torch.cuda.max_memory_reserved() / 2**20, mfu=model_flops / (ms / 1e3) / ceiling,
                model_flops=model_flops, matmul_ceiling_tflops=ceiling / 1e12, warmup_s=t_compile,
                loss=float(loss), gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-               cuda=torch.version.cuda, date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+               cuda=torch.version.cuda, **_versions(a.peer), date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                command="python3 -m bench.step " + " ".join(argv if argv is not None else sys.argv[1:]))
     if a.json:
         write_atomic(a.json, json.dumps(res, indent=1))

@@ -1,6 +1,6 @@
 """Mixture-of-experts models on a GPU, measured: the memory phases under a forced routing and the step in the
 user's own loop, for depth- and width-reduced real families and one full-width model. Measurement only: the
-comparison with the calculator reads the rows on any machine (validations/test_moe_gpu_record.py).
+same measurements run live in the GPU suite against the calculator (validations/test_moe_live.py).
 
     python3 -m scripts.probe_moe --out $OUT/moe.json [--cases qwen3moe-L2 ...] [--budget-s 300]
 

@@ -107,7 +107,7 @@ def test_a_failed_gate_prints_its_table_and_exits_1_without_a_traceback(gate_dir
     assert r.returncode == 1 and "Traceback" not in out and "PerformanceRegression" not in out, out
     lines = r.stdout.splitlines()
     i = lines.index(_gate_line(r))
-    assert lines[i].startswith("benchmark gate median:6% against baselines.json: 1 of 2 benchmarks failed")
+    assert lines[i].startswith(f"benchmark gate {default_gate()} against baselines.json: 1 of 2 benchmarks failed")
     assert lines[i + 1].split() == ["benchmark", "field", "baseline", "now", "ratio"]
     assert lines[i + 2].split() == ["test_gate.py::test_kernel", "median", "2.000", "ms", "2.600", "ms", "1.300"]
     assert "test_other" not in lines[i + 3] and (gate_dir / "current.json").exists()
@@ -164,8 +164,7 @@ def test_a_bare_compare_fail_is_a_usage_error(gate_dir):
 def test_the_default_threshold_is_the_one_the_gate_record_proves(tmp_path, monkeypatch):
     """A bare --benchmark-compare gates at the threshold the CI workflow gates at, which test_gate_record.py
     holds to the tightest one the committed record (reports/h200/gate/check.json) proves for the committed
-    baseline (median:6% on 2026-12-04); against a baseline the record has not checked, at the rule's
-    provisional ceiling."""
+    baseline; against a baseline the record has not checked, at the rule's provisional ceiling."""
     from llm_anatomy import records
 
     gate = default_gate()

@@ -2,12 +2,11 @@
 
   - `anatomy estimate --gpu H200` and `--gpu h200-measured` answer for the committed MoE configs, with the memory
     phases and the peak (one figure under the balanced and the worst routing: the efficient block keeps T·k rows);
-  - the expert GEMMs are priced per expert row count: one entry per distinct count, every expert with rows at its
-    (n_e, 2I, H) and (n_e, H, I) shapes, the routed FLOPs the same under any histogram and the calculator's;
+  - the expert GEMMs are priced as the grouped kernel runs them: one dense GEMM over every expert's rows rounded up
+    to the tile height, at the profile's grouped fraction of the dense rate per role (anatomy calibrate);
   - `anatomy plan` plans MoE models with data parallelism (DDP and FSDP), refusing in one line the recompute
     policies the memory phases do not model.
-The grouped GEMM's own rate is not calibrated on a GPU yet: it is priced at the dense GEMM rate of each expert's
-shape (calculator/timing/kernels_moe.py), which the GPU suite has still to confirm."""
+The GPU suite's test_moe_live.py checks these times against the user's loop on an H200."""
 from __future__ import annotations
 
 import json
@@ -16,7 +15,8 @@ import pytest
 
 from llm_anatomy.calculator import moe
 from llm_anatomy.calculator.timing.kernels import kernels
-from llm_anatomy.calculator.timing.kernels_moe import efficient_moe
+from llm_anatomy.calculator.timing.fit import grouped_rows
+from llm_anatomy.calculator.timing.kernels_moe import GROUPED_TILE_M, efficient_moe
 from llm_anatomy.calculator.timing.ops import Ops
 from llm_anatomy.config import ModelConfig, Run
 from validations.hf_configs import HF_CONFIGS
@@ -53,42 +53,64 @@ def _expert_gemms(hist, run=Run(2, 16)):
     return [k for k in o.k if k.name.startswith("moe.experts.") and k.kind == "matmul"]
 
 
-@pytest.mark.parametrize("hist", ["balanced", "skewed", (7, 9, 0, 0, 16, 0, 0, 32)])
-def test_expert_gemms_priced_per_expert_rows(hist):
-    run = Run(2, 16)
+@pytest.mark.parametrize("hist", ["balanced", "skewed", (28, 36, 0, 0, 64, 0, 0, 128), (100, 100, 28, 28, 0, 0, 0, 0)])
+def test_expert_gemms_priced_as_one_gemm_over_tile_rounded_rows(hist):
+    """Each grouped GEMM is one entry: one dense GEMM over every expert's rows rounded up to the tile height
+    (kernels_moe.GROUPED_TILE_M), its d(x) and d(W), each marked grouped for its role; one launch each."""
+    run = Run(2, 64)
     h = {"balanced": moe.balanced(CFG, run), "skewed": moe.skewed(CFG, run)}.get(hist, hist)
     gemms = _expert_gemms(h, run)
     H, I, L = CFG.hidden, CFG.expert_intermediate, CFG.layers
-    fwd = {(k.shape[1], k.shape[2], k.shape[3]): k.count for k in gemms if k.phase == "forward"}
-    want = {}
-    for n in h:
-        if n:
-            for shape in ((n, 2 * I, H), (n, H, I)):
-                want[shape] = want.get(shape, 0) + L
-    assert fwd == want
-    # the routed FLOPs: T·k rows through both GEMMs, forward and (twice) backward, whatever the histogram
-    routed = 2 * run.tokens * CFG.experts_per_token * H * 3 * I * L
-    assert sum(k.flops * k.count for k in gemms if k.phase == "forward") == routed
-    assert sum(k.flops * k.count for k in gemms if k.phase == "backward") == 2 * routed
-    # one launch per grouped GEMM and phase entry: the host is charged once, not per expert
-    assert sum(1 for k in gemms if k.host == "op") == 6
+    rows = sum(-(-n // GROUPED_TILE_M) * GROUPED_TILE_M for n in h)
+    assert rows == grouped_rows(list(h))
+    shapes = {k.name: (k.shape[1:], k.count, k.fused) for k in gemms}
+    assert shapes == {
+        "moe.experts.gate_up": ((rows, 2 * I, H), L, ("grouped_mm", "forward")),
+        "moe.experts.gate_up.grad_input": ((rows, H, 2 * I), L, ("grouped_mm", "backward")),
+        "moe.experts.gate_up.grad_weight": ((2 * I, H, rows), L, ("grouped_mm", "backward")),
+        "moe.experts.down": ((rows, H, I), L, ("grouped_mm", "forward")),
+        "moe.experts.down.grad_input": ((rows, I, H), L, ("grouped_mm", "backward")),
+        "moe.experts.down.grad_weight": ((H, I, rows), L, ("grouped_mm", "backward"))}
+    assert all(k.host == "op" for k in gemms)  # one launch per grouped GEMM: the host is charged once, not per expert
+
+
+def test_expert_gemms_follow_the_rows_only_through_the_tiles():
+    """Where every expert's rows fill whole tiles, the balanced and the skewed routing are the same kernels
+    (the grouped kernel fills the GPU by its total rows); a part-filled tile costs a whole one."""
+    run = Run(2, 512)  # T·k / E = 256 rows per expert: two whole tiles
+    bal, skw = _expert_gemms(moe.balanced(CFG, run), run), _expert_gemms(moe.skewed(CFG, run), run)
+    assert bal == skw
+    part = _expert_gemms((255, 257) + (256,) * 6, run)  # the same 2048 rows, one tile more
+    assert [k.shape[1] for k in part if k.name == "moe.experts.down"] == [2048 + GROUPED_TILE_M]
+
+
+def test_grouped_fraction_prices_the_grouped_gemms():
+    """The profile's grouped_mm fraction (anatomy calibrate) scales the grouped GEMMs' rate by role and nothing
+    else: halving the backward fraction leaves the forward and every dense GEMM where they were."""
+    from dataclasses import replace as dc_replace
+
+    from llm_anatomy.calculator.timing import get
+    from llm_anatomy.calculator.timing.roofline import kernel_terms
+
+    prof = get("h200-measured")
+    half = dc_replace(prof, grouped_mm=dict(prof.grouped_mm or {}, forward=1.0, backward=0.5))
+    one = dc_replace(prof, grouped_mm=dict(forward=1.0, backward=1.0))
+    for k in kernels(CFG, Run(2, 512), "efficient", optimizer=None):
+        if k.kind != "matmul":
+            continue
+        t_half, t_one = kernel_terms(k, half)[0], kernel_terms(k, one)[0]
+        grouped_bwd = k.fused == ("grouped_mm", "backward")
+        assert t_half == pytest.approx(2 * t_one if grouped_bwd else t_one, rel=1e-12), k.name
 
 
 def test_moe_matmul_flops_are_the_calculators():
     """Every matmul of the MoE block in the kernel list (router, experts, shared MLP) sums to calculator/moe.py's
-    forward FLOPs, and backward to twice them."""
-    run = Run(2, 16)
+    forward FLOPs, and backward to twice them, where each expert's rows fill whole tiles (else the grouped GEMMs
+    also compute the tiles' empty rows)."""
+    run = Run(2, 256)
     ks = [k for k in kernels(CFG, run, "efficient", optimizer=None) if k.component == "moe" and k.kind == "matmul"]
     assert sum(k.flops * k.count for k in ks if k.phase == "forward") == moe.flops(CFG, run)
     assert sum(k.flops * k.count for k in ks if k.phase == "backward") == 2 * moe.flops(CFG, run)
-
-
-def test_skewed_routing_changes_the_expert_time():
-    """Under the skewed routing k experts take every token: fewer, larger GEMMs than the balanced spread."""
-    run = Run(2, 24)
-    bal, skw = _expert_gemms(moe.balanced(CFG, run), run), _expert_gemms(moe.skewed(CFG, run), run)
-    assert {k.shape[1] for k in skw} - {CFG.hidden, 2 * CFG.expert_intermediate, CFG.expert_intermediate} == {run.tokens}
-    assert sum(k.count for k in skw) < sum(k.count for k in bal)
 
 
 def test_plan_plans_moe_with_data_parallelism():

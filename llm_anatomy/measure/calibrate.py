@@ -41,6 +41,9 @@ timing reuses one L2-resident input):
                   of S for the S x S ops) and several widths; torch's fused AdamW and the compiled AdEMAMix
                   step, the eager baseline's norm, loss, SwiGLU and clamp chains, and ATen's embedding backward
                   (2048-65536 ids): the calculator turns them into bandwidth efficiencies
+  grouped_mm      torch._grouped_mm at real MoE families' expert shapes (Qwen3-MoE, Mixtral, OLMoE, gpt-oss;
+                  balanced routing, and Qwen3's skewed), forward and backward, GPU time only
+                  (calibrate_grouped.py): the grouped kernel's fraction of the dense GEMM rate
 Measurements never read the calculator; the profile is only *loaded* by it (timing/profile.py, fit.py).
 On a machine without CUDA it prints one line and exits 2.
 """
@@ -60,6 +63,7 @@ from llm_anatomy.cli_args import Parser
 from llm_anatomy.config import PRESETS, ConfigError
 from llm_anatomy.kernel_shapes import chunk_rows
 from llm_anatomy.measure.calibrate_host import drop_unmeasured, measure_host, measure_host_step, measure_optimizer_host
+from llm_anatomy.measure.calibrate_grouped import measure_grouped
 from llm_anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
 from llm_anatomy.measure.calibrate_sdpa import measure_sdpa_kernels, schedule_shapes
 from llm_anatomy.measure.calibrate_sustained import measure_sustained
@@ -329,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     m["matmul_bf16"] = measure_matmuls(gemm_grid(), time.monotonic() + 0.5 * (deadline - time.monotonic()))
     m["matmul_bf16_in_step"] = measure_gemms_in_step(gemm_grid(), deadline)
     m["fused"] = measure_fused(deadline + 15)  # 32 short rows, ~5 s
+    m["grouped_mm"] = measure_grouped(deadline + 20)  # 10 expert shapes x forward, backward: a few seconds
     m["matmul_vocab"] = measure_vocab_matmuls(vocab_grid(), deadline + 10)  # small: 42 GEMMs, a few seconds
     # before the profiler (it leaves every later launch slower on the host); each tensor count compiles the step
     oh = measure_optimizer_host(deadline=time.monotonic() + 120)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from llm_anatomy.calculator import Estimate, estimate
 import llm_anatomy.calculator.timing.layout as layout
 import llm_anatomy.calculator.timing.pipeline as pipeline
+from llm_anatomy.calculator.moe import check_histogram
 from llm_anatomy.calculator.timing.host import at_host_speed, host_scale, host_seconds, in_situ
 from llm_anatomy.calculator.timing.kernels import (SDPA_BACKENDS, VARIANTS, kernels, optimizer_kernels,
                                                param_sizes, standalone_kernels)
@@ -78,7 +79,7 @@ def predict(ks: list[Kernel], prof: Profile, scale: float = 1.0, layers: int = 1
 
 def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: str | dict = "h200-measured",
                   sdpa_backend: str | None = None, optimizer: str | None = "adamw",
-                  with_kernels: bool = True, est: Estimate | None = None) -> dict:
+                  with_kernels: bool = True, est: Estimate | None = None, hist=None) -> dict:
     """Predicted time of one training step, per kernel, component and phase, with MFU.
 
     gpu: a profile name (profile.names(), case-insensitive), a profile .json path, or a Profile / dict.
@@ -86,16 +87,18 @@ def estimate_time(cfg: ModelConfig, run: Run, variant: str = "efficient", gpu: s
     next, on an idle GPU); steady is a training loop's back-to-back steps; step_s adds the optimizer.
     Per component and phase the figures are GPU time. cost counts what the model walked: kernel entries
     and pipeline blocks, neither of which grows with the layer count. est: the calculator's estimate of
-    this run on CUDA, where the caller has it (its FLOPs give MFU)."""
+    this run on CUDA, where the caller has it (its FLOPs give MFU). hist: a mixture of experts' rows per expert,
+    the same in every layer (calculator/moe.py: balanced by default, skewed, or any histogram)."""
     prof = get(gpu)  # 1. the GPU: a datasheet or a calibrated profile (profile.py)
-    ks = kernels(cfg, run, variant, sdpa_backend, optimizer)  # 2. every kernel the step launches (kernels*.py)
+    hist = None if hist is None else tuple(check_histogram(cfg, run, hist))
+    ks = kernels(cfg, run, variant, sdpa_backend, optimizer, hist)  # 2. every kernel the step launches (kernels*.py)
     scale = host_scale(prof, variant, sdpa_backend)  # 3. the host's in-step factor (host.py)
     terms, burst_s = step_terms(ks, prof)  # 4. each kernel on the roofline at burst rates (roofline.py)
     # 5. the sustained-load regime, from the step's length (step_weight)
     weight = sustained_weight(burst_s, prof.sustained_tau_s) if prof.sustained_ratio else 0.0
     # 6. the kernels at the step's regime and the host/GPU pipeline over the step (pipeline.py), in the order,
     # host seconds and blocks the model fixes (layout.py: prepared once per model, not per micro-batch)
-    lay = layout.of(ks, prof, scale, layout.key(cfg, run, variant, sdpa_backend, optimizer))
+    lay = layout.of(ks, prof, scale, layout.key(cfg, run, variant, sdpa_backend, optimizer) + (hist,))
     timed_ks, gpu_s, blocks, comps, phases = layout.timed(ks, lay, prof, weight, terms, cfg.layers, with_kernels)
     steps = pipeline.compose(blocks, lay.kernels, gpu_s)
     clock = pipeline.Clock()

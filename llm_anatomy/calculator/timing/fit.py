@@ -8,6 +8,7 @@ with its source. profile.load calls it once per profile file.
 from __future__ import annotations
 
 import math
+import statistics
 from functools import lru_cache
 
 import llm_anatomy.calculator.timing.sdpa_schedule as sdpa_schedule
@@ -97,6 +98,28 @@ def fit_matmul(points: list[dict], sms: int, by_flops: bool = True) -> tuple[flo
     return rate_and_err(best[1])[0], float(best[1])
 
 
+def grouped_rows(rows: list[int]) -> int:
+    """The rows a grouped GEMM computes: each expert's rounded up to the kernel's tile height (kernels_moe.py)."""
+    from llm_anatomy.calculator.timing.kernels_moe import GROUPED_TILE_M
+
+    return sum(-(-r // GROUPED_TILE_M) * GROUPED_TILE_M for r in rows)
+
+
+def grouped_efficiency(points: list[dict], rate: float, k_half: float, sms: int) -> dict:
+    """{role: median over the queued rows of (the dense model's time for the role's GEMMs over the tile-rounded
+    rows) / measured time}: the grouped kernel's fraction of the dense rate. forward: (N', n, k); backward:
+    d(x) (N', k, n) and d(W) (n, k, N')."""
+    out: dict[str, list[float]] = {}
+    for p in points:
+        if not p.get("queued", True):
+            continue
+        N, n, k = grouped_rows(p["rows"]), p["n"], p["k"]
+        gemms = [(N, n, k)] if p["role"] == "forward" else [(N, k, n), (n, k, N)]
+        dense_s = sum(2 * a * b * c / (rate * matmul_efficiency(a, b, c, sms, k_half)) for a, b, c in gemms)
+        out.setdefault(p["role"], []).append(dense_s / (p["ms"] * 1e-3))
+    return {role: statistics.median(v) for role, v in out.items()}
+
+
 def from_measured(data: dict) -> Profile:
     """A measured profile: its base datasheet profile, with every measured figure replacing the
     datasheet one (and its source saying so). Figures the file does not measure stay datasheet
@@ -129,6 +152,11 @@ def from_measured(data: dict) -> Profile:
                                          + (" ..." if len(grid) > 4 else ""),
                             matmul_k_half=f"fitted to {len(grid)} measured GEMM shape(s), {how}",
                             mfu_peak_flops=f"{where}: the best measured bf16 GEMM (MFU against a measured ceiling)")
+    if m.get("grouped_mm"):
+        rate, kh = p["matmul_flops"]["bfloat16"], p.get("matmul_k_half", 0.0)
+        p["grouped_mm"] = grouped_efficiency(m["grouped_mm"], rate, kh, sms)
+        p["sources"]["grouped_mm"] = (f"{where}: torch._grouped_mm at {len(m['grouped_mm'])} expert shapes of real "
+                                      "MoE families over the dense GEMM model's time for the same rows")
     if m.get("matmul_vocab"):
         p["matmul_misaligned"] = misaligned_factors(m["matmul_vocab"])
         acc = accumulate_factor(m["matmul_vocab"])

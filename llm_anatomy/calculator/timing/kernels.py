@@ -20,17 +20,13 @@ SDPA_BACKENDS = ("cudnn", "flash", "memory-efficient")
 
 
 def param_sizes(cfg: ModelConfig, variant: str) -> dict[int, int]:
-    """{elements: how many parameter tensors of that size} in the variant's module tree (the efficient
-    model holds qkv and gate_up as one tensor each; a tied head is the embedding's tensor)."""
-    H, I, V, kv, L, q = cfg.hidden, cfg.intermediate, cfg.vocab, cfg.kv_dim, cfg.layers, cfg.q_dim
-    per_layer = ([(q + 2 * kv) * H, q * H, 2 * I * H, I * H] if variant == "efficient"
-                 else [q * H, kv * H, kv * H, q * H, I * H, I * H, H * I])
-    if cfg.qkv_bias:  # the q, k, v biases (one fused qkv bias in the efficient model)
-        per_layer += [q + 2 * kv] if variant == "efficient" else [q, kv, kv]
-    if cfg.qk_norm:  # q_norm and k_norm, head_dim each
-        per_layer += [cfg.head_dim, cfg.head_dim]
+    """{elements: how many parameter tensors of that size} in the variant's module tree: memory.param_tensors's
+    list (the efficient model holds qkv and gate_up as one tensor each, a mixture of experts its stacked experts;
+    a tied head is the embedding's tensor)."""
+    from llm_anatomy.calculator.memory import param_tensors
+
     out: dict[int, int] = {}
-    for n, count in ((V * H, 1 if cfg.tie_embeddings else 2), (H, 2 * L + 1), *((n, L) for n in per_layer)):
+    for n, count in param_tensors(cfg, variant):
         out[n] = out.get(n, 0) + count
     return out
 
@@ -118,15 +114,17 @@ def _optimizer_kernels(cfg: ModelConfig, pb: int, variant: str, optimizer: str) 
 
 
 def kernels(cfg: ModelConfig, run: Run, variant: str, sdpa_backend: str | None = None,
-            optimizer: str | None = "adamw") -> list[Kernel]:
+            optimizer: str | None = "adamw", hist=None) -> list[Kernel]:
+    """Every kernel of one training step; hist: a mixture of experts' rows per expert, the same in every layer
+    (calculator/moe.py; default balanced)."""
     # what the memory phases do not model is not timed either: the step is one model (calculator/moe.py)
     refuse_phases(cfg, run, variant, what="the timing model")
     if sdpa_backend is not None and sdpa_backend not in SDPA_BACKENDS:
         raise ConfigError(f"unknown SDPA backend {sdpa_backend!r}; choose from {', '.join(SDPA_BACKENDS)}")
     if variant == "efficient":
-        ks = efficient_kernels(cfg, run, sdpa_backend or "cudnn")
+        ks = efficient_kernels(cfg, run, sdpa_backend or "cudnn", hist)
     elif variant == "baseline":
-        ks = baseline_kernels(cfg, run)
+        ks = baseline_kernels(cfg, run, hist)
     else:
         raise ConfigError(f"timing has no {variant!r} variant; choose from {', '.join(VARIANTS)}")
     return ks + (optimizer_kernels(cfg, run, variant, optimizer) if optimizer else [])

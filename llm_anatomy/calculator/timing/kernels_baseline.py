@@ -8,8 +8,9 @@ from llm_anatomy.calculator.timing.ops import Kernel, Ops, embedding, residual, 
 from llm_anatomy.config import ModelConfig, Run
 
 
-def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
-    """llm_anatomy/baseline: every elementwise op is its own kernel, attention materialises S x S."""
+def baseline_kernels(cfg: ModelConfig, run: Run, hist=None) -> list[Kernel]:
+    """llm_anatomy/baseline: every elementwise op is its own kernel, attention materialises S x S; hist: a mixture
+    of experts' rows per expert (calculator/moe.py; default balanced)."""
     o = Ops(cfg, run)
     B, S, T, H, L = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers
     nh, nkv, Hkv, I, V, hd = cfg.heads, cfg.kv_heads, cfg.kv_dim, cfg.intermediate, cfg.vocab, cfg.head_dim
@@ -77,7 +78,7 @@ def baseline_kernels(cfg: ModelConfig, run: Run) -> list[Kernel]:
     if cfg.moe:  # the per-expert loop in the MLP's place (kernels_moe.py), its residual add credited to it
         from llm_anatomy.calculator.timing.kernels_moe import baseline_moe
 
-        baseline_moe(o, mlp)  # the shared experts price as the dense MLP
+        baseline_moe(o, mlp, hist)  # the shared experts price as the dense MLP
         residual(o, "moe", L)
     else:
         mlp(o, "mlp", "mlp", I)

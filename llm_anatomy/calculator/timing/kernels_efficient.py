@@ -14,8 +14,9 @@ from llm_anatomy import kernel_shapes
 from llm_anatomy.kernel_shapes import chunk_rows, lce_chunk_rows, lce_vocab
 
 
-def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -> list[Kernel]:
-    """llm_anatomy/efficient under the run's policy, on CUDA (cuDNN SDPA unless told otherwise)."""
+def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn", hist=None) -> list[Kernel]:
+    """llm_anatomy/efficient under the run's policy, on CUDA (cuDNN SDPA unless told otherwise); hist: a mixture of
+    experts' rows per expert (calculator/moe.py; default balanced)."""
     o = Ops(cfg, run)
     if o.dt.compute != "bfloat16":
         raise ConfigError("the efficient variant's timing is modelled for bf16 compute (amp or bf16), where "
@@ -71,7 +72,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn") -
     if not fused:
         residual(o, "attention", L, where)
     if cfg.moe:  # the MoE block in the MLP's place (kernels_moe.py), its residual add credited to it
-        efficient_moe(o)
+        efficient_moe(o, hist)
     else:
         mlp(o, fused)
     if fused:

@@ -3,10 +3,15 @@ CUDA, in the dense MLP's place: the router, the routing and permutation, the exp
 shared experts' dense MLP, forward and backward, each with its FLOPs and minimal bytes.
 
 Expert GEMMs are priced per expert row count (the routing histogram: default balanced, calculator/moe.py):
-  efficient  torch._grouped_mm over the E experts, one launch per GEMM; its time is the sum over the experts
-             with rows of the profile's GEMM time at (n_e, 2I, H) and (n_e, H, I) (and backward's d(x) and dW
-             shapes). The grouped kernel's own rate is not calibrated yet (no GPU was lent to measure it): this
-             is the dense GEMM rate of each expert's shape, a stated assumption; one launch's host time.
+  efficient  torch._grouped_mm over the E experts, one launch per GEMM. The grouped kernel schedules every
+             expert's tiles over the SMs at once, so it fills the GPU as one GEMM over all N = T·k rows does,
+             whatever the histogram: it is priced at the profile's dense rate of that one GEMM, (N', 2I, H) and
+             (N', H, I) (and backward's d(x) and dW shapes), where N' counts each expert's rows rounded up to the
+             kernel's tile height (GROUPED_TILE_M: a tile computes its rows whether they exist or not). On an
+             H200 the balanced and the skewed histogram took the same time within 1-2% per case (docs/moe.md),
+             where pricing each expert's GEMM alone had the skewed step 10-16% faster than measured. The grouped
+             kernel's own fraction of that dense rate, per role (forward; d(x) and d(W) in backward), is the
+             profile's grouped_mm (anatomy calibrate: calibrate_grouped.py); 1.0 where not calibrated.
   baseline   a loop over the experts with rows: per expert a gather, two matmuls, the eager activation, the
              weighting and index_add, each its own launch; nonzero's host sync per expert.
 The router's softmax/top-k, the permutation (argsort, searchsorted, the inverse scatter), the gather, the
@@ -20,6 +25,7 @@ from llm_anatomy.calculator.timing.op_bytes import fused_bytes
 from llm_anatomy.calculator.timing.ops import Ops
 
 I64 = 8
+GROUPED_TILE_M = 128  # rows per tile of CUTLASS's sm90 grouped GEMM behind torch._grouped_mm
 
 
 def _rows(o: Ops, hist) -> Counter:
@@ -73,14 +79,13 @@ def shared(o: Ops, lean: bool = False) -> None:
 
 def _grouped(o: Ops, name: str, rows: Counter, n: int, k: int, f: int) -> None:
     """One grouped GEMM (N rows by expert, (n, k) weights per expert, k + f with a folded bias), forward and
-    backward: every expert's (n_e, n, k) GEMM, its d(x) (n_e, k, n) and dW (n, k, n_e), each priced at the
-    profile's dense rate of that shape; one launch (host) per GEMM."""
+    backward, each priced as one dense GEMM over the tile-rounded rows N' (the module's docstring): (N', n, k),
+    its d(x) (N', k, n) and dW (n, k, N'); one launch (host) per GEMM."""
     L, E, c, p = o.cfg.layers, o.cfg.experts, o.c, o.p
-    for i, (m, experts) in enumerate(sorted(rows.items())):
-        host = "op" if i == 0 else None  # the grouped kernel: one launch for every expert
-        o.mm(name, "moe", "forward", m, n, k + f, L * experts, host=host)
-        o.mm(f"{name}.grad_input", "moe", "backward", m, k + f, n, L * experts, host=host)
-        o.mm(f"{name}.grad_weight", "moe", "backward", n, k + f, m, L * experts, host=host)
+    m = sum(-(-r // GROUPED_TILE_M) * GROUPED_TILE_M * experts for r, experts in rows.items())  # fit.grouped_rows
+    o.mm(name, "moe", "forward", m, n, k + f, L, host="op", grouped="forward")
+    o.mm(f"{name}.grad_input", "moe", "backward", m, k + f, n, L, host="op", grouped="backward")
+    o.mm(f"{name}.grad_weight", "moe", "backward", n, k + f, m, L, host="op", grouped="backward")
     if o.amp:  # the stacked weight's cast, and dW's back to fp32
         o.mem(f"{name}.weight_cast", "moe", "forward", E * n * k * p, E * n * (k + f) * c, L)
         o.mem(f"{name}.grad_weight_cast", "moe", "backward", E * n * (k + f) * c, E * n * k * p, L)

@@ -76,12 +76,14 @@ class Ops:
                    for name, rd, wr in EAGER_CHAINS[op](rows, width, self.c, stream or self.r)]
 
     def mm(self, name, comp, phase, m, n, k, count=1, batch=1, out=None, extra=0, host="op", order=1,
-           accumulate=False, host_ops=0, loop=False):
+           accumulate=False, host_ops=0, loop=False, grouped=""):
+        """A GEMM; grouped: "forward" | "backward", a torch._grouped_mm over the experts, priced at the dense
+        rate of its (m, n, k) times the profile's grouped fraction for that role (roofline.kernel_terms)."""
         c = self.c
         nbytes = batch * ((m * k + k * n) * c + m * n * (out or c)) + extra
         self.k.append(_tuple_new(Kernel, (name, comp, phase, "matmul", count, 2 * batch * m * n * k, nbytes,
                                           (batch, m, n, k), self.dt.compute, "", host, None, host_ops, loop, False,
-                                          order, (), accumulate, "")))
+                                          order, (("grouped_mm", grouped) if grouped else ()), accumulate, "")))
 
     def linear(self, name, comp, d_in, d_out, count, in_bytes=None, order=(1, 1), bias=False, fp32_grad=False):
         """An nn.Linear on T tokens. Under autocast an fp32 input is cast per call (in_bytes=4) and

@@ -82,6 +82,9 @@ class Profile(Mapping):
     matmul_fp32_accumulate: float = 1.0  # rate ratio of addmm(out_dtype=fp32) over bf16-out; measure_vocab_matmuls
     matmul_accumulate_bw: float = 1.0  # fraction of hbm_Bps an fp32 accumulator's epilogue moves at; same rows
     matmul_fit: tuple = ()  # [{m, n, k, measured_tflops, model_tflops}]: the fit against its points (reports)
+    # {"forward" | "backward": torch._grouped_mm's rate / the dense model's rate for one GEMM over its tile-rounded
+    # rows}, dimensionless (calibrate_grouped:measure_grouped, fit.grouped_efficiency); empty: 1.0, the dense rate
+    grouped_mm: dict = field(default_factory=dict)
     matmul_loop_fit: dict = field(default_factory=dict)  # {rate_flops, k_half} fitted to the loop's GEMMs (reports)
     # -- the sustained-load regime: a long step runs at the power-limited SM clock, short bursts at boost --
     # {"matmul" | "attention" | "memory": rate under sustained load / burst rate}, dimensionless; measured
@@ -167,6 +170,7 @@ _ROWS = {  # measurement list -> {key: kind} every row must carry
     "attention_kernels": dict(backend=_STR, B=_INT, heads=_INT, S=_INT, hd=_INT, fwd_kernel_ms=_POS,
                               bwd_kernel_ms=_POS),
     "fused": dict(op=_STR, tokens=_INT, width=_INT, ms=_POS),
+    "grouped_mm": dict(role=_STR, n=_INT, k=_INT, ms=_POS),
 }
 _SCALARS = dict(copy_tbps=_POS, launch_us=_POS, host_op_us=_POS)
 
@@ -229,6 +233,11 @@ def check_measured(data, where: str) -> dict:
             for f, kind in need.items():
                 if not _ok(r.get(f), kind):
                     raise _bad(where, f"measurements.{k}[{i}].{f}", kind, r.get(f))
+    for i, r in enumerate(m.get("grouped_mm") or ()):  # each expert's rows: counts, not all zero
+        rows = r.get("rows")
+        if not (isinstance(rows, list) and rows and all(_ok(x, _NONNEG) and isinstance(x, int) for x in rows)
+                and sum(rows) > 0):
+            raise _bad(where, f"measurements.grouped_mm[{i}].rows", "a list of row counts per expert", rows)
     gap = m.get("kernel_gap")
     if gap is not None and not (isinstance(gap, dict) and _ok(gap.get("gap_us"), _NONNEG)):
         raise _bad(where, "measurements.kernel_gap.gap_us", _NONNEG, gap.get("gap_us") if isinstance(gap, dict) else gap)

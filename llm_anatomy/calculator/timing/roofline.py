@@ -152,6 +152,8 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
                 rate *= alignment_factor(prof, m, n, k)
             if kern.accumulate:
                 rate *= prof.matmul_fp32_accumulate
+            if kern.fused:  # ("grouped_mm", role): the grouped kernel's calibrated fraction of the dense rate
+                rate *= prof.grouped_mm.get(kern.fused[1], 1.0)
     elif kern.kind == "sdpa":
         B, nh, S, hd = kern.shape
         sched, note = sdpa_schedule.lookup(prof, kern.backend, hd)
@@ -164,7 +166,7 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
             rate *= attention_wave_efficiency(B, nh, S, prof.sms) if prof.attention else 1.0
     if rate:
         t_c = kern.flops / rate
-    eff = registry.efficiency(prof, *kern.fused) if kern.fused else 1.0
+    eff = registry.efficiency(prof, *kern.fused) if kern.fused and kern.kind == "memory" else 1.0
     if kern.accumulate:  # its epilogue streams the fp32 accumulator below copy bandwidth (fit.accumulate_bandwidth)
         eff = prof.matmul_accumulate_bw
     t_m = kern.bytes / (prof.hbm_Bps * eff)
