@@ -18,7 +18,7 @@ from llm_anatomy.calculator.timing.kernels import kernels
 from llm_anatomy.calculator.timing.fit import grouped_rows
 from llm_anatomy.calculator.timing.kernels_moe import GROUPED_TILE_M, efficient_moe
 from llm_anatomy.calculator.timing.ops import Ops
-from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.hf_configs import HF_CONFIGS
 from validations.test_fuzz import run_cli
 
@@ -159,3 +159,31 @@ def test_baseline_loop_launches_per_expert_with_rows(hist):
     mms = [k for k in o.k if k.kind == "matmul"]
     assert sum(k.flops * k.count for k in mms if k.phase == "forward") == moe.flops(CFG, run)
     assert sum(k.flops * k.count for k in mms if k.phase == "backward") == 2 * moe.flops(CFG, run)
+
+
+def test_calibrated_grouped_rows_fit_the_grouped_fraction():
+    """fit.grouped_efficiency: rows timed at the dense model's time for their tile-rounded rows read 1.0, at twice
+    it 0.5 (the median over the queued rows, per role); a measured profile carrying them prices with it, and a
+    row whose per-expert counts are not counts is refused in one line naming the field."""
+    from llm_anatomy.calculator.timing import get
+    from llm_anatomy.calculator.timing.fit import grouped_efficiency
+    from llm_anatomy.calculator.timing.profile import check_measured
+    from llm_anatomy.calculator.timing.roofline import matmul_efficiency
+    from llm_anatomy.measure.calibrate_grouped import grouped_grid
+
+    prof = get("h200-measured")
+    rate, kh, sms = prof.matmul_flops["bfloat16"], prof.matmul_k_half, prof.sms
+
+    def dense_ms(g, role):
+        N, n, k = grouped_rows(g["rows"]), g["n"], g["k"]
+        gemms = [(N, n, k)] if role == "forward" else [(N, k, n), (n, k, N)]
+        return sum(2 * a * b * c / (rate * matmul_efficiency(a, b, c, sms, kh)) for a, b, c in gemms) * 1e3
+
+    rows = [dict(g, role=r, ms=dense_ms(g, r) * (1 if r == "forward" else 2), queued=True)
+            for g in grouped_grid() for r in ("forward", "backward")]
+    rows.append(dict(rows[0], ms=rows[0]["ms"] * 10, queued=False))  # not queued: left out
+    eff = grouped_efficiency(rows, rate, kh, sms)
+    assert eff == pytest.approx(dict(forward=1.0, backward=0.5), rel=1e-9)
+    bad = dict(base="h200-sxm", measurements=dict(grouped_mm=[dict(rows[0], rows=[1.5, 2])]))
+    with pytest.raises(ConfigError, match=r"measurements\.grouped_mm\[0\]\.rows"):
+        check_measured(bad, "p.json")
