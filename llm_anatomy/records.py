@@ -69,9 +69,10 @@ def _layout(root: Path) -> dict:
     # seed-repeat (the seed step again, on another H200); profiled (the seed step under bench/profile_step.py);
     # recompute (efficient with and without MLP recompute); peers (efficient, efficient with the lean block,
     # HF + Liger, HF + compile at the seed and two real configs; scripts/gpu_records.sh's "peers" part);
-    # power (the peers' steps with clock, power and energy: bench/step_power.py).
+    # power (the peers' steps with clock, power and energy: bench/step_power.py); moe-peers (a training step
+    # with fused AdamW of Qwen3-30B-A3B's first layers: ours beside transformers' grouped_mm and eager experts).
     steps = {name: h200 / "steps" / name for name in ("peers", "baseline-peers", "seed-repeat", "profiled",
-                                                       "recompute", "power")}
+                                                       "recompute", "power", "moe-peers")}
     real = ("tinyllama-1.1b", "llama3.2-1b")
     return dict(
         ROOT=root, REPORTS=reports, H200=h200, STEPS=steps,

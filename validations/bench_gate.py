@@ -2,8 +2,8 @@
 here, when a comparison compared nothing, and how a failed gate ends.
 
 - A bare ``--benchmark-compare`` is the committed ``baselines.json`` at the repo root, gated at the threshold
-  the committed gate record proves for it (``default_gate``: median:6% today); ``--benchmark-compare-fail=EXPR``
-  without ``--benchmark-compare`` compares against that file too. Either flag turns the benchmarks on:
+  the committed gate record proves for it (``default_gate``; the rule's 10% ceiling for a baseline it has not
+  checked); ``--benchmark-compare-fail=EXPR`` without ``--benchmark-compare`` compares against that file too. Either flag turns the benchmarks on:
   pyproject's addopts disable them, and a comparison of untimed runs gates nothing. pytest-benchmark alone
   reads a bare flag as "the newest run in .benchmarks/", which on a fresh machine is none: a silent pass.
 - A comparison that compares nothing is a usage error (one line, exit code 4), never a pass: a target that

@@ -117,6 +117,9 @@ def _records(put, image, files, root) -> None:
         steps = records.step_records(run)
         if steps:
             put(marker, steps_table(steps, records.PEERS_ENV if run == "peers" else None))
+    from llm_anatomy.report.steps import moe_peers_table
+
+    put("bench-steps-moe", moe_peers_table(records.step_records("moe-peers")))
     put("profile-peers", peers_profile_table(records.PEERS_PROFILES))
     put("power-peers", peers_power_table(records.PEERS_POWER, records.PEERS_POWER_ENV))
     if records.STEP_PROFILE.exists():

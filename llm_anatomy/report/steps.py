@@ -108,3 +108,36 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# the efficient MoE step against transformers' own model of the config in the same loop (issue 48): at least this
+# many times its fastest experts implementation's speed (grouped_mm), at no more of its peak memory
+MOE_SPEEDUP, MOE_MEMORY = 2.5, 1.0
+
+
+def moe_peers_table(paths: list) -> str:
+    """bench/step.py --hf-config ... --optimizer adamw records of one run: a row per peer (a training step: forward,
+    backward and fused AdamW), each peer's speed as a multiple of transformers' grouped_mm (hf), and the verdict."""
+    rows = sorted((json.loads(p.read_text()) for p in paths), key=lambda d: d["median_ms"])
+    if not rows:
+        return ""
+    hf = next((d for d in rows if d["peer"] == "hf"), None)
+    out = ["| config | peer | step ms | tokens/s | peak MiB | speed vs transformers grouped_mm |",
+           "|---|---|---:|---:|---:|---:|"]
+    for d in rows:
+        vs = f"{hf['median_ms'] / d['median_ms']:.2f}×" if hf else "-"
+        out.append(f"| {d['preset'].rstrip('/').split('/')[-1]} L={d['layers']} B={d['batch']} S={d['seq']} | "
+                   f"{d['peer']} | {d['median_ms']:.1f} | {d['tokens_per_s'] / 1e3:,.1f} k | {d['peak_mib']:,.0f} | {vs} |")
+    ours = [d for d in rows if d["peer"].startswith("efficient")]
+    if hf and ours:
+        best = min(ours, key=lambda d: d["median_ms"])
+        speed, mem = hf["median_ms"] / best["median_ms"], best["peak_mib"] / hf["peak_mib"]
+        ok = speed >= MOE_SPEEDUP and mem <= MOE_MEMORY
+        out += ["", f"{best['peer']}: {speed:.2f}× transformers' grouped_mm step at {mem:.0%} of its peak (target: "
+                f"≥ {MOE_SPEEDUP}× at ≤ {MOE_MEMORY:.0%}): {'met' if ok else 'not met'}."]
+    d = rows[0]
+    versions = f"torch {d['torch']}, transformers {hf.get('transformers', '?')}" if hf else f"torch {d['torch']}"
+    out += ["", f"Each peer in its own process (`python3 -m bench.step --peer PEER --hf-config ... --optimizer adamw`); "
+            f"median of {len(d['times_ms'])} steps after warm-up; fp32 weights under bf16 autocast for every peer; "
+            f"{d['gpu']}, {versions}, {d['date']}."]
+    return "\n".join(out)
