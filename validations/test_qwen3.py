@@ -252,22 +252,43 @@ def test_phases_lean_block(policy, claims):
 
 
 # ---- the timing model's kernel lists -------------------------------------------------------------------
-@pytest.mark.parametrize("variant, recompute", [("baseline", "none"), ("efficient", "none"), ("efficient", "full")])
-def test_kernel_lists_name_the_qk_norms(variant, recompute):
-    """q_norm and k_norm have kernels (forward and backward; re-run under full recompute) only with qk_norm, and
-    the attention kernels' bytes grow with heads x head_dim, not with hidden."""
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_kernel_lists_name_the_qk_norms_baseline(recompute):
+    """The baseline's q_norm and k_norm have kernels (forward and backward; re-run under full recompute) only with
+    qk_norm, and the attention kernels' bytes grow with heads x head_dim, not with hidden."""
     from llm_anatomy.calculator.timing import kernels
 
     cfg, run = from_hf_config(HF_CONFIGS["Qwen3-0.6B"]), Run(1, 1024, "amp", recompute=recompute)
-    names = {k.name for k in kernels(cfg, run, variant)}
+    names = {k.name for k in kernels(cfg, run, "baseline")}
     for n in ("q_norm", "k_norm"):
         assert any(f"attention.{n}" in k and "backward" in k for k in names)
         assert any(f"attention.{n}" in k and "backward" not in k for k in names)
-    assert ("attention.q_norm.recompute" in names) == (recompute == "full")
-    plain = {k.name for k in kernels(dataclasses.replace(cfg, qk_norm=False), run, variant)}
+    plain = {k.name for k in kernels(dataclasses.replace(cfg, qk_norm=False), run, "baseline")}
     assert not [k for k in plain if "_norm" in k and k.startswith("attention.")]
-    o = {k.name: k for k in kernels(cfg, run, variant)}["attention.o"]
+    o = {k.name: k for k in kernels(cfg, run, "baseline")}["attention.o"]
     assert o.flops == 2 * run.tokens * cfg.q_dim * cfg.hidden != 2 * run.tokens * cfg.hidden ** 2
+
+
+@pytest.mark.parametrize("recompute", ["none", "mlp", "full"])
+def test_kernel_lists_fuse_the_qk_norms_into_rope(recompute):
+    """The efficient model runs q_norm and k_norm inside the RoPE kernel (anatomy::rope_qkv_norm): with qk_norm its
+    list has rope_qkv_norm's forward, backward and two weight-gradient sums a layer in rope_qkv's place (and its
+    forward again under full recompute), no separate norm, cat or split kernel; without qk_norm, rope_qkv's
+    entries as before. The backward reads d(q, k, v) and qkv's q and k columns and writes d(qkv)."""
+    from llm_anatomy.calculator.timing import kernels
+
+    cfg, run = from_hf_config(HF_CONFIGS["Qwen3-0.6B"]), Run(1, 1024, "amp", recompute=recompute)
+    ks = {k.name: k for k in kernels(cfg, run, "efficient")}
+    attn = {n for n in ks if n.startswith("attention.") and ("norm" in n or "rope_qkv" in n)}
+    fused = {"attention.rope_qkv_norm", "attention.rope_qkv_norm.backward", "attention.rope_qkv_norm.dw_sum"}
+    assert attn == fused | ({"attention.rope_qkv_norm.recompute"} if recompute == "full" else set())
+    T, L, c, D, qk = run.tokens, cfg.layers, 2, cfg.q_dim + 2 * cfg.kv_dim, cfg.q_dim + cfg.kv_dim
+    assert (ks["attention.rope_qkv_norm"].bytes, ks["attention.rope_qkv_norm"].count) == (2 * T * D * c, L)
+    assert ks["attention.rope_qkv_norm.backward"].bytes == T * (2 * D + qk) * c
+    assert ks["attention.rope_qkv_norm.dw_sum"].count == 2 * L
+    plain = {k.name: k for k in kernels(dataclasses.replace(cfg, qk_norm=False), run, "efficient")}
+    assert not [n for n in plain if "_norm" in n and n.startswith("attention.")]
+    assert plain["attention.rope_qkv"].bytes == ks["attention.rope_qkv_norm"].bytes
 
 
 # ---- data parallel: the q_norm / k_norm weights and the heads x head_dim projections, sharded and reduced ------
