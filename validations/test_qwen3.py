@@ -300,11 +300,11 @@ def test_fake_pg_collectives_and_per_rank_bytes(name, strategy, world, claims):
     check_fake_pg(claims, QWEN3[name], name, strategy, world, steps=1)
 
 
-# ---- the Triton path: rms_norm over non-contiguous head views of the qkv output ---------------------------
+# ---- the Triton path: q_norm and k_norm inside the RoPE kernel (rope_qkv_norm) -----------------------------
 def test_qk_norm_triton_matches_reference():
-    """The efficient attention's q_norm and k_norm through the Triton kernels (interpreter, on CPU) against the
-    plain-torch reference: the same output and gradients (q, k heads are strided views of the qkv output;
-    the launchers take a row copy of each), within torch's fp32 tolerances (another summation order)."""
+    """The efficient attention's q_norm and k_norm, fused into the RoPE kernel, through the Triton kernels
+    (interpreter, on CPU) against the plain-torch reference: the same output and gradients (the norms' weights'
+    included), within torch's fp32 tolerances (another summation order)."""
     from llm_anatomy.baseline.transformer import rope_tables
     from llm_anatomy.efficient.attention import Attention
     from llm_anatomy.kernels import INTERPRET, triton_on_cpu
@@ -335,7 +335,7 @@ def test_qk_norm_triton_matches_reference():
 @pytest.mark.parametrize("policy", ["amp", "bf16"])
 @pytest.mark.parametrize("name", QWEN3)
 def test_saved_exact_cuda(name, policy, claims):
-    """On CUDA: the baseline's matmuls, the efficient model's Triton rms_norm on head views, cuDNN SDPA."""
+    """On CUDA: the baseline's matmuls, the efficient model's Triton rope_qkv_norm (the fused q/k norms), cuDNN SDPA."""
     cfg, run, cid = QWEN3[name], Run(2, 256, policy), f"{name}/B2S256/{policy}"
     test_saved._check(claims, cfg, run, cid, device="cuda")
     test_efficient.check_saved(claims, cfg, run, cid, device="cuda")

@@ -35,7 +35,8 @@ from torch import Tensor
 from llm_anatomy.kernels._dispatch import (autocast_dtype, autocast_floating, check_launchable, fast_path, jit,
                                        launches_triton, no_autocast, register_autocast_rule, tl, triton)
 from llm_anatomy.kernels.rms_norm import _sum_partials_kernel, _sum_block, backward_programs
-from llm_anatomy.kernels.rope import TILE, _bsh, _check, _outputs, _rope_section, _rotate_half, _rotate_half_t, _tables
+from llm_anatomy.kernels.rope import (TILE, _bsh, _check, _outputs, _rope_section, _rotate_half, _rotate_half_t,
+                                  _table_row, _tables)
 
 
 # ---- Triton kernels --------------------------------------------------------------------------
@@ -70,12 +71,7 @@ def _rope_norm_kernel(XQ, XK, XV, YQ, YK, YV, WQ, WK, COS, SIN,
     pid = tl.program_id(0)
     b = (pid // S).to(tl.int64)
     s = (pid % S).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    m = d < HALF
-    c1 = tl.load(COS + s * stride_cos + d, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + s * stride_cos + HALF + d, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + s * stride_sin + d, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + s * stride_sin + HALF + d, mask=m, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _table_row(COS, SIN, s, stride_cos, stride_sin, HALF, BLOCK_HALF)
     _norm_rope_section(XQ + b * xq_sb + s * xq_ss, YQ + b * yq_sb + s * yq_ss, WQ, xq_sh, yq_sh, c1, c2, s1, s2, eps,
                        H, HALF, BLOCK_H, BLOCK_HALF)
     _norm_rope_section(XK + b * xk_sb + s * xk_ss, YK + b * yk_sb + s * yk_ss, WK, xk_sh, yk_sh, c1, c2, s1, s2, eps,
@@ -128,8 +124,6 @@ def _rope_norm_bwd_kernel(DQ, DK, DV, XQ, XK, DXQ, DXK, DXV, WQ, WK, PQ, PK, COS
     # writes one row of partials per weight. The trip count is fixed: past the last token a program redoes
     # token M - 1 (the same values stored again) and adds nothing to its partials.
     pid = tl.program_id(0)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    m = d < HALF
     q1 = tl.zeros((BLOCK_HALF,), dtype=tl.float32)
     q2 = tl.zeros((BLOCK_HALF,), dtype=tl.float32)
     k1 = tl.zeros((BLOCK_HALF,), dtype=tl.float32)
@@ -140,10 +134,7 @@ def _rope_norm_bwd_kernel(DQ, DK, DV, XQ, XK, DXQ, DXK, DXV, WQ, WK, PQ, PK, COS
         t = tl.minimum(t, M - 1)
         b = t // S
         s = t % S
-        c1 = tl.load(COS + s * stride_cos + d, mask=m, other=0.0).to(tl.float32)
-        c2 = tl.load(COS + s * stride_cos + HALF + d, mask=m, other=0.0).to(tl.float32)
-        s1 = tl.load(SIN + s * stride_sin + d, mask=m, other=0.0).to(tl.float32)
-        s2 = tl.load(SIN + s * stride_sin + HALF + d, mask=m, other=0.0).to(tl.float32)
+        c1, c2, s1, s2 = _table_row(COS, SIN, s, stride_cos, stride_sin, HALF, BLOCK_HALF)
         a1, a2 = _norm_rope_bwd_section(DQ + b * dq_sb + s * dq_ss, XQ + b * xq_sb + s * xq_ss,
                                         DXQ + b * gq_sb + s * gq_ss, WQ, dq_sh, xq_sh, gq_sh, c1, c2, s1, s2, eps,
                                         H, HALF, BLOCK_H, BLOCK_HALF)
