@@ -133,7 +133,7 @@ def test_saved_bytes_exact_hypothesis(B, S, kv, group, half, policy, claims):
     kept, _ = _saved(lambda: rope_qkv_norm(qkv, qw, kw, cos, sin, H, kv, EPS))
     assert {id(t) for t in kept} == {id(t) for t in (qkv, qw, kw, cos, sin)} and len(kept) == 5
     predicted = sum(s.bytes for s in qk_norm_saved_efficient(cfg, run, 1))
-    claims.check("memory.saved", component="attention.rope_qkv_norm", config=f"B{B}S{S}H{H}KV{kv}D{D}/{policy}",
+    claims.check("memory.saved by rope_qkv_norm", component="attention", config=f"B{B}S{S}H{H}KV{kv}D{D}/{policy}",
                  variant="efficient", predicted=predicted, measured=qkv.untyped_storage().nbytes(), device="cpu",
                  unit="B")
 
@@ -171,6 +171,52 @@ def test_attention_runs_the_fused_op_only_with_qk_norm(qk_norm):
         kept, _ = _saved(lambda: rope_qkv(qkv, cos, sin, 4, 2))
         assert {id(t) for t in kept} == {id(cos), id(sin)}
     assert "aten::cat" not in ops.names[:ops.names.index(anatomy[0])]  # no cat of normed heads before RoPE
+
+
+def test_tensor_parallel_weights_reach_the_op_as_the_ranks_copy():
+    """Under tensor parallelism distributed/tensor_parallel.py's qk_norm_plan makes the q/k norm weights DTensors
+    replicated over tp, while the fused op takes plain tensors. On a one-rank gloo mesh with that plan: the
+    attention's output and weight gradients equal the plain module's, and each weight gradient is Partial over
+    tp, as SequenceParallel leaves a norm module's weight gradient (the baseline's RMSNorm on head rows beside it,
+    as the baseline runs q_norm and k_norm under that plan)."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    from llm_anatomy.baseline.norm import RMSNorm
+    from llm_anatomy.distributed.tensor_parallel import qk_norm_plan
+    from llm_anatomy.efficient.attention import Attention
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    torch.manual_seed(0)
+    plain = Attention(32, heads=4, kv_heads=2, head_dim=8, qk_norm=True)
+    with torch.no_grad():
+        plain.q_norm.weight.normal_(1.0, 0.3)
+    cos, sin = rope_tables(5, 8)
+    x = torch.randn(2, 5, 32)
+    plain(x, cos, sin).sum().backward()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        block = nn.Module()
+        block.attn = Attention(32, heads=4, kv_heads=2, head_dim=8, qk_norm=True)
+        block.attn.load_state_dict(plain.state_dict())
+        parallelize_module(block, mesh, qk_norm_plan())
+        y = block.attn(x, cos, sin)
+        y.sum().backward()
+        norm = parallelize_module(RMSNorm(8, 1e-6), mesh, SequenceParallel(sequence_dim=2, use_local_output=True))
+        norm(torch.randn(2, 5, 4, 8)).sum().backward()
+        torch.testing.assert_close(y, plain(x, cos, sin))
+        for n in ("q_norm", "k_norm"):
+            w = getattr(block.attn, n).weight
+            assert isinstance(w, DTensor) and isinstance(w.grad, DTensor)
+            assert w.grad.placements == norm.weight.grad.placements
+            torch.testing.assert_close(w.grad.full_tensor(), getattr(plain, n).weight.grad)
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- the fast path, opcheck, meta / fake tensors, torch.compile ------------------------------------

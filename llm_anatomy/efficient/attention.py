@@ -56,6 +56,20 @@ def sdpa_backend_name(grad_fn) -> str:
     return "math"
 
 
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """A q/k norm weight as the fused op takes it. Under tensor parallelism (distributed/tensor_parallel.py's
+    qk_norm_plan) it is a DTensor replicated over tp while q and k hold the rank's heads: the op gets the rank's
+    copy, and its gradient, summed over this rank's heads only, is Partial over tp (as a norm module run under
+    SequenceParallel leaves it)."""
+    if type(weight) in (torch.Tensor, nn.Parameter):  # one process
+        return weight
+    from torch.distributed.tensor import DTensor, Partial
+
+    if isinstance(weight, DTensor):
+        return weight.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in weight.placements])
+    return weight
+
+
 class Attention(nn.Module):
     component = "attention"
 
@@ -78,8 +92,8 @@ class Attention(nn.Module):
         else:  # x is the residual stream; keep it, not its normed copy
             qkv = checkpoint(lambda x: self.qkv(norm(x)), x, use_reentrant=False, preserve_rng_state=False)
         if self.qk_norm:  # q_norm and k_norm run inside the RoPE kernel
-            q, k, v = rope_qkv_norm(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.heads, self.kv_heads,
-                                    self.q_norm.eps)
+            q, k, v = rope_qkv_norm(qkv, _local(self.q_norm.weight), _local(self.k_norm.weight), cos, sin, self.heads,
+                                    self.kv_heads, self.q_norm.eps)
         else:
             q, k, v = rope_qkv(qkv, cos, sin, self.heads, self.kv_heads)  # (B, nh|nkv, S, hd), contiguous
         with backend_context(x.device):
