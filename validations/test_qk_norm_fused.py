@@ -64,7 +64,8 @@ def _dqkv_scale(H, KV):
 
 
 SHAPES = {"gqa": dict(H=6, KV=2, D=8), "mha-odd": dict(H=3, KV=3, D=6), "mqa-d2": dict(H=4, KV=1, D=2),
-          "tail": dict(B=1, S=13, H=4, KV=2, D=16)}  # "tail": 13 tokens, the backward's last program redoes one
+          "tail": dict(B=1, S=13, H=4, KV=2, D=16),  # 13 tokens: the backward's last program redoes one
+          "many-heads": dict(B=1, S=2, H=80, KV=16, D=128)}  # several head blocks in forward and backward
 
 
 # ---- numerics -------------------------------------------------------------------------------------

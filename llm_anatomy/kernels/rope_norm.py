@@ -157,9 +157,15 @@ def _rope_norm_bwd_kernel(DQ, DK, DV, XQ, XK, DXQ, DXK, DXV, WQ, WK, PQ, PK, COS
 
 
 # ---- launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) ------------------------
-def _blocks(H: int, KV: int, D: int) -> tuple[int, int]:
+# The backward's head block holds ten fp32 tiles live (dy, x, the rotated gradient, x_hat and g, two halves each)
+# against the forward's six: a quarter of rope_qkv's tile keeps them in a 4-warp program's registers.
+BWD_TILE = TILE // 4
+
+
+def _blocks(H: int, KV: int, D: int, tile: int = TILE) -> tuple[int, int]:
+    """(heads per block, D/2 rounded up to a power of two): a head block of at most `tile` elements per half."""
     block_half = triton.next_power_of_2(D // 2)
-    return max(1, min(triton.next_power_of_2(max(H, KV)), TILE // block_half)), block_half
+    return max(1, min(triton.next_power_of_2(max(H, KV)), tile // block_half)), block_half
 
 
 def _split(qkv: Tensor, B: int, S: int, H: int, KV: int, D: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -198,7 +204,7 @@ def rope_qkv_norm_backward_triton(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tenso
     programs, per = backward_programs(dq.device, M, 2 * D)  # 2·D fp32 accumulator columns per program
     # transient: a (programs, D) fp32 row of weight-gradient partials per weight
     pq, pk = (torch.empty((programs, D), dtype=torch.float32, device=dq.device) for _ in range(2))
-    block_h, block_half = _blocks(H, KV, D)
+    block_h, block_half = _blocks(H, KV, D, BWD_TILE)
     cos, sin = _tables(cos, sin)
     strides = ([x for t in (dq, dk, dv) for x in _bsh(t, 2, 1)] + [x for t in (xq, xk) for x in _bsh(t, 1, 2)]
                + [x for t in dx for x in _bsh(t, 1, 2)])
