@@ -18,7 +18,8 @@
 - qk-norm (Qwen3): rope_qkv_norm (llm_anatomy.kernels.rope_norm) in rope_qkv's place: the same pass norms
   each q and k head (q_norm's and k_norm's weights) before rotating it, so no normed q or k, row copy or cat
   is written. It keeps the qkv output (one storage, (nh + 2·nkv)·hd wide, v's columns included) and
-  recomputes rstd in backward, which also writes both weights' gradients.
+  recomputes rstd in backward, which also writes both weights' gradients. The modules q_norm and k_norm hold
+  the weights (the baseline's names) and are not called.
 State dict: qkv.weight = cat(q.weight, k.weight, v.weight), qkv.bias likewise (see efficient.transformer)."""
 from __future__ import annotations
 
