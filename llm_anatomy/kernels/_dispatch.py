@@ -33,8 +33,8 @@ its backend lookup, and the launcher; its backward the same again. On the H200's
 dispatcher path as `anatomy calibrate` times it, host_custom_us), enough for a 6-layer seed step to
 spend more on the host than its 39 ms of kernels. So the public functions (rms_norm, rope_qkv,
 rope_qkv_norm, swiglu_packed) run a plain ``torch.autograd.Function`` over the very implementations the
-custom ops call, with the autocast rule applied inline, whenever ``fast_path`` holds: eager plain tensors with no dispatch or
-function mode, no trace and no tensor subclass. Anything else (torch.compile, FakeTensorMode,
+custom ops call, with the autocast rule applied inline, whenever ``fast_path`` holds: eager plain tensors
+with no dispatch or function mode, no trace and no tensor subclass. Anything else (torch.compile, FakeTensorMode,
 FlopCounterMode, the liveness walk's dispatch mode, DTensor, meta tensors) goes through the custom
 op, so what sees ops still sees ``anatomy::*``. validations/test_fast_path.py holds the two
 paths to the same bits, saved tensors and in-place gradients.
