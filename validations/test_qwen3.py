@@ -346,3 +346,19 @@ def test_saved_exact_cuda(name, policy, claims):
 @pytest.mark.parametrize("name", ACCURACY)
 def test_efficient_matches_baseline_cuda(name, policy):
     test_efficient.check_matches_baseline(ACCURACY[name], Run(2, 128, policy), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["baseline", "efficient"])
+def test_phases_cuda(variant, claims):
+    """On CUDA, Qwen3-0.6B's shape at two layers (16 heads of 128 over a hidden of 1024): every memory phase against
+    max_memory_allocated and the allocator trace, as test_live_claims checks its drawn configs; the efficient
+    model's attention backward is the fused rope_qkv_norm's (d(qkv), both weight gradients, their fp32 partials)."""
+    from llm_anatomy.measure.memory import measure_phases
+    from validations.test_live_claims import test_live_phase_memory
+
+    # the process's cuBLAS workspaces are made by its first matmuls and stay: a throwaway step makes them first
+    warm = ModelConfig(name="warm-up", hidden=256, layers=1, heads=4, intermediate=512, vocab=1000)
+    measure_phases(warm, Run(1, 256), variant, "adamw")
+    cfg = dataclasses.replace(from_hf_config(HF_CONFIGS["Qwen3-0.6B"]), layers=2)
+    test_live_phase_memory((cfg, Run(2, 1024, "amp")), variant, claims)
