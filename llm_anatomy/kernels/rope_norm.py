@@ -34,7 +34,7 @@ from torch import Tensor
 
 from llm_anatomy.kernels._dispatch import (autocast_dtype, autocast_floating, check_launchable, fast_path, jit,
                                        launches_triton, no_autocast, register_autocast_rule, tl, triton)
-from llm_anatomy.kernels.rms_norm import _sum_partials_kernel, _sum_block, backward_programs
+from llm_anatomy.kernels.rms_norm import _acc, _sum_block, _sum_partials_kernel, backward_programs
 from llm_anatomy.kernels.rope import (TILE, _bsh, _check, _outputs, _rope_section, _rotate_half, _rotate_half_t,
                                   _table_row, _tables)
 
@@ -221,10 +221,6 @@ def rope_qkv_norm_backward_triton(dq: Tensor, dk: Tensor, dv: Tensor, qkv: Tenso
 
 
 # ---- plain-torch references (the CPU implementation) -----------------------------------------
-def _acc(t: Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
-
-
 def _xhat(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return x * rstd, rstd
