@@ -252,22 +252,43 @@ def test_phases_lean_block(policy, claims):
 
 
 # ---- the timing model's kernel lists -------------------------------------------------------------------
-@pytest.mark.parametrize("variant, recompute", [("baseline", "none"), ("efficient", "none"), ("efficient", "full")])
-def test_kernel_lists_name_the_qk_norms(variant, recompute):
-    """q_norm and k_norm have kernels (forward and backward; re-run under full recompute) only with qk_norm, and
-    the attention kernels' bytes grow with heads x head_dim, not with hidden."""
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_kernel_lists_name_the_qk_norms_baseline(recompute):
+    """The baseline's q_norm and k_norm have kernels (forward and backward; re-run under full recompute) only with
+    qk_norm, and the attention kernels' bytes grow with heads x head_dim, not with hidden."""
     from llm_anatomy.calculator.timing import kernels
 
     cfg, run = from_hf_config(HF_CONFIGS["Qwen3-0.6B"]), Run(1, 1024, "amp", recompute=recompute)
-    names = {k.name for k in kernels(cfg, run, variant)}
+    names = {k.name for k in kernels(cfg, run, "baseline")}
     for n in ("q_norm", "k_norm"):
         assert any(f"attention.{n}" in k and "backward" in k for k in names)
         assert any(f"attention.{n}" in k and "backward" not in k for k in names)
-    assert ("attention.q_norm.recompute" in names) == (recompute == "full")
-    plain = {k.name for k in kernels(dataclasses.replace(cfg, qk_norm=False), run, variant)}
+    plain = {k.name for k in kernels(dataclasses.replace(cfg, qk_norm=False), run, "baseline")}
     assert not [k for k in plain if "_norm" in k and k.startswith("attention.")]
-    o = {k.name: k for k in kernels(cfg, run, variant)}["attention.o"]
+    o = {k.name: k for k in kernels(cfg, run, "baseline")}["attention.o"]
     assert o.flops == 2 * run.tokens * cfg.q_dim * cfg.hidden != 2 * run.tokens * cfg.hidden ** 2
+
+
+@pytest.mark.parametrize("recompute", ["none", "mlp", "full"])
+def test_kernel_lists_fuse_the_qk_norms_into_rope(recompute):
+    """The efficient model runs q_norm and k_norm inside the RoPE kernel (anatomy::rope_qkv_norm): with qk_norm its
+    list has rope_qkv_norm's forward, backward and two weight-gradient sums a layer in rope_qkv's place (and its
+    forward again under full recompute), no separate norm, cat or split kernel; without qk_norm, rope_qkv's
+    entries as before. The backward reads d(q, k, v) and qkv's q and k columns and writes d(qkv)."""
+    from llm_anatomy.calculator.timing import kernels
+
+    cfg, run = from_hf_config(HF_CONFIGS["Qwen3-0.6B"]), Run(1, 1024, "amp", recompute=recompute)
+    ks = {k.name: k for k in kernels(cfg, run, "efficient")}
+    attn = {n for n in ks if n.startswith("attention.") and ("norm" in n or "rope_qkv" in n)}
+    fused = {"attention.rope_qkv_norm", "attention.rope_qkv_norm.backward", "attention.rope_qkv_norm.dw_sum"}
+    assert attn == fused | ({"attention.rope_qkv_norm.recompute"} if recompute == "full" else set())
+    T, L, c, D, qk = run.tokens, cfg.layers, 2, cfg.q_dim + 2 * cfg.kv_dim, cfg.q_dim + cfg.kv_dim
+    assert (ks["attention.rope_qkv_norm"].bytes, ks["attention.rope_qkv_norm"].count) == (2 * T * D * c, L)
+    assert ks["attention.rope_qkv_norm.backward"].bytes == T * (2 * D + qk) * c
+    assert ks["attention.rope_qkv_norm.dw_sum"].count == 2 * L
+    plain = {k.name: k for k in kernels(dataclasses.replace(cfg, qk_norm=False), run, "efficient")}
+    assert not [n for n in plain if "_norm" in n and n.startswith("attention.")]
+    assert plain["attention.rope_qkv"].bytes == ks["attention.rope_qkv_norm"].bytes
 
 
 # ---- data parallel: the q_norm / k_norm weights and the heads x head_dim projections, sharded and reduced ------
@@ -279,11 +300,11 @@ def test_fake_pg_collectives_and_per_rank_bytes(name, strategy, world, claims):
     check_fake_pg(claims, QWEN3[name], name, strategy, world, steps=1)
 
 
-# ---- the Triton path: rms_norm over non-contiguous head views of the qkv output ---------------------------
+# ---- the Triton path: q_norm and k_norm inside the RoPE kernel (rope_qkv_norm) -----------------------------
 def test_qk_norm_triton_matches_reference():
-    """The efficient attention's q_norm and k_norm through the Triton kernels (interpreter, on CPU) against the
-    plain-torch reference: the same output and gradients (q, k heads are strided views of the qkv output;
-    the launchers take a row copy of each), within torch's fp32 tolerances (another summation order)."""
+    """The efficient attention's q_norm and k_norm, fused into the RoPE kernel, through the Triton kernels
+    (interpreter, on CPU) against the plain-torch reference: the same output and gradients (the norms' weights'
+    included), within torch's fp32 tolerances (another summation order)."""
     from llm_anatomy.baseline.transformer import rope_tables
     from llm_anatomy.efficient.attention import Attention
     from llm_anatomy.kernels import INTERPRET, triton_on_cpu
@@ -314,7 +335,7 @@ def test_qk_norm_triton_matches_reference():
 @pytest.mark.parametrize("policy", ["amp", "bf16"])
 @pytest.mark.parametrize("name", QWEN3)
 def test_saved_exact_cuda(name, policy, claims):
-    """On CUDA: the baseline's matmuls, the efficient model's Triton rms_norm on head views, cuDNN SDPA."""
+    """On CUDA: the baseline's matmuls, the efficient model's Triton rope_qkv_norm (the fused q/k norms), cuDNN SDPA."""
     cfg, run, cid = QWEN3[name], Run(2, 256, policy), f"{name}/B2S256/{policy}"
     test_saved._check(claims, cfg, run, cid, device="cuda")
     test_efficient.check_saved(claims, cfg, run, cid, device="cuda")
@@ -325,3 +346,19 @@ def test_saved_exact_cuda(name, policy, claims):
 @pytest.mark.parametrize("name", ACCURACY)
 def test_efficient_matches_baseline_cuda(name, policy):
     test_efficient.check_matches_baseline(ACCURACY[name], Run(2, 128, policy), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["baseline", "efficient"])
+def test_phases_cuda(variant, claims):
+    """On CUDA, Qwen3-0.6B's shape at two layers (16 heads of 128 over a hidden of 1024): every memory phase against
+    max_memory_allocated and the allocator trace, as test_live_claims checks its drawn configs; the efficient
+    model's attention backward is the fused rope_qkv_norm's (d(qkv), both weight gradients, their fp32 partials)."""
+    from llm_anatomy.measure.memory import measure_phases
+    from validations.test_live_claims import test_live_phase_memory
+
+    # the process's cuBLAS workspaces are made by its first matmuls and stay: a throwaway step makes them first
+    warm = ModelConfig(name="warm-up", hidden=256, layers=1, heads=4, intermediate=512, vocab=1000)
+    measure_phases(warm, Run(1, 256), variant, "adamw")
+    cfg = dataclasses.replace(from_hf_config(HF_CONFIGS["Qwen3-0.6B"]), layers=2)
+    test_live_phase_memory((cfg, Run(2, 1024, "amp")), variant, claims)

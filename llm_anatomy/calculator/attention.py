@@ -9,8 +9,9 @@ convention counts matmuls only.
 qk-norm (Qwen3) is an RMSNorm over each q and k head (weights of head_dim): 2·hd parameters a layer, no
 matmul (no counter or model FLOP), and 4·hd + 2 elementwise FLOPs a head-row, as the block norms count
 theirs. The modules are attention's, so what they keep is attention's. The baseline's RMSNorm keeps, per
-norm, the fp32 input, rstd and x_hat, like a block norm over rows of hd; the fused kernel keeps only its
-input, a view of the qkv output: q's and k's views share that one storage.
+norm, the fp32 input, rstd and x_hat, like a block norm over rows of hd. The efficient model runs both norms
+inside its RoPE kernel (anatomy::rope_qkv_norm), which keeps only its input, the qkv output (v's columns
+ride along in that one storage): rstd is recomputed in backward and the normed q and k never exist.
 """
 from __future__ import annotations
 
@@ -73,11 +74,12 @@ def _qk_norm_saved_baseline(cfg: ModelConfig, run: Run) -> list[Saved]:
 
 
 def qk_norm_saved_efficient(cfg: ModelConfig, run: Run, count: int) -> list[Saved]:
-    """The fused q_norm and k_norm keep their inputs, views of the qkv output: one storage, `count` instances."""
+    """rope_qkv_norm (the q/k norms fused into the RoPE kernel) keeps the qkv output, its input: `count` instances.
+    Without qk_norm rope_qkv keeps no activation."""
     if not cfg.qk_norm:
         return []
-    return [Saved("attention.qk_norm.x", (run.tokens, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim),
-                  dtypes(run).compute, count, "the fused norms keep views of the qkv output; rstd is recomputed")]
+    return [Saved("attention.rope_qkv_norm.qkv", (run.tokens, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim),
+                  dtypes(run).compute, count, "the fused norm + RoPE keeps its input; rstd is recomputed")]
 
 
 def _flops(cfg: ModelConfig, run: Run) -> tuple[int, int]:

@@ -92,11 +92,14 @@ def layer(w, i: int, g: int) -> int:
     w.alloc(-ws, -go)
     w.free("attention.sdpa.")
     dqkv = T * (nh + 2 * nkv) * hd * c
-    w.alloc(dqkv)  # rope_qkv's backward: d(qkv)
-    w.peak(tag + "attention.rope")
+    if w.cfg.qk_norm:
+        rope_norm(w, tag, dqkv)
+    else:
+        w.alloc(dqkv)  # rope_qkv's backward: d(qkv)
+        w.peak(tag + "attention.rope")
     w.alloc(-kv_exp, -kv, -kv)
     if w.cfg.qk_norm:
-        dqkv = qk_norm(w, tag, dqkv)
+        w.free("attention.rope_qkv_norm.qkv")
     if w.recompute == "mlp":  # the qkv matmul's backward asks for its input: the norm runs again
         w.remake("qkv", lambda: linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))
     gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.", recast=lean and w.amp)
@@ -128,28 +131,16 @@ def mlp(w, tag: str, gc: int) -> int:
     return w.linear(tag + "mlp.gate_up", H, 2 * I, 2 * T * I * c, "mlp.gate_up.", recast=lean and w.amp)
 
 
-def qk_norm(w, tag: str, dqkv: int) -> int:
-    """q_norm's and k_norm's backward, from rope_qkv's d(qkv), whose q and k columns (views: the cat's backward)
-    they read: k_norm's node first (the later one), then q_norm's, each writing d(input) in the compute dtype
-    and its (hd,) weight gradient; then the qkv output they kept goes, and the split's backward concatenates
-    d(q), d(k) and d(qkv)'s v columns into the d(qkv) the qkv matmul reads. Returns that gradient's bytes."""
-    T, c, p, hd = w.T, w.c, w.p, w.hd
-    for name, heads in (("k_norm", w.nkv), ("q_norm", w.nh)):
-        rows = T * heads
-        if w.cuda:  # the Triton backward: dx, the (programs, hd) fp32 dw partials, dw; x and dy are strided head
-            # views, so the launcher takes a row copy of each (kernels/_dispatch.rows) for the kernel's time
-            w.alloc(rows * hd * c, rms_norm_programs(hd, rows) * hd * 4, hd * p)
-            w.peak(tag + "attention." + name, rows * hd * c, rows * hd * c)
-            w.alloc(-rms_norm_programs(hd, rows) * hd * 4)
-        else:  # the CPU reference: dx, dw in fp32 then cast
-            w.alloc(rows * hd * c, hd * 4)
-            w.peak(tag + "attention." + name)
-            w.alloc(hd * p, -hd * 4)
-    w.free("attention.qk_norm.x")
-    w.alloc(dqkv)
-    w.peak(tag + "attention.qk_norm.split")
-    w.alloc(-T * (w.nh + w.nkv) * hd * c, -dqkv)
-    return dqkv
+def rope_norm(w, tag: str, dqkv: int) -> None:
+    """rope_qkv_norm's backward (the q/k norms inside the RoPE kernel), from SDPA's dq, dk, dv and the saved qkv
+    output: d(qkv) and the two (hd,) weight gradients, which become q_norm's and k_norm's .grad; on CUDA also a
+    (programs, hd) fp32 row of partials per weight (programs as rms_norm's over rows of 2·hd), summed by a
+    second kernel and freed."""
+    T, p, hd = w.T, w.p, w.hd
+    parts = 2 * rms_norm_programs(2 * hd, T) * hd * 4 if w.cuda else 0
+    w.alloc(dqkv, parts, 2 * hd * p)
+    w.peak(tag + "attention.rope_qkv_norm")
+    w.alloc(-parts)
 
 
 def swiglu_down(w, tag: str, grad_out: int, I: int | None = None, name: str = "mlp") -> None:

@@ -15,10 +15,11 @@
 - Recompute (Run.recompute == "mlp"): called with the block's norm, norm -> qkv runs under a
   non-reentrant torch.utils.checkpoint that keeps only x; in backward it re-runs the norm and stops
   (early stop) when the qkv matmul has been handed its input again, before that matmul runs.
-- qk-norm (Qwen3): the fused RMSNorm (llm_anatomy.kernels.rms_norm) over each q and k head of the qkv output,
-  before RoPE. Each norm reads a view of that output and keeps it: one storage, (nh + 2·nkv)·hd wide, v's
-  columns included (copying q and k out would keep nkv·hd less a token but add two passes). The normed q,
-  k and v's view are concatenated again for rope_qkv; the cat keeps nothing.
+- qk-norm (Qwen3): rope_qkv_norm (llm_anatomy.kernels.rope_norm) in rope_qkv's place: the same pass norms
+  each q and k head (q_norm's and k_norm's weights) before rotating it, so no normed q or k, row copy or cat
+  is written. It keeps the qkv output (one storage, (nh + 2·nkv)·hd wide, v's columns included) and
+  recomputes rstd in backward, which also writes both weights' gradients. The modules q_norm and k_norm hold
+  the weights (the baseline's names) and are not called.
 State dict: qkv.weight = cat(q.weight, k.weight, v.weight), qkv.bias likewise (see efficient.transformer)."""
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from llm_anatomy.efficient.norm import RMSNorm
-from llm_anatomy.kernels import rope_qkv
+from llm_anatomy.kernels import rope_qkv, rope_qkv_norm
 from llm_anatomy.kernels.lean import linear
 
 # Measured on the H200 (ANCHORS.md): causal, hd 64, fwd+bwd, cuDNN 386 TFLOP/s, flash 238,
@@ -56,6 +57,20 @@ def sdpa_backend_name(grad_fn) -> str:
     return "math"
 
 
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """A q/k norm weight as the fused op takes it. Under tensor parallelism (distributed/tensor_parallel.py's
+    qk_norm_plan) it is a DTensor replicated over tp while q and k hold the rank's heads: the op gets the rank's
+    copy, and its gradient, summed over this rank's heads only, is Partial over tp (as a norm module run under
+    SequenceParallel leaves it)."""
+    if type(weight) in (torch.Tensor, nn.Parameter):  # one process
+        return weight
+    from torch.distributed.tensor import DTensor, Partial
+
+    if isinstance(weight, DTensor):
+        return weight.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in weight.placements])
+    return weight
+
+
 class Attention(nn.Module):
     component = "attention"
 
@@ -77,22 +92,17 @@ class Attention(nn.Module):
             qkv = self._linear(self.qkv, x)  # (B, S, (nh + 2 nkv) hd)
         else:  # x is the residual stream; keep it, not its normed copy
             qkv = checkpoint(lambda x: self.qkv(norm(x)), x, use_reentrant=False, preserve_rng_state=False)
-        if self.qk_norm:
-            qkv = self._qk_norm(qkv)
-        q, k, v = rope_qkv(qkv, cos, sin, self.heads, self.kv_heads)  # (B, nh|nkv, S, hd), contiguous
+        if self.qk_norm:  # q_norm and k_norm run inside the RoPE kernel
+            q, k, v = rope_qkv_norm(qkv, _local(self.q_norm.weight), _local(self.k_norm.weight), cos, sin, self.heads,
+                                    self.kv_heads, self.q_norm.eps)
+        else:
+            q, k, v = rope_qkv(qkv, cos, sin, self.heads, self.kv_heads)  # (B, nh|nkv, S, hd), contiguous
         with backend_context(x.device):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=self.kv_heads != self.heads)  # (B, nh, S, hd)
         self.last_backend = sdpa_backend_name(out.grad_fn) if out.grad_fn is not None else None
         # a view when out is laid out (B, S, nh, hd)
         return self._linear(self.o, out.transpose(1, 2).reshape(B, S, self.heads * self.head_dim))
-
-    def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
-        """(B, S, (nh + 2 nkv) hd) -> the same layout with each q and k head normed (views in, one cat out)."""
-        B, S, _ = qkv.shape
-        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        q, k, v = qkv.view(B, S, nh + 2 * nkv, hd).split([nh, nkv, nkv], dim=2)
-        return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=2).view(B, S, -1)  # cat: a new tensor, nothing kept
 
     def _linear(self, mod: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return linear(x, mod.weight, mod.bias) if self.lean else mod(x)

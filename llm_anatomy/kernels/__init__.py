@@ -5,6 +5,8 @@
     swiglu(gate, up, variant)                   -> h                 saves gate, up
     swiglu_packed(gate_up, variant)             -> h                 saves gate_up; d(gate_up) in place
     rope_qkv(qkv, cos, sin, heads, kv_heads)    -> (q, k, v)         saves cos, sin
+    rope_qkv_norm(qkv, q_w, k_w, cos, sin, heads, kv_heads, eps)
+                                                -> (q, k, v)         saves qkv, q_w, k_w, cos, sin (per-head q/k RMSNorm)
     linear_cross_entropy(x, weight, targets)    -> loss              saves grad_x, grad_w (made in forward)
     lean.linear(x, weight, bias)                -> y                 saves x, the fp32 weight (cast again in backward)
     lean.swiglu_down(gate_up, weight, variant)  -> y                 saves gate_up, the weight (h made again in backward)
@@ -24,6 +26,8 @@ from llm_anatomy.kernels.rms_norm import (rms_norm, rms_norm_backward_reference,
                                      rms_norm_reference, rms_norm_triton)
 from llm_anatomy.kernels.rope import (rope_qkv, rope_qkv_backward_reference, rope_qkv_backward_triton, rope_qkv_reference,
                                   rope_qkv_triton)
+from llm_anatomy.kernels.rope_norm import (rope_qkv_norm, rope_qkv_norm_backward_reference,
+                                       rope_qkv_norm_backward_triton, rope_qkv_norm_reference, rope_qkv_norm_triton)
 from llm_anatomy.kernels.swiglu import (VARIANTS as SWIGLU_VARIANTS, swiglu, swiglu_backward_reference, swiglu_packed,
                                     swiglu_backward_triton, swiglu_reference, swiglu_triton)
 
@@ -33,5 +37,7 @@ __all__ = [
     "swiglu", "swiglu_packed", "swiglu_reference", "swiglu_backward_reference", "swiglu_triton",
     "swiglu_backward_triton",
     "rope_qkv", "rope_qkv_reference", "rope_qkv_backward_reference", "rope_qkv_triton", "rope_qkv_backward_triton",
+    "rope_qkv_norm", "rope_qkv_norm_reference", "rope_qkv_norm_backward_reference", "rope_qkv_norm_triton",
+    "rope_qkv_norm_backward_triton",
     "linear_cross_entropy", "ce_rows_reference", "ce_rows_triton",
 ]

@@ -31,10 +31,10 @@ autocast kernel (a Python kernel plus an autocast-off context), the custom op's 
 its backend lookup, and the launcher; its backward the same again. On the H200's host that is
 144-391 us a forward call and 148-550 us a backward, against 11-20 us for an eager aten op (the
 dispatcher path as `anatomy calibrate` times it, host_custom_us), enough for a 6-layer seed step to
-spend more on the host than its 39 ms of kernels. So the public functions (rms_norm, rope_qkv, swiglu_packed)
-run a plain ``torch.autograd.Function`` over the very implementations the custom ops call, with the
-autocast rule applied inline, whenever ``fast_path`` holds: eager plain tensors with no dispatch or
-function mode, no trace and no tensor subclass. Anything else (torch.compile, FakeTensorMode,
+spend more on the host than its 39 ms of kernels. So the public functions (rms_norm, rope_qkv,
+rope_qkv_norm, swiglu_packed) run a plain ``torch.autograd.Function`` over the very implementations the
+custom ops call, with the autocast rule applied inline, whenever ``fast_path`` holds: eager plain tensors
+with no dispatch or function mode, no trace and no tensor subclass. Anything else (torch.compile, FakeTensorMode,
 FlopCounterMode, the liveness walk's dispatch mode, DTensor, meta tensors) goes through the custom
 op, so what sees ops still sees ``anatomy::*``. validations/test_fast_path.py holds the two
 paths to the same bits, saved tensors and in-place gradients.

@@ -59,6 +59,18 @@ def _rope_section(X, Y, x_sh, y_sh, c1, c2, s1, s2, N_HEADS: tl.constexpr, HALF:
 
 
 @jit
+def _table_row(COS, SIN, s, stride_cos, stride_sin, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # position s's cos and sin halves, (1, BLOCK_HALF) each, in fp32
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    m = d < HALF
+    c1 = tl.load(COS + s * stride_cos + d, mask=m, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + s * stride_cos + HALF + d, mask=m, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + s * stride_sin + d, mask=m, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + s * stride_sin + HALF + d, mask=m, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@jit
 def _rope_kernel(XQ, XK, XV, YQ, YK, YV, COS, SIN,
                  xq_sb, xq_ss, xq_sh, xk_sb, xk_ss, xk_sh, xv_sb, xv_ss, xv_sh,  # source (b, s, head) strides
                  yq_sb, yq_ss, yq_sh, yk_sb, yk_ss, yk_sh, yv_sb, yv_ss, yv_sh,  # destination strides
@@ -70,12 +82,7 @@ def _rope_kernel(XQ, XK, XV, YQ, YK, YV, COS, SIN,
     pid = tl.program_id(0)
     b = (pid // S).to(tl.int64)
     s = (pid % S).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    m = d < HALF
-    c1 = tl.load(COS + s * stride_cos + d, mask=m, other=0.0).to(tl.float32)  # (1, BLOCK_HALF)
-    c2 = tl.load(COS + s * stride_cos + HALF + d, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + s * stride_sin + d, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + s * stride_sin + HALF + d, mask=m, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _table_row(COS, SIN, s, stride_cos, stride_sin, HALF, BLOCK_HALF)
     _rope_section(XQ + b * xq_sb + s * xq_ss, YQ + b * yq_sb + s * yq_ss, xq_sh, yq_sh, c1, c2, s1, s2,
                   H, HALF, MODE, BLOCK_H, BLOCK_HALF)
     _rope_section(XK + b * xk_sb + s * xk_ss, YK + b * yk_sb + s * yk_ss, xk_sh, yk_sh, c1, c2, s1, s2,

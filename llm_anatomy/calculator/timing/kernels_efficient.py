@@ -11,7 +11,7 @@ from llm_anatomy.calculator.timing.op_bytes import dw_sum_bytes, fused_bytes
 from llm_anatomy.calculator.timing.ops import Kernel, Ops, causal_attention_flops, embedding, residual, rope_tables
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy import kernel_shapes
-from llm_anatomy.kernel_shapes import chunk_rows, lce_chunk_rows, lce_vocab
+from llm_anatomy.kernel_shapes import chunk_rows, lce_chunk_rows, lce_vocab, rms_norm_programs
 
 
 def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn", hist=None) -> list[Kernel]:
@@ -41,11 +41,12 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn", h
     o.mem("norm.rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H, T), n_norms, host=None, fused=(*bw, T))
     # attention: one qkv matmul, fused split + RoPE, SDPA, o
     o.linear("attention.qkv", "attention", H, D, L, bias=cfg.qkv_bias, fp32_grad=fused)
-    for ph, name in (("forward", "attention.rope_qkv"), ("backward", "attention.rope_qkv.backward")):
-        op = (f"rope_qkv.{ph}", D)
-        o.mem(name, "attention", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
     if cfg.qk_norm:
-        qk_norm_kernels(o)
+        rope_norm_kernels(o)
+    else:
+        for ph, name in (("forward", "attention.rope_qkv"), ("backward", "attention.rope_qkv.backward")):
+            op = (f"rope_qkv.{ph}", D)
+            o.mem(name, "attention", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
     F = causal_attention_flops(B, nh, S, hd)
     io = T * D * c  # q, k, v
     o.k.append(Kernel("attention.sdpa", "attention", "forward", "sdpa", L, F, io + T * q * c + B * nh * S * 4,
@@ -100,21 +101,20 @@ def mlp(o: Ops, fused: bool) -> None:
     o.linear("mlp.down", "mlp", I, H, L, fp32_grad=fused)
 
 
-def qk_norm_kernels(o: Ops) -> None:
-    """q_norm and k_norm (efficient/attention.py, Attention._qk_norm): rms_norm over head-rows of hd, from and to
-    the compute dtype, forward and backward (and its dw sum); the cat that hands rope_qkv one tensor, and the
-    split's backward, the cat of d(q), d(k) and d(v). Priced by bytes at the rms_norm and copy rates (no
-    calibration at width hd)."""
+def rope_norm_kernels(o: Ops) -> None:
+    """rope_qkv_norm (kernels/rope_norm.py): q_norm and k_norm inside the RoPE kernel. Forward reads qkv and
+    writes q, k, v, as rope_qkv; backward reads dq, dk, dv and qkv's q and k columns, writes d(qkv), then a
+    second kernel per weight sums the (programs, hd) fp32 partials (programs as rms_norm's over rows of 2·hd).
+    Timed at rope_qkv's calibrated efficiency (the same one-program-per-token launch and layouts; the
+    per-head reduction stays in registers; the hd-wide weights are left out of the bytes)."""
     T, L, c, hd = o.run.tokens, o.cfg.layers, o.c, o.cfg.head_dim
-    D = (o.cfg.heads + 2 * o.cfg.kv_heads) * hd
-    for name, heads in (("q_norm", o.cfg.heads), ("k_norm", o.cfg.kv_heads)):
-        rows = T * heads
-        o.mem(f"attention.{name}", "attention", "forward", *fused_bytes("rms_norm.forward", hd, rows, c, c), L)
-        o.mem(f"attention.{name}.backward", "attention", "backward", *fused_bytes("rms_norm.backward", hd, rows, c, c),
-              L)
-        o.mem(f"attention.{name}.dw_sum", "attention", "backward", *dw_sum_bytes(hd, rows), L, host=None)
-    o.mem("attention.qk_norm.cat", "attention", "forward", T * D * c, T * D * c, L)
-    o.mem("attention.qk_norm.split.backward", "attention", "backward", T * D * c, T * D * c, L)
+    qk, D = o.cfg.q_dim + o.cfg.kv_dim, o.cfg.q_dim + 2 * o.cfg.kv_dim
+    fw, bw = ("rope_qkv.forward", D), ("rope_qkv.backward", D)
+    o.mem("attention.rope_qkv_norm", "attention", "forward", T * D * c, T * D * c, L, host=fw[0], fused=(*fw, T))
+    o.mem("attention.rope_qkv_norm.backward", "attention", "backward", T * (D + qk) * c, T * D * c, L, host=bw[0],
+          fused=(*bw, T))
+    programs = rms_norm_programs(2 * hd, T)
+    o.mem("attention.rope_qkv_norm.dw_sum", "attention", "backward", 4 * programs * hd, 4 * hd, 2 * L, host=None)
 
 
 def fused_norms(o: Ops) -> None:
@@ -149,13 +149,9 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
           fused=(*fw, T))
     if full:
         o.mm("attention.qkv.recompute", "attention", "backward", T, D, H, L)
-        if cfg.qk_norm:  # the norms and their cat run again too
-            for name, heads in (("q_norm", nh), ("k_norm", cfg.kv_heads)):
-                o.mem(f"attention.{name}.recompute", "attention", "backward",
-                      *fused_bytes("rms_norm.forward", hd, T * heads, c, c), L)
-            o.mem("attention.qk_norm.cat.recompute", "attention", "backward", T * D * c, T * D * c, L)
         rp = ("rope_qkv.forward", D)
-        o.mem("attention.rope_qkv.recompute", "attention", "backward", *fused_bytes(*rp, T, c, r), L, host=rp[0],
+        rope = "rope_qkv_norm" if cfg.qk_norm else "rope_qkv"  # the same bytes with or without the q/k norms
+        o.mem(f"attention.{rope}.recompute", "attention", "backward", *fused_bytes(*rp, T, c, r), L, host=rp[0],
               fused=(*rp, T))
         F = causal_attention_flops(B, nh, S, hd)
         # the forward kernel, priced as one (op_phase) though it runs in the backward phase
