@@ -26,56 +26,66 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from llm_anatomy.mesh_rules import SCHEDULES, check_pipeline
+from llm_anatomy.mesh_rules import SCHEDULES, check_mesh, check_pipeline, check_run
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
-from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, pipeline_stages, shard_stage
+from llm_anatomy.distributed.pipeline_parallel import make_schedule, pipeline_stages
+from llm_anatomy.distributed.pipeline_tp import MESH_DIMS, build_pp_mesh, tp_stages
 from llm_anatomy.distributed.saved_in_flight import SavedInFlight
 from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank
+from llm_anatomy.distributed.tensor_parallel import loss_context
 from llm_anatomy.distributed.train_step import _config, _Parser, add_run_arguments, init_launched, make_optimizer
 from llm_anatomy.io import write_atomic
 from llm_anatomy.models import VARIANTS, build_model, make_batch
 
 
-def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, schedule: str = "1f1b", microbatches: int = 2,
-             virtual: int = 1, split=None, variant: str = "baseline", steps: int = 2, optimizer: str = "adamw",
-             lr: float = 1e-3, seed: int = 0) -> list[dict]:
-    """`steps` pipeline steps on the initialized process group of pp x dp ranks; this rank's records."""
-    from torch.distributed.device_mesh import init_device_mesh
+def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, tp: int = 1, schedule: str = "1f1b",
+             microbatches: int = 2, virtual: int = 1, split=None, variant: str = "baseline", steps: int = 2,
+             optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0) -> list[dict]:
+    """`steps` pipeline steps on the initialized process group of pp x dp x tp ranks; this rank's records."""
     check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
-    if dist.get_world_size() != pp * dp:
-        raise ConfigError(f"pp x dp = {pp * dp} ranks, but the job has {dist.get_world_size()}")
+    check_mesh(cfg, tp, dp, variant=variant)
+    check_run(run, tp, dp)
+    if dist.get_world_size() != pp * dp * tp:
+        raise ConfigError(f"pp x dp x tp = {pp * dp * tp} ranks, but the job has {dist.get_world_size()}")
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    mesh = build_pp_mesh(pp, dp, tp, device.type)
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     model = build_model(cfg, variant, device=device, dtype=torch.bfloat16 if run.dtype == "bf16" else None,
                         seed=seed, recompute=run.recompute)  # the same weights on every rank
-    mods = build_stages(model, pp, pp_rank, virtual=virtual, split=split)
-    if dp > 1:
-        pd, rd = default_mixed_precision(run)
-        mods = [shard_stage(m, mesh["dp"], param_dtype=pd, reduce_dtype=rd) for m in mods]
+    pd, rd = default_mixed_precision(run) if dp > 1 else (None, None)
+    mods = tp_stages(model, mesh, virtual=virtual, split=split, param_dtype=pd, reduce_dtype=rd)
     ids, targets = make_batch(cfg, run, device, seed=seed + 1 + dp_rank)  # each dp rank its own data
     act = torch.bfloat16 if run.dtype in ("bf16", "amp") else torch.float32
-    stages = pipeline_stages(mods, pp_rank, pp, ids[:run.batch // microbatches], cfg.hidden, act, mesh["pp"])
+    stages = pipeline_stages(mods, pp_rank, pp, ids[:run.batch // microbatches], cfg.hidden, act, mesh["pp"], tp)
     sched = make_schedule(schedule, stages, microbatches)
     holder = torch.nn.ModuleList(mods)
     opt = make_optimizer(optimizer, holder.parameters(), lr)
     first, last = any(m.first for m in mods), any(m.last for m in mods)
+    names = {mesh.get_group(d).group_name: d for d in MESH_DIMS}
     records = []
     for step in range(1, steps + 1):
         losses: list[torch.Tensor] = []
         kw = dict(targets=targets, target=targets, losses=losses) if last else {}
-        with CollectiveCounter() as counter, SavedInFlight(mods) as saved:
+        with CollectiveCounter() as counter, SavedInFlight(mods) as saved, loss_context(tp):
             sched.step(*((ids,) if first else ()), return_outputs=False, **kw)
             opt.step()
         mem = rank_memory(holder, opt)
         opt.zero_grad(set_to_none=True)
+        by_dim = counter.counts_by_group(names)
         rec = dict(step=step, memory=mem, collectives=[[*k, n] for k, n in sorted(counter.counts().items())],
+                   by_dim=[[*k, n] for k, n in sorted(by_dim.items())],
                    saved_peak=saved.peak, chunks_peak=saved.chunks_peak, pp_rank=pp_rank, dp_rank=dp_rank,
-                   loss=float(torch.stack(losses).detach().float().mean()) if last else None)
+                   tp_rank=mesh["tp"].get_local_rank(),
+                   loss=float(torch.stack([local_loss(x) for x in losses]).detach().float().mean()) if last else None)
         records.append(rec)
     return records
+
+
+def local_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's loss as a plain tensor: under loss_parallel a DTensor replicated over tp."""
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
 def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> list[list[list[dict]]]:
