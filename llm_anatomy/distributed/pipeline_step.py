@@ -60,10 +60,19 @@ def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, tp: int = 1, s
     act = torch.bfloat16 if run.dtype in ("bf16", "amp") else torch.float32
     stages = pipeline_stages(mods, pp_rank, pp, ids[:run.batch // microbatches], cfg.hidden, act, mesh["pp"], tp)
     sched = make_schedule(schedule, stages, microbatches)
+    opt = make_optimizer(optimizer, torch.nn.ModuleList(mods).parameters(), lr)
+    return pp_steps(sched, mods, opt, ids, targets, mesh, steps)
+
+
+def pp_steps(sched, mods: list, opt, ids: torch.Tensor, targets: torch.Tensor, mesh, steps: int, *,
+             with_loss: bool = True) -> list[dict]:
+    """`steps` steps of the schedule over this rank's stage modules, each recorded (the module docstring's
+    fields, and by_dim: [[mesh dim, op, dtype, bytes, calls], ...]). with_loss=False for fake tensors, whose loss
+    has no value to read."""
     holder = torch.nn.ModuleList(mods)
-    opt = make_optimizer(optimizer, holder.parameters(), lr)
     first, last = any(m.first for m in mods), any(m.last for m in mods)
     names = {mesh.get_group(d).group_name: d for d in MESH_DIMS}
+    tp = mesh["tp"].size()
     records = []
     for step in range(1, steps + 1):
         losses: list[torch.Tensor] = []
@@ -73,12 +82,12 @@ def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, tp: int = 1, s
             opt.step()
         mem = rank_memory(holder, opt)
         opt.zero_grad(set_to_none=True)
-        by_dim = counter.counts_by_group(names)
         rec = dict(step=step, memory=mem, collectives=[[*k, n] for k, n in sorted(counter.counts().items())],
-                   by_dim=[[*k, n] for k, n in sorted(by_dim.items())],
-                   saved_peak=saved.peak, chunks_peak=saved.chunks_peak, pp_rank=pp_rank, dp_rank=dp_rank,
-                   tp_rank=mesh["tp"].get_local_rank(),
-                   loss=float(torch.stack([local_loss(x) for x in losses]).detach().float().mean()) if last else None)
+                   by_dim=[[*k, n] for k, n in sorted(counter.counts_by_group(names).items())],
+                   saved_peak=saved.peak, chunks_peak=saved.chunks_peak, pp_rank=mesh["pp"].get_local_rank(),
+                   dp_rank=mesh["dp"].get_local_rank(), tp_rank=mesh["tp"].get_local_rank(), loss=None)
+        if last and with_loss:
+            rec["loss"] = float(torch.stack([local_loss(x) for x in losses]).detach().float().mean())
         records.append(rec)
     return records
 
