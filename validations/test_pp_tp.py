@@ -100,21 +100,23 @@ def gloo_pp2_tp2() -> dict:
 
 def _note(sc: dict, rec: dict) -> str:
     c, r = sc["cfg"], sc["run"]
-    return (f"{sc['schedule']} pp={sc['pp']} tp={sc['tp']} m={sc['microbatches']} split={sc['split']} "
+    return (f"{sc['schedule']} pp={sc['pp']} dp={sc.get('dp', 1)} tp={sc['tp']} m={sc['microbatches']} "
+            f"split={sc['split']} "
             f"L{c.layers} H{c.hidden} I{c.intermediate} V{c.vocab} heads {c.heads}/{c.kv_heads}x{c.head_dim} "
             f"qk_norm={c.qk_norm} bias={c.qkv_bias} {c.mlp} B{r.batch}S{r.seq} {r.dtype} {sc['optimizer']}; "
-            f"pp rank {rec['pp_rank']}, tp rank {rec['tp_rank']}, step {rec['step']}")
+            f"pp rank {rec['pp_rank']}, dp rank {rec['dp_rank']}, tp rank {rec['tp_rank']}, step {rec['step']}")
 
 
 def _check_rank(claims, sc: dict, rec: dict) -> None:
     pr, note = rec["pp_rank"], _note(sc, rec)
     common = dict(virtual=sc["virtual"], split=sc["split"], tp=sc["tp"])
     kw = dict(config=sc["cfg"].name, variant="baseline pp x tp", device="cpu", note=note)
-    mem = pp_rank_memory(sc["cfg"], sc["run"], sc["pp"], pr, optimizer=sc["optimizer"], **common)
+    mem = pp_rank_memory(sc["cfg"], sc["run"], sc["pp"], pr, sc.get("dp", 1), dp_rank=rec["dp_rank"],
+                         optimizer=sc["optimizer"], **common)
     for what, component in (("params", "comm"), ("grads", "comm"), ("optimizer", "optimizer")):
         claims.check(f"pp x tp per-rank {what} bytes", component=component, predicted=mem[what],
                      measured=rec["memory"][what], unit="B", **kw)
-    pred = grouped_counts(pp_collectives(sc["cfg"], sc["run"], sc["pp"], pr, schedule=sc["schedule"],
+    pred = grouped_counts(pp_collectives(sc["cfg"], sc["run"], sc["pp"], pr, sc.get("dp", 1), schedule=sc["schedule"],
                                          microbatches=sc["microbatches"], step=rec["step"],
                                          optimizer=sc["optimizer"], **common))
     meas = {(g, op, dt, b): n for g, op, dt, b, n in rec["by_dim"]}
@@ -174,3 +176,30 @@ def test_pp2_tp2_loss_curve_matches_one_process(gloo_pp2_tp2, name, claims):
                   measured=err(pipe, ref64), component="loss", config=LOSS_CFG.name, variant=f"baseline {name}",
                   unit="rel", note=f"pp x tp {pipe}, one process fp32 {ref32}, float64 {ref64}")
     assert err(pipe, ref64) <= bound, f"pp x tp {pipe}\n one process fp32 {ref32}\n float64 {ref64}"
+
+
+# ---- the fake process group: ranks of a 256-rank mesh ------------------------------------
+BIG = dict(pp=4, dp=8, tp=8)
+BIG_CFG = ModelConfig(name="pp4-dp8-tp8", hidden=64, layers=9, heads=8, kv_heads=8, intermediate=96, vocab=136,
+                      qk_norm=True, head_dim=8)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_fake_pg_pp4_dp8_tp8_exact(schedule, claims):
+    """torch's schedule, DTensor and FSDP2 run their own code for a rank of the first and of the last pipeline
+    stage of pp 4 x dp 8 x tp 8 (the fake process group, distributed/pipeline_simulate.py) under amp (FSDP's bf16
+    parameters, fp32 gradient reduction); each rank's collectives by mesh dim, bytes held, saved peak and chunks
+    equal the prediction, steps 1 (with the warm-up vote) and 2."""
+    from llm_anatomy.distributed.pipeline_simulate import simulate_ranks
+
+    virtual = 1 if schedule == "1f1b" else 2
+    sc = dict(cfg=BIG_CFG, run=Run(batch=8, seq=16, dtype="amp"), schedule=schedule, microbatches=8,
+              virtual=virtual, split=None, optimizer="adamw", **BIG)
+    # the first and the last pipeline rank (embedding, head and loss_parallel), at different (dp, tp) coordinates
+    stage_rank = {0: 5, 3: 3 * 64 + 58}
+    recs = simulate_ranks(list(stage_rank.values()), steps=2, **{k: v for k, v in sc.items() if k != "optimizer"})
+    for p, r in stage_rank.items():
+        assert [x["pp_rank"] for x in recs[r]] == [p, p]
+        assert (recs[r][0]["dp_rank"], recs[r][0]["tp_rank"]) == divmod(r % 64, 8)
+        for rec in recs[r]:
+            _check_rank(claims, sc, rec)

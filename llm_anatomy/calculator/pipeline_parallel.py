@@ -175,8 +175,10 @@ def tp_stage_rows(cfg: ModelConfig, run: Run, layers: int, first: bool, last: bo
         rows.append(_row("all_reduce", "forward", "loss parallel", 3 * M, mb * run.seq * 4, "float32"))
     reads = 1 if dp > 1 else OPTIMIZER_GRAD_READS[optimizer]
     phase = "backward" if dp > 1 else "optimizer"
-    rows.append(_row("all_reduce", phase, "norm weight grads", (2 * layers + last) * reads, cfg.hidden * cb, compute))
+    # under FSDP the Partial gradients are redistributed on FSDP's unsharded gradient, in its reduce dtype
+    gd = dts["reduce"] if dts else compute
+    gb = DTYPE_BYTES[gd]
+    rows.append(_row("all_reduce", phase, "norm weight grads", (2 * layers + last) * reads, cfg.hidden * gb, gd))
     if cfg.qk_norm:
-        rows.append(_row("all_reduce", phase, "q/k norm weight grads", 2 * layers * reads, cfg.head_dim * cb,
-                         compute))
+        rows.append(_row("all_reduce", phase, "q/k norm weight grads", 2 * layers * reads, cfg.head_dim * gb, gd))
     return [dict(r, group="tp") for r in rows if r["count"]]

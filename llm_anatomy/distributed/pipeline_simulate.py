@@ -72,3 +72,16 @@ class _Votes(TorchDispatchMode):
                 if t.dtype == torch.int32:
                     t.fill_(1)
         return out
+
+
+def simulate_ranks(ranks: list[int], *, workers: int = 2, **kw) -> dict[int, list[dict]]:
+    """simulate_pp(rank=r, **kw) for each r, each in a fresh process: DTensor caches its sharding decisions by
+    mesh, and the meshes of two ranks are equal, so a second rank in one process would run on the first one's
+    (destroyed) process groups. {rank: records}."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                             max_tasks_per_child=1) as pool:
+        futures = {r: pool.submit(simulate_pp, rank=r, **kw) for r in ranks}
+        return {r: f.result() for r, f in futures.items()}
