@@ -9,11 +9,17 @@ per rank (llm_anatomy.calculator.pipeline_parallel with tp) against what each gl
   loss curve          PP 2 x TP 2 (both schedules) against the single-process run on the same batch: the PP
                       tests' float64 rule (validations/test_pipeline_parallel.py) or TP's CURVE_TOL
                       (validations/test_tensor_parallel.py), whichever is looser, since TP reorders the sums
-  fake process group  pp 4 x dp 8 x tp 8 (256 ranks): the counts one rank of each pipeline stage issues
-  bad input           one-line ConfigError naming the field
-All drawn scenarios run in ONE spawn (a module-scoped fixture), so the file stays fast.
+  fake process group  pp 4 x dp 8 x tp 8 (256 ranks): a rank of the first and of the last stage, exact as above
+  anatomy train       --tp 2 --pp 2 on 4 gloo ranks: loss curve, evals and gradient norms against one process
+                      (validations/test_train_mesh.py's run and tolerances), the checkpoint's 3-D mesh, a same-mesh
+                      resume repeating the run bit for bit, and a resume on another mesh refused in one line
+  bad input           one line, exit 2
+The drawn scenarios run in ONE spawn, the anatomy train runs in another (module-scoped fixtures).
 """
 from __future__ import annotations
+
+import contextlib
+import json
 
 import pytest
 import torch
@@ -25,7 +31,7 @@ from llm_anatomy.calculator.tensor_parallel import grouped_counts
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
 from validations.test_tensor_parallel import CURVE_TOL
-from validations.train_cases import one_process_losses
+from validations.train_cases import cache, one_process_losses, one_thread  # noqa: F401 (module fixtures)
 
 N = 20  # drawn configs per schedule
 PP, TP = 2, 2
@@ -145,6 +151,12 @@ def test_gloo_pp2_tp2_per_rank_exact(gloo_pp2_tp2, schedule, claims):
                 _check_rank(claims, sc, rec)
 
 
+def curve_bound(fp32_err: float) -> float:
+    """The loosest relative error against float64 that the PP and TP tests allow: twice the one-process fp32 run's
+    own error (or twice one fp32 rounding), or TP's CURVE_TOL against that fp32 run plus its own error."""
+    return max(2 * max(fp32_err, 2.0 ** -24), CURVE_TOL + fp32_err)
+
+
 # ---- the loss curve against one process --------------------------------------------------------------
 def _single_process_losses(dtype: torch.dtype) -> list[float]:
     from llm_anatomy.distributed.train_step import make_optimizer
@@ -171,7 +183,7 @@ def test_pp2_tp2_loss_curve_matches_one_process(gloo_pp2_tp2, name, claims):
     ref32, ref64 = _single_process_losses(torch.float32), _single_process_losses(torch.float64)
     err = lambda xs, ref: max(abs(x - y) / abs(y) for x, y in zip(xs, ref))  # noqa: E731
     assert pipe[-1] < pipe[0]  # it trains
-    bound = max(2 * max(err(ref32, ref64), 2.0 ** -24), CURVE_TOL + err(ref32, ref64))
+    bound = curve_bound(err(ref32, ref64))
     claims.within("PP 2 x TP 2 loss curve, relative error against float64", low=0.0, high=bound,
                   measured=err(pipe, ref64), component="loss", config=LOSS_CFG.name, variant=f"baseline {name}",
                   unit="rel", note=f"pp x tp {pipe}, one process fp32 {ref32}, float64 {ref64}")
@@ -203,3 +215,90 @@ def test_fake_pg_pp4_dp8_tp8_exact(schedule, claims):
         assert (recs[r][0]["dp_rank"], recs[r][0]["tp_rank"]) == divmod(r % 64, 8)
         for rec in recs[r]:
             _check_rank(claims, sc, rec)
+
+
+# ---- anatomy train --tp 2 --pp 2 ------------------------------------------------------------------------
+PPTP = ["--tp", "2", "--pp", "2", "--pp-schedule", "1f1b", "--microbatches", "2"]
+MESH = "pp 2 (1f1b, 1 stage(s) per rank) x dp 1 x tp 2"
+
+
+@pytest.fixture(scope="module")
+def trained(cache, tmp_path_factory) -> dict:
+    """One 4-rank spawn: the PP 2 x TP 2 run (checkpoint at step 2), its resume from step 2, and that checkpoint
+    resumed as TP 2 x FSDP 2; and the one-process runs it is held to (fp32, float64)."""
+    from llm_anatomy.distributed import train_step
+    from llm_anatomy.train.data import load_data
+    from llm_anatomy.train.loop import TrainOptions, train
+    from validations.test_train import _float64_throughout
+    from validations.test_train_mesh import CFG, CLIP, FLAGS, STEPS, _rank_cli
+
+    base = tmp_path_factory.mktemp("pp-tp-train")
+    common = [*FLAGS, "--cache-dir", str(cache), "--batch", "4"]
+    step2 = str(base / "pp2xtp2" / "step-00000002")
+    runs = {"pp2xtp2": [*PPTP, "--ckpt-every", "2", "--ckpt-dir", str(base / "pp2xtp2")],
+            "resumed": [*PPTP, "--ckpt-dir", str(base / "pp2xtp2"), "--resume", step2, "--out", str(base / "resumed")],
+            "on-tp2xdp2": ["--tp", "2", "--ckpt-dir", str(base / "pp2xtp2"), "--resume", step2,
+                           "--out", str(base / "on-tp2xdp2")]}
+    codes = train_step.spawn(PP * TP, [dict(args=[*common, *a]) for a in runs.values()], timeout_s=300, fn=_rank_cli)
+    out = {name: ([codes[r][i] for r in range(PP * TP)], base / name) for i, name in enumerate(runs)}
+    data = load_data(None, CFG.vocab, cache_dir=cache, seq=32)
+    for name, pdt in (("fp32", None), ("fp64", "float64")):
+        d = base / name
+        o = TrainOptions(steps=STEPS, eval_every=2, grad_clip=CLIP, progress="none", plot=False, out=str(d),
+                         param_dtype=pdt)
+        with _float64_throughout() if pdt else contextlib.nullcontext():
+            train(CFG, Run(4, 32, "fp32"), "baseline", data, o)
+        out[name] = ([0], d)
+    return out
+
+
+@pytest.mark.distributed
+def test_train_pp2_tp2_matches_one_process(trained, claims):
+    """`anatomy train --tp 2 --pp 2` on 4 ranks: every rank exits 0, the log names the 3-D mesh, and its loss
+    curve and evals against float64 are within curve_bound of the one-process fp32 run's own error; its gradient
+    norms (the stages' combined, each a TP DTensor norm) within CURVE_TOL of the one-process run's."""
+    from validations.test_train_mesh import CFG, _check_norms, _evals, _log, _losses
+
+    codes, d = trained["pp2xtp2"]
+    assert codes == [0] * (PP * TP)
+    log = _log(d)
+    assert log["strategy"] == "pp" and log["mesh"] == MESH
+    _check_norms(d, trained["fp32"][1], "pp2xtp2", claims)
+    for what in (_losses, _evals):
+        got, ref32, ref64 = what(d), what(trained["fp32"][1]), what(trained["fp64"][1])
+        err = lambda xs: max(abs(x - y) / abs(y) for x, y in zip(xs, ref64, strict=True))  # noqa: E731
+        claims.within(f"anatomy train --tp 2 --pp 2 {what.__name__[1:]}, relative error against float64",
+                      low=0.0, high=curve_bound(err(ref32)), measured=err(got), component="loss", config=CFG.name,
+                      variant="baseline", unit="rel", note=f"pp x tp {got}, one process fp32 {ref32}")
+        assert err(got) <= curve_bound(err(ref32)), (got, ref32, ref64)
+
+
+@pytest.mark.distributed
+def test_train_pp2_tp2_resume_and_other_mesh(trained):
+    """The step-2 checkpoint holds one shard per rank under the 3-D mesh; resumed on the same mesh, the 4 straight
+    steps' losses and evals come back bit for bit; resumed as TP 2 x FSDP 2, every rank exits 2 with one line."""
+    from validations.test_train_mesh import _evals, _log, _losses
+
+    straight, (codes, resumed) = trained["pp2xtp2"][1], trained["resumed"]
+    assert codes == [0] * (PP * TP) and _log(resumed)["start_step"] == 2
+    assert _losses(resumed) == _losses(straight) and _evals(resumed) == _evals(straight)
+    step2 = straight / "step-00000002"
+    assert sorted(p.name for p in step2.glob("shard-*")) == [f"shard-{r:05d}-of-00004.safetensors" for r in range(4)]
+    assert json.loads((step2 / "trainer.json").read_text())["layout"] == MESH
+    assert trained["on-tp2xdp2"][0] == [2] * (PP * TP)
+
+
+def test_train_pp_tp_refusals_one_line(cache, tmp_path, capsys, monkeypatch):
+    """Before any process group: a mesh that does not divide the world, the efficient variant under TP, seq not
+    divisible by tp; each one line on stderr and exit 2."""
+    from llm_anatomy.train import cli
+    from validations.test_train_mesh import FLAGS
+
+    monkeypatch.setenv("RANK", "0")
+    for world, args, says in [(6, PPTP, "--pp 2 x --tp 2 = 4 ranks does not divide the world size 6"),
+                              (4, [*PPTP, "--variant", "efficient"], "baseline variant only"),
+                              (4, [*PPTP, "--seq", "31"], "seq=31 is not divisible by tp=2")]:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        rc = cli.main([*FLAGS, "--batch", "4", "--cache-dir", str(cache), "--out", str(tmp_path), *args])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and says in err, err
