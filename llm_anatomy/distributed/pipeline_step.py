@@ -3,10 +3,11 @@
     torchrun --nproc_per_node 2 -m llm_anatomy.distributed.pipeline_step --pp 2 --schedule 1f1b \\
         --hidden 64 --layers 4 --heads 4 --intermediate 96 --vocab 256 --batch 4 --seq 32 --microbatches 4 --dtype fp32
 
-The world is a 2-D DeviceMesh ("pp", "dp"), pp x dp ranks (init_device_mesh("cpu" | "cuda", (pp, dp))): every dp
+The world is a DeviceMesh ("pp", "dp", "tp"), pp x dp x tp ranks (distributed/pipeline_tp.build_pp_mesh): every dp
 rank of a pipeline column runs its own data; the pipeline ranks of a column pass activations forward and their
-gradients back through torch.distributed.pipelining (PipelineStage, Schedule1F1B or ScheduleInterleaved1F1B), and
-with dp > 1 each stage is FSDP2-sharded over its dp row (llm_anatomy/distributed/pipeline_parallel.py).
+gradients back through torch.distributed.pipelining (PipelineStage, Schedule1F1B or ScheduleInterleaved1F1B); with
+--tp > 1 each stage is tensor parallel over its tp group (the sequence shard passes between stages), and with
+dp > 1 each stage is FSDP2-sharded over its dp row (llm_anatomy/distributed/pipeline_parallel.py, pipeline_tp.py).
 
 A record per step: step, loss (the rank holding the last stage: the mean of its micro-batch losses, the batch's
 mean loss; None elsewhere), collectives [[op, dtype, bytes, calls], ...] (every send, recv and FSDP collective of
@@ -109,7 +110,8 @@ def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> lis
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m llm_anatomy.distributed.pipeline_step", description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks (stages: pp x virtual)")
-    p.add_argument("--dp", type=int, help="FSDP2 ranks per stage (default: world size / pp)")
+    p.add_argument("--dp", type=int, help="FSDP2 ranks per stage (default: world size / (pp x tp))")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside each stage (baseline variant)")
     p.add_argument("--schedule", default="1f1b", help=", ".join(SCHEDULES))
     # not --virtual: torchrun's own parser takes it for an abbreviation of its --virtual-local-rank
     p.add_argument("--stages-per-rank", type=int, help="interleaved-1f1b's stages per rank (default 2; 1f1b: 1)")
@@ -136,13 +138,16 @@ def main(argv=None) -> int:
         cfg, run = _config(a), Run(batch=a.batch, seq=a.seq, dtype=a.dtype)
         virtual = a.stages_per_rank or (1 if a.schedule == "1f1b" else 2)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        dp = a.dp or max(1, world // a.pp)
-        kw = dict(pp=a.pp, dp=dp, schedule=a.schedule, microbatches=a.microbatches or a.pp, virtual=virtual,
-                  split=_split(a.split), variant=a.variant, steps=a.steps, optimizer=a.optimizer, lr=a.lr,
-                  seed=a.seed)
+        dp = a.dp or max(1, world // (a.pp * max(a.tp, 1)))
+        kw = dict(pp=a.pp, dp=dp, tp=a.tp, schedule=a.schedule, microbatches=a.microbatches or a.pp,
+                  virtual=virtual, split=_split(a.split), variant=a.variant, steps=a.steps, optimizer=a.optimizer,
+                  lr=a.lr, seed=a.seed)
         check_pipeline(cfg, run, a.pp, dp, a.schedule, kw["microbatches"], virtual, kw["split"])
-        if a.pp * dp != world:
-            raise ConfigError(f"pp x dp = {a.pp * dp} ranks, but the job has {world} (torchrun --nproc_per_node)")
+        check_mesh(cfg, a.tp, dp, variant=a.variant)
+        check_run(run, a.tp, dp)
+        if a.pp * dp * a.tp != world:
+            dims = "pp x dp" + (" x tp" if a.tp > 1 else "")
+            raise ConfigError(f"{dims} = {a.pp * dp * a.tp} ranks, but the job has {world} (torchrun --nproc_per_node)")
         init_launched(a.backend, a.timeout_s)
     except ConfigError as e:
         print(f"pipeline_step: error: {e}", file=sys.stderr)
@@ -155,7 +160,7 @@ def main(argv=None) -> int:
         print(f"pipeline_step: error: {e}", file=sys.stderr)
         return 2
     for rec in recs:
-        if rec["loss"] is not None and rec["dp_rank"] == 0:  # the last stage of the first pipeline prints
+        if rec["loss"] is not None and rec["dp_rank"] == rec["tp_rank"] == 0:  # the first pipeline's last stage
             sends = sum(c[3] for c in rec["collectives"] if c[0] in ("send", "recv"))
             print(f"step {rec['step']}  loss {rec['loss']:.4f}  sends+recvs {sends}  saved at peak "
                   f"{rec['saved_peak'] / 2**20:.2f} MiB ({rec['chunks_peak']} chunks)", flush=True)
@@ -164,7 +169,7 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / f"rank{rank}.json", json.dumps(dict(world_size=dist.get_world_size(), rank=rank,
                                                                config=cfg.to_dict(), steps=recs, **{
-                                                                   k: kw[k] for k in ("pp", "dp", "schedule",
+                                                                   k: kw[k] for k in ("pp", "dp", "tp", "schedule",
                                                                                       "microbatches", "virtual",
                                                                                       "split", "variant")}),
                                                           indent=1))
