@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from llm_anatomy.calculator.pipeline_parallel import pp_collectives, pp_rank_memory
 from llm_anatomy.calculator.pipeline_schedule import in_flight, saved_peak
 from llm_anatomy.calculator.tensor_parallel import grouped_counts
-from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.config import ModelConfig, Run
 from validations.configs import draw_examples
 from validations.test_tensor_parallel import CURVE_TOL
 from validations.train_cases import cache, one_process_losses, one_thread  # noqa: F401 (module fixtures)
@@ -266,7 +266,10 @@ def test_train_pp2_tp2_matches_one_process(trained, claims):
     _check_norms(d, trained["fp32"][1], "pp2xtp2", claims)
     for what in (_losses, _evals):
         got, ref32, ref64 = what(d), what(trained["fp32"][1]), what(trained["fp64"][1])
-        err = lambda xs: max(abs(x - y) / abs(y) for x, y in zip(xs, ref64, strict=True))  # noqa: E731
+
+        def err(xs, ref64=ref64):
+            return max(abs(x - y) / abs(y) for x, y in zip(xs, ref64, strict=True))
+
         claims.within(f"anatomy train --tp 2 --pp 2 {what.__name__[1:]}, relative error against float64",
                       low=0.0, high=curve_bound(err(ref32)), measured=err(got), component="loss", config=CFG.name,
                       variant="baseline", unit="rel", note=f"pp x tp {got}, one process fp32 {ref32}")

@@ -19,6 +19,9 @@ head a root unit, without resharding after forward.
   FSDP                              per stage unit with parameters: one all-gather before its first micro-batch and
                                     one reduce-scatter after its last backward (gradient sync is off until then)
   bubble                            idle fraction of the step with equal chunk times: (pp - 1) / (v m + pp - 1)
+  tensor parallel inside stages     tp > 1 (distributed/pipeline_tp.py, a (pp, dp, tp) mesh): the TP-local tensors
+                                    (calculator/tensor_parallel.py's), the sequence shard (seq / tp) sent between
+                                    stages, and TP alone's collectives per stage and micro-batch (tp_stage_rows)
 """
 from __future__ import annotations
 
@@ -159,8 +162,8 @@ def tp_stage_rows(cfg: ModelConfig, run: Run, layers: int, first: bool, last: bo
     activations: per Block an all-gather before attention and before the MLP and a reduce-scatter after o and
     after down, in backward the reverse of each; the embedding's reduce-scatter on the first stage, the head's
     all-gather and loss_parallel's three fp32 all-reduces on the last. The norms' Partial weight gradients
-    accumulate over the micro-batches and are all-reduced as under TP alone: once by FSDP (dp > 1), else at each
-    read of the optimizer's step."""
+    accumulate over the micro-batches with no communication and are all-reduced as under TP alone: once by FSDP
+    (dp > 1), on its unsharded gradient in its reduce dtype, else at each read of the optimizer's step."""
     check_optimizer(optimizer, tp, dp)
     dts = fsdp_dtypes(run) if dp > 1 else None
     compute = dts["all_gather"] if dts else param_dtype_name(run)

@@ -102,7 +102,8 @@ def pipeline_stages(mods: list[StageModule], pp_rank: int, pp: int, mb_ids: torc
 
     device = mb_ids.device
     mb, S = mb_ids.shape
-    act = torch.empty(mb, S // seq_shards, hidden, dtype=act_dtype, device=device, requires_grad=True)  # grads flow back
+    # requires_grad: the activations' gradients flow back
+    act = torch.empty(mb, S // seq_shards, hidden, dtype=act_dtype, device=device, requires_grad=True)
     n_stages = pp * len(mods)
     return [PipelineStage(m, pp_rank + v * pp, n_stages, device, input_args=mb_ids if m.first else act,
                           output_args=torch.empty((), device=device) if m.last else act, group=pp_mesh.get_group())
