@@ -10,7 +10,7 @@ per rank (llm_anatomy.calculator.pipeline_parallel with tp) against what each gl
                       tests' float64 rule (validations/test_pipeline_parallel.py) or TP's CURVE_TOL
                       (validations/test_tensor_parallel.py), whichever is looser, since TP reorders the sums
   fake process group  pp 4 x dp 8 x tp 8 (256 ranks): a rank of the first and of the last stage, exact as above
-  anatomy train       --tp 2 --pp 2 on 4 gloo ranks: loss curve, evals and gradient norms against one process
+  anatomy train       --tp 2 --pp 2 on 4 gloo ranks (spawned, and once under torchrun): loss curve, evals and gradient norms against one process
                       (validations/test_train_mesh.py's run and tolerances), the checkpoint's 3-D mesh, a same-mesh
                       resume repeating the run bit for bit, and a resume on another mesh refused in one line
   bad input           one line, exit 2
@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -305,3 +308,19 @@ def test_train_pp_tp_refusals_one_line(cache, tmp_path, capsys, monkeypatch):
         rc = cli.main([*FLAGS, "--batch", "4", "--cache-dir", str(cache), "--out", str(tmp_path), *args])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+@pytest.mark.distributed
+def test_torchrun_train_pp2_tp2(trained, cache, tmp_path):
+    """The documented launch: torchrun, 4 CPU ranks on gloo, `anatomy train --tp 2 --pp 2`; it exits 0 and its
+    losses are the spawned run's (same data, same mesh, deterministic CPU kernels)."""
+    from validations.test_train_mesh import FLAGS, _log, _losses
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "-m",
+           "llm_anatomy.cli", "train", *FLAGS, "--batch", "4", *PPTP, "--cache-dir", str(cache),
+           "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _log(tmp_path)["mesh"] == MESH
+    assert _losses(tmp_path) == _losses(trained["pp2xtp2"][1])
