@@ -34,7 +34,7 @@ from llm_anatomy.calculator.tensor_parallel import grouped_counts
 from llm_anatomy.config import ModelConfig, Run
 from validations.configs import draw_examples
 from validations.test_tensor_parallel import CURVE_TOL
-from validations.train_cases import cache, one_process_losses, one_thread  # noqa: F401 (module fixtures)
+from validations.train_cases import cache, one_thread, reference_losses  # noqa: F401 (module fixtures)
 
 N = 20  # drawn configs per schedule
 PP, TP = 2, 2
@@ -161,16 +161,6 @@ def curve_bound(fp32_err: float) -> float:
 
 
 # ---- the loss curve against one process --------------------------------------------------------------
-def _single_process_losses(dtype: torch.dtype) -> list[float]:
-    from llm_anatomy.distributed.train_step import make_optimizer
-    from llm_anatomy.models import build_model, make_batch
-
-    model = build_model(LOSS_CFG, "baseline", seed=0).to(dtype)
-    ids, targets = make_batch(LOSS_CFG, LOSS_RUN, seed=1)  # train_pp's seed for dp rank 0
-    opt = make_optimizer("adamw", model.parameters(), 1e-3)
-    return one_process_losses(model, opt, ids, targets, LOSS_STEPS)
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LOSS))
 def test_pp2_tp2_loss_curve_matches_one_process(gloo_pp2_tp2, name, claims):
@@ -183,7 +173,7 @@ def test_pp2_tp2_loss_curve_matches_one_process(gloo_pp2_tp2, name, claims):
     assert all(r["loss"] is None for recs in ranks[:TP] for r in recs)
     assert last[0] == last[1] and len(last[0]) == LOSS_STEPS
     pipe = last[0]
-    ref32, ref64 = _single_process_losses(torch.float32), _single_process_losses(torch.float64)
+    ref32, ref64 = (reference_losses(LOSS_CFG, LOSS_RUN, LOSS_STEPS, dt) for dt in (torch.float32, torch.float64))
     err = lambda xs, ref: max(abs(x - y) / abs(y) for x, y in zip(xs, ref))  # noqa: E731
     assert pipe[-1] < pipe[0]  # it trains
     bound = curve_bound(err(ref32, ref64))

@@ -33,9 +33,10 @@ def build_pp_mesh(pp: int, dp: int, tp: int, device_type: str = "cpu"):
     if pp * dp * tp != world:
         raise ConfigError(f"pp x dp x tp = {pp} x {dp} x {tp} = {pp * dp * tp} does not match the world size {world}")
     group = dist.distributed_c10d._get_default_group()
+    for k in [k for k, (g, _) in _MESHES.items() if g is not group]:  # a new default group retires the old meshes
+        del _MESHES[k]
     key = (device_type, pp, dp, tp)
-    if _MESHES.get(key, (None, None))[0] is not group:
-        _MESHES.clear()  # a new default group retires the old meshes
+    if key not in _MESHES:
         _MESHES[key] = (group, init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=MESH_DIMS))
     return _MESHES[key][1]
 
