@@ -30,7 +30,7 @@ from llm_anatomy.calculator.pipeline_schedule import bubble_fraction, in_flight,
 from llm_anatomy.mesh_rules import stage_layers
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
-from validations.train_cases import one_process_losses
+from validations.train_cases import reference_losses
 
 N = 20  # drawn scenarios per claim group
 
@@ -185,13 +185,7 @@ def test_gloo_four_ranks_per_rank_exact(gloo_w4, group, claims):
 # ---- the loss curve of a 2-stage pipeline against one process ------------------------------------------
 def _single_process_losses(dtype: torch.dtype) -> list[float]:
     """The same model, batch and optimizer in one process: the whole batch's mean loss each step."""
-    from llm_anatomy.distributed.train_step import make_optimizer
-    from llm_anatomy.models import build_model, make_batch
-
-    model = build_model(LOSS_CFG, "baseline", seed=0).to(dtype)
-    ids, targets = make_batch(LOSS_CFG, LOSS_RUN, seed=1)  # pipeline_step's seed for dp rank 0
-    opt = make_optimizer("adamw", model.parameters(), 1e-3)
-    return one_process_losses(model, opt, ids, targets, LOSS_STEPS)
+    return reference_losses(LOSS_CFG, LOSS_RUN, LOSS_STEPS, dtype)  # pipeline_step's batch of dp rank 0
 
 
 @pytest.mark.distributed

@@ -211,7 +211,7 @@ BAD = {
     "tp-not-dividing": (2, ["--tp", "3"], "--tp 3 does not divide the world size 2"),
     "tp-without-torchrun": (None, ["--tp", "2"], "launch with torchrun"),
     "tp-efficient": (2, ["--tp", "2", "--variant", "efficient"], "baseline variant only"),
-    "tp-and-pp": (4, ["--tp", "2", "--pp", "2"], "--tp with --pp is not built"),
+    "tp-and-pp-not-dividing": (6, ["--tp", "2", "--pp", "2"], "--pp 2 x --tp 2 = 4 ranks does not divide"),
     "tp-ddp": (2, ["--tp", "2", "--strategy", "ddp"], "--strategy must be auto or fsdp"),
     "tp-zero": (2, ["--tp", "0"], "--tp must be a positive integer"),
     "pp-tied": (2, ["--pp", "2", "--tie-embeddings"], "tie_embeddings"),

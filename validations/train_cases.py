@@ -36,3 +36,15 @@ def one_process_losses(model, opt, ids, targets, steps: int) -> list[float]:
         opt.zero_grad(set_to_none=True)
         out.append(float(loss.detach()))
     return out
+
+
+def reference_losses(cfg, run, steps: int, dtype: torch.dtype, *, lr: float = 1e-3) -> list[float]:
+    """The engines' one-process reference: the baseline built with seed 0 in `dtype`, dp rank 0's batch of the
+    spawned harnesses (make_batch seed 1), AdamW at `lr`, `steps` steps."""
+    from llm_anatomy.distributed.train_step import make_optimizer
+    from llm_anatomy.models import build_model, make_batch
+
+    model = build_model(cfg, "baseline", seed=0).to(dtype)
+    ids, targets = make_batch(cfg, run, seed=1)
+    opt = make_optimizer("adamw", model.parameters(), lr)
+    return one_process_losses(model, opt, ids, targets, steps)

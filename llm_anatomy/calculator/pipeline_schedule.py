@@ -89,16 +89,21 @@ _ROPE = ("attention.rope_cos", "attention.rope_sin")
 
 
 def stage_saved_bytes(cfg: ModelConfig, mb_run: Run, layers: int, first: bool, last: bool,
-                      variant: str = "baseline", device: str = "cpu", fsdp_cast: bool = False) -> tuple[int, dict]:
+                      variant: str = "baseline", device: str = "cpu", fsdp_cast: bool = False,
+                      norm_run: Run | None = None) -> tuple[int, dict]:
     """What one micro-batch (mb_run) saves in a stage of `layers` Blocks: (bytes of its own tensors, {name: elements}
     of its saved views of the batch). Its own: each per-layer saved tensor of the single-process model
     (calculator.estimate) per Block, the RoPE tables once (each stage's forward builds its own), the embedding's on
     the first stage, the final norm's and the loss's on the last. fsdp_cast: the Blocks are FSDP units under a bf16
-    MixedPrecisionPolicy, so fp32 RoPE tables are saved as a bf16 copy per Block."""
+    MixedPrecisionPolicy, so fp32 RoPE tables are saved as a bf16 copy per Block. norm_run: the run the norms
+    see when it is not mb_run (sequence parallel runs them on the rank's seq / tp rows)."""
     from llm_anatomy.calculator import estimate
 
     L, n, views = cfg.layers, 0, {}
-    for c in estimate(cfg, mb_run, variant, device=device).components.values():
+    comps = estimate(cfg, mb_run, variant, device=device).components
+    if norm_run is not None:
+        comps = dict(comps, norm=estimate(cfg, norm_run, variant, device=device).components["norm"])
+    for c in comps.values():
         for s in c.saved:
             b = prod(s.shape) * BYTES[s.dtype]
             if c.name in ("embedding", "loss"):
@@ -118,14 +123,19 @@ def stage_saved_bytes(cfg: ModelConfig, mb_run: Run, layers: int, first: bool, l
 
 
 def saved_peak(cfg: ModelConfig, run: Run, pp: int, rank: int, *, microbatches: int, schedule: str = "1f1b",
-               virtual: int = 1, split=None, variant: str = "baseline", device: str = "cpu") -> int:
+               virtual: int = 1, split=None, variant: str = "baseline", device: str = "cpu", tp: int = 1) -> int:
     """The most bytes of saved activations this rank holds at once over a step (run.batch split into
-    `microbatches`). Under the amp policy the stages run FSDP's bf16 parameters, which is the bf16 policy's compute."""
+    `microbatches`). Under the amp policy the stages run FSDP's bf16 parameters, which is the bf16 policy's compute.
+    tp > 1: a chunk saves what TP alone saves for its layers (calculator.tensor_parallel.tp_saved): the one-GPU
+    tensors on the rank's share of heads, intermediate and vocab (tp_local_config), the norms' at seq / tp."""
+    from llm_anatomy.calculator.tensor_parallel import tp_local_config
+
     per_stage = stage_layers(cfg.layers, pp, virtual, split)
     n = len(per_stage)
     mb = replace(run, batch=run.batch // microbatches, dtype="bf16" if run.dtype == "amp" else run.dtype)
     cast = run.dtype == "amp"  # amp runs as FSDP's MixedPrecisionPolicy (dp > 1)
-    chunk = {s: stage_saved_bytes(cfg, mb, len(per_stage[s]), s == 0, s == n - 1, variant, device, cast)
+    local, norm_run = (tp_local_config(cfg, tp), replace(mb, seq=mb.seq // tp)) if tp > 1 else (cfg, None)
+    chunk = {s: stage_saved_bytes(local, mb, len(per_stage[s]), s == 0, s == n - 1, variant, device, cast, norm_run)
              for s in rank_stages(pp, rank, virtual)}
     batch_view = run.batch * run.seq  # elements of the batch's ids or targets
     held, live, peak = 0, {s: 0 for s in chunk}, 0

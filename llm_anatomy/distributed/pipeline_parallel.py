@@ -30,6 +30,8 @@ from llm_anatomy.config import ConfigError
 class StageModule(nn.Module):
     """Stage `index` of `stages`: the embedding on the first, norm + head + loss on the last."""
 
+    seq_shards = 1  # tensor parallel's sequence shards: the stream between stages is (B, S / tp, H) on a rank
+
     def __init__(self, model: nn.Module, layers: list[int], index: int, stages: int):
         super().__init__()
         self.cfg, self.variant = model.cfg, model.variant
@@ -40,9 +42,10 @@ class StageModule(nn.Module):
         self.head = model.head if self.last else None
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        S = x.shape[1] * (1 if self.first else self.seq_shards)  # the tables cover the whole sequence
         if self.first:
             x = self.embed(x)  # ids (B, S) -> (B, S, H)
-        S, dev = x.shape[1], x.device
+        dev = x.device
         if self.variant == "baseline":
             dt = compute_dtype(x)
             cos, sin = rope_tables(S, self.cfg.head_dim, self.cfg.rope_theta, dev, dt)
@@ -91,13 +94,16 @@ def shard_stage(stage: StageModule, dp_mesh, *, param_dtype=None, reduce_dtype=N
 
 
 def pipeline_stages(mods: list[StageModule], pp_rank: int, pp: int, mb_ids: torch.Tensor, hidden: int,
-                    act_dtype: torch.dtype, pp_mesh) -> list:
+                    act_dtype: torch.dtype, pp_mesh, seq_shards: int = 1) -> list:
     """torch's PipelineStage for each of this rank's stage modules (stage pp_rank + v·pp), with the static shapes
-    of one micro-batch: its ids (mb_ids) into the first stage, (mb, S, hidden) activations between stages."""
+    of one micro-batch: its ids (mb_ids) into the first stage, (mb, S / seq_shards, hidden) activations between
+    stages (under tensor parallel each rank passes its sequence shard)."""
     from torch.distributed.pipelining import PipelineStage
 
     device = mb_ids.device
-    act = torch.empty(*mb_ids.shape, hidden, dtype=act_dtype, device=device, requires_grad=True)  # grads flow back
+    mb, S = mb_ids.shape
+    # requires_grad: the activations' gradients flow back
+    act = torch.empty(mb, S // seq_shards, hidden, dtype=act_dtype, device=device, requires_grad=True)
     n_stages = pp * len(mods)
     return [PipelineStage(m, pp_rank + v * pp, n_stages, device, input_args=mb_ids if m.first else act,
                           output_args=torch.empty((), device=device) if m.last else act, group=pp_mesh.get_group())

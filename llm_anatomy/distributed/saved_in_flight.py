@@ -16,8 +16,12 @@ import torch
 from torch import nn
 
 
+def _storage(t: torch.Tensor):
+    return getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's: its local shard's, what the rank holds
+
+
 def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return _storage(t)._cdata
 
 
 class _Held:
@@ -53,7 +57,7 @@ class SavedInFlight:
         if key in self._param_keys():
             return t
         if self._refs[key] == 0:
-            self._bytes[key] = t.untyped_storage().nbytes()
+            self._bytes[key] = _storage(t).nbytes()
             self.live += self._bytes[key]
             self.peak = max(self.peak, self.live)
         self._refs[key] += 1

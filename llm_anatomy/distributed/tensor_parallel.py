@@ -93,21 +93,26 @@ def qk_norm_plan() -> dict:
             "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
 
 
+def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
+    """TP + SP on the 1-D tp mesh (in place): the root's plan, then each Block's (the pipeline's stages reuse it)."""
+    tp, cfg = tp_mesh.size(), model.cfg
+    if tp > 1:
+        parallelize_module(model, tp_mesh, tp_plan())
+        if cfg.tie_embeddings:  # both are Shard(0) over the vocab: the head takes the embedding's DTensor again
+            model.head.lm_head.weight = model.embed.weight
+        for block in model.layers:
+            parallelize_module(block, tp_mesh, block_plan(cfg))
+            block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
+    return model
+
+
 def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
                 reshard_after_forward: bool = True) -> nn.Module:
     """Apply TP + SP on mesh["tp"], then FSDP2 on mesh["dp"] when it has more than one rank (in place).
 
     param_dtype / reduce_dtype: FSDP2's MixedPrecisionPolicy (as distributed.strategies.wrap)."""
-    tp = mesh["tp"].size()
-    cfg = model.cfg
-    check_tp(cfg, tp, mesh["dp"].size(), variant=getattr(model, "variant", "baseline"))
-    if tp > 1:
-        parallelize_module(model, mesh["tp"], tp_plan())
-        if cfg.tie_embeddings:  # both are Shard(0) over the vocab: the head takes the embedding's DTensor again
-            model.head.lm_head.weight = model.embed.weight
-        for block in model.layers:
-            parallelize_module(block, mesh["tp"], block_plan(cfg))
-            block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
+    check_tp(model.cfg, mesh["tp"].size(), mesh["dp"].size(), variant=getattr(model, "variant", "baseline"))
+    apply_tp(model, mesh["tp"])
     if mesh["dp"].size() > 1:
         mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
                                   reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))

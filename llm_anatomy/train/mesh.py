@@ -5,6 +5,8 @@
     --pp N   pipeline parallel (llm_anatomy.distributed.pipeline_parallel): a (pp, dp) mesh, dp = world / pp;
              torch's Schedule1F1B (--pp-schedule 1f1b) or ScheduleInterleaved1F1B (interleaved-1f1b, two stages
              per rank) runs --microbatches micro-batches per step (default pp); the last stage's ranks hold the loss
+    both     tensor parallel inside each pipeline stage (llm_anatomy.distributed.pipeline_tp): a (pp, dp, tp) mesh,
+             dp = world / (pp x tp); the schedule runs under loss_parallel; the baseline variant
 
 Gradient clipping: under TP every parameter is a DTensor and torch.nn.utils.clip_grad_norm_ reduces their norms
 itself. A pipeline rank holds only its stages' gradients, so the norm combines the stages as torchtitan does:
@@ -30,6 +32,9 @@ def _virtual(o: TrainOptions) -> int:
 
 def layout(o: TrainOptions, world: int) -> str | None:
     """The mesh a checkpoint's per-rank shards belong to (None: no mesh; shards any world size can read)."""
+    if o.tp > 1 and o.pp > 1:
+        return (f"pp {o.pp} ({o.pp_schedule}, {_virtual(o)} stage(s) per rank) x dp {world // (o.pp * o.tp)} "
+                f"x tp {o.tp}")
     if o.tp > 1:
         return f"tp {o.tp} x dp {world // o.tp}"
     if o.pp > 1:
@@ -43,31 +48,29 @@ def check(cfg: ModelConfig, run: Run, variant: str, o: TrainOptions, world: int)
         raise ConfigError("--pp-schedule and --microbatches shape a pipeline: they need --pp N > 1")
     if o.tp == 1 and o.pp == 1:
         return
-    if o.tp > 1 and o.pp > 1:
-        raise ConfigError("--tp with --pp is not built: pick one (each composes with FSDP over the remaining ranks)")
     if o.strategy not in ("auto", "fsdp"):
         raise ConfigError(f"--tp/--pp compose with FSDP2 over the remaining ranks: --strategy must be auto or "
                           f"fsdp, got {o.strategy}")
-    flag, n = ("--tp", o.tp) if o.tp > 1 else ("--pp", o.pp)
+    flags = [f"{f} {k}" for f, k in (("--pp", o.pp), ("--tp", o.tp)) if k > 1]
+    n = o.tp * o.pp
     if world % n:
         hint = " (launch with torchrun --nproc_per_node N)" if world == 1 else ""
-        raise ConfigError(f"{flag} {n} does not divide the world size {world}{hint}")
+        what = flags[0] if len(flags) == 1 else f"{' x '.join(flags)} = {n} ranks"
+        raise ConfigError(f"{what} does not divide the world size {world}{hint}")
     dp = world // n
+    from llm_anatomy.mesh_rules import check_pipeline, check_run
+
     if o.tp > 1:
         from llm_anatomy.distributed.tensor_parallel import check_tp
-        from llm_anatomy.mesh_rules import check_run
 
         try:
             check_tp(cfg, o.tp, dp, variant=variant)
         except ConfigError as e:  # the engine's refusal; anatomy train's default variant is the efficient one
             raise ConfigError(f"{e} (--variant baseline)" if variant != "baseline" else str(e)) from None
-        check_run(run, o.tp, dp)
+    check_run(run, o.tp, dp)  # sequence parallel splits seq over tp; amp is FSDP's policy: it needs dp > 1
+    if o.pp == 1:
         return
-    from llm_anatomy.mesh_rules import check_pipeline
-    from llm_anatomy.mesh_rules import check_run
-
     check_pipeline(cfg, run, o.pp, dp, o.pp_schedule, o.microbatches or o.pp, _virtual(o), None)
-    check_run(run, 1, dp)  # amp is FSDP's policy: it needs dp > 1
     if variant != "baseline" and run.lean_block:
         raise ConfigError("the efficient variant's lean block hands a pending branch across Blocks: pipeline "
                           "stages run it without lean (--no-lean)")
@@ -85,37 +88,32 @@ def build_tp(model: nn.Module, o: TrainOptions, run: Run, device: torch.device) 
 
 
 def dp_coordinates(o: TrainOptions) -> tuple[int, int]:
-    """(this rank's dp index, dp size) on the run's mesh: tp is the inner dim of (dp, tp), dp the inner of (pp, dp)."""
+    """(this rank's dp index, dp size) on the run's mesh (pp, dp, tp): tp the inner dim, pp the outer."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if o.tp > 1:
-        return rank // o.tp, world // o.tp
-    dp = world // o.pp
-    return rank % dp, dp
+    dp = world // (o.pp * o.tp)
+    return (rank // o.tp) % dp, dp
 
 
 class Pipelined(nn.ModuleList):
     """This rank's stage modules, in stage order, and the schedule that runs them (forward and backward)."""
 
     def __init__(self, model: nn.Module, o: TrainOptions, run: Run, device: torch.device):
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from llm_anatomy.distributed.pipeline_parallel import (build_stages, make_schedule, pipeline_stages,
-                                                               shard_stage)
+        from llm_anatomy.distributed.pipeline_parallel import make_schedule, pipeline_stages
+        from llm_anatomy.distributed.pipeline_tp import build_pp_mesh, tp_stages
         from llm_anatomy.distributed.strategies import default_mixed_precision
 
-        dp = dist.get_world_size() // o.pp
-        mesh = init_device_mesh(device.type, (o.pp, dp), mesh_dim_names=("pp", "dp"))
+        dp = dist.get_world_size() // (o.pp * o.tp)
+        mesh = build_pp_mesh(o.pp, dp, o.tp, device.type)
         pp_rank = mesh["pp"].get_local_rank()
-        mods = build_stages(model, o.pp, pp_rank, virtual=_virtual(o))
-        if dp > 1:
-            pd, rd = default_mixed_precision(run)
-            mods = [shard_stage(m, mesh["dp"], param_dtype=pd, reduce_dtype=rd) for m in mods]
-        super().__init__(mods)
-        self.microbatches = o.microbatches or o.pp
         act = torch.bfloat16 if run.dtype in ("bf16", "amp") else next(model.parameters()).dtype
+        pd, rd = default_mixed_precision(run) if dp > 1 else (None, None)
+        mods = tp_stages(model, mesh, virtual=_virtual(o), param_dtype=pd, reduce_dtype=rd)
+        super().__init__(mods)
+        self.microbatches, self.tp = o.microbatches or o.pp, o.tp
+        self.reports_loss = mesh["tp"].get_local_rank() == 0  # one copy of the loss per pipeline (loss_ranks)
         mb_ids = torch.zeros(run.batch // self.microbatches, run.seq, dtype=torch.long, device=device)
         self._schedule = make_schedule(o.pp_schedule, pipeline_stages(mods, pp_rank, o.pp, mb_ids, model.cfg.hidden,
-                                                                       act, mesh["pp"]), self.microbatches)
+                                                                       act, mesh["pp"], o.tp), self.microbatches)
         self._pp_group = mesh["pp"].get_group()
         n = torch.tensor([sum(p.numel() for p in self.parameters())], dtype=torch.int64, device=device)
         dist.all_reduce(n, group=self._pp_group)  # every stage once (a DTensor counts its dp shards' whole)
@@ -125,13 +123,17 @@ class Pipelined(nn.ModuleList):
     def run_schedule(self, x: torch.Tensor, y: torch.Tensor, *, backward: bool) -> torch.Tensor:
         """One step of the schedule on the batch (x, y): the batch's mean loss on the last stage's ranks (the mean
         of its equal micro-batches' means), 0 elsewhere. backward=False runs the forwards only (eval)."""
+        from llm_anatomy.distributed.pipeline_step import local_loss
+        from llm_anatomy.distributed.tensor_parallel import loss_context
+
         losses: list[torch.Tensor] = []
         kw = dict(targets=y, target=y, losses=losses) if self.last else {}
         run = self._schedule.step if backward else self._schedule.eval
-        run(*((x,) if self.first else ()), return_outputs=False, **kw)
-        if not self.last:
+        with loss_context(self.tp):  # the last stage's loss and its backward: loss_parallel under TP
+            run(*((x,) if self.first else ()), return_outputs=False, **kw)
+        if not (self.last and self.reports_loss):
             return torch.zeros((), dtype=torch.float64)
-        return torch.stack([t.detach().double() for t in losses]).mean()
+        return torch.stack([local_loss(t).detach().double() for t in losses]).mean()
 
     def clip(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """The gradient norm over every stage (each rank's norm squared, summed over "pp"), and the clip by it."""

@@ -46,7 +46,7 @@ def place(o: TrainOptions, variant: str) -> Placement:
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     strategy = o.strategy
     if o.tp > 1 or o.pp > 1:
-        strategy = "tp" if o.tp > 1 else "pp"  # train.mesh.check accepted the mesh for this world
+        strategy = "pp" if o.pp > 1 else "tp"  # train.mesh.check accepted the mesh; a pipeline holds TP inside
     elif strategy == "auto":
         strategy = "none" if world == 1 else ("ddp" if variant == "baseline" else "fsdp")
     if strategy == "none" and world > 1:
