@@ -36,7 +36,7 @@ from llm_anatomy.models import build_model, make_batch
 
 def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str = "adamw", lr: float = 1e-3,
           param_dtype="auto", reduce_dtype="auto", reshard_after_forward: bool = True, seed: int = 0,
-          trace_saved: bool = True, on_step=None) -> list[dict]:
+          trace_saved: bool = True, on_step=None, variant: str = "baseline") -> list[dict]:
     """`steps` steps on the initialized process group as a (world / tp, tp) mesh; one record per step (this rank's
     view): step, loss (this dp rank's batch, the full value), collectives [[mesh dim, op, dtype, bytes, calls], ...]
     of forward + backward + optimizer step, memory {params, grads, optimizer} after the step (local storage), and
@@ -49,9 +49,9 @@ def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = build_mesh(world // tp, tp, device.type)
-    check_run(run, tp, world // tp)
+    check_run(run, tp, world // tp, variant)
     pd, rd = default_mixed_precision(run) if mesh["dp"].size() > 1 else (None, None)
-    model = build_model(cfg, "baseline", device=device, dtype=torch.bfloat16 if run.dtype == "bf16" else None,
+    model = build_model(cfg, variant, device=device, dtype=torch.bfloat16 if run.dtype == "bf16" else None,
                         seed=seed)  # the same weights on every rank; parallelize keeps this rank's shards
     parallelize(model, mesh, param_dtype=pd if param_dtype == "auto" else param_dtype,
                 reduce_dtype=rd if reduce_dtype == "auto" else reduce_dtype,

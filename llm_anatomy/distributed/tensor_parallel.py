@@ -17,9 +17,16 @@ views read them. FSDP2 (fully_shard per Block, then the root) then shards each T
 parallelize_module distributes each module's parameters apart, so a tied head is tied again afterwards to the
 embedding's DTensor (both are sharded on the vocab). Qwen3's per-head q/k norms get SequenceParallel on the heads dim
 (their input is the rank's heads), so their weight gradients are Partial over tp like the other norms'.
+The efficient variant runs the same plan on its fused modules (efficient_block_plan): qkv and gate_up
+ColwiseParallel on rows permuted into rank order (distributed/tp_layout.py), so each rank's local output holds its
+own heads' q, k, v (its own gate and up columns) and rope_qkv and swiglu_packed run unchanged on plain local
+tensors; o and down RowwiseParallel; the fused RMSNorm ops SequenceParallel through their DTensor sharding rules
+(distributed/tp_kernels.py). Its head and loss are the baseline's under loss_parallel: the fused linear
+cross-entropy makes its gradients in forward from each row's logsumexp over the whole vocabulary, which a
+vocab-sharded head has only after an all-reduce inside the op, and torch ships no vocab-parallel form of it.
 What the engine cannot shard is refused in one line (ConfigError, llm_anatomy.mesh_rules): widths not divisible
-by tp, mixture of experts, the efficient variant (its fused kernels take plain tensors; see docs/parallelism.md),
-and context parallel on CPU (torch's context_parallel shards SDPA's CUDA kernels only).
+by tp, mixture of experts, the efficient variant's lean block and recompute, and context parallel on CPU (torch's
+context_parallel shards SDPA's CUDA kernels only).
 """
 from __future__ import annotations
 
@@ -35,7 +42,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                loss_parallel, parallelize_module)
 
 from llm_anatomy.config import ConfigError, ModelConfig
+from llm_anatomy.distributed import tp_kernels  # noqa: F401  (the fused norms' DTensor sharding rules)
 from llm_anatomy.distributed.strategies import _dtype
+from llm_anatomy.distributed.tp_layout import to_rank_order, use_baseline_head
 from llm_anatomy.mesh_rules import check_mesh
 
 MESH_DIMS = ("dp", "tp")
@@ -86,6 +95,18 @@ def block_plan(cfg: ModelConfig) -> dict:
             "mlp.down": RowwiseParallel(output_layouts=Shard(1))} | (qk_norm_plan() if cfg.qk_norm else {})
 
 
+def efficient_block_plan(cfg: ModelConfig) -> dict:
+    """One efficient Block's plan: its fused qkv and gate_up column-parallel (rows in rank order), o and down
+    row-parallel, the fused norms sequence-parallel."""
+    gather = dict(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
+    return {"attn_norm": SequenceParallel(), "attn": PrepareModuleInput(**gather),
+            "attn.qkv": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=Shard(1))} | (
+        qk_norm_plan() if cfg.qk_norm else {})
+
+
 def qk_norm_plan() -> dict:
     """Qwen3's per-head q/k norms see the rank's heads, (B, S, heads / tp, hd): SequenceParallel on the heads dim
     replicates the weight and makes its gradient Partial over tp, as for the other norms."""
@@ -100,13 +121,19 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
     param_dtype / reduce_dtype: FSDP2's MixedPrecisionPolicy (as distributed.strategies.wrap)."""
     tp = mesh["tp"].size()
     cfg = model.cfg
-    check_tp(cfg, tp, mesh["dp"].size(), variant=getattr(model, "variant", "baseline"))
+    variant = getattr(model, "variant", "baseline")
+    check_tp(cfg, tp, mesh["dp"].size(), variant=variant)
+    efficient = variant == "efficient" and tp > 1
+    if efficient:
+        check_efficient(model)
+        to_rank_order(model, tp)
+        use_baseline_head(model)
     if tp > 1:
         parallelize_module(model, mesh["tp"], tp_plan())
         if cfg.tie_embeddings:  # both are Shard(0) over the vocab: the head takes the embedding's DTensor again
             model.head.lm_head.weight = model.embed.weight
         for block in model.layers:
-            parallelize_module(block, mesh["tp"], block_plan(cfg))
+            parallelize_module(block, mesh["tp"], efficient_block_plan(cfg) if efficient else block_plan(cfg))
             block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
     if mesh["dp"].size() > 1:
         mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
@@ -115,6 +142,16 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
             fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
     return model
+
+
+def check_efficient(model: nn.Module) -> None:
+    """ConfigError (one line) for the efficient model's options the plan does not shard: the lean block hands a
+    pending branch across Blocks and runs its own matmuls, and recompute's checkpoints norm the residual stream
+    inside the attention and MLP modules, whose inputs the plan all-gathers."""
+    if getattr(model, "lean", False):
+        raise ConfigError("tp > 1 runs the efficient variant without its lean block (--no-lean)")
+    if getattr(model, "recompute", "none") != "none":
+        raise ConfigError(f"tp > 1 runs the efficient variant without recompute, got recompute={model.recompute}")
 
 
 def loss_context(tp: int):
