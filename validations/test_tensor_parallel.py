@@ -243,7 +243,7 @@ def test_unshardable_config_refused(cfg, tp, field):
 
 
 def test_unsupported_mesh_refused():
-    for kw, what in ((dict(tp=0), "tp"), (dict(tp=2, cp=2), "cp > 1"), (dict(tp=2, variant="efficient"), "efficient")):
+    for kw, what in ((dict(tp=0), "tp"), (dict(tp=2, cp=2), "cp > 1"), (dict(tp=2, variant="liger"), "baseline and efficient")):
         with pytest.raises(ConfigError, match=what):
             check_mesh(OK, **kw)
     with pytest.raises(ConfigError, match="seq=9"):

@@ -5,9 +5,11 @@ The mesh and plan are llm_anatomy/distributed/tensor_parallel.py's (torchtitan's
 from __future__ import annotations
 
 from dataclasses import replace
+from math import prod
 
 from llm_anatomy.calculator.comm import _row, fsdp_collectives
 from llm_anatomy.calculator.param_layout import Shape, fsdp_unit_shapes
+from llm_anatomy.calculator.pipeline_schedule import _ROPE
 from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
 from llm_anatomy.calculator.types import BYTES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
@@ -173,7 +175,8 @@ def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, 
     (tp_local_config): the projections save their all-gathered (B x S, H) input whole, attention its heads / tp,
     the MLP its intermediate / tp, the loss its (B x S, V / tp) log-probs; the norms run on the sequence shard, so
     they save the one-GPU norm's tensors at seq / tp. Under FSDP (dp > 1) amp computes in bf16 (its
-    MixedPrecisionPolicy casts the parameters; no autocast), as in sharding.per_rank_peak."""
+    MixedPrecisionPolicy casts the parameters; no autocast), as in sharding.per_rank_peak, and casts every Block's
+    floating inputs: the efficient variant's fp32 RoPE tables are saved as a bf16 copy per Block."""
     from llm_anatomy.calculator import estimate
 
     check_mesh(cfg, tp, dp, variant=variant)
@@ -189,6 +192,10 @@ def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, 
         out["norm"] = seq_shard["norm"].saved_bytes
         if variant == "efficient" and tp > 1:  # the baseline's head and loss (distributed/tensor_parallel.py)
             out["loss"] = estimate(c, r, "baseline", device=device).components["loss"].saved_bytes
+        if run.dtype == "amp" and dp > 1:  # FSDP casts each Block's fp32 RoPE tables to a bf16 copy of its own
+            rope = sum(prod(t.shape) * BYTES[t.dtype] * t.count for t in full["attention"].saved
+                       if t.name in _ROPE and t.dtype == "float32")
+            out["attention"] += rope // 2 * layers - rope
         return out
 
     one, two = by_component(1), by_component(2)

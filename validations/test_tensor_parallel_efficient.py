@@ -1,0 +1,194 @@
+"""Claims: the efficient variant under tensor parallel (+ sequence parallel) and TP x FSDP2, its fused kernels on
+column shards (llm_anatomy/distributed/tensor_parallel.py, tp_layout.py, tp_kernels.py), predicted per rank by
+llm_anatomy.calculator.tensor_parallel (variant="efficient") and measured on gloo ranks (distributed.mesh_step).
+
+  gloo, 2 processes    TP 2 on hypothesis-drawn configs and runs; a TP 2 loss curve against the one-process efficient
+                       model; the gathered state dict loads into one-process models of both variants' keys
+  gloo, 4 processes    TP 4, and TP 2 x FSDP 2, on hypothesis-drawn configs and runs
+  every rank, every step: params/grads/optimizer bytes, saved bytes per component, (mesh dim, op, dtype, bytes) -> calls
+The draws are test_tensor_parallel.py's (tp_cases); all the draws of one world size run in ONE spawn.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_anatomy.calculator.tensor_parallel import grouped_counts, tp_collectives, tp_rank_memory, tp_saved
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from validations.configs import draw_examples
+from validations.test_tensor_parallel import CURVE_CFG, MESHES, N_DRAWS, OK, _note, tp_cases
+from validations.train_cases import one_process_losses
+
+VARIANT = "efficient"
+# TP 2 alone (no FSDP averaging): the row-parallel matmuls' partial sums are the only reduction-order difference
+CURVE = dict(cfg=CURVE_CFG, run=Run(batch=2, seq=16, dtype="fp32"), tp=2, steps=4, lr=1e-2)
+CURVE_TOL = 1e-5  # relative: reduction order only (test_tensor_parallel.py's CURVE_TOL says why)
+STATE = dict(cfg=ModelConfig(name="tp-state", hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48, vocab=64,
+                             qkv_bias=True, qk_norm=True, head_dim=8), run=Run(batch=2, seq=8, dtype="fp32"), lr=0.1)
+STATE_TOL = 1e-6  # one SGD step: the weights differ by lr x the gradient's reduction-order ulps
+
+
+def _state_after_one_step(cfg: ModelConfig, run: Run, lr: float) -> dict:
+    """One SGD step of the efficient model on a TP-only mesh of the world; the state dict gathered to one process."""
+    import torch.distributed as dist
+
+    from llm_anatomy.distributed.tensor_parallel import build_mesh, loss_context, parallelize
+    from llm_anatomy.distributed.tp_layout import one_process_state_dict
+    from llm_anatomy.models import build_model, make_batch
+
+    tp = dist.get_world_size()
+    model = parallelize(build_model(cfg, VARIANT, seed=0), build_mesh(1, tp))
+    ids, targets = make_batch(cfg, run, seed=1)
+    with loss_context(tp):
+        model(ids, targets).backward()
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    return {k: v.tolist() for k, v in one_process_state_dict(model, tp).items()}
+
+
+def _scenario(kind: str = "train", **kw):
+    """A spawned rank's scenario: mesh_step.train on the efficient variant, or the gathered state dict."""
+    from llm_anatomy.distributed.mesh_step import train
+
+    return _state_after_one_step(**kw) if kind == "state" else train(variant=VARIANT, **kw)
+
+
+def _scenarios(world: int) -> dict[str, dict]:
+    out = {}
+    for name, tp, dp in MESHES[world]:
+        for i, case in enumerate(draw_examples(tp_cases(tp, dp), N_DRAWS, seed_=4750 + 10 * tp + dp)):
+            out[f"{name}-{i}"] = dict(case, dp=dp)
+    if world == 2:
+        out["curve"] = dict(CURVE, dp=1)
+        out["state"] = dict(STATE, kind="state")
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
+def mesh_run(request):
+    from llm_anatomy.distributed.train_step import spawn
+
+    world = request.param
+    scen = _scenarios(world)
+    results = spawn(world, [{k: v for k, v in sc.items() if k != "dp"} for sc in scen.values()], timeout_s=120,
+                    fn=_scenario)
+    return world, scen, {name: [results[r][i] for r in range(world)] for i, name in enumerate(scen)}
+
+
+def _draws(scen: dict) -> dict:
+    return {k: v for k, v in scen.items() if k not in ("curve", "state")}
+
+
+@pytest.mark.distributed
+def test_tp_efficient_collectives_exact(mesh_run, claims):
+    """Every collective of every step on every rank, with the mesh dim it ran on, equals the prediction."""
+    world, scen, res = mesh_run
+    assert len(_draws(scen)) >= N_DRAWS * len(MESHES[world])
+    for name, sc in _draws(scen).items():
+        pd, rd = {"amp": ("bfloat16", "float32")}.get(sc["run"].dtype, (None, None))
+        rd = rd if sc.get("reduce_dtype", "auto") == "auto" else sc["reduce_dtype"]
+        pred = grouped_counts(tp_collectives(sc["cfg"], sc["run"], sc["tp"], sc["dp"], optimizer=sc["optimizer"],
+                                             param_dtype=pd, reduce_dtype=rd, variant=VARIANT,
+                                             reshard_after_forward=sc.get("reshard_after_forward", True)))
+        for r in range(world):
+            for rec in res[name][r]:
+                meas = {tuple(k[:3]) + (k[3],): n for *k, n in rec["collectives"]}
+                note = f"{_note(name, sc)}, rank {r}, step {rec['step']}"
+                claims.check("tp collective calls per step", component="comm", config=sc["cfg"].name,
+                             variant=VARIANT, predicted=sum(pred.values()), measured=sum(meas.values()),
+                             unit="calls", note=note)
+                assert meas == pred, f"{note}: (dim, op, dtype, bytes) -> calls differ\n meas {meas}\n pred {pred}"
+
+
+@pytest.mark.distributed
+def test_tp_efficient_rank_bytes_exact(mesh_run, claims):
+    """Each rank's parameter, gradient and optimizer-state bytes after every step equal the prediction (the fused
+    qkv and gate_up are one tensor each: FSDP pads and the optimizer keeps state per tensor)."""
+    world, scen, res = mesh_run
+    for name, sc in _draws(scen).items():
+        for r in range(world):
+            pred = tp_rank_memory(sc["cfg"], sc["run"], sc["tp"], sc["dp"], rank=r, optimizer=sc["optimizer"],
+                                  variant=VARIANT)
+            for rec in res[name][r]:
+                for what in ("params", "grads", "optimizer"):
+                    claims.check(f"tp per-rank {what} bytes", component="comm", config=sc["cfg"].name,
+                                 variant=VARIANT, predicted=pred[what], measured=rec["memory"][what], unit="B",
+                                 note=f"{_note(name, sc)}, rank {r}, after step {rec['step']}")
+
+
+@pytest.mark.distributed
+def test_tp_efficient_saved_bytes_per_component_exact(mesh_run, claims):
+    """What each rank's forward saves for backward, per component (local storage), equals tp_saved: the fused
+    kernels' saves on the rank's heads and columns, the norms' on its sequence shard, the baseline's loss."""
+    world, scen, res = mesh_run
+    for name, sc in _draws(scen).items():
+        pred = tp_saved(sc["cfg"], sc["run"], VARIANT, sc["tp"], sc["dp"])["total"]
+        for r in range(world):
+            meas = res[name][r][0]["saved"]
+            for comp in sorted(set(pred) | set(meas)):
+                claims.check("tp per-rank saved bytes", component=comp, config=sc["cfg"].name, variant=VARIANT,
+                             predicted=pred.get(comp, 0), measured=meas.get(comp, 0), unit="B",
+                             note=f"{_note(name, sc)}, rank {r}")
+
+
+@pytest.mark.distributed
+def test_tp_efficient_loss_curve_matches_single_process(mesh_run, claims):
+    """TP 2 (fp32): every rank's loss equals the one-process efficient model's at every step within CURVE_TOL."""
+    from llm_anatomy.distributed.train_step import make_optimizer
+    from llm_anatomy.models import build_model, make_batch
+
+    world, _, res = mesh_run
+    if world != 2:
+        pytest.skip("the TP 2 curve runs on 2 ranks")
+    cfg, run = CURVE["cfg"], CURVE["run"]
+    model = build_model(cfg, VARIANT, seed=0)
+    ids, targets = make_batch(cfg, run, seed=1)
+    single = one_process_losses(model, make_optimizer("adamw", model.parameters(), CURVE["lr"]), ids, targets,
+                                CURVE["steps"])
+    assert single[-1] < single[0] - 0.05, f"the curve must move to mean anything: {single}"
+    for step in range(CURVE["steps"]):
+        per = [res["curve"][r][step]["loss"] for r in range(2)]
+        assert per[0] == per[1], f"TP ranks disagree at step {step + 1}: {per}"
+        claims.check("tp (efficient) loss vs one process", component="loss", config=cfg.name, variant=VARIANT,
+                     predicted=single[step], measured=per[0], tolerance=CURVE_TOL, unit="nats",
+                     note=f"TP 2, fp32, step {step + 1}")
+
+
+@pytest.mark.distributed
+def test_tp_efficient_state_dict_loads_into_one_process(mesh_run):
+    """The rank-order permutation is a layout: after one SGD step on TP 2, the gathered state dict loads into a
+    one-process efficient model (and, split by to_baseline_names, a baseline one) and equals the one-process step."""
+    from llm_anatomy.efficient.transformer import to_baseline_names
+    from llm_anatomy.models import build_model, make_batch
+
+    world, _, res = mesh_run
+    if world != 2:
+        pytest.skip("the state dict runs on 2 ranks")
+    cfg, run = STATE["cfg"], STATE["run"]
+    ref = build_model(cfg, VARIANT, seed=0)
+    ids, targets = make_batch(cfg, run, seed=1)
+    ref(ids, targets).backward()
+    torch.optim.SGD(ref.parameters(), lr=STATE["lr"]).step()
+    for r in range(2):
+        got = {k: torch.tensor(v) for k, v in res["state"][r].items()}
+        one = build_model(cfg, VARIANT, seed=None)
+        one.load_state_dict(got)  # strict: the same keys and shapes
+        for k, want in ref.state_dict().items():
+            torch.testing.assert_close(one.state_dict()[k], want, rtol=STATE_TOL, atol=STATE_TOL,
+                                       msg=lambda m: f"rank {r}, {k}: {m}")
+        build_model(cfg, "baseline", seed=None).load_state_dict(to_baseline_names(got, cfg))
+
+
+def test_efficient_refusals_one_line():
+    """The efficient options the plan does not shard: one line naming the option."""
+    from llm_anatomy.calculator.tensor_parallel import check_run
+
+    for run, says in ((Run(batch=1, seq=8, dtype="fp32", lean=True), "--no-lean"),
+                      (Run(batch=1, seq=8, dtype="fp32", recompute="mlp"), "recompute=mlp")):
+        with pytest.raises(ConfigError, match=says) as e:
+            check_run(run, 2, 1, VARIANT)
+        assert "\n" not in str(e.value)
+        check_run(run, 1, 1, VARIANT)  # one rank: nothing to shard
+    with pytest.raises(ConfigError, match="heads=3"):
+        tp_rank_memory(ModelConfig(hidden=24, layers=1, heads=3, intermediate=64, vocab=128),
+                       Run(batch=1, seq=8, dtype="fp32"), 2, variant=VARIANT)
+    assert tp_rank_memory(OK, Run(batch=1, seq=8, dtype="fp32"), 2, variant=VARIANT)["params"] > 0
