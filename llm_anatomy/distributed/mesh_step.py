@@ -40,7 +40,8 @@ def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str
     """`steps` steps on the initialized process group as a (world / tp, tp) mesh; one record per step (this rank's
     view): step, loss (this dp rank's batch, the full value), collectives [[mesh dim, op, dtype, bytes, calls], ...]
     of forward + backward + optimizer step, memory {params, grads, optimizer} after the step (local storage), and
-    in step 1 with trace_saved, saved {component: bytes} that the forward kept for backward on this rank."""
+    in step 1 with trace_saved, saved {component: bytes} that the forward kept for backward on this rank.
+    variant: "baseline" or "efficient" (without its lean block and recompute: distributed/tensor_parallel.py)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a positive integer, got {steps!r}")
     world = dist.get_world_size()
