@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_anatomy.calculator.tensor_parallel import grouped_counts, tp_collectives, tp_rank_memory, tp_saved
+from llm_anatomy.calculator.tensor_parallel import tp_rank_memory
 from llm_anatomy.config import ConfigError, ModelConfig, Run
-from validations.configs import draw_examples
-from validations.test_tensor_parallel import CURVE_CFG, MESHES, N_DRAWS, OK, _note, tp_cases
+from validations.test_tensor_parallel import (CURVE_CFG, MESHES, N_DRAWS, OK, check_collectives, check_rank_bytes,
+                                              check_saved, mesh_draws)
 from validations.train_cases import one_process_losses
 
 VARIANT = "efficient"
@@ -53,10 +53,7 @@ def _scenario(kind: str = "train", **kw):
 
 
 def _scenarios(world: int) -> dict[str, dict]:
-    out = {}
-    for name, tp, dp in MESHES[world]:
-        for i, case in enumerate(draw_examples(tp_cases(tp, dp), N_DRAWS, seed_=4750 + 10 * tp + dp)):
-            out[f"{name}-{i}"] = dict(case, dp=dp)
+    out = mesh_draws(world, 4750)
     if world == 2:
         out["curve"] = dict(CURVE, dp=1)
         out["state"] = dict(STATE, kind="state")
@@ -83,20 +80,7 @@ def test_tp_efficient_collectives_exact(mesh_run, claims):
     """Every collective of every step on every rank, with the mesh dim it ran on, equals the prediction."""
     world, scen, res = mesh_run
     assert len(_draws(scen)) >= N_DRAWS * len(MESHES[world])
-    for name, sc in _draws(scen).items():
-        pd, rd = {"amp": ("bfloat16", "float32")}.get(sc["run"].dtype, (None, None))
-        rd = rd if sc.get("reduce_dtype", "auto") == "auto" else sc["reduce_dtype"]
-        pred = grouped_counts(tp_collectives(sc["cfg"], sc["run"], sc["tp"], sc["dp"], optimizer=sc["optimizer"],
-                                             param_dtype=pd, reduce_dtype=rd, variant=VARIANT,
-                                             reshard_after_forward=sc.get("reshard_after_forward", True)))
-        for r in range(world):
-            for rec in res[name][r]:
-                meas = {tuple(k[:3]) + (k[3],): n for *k, n in rec["collectives"]}
-                note = f"{_note(name, sc)}, rank {r}, step {rec['step']}"
-                claims.check("tp collective calls per step", component="comm", config=sc["cfg"].name,
-                             variant=VARIANT, predicted=sum(pred.values()), measured=sum(meas.values()),
-                             unit="calls", note=note)
-                assert meas == pred, f"{note}: (dim, op, dtype, bytes) -> calls differ\n meas {meas}\n pred {pred}"
+    check_collectives(world, _draws(scen), res, claims, VARIANT)
 
 
 @pytest.mark.distributed
@@ -104,15 +88,7 @@ def test_tp_efficient_rank_bytes_exact(mesh_run, claims):
     """Each rank's parameter, gradient and optimizer-state bytes after every step equal the prediction (the fused
     qkv and gate_up are one tensor each: FSDP pads and the optimizer keeps state per tensor)."""
     world, scen, res = mesh_run
-    for name, sc in _draws(scen).items():
-        for r in range(world):
-            pred = tp_rank_memory(sc["cfg"], sc["run"], sc["tp"], sc["dp"], rank=r, optimizer=sc["optimizer"],
-                                  variant=VARIANT)
-            for rec in res[name][r]:
-                for what in ("params", "grads", "optimizer"):
-                    claims.check(f"tp per-rank {what} bytes", component="comm", config=sc["cfg"].name,
-                                 variant=VARIANT, predicted=pred[what], measured=rec["memory"][what], unit="B",
-                                 note=f"{_note(name, sc)}, rank {r}, after step {rec['step']}")
+    check_rank_bytes(world, _draws(scen), res, claims, VARIANT)
 
 
 @pytest.mark.distributed
@@ -120,36 +96,39 @@ def test_tp_efficient_saved_bytes_per_component_exact(mesh_run, claims):
     """What each rank's forward saves for backward, per component (local storage), equals tp_saved: the fused
     kernels' saves on the rank's heads and columns, the norms' on its sequence shard, the baseline's loss."""
     world, scen, res = mesh_run
-    for name, sc in _draws(scen).items():
-        pred = tp_saved(sc["cfg"], sc["run"], VARIANT, sc["tp"], sc["dp"])["total"]
-        for r in range(world):
-            meas = res[name][r][0]["saved"]
-            for comp in sorted(set(pred) | set(meas)):
-                claims.check("tp per-rank saved bytes", component=comp, config=sc["cfg"].name, variant=VARIANT,
-                             predicted=pred.get(comp, 0), measured=meas.get(comp, 0), unit="B",
-                             note=f"{_note(name, sc)}, rank {r}")
+    check_saved(world, _draws(scen), res, claims, VARIANT)
+
+
+def _two_ranks(mesh_run, what: str) -> dict:
+    """The results of the 2-rank spawn (the TP 2 scenarios run there only)."""
+    world, _, res = mesh_run
+    if world != 2:
+        pytest.skip(f"{what} runs on 2 ranks")
+    return res
+
+
+def _one_process(sc: dict):
+    """(the one-process efficient model, ids, targets) that rank 0 of the scenario starts from."""
+    from llm_anatomy.models import build_model, make_batch
+
+    return (build_model(sc["cfg"], VARIANT, seed=0), *make_batch(sc["cfg"], sc["run"], seed=1))
 
 
 @pytest.mark.distributed
 def test_tp_efficient_loss_curve_matches_single_process(mesh_run, claims):
     """TP 2 (fp32): every rank's loss equals the one-process efficient model's at every step within CURVE_TOL."""
     from llm_anatomy.distributed.train_step import make_optimizer
-    from llm_anatomy.models import build_model, make_batch
 
-    world, _, res = mesh_run
-    if world != 2:
-        pytest.skip("the TP 2 curve runs on 2 ranks")
-    cfg, run = CURVE["cfg"], CURVE["run"]
-    model = build_model(cfg, VARIANT, seed=0)
-    ids, targets = make_batch(cfg, run, seed=1)
+    res = _two_ranks(mesh_run, "the TP 2 curve")
+    model, ids, targets = _one_process(CURVE)
     single = one_process_losses(model, make_optimizer("adamw", model.parameters(), CURVE["lr"]), ids, targets,
                                 CURVE["steps"])
     assert single[-1] < single[0] - 0.05, f"the curve must move to mean anything: {single}"
     for step in range(CURVE["steps"]):
         per = [res["curve"][r][step]["loss"] for r in range(2)]
         assert per[0] == per[1], f"TP ranks disagree at step {step + 1}: {per}"
-        claims.check("tp (efficient) loss vs one process", component="loss", config=cfg.name, variant=VARIANT,
-                     predicted=single[step], measured=per[0], tolerance=CURVE_TOL, unit="nats",
+        claims.check("tp (efficient) loss vs one process", component="loss", config=CURVE["cfg"].name,
+                     variant=VARIANT, predicted=single[step], measured=per[0], tolerance=CURVE_TOL, unit="nats",
                      note=f"TP 2, fp32, step {step + 1}")
 
 
@@ -158,14 +137,10 @@ def test_tp_efficient_state_dict_loads_into_one_process(mesh_run):
     """The rank-order permutation is a layout: after one SGD step on TP 2, the gathered state dict loads into a
     one-process efficient model (and, split by to_baseline_names, a baseline one) and equals the one-process step."""
     from llm_anatomy.efficient.transformer import to_baseline_names
-    from llm_anatomy.models import build_model, make_batch
+    from llm_anatomy.models import build_model
 
-    world, _, res = mesh_run
-    if world != 2:
-        pytest.skip("the state dict runs on 2 ranks")
-    cfg, run = STATE["cfg"], STATE["run"]
-    ref = build_model(cfg, VARIANT, seed=0)
-    ids, targets = make_batch(cfg, run, seed=1)
+    res, cfg = _two_ranks(mesh_run, "the state dict"), STATE["cfg"]
+    ref, ids, targets = _one_process(STATE)
     ref(ids, targets).backward()
     torch.optim.SGD(ref.parameters(), lr=STATE["lr"]).step()
     for r in range(2):

@@ -5,8 +5,8 @@
                   `anatomy train` run on the same data: the norm under PP combines the stages
   gloo, 4 ranks   TP 2 x FSDP 2 and PP 2 (1f1b) x FSDP 2 (B = 2 per dp rank against one process's B = 4)
   efficient       TP 2 and TP 2 x FSDP 2 of the efficient variant (--no-lean) against its one-process run
-  resume          TP 2 (both variants), PP 2 (interleaved), TP 2 x FSDP 2, PP 2 x FSDP 2: 2 steps + resume 2 from the per-rank checkpoint = the 4 straight
-                  steps, exactly (CPU kernels are deterministic); a checkpoint resumed on another mesh is refused
+  resume          TP 2 (both variants), PP 2 (interleaved), TP 2 x FSDP 2, PP 2 x FSDP 2: 2 steps + resume 2 from
+                  the per-rank checkpoint = the 4 straight steps, exactly (CPU kernels are deterministic); a checkpoint resumed on another mesh is refused
                   in one line, on every rank (exit 2), in a launch and in one process
   tolerances      the engine tests': TP's CURVE_TOL (validations/test_tensor_parallel.py: 1e-5 relative per step,
                   reduction order only); PP's float64 rule (validations/test_pipeline_parallel.py: the curve's
