@@ -4,7 +4,7 @@
                   its evals and its gradient norms (before the clip, train_log.json) against the one-process
                   `anatomy train` run on the same data: the norm under PP combines the stages
   gloo, 4 ranks   TP 2 x FSDP 2 and PP 2 (1f1b) x FSDP 2 (B = 2 per dp rank against one process's B = 4)
-  efficient       TP 2 and TP 2 x FSDP 2 of the efficient variant (--no-lean) against its one-process run
+  efficient       TP 2 and TP 2 x FSDP 2 of the efficient variant (its plain block) against its one-process run
   resume          TP 2 (both variants), PP 2 (interleaved), TP 2 x FSDP 2, PP 2 x FSDP 2: 2 steps + resume 2 from
                   the per-rank checkpoint = the 4 straight steps, exactly (CPU kernels are deterministic); a checkpoint resumed on another mesh is refused
                   in one line, on every rank (exit 2), in a launch and in one process
@@ -42,7 +42,7 @@ FLAGS = ["--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "
          "--dtype", "fp32", "--steps", str(STEPS), "--eval-every", "2", "--grad-clip", str(CLIP)]
 PIPE = {"pp2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b", "--microbatches", "2"],
         "pp2-interleaved": ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--microbatches", "2"]}
-EFF = ["--variant", "efficient", "--no-lean"]  # tp > 1 runs the efficient variant without its lean block
+EFF = ["--variant", "efficient"]  # under --tp the lean block is off by default (cli_args.run_from_args)
 
 
 def _rank_cli(args: list[str]) -> int:
@@ -219,7 +219,7 @@ def test_resume_on_another_mesh_refused(launched, cache, tmp_path, capsys):
 BAD = {
     "tp-not-dividing": (2, ["--tp", "3"], "--tp 3 does not divide the world size 2"),
     "tp-without-torchrun": (None, ["--tp", "2"], "launch with torchrun"),
-    "tp-efficient-lean": (2, ["--tp", "2", "--variant", "efficient"], "without its lean block (--no-lean)"),
+    "tp-efficient-lean": (2, ["--tp", "2", "--variant", "efficient", "--lean"], "without its lean block (--no-lean)"),
     "tp-and-pp": (4, ["--tp", "2", "--pp", "2"], "--tp with --pp is not built"),
     "tp-ddp": (2, ["--tp", "2", "--strategy", "ddp"], "--strategy must be auto or fsdp"),
     "tp-zero": (2, ["--tp", "0"], "--tp must be a positive integer"),
