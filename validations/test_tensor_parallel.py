@@ -227,22 +227,27 @@ def test_torchrun_tp_two_ranks(tmp_path, claims):
 def test_fake_pg_large_mesh_exact(model, tp, dp, rank, claims):
     """DTensor and FSDP2 run their own code on fake tensors for one rank of tp x dp; its collectives (by mesh dim)
     and its params/grads/optimizer bytes equal the prediction. Qwen3-0.6B: tied embeddings and per-head q/k norms."""
+    check_fake_pg(model, tp, dp, rank, claims)
+
+
+def check_fake_pg(model: str, tp: int, dp: int, rank: int, claims, variant: str = "baseline") -> None:
+    """One rank of a tp x dp mesh on the fake process group against tp_collectives and tp_rank_memory."""
     from llm_anatomy.distributed.mesh_step import simulate
     from llm_anatomy.hf_config import from_hf_config
     from validations.hf_configs import HF_CONFIGS
 
     cfg = PRESETS[model] if model in PRESETS else from_hf_config(HF_CONFIGS[model])
     run = Run(batch=1, seq=16, dtype="amp")
-    rec = simulate(cfg, run, tp, dp, rank=rank)[-1]
-    pred = grouped_counts(tp_collectives(cfg, run, tp, dp))
+    rec = simulate(cfg, run, tp, dp, rank=rank, variant=variant)[-1]
+    pred = grouped_counts(tp_collectives(cfg, run, tp, dp, variant=variant))
     meas = {tuple(k[:3]) + (k[3],): n for *k, n in rec["collectives"]}
     note = f"fake process group, tp {tp} x dp {dp}, rank {rank}"
-    claims.check("tp collective calls per step", component="comm", config=cfg.name, variant="baseline",
+    claims.check("tp collective calls per step", component="comm", config=cfg.name, variant=variant,
                  predicted=sum(pred.values()), measured=sum(meas.values()), unit="calls", note=note)
     assert meas == pred, f"{note}\n meas {meas}\n pred {pred}"
-    mem = tp_rank_memory(cfg, run, tp, dp, rank=rank)
+    mem = tp_rank_memory(cfg, run, tp, dp, rank=rank, variant=variant)
     for what in ("params", "grads", "optimizer"):
-        claims.check(f"tp per-rank {what} bytes", component="comm", config=cfg.name, variant="baseline",
+        claims.check(f"tp per-rank {what} bytes", component="comm", config=cfg.name, variant=variant,
                      predicted=mem[what], measured=rec["memory"][what], unit="B", note=note)
 
 

@@ -6,6 +6,7 @@ llm_anatomy.calculator.tensor_parallel (variant="efficient") and measured on glo
                        model; the gathered state dict loads into one-process models of both variants' keys
   gloo, 4 processes    TP 4, and TP 2 x FSDP 2, on hypothesis-drawn configs and runs
   every rank, every step: params/grads/optimizer bytes, saved bytes per component, (mesh dim, op, dtype, bytes) -> calls
+  fake process group   one rank of a 64- and a 256-rank mesh: collectives and bytes
 The draws are test_tensor_parallel.py's (tp_cases); all the draws of one world size run in ONE spawn.
 """
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 from llm_anatomy.calculator.tensor_parallel import tp_rank_memory
 from llm_anatomy.config import ConfigError, ModelConfig, Run
-from validations.test_tensor_parallel import (CURVE_CFG, MESHES, N_DRAWS, OK, check_collectives, check_rank_bytes,
-                                              check_saved, mesh_draws)
+from validations.test_tensor_parallel import (CURVE_CFG, MESHES, N_DRAWS, OK, check_collectives, check_fake_pg,
+                                              check_rank_bytes, check_saved, mesh_draws)
 from validations.train_cases import one_process_losses
 
 VARIANT = "efficient"
@@ -151,6 +152,15 @@ def test_tp_efficient_state_dict_loads_into_one_process(mesh_run):
             torch.testing.assert_close(one.state_dict()[k], want, rtol=STATE_TOL, atol=STATE_TOL,
                                        msg=lambda m: f"rank {r}, {k}: {m}")
         build_model(cfg, "baseline", seed=None).load_state_dict(to_baseline_names(got, cfg))
+
+
+@pytest.mark.parametrize("model, tp, dp, rank", [("llama3-8b", 4, 16, 37), ("Qwen3-0.6B", 8, 32, 100)],
+                         ids=["llama3-8b-tp4xdp16", "qwen3-0.6b-tp8xdp32"])
+def test_efficient_fake_pg_large_mesh_exact(model, tp, dp, rank, claims):
+    """One rank of a 64- and a 256-rank mesh (Qwen3-0.6B: tied, qk_norm) on the fake process group: DTensor and
+    FSDP2 run the efficient model's plan, fused rows and norm sharding rules included; its collectives and bytes
+    equal the prediction."""
+    check_fake_pg(model, tp, dp, rank, claims, VARIANT)
 
 
 def test_efficient_refusals_one_line():

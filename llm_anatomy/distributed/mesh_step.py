@@ -92,7 +92,7 @@ def _steps(model, opt, ids, targets, mesh, steps: int, *, trace_saved: bool = Fa
 
 
 def simulate(cfg: ModelConfig, run: Run, tp: int, dp: int, *, rank: int = 0, steps: int = 1,
-             optimizer: str = "adamw") -> list[dict]:
+             optimizer: str = "adamw", variant: str = "baseline") -> list[dict]:
     """Rank `rank`'s view of `steps` steps on a (dp, tp) mesh of dp x tp ranks, in this process: the fake process
     group (distributed.simulate) and fake tensors, so TP and FSDP2 run their own code at any size with no data.
     Records as train()'s, without the loss."""
@@ -100,14 +100,14 @@ def simulate(cfg: ModelConfig, run: Run, tp: int, dp: int, *, rank: int = 0, ste
 
     from llm_anatomy.distributed.simulate import fake_process_group
 
-    check_tp(cfg, tp, dp)
-    check_run(run, tp, dp)
+    check_tp(cfg, tp, dp, variant=variant)
+    check_run(run, tp, dp, variant)
     if not 0 <= rank < tp * dp:
         raise ConfigError(f"rank must be in [0, {tp * dp}), got {rank!r}")
     with fake_process_group(tp * dp, rank):
         mesh = build_mesh(dp, tp)
         pd, rd = default_mixed_precision(run) if dp > 1 else (None, None)
-        model = build_model(cfg, "baseline", device="meta", dtype=torch.bfloat16 if run.dtype == "bf16" else None,
+        model = build_model(cfg, variant, device="meta", dtype=torch.bfloat16 if run.dtype == "bf16" else None,
                             seed=None)
         parallelize(model, mesh, param_dtype=pd, reduce_dtype=rd)  # shards meta tensors: cheap at any size
         with FakeTensorMode(allow_non_fake_inputs=True):
