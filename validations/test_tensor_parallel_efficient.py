@@ -3,7 +3,8 @@ column shards (llm_anatomy/distributed/tensor_parallel.py, tp_layout.py, tp_kern
 llm_anatomy.calculator.tensor_parallel (variant="efficient") and measured on gloo ranks (distributed.mesh_step).
 
   gloo, 2 processes    TP 2 on hypothesis-drawn configs and runs; a TP 2 loss curve against the one-process efficient
-                       model; the gathered state dict loads into one-process models of both variants' keys
+                       model; the gathered state dict loads into one-process models of both variants' keys; the
+                       Triton kernels (TRITON_INTERPRET=1) on the ranks' shards against one process on the same kernels
   gloo, 4 processes    TP 4, and TP 2 x FSDP 2, on hypothesis-drawn configs and runs
   every rank, every step: params/grads/optimizer bytes, saved bytes per component, (mesh dim, op, dtype, bytes) -> calls
   fake process group   one rank of a 64- and a 256-rank mesh: collectives and bytes
@@ -11,11 +12,15 @@ The draws are test_tensor_parallel.py's (tp_cases); all the draws of one world s
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from llm_anatomy.calculator.tensor_parallel import tp_rank_memory
 from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.kernels import INTERPRET
+from validations.kernel_cases import needs_interpreter
 from validations.test_tensor_parallel import (CURVE_CFG, MESHES, N_DRAWS, OK, check_collectives, check_fake_pg,
                                               check_rank_bytes, check_saved, mesh_draws)
 from validations.train_cases import one_process_losses
@@ -26,6 +31,10 @@ CURVE = dict(cfg=CURVE_CFG, run=Run(batch=2, seq=16, dtype="fp32"), tp=2, steps=
 CURVE_TOL = 1e-5  # relative: reduction order only (test_tensor_parallel.py's CURVE_TOL says why)
 STATE = dict(cfg=ModelConfig(name="tp-state", hidden=32, layers=2, heads=4, kv_heads=2, intermediate=48, vocab=64,
                              qkv_bias=True, qk_norm=True, head_dim=8), run=Run(batch=2, seq=8, dtype="fp32"), lr=0.1)
+# the Triton kernels (TRITON_INTERPRET=1) on each rank's shards: qk-norm, GQA, a qkv bias, gpt-oss's activation
+TRITON = dict(cfg=ModelConfig(name="tp-triton", hidden=32, layers=1, heads=4, kv_heads=2, intermediate=32, vocab=64,
+                              qkv_bias=True, qk_norm=True, head_dim=8, mlp="gpt-oss"),
+              run=Run(batch=1, seq=8, dtype="fp32"), tp=2, steps=2, lr=1e-2)
 STATE_TOL = 1e-6  # one SGD step: the weights differ by lr x the gradient's reduction-order ulps
 
 
@@ -47,10 +56,15 @@ def _state_after_one_step(cfg: ModelConfig, run: Run, lr: float) -> dict:
 
 
 def _scenario(kind: str = "train", **kw):
-    """A spawned rank's scenario: mesh_step.train on the efficient variant, or the gathered state dict."""
+    """A spawned rank's scenario: mesh_step.train on the efficient variant (kind "triton": its ops through the Triton
+    kernels, interpreted on CPU), or the gathered state dict."""
     from llm_anatomy.distributed.mesh_step import train
+    from llm_anatomy.kernels import triton_on_cpu
 
-    return _state_after_one_step(**kw) if kind == "state" else train(variant=VARIANT, **kw)
+    if kind == "state":
+        return _state_after_one_step(**kw)
+    with triton_on_cpu() if kind == "triton" else contextlib.nullcontext():
+        return train(variant=VARIANT, **kw)
 
 
 def _scenarios(world: int) -> dict[str, dict]:
@@ -58,6 +72,8 @@ def _scenarios(world: int) -> dict[str, dict]:
     if world == 2:
         out["curve"] = dict(CURVE, dp=1)
         out["state"] = dict(STATE, kind="state")
+        if INTERPRET:  # the Triton kernels run on CPU ranks under the interpreter only
+            out["triton"] = dict(TRITON, kind="triton", dp=1)
     return out
 
 
@@ -73,7 +89,7 @@ def mesh_run(request):
 
 
 def _draws(scen: dict) -> dict:
-    return {k: v for k, v in scen.items() if k not in ("curve", "state")}
+    return {k: v for k, v in scen.items() if k not in ("curve", "state", "triton")}
 
 
 @pytest.mark.distributed
@@ -161,6 +177,28 @@ def test_efficient_fake_pg_large_mesh_exact(model, tp, dp, rank, claims):
     FSDP2 run the efficient model's plan, fused rows and norm sharding rules included; its collectives and bytes
     equal the prediction."""
     check_fake_pg(model, tp, dp, rank, claims, VARIANT)
+
+
+@needs_interpreter
+@pytest.mark.distributed
+def test_tp_efficient_triton_kernels_on_shards(mesh_run, claims):
+    """The fused Triton kernels (rms_norm through its sharding rule, rope_qkv and swiglu_packed on the local
+    columns) on TP 2 ranks: every rank's loss equals the one-process efficient model's on the same kernels within
+    CURVE_TOL, at every step."""
+    from llm_anatomy.distributed.train_step import make_optimizer
+    from llm_anatomy.kernels import triton_on_cpu
+
+    res = _two_ranks(mesh_run, "the Triton scenario")
+    model, ids, targets = _one_process(TRITON)
+    with triton_on_cpu():
+        single = one_process_losses(model, make_optimizer("adamw", model.parameters(), TRITON["lr"]), ids, targets,
+                                    TRITON["steps"])
+    for step in range(TRITON["steps"]):
+        for r in range(2):
+            claims.check("tp (efficient, Triton kernels) loss vs one process", component="loss",
+                         config=TRITON["cfg"].name, variant=VARIANT, predicted=single[step],
+                         measured=res["triton"][r][step]["loss"], tolerance=CURVE_TOL, unit="nats",
+                         note=f"TP 2, fp32, rank {r}, step {step + 1}, TRITON_INTERPRET=1")
 
 
 def test_efficient_refusals_one_line():

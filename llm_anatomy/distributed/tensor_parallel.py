@@ -45,7 +45,7 @@ from llm_anatomy.config import ConfigError, ModelConfig
 from llm_anatomy.distributed import tp_kernels  # noqa: F401  (the fused norms' DTensor sharding rules)
 from llm_anatomy.distributed.strategies import _dtype
 from llm_anatomy.distributed.tp_layout import to_rank_order, use_baseline_head
-from llm_anatomy.mesh_rules import check_mesh
+from llm_anatomy.mesh_rules import check_efficient_tp, check_mesh
 
 MESH_DIMS = ("dp", "tp")
 _MESHES: dict = {}
@@ -125,7 +125,7 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
     check_tp(cfg, tp, mesh["dp"].size(), variant=variant)
     efficient = variant == "efficient" and tp > 1
     if efficient:
-        check_efficient(model)
+        check_efficient_tp(tp, model.lean, model.recompute)
         to_rank_order(model, tp)
         use_baseline_head(model)
     if tp > 1:
@@ -142,16 +142,6 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
             fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
     return model
-
-
-def check_efficient(model: nn.Module) -> None:
-    """ConfigError (one line) for the efficient model's options the plan does not shard: the lean block hands a
-    pending branch across Blocks and runs its own matmuls, and recompute's checkpoints norm the residual stream
-    inside the attention and MLP modules, whose inputs the plan all-gathers."""
-    if getattr(model, "lean", False):
-        raise ConfigError("tp > 1 runs the efficient variant without its lean block (--no-lean)")
-    if getattr(model, "recompute", "none") != "none":
-        raise ConfigError(f"tp > 1 runs the efficient variant without recompute, got recompute={model.recompute}")
 
 
 def loss_context(tp: int):

@@ -57,10 +57,7 @@ def check(cfg: ModelConfig, run: Run, variant: str, o: TrainOptions, world: int)
         from llm_anatomy.distributed.tensor_parallel import check_tp
         from llm_anatomy.mesh_rules import check_run
 
-        try:
-            check_tp(cfg, o.tp, dp, variant=variant)
-        except ConfigError as e:  # the engine's refusal; anatomy train's default variant is the efficient one
-            raise ConfigError(f"{e} (--variant baseline)" if variant != "baseline" else str(e)) from None
+        check_tp(cfg, o.tp, dp, variant=variant)
         check_run(run, o.tp, dp, variant)
         return
     from llm_anatomy.mesh_rules import check_pipeline
