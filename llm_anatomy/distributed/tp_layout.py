@@ -20,8 +20,8 @@ from torch import nn
 
 from llm_anatomy.config import ModelConfig
 
-# fused parameter (inside a Block) -> its parts' row counts, in the one-process order
 def fused_parts(cfg: ModelConfig) -> dict[str, list[int]]:
+    """Each fused parameter (its name inside a Block) -> its parts' row counts, in the one-process order."""
     qkv = [cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
     return {"attn.qkv.weight": qkv, "attn.qkv.bias": qkv, "mlp.gate_up.weight": [cfg.intermediate] * 2}
 
@@ -51,10 +51,9 @@ def use_baseline_head(model: nn.Module) -> None:
     docstring of distributed/tensor_parallel.py says why): the logits vocab-sharded, loss_parallel's reductions."""
     from llm_anatomy.baseline.loss import LMHeadLoss
 
-    old = model.head
-    head = LMHeadLoss.__new__(LMHeadLoss)
-    nn.Module.__init__(head)
-    head.lm_head = old.lm_head  # the same parameter: tied to the embedding if it was
+    with torch.device("meta"):  # its own lm_head is replaced at once: no storage
+        head = LMHeadLoss(model.cfg.hidden, model.cfg.vocab)
+    head.lm_head = model.head.lm_head  # the same parameter: tied to the embedding if it was
     model.head = head
 
 
