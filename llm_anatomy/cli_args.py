@@ -131,6 +131,10 @@ def run_from_args(a) -> Run:
         if a.variant == "efficient" and not lean:
             a.config_notes = (*getattr(a, "config_notes", ()), f"the lean block applies without recompute only: "
                               f"--recompute {a.recompute} runs the plain efficient block")
+        elif lean and getattr(a, "tp", 1) > 1:  # tensor parallel shards the plain block (distributed/tensor_parallel)
+            lean = False
+            a.config_notes = (*getattr(a, "config_notes", ()), "the lean block runs without tensor parallel only: "
+                              f"--tp {a.tp} runs the plain efficient block")
     run = Run(batch=a.batch, seq=a.seq, dtype=a.dtype, recompute=a.recompute, lean=lean)
     for flag, on in ((f"--recompute {run.recompute}", run.recompute != "none"), ("--lean", a.lean)):
         if on and a.variant != "efficient":

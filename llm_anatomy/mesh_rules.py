@@ -38,9 +38,8 @@ def check_mesh(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseli
         raise ConfigError("cp > 1 is not built yet (see docs/parallelism.md)")
     if tp == 1:
         return
-    if variant != "baseline":
-        raise ConfigError(f"tp > 1 runs the baseline variant only: the {variant} variant's fused kernels take "
-                          "plain tensors, not column shards")
+    if variant not in ("baseline", "efficient"):
+        raise ConfigError(f"tp > 1 runs the baseline and efficient variants, not {variant!r}")
     if cfg.moe:
         raise ConfigError("tp > 1 does not shard mixture-of-experts layers (experts > 0)")
     for field in ("heads", "kv_heads", "intermediate", "vocab"):
@@ -48,11 +47,24 @@ def check_mesh(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseli
             raise ConfigError(f"{field}={getattr(cfg, field)} is not divisible by tp={tp}")
 
 
-def check_run(run: Run, tp: int, dp: int = 1) -> None:
-    """ConfigError (one line) for a run the mesh cannot take: sequence parallel splits seq over tp evenly, and amp
-    needs FSDP's mixed-precision policy (dp > 1)."""
+def check_efficient_tp(tp: int, lean_block: bool, recompute: str) -> None:
+    """ConfigError (one line) for the efficient model's options tp > 1 does not shard: the lean block hands a
+    pending branch across Blocks and runs its own matmuls, and recompute's checkpoints norm the residual stream
+    inside the attention and MLP modules, whose inputs the plan all-gathers."""
+    if tp > 1 and lean_block:
+        raise ConfigError("tp > 1 runs the efficient variant without its lean block (--no-lean)")
+    if tp > 1 and recompute != "none":
+        raise ConfigError(f"tp > 1 runs the efficient variant without recompute, got recompute={recompute}")
+
+
+def check_run(run: Run, tp: int, dp: int = 1, variant: str = "baseline") -> None:
+    """ConfigError (one line) for a run the mesh cannot take: sequence parallel splits seq over tp evenly, amp
+    needs FSDP's mixed-precision policy (dp > 1), and the efficient variant runs under tp > 1 without its lean
+    block and recompute (check_efficient_tp)."""
     if tp > 1 and run.seq % tp:
         raise ConfigError(f"seq={run.seq} is not divisible by tp={tp} (sequence parallel splits it evenly)")
+    if variant == "efficient":
+        check_efficient_tp(tp, run.lean_block, run.recompute)
     if run.dtype == "amp" and dp == 1:
         raise ConfigError("dtype amp on a mesh needs dp > 1 (its policy is FSDP's mixed precision); use fp32 or bf16")
 

@@ -60,11 +60,17 @@ CURVE_TOL = 1e-5
 MESHES = {2: [("tp2", 2, 1)], 4: [("tp4", 4, 1), ("tp2xdp2", 2, 2)]}
 
 
-def _scenarios(world: int) -> dict[str, dict]:
+def mesh_draws(world: int, seed: int) -> dict[str, dict]:
+    """N_DRAWS cases of each mesh of this world size, named "<mesh>-<i>", each with its dp."""
     out = {}
     for name, tp, dp in MESHES[world]:
-        for i, case in enumerate(draw_examples(tp_cases(tp, dp), N_DRAWS, seed_=4700 + 10 * tp + dp)):
+        for i, case in enumerate(draw_examples(tp_cases(tp, dp), N_DRAWS, seed_=seed + 10 * tp + dp)):
             out[f"{name}-{i}"] = dict(case, dp=dp)
+    return out
+
+
+def _scenarios(world: int) -> dict[str, dict]:
+    out = mesh_draws(world, 4700)
     if world == 4:
         out["curve"] = dict(CURVE, dp=2)
     return out
@@ -90,55 +96,69 @@ def _note(name: str, sc: dict) -> str:
             f"reshard {sc.get('reshard_after_forward', True)}")
 
 
-@pytest.mark.distributed
-def test_tp_collectives_exact(mesh_run, claims):
-    """Every collective of every step on every rank, with the mesh dim it ran on, equals the prediction."""
-    world, scen, res = mesh_run
-    assert len(scen) >= N_DRAWS * len(MESHES[world])
+def check_collectives(world: int, scen: dict, res: dict, claims, variant: str = "baseline") -> None:
+    """Every collective of every step on every rank, with its mesh dim, against tp_collectives."""
     for name, sc in scen.items():
         # mesh_step's "auto" is the dtype policy's choice (amp: bf16 all-gathers, fp32 reduce-scatters)
         pd, rd = {"amp": ("bfloat16", "float32")}.get(sc["run"].dtype, (None, None))
         rd = rd if sc.get("reduce_dtype", "auto") == "auto" else sc["reduce_dtype"]
         pred = grouped_counts(tp_collectives(sc["cfg"], sc["run"], sc["tp"], sc["dp"],
                                              optimizer=sc.get("optimizer", "adamw"), param_dtype=pd, reduce_dtype=rd,
-                                             reshard_after_forward=sc.get("reshard_after_forward", True)))
+                                             reshard_after_forward=sc.get("reshard_after_forward", True),
+                                             variant=variant))
         for r in range(world):
             for rec in res[name][r]:
                 meas = {tuple(k[:3]) + (k[3],): n for *k, n in rec["collectives"]}
                 note = f"{_note(name, sc)}, rank {r}, step {rec['step']}"
                 claims.check("tp collective calls per step", component="comm", config=sc["cfg"].name,
-                             variant="baseline", predicted=sum(pred.values()), measured=sum(meas.values()),
+                             variant=variant, predicted=sum(pred.values()), measured=sum(meas.values()),
                              unit="calls", note=note)
                 assert meas == pred, f"{note}: (dim, op, dtype, bytes) -> calls differ\n meas {meas}\n pred {pred}"
+
+
+def check_rank_bytes(world: int, scen: dict, res: dict, claims, variant: str = "baseline") -> None:
+    """Each rank's params/grads/optimizer bytes after every step against tp_rank_memory."""
+    for name, sc in scen.items():
+        for r in range(world):
+            pred = tp_rank_memory(sc["cfg"], sc["run"], sc["tp"], sc["dp"], rank=r,
+                                  optimizer=sc.get("optimizer", "adamw"), variant=variant)
+            for rec in res[name][r]:
+                for what in ("params", "grads", "optimizer"):
+                    claims.check(f"tp per-rank {what} bytes", component="comm", config=sc["cfg"].name,
+                                 variant=variant, predicted=pred[what], measured=rec["memory"][what], unit="B",
+                                 note=f"{_note(name, sc)}, rank {r}, after step {rec['step']}")
+
+
+def check_saved(world: int, scen: dict, res: dict, claims, variant: str = "baseline") -> None:
+    """Each rank's step-1 saved bytes per component (local storage) against tp_saved."""
+    for name, sc in scen.items():
+        pred = tp_saved(sc["cfg"], sc["run"], variant, sc["tp"], sc["dp"])["total"]
+        for r in range(world):
+            meas = res[name][r][0]["saved"]
+            for comp in sorted(set(pred) | set(meas)):
+                claims.check("tp per-rank saved bytes", component=comp, config=sc["cfg"].name, variant=variant,
+                             predicted=pred.get(comp, 0), measured=meas.get(comp, 0), unit="B",
+                             note=f"{_note(name, sc)}, rank {r}")
+
+
+@pytest.mark.distributed
+def test_tp_collectives_exact(mesh_run, claims):
+    """Every collective of every step on every rank, with the mesh dim it ran on, equals the prediction."""
+    world, scen, res = mesh_run
+    assert len(scen) >= N_DRAWS * len(MESHES[world])
+    check_collectives(world, scen, res, claims)
 
 
 @pytest.mark.distributed
 def test_tp_rank_bytes_exact(mesh_run, claims):
     """Each rank's parameter, gradient and optimizer-state bytes after every step equal the prediction."""
-    world, scen, res = mesh_run
-    for name, sc in scen.items():
-        for r in range(world):
-            pred = tp_rank_memory(sc["cfg"], sc["run"], sc["tp"], sc["dp"], rank=r,
-                                  optimizer=sc.get("optimizer", "adamw"))
-            for rec in res[name][r]:
-                for what in ("params", "grads", "optimizer"):
-                    claims.check(f"tp per-rank {what} bytes", component="comm", config=sc["cfg"].name,
-                                 variant="baseline", predicted=pred[what], measured=rec["memory"][what], unit="B",
-                                 note=f"{_note(name, sc)}, rank {r}, after step {rec['step']}")
+    check_rank_bytes(*mesh_run, claims)
 
 
 @pytest.mark.distributed
 def test_tp_saved_bytes_per_component_exact(mesh_run, claims):
     """What each rank's forward saves for backward, per component (local storage), equals tp_saved."""
-    world, scen, res = mesh_run
-    for name, sc in scen.items():
-        pred = tp_saved(sc["cfg"], sc["run"], "baseline", sc["tp"], sc["dp"])["total"]
-        for r in range(world):
-            meas = res[name][r][0]["saved"]
-            for comp in sorted(set(pred) | set(meas)):
-                claims.check("tp per-rank saved bytes", component=comp, config=sc["cfg"].name, variant="baseline",
-                             predicted=pred.get(comp, 0), measured=meas.get(comp, 0), unit="B",
-                             note=f"{_note(name, sc)}, rank {r}")
+    check_saved(*mesh_run, claims)
 
 
 def _single_process_losses(sc: dict, dp: int) -> list[float]:
@@ -207,22 +227,27 @@ def test_torchrun_tp_two_ranks(tmp_path, claims):
 def test_fake_pg_large_mesh_exact(model, tp, dp, rank, claims):
     """DTensor and FSDP2 run their own code on fake tensors for one rank of tp x dp; its collectives (by mesh dim)
     and its params/grads/optimizer bytes equal the prediction. Qwen3-0.6B: tied embeddings and per-head q/k norms."""
+    check_fake_pg(model, tp, dp, rank, claims)
+
+
+def check_fake_pg(model: str, tp: int, dp: int, rank: int, claims, variant: str = "baseline") -> None:
+    """One rank of a tp x dp mesh on the fake process group against tp_collectives and tp_rank_memory."""
     from llm_anatomy.distributed.mesh_step import simulate
     from llm_anatomy.hf_config import from_hf_config
     from validations.hf_configs import HF_CONFIGS
 
     cfg = PRESETS[model] if model in PRESETS else from_hf_config(HF_CONFIGS[model])
     run = Run(batch=1, seq=16, dtype="amp")
-    rec = simulate(cfg, run, tp, dp, rank=rank)[-1]
-    pred = grouped_counts(tp_collectives(cfg, run, tp, dp))
+    rec = simulate(cfg, run, tp, dp, rank=rank, variant=variant)[-1]
+    pred = grouped_counts(tp_collectives(cfg, run, tp, dp, variant=variant))
     meas = {tuple(k[:3]) + (k[3],): n for *k, n in rec["collectives"]}
     note = f"fake process group, tp {tp} x dp {dp}, rank {rank}"
-    claims.check("tp collective calls per step", component="comm", config=cfg.name, variant="baseline",
+    claims.check("tp collective calls per step", component="comm", config=cfg.name, variant=variant,
                  predicted=sum(pred.values()), measured=sum(meas.values()), unit="calls", note=note)
     assert meas == pred, f"{note}\n meas {meas}\n pred {pred}"
-    mem = tp_rank_memory(cfg, run, tp, dp, rank=rank)
+    mem = tp_rank_memory(cfg, run, tp, dp, rank=rank, variant=variant)
     for what in ("params", "grads", "optimizer"):
-        claims.check(f"tp per-rank {what} bytes", component="comm", config=cfg.name, variant="baseline",
+        claims.check(f"tp per-rank {what} bytes", component="comm", config=cfg.name, variant=variant,
                      predicted=mem[what], measured=rec["memory"][what], unit="B", note=note)
 
 
@@ -243,7 +268,7 @@ def test_unshardable_config_refused(cfg, tp, field):
 
 
 def test_unsupported_mesh_refused():
-    for kw, what in ((dict(tp=0), "tp"), (dict(tp=2, cp=2), "cp > 1"), (dict(tp=2, variant="efficient"), "efficient")):
+    for kw, what in ((dict(tp=0), "tp"), (dict(tp=2, cp=2), "cp > 1"), (dict(tp=2, variant="liger"), "baseline and efficient")):
         with pytest.raises(ConfigError, match=what):
             check_mesh(OK, **kw)
     with pytest.raises(ConfigError, match="seq=9"):

@@ -4,8 +4,9 @@
                   its evals and its gradient norms (before the clip, train_log.json) against the one-process
                   `anatomy train` run on the same data: the norm under PP combines the stages
   gloo, 4 ranks   TP 2 x FSDP 2 and PP 2 (1f1b) x FSDP 2 (B = 2 per dp rank against one process's B = 4)
-  resume          TP 2, PP 2 (interleaved), TP 2 x FSDP 2, PP 2 x FSDP 2: 2 steps + resume 2 from the per-rank checkpoint = the 4 straight
-                  steps, exactly (CPU kernels are deterministic); a checkpoint resumed on another mesh is refused
+  efficient       TP 2 and TP 2 x FSDP 2 of the efficient variant (its plain block) against its one-process run
+  resume          TP 2 (both variants), PP 2 (interleaved), TP 2 x FSDP 2, PP 2 x FSDP 2: 2 steps + resume 2 from
+                  the per-rank checkpoint = the 4 straight steps, exactly (CPU kernels are deterministic); a checkpoint resumed on another mesh is refused
                   in one line, on every rank (exit 2), in a launch and in one process
   tolerances      the engine tests': TP's CURVE_TOL (validations/test_tensor_parallel.py: 1e-5 relative per step,
                   reduction order only); PP's float64 rule (validations/test_pipeline_parallel.py: the curve's
@@ -41,6 +42,7 @@ FLAGS = ["--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "2", "
          "--dtype", "fp32", "--steps", str(STEPS), "--eval-every", "2", "--grad-clip", str(CLIP)]
 PIPE = {"pp2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b", "--microbatches", "2"],
         "pp2-interleaved": ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--microbatches", "2"]}
+EFF = ["--variant", "efficient"]  # under --tp the lean block is off by default (cli_args.run_from_args)
 
 
 def _rank_cli(args: list[str]) -> int:
@@ -91,11 +93,15 @@ def launched(one_process, cache, tmp_path_factory) -> dict[str, tuple[int, Path]
                 "tp2-on-pp2": ["--batch", "4", *PIPE["pp2-1f1b"], "--ckpt-dir", str(base / "tp2"), "--resume"],
                 **{k: ["--batch", "4", *v, "--ckpt-every", "2"] for k, v in PIPE.items()},
                 "pp2-efficient": ["--batch", "4", *PIPE["pp2-1f1b"], "--variant", "efficient", "--no-lean"],
+                "tp2-efficient": ["--batch", "4", "--tp", "2", *EFF, "--ckpt-every", "2"],
+                "tp2-efficient-resumed": ["--batch", "4", "--tp", "2", *EFF, "--ckpt-dir", str(base / "tp2-efficient"),
+                                          "--resume", str(base / "tp2-efficient" / "step-00000002")],
                 "pp2-interleaved-resumed": ["--batch", "4", *PIPE["pp2-interleaved"], "--ckpt-dir",
                                             str(base / "pp2-interleaved"), "--resume",
                                             str(base / "pp2-interleaved" / "step-00000002")]},
             4: {"tp2xdp2": ["--batch", "2", "--tp", "2", "--ckpt-every", "2"],
                 "pp2xdp2": ["--batch", "2", *PIPE["pp2-1f1b"], "--ckpt-every", "2"],
+                "tp2xdp2-efficient": ["--batch", "2", "--tp", "2", *EFF],
                 **{f"{k}-resumed": ["--batch", "2", *flags, "--ckpt-dir", str(base / k), "--resume",
                                     str(base / k / "step-00000002")]
                    for k, flags in (("tp2xdp2", ["--tp", "2"]), ("pp2xdp2", PIPE["pp2-1f1b"]))}}}
@@ -132,19 +138,21 @@ def _check_norms(d: Path, one: Path, name: str, claims) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["tp2", "tp2xdp2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2xdp2", "tp2-efficient", "tp2xdp2-efficient"])
 def test_tp_curve_matches_one_process(launched, one_process, name, claims):
-    """TP 2 (and TP 2 x FSDP 2 with half the batch per dp rank) follow the one-process run step by step, evals
-    and gradient norms included, within CURVE_TOL."""
-    d, one = _ok(launched, name), _losses(one_process["fp32"])
+    """TP 2 (and TP 2 x FSDP 2 with half the batch per dp rank), of either variant, follow the one-process run of
+    that variant step by step, evals and gradient norms included, within CURVE_TOL."""
+    ref = one_process["efficient" if name.endswith("efficient") else "fp32"]
+    d, one = _ok(launched, name), _losses(ref)
     log = _log(d)
-    assert log["strategy"] == "tp" and log["mesh"] == ("tp 2 x dp 1" if name == "tp2" else "tp 2 x dp 2")
-    _check_norms(d, one_process["fp32"], name, claims)
+    assert log["strategy"] == "tp" and log["mesh"] == ("tp 2 x dp 2" if "xdp2" in name else "tp 2 x dp 1")
+    assert log["variant"] == ("efficient" if name.endswith("efficient") else "baseline")
+    _check_norms(d, ref, name, claims)
     for step, (got, want) in enumerate(zip(_losses(d), one), 1):
         claims.check(f"anatomy train --tp loss vs one process ({name})", component="loss", config=CFG.name,
                      variant="baseline", predicted=want, measured=got, tolerance=CURVE_TOL, unit="nats",
                      note=f"step {step}, fp32, grad clip {CLIP}")
-    for got, want in zip(_evals(d), _evals(one_process["fp32"]), strict=True):
+    for got, want in zip(_evals(d), _evals(ref), strict=True):
         claims.check(f"anatomy train --tp eval loss vs one process ({name})", component="loss", config=CFG.name,
                      variant="baseline", predicted=want, measured=got, tolerance=CURVE_TOL, unit="nats")
 
@@ -182,7 +190,8 @@ def test_pp_efficient_matches_one_process(launched, one_process, claims):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name, world", [("tp2", 2), ("pp2-interleaved", 2), ("tp2xdp2", 4), ("pp2xdp2", 4)])
+@pytest.mark.parametrize("name, world", [("tp2", 2), ("tp2-efficient", 2), ("pp2-interleaved", 2), ("tp2xdp2", 4),
+                                         ("pp2xdp2", 4)])
 def test_resume_on_the_same_mesh_repeats_the_run(launched, name, world):
     """2 steps, then a resume from the step-2 per-rank checkpoint for 2 more: the 4 straight steps' losses and
     evals, bit for bit; each rank wrote its own shard (TP's DTensors, FSDP2's dp shards of them, a stage's
@@ -210,7 +219,7 @@ def test_resume_on_another_mesh_refused(launched, cache, tmp_path, capsys):
 BAD = {
     "tp-not-dividing": (2, ["--tp", "3"], "--tp 3 does not divide the world size 2"),
     "tp-without-torchrun": (None, ["--tp", "2"], "launch with torchrun"),
-    "tp-efficient": (2, ["--tp", "2", "--variant", "efficient"], "baseline variant only"),
+    "tp-efficient-lean": (2, ["--tp", "2", "--variant", "efficient", "--lean"], "without its lean block (--no-lean)"),
     "tp-and-pp-not-dividing": (6, ["--tp", "2", "--pp", "2"], "--pp 2 x --tp 2 = 4 ranks does not divide"),
     "tp-ddp": (2, ["--tp", "2", "--strategy", "ddp"], "--strategy must be auto or fsdp"),
     "tp-zero": (2, ["--tp", "0"], "--tp must be a positive integer"),

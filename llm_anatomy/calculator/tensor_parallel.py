@@ -5,9 +5,11 @@ The mesh and plan are llm_anatomy/distributed/tensor_parallel.py's (torchtitan's
 from __future__ import annotations
 
 from dataclasses import replace
+from math import prod
 
 from llm_anatomy.calculator.comm import _row, fsdp_collectives
 from llm_anatomy.calculator.param_layout import Shape, fsdp_unit_shapes
+from llm_anatomy.calculator.pipeline_schedule import _ROPE
 from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
 from llm_anatomy.calculator.types import BYTES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
@@ -29,25 +31,49 @@ def check_optimizer(optimizer: str, tp: int, dp: int) -> None:
 # ---- the tensors each rank holds ------------------------------------------------------------------------------
 # ColwiseParallel shards a weight (and its bias) on dim 0, RowwiseParallel on dim 1 (the embedding on dim 0: the
 # vocab), SequenceParallel replicates the norms' weights. DTensor's local tensor is the plain chunk.
-def tp_unit_shapes(cfg: ModelConfig, tp: int) -> tuple:
-    """fsdp_unit_shapes on the TP-local tensors: ("root", [(name, shape)]), ("block", [(name, shape)])."""
+def _fused(block: list[tuple[str, Shape]]) -> list[tuple[str, Shape]]:
+    """The efficient Block's tensors from the baseline's: q, k, v weights one qkv weight (rows q, k, v), their
+    biases one qkv bias, gate and up one gate_up weight, in registration order."""
+    rows = {n: s for n, s in block}  # names within the unit: "layers.0.attn.q.weight"
+    out = []
+    for n, s in block:
+        pre = "layers.0." if n.startswith("layers.0.") else ""
+        name = n[len(pre):]
+        if name in ("attn.q.weight", "attn.q.bias"):
+            kind = name.split(".")[-1]
+            rows_qkv = sum(rows[f"{pre}attn.{p}.{kind}"][0] for p in "qkv")
+            out.append((f"{pre}attn.qkv.{kind}", (rows_qkv, *s[1:])))
+        elif name == "mlp.gate.weight":
+            out.append((f"{pre}mlp.gate_up.weight", (2 * s[0], s[1])))
+        elif name not in ("attn.k.weight", "attn.v.weight", "attn.k.bias", "attn.v.bias", "mlp.up.weight"):
+            out.append((n, s))
+    return out
+
+
+def tp_unit_shapes(cfg: ModelConfig, tp: int, variant: str = "baseline") -> tuple:
+    """fsdp_unit_shapes on the TP-local tensors: ("root", [(name, shape)]), ("block", [(name, shape)]). The
+    efficient variant's fused qkv and gate_up are column-parallel like the projections they fuse (their rows in
+    rank order: distributed/tp_layout.py), so each rank holds 1/tp of their rows."""
     def local(name: str, shape: Shape) -> Shape:
         if name.endswith(("norm.weight",)) or tp == 1:
             return shape
         if name.endswith(("attn.o.weight", "mlp.down.weight")):
             return (shape[0], shape[1] // tp)
-        return (shape[0] // tp, *shape[1:])  # q/k/v/gate/up weights and biases, embed, head
+        return (shape[0] // tp, *shape[1:])  # q/k/v/qkv/gate/up/gate_up weights and biases, embed, head
 
-    return tuple((unit, [(n, local(n, s)) for n, s in ps]) for unit, ps in fsdp_unit_shapes(cfg))
+    units = fsdp_unit_shapes(cfg)
+    if variant == "efficient":
+        units = tuple((unit, ps if unit == "root" else _fused(ps)) for unit, ps in units)
+    return tuple((unit, [(n, local(n, s)) for n, s in ps]) for unit, ps in units)
 
 
-def _local_counts(cfg: ModelConfig, tp: int) -> list[tuple[str, Shape, int]]:
-    (_, root), (_, block) = tp_unit_shapes(cfg, tp)
+def _local_counts(cfg: ModelConfig, tp: int, variant: str) -> list[tuple[str, Shape, int]]:
+    (_, root), (_, block) = tp_unit_shapes(cfg, tp, variant)
     return [(n, s, 1) for n, s in root] + [(n, s, cfg.layers) for n, s in block]
 
 
 def tp_rank_memory(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0,
-                   optimizer: str = "adamw") -> dict:
+                   optimizer: str = "adamw", variant: str = "baseline") -> dict:
     """Bytes one rank holds after the optimizer step: {params, grads, optimizer}. rank is the global rank of the
     (dp, tp) mesh (tp innermost); FSDP2 shards each TP-local tensor on dim 0 over dp (sharding.py's rules).
 
@@ -55,14 +81,14 @@ def tp_rank_memory(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: in
     DTensor leaves it: the TP-local shape, except an untied embedding's, which DTensor's embedding backward returns
     Replicate, the full (V, H) table on every rank (tied, the head's Shard(0) gradient comes first and the sum
     keeps its placement)."""
-    check_mesh(cfg, tp, dp)
-    check_run(run, tp, dp)
+    check_mesh(cfg, tp, dp, variant=variant)
+    check_run(run, tp, dp, variant)
     check_optimizer(optimizer, tp, dp)
     if not 0 <= rank < tp * dp:
         raise ConfigError(f"rank must be in [0, {tp * dp}), got {rank!r}")
     pb, dr = BYTES[param_dtype_name(run)], rank // tp
     params = grads = local = tensors = 0
-    for name, s, k in _local_counts(cfg, tp):
+    for name, s, k in _local_counts(cfg, tp, variant):
         lo, pa = shard_numel(s, dp, dr)
         tensors += k
         local += k * lo
@@ -76,8 +102,11 @@ def tp_rank_memory(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: in
 # ---- the collectives of one step -------------------------------------------------------------------------------
 def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimizer: str = "adamw",
                    param_dtype: str | None = None, reduce_dtype: str | None = None,
-                   reshard_after_forward: bool = True) -> list[dict]:
+                   reshard_after_forward: bool = True, variant: str = "baseline") -> list[dict]:
     """Every collective of one training step on one rank, in comm.py's row format plus `group` ("tp" or "dp").
+    The efficient variant's are the baseline's: its fused projections are gathered and reduced where the ones they
+    fuse are, and its head and loss are the baseline's (distributed/tensor_parallel.py); only FSDP's units differ
+    (tp_unit_shapes).
 
     tp (torch 2.13 DTensor, the plan of distributed/tensor_parallel.py), with A = batch x seq x hidden elements
     in the compute dtype:
@@ -92,8 +121,8 @@ def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimize
                                ops redistribute it at each read of the gradient (AdamW: 3, SGD: 1); with
                                qk_norm the same for each q_norm and k_norm weight (head_dim elements)
     dp: FSDP2's rows (comm.fsdp_collectives) on the TP-local units."""
-    check_mesh(cfg, tp, dp)
-    check_run(run, tp, dp)
+    check_mesh(cfg, tp, dp, variant=variant)
+    check_run(run, tp, dp, variant)
     check_optimizer(optimizer, tp, dp)
     dts = fsdp_dtypes(run, param_dtype, reduce_dtype) if dp > 1 else None
     compute = dts["all_gather"] if dts else param_dtype_name(run)
@@ -115,7 +144,8 @@ def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimize
             r["group"] = "tp"
     if dp > 1:
         fs = fsdp_collectives(cfg, run, dp, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                              reshard_after_forward=reshard_after_forward, unit_shapes=tp_unit_shapes(cfg, tp))
+                              reshard_after_forward=reshard_after_forward,
+                              unit_shapes=tp_unit_shapes(cfg, tp, variant))
         rows += [dict(r, group="dp") for r in fs]
     return rows
 
@@ -145,20 +175,27 @@ def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, 
     (tp_local_config): the projections save their all-gathered (B x S, H) input whole, attention its heads / tp,
     the MLP its intermediate / tp, the loss its (B x S, V / tp) log-probs; the norms run on the sequence shard, so
     they save the one-GPU norm's tensors at seq / tp. Under FSDP (dp > 1) amp computes in bf16 (its
-    MixedPrecisionPolicy casts the parameters; no autocast), as in sharding.per_rank_peak."""
+    MixedPrecisionPolicy casts the parameters; no autocast), as in sharding.per_rank_peak, and casts every Block's
+    floating inputs: the efficient variant's fp32 RoPE tables are saved as a bf16 copy per Block."""
     from llm_anatomy.calculator import estimate
 
     check_mesh(cfg, tp, dp, variant=variant)
-    check_run(run, tp, dp)
+    check_run(run, tp, dp, variant)
     dtype = "bf16" if run.dtype == "amp" and dp > 1 else run.dtype
     local = tp_local_config(cfg, tp)
 
     def by_component(layers: int) -> dict:
-        c = replace(local, layers=layers)
-        full = estimate(c, replace(run, dtype=dtype), variant, device=device).components
-        seq_shard = estimate(c, replace(run, dtype=dtype, seq=run.seq // tp), variant, device=device).components
+        c, r = replace(local, layers=layers), replace(run, dtype=dtype)
+        full = estimate(c, r, variant, device=device).components
+        seq_shard = estimate(c, replace(r, seq=run.seq // tp), variant, device=device).components
         out = {name: comp.saved_bytes for name, comp in full.items()}
         out["norm"] = seq_shard["norm"].saved_bytes
+        if variant == "efficient" and tp > 1:  # the baseline's head and loss (distributed/tensor_parallel.py)
+            out["loss"] = estimate(c, r, "baseline", device=device).components["loss"].saved_bytes
+        if run.dtype == "amp" and dp > 1:  # FSDP casts each Block's fp32 RoPE tables to a bf16 copy of its own
+            rope = sum(prod(t.shape) * BYTES[t.dtype] * t.count for t in full["attention"].saved
+                       if t.name in _ROPE and t.dtype == "float32")
+            out["attention"] += rope // 2 * layers - rope
         return out
 
     one, two = by_component(1), by_component(2)

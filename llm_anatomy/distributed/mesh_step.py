@@ -36,11 +36,12 @@ from llm_anatomy.models import build_model, make_batch
 
 def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str = "adamw", lr: float = 1e-3,
           param_dtype="auto", reduce_dtype="auto", reshard_after_forward: bool = True, seed: int = 0,
-          trace_saved: bool = True, on_step=None) -> list[dict]:
+          trace_saved: bool = True, on_step=None, variant: str = "baseline") -> list[dict]:
     """`steps` steps on the initialized process group as a (world / tp, tp) mesh; one record per step (this rank's
     view): step, loss (this dp rank's batch, the full value), collectives [[mesh dim, op, dtype, bytes, calls], ...]
     of forward + backward + optimizer step, memory {params, grads, optimizer} after the step (local storage), and
-    in step 1 with trace_saved, saved {component: bytes} that the forward kept for backward on this rank."""
+    in step 1 with trace_saved, saved {component: bytes} that the forward kept for backward on this rank.
+    variant: "baseline" or "efficient" (without its lean block and recompute: distributed/tensor_parallel.py)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a positive integer, got {steps!r}")
     world = dist.get_world_size()
@@ -49,9 +50,9 @@ def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = build_mesh(world // tp, tp, device.type)
-    check_run(run, tp, world // tp)
+    check_run(run, tp, world // tp, variant)
     pd, rd = default_mixed_precision(run) if mesh["dp"].size() > 1 else (None, None)
-    model = build_model(cfg, "baseline", device=device, dtype=torch.bfloat16 if run.dtype == "bf16" else None,
+    model = build_model(cfg, variant, device=device, dtype=torch.bfloat16 if run.dtype == "bf16" else None,
                         seed=seed)  # the same weights on every rank; parallelize keeps this rank's shards
     parallelize(model, mesh, param_dtype=pd if param_dtype == "auto" else param_dtype,
                 reduce_dtype=rd if reduce_dtype == "auto" else reduce_dtype,
@@ -91,7 +92,7 @@ def _steps(model, opt, ids, targets, mesh, steps: int, *, trace_saved: bool = Fa
 
 
 def simulate(cfg: ModelConfig, run: Run, tp: int, dp: int, *, rank: int = 0, steps: int = 1,
-             optimizer: str = "adamw") -> list[dict]:
+             optimizer: str = "adamw", variant: str = "baseline") -> list[dict]:
     """Rank `rank`'s view of `steps` steps on a (dp, tp) mesh of dp x tp ranks, in this process: the fake process
     group (distributed.simulate) and fake tensors, so TP and FSDP2 run their own code at any size with no data.
     Records as train()'s, without the loss."""
@@ -99,14 +100,14 @@ def simulate(cfg: ModelConfig, run: Run, tp: int, dp: int, *, rank: int = 0, ste
 
     from llm_anatomy.distributed.simulate import fake_process_group
 
-    check_tp(cfg, tp, dp)
-    check_run(run, tp, dp)
+    check_tp(cfg, tp, dp, variant=variant)
+    check_run(run, tp, dp, variant)
     if not 0 <= rank < tp * dp:
         raise ConfigError(f"rank must be in [0, {tp * dp}), got {rank!r}")
     with fake_process_group(tp * dp, rank):
         mesh = build_mesh(dp, tp)
         pd, rd = default_mixed_precision(run) if dp > 1 else (None, None)
-        model = build_model(cfg, "baseline", device="meta", dtype=torch.bfloat16 if run.dtype == "bf16" else None,
+        model = build_model(cfg, variant, device="meta", dtype=torch.bfloat16 if run.dtype == "bf16" else None,
                             seed=None)
         parallelize(model, mesh, param_dtype=pd, reduce_dtype=rd)  # shards meta tensors: cheap at any size
         with FakeTensorMode(allow_non_fake_inputs=True):

@@ -46,6 +46,9 @@ def tp_stages(model: nn.Module, mesh, *, virtual: int = 1, split=None, param_dty
     """This rank's stage modules: the model tensor-parallel over mesh["tp"], cut into the pipeline's stages,
     each FSDP2-sharded over mesh["dp"] when it has more than one rank."""
     tp, dp, pp = mesh["tp"].size(), mesh["dp"].size(), mesh["pp"].size()
+    if tp > 1 and getattr(model, "variant", "baseline") != "baseline":
+        raise ConfigError("TP inside pipeline stages runs the baseline variant only: the efficient variant's "
+                          "tensor-parallel layout (tp_layout.py) is built for whole models, not stages")
     apply_tp(model, mesh["tp"])
     mods = build_stages(model, pp, mesh["pp"].get_local_rank(), virtual=virtual, split=split)
     for m in mods:

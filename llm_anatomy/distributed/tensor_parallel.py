@@ -17,9 +17,16 @@ views read them. FSDP2 (fully_shard per Block, then the root) then shards each T
 parallelize_module distributes each module's parameters apart, so a tied head is tied again afterwards to the
 embedding's DTensor (both are sharded on the vocab). Qwen3's per-head q/k norms get SequenceParallel on the heads dim
 (their input is the rank's heads), so their weight gradients are Partial over tp like the other norms'.
+The efficient variant runs the same plan on its fused modules (efficient_block_plan): qkv and gate_up
+ColwiseParallel on rows permuted into rank order (distributed/tp_layout.py), so each rank's local output holds its
+own heads' q, k, v (its own gate and up columns) and rope_qkv and swiglu_packed run unchanged on plain local
+tensors; o and down RowwiseParallel; the fused RMSNorm ops SequenceParallel through their DTensor sharding rules
+(distributed/tp_kernels.py). Its head and loss are the baseline's under loss_parallel: the fused linear
+cross-entropy makes its gradients in forward from each row's logsumexp over the whole vocabulary, which a
+vocab-sharded head has only after an all-reduce inside the op, and torch ships no vocab-parallel form of it.
 What the engine cannot shard is refused in one line (ConfigError, llm_anatomy.mesh_rules): widths not divisible
-by tp, mixture of experts, the efficient variant (its fused kernels take plain tensors; see docs/parallelism.md),
-and context parallel on CPU (torch's context_parallel shards SDPA's CUDA kernels only).
+by tp, mixture of experts, the efficient variant's lean block and recompute, and context parallel on CPU (torch's
+context_parallel shards SDPA's CUDA kernels only).
 """
 from __future__ import annotations
 
@@ -35,8 +42,10 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                loss_parallel, parallelize_module)
 
 from llm_anatomy.config import ConfigError, ModelConfig
+from llm_anatomy.distributed import tp_kernels  # noqa: F401  (the fused norms' DTensor sharding rules)
 from llm_anatomy.distributed.strategies import _dtype
-from llm_anatomy.mesh_rules import check_mesh
+from llm_anatomy.distributed.tp_layout import to_rank_order, use_baseline_head
+from llm_anatomy.mesh_rules import check_efficient_tp, check_mesh
 
 MESH_DIMS = ("dp", "tp")
 _MESHES: dict = {}
@@ -86,6 +95,18 @@ def block_plan(cfg: ModelConfig) -> dict:
             "mlp.down": RowwiseParallel(output_layouts=Shard(1))} | (qk_norm_plan() if cfg.qk_norm else {})
 
 
+def efficient_block_plan(cfg: ModelConfig) -> dict:
+    """One efficient Block's plan: its fused qkv and gate_up column-parallel (rows in rank order), o and down
+    row-parallel, the fused norms sequence-parallel."""
+    gather = dict(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
+    return {"attn_norm": SequenceParallel(), "attn": PrepareModuleInput(**gather),
+            "attn.qkv": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+            "mlp_norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=Shard(1))} | (
+        qk_norm_plan() if cfg.qk_norm else {})
+
+
 def qk_norm_plan() -> dict:
     """Qwen3's per-head q/k norms see the rank's heads, (B, S, heads / tp, hd): SequenceParallel on the heads dim
     replicates the weight and makes its gradient Partial over tp, as for the other norms."""
@@ -97,11 +118,16 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     """TP + SP on the 1-D tp mesh (in place): the root's plan, then each Block's (the pipeline's stages reuse it)."""
     tp, cfg = tp_mesh.size(), model.cfg
     if tp > 1:
+        efficient = getattr(model, "variant", "baseline") == "efficient"
+        if efficient:  # each rank's fused rows in rank order, and the baseline's head under loss_parallel
+            check_efficient_tp(tp, model.lean, model.recompute)
+            to_rank_order(model, tp)
+            use_baseline_head(model)
         parallelize_module(model, tp_mesh, tp_plan())
         if cfg.tie_embeddings:  # both are Shard(0) over the vocab: the head takes the embedding's DTensor again
             model.head.lm_head.weight = model.embed.weight
         for block in model.layers:
-            parallelize_module(block, tp_mesh, block_plan(cfg))
+            parallelize_module(block, tp_mesh, efficient_block_plan(cfg) if efficient else block_plan(cfg))
             block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
     return model
 

@@ -86,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"{' | '.join(STRATEGIES)}: auto = one process, or under torchrun ddp (baseline) / "
                         f"fsdp (efficient)")
     m = p.add_argument_group("tensor and pipeline parallel (under torchrun; FSDP2 over the remaining ranks)")
-    m.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree: tp x dp = the world (baseline variant)")
+    m.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel degree: tp x dp = the world (either variant; "
+                   "the efficient one without its lean block)")
     m.add_argument("--pp", type=int, default=d.pp, help="pipeline ranks: pp x dp = the world (untied models)")
     m.add_argument("--pp-schedule", default=d.pp_schedule,
                    help="1f1b | interleaved-1f1b (two stages per rank) — torch.distributed.pipelining's schedules")

@@ -63,11 +63,11 @@ def check(cfg: ModelConfig, run: Run, variant: str, o: TrainOptions, world: int)
     if o.tp > 1:
         from llm_anatomy.distributed.tensor_parallel import check_tp
 
-        try:
-            check_tp(cfg, o.tp, dp, variant=variant)
-        except ConfigError as e:  # the engine's refusal; anatomy train's default variant is the efficient one
-            raise ConfigError(f"{e} (--variant baseline)" if variant != "baseline" else str(e)) from None
-    check_run(run, o.tp, dp)  # sequence parallel splits seq over tp; amp is FSDP's policy: it needs dp > 1
+        check_tp(cfg, o.tp, dp, variant=variant)
+        if o.pp > 1 and variant != "baseline":  # the rank-order layout is built for whole models, not stages
+            raise ConfigError("--tp with --pp runs the baseline variant only (--variant baseline): the efficient "
+                              "variant's tensor-parallel layout is not built into pipeline stages")
+    check_run(run, o.tp, dp, variant)  # sequence parallel splits seq over tp; amp is FSDP's policy: it needs dp > 1
     if o.pp == 1:
         return
     check_pipeline(cfg, run, o.pp, dp, o.pp_schedule, o.microbatches or o.pp, _virtual(o), None)
