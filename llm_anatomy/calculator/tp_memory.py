@@ -1,0 +1,162 @@
+"""The memory phases of one rank under tensor parallel (x FSDP2) and pipeline parallel (x FSDP2). Pure Python: no torch.
+
+The setups are llm_anatomy/distributed/tensor_parallel.py's (DTensor: column/row-wise linears, sequence parallel on
+the norms, vocab-parallel embedding and loss_parallel; FSDP2 over dp on the TP-local tensors) and
+llm_anatomy/distributed/pipeline_parallel.py's (torch.distributed.pipelining, FSDP2 per stage). The phases, as
+memory.phases names them, on device "cpu" (exact storage bytes, what live storage counts) or "cuda" (every tensor
+rounded to the allocator's 512-byte blocks):
+
+  tensor parallel (tp_phases), after the first step (the optimizer state exists):
+    forward end     parameters (the TP-local shards; under FSDP the padded dim-0 shards) + optimizer state + the
+                    (B, S) ids and targets + every tensor the rank saves for backward (calculator/tensor_parallel.py
+                    tp_saved: the one-GPU model's saved tensors on the rank's heads, MLP columns and vocabulary
+                    rows, the norms' on seq / tp rows) + the loss and nll_loss's total weight (two fp32 scalars)
+                    + what the embedding's RowwiseParallel output leaves held: its reduce-scatter's output and the
+                    wait's (B, S / tp, H) in the compute dtype, both kept by the graph of to_local until backward
+                    + under FSDP the root's unsharded parameters (it does not reshard after forward), and every
+                    Block's when reshard_after_forward is off
+                    + the DeviceMesh's rank tensor of each mesh dim the model's DTensors hold (int32, one element
+                    per rank of the dim: tp, and dp under FSDP)
+    backward end    parameters + gradients (tensor_parallel.tp_rank_memory's rule) + optimizer state + inputs + mesh
+    optimizer end   the gradients set to None: parameters + optimizer state + inputs + mesh
+    peak            an upper bound, stated in tp_peak_bound (below)
+
+  pipeline parallel (pp_phases), rank `rank` of the pipeline:
+    step end        parameters + gradients + optimizer state of the rank's stages (pipeline_parallel.pp_rank_memory)
+                    + the ids and targets + the receive buffers torch's PipelineStage keeps for every micro-batch:
+                    a (micro-batch, S, H) activation for each stage with a previous stage, the same for its gradient
+                    for each stage with a next one, in the stage dtype + the mesh's rank tensors (pp, dp)
+    optimizer end   the gradients set to None
+    peak            an upper bound: step end + the saved activations the schedule holds at most at once
+                    (pipeline_schedule.saved_peak, exact on gloo) + one micro-batch's transients
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from math import prod
+
+from llm_anatomy.calculator.sharding import DTYPE_BYTES, param_dtype_name
+from llm_anatomy.calculator.types import BYTES
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+
+MESH_RANK_BYTES = 4  # DeviceMesh keeps its ranks as an int32 tensor; a DTensor's mesh keeps it alive
+
+
+def _rounder(device: str):
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"device must be cuda or cpu, got {device!r}")
+    from llm_anatomy.calculator.allocator import rounded
+
+    return rounded if device == "cuda" else (lambda n: n)
+
+
+def _compute_run(run: Run, dp: int) -> Run:
+    """The run as the rank computes it: FSDP's amp policy is bf16 parameters without autocast (the bf16 policy)."""
+    return replace(run, dtype="bf16") if run.dtype == "amp" and dp > 1 else run
+
+
+def _saved(cfg: ModelConfig, run: Run, tp: int, dp: int, rnd) -> int:
+    """Bytes of the tensors the rank saves for backward, each rounded (tp_saved's rule, tensor by tensor)."""
+    from llm_anatomy.calculator import estimate
+    from llm_anatomy.calculator.backward import INPUTS
+    from llm_anatomy.calculator.tensor_parallel import tp_local_config
+
+    crun = _compute_run(run, dp)
+    local = tp_local_config(cfg, tp)
+    full = estimate(local, crun, "baseline", device="cpu").components
+    norm = estimate(local, replace(crun, seq=run.seq // tp), "baseline", device="cpu").components["norm"]
+    total = 0
+    for name, comp in full.items():
+        for s in (norm if name == "norm" else comp).saved:
+            if s.name not in INPUTS:
+                total += rnd(prod(s.shape) * BYTES[s.dtype]) * s.count
+    return total
+
+
+def _model_state(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, optimizer: str, rnd) -> dict:
+    """Parameters, gradients (after backward) and optimizer state of the rank, each tensor rounded: without FSDP
+    every tensor its own storage; under FSDP each parameter its padded shard, each unit's gradients one flat
+    reduce-scatter output (calculator/sharding.py)."""
+    from llm_anatomy.calculator.sharding import shard_numel
+    from llm_anatomy.calculator.tensor_parallel import tp_unit_shapes
+
+    pb, dr = BYTES[param_dtype_name(run)], rank // tp
+    params = grads = opt = 0
+    for unit, shapes in tp_unit_shapes(cfg, tp):
+        k = cfg.layers if unit == "block" else 1
+        flat = 0
+        for name, s in shapes:
+            lo, pa = shard_numel(s, dp, dr) if dp > 1 else (prod(s), prod(s))
+            params += k * rnd(pa * pb)
+            flat += pa
+            if dp == 1:  # an untied embedding's gradient is Replicate under TP: the whole table
+                whole = tp > 1 and name == "embed.weight" and not cfg.tie_embeddings
+                grads += k * rnd((cfg.vocab * cfg.hidden if whole else pa) * pb)
+            opt += k * _state(optimizer, lo, pb, rnd)
+        if dp > 1:
+            grads += k * rnd(flat * pb)
+    return dict(params=params, grads=grads, optimizer=opt)
+
+
+def _state(optimizer: str, numel: int, pb: int, rnd) -> int:
+    """One tensor's optimizer state: AdamW's two moments in the parameter dtype and its 4-byte step; SGD none;
+    AdEMAMix's fp32 state (calculator/optimizer.py)."""
+    from llm_anatomy.calculator.optimizer import state_breakdown
+
+    if optimizer == "adamw":
+        return 2 * rnd(numel * pb) + rnd(4)
+    return sum(rnd(int(numel * b)) for b in state_breakdown(optimizer).values())
+
+
+def _unsharded(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, rnd) -> dict:
+    """FSDP2's unsharded parameters per unit ("root", "block"): the TP-local tensors whole (padded rows x dp), in
+    the all-gather dtype, each its own tensor."""
+    from llm_anatomy.calculator.sharding import fsdp_dtypes, shard_numel
+    from llm_anatomy.calculator.tensor_parallel import tp_unit_shapes
+
+    ag = DTYPE_BYTES[fsdp_dtypes(run)["all_gather"]]
+    return {unit: sum(rnd(dp * shard_numel(s, dp, rank // tp)[1] * ag) for _, s in shapes)
+            for unit, shapes in tp_unit_shapes(cfg, tp)}
+
+
+def tp_phases(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0, optimizer: str = "adamw",
+              reshard_after_forward: bool = True, device: str = "cuda") -> dict:
+    """Bytes rank `rank` of a (dp, tp) mesh holds at each phase boundary of a training step after the first, and
+    the step's peak (an upper bound: tp_peak_bound). run is the rank's micro-batch."""
+    from llm_anatomy.calculator.tensor_parallel import check_optimizer
+    from llm_anatomy.mesh_rules import check_mesh, check_run
+
+    check_mesh(cfg, tp, dp)
+    check_run(run, tp, dp)
+    check_optimizer(optimizer, tp, dp)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp * dp:
+        raise ConfigError(f"rank must be in [0, {tp * dp}), got {rank!r}")
+    rnd = _rounder(device)
+    crun = _compute_run(run, dp)
+    c = BYTES[param_dtype_name(crun)] if crun.dtype != "amp" else 2
+    state = _model_state(cfg, run, tp, dp, rank, optimizer, rnd)
+    mesh = (rnd(MESH_RANK_BYTES * tp) if tp > 1 else 0) + (rnd(MESH_RANK_BYTES * dp) if dp > 1 else 0)
+    inputs = 2 * rnd(8 * run.tokens)
+    # the collectives whose buffers the graph may keep until backward (RETAINED): three tensors each
+    rs, ag = (3 * rnd(run.tokens // tp * cfg.hidden * c), 3 * rnd(run.tokens * cfg.hidden * c)) if tp > 1 else (0, 0)
+    gathered = 0
+    if dp > 1:
+        un = _unsharded(cfg, run, tp, dp, rank, rnd)
+        gathered = un["root"] + (0 if reshard_after_forward else cfg.layers * un["block"])
+    base = state["params"] + state["optimizer"] + inputs + mesh
+    saved = _saved(cfg, run, tp, dp, rnd)
+    # under FSDP without a dtype cast, RegisterPostBackwardFunction hands the first Block its input as a new tensor
+    first_in = rnd(run.tokens // tp * cfg.hidden * 4) if dp > 1 and run.dtype == "fp32" else 0
+    fwd_exact = base + saved + rnd(4) + gathered + first_in
+    bwd_end = base + state["grads"]
+    out = dict(params=state["params"], grads=state["grads"], optimizer=state["optimizer"], inputs=inputs,
+               mesh=mesh, saved=saved, gathered=gathered, forward_end_held=fwd_exact,
+               retained=dict(embedding_reduce_scatter=rs, head_all_gather=ag), forward_end=fwd_exact + rs + ag,
+               backward_end=bwd_end, optimizer_end=base)
+    out.update(tp_peak_bound(cfg, run, tp, dp, out, device))
+    return out
+
+
+def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device: str) -> dict:
+    """Placeholder: the forward end and backward end (filled in below)."""
+    return dict(peak=max(ph["forward_end"], ph["backward_end"]))
