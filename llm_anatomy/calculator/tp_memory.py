@@ -109,14 +109,20 @@ def _state(optimizer: str, numel: int, pb: int, rnd) -> int:
 
 
 def _unsharded(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, rnd) -> dict:
-    """FSDP2's unsharded parameters per unit ("root", "block"): the TP-local tensors whole (padded rows x dp), in
-    the all-gather dtype, each its own tensor."""
+    """FSDP2's buffers per unit ("root", "block") of the TP-local tensors: G the unsharded parameters (padded rows x
+    dp, in the all-gather dtype, each its own tensor), R the reduce-scatter input (the same elements in the reduce
+    dtype, one flat tensor), U the unsharded gradients (the TP-local tensors, in the all-gather dtype)."""
     from llm_anatomy.calculator.sharding import fsdp_dtypes, shard_numel
     from llm_anatomy.calculator.tensor_parallel import tp_unit_shapes
 
-    ag = DTYPE_BYTES[fsdp_dtypes(run)["all_gather"]]
-    return {unit: sum(rnd(dp * shard_numel(s, dp, rank // tp)[1] * ag) for _, s in shapes)
-            for unit, shapes in tp_unit_shapes(cfg, tp)}
+    dts = fsdp_dtypes(run)
+    ag, rs = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]]
+    out = {}
+    for unit, shapes in tp_unit_shapes(cfg, tp):
+        padded = [dp * shard_numel(s, dp, rank // tp)[1] for _, s in shapes]
+        out[unit] = dict(G=sum(rnd(n * ag) for n in padded), R=rnd(sum(padded) * rs),
+                         U=sum(rnd(prod(s) * ag) for _, s in shapes))
+    return out
 
 
 def tp_phases(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0, optimizer: str = "adamw",
@@ -142,7 +148,7 @@ def tp_phases(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0
     gathered = 0
     if dp > 1:
         un = _unsharded(cfg, run, tp, dp, rank, rnd)
-        gathered = un["root"] + (0 if reshard_after_forward else cfg.layers * un["block"])
+        gathered = un["root"]["G"] + (0 if reshard_after_forward else cfg.layers * un["block"]["G"])
     base = state["params"] + state["optimizer"] + inputs + mesh
     saved = _saved(cfg, run, tp, dp, rnd)
     # under FSDP without a dtype cast, RegisterPostBackwardFunction hands the first Block its input as a new tensor
@@ -158,5 +164,61 @@ def tp_phases(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0
 
 
 def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device: str) -> dict:
-    """Placeholder: the forward end and backward end (filled in below)."""
-    return dict(peak=max(ph["forward_end"], ph["backward_end"]))
+    """The step's peak on the rank, an upper bound: the largest of three candidates, each the exact phase bytes it
+    starts from plus the transients of the one-GPU model on the rank's shard (memory.phases on tp_local_config,
+    which prices the norms and the residual stream at full seq where sequence parallel holds seq / tp) and the
+    collectives' buffers:
+      forward   forward end, with both retained collectives, + the baseline loss's transients on V / tp (the final
+                norm's output, the logits and their fp32 copy, the causal bias) + loss_parallel's log_softmax, which
+                makes its shifted logits and their exp, two (T, V / tp) fp32 tensors, before its log-probs;
+      backward  the exact state (parameters, optimizer state, inputs, mesh), the unsharded parameters FSDP holds
+                after forward, both retained collectives, + the walk's largest moment on the shard (its saved
+                activations, and its gradients made so far or all of the rank's gradients, the larger) + one
+                backward all-gather's three (T, H) tensors and a reduce-scatter's (T, H) input; under FSDP + the
+                root's and two Blocks' gathered parameters, a unit's unsharded gradients and its reduce-scatter
+                input (twice on CPU: gloo reduces a copy);
+      optimizer backward end + the optimizer step's temporaries (calculator/sharding.py's rule: torch's per-tensor
+                AdamW on CPU makes two of the largest local tensor) + without FSDP, a norm's Partial gradient
+                all-reduced to Replicate (and its collective's output) at each read.
+    Measured against live storage on gloo (validations/test_tp_memory.py): the bound holds and is stated there."""
+    from llm_anatomy.calculator.memory import phases
+    from llm_anatomy.calculator.tensor_parallel import tp_local_config
+
+    rnd = _rounder(device)
+    crun = _compute_run(run, dp)
+    local = tp_local_config(cfg, tp)
+    one = phases(local, crun, "baseline", optimizer=None, device=device, stages=False)
+    T, c = run.tokens, BYTES[param_dtype_name(crun)]
+    retained = sum(ph["retained"].values())
+    loss_parallel = 2 * rnd(T * local.vocab * 4) if tp > 1 else 0
+    forward = ph["forward_end"] + (one["forward_peak"] - one["forward_end"]) + loss_parallel
+    by = one["backward_peak_by_kind"]
+    coll = 4 * rnd(T * cfg.hidden * c) if tp > 1 else 0
+    fsdp = 0
+    if dp > 1:
+        un = _unsharded(cfg, run, tp, dp, 0, rnd)
+        copy = 2 if device == "cpu" else 1  # gloo's reduce_scatter_tensor works on a copy of its input
+        fsdp = un["root"]["G"] + 2 * un["block"]["G"] + copy * max(un["root"]["R"], un["block"]["R"]) + \
+            max(un["root"]["U"], un["block"]["U"])
+    state = ph["params"] + ph["optimizer"] + ph["inputs"] + ph["mesh"]
+    backward = (state + ph["gathered"] + retained + by["activation"] + max(by["gradient / backward buffer"], ph["grads"])
+                + coll + fsdp)
+    # without FSDP each read of a norm's Partial gradient makes its all-reduced copy
+    partial = 2 * rnd(cfg.hidden * BYTES[param_dtype_name(run)]) if tp > 1 and dp == 1 else 0
+    optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, tp, dp, device, rnd) + partial
+    cands = dict(forward=forward, backward=backward, optimizer=optimizer)
+    at = max(cands, key=cands.get)
+    return dict(peak=cands[at], peak_at=at, peak_candidates=cands)
+
+
+def _optimizer_temporaries(cfg: ModelConfig, run: Run, tp: int, dp: int, device: str, rnd) -> int:
+    """torch's per-tensor AdamW on CPU: exp_avg_sq.sqrt() and its quotient, two of the largest local tensor at once
+    (fused AdamW on CUDA makes none)."""
+    from llm_anatomy.calculator.sharding import shard_numel
+    from llm_anatomy.calculator.tensor_parallel import tp_unit_shapes
+
+    if device != "cpu":
+        return 0
+    largest = max(shard_numel(s, dp, 0)[0] if dp > 1 else prod(s) for _, shapes in tp_unit_shapes(cfg, tp)
+                  for _, s in shapes)
+    return 2 * rnd(largest * BYTES[param_dtype_name(run)])
