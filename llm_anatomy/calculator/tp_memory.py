@@ -25,7 +25,7 @@ rounded to the allocator's 512-byte blocks):
     step end        parameters + gradients + optimizer state of the rank's stages (pipeline_parallel.pp_rank_memory)
                     + the ids and targets + the receive buffers torch's PipelineStage keeps for every micro-batch:
                     a (micro-batch, S, H) activation for each stage with a previous stage, the same for its gradient
-                    for each stage with a next one, in the stage dtype + the mesh's rank tensors (pp, dp)
+                    for each stage with a next one, in the stage dtype
     optimizer end   the gradients set to None
     peak            an upper bound: step end + the saved activations the schedule holds at most at once
                     (pipeline_schedule.saved_peak, exact on gloo) + one micro-batch's transients
@@ -222,3 +222,53 @@ def _optimizer_temporaries(cfg: ModelConfig, run: Run, tp: int, dp: int, device:
     largest = max(shard_numel(s, dp, 0)[0] if dp > 1 else prod(s) for _, shapes in tp_unit_shapes(cfg, tp)
                   for _, s in shapes)
     return 2 * rnd(largest * BYTES[param_dtype_name(run)])
+
+
+# ---- pipeline parallel -----------------------------------------------------------------------------------------
+def pp_phases(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, microbatches: int,
+              schedule: str = "1f1b", virtual: int = 1, split=None, optimizer: str = "adamw",
+              device: str = "cuda") -> dict:
+    """Bytes pipeline rank `rank` (dp rank 0 of its row) holds at the end of a step's schedule and of its optimizer
+    step, and the step's peak (an upper bound), run.batch split into `microbatches`. Exact on CPU: step_end and
+    optimizer_end; the model state is pipeline_parallel.pp_rank_memory's (each tensor rounded on CUDA only in
+    total, the state being few large tensors)."""
+    from llm_anatomy.calculator.pipeline_parallel import pp_rank_memory
+    from llm_anatomy.calculator.pipeline_schedule import in_flight, saved_peak
+    from llm_anatomy.mesh_rules import check_pipeline, rank_stages
+
+    per_stage = check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
+    rnd = _rounder(device)
+    n, M = len(per_stage), microbatches
+    mem = pp_rank_memory(cfg, run, pp, rank, dp, virtual=virtual, split=split, optimizer=optimizer)
+    mine = rank_stages(pp, rank, virtual)
+    act = rnd((run.batch // M) * run.seq * cfg.hidden * (4 if run.dtype == "fp32" else 2))  # one micro-batch's
+    # PipelineStage's receive buffers, one per micro-batch: activations into a stage with a previous one,
+    # gradients into a stage with a next one
+    buffers = M * act * sum((s > 0) + (s < n - 1) for s in mine) if pp > 1 else 0
+    inputs = 2 * rnd(8 * run.tokens)
+    state = rnd(mem["params"]) + rnd(mem["optimizer"]) + inputs + buffers
+    step_end = state + rnd(mem["grads"])
+    saved = saved_peak(cfg, run, pp, rank, microbatches=M, schedule=schedule, virtual=virtual, split=split,
+                       device=device)
+    # a stage keeps each in-flight micro-batch's output for its backward (stage.fwd_cache) where a stage follows
+    outputs = in_flight(schedule, pp, rank, M, virtual) * act if any(s < n - 1 for s in mine) else 0
+    trans = _pp_transients(cfg, run, M, max(len(per_stage[s]) for s in mine), any(s == n - 1 for s in mine), dp,
+                           device)
+    peak = step_end + saved + outputs + trans
+    return dict(params=mem["params"], grads=mem["grads"], optimizer=mem["optimizer"], inputs=inputs,
+                buffers=buffers, saved_peak=saved, outputs=outputs, transients=trans,
+                step_end=step_end, optimizer_end=state, peak=peak)
+
+
+def _pp_transients(cfg: ModelConfig, run: Run, microbatches: int, layers: int, last: bool, dp: int,
+                   device: str) -> int:
+    """What one micro-batch's forward or backward makes beyond the saved tensors, on the rank's largest stage
+    (memory.phases of the one-GPU model of that many layers on a micro-batch): the loss's transients on the last
+    stage, the walk's gradient and backward buffers (which include its parameters' gradients, held whole
+    here already: a stated over-count)."""
+    from llm_anatomy.calculator.memory import phases
+
+    mb = replace(_compute_run(run, dp), batch=run.batch // microbatches)
+    one = phases(replace(cfg, layers=layers), mb, "baseline", optimizer=None, device=device, stages=False)
+    fwd = (one["forward_peak"] or one["forward_end"]) - one["forward_end"] if last else 0
+    return max(fwd, one["backward_peak_by_kind"]["gradient / backward buffer"])

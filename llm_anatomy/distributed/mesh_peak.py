@@ -45,13 +45,14 @@ def tp_peaks(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 2, optimizer: 
     world = dist.get_world_size()
     mesh = build_mesh(world // tp, tp)
     check_run(run, tp, world // tp)
+    dp_rank = mesh["dp"].get_local_rank()
     live = _Collected()
     with live:
         model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
         pd, rd = default_mixed_precision(run) if world // tp > 1 else (None, None)
         parallelize(model, mesh, param_dtype=pd, reduce_dtype=rd, reshard_after_forward=reshard_after_forward)
         opt = make_optimizer(optimizer, model.parameters(), 1e-3)
-        ids, targets = make_batch(cfg, run, seed=seed + 1 + mesh["dp"].get_local_rank())
+        ids, targets = make_batch(cfg, run, seed=seed + 1 + dp_rank)
         out = []
         for _ in range(steps):
             live.phase("start")
@@ -70,27 +71,28 @@ def tp_peaks(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 2, optimizer: 
 
 
 def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int = 1, schedule: str = "1f1b",
-             virtual: int = 1, steps: int = 2, optimizer: str = "adamw", seed: int = 0) -> list[dict]:
+             virtual: int = 1, split=None, steps: int = 2, optimizer: str = "adamw", seed: int = 0) -> list[dict]:
     """`steps` pipeline steps on the initialized (CPU) process group of pp x dp ranks; the last one's phases."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, pipeline_stages, shard_stage
     from llm_anatomy.mesh_rules import check_pipeline
 
-    check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, None)
+    check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]  # the mesh's own tensors are made before counting starts
+    pp_rank, dp_rank = pp_mesh.get_local_rank(), dp_mesh.get_local_rank()
     live = _Collected()
     with live:
         model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
-        mods = build_stages(model, pp, pp_rank, virtual=virtual)
+        mods = build_stages(model, pp, pp_rank, virtual=virtual, split=split)
         del model  # the stages hold the modules they run; the others are freed
         if dp > 1:
             pd, rd = default_mixed_precision(run)
-            mods = [shard_stage(m, mesh["dp"], param_dtype=pd, reduce_dtype=rd) for m in mods]
+            mods = [shard_stage(m, dp_mesh, param_dtype=pd, reduce_dtype=rd) for m in mods]
         ids, targets = make_batch(cfg, run, seed=seed + 1 + dp_rank)
         act = torch.bfloat16 if run.dtype in ("bf16", "amp") else torch.float32
-        stages = pipeline_stages(mods, pp_rank, pp, ids[:run.batch // microbatches], cfg.hidden, act, mesh["pp"])
+        stages = pipeline_stages(mods, pp_rank, pp, ids[:run.batch // microbatches], cfg.hidden, act, pp_mesh)
         sched = make_schedule(schedule, stages, microbatches)
         holder = torch.nn.ModuleList(mods)
         opt = make_optimizer(optimizer, holder.parameters(), 1e-3)
