@@ -51,11 +51,12 @@ def _rounder(device: str):
 
 
 def _compute_run(run: Run, dp: int) -> Run:
-    """The run as the rank computes it: FSDP's amp policy is bf16 parameters without autocast (the bf16 policy)."""
-    return replace(run, dtype="bf16") if run.dtype == "amp" and dp > 1 else run
+    """The run as the rank computes it: amp on a mesh is FSDP's policy, bf16 parameters without autocast (the bf16
+    policy); the engine runs it with dp > 1 only, the planner prices it at any dp."""
+    return replace(run, dtype="bf16") if run.dtype == "amp" else run
 
 
-def _saved(cfg: ModelConfig, run: Run, tp: int, dp: int, rnd) -> int:
+def _saved(cfg: ModelConfig, run: Run, tp: int, dp: int, rnd, variant: str = "baseline") -> int:
     """Bytes of the tensors the rank saves for backward, each rounded (tp_saved's rule, tensor by tensor)."""
     from llm_anatomy.calculator import estimate
     from llm_anatomy.calculator.backward import INPUTS
@@ -63,8 +64,8 @@ def _saved(cfg: ModelConfig, run: Run, tp: int, dp: int, rnd) -> int:
 
     crun = _compute_run(run, dp)
     local = tp_local_config(cfg, tp)
-    full = estimate(local, crun, "baseline", device="cpu").components
-    norm = estimate(local, replace(crun, seq=run.seq // tp), "baseline", device="cpu").components["norm"]
+    full = estimate(local, crun, variant, device="cpu").components
+    norm = estimate(local, replace(crun, seq=run.seq // tp), variant, device="cpu").components["norm"]
     total = 0
     for name, comp in full.items():
         for s in (norm if name == "norm" else comp).saved:
@@ -126,20 +127,26 @@ def _unsharded(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, rnd) -> 
 
 
 def tp_phases(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0, optimizer: str = "adamw",
-              reshard_after_forward: bool = True, device: str = "cuda") -> dict:
+              reshard_after_forward: bool = True, device: str = "cuda", variant: str = "baseline",
+              plan: bool = False) -> dict:
     """Bytes rank `rank` of a (dp, tp) mesh holds at each phase boundary of a training step after the first, and
-    the step's peak (an upper bound: tp_peak_bound). run is the rank's micro-batch."""
+    the step's peak (an upper bound: tp_peak_bound). run is the rank's micro-batch.
+
+    plan=True prices what the planner may propose beyond what the engine runs today (llm_anatomy.mesh_rules):
+    the efficient variant on the same split (its one-GPU saved tensors and transients on the rank's shard), and
+    amp without FSDP as FSDP's policy; widths and seq must still split over tp."""
     from llm_anatomy.calculator.tensor_parallel import check_optimizer
     from llm_anatomy.mesh_rules import check_mesh, check_run
 
-    check_mesh(cfg, tp, dp)
-    check_run(run, tp, dp)
-    check_optimizer(optimizer, tp, dp)
+    check_mesh(cfg, tp, dp, variant="baseline" if plan else variant)
+    check_run(run if not plan else replace(run, dtype="bf16" if run.dtype == "amp" else run.dtype), tp, dp)
+    if not plan:
+        check_optimizer(optimizer, tp, dp)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp * dp:
         raise ConfigError(f"rank must be in [0, {tp * dp}), got {rank!r}")
     rnd = _rounder(device)
     crun = _compute_run(run, dp)
-    c = BYTES[param_dtype_name(crun)] if crun.dtype != "amp" else 2
+    c = BYTES[param_dtype_name(crun)]  # the compute dtype: amp computes in bf16 on a mesh
     state = _model_state(cfg, run, tp, dp, rank, optimizer, rnd)
     mesh = (rnd(MESH_RANK_BYTES * tp) if tp > 1 else 0) + (rnd(MESH_RANK_BYTES * dp) if dp > 1 else 0)
     inputs = 2 * rnd(8 * run.tokens)
@@ -150,20 +157,21 @@ def tp_phases(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0
         un = _unsharded(cfg, run, tp, dp, rank, rnd)
         gathered = un["root"]["G"] + (0 if reshard_after_forward else cfg.layers * un["block"]["G"])
     base = state["params"] + state["optimizer"] + inputs + mesh
-    saved = _saved(cfg, run, tp, dp, rnd)
+    saved = _saved(cfg, run, tp, dp, rnd, variant)
     # under FSDP without a dtype cast, RegisterPostBackwardFunction hands the first Block its input as a new tensor
     first_in = rnd(run.tokens // tp * cfg.hidden * 4) if dp > 1 and run.dtype == "fp32" else 0
     fwd_exact = base + saved + rnd(4) + gathered + first_in
     bwd_end = base + state["grads"]
     out = dict(params=state["params"], grads=state["grads"], optimizer=state["optimizer"], inputs=inputs,
-               mesh=mesh, saved=saved, gathered=gathered, forward_end_held=fwd_exact,
+               mesh=mesh, saved=saved, gathered=gathered, reshard_after_forward=reshard_after_forward, forward_end_held=fwd_exact,
                retained=dict(embedding_reduce_scatter=rs, head_all_gather=ag), forward_end=fwd_exact + rs + ag,
                backward_end=bwd_end, optimizer_end=base)
-    out.update(tp_peak_bound(cfg, run, tp, dp, out, device))
+    out.update(tp_peak_bound(cfg, run, tp, dp, out, device, variant))
     return out
 
 
-def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device: str) -> dict:
+def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device: str,
+                  variant: str = "baseline") -> dict:
     """The step's peak on the rank, an upper bound: the largest of three candidates, each the exact phase bytes it
     starts from plus the transients of the one-GPU model on the rank's shard (memory.phases on tp_local_config,
     which prices the norms and the residual stream at full seq where sequence parallel holds seq / tp) and the
@@ -174,9 +182,10 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
       backward  the exact state (parameters, optimizer state, inputs, mesh), the unsharded parameters FSDP holds
                 after forward, both retained collectives, + the walk's largest moment on the shard (its saved
                 activations, and its gradients made so far or all of the rank's gradients, the larger) + one
-                backward all-gather's three (T, H) tensors and a reduce-scatter's (T, H) input; under FSDP + the
-                root's and two Blocks' gathered parameters, a unit's unsharded gradients and its reduce-scatter
-                input (twice on CPU: gloo reduces a copy);
+                backward all-gather's three (T, H) tensors and a reduce-scatter's (T, H) input; under FSDP + two Blocks'
+                gathered parameters (the Block in backward and the one prefetched; without resharding they are
+                held from forward already), a unit's unsharded gradients and its reduce-scatter input (twice on
+                CPU: gloo reduces a copy);
       optimizer backward end + the optimizer step's temporaries (calculator/sharding.py's rule: torch's per-tensor
                 AdamW on CPU makes two of the largest local tensor) + without FSDP, a norm's Partial gradient
                 all-reduced to Replicate (and its collective's output) at each read.
@@ -187,19 +196,20 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
     rnd = _rounder(device)
     crun = _compute_run(run, dp)
     local = tp_local_config(cfg, tp)
-    one = phases(local, crun, "baseline", optimizer=None, device=device, stages=False)
+    one = phases(local, crun, variant, optimizer=None, device=device, stages=False)
     T, c = run.tokens, BYTES[param_dtype_name(crun)]
     retained = sum(ph["retained"].values())
     loss_parallel = 2 * rnd(T * local.vocab * 4) if tp > 1 else 0
-    forward = ph["forward_end"] + (one["forward_peak"] - one["forward_end"]) + loss_parallel
+    forward = ph["forward_end"] + ((one["forward_peak"] or one["forward_end"]) - one["forward_end"]) + loss_parallel
     by = one["backward_peak_by_kind"]
     coll = 4 * rnd(T * cfg.hidden * c) if tp > 1 else 0
     fsdp = 0
     if dp > 1:
         un = _unsharded(cfg, run, tp, dp, 0, rnd)
         copy = 2 if device == "cpu" else 1  # gloo's reduce_scatter_tensor works on a copy of its input
-        fsdp = un["root"]["G"] + 2 * un["block"]["G"] + copy * max(un["root"]["R"], un["block"]["R"]) + \
-            max(un["root"]["U"], un["block"]["U"])
+        # the root's parameters, and without resharding every Block's, are in `gathered` already
+        regather = 2 * un["block"]["G"] if ph["reshard_after_forward"] else 0
+        fsdp = regather + copy * max(un["root"]["R"], un["block"]["R"]) + max(un["root"]["U"], un["block"]["U"])
     state = ph["params"] + ph["optimizer"] + ph["inputs"] + ph["mesh"]
     backward = (state + ph["gathered"] + retained + by["activation"] + max(by["gradient / backward buffer"], ph["grads"])
                 + coll + fsdp)
@@ -227,7 +237,7 @@ def _optimizer_temporaries(cfg: ModelConfig, run: Run, tp: int, dp: int, device:
 # ---- pipeline parallel -----------------------------------------------------------------------------------------
 def pp_phases(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, microbatches: int,
               schedule: str = "1f1b", virtual: int = 1, split=None, optimizer: str = "adamw",
-              device: str = "cuda") -> dict:
+              device: str = "cuda", variant: str = "baseline") -> dict:
     """Bytes pipeline rank `rank` (dp rank 0 of its row) holds at the end of a step's schedule and of its optimizer
     step, and the step's peak (an upper bound), run.batch split into `microbatches`. Exact on CPU: step_end and
     optimizer_end; the model state is pipeline_parallel.pp_rank_memory's (each tensor rounded on CUDA only in
@@ -239,7 +249,7 @@ def pp_phases(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, mi
     per_stage = check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
     rnd = _rounder(device)
     n, M = len(per_stage), microbatches
-    mem = pp_rank_memory(cfg, run, pp, rank, dp, virtual=virtual, split=split, optimizer=optimizer)
+    mem = pp_rank_memory(cfg, run, pp, rank, dp, virtual=virtual, split=split, optimizer=optimizer, variant=variant)
     mine = rank_stages(pp, rank, virtual)
     act = rnd((run.batch // M) * run.seq * cfg.hidden * (4 if run.dtype == "fp32" else 2))  # one micro-batch's
     # PipelineStage's receive buffers, one per micro-batch: activations into a stage with a previous one,
@@ -249,11 +259,11 @@ def pp_phases(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, mi
     state = rnd(mem["params"]) + rnd(mem["optimizer"]) + inputs + buffers
     step_end = state + rnd(mem["grads"])
     saved = saved_peak(cfg, run, pp, rank, microbatches=M, schedule=schedule, virtual=virtual, split=split,
-                       device=device)
+                       variant=variant, device=device)
     # a stage keeps each in-flight micro-batch's output for its backward (stage.fwd_cache) where a stage follows
     outputs = in_flight(schedule, pp, rank, M, virtual) * act if any(s < n - 1 for s in mine) else 0
     trans = _pp_transients(cfg, run, M, max(len(per_stage[s]) for s in mine), any(s == n - 1 for s in mine), dp,
-                           device)
+                           device, variant)
     peak = step_end + saved + outputs + trans
     return dict(params=mem["params"], grads=mem["grads"], optimizer=mem["optimizer"], inputs=inputs,
                 buffers=buffers, saved_peak=saved, outputs=outputs, transients=trans,
@@ -261,7 +271,7 @@ def pp_phases(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, mi
 
 
 def _pp_transients(cfg: ModelConfig, run: Run, microbatches: int, layers: int, last: bool, dp: int,
-                   device: str) -> int:
+                   device: str, variant: str = "baseline") -> int:
     """What one micro-batch's forward or backward makes beyond the saved tensors, on the rank's largest stage
     (memory.phases of the one-GPU model of that many layers on a micro-batch): the loss's transients on the last
     stage, the walk's gradient and backward buffers (which include its parameters' gradients, held whole
@@ -269,6 +279,6 @@ def _pp_transients(cfg: ModelConfig, run: Run, microbatches: int, layers: int, l
     from llm_anatomy.calculator.memory import phases
 
     mb = replace(_compute_run(run, dp), batch=run.batch // microbatches)
-    one = phases(replace(cfg, layers=layers), mb, "baseline", optimizer=None, device=device, stages=False)
+    one = phases(replace(cfg, layers=layers), mb, variant, optimizer=None, device=device, stages=False)
     fwd = (one["forward_peak"] or one["forward_end"]) - one["forward_end"] if last else 0
     return max(fwd, one["backward_peak_by_kind"]["gradient / backward buffer"])
