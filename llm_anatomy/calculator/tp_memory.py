@@ -163,7 +163,8 @@ def tp_phases(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0
     fwd_exact = base + saved + rnd(4) + gathered + first_in
     bwd_end = base + state["grads"]
     out = dict(params=state["params"], grads=state["grads"], optimizer=state["optimizer"], inputs=inputs,
-               mesh=mesh, saved=saved, gathered=gathered, reshard_after_forward=reshard_after_forward, forward_end_held=fwd_exact,
+               mesh=mesh, saved=saved, gathered=gathered, reshard_after_forward=reshard_after_forward,
+               forward_end_held=fwd_exact,
                retained=dict(embedding_reduce_scatter=rs, head_all_gather=ag), forward_end=fwd_exact + rs + ag,
                backward_end=bwd_end, optimizer_end=base)
     out.update(tp_peak_bound(cfg, run, tp, dp, out, device, variant))
@@ -211,8 +212,8 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
         regather = 2 * un["block"]["G"] if ph["reshard_after_forward"] else 0
         fsdp = regather + copy * max(un["root"]["R"], un["block"]["R"]) + max(un["root"]["U"], un["block"]["U"])
     state = ph["params"] + ph["optimizer"] + ph["inputs"] + ph["mesh"]
-    backward = (state + ph["gathered"] + retained + by["activation"] + max(by["gradient / backward buffer"], ph["grads"])
-                + coll + fsdp)
+    grads = max(by["gradient / backward buffer"], ph["grads"])
+    backward = state + ph["gathered"] + retained + by["activation"] + grads + coll + fsdp
     # without FSDP each read of a norm's Partial gradient makes its all-reduced copy
     partial = 2 * rnd(cfg.hidden * BYTES[param_dtype_name(run)]) if tp > 1 and dp == 1 else 0
     optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, tp, dp, device, rnd) + partial
@@ -274,11 +275,15 @@ def _pp_transients(cfg: ModelConfig, run: Run, microbatches: int, layers: int, l
                    device: str, variant: str = "baseline") -> int:
     """What one micro-batch's forward or backward makes beyond the saved tensors, on the rank's largest stage
     (memory.phases of the one-GPU model of that many layers on a micro-batch): the loss's transients on the last
-    stage, the walk's gradient and backward buffers (which include its parameters' gradients, held whole
-    here already: a stated over-count)."""
+    stage (with the micro-batches' losses the schedule keeps and the targets' flat copy), the walk's gradient and
+    backward buffers (which include its parameters' gradients, held whole here already: a stated over-count)."""
     from llm_anatomy.calculator.memory import phases
 
     mb = replace(_compute_run(run, dp), batch=run.batch // microbatches)
     one = phases(replace(cfg, layers=layers), mb, variant, optimizer=None, device=device, stages=False)
-    fwd = (one["forward_peak"] or one["forward_end"]) - one["forward_end"] if last else 0
+    fwd = 0
+    if last:  # + the micro-batches' losses the schedule keeps to the step's end, and the loss's flat targets copy
+        rnd = _rounder(device)
+        fwd = (one["forward_peak"] or one["forward_end"]) - one["forward_end"] + microbatches * rnd(4) + \
+            rnd(8 * mb.tokens)
     return max(fwd, one["backward_peak_by_kind"]["gradient / backward buffer"])
