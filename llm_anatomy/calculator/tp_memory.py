@@ -281,9 +281,8 @@ def _pp_transients(cfg: ModelConfig, run: Run, microbatches: int, layers: int, l
 
     mb = replace(_compute_run(run, dp), batch=run.batch // microbatches)
     one = phases(replace(cfg, layers=layers), mb, variant, optimizer=None, device=device, stages=False)
-    fwd = 0
-    if last:  # + the micro-batches' losses the schedule keeps to the step's end, and the loss's flat targets copy
-        rnd = _rounder(device)
-        fwd = (one["forward_peak"] or one["forward_end"]) - one["forward_end"] + microbatches * rnd(4) + \
-            rnd(8 * mb.tokens)
-    return max(fwd, one["backward_peak_by_kind"]["gradient / backward buffer"])
+    fwd = (one["forward_peak"] or one["forward_end"]) - one["forward_end"] if last else 0
+    rnd = _rounder(device)
+    # the last stage: the micro-batches' losses the schedule keeps to the step's end, the loss's flat targets copy
+    kept = microbatches * rnd(4) + rnd(8 * mb.tokens) if last else 0
+    return max(fwd, one["backward_peak_by_kind"]["gradient / backward buffer"]) + kept
