@@ -25,10 +25,11 @@ from validations.test_tensor_parallel import tp_cases
 N_DRAWS = 20  # per mesh
 # the peaks are upper bounds: the one-GPU walk on the shard prices the norms and the residual stream at full seq
 # (sequence parallel holds seq / tp), counts the gradients at their largest together with the walk's transients,
-# and adds every collective buffer a backward moment could hold; at these tiny widths FSDP's per-unit buffers
-# weigh most, hence the slack (measured on the drawn configs: up to 2.12x under TP x FSDP, 1.33x under PP)
+# and adds every collective buffer a backward moment could hold (a pipeline rank: every gradient held with one
+# micro-batch's walk); at these tiny widths those fixed buffers weigh most, hence the slack (on the draws of other
+# seeds while building: up to 2.22x under TP x FSDP, 2.19x under PP, where the bound is a few KiB over)
 TP_PEAK_SLACK = 2.25
-PP_PEAK_SLACK = 1.5
+PP_PEAK_SLACK = 2.25
 
 
 def _tp_scenarios(tp: int, dp: int, seed: int) -> list[dict]:

@@ -275,7 +275,7 @@ def _pp_transients(cfg: ModelConfig, run: Run, microbatches: int, layers: int, l
                    device: str, variant: str = "baseline") -> int:
     """What one micro-batch's forward or backward makes beyond the saved tensors, on the rank's largest stage
     (memory.phases of the one-GPU model of that many layers on a micro-batch): the loss's transients on the last
-    stage (with the micro-batches' losses the schedule keeps and the targets' flat copy), the walk's gradient and
+    stage (with each micro-batch's loss, which the schedule keeps, and its targets' chunk), the walk's gradient and
     backward buffers (which include its parameters' gradients, held whole here already: a stated over-count)."""
     from llm_anatomy.calculator.memory import phases
 
@@ -283,6 +283,6 @@ def _pp_transients(cfg: ModelConfig, run: Run, microbatches: int, layers: int, l
     one = phases(replace(cfg, layers=layers), mb, variant, optimizer=None, device=device, stages=False)
     fwd = (one["forward_peak"] or one["forward_end"]) - one["forward_end"] if last else 0
     rnd = _rounder(device)
-    # the last stage: the micro-batches' losses the schedule keeps to the step's end, the loss's flat targets copy
-    kept = microbatches * rnd(4) + rnd(8 * mb.tokens) if last else 0
+    # the last stage: each micro-batch's loss, which the schedule keeps to the step's end, and its targets' chunk
+    kept = microbatches * (rnd(4) + rnd(8 * mb.tokens)) if last else 0
     return max(fwd, one["backward_peak_by_kind"]["gradient / backward buffer"]) + kept
