@@ -183,7 +183,9 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
       backward  the exact state (parameters, optimizer state, inputs, mesh), the unsharded parameters FSDP holds
                 after forward, both retained collectives, + the walk's largest moment on the shard (its saved
                 activations, and its gradients made so far or all of the rank's gradients, the larger) + one
-                backward all-gather's three (T, H) tensors and a reduce-scatter's (T, H) input; under FSDP + two Blocks'
+                backward all-gather's three (T, H) tensors and a reduce-scatter's (T, H) input, + the embedding's whole (V, H)
+                gradient, which DTensor returns Replicate (a transient unless it is the untied table's own .grad
+                without FSDP); under FSDP + two Blocks'
                 gathered parameters (the Block in backward and the one prefetched; without resharding they are
                 held from forward already), a unit's unsharded gradients and its reduce-scatter input (twice on
                 CPU: gloo reduces a copy);
@@ -213,7 +215,11 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
         fsdp = regather + copy * max(un["root"]["R"], un["block"]["R"]) + max(un["root"]["U"], un["block"]["U"])
     state = ph["params"] + ph["optimizer"] + ph["inputs"] + ph["mesh"]
     grads = max(by["gradient / backward buffer"], ph["grads"])
-    backward = state + ph["gathered"] + retained + by["activation"] + grads + coll + fsdp
+    # DTensor's embedding backward returns the whole (V, H) table's gradient Replicate: the rank's gradient where the
+    # embedding is untied and unsharded (counted in grads), else a transient before it is summed or reduced
+    whole = tp > 1 and not (dp == 1 and not cfg.tie_embeddings)
+    table = rnd(cfg.vocab * cfg.hidden * c) if whole else 0
+    backward = state + ph["gathered"] + retained + by["activation"] + grads + coll + fsdp + table
     # without FSDP each read of a norm's Partial gradient makes its all-reduced copy
     partial = 2 * rnd(cfg.hidden * BYTES[param_dtype_name(run)]) if tp > 1 and dp == 1 else 0
     optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, tp, dp, device, rnd) + partial
