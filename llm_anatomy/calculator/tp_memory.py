@@ -9,14 +9,19 @@ rounded to the allocator's 512-byte blocks):
   tensor parallel (tp_phases), after the first step (the optimizer state exists):
     forward end     parameters (the TP-local shards; under FSDP the padded dim-0 shards) + optimizer state + the
                     (B, S) ids and targets + every tensor the rank saves for backward (calculator/tensor_parallel.py
-                    tp_saved: the one-GPU model's saved tensors on the rank's heads, MLP columns and vocabulary
-                    rows, the norms' on seq / tp rows) + the loss and nll_loss's total weight (two fp32 scalars)
-                    + what the embedding's RowwiseParallel output leaves held: its reduce-scatter's output and the
-                    wait's (B, S / tp, H) in the compute dtype, both kept by the graph of to_local until backward
+                    tp_saved's rule: the one-GPU model's saved tensors on the rank's heads, MLP columns and
+                    vocabulary rows, the norms' on seq / tp rows) + the loss (an fp32 scalar)
                     + under FSDP the root's unsharded parameters (it does not reshard after forward), and every
-                    Block's when reshard_after_forward is off
+                    Block's when reshard_after_forward is off; without a dtype cast (fp32), the first Block's input,
+                    which FSDP's RegisterPostBackwardFunction hands on as a new (B, S / tp, H) tensor
                     + the DeviceMesh's rank tensor of each mesh dim the model's DTensors hold (int32, one element
                     per rank of the dim: tp, and dp under FSDP)
+                    = forward_end_held; DTensor's graph may also keep two collectives' buffers to backward
+                    (`retained`): the embedding's reduce-scatter (its output, the wait's and to_local's copy, three
+                    (B, S / tp, H)) and the head's all-gather (its output, the wait's, the chunk-cat, three
+                    (B, S, H)), in the compute dtype. Which it keeps depends on the model's graph and is not
+                    predicted: forward_end counts both (the bound), the measurement is forward_end_held plus none,
+                    one or both.
     backward end    parameters + gradients (tensor_parallel.tp_rank_memory's rule) + optimizer state + inputs + mesh
     optimizer end   the gradients set to None: parameters + optimizer state + inputs + mesh
     peak            an upper bound, stated in tp_peak_bound (below)
@@ -28,7 +33,9 @@ rounded to the allocator's 512-byte blocks):
                     for each stage with a next one, in the stage dtype
     optimizer end   the gradients set to None
     peak            an upper bound: step end + the saved activations the schedule holds at most at once
-                    (pipeline_schedule.saved_peak, exact on gloo) + one micro-batch's transients
+                    (pipeline_schedule.saved_peak, exact on gloo) + the outputs in-flight micro-batches keep for
+                    their backward + one micro-batch's transients (_pp_transients)
+Measured: validations/test_tp_memory.py (live storage on gloo ranks: distributed/mesh_peak.py).
 """
 from __future__ import annotations
 
