@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from llm_anatomy.config import ModelConfig, Run
-from llm_anatomy.distributed.peak import RankStorage, phased_steps
+from llm_anatomy.distributed.peak import RankStorage, step_phases
 from llm_anatomy.distributed.strategies import default_mixed_precision
 from llm_anatomy.distributed.train_step import make_optimizer
 from llm_anatomy.models import build_model, make_batch
@@ -54,7 +54,7 @@ def tp_peaks(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 2, optimizer: 
         opt = make_optimizer(optimizer, model.parameters(), 1e-3)
         ids, targets = make_batch(cfg, run, seed=seed + 1 + dp_rank)
         # loss_parallel covers the backward too
-        out = phased_steps(live, model, opt, ids, targets, steps, step_ctx=lambda: loss_context(tp))
+        out = step_phases(live, model, opt, ids, targets, steps, step_ctx=lambda: loss_context(tp))
         del model, opt, ids, targets
     return out
 

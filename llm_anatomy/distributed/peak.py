@@ -83,12 +83,12 @@ def peaks(cfg: ModelConfig, run: Run, strategy: str, *, steps: int = 3, optimize
             ctx = lambda: autocast_ctx(run, "cpu")  # noqa: E731
         opt = make_optimizer(optimizer, model.parameters(), 1e-3)
         ids, targets = make_batch(cfg, run, seed=seed + 1 + rank)
-        out = phased_steps(live, model, opt, ids, targets, steps, ctx)[:3]
+        out = step_phases(live, model, opt, ids, targets, steps, ctx)[:3]
         del model, opt, ids, targets
     return out
 
 
-def phased_steps(live: LiveStorage, model, opt, ids, targets, steps: int, ctx=contextlib.nullcontext,
+def step_phases(live: LiveStorage, model, opt, ids, targets, steps: int, ctx=contextlib.nullcontext,
                  step_ctx=contextlib.nullcontext) -> list[dict]:
     """`steps` training steps read phase by phase from `live`; the last one's forward, backward, optimizer and
     zero_grad phases. ctx() wraps the forward (autocast), step_ctx() the forward and backward (loss_parallel)."""
