@@ -134,3 +134,23 @@ def test_the_issues_runs_answer_with_a_mesh_peak_and_speed(argv, capsys):
 def test_moe_meshes_stay_data_parallel():
     moe = ModelConfig(hidden=64, layers=4, heads=4, intermediate=96, vocab=500, experts=4, experts_per_token=2)
     assert all(m.tp == 1 for m in meshes(moe, 8, 8))
+
+
+def test_the_heaviest_rank_is_priced_from_the_ranks_memory_phases():
+    """rank_peak is the largest pipeline rank's tp_memory peak (the TP-local model on each stage), or the (dp, tp)
+    rank's without stages; each is above every exact phase boundary of its rank, and a pipeline's heaviest rank
+    holds more with more micro-batches per step (the same pp in flight, but a receive buffer per micro-batch)."""
+    from llm_anatomy.calculator.tensor_parallel import tp_local_config
+    from llm_anatomy.calculator.tp_memory import pp_phases, tp_phases
+
+    run = Run(batch=1, seq=8192, recompute="mlp")
+    m = M.Mesh(dp=2, tp=2, pp=2)
+    whole = Run(batch=8, seq=8192, recompute="mlp")
+    ranks = [pp_phases(tp_local_config(L8B, 2), whole, 2, r, 2, microbatches=8, variant="efficient")
+             for r in range(2)]
+    assert M.rank_peak(L8B, run, "efficient", m, 8) == max(p["peak"] for p in ranks)
+    assert all(p["peak"] > p["step_end"] > p["optimizer_end"] for p in ranks)
+    t = tp_phases(L8B, run, 2, 4, variant="efficient", plan=True)
+    assert M.rank_peak(L8B, run, "efficient", M.Mesh(dp=4, tp=2), 1) == t["peak"] >= t["forward_end"]
+    deeper = M.Mesh(dp=1, tp=2, pp=4)
+    assert M.rank_peak(L8B, run, "efficient", deeper, 8) > M.rank_peak(L8B, run, "efficient", deeper, 4)

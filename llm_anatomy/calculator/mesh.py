@@ -32,10 +32,11 @@ Language Model Training on GPU Clusters", sec. 2.2):
 Gradients are synchronized over dp once per optimizer step, after the last micro-batch (what torch's pipelining
 schedules do to FSDP2 units: set_requires_gradient_sync(False) before it).
 
-Memory of the heaviest rank (rank_peak): the shard's per-rank peak under FSDP over dp
-(calculator/sharding.py per_rank_peak), with the activations of every micro-batch the schedule keeps in flight
-on the first stage: 1F1B holds pp micro-batches' activations there before its first backward, interleaved
-1F1B about (pp - 1) x (v + 1) / v + 1 chunk-micro-batches of 1/v the layers (torch's schedule warm-up).
+Memory of the heaviest rank (rank_peak): calculator/tp_memory.py's phases of each rank, exact at the phase
+boundaries on gloo and an upper bound at the peak (validations/test_tp_memory.py): without pipeline stages the
+(dp, tp) rank's (TP-local shards, sequence-parallel norms, the collectives' buffers, FSDP's gathered units); with
+them the heaviest pipeline rank's (its stages' parameters, gradients and optimizer state, the receive buffers and
+the saved activations of every micro-batch the schedule keeps in flight, in torch's order).
 """
 from __future__ import annotations
 
@@ -183,19 +184,25 @@ def in_flight(mesh: Mesh, microbatches: int) -> float:
 
 def rank_peak(cfg: ModelConfig, run: Run, variant: str, mesh: Mesh, microbatches: int, *,
               optimizer: str = "adamw") -> int:
-    """Predicted peak allocated bytes of the heaviest rank (CUDA), run being one micro-batch."""
-    from llm_anatomy.calculator.sharding import per_rank_peak
+    """Predicted peak allocated bytes of the heaviest rank (CUDA), run being one micro-batch: calculator/tp_memory.py's
+    phases. Without pipeline stages, tp_phases of the (dp, tp) mesh (the TP-local shards, FSDP over dp); with them,
+    the largest pp_phases over the pipeline ranks of the TP-local model (tensor_parallel.tp_local_config: heads,
+    MLP width and vocabulary over tp), its micro-batches in flight as the schedule holds them."""
+    return _rank_peak(cfg, run, variant, mesh, microbatches, optimizer)
 
-    shard = shard_config(cfg, mesh)
-    held = in_flight(mesh, microbatches)
-    one = per_rank_peak(shard, run, variant, mesh.dp, "fsdp", optimizer=optimizer, device="cuda")
-    if held == 1:
-        return one["peak"]
-    solo = per_rank_peak(shard, replace(run, batch=1), variant, mesh.dp, "fsdp", optimizer=optimizer,
-                         device="cuda")
-    per_sequence = (one["peak"] - solo["peak"]) / max(1, run.batch - 1) if run.batch > 1 else None
-    if per_sequence is None:  # one sequence: price a second to learn the slope
-        two = per_rank_peak(shard, replace(run, batch=2), variant, mesh.dp, "fsdp", optimizer=optimizer,
-                            device="cuda")
-        per_sequence = two["peak"] - solo["peak"]
-    return int(one["peak"] + (held - 1) * run.batch * per_sequence)
+
+@lru_cache(maxsize=4096)
+def _rank_peak(cfg: ModelConfig, run: Run, variant: str, mesh: Mesh, microbatches: int, optimizer: str) -> int:
+    from llm_anatomy.calculator.tensor_parallel import tp_local_config
+    from llm_anatomy.calculator.tp_memory import pp_phases, tp_phases
+
+    check_mesh(cfg, mesh)
+    if mesh.pp == 1:
+        return tp_phases(cfg, run, mesh.tp, mesh.dp, optimizer=optimizer, variant=variant, device="cuda",
+                         plan=True)["peak"]
+    local = tp_local_config(cfg, mesh.tp) if mesh.tp > 1 else cfg
+    whole = replace(run, batch=run.batch * microbatches, dtype="bf16" if run.dtype == "amp" and mesh.dp == 1
+                    else run.dtype)  # amp is FSDP's policy: priced as bf16 compute where no FSDP runs it
+    return max(pp_phases(local, whole, mesh.pp, r, mesh.dp, microbatches=microbatches, schedule=mesh.schedule,
+                         virtual=mesh.virtual, optimizer=optimizer, variant=variant, device="cuda")["peak"]
+               for r in range(mesh.pp))

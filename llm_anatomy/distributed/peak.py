@@ -83,20 +83,29 @@ def peaks(cfg: ModelConfig, run: Run, strategy: str, *, steps: int = 3, optimize
             ctx = lambda: autocast_ctx(run, "cpu")  # noqa: E731
         opt = make_optimizer(optimizer, model.parameters(), 1e-3)
         ids, targets = make_batch(cfg, run, seed=seed + 1 + rank)
-        out = []
-        for _ in range(steps):
-            live.phase("start")
+        out = step_phases(live, model, opt, ids, targets, steps, ctx)[:3]
+        del model, opt, ids, targets
+    return out
+
+
+def step_phases(live: LiveStorage, model, opt, ids, targets, steps: int, ctx=contextlib.nullcontext,
+                 step_ctx=contextlib.nullcontext) -> list[dict]:
+    """`steps` training steps read phase by phase from `live`; the last one's forward, backward, optimizer and
+    zero_grad phases. ctx() wraps the forward (autocast), step_ctx() the forward and backward (loss_parallel)."""
+    out = []
+    for _ in range(steps):
+        live.phase("start")
+        with step_ctx():
             with ctx():
                 loss = model(ids, targets)
             fwd = live.phase("forward")
             loss.backward()
-            del loss
-            bwd = live.phase("backward")
-            opt.step()
-            step = live.phase("optimizer")
-            opt.zero_grad(set_to_none=True)
-            out = [fwd, bwd, step]
-        del model, opt, ids, targets
+        del loss
+        bwd = live.phase("backward")
+        opt.step()
+        step = live.phase("optimizer")
+        opt.zero_grad(set_to_none=True)
+        out = [fwd, bwd, step, live.phase("zero_grad")]
     return out
 
 

@@ -1,0 +1,113 @@
+"""Per-rank live storage over tensor-parallel (x FSDP2) and pipeline-parallel (x FSDP2) steps: the measured side of
+llm_anatomy.calculator.tp_memory.
+
+Each rank runs the loop of distributed/mesh_step.py (TP) or distributed/pipeline_step.py (PP) inside RankStorage
+(distributed/peak.py: live storage with a DTensor counted as its local shard and FSDP2's in-place storage resizes
+counted), entered before the model is built, so everything the rank allocates is counted. Returned: the phases of the
+last step, each {name, allocated, peak, peak_op} in bytes of live storage on this rank:
+  TP  forward (the loss returned), backward (loss.backward() done, the loss dropped), optimizer (opt.step()),
+      zero_grad (gradients set to None);
+  PP  step (the schedule's forwards and backwards of every micro-batch), optimizer, zero_grad.
+
+    from llm_anatomy.distributed.mesh_peak import spawn_mesh_peaks
+    spawn_mesh_peaks(2, [dict(cfg=..., run=..., tp=2)])            # results[rank][scenario] = [phases]
+    spawn_mesh_peaks(2, [dict(cfg=..., run=..., pp=2, microbatches=2)], fn="pp")
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+
+from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.distributed.peak import RankStorage, step_phases
+from llm_anatomy.distributed.strategies import default_mixed_precision
+from llm_anatomy.distributed.train_step import make_optimizer
+from llm_anatomy.models import build_model, make_batch
+
+
+class _Collected(RankStorage):
+    """RankStorage whose phase boundaries count what is referenced: Python's cycle collector runs first, so a
+    boundary does not depend on when the interpreter last collected (the peaks inside a phase still do)."""
+
+    def phase(self, name: str) -> dict:
+        gc.collect()
+        return super().phase(name)
+
+
+def tp_peaks(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 2, optimizer: str = "adamw",
+             reshard_after_forward: bool = True, seed: int = 0) -> list[dict]:
+    """`steps` steps on the initialized (CPU) process group as a (world / tp, tp) mesh; the last one's phases."""
+    from llm_anatomy.distributed.tensor_parallel import build_mesh, loss_context, parallelize
+    from llm_anatomy.mesh_rules import check_run
+
+    world = dist.get_world_size()
+    mesh = build_mesh(world // tp, tp)
+    check_run(run, tp, world // tp)
+    dp_rank = mesh["dp"].get_local_rank()
+    live = _Collected()
+    with live:
+        model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
+        pd, rd = default_mixed_precision(run) if world // tp > 1 else (None, None)
+        parallelize(model, mesh, param_dtype=pd, reduce_dtype=rd, reshard_after_forward=reshard_after_forward)
+        opt = make_optimizer(optimizer, model.parameters(), 1e-3)
+        ids, targets = make_batch(cfg, run, seed=seed + 1 + dp_rank)
+        # loss_parallel covers the backward too
+        out = step_phases(live, model, opt, ids, targets, steps, step_ctx=lambda: loss_context(tp))
+        del model, opt, ids, targets
+    return out
+
+
+def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int = 1, schedule: str = "1f1b",
+             virtual: int = 1, split=None, steps: int = 2, optimizer: str = "adamw", seed: int = 0) -> list[dict]:
+    """`steps` pipeline steps on the initialized (CPU) process group of pp x dp ranks; the last one's phases."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, pipeline_stages, shard_stage
+    from llm_anatomy.mesh_rules import check_pipeline
+
+    check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]  # the mesh's own tensors are made before counting starts
+    pp_rank, dp_rank = pp_mesh.get_local_rank(), dp_mesh.get_local_rank()
+    live = _Collected()
+    with live:
+        model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
+        mods = build_stages(model, pp, pp_rank, virtual=virtual, split=split)
+        del model  # the stages hold the modules they run; the others are freed
+        if dp > 1:
+            pd, rd = default_mixed_precision(run)
+            mods = [shard_stage(m, dp_mesh, param_dtype=pd, reduce_dtype=rd) for m in mods]
+        ids, targets = make_batch(cfg, run, seed=seed + 1 + dp_rank)
+        act = torch.bfloat16 if run.dtype in ("bf16", "amp") else torch.float32
+        stages = pipeline_stages(mods, pp_rank, pp, ids[:run.batch // microbatches], cfg.hidden, act, pp_mesh)
+        sched = make_schedule(schedule, stages, microbatches)
+        holder = torch.nn.ModuleList(mods)
+        opt = make_optimizer(optimizer, holder.parameters(), 1e-3)
+        first, last = any(m.first for m in mods), any(m.last for m in mods)
+        out = []
+        for _ in range(steps):
+            live.phase("start")
+            kw = dict(targets=targets, target=targets) if last else {}
+            sched.step(*((ids,) if first else ()), return_outputs=False, **kw)
+            ran = live.phase("step")
+            opt.step()
+            step = live.phase("optimizer")
+            opt.zero_grad(set_to_none=True)
+            out = [ran, step, live.phase("zero_grad")]
+        del holder, mods, stages, sched, opt, ids, targets
+    return out
+
+
+def spawn_mesh_peaks(world: int, scenarios: list[dict], *, fn: str = "tp",
+                     timeout_s: float = 120.0) -> list[list[list[dict]]]:
+    """Each scenario (keyword arguments of tp_peaks() or, fn="pp", pp_peaks()) on `world` local gloo processes:
+    results[rank][scenario] = the last step's phases."""
+    from llm_anatomy.distributed import train_step
+
+    # the first scenario runs twice and its first run is dropped: a process makes a few bytes of lazy state
+    # (the pipeline's first step: 4 bytes) that every later run shares
+    runs = train_step.spawn(world, scenarios[:1] + scenarios, timeout_s=timeout_s,
+                            fn={"tp": tp_peaks, "pp": pp_peaks}[fn])
+    return [rank[1:] for rank in runs]
