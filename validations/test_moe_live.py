@@ -15,6 +15,9 @@ calculator's default, or the skewed one (every token on experts 0..k-1), and the
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from llm_anatomy.calculator import moe
@@ -41,6 +44,7 @@ MEMORY_TOL, TIME_TOL = 0.01, 0.10
 # same walk is exact on CPU (test_moe_memory.py) and under the skewed routing here; the CUDA mechanism is not found
 KNOWN = {("mixtral-L1", "baseline", "balanced", "peak in backward")}
 _STEPS: dict[tuple, dict] = {}
+LIVE_ROWS = "moe-live.json"  # the measured user-loop rows, beside the claims report
 
 
 def _hist(cfg, run, route):
@@ -73,7 +77,9 @@ def test_moe_phase_memory_on_this_gpu(case, route, claims):
         pytest.xfail(f"known miss: {', '.join(missed)} (KNOWN)")
 
 
-def _step(cid: str, variant: str, route: str) -> dict:
+def _step(cid: str, variant: str, route: str, keep: Path | None = None) -> dict:
+    """The run's user-loop row, measured once for its three claims; every row measured so far is written to
+    `keep` (JSON, beside the claims report), so a miss can be read even when the run is cut short."""
     from scripts.probe_moe import step_row
 
     if (cid, variant, route) not in _STEPS:
@@ -87,14 +93,17 @@ def _step(cid: str, variant: str, route: str) -> dict:
         row = step_row(cfg, run, variant, route)
         if "error" in row:
             pytest.fail(f"{cid}/{variant}/{route}: the user's loop failed: {row['error']}", pytrace=False)
-        _STEPS[(cid, variant, route)] = row
+        _STEPS[(cid, variant, route)] = dict(row, id=cid, variant=variant, route=route)
+        if keep is not None:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            keep.write_text(json.dumps(dict(rows=list(_STEPS.values())), indent=1) + "\n")
     return _STEPS[(cid, variant, route)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("what", ["forward_backward", "step", "wall"])
 @pytest.mark.parametrize("timed", TIMED, ids=["/".join(t) for t in TIMED])
-def test_moe_step_time_on_this_gpu(timed, what, claims, suite_profile):
+def test_moe_step_time_on_this_gpu(timed, what, claims, suite_profile, request):
     from llm_anatomy.calculator.timing import estimate_time
 
     cid, variant, route = timed
@@ -102,7 +111,7 @@ def test_moe_step_time_on_this_gpu(timed, what, claims, suite_profile):
     profile, label = suite_profile
     res = estimate_time(cfg, run, variant, profile, optimizer="adamw", with_kernels=False,
                         hist=_hist(cfg, run, route))
-    row = _step(cid, variant, route)
+    row = _step(cid, variant, route, Path(request.config.getoption("--claims-report")).with_name(LIVE_ROWS))
     busy = res["gpu_s"] / res["steady"]["step_s"]
     note = f"live, profile {label}; {route} routing; GPU busy {busy:.0%} predicted, {row['gpu_busy']:.0%} measured"
     if what == "forward_backward":
