@@ -55,31 +55,40 @@ def _expert_gemms(hist, run=Run(2, 16)):
 
 @pytest.mark.parametrize("hist", ["balanced", "skewed", (28, 36, 0, 0, 64, 0, 0, 128), (100, 100, 28, 28, 0, 0, 0, 0)])
 def test_expert_gemms_priced_as_one_gemm_over_tile_rounded_rows(hist):
-    """Each grouped GEMM is one entry: one dense GEMM over every expert's rows rounded up to the tile height
-    (kernels_moe.GROUPED_TILE_M), its d(x) and d(W), each marked grouped for its role; one launch each."""
+    """Each grouped GEMM's forward and d(x) are one dense GEMM over every expert's rows rounded up to the tile
+    height (kernels_moe.GROUPED_TILE_M), its d(W) each expert's reduction over its own rows; each marked grouped
+    for its role; one launch per grouped GEMM."""
     run = Run(2, 64)
     h = {"balanced": moe.balanced(CFG, run), "skewed": moe.skewed(CFG, run)}.get(hist, hist)
     gemms = _expert_gemms(h, run)
     H, I, L = CFG.hidden, CFG.expert_intermediate, CFG.layers
     rows = sum(-(-n // GROUPED_TILE_M) * GROUPED_TILE_M for n in h)
     assert rows == grouped_rows(list(h))
-    shapes = {k.name: (k.shape[1:], k.count, k.fused) for k in gemms}
-    assert shapes == {
+    dense = {k.name: (k.shape[1:], k.count, k.fused) for k in gemms if not k.name.endswith("grad_weight")}
+    assert dense == {
         "moe.experts.gate_up": ((rows, 2 * I, H), L, ("grouped_mm", "forward")),
         "moe.experts.gate_up.grad_input": ((rows, H, 2 * I), L, ("grouped_mm", "backward")),
-        "moe.experts.gate_up.grad_weight": ((2 * I, H, rows), L, ("grouped_mm", "backward")),
         "moe.experts.down": ((rows, H, I), L, ("grouped_mm", "forward")),
-        "moe.experts.down.grad_input": ((rows, I, H), L, ("grouped_mm", "backward")),
-        "moe.experts.down.grad_weight": ((H, I, rows), L, ("grouped_mm", "backward"))}
-    assert all(k.host == "op" for k in gemms)  # one launch per grouped GEMM: the host is charged once, not per expert
+        "moe.experts.down.grad_input": ((rows, I, H), L, ("grouped_mm", "backward"))}
+    # d(W): each expert's own reduction over its rows, a batch of experts per distinct row count
+    per_count = {n: list(h).count(n) for n in set(h) if n}
+    for name, (d_out, d_in) in (("moe.experts.gate_up", (2 * I, H)), ("moe.experts.down", (H, I))):
+        dw = [k for k in gemms if k.name == f"{name}.grad_weight"]
+        assert {(k.shape[3], k.shape[0]) for k in dw} == set(per_count.items())
+        assert all(k.shape[1:3] == (d_out, d_in) and k.count == L and k.fused == ("grouped_mm", "backward") for k in dw)
+        assert sum(k.flops * k.count for k in dw) == 2 * d_out * d_in * sum(h) * L  # the routed rows, unpadded
+    # one launch per grouped GEMM: the host is charged once, not per expert
+    assert sum(1 for k in gemms if k.host == "op") == 6
 
 
 def test_expert_gemms_follow_the_rows_only_through_the_tiles():
-    """Where every expert's rows fill whole tiles, the balanced and the skewed routing are the same kernels
-    (the grouped kernel fills the GPU by its total rows); a part-filled tile costs a whole one."""
+    """Where every expert's rows fill whole tiles, the balanced and the skewed routing are the same forward and
+    d(x) GEMMs (the grouped kernel fills the GPU by its total rows) and d(W)s of the same FLOPs (each expert's
+    reduction over its own rows); a part-filled tile costs a whole one."""
     run = Run(2, 512)  # T·k / E = 256 rows per expert: two whole tiles
     bal, skw = _expert_gemms(moe.balanced(CFG, run), run), _expert_gemms(moe.skewed(CFG, run), run)
-    assert bal == skw
+    assert [k for k in bal if "grad_weight" not in k.name] == [k for k in skw if "grad_weight" not in k.name]
+    assert sum(k.flops * k.count for k in bal) == sum(k.flops * k.count for k in skw)
     part = _expert_gemms((255, 257) + (256,) * 6, run)  # the same 2048 rows, one tile more
     assert [k.shape[1] for k in part if k.name == "moe.experts.down"] == [2048 + GROUPED_TILE_M]
 
@@ -174,10 +183,11 @@ def test_calibrated_grouped_rows_fit_the_grouped_fraction():
     prof = get("h200-measured")
     rate, kh, sms = prof.matmul_flops["bfloat16"], prof.matmul_k_half, prof.sms
 
-    def dense_ms(g, role):
-        N, n, k = grouped_rows(g["rows"]), g["n"], g["k"]
-        gemms = [(N, n, k)] if role == "forward" else [(N, k, n), (n, k, N)]
-        return sum(2 * a * b * c / (rate * matmul_efficiency(a, b, c, sms, kh)) for a, b, c in gemms) * 1e3
+    def dense_ms(g, role):  # kernels_moe's pricing: one GEMM over N' rows; d(W) per expert over its own rows
+        N, n, k, rows = grouped_rows(g["rows"]), g["n"], g["k"], g["rows"]
+        gemms = [(N, n, k, 1)] if role == "forward" else [(N, k, n, 1)] + [
+            (n, k, r, rows.count(r)) for r in set(rows) if r]
+        return sum(2 * a * b * c * e / (rate * matmul_efficiency(a, b, c, sms, kh, e)) for a, b, c, e in gemms) * 1e3
 
     rows = [dict(g, role=r, ms=dense_ms(g, r) * (1 if r == "forward" else 2), queued=True)
             for g in grouped_grid() for r in ("forward", "backward")]

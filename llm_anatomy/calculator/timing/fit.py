@@ -106,16 +106,17 @@ def grouped_rows(rows: list[int]) -> int:
 
 
 def grouped_efficiency(points: list[dict], rate: float, k_half: float, sms: int) -> dict:
-    """{role: median over the queued rows of (the dense model's time for the role's GEMMs over the tile-rounded
-    rows) / measured time}: the grouped kernel's fraction of the dense rate. forward: (N', n, k); backward:
-    d(x) (N', k, n) and d(W) (n, k, N')."""
+    """{role: median over the queued rows of (the dense model's time for the role's GEMMs, as kernels_moe prices
+    them) / measured time}: the grouped kernel's fraction of the dense rate. forward: (N', n, k) over the
+    tile-rounded rows; backward: d(x) (N', k, n) and d(W), each expert's (n, k, n_e) (a batch per row count)."""
     out: dict[str, list[float]] = {}
     for p in points:
         if not p.get("queued", True):
             continue
         N, n, k = grouped_rows(p["rows"]), p["n"], p["k"]
-        gemms = [(N, n, k)] if p["role"] == "forward" else [(N, k, n), (n, k, N)]
-        dense_s = sum(2 * a * b * c / (rate * matmul_efficiency(a, b, c, sms, k_half)) for a, b, c in gemms)
+        gemms = [(N, n, k, 1)] if p["role"] == "forward" else [(N, k, n, 1)] + [
+            (n, k, r, p["rows"].count(r)) for r in sorted(set(p["rows"])) if r]
+        dense_s = sum(2 * a * b * c * e / (rate * matmul_efficiency(a, b, c, sms, k_half, e)) for a, b, c, e in gemms)
         out.setdefault(p["role"], []).append(dense_s / (p["ms"] * 1e-3))
     return {role: statistics.median(v) for role, v in out.items()}
 

@@ -79,13 +79,17 @@ def shared(o: Ops, lean: bool = False) -> None:
 
 def _grouped(o: Ops, name: str, rows: Counter, n: int, k: int, f: int) -> None:
     """One grouped GEMM (N rows by expert, (n, k) weights per expert, k + f with a folded bias), forward and
-    backward, each priced as one dense GEMM over the tile-rounded rows N' (the module's docstring): (N', n, k),
-    its d(x) (N', k, n) and dW (n, k, N'); one launch (host) per GEMM."""
+    backward: the forward (N', n, k) and d(x) (N', k, n) each as one dense GEMM over the tile-rounded rows N' (the
+    module's docstring); d(W) as what it is, each expert's own (n, k) reduction over its n_e rows, a batch of
+    (n, k, n_e) GEMMs per distinct row count (short reductions run below the rate: the profile's k_half). One
+    launch (host) per grouped GEMM."""
     L, E, c, p = o.cfg.layers, o.cfg.experts, o.c, o.p
     m = sum(-(-r // GROUPED_TILE_M) * GROUPED_TILE_M * experts for r, experts in rows.items())  # fit.grouped_rows
     o.mm(name, "moe", "forward", m, n, k + f, L, host="op", grouped="forward")
     o.mm(f"{name}.grad_input", "moe", "backward", m, k + f, n, L, host="op", grouped="backward")
-    o.mm(f"{name}.grad_weight", "moe", "backward", n, k + f, m, L, host="op", grouped="backward")
+    for i, (r, experts) in enumerate(sorted(rows.items())):
+        o.mm(f"{name}.grad_weight", "moe", "backward", n, k + f, r, L, batch=experts,
+             host="op" if i == 0 else None, grouped="backward")
     if o.amp:  # the stacked weight's cast, and dW's back to fp32
         o.mem(f"{name}.weight_cast", "moe", "forward", E * n * k * p, E * n * (k + f) * c, L)
         o.mem(f"{name}.grad_weight_cast", "moe", "backward", E * n * (k + f) * c, E * n * k * p, L)
