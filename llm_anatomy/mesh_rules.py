@@ -148,8 +148,9 @@ def check_microbatches(schedule: str, pp: int, microbatches: int, batch: int | N
 
 
 def check_pipeline(cfg: ModelConfig, run: Run, pp: int, dp: int, schedule: str, microbatches: int | None,
-                   virtual: int, split) -> list[list[int]]:
-    """ConfigError (one line, naming the field) for a pipeline that cannot be run; else the stage layers.
+                   virtual: int, split) -> list[int]:
+    """ConfigError (one line, naming the field) for a pipeline that cannot be run; else each stage's layer count
+    (stage_sizes: its cost follows the stages, never the layers).
     microbatches None: the layout only (what a rank holds between steps does not depend on them)."""
     for name, v in (("pp", pp), ("dp", dp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -163,4 +164,4 @@ def check_pipeline(cfg: ModelConfig, run: Run, pp: int, dp: int, schedule: str, 
     if run.dtype == "amp" and dp == 1:
         raise ConfigError("dtype amp under pipeline parallel runs as FSDP's MixedPrecisionPolicy: give dp >= 2, "
                           "or dtype fp32 or bf16")
-    return stage_layers(cfg.layers, pp, virtual, split)
+    return stage_sizes(cfg.layers, pp, virtual, split)

@@ -154,3 +154,18 @@ def test_the_heaviest_rank_is_priced_from_the_ranks_memory_phases():
     assert M.rank_peak(L8B, run, "efficient", M.Mesh(dp=4, tp=2), 1) == t["peak"] >= t["forward_end"]
     deeper = M.Mesh(dp=1, tp=2, pp=4)
     assert M.rank_peak(L8B, run, "efficient", deeper, 8) > M.rank_peak(L8B, run, "efficient", deeper, 4)
+
+
+@pytest.mark.parametrize("layers,pp,virtual,schedule", [(32, 4, 1, "1f1b"), (30, 4, 1, "1f1b"), (27, 8, 1, "1f1b"),
+                                                        (32, 4, 2, "interleaved-1f1b"), (13, 4, 1, "1f1b")])
+def test_the_heaviest_pipeline_rank_is_among_the_few_priced(layers, pp, virtual, schedule):
+    """rank_peak prices only calculator/mesh.heaviest_candidates (first, last, first with the most layers): its
+    figure equals the largest tp_memory peak over every pipeline rank, at even and uneven splits."""
+    from llm_anatomy.calculator.tp_memory import pp_phases
+
+    cfg = ModelConfig(name="pp", hidden=512, layers=layers, heads=8, kv_heads=4, intermediate=1536, vocab=32000)
+    m, run, mb = M.Mesh(dp=2, tp=1, pp=pp, schedule=schedule, virtual=virtual), Run(1, 2048), 2 * pp
+    every = max(pp_phases(cfg, Run(mb, 2048), pp, r, 2, microbatches=mb, schedule=schedule, virtual=virtual,
+                          variant="efficient")["peak"] for r in range(pp))
+    assert M.rank_peak(cfg, run, "efficient", m, mb) == every
+    assert len(M.heaviest_candidates(layers, m)) <= 3

@@ -205,4 +205,16 @@ def _rank_peak(cfg: ModelConfig, run: Run, variant: str, mesh: Mesh, microbatche
                     else run.dtype)  # amp is FSDP's policy: priced as bf16 compute where no FSDP runs it
     return max(pp_phases(local, whole, mesh.pp, r, mesh.dp, microbatches=microbatches, schedule=mesh.schedule,
                          virtual=mesh.virtual, optimizer=optimizer, variant=variant, device="cuda")["peak"]
-               for r in range(mesh.pp))
+               for r in heaviest_candidates(cfg.layers, mesh))
+
+
+def heaviest_candidates(layers: int, mesh: Mesh) -> list[int]:
+    """The pipeline ranks one of which holds the heaviest rank's peak: the first (the embedding, and the most
+    micro-batches in flight: torch's schedules warm up fewer on each later rank), the last (the head and the
+    loss), and the first rank holding the most layers (an uneven split); the ranks between them hold the same
+    model state per layer with no more in flight. A fixed handful, whatever pp: the plan's cost stays flat."""
+    from llm_anatomy.mesh_rules import stage_sizes
+
+    sizes = stage_sizes(layers, mesh.pp, mesh.virtual)
+    per_rank = [sum(sizes[r + v * mesh.pp] for v in range(mesh.virtual)) for r in range(mesh.pp)]
+    return sorted({0, mesh.pp - 1, per_rank.index(max(per_rank))})

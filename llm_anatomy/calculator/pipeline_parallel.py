@@ -31,7 +31,7 @@ from llm_anatomy.calculator.comm import _row, collective_counts  # noqa: F401  (
 from llm_anatomy.calculator.param_layout import units
 from llm_anatomy.calculator.pipeline_schedule import bubble_fraction, in_flight, saved_peak  # noqa: F401
 from llm_anatomy.mesh_rules import (SCHEDULES, check_mesh, check_pipeline, check_run, rank_stages,  # noqa: F401
-                                   stage_layers)
+                                   stage_sizes)
 from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
 from llm_anatomy.calculator.tensor_parallel import OPTIMIZER_GRAD_READS, check_optimizer, tp_unit_shapes
 from llm_anatomy.config import ConfigError, ModelConfig, Run
@@ -65,10 +65,10 @@ def stage_units(cfg: ModelConfig, layers: int, first: bool, last: bool, variant:
 
 
 def _rank_units(cfg, pp, rank, virtual, split, variant, tp=1) -> list:
-    per_stage = stage_layers(cfg.layers, pp, virtual, split)
+    per_stage = stage_sizes(cfg.layers, pp, virtual, split)
     n = len(per_stage)
     return [(s, u) for s in rank_stages(pp, rank, virtual)
-            for u in stage_units(cfg, len(per_stage[s]), s == 0, s == n - 1, variant, tp)]
+            for u in stage_units(cfg, per_stage[s], s == 0, s == n - 1, variant, tp)]
 
 
 def pp_rank_memory(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, virtual: int = 1, split=None,
@@ -151,7 +151,7 @@ def pp_collectives(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, 
                           group="dp")]
     if tp > 1:
         for s in mine:
-            rows += tp_stage_rows(cfg, run, len(per_stage[s]), s == 0, s == n - 1, tp, dp, M, optimizer)
+            rows += tp_stage_rows(cfg, run, per_stage[s], s == 0, s == n - 1, tp, dp, M, optimizer)
     return rows
 
 

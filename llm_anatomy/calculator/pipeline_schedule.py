@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 from math import prod
 
-from llm_anatomy.mesh_rules import check_microbatches, check_schedule, rank_stages, stage_layers
+from llm_anatomy.mesh_rules import check_microbatches, check_schedule, rank_stages, stage_sizes
 from llm_anatomy.calculator.types import BYTES
 from llm_anatomy.config import ModelConfig, Run
 
@@ -130,12 +130,12 @@ def saved_peak(cfg: ModelConfig, run: Run, pp: int, rank: int, *, microbatches: 
     tensors on the rank's share of heads, intermediate and vocab (tp_local_config), the norms' at seq / tp."""
     from llm_anatomy.calculator.tensor_parallel import tp_local_config
 
-    per_stage = stage_layers(cfg.layers, pp, virtual, split)
+    per_stage = stage_sizes(cfg.layers, pp, virtual, split)
     n = len(per_stage)
     mb = replace(run, batch=run.batch // microbatches, dtype="bf16" if run.dtype == "amp" else run.dtype)
     cast = run.dtype == "amp"  # amp runs as FSDP's MixedPrecisionPolicy (dp > 1)
     local, norm_run = (tp_local_config(cfg, tp), replace(mb, seq=mb.seq // tp)) if tp > 1 else (cfg, None)
-    chunk = {s: stage_saved_bytes(local, mb, len(per_stage[s]), s == 0, s == n - 1, variant, device, cast, norm_run)
+    chunk = {s: stage_saved_bytes(local, mb, per_stage[s], s == 0, s == n - 1, variant, device, cast, norm_run)
              for s in rank_stages(pp, rank, virtual)}
     batch_view = run.batch * run.seq  # elements of the batch's ids or targets
     held, live, peak = 0, {s: 0 for s in chunk}, 0

@@ -276,7 +276,7 @@ def pp_phases(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, mi
                        variant=variant, device=device)
     # a stage keeps each in-flight micro-batch's output for its backward (stage.fwd_cache) where a stage follows
     outputs = in_flight(schedule, pp, rank, M, virtual) * act if any(s < n - 1 for s in mine) else 0
-    trans = _pp_transients(cfg, run, M, max(len(per_stage[s]) for s in mine), any(s == n - 1 for s in mine), dp,
+    trans = _pp_transients(cfg, run, M, max(per_stage[s] for s in mine), any(s == n - 1 for s in mine), dp,
                            device, variant)
     peak = step_end + saved + outputs + trans
     return dict(params=mem["params"], grads=mem["grads"], optimizer=mem["optimizer"], inputs=inputs,
