@@ -110,7 +110,7 @@ def _fake_calibrate(monkeypatch, measurements: dict, host_step: dict) -> None:
                  measure_host=lambda: (m["host_op_us"], dict(m["host_custom_us"])),
                  measure_host_step=lambda **_: json.loads(json.dumps(host_step)),
                  measure_attention=lambda _d: (m["attention"], []), measure_matmuls=lambda _g, _d: m["matmul_bf16"],
-                 measure_gemms_in_step=lambda _g, _d: [], measure_fused=lambda _d: [],
+                 measure_gemms_in_step=lambda _g, _d: [], measure_fused=lambda _d: [], measure_grouped=lambda _d: [],
                  measure_vocab_matmuls=lambda _g, _d: [],
                  measure_sdpa_kernels=lambda _d: json.loads(json.dumps(m.get("attention_kernels", _SDPA_ROWS))),
                  measure_kernel_gap=lambda: None, measure_sustained=lambda _w: None,

@@ -17,7 +17,7 @@ from dataclasses import replace
 from math import prod
 
 from llm_anatomy.mesh_rules import check_microbatches, check_schedule, rank_stages, stage_sizes
-from llm_anatomy.calculator.types import BYTES
+from llm_anatomy.calculator.types import BYTES, ROPE_TABLES
 from llm_anatomy.config import ModelConfig, Run
 
 
@@ -84,8 +84,8 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1)
 # storage, held once while any chunk of that stage is in flight
 _BATCH_VIEWS = ("embedding.ids", "loss.targets")
 # FSDP2's MixedPrecisionPolicy casts every floating-point forward input of a unit to its param_dtype
-# (cast_forward_inputs): the efficient variant's fp32 RoPE tables reach each Block as its own bf16 copy
-_ROPE = ("attention.rope_cos", "attention.rope_sin")
+# (cast_forward_inputs): the efficient variant's fp32 RoPE tables (types.ROPE_TABLES) reach each Block as its own
+# bf16 copy
 
 
 def stage_saved_bytes(cfg: ModelConfig, mb_run: Run, layers: int, first: bool, last: bool,
@@ -112,7 +112,7 @@ def stage_saved_bytes(cfg: ModelConfig, mb_run: Run, layers: int, first: bool, l
                         views[s.name] = BYTES[s.dtype]
                     else:
                         n += b * s.count
-            elif fsdp_cast and s.name in _ROPE and s.dtype == "float32":
+            elif fsdp_cast and s.name in ROPE_TABLES and s.dtype == "float32":
                 n += b // 2 * layers
             else:
                 per_layer, rest = divmod(s.count, L)

@@ -9,9 +9,8 @@ from math import prod
 
 from llm_anatomy.calculator.comm import _row, fsdp_collectives
 from llm_anatomy.calculator.param_layout import Shape, fsdp_unit_shapes
-from llm_anatomy.calculator.pipeline_schedule import _ROPE
 from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
-from llm_anatomy.calculator.types import BYTES
+from llm_anatomy.calculator.types import BYTES, ROPE_TABLES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.mesh_rules import check_mesh, check_run
 
@@ -194,7 +193,7 @@ def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, 
             out["loss"] = estimate(c, r, "baseline", device=device).components["loss"].saved_bytes
         if run.dtype == "amp" and dp > 1:  # FSDP casts each Block's fp32 RoPE tables to a bf16 copy of its own
             rope = sum(prod(t.shape) * BYTES[t.dtype] * t.count for t in full["attention"].saved
-                       if t.name in _ROPE and t.dtype == "float32")
+                       if t.name in ROPE_TABLES and t.dtype == "float32")
             out["attention"] += rope // 2 * layers - rope
         return out
 

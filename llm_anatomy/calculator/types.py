@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
+# the saved RoPE tables of the attention (fp32 buffers, cast per Block under FSDP's amp policy)
+ROPE_TABLES = ("attention.rope_cos", "attention.rope_sin")
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 

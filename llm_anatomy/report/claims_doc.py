@@ -26,6 +26,7 @@ _TIMELINE = ["llm_anatomy/measure/timeline.py:component_times", "llm_anatomy/mea
 _DIST = ["llm_anatomy/distributed/strategies.py:wrap"]
 _TP = "llm_anatomy/distributed/tensor_parallel.py:parallelize"
 _PP = "llm_anatomy/distributed/pipeline_step.py:train_pp"
+_PPTP = "llm_anatomy/distributed/pipeline_tp.py:tp_stages"
 FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
     (r"^params equal Hugging Face", ["llm_anatomy/calculator/__init__.py:param_count"],
      ["llm_anatomy/hf_config.py:from_hf_config", *_MODELS], []),
@@ -79,6 +80,16 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
                                      "llm_anatomy/calculator/pipeline_parallel.py:pp_collectives"],
      [_PP, "llm_anatomy/distributed/counting.py:CollectiveCounter"], []),
     (r"pipeline loss curve|^tp x fsdp loss", ["-"], [_PP, "llm_anatomy/distributed/mesh_step.py:train"], []),
+    (r"^pp x tp (per-rank|collectives)", ["llm_anatomy/calculator/pipeline_parallel.py:pp_rank_memory",
+                                          "llm_anatomy/calculator/pipeline_parallel.py:pp_collectives"],
+     [_PPTP, "llm_anatomy/distributed/counting.py:CollectiveCounter"], []),
+    (r"^pp x tp (saved|chunks)", ["llm_anatomy/calculator/pipeline_schedule.py:saved_peak",
+                                  "llm_anatomy/calculator/pipeline_schedule.py:in_flight"],
+     [_PPTP, "llm_anatomy/distributed/saved_in_flight.py:SavedInFlight"], []),
+    (r"^PP 2 x TP 2 loss curve", ["-"], [_PP, _PPTP], []),
+    (r"^tp \(efficient", ["-"], [_TP, "llm_anatomy/distributed/tp_layout.py:to_rank_order"], []),
+    (r"^tp rank ", ["llm_anatomy/calculator/tp_memory.py:tp_phases"], ["llm_anatomy/distributed/mesh_peak.py:tp_peaks"], []),
+    (r"^pp rank ", ["llm_anatomy/calculator/tp_memory.py:pp_phases"], ["llm_anatomy/distributed/mesh_peak.py:pp_peaks"], []),
     (r"^anatomy train (--tp|--pp|gradient norm)", ["-"], ["llm_anatomy/train/mesh.py:build_tp",
                                                          "llm_anatomy/train/mesh.py:Pipelined",
                                                          "llm_anatomy/train/loop.py:train"], []),

@@ -7,11 +7,11 @@ import re
 # (what is predicted, pattern on the claim name), first match wins
 AREAS = (("parameters", r"^(active )?params"),
          ("FLOPs", r"^flops|FLOPs"),
-         ("saved tensors", r"^(memory\.saved|saved|gpt-oss|tp per-rank saved|pipeline (saved|chunks in flight))"),
-         ("collectives and per-rank bytes", r"^((tp|pipeline) )?(collective|per-rank|sends)"),
+         ("saved tensors", r"^(memory\.saved|saved|gpt-oss|tp per-rank saved|(pipeline|pp x tp) (saved|chunks in flight))"),
+         ("collectives and per-rank bytes", r"^((tp|pipeline|pp x tp) )?(collective|per-rank|sends)"),
          ("time", r"^(time\.|step time|optimizer step time)"),
-         ("training loss and gradients", r"loss|gradient norm"),
-         ("peak memory and phases", r"^(memory|plan:|optimizer (state|step) bytes)"))
+         ("training loss and gradients", r"loss|gradient norm|evals"),
+         ("peak memory and phases", r"^(memory|plan:|optimizer (state|step) bytes|(tp|pp) rank )"))
 
 
 def area(claim: str) -> str:
