@@ -4,7 +4,7 @@ same measurements run live in the GPU suite against the calculator (validations/
 
     python3 -m scripts.probe_moe --out $OUT/moe.json [--cases qwen3moe-L2 ...] [--budget-s 300]
 
-Per case (CASES) and route (measure/routing.py: "balanced", the calculator's default histogram, and "skewed",
+Per case (cases()) and route (measure/routing.py: "balanced", the calculator's default histogram, and "skewed",
 every token on experts 0..k-1):
   phases   measure.memory.measure_phases with fused AdamW (max_memory_allocated and memory_allocated at each
            phase boundary, less what the process held before), in this process;
