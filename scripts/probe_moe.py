@@ -9,7 +9,9 @@ every token on experts 0..k-1):
   phases   measure.memory.measure_phases with fused AdamW (max_memory_allocated and memory_allocated at each
            phase boundary, less what the process held before), in this process;
   step     scripts/user_loop.py's loop (fused AdamW, bf16 autocast over fp32 weights, steps back to back,
-           CUDA events; then a profiled pass for the kernels' GPU time), in a process of its own.
+           CUDA events; then a profiled pass for the kernels' GPU time), in a process of its own;
+  kernels  (asked for by --what) each phase's and component's kernel time and heaviest kernels
+           (measure/timeline.py kernel_times), in a process of its own.
 A case that fails (an out-of-memory too) records its error and the run goes on; --out is rewritten after each."""
 from __future__ import annotations
 
@@ -54,8 +56,18 @@ def phases_row(cfg, run, variant, route) -> dict:
 
 def step_row(cfg, run, variant, route) -> dict:
     """The user's loop in a process of its own (its profiler would slow every later launch of this one)."""
-    code = ("import json, sys; from scripts.probe_moe import _step; "
-            "print(json.dumps(_step(json.loads(sys.argv[1]))))")
+    return _apart("_step", cfg, run, variant, route)
+
+
+def kernels_row(cfg, run, variant, route) -> dict:
+    """Each phase's and component's GPU kernel time, its heaviest kernels by name (measure/timeline.py
+    kernel_times), in a process of its own."""
+    return _apart("_kernels", cfg, run, variant, route)
+
+
+def _apart(fn: str, cfg, run, variant, route) -> dict:
+    code = ("import json, sys; from scripts import probe_moe; "
+            f"print(json.dumps(probe_moe.{fn}(json.loads(sys.argv[1]))))")
     arg = dict(cfg=cfg.to_dict(), batch=run.batch, seq=run.seq, variant=variant, route=route)
     out = subprocess.run([sys.executable, "-c", code, json.dumps(arg)], capture_output=True, text=True, timeout=300,
                          cwd=HF.parents[2])
@@ -83,12 +95,20 @@ def _step(arg: dict) -> dict:
                 max_allocated=torch.cuda.max_memory_allocated())
 
 
+def _kernels(arg: dict) -> dict:
+    from llm_anatomy.measure.routing import force
+    from llm_anatomy.measure.timeline import kernel_times
+
+    cfg, run = ModelConfig(**arg["cfg"]), Run(arg["batch"], arg["seq"])
+    return kernel_times(cfg, run, arg["variant"], "adamw", prepare=force(arg["route"]), top=24)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="probe_moe")
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", nargs="*", help="case ids (default: all)")
     ap.add_argument("--routes", nargs="*", default=["balanced", "skewed"])
-    ap.add_argument("--what", nargs="*", default=["phases", "step"])
+    ap.add_argument("--what", nargs="*", default=["phases", "step"], help="phases, step, kernels")
     ap.add_argument("--budget-s", type=float, default=300.0, help="no case starts after this many seconds")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -105,7 +125,8 @@ def main(argv=None) -> int:
                 rows=[])
     # every case's phases, then every case's step under the first route, then under the others
     todo = [("phases", cid, v, r) for cid in (a.cases or every) for v in every[cid][2] for r in a.routes]
-    todo += [("step", cid, v, r) for r in a.routes for cid in (a.cases or every) for v in every[cid][2]]
+    todo += [(w, cid, v, r) for w in ("step", "kernels") for r in a.routes for cid in (a.cases or every)
+             for v in every[cid][2]]
     todo = [t for t in todo if t[0] in a.what]
     for i, (what, cid, variant, route) in enumerate(todo):
         if time.monotonic() - t0 > a.budget_s:
@@ -114,7 +135,7 @@ def main(argv=None) -> int:
         cfg, run, _ = every[cid]
         row = dict(what=what, id=cid, variant=variant, route=route, cfg=cfg.to_dict(), batch=run.batch, seq=run.seq)
         try:
-            row.update((phases_row if what == "phases" else step_row)(cfg, run, variant, route))
+            row.update(dict(phases=phases_row, step=step_row, kernels=kernels_row)[what](cfg, run, variant, route))
         except Exception as e:  # noqa: BLE001 - a probe records what failed (an OOM too) and goes on
             torch.cuda.empty_cache()
             row["error"] = f"{type(e).__name__}: {e}"[:300]

@@ -220,15 +220,18 @@ def trace_kernels(trace: dict) -> tuple[list[tuple[str, float]], list[tuple[floa
 
 
 def kernel_times(cfg: ModelConfig, run: Run, variant: str, optimizer: str | None = "adamw", steps: int = 2,
-                 warmup: int = 2) -> dict:
+                 warmup: int = 2, prepare=None, top: int = 12) -> dict:
     """Mean GPU kernel time per step, per phase and component (attribute_kernels over a torch.profiler
-    trace of `steps` marked steps after `warmup` unprofiled ones). CUDA only."""
+    trace of `steps` marked steps after `warmup` unprofiled ones), each component's `top` kernels by name.
+    prepare: called with the model before the steps (e.g. measure/routing.py's forced routing). CUDA only."""
     import json
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
     model, ids, targets, opt = setup_step(cfg, run, variant, optimizer, "cuda")
+    if prepare is not None:
+        prepare(model)
     marked_steps(model, ids, targets, opt, run, warmup, lambda label: None, "cuda")
     torch.cuda.synchronize()
 
@@ -243,7 +246,7 @@ def kernel_times(cfg: ModelConfig, run: Run, variant: str, optimizer: str | None
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
     marks, kernels = trace_kernels(trace)
-    comps = attribute_kernels(marks, kernels)
+    comps = attribute_kernels(marks, kernels, top)
     for phase in comps.values():
         for c in phase.values():
             c["ms"] /= steps
