@@ -2,11 +2,18 @@
 # The GPU suite in one command: environment facts, then the gpu-marked claims, each report under $OUT.
 # Usage (on the GPU machine, from the repo root): OUT=/some/dir bash scripts/gpu_suite.sh [--part K/N] [extra pytest args]
 # --part K/N: the K-th of N runs over the gpu-marked test files, in name order (scripts/suite_parts.py); the N
-# runs together are the whole suite, each under a time limit the whole one overruns (a 10-minute command).
+# runs together are the whole suite, each under a time limit the whole one overruns (a 10-minute command). A part
+# that holds no benchmark runs without the gate's --benchmark-* flags (a gated run must compare something).
 set -uo pipefail
 FILES=(validations)
 if [ "${1:-}" = "--part" ]; then
   mapfile -t FILES < <(python3 -m scripts.suite_parts "$2") || exit 2
+  if [ -z "$(python3 -m scripts.suite_parts "$2" --benchmarks)" ]; then
+    kept=()
+    for arg in "$@"; do [[ $arg == --benchmark-* ]] || kept+=("$arg"); done
+    [ ${#kept[@]} -lt $# ] && echo "gpu_suite: part $2 holds no benchmark: its run drops the --benchmark-* flags"
+    set -- "${kept[@]}"
+  fi
   shift 2
 fi
 OUT=${OUT:-.anatomy/gpu}
