@@ -151,8 +151,8 @@ def test_unmodelled_refused_in_one_line(argv, word):
 
 @pytest.mark.parametrize("hist", ["balanced", "skewed"])
 def test_baseline_loop_launches_per_expert_with_rows(hist):
-    """The baseline's loop: every expert with rows is its own launches (and a host sync: torch.where's size), at
-    its own row count; experts without rows launch nothing; its matmul FLOPs are the calculator's."""
+    """The baseline's loop: every expert runs torch.where over the choices (a host sync: its size), rows or not;
+    every expert with rows is then its own launches at its own row count; its matmul FLOPs are the calculator's."""
     from llm_anatomy.calculator.timing.kernels_baseline import mlp
     from llm_anatomy.calculator.timing.kernels_moe import baseline_moe
 
@@ -164,7 +164,8 @@ def test_baseline_loop_launches_per_expert_with_rows(hist):
     gate_up = [k for k in o.k if k.name == "moe.expert.gate_up"]
     assert sum(k.count for k in gate_up) == CFG.layers * hit and all(k.host == "op" for k in gate_up)
     assert sorted(k.shape[1] for k in gate_up for _ in range(k.count // CFG.layers)) == sorted(n for n in h if n)
-    assert sum(k.count for k in o.k if k.sync) == CFG.layers * hit
+    assert sum(k.count for k in o.k if k.sync) == CFG.layers * CFG.experts
+    assert sum(k.count for k in o.k if k.name == "moe.expert.where") == CFG.layers * CFG.experts
     mms = [k for k in o.k if k.kind == "matmul"]
     assert sum(k.flops * k.count for k in mms if k.phase == "forward") == moe.flops(CFG, run)
     assert sum(k.flops * k.count for k in mms if k.phase == "backward") == 2 * moe.flops(CFG, run)

@@ -142,14 +142,19 @@ def _expert_linear(o: Ops, name: str, n: int, d_in: int, d_out: int, count: int,
 
 
 def baseline_moe(o: Ops, mlp, hist=None) -> None:
-    """The baseline block (llm_anatomy/baseline/moe.py), L layers: the router, then per expert with rows (one
-    launch each, its n rows): torch.where over the choices (a host sync: nonzero's size), the gather of its rows,
-    gate_up, the eager activation, down, the weighting and the index_add into the output (out of place: the
-    (T, H) output read and written); backward the same in reverse, each gradient summed into its tensor's."""
+    """The baseline block (llm_anatomy/baseline/moe.py), L layers: the router, then for every expert torch.where
+    over the choices (a host sync: nonzero's size; the loop skips an expert only after it), and per expert with
+    rows (one launch each, its n rows): the gather of its rows, gate_up, the eager activation, down, the weighting
+    and the index_add into the output (out of place: the (T, H) output read and written); backward the same in
+    reverse, each gradient summed into its tensor's."""
     cfg, run, c, r = o.cfg, o.run, o.c, o.r
     T, L, H, K, I = run.tokens, cfg.layers, cfg.hidden, cfg.experts_per_token, cfg.expert_intermediate
     router(o)
-    for m, experts in sorted(_rows(o, hist).items()):
+    rows = _rows(o, hist)
+    empty = cfg.experts - sum(rows.values())
+    if empty:  # an expert no token chose still runs its where (and its sync) before the loop skips it
+        o.mem("moe.expert.where", "moe", "forward", T * K * 8, 0, L * empty, sync=True, calls=3)
+    for m, experts in sorted(rows.items()):
         k = L * experts
         o.mem("moe.expert.where", "moe", "forward", T * K * 8, m * 16, k, sync=True, calls=3)
         o.mem("moe.expert.gather", "moe", "forward", m * H * r + m * I64, m * H * r, k)
