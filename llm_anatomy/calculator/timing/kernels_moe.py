@@ -173,3 +173,19 @@ def baseline_moe(o: Ops, mlp, hist=None) -> None:
         mlp(o, "moe.shared", "moe", cfg.shared_experts * cfg.shared_intermediate)
         o.mem("moe.shared.sum", "moe", "forward", 2 * T * H * c, T * H * c, L)
         o.mem("moe.input_grad_sum", "moe", "backward", 2 * T * H * r, T * H * r, L)
+
+
+# forward kernels of the efficient block that a checkpoint's re-run in backward does not launch: the load-balancing
+# mean (the re-run stashes no statistics: efficient/moe.py), and by the early stop, where the shared experts follow
+# the routed ones, the shared down matmul (its inputs are saved before it runs) and the sum after it
+NOT_RERUN = ("moe.balance.mean", "moe.shared.down", "moe.shared.sum")
+
+
+def efficient_moe_recompute(o: Ops, hist=None) -> None:
+    """Run.recompute: the block's forward kernels launched again in backward (backward_moe_recompute.py), each at its
+    forward FLOPs and bytes, named with ".recompute", but NOT_RERUN's. Without shared experts the unpermute is the
+    last: its output is made before its inputs are saved, so every forward kernel runs again."""
+    fwd = Ops(o.cfg, o.run)
+    efficient_moe(fwd, hist)
+    o.k += [k._replace(name=k.name + ".recompute", phase="backward") for k in fwd.k
+            if k.phase == "forward" and k.name not in NOT_RERUN]
