@@ -7,8 +7,9 @@ unpermute) runs the region's forward again: under "full" the attention half firs
 rerun_attention), then the residual sum, the norm and the whole MoE block. By the checkpoint's early stop it halts
 when the last tensor the forward saved is saved again, so every tensor the block keeps without recompute is live
 again (one layer's, as an activation) with the sum the norm keeps; backward_moe.layer then frees them as without
-recompute. At that stop the forward's locals still live: the fp32 router logits (T, E), the sorted slot order
-(N,) int64 and, where the shared experts follow, the unpermute's output (T, H) in c.
+recompute. Its largest moment is inside it, before the stop or at it, where the block's locals live beside what is
+saved again (the fp32 router logits, the slot order, the unfolded xs and h, the unpermute's output): moe_region.py
+replays its allocations, as it does the forward's.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def rerun(w, tag: str) -> None:
     """The checkpoint's re-run, at the start of the MoE branch's backward (module docstring)."""
     from llm_anatomy.calculator.backward_efficient import rerun_attention
     from llm_anatomy.calculator.moe_efficient import saved_list
+    from llm_anatomy.calculator.moe_region import region_peak
 
     cfg, run = w.cfg, w.run
     if w.recompute == "full":
@@ -30,12 +32,5 @@ def rerun(w, tag: str) -> None:
         kept = saved_list(cfg, replace(run, recompute="none", lean=False), w.est.device)
         return [Saved("mlp.x", (run.batch, run.seq, cfg.hidden), w.dt.residual, 1, "the norm keeps the sum"),
                 *(s for s in kept if s.name != "moe.balance.f")]  # the loss's, once per model: not re-made
+    w.peak(tag + "recompute moe", region_peak(cfg, run, w.rnd, rerun=True), kind="activation")
     w.remake("moe", remade)
-    w.peak(tag + "recompute moe", *transients(w), kind="activation")
-
-
-def transients(w) -> tuple[int, ...]:
-    """The region's locals live when the re-run stops (module docstring), in bytes."""
-    cfg, T = w.cfg, w.T
-    out = (T * cfg.experts * 4, T * cfg.experts_per_token * 8)
-    return out + ((T * w.H * w.c,) if cfg.shared_experts else ())

@@ -24,10 +24,11 @@ I64, F32, I32 = 8, 4, 4
 
 
 class _Live:
-    """Bytes alive by name (each rounded by rnd), and the largest sum seen after an allocation."""
+    """Bytes alive by name (each rounded by rnd), and the largest sum seen after an allocation. saved: in a
+    re-run in backward, the names an op saves, which the checkpoint keeps where the forward drops them."""
 
-    def __init__(self, rnd):
-        self.rnd, self.now, self.top, self.held = rnd, 0, 0, {}
+    def __init__(self, rnd, saved: tuple[str, ...] = ()):
+        self.rnd, self.now, self.top, self.held, self.saved = rnd, 0, 0, {}, saved
 
     def alloc(self, name: str, nbytes: int) -> None:
         b = self.rnd(nbytes)
@@ -37,7 +38,8 @@ class _Live:
 
     def free(self, *names: str) -> None:
         for n in names:
-            self.now -= self.held.pop(n)
+            if n not in self.saved:
+                self.now -= self.held.pop(n)
 
 
 def moe_casts(cfg: ModelConfig, run: Run, rnd) -> int:
@@ -51,16 +53,24 @@ def moe_casts(cfg: ModelConfig, run: Run, rnd) -> int:
     return out + (rnd(2 * Is * H * c) + rnd(Is * H * c) if Is else 0)
 
 
-def region_peak(cfg: ModelConfig, run: Run, rnd) -> int:
+# what the region's ops save but its code lets go: kept by a re-run in backward, freed in forward
+RERUN_KEPT = ("topk values", "topk sum", "cast", "x folded", "w folded")
+
+
+def region_peak(cfg: ModelConfig, run: Run, rnd, rerun: bool = False) -> int:
     """The largest live bytes inside the last layer's MoE region in forward, beyond what lived before it: from the
     residual sum its norm reads to the block output's add, with the region's cached casts and, with a load-balancing
     loss, the statistics every MoE layer stashes until the loss (less the model's f, which the loss makes from them
-    and the saved list counts)."""
+    and the saved list counts).
+
+    rerun: the same inside a layer's re-run in backward (backward_moe_recompute.py), from its sum to the early stop:
+    the tensors the ops save stay (RERUN_KEPT), no statistics are stashed, and it stops at the last tensor saved
+    (the shared experts' down's input and cast, else the unpermute's, after its output is made)."""
     dt = dtypes(run)
     T, H, E, K, I = run.tokens, cfg.hidden, cfg.experts, cfg.experts_per_token, cfg.expert_intermediate
     N, c, r, Is = T * K, BYTES[dt.compute], BYTES[dt.residual], shared_width(cfg)
     f = FOLD if cfg.expert_bias else 0  # moe_efficient.grouped_path: biases fold only on the grouped path
-    v = _Live(rnd)
+    v = _Live(rnd, RERUN_KEPT if rerun else ())
     v.alloc("sum", T * H * r)
     v.alloc("x", T * H * c)  # the norm's output, the block's input
     if dt.autocast:  # cached
@@ -72,10 +82,10 @@ def region_peak(cfg: ModelConfig, run: Run, rnd) -> int:
     v.free("logits")
     _route(v, cfg, T, E, K)
     _permutation(v, N, E)
-    if cfg.router_aux_coef > 0:
-        if cfg.router == "topk-softmax":
-            v.alloc("probs", T * E * F32)
-        v.alloc("counts zero", I32)  # torch.diff's prepend and cat
+    if cfg.router_aux_coef > 0 and cfg.router == "topk-softmax":  # the balance's softmax over every expert
+        v.alloc("probs", T * E * F32)
+    if cfg.router_aux_coef > 0 and not rerun:  # the statistics: torch.diff's prepend and cat, then f and P
+        v.alloc("counts zero", I32)
         v.alloc("counts cat", (E + 1) * I32)
         v.alloc("counts", E * I32)
         v.free("counts zero", "counts cat")
@@ -98,10 +108,14 @@ def region_peak(cfg: ModelConfig, run: Run, rnd) -> int:
         v.alloc("shared h", T * Is * c)
         if dt.autocast:
             v.alloc("shared casts", Is * H * c)
+        if rerun:
+            return v.top
         v.alloc("shared out", T * H * c)
         v.free("shared gate_up", "shared h")
         v.alloc("sum out", T * H * c)
         v.free("out", "shared out")
+    if rerun:
+        return v.top
     stash = (cfg.layers - 1) * 2 * rnd(E * F32) - rnd(E * F32) if cfg.router_aux_coef > 0 else 0
     return v.top + stash
 
@@ -110,12 +124,12 @@ def _route(v: _Live, cfg: ModelConfig, T: int, E: int, K: int) -> None:
     """efficient/moe.py's route: what stays is the block's local state (probs, weights, indices)."""
     if cfg.router == "softmax-topk":
         v.alloc("probs", T * E * F32)
-        v.alloc("values", T * K * F32)
+        v.alloc("topk values", T * K * F32)
         v.alloc("idx", T * K * I64)
         if cfg.norm_topk:
             v.alloc("topk sum", T * F32)
             v.alloc("w", T * K * F32)
-            v.free("topk sum", "values")
+            v.free("topk sum", "topk values")
         return
     v.alloc("values", T * K * F32)
     v.alloc("idx", T * K * I64)
@@ -151,7 +165,9 @@ def _gemm(v: _Live, out: str, N: int, k: int, n: int, E: int, c: int, f: int, ca
         v.alloc("x folded", N * (k + f) * c)
         v.alloc("zeros", E * n * (FOLD - 1) * c)
         v.alloc("w folded", E * n * (k + f) * c)
-        v.free("zeros", "ones", *(("cast",) if cast else ()))  # the plain cast's last name is rebound
+        v.free("zeros", "ones")
+        if cast:  # the plain cast's last name is rebound to the folded one (saved in its place)
+            v.now -= v.held.pop("cast")
         v.alloc(out, N * n * c)
         v.free("x folded", "w folded")
         return
