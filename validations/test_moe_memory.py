@@ -9,8 +9,9 @@ histogram, or the skewed one (every token to experts 0..k-1), and the phases are
              dropless routing keeps N = T·k rows, so no byte depends on the histogram;
   baseline   the per-expert loop (swiglu, no expert biases) under all three dtype policies: the named configs and
              30 drawn ones; its bytes follow the histogram.
-What the phases do not model is refused in one line (the baseline loop's expert biases and gpt-oss activation,
-the efficient block under recompute, its loop-of-mm fallback)."""
+What the phases do not model is refused in one line (the efficient block's loop-of-mm fallback);
+test_moe_recompute.py holds the efficient block under recompute, test_moe_memory_bias.py the baseline loop with
+expert biases and gpt-oss's activation."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -97,10 +98,6 @@ def test_moe_phases_hypothesis(case, claims):
 
 
 @pytest.mark.parametrize("cfg, run, variant, word", [
-    (NAMED_MOE["odd-widths"], Run(2, 16), "baseline", "expert biases"),
-    (NAMED_MOE["gptoss-like"], Run(2, 16), "baseline", "expert biases"),
-    (replace(NAMED_MOE["mixtral-like"], mlp="gpt-oss"), Run(2, 16), "baseline", "gpt-oss's activation"),
-    (NAMED_MOE["mixtral-like"], Run(2, 16, recompute="mlp"), "efficient", "recompute"),
     (NAMED_MOE["mixtral-like"], Run(2, 16, "fp32"), "efficient", "loop-of-mm"),
     (NAMED_MOE["odd-widths"], Run(2, 16), "efficient", "loop-of-mm"),
 ])

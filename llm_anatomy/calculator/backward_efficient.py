@@ -69,12 +69,12 @@ def layer(w, i: int, g: int) -> int:
     # it (norm(..., fused)); otherwise the residual gradient's cast for the bf16 matmul (a view when r == c)
     gc = T * H * c if r != c or lean else 0
     w.alloc(0 if lean else gc)
-    if w.cfg.moe:  # the MoE branch in place of the MLP's (memory.py refuses its recompute and lean forms)
+    if w.cfg.moe:  # the MoE branch in place of the MLP's (under recompute, backward_moe_recompute re-runs it first)
         gn = backward_moe.layer(w, i, tag, gc, swiglu_down)  # the shared experts' lean tail is the dense MLP's
     else:
         gn = mlp(w, tag, gc)
     # under recompute the re-made sum goes with the norm (and under "mlp" the checkpoint's branch with it)
-    kept = {"none": "norm.", "mlp": ("mlp.x", "mlp.branch"), "full": "mlp.x"}[w.recompute]
+    kept = {"none": "norm.", "mlp": ("mlp.x", "mlp.branch", "moe.branch"), "full": "mlp.x"}[w.recompute]
     g = w.residual_add(g, norm(w, tag + "norm 2", gn, kept))
     # ---- attention branch
     w.begin()
@@ -171,8 +171,14 @@ def rerun_block(w, tag: str) -> None:
     """recompute="full": the block's forward runs again and stops (early stop) once down's input and weight
     cast are saved again, so every tensor the block saves without recompute is live again: one layer's
     qkv input (and cast), SDPA's tensors, o's cast, the residual sum, the MLP's. The block input is the
-    checkpoint's own, the RoPE tables the model's: no new storage. Two moments of the re-run carry
-    temporaries: o's output while qkv's output still lives (a local until attention returns), and the
+    checkpoint's own, the RoPE tables the model's: no new storage."""
+    rerun_attention(w, tag)
+    w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))
+
+
+def rerun_attention(w, tag: str) -> None:
+    """The attention half of recompute="full"'s re-run (rerun_block; the MoE block's too). Two moments of it
+    carry temporaries: o's output while qkv's output still lives (a local until attention returns), and the
     residual sum while attention's output lives."""
     T, H, c, r = w.T, w.H, w.c, w.r
     D = (w.nh + 2 * w.nkv) * w.hd
@@ -180,7 +186,6 @@ def rerun_block(w, tag: str) -> None:
              + qk_norm_saved_efficient(w.cfg, w.run, 1) + sdpa_o_saved(w.cfg, w.run, w.est.device, 1))
     w.peak(tag + "recompute attention.o", T * D * c, T * H * c, kind="activation")
     w.peak(tag + "recompute residual add", T * H * c, T * H * r, kind="activation")
-    w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))
 
 
 def embedding(w) -> None:

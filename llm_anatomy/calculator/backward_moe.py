@@ -19,6 +19,8 @@ The load-balancing loss's (L, E) fp32 d(P) is made at the loss and lives until t
 """
 from __future__ import annotations
 
+from llm_anatomy.calculator import backward_moe_recompute
+
 
 def balance(w) -> None:
     """The load-balancing loss's backward at the loss: d(P) for every layer, stacked (L, E) fp32; f goes."""
@@ -39,6 +41,8 @@ def layer(w, i: int, tag: str, gc: int, swiglu_down) -> int:
     cfg, T, H, c, p = w.cfg, w.T, w.H, w.c, w.p
     E, K, I = cfg.experts, cfg.experts_per_token, cfg.expert_intermediate
     N, f, TH = T * K, _fold(w), T * H * c
+    if w.recompute != "none":  # the checkpoint's re-run makes the block's saved tensors again
+        backward_moe_recompute.rerun(w, tag)
     dx = 0  # the (T, H) input gradients made so far, summed as they join
     if cfg.shared_experts:
         _shared(w, tag, cfg.shared_experts * cfg.shared_intermediate, swiglu_down)

@@ -83,21 +83,20 @@ def _expert(w, tag: str, n: int, accumulate: bool, branch: int) -> None:
     w.peak(tag + "routing weights")
     w.alloc(-T * K * 4, -dw)
     _sum(w, tag + "routing weights sum", T * K * 4, accumulate)
-    # down: dW (H, I), d(h) (n, I); d(y), h and the weight slice's cast go
-    _linear(w, tag + "down", H * I, nI, nH, (nI, H * I * c if w.amp else 0), E * H * I * p, accumulate)
-    w.alloc(nI, nI)  # d(silu(gate)) and d(up)
-    drop(nI)  # silu(gate)
-    w.alloc(-nI)  # d(h)
-    w.alloc(nI)  # d(gate)
-    w.peak(tag + "activation")
-    drop(2 * nI)  # gate_up, which silu's gate kept
-    w.alloc(-nI)  # d(silu(gate))
-    w.alloc(2 * nI)  # the chunk's backward: d(gate_up)
-    w.peak(tag + "activation cat")
-    w.alloc(-2 * nI)  # d(gate), d(up)
+    # down: dW (H, I), d(h) (n, I) (and the bias's (H,)); d(y), h and the weight slice's cast go
+    bias = cfg.expert_bias
+    _linear(w, tag + "down", H * I, nI, nH, (nI, H * I * c if w.amp else 0), E * H * I * p, accumulate,
+            bias=H if bias else 0)
+    (_gpt_oss if cfg.mlp == "gpt-oss" else _swiglu)(w, tag, n * I, drop)
     # gate_up: dW (2I, H), d(x) (n, H); d(gate_up), x and the slice's cast go; d(x) back to the residual dtype
     _linear(w, tag + "gate_up", 2 * I * H, nH, 2 * nI, (nH, 2 * I * H * c if w.amp else 0), E * 2 * I * H * p,
-            accumulate, n * H * r if w.amp else 0)
+            accumulate, n * H * r if w.amp else 0, bias=2 * I if bias else 0)
+    if bias:  # the bias slices' backward (made first in forward, so run last): down's, then gate_up's
+        for width in (H, 2 * I):
+            w.alloc(E * width * p)  # a zero (E, width) with the row written in
+            w.peak(tag + "bias select")
+            w.alloc(-width * (4 if w.amp else p))  # the row
+            _sum(w, tag + "bias sum", E * width * p, accumulate)
     # index_select's backward: a zero (T, H) and the rows added into it; d(x) and the row indices go
     w.alloc(T * H * r, T * H * r)
     w.peak(tag + "input rows")
@@ -106,15 +105,55 @@ def _expert(w, tag: str, n: int, accumulate: bool, branch: int) -> None:
     _sum(w, tag + "input grad sum", T * H * r, accumulate)
 
 
+def _swiglu(w, tag: str, m: int, drop) -> None:
+    """silu(gate) * up's backward on m = n·I elements, from d(h): d(gate_up) (the chunk's cat) left for gate_up."""
+    c = w.c
+    w.alloc(m * c, m * c)  # d(silu(gate)) and d(up)
+    drop(m * c)  # silu(gate)
+    w.alloc(-m * c)  # d(h)
+    w.alloc(m * c)  # d(gate)
+    w.peak(tag + "activation")
+    drop(2 * m * c)  # gate_up, which silu's gate kept
+    w.alloc(-m * c)  # d(silu(gate))
+    w.alloc(2 * m * c)  # the chunk's backward: d(gate_up)
+    w.peak(tag + "activation cat")
+    w.alloc(-2 * m * c)  # d(gate), d(up)
+
+
+def _gpt_oss(w, tag: str, m: int, drop) -> None:
+    """silu(clamp(gate)) * (clamp(up) + 1)'s backward on m = n·I elements, from d(h): the product's two gradients
+    (its saved silu and up + 1 go with d(h)), silu's (the clamped gate goes), then each clamp's, up's first, as
+    where(mask, grad, 0) with a 0-dim zero and bool masks (two for up's two bounds, one for gate's); each clamp's
+    incoming gradient goes after it; the raw gate_up, which the clamps kept, goes; the chunk's cat."""
+    c = w.c
+    w.alloc(m * c, m * c)  # d(silu), d(up + 1)
+    w.peak(tag + "activation")
+    drop(2 * m * c)
+    w.alloc(-m * c)  # d(h)
+    w.alloc(m * c)  # d(clamped gate)
+    w.peak(tag + "activation silu")
+    drop(m * c)
+    w.alloc(-m * c)  # d(silu)
+    for name, masks in (("up", 2), ("gate", 1)):
+        w.alloc(c, *[m] * masks, m * c)
+        w.peak(tag + f"activation clamp {name}")
+        w.alloc(-c, *[-m] * masks, -m * c)  # the zero, the masks, the incoming gradient
+    drop(2 * m * c)  # the raw gate_up, once both clamps have run
+    w.alloc(2 * m * c)  # the chunk's backward: d(gate_up)
+    w.peak(tag + "activation cat")
+    w.alloc(-2 * m * c)  # d(gate), d(up)
+
+
 def _linear(w, tag: str, weight: int, d_in: int, grad_out: int, saved: tuple[int, int], stacked: int,
-            accumulate: bool, d_in_copy: int = 0) -> None:
-    """An expert's matmul on its rows: dW (`weight` elements) and d(x) (d_in bytes); the incoming gradient
-    and its saved input and weight cast (saved bytes) go; d_in_copy: d(x)'s copy to the residual dtype; under
-    autocast dW's copy to fp32; the slice's backward writes it into a zero of the stacked weight (stacked
-    bytes), summed into the weight's gradient."""
+            accumulate: bool, d_in_copy: int = 0, bias: int = 0) -> None:
+    """An expert's matmul on its rows: dW (`weight` elements) and d(x) (d_in bytes), and with a bias (`bias`
+    elements) its gradient, the rows' sum; the incoming gradient and its saved input and weight cast (saved bytes)
+    go; d_in_copy: d(x)'s copy to the residual dtype; under autocast dW's copy to fp32, then the bias's (which
+    waits, in fp32, for the bias slice's backward at the expert's end); the slice's backward writes dW into a
+    zero of the stacked weight (stacked bytes), summed into the weight's gradient."""
     c, p = w.c, w.p
     wg = weight * (c if w.amp else p)
-    w.alloc(wg, d_in)
+    w.alloc(wg, d_in, bias * c)
     w.peak(tag)
     w.alloc(-grad_out)
     w.act -= sum(saved)
@@ -123,6 +162,8 @@ def _linear(w, tag: str, weight: int, d_in: int, grad_out: int, saved: tuple[int
     if w.amp:
         w.alloc(weight * p)
         w.peak(tag + " grad to fp32")
+        if bias:
+            w.alloc(bias * 4, -bias * c)
     w.alloc(stacked, -wg)  # the slice's backward; the compute-dtype dW goes
     w.peak(tag + " select")
     if w.amp:

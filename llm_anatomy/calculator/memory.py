@@ -27,7 +27,7 @@ from functools import lru_cache
 from math import prod
 
 from llm_anatomy import kernel_shapes
-from llm_anatomy.calculator import estimate
+from llm_anatomy.calculator import estimate, moe_region
 from llm_anatomy.calculator.allocator import rounded
 from llm_anatomy.calculator.attention import sdpa_o_saved
 from llm_anatomy.calculator.backward import INPUTS, walked
@@ -136,8 +136,19 @@ def _cached_casts(cfg: ModelConfig, run: Run, rnd, layers: int | None = None) ->
     if run.recompute == "none" or not dt.autocast:
         return 0
     H, I, D = cfg.hidden, cfg.intermediate, cfg.q_dim + 2 * cfg.kv_dim
-    weights = (D * H, 2 * I * H, I * H) + ((cfg.q_dim * H,) if run.recompute == "full" else ())
-    return (cfg.layers if layers is None else layers) * sum(rnd(n * BYTES[dt.compute]) for n in weights)
+    weights = (D * H,) + (() if cfg.moe else (2 * I * H, I * H)) + ((cfg.q_dim * H,) if run.recompute == "full" else ())
+    moe = moe_region.moe_casts(cfg, run, rnd) if cfg.moe else 0  # the router's and the shared experts'
+    return (cfg.layers if layers is None else layers) * (sum(rnd(n * BYTES[dt.compute]) for n in weights) + moe)
+
+
+def _mlp_region(cfg: ModelConfig, run: Run, rnd) -> int:
+    """The largest moment of the last layer's recomputed MLP half in forward, with every weight cast autocast has
+    cached by then: the dense MLP's (_mlp_region_transient, every layer's casts), or the MoE block's
+    (moe_region.py, which counts the casts it makes; the earlier layers' and this layer's attention's before it)."""
+    if not cfg.moe:
+        return _mlp_region_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd)
+    return (moe_region.region_peak(cfg, run, rnd) + _cached_casts(cfg, run, rnd) -
+            moe_region.moe_casts(cfg, run, rnd))
 
 
 def _mlp_region_transient(cfg: ModelConfig, run: Run, rnd) -> int:
@@ -169,7 +180,7 @@ def _block_forward_peak(cfg: ModelConfig, run: Run, device: str, rnd) -> int:
     if dt.autocast:
         casts += rnd(D * H * c) + rnd(cfg.q_dim * H * c)
     attn = rnd(T * H * c) + rnd(T * D * c) + sdpa + rnd(T * H * c) + casts
-    return max(attn, _mlp_region_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd))
+    return max(attn, _mlp_region(cfg, run, rnd))
 
 
 def _head_grad_pad(cfg: ModelConfig, run: Run, rnd) -> int:
@@ -224,8 +235,7 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     elif device == "cuda":
         fwd_peak = fwd_end - rnd(4) + _loss_forward_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd)
         if run.recompute == "mlp":  # or inside the last layer's MLP checkpoint, before the loss's tensors
-            fwd_peak = max(fwd_peak, fwd_end - rnd(4) - after + _mlp_region_transient(cfg, run, rnd)
-                           + _cached_casts(cfg, run, rnd))
+            fwd_peak = max(fwd_peak, fwd_end - rnd(4) - after + _mlp_region(cfg, run, rnd))
         elif run.recompute == "full":  # or inside the last block's checkpoint
             fwd_peak = max(fwd_peak, block_peak)
     start = {"parameter": params, "input": inputs, "optimizer state": opt, "activation": saved + rnd(4)}

@@ -166,19 +166,17 @@ def _per_layer(cfg: ModelConfig, run: Run, hist) -> list[tuple[int, ...]]:
 
 def phases_unmodelled(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda") -> str | None:
     """What the memory phases (calculator/memory.py) and the timing model do not model for this config and run,
-    in words, or None: the attention fields (config.unmodelled), and for a mixture of experts the baseline loop's
-    expert biases and gpt-oss activation, the efficient block under recompute and its loop-of-mm fallback (fp32,
-    widths not multiples of 8, expert biases without autocast), whose backward walks are not written."""
+    in words, or None: the attention fields (config.unmodelled), and for a mixture of experts the efficient block's
+    loop-of-mm fallback (fp32, widths not multiples of 8, expert biases without autocast), whose backward walk is
+    not written."""
     name = unmodelled(cfg, "efficient")  # the attention fields
     if name or not cfg.moe:
         return name
     from llm_anatomy.calculator.moe_efficient import grouped_path
 
     if variant != "efficient":
-        return ("the baseline's per-expert loop with expert biases" if cfg.expert_bias else
-                "the baseline's per-expert loop with gpt-oss's activation" if cfg.mlp == "gpt-oss" else None)
-    return ("the efficient block under recompute" if run.recompute != "none" else
-            "the loop-of-mm fallback (fp32, widths not multiples of 8, or expert biases without autocast)"
+        return None
+    return ("the loop-of-mm fallback (fp32, widths not multiples of 8, or expert biases without autocast)"
             if not grouped_path(cfg, run, device) else None)
 
 
@@ -187,8 +185,8 @@ def refuse_phases(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda"
     """A one-line ConfigError naming what phases_unmodelled finds."""
     why = phases_unmodelled(cfg, run, variant, device)
     if why:
-        raise ConfigError(f"{what}: {why} not modelled yet (config {cfg.name}); for experts the baseline's swiglu "
-                          "loop and the efficient block's grouped-GEMM path under amp or bf16 without recompute are")
+        raise ConfigError(f"{what}: {why} not modelled yet (config {cfg.name}); for experts the baseline's loop "
+                          "and the efficient block's grouped-GEMM path under amp or bf16 are")
 
 
 def flops(cfg: ModelConfig, run: Run) -> int:
@@ -215,9 +213,13 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda", hist=None) -> Com
 
 def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     """The efficient block (efficient/moe.py): the baseline's FLOPs, its own saved tensors
-    (calculator/moe_efficient.py: routing-independent, since dropless routing keeps T x k rows)."""
+    (calculator/moe_efficient.py: routing-independent, since dropless routing keeps T x k rows). Under recompute
+    backward runs the block's forward matmuls again but the shared experts' down (the checkpoint's early stop:
+    calculator/backward_moe_recompute.py)."""
     from llm_anatomy.calculator.moe_efficient import saved_list
 
     f = flops(cfg, run)
-    return Component("moe", cfg.layers, params(cfg), f, 2 * f, f, 2 * f, elementwise(cfg, run),
+    T, H = run.tokens, cfg.hidden
+    again = 0 if run.recompute == "none" else f - cfg.layers * 2 * T * shared_width(cfg) * H
+    return Component("moe", cfg.layers, params(cfg), f, 2 * f + again, f, 2 * f, elementwise(cfg, run),
                      saved_list(cfg, run, device))

@@ -153,6 +153,10 @@ class MoE(nn.Module):
         if cfg.shared_experts:  # lean: the shared MLP's own lean form (llm_anatomy/kernels/lean.py)
             self.shared = MLP(cfg.hidden, cfg.shared_experts * cfg.shared_intermediate, cfg.mlp, lean)
         self.aux: tuple[Tensor, Tensor] | None = None  # (f, P) of the last forward, when router_aux_coef > 0
+        # does this forward stash (f, P)? The model's forward sets it and its loss clears it: a checkpoint's re-run
+        # in backward (Run.recompute) stashes nothing, as a stash would hold P's graph, and with it the re-run's
+        # saved tensors, past the step
+        self.collect = False
 
     def forward(self, x: Tensor, norm: nn.Module | None = None, branch: Tensor | None = None) -> Tensor:
         """x (B, S, H), normed -> the block's MoE output; with norm and branch (Run.recompute == "mlp") x is the
@@ -167,10 +171,11 @@ class MoE(nn.Module):
         logits = self.router(x2).float()  # (T, E), computed in dt, routed in fp32
         probs, w, idx = route(logits, cfg)
         order, pos, offs = permutation(idx, E)
-        if cfg.router_aux_coef > 0:
+        if cfg.router_aux_coef > 0:  # the softmax over every expert runs in a checkpoint's re-run too (it saves)
             probs = torch.softmax(logits, -1) if probs is None else probs
-            counts = torch.diff(offs, prepend=offs.new_zeros(1))
-            self.aux = (counts.float().div_(x2.shape[0]), probs.mean(0))  # f (E,) detached, P (E,)
+            if self.collect:
+                counts = torch.diff(offs, prepend=offs.new_zeros(1))
+                self.aux = (counts.float().div_(x2.shape[0]), probs.mean(0))  # f (E,) detached, P (E,)
         cast = ex.gate_up.dtype != dt  # amp: the stacked weights are cast for the GEMMs
         bounds = None if _native(dt, (H, I), x2.device, cfg.expert_bias, cast) else offs.tolist()  # one host read
         xs = Permute.apply(x2, order, pos, K)  # (N, H): the token of each sorted row

@@ -136,6 +136,9 @@ class Transformer(nn.Module):
         x = self.embed(ids)  # (B, S, H)
         # fp32 tables: the RoPE kernel rotates in fp32 registers and keeps only these two (S, hd) tables
         cos, sin = rope_tables(ids.shape[1], self.cfg.head_dim, self.cfg.rope_theta, ids.device, torch.float32)
+        if self.cfg.moe and self.cfg.router_aux_coef > 0:  # this forward's blocks stash (f, P); _aux takes them
+            for layer in self.layers:
+                layer.mlp.collect = True
         if self.lean:  # blocks hand on (residual, pending MLP branch): Block._fused
             branch = None
             for layer in self.layers:
@@ -155,7 +158,7 @@ class Transformer(nn.Module):
             return loss
         stats = [layer.mlp.aux for layer in self.layers]
         for layer in self.layers:
-            layer.mlp.aux = None
+            layer.mlp.aux, layer.mlp.collect = None, False
         if reduction != "mean":
             return loss
         return loss + self.cfg.router_aux_coef * self.balance(stats, self.cfg.experts)

@@ -6,7 +6,7 @@ component by component.
 """
 from __future__ import annotations
 
-from llm_anatomy.calculator.timing.kernels_moe import efficient_moe
+from llm_anatomy.calculator.timing.kernels_moe import efficient_moe, efficient_moe_recompute
 from llm_anatomy.calculator.timing.op_bytes import dw_sum_bytes, fused_bytes
 from llm_anatomy.calculator.timing.ops import Kernel, Ops, causal_attention_flops, embedding, residual, rope_tables
 from llm_anatomy.config import ConfigError, ModelConfig, Run
@@ -69,7 +69,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn", h
     o.linear("attention.o", "attention", q, H, L, fp32_grad=fused)  # its input is a view of SDPA's output: no copy
     # where the residual adds run: in the block ("other"); in the MLP's checkpoint under "mlp"; in the block's
     # checkpoint, a module credited to attention (efficient/transformer.py, BlockCheckpoint), under "full"
-    where = {"none": "other", "mlp": "mlp", "full": "attention"}[run.recompute]
+    where = {"none": "other", "mlp": "moe" if cfg.moe else "mlp", "full": "attention"}[run.recompute]
     if not fused:
         residual(o, "attention", L, where)
     if cfg.moe:  # the MoE block in the MLP's place (kernels_moe.py), its residual add credited to it
@@ -81,7 +81,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn", h
     else:
         residual(o, "moe" if cfg.moe else "mlp", L, where)
     if run.recompute != "none":
-        recompute_kernels(o, sdpa_backend)
+        recompute_kernels(o, sdpa_backend, hist)
     elif run.lean_block:
         lean_kernels(o)
     liger_loss(o) if run.loss_impl == "liger" else anatomy_loss(o)
@@ -134,7 +134,7 @@ def fused_norms(o: Ops) -> None:
     o.mem("norm.attention_input_grad_sum", "norm", "backward", 2 * T * H * r, T * H * r, order=2)
 
 
-def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
+def recompute_kernels(o: Ops, sdpa_backend: str, hist=None) -> None:
     """What the checkpoints run again in backward, before the layer's own backward kernels. Early stop:
     the region's last matmul (down; under "mlp" also qkv) does not run again. Under "mlp": both norms, the
     residual sum, gate_up and the activation. Under "full": the block's whole forward but down: both norms,
@@ -144,6 +144,7 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
     B, S, T, H, L, I = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers, cfg.intermediate
     nh, hd, D = cfg.heads, cfg.head_dim, cfg.q_dim + 2 * cfg.kv_dim
     full = run.recompute == "full"
+    branch = "moe" if cfg.moe else "mlp"  # the component of the node that asks for the re-run
     fw = ("rms_norm.forward", H)
     o.mem("norm.rms_norm.recompute", "norm", "backward", *fused_bytes(*fw, T, c, r), 2 * L, host=fw[0],
           fused=(*fw, T))
@@ -165,15 +166,19 @@ def recompute_kernels(o: Ops, sdpa_backend: str) -> None:
     # under "full" priced as its forward launch is (fp32 + bf16: the calibrated residual_add)
     if full:
         mixed = ("residual_add", H, T) if c != r else ()
-        o.mem("attention.residual_add.recompute", "mlp", "backward", *fused_bytes("residual_add", H, T, c, r), L,
+        o.mem("attention.residual_add.recompute", branch, "backward", *fused_bytes("residual_add", H, T, c, r), L,
               fused=mixed)
     else:
-        o.mem("mlp.residual_add.recompute", "mlp", "backward", T * H * (r + c), T * H * r, L)
-    o.mm("mlp.gate_up.recompute", "mlp", "backward", T, 2 * I, H, L)
-    sw = ("swiglu.forward", I)
-    o.mem("mlp.swiglu.recompute", "mlp", "backward", *fused_bytes(*sw, T, c, r), L, host=sw[0], fused=(*sw, T))
+        o.mem("mlp.residual_add.recompute", branch, "backward", T * H * (r + c), T * H * r, L)
+    if cfg.moe:  # the MoE block's forward again, its weight casts included (kernels_moe.py)
+        efficient_moe_recompute(o, hist)
+    else:
+        o.mm("mlp.gate_up.recompute", "mlp", "backward", T, 2 * I, H, L)
+        sw = ("swiglu.forward", I)
+        o.mem("mlp.swiglu.recompute", "mlp", "backward", *fused_bytes(*sw, T, c, r), L, host=sw[0], fused=(*sw, T))
     if o.amp:  # autocast's weight casts are made again too (its cache ends with each forward)
-        casts = [("attention.qkv", "attention", D * H), ("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)]
+        casts = [("attention.qkv", "attention", D * H)]
+        casts += [] if cfg.moe else [("mlp.gate_up", "mlp", 2 * I * H), ("mlp.down", "mlp", I * H)]
         if full:
             casts.insert(1, ("attention.o", "attention", cfg.q_dim * H))
         for name, comp, n in casts:

@@ -127,18 +127,24 @@ def efficient_moe(o: Ops, hist=None) -> None:
 def _expert_linear(o: Ops, name: str, n: int, d_in: int, d_out: int, count: int, host: bool) -> None:
     """One expert's matmul on its n rows (a slice of the stacked weight): forward, d(x) and dW; under autocast
     the slice's cast and dW's copy to fp32; the slice's backward writes dW into a zero of the stacked weight,
-    which is summed into its gradient (out of place: read two, write one)."""
+    which is summed into its gradient (out of place: read two, write one). With expert biases the same for the
+    bias slice (E, d_out), which addmm reads, and its gradient, a sum over the n rows of the output's."""
     E, c, p = o.cfg.experts, o.c, o.p
     h = "op" if host else None
+    slices = (("weight", "", d_out * d_in),) + ((("bias", "bias_", d_out),) if o.cfg.expert_bias else ())
     if o.amp:
-        o.mem(f"{name}.weight_cast", "moe", "forward", d_out * d_in * p, d_out * d_in * c, count)
-        o.mem(f"{name}.grad_weight_cast", "moe", "backward", d_out * d_in * c, d_out * d_in * p, count)
-    o.mm(name, "moe", "forward", n, d_out, d_in, count, host=h)
+        for what, _, size in slices:
+            o.mem(f"{name}.{what}_cast", "moe", "forward", size * p, size * c, count)
+            o.mem(f"{name}.grad_{what}_cast", "moe", "backward", size * c, size * p, count)
+    o.mm(name, "moe", "forward", n, d_out, d_in, count, host=h, extra=d_out * c if len(slices) > 1 else 0)
     o.mm(f"{name}.grad_input", "moe", "backward", n, d_in, d_out, count, host=h)
     o.mm(f"{name}.grad_weight", "moe", "backward", d_out, d_in, n, count, host=h)
-    stacked = E * d_out * d_in * p
-    o.mem(f"{name}.select_backward", "moe", "backward", d_out * d_in * p, stacked, count, calls=2)
-    o.mem(f"{name}.grad_sum", "moe", "backward", 2 * stacked, stacked, count)
+    if len(slices) > 1:
+        o.mem(f"{name}.grad_bias", "moe", "backward", n * d_out * c, d_out * c, count)
+    for what, prefix, size in slices:
+        stacked = E * size * p
+        o.mem(f"{name}.{prefix}select_backward", "moe", "backward", size * p, stacked, count, calls=2)
+        o.mem(f"{name}.{prefix}grad_sum", "moe", "backward", 2 * stacked, stacked, count)
 
 
 def baseline_moe(o: Ops, mlp, hist=None) -> None:
@@ -164,9 +170,10 @@ def baseline_moe(o: Ops, mlp, hist=None) -> None:
             o.mem("moe.expert.input_cast", "moe", "forward", m * H * r, m * H * c, k)
             o.mem("moe.expert.input_cast.backward", "moe", "backward", m * H * c, m * H * r, k)
         _expert_linear(o, "moe.expert.gate_up", m, H, 2 * I, k, True)
+        chains = ("eager_mlp",) + (("eager_clamp",) if cfg.mlp == "gpt-oss" else ())  # gpt-oss's clamps and +1
         for ph in ("forward", "backward"):
-            op = f"eager_mlp.{ph}"
-            o.chain(op, "moe.expert.", "moe", ph, I, m, k, fused=(op, I, m) if c == 2 else ())
+            for op in (f"{ch}.{ph}" for ch in chains):
+                o.chain(op, "moe.expert.", "moe", ph, I, m, k, fused=(op, I, m) if c == 2 else ())
         o.mem("moe.expert.chunk.backward", "moe", "backward", 2 * m * I * c, 2 * m * I * c, k)  # cat
         _expert_linear(o, "moe.expert.down", m, I, H, k, True)
         o.mem("moe.expert.weighting", "moe", "forward", m * H * c + m * 4, m * H * c + m * c, k, calls=3)
@@ -178,3 +185,19 @@ def baseline_moe(o: Ops, mlp, hist=None) -> None:
         mlp(o, "moe.shared", "moe", cfg.shared_experts * cfg.shared_intermediate)
         o.mem("moe.shared.sum", "moe", "forward", 2 * T * H * c, T * H * c, L)
         o.mem("moe.input_grad_sum", "moe", "backward", 2 * T * H * r, T * H * r, L)
+
+
+# forward kernels of the efficient block that a checkpoint's re-run in backward does not launch: the load-balancing
+# mean (the re-run stashes no statistics: efficient/moe.py), and by the early stop, where the shared experts follow
+# the routed ones, the shared down matmul (its inputs are saved before it runs) and the sum after it
+NOT_RERUN = ("moe.balance.mean", "moe.shared.down", "moe.shared.sum")
+
+
+def efficient_moe_recompute(o: Ops, hist=None) -> None:
+    """Run.recompute: the block's forward kernels launched again in backward (backward_moe_recompute.py), each at its
+    forward FLOPs and bytes, named with ".recompute", but NOT_RERUN's. Without shared experts the unpermute is the
+    last: its output is made before its inputs are saved, so every forward kernel runs again."""
+    fwd = Ops(o.cfg, o.run)
+    efficient_moe(fwd, hist)
+    o.k += [k._replace(name=k.name + ".recompute", phase="backward") for k in fwd.k
+            if k.phase == "forward" and k.name not in NOT_RERUN]
