@@ -92,12 +92,17 @@ def _block(V: int) -> int:
     return min(LCE_ROW_BLOCK, triton.next_power_of_2(V))
 
 
+def stats_outputs(rows: int, smooth: bool, device) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The stats kernel's outputs, allocated: m, d, z_y and, with label smoothing, Σz, each (rows,) fp32."""
+    out = [torch.empty(rows, dtype=torch.float32, device=device) for _ in range(3 + smooth)]
+    return out[0], out[1], out[2], (out[3] if smooth else None)
+
+
 def stats_triton(lc: Tensor, yl: Tensor, smooth: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """(m, d, z_y, Σz or None) of each row of lc (R, V_r), fp32 (R,) each."""
     check_launchable(lc)
     R, V = lc.shape
-    m, d, zy = (torch.empty(R, dtype=torch.float32, device=lc.device) for _ in range(3))
-    sz = torch.empty(R, dtype=torch.float32, device=lc.device) if smooth else None
+    m, d, zy, sz = stats_outputs(R, smooth, lc.device)
     if R:
         block = _block(V)
         _tp_stats_kernel[(R,)](lc, lc.stride(0), yl, m, d, zy, sz if smooth else m, V, SMOOTH=smooth, BLOCK_V=block,
@@ -140,29 +145,46 @@ def grad_reference(lc: Tensor, yl: Tensor, lse: Tensor, s: Tensor, eps: float, v
 
 
 def _all_reduce(t: Tensor, op: str, group) -> Tensor:
-    out = funcol.all_reduce(t, op, group)
+    out = funcol.all_reduce(t, op, group)  # a new tensor: the input is left as it is
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
-def _lse(m: Tensor, d: Tensor, group) -> Tensor:
-    """The rows' logsumexp over every rank's columns, from each rank's max and sum of exp (two all-reduces)."""
+def _chunk(lc: Tensor, yl: Tensor, valid: Tensor, scale: Tensor, losses: Tensor, eps: float, vocab: int, group,
+           stats, grad, grads: bool) -> None:
+    """One chunk's rows: losses := the row losses; with grads, lc := d(loss)/d(logits). The (R,) vectors are
+    updated in place where they can be, and all are freed on return."""
+    m, d, zy, sz = stats(lc, yl, eps != 0)
     big = _all_reduce(m, "max", group)
-    return big + _all_reduce(d * torch.exp(m - big), "sum", group).log()
+    lse = _all_reduce(m.sub_(big).exp_().mul_(d), "sum", group)  # Σ_r d_r·exp(m_r - M)
+    del m, d
+    lse.log_().add_(big)
+    del big
+    loss = _all_reduce(zy, "sum", group).mul_(eps - 1.0).add_(lse)  # lse - (1 - ε)·z_y
+    del zy
+    if eps:
+        loss.sub_(_all_reduce(sz, "sum", group).mul_(eps / vocab))
+        del sz
+    losses.copy_(loss.masked_fill_(valid.logical_not(), 0.0))
+    del loss
+    if grads:
+        grad(lc, yl, lse, torch.where(valid, scale, 0.0), eps, vocab)
 
 
 def _forward(x: Tensor, weight: Tensor, targets: Tensor, start: int, vocab: int, group, ignore_index: int,
-             eps: float, reduction: str, chunk: int, grads: bool, align: int = 1):
+             eps: float, reduction: str, chunk: int, grads: bool, align: int = 1, rows=None):
     """(loss, grad_x, grad_w) with grads, else the (T,) fp32 row losses. weight: this rank's (V_r, H) rows, its first
-    the vocabulary's row `start`; vocab: V, the whole vocabulary."""
+    the vocabulary's row `start`; vocab: V, the whole vocabulary; rows: the (stats, grad) passes, None for the
+    device's. Allocation order and sizes: calculator/tensor_parallel.py vocab_parallel_ce_bytes."""
     _check(x, weight, targets, eps, reduction, align)
     T, H = x.shape
     Vr, dev = weight.shape[0], x.device
     Vp = lce_vocab(Vr, align)
-    triton_rows = x.is_cuda or cpu_uses_triton()
-    stats, grad = (stats_triton, grad_triton) if triton_rows else (stats_reference, grad_reference)
+    if rows is None:
+        rows = (stats_triton, grad_triton) if x.is_cuda or cpu_uses_triton() else (stats_reference, grad_reference)
     valid = targets != ignore_index
-    y = targets.where(valid, 0).clamp(0, vocab - 1) - start  # in range, as linear_ce clamps it; then local
-    yl = y.where(valid & (y >= 0) & (y < Vr), -1)
+    # the target's column on this rank, -1 where it is another rank's or ignored (clamped into range, as linear_ce)
+    yl = targets.where(valid, 0).clamp_(0, vocab - 1).sub_(start)
+    yl.masked_fill_(yl.lt(0).logical_or_(yl.ge(Vr)).logical_or_(valid.logical_not()), -1)
     n = valid_count(targets, ignore_index) if reduction == "mean" else torch.ones((), dtype=torch.float32, device=dev)
     scale = n.reciprocal()
     w = _weight(weight, x.dtype, align)  # (V_r', H) in the compute dtype
@@ -176,14 +198,8 @@ def _forward(x: Tensor, weight: Tensor, targets: Tensor, start: int, vocab: int,
         e = min(s + C, T)
         xc, lc = x[s:e], logits[:e - s]
         torch.mm(xc, w.t(), out=lc)
-        m, d, zy, sz = stats(lc[:, :Vr], yl[s:e], eps != 0)
-        lse = _lse(m, d, group)
-        loss = lse - (1.0 - eps) * _all_reduce(zy, "sum", group)
-        if eps:
-            loss = loss - eps / vocab * _all_reduce(sz, "sum", group)
-        losses[s:e] = loss.where(valid[s:e], 0.0)
+        _chunk(lc[:, :Vr], yl[s:e], valid[s:e], scale, losses[s:e], eps, vocab, group, *rows, grads)
         if grads:
-            grad(lc[:, :Vr], yl[s:e], lse, torch.where(valid[s:e], scale, 0.0), eps, vocab)
             torch.mm(lc, w, out=grad_x[s:e])
             accumulate_grad_weight(grad_w, lc.t(), xc, i == 0, x.is_cuda)
     if not grads:
