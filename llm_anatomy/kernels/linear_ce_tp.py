@@ -145,8 +145,9 @@ def grad_reference(lc: Tensor, yl: Tensor, lse: Tensor, s: Tensor, eps: float, v
 
 
 def _all_reduce(t: Tensor, op: str, group) -> Tensor:
-    out = funcol.all_reduce(t, op, group)  # a new tensor: the input is left as it is
-    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+    """torch's functional all-reduce (the op funcol.all_reduce dispatches: a new tensor, the input left as it is),
+    waited on at once, without funcol's AsyncCollectiveTensor wrapper, which nothing here would overlap."""
+    return funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(t, op, group.group_name))
 
 
 def _chunk(lc: Tensor, yl: Tensor, valid: Tensor, scale: Tensor, losses: Tensor, eps: float, vocab: int, group,
