@@ -3,8 +3,9 @@ head under tensor parallel (llm_anatomy/distributed/tp_head.py), on gloo ranks a
 
   the op, 2 and 4 ranks   hypothesis-drawn (T, H, V, ignored targets, label smoothing, chunk, reduction): every rank's
                           loss equals linear_cross_entropy's on the whole weight, the ranks' d(x) summed and each rank's
-                          d(W) rows equal its gradients (fp32); the all-reduces (three per chunk, four with smoothing)
-                          and their bytes; the allocations of the Triton path (its row passes' outputs allocated, their
+                          d(W) rows equal its gradients (fp32), on the plain-torch row passes and (TRITON_INTERPRET=1)
+                          the Triton ones, rows of more than one kernel block included; the all-reduces (three per
+                          chunk, four with smoothing) and their bytes; the allocations of the Triton path (its row passes' outputs allocated, their
                           kernels not launched, as test_linear_ce.py's table test; the fake process group) equal
                           calculator.tensor_parallel.vocab_parallel_ce_bytes, peak and saved, to the byte
   the model, 2 ranks      TP 2 with B x S over two chunks of the head: its collectives equal tp_collectives (three
@@ -16,6 +17,8 @@ test_tensor_parallel_efficient.py's, which run this head.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +26,8 @@ from hypothesis import strategies as st
 
 from llm_anatomy.calculator.tensor_parallel import grouped_counts, tp_collectives, vocab_parallel_ce_bytes
 from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.kernel_shapes import LCE_ROW_BLOCK
+from llm_anatomy.kernels import INTERPRET
 from llm_anatomy.kernels.linear_ce import linear_cross_entropy
 from validations.configs import draw_examples
 from validations.test_tensor_parallel_efficient import CURVE_TOL
@@ -59,10 +64,18 @@ def _tensors(c: dict):
 
 
 def _op_rank(case: dict) -> list[dict]:
-    """A spawned rank's run of the op on its rows: loss, d(x) summed over the ranks, its d(W) rows, the
-    collectives."""
+    """A spawned rank's run of the op on its rows (case "triton": its Triton row passes, interpreted): loss, the
+    row losses, d(x) summed over the ranks, its d(W) rows, the collectives."""
+    from llm_anatomy.kernels import triton_on_cpu
+
+    with triton_on_cpu() if case.get("triton") else contextlib.nullcontext():
+        return _op_run(case)
+
+
+def _op_run(case: dict) -> list[dict]:
     from llm_anatomy.distributed.counting import CollectiveCounter
     from llm_anatomy.kernels import linear_ce_tp as tp_ce
+
     rank, world = dist.get_rank(), dist.get_world_size()
     x, w, t = _tensors(case)
     dt, Vr = DTYPES[case["dtype"]], case["V"] // world
@@ -88,7 +101,12 @@ def _model_rank(kind: str, **kw) -> list[dict]:
 
 
 def _scenarios(world: int) -> dict[str, dict]:
-    out = {f"op-{i}": dict(c, kind="op") for i, c in enumerate(draw_examples(op_cases(world), N_OP_DRAWS, 4800 + world))}
+    draws = draw_examples(op_cases(world), N_OP_DRAWS, 4800 + world)
+    out = {f"op-{i}": dict(c, kind="op") for i, c in enumerate(draws)}
+    if INTERPRET:  # the Triton row passes on the fp32 draws, and on rows of more than one LCE_ROW_BLOCK per rank
+        out |= {f"op-{i}-triton": dict(c, kind="op", triton=True) for i, c in enumerate(draws) if c["dtype"] == "fp32"}
+        out["op-blocks-triton"] = dict(T=3, H=4, V=world * (LCE_ROW_BLOCK + 8), seed=7, ignored=0.3, eps=0.1, chunk=2,
+                                       reduction="mean", dtype="fp32", kind="op", triton=True)
     if world == 2:
         out["chunks"] = dict(CHUNKED, kind="train")
         out["tied"] = dict(TIED, tp=2, kind="train")

@@ -216,11 +216,11 @@ def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, 
 
     Under the plan every saved tensor is the one-GPU model's (calculator.estimate) on the rank's share
     (tp_local_config): the projections save their all-gathered (B x S, H) input whole, attention its heads / tp,
-    the MLP its intermediate / tp, the baseline's loss its (B x S, V / tp) log-probs; the norms run on the sequence shard, so
-    they save the one-GPU norm's tensors at seq / tp; the efficient variant's vocab-parallel fused linear
-    cross-entropy saves the one-GPU op's grad_x (B x S, H) and grad_w (V / tp, H). Under FSDP (dp > 1) amp computes in bf16 (its
-    MixedPrecisionPolicy casts the parameters; no autocast), as in sharding.per_rank_peak, and casts every Block's
-    floating inputs: the efficient variant's fp32 RoPE tables are saved as a bf16 copy per Block."""
+    the MLP its intermediate / tp, the baseline's loss its (B x S, V / tp) log-probs, the efficient variant's
+    vocab-parallel fused linear cross-entropy the one-GPU op's grad_x (B x S, H) and grad_w (V / tp, H); the norms
+    run on the sequence shard, so they save the one-GPU norm's tensors at seq / tp. Under FSDP (dp > 1) amp computes
+    in bf16 (its MixedPrecisionPolicy casts the parameters; no autocast), as in sharding.per_rank_peak, and casts
+    every Block's floating inputs: the efficient variant's fp32 RoPE tables are saved as a bf16 copy per Block."""
     from llm_anatomy.calculator import estimate
 
     check_mesh(cfg, tp, dp, variant=variant)

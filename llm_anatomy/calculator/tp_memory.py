@@ -210,8 +210,8 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
     one = phases(local, crun, variant, optimizer=None, device=device, stages=False)
     T, c = run.tokens, BYTES[param_dtype_name(crun)]
     retained = sum(ph["retained"].values())
-    loss_parallel = _loss_transients(cfg, run, tp, c, variant, device, rnd) if tp > 1 else 0
-    forward = ph["forward_end"] + ((one["forward_peak"] or one["forward_end"]) - one["forward_end"]) + loss_parallel
+    head = _loss_transients(cfg, run, tp, c, variant, device, rnd) if tp > 1 else 0
+    forward = ph["forward_end"] + ((one["forward_peak"] or one["forward_end"]) - one["forward_end"]) + head
     by = one["backward_peak_by_kind"]
     coll = 4 * rnd(T * cfg.hidden * c) if tp > 1 else 0
     fsdp = 0

@@ -53,6 +53,40 @@ REDUCTIONS = ("mean", "sum", "none")
 
 # ---- the row kernel (grid: one program per row of a chunk) -----------------------------------
 @jit
+def row_stats(base, V, SMOOTH: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A row's max m, sum of exp(z - m) and (SMOOTH) sum of z over its V logits at base, online over blocks of
+    BLOCK_V lanes, the tail masked. Inlined into the kernels that call it (here and linear_ce_tp.py)."""
+    cols0 = tl.arange(0, BLOCK_V)
+    m = float("-inf")
+    d = 0.0
+    sz = 0.0
+    for off in tl.range(0, V, BLOCK_V):  # trip count from a scalar argument
+        cols = off + cols0
+        mask = cols < V
+        z = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        if SMOOTH:
+            sz += tl.sum(tl.where(mask, z, 0.0), 0)
+        m = m_new
+    return m, d, sz
+
+
+@jit
+def write_row_grad(base, V, y, lse, s, eps_v, keep, BLOCK_V: tl.constexpr):
+    """The row's logits at base := (exp(z - lse) - eps_v - keep·[column == y])·s, in blocks of BLOCK_V lanes
+    (eps_v = ε/V, keep = 1 - ε; s the row's gradient scale, 0 where its target is ignored)."""
+    cols0 = tl.arange(0, BLOCK_V)
+    for off in tl.range(0, V, BLOCK_V):
+        cols = off + cols0
+        mask = cols < V
+        z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.exp(z - lse) - eps_v
+        g = tl.where(cols == y, g - keep, g) * s
+        tl.store(base + cols, g.to(base.dtype.element_ty), mask=mask)
+
+
+@jit
 def _ce_rows_kernel(L, stride_l, TGT, LOSS, SCALE, V, ignore_index, smoothing,
                     WRITE_GRAD: tl.constexpr, SMOOTH: tl.constexpr, SINGLE: tl.constexpr, BLOCK_V: tl.constexpr):
     # SINGLE (V <= BLOCK_V): the row stays in registers between the passes, so it is read once, not twice
@@ -70,18 +104,7 @@ def _ce_rows_kernel(L, stride_l, TGT, LOSS, SCALE, V, ignore_index, smoothing,
         if SMOOTH:
             sz = tl.sum(tl.where(cols0 < V, zr, 0.0), 0)
     else:
-        m = float("-inf")
-        d = 0.0
-        sz = 0.0
-        for off in tl.range(0, V, BLOCK_V):  # trip count from a scalar argument; the tail is masked
-            cols = off + cols0
-            mask = cols < V
-            z = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(z, 0))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
-            if SMOOTH:
-                sz += tl.sum(tl.where(mask, z, 0.0), 0)
-            m = m_new
+        m, d, sz = row_stats(base, V, SMOOTH, BLOCK_V)
     lse = m + tl.log(d)
     loss = lse - (1.0 - smoothing) * tl.load(base + y).to(tl.float32)
     if SMOOTH:
@@ -95,13 +118,7 @@ def _ce_rows_kernel(L, stride_l, TGT, LOSS, SCALE, V, ignore_index, smoothing,
             g = tl.where(cols0 == y, g - (1.0 - smoothing), g) * s
             tl.store(base + cols0, g.to(L.dtype.element_ty), mask=cols0 < V)
         else:
-            for off in tl.range(0, V, BLOCK_V):
-                cols = off + cols0
-                mask = cols < V
-                z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.exp(z - lse) - smoothing / V
-                g = tl.where(cols == y, g - (1.0 - smoothing), g) * s
-                tl.store(base + cols, g.to(L.dtype.element_ty), mask=mask)
+            write_row_grad(base, V, y, lse, s, smoothing / V, 1.0 - smoothing, BLOCK_V)
 
 
 def ce_rows_triton(logits: Tensor, targets: Tensor, losses: Tensor, scale: Tensor, ignore_index: int = IGNORE_INDEX,

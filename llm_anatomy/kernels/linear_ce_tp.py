@@ -38,8 +38,8 @@ from torch import Tensor
 
 from llm_anatomy.kernel_shapes import LCE_ROW_BLOCK, lce_vocab
 from llm_anatomy.kernels._dispatch import check_launchable, cpu_uses_triton, jit, num_warps, tl, triton
-from llm_anatomy.kernels.linear_ce import (IGNORE_INDEX, REDUCTIONS, _check, _weight, accumulate_grad_weight, scale_,
-                                           total, valid_count)
+from llm_anatomy.kernels.linear_ce import (IGNORE_INDEX, REDUCTIONS, _check, _weight, accumulate_grad_weight, row_stats,
+                                           scale_, total, valid_count, write_row_grad)
 from llm_anatomy.kernels.linear_ce_chunks import chunk_rows
 
 
@@ -49,19 +49,7 @@ def _tp_stats_kernel(L, stride_l, YL, M, D, ZY, SZ, V, SMOOTH: tl.constexpr, BLO
     row = tl.program_id(0).to(tl.int64)
     base = L + row * stride_l
     yl = tl.load(YL + row)
-    cols0 = tl.arange(0, BLOCK_V)
-    m = float("-inf")
-    d = 0.0
-    sz = 0.0
-    for off in tl.range(0, V, BLOCK_V):  # online max and sum of exp over blocks; the tail is masked
-        cols = off + cols0
-        mask = cols < V
-        z = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, 0))
-        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
-        if SMOOTH:
-            sz += tl.sum(tl.where(mask, z, 0.0), 0)
-        m = m_new
+    m, d, sz = row_stats(base, V, SMOOTH, BLOCK_V)
     tl.store(M + row, m)
     tl.store(D + row, d)
     zy = tl.load(base + tl.maximum(yl, 0)).to(tl.float32)  # column 0 when the target is elsewhere: in range
@@ -72,20 +60,11 @@ def _tp_stats_kernel(L, stride_l, YL, M, D, ZY, SZ, V, SMOOTH: tl.constexpr, BLO
 
 @jit
 def _tp_grad_kernel(L, stride_l, YL, LSE, S, V, eps_v, keep, BLOCK_V: tl.constexpr):
-    # logits := (exp(z - lse) - ε/V - (1 - ε)·onehot)·s, s = the row's scale (0 where ignored)
+    # logits := (exp(z - lse) - ε/V - (1 - ε)·onehot)·s, s = the row's scale (0 where ignored); yl = -1 matches no
+    # column
     row = tl.program_id(0).to(tl.int64)
-    base = L + row * stride_l
-    yl = tl.load(YL + row)
-    lse = tl.load(LSE + row)
-    s = tl.load(S + row)
-    cols0 = tl.arange(0, BLOCK_V)
-    for off in tl.range(0, V, BLOCK_V):
-        cols = off + cols0
-        mask = cols < V
-        z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.exp(z - lse) - eps_v
-        g = tl.where(cols == yl, g - keep, g) * s
-        tl.store(base + cols, g.to(L.dtype.element_ty), mask=mask)
+    write_row_grad(L + row * stride_l, V, tl.load(YL + row), tl.load(LSE + row), tl.load(S + row), eps_v, keep,
+                   BLOCK_V)
 
 
 def _block(V: int) -> int:
