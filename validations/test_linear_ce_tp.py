@@ -279,12 +279,18 @@ def test_model_curve_matches_one_process(ranks, name, claims):
 
 
 def test_liger_loss_refused_under_tp():
-    """Liger's loss has no vocab-parallel form here: one line naming the option."""
+    """Liger's loss has no vocab-parallel form here: one line naming the option, from the engine's head swap and
+    from the calculator's rule (mesh_rules.check_run); one rank takes it."""
     from types import SimpleNamespace
 
     from llm_anatomy.distributed.tp_head import use_vocab_parallel_head
+    from llm_anatomy.mesh_rules import check_run
 
-    model = SimpleNamespace(head=SimpleNamespace(impl="liger"), cfg=CURVE["cfg"])
-    with pytest.raises(ConfigError, match="loss_impl anatomy") as e:
-        use_vocab_parallel_head(model, None)
-    assert "\n" not in str(e.value)
+    liger = Run(batch=1, seq=8, dtype="fp32", loss_impl="liger")
+    for refuse in (lambda: use_vocab_parallel_head(SimpleNamespace(head=SimpleNamespace(impl="liger")), None),
+                   lambda: check_run(liger, 2, 1, "efficient"),
+                   lambda: tp_collectives(CURVE["cfg"], liger, 2, variant="efficient")):
+        with pytest.raises(ConfigError, match="loss_impl anatomy") as e:
+            refuse()
+        assert "\n" not in str(e.value)
+    check_run(liger, 1, 2, "efficient")

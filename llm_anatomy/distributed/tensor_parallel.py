@@ -152,7 +152,8 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
 
 
 def loss_context(tp: int):
-    """The context forward and backward run in: loss_parallel() under TP (the logits are vocab-sharded)."""
+    """The context forward and backward run in: loss_parallel() under TP (the baseline's logits are vocab-sharded;
+    the efficient head makes no DTensor logits, and runs the same under it)."""
     return loss_parallel() if tp > 1 else contextlib.nullcontext()
 
 
