@@ -234,6 +234,26 @@ def _weight(weight: Tensor, dtype: torch.dtype, align: int) -> Tensor:
     return w
 
 
+def call_buffers(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, reduction: str, chunk: int,
+                 align: int = 1, grads: bool = True) -> tuple:
+    """What a training call allocates before its chunk loop, in the byte table's order (kernel_shapes): n = max(count
+    of valid targets, 1) for the mean (1 for the sum) and scale = 1 / n, 0-d fp32 on the device (the row kernel
+    reads the scale through a pointer); the weight in the compute dtype (V', H); the (T,) fp32 row losses; with
+    grads, grad_x (T, H) and grad_w (V', H), else None; the rows per chunk C and the (C, V') logits buffer, the only
+    vocabulary-wide tensor. Returns (n, scale, w, losses, grad_x, grad_w, C, logits)."""
+    T, H = x.shape
+    Vp, dev = lce_vocab(weight.shape[0], align), x.device
+    n = valid_count(targets, ignore_index) if reduction == "mean" else torch.ones((), dtype=torch.float32, device=dev)
+    scale = n.reciprocal()
+    w = _weight(weight, x.dtype, align)
+    losses = torch.empty(T, dtype=torch.float32, device=dev)
+    grad_x = torch.empty((T, H), dtype=x.dtype, device=dev) if grads else None
+    grad_w = (torch.empty if T else torch.zeros)((Vp, H), dtype=weight.dtype, device=dev) if grads else None
+    C = chunk or chunk_rows(T, H, Vp, x.element_size())
+    logits = torch.empty((min(C, T), Vp), dtype=x.dtype, device=dev)
+    return n, scale, w, losses, grad_x, grad_w, C, logits
+
+
 def _forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, label_smoothing: float, reduction: str,
              chunk: int, rows_fn, native: bool, align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, grad_x, grad_w). rows_fn: the row kernel (ce_rows_triton or ce_rows_reference); native: the
@@ -241,17 +261,9 @@ def _forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, labe
     (kernel_shapes.lce_vocab; grad_w is then the first V rows of the padded accumulator). Allocation order
     and sizes: linear_ce_chunks."""
     _check(x, weight, targets, label_smoothing, reduction, align)
-    T, H = x.shape
-    V, dev = weight.shape[0], x.device
-    Vp = lce_vocab(V, align)
-    n = valid_count(targets, ignore_index) if reduction == "mean" else torch.ones((), dtype=torch.float32, device=dev)
-    scale = n.reciprocal()  # 0-d: the row kernel's gradient scale, read through a pointer
-    w = _weight(weight, x.dtype, align)  # (V', H)
-    losses = torch.empty(T, dtype=torch.float32, device=dev)  # (T,) unscaled row losses
-    grad_x = torch.empty((T, H), dtype=x.dtype, device=dev)
-    grad_w = (torch.empty if T else torch.zeros)((Vp, H), dtype=weight.dtype, device=dev)
-    C = chunk or chunk_rows(T, H, Vp, x.element_size())
-    logits = torch.empty((min(C, T), Vp), dtype=x.dtype, device=dev)  # (C, V'): the only V-wide tensor
+    T, V, Vp = x.shape[0], weight.shape[0], lce_vocab(weight.shape[0], align)
+    n, scale, w, losses, grad_x, grad_w, C, logits = call_buffers(x, weight, targets, ignore_index, reduction, chunk,
+                                                                  align)
     for i, s in enumerate(range(0, T, C)):
         e = min(s + C, T)
         xc, lc = x[s:e], logits[:e - s]

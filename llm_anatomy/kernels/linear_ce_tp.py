@@ -38,9 +38,8 @@ from torch import Tensor
 
 from llm_anatomy.kernel_shapes import LCE_ROW_BLOCK, lce_vocab
 from llm_anatomy.kernels._dispatch import check_launchable, cpu_uses_triton, jit, num_warps, tl, triton
-from llm_anatomy.kernels.linear_ce import (IGNORE_INDEX, REDUCTIONS, _check, _weight, accumulate_grad_weight, row_stats,
-                                           scale_, total, valid_count, write_row_grad)
-from llm_anatomy.kernels.linear_ce_chunks import chunk_rows
+from llm_anatomy.kernels.linear_ce import (IGNORE_INDEX, REDUCTIONS, _check, accumulate_grad_weight, call_buffers,
+                                           row_stats, scale_, total, valid_count, write_row_grad)
 
 
 # ---- the row passes (grid: one program per row of a chunk); yl is the target's column on this rank, -1 if none ----
@@ -156,8 +155,7 @@ def _forward(x: Tensor, weight: Tensor, targets: Tensor, start: int, vocab: int,
     the vocabulary's row `start`; vocab: V, the whole vocabulary; rows: the (stats, grad) passes, None for the
     device's. Allocation order and sizes: calculator/tensor_parallel.py vocab_parallel_ce_bytes."""
     _check(x, weight, targets, eps, reduction, align)
-    T, H = x.shape
-    Vr, dev = weight.shape[0], x.device
+    T, Vr = x.shape[0], weight.shape[0]
     Vp = lce_vocab(Vr, align)
     if rows is None:
         rows = (stats_triton, grad_triton) if x.is_cuda or cpu_uses_triton() else (stats_reference, grad_reference)
@@ -165,15 +163,9 @@ def _forward(x: Tensor, weight: Tensor, targets: Tensor, start: int, vocab: int,
     # the target's column on this rank, -1 where it is another rank's or ignored (clamped into range, as linear_ce)
     yl = targets.where(valid, 0).clamp_(0, vocab - 1).sub_(start)
     yl.masked_fill_(yl.lt(0).logical_or_(yl.ge(Vr)).logical_or_(valid.logical_not()), -1)
-    n = valid_count(targets, ignore_index) if reduction == "mean" else torch.ones((), dtype=torch.float32, device=dev)
-    scale = n.reciprocal()
-    w = _weight(weight, x.dtype, align)  # (V_r', H) in the compute dtype
-    losses = torch.empty(T, dtype=torch.float32, device=dev)
-    if grads:
-        grad_x = torch.empty((T, H), dtype=x.dtype, device=dev)
-        grad_w = (torch.empty if T else torch.zeros)((Vp, H), dtype=weight.dtype, device=dev)
-    C = chunk or chunk_rows(T, H, Vp, x.element_size())
-    logits = torch.empty((min(C, T), Vp), dtype=x.dtype, device=dev)  # (C, V_r'): the only vocabulary-wide tensor
+    # then linear_ce's buffers on the rank's rows: (C, V_r') logits are its only vocabulary-wide tensor
+    n, scale, w, losses, grad_x, grad_w, C, logits = call_buffers(x, weight, targets, ignore_index, reduction, chunk,
+                                                                  align, grads)
     for i, s in enumerate(range(0, T, C)):
         e = min(s + C, T)
         xc, lc = x[s:e], logits[:e - s]
