@@ -60,11 +60,14 @@ def check_efficient_tp(tp: int, lean_block: bool, recompute: str) -> None:
 def check_run(run: Run, tp: int, dp: int = 1, variant: str = "baseline") -> None:
     """ConfigError (one line) for a run the mesh cannot take: sequence parallel splits seq over tp evenly, amp
     needs FSDP's mixed-precision policy (dp > 1), and the efficient variant runs under tp > 1 without its lean
-    block and recompute (check_efficient_tp)."""
+    block and recompute (check_efficient_tp) and with its own fused loss, not Liger's."""
     if tp > 1 and run.seq % tp:
         raise ConfigError(f"seq={run.seq} is not divisible by tp={tp} (sequence parallel splits it evenly)")
     if variant == "efficient":
         check_efficient_tp(tp, run.lean_block, run.recompute)
+        if tp > 1 and run.loss_impl != "anatomy":  # distributed/tp_head.py: ours is the one vocab-parallel form
+            raise ConfigError(f"tp > 1 runs the efficient variant's own fused loss (loss_impl anatomy), "
+                              f"not {run.loss_impl!r}")
     if run.dtype == "amp" and dp == 1:
         raise ConfigError("dtype amp on a mesh needs dp > 1 (its policy is FSDP's mixed precision); use fp32 or bf16")
 

@@ -12,6 +12,7 @@ from llm_anatomy.calculator.param_layout import Shape, fsdp_unit_shapes
 from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
 from llm_anatomy.calculator.types import BYTES, ROPE_TABLES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.kernel_shapes import LCE_ALIGN, lce_chunk_rows, lce_forward_bytes, lce_saved_bytes, lce_vocab
 from llm_anatomy.mesh_rules import check_mesh, check_run
 
 # how many times each optimizer's foreach step reads a gradient: each read of a Partial DTensor gradient
@@ -103,9 +104,9 @@ def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimize
                    param_dtype: str | None = None, reduce_dtype: str | None = None,
                    reshard_after_forward: bool = True, variant: str = "baseline") -> list[dict]:
     """Every collective of one training step on one rank, in comm.py's row format plus `group` ("tp" or "dp").
-    The efficient variant's are the baseline's: its fused projections are gathered and reduced where the ones they
-    fuse are, and its head and loss are the baseline's (distributed/tensor_parallel.py); only FSDP's units differ
-    (tp_unit_shapes).
+    The efficient variant's are the baseline's but for the loss's all-reduces (loss_all_reduces): its fused
+    projections are gathered and reduced where the ones they fuse are, its head's input is all-gathered and its
+    gradient reduce-scattered as the baseline head's; FSDP's units differ (tp_unit_shapes).
 
     tp (torch 2.13 DTensor, the plan of distributed/tensor_parallel.py), with A = batch x seq x hidden elements
     in the compute dtype:
@@ -113,8 +114,9 @@ def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimize
                                head (its input layout Shard(1)); in backward, once for each forward reduce-scatter
       reduce-scatter, A        the embedding's and every o's and down's partial output (RowwiseParallel, output
                                Shard(1)); in backward, once for each forward all-gather
-      all-reduce, fp32 B x S   loss_parallel: the max and the sum of exp of log_softmax, and nll_loss's gathered
-                               target logits (the logits are upcast before the loss)
+      all-reduce, fp32         the loss's per-row max, sum of exp and target logit (loss_all_reduces): three of
+                               B x S elements (the baseline's loss_parallel), three per chunk of the efficient
+                               variant's vocab-parallel fused linear cross-entropy
       all-reduce, hidden       each norm's weight gradient is Partial over tp (it sums the rank's rows); FSDP
                                redistributes it to Replicate once in backward; without FSDP the optimizer's foreach
                                ops redistribute it at each read of the gradient (AdamW: 3, SGD: 1); with
@@ -133,7 +135,7 @@ def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimize
                  _row("reduce_scatter", "forward", "embed, o, down outputs", 2 * L + 1, act, compute),
                  _row("all_gather", "backward", "embed, o, down output grads", 2 * L + 1, act, compute),
                  _row("reduce_scatter", "backward", "attn, mlp, head input grads", 2 * L + 1, act, compute),
-                 _row("all_reduce", "forward", "loss parallel", 3, run.batch * run.seq * 4, "float32")]
+                 *loss_all_reduces(cfg, run, tp, cb, variant)]
         reads = 1 if dp > 1 else OPTIMIZER_GRAD_READS[optimizer]
         phase = "backward" if dp > 1 else "optimizer"
         rows.append(_row("all_reduce", phase, "norm weight grads", (2 * L + 1) * reads, cfg.hidden * cb, compute))
@@ -147,6 +149,48 @@ def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimize
                               unit_shapes=tp_unit_shapes(cfg, tp, variant))
         rows += [dict(r, group="dp") for r in fs]
     return rows
+
+
+def head_chunks(cfg: ModelConfig, run: Run, tp: int, c: int) -> list[int]:
+    """The rows of each chunk of the efficient variant's vocab-parallel fused linear cross-entropy on one rank
+    (kernels/linear_ce_tp.py): kernel_shapes.lce_chunk_rows on the rank's V / tp columns (padded to LCE_ALIGN) and
+    B x S rows, c the compute dtype's bytes."""
+    T = run.batch * run.seq
+    C = lce_chunk_rows(T, cfg.hidden, lce_vocab(cfg.vocab // tp, LCE_ALIGN), c)
+    return [C] * (T // C) + ([T % C] if T % C else [])
+
+
+def loss_all_reduces(cfg: ModelConfig, run: Run, tp: int, c: int, variant: str = "baseline") -> list[dict]:
+    """The loss's fp32 all-reduces over tp (each row's max, sum of exp and target logit): loss_parallel's three of
+    B x S elements for the baseline; for the efficient variant three per chunk of its vocab-parallel fused linear
+    cross-entropy, each of the chunk's rows (one chunk, and so the baseline's three, while B x S fits one)."""
+    if variant != "efficient":
+        return [_row("all_reduce", "forward", "loss parallel", 3, run.batch * run.seq * 4, "float32")]
+    counts: dict[int, int] = {}
+    for rows in head_chunks(cfg, run, tp, c):
+        counts[rows] = counts.get(rows, 0) + 3
+    return [_row("all_reduce", "forward", "vocab-parallel linear CE", k, rows * 4, "float32")
+            for rows, k in counts.items()]
+
+
+def vocab_parallel_ce_bytes(tokens: int, hidden: int, vocab_rank: int, c: int, p: int, *, chunk: int = 0,
+                            smoothing: bool = False, align: int = LCE_ALIGN) -> dict[str, int]:
+    """Bytes one rank's vocab-parallel fused linear cross-entropy (kernels/linear_ce_tp.py) allocates in a training
+    call on its (vocab_rank, H) rows, on the Triton path (CUDA): {saved, peak, transient}. c, p: the compute dtype's
+    and the weight's bytes; chunk: the op's override, 0 for the rule.
+
+    The one-GPU op's table (kernel_shapes.lce_forward_bytes on the rank's rows: n, scale, the weight cast, the row
+    losses, grad_x, grad_w, one logits chunk, the loss and its fp64 sum), with the (T,) bool mask of valid targets
+    held for the whole call, and each target's column on the rank, (T,) int64; inside a chunk of R rows, the stats
+    kernel's per-row max, sum of exp and target logit (and Σz with smoothing) and two all-reduce outputs (the
+    global max and the sum of exp: lse) alive at once, each (R,) fp32. saved: grad_x and grad_w; transient: the
+    peak beyond them and the fp32 loss."""
+    table = lce_forward_bytes(tokens, hidden, vocab_rank, c, p, chunk, align)
+    held = sum(table.values()) - table["loss_sum"] - table["loss"] + 8 * tokens
+    rows = min(chunk or lce_chunk_rows(tokens, hidden, lce_vocab(vocab_rank, align), c), tokens)
+    peak = held + max(4 * rows * (5 + smoothing), table["loss_sum"] + table["loss"])
+    saved = lce_saved_bytes(tokens, hidden, vocab_rank, c, p, align)
+    return dict(saved=saved, peak=peak, transient=peak - saved - 4)
 
 
 def grouped_counts(rows: list[dict]) -> dict[tuple[str, str, str, int], int]:
@@ -172,10 +216,11 @@ def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, 
 
     Under the plan every saved tensor is the one-GPU model's (calculator.estimate) on the rank's share
     (tp_local_config): the projections save their all-gathered (B x S, H) input whole, attention its heads / tp,
-    the MLP its intermediate / tp, the loss its (B x S, V / tp) log-probs; the norms run on the sequence shard, so
-    they save the one-GPU norm's tensors at seq / tp. Under FSDP (dp > 1) amp computes in bf16 (its
-    MixedPrecisionPolicy casts the parameters; no autocast), as in sharding.per_rank_peak, and casts every Block's
-    floating inputs: the efficient variant's fp32 RoPE tables are saved as a bf16 copy per Block."""
+    the MLP its intermediate / tp, the baseline's loss its (B x S, V / tp) log-probs, the efficient variant's
+    vocab-parallel fused linear cross-entropy the one-GPU op's grad_x (B x S, H) and grad_w (V / tp, H); the norms
+    run on the sequence shard, so they save the one-GPU norm's tensors at seq / tp. Under FSDP (dp > 1) amp computes
+    in bf16 (its MixedPrecisionPolicy casts the parameters; no autocast), as in sharding.per_rank_peak, and casts
+    every Block's floating inputs: the efficient variant's fp32 RoPE tables are saved as a bf16 copy per Block."""
     from llm_anatomy.calculator import estimate
 
     check_mesh(cfg, tp, dp, variant=variant)
@@ -189,8 +234,6 @@ def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, 
         seq_shard = estimate(c, replace(r, seq=run.seq // tp), variant, device=device).components
         out = {name: comp.saved_bytes for name, comp in full.items()}
         out["norm"] = seq_shard["norm"].saved_bytes
-        if variant == "efficient" and tp > 1:  # the baseline's head and loss (distributed/tensor_parallel.py)
-            out["loss"] = estimate(c, r, "baseline", device=device).components["loss"].saved_bytes
         if run.dtype == "amp" and dp > 1:  # FSDP casts each Block's fp32 RoPE tables to a bf16 copy of its own
             rope = sum(prod(t.shape) * BYTES[t.dtype] * t.count for t in full["attention"].saved
                        if t.name in ROPE_TABLES and t.dtype == "float32")

@@ -186,7 +186,8 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
     collectives' buffers:
       forward   forward end, with both retained collectives, + the baseline loss's transients on V / tp (the final
                 norm's output, the logits and their fp32 copy, the causal bias) + loss_parallel's log_softmax, which
-                makes its shifted logits and their exp, two (T, V / tp) fp32 tensors, before its log-probs;
+                makes its shifted logits and their exp, two (T, V / tp) fp32 tensors, before its log-probs (the
+                efficient variant's vocab-parallel head instead: _loss_transients);
       backward  the exact state (parameters, optimizer state, inputs, mesh), the unsharded parameters FSDP holds
                 after forward, both retained collectives, + the walk's largest moment on the shard (its saved
                 activations, and its gradients made so far or all of the rank's gradients, the larger) + one
@@ -209,8 +210,8 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
     one = phases(local, crun, variant, optimizer=None, device=device, stages=False)
     T, c = run.tokens, BYTES[param_dtype_name(crun)]
     retained = sum(ph["retained"].values())
-    loss_parallel = 2 * rnd(T * local.vocab * 4) if tp > 1 else 0
-    forward = ph["forward_end"] + ((one["forward_peak"] or one["forward_end"]) - one["forward_end"]) + loss_parallel
+    head = _loss_transients(cfg, run, tp, c, variant, device, rnd) if tp > 1 else 0
+    forward = ph["forward_end"] + ((one["forward_peak"] or one["forward_end"]) - one["forward_end"]) + head
     by = one["backward_peak_by_kind"]
     coll = 4 * rnd(T * cfg.hidden * c) if tp > 1 else 0
     fsdp = 0
@@ -233,6 +234,21 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
     cands = dict(forward=forward, backward=backward, optimizer=optimizer)
     at = max(cands, key=cands.get)
     return dict(peak=cands[at], peak_at=at, peak_candidates=cands)
+
+
+def _loss_transients(cfg: ModelConfig, run: Run, tp: int, c: int, variant: str, device: str, rnd) -> int:
+    """What the head's loss makes under TP beyond the one-GPU loss on the rank's V / tp: loss_parallel's shifted
+    logits and their exp, two (T, V / tp) fp32 tensors (baseline); for the efficient variant's vocab-parallel fused
+    linear cross-entropy the target columns, (T,) int64, and five (C,) fp32 vectors of a chunk
+    (tensor_parallel.vocab_parallel_ce_bytes), and on CPU its plain-torch row passes' fp32 working copies of a
+    chunk, two (C, V / tp) at most."""
+    from llm_anatomy.calculator.tensor_parallel import head_chunks
+
+    T, Vr = run.tokens, cfg.vocab // tp
+    if variant != "efficient":
+        return 2 * rnd(T * Vr * 4)
+    C = max(head_chunks(cfg, run, tp, c), default=0)
+    return rnd(8 * T) + 5 * rnd(4 * C) + (2 * rnd(4 * C * Vr) if device == "cpu" else 0)
 
 
 def _optimizer_temporaries(cfg: ModelConfig, run: Run, tp: int, dp: int, device: str, rnd) -> int:

@@ -21,9 +21,10 @@ The efficient variant runs the same plan on its fused modules (efficient_block_p
 ColwiseParallel on rows permuted into rank order (distributed/tp_layout.py), so each rank's local output holds its
 own heads' q, k, v (its own gate and up columns) and rope_qkv and swiglu_packed run unchanged on plain local
 tensors; o and down RowwiseParallel; the fused RMSNorm ops SequenceParallel through their DTensor sharding rules
-(distributed/tp_kernels.py). Its head and loss are the baseline's under loss_parallel: the fused linear
-cross-entropy makes its gradients in forward from each row's logsumexp over the whole vocabulary, which a
-vocab-sharded head has only after an all-reduce inside the op, and torch ships no vocab-parallel form of it.
+(distributed/tp_kernels.py). Its head is the vocab-parallel fused linear cross-entropy
+(distributed/tp_head.py, kernels/linear_ce_tp.py): the same ColwiseParallel lm_head, whose Shard(0) rows the op
+reads; the ranks combine each row's max, sum of exp and target logit with three fp32 all-reduces per chunk (the
+ones loss_parallel makes for the baseline), and no rank makes more than a (C, V / tp) chunk of logits.
 What the engine cannot shard is refused in one line (ConfigError, llm_anatomy.mesh_rules): widths not divisible
 by tp, mixture of experts, the efficient variant's lean block and recompute, and context parallel on CPU (torch's
 context_parallel shards SDPA's CUDA kernels only).
@@ -44,7 +45,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from llm_anatomy.config import ConfigError, ModelConfig
 from llm_anatomy.distributed import tp_kernels  # noqa: F401  (the fused norms' DTensor sharding rules)
 from llm_anatomy.distributed.strategies import _dtype
-from llm_anatomy.distributed.tp_layout import to_rank_order, use_baseline_head
+from llm_anatomy.distributed.tp_head import use_vocab_parallel_head
+from llm_anatomy.distributed.tp_layout import to_rank_order
 from llm_anatomy.mesh_rules import check_efficient_tp, check_mesh
 
 MESH_DIMS = ("dp", "tp")
@@ -119,13 +121,14 @@ def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
     tp, cfg = tp_mesh.size(), model.cfg
     if tp > 1:
         efficient = getattr(model, "variant", "baseline") == "efficient"
-        if efficient:  # each rank's fused rows in rank order, and the baseline's head under loss_parallel
+        if efficient:  # each rank's fused rows in rank order
             check_efficient_tp(tp, model.lean, model.recompute)
             to_rank_order(model, tp)
-            use_baseline_head(model)
         parallelize_module(model, tp_mesh, tp_plan())
         if cfg.tie_embeddings:  # both are Shard(0) over the vocab: the head takes the embedding's DTensor again
             model.head.lm_head.weight = model.embed.weight
+        if efficient:  # the fused linear cross-entropy on the rank's vocabulary rows (distributed/tp_head.py)
+            use_vocab_parallel_head(model, tp_mesh)
         for block in model.layers:
             parallelize_module(block, tp_mesh, efficient_block_plan(cfg) if efficient else block_plan(cfg))
             block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
@@ -149,7 +152,8 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
 
 
 def loss_context(tp: int):
-    """The context forward and backward run in: loss_parallel() under TP (the logits are vocab-sharded)."""
+    """The context forward and backward run in: loss_parallel() under TP (the baseline's logits are vocab-sharded;
+    the efficient head makes no DTensor logits, and runs the same under it)."""
     return loss_parallel() if tp > 1 else contextlib.nullcontext()
 
 

@@ -46,17 +46,6 @@ def to_rank_order(model: nn.Module, tp: int) -> None:
             p.data = p.data[rank_order(parts, tp).to(p.device)]
 
 
-def use_baseline_head(model: nn.Module) -> None:
-    """Swap the fused linear cross-entropy for the baseline's head and loss on the same lm_head (the module
-    docstring of distributed/tensor_parallel.py says why): the logits vocab-sharded, loss_parallel's reductions."""
-    from llm_anatomy.baseline.loss import LMHeadLoss
-
-    with torch.device("meta"):  # its own lm_head is replaced at once: no storage
-        head = LMHeadLoss(model.cfg.hidden, model.cfg.vocab)
-    head.lm_head = model.head.lm_head  # the same parameter: tied to the embedding if it was
-    model.head = head
-
-
 @torch.no_grad()
 def one_process_state_dict(model: nn.Module, tp: int) -> dict[str, torch.Tensor]:
     """The model's state dict as one process holds it: every DTensor gathered whole, the fused rows back in the

@@ -53,6 +53,40 @@ REDUCTIONS = ("mean", "sum", "none")
 
 # ---- the row kernel (grid: one program per row of a chunk) -----------------------------------
 @jit
+def row_stats(base, V, SMOOTH: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A row's max m, sum of exp(z - m) and (SMOOTH) sum of z over its V logits at base, online over blocks of
+    BLOCK_V lanes, the tail masked. Inlined into the kernels that call it (here and linear_ce_tp.py)."""
+    cols0 = tl.arange(0, BLOCK_V)
+    m = float("-inf")
+    d = 0.0
+    sz = 0.0
+    for off in tl.range(0, V, BLOCK_V):  # trip count from a scalar argument
+        cols = off + cols0
+        mask = cols < V
+        z = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        if SMOOTH:
+            sz += tl.sum(tl.where(mask, z, 0.0), 0)
+        m = m_new
+    return m, d, sz
+
+
+@jit
+def write_row_grad(base, V, y, lse, s, eps_v, keep, BLOCK_V: tl.constexpr):
+    """The row's logits at base := (exp(z - lse) - eps_v - keep·[column == y])·s, in blocks of BLOCK_V lanes
+    (eps_v = ε/V, keep = 1 - ε; s the row's gradient scale, 0 where its target is ignored)."""
+    cols0 = tl.arange(0, BLOCK_V)
+    for off in tl.range(0, V, BLOCK_V):
+        cols = off + cols0
+        mask = cols < V
+        z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.exp(z - lse) - eps_v
+        g = tl.where(cols == y, g - keep, g) * s
+        tl.store(base + cols, g.to(base.dtype.element_ty), mask=mask)
+
+
+@jit
 def _ce_rows_kernel(L, stride_l, TGT, LOSS, SCALE, V, ignore_index, smoothing,
                     WRITE_GRAD: tl.constexpr, SMOOTH: tl.constexpr, SINGLE: tl.constexpr, BLOCK_V: tl.constexpr):
     # SINGLE (V <= BLOCK_V): the row stays in registers between the passes, so it is read once, not twice
@@ -70,18 +104,7 @@ def _ce_rows_kernel(L, stride_l, TGT, LOSS, SCALE, V, ignore_index, smoothing,
         if SMOOTH:
             sz = tl.sum(tl.where(cols0 < V, zr, 0.0), 0)
     else:
-        m = float("-inf")
-        d = 0.0
-        sz = 0.0
-        for off in tl.range(0, V, BLOCK_V):  # trip count from a scalar argument; the tail is masked
-            cols = off + cols0
-            mask = cols < V
-            z = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(z, 0))
-            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
-            if SMOOTH:
-                sz += tl.sum(tl.where(mask, z, 0.0), 0)
-            m = m_new
+        m, d, sz = row_stats(base, V, SMOOTH, BLOCK_V)
     lse = m + tl.log(d)
     loss = lse - (1.0 - smoothing) * tl.load(base + y).to(tl.float32)
     if SMOOTH:
@@ -95,13 +118,7 @@ def _ce_rows_kernel(L, stride_l, TGT, LOSS, SCALE, V, ignore_index, smoothing,
             g = tl.where(cols0 == y, g - (1.0 - smoothing), g) * s
             tl.store(base + cols0, g.to(L.dtype.element_ty), mask=cols0 < V)
         else:
-            for off in tl.range(0, V, BLOCK_V):
-                cols = off + cols0
-                mask = cols < V
-                z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.exp(z - lse) - smoothing / V
-                g = tl.where(cols == y, g - (1.0 - smoothing), g) * s
-                tl.store(base + cols, g.to(L.dtype.element_ty), mask=mask)
+            write_row_grad(base, V, y, lse, s, smoothing / V, 1.0 - smoothing, BLOCK_V)
 
 
 def ce_rows_triton(logits: Tensor, targets: Tensor, losses: Tensor, scale: Tensor, ignore_index: int = IGNORE_INDEX,
@@ -217,6 +234,26 @@ def _weight(weight: Tensor, dtype: torch.dtype, align: int) -> Tensor:
     return w
 
 
+def call_buffers(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, reduction: str, chunk: int,
+                 align: int = 1, grads: bool = True) -> tuple:
+    """What a training call allocates before its chunk loop, in the byte table's order (kernel_shapes): n = max(count
+    of valid targets, 1) for the mean (1 for the sum) and scale = 1 / n, 0-d fp32 on the device (the row kernel
+    reads the scale through a pointer); the weight in the compute dtype (V', H); the (T,) fp32 row losses; with
+    grads, grad_x (T, H) and grad_w (V', H), else None; the rows per chunk C and the (C, V') logits buffer, the only
+    vocabulary-wide tensor. Returns (n, scale, w, losses, grad_x, grad_w, C, logits)."""
+    T, H = x.shape
+    Vp, dev = lce_vocab(weight.shape[0], align), x.device
+    n = valid_count(targets, ignore_index) if reduction == "mean" else torch.ones((), dtype=torch.float32, device=dev)
+    scale = n.reciprocal()
+    w = _weight(weight, x.dtype, align)
+    losses = torch.empty(T, dtype=torch.float32, device=dev)
+    grad_x = torch.empty((T, H), dtype=x.dtype, device=dev) if grads else None
+    grad_w = (torch.empty if T else torch.zeros)((Vp, H), dtype=weight.dtype, device=dev) if grads else None
+    C = chunk or chunk_rows(T, H, Vp, x.element_size())
+    logits = torch.empty((min(C, T), Vp), dtype=x.dtype, device=dev)
+    return n, scale, w, losses, grad_x, grad_w, C, logits
+
+
 def _forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, label_smoothing: float, reduction: str,
              chunk: int, rows_fn, native: bool, align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, grad_x, grad_w). rows_fn: the row kernel (ce_rows_triton or ce_rows_reference); native: the
@@ -224,17 +261,9 @@ def _forward(x: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, labe
     (kernel_shapes.lce_vocab; grad_w is then the first V rows of the padded accumulator). Allocation order
     and sizes: linear_ce_chunks."""
     _check(x, weight, targets, label_smoothing, reduction, align)
-    T, H = x.shape
-    V, dev = weight.shape[0], x.device
-    Vp = lce_vocab(V, align)
-    n = valid_count(targets, ignore_index) if reduction == "mean" else torch.ones((), dtype=torch.float32, device=dev)
-    scale = n.reciprocal()  # 0-d: the row kernel's gradient scale, read through a pointer
-    w = _weight(weight, x.dtype, align)  # (V', H)
-    losses = torch.empty(T, dtype=torch.float32, device=dev)  # (T,) unscaled row losses
-    grad_x = torch.empty((T, H), dtype=x.dtype, device=dev)
-    grad_w = (torch.empty if T else torch.zeros)((Vp, H), dtype=weight.dtype, device=dev)
-    C = chunk or chunk_rows(T, H, Vp, x.element_size())
-    logits = torch.empty((min(C, T), Vp), dtype=x.dtype, device=dev)  # (C, V'): the only V-wide tensor
+    T, V, Vp = x.shape[0], weight.shape[0], lce_vocab(weight.shape[0], align)
+    n, scale, w, losses, grad_x, grad_w, C, logits = call_buffers(x, weight, targets, ignore_index, reduction, chunk,
+                                                                  align)
     for i, s in enumerate(range(0, T, C)):
         e = min(s + C, T)
         xc, lc = x[s:e], logits[:e - s]
