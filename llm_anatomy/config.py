@@ -303,28 +303,20 @@ class Run:
                    rec.get("loss_impl", "liger"), rec.get("lean", False))
 
 
-# What each side builds and counts, refused alike by the models (llm_anatomy/models.py) and the calculator.
+# What each variant's memory phases and time model of gpt-oss's and OLMoE's attention fields (the parameters, FLOPs
+# and saved tensors of both variants count every field; both models build them).
+PHASES_MODELLED = {"baseline": ("attn_sinks", "window", "o_bias", "qk_norm_whole"), "efficient": ()}
+
+
 def unmodelled(cfg: ModelConfig, variant: str = "baseline") -> str | None:
-    """The first field of `cfg` that only the baseline's parameters, FLOPs and saved tensors model: the gpt-oss and
-    OLMoE attention fields for either variant's memory phases and time, and experts too outside the saved-tensor
-    count; None for a config every prediction models."""
+    """The first attention field of `cfg` that `variant`'s memory phases and time do not model (PHASES_MODELLED),
+    or None."""
     fields = (("attn_sinks", cfg.attn_sinks), ("window", cfg.window is not None), ("o_bias", cfg.o_bias),
               ("qk_norm_whole", cfg.qk_norm_whole))
-    if variant != "efficient":
-        fields = (("experts", cfg.moe), *fields)
     for name, on in fields:
-        if on:
+        if on and name not in PHASES_MODELLED.get(variant, ()):
             return name
     return None
-
-
-def refuse_unmodelled(cfg: ModelConfig, what: str, variant: str = "baseline") -> None:
-    """A ConfigError naming that field, so that nothing counts such a config as a dense one. variant="efficient":
-    what the efficient model and its saved-tensor count do not build (the attention fields; experts they do)."""
-    name = unmodelled(cfg, variant)
-    if name:
-        raise ConfigError(f"{what}: {name} not modelled yet (config {cfg.name}); the baseline model's parameters, "
-                          "FLOPs and saved tensors are what is counted for it")
 
 
 def _p(name, **kw) -> ModelConfig:

@@ -220,7 +220,8 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     if variant == "baseline":
         T, V, S, c = run.tokens, cfg.vocab, run.seq, dt.compute
         logits = rnd(T * V * BYTES[c]) + (rnd(T * V * 4) if c != "float32" else 0)
-        fwd_peak = fwd_end - rnd(4) + rnd(T * cfg.hidden * BYTES[dt.residual]) + logits + rnd(S * S * BYTES[c])
+        masks = 2 if cfg.window is not None else 1  # the (S, S) causal bias, and a window's beside it
+        fwd_peak = fwd_end - rnd(4) + rnd(T * cfg.hidden * BYTES[dt.residual]) + logits + masks * rnd(S * S * BYTES[c])
     elif device == "cuda":
         fwd_peak = fwd_end - rnd(4) + _loss_forward_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd)
         if run.recompute == "mlp":  # or inside the last layer's MLP checkpoint, before the loss's tensors
