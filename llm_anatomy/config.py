@@ -305,7 +305,8 @@ class Run:
 
 # What each variant's memory phases and time model of gpt-oss's and OLMoE's attention fields (the parameters, FLOPs
 # and saved tensors of both variants count every field; both models build them).
-PHASES_MODELLED = {"baseline": ("attn_sinks", "window", "o_bias", "qk_norm_whole"), "efficient": ()}
+PHASES_MODELLED = {"baseline": ("attn_sinks", "window", "o_bias", "qk_norm_whole"),
+                   "efficient": ("attn_sinks", "window", "o_bias", "qk_norm_whole")}
 
 
 def unmodelled(cfg: ModelConfig, variant: str = "baseline") -> str | None:
