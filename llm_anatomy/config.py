@@ -303,21 +303,31 @@ class Run:
                    rec.get("loss_impl", "liger"), rec.get("lean", False))
 
 
-# What each variant's memory phases and time model of gpt-oss's and OLMoE's attention fields (the parameters, FLOPs
-# and saved tensors of both variants count every field; both models build them).
+# What each variant's memory phases model of gpt-oss's and OLMoE's attention fields (the parameters, FLOPs and saved
+# tensors of both variants count every field; both models build them); the efficient variant's without recompute
+# only (checked on CPU: validations/test_gptoss_attention_phases.py). The timing model prices none of them yet.
 PHASES_MODELLED = {"baseline": ("attn_sinks", "window", "o_bias", "qk_norm_whole"),
                    "efficient": ("attn_sinks", "window", "o_bias", "qk_norm_whole")}
+ATTENTION_FIELDS = ("attn_sinks", "window", "o_bias", "qk_norm_whole")
 
 
-def unmodelled(cfg: ModelConfig, variant: str = "baseline") -> str | None:
-    """The first attention field of `cfg` that `variant`'s memory phases and time do not model (PHASES_MODELLED),
-    or None."""
-    fields = (("attn_sinks", cfg.attn_sinks), ("window", cfg.window is not None), ("o_bias", cfg.o_bias),
-              ("qk_norm_whole", cfg.qk_norm_whole))
-    for name, on in fields:
-        if on and name not in PHASES_MODELLED.get(variant, ()):
-            return name
-    return None
+def _attention_fields_on(cfg: ModelConfig) -> list[str]:
+    on = {"attn_sinks": cfg.attn_sinks, "window": cfg.window is not None, "o_bias": cfg.o_bias,
+          "qk_norm_whole": cfg.qk_norm_whole}
+    return [f for f in ATTENTION_FIELDS if on[f]]
+
+
+def unmodelled(cfg: ModelConfig, variant: str = "baseline", run: "Run | None" = None) -> str | None:
+    """The first attention field of `cfg` that `variant`'s memory phases do not model for `run` (PHASES_MODELLED;
+    the efficient variant's under recompute: none), or None."""
+    plain = run is None or run.recompute == "none"
+    modelled = PHASES_MODELLED.get(variant, ()) if variant == "baseline" or plain else ()
+    return next((f for f in _attention_fields_on(cfg) if f not in modelled), None)
+
+
+def time_unmodelled(cfg: ModelConfig) -> str | None:
+    """The first attention field of `cfg` the timing model's kernel lists do not price yet, or None."""
+    return next(iter(_attention_fields_on(cfg)), None)
 
 
 def _p(name, **kw) -> ModelConfig:

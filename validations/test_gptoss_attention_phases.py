@@ -51,6 +51,22 @@ def test_phases_named(name, variant, policy, claims):
     _check(claims, NAMED[name], Run(2, 16, policy), variant, "adamw", f"{name}/B2S16/{policy}/adamw")
 
 
+@pytest.mark.parametrize("policy", ["amp", "bf16"])
+@pytest.mark.parametrize("name", ["gptoss-attn", "olmoe-attn"])
+def test_phases_lean_block(name, policy, claims):
+    """The efficient model's lean block (Run.lean): o a lean matmul over the sinks' merged copy, the adds inside the
+    norms."""
+    _check(claims, NAMED[name], Run(2, 16, policy, lean=True), "efficient", "adamw", f"{name}/B2S16/{policy}/lean")
+
+
+def test_recompute_refused_in_one_line():
+    """Under recompute the checkpoints re-run attention outside the forward's shared masks: not modelled, refused."""
+    from llm_anatomy.config import ConfigError
+
+    with pytest.raises(ConfigError, match="attn_sinks not modelled yet"):
+        phases(NAMED["gptoss-attn"], Run(2, 16, "amp", recompute="mlp"), "efficient", device="cpu")
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", ATTENTION_BOUND)
 def test_baseline_attention_bound_peak_exact(name, policy, claims):
