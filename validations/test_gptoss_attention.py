@@ -57,9 +57,11 @@ def test_reduced_real_configs_match_baseline(name, policy, tmp_path):
 @st.composite
 def attention_configs(draw) -> ModelConfig:
     """Dense configs with the attention fields drawn: sinks on or off, a window on all or the even layers or none,
-    o bias, q/k norms per head or whole; GQA or not."""
+    o bias, q/k norms per head or whole; GQA or not. A window of 2 or more: under a window of 1 each query sees only
+    itself, q and k get no gradient in float64 (exactly 0), and the relative-error rule has no scale to judge the
+    efficient model's rounding-level d(q) against."""
     heads = draw(st.sampled_from([4, 8]))
-    window = draw(st.sampled_from([None, 1, 3, 6]))
+    window = draw(st.sampled_from([None, 2, 3, 6]))
     qk = draw(st.sampled_from(["none", "head", "whole"]))
     return ModelConfig(
         name="hypothesis-gptoss-attn", hidden=heads * 16, layers=draw(st.integers(1, 3)), heads=heads,
