@@ -182,8 +182,9 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     counted = sdpa if device == "cuda" else 0  # FlopCounterMode has no formula for the CPU SDPA kernel
     # under full recompute backward runs qkv, SDPA's forward and o again (the early stop spares only down)
     again = proj + counted if run.recompute == "full" else 0
+    model = proj + sdpa // 2 - 4 * hd * window_pairs_left_out(cfg, run)  # the baseline's convention: pairs attended
     return Component("attention", L, params(cfg), proj + counted, 2 * proj + counted * 5 // 2 + again,
-                     proj + sdpa // 2, 2 * (proj + sdpa // 2),
+                     model, 2 * model,
                      L * T * (3 * (cfg.q_dim + cfg.kv_dim) + qkv_bias(cfg)) + qk_norm_elementwise(cfg, run), saved)
 
 
