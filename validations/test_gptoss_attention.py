@@ -167,3 +167,19 @@ def test_layers_share_one_mask_and_run_flash(monkeypatch):
         a = attention_mask(8, 3, True, torch.float32, "cpu")
         assert attention_mask(8, 3, True, torch.float32, "cpu") is a
     assert attention_mask(8, 3, True, torch.float32, "cpu") is not a  # outside a forward: nothing kept
+
+
+@pytest.mark.parametrize("pattern", ["all", "even"])
+def test_model_flops_equal_across_variants_with_a_window(pattern):
+    """The model convention counts the attended pairs: the efficient estimate leaves out a window's as the
+    baseline's does (both models compute the same attention)."""
+    from llm_anatomy.calculator import estimate
+
+    cfg = ModelConfig(hidden=64, layers=3, heads=8, kv_heads=2, head_dim=16, intermediate=32, vocab=128,
+                      attn_sinks=True, window=5, window_pattern=pattern)
+    base, eff = (estimate(cfg, Run(2, 32, "amp"), v, device="cpu").components["attention"]
+                 for v in ("baseline", "efficient"))
+    full = estimate(ModelConfig(**{**cfg.to_dict(), "window": None, "window_pattern": "all"}), Run(2, 32, "amp"),
+                    "efficient", device="cpu").components["attention"]
+    assert (eff.flops_model_fwd, eff.flops_model_bwd) == (base.flops_model_fwd, base.flops_model_bwd)
+    assert eff.flops_model_fwd < full.flops_model_fwd
