@@ -303,28 +303,31 @@ class Run:
                    rec.get("loss_impl", "liger"), rec.get("lean", False))
 
 
-# What each side builds and counts, refused alike by the models (llm_anatomy/models.py) and the calculator.
-def unmodelled(cfg: ModelConfig, variant: str = "baseline") -> str | None:
-    """The first field of `cfg` that only the baseline's parameters, FLOPs and saved tensors model: the gpt-oss and
-    OLMoE attention fields for either variant's memory phases and time, and experts too outside the saved-tensor
-    count; None for a config every prediction models."""
-    fields = (("attn_sinks", cfg.attn_sinks), ("window", cfg.window is not None), ("o_bias", cfg.o_bias),
-              ("qk_norm_whole", cfg.qk_norm_whole))
-    if variant != "efficient":
-        fields = (("experts", cfg.moe), *fields)
-    for name, on in fields:
-        if on:
-            return name
-    return None
+# What each variant's memory phases model of gpt-oss's and OLMoE's attention fields (the parameters, FLOPs and saved
+# tensors of both variants count every field; both models build them); the efficient variant's without recompute
+# only (checked on CPU: validations/test_gptoss_attention_phases.py). The timing model prices none of them yet.
+PHASES_MODELLED = {"baseline": ("attn_sinks", "window", "o_bias", "qk_norm_whole"),
+                   "efficient": ("attn_sinks", "window", "o_bias", "qk_norm_whole")}
+ATTENTION_FIELDS = ("attn_sinks", "window", "o_bias", "qk_norm_whole")
 
 
-def refuse_unmodelled(cfg: ModelConfig, what: str, variant: str = "baseline") -> None:
-    """A ConfigError naming that field, so that nothing counts such a config as a dense one. variant="efficient":
-    what the efficient model and its saved-tensor count do not build (the attention fields; experts they do)."""
-    name = unmodelled(cfg, variant)
-    if name:
-        raise ConfigError(f"{what}: {name} not modelled yet (config {cfg.name}); the baseline model's parameters, "
-                          "FLOPs and saved tensors are what is counted for it")
+def _attention_fields_on(cfg: ModelConfig) -> list[str]:
+    on = {"attn_sinks": cfg.attn_sinks, "window": cfg.window is not None, "o_bias": cfg.o_bias,
+          "qk_norm_whole": cfg.qk_norm_whole}
+    return [f for f in ATTENTION_FIELDS if on[f]]
+
+
+def unmodelled(cfg: ModelConfig, variant: str = "baseline", run: "Run | None" = None) -> str | None:
+    """The first attention field of `cfg` that `variant`'s memory phases do not model for `run` (PHASES_MODELLED;
+    the efficient variant's under recompute: none), or None."""
+    plain = run is None or run.recompute == "none"
+    modelled = PHASES_MODELLED.get(variant, ()) if variant == "baseline" or plain else ()
+    return next((f for f in _attention_fields_on(cfg) if f not in modelled), None)
+
+
+def time_unmodelled(cfg: ModelConfig) -> str | None:
+    """The first attention field of `cfg` the timing model's kernel lists do not price yet, or None."""
+    return next(iter(_attention_fields_on(cfg)), None)
 
 
 def _p(name, **kw) -> ModelConfig:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from llm_anatomy.config import RECOMPUTE, ConfigError, ModelConfig, Run, refuse_unmodelled
+from llm_anatomy.config import RECOMPUTE, ConfigError, ModelConfig, Run
 
 VARIANTS = ("baseline", "efficient")
 
@@ -22,7 +22,6 @@ def build_model(cfg: ModelConfig, variant: str = "baseline", device="cpu", dtype
     if variant == "baseline":
         from llm_anatomy.baseline.transformer import Transformer
     elif variant == "efficient":
-        refuse_unmodelled(cfg, "the efficient variant", "efficient")  # never a silent dense block for gpt-oss's
         try:
             from llm_anatomy.efficient.transformer import Transformer
         except ImportError as e:

@@ -195,9 +195,10 @@ def test_unmodelled_fields_are_refused_in_one_line(name, change, message, tmp_pa
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--variant", "efficient"], "the efficient variant's calculator (--variant baseline counts it): qk_norm_whole"),
-    (["--variant", "baseline", "--gpu", "H200"], ": qk_norm_whole not modelled yet"),
-    (["--variant", "baseline", "--world-size", "8"], ": qk_norm_whole not modelled yet"),
+    (["--variant", "efficient", "--gpu", "H200"], "the timing model: qk_norm_whole not modelled yet"),
+    (["--variant", "baseline", "--gpu", "H200"], "the timing model: qk_norm_whole not modelled yet"),
+    (["--variant", "efficient", "--no-lean", "--recompute", "mlp", "--world-size", "8"],
+     ": qk_norm_whole not modelled yet"),
 ])
 def test_what_is_not_modelled_for_moe_is_refused(argv, message):
     rc, _, err = run_cli(["estimate", "--hf-config", str(HF_CONFIGS["OLMoE-1B-7B-0924"]), *argv], "moe")
@@ -210,14 +211,18 @@ def test_efficient_model_builds_experts():
 
 
 @pytest.mark.parametrize("field", ["attn_sinks", "window", "o_bias", "qk_norm_whole"])
-def test_efficient_model_refuses_what_it_does_not_build(field):
-    """Until the efficient gpt-oss and OLMoE attention exist, building them is a ConfigError, never another model."""
+def test_efficient_model_builds_the_attention_fields(field):
+    """The efficient model builds gpt-oss's and OLMoE's attention fields, with the baseline's parameter names and
+    shapes (validations/test_gptoss_attention.py checks its numbers)."""
     kw = {"attn_sinks": dict(attn_sinks=True), "window": dict(window=4), "o_bias": dict(o_bias=True),
           "qk_norm_whole": dict(qk_norm=True, qk_norm_whole=True)}[field]
     cfg = ModelConfig(hidden=16, layers=1, heads=2, intermediate=8, vocab=16, **kw)
-    with pytest.raises(ConfigError, match=f"the efficient variant: {field} not modelled yet"):
-        build_model(cfg, "efficient", device="meta")
-    build_model(cfg, "baseline", device="meta")
+    from llm_anatomy.efficient.transformer import to_baseline_names
+
+    eff, base = build_model(cfg, "efficient", device="meta"), build_model(cfg, "baseline", device="meta")
+    shapes = {n: p.shape for n, p in to_baseline_names(dict(eff.named_parameters()), cfg).items()}
+    assert shapes == {n: p.shape for n, p in base.named_parameters()}
+    assert eff.layers[0].attn.window == (4 if field == "window" else None)
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -33,8 +33,6 @@ def active_param_count(cfg: ModelConfig) -> int:
 def estimate(cfg: ModelConfig, run: Run, variant: str = "baseline", device: str = "cuda") -> Estimate:
     if run.recompute != "none" and variant != "efficient":
         raise ConfigError(f"recompute={run.recompute!r} is an option of the efficient variant, not {variant!r}")
-    if variant == "efficient":
-        moe.refuse_unmodelled(cfg, "the efficient variant's calculator (--variant baseline counts it)", "efficient")
     comps = {}
     for name, mod in component_modules(cfg).items():
         fn = getattr(mod, variant, None)

@@ -122,13 +122,32 @@ def baseline(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     return Component("attention", L, params(cfg), proj + sdpa, 2 * (proj + sdpa), model, 2 * model, ew, saved)
 
 
+def sink_pad(device: str) -> int:
+    """Columns each head gains for the sinks' key (efficient/attention_sinks.py): 1 on CPU, 8 on CUDA."""
+    return 1 if device == "cpu" else 8
+
+
+def mask_kinds(cfg: ModelConfig) -> int:
+    """Additive masks the efficient model builds once per forward and SDPA keeps: one for the windowed layers, one
+    for the full layers when they have sinks (without sinks they run is_causal, no mask)."""
+    return (cfg.windowed_layers > 0) + (cfg.attn_sinks and cfg.windowed_layers < cfg.layers)
+
+
 def _sdpa_saved(cfg: ModelConfig, run: Run, device: str, c: str) -> list[Saved]:
-    """What the SDPA kernel keeps, per device (read off each backend; see reports/h200/probe_sdpa_h200.json)."""
+    """What the SDPA kernel keeps, per device (read off each backend; see reports/h200/probe_sdpa_h200.json).
+    With sinks its q, k, v and output are pad columns wider and k, v one key longer (the sinks' key)."""
     B, S, nh, nkv, hd, L = run.batch, run.seq, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.layers
-    saved = [Saved("attention.sdpa.q", (B, nh, S, hd), c, L, "SDPA backward recomputes P from q, k"),
-             Saved("attention.sdpa.k", (B, nkv, S, hd), c, L, "kept at kv-head size: GQA goes to the kernel"),
-             Saved("attention.sdpa.v", (B, nkv, S, hd), c, L, "P@V's backward needs v"),
-             Saved("attention.sdpa.out", (B, nh, S, hd), c, L, "dP needs out (rowsum(dO·O)); o reads a view of it")]
+    wd, sk = (hd + sink_pad(device), S + 1) if cfg.attn_sinks else (hd, S)
+    saved = [Saved("attention.sdpa.q", (B, nh, S, wd), c, L, "SDPA backward recomputes P from q, k"),
+             Saved("attention.sdpa.k", (B, nkv, sk, wd), c, L, "kept at kv-head size: GQA goes to the kernel"),
+             Saved("attention.sdpa.v", (B, nkv, sk, wd), c, L, "P@V's backward needs v"),
+             Saved("attention.sdpa.out", (B, nh, S, wd), c, L, "dP needs out (rowsum(dO·O)); o reads a view of it")]
+    if kinds := mask_kinds(cfg):
+        saved.append(Saved("attention.sdpa.mask", (S, S + cfg.attn_sinks), c, kinds,
+                           "each kind of additive mask, built once per forward, kept by every layer's SDPA"))
+    if cfg.attn_sinks:
+        saved.append(Saved("attention.o.input", (B * S, nh * hd), c, L,
+                           "o keeps its input: the output's first hd columns merged over heads, a copy"))
     if device == "cpu":  # the CPU flash-style kernel
         return saved + [Saved("attention.sdpa.logsumexp", (B, nh, S), "float32", L, "softmax statistics per row")]
     if device == "cuda":  # cuDNN, the first choice on Hopper
@@ -163,8 +182,9 @@ def efficient(cfg: ModelConfig, run: Run, device: str = "cuda") -> Component:
     counted = sdpa if device == "cuda" else 0  # FlopCounterMode has no formula for the CPU SDPA kernel
     # under full recompute backward runs qkv, SDPA's forward and o again (the early stop spares only down)
     again = proj + counted if run.recompute == "full" else 0
+    model = proj + sdpa // 2 - 4 * hd * window_pairs_left_out(cfg, run)  # the baseline's convention: pairs attended
     return Component("attention", L, params(cfg), proj + counted, 2 * proj + counted * 5 // 2 + again,
-                     proj + sdpa // 2, 2 * (proj + sdpa // 2),
+                     model, 2 * model,
                      L * T * (3 * (cfg.q_dim + cfg.kv_dim) + qkv_bias(cfg)) + qk_norm_elementwise(cfg, run), saved)
 
 
@@ -173,7 +193,8 @@ def sdpa_o_saved(cfg: ModelConfig, run: Run, device: str, count: int, o_cast: bo
     re-run makes again in backward under recompute="full"). o_cast=False: o is a lean matmul (the lean
     block), which keeps the fp32 weight instead."""
     dt = dtypes(run)
-    saved = [Saved(s.name, s.shape, s.dtype, count, s.why) for s in _sdpa_saved(cfg, run, device, dt.compute)]
+    saved = [s if s.name == "attention.sdpa.mask" else Saved(s.name, s.shape, s.dtype, count, s.why)
+             for s in _sdpa_saved(cfg, run, device, dt.compute)]  # the masks: one per kind, however many layers
     if dt.autocast and o_cast:  # o's input is a view of SDPA's out (laid out (B, S, nh, hd)): only its weight cast is new
         saved.append(Saved("attention.o.weight_cast", (cfg.hidden, cfg.q_dim), dt.compute, count,
                            "autocast's cached cast of the fp32 weight"))

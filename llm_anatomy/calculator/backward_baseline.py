@@ -80,20 +80,28 @@ def layer(w, i: int, g: int) -> int:
     w.begin()
     w.alloc(gc)
     go = w.linear(tag + "attention.o", w.cfg.q_dim, H, gc, "attention.o.")  # d(merged heads), (T, H)
+    if w.cfg.o_bias:  # o's bias gradient, the column sum of d(out), in the parameter's dtype
+        w.alloc(H * w.p)
     w.alloc(T * nh * hd * c, -go)  # made contiguous as (B, nh, S, hd)
     w.alloc(kv_exp, scores * c)  # P@V's backward: d(v) expanded, d(P)
     w.peak(tag + "attention.pv")
     w.free("attention.probs_cast", "attention.v")
     w.alloc(-T * nh * hd * c)
     w.alloc(scores * 4, -scores * c)  # d(P) to fp32
-    # softmax's backward; on CUDA it first makes tmp = grad * output, a third fp32 (B, nh, S, S)
+    sinks = w.cfg.attn_sinks
+    wide = B * nh * S * (S + sinks)  # with sinks each softmax row has one more logit, the head's sink
+    if sinks:  # dropping the sink column's backward: d(P) written into a zero (B, nh, S, S + 1)
+        w.alloc(wide * 4, -scores * 4)
+    # softmax's backward; on CUDA it first makes tmp = grad * output, a third fp32 (B, nh, S, S [+ 1])
     # (aten/src/ATen/native/cuda/SoftMax.cu, softmax_backward_cuda_out), freed when it returns
-    tmp = scores * 4 if w.cuda else 0
-    w.alloc(scores * 4, tmp)
+    tmp = wide * 4 if w.cuda else 0
+    w.alloc(wide * 4, tmp)
     w.peak(tag + "attention.softmax")
     w.alloc(-tmp)
     w.free("attention.probs_fp32")
-    w.alloc(scores * c, -scores * 4, -scores * 4)  # back to the scores' dtype, then scaled
+    # the scores' columns of d(softmax input) (a view) back to the scores' dtype, then scaled; the sink column's
+    # sum over batch and positions is the sinks' gradient, in the parameter's dtype
+    w.alloc(scores * c, -wide * 4, -wide * 4, nh * w.p if sinks else 0)
     w.alloc(2 * kv_exp)  # QKᵀ's backward: d(q), d(k) expanded
     w.peak(tag + "attention.qk")
     w.free("attention.q", "attention.k")

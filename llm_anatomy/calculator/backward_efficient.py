@@ -5,6 +5,7 @@ recompute, the checkpoints' tensors made again. backward.walk runs them."""
 from __future__ import annotations
 
 from llm_anatomy.calculator import backward_moe
+from llm_anatomy.calculator import attention_fields
 from llm_anatomy.calculator.attention import qk_norm_saved_efficient, sdpa_o_saved
 from llm_anatomy.calculator.linear import linears_saved
 from llm_anatomy.calculator.mlp import efficient_saved
@@ -61,7 +62,7 @@ def layer(w, i: int, g: int) -> int:
     """One block's backward, the MLP branch then the attention branch; returns the residual gradient."""
     T, H, c, r = w.T, w.H, w.c, w.r
     B, S, nh, nkv, hd = w.B, w.S, w.nh, w.nkv, w.hd
-    kv_exp, kv = B * nh * S * hd * c, B * nkv * S * hd * c
+    kv_exp, kv = attention_fields.sdpa_grads(w)  # SDPA's d(q), and d(k) and d(v) each
     tag = f"layer {i} "
     w.begin()
     lean = w.lean  # the lean block: lean matmuls, SwiGLU + down, adds inside the norms (llm_anatomy/kernels/lean.py)
@@ -92,13 +93,16 @@ def layer(w, i: int, g: int) -> int:
     w.alloc(-ws, -go)
     w.free("attention.sdpa.")
     dqkv = T * (nh + 2 * nkv) * hd * c
-    if w.cfg.qk_norm:
+    whole = w.cfg.qk_norm_whole  # OLMoE's norms run before the plain rope_qkv (attention_fields.py)
+    if w.cfg.qk_norm and not whole:
         rope_norm(w, tag, dqkv)
     else:
         w.alloc(dqkv)  # rope_qkv's backward: d(qkv)
         w.peak(tag + "attention.rope")
     w.alloc(-kv_exp, -kv, -kv)
-    if w.cfg.qk_norm:
+    if whole:
+        attention_fields.whole_qk_norm(w, tag, dqkv)
+    elif w.cfg.qk_norm:
         w.free("attention.rope_qkv_norm.qkv")
     if w.recompute == "mlp":  # the qkv matmul's backward asks for its input: the norm runs again
         w.remake("qkv", lambda: linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))

@@ -50,10 +50,11 @@ def param_tensors(cfg: ModelConfig, variant: str = "baseline") -> list[tuple[int
             [(prod(s), 1) for _, s in after]
     H, I, kv, L, q = cfg.hidden, cfg.intermediate, cfg.kv_dim, cfg.layers, cfg.q_dim
     qb, kb, qkvb = ([q], [kv], [q + 2 * kv]) if cfg.qkv_bias else ([], [], [])  # each bias follows its weight
-    qkn = [cfg.head_dim] * 2 if cfg.qk_norm else []  # q_norm, k_norm after o
-    if variant == "efficient":
+    qkn = ([q, kv] if cfg.qk_norm_whole else [cfg.head_dim] * 2) if cfg.qk_norm else []  # q_norm, k_norm after o
+    if variant == "efficient":  # attention's own sinks before its children; o's bias after its weight
         ffn = moe_param_tensors(cfg) if cfg.moe else [2 * I * H, H * I]
-        layer = [H, (q + 2 * kv) * H, *qkvb, q * H, *qkn, H, *ffn]
+        sinks, ob = [cfg.heads] if cfg.attn_sinks else [], [H] if cfg.o_bias else []
+        layer = [H, *sinks, (q + 2 * kv) * H, *qkvb, q * H, *ob, *qkn, H, *ffn]
     else:
         layer = [H, q * H, *qb, kv * H, *kb, kv * H, *kb, q * H, *qkn, H, I * H, I * H, H * I]
     return [(cfg.vocab * H, 1)] + [(n, L) for n in layer] + [(H, 1)] + ([] if cfg.tie_embeddings else [(cfg.vocab * H, 1)])
@@ -231,7 +232,8 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
     if variant == "baseline":
         T, V, S, c = run.tokens, cfg.vocab, run.seq, dt.compute
         logits = rnd(T * V * BYTES[c]) + (rnd(T * V * 4) if c != "float32" else 0)
-        fwd_peak = fwd_end - rnd(4) + rnd(T * cfg.hidden * BYTES[dt.residual]) + logits + rnd(S * S * BYTES[c])
+        masks = 2 if cfg.window is not None else 1  # the (S, S) causal bias, and a window's beside it
+        fwd_peak = fwd_end - rnd(4) + rnd(T * cfg.hidden * BYTES[dt.residual]) + logits + masks * rnd(S * S * BYTES[c])
     elif device == "cuda":
         fwd_peak = fwd_end - rnd(4) + _loss_forward_transient(cfg, run, rnd) + _cached_casts(cfg, run, rnd)
         if run.recompute == "mlp":  # or inside the last layer's MLP checkpoint, before the loss's tensors

@@ -24,7 +24,7 @@ from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.linear import linears_saved
 from llm_anatomy.calculator.mlp import elementwise_per_row, gated_saved
 from llm_anatomy.calculator.types import Component, Saved
-from llm_anatomy.config import refuse_unmodelled, unmodelled  # noqa: F401  (re-exported)
+from llm_anatomy.config import unmodelled
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 
@@ -169,7 +169,7 @@ def phases_unmodelled(cfg: ModelConfig, run: Run, variant: str, device: str = "c
     in words, or None: the attention fields (config.unmodelled), and for a mixture of experts the efficient block's
     loop-of-mm fallback (fp32, widths not multiples of 8, expert biases without autocast), whose backward walk is
     not written."""
-    name = unmodelled(cfg, "efficient")  # the attention fields
+    name = unmodelled(cfg, variant, run)  # the attention fields
     if name or not cfg.moe:
         return name
     from llm_anatomy.calculator.moe_efficient import grouped_path

@@ -20,6 +20,11 @@
   is written. It keeps the qkv output (one storage, (nh + 2·nkv)·hd wide, v's columns included) and
   recomputes rstd in backward, which also writes both weights' gradients. The modules q_norm and k_norm hold
   the weights (the baseline's names) and are not called.
+- gpt-oss and OLMoE (llm_anatomy/efficient/attention_sinks.py): a layer with a sliding window or sinks passes SDPA an
+  additive mask, shared by the layers (no is_causal); sinks join as one more key; o may carry a bias (gpt-oss).
+  OLMoE's q/k norm over the whole projection runs the fused rms_norm on qkv's q and k columns (views: both norms
+  keep qkv's one storage, as rope_qkv_norm does), then the plain rope_qkv on cat(q, k, v): rope_qkv_norm norms
+  per head and cannot norm a whole projection.
 State dict: qkv.weight = cat(q.weight, k.weight, v.weight), qkv.bias likewise (see efficient.transformer)."""
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
+from llm_anatomy.efficient.attention_sinks import attention_mask, sink_sdpa
 from llm_anatomy.efficient.norm import RMSNorm
-from llm_anatomy.kernels import rope_qkv, rope_qkv_norm
+from llm_anatomy.kernels import rms_norm, rope_qkv, rope_qkv_norm
 from llm_anatomy.kernels.lean import linear
 
 # Measured on the H200 (ANCHORS.md): causal, hd 64, fwd+bwd, cuDNN 386 TFLOP/s, flash 238,
@@ -75,15 +81,19 @@ class Attention(nn.Module):
     component = "attention"
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, qkv_bias: bool = False, lean: bool = False,
-                 head_dim: int | None = None, qk_norm: bool = False, eps: float = 1e-6):
+                 head_dim: int | None = None, qk_norm: bool = False, eps: float = 1e-6, o_bias: bool = False,
+                 qk_norm_whole: bool = False, sinks: bool = False, window: int | None = None):
         super().__init__()
         self.lean = lean  # qkv and o keep no weight cast for backward (False inside a checkpoint: see kernels/lean.py)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim or hidden // heads
-        self.qkv = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=qkv_bias)
-        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
-        if qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(self.head_dim, eps), RMSNorm(self.head_dim, eps)
-        self.qk_norm = qk_norm
+        qd, kvd = heads * self.head_dim, kv_heads * self.head_dim
+        self.qkv = nn.Linear(hidden, qd + 2 * kvd, bias=qkv_bias)
+        self.o = nn.Linear(qd, hidden, bias=o_bias)
+        if qk_norm:  # the baseline's widths: each head's hd, or the whole q and k (OLMoE)
+            self.q_norm, self.k_norm = (RMSNorm(qd, eps), RMSNorm(kvd, eps)) if qk_norm_whole else \
+                (RMSNorm(self.head_dim, eps), RMSNorm(self.head_dim, eps))
+        self.sinks = nn.Parameter(torch.empty(heads)) if sinks else None  # a logit per head (gpt-oss)
+        self.qk_norm, self.qk_norm_whole, self.window = qk_norm, qk_norm_whole, window  # this layer's window
         self.last_backend: str | None = None
 
     def forward(self, x, cos, sin, norm: nn.Module | None = None):  # x: (B, S, H); cos, sin: (S, hd) fp32
@@ -92,15 +102,29 @@ class Attention(nn.Module):
             qkv = self._linear(self.qkv, x)  # (B, S, (nh + 2 nkv) hd)
         else:  # x is the residual stream; keep it, not its normed copy
             qkv = checkpoint(lambda x: self.qkv(norm(x)), x, use_reentrant=False, preserve_rng_state=False)
-        if self.qk_norm:  # q_norm and k_norm run inside the RoPE kernel
+        if self.qk_norm_whole:  # over the whole q and k (views of qkv), then the plain RoPE kernel
+            qd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            qn = rms_norm(qkv[..., :qd], _local(self.q_norm.weight), self.q_norm.eps)
+            kn = rms_norm(qkv[..., qd:qd + kvd], _local(self.k_norm.weight), self.k_norm.eps)
+            q, k, v = rope_qkv(torch.cat((qn, kn, qkv[..., qd + kvd:]), dim=-1), cos, sin, self.heads, self.kv_heads)
+        elif self.qk_norm:  # q_norm and k_norm run inside the RoPE kernel
             q, k, v = rope_qkv_norm(qkv, _local(self.q_norm.weight), _local(self.k_norm.weight), cos, sin, self.heads,
                                     self.kv_heads, self.q_norm.eps)
         else:
             q, k, v = rope_qkv(qkv, cos, sin, self.heads, self.kv_heads)  # (B, nh|nkv, S, hd), contiguous
+        gqa, hd = self.kv_heads != self.heads, self.head_dim
         with backend_context(x.device):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 enable_gqa=self.kv_heads != self.heads)  # (B, nh, S, hd)
+            if self.sinks is not None:  # (B, nh, S, hd + pad): the first hd columns are the output
+                mask = attention_mask(S, self.window, True, q.dtype, q.device)
+                out = sink_sdpa(q, k, v, _local(self.sinks), mask, gqa)
+            elif self.window is not None:
+                mask = attention_mask(S, self.window, False, q.dtype, q.device)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, nh, S, hd)
         self.last_backend = sdpa_backend_name(out.grad_fn) if out.grad_fn is not None else None
+        if out.shape[-1] != hd:
+            out = out[..., :hd]
         # a view when out is laid out (B, S, nh, hd)
         return self._linear(self.o, out.transpose(1, 2).reshape(B, S, self.heads * self.head_dim))
 

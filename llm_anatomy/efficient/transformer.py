@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from llm_anatomy.baseline.transformer import Embedding, rope_tables
 from llm_anatomy.config import ModelConfig
 from llm_anatomy.efficient.attention import Attention
+from llm_anatomy.efficient.attention_sinks import shared_masks
 from llm_anatomy.efficient.loss import LMHeadLoss
 from llm_anatomy.efficient.mlp import MLP
 from llm_anatomy.efficient.moe import LoadBalancingLoss, MoE
@@ -24,7 +25,7 @@ FUSED = (("attn.qkv.weight", ("attn.q.weight", "attn.k.weight", "attn.v.weight")
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, recompute: str = "none", lean: bool = False):
+    def __init__(self, cfg: ModelConfig, recompute: str = "none", lean: bool = False, index: int = 0):
         super().__init__()
         self.recompute = recompute
         # Run.lean: the lean block, without recompute only (inside a checkpoint the matmuls stay nn.Linear:
@@ -32,7 +33,8 @@ class Block(nn.Module):
         self.lean = lean and recompute == "none"
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.qkv_bias, self.lean, cfg.head_dim, cfg.qk_norm,
-                              cfg.norm_eps)
+                              cfg.norm_eps, cfg.o_bias, cfg.qk_norm_whole, cfg.attn_sinks,
+                              cfg.window if cfg.windowed(index) else None)  # layer `index`'s window
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         # MoE: the same call protocol as MLP (recompute "mlp" included); component "moe" (llm_anatomy/efficient/moe.py)
         self.mlp = MoE(cfg, self.lean) if cfg.moe else MLP(cfg.hidden, cfg.intermediate, cfg.mlp, self.lean)
@@ -124,7 +126,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg, self.recompute, self.lean = cfg, recompute, lean and recompute == "none"
         self.embed = Embedding(cfg.vocab, cfg.hidden)
-        self.layers = nn.ModuleList(Block(cfg, recompute, lean) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(Block(cfg, recompute, lean, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = LMHeadLoss(cfg.hidden, cfg.vocab, loss_impl)  # ours, or "liger" (efficient/loss.py)
         if cfg.tie_embeddings:
@@ -133,6 +135,10 @@ class Transformer(nn.Module):
             self.balance = LoadBalancingLoss()
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        with shared_masks():  # a window's or the sinks' mask is built once and kept once (efficient/attention_sinks.py)
+            return self._forward(ids, targets, reduction)
+
+    def _forward(self, ids: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         x = self.embed(ids)  # (B, S, H)
         # fp32 tables: the RoPE kernel rotates in fp32 registers and keeps only these two (S, hd) tables
         cos, sin = rope_tables(ids.shape[1], self.cfg.head_dim, self.cfg.rope_theta, ids.device, torch.float32)
