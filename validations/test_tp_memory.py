@@ -21,6 +21,7 @@ import pytest
 from llm_anatomy.calculator.tp_memory import pp_phases, tp_phases
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
+from validations.draw_notes import draw_note
 from validations.test_pipeline_parallel import pipeline_scenarios
 from validations.test_tensor_parallel import tp_cases
 
@@ -74,14 +75,6 @@ def pp_run():
     return 2, scen, spawn_mesh_peaks(2, scen, fn="pp", timeout_s=300)
 
 
-def _note(sc: dict, r: int) -> str:
-    c, run = sc["cfg"], sc["run"]
-    return (f"H{c.hidden} L{c.layers} heads {c.heads}/{c.kv_heads} hd {c.head_dim} I{c.intermediate} V{c.vocab} "
-            f"{c.mlp} bias {c.qkv_bias} tied {c.tie_embeddings} qk_norm {c.qk_norm}; B{run.batch} S{run.seq} "
-            f"{run.dtype} {sc.get('optimizer', 'adamw')} reshard {sc.get('reshard_after_forward', '-')} "
-            f"microbatches {sc.get('microbatches', '-')} split {sc.get('split')}; rank {r}")
-
-
 def _tp_pred(sc: dict, tp: int, dp: int, r: int) -> dict:
     return tp_phases(sc["cfg"], sc["run"], tp, dp, rank=r, optimizer=sc["optimizer"], device="cpu",
                      reshard_after_forward=sc.get("reshard_after_forward", True))
@@ -98,7 +91,7 @@ def test_tp_phase_ends_exact(tp_run, claims):
         for r in range(tp * dp):
             ph = {p["name"]: p for p in res[r][i]}
             pred = _tp_pred(sc, tp, dp, r)
-            note = f"tp {tp} x dp {dp}: {_note(sc, r)}"
+            note = f"tp {tp} x dp {dp}: {draw_note(sc, rank=r)}"
             for phase, measured in (("backward_end", ph["backward"]["allocated"]),
                                     ("optimizer_end", ph["zero_grad"]["allocated"])):
                 claims.check(f"tp rank {phase.replace('_', ' ')} bytes", component="memory", config=sc["cfg"].name,
@@ -120,7 +113,7 @@ def test_tp_peak_is_a_bound(tp_run, claims):
         for r in range(tp * dp):
             measured = max(p["peak"] for p in res[r][i])
             pred = _tp_pred(sc, tp, dp, r)
-            note = f"tp {tp} x dp {dp}: {_note(sc, r)}; predicted at {pred['peak_at']}"
+            note = f"tp {tp} x dp {dp}: {draw_note(sc, rank=r)}; predicted at {pred['peak_at']}"
             claims.check("tp rank step peak (upper bound)", component="memory", config=sc["cfg"].name,
                          variant="baseline", predicted=pred["peak"], measured=measured,
                          tolerance=TP_PEAK_SLACK - 1, unit="B", note=note)
@@ -141,7 +134,7 @@ def test_pp_phase_ends_exact(pp_run, claims):
                                     ("optimizer_end", ph["zero_grad"]["allocated"])):
                 claims.check(f"pp rank {phase.replace('_', ' ')} bytes", component="memory", config=sc["cfg"].name,
                              variant="baseline", predicted=pred[phase], measured=measured, unit="B",
-                             note=f"pp {pp} 1f1b: {_note(sc, r)}")
+                             note=f"pp {pp} 1f1b: {draw_note(sc, rank=r)}")
 
 
 @pytest.mark.distributed
@@ -154,7 +147,7 @@ def test_pp_peak_is_a_bound(pp_run, claims):
             measured = max(p["peak"] for p in res[r][i])
             pred = pp_phases(sc["cfg"], sc["run"], pp, r, microbatches=sc["microbatches"], split=sc["split"],
                              device="cpu")
-            note = f"pp {pp} 1f1b: {_note(sc, r)}"
+            note = f"pp {pp} 1f1b: {draw_note(sc, rank=r)}"
             claims.check("pp rank step peak (upper bound)", component="memory", config=sc["cfg"].name,
                          variant="baseline", predicted=pred["peak"], measured=measured,
                          tolerance=PP_PEAK_SLACK - 1, unit="B", note=note)
