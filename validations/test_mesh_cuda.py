@@ -89,12 +89,13 @@ def _check(claims, recs: list[dict], variant: str, device: torch.device, path: s
     assert len(recs) == STEPS
     for rec, ref in zip(recs, single):
         note = f"{path}, world size 1 on {device.type}, fp32, step {rec['step']}"
-        claims.check(f"{path} loss on one rank vs one process", component="loss", config=CFG.name, variant=variant,
-                     device=device.type, predicted=ref, measured=rec["loss"], tolerance=LOSS_TOL, unit="nats",
-                     note=note)
+        claims.check(f"one-rank mesh loss ({path}) vs one process", component="loss", config=CFG.name,
+                     variant=variant, device=device.type, predicted=ref, measured=rec["loss"], tolerance=LOSS_TOL,
+                     unit="nats", note=note)
         for k in ("params", "grads", "optimizer"):
-            claims.check(f"{path} rank {k} bytes, one rank", component="memory", config=CFG.name, variant=variant,
-                         device=device.type, predicted=predicted[k], measured=rec["memory"][k], unit="B", note=note)
+            claims.check(f"one-rank mesh {k} bytes ({path})", component="memory", config=CFG.name,
+                         variant=variant, device=device.type, predicted=predicted[k], measured=rec["memory"][k],
+                         unit="B", note=note)
 
 
 @pytest.mark.parametrize("variant", ["baseline", "efficient"])

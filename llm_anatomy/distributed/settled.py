@@ -11,8 +11,8 @@ Three things free or count storage off the main thread's order, and each is wait
     storage's finalizer runs in the dropping thread, under the GIL) when the barrier's wait() returns;
   - Python's cycle collector frees what only a cycle references (autograd nodes and the tensors they save) when it
     happens to run: gc.collect() runs first;
-  - the counters are updated from the worker thread too (a finalizer there, and ops there: gloo's work inherits
-    the main thread's dispatch modes), so every update holds one lock.
+  - the counters are updated from the worker thread too (a finalizer there, and any op gloo runs there under the
+    caller's thread-local state, dispatch modes included), so every update holds one lock.
 
     from llm_anatomy.distributed.settled import SettledStorage, spawn_settled
     spawn_settled(2, [dict(...)], fn)        # fn(**scenario) on 2 one-worker gloo ranks; results[rank][scenario]
