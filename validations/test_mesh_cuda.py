@@ -43,9 +43,10 @@ LOSS_TOL = 1e-5
 SCHEDULES = {"1f1b": 1, "interleaved-1f1b": 2}  # schedule -> stages per rank
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(scope="module")
 def device(request, tmp_path_factory):
-    """A process group of world size 1 in this process: NCCL on CUDA, gloo on CPU."""
+    """A process group of world size 1 in this process: NCCL on CUDA, gloo on CPU (request.param, each test's
+    parametrisation: the cuda case is marked gpu on the test itself, where scripts/suite_parts.py reads it)."""
     if dist.is_initialized():
         pytest.fail("a process group is already initialized in this process")
     cuda = request.param == "cuda"
@@ -98,6 +99,7 @@ def _check(claims, recs: list[dict], variant: str, device: torch.device, path: s
                          unit="B", note=note)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], indirect=True)
 @pytest.mark.parametrize("variant", ["baseline", "efficient"])
 def test_tp_path_on_one_rank(device, plan_on_one_rank, variant, claims):
     recs = mesh_step.train(CFG, RUN, 1, steps=STEPS, lr=LR, variant=variant, trace_saved=False)
@@ -105,6 +107,7 @@ def test_tp_path_on_one_rank(device, plan_on_one_rank, variant, claims):
     _check(claims, recs, variant, device, "tp", tp_rank_memory(CFG, RUN, 1, 1, variant=variant))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], indirect=True)
 @pytest.mark.parametrize("variant", ["baseline", "efficient"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_pp_path_on_one_rank(device, schedule, variant, claims):
@@ -115,6 +118,7 @@ def test_pp_path_on_one_rank(device, schedule, variant, claims):
                                                                             variant=variant))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], indirect=True)
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_tp_x_pp_path_on_one_rank(device, plan_on_one_rank, schedule, claims):
     v = SCHEDULES[schedule]
