@@ -55,6 +55,10 @@ def settle() -> None:
     process group the rank belongs to, in creation order (the same on every rank), outside any dispatch mode."""
     with _disable_current_modes():
         for group in list(dist.distributed_c10d._world.pg_map):
+            workers = group._get_backend(torch.device("cpu")).options._threads
+            if workers != 1:  # a second worker could still hold a Work when the barrier's is done
+                raise RuntimeError(f"settle() needs one gloo worker per process group ({BACKEND}); "
+                                   f"group {group.group_name} has {workers}")
             dist.barrier(group=group)
 
 
