@@ -30,6 +30,7 @@ from llm_anatomy.calculator.pipeline_schedule import bubble_fraction, in_flight,
 from llm_anatomy.mesh_rules import stage_layers
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
+from validations.draw_notes import draw_note
 from validations.train_cases import reference_losses
 
 N = 20  # drawn scenarios per claim group
@@ -125,16 +126,8 @@ def gloo_w4():
     return _spawned(4)
 
 
-def _note(sc: dict, rec: dict) -> str:
-    c, r = sc["cfg"], sc["run"]
-    return (f"{sc['variant']} {sc['schedule']} v={sc['virtual']} pp={sc['pp']} dp={sc['dp']} m={sc['microbatches']} "
-            f"split={sc['split']} L{c.layers} H{c.hidden} I{c.intermediate} V{c.vocab} heads {c.heads}/{c.kv_heads} "
-            f"bias={c.qkv_bias} {c.mlp} B{r.batch}S{r.seq} {r.dtype} recompute={r.recompute}; "
-            f"pp rank {rec['pp_rank']}, dp rank {rec['dp_rank']}, step {rec['step']}")
-
-
 def _check_rank(claims, sc: dict, rec: dict) -> None:
-    pr, dr, note = rec["pp_rank"], rec["dp_rank"], _note(sc, rec)
+    pr, dr, note = rec["pp_rank"], rec["dp_rank"], draw_note(sc, rec)
     common = dict(virtual=sc["virtual"], split=sc["split"], variant=sc["variant"])
     kw = dict(config=sc["cfg"].name, variant=f"{sc['variant']} pp", device="cpu", note=note)
     mem = pp_rank_memory(sc["cfg"], sc["run"], sc["pp"], pr, sc["dp"], dp_rank=dr, **common)

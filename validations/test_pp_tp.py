@@ -33,6 +33,7 @@ from llm_anatomy.calculator.pipeline_schedule import in_flight, saved_peak
 from llm_anatomy.calculator.tensor_parallel import grouped_counts
 from llm_anatomy.config import ModelConfig, Run
 from validations.configs import draw_examples
+from validations.draw_notes import draw_note
 from validations.test_tensor_parallel import CURVE_TOL
 from validations.train_cases import cache, one_thread, reference_losses  # noqa: F401 (module fixtures)
 
@@ -107,17 +108,8 @@ def gloo_pp2_tp2() -> dict:
     return out
 
 
-def _note(sc: dict, rec: dict) -> str:
-    c, r = sc["cfg"], sc["run"]
-    return (f"{sc['schedule']} pp={sc['pp']} dp={sc.get('dp', 1)} tp={sc['tp']} m={sc['microbatches']} "
-            f"split={sc['split']} "
-            f"L{c.layers} H{c.hidden} I{c.intermediate} V{c.vocab} heads {c.heads}/{c.kv_heads}x{c.head_dim} "
-            f"qk_norm={c.qk_norm} bias={c.qkv_bias} {c.mlp} B{r.batch}S{r.seq} {r.dtype} {sc['optimizer']}; "
-            f"pp rank {rec['pp_rank']}, dp rank {rec['dp_rank']}, tp rank {rec['tp_rank']}, step {rec['step']}")
-
-
 def _check_rank(claims, sc: dict, rec: dict) -> None:
-    pr, note = rec["pp_rank"], _note(sc, rec)
+    pr, note = rec["pp_rank"], draw_note(sc, rec)
     common = dict(virtual=sc["virtual"], split=sc["split"], tp=sc["tp"])
     kw = dict(config=sc["cfg"].name, variant="baseline pp x tp", device="cpu", note=note)
     mem = pp_rank_memory(sc["cfg"], sc["run"], sc["pp"], pr, sc.get("dp", 1), dp_rank=rec["dp_rank"],

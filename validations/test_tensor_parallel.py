@@ -21,6 +21,7 @@ from llm_anatomy.calculator.tensor_parallel import (check_mesh, check_run, group
                                                     tp_rank_memory, tp_saved)
 from llm_anatomy.config import PRESETS, ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
+from validations.draw_notes import draw_note
 from validations.train_cases import one_process_losses
 
 N_DRAWS = 20  # per mesh
@@ -86,16 +87,6 @@ def mesh_run(request):
     return world, scen, {name: [results[r][i] for r in range(world)] for i, name in enumerate(scen)}
 
 
-def _note(name: str, sc: dict) -> str:
-    c, r = sc["cfg"], sc["run"]
-    return (f"{name}: tp {sc['tp']} x dp {sc['dp']}, hidden {c.hidden}, layers {c.layers}, heads {c.heads}/"
-            f"{c.kv_heads}, I {c.intermediate}, V {c.vocab}, {c.mlp}, bias {c.qkv_bias}, tied {c.tie_embeddings}, "
-            f"qk_norm {c.qk_norm} (hd {c.head_dim}); "
-            f"B{r.batch} S{r.seq} "
-            f"{r.dtype}, {sc.get('optimizer', 'adamw')}, reduce {sc.get('reduce_dtype', 'auto')}, "
-            f"reshard {sc.get('reshard_after_forward', True)}")
-
-
 def check_collectives(world: int, scen: dict, res: dict, claims, variant: str = "baseline") -> None:
     """Every collective of every step on every rank, with its mesh dim, against tp_collectives."""
     for name, sc in scen.items():
@@ -109,7 +100,7 @@ def check_collectives(world: int, scen: dict, res: dict, claims, variant: str = 
         for r in range(world):
             for rec in res[name][r]:
                 meas = {tuple(k[:3]) + (k[3],): n for *k, n in rec["collectives"]}
-                note = f"{_note(name, sc)}, rank {r}, step {rec['step']}"
+                note = f"{name}: {draw_note(sc, rank=r, step=rec['step'])}"
                 claims.check("tp collective calls per step", component="comm", config=sc["cfg"].name,
                              variant=variant, predicted=sum(pred.values()), measured=sum(meas.values()),
                              unit="calls", note=note)
@@ -126,7 +117,7 @@ def check_rank_bytes(world: int, scen: dict, res: dict, claims, variant: str = "
                 for what in ("params", "grads", "optimizer"):
                     claims.check(f"tp per-rank {what} bytes", component="comm", config=sc["cfg"].name,
                                  variant=variant, predicted=pred[what], measured=rec["memory"][what], unit="B",
-                                 note=f"{_note(name, sc)}, rank {r}, after step {rec['step']}")
+                                 note=f"{name}: {draw_note(sc, rank=r, after_step=rec['step'])}")
 
 
 def check_saved(world: int, scen: dict, res: dict, claims, variant: str = "baseline") -> None:
@@ -138,7 +129,7 @@ def check_saved(world: int, scen: dict, res: dict, claims, variant: str = "basel
             for comp in sorted(set(pred) | set(meas)):
                 claims.check("tp per-rank saved bytes", component=comp, config=sc["cfg"].name, variant=variant,
                              predicted=pred.get(comp, 0), measured=meas.get(comp, 0), unit="B",
-                             note=f"{_note(name, sc)}, rank {r}")
+                             note=f"{name}: {draw_note(sc, rank=r)}")
 
 
 @pytest.mark.distributed

@@ -2,17 +2,16 @@
 (llm_anatomy.calculator.tp_memory) vs live storage on gloo ranks (llm_anatomy.distributed.mesh_peak).
 
   gloo, 2 processes    TP 2 and PP 2 (1F1B), hypothesis-drawn configs and runs
-  gloo, 4 processes    TP 2 x FSDP 2, hypothesis-drawn configs and runs
-  The TP ranks' exact phase ends are not claimed yet (UNSETTLED): their live storage depends on when gloo's
-  threads free the collectives' buffers.
-  every rank, the last of two steps:
+  gloo, 4 processes    TP 4 and TP 2 x FSDP 2, hypothesis-drawn configs and runs
+  every rank, the last of two steps, each boundary read settled (distributed/settled.py: one gloo worker thread per
+  process group and a barrier on each before the read, so every collective's buffers are dropped):
     TP  backward end and optimizer end exact; forward end exact up to which of two collectives' buffers DTensor's
         graph keeps until backward (the embedding's reduce-scatter, the head's all-gather: three tensors each,
         predicted exactly; whether each is kept is not predicted, so the measured forward end must be the
         prediction plus one of the four sums); the step's peak an upper bound within TP_PEAK_SLACK
     PP  step end (every micro-batch's forward and backward done) and optimizer end exact; the step's peak an upper
         bound within PP_PEAK_SLACK
-All the draws of one world size run in ONE spawn (module-scoped fixtures), so the file stays fast.
+All the draws of one mesh run in ONE spawn (module-scoped fixtures), so the file stays fast.
 """
 from __future__ import annotations
 
@@ -21,15 +20,11 @@ import pytest
 from llm_anatomy.calculator.tp_memory import pp_phases, tp_phases
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
+from validations.draw_notes import draw_note
 from validations.test_pipeline_parallel import pipeline_scenarios
 from validations.test_tensor_parallel import tp_cases
 
 N_DRAWS = 20  # per mesh
-# why test_tp_phase_ends_exact does not run: a TP rank's live storage at a phase end includes collective buffers
-# gloo's threads free on the machine's time. On a loaded CI machine a TP 2 x FSDP 2 backward end read 2,048 B
-# against 1,888 B predicted, and the TP 2 case failed once in three runs of this file while passing alone; the
-# claim returns when the measurement waits for every collective's work to finish before it reads.
-UNSETTLED = "a TP rank's phase-end live storage on gloo depends on when gloo's threads free collective buffers"
 # the peaks are upper bounds: the one-GPU walk on the shard prices the norms and the residual stream at full seq
 # (sequence parallel holds seq / tp), counts the gradients at their largest together with the walk's transients,
 # and adds every collective buffer a backward moment could hold (a pipeline rank: every gradient held with one
@@ -54,7 +49,7 @@ def _pp_scenarios(pp: int, seed: int) -> list[dict]:
     return [dict(cfg=c["cfg"], run=c["run"], pp=pp, microbatches=c["microbatches"], split=c["split"]) for c in cases]
 
 
-MESHES = {"tp2": (2, 1), "tp2xdp2": (2, 2)}
+MESHES = {"tp2": (2, 1), "tp4": (4, 1), "tp2xdp2": (2, 2)}
 
 
 @pytest.fixture(scope="module", params=list(MESHES), ids=list(MESHES))
@@ -74,14 +69,6 @@ def pp_run():
     return 2, scen, spawn_mesh_peaks(2, scen, fn="pp", timeout_s=300)
 
 
-def _note(sc: dict, r: int) -> str:
-    c, run = sc["cfg"], sc["run"]
-    return (f"H{c.hidden} L{c.layers} heads {c.heads}/{c.kv_heads} hd {c.head_dim} I{c.intermediate} V{c.vocab} "
-            f"{c.mlp} bias {c.qkv_bias} tied {c.tie_embeddings} qk_norm {c.qk_norm}; B{run.batch} S{run.seq} "
-            f"{run.dtype} {sc.get('optimizer', 'adamw')} reshard {sc.get('reshard_after_forward', '-')} "
-            f"microbatches {sc.get('microbatches', '-')} split {sc.get('split')}; rank {r}")
-
-
 def _tp_pred(sc: dict, tp: int, dp: int, r: int) -> dict:
     return tp_phases(sc["cfg"], sc["run"], tp, dp, rank=r, optimizer=sc["optimizer"], device="cpu",
                      reshard_after_forward=sc.get("reshard_after_forward", True))
@@ -92,13 +79,12 @@ def test_tp_phase_ends_exact(tp_run, claims):
     """Backward end and optimizer end equal the prediction on every rank; the forward end is the prediction plus
     the buffers of none, one or both of the two collectives DTensor's graph may keep."""
     tp, dp, scen, res = tp_run
-    pytest.skip(UNSETTLED)
     assert len(scen) >= N_DRAWS
     for i, sc in enumerate(scen):
         for r in range(tp * dp):
             ph = {p["name"]: p for p in res[r][i]}
             pred = _tp_pred(sc, tp, dp, r)
-            note = f"tp {tp} x dp {dp}: {_note(sc, r)}"
+            note = f"tp {tp} x dp {dp}: {draw_note(sc, rank=r)}"
             for phase, measured in (("backward_end", ph["backward"]["allocated"]),
                                     ("optimizer_end", ph["zero_grad"]["allocated"])):
                 claims.check(f"tp rank {phase.replace('_', ' ')} bytes", component="memory", config=sc["cfg"].name,
@@ -120,7 +106,7 @@ def test_tp_peak_is_a_bound(tp_run, claims):
         for r in range(tp * dp):
             measured = max(p["peak"] for p in res[r][i])
             pred = _tp_pred(sc, tp, dp, r)
-            note = f"tp {tp} x dp {dp}: {_note(sc, r)}; predicted at {pred['peak_at']}"
+            note = f"tp {tp} x dp {dp}: {draw_note(sc, rank=r)}; predicted at {pred['peak_at']}"
             claims.check("tp rank step peak (upper bound)", component="memory", config=sc["cfg"].name,
                          variant="baseline", predicted=pred["peak"], measured=measured,
                          tolerance=TP_PEAK_SLACK - 1, unit="B", note=note)
@@ -141,7 +127,7 @@ def test_pp_phase_ends_exact(pp_run, claims):
                                     ("optimizer_end", ph["zero_grad"]["allocated"])):
                 claims.check(f"pp rank {phase.replace('_', ' ')} bytes", component="memory", config=sc["cfg"].name,
                              variant="baseline", predicted=pred[phase], measured=measured, unit="B",
-                             note=f"pp {pp} 1f1b: {_note(sc, r)}")
+                             note=f"pp {pp} 1f1b: {draw_note(sc, rank=r)}")
 
 
 @pytest.mark.distributed
@@ -154,7 +140,7 @@ def test_pp_peak_is_a_bound(pp_run, claims):
             measured = max(p["peak"] for p in res[r][i])
             pred = pp_phases(sc["cfg"], sc["run"], pp, r, microbatches=sc["microbatches"], split=sc["split"],
                              device="cpu")
-            note = f"pp {pp} 1f1b: {_note(sc, r)}"
+            note = f"pp {pp} 1f1b: {draw_note(sc, rank=r)}"
             claims.check("pp rank step peak (upper bound)", component="memory", config=sc["cfg"].name,
                          variant="baseline", predicted=pred["peak"], measured=measured,
                          tolerance=PP_PEAK_SLACK - 1, unit="B", note=note)

@@ -190,7 +190,9 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
                 efficient variant's vocab-parallel head instead: _loss_transients);
       backward  the exact state (parameters, optimizer state, inputs, mesh), the unsharded parameters FSDP holds
                 after forward, both retained collectives, + the walk's largest moment on the shard (its saved
-                activations, and its gradients made so far or all of the rank's gradients, the larger) + one
+                activations, at most what the rank's forward end holds beyond its state: backward makes no
+                activation, so the walk's full-seq norms and residual stream are capped by the exact sequence-
+                parallel figure; and its gradients made so far or all of the rank's gradients, the larger) + one
                 backward all-gather's three (T, H) tensors and a reduce-scatter's (T, H) input, + the embedding's whole (V, H)
                 gradient, which DTensor returns Replicate (a transient unless it is the untied table's own .grad
                 without FSDP); under FSDP + two Blocks'
@@ -227,7 +229,9 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
     # embedding is untied and unsharded (counted in grads), else a transient before it is summed or reduced
     whole = tp > 1 and not (dp == 1 and not cfg.tie_embeddings)
     table = rnd(cfg.vocab * cfg.hidden * c) if whole else 0
-    backward = state + ph["gathered"] + retained + by["activation"] + grads + coll + fsdp + table
+    # the activations alive in backward are forward's, freed as backward goes: at most the forward end's, exactly
+    held = ph["forward_end_held"] - state - ph["gathered"]
+    backward = state + ph["gathered"] + retained + min(by["activation"], held) + grads + coll + fsdp + table
     # without FSDP each read of a norm's Partial gradient makes its all-reduced copy
     partial = 2 * rnd(cfg.hidden * BYTES[param_dtype_name(run)]) if tp > 1 and dp == 1 else 0
     optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, tp, dp, device, rnd) + partial

@@ -1,10 +1,12 @@
 """Per-rank live storage over tensor-parallel (x FSDP2) and pipeline-parallel (x FSDP2) steps: the measured side of
 llm_anatomy.calculator.tp_memory.
 
-Each rank runs the loop of distributed/mesh_step.py (TP) or distributed/pipeline_step.py (PP) inside RankStorage
-(distributed/peak.py: live storage with a DTensor counted as its local shard and FSDP2's in-place storage resizes
-counted), entered before the model is built, so everything the rank allocates is counted. Returned: the phases of the
-last step, each {name, allocated, peak, peak_op} in bytes of live storage on this rank:
+Each rank runs the loop of distributed/mesh_step.py (TP) or distributed/pipeline_step.py (PP) inside SettledStorage
+(distributed/settled.py: distributed/peak.py's live storage, a DTensor counted as its local shard and FSDP2's in-place
+storage resizes counted, read at each boundary after every collective's buffers are dropped), entered before the
+model is built, so everything the rank allocates is counted. The ranks run settled.BACKEND, gloo with one worker
+thread per process group. Returned: the phases of the last step, each {name, allocated, peak, peak_op} in bytes
+of live storage on this rank:
   TP  forward (the loss returned), backward (loss.backward() done, the loss dropped), optimizer (opt.step()),
       zero_grad (gradients set to None);
   PP  step (the schedule's forwards and backwards of every micro-batch), optimizer, zero_grad.
@@ -15,25 +17,15 @@ last step, each {name, allocated, peak, peak_op} in bytes of live storage on thi
 """
 from __future__ import annotations
 
-import gc
-
 import torch
 import torch.distributed as dist
 
 from llm_anatomy.config import ModelConfig, Run
-from llm_anatomy.distributed.peak import RankStorage, step_phases
+from llm_anatomy.distributed.peak import step_phases
+from llm_anatomy.distributed.settled import SettledStorage, spawn_settled
 from llm_anatomy.distributed.strategies import default_mixed_precision
 from llm_anatomy.distributed.train_step import make_optimizer
 from llm_anatomy.models import build_model, make_batch
-
-
-class _Collected(RankStorage):
-    """RankStorage whose phase boundaries count what is referenced: Python's cycle collector runs first, so a
-    boundary does not depend on when the interpreter last collected (the peaks inside a phase still do)."""
-
-    def phase(self, name: str) -> dict:
-        gc.collect()
-        return super().phase(name)
 
 
 def tp_peaks(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 2, optimizer: str = "adamw",
@@ -46,7 +38,7 @@ def tp_peaks(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 2, optimizer: 
     mesh = build_mesh(world // tp, tp)
     check_run(run, tp, world // tp)
     dp_rank = mesh["dp"].get_local_rank()
-    live = _Collected()
+    live = SettledStorage()
     with live:
         model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
         pd, rd = default_mixed_precision(run) if world // tp > 1 else (None, None)
@@ -71,7 +63,7 @@ def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int 
     mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]  # the mesh's own tensors are made before counting starts
     pp_rank, dp_rank = pp_mesh.get_local_rank(), dp_mesh.get_local_rank()
-    live = _Collected()
+    live = SettledStorage()
     with live:
         model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
         mods = build_stages(model, pp, pp_rank, virtual=virtual, split=split)
@@ -102,12 +94,9 @@ def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int 
 
 def spawn_mesh_peaks(world: int, scenarios: list[dict], *, fn: str = "tp",
                      timeout_s: float = 120.0) -> list[list[list[dict]]]:
-    """Each scenario (keyword arguments of tp_peaks() or, fn="pp", pp_peaks()) on `world` local gloo processes:
-    results[rank][scenario] = the last step's phases."""
-    from llm_anatomy.distributed import train_step
-
+    """Each scenario (keyword arguments of tp_peaks() or, fn="pp", pp_peaks()) on `world` local one-worker gloo
+    processes (settled.spawn_settled): results[rank][scenario] = the last step's phases."""
     # the first scenario runs twice and its first run is dropped: a process makes a few bytes of lazy state
     # (the pipeline's first step: 4 bytes) that every later run shares
-    runs = train_step.spawn(world, scenarios[:1] + scenarios, timeout_s=timeout_s,
-                            fn={"tp": tp_peaks, "pp": pp_peaks}[fn])
+    runs = spawn_settled(world, scenarios[:1] + scenarios, {"tp": tp_peaks, "pp": pp_peaks}[fn], timeout_s=timeout_s)
     return [rank[1:] for rank in runs]

@@ -116,10 +116,12 @@ def qk_norm_plan() -> dict:
             "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
 
 
-def apply_tp(model: nn.Module, tp_mesh) -> nn.Module:
-    """TP + SP on the 1-D tp mesh (in place): the root's plan, then each Block's (the pipeline's stages reuse it)."""
+def apply_tp(model: nn.Module, tp_mesh, *, one_rank: bool = False) -> nn.Module:
+    """TP + SP on the 1-D tp mesh (in place): the root's plan, then each Block's (the pipeline's stages reuse it).
+    A mesh of one rank is left alone unless one_rank=True, which applies the plan there too (DTensor's code path
+    with no peer: validations/test_mesh_cuda.py runs it on one GPU)."""
     tp, cfg = tp_mesh.size(), model.cfg
-    if tp > 1:
+    if tp > 1 or one_rank:
         efficient = getattr(model, "variant", "baseline") == "efficient"
         if efficient:  # each rank's fused rows in rank order
             check_efficient_tp(tp, model.lean, model.recompute)

@@ -1,0 +1,50 @@
+"""Claims: distributed/settled.py's boundaries count no collective's buffers once the caller has dropped them, its
+own barriers add no bytes, and it refuses a process group it cannot settle (more than one gloo worker). One process,
+a process group of world size 1 (its FileStore in tmp_path). The settling itself is proven where it matters, on
+gloo ranks: validations/test_tp_memory.py's exact TP phase ends."""
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from llm_anatomy.distributed.settled import BACKEND, SettledStorage, register_backend, settle
+
+
+def _group(tmp_path, backend: str) -> None:
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialized in this process")
+    dist.init_process_group(backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+
+
+def test_a_settled_boundary_holds_no_collective_buffer(tmp_path):
+    """Tensors handed to collectives and dropped by the caller are gone at the next boundary; the boundary's
+    barrier leaves nothing counted."""
+    register_backend()
+    _group(tmp_path, BACKEND)
+    try:
+        live = SettledStorage()
+        with live:
+            start = live.phase("start")["allocated"]
+            for n in range(1, 41):
+                t = torch.ones(64 * n)
+                out = torch.empty(64 * n)
+                dist.all_reduce(t, async_op=True).wait()
+                dist.all_gather_into_tensor(out, t, async_op=True).wait()
+                del t, out
+                assert live.phase(f"after {n}")["allocated"] == start, f"collective {n}'s buffers still counted"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_with_two_workers_is_refused(tmp_path):
+    """Plain gloo runs two worker threads per group: one barrier cannot prove both have dropped their Work."""
+    _group(tmp_path, "gloo")
+    try:
+        with pytest.raises(RuntimeError, match="one gloo worker"):
+            settle()
+    finally:
+        dist.destroy_process_group()
