@@ -71,7 +71,7 @@ def layer(w, i: int, g: int) -> int:
     gc = T * H * c if r != c or lean else 0
     w.alloc(0 if lean else gc)
     if w.cfg.moe:  # the MoE branch in place of the MLP's (under recompute, backward_moe_recompute re-runs it first)
-        gn = backward_moe.layer(w, i, tag, gc, swiglu_down)  # the shared experts' lean tail is the dense MLP's
+        gn = backward_moe.layer(w, i, tag, gc, swiglu_down, rerun_attention)  # the shared experts' lean tail is the dense MLP's
     else:
         gn = mlp(w, tag, gc)
     # under recompute the re-made sum goes with the norm (and under "mlp" the checkpoint's branch with it)

@@ -35,14 +35,15 @@ def _fold(w) -> int:
     return FOLD if w.cfg.expert_bias and grouped_path(w.cfg, w.run, w.est.device) else 0
 
 
-def layer(w, i: int, tag: str, gc: int, swiglu_down) -> int:
+def layer(w, i: int, tag: str, gc: int, swiglu_down, rerun_attention) -> int:
     """The MoE branch's backward from its incoming gradient (gc bytes, 0 where it is a view of the residual's);
-    returns the bytes of the gradient it hands the norm (T, H) in c."""
+    returns the bytes of the gradient it hands the norm (T, H) in c. swiglu_down, rerun_attention: the dense
+    block's stages (backward_efficient's), passed in so this module does not import it."""
     cfg, T, H, c, p = w.cfg, w.T, w.H, w.c, w.p
     E, K, I = cfg.experts, cfg.experts_per_token, cfg.expert_intermediate
     N, f, TH = T * K, _fold(w), T * H * c
     if w.recompute != "none":  # the checkpoint's re-run makes the block's saved tensors again
-        backward_moe_recompute.rerun(w, tag)
+        backward_moe_recompute.rerun(w, tag, rerun_attention)
     dx = 0  # the (T, H) input gradients made so far, summed as they join
     if cfg.shared_experts:
         _shared(w, tag, cfg.shared_experts * cfg.shared_intermediate, swiglu_down)

@@ -18,9 +18,9 @@ from dataclasses import replace
 from llm_anatomy.calculator.types import Saved
 
 
-def rerun(w, tag: str) -> None:
-    """The checkpoint's re-run, at the start of the MoE branch's backward (module docstring)."""
-    from llm_anatomy.calculator.backward_efficient import rerun_attention
+def rerun(w, tag: str, rerun_attention) -> None:
+    """The checkpoint's re-run, at the start of the MoE branch's backward (module docstring); rerun_attention(w,
+    tag): the dense block's attention re-run (backward_efficient's), which recompute="full" runs first."""
     from llm_anatomy.calculator.moe_efficient import saved_list
     from llm_anatomy.calculator.moe_region import region_peak
 
