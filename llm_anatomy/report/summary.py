@@ -8,10 +8,10 @@ import re
 AREAS = (("parameters", r"^(active )?params"),
          ("FLOPs", r"^flops|FLOPs"),
          ("saved tensors", r"^(memory\.saved|saved|gpt-oss|tp per-rank saved|(pipeline|pp x tp) (saved|chunks in flight))"),
-         ("collectives and per-rank bytes", r"^((tp|pipeline|pp x tp) )?(collective|per-rank|sends)"),
+         ("collectives and per-rank bytes", r"^((tp|pipeline|pp x tp) )?(collective|per-rank|sends)|^one-rank mesh .*bytes"),
          ("time", r"^(time\.|step time|optimizer step time)"),
          ("training loss and gradients", r"loss|gradient norm|evals"),
-         ("peak memory and phases", r"^(memory|plan:|optimizer (state|step) bytes|(tp|pp) rank )"))
+         ("peak memory and phases", r"^(memory|plan:|optimizer (state|step) bytes|(tp|pp) rank |vocab-parallel linear CE peak)"))
 
 
 def area(claim: str) -> str:
