@@ -121,8 +121,10 @@ def test_moe_phases_baseline_named(name, policy, optimizer, skewed, claims):
 
 
 @st.composite
-def _baseline_cases(draw):
-    cfg = replace(draw(moe_configs(max_experts=32)), layers=draw(st.integers(1, 3)), expert_bias=False, mlp="swiglu")
+def baseline_cases(draw, experts=((False, "swiglu"),)):
+    """(config, run, optimizer, skewed) for the baseline loop's phases; experts: the (expert_bias, mlp) pairs drawn."""
+    bias, mlp = draw(st.sampled_from(experts))
+    cfg = replace(draw(moe_configs(max_experts=32)), layers=draw(st.integers(1, 3)), expert_bias=bias, mlp=mlp)
     run = Run(draw(st.integers(1, 3)), draw(st.integers(2, 32)), draw(st.sampled_from(["amp", "bf16", "fp32"])))
     return cfg, run, draw(st.sampled_from([None, "adamw"])), draw(st.booleans())
 
@@ -130,7 +132,7 @@ def _baseline_cases(draw):
 @seed(20261206)
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(case=_baseline_cases())
+@given(case=baseline_cases())
 def test_moe_phases_baseline_hypothesis(case, claims):
     cfg, run, optimizer, skewed = case
     check(claims, cfg, run, optimizer, f"hypothesis {cfg.to_dict()} {run}", skewed, "baseline")

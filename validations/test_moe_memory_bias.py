@@ -12,14 +12,12 @@ from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
-from hypothesis import strategies as st
 
 from llm_anatomy.calculator import moe
 from llm_anatomy.calculator.timing.kernels_baseline import baseline_kernels
 from llm_anatomy.config import Run
-from validations.moe_reference import moe_configs
 from validations.test_moe_efficient import NAMED_MOE
-from validations.test_moe_memory import check
+from validations.test_moe_memory import baseline_cases, check
 
 MIXTRAL = NAMED_MOE["mixtral-like"]
 NAMED = {"gptoss-like": NAMED_MOE["gptoss-like"],  # biases, gpt-oss's activation, top-k then softmax, the balance loss
@@ -35,18 +33,10 @@ def test_moe_phases_baseline_bias_named(name, policy, skewed, claims):
     check(claims, NAMED[name], Run(2, 16, policy), "adamw", f"{name}/B2S16/{policy}/adamw", skewed, "baseline")
 
 
-@st.composite
-def _cases(draw):
-    bias, mlp = draw(st.sampled_from([(True, "swiglu"), (False, "gpt-oss"), (True, "gpt-oss")]))
-    cfg = replace(draw(moe_configs(max_experts=32)), layers=draw(st.integers(1, 3)), expert_bias=bias, mlp=mlp)
-    run = Run(draw(st.integers(1, 3)), draw(st.integers(2, 32)), draw(st.sampled_from(["amp", "bf16", "fp32"])))
-    return cfg, run, draw(st.sampled_from([None, "adamw"])), draw(st.booleans())
-
-
 @seed(20261209)
 @settings(max_examples=30, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(case=_cases())
+@given(case=baseline_cases([(True, "swiglu"), (False, "gpt-oss"), (True, "gpt-oss")]))
 def test_moe_phases_baseline_bias_hypothesis(case, claims):
     cfg, run, optimizer, skewed = case
     check(claims, cfg, run, optimizer, f"hypothesis {cfg.to_dict()} {run}", skewed, "baseline")
