@@ -125,11 +125,17 @@ def _fold_bias(x: Tensor, w: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cat([x, ones], 1), torch.cat([w, bias.unsqueeze(-1), w.new_zeros(*w.shape[:2], PAD - 1)], 2)
 
 
-def grouped_mm(x: Tensor, w: Tensor, offs: Tensor, bounds: list[int] | None, bias: Tensor | None = None) -> Tensor:
+def grouped_mm(x: Tensor, w: Tensor, offs: Tensor, bounds: list[int] | None, bias: Tensor | None = None,
+               dtype: torch.dtype | None = None) -> Tensor:
     """x (N, K) rows sorted by group, w (E, M, K) (nn.Linear's layout per group), offs (E,) int32 row ends,
     bias (E, M) or None -> (N, M): the rows of group e times w[e]^T, plus bias[e]. bounds None: torch._grouped_mm
     (one launch; a bias folded into it, _fold_bias); else the fallback, one mm (addmm with a bias, as nn.Linear
-    adds it) per group over the host's copy of offs."""
+    adds it) per group over the host's copy of offs.
+    dtype: w is cast here, so the unfolded cast is this frame's own local and dies when the fold replaces it. A
+    cast made in the caller's argument list would live as long as the caller's call does wherever CPython runs
+    frames through a PEP 523 evaluator (torch.compile installs one; it stays for the process), so its lifetime,
+    and the block's peak, would depend on what ran earlier in the process."""
+    w = w if dtype is None else w.to(dtype)
     if bounds is None:
         if bias is not None:
             x, w = _fold_bias(x, w, bias)
@@ -180,9 +186,9 @@ class MoE(nn.Module):
         bounds = None if _native(dt, (H, I), x2.device, cfg.expert_bias, cast) else offs.tolist()  # one host read
         xs = Permute.apply(x2, order, pos, K)  # (N, H): the token of each sorted row
         b_gu, b_down = (None if b is None else b.to(dt) for b in (ex.gate_up_bias, ex.down_bias))
-        gate_up = grouped_mm(xs, ex.gate_up.to(dt), offs, bounds, b_gu)  # (N, 2I)
+        gate_up = grouped_mm(xs, ex.gate_up, offs, bounds, b_gu, dt)  # (N, 2I)
         h = swiglu_packed(gate_up, cfg.mlp)  # (N, I)
-        y = grouped_mm(h, ex.down.to(dt), offs, bounds, b_down)  # (N, H)
+        y = grouped_mm(h, ex.down, offs, bounds, b_down, dt)  # (N, H)
         out = moe_unpermute(y, pos, w)  # (T, H); rounds w to dt inside, returns d(w) in fp32
         if cfg.shared_experts:
             out = out + self.shared(x2)
