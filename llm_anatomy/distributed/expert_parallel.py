@@ -27,6 +27,8 @@ unsort keep the same tensor); the all-to-alls keep nothing (their backward needs
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
@@ -150,14 +152,14 @@ def train(cfg: ModelConfig, run: Run, *, steps: int = 2, optimizer: str = "adamw
     records = []
     for step in range(1, steps + 1):
         with CollectiveCounter() as counter:
-            with LocalSavedTracer(model) as tr:
+            with LocalSavedTracer(model) if step == 1 else contextlib.nullcontext() as tr:
                 loss = model(ids, targets)
             loss.backward()
             opt.step()
         rec = dict(step=step, loss=float(loss.detach().float()), memory=rank_memory(model, opt),
                    collectives=[[*k, n] for k, n in sorted(counter.counts().items())])
         opt.zero_grad(set_to_none=True)
-        if step == 1:
-            rec["saved"] = tr.report.by_component()
+        if tr is not None:
+            rec["saved"] = tr.report.by_component()  # storage bytes this rank saved for backward
         records.append(rec)
     return records
