@@ -33,22 +33,14 @@ from llm_anatomy.calculator.sharding import BYTES, optimizer_bytes, param_dtype_
 from llm_anatomy.calculator.tensor_parallel import tp_unit_shapes
 from llm_anatomy.calculator.types import Saved
 from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.mesh_rules import check_ep
 
 EXPERTS = ".mlp.experts."  # the stacked experts' tensors, in the unit names ("layers.0.mlp.experts.gate_up")
 
 
 def check(cfg: ModelConfig, run: Run, ep: int, rank: int = 0) -> None:
-    """One line naming what expert parallel over ep ranks does not model (distributed/expert_parallel.py's
-    check_ep, restated here: the calculator never imports the engine)."""
-    if not cfg.moe:
-        raise ConfigError(f"expert parallel needs a mixture-of-experts config ({cfg.name} has experts=0)")
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or cfg.experts % ep:
-        raise ConfigError(f"ep must be a positive divisor of experts={cfg.experts}, got {ep!r}")
-    if run.dtype == "amp":
-        raise ConfigError("expert parallel runs dtype fp32 or bf16: FSDP2's amp policy does not cast the experts "
-                          "it ignores (dtype=amp)")
-    if run.recompute != "none":
-        raise ConfigError(f"expert parallel under recompute={run.recompute} is not modelled")
+    """mesh_rules.check_ep, and the rank."""
+    check_ep(cfg, run, ep)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ep:
         raise ConfigError(f"rank must be in [0, {ep}), got {rank!r}")
 
