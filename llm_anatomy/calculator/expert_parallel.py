@@ -90,9 +90,7 @@ def rank_memory(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, optimizer: s
 
 def collectives(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, hist=None) -> list[dict]:
     """Every collective of one training step on `rank`, in comm.py's row format."""
-    check(cfg, run, ep, rank)
-    if ep == 1:
-        return []
+    check(cfg, run, ep, rank)  # one rank runs the all-to-alls too (on itself); FSDP2 then runs none
     dt = param_dtype_name(run)
     c, L, H = BYTES[dt], cfg.layers, cfg.hidden
     sent = run.tokens * cfg.experts_per_token * H * c

@@ -89,7 +89,7 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_for
     from torch.distributed.fsdp import fully_shard
 
     ep = mesh.size()
-    for i, block in enumerate(model.layers):
+    for block in model.layers:
         parallelize_module(block, mesh, {"mlp.experts": ExpertParallel()})
     ignored = set(expert_params(model))
     for p in ignored:  # the mean over ranks FSDP2 takes of every other gradient
