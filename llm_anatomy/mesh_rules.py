@@ -1,6 +1,7 @@
 """What a mesh can run and how it is cut: the refusals the engine side (llm_anatomy.distributed.tensor_parallel,
-pipeline_parallel) and the calculator (llm_anatomy.calculator.tensor_parallel, pipeline_parallel) both apply, each in
-one line naming the field, and the pipeline's stage split both build. Pure Python.
+pipeline_parallel, expert_parallel) and the calculator (llm_anatomy.calculator.tensor_parallel, pipeline_parallel,
+expert_parallel) both apply, each in one line naming the field, and the pipeline's stage split both build. Pure
+Python.
 
 The pipeline's stage split: which decoder layers each stage holds. Pure Python: no torch.
 
@@ -173,3 +174,19 @@ def check_pipeline(cfg: ModelConfig, run: Run, pp: int, dp: int, schedule: str, 
         raise ConfigError("dtype amp under pipeline parallel runs as FSDP's MixedPrecisionPolicy: give dp >= 2, "
                           "or dtype fp32 or bf16")
     return stage_sizes(cfg.layers, pp, virtual, split)
+
+
+def check_ep(cfg: ModelConfig, run: Run, ep: int, variant: str = "efficient") -> None:
+    """ConfigError (one line, naming the field) for expert parallel over ep ranks that is not run or modelled
+    (llm_anatomy.distributed.expert_parallel, llm_anatomy.calculator.expert_parallel)."""
+    if variant != "efficient":
+        raise ConfigError(f"expert parallel runs the efficient variant's MoE block, not {variant!r}")
+    if not cfg.moe:
+        raise ConfigError(f"expert parallel needs a mixture-of-experts config ({cfg.name} has experts=0)")
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or cfg.experts % ep:
+        raise ConfigError(f"ep must be a positive divisor of experts={cfg.experts}, got {ep!r}")
+    if run.dtype == "amp":
+        raise ConfigError("expert parallel runs dtype fp32 or bf16: FSDP2's amp policy does not cast the experts "
+                          "it ignores (dtype=amp)")
+    if run.recompute != "none":
+        raise ConfigError(f"expert parallel under recompute={run.recompute} is not modelled")

@@ -82,8 +82,8 @@ def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
         if getattr(cfg, field) % mesh.tp:
             raise ConfigError(f"tp {mesh.tp} does not divide {field}={getattr(cfg, field)}")
     if cfg.moe and mesh.tp > 1:
-        raise ConfigError("tensor parallel over mixture-of-experts layers is not modelled (expert parallel is not "
-                          "either): plan MoE models with data parallelism")
+        raise ConfigError("tensor parallel over mixture-of-experts layers is not modelled: plan MoE models with data "
+                          "parallelism (expert parallel over the dp ranks: calculator/expert_parallel.py)")
     if mesh.pp * mesh.virtual > cfg.layers:
         raise ConfigError(f"pp {mesh.pp} x {mesh.virtual} chunks is more stages than layers={cfg.layers}")
 

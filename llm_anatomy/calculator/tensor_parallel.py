@@ -33,7 +33,8 @@ def check_optimizer(optimizer: str, tp: int, dp: int) -> None:
 # vocab), SequenceParallel replicates the norms' weights. DTensor's local tensor is the plain chunk.
 def _fused(block: list[tuple[str, Shape]]) -> list[tuple[str, Shape]]:
     """The efficient Block's tensors from the baseline's: q, k, v weights one qkv weight (rows q, k, v), their
-    biases one qkv bias, gate and up one gate_up weight, in registration order."""
+    biases one qkv bias, gate and up (the MLP's, or a mixture of experts' shared MLP's) one gate_up weight, in
+    registration order."""
     rows = {n: s for n, s in block}  # names within the unit: "layers.0.attn.q.weight"
     out = []
     for n, s in block:
@@ -43,9 +44,10 @@ def _fused(block: list[tuple[str, Shape]]) -> list[tuple[str, Shape]]:
             kind = name.split(".")[-1]
             rows_qkv = sum(rows[f"{pre}attn.{p}.{kind}"][0] for p in "qkv")
             out.append((f"{pre}attn.qkv.{kind}", (rows_qkv, *s[1:])))
-        elif name == "mlp.gate.weight":
-            out.append((f"{pre}mlp.gate_up.weight", (2 * s[0], s[1])))
-        elif name not in ("attn.k.weight", "attn.v.weight", "attn.k.bias", "attn.v.bias", "mlp.up.weight"):
+        elif name in ("mlp.gate.weight", "mlp.shared.gate.weight"):  # the shared experts' MLP is fused too
+            out.append((f"{pre}{name.replace('gate', 'gate_up')}", (2 * s[0], s[1])))
+        elif name not in ("attn.k.weight", "attn.v.weight", "attn.k.bias", "attn.v.bias", "mlp.up.weight",
+                          "mlp.shared.up.weight"):
             out.append((n, s))
     return out
 

@@ -45,16 +45,6 @@ from llm_anatomy.kernels import swiglu_packed
 from llm_anatomy.kernels.moe_unpermute import moe_unpermute
 
 
-class Experts(nn.Module):
-    """The routed experts' weights, stacked (nn.Linear's (out, in) convention per expert)."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        E, H, I = cfg.experts, cfg.hidden, cfg.expert_intermediate
-        self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))  # rows 0..I-1 the gate, I..2I-1 the up
-        self.down = nn.Parameter(torch.empty(E, H, I))
-        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * I)) if cfg.expert_bias else None
-        self.down_bias = nn.Parameter(torch.empty(E, H)) if cfg.expert_bias else None
 
 
 def route(logits: Tensor, cfg: ModelConfig) -> tuple[Tensor | None, Tensor, Tensor]:
@@ -148,6 +138,32 @@ def grouped_mm(x: Tensor, w: Tensor, offs: Tensor, bounds: list[int] | None, bia
     return torch.cat(out)
 
 
+class Experts(nn.Module):
+    """The routed experts' weights, stacked (nn.Linear's (out, in) convention per expert), and their MLP over rows
+    sorted by expert. Expert parallel (distributed/expert_parallel.py) keeps a slice of them on each rank and runs
+    this same forward on the rows it receives."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, H, I = cfg.experts, cfg.hidden, cfg.expert_intermediate
+        self.cfg = cfg
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))  # rows 0..I-1 the gate, I..2I-1 the up
+        self.down = nn.Parameter(torch.empty(E, H, I))
+        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * I)) if cfg.expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(E, H)) if cfg.expert_bias else None
+
+    def forward(self, xs: Tensor, offs: Tensor, dt: torch.dtype) -> Tensor:
+        """xs (N, H) in dt, rows sorted by expert; offs (E,) int32 the row end of each of this module's experts
+        -> y (N, H): two grouped GEMMs around the fused activation."""
+        cfg, H, I = self.cfg, self.cfg.hidden, self.cfg.expert_intermediate
+        cast = self.gate_up.dtype != dt  # amp: the stacked weights are cast for the GEMMs
+        bounds = None if _native(dt, (H, I), xs.device, cfg.expert_bias, cast) else offs.tolist()  # one host read
+        b_gu, b_down = (None if b is None else b.to(dt) for b in (self.gate_up_bias, self.down_bias))
+        gate_up = grouped_mm(xs, self.gate_up, offs, bounds, b_gu, dt)  # (N, 2I)
+        h = swiglu_packed(gate_up, cfg.mlp)  # (N, I)
+        return grouped_mm(h, self.down, offs, bounds, b_down, dt)  # (N, H)
+
+
 class MoE(nn.Module):
     component = "moe"
 
@@ -170,9 +186,9 @@ class MoE(nn.Module):
         return self._moe(x) if norm is None else recomputed_tail(self._moe, x, norm, branch)
 
     def _moe(self, x: Tensor) -> Tensor:
-        cfg, ex = self.cfg, self.experts
-        E, K, H, I = cfg.experts, cfg.experts_per_token, cfg.hidden, cfg.expert_intermediate
-        dt = compute_dtype(ex.gate_up)
+        cfg = self.cfg
+        E, K, H = cfg.experts, cfg.experts_per_token, cfg.hidden
+        dt = compute_dtype(self.experts.gate_up)
         x2 = x.reshape(-1, H).to(dt)  # (T, H)
         logits = self.router(x2).float()  # (T, E), computed in dt, routed in fp32
         probs, w, idx = route(logits, cfg)
@@ -182,13 +198,8 @@ class MoE(nn.Module):
             if self.collect:
                 counts = torch.diff(offs, prepend=offs.new_zeros(1))
                 self.aux = (counts.float().div_(x2.shape[0]), probs.mean(0))  # f (E,) detached, P (E,)
-        cast = ex.gate_up.dtype != dt  # amp: the stacked weights are cast for the GEMMs
-        bounds = None if _native(dt, (H, I), x2.device, cfg.expert_bias, cast) else offs.tolist()  # one host read
         xs = Permute.apply(x2, order, pos, K)  # (N, H): the token of each sorted row
-        b_gu, b_down = (None if b is None else b.to(dt) for b in (ex.gate_up_bias, ex.down_bias))
-        gate_up = grouped_mm(xs, ex.gate_up, offs, bounds, b_gu, dt)  # (N, 2I)
-        h = swiglu_packed(gate_up, cfg.mlp)  # (N, I)
-        y = grouped_mm(h, ex.down, offs, bounds, b_down, dt)  # (N, H)
+        y = self.experts(xs, offs, dt)  # (N, H)
         out = moe_unpermute(y, pos, w)  # (T, H); rounds w to dt inside, returns d(w) in fp32
         if cfg.shared_experts:
             out = out + self.shared(x2)

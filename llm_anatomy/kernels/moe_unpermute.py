@@ -100,16 +100,16 @@ def _acc(t: Tensor) -> Tensor:
 
 def unpermute_reference(y: Tensor, pos: Tensor, weights: Tensor) -> Tensor:
     T, K = weights.shape
-    rows = _acc(y.index_select(0, pos)).view(T, K, -1)  # (T, K, H) in token order
+    rows = _acc(y.index_select(0, pos)).view(T, K, y.shape[1])  # (T, K, H) in token order (T may be 0)
     return (_acc(weights.to(y.dtype)).unsqueeze(-1) * rows).sum(1).to(y.dtype)
 
 
 def unpermute_backward_reference(dout: Tensor, y: Tensor, pos: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
     T, K = weights.shape
     d = _acc(dout).unsqueeze(1)  # (T, 1, H)
-    rows = _acc(y.index_select(0, pos)).view(T, K, -1)
+    rows = _acc(y.index_select(0, pos)).view(T, K, y.shape[1])
     dw = (d * rows).sum(-1).to(weights.dtype)  # (T, K)
-    dy = torch.empty_like(y).index_copy_(0, pos, (_acc(weights.to(y.dtype)).unsqueeze(-1) * d).view(T * K, -1).to(y.dtype))
+    dy = torch.empty_like(y).index_copy_(0, pos, (_acc(weights.to(y.dtype)).unsqueeze(-1) * d).view(T * K, y.shape[1]).to(y.dtype))
     return dy, dw
 
 

@@ -1,0 +1,137 @@
+"""Per-rank figures of expert parallel over ep ranks, FSDP2 over the same ranks for every other tensor
+(llm_anatomy/distributed/expert_parallel.py). Pure Python: no torch.
+
+Notation: T = batch x seq tokens per rank, K = experts_per_token, N = T K routed rows a rank sends, E experts,
+El = E / ep per rank, c = the compute dtype's bytes, R_d the rows rank d receives in one MoE layer:
+R_d = sum over source ranks s of the rows s routes to d's experts [d El, (d + 1) El). Under the default balanced
+histogram (calculator/moe.py balanced, the same on every rank) R_d = ep x the balanced rows of d's experts; under
+skewed routing (every token to experts 0..K-1) rank 0 receives ep x N rows: the worst rank.
+
+Model state per rank:
+  experts     El of each stacked tensor (gate_up (El, 2I, H), down (El, H, I), their biases): plain local
+              parameters, gradients of the same shape, AdamW's two moments and a step per tensor
+  the rest    FSDP2's padded dim-0 shards (calculator/sharding.py), the efficient model's fused layout
+Collectives per step (NCCL-tests bytes: an all-to-all counts its input; each MoE layer):
+  forward     all-to-all int32 (E,): the row counts; all-to-all N x H x c: the routed rows out;
+              all-to-all R_d x H x c: the expert outputs back
+  backward    the two in reverse: R_d x H x c (the outputs' gradient out), N x H x c (the rows' gradient back)
+  FSDP2       comm.fsdp_collectives on the units without the experts
+Saved per rank (component "moe"): the one-process efficient block's tensors (calculator/moe_efficient.py) on the
+T local tokens, but the local experts' run on R_d rows: xs, gate_up and h with R_d rows, the weight casts and offs
+of El experts; plus pos (R_d,) int64, the receive side's sort (kept by its permute and its unsort). The unpermute
+still keeps y (N, H) and pos (N,): the rows are back before it. Every other component saves what the one-process
+model saves on the rank's batch.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from math import prod
+
+from llm_anatomy.calculator.comm import _row, collective_counts, fsdp_collectives
+from llm_anatomy.calculator.moe import balanced, check_histogram
+from llm_anatomy.calculator.sharding import BYTES, optimizer_bytes, param_dtype_name, shard_numel
+from llm_anatomy.calculator.tensor_parallel import tp_unit_shapes
+from llm_anatomy.calculator.types import Saved
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.mesh_rules import check_ep
+
+EXPERTS = ".mlp.experts."  # the stacked experts' tensors, in the unit names ("layers.0.mlp.experts.gate_up")
+
+
+def check(cfg: ModelConfig, run: Run, ep: int, rank: int = 0) -> None:
+    """mesh_rules.check_ep, and the rank."""
+    check_ep(cfg, run, ep)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ep:
+        raise ConfigError(f"rank must be in [0, {ep}), got {rank!r}")
+
+
+def units(cfg: ModelConfig) -> tuple:
+    """FSDP2's units without the experts: ("root", [(name, shape)]), ("block", [(name, shape)])."""
+    return tuple((u, [(n, s) for n, s in ps if EXPERTS not in n]) for u, ps in tp_unit_shapes(cfg, 1, "efficient"))
+
+
+def local_experts(cfg: ModelConfig, ep: int) -> list[tuple[str, tuple[int, ...]]]:
+    """One block's local expert tensors: El rows of each stacked tensor."""
+    (_, block), El = tp_unit_shapes(cfg, 1, "efficient")[1], cfg.experts // ep
+    return [(n, (El, *s[1:])) for n, s in block if EXPERTS in n]
+
+
+def received_rows(cfg: ModelConfig, run: Run, ep: int, hist=None) -> list[int]:
+    """R_d for every rank d in one MoE layer. hist: None (balanced on every rank), one histogram (E rows per
+    expert, the same on every rank) or a list of ep histograms, one per source rank (calculator/moe.py's checks)."""
+    if hist is None:
+        sources = [balanced(cfg, run)] * ep
+    elif hist and isinstance(hist[0], (tuple, list)):
+        if len(hist) != ep:
+            raise ConfigError(f"one routing histogram per source rank ({ep}), got {len(hist)}")
+        sources = [check_histogram(cfg, run, h) for h in hist]
+    else:
+        sources = [check_histogram(cfg, run, hist)] * ep
+    El = cfg.experts // ep
+    return [sum(sum(h[d * El:(d + 1) * El]) for h in sources) for d in range(ep)]
+
+
+def rank_memory(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, optimizer: str = "adamw") -> dict:
+    """{params, grads, optimizer} bytes one rank holds after the optimizer step."""
+    check(cfg, run, ep, rank)
+    pb = BYTES[param_dtype_name(run)]
+    (_, root), (_, block) = units(cfg)
+    padded = local = tensors = 0
+    for ps, k in ((root, 1), (block, cfg.layers)):
+        for _, s in ps:
+            lo, pa = shard_numel(s, ep, rank)
+            padded, local, tensors = padded + k * pa, local + k * lo, tensors + k
+    own = [prod(s) for _, s in local_experts(cfg, ep)]
+    mine = cfg.layers * sum(own)
+    tensors += cfg.layers * len(own)
+    return dict(params=(padded + mine) * pb, grads=(padded + mine) * pb,
+                optimizer=optimizer_bytes(optimizer, local + mine, tensors, pb))
+
+
+def collectives(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, hist=None) -> list[dict]:
+    """Every collective of one training step on `rank`, in comm.py's row format."""
+    check(cfg, run, ep, rank)  # one rank runs the all-to-alls too (on itself); FSDP2 then runs none
+    dt = param_dtype_name(run)
+    c, L, H = BYTES[dt], cfg.layers, cfg.hidden
+    sent = run.tokens * cfg.experts_per_token * H * c
+    back = received_rows(cfg, run, ep, hist)[rank] * H * c
+    rows = [_row("all_to_all", "forward", "row counts", L, cfg.experts * 4, "int32"),
+            _row("all_to_all", "forward", "routed rows", L, sent, dt),
+            _row("all_to_all", "forward", "expert outputs", L, back, dt),
+            _row("all_to_all", "backward", "expert output grads", L, back, dt),
+            _row("all_to_all", "backward", "routed row grads", L, sent, dt)]
+    return rows + fsdp_collectives(cfg, run, ep, unit_shapes=units(cfg))
+
+
+def counts(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, hist=None) -> dict[tuple[str, str, int], int]:
+    """{(op, dtype, bytes): calls} of one step on `rank`, the form distributed/counting.py measures."""
+    return collective_counts(collectives(cfg, run, ep, rank, hist))
+
+
+def moe_saved(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, hist=None, device: str = "cpu") -> list[Saved]:
+    """What one rank's MoE blocks keep for backward (module docstring)."""
+    from llm_anatomy.calculator.moe_efficient import saved_list
+
+    check(cfg, run, ep, rank)
+    R, El = received_rows(cfg, run, ep, hist)[rank], cfg.experts // ep
+    on_rows = ("moe.experts.xs", "moe.activation.gate_up", "moe.experts.h")
+    per_expert = ("moe.experts.gate_up.weight_cast", "moe.experts.down.weight_cast", "moe.experts.offs")
+    out = []
+    for s in saved_list(cfg, run, device):
+        if s.name in on_rows:
+            s = replace(s, shape=(R, *s.shape[1:]))
+        elif s.name in per_expert:
+            s = replace(s, shape=(El, *s.shape[1:]))
+        out.append(s)
+    return out + [Saved("moe.ep.pos", (R,), "int64", cfg.layers,
+                        "the received rows' sort: its permute and the unsort keep it")]
+
+
+def saved(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, hist=None, device: str = "cpu") -> dict[str, int]:
+    """{component: bytes} one rank saves for backward: the one-process efficient model's on the rank's batch,
+    "moe" from moe_saved."""
+    from llm_anatomy.calculator import estimate
+
+    out = {name: comp.saved_bytes for name, comp in estimate(cfg, run, "efficient", device=device).components.items()}
+    out["moe"] = sum(s.bytes for s in moe_saved(cfg, run, ep, rank, hist, device))
+    return out

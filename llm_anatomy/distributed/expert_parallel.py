@@ -1,0 +1,151 @@
+"""Expert parallel (EP) for the efficient mixture-of-experts block, composed with FSDP2 over the same ranks.
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    parallelize_experts(model, mesh)   # each rank: experts [r E/ep, (r+1) E/ep); FSDP2 over the rest
+
+The composition (torchtitan's when its dp_shard equals ep): one 1-D mesh "ep" of every rank.
+  experts     ExpertParallel, a ParallelStyle applied by parallelize_module to each block's Experts: rank r keeps
+              rows [r El, (r+1) El) of the stacked (E, 2I, H) / (E, H, I) tensors (and biases), El = E / ep, as plain
+              local parameters; FSDP2 leaves them alone (ignored_params), so no collective ever reads them whole.
+              Their gradients sum the contributions of every rank's tokens, so a hook divides them by ep: the
+              mean over ranks that FSDP2's reduce-scatter gives every other parameter.
+  the rest    FSDP2 (fully_shard) on every Block and the root, as distributed/strategies.py wraps a model.
+
+One block's forward on a rank (T local tokens, N = T K slots, E experts, El = E / ep, c the compute dtype):
+    xs (N, H) sorted by global expert (efficient/moe.py: the experts of rank d are contiguous, so are its rows)
+    counts (E,) int32 rows per expert -> all-to-all (equal splits) -> got (E,): got[s El + e] rows rank s sends
+        to local expert e; both split lists read on the host (the one sync EP needs: all_to_all takes ints)
+    xr = all_to_all(xs)                                    (R, H)  grouped by source rank, then local expert
+    xl = xr sorted by local expert (Permute, k = 1)         (R, H)  efficient/moe.py's permutation on (R, 1)
+    yl = Experts.forward(xl, offs_local, dt)               (R, H)  the grouped GEMMs (or the loop) on El experts
+    yr = yl[pos]                                            (R, H)  back to arrival order
+    y  = all_to_all(yr) with the splits swapped             (N, H)  back in xs's order, for the unpermute
+The all-to-alls are torch's autograd-enabled functional collectives: backward runs each in reverse.
+
+Saved per block beyond the local experts' own tensors on R rows: pos (R,) int64 (the local permute and the
+unsort keep the same tensor); the all-to-alls keep nothing (their backward needs only the split sizes).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.efficient.moe import Experts, Permute, permutation
+from llm_anatomy.mesh_rules import check_ep
+
+MESH_DIM = "ep"
+
+
+class ExpertParallel(ParallelStyle):
+    """Keep this rank's experts and move each token row to the rank holding its expert and back (module
+    docstring). Applied to one Experts module; its forward hooks carry the split sizes from dispatch to combine."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, Experts):
+            raise ConfigError(f"ExpertParallel applies to an Experts module, not {type(module).__name__}")
+        ep, r = device_mesh.size(), device_mesh.get_local_rank()
+        El = module.gate_up.shape[0] // ep
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(p.detach()[r * El:(r + 1) * El].clone()))
+        self.group = device_mesh.get_group()
+        module.register_forward_pre_hook(self._dispatch)
+        module.register_forward_hook(self._combine)
+        return module
+
+    def _dispatch(self, module: Experts, args: tuple) -> tuple:
+        xs, offs, dt = args  # xs (N, H) sorted by global expert, offs (E,) int32 global row ends
+        El = module.gate_up.shape[0]
+        ep = offs.numel() // El
+        counts = torch.diff(offs, prepend=offs.new_zeros(1))  # (E,) int32 rows per expert
+        got = funcol.all_to_all_single(counts, None, None, self.group).wait()  # (E,): [source rank, local expert]
+        send = counts.view(ep, El).sum(1).tolist()  # rows to each rank (host)
+        recv = got.view(ep, El).sum(1).tolist()  # rows from each rank (host)
+        xr = funcol.all_to_all_single_autograd(xs, recv, send, self.group)  # (R, H)
+        expert = torch.arange(El, device=xs.device).repeat(ep).repeat_interleave(got.long())  # (R,) local expert
+        order, pos, offs_local = permutation(expert.view(-1, 1), El)
+        self._back = (pos, send, recv)
+        return Permute.apply(xr, order, pos, 1), offs_local, dt
+
+    def _combine(self, module: Experts, args: tuple, yl: torch.Tensor) -> torch.Tensor:
+        pos, send, recv = self._back
+        self._back = None
+        yr = yl.index_select(0, pos)  # (R, H) in arrival order; keeps pos, the same storage Permute keeps
+        return funcol.all_to_all_single_autograd(yr, send, recv, self.group)  # (N, H)
+
+
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)]
+
+
+def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True) -> nn.Module:
+    """Expert parallel on every MoE block of the efficient Transformer `model` over the 1-D `mesh`, FSDP2 over the
+    same ranks on everything else (module docstring). The weights must be the same on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    ep = mesh.size()
+    for block in model.layers:
+        parallelize_module(block, mesh, {"mlp.experts": ExpertParallel()})
+    ignored = set(expert_params(model))
+    for p in ignored:  # the mean over ranks FSDP2 takes of every other gradient
+        p.register_hook(lambda g: g / ep)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    ignored_params={p for p in block.parameters() if p in ignored})
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored)
+    return model
+
+
+def build(cfg: ModelConfig, run: Run, *, seed: int = 0, route: str | None = None) -> tuple[nn.Module, DeviceMesh]:
+    """The efficient model on the initialized process group, expert parallel over every rank (the same weights on
+    each before the split); route forces every router (measure/routing.py: "balanced", "skewed")."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from llm_anatomy.models import build_model
+
+    ep = dist.get_world_size()
+    check_ep(cfg, run, ep)
+    model = build_model(cfg, "efficient", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
+    if route is not None:
+        from llm_anatomy.measure.routing import force
+
+        force(route)(model)
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=(MESH_DIM,))
+    return parallelize_experts(model, mesh), mesh
+
+
+def train(cfg: ModelConfig, run: Run, *, steps: int = 2, optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0,
+          route: str | None = None) -> list[dict]:
+    """`steps` steps of expert parallel on the initialized (gloo) process group, each rank its own batch; one record
+    per step: loss, collectives [[op, dtype, bytes, calls], ...] of forward + backward + optimizer step, memory
+    {params, grads, optimizer} after the step (local storage), and in step 1 saved {component: bytes}."""
+    import torch.distributed as dist
+
+    from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
+    from llm_anatomy.distributed.tp_saved import LocalSavedTracer
+    from llm_anatomy.distributed.train_step import make_optimizer
+    from llm_anatomy.models import make_batch
+
+    model, _ = build(cfg, run, seed=seed, route=route)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    ids, targets = make_batch(cfg, run, seed=seed + 1 + dist.get_rank())
+    records = []
+    for step in range(1, steps + 1):
+        with CollectiveCounter() as counter:
+            with LocalSavedTracer(model) if step == 1 else contextlib.nullcontext() as tr:
+                loss = model(ids, targets)
+            loss.backward()
+            opt.step()
+        rec = dict(step=step, loss=float(loss.detach().float()), memory=rank_memory(model, opt),
+                   collectives=[[*k, n] for k, n in sorted(counter.counts().items())])
+        opt.zero_grad(set_to_none=True)
+        if tr is not None:
+            rec["saved"] = tr.report.by_component()  # storage bytes this rank saved for backward
+        records.append(rec)
+    return records

@@ -1,0 +1,185 @@
+"""Claims: expert parallel over the data-parallel ranks for the efficient MoE block, FSDP2 over the rest
+(llm_anatomy/distributed/expert_parallel.py), predicted per rank by llm_anatomy.calculator.expert_parallel and
+measured on gloo ranks.
+
+  gloo, 2 and 4 processes   hypothesis-drawn MoE configs and runs under forced routing (measure/routing.py:
+                            balanced, and skewed, whose rank 0 receives every row): every collective of every
+                            step on every rank, its parameter/gradient/optimizer bytes after each step and what
+                            its forward saves per component equal the prediction exactly; the loss and every
+                            gradient of one step equal the one-process model's on the same global batch
+Each world size runs all its scenarios in ONE spawn.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+from llm_anatomy.calculator import expert_parallel as ep_calc
+from llm_anatomy.calculator.moe import skewed
+from llm_anatomy.config import ConfigError, ModelConfig, Run
+from validations.configs import draw_examples
+from validations.draw_notes import draw_note
+from validations.moe_reference import moe_configs
+
+N_DRAWS = 20  # per world size
+# reduction order only: each rank runs the one-process ops on its batch; the expert GEMMs take the rows of every
+# rank at once (other row blocks than one process's), the expert weight gradients sum every rank's rows in one
+# GEMM, and FSDP2 averages the other gradients over ranks where one process sums the batches' graphs. fp32 ulps
+# (2^-23) accumulated over a few sums: 1e-5 relative (the norm of the difference over the norm) is ~80 ulp.
+GRAD_TOL = 1e-5
+GRAD_CFGS = [
+    ModelConfig(name="ep-grad-swiglu", hidden=16, layers=2, heads=2, intermediate=32, vocab=48, experts=4,
+                experts_per_token=2, expert_intermediate=16, shared_experts=1, shared_intermediate=8,
+                norm_topk=False, router_bias=True, router_aux_coef=0.01),
+    ModelConfig(name="ep-grad-gptoss", hidden=24, layers=2, heads=2, intermediate=32, vocab=40, mlp="gpt-oss",
+                experts=8, experts_per_token=3, expert_intermediate=12, router="topk-softmax", expert_bias=True),
+]
+GRAD_RUN = Run(batch=2, seq=6, dtype="fp32")
+
+
+@st.composite
+def ep_cases(draw, ep: int) -> dict:
+    """A drawn MoE config whose experts split over ep, a run (fp32: the loop of mm; bf16: the grouped GEMM where the
+    widths are multiples of 8) and a forced routing."""
+    cfg = draw(moe_configs(max_experts=8, layers=draw(st.integers(1, 2))))
+    experts = ep * draw(st.integers(1, max(1, 8 // ep)))
+    cfg = replace(cfg, name=f"ep{ep}-draw", experts=experts, experts_per_token=min(cfg.experts_per_token, experts))
+    run = Run(batch=draw(st.integers(1, 2)), seq=draw(st.integers(2, 8)), dtype=draw(st.sampled_from(["fp32", "bf16"])))
+    return dict(cfg=cfg, run=run, steps=2, optimizer=draw(st.sampled_from(["adamw", "sgd"])),
+                route=draw(st.sampled_from(["balanced", "skewed"])))
+
+
+def _grads(cfg: ModelConfig, run: Run) -> dict:
+    """One step on this rank: its loss, and every gradient whole (FSDP's gathered, the experts' local rows)."""
+    import torch.distributed as dist
+
+    from llm_anatomy.distributed.expert_parallel import build
+    from llm_anatomy.models import make_batch
+
+    model, _ = build(cfg, run, seed=0)
+    ids, targets = make_batch(cfg, run, seed=1 + dist.get_rank())
+    loss = model(ids, targets)
+    loss.backward()
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).tolist()
+             for n, p in model.named_parameters()}
+    return dict(loss=loss.item(), grads=grads)
+
+
+def _scenario(kind: str = "train", **kw):
+    from llm_anatomy.distributed.expert_parallel import train
+
+    return _grads(**kw) if kind == "grads" else train(**kw)
+
+
+def _scenarios(world: int) -> dict[str, dict]:
+    out = {f"draw-{i}": c for i, c in enumerate(draw_examples(ep_cases(world), N_DRAWS, seed_=4800 + world))}
+    out.update({f"grads-{c.name}": dict(kind="grads", cfg=c, run=GRAD_RUN) for c in GRAD_CFGS})
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
+def ep_run(request):
+    from llm_anatomy.distributed.train_step import spawn
+
+    world = request.param
+    scen = _scenarios(world)
+    results = spawn(world, list(scen.values()), timeout_s=180, fn=_scenario)
+    return world, scen, {name: [results[r][i] for r in range(world)] for i, name in enumerate(scen)}
+
+
+def _draws(scen: dict) -> dict:
+    return {k: v for k, v in scen.items() if k.startswith("draw-")}
+
+
+def _hist(sc: dict):
+    """The histogram the forced routing gives every rank: None (balanced, the calculator's default) or skewed."""
+    return skewed(sc["cfg"], sc["run"]) if sc["route"] == "skewed" else None
+
+
+@pytest.mark.distributed
+def test_ep_collectives_exact(ep_run, claims):
+    """Every collective of every step on every rank (the all-to-alls of counts, rows and outputs both ways, and
+    FSDP2's on the rest) equals the prediction: (op, dtype, bytes) -> calls."""
+    world, scen, res = ep_run
+    assert len(_draws(scen)) >= N_DRAWS
+    for name, sc in _draws(scen).items():
+        for r in range(world):
+            pred = ep_calc.counts(sc["cfg"], sc["run"], world, r, _hist(sc))
+            for rec in res[name][r]:
+                meas = {tuple(k): n for *k, n in rec["collectives"]}
+                note = f"{name}: {draw_note(sc, rank=r, step=rec['step'])}, route {sc['route']}"
+                claims.check("ep collective calls per step", component="comm", config=sc["cfg"].name,
+                             variant="efficient", predicted=sum(pred.values()), measured=sum(meas.values()),
+                             unit="calls", note=note)
+                assert meas == pred, f"{note}: (op, dtype, bytes) -> calls differ\n meas {meas}\n pred {pred}"
+
+
+@pytest.mark.distributed
+def test_ep_rank_bytes_exact(ep_run, claims):
+    """Each rank's parameter, gradient and optimizer-state bytes after every step: its E/ep experts whole, FSDP2's
+    padded shards of the rest."""
+    world, scen, res = ep_run
+    for name, sc in _draws(scen).items():
+        for r in range(world):
+            pred = ep_calc.rank_memory(sc["cfg"], sc["run"], world, r, sc["optimizer"])
+            for rec in res[name][r]:
+                for what in ("params", "grads", "optimizer"):
+                    claims.check(f"ep per-rank {what} bytes", component="comm", config=sc["cfg"].name,
+                                 variant="efficient", predicted=pred[what], measured=rec["memory"][what], unit="B",
+                                 note=f"{name}: {draw_note(sc, rank=r, after_step=rec['step'])}")
+
+
+@pytest.mark.distributed
+def test_ep_saved_bytes_per_component_exact(ep_run, claims):
+    """What each rank's forward saves for backward, per component: the MoE block's local experts on the rows the
+    rank receives (the skewed routing's rank 0: every rank's rows), the rest as one process on the rank's batch."""
+    world, scen, res = ep_run
+    for name, sc in _draws(scen).items():
+        for r in range(world):
+            pred = ep_calc.saved(sc["cfg"], sc["run"], world, r, _hist(sc))
+            meas = res[name][r][0]["saved"]
+            for comp in sorted(set(meas) | {k for k, v in pred.items() if v}):
+                claims.check("ep per-rank saved bytes", component=comp, config=sc["cfg"].name, variant="efficient",
+                             predicted=pred.get(comp, 0), measured=meas.get(comp, 0), unit="B",
+                             note=f"{name}: {draw_note(sc, rank=r)}, route {sc['route']}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cfg", GRAD_CFGS, ids=[c.name for c in GRAD_CFGS])
+def test_ep_loss_and_grads_match_one_process(ep_run, cfg, claims):
+    """Each rank's loss, and every gradient (the experts' from the rank holding them), equal one process's on the
+    same global batch (the mean of the ranks' losses) within GRAD_TOL, relative."""
+    from llm_anatomy.models import build_model, make_batch
+
+    world, _, res = ep_run
+    got = res[f"grads-{cfg.name}"]
+    model = build_model(cfg, "efficient", seed=0)
+    losses = [model(*make_batch(cfg, GRAD_RUN, seed=1 + r)) for r in range(world)]
+    torch.stack(losses).mean().backward()
+    for r in range(world):
+        claims.check("ep loss vs one process", component="loss", config=cfg.name, variant="efficient",
+                     predicted=losses[r].item(), measured=got[r]["loss"], tolerance=GRAD_TOL, unit="nats",
+                     note=f"EP {world}, fp32, rank {r}")
+    for n, p in model.named_parameters():
+        parts = [torch.tensor(got[r]["grads"][n]) for r in range(world)]
+        ep_grad = torch.cat(parts) if ".experts." in n else parts[0]
+        assert all(torch.equal(parts[0], q) for q in parts[1:]) or ".experts." in n, f"{n}: ranks disagree"
+        err = ((ep_grad.double() - p.grad.double()).norm() / p.grad.double().norm()).item()
+        claims.within("ep gradient vs one process", low=0.0, high=GRAD_TOL, measured=err,
+                      component="moe" if ".mlp." in n else "other", config=cfg.name, variant="efficient",
+                      unit="relative", note=f"EP {world}, fp32, {n}: |g_ep - g_one| / |g_one|")
+
+
+def test_ep_refusals_one_line():
+    """What expert parallel does not model: one line naming the field."""
+    cfg = GRAD_CFGS[0]
+    for args, says in (((cfg, Run(1, 8, "amp"), 2), "dtype=amp"), ((cfg, Run(1, 8, "fp32"), 3), "experts=4"),
+                       ((cfg, Run(1, 8, "fp32", recompute="mlp"), 2), "recompute=mlp"),
+                       ((ModelConfig(name="dense", hidden=16, layers=1, heads=2, intermediate=32, vocab=48), GRAD_RUN,
+                         2), "experts=0")):
+        with pytest.raises(ConfigError, match=says) as e:
+            ep_calc.rank_memory(*args)
+        assert "\n" not in str(e.value)
