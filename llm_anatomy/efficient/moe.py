@@ -45,8 +45,6 @@ from llm_anatomy.kernels import swiglu_packed
 from llm_anatomy.kernels.moe_unpermute import moe_unpermute
 
 
-
-
 def route(logits: Tensor, cfg: ModelConfig) -> tuple[Tensor | None, Tensor, Tensor]:
     """logits (T, E) fp32 -> (softmax over all E (T, E) or None, weights (T, K) fp32, experts (T, K) int64).
     The softmax over all experts is returned where the router computes it anyway (softmax-topk)."""
