@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 
@@ -116,6 +116,14 @@ def qk_norm_plan() -> dict:
             "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
 
 
+def shard_sinks(attn: nn.Module, tp_mesh) -> None:
+    """gpt-oss's sinks, one logit per head, Shard(0) with the heads: rank r holds the sinks of the heads its q
+    shard holds (ColwiseParallel's r-th row block; the efficient qkv's rank order keeps the same heads), and the
+    attention reads its local tensor, whose gradient is Shard(0) too: no collective."""
+    if getattr(attn, "sinks", None) is not None:
+        attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, tp_mesh, [Shard(0)]))
+
+
 def apply_tp(model: nn.Module, tp_mesh, *, one_rank: bool = False) -> nn.Module:
     """TP + SP on the 1-D tp mesh (in place): the root's plan, then each Block's (the pipeline's stages reuse it).
     A mesh of one rank is left alone unless one_rank=True, which applies the plan there too (DTensor's code path
@@ -134,6 +142,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, one_rank: bool = False) -> nn.Module:
         for block in model.layers:
             parallelize_module(block, tp_mesh, efficient_block_plan(cfg) if efficient else block_plan(cfg))
             block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
+            shard_sinks(block.attn, tp_mesh)
     return model
 
 
