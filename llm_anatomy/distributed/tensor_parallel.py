@@ -14,6 +14,9 @@ The plan is torchtitan's parallelize_llama, on this project's module names:
 Each Attention module is told its local head counts (heads / tp, kv_heads / tp), as torchtitan does, since its
 views read them. FSDP2 (fully_shard per Block, then the root) then shards each TP-local tensor on dim 0 over "dp".
 
+gpt-oss's attention fields: the sinks, one logit per head, Shard(0) with the heads (shard_sinks); a sliding window's
+additive (S, S) mask is built whole on every rank (the attention's input is all-gathered to the whole sequence);
+o's bias is RowwiseParallel's Replicate, which DTensor adds once (bias / tp into each rank's partial sum).
 parallelize_module distributes each module's parameters apart, so a tied head is tied again afterwards to the
 embedding's DTensor (both are sharded on the vocab). Qwen3's per-head q/k norms get SequenceParallel on the heads dim
 (their input is the rank's heads), so their weight gradients are Partial over tp like the other norms'.
@@ -26,8 +29,8 @@ tensors; o and down RowwiseParallel; the fused RMSNorm ops SequenceParallel thro
 reads; the ranks combine each row's max, sum of exp and target logit with three fp32 all-reduces per chunk (the
 ones loss_parallel makes for the baseline), and no rank makes more than a (C, V / tp) chunk of logits.
 What the engine cannot shard is refused in one line (ConfigError, llm_anatomy.mesh_rules): widths not divisible
-by tp, mixture of experts, the efficient variant's lean block and recompute, and context parallel on CPU (torch's
-context_parallel shards SDPA's CUDA kernels only).
+by tp, mixture of experts, OLMoE's whole q/k norm (its mean spans the heads tp splits), the efficient variant's
+lean block and recompute, and context parallel on CPU (torch's context_parallel shards SDPA's CUDA kernels only).
 """
 from __future__ import annotations
 
