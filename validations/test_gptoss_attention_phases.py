@@ -59,12 +59,38 @@ def test_phases_lean_block(name, policy, claims):
     _check(claims, NAMED[name], Run(2, 16, policy, lean=True), "efficient", "adamw", f"{name}/B2S16/{policy}/lean")
 
 
-def test_recompute_refused_in_one_line():
-    """Under recompute the checkpoints re-run attention outside the forward's shared masks: not modelled, refused."""
+def test_recompute_in_moe_block_refused_in_one_line():
+    """Under recompute the fields are modelled in dense blocks only: a mixture-of-experts block's re-run with them is
+    not checked, and refused in one line naming the field."""
+    from llm_anatomy.calculator.moe import refuse_phases
     from llm_anatomy.config import ConfigError
 
-    with pytest.raises(ConfigError, match="attn_sinks not modelled yet"):
-        phases(NAMED["gptoss-attn"], Run(2, 16, "amp", recompute="mlp"), "efficient", device="cpu")
+    with pytest.raises(ConfigError, match="attn_sinks not modelled yet") as e:
+        refuse_phases(NAMED["gptoss-attn-moe"], Run(2, 16, "amp", recompute="mlp"), "efficient", device="cpu")
+    assert "\n" not in str(e.value)
+    refuse_phases(NAMED["gptoss-attn"], Run(2, 16, "amp", recompute="mlp"), "efficient", device="cpu")
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(cfg=attention_configs(), policy=st.sampled_from(POLICIES), batch=st.integers(1, 2), seq=st.integers(4, 40),
+       recompute=st.sampled_from(["mlp", "full"]))
+def test_phases_recompute_hypothesis(cfg, policy, batch, seq, recompute, claims):
+    """The efficient model under its recompute policies, 20 drawn configs with the fields: "mlp" re-runs the norm
+    before qkv (attention keeps the forward's shared masks), "full" the whole block in backward, outside the
+    forward's shared masks (each re-run builds its layer's mask again). The phase ends exact, the backward peak
+    within test_memory_walk's ±3%."""
+    run = Run(batch, seq, policy, recompute=recompute)
+    _check(claims, cfg, run, "efficient", "adamw", f"hypothesis {cfg.to_dict()} {run}/efficient")
+
+
+@pytest.mark.parametrize("recompute", ["mlp", "full"])
+@pytest.mark.parametrize("name", ATTENTION_BOUND)
+def test_recompute_attention_bound(name, recompute, claims):
+    """Long sequences over narrow models under recompute, where attention's tensors weigh most: ends exact, peak
+    ±3%."""
+    run = Run(1, 128, "fp32", recompute=recompute)
+    _check(claims, ATTENTION_BOUND[name], run, "efficient", "adamw", f"{name}/B1S128/fp32/{recompute}")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
