@@ -183,12 +183,14 @@ def rerun_block(w, tag: str) -> None:
 def rerun_attention(w, tag: str) -> None:
     """The attention half of recompute="full"'s re-run (rerun_block; the MoE block's too). Two moments of it
     carry temporaries: o's output while qkv's output still lives (a local until attention returns), and the
-    residual sum while attention's output lives."""
+    residual sum while attention's output lives. With sinks rope_qkv's q, k, v are locals then too (SDPA keeps its
+    padded copies, efficient/attention_sinks.py), as wide as qkv's output."""
     T, H, c, r = w.T, w.H, w.c, w.r
     D = (w.nh + 2 * w.nkv) * w.hd
     w.remake("block", lambda: linears_saved("attention", T, H, {"qkv": D}, w.dt, 1, w.dt.compute)
              + qk_norm_saved_efficient(w.cfg, w.run, 1) + sdpa_o_saved(w.cfg, w.run, w.est.device, 1))
-    w.peak(tag + "recompute attention.o", T * D * c, T * H * c, kind="activation")
+    rope = T * D * c if w.cfg.attn_sinks else 0
+    w.peak(tag + "recompute attention.o", T * D * c, T * H * c, rope, kind="activation")
     w.peak(tag + "recompute residual add", T * H * c, T * H * r, kind="activation")
 
 
