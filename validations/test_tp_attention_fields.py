@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from llm_anatomy.calculator.tensor_parallel import check_mesh, tp_unit_shapes
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
-from validations.test_tensor_parallel import CURVE_TOL, check_collectives, check_rank_bytes, check_saved
+from validations.test_tensor_parallel import (CURVE_TOL, check_collectives, check_fake_pg, check_rank_bytes,
+                                              check_saved)
 from validations.train_cases import one_process_losses
 
 N_DRAWS = 20  # per mesh and variant
@@ -148,6 +149,20 @@ def test_tp_fields_loss_curve_matches_single_process(mesh_run, variant, claims):
         claims.check("tp (gpt-oss attention) loss vs one process", component="loss", config=CURVE_CFG.name,
                      variant=variant, predicted=single[step], measured=mesh, tolerance=CURVE_TOL, unit="nats",
                      note=f"{'TP 2' if dp == 1 else '2 x 2 (TP x FSDP)'}, fp32, step {step + 1}")
+
+
+# gpt-oss-20b's attention at full width over a dense MLP (its MoE layers are refused under tp): 64 heads of 64 over
+# 8 kv heads, sinks, a window of 128 on the even layers, q/k/v and o biases, its 201,088-token vocabulary
+GPTOSS_DENSE = ModelConfig(name="gpt-oss-20b-dense", hidden=2880, layers=4, heads=64, kv_heads=8, head_dim=64,
+                           intermediate=2880, vocab=201088, mlp="gpt-oss", qkv_bias=True, o_bias=True,
+                           attn_sinks=True, window=128, window_pattern="even", rope_theta=150000.0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fake_pg_gptoss_dense_exact(variant, claims):
+    """One rank of tp 8 x dp 16 (128 ranks) on the fake process group: DTensor and FSDP2 run the plan, sinks and o's
+    bias included, at gpt-oss-20b's attention widths; its collectives and bytes equal the prediction."""
+    check_fake_pg(GPTOSS_DENSE, 8, 16, 45, claims, variant)
 
 
 def test_fields_local_shapes():
