@@ -82,6 +82,7 @@ def layer(w, i: int, g: int) -> int:
     w.alloc(0 if lean else gc)
     # d(merged heads), (T, heads x hd)
     go = w.linear(tag + "attention.o", w.cfg.q_dim, H, gc, "attention.o.", recast=lean and w.amp)
+    w.alloc(H * w.p if w.cfg.o_bias else 0)  # o's bias gradient, the column sum of d(out)
     w.alloc(kv_exp, kv, kv)  # SDPA's backward: dq, dk, dv
     # under GQA, cuDNN's backward writes dk and dv per query head in fp32 into one workspace, with the
     # fp32 dot(dO, O) row sums, and then sums each group into dk, dv (timing: gqa_reduce):
@@ -90,7 +91,7 @@ def layer(w, i: int, g: int) -> int:
     ws = 2 * B * nh * S * hd * 4 + 4 * B * nh * S + 256 if nkv < nh and w.cuda else 0
     w.alloc(ws)
     w.peak(tag + "attention.sdpa")
-    w.alloc(-ws, -go)
+    w.alloc(-ws, -go, nh * w.p if w.cfg.attn_sinks else 0)  # the sinks' gradient: d(q')'s sink column summed
     w.free("attention.sdpa.")
     dqkv = T * (nh + 2 * nkv) * hd * c
     whole = w.cfg.qk_norm_whole  # OLMoE's norms run before the plain rope_qkv (attention_fields.py)
@@ -107,6 +108,7 @@ def layer(w, i: int, g: int) -> int:
     if w.recompute == "mlp":  # the qkv matmul's backward asks for its input: the norm runs again
         w.remake("qkv", lambda: linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))
     gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.", recast=lean and w.amp)
+    w.alloc((nh + 2 * nkv) * hd * w.p if w.cfg.qkv_bias else 0)  # qkv's bias gradient
     if i == 0:
         w.free("attention.rope_")  # the tables are shared by every layer
     # under recompute the checkpoint's block input goes with the first norm (the block's first op)
