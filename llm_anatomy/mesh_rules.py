@@ -43,11 +43,9 @@ def check_mesh(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseli
         raise ConfigError(f"tp > 1 runs the baseline and efficient variants, not {variant!r}")
     if cfg.moe:
         raise ConfigError("tp > 1 does not shard mixture-of-experts layers (experts > 0)")
-    # the sinks are per head, a whole q/k norm spans every head, o's bias would be added on every rank
-    for field, on in (("attn_sinks", cfg.attn_sinks), ("qk_norm_whole", cfg.qk_norm_whole), ("o_bias", cfg.o_bias),
-                      ("window", cfg.window is not None)):
-        if on:
-            raise ConfigError(f"tp > 1 does not shard gpt-oss's and OLMoE's attention fields ({field})")
+    if cfg.qk_norm_whole:  # sinks (per head), windows (one replicated mask) and o's bias shard: tensor_parallel.py
+        raise ConfigError("tp > 1 does not shard OLMoE's whole q/k norm (qk_norm_whole): its mean spans every "
+                          "head, and tp splits the heads")
     for field in ("heads", "kv_heads", "intermediate", "vocab"):
         if getattr(cfg, field) % tp:
             raise ConfigError(f"{field}={getattr(cfg, field)} is not divisible by tp={tp}")

@@ -3,7 +3,9 @@ o bias) and OLMoE's whole q/k norms, against the live storage on CPU (llm_anatom
 test_memory_walk.py): forward end, backward end and the optimizer's end exact, the peak inside backward within
 test_memory_walk's ±3% and, for the baseline on attention-bound shapes (the peak in the softmax's backward, where
 the sinks widen it), exact. Named reduced shapes of gpt-oss's and OLMoE's attention (dense, and gpt-oss's attention
-over swiglu experts without expert biases: the MoE block's own refusals are another part's), and 20 drawn configs.
+over swiglu experts without expert biases: the MoE block's own refusals are another part's), and 20 drawn configs;
+the efficient model under its recompute policies ("mlp", "full") on 20 drawn dense configs (ends exact, peak ±3%)
+and on the attention-bound shapes (exact).
 """
 from __future__ import annotations
 
@@ -59,12 +61,47 @@ def test_phases_lean_block(name, policy, claims):
     _check(claims, NAMED[name], Run(2, 16, policy, lean=True), "efficient", "adamw", f"{name}/B2S16/{policy}/lean")
 
 
-def test_recompute_refused_in_one_line():
-    """Under recompute the checkpoints re-run attention outside the forward's shared masks: not modelled, refused."""
+def test_recompute_in_moe_block_refused_in_one_line():
+    """Under recompute the fields are modelled in dense blocks only: a mixture-of-experts block's re-run with them is
+    not checked, and refused in one line naming the field."""
+    from llm_anatomy.calculator.moe import refuse_phases
     from llm_anatomy.config import ConfigError
 
-    with pytest.raises(ConfigError, match="attn_sinks not modelled yet"):
-        phases(NAMED["gptoss-attn"], Run(2, 16, "amp", recompute="mlp"), "efficient", device="cpu")
+    with pytest.raises(ConfigError, match="attn_sinks not modelled yet") as e:
+        refuse_phases(NAMED["gptoss-attn-moe"], Run(2, 16, "amp", recompute="mlp"), "efficient", device="cpu")
+    assert "\n" not in str(e.value)
+    refuse_phases(NAMED["gptoss-attn"], Run(2, 16, "amp", recompute="mlp"), "efficient", device="cpu")
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(cfg=attention_configs(), policy=st.sampled_from(POLICIES), batch=st.integers(1, 2), seq=st.integers(4, 40),
+       recompute=st.sampled_from(["mlp", "full"]))
+def test_phases_recompute_hypothesis(cfg, policy, batch, seq, recompute, claims):
+    """The efficient model under its recompute policies, 20 drawn configs with the fields: "mlp" re-runs the norm
+    before qkv (attention keeps the forward's shared masks), "full" the whole block in backward, outside the
+    forward's shared masks (each re-run builds its layer's mask again). The phase ends exact, the backward peak
+    within test_memory_walk's ±3%."""
+    run = Run(batch, seq, policy, recompute=recompute)
+    _check(claims, cfg, run, "efficient", "adamw", f"hypothesis {cfg.to_dict()} {run}/efficient")
+
+
+@pytest.mark.parametrize("recompute", ["mlp", "full"])
+@pytest.mark.parametrize("name", ATTENTION_BOUND)
+def test_recompute_attention_bound_exact(name, recompute, claims):
+    """Long sequences over narrow models under recompute, where attention's tensors weigh most: ends and the backward
+    peak exact (under "full" with sinks the peak is the re-run's o, while rope_qkv's q, k, v are locals beside
+    SDPA's padded copies, with every later layer's bias and sink gradients)."""
+    cfg, run = ATTENTION_BOUND[name], Run(1, 128, "fp32", recompute=recompute)
+    meas = {p["name"]: p for p in measure_phases_live(cfg, run, "efficient", optimizer="adamw")}
+    pred = phases(cfg, run, "efficient", optimizer="adamw", device="cpu")
+    note = f"predicted peak at {pred['backward_peak_at']}; measured after {meas['backward']['peak_op']}"
+    for claim, predicted, measured in (("memory.live after forward", pred["forward_end"], meas["forward"]["allocated"]),
+                                       ("memory.live after backward", pred["backward_end"],
+                                        meas["backward"]["allocated"]),
+                                       ("memory.peak in backward", pred["backward_peak"], meas["backward"]["peak"])):
+        claims.check(claim, predicted=predicted, measured=measured, component="model", variant="efficient",
+                     config=f"{name}/B1S128/fp32/{recompute}", unit="B", note=note)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -3,6 +3,7 @@ per rank (llm_anatomy.calculator.pipeline_parallel with tp) against what each gl
 (llm_anatomy.distributed.pipeline_step.train_pp with tp, distributed/pipeline_tp.py).
 
   gloo, 4 processes   PP 2 x TP 2 with Schedule1F1B and with ScheduleInterleaved1F1B, 20 drawn configs each
+                      (gpt-oss's sinks, sliding windows and o bias drawn among them)
     per rank, every step: params / grads / optimizer bytes, every collective (mesh dim, op, dtype, bytes) ->
     calls (TP's, the sequence-sharded sends / recvs; step 1 with torch's warm-up vote), the most bytes of saved
     activations held at once, and the most (stage, micro-batch) chunks holding them
@@ -51,16 +52,19 @@ def pp_tp_cases(draw, schedule: str) -> dict:
     heads = kv * draw(st.integers(1, 2))
     head_dim = draw(st.sampled_from([2, 4, 6]))
     qk_norm = draw(st.booleans())
+    seq = TP * draw(st.integers(1, 4))
+    window = draw(st.one_of(st.none(), st.integers(1, seq)))  # gpt-oss's attention fields: sinks, window, o bias
     cfg = ModelConfig(name="pp-tp-draw", hidden=draw(st.integers(4, 24)) if qk_norm else heads * head_dim,
                       layers=draw(st.integers(stages, stages + 2)), heads=heads, kv_heads=kv, head_dim=head_dim,
                       intermediate=TP * draw(st.integers(1, 16)), vocab=TP * draw(st.integers(1, 40)),
                       mlp=draw(st.sampled_from(["swiglu", "gpt-oss"])), qkv_bias=draw(st.booleans()),
-                      qk_norm=qk_norm)
+                      qk_norm=qk_norm, attn_sinks=draw(st.booleans()), o_bias=draw(st.booleans()), window=window,
+                      window_pattern=draw(st.sampled_from(["all", "even"])) if window else "all")
     if schedule == "1f1b":
         micro = draw(st.integers(PP, 2 * PP))
     else:  # torch's flexible interleaving: a multiple of its rounds, max(1, m // pp)
         micro = draw(st.sampled_from([m for m in range(1, 2 * PP + 1) if m % max(1, m // PP) == 0]))
-    run = Run(batch=micro * draw(st.integers(1, 2)), seq=TP * draw(st.integers(1, 4)),
+    run = Run(batch=micro * draw(st.integers(1, 2)), seq=seq,
               dtype=draw(st.sampled_from(["fp32", "bf16"])))
     split = None
     if draw(st.booleans()):

@@ -221,13 +221,17 @@ def test_fake_pg_large_mesh_exact(model, tp, dp, rank, claims):
     check_fake_pg(model, tp, dp, rank, claims)
 
 
-def check_fake_pg(model: str, tp: int, dp: int, rank: int, claims, variant: str = "baseline") -> None:
-    """One rank of a tp x dp mesh on the fake process group against tp_collectives and tp_rank_memory."""
+def check_fake_pg(model: str | ModelConfig, tp: int, dp: int, rank: int, claims, variant: str = "baseline") -> None:
+    """One rank of a tp x dp mesh on the fake process group against tp_collectives and tp_rank_memory. model: a
+    preset's or a committed HF config's name, or a config."""
     from llm_anatomy.distributed.mesh_step import simulate
     from llm_anatomy.hf_config import from_hf_config
     from validations.hf_configs import HF_CONFIGS
 
-    cfg = PRESETS[model] if model in PRESETS else from_hf_config(HF_CONFIGS[model])
+    if isinstance(model, ModelConfig):
+        cfg = model
+    else:
+        cfg = PRESETS[model] if model in PRESETS else from_hf_config(HF_CONFIGS[model])
     run = Run(batch=1, seq=16, dtype="amp")
     rec = simulate(cfg, run, tp, dp, rank=rank, variant=variant)[-1]
     pred = grouped_counts(tp_collectives(cfg, run, tp, dp, variant=variant))

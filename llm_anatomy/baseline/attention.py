@@ -67,7 +67,8 @@ class Attention(nn.Module):
         if self.sinks is None:
             probs = F.softmax(scores.float(), dim=-1)  # softmax saves its fp32 output      (B, nh, S, S)
         else:  # the sink joins each row's softmax (it keeps its (B, nh, S, S+1) output) and is dropped after it
-            sink = self.sinks.float().view(1, nh, 1, 1).expand(B, nh, S, 1)
+            sinks = self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks  # TP: the rank's heads'
+            sink = sinks.float().view(1, nh, 1, 1).expand(B, nh, S, 1)
             probs = F.softmax(torch.cat((scores.float(), sink), dim=-1), dim=-1)[..., :-1]
         out = probs.to(q.dtype) @ v  # bmm saves the cast probs and v                      (B, nh, S, hd)
         return self.o(out.transpose(1, 2).reshape(B, S, nh * hd))  # o saves its (B*S, H) input

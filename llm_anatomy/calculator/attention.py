@@ -145,7 +145,7 @@ def _sdpa_saved(cfg: ModelConfig, run: Run, device: str, c: str) -> list[Saved]:
     if kinds := mask_kinds(cfg):
         saved.append(Saved("attention.sdpa.mask", (S, S + cfg.attn_sinks), c, kinds,
                            "each kind of additive mask, built once per forward, kept by every layer's SDPA"))
-    if cfg.attn_sinks:
+    if cfg.attn_sinks and nh > 1:  # one head: the merge is a view of SDPA's output, which is kept already
         saved.append(Saved("attention.o.input", (B * S, nh * hd), c, L,
                            "o keeps its input: the output's first hd columns merged over heads, a copy"))
     if device == "cpu":  # the CPU flash-style kernel

@@ -82,6 +82,7 @@ def layer(w, i: int, g: int) -> int:
     w.alloc(0 if lean else gc)
     # d(merged heads), (T, heads x hd)
     go = w.linear(tag + "attention.o", w.cfg.q_dim, H, gc, "attention.o.", recast=lean and w.amp)
+    w.alloc(H * w.p if w.cfg.o_bias else 0)  # o's bias gradient, the column sum of d(out)
     w.alloc(kv_exp, kv, kv)  # SDPA's backward: dq, dk, dv
     # under GQA, cuDNN's backward writes dk and dv per query head in fp32 into one workspace, with the
     # fp32 dot(dO, O) row sums, and then sums each group into dk, dv (timing: gqa_reduce):
@@ -90,7 +91,7 @@ def layer(w, i: int, g: int) -> int:
     ws = 2 * B * nh * S * hd * 4 + 4 * B * nh * S + 256 if nkv < nh and w.cuda else 0
     w.alloc(ws)
     w.peak(tag + "attention.sdpa")
-    w.alloc(-ws, -go)
+    w.alloc(-ws, -go, nh * w.p if w.cfg.attn_sinks else 0)  # the sinks' gradient: d(q')'s sink column summed
     w.free("attention.sdpa.")
     dqkv = T * (nh + 2 * nkv) * hd * c
     whole = w.cfg.qk_norm_whole  # OLMoE's norms run before the plain rope_qkv (attention_fields.py)
@@ -107,6 +108,7 @@ def layer(w, i: int, g: int) -> int:
     if w.recompute == "mlp":  # the qkv matmul's backward asks for its input: the norm runs again
         w.remake("qkv", lambda: linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))
     gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.", recast=lean and w.amp)
+    w.alloc((nh + 2 * nkv) * hd * w.p if w.cfg.qkv_bias else 0)  # qkv's bias gradient
     if i == 0:
         w.free("attention.rope_")  # the tables are shared by every layer
     # under recompute the checkpoint's block input goes with the first norm (the block's first op)
@@ -183,12 +185,14 @@ def rerun_block(w, tag: str) -> None:
 def rerun_attention(w, tag: str) -> None:
     """The attention half of recompute="full"'s re-run (rerun_block; the MoE block's too). Two moments of it
     carry temporaries: o's output while qkv's output still lives (a local until attention returns), and the
-    residual sum while attention's output lives."""
+    residual sum while attention's output lives. With sinks rope_qkv's q, k, v are locals then too (SDPA keeps its
+    padded copies, efficient/attention_sinks.py), as wide as qkv's output."""
     T, H, c, r = w.T, w.H, w.c, w.r
     D = (w.nh + 2 * w.nkv) * w.hd
     w.remake("block", lambda: linears_saved("attention", T, H, {"qkv": D}, w.dt, 1, w.dt.compute)
              + qk_norm_saved_efficient(w.cfg, w.run, 1) + sdpa_o_saved(w.cfg, w.run, w.est.device, 1))
-    w.peak(tag + "recompute attention.o", T * D * c, T * H * c, kind="activation")
+    rope = T * D * c if w.cfg.attn_sinks else 0
+    w.peak(tag + "recompute attention.o", T * D * c, T * H * c, rope, kind="activation")
     w.peak(tag + "recompute residual add", T * H * c, T * H * r, kind="activation")
 
 

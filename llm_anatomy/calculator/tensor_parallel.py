@@ -57,11 +57,11 @@ def tp_unit_shapes(cfg: ModelConfig, tp: int, variant: str = "baseline") -> tupl
     efficient variant's fused qkv and gate_up are column-parallel like the projections they fuse (their rows in
     rank order: distributed/tp_layout.py), so each rank holds 1/tp of their rows."""
     def local(name: str, shape: Shape) -> Shape:
-        if name.endswith(("norm.weight",)) or tp == 1:
+        if name.endswith(("norm.weight", "attn.o.bias")) or tp == 1:  # replicated (o's bias: RowwiseParallel's)
             return shape
         if name.endswith(("attn.o.weight", "mlp.down.weight")):
             return (shape[0], shape[1] // tp)
-        return (shape[0] // tp, *shape[1:])  # q/k/v/qkv/gate/up/gate_up weights and biases, embed, head
+        return (shape[0] // tp, *shape[1:])  # q/k/v/qkv/gate/up/gate_up weights and biases, sinks, embed, head
 
     units = fsdp_unit_shapes(cfg)
     if variant == "efficient":

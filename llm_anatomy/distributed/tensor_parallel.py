@@ -14,6 +14,9 @@ The plan is torchtitan's parallelize_llama, on this project's module names:
 Each Attention module is told its local head counts (heads / tp, kv_heads / tp), as torchtitan does, since its
 views read them. FSDP2 (fully_shard per Block, then the root) then shards each TP-local tensor on dim 0 over "dp".
 
+gpt-oss's attention fields: the sinks, one logit per head, Shard(0) with the heads (shard_sinks); a sliding window's
+additive (S, S) mask is built whole on every rank (the attention's input is all-gathered to the whole sequence);
+o's bias is RowwiseParallel's Replicate, which DTensor adds once (bias / tp into each rank's partial sum).
 parallelize_module distributes each module's parameters apart, so a tied head is tied again afterwards to the
 embedding's DTensor (both are sharded on the vocab). Qwen3's per-head q/k norms get SequenceParallel on the heads dim
 (their input is the rank's heads), so their weight gradients are Partial over tp like the other norms'.
@@ -26,8 +29,8 @@ tensors; o and down RowwiseParallel; the fused RMSNorm ops SequenceParallel thro
 reads; the ranks combine each row's max, sum of exp and target logit with three fp32 all-reduces per chunk (the
 ones loss_parallel makes for the baseline), and no rank makes more than a (C, V / tp) chunk of logits.
 What the engine cannot shard is refused in one line (ConfigError, llm_anatomy.mesh_rules): widths not divisible
-by tp, mixture of experts, the efficient variant's lean block and recompute, and context parallel on CPU (torch's
-context_parallel shards SDPA's CUDA kernels only).
+by tp, mixture of experts, OLMoE's whole q/k norm (its mean spans the heads tp splits), the efficient variant's
+lean block and recompute, and context parallel on CPU (torch's context_parallel shards SDPA's CUDA kernels only).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 
@@ -116,6 +119,14 @@ def qk_norm_plan() -> dict:
             "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
 
 
+def shard_sinks(attn: nn.Module, tp_mesh) -> None:
+    """gpt-oss's sinks, one logit per head, Shard(0) with the heads: rank r holds the sinks of the heads its q
+    shard holds (ColwiseParallel's r-th row block; the efficient qkv's rank order keeps the same heads), and the
+    attention reads its local tensor, whose gradient is Shard(0) too: no collective."""
+    if getattr(attn, "sinks", None) is not None:
+        attn.sinks = nn.Parameter(distribute_tensor(attn.sinks.data, tp_mesh, [Shard(0)]))
+
+
 def apply_tp(model: nn.Module, tp_mesh, *, one_rank: bool = False) -> nn.Module:
     """TP + SP on the 1-D tp mesh (in place): the root's plan, then each Block's (the pipeline's stages reuse it).
     A mesh of one rank is left alone unless one_rank=True, which applies the plan there too (DTensor's code path
@@ -134,6 +145,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, one_rank: bool = False) -> nn.Module:
         for block in model.layers:
             parallelize_module(block, tp_mesh, efficient_block_plan(cfg) if efficient else block_plan(cfg))
             block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
+            shard_sinks(block.attn, tp_mesh)
     return model
 
 
