@@ -16,6 +16,8 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
+from llm_anatomy.calculator.mesh import Mesh
+from llm_anatomy.calculator.mesh import check_mesh as plan_check
 from llm_anatomy.calculator.tensor_parallel import check_mesh, tp_unit_shapes
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
@@ -23,7 +25,7 @@ from validations.test_tensor_parallel import (CURVE_TOL, check_collectives, chec
                                               check_saved)
 from validations.train_cases import one_process_losses
 
-N_DRAWS = 20  # per mesh and variant
+N_DRAWS = 20  # per mesh, the variants taking turns
 VARIANTS = ("baseline", "efficient")
 MESHES = {2: [("tp2", 2, 1)], 4: [("tp4", 4, 1), ("tp2xdp2", 2, 2)]}
 
@@ -67,11 +69,13 @@ CURVE = dict(cfg=CURVE_CFG, run=Run(batch=2, seq=16, dtype="fp32"), tp=2, steps=
 
 
 def _scenarios(world: int) -> dict[str, dict]:
+    """N_DRAWS configs per mesh, the variants taking turns (half each); a loss curve per variant."""
     out = {}
-    for v, variant in enumerate(VARIANTS):
-        for name, tp, dp in MESHES[world]:
-            for i, case in enumerate(draw_examples(field_cases(tp, dp), N_DRAWS, seed_=4800 + 100 * v + 10 * tp + dp)):
-                out[f"{variant}-{name}-{i}"] = dict(case, dp=dp, variant=variant)
+    for name, tp, dp in MESHES[world]:
+        for i, case in enumerate(draw_examples(field_cases(tp, dp), N_DRAWS, seed_=4800 + 10 * tp + dp)):
+            variant = VARIANTS[i % len(VARIANTS)]
+            out[f"{variant}-{name}-{i}"] = dict(case, dp=dp, variant=variant)
+    for variant in VARIANTS:
         out[f"{variant}-curve"] = dict(CURVE, dp=world // 2, variant=variant)
     return out
 
@@ -97,7 +101,7 @@ def test_tp_fields_collectives_exact(mesh_run, variant, claims):
     (Shard(0)) and o's bias (Replicate) add none to the plan's."""
     world, scen, res = mesh_run
     draws = _draws(scen, variant)
-    assert len(draws) >= N_DRAWS * len(MESHES[world])
+    assert len(draws) == N_DRAWS // len(VARIANTS) * len(MESHES[world])
     check_collectives(world, draws, res, claims, variant)
 
 
@@ -183,3 +187,7 @@ def test_whole_qk_norm_refused_one_line():
             check_mesh(cfg, 2, variant=variant)
         assert "\n" not in str(e.value)
         check_mesh(cfg, 1, variant=variant)
+    with pytest.raises(ConfigError, match="qk_norm_whole") as e:  # the planner refuses the mesh alike
+        plan_check(cfg, Mesh(dp=2, tp=2))
+    assert "\n" not in str(e.value)
+    plan_check(cfg, Mesh(dp=4))

@@ -84,6 +84,8 @@ def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
     if cfg.moe and mesh.tp > 1:
         raise ConfigError("tensor parallel over mixture-of-experts layers is not modelled: plan MoE models with data "
                           "parallelism (expert parallel over the dp ranks: calculator/expert_parallel.py)")
+    if cfg.qk_norm_whole and mesh.tp > 1:  # as mesh_rules.check_mesh refuses it to the engine
+        raise ConfigError("tp > 1 does not shard OLMoE's whole q/k norm (qk_norm_whole): its mean spans every head")
     if mesh.pp * mesh.virtual > cfg.layers:
         raise ConfigError(f"pp {mesh.pp} x {mesh.virtual} chunks is more stages than layers={cfg.layers}")
 
