@@ -37,7 +37,8 @@ def _draws(world: int, seed: int) -> dict[str, dict]:
     for name, tp, dp in MESHES[world]:
         for k, rc in enumerate(POLICIES):
             for i, case in enumerate(draw_examples(tp_cases(tp, dp), N_DRAWS, seed_=seed + 100 * k + 10 * tp + dp)):
-                out[f"{name}-{rc}-{i}"] = dict(case, run=replace(case["run"], recompute=rc), dp=dp)
+                # one step: the step's records (every collective, the bytes after it, the saved) are step 1's
+                out[f"{name}-{rc}-{i}"] = dict(case, run=replace(case["run"], recompute=rc), steps=1, dp=dp)
     return out
 
 
