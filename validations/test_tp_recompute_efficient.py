@@ -21,6 +21,7 @@ import torch
 
 from llm_anatomy.config import Run
 from validations.configs import draw_examples
+from validations.draw_notes import draw_note
 from validations.test_tensor_parallel import (CURVE_CFG, MESHES, N_DRAWS, check_collectives, check_fake_pg,
                                               check_rank_bytes, check_saved, tp_cases)
 from validations.train_cases import one_process_losses
@@ -129,6 +130,54 @@ def test_tp_recompute_loss_curve_matches_single_process(mesh_run, rc, claims):
         claims.check(f"tp (efficient, recompute {rc}) loss vs one process", component="loss",
                      config=CURVE_CFG.name, variant=VARIANT, predicted=single[step], measured=mesh,
                      tolerance=CURVE_TOL, unit="nats", note=f"TP 2 x dp {dp}, fp32, step {step + 1}")
+
+
+# ---- the memory phases of a step (calculator/tp_memory.py against distributed/mesh_peak.py's live storage) --------
+def _phase_scenarios(world: int, seed: int) -> list[dict]:
+    """N_DRAWS cases of each mesh of this world size, the policies in turn."""
+    out = []
+    for _, tp, dp in MESHES[world]:
+        for i, case in enumerate(draw_examples(tp_cases(tp, dp), N_DRAWS, seed_=seed + 10 * tp + dp)):
+            sc = dict(cfg=case["cfg"], run=replace(case["run"], recompute=POLICIES[i % 2]), tp=tp,
+                      optimizer=case["optimizer"], variant=VARIANT)
+            if dp > 1:
+                sc["reshard_after_forward"] = case["reshard_after_forward"]
+            out.append(sc)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
+def phase_run(request):
+    from llm_anatomy.distributed.mesh_peak import spawn_mesh_peaks
+
+    world = request.param
+    scen = _phase_scenarios(world, 4870)
+    return world, scen, spawn_mesh_peaks(world, scen, timeout_s=300)
+
+
+@pytest.mark.distributed
+def test_tp_recompute_phase_ends_exact(phase_run, claims):
+    """Forward end, backward end and optimizer end of a step after the first equal tp_phases on every rank: the
+    checkpoints' kept residual stream on the rank's rows, the fused tensors' FSDP shards and optimizer state."""
+    from llm_anatomy.calculator.tp_memory import tp_phases
+
+    world, scen, res = phase_run
+    assert len(scen) >= N_DRAWS * len(MESHES[world])
+    for i, sc in enumerate(scen):
+        tp = sc["tp"]
+        for r in range(world):
+            ph = {p["name"]: p for p in res[r][i]}
+            pred = tp_phases(sc["cfg"], sc["run"], tp, world // tp, rank=r, optimizer=sc["optimizer"], device="cpu",
+                             reshard_after_forward=sc.get("reshard_after_forward", True), variant=VARIANT)
+            note = f"tp {tp} x dp {world // tp}: {draw_note(sc, rank=r)}"
+            for phase, at, measured in (("forward_end_held", "forward end", ph["forward"]["allocated"]),
+                                        ("backward_end", "backward end", ph["backward"]["allocated"]),
+                                        ("optimizer_end", "optimizer end", ph["zero_grad"]["allocated"])):
+                claims.check(f"tp rank {at} bytes (efficient, recompute)", component="memory",
+                             config=sc["cfg"].name, variant=VARIANT, predicted=pred[phase], measured=measured,
+                             unit="B", note=note)
+            peak = max(p["peak"] for p in res[r][i])
+            assert peak <= pred["peak"], f"{note}: measured peak {peak} B over the bound {pred['peak']} B"
 
 
 @pytest.mark.parametrize("rc", POLICIES)
