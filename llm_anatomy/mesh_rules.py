@@ -52,7 +52,7 @@ def check_mesh(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseli
             raise ConfigError(f"{field}={getattr(cfg, field)} is not divisible by tp={tp}")
 
 
-def check_efficient_tp(tp: int, lean_block: bool, recompute: str) -> None:
+def check_efficient_tp(tp: int, lean_block: bool) -> None:
     """ConfigError (one line) for the efficient model's options tp > 1 does not shard: the lean block hands a
     pending branch across Blocks and runs its own matmuls. Every recompute policy runs (the plan of
     distributed/tensor_parallel.py's efficient_block_plan puts the all-gathers inside the checkpoints)."""
@@ -67,7 +67,7 @@ def check_run(run: Run, tp: int, dp: int = 1, variant: str = "baseline") -> None
     if tp > 1 and run.seq % tp:
         raise ConfigError(f"seq={run.seq} is not divisible by tp={tp} (sequence parallel splits it evenly)")
     if variant == "efficient":
-        check_efficient_tp(tp, run.lean_block, run.recompute)
+        check_efficient_tp(tp, run.lean_block)
         if tp > 1 and run.loss_impl != "anatomy":  # distributed/tp_head.py: ours is the one vocab-parallel form
             raise ConfigError(f"tp > 1 runs the efficient variant's own fused loss (loss_impl anatomy), "
                               f"not {run.loss_impl!r}")

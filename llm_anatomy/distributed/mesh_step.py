@@ -52,8 +52,9 @@ def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str
     mesh = build_mesh(world // tp, tp, device.type)
     check_run(run, tp, world // tp, variant)
     pd, rd = default_mixed_precision(run) if mesh["dp"].size() > 1 else (None, None)
+    # the same weights on every rank; parallelize keeps this rank's shards
     model = build_model(cfg, variant, device=device, dtype=torch.bfloat16 if run.dtype == "bf16" else None,
-                        seed=seed, recompute=run.recompute)  # the same weights on every rank; parallelize keeps this rank's shards
+                        seed=seed, recompute=run.recompute)
     parallelize(model, mesh, param_dtype=pd if param_dtype == "auto" else param_dtype,
                 reduce_dtype=rd if reduce_dtype == "auto" else reduce_dtype,
                 reshard_after_forward=reshard_after_forward)

@@ -104,8 +104,8 @@ def efficient_block_plan(cfg: ModelConfig, recompute: str = "none") -> dict:
     recompute "mlp" hands attention and the MLP the residual stream, (B, S / tp, H) on each rank, and each runs its
     norm inside its checkpoint (efficient/attention.py, mlp.py): attention's input is only marked Shard(1) (a
     DTensor of the global shape, no collective), the MLP's is left local, and qkv's and gate_up's ColwiseParallel
-    (input Shard(1)) all-gather the normed output inside the checkpoints, so backward's re-run gathers again. Under "full"
-    the block's checkpoint holds the whole plan and re-runs it as the forward did."""
+    (input Shard(1)) all-gather the normed output inside the checkpoints, so backward's re-run gathers again.
+    Under "full" the block's checkpoint holds the whole plan and re-runs it as the forward did."""
     gather = dict(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
     plan = {"attn_norm": SequenceParallel(), "attn": PrepareModuleInput(**gather),
             "attn.qkv": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=Shard(1)),
@@ -136,7 +136,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, one_rank: bool = False) -> nn.Module:
     if tp > 1 or one_rank:
         efficient = getattr(model, "variant", "baseline") == "efficient"
         if efficient:  # each rank's fused rows in rank order
-            check_efficient_tp(tp, model.lean, model.recompute)
+            check_efficient_tp(tp, model.lean)
             to_rank_order(model, tp)
         parallelize_module(model, tp_mesh, tp_plan())
         if cfg.tie_embeddings:  # both are Shard(0) over the vocab: the head takes the embedding's DTensor again
@@ -144,7 +144,8 @@ def apply_tp(model: nn.Module, tp_mesh, *, one_rank: bool = False) -> nn.Module:
         if efficient:  # the fused linear cross-entropy on the rank's vocabulary rows (distributed/tp_head.py)
             use_vocab_parallel_head(model, tp_mesh)
         for block in model.layers:
-            parallelize_module(block, tp_mesh, efficient_block_plan(cfg, model.recompute) if efficient else block_plan(cfg))
+            plan = efficient_block_plan(cfg, model.recompute) if efficient else block_plan(cfg)
+            parallelize_module(block, tp_mesh, plan)
             block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
     return model
 
