@@ -9,6 +9,8 @@ and measured on gloo ranks (distributed.mesh_step).
                        curve per policy against one process on both dp ranks' batches
   every rank, every step: params/grads/optimizer bytes, saved bytes per component (the checkpoints' kept residual
   stream on the rank's seq / tp rows), (mesh dim, op, dtype, bytes) -> calls (backward's re-runs gather again)
+  live storage         the same meshes, 20 draws each (the policies in turn): forward, backward and optimizer end of
+                       the second step exact on every rank (calculator/tp_memory.py)
   fake process group   one rank of a 64-rank mesh per policy: collectives and bytes
 The draws are test_tensor_parallel.py's (tp_cases) with a policy; all the draws of one world size run in ONE spawn.
 """
@@ -176,8 +178,6 @@ def test_tp_recompute_phase_ends_exact(phase_run, claims):
                 claims.check(f"tp rank {at} bytes (efficient, recompute)", component="memory",
                              config=sc["cfg"].name, variant=VARIANT, predicted=pred[phase], measured=measured,
                              unit="B", note=note)
-            peak = max(p["peak"] for p in res[r][i])
-            assert peak <= pred["peak"], f"{note}: measured peak {peak} B over the bound {pred['peak']} B"
 
 
 @pytest.mark.parametrize("rc", POLICIES)
