@@ -10,18 +10,17 @@ rounded to the allocator's 512-byte blocks):
     forward end     parameters (the TP-local shards; under FSDP the padded dim-0 shards) + optimizer state + the
                     (B, S) ids and targets + every tensor the rank saves for backward (calculator/tensor_parallel.py
                     tp_saved's rule: the one-GPU model's saved tensors on the rank's heads, MLP columns and
-                    vocabulary rows, the norms' on seq / tp rows) + the loss (an fp32 scalar)
+                    vocabulary rows, the norms' and recompute's kept residual stream on seq / tp rows) + the loss
+                    (an fp32 scalar)
                     + under FSDP the root's unsharded parameters (it does not reshard after forward), and every
-                    Block's when reshard_after_forward is off; without a dtype cast (fp32), the first Block's input,
-                    which FSDP's RegisterPostBackwardFunction hands on as a new (B, S / tp, H) tensor
+                    Block's when reshard_after_forward is off
                     + the DeviceMesh's rank tensor of each mesh dim the model's DTensors hold (int32, one element
                     per rank of the dim: tp, and dp under FSDP)
-                    = forward_end_held; DTensor's graph may also keep two collectives' buffers to backward
-                    (`retained`): the embedding's reduce-scatter (its output, the wait's and to_local's copy, three
-                    (B, S / tp, H)) and the head's all-gather (its output, the wait's, the chunk-cat, three
-                    (B, S, H)), in the compute dtype. Which it keeps depends on the model's graph and is not
-                    predicted: forward_end counts both (the bound), the measurement is forward_end_held plus none,
-                    one or both.
+                    = forward_end_held, what the rank holds. `retained` prices, for the bound only, two
+                    collectives' outputs as three tensors each: the embedding's reduce-scatter ((B, S / tp, H))
+                    and the head's all-gather ((B, S, H)), in the compute dtype; the graph hands them on as
+                    AsyncCollectiveTensor wrappers, which hold no storage of their own (live storage counts each
+                    at its buffer: distributed/peak.py), so the measurement is forward_end_held.
     backward end    parameters + gradients (tensor_parallel.tp_rank_memory's rule) + optimizer state + inputs + mesh
     optimizer end   the gradients set to None: parameters + optimizer state + inputs + mesh
     peak            an upper bound, stated in tp_peak_bound (below)
@@ -174,9 +173,7 @@ def tp_phases(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0
         gathered = un["root"]["G"] + (0 if reshard_after_forward else cfg.layers * un["block"]["G"])
     base = state["params"] + state["optimizer"] + inputs + mesh
     saved = _saved(cfg, run, tp, dp, rnd, variant)
-    # under FSDP without a dtype cast, RegisterPostBackwardFunction hands the first Block its input as a new tensor
-    first_in = rnd(run.tokens // tp * cfg.hidden * 4) if dp > 1 and run.dtype == "fp32" else 0
-    fwd_exact = base + saved + rnd(4) + gathered + first_in
+    fwd_exact = base + saved + rnd(4) + gathered
     bwd_end = base + state["grads"]
     out = dict(params=state["params"], grads=state["grads"], optimizer=state["optimizer"], inputs=inputs,
                mesh=mesh, saved=saved, gathered=gathered, reshard_after_forward=reshard_after_forward,
