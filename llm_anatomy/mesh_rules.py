@@ -51,24 +51,22 @@ def check_mesh(cfg: ModelConfig, tp: int, dp: int = 1, *, variant: str = "baseli
             raise ConfigError(f"{field}={getattr(cfg, field)} is not divisible by tp={tp}")
 
 
-def check_efficient_tp(tp: int, lean_block: bool, recompute: str) -> None:
+def check_efficient_tp(tp: int, lean_block: bool) -> None:
     """ConfigError (one line) for the efficient model's options tp > 1 does not shard: the lean block hands a
-    pending branch across Blocks and runs its own matmuls, and recompute's checkpoints norm the residual stream
-    inside the attention and MLP modules, whose inputs the plan all-gathers."""
+    pending branch across Blocks and runs its own matmuls. Every recompute policy runs (the plan of
+    distributed/tensor_parallel.py's efficient_block_plan puts the all-gathers inside the checkpoints)."""
     if tp > 1 and lean_block:
         raise ConfigError("tp > 1 runs the efficient variant without its lean block (--no-lean)")
-    if tp > 1 and recompute != "none":
-        raise ConfigError(f"tp > 1 runs the efficient variant without recompute, got recompute={recompute}")
 
 
 def check_run(run: Run, tp: int, dp: int = 1, variant: str = "baseline") -> None:
     """ConfigError (one line) for a run the mesh cannot take: sequence parallel splits seq over tp evenly, amp
     needs FSDP's mixed-precision policy (dp > 1), and the efficient variant runs under tp > 1 without its lean
-    block and recompute (check_efficient_tp) and with its own fused loss, not Liger's."""
+    block (check_efficient_tp) and with its own fused loss, not Liger's."""
     if tp > 1 and run.seq % tp:
         raise ConfigError(f"seq={run.seq} is not divisible by tp={tp} (sequence parallel splits it evenly)")
     if variant == "efficient":
-        check_efficient_tp(tp, run.lean_block, run.recompute)
+        check_efficient_tp(tp, run.lean_block)
         if tp > 1 and run.loss_impl != "anatomy":  # distributed/tp_head.py: ours is the one vocab-parallel form
             raise ConfigError(f"tp > 1 runs the efficient variant's own fused loss (loss_impl anatomy), "
                               f"not {run.loss_impl!r}")

@@ -221,9 +221,10 @@ def test_fake_pg_large_mesh_exact(model, tp, dp, rank, claims):
     check_fake_pg(model, tp, dp, rank, claims)
 
 
-def check_fake_pg(model: str | ModelConfig, tp: int, dp: int, rank: int, claims, variant: str = "baseline") -> None:
+def check_fake_pg(model: str | ModelConfig, tp: int, dp: int, rank: int, claims, variant: str = "baseline",
+                  run: Run | None = None) -> None:
     """One rank of a tp x dp mesh on the fake process group against tp_collectives and tp_rank_memory. model: a
-    preset's or a committed HF config's name, or a config."""
+    preset's or a committed HF config's name, or a config; run: B 1, S 16, amp unless given."""
     from llm_anatomy.distributed.mesh_step import simulate
     from llm_anatomy.hf_config import from_hf_config
     from validations.hf_configs import HF_CONFIGS
@@ -232,7 +233,7 @@ def check_fake_pg(model: str | ModelConfig, tp: int, dp: int, rank: int, claims,
         cfg = model
     else:
         cfg = PRESETS[model] if model in PRESETS else from_hf_config(HF_CONFIGS[model])
-    run = Run(batch=1, seq=16, dtype="amp")
+    run = run or Run(batch=1, seq=16, dtype="amp")
     rec = simulate(cfg, run, tp, dp, rank=rank, variant=variant)[-1]
     pred = grouped_counts(tp_collectives(cfg, run, tp, dp, variant=variant))
     meas = {tuple(k[:3]) + (k[3],): n for *k, n in rec["collectives"]}

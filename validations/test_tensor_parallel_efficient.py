@@ -202,15 +202,17 @@ def test_tp_efficient_triton_kernels_on_shards(mesh_run, claims):
 
 
 def test_efficient_refusals_one_line():
-    """The efficient options the plan does not shard: one line naming the option."""
+    """The efficient option the plan does not shard (the lean block): one line naming the option; recompute runs
+    (validations/test_tp_recompute_efficient.py)."""
     from llm_anatomy.calculator.tensor_parallel import check_run
 
-    for run, says in ((Run(batch=1, seq=8, dtype="fp32", lean=True), "--no-lean"),
-                      (Run(batch=1, seq=8, dtype="fp32", recompute="mlp"), "recompute=mlp")):
-        with pytest.raises(ConfigError, match=says) as e:
-            check_run(run, 2, 1, VARIANT)
-        assert "\n" not in str(e.value)
-        check_run(run, 1, 1, VARIANT)  # one rank: nothing to shard
+    run = Run(batch=1, seq=8, dtype="fp32", lean=True)
+    with pytest.raises(ConfigError, match="--no-lean") as e:
+        check_run(run, 2, 1, VARIANT)
+    assert "\n" not in str(e.value)
+    check_run(run, 1, 1, VARIANT)  # one rank: nothing to shard
+    for rc in ("mlp", "full"):
+        check_run(Run(batch=1, seq=8, dtype="fp32", recompute=rc), 2, 1, VARIANT)
     with pytest.raises(ConfigError, match="heads=3"):
         tp_rank_memory(ModelConfig(hidden=24, layers=1, heads=3, intermediate=64, vocab=128),
                        Run(batch=1, seq=8, dtype="fp32"), 2, variant=VARIANT)

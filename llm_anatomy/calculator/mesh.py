@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from llm_anatomy.calculator import comm
+from llm_anatomy.calculator.tensor_parallel import recompute_collectives
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 SCHEDULES = ("1f1b", "interleaved-1f1b")
@@ -139,10 +140,10 @@ def step_time(cfg: ModelConfig, run: Run, variant: str, gpu: str, mesh: Mesh, mi
     opt = whole["optimizer_s"] / (mesh.tp * mesh.pp * mesh.dp)
     act = run.batch * run.seq * cfg.hidden * (4 if run.dtype == "fp32" else 2)  # one activation, bytes
     tp_s = 0.0
-    if mesh.tp > 1:  # 4 all-gathers and 4 reduce-scatters per layer and micro-batch
-        one = (_ring_time("all_gather", act, mesh.tp, 1, gpu, gpus_per_node)
-               + _ring_time("reduce_scatter", act, mesh.tp, 1, gpu, gpus_per_node))
-        tp_s = 4 * one * shard.layers
+    if mesh.tp > 1:  # 4 all-gathers and 4 reduce-scatters per layer and micro-batch, and recompute's re-runs
+        again = {r["op"]: r["count"] for r in recompute_collectives(run, 1, act, run.dtype)}
+        tp_s = shard.layers * sum((4 + again.get(op, 0)) * _ring_time(op, act, mesh.tp, 1, gpu, gpus_per_node)
+                                  for op in ("all_gather", "reduce_scatter"))
     p2p_s = 0.0
     if mesh.pp > 1:  # a send each way per boundary the rank owns (v chunks: v boundaries)
         span = mesh.dp * mesh.tp

@@ -137,7 +137,7 @@ def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimize
                  _row("reduce_scatter", "forward", "embed, o, down outputs", 2 * L + 1, act, compute),
                  _row("all_gather", "backward", "embed, o, down output grads", 2 * L + 1, act, compute),
                  _row("reduce_scatter", "backward", "attn, mlp, head input grads", 2 * L + 1, act, compute),
-                 *loss_all_reduces(cfg, run, tp, cb, variant)]
+                 *loss_all_reduces(cfg, run, tp, cb, variant), *recompute_collectives(run, L, act, compute)]
         reads = 1 if dp > 1 else OPTIMIZER_GRAD_READS[optimizer]
         phase = "backward" if dp > 1 else "optimizer"
         rows.append(_row("all_reduce", phase, "norm weight grads", (2 * L + 1) * reads, cfg.hidden * cb, compute))
@@ -150,6 +150,20 @@ def tp_collectives(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, optimize
                               reshard_after_forward=reshard_after_forward,
                               unit_shapes=tp_unit_shapes(cfg, tp, variant))
         rows += [dict(r, group="dp") for r in fs]
+    return rows
+
+
+def recompute_collectives(run: Run, layers: int, act: int, compute: str) -> list[dict]:
+    """The collectives backward's re-runs issue again (the checkpoints of efficient/attention.py, mlp.py and
+    transformer.py's BlockCheckpoint hold the plan's redistributions; the early stop ends each re-run once down's
+    input is saved again, before down's matmul and its reduce-scatter):
+      mlp    qkv's and gate_up's input all-gathers, in the norm -> qkv and the sum -> ... -> down checkpoints
+      full   the block's two all-gathers and o's reduce-scatter"""
+    if run.recompute == "none":
+        return []
+    rows = [_row("all_gather", "backward", "recompute: attn, mlp inputs again", 2 * layers, act, compute)]
+    if run.recompute == "full":
+        rows.append(_row("reduce_scatter", "backward", "recompute: o output again", layers, act, compute))
     return rows
 
 
@@ -212,6 +226,15 @@ def tp_local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
                    intermediate=cfg.intermediate // tp, vocab=cfg.vocab // tp, name=f"{cfg.name} / tp{tp}")
 
 
+# what recompute's checkpoints keep of the residual stream (the block input, the attention branch): plain (B, S / tp, H)
+# tensors on the rank, as the norms' inputs are
+SEQ_SHARDED = ("attention.x", "mlp.branch")
+
+
+def _bytes(saved, names) -> int:
+    return sum(t.bytes for t in saved if t.name in names)
+
+
 def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, device: str = "cpu") -> dict:
     """Bytes one rank saves for backward per component: {"layer": {component: bytes of one Block}, "root":
     {component: bytes outside the Blocks}, "total": {component: bytes}}.
@@ -220,7 +243,8 @@ def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, 
     (tp_local_config): the projections save their all-gathered (B x S, H) input whole, attention its heads / tp,
     the MLP its intermediate / tp, the baseline's loss its (B x S, V / tp) log-probs, the efficient variant's
     vocab-parallel fused linear cross-entropy the one-GPU op's grad_x (B x S, H) and grad_w (V / tp, H); the norms
-    run on the sequence shard, so they save the one-GPU norm's tensors at seq / tp. Under FSDP (dp > 1) amp computes
+    run on the sequence shard, so they save the one-GPU norm's tensors at seq / tp, and recompute's checkpoints keep
+    the residual stream and the branch at seq / tp (SEQ_SHARDED). Under FSDP (dp > 1) amp computes
     in bf16 (its MixedPrecisionPolicy casts the parameters; no autocast), as in sharding.per_rank_peak, and casts
     every Block's floating inputs: the efficient variant's fp32 RoPE tables are saved as a bf16 copy per Block."""
     from llm_anatomy.calculator import estimate
@@ -240,6 +264,8 @@ def tp_saved(cfg: ModelConfig, run: Run, variant: str, tp: int, dp: int = 1, *, 
             rope = sum(prod(t.shape) * BYTES[t.dtype] * t.count for t in full["attention"].saved
                        if t.name in ROPE_TABLES and t.dtype == "float32")
             out["attention"] += rope // 2 * layers - rope
+        for name, comp in full.items():  # the checkpoints' kept residual stream and branch: the rank's seq / tp rows
+            out[name] += _bytes(seq_shard[name].saved, SEQ_SHARDED) - _bytes(comp.saved, SEQ_SHARDED)
         return out
 
     one, two = by_component(1), by_component(2)

@@ -10,18 +10,17 @@ rounded to the allocator's 512-byte blocks):
     forward end     parameters (the TP-local shards; under FSDP the padded dim-0 shards) + optimizer state + the
                     (B, S) ids and targets + every tensor the rank saves for backward (calculator/tensor_parallel.py
                     tp_saved's rule: the one-GPU model's saved tensors on the rank's heads, MLP columns and
-                    vocabulary rows, the norms' on seq / tp rows) + the loss (an fp32 scalar)
+                    vocabulary rows, the norms' and recompute's kept residual stream on seq / tp rows) + the loss
+                    (an fp32 scalar)
                     + under FSDP the root's unsharded parameters (it does not reshard after forward), and every
-                    Block's when reshard_after_forward is off; without a dtype cast (fp32), the first Block's input,
-                    which FSDP's RegisterPostBackwardFunction hands on as a new (B, S / tp, H) tensor
+                    Block's when reshard_after_forward is off
                     + the DeviceMesh's rank tensor of each mesh dim the model's DTensors hold (int32, one element
                     per rank of the dim: tp, and dp under FSDP)
-                    = forward_end_held; DTensor's graph may also keep two collectives' buffers to backward
-                    (`retained`): the embedding's reduce-scatter (its output, the wait's and to_local's copy, three
-                    (B, S / tp, H)) and the head's all-gather (its output, the wait's, the chunk-cat, three
-                    (B, S, H)), in the compute dtype. Which it keeps depends on the model's graph and is not
-                    predicted: forward_end counts both (the bound), the measurement is forward_end_held plus none,
-                    one or both.
+                    = forward_end_held, what the rank holds. `retained` prices, for the bound only, two
+                    collectives' outputs as three tensors each: the embedding's reduce-scatter ((B, S / tp, H))
+                    and the head's all-gather ((B, S, H)), in the compute dtype; the graph hands them on as
+                    AsyncCollectiveTensor wrappers, which hold no storage of their own (live storage counts each
+                    at its buffer: distributed/peak.py), so the measurement is forward_end_held.
     backward end    parameters + gradients (tensor_parallel.tp_rank_memory's rule) + optimizer state + inputs + mesh
     optimizer end   the gradients set to None: parameters + optimizer state + inputs + mesh
     peak            an upper bound, stated in tp_peak_bound (below)
@@ -43,7 +42,7 @@ from dataclasses import replace
 from math import prod
 
 from llm_anatomy.calculator.sharding import DTYPE_BYTES, param_dtype_name
-from llm_anatomy.calculator.types import BYTES
+from llm_anatomy.calculator.types import BYTES, ROPE_TABLES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 MESH_RANK_BYTES = 4  # DeviceMesh keeps its ranks as an int32 tensor; a DTensor's mesh keeps it alive
@@ -64,24 +63,33 @@ def _compute_run(run: Run, dp: int) -> Run:
 
 
 def _saved(cfg: ModelConfig, run: Run, tp: int, dp: int, rnd, variant: str = "baseline") -> int:
-    """Bytes of the tensors the rank saves for backward, each rounded (tp_saved's rule, tensor by tensor)."""
+    """Bytes of the tensors the rank saves for backward, each rounded (tp_saved's rule, tensor by tensor: the norms'
+    and recompute's kept residual stream at seq / tp, the efficient variant's fp32 RoPE tables a bf16 copy per
+    Block under FSDP's amp)."""
     from llm_anatomy.calculator import estimate
     from llm_anatomy.calculator.backward import INPUTS
-    from llm_anatomy.calculator.tensor_parallel import tp_local_config
+    from llm_anatomy.calculator.tensor_parallel import SEQ_SHARDED, tp_local_config
 
     crun = _compute_run(run, dp)
     local = tp_local_config(cfg, tp)
     full = estimate(local, crun, variant, device="cpu").components
-    norm = estimate(local, replace(crun, seq=run.seq // tp), variant, device="cpu").components["norm"]
+    shard = estimate(local, replace(crun, seq=run.seq // tp), variant, device="cpu").components
+    cast = run.dtype == "amp" and dp > 1
     total = 0
     for name, comp in full.items():
-        for s in (norm if name == "norm" else comp).saved:
-            if s.name not in INPUTS:
+        on_shard = lambda s: name == "norm" or s.name in SEQ_SHARDED  # noqa: E731
+        for s in [s for s in shard[name].saved if on_shard(s)] + [s for s in comp.saved if not on_shard(s)]:
+            if s.name in INPUTS:
+                continue
+            if cast and s.name in ROPE_TABLES and s.dtype == "float32":
+                total += rnd(prod(s.shape) * BYTES["bfloat16"]) * cfg.layers
+            else:
                 total += rnd(prod(s.shape) * BYTES[s.dtype]) * s.count
     return total
 
 
-def _model_state(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, optimizer: str, rnd) -> dict:
+def _model_state(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, optimizer: str, rnd,
+                 variant: str = "baseline") -> dict:
     """Parameters, gradients (after backward) and optimizer state of the rank, each tensor rounded: without FSDP
     every tensor its own storage; under FSDP each parameter its padded shard, each unit's gradients one flat
     reduce-scatter output (calculator/sharding.py)."""
@@ -90,7 +98,7 @@ def _model_state(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, optimi
 
     pb, dr = BYTES[param_dtype_name(run)], rank // tp
     params = grads = opt = 0
-    for unit, shapes in tp_unit_shapes(cfg, tp):
+    for unit, shapes in tp_unit_shapes(cfg, tp, variant):
         k = cfg.layers if unit == "block" else 1
         flat = 0
         for name, s in shapes:
@@ -116,7 +124,7 @@ def _state(optimizer: str, numel: int, pb: int, rnd) -> int:
     return sum(rnd(int(numel * b)) for b in state_breakdown(optimizer).values())
 
 
-def _unsharded(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, rnd) -> dict:
+def _unsharded(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, rnd, variant: str = "baseline") -> dict:
     """FSDP2's buffers per unit ("root", "block") of the TP-local tensors: G the unsharded parameters (padded rows x
     dp, in the all-gather dtype, each its own tensor), R the reduce-scatter input (the same elements in the reduce
     dtype, one flat tensor), U the unsharded gradients (the TP-local tensors, in the all-gather dtype)."""
@@ -126,7 +134,7 @@ def _unsharded(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, rnd) -> 
     dts = fsdp_dtypes(run)
     ag, rs = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]]
     out = {}
-    for unit, shapes in tp_unit_shapes(cfg, tp):
+    for unit, shapes in tp_unit_shapes(cfg, tp, variant):
         padded = [dp * shard_numel(s, dp, rank // tp)[1] for _, s in shapes]
         out[unit] = dict(G=sum(rnd(n * ag) for n in padded), R=rnd(sum(padded) * rs),
                          U=sum(rnd(prod(s) * ag) for _, s in shapes))
@@ -154,20 +162,18 @@ def tp_phases(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0
     rnd = _rounder(device)
     crun = _compute_run(run, dp)
     c = BYTES[param_dtype_name(crun)]  # the compute dtype: amp computes in bf16 on a mesh
-    state = _model_state(cfg, run, tp, dp, rank, optimizer, rnd)
+    state = _model_state(cfg, run, tp, dp, rank, optimizer, rnd, variant)
     mesh = (rnd(MESH_RANK_BYTES * tp) if tp > 1 else 0) + (rnd(MESH_RANK_BYTES * dp) if dp > 1 else 0)
     inputs = 2 * rnd(8 * run.tokens)
     # the collectives whose buffers the graph may keep until backward (RETAINED): three tensors each
     rs, ag = (3 * rnd(run.tokens // tp * cfg.hidden * c), 3 * rnd(run.tokens * cfg.hidden * c)) if tp > 1 else (0, 0)
     gathered = 0
     if dp > 1:
-        un = _unsharded(cfg, run, tp, dp, rank, rnd)
+        un = _unsharded(cfg, run, tp, dp, rank, rnd, variant)
         gathered = un["root"]["G"] + (0 if reshard_after_forward else cfg.layers * un["block"]["G"])
     base = state["params"] + state["optimizer"] + inputs + mesh
     saved = _saved(cfg, run, tp, dp, rnd, variant)
-    # under FSDP without a dtype cast, RegisterPostBackwardFunction hands the first Block its input as a new tensor
-    first_in = rnd(run.tokens // tp * cfg.hidden * 4) if dp > 1 and run.dtype == "fp32" else 0
-    fwd_exact = base + saved + rnd(4) + gathered + first_in
+    fwd_exact = base + saved + rnd(4) + gathered
     bwd_end = base + state["grads"]
     out = dict(params=state["params"], grads=state["grads"], optimizer=state["optimizer"], inputs=inputs,
                mesh=mesh, saved=saved, gathered=gathered, reshard_after_forward=reshard_after_forward,
@@ -218,7 +224,7 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
     coll = 4 * rnd(T * cfg.hidden * c) if tp > 1 else 0
     fsdp = 0
     if dp > 1:
-        un = _unsharded(cfg, run, tp, dp, 0, rnd)
+        un = _unsharded(cfg, run, tp, dp, 0, rnd, variant)
         copy = 2 if device == "cpu" else 1  # gloo's reduce_scatter_tensor works on a copy of its input
         # the root's parameters, and without resharding every Block's, are in `gathered` already
         regather = 2 * un["block"]["G"] if ph["reshard_after_forward"] else 0
@@ -234,7 +240,7 @@ def tp_peak_bound(cfg: ModelConfig, run: Run, tp: int, dp: int, ph: dict, device
     backward = state + ph["gathered"] + retained + min(by["activation"], held) + grads + coll + fsdp + table
     # without FSDP each read of a norm's Partial gradient makes its all-reduced copy
     partial = 2 * rnd(cfg.hidden * BYTES[param_dtype_name(run)]) if tp > 1 and dp == 1 else 0
-    optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, tp, dp, device, rnd) + partial
+    optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, tp, dp, device, rnd, variant) + partial
     cands = dict(forward=forward, backward=backward, optimizer=optimizer)
     at = max(cands, key=cands.get)
     return dict(peak=cands[at], peak_at=at, peak_candidates=cands)
@@ -255,7 +261,8 @@ def _loss_transients(cfg: ModelConfig, run: Run, tp: int, c: int, variant: str, 
     return rnd(8 * T) + 5 * rnd(4 * C) + (2 * rnd(4 * C * Vr) if device == "cpu" else 0)
 
 
-def _optimizer_temporaries(cfg: ModelConfig, run: Run, tp: int, dp: int, device: str, rnd) -> int:
+def _optimizer_temporaries(cfg: ModelConfig, run: Run, tp: int, dp: int, device: str, rnd,
+                           variant: str = "baseline") -> int:
     """torch's per-tensor AdamW on CPU: exp_avg_sq.sqrt() and its quotient, two of the largest local tensor at once
     (fused AdamW on CUDA makes none)."""
     from llm_anatomy.calculator.sharding import shard_numel
@@ -263,7 +270,7 @@ def _optimizer_temporaries(cfg: ModelConfig, run: Run, tp: int, dp: int, device:
 
     if device != "cpu":
         return 0
-    largest = max(shard_numel(s, dp, 0)[0] if dp > 1 else prod(s) for _, shapes in tp_unit_shapes(cfg, tp)
+    largest = max(shard_numel(s, dp, 0)[0] if dp > 1 else prod(s) for _, shapes in tp_unit_shapes(cfg, tp, variant)
                   for _, s in shapes)
     return 2 * rnd(largest * BYTES[param_dtype_name(run)])
 

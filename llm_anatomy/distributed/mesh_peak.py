@@ -29,18 +29,20 @@ from llm_anatomy.models import build_model, make_batch
 
 
 def tp_peaks(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 2, optimizer: str = "adamw",
-             reshard_after_forward: bool = True, seed: int = 0) -> list[dict]:
-    """`steps` steps on the initialized (CPU) process group as a (world / tp, tp) mesh; the last one's phases."""
+             reshard_after_forward: bool = True, seed: int = 0, variant: str = "baseline") -> list[dict]:
+    """`steps` steps on the initialized (CPU) process group as a (world / tp, tp) mesh; the last one's phases.
+    variant "efficient": its plain block, under run.recompute."""
     from llm_anatomy.distributed.tensor_parallel import build_mesh, loss_context, parallelize
     from llm_anatomy.mesh_rules import check_run
 
     world = dist.get_world_size()
     mesh = build_mesh(world // tp, tp)
-    check_run(run, tp, world // tp)
+    check_run(run, tp, world // tp, variant)
     dp_rank = mesh["dp"].get_local_rank()
     live = SettledStorage()
     with live:
-        model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
+        model = build_model(cfg, variant, dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed,
+                            recompute=run.recompute)
         pd, rd = default_mixed_precision(run) if world // tp > 1 else (None, None)
         parallelize(model, mesh, param_dtype=pd, reduce_dtype=rd, reshard_after_forward=reshard_after_forward)
         opt = make_optimizer(optimizer, model.parameters(), 1e-3)

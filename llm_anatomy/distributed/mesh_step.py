@@ -41,7 +41,7 @@ def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str
     view): step, loss (this dp rank's batch, the full value), collectives [[mesh dim, op, dtype, bytes, calls], ...]
     of forward + backward + optimizer step, memory {params, grads, optimizer} after the step (local storage), and
     in step 1 with trace_saved, saved {component: bytes} that the forward kept for backward on this rank.
-    variant: "baseline" or "efficient" (without its lean block and recompute: distributed/tensor_parallel.py)."""
+    variant: "baseline" or "efficient" (without its lean block: distributed/tensor_parallel.py)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a positive integer, got {steps!r}")
     world = dist.get_world_size()
@@ -52,8 +52,9 @@ def train(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 3, optimizer: str
     mesh = build_mesh(world // tp, tp, device.type)
     check_run(run, tp, world // tp, variant)
     pd, rd = default_mixed_precision(run) if mesh["dp"].size() > 1 else (None, None)
+    # the same weights on every rank; parallelize keeps this rank's shards
     model = build_model(cfg, variant, device=device, dtype=torch.bfloat16 if run.dtype == "bf16" else None,
-                        seed=seed)  # the same weights on every rank; parallelize keeps this rank's shards
+                        seed=seed, recompute=run.recompute)
     parallelize(model, mesh, param_dtype=pd if param_dtype == "auto" else param_dtype,
                 reduce_dtype=rd if reduce_dtype == "auto" else reduce_dtype,
                 reshard_after_forward=reshard_after_forward)
@@ -108,7 +109,7 @@ def simulate(cfg: ModelConfig, run: Run, tp: int, dp: int, *, rank: int = 0, ste
         mesh = build_mesh(dp, tp)
         pd, rd = default_mixed_precision(run) if dp > 1 else (None, None)
         model = build_model(cfg, variant, device="meta", dtype=torch.bfloat16 if run.dtype == "bf16" else None,
-                            seed=None)
+                            seed=None, recompute=run.recompute)
         parallelize(model, mesh, param_dtype=pd, reduce_dtype=rd)  # shards meta tensors: cheap at any size
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from llm_anatomy.config import ModelConfig, Run
 from llm_anatomy.distributed.strategies import check_strategy, default_mixed_precision, init_distributed, wrap
@@ -37,7 +38,9 @@ class RankStorage(LiveStorage):
         neither of which is an op the mode sees. UntypedStorage.resize_ is wrapped while the mode is active."""
 
     def _add(self, t: torch.Tensor) -> None:
-        super()._add(getattr(t, "_local_tensor", t))
+        t = getattr(t, "_local_tensor", t)
+        # a collective's output not yet waited on: its buffer (the wrapper's own storage holds no data)
+        super()._add(t.elem if isinstance(t, AsyncCollectiveTensor) else t)
 
     def _resized(self, st, old: int) -> None:
         key = st._cdata

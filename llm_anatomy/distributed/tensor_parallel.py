@@ -30,7 +30,7 @@ reads; the ranks combine each row's max, sum of exp and target logit with three 
 ones loss_parallel makes for the baseline), and no rank makes more than a (C, V / tp) chunk of logits.
 What the engine cannot shard is refused in one line (ConfigError, llm_anatomy.mesh_rules): widths not divisible
 by tp, mixture of experts, OLMoE's whole q/k norm (its mean spans the heads tp splits), the efficient variant's
-lean block and recompute, and context parallel on CPU (torch's context_parallel shards SDPA's CUDA kernels only).
+lean block, and context parallel on CPU (torch's context_parallel shards SDPA's CUDA kernels only).
 """
 from __future__ import annotations
 
@@ -100,16 +100,28 @@ def block_plan(cfg: ModelConfig) -> dict:
             "mlp.down": RowwiseParallel(output_layouts=Shard(1))} | (qk_norm_plan() if cfg.qk_norm else {})
 
 
-def efficient_block_plan(cfg: ModelConfig) -> dict:
+def efficient_block_plan(cfg: ModelConfig, recompute: str = "none") -> dict:
     """One efficient Block's plan: its fused qkv and gate_up column-parallel (rows in rank order), o and down
-    row-parallel, the fused norms sequence-parallel."""
+    row-parallel, the fused norms sequence-parallel.
+
+    recompute "mlp" hands attention and the MLP the residual stream, (B, S / tp, H) on each rank, and each runs its
+    norm inside its checkpoint (efficient/attention.py, mlp.py): attention's input is only marked Shard(1) (a
+    DTensor of the global shape, no collective), the MLP's is left local, and qkv's and gate_up's ColwiseParallel
+    (input Shard(1)) all-gather the normed output inside the checkpoints, so backward's re-run gathers again.
+    Under "full" the block's checkpoint holds the whole plan and re-runs it as the forward did."""
     gather = dict(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
-    return {"attn_norm": SequenceParallel(), "attn": PrepareModuleInput(**gather),
+    plan = {"attn_norm": SequenceParallel(), "attn": PrepareModuleInput(**gather),
             "attn.qkv": ColwiseParallel(), "attn.o": RowwiseParallel(output_layouts=Shard(1)),
             "mlp_norm": SequenceParallel(),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=Shard(1))} | (
-        qk_norm_plan() if cfg.qk_norm else {})
+            "mlp.gate_up": ColwiseParallel(), "mlp.down": RowwiseParallel(output_layouts=Shard(1))}
+    if recompute == "mlp":  # ColwiseParallel redistributes by its declared input layout, not the DTensor's own
+        del plan["mlp"]
+        plan |= {"attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Shard(1), None, None)),
+                 "attn.qkv": ColwiseParallel(input_layouts=Shard(1)),
+                 "mlp.gate_up": ColwiseParallel(input_layouts=Shard(1))}
+    return plan | (qk_norm_plan() if cfg.qk_norm else {})
 
 
 def qk_norm_plan() -> dict:
@@ -135,7 +147,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, one_rank: bool = False) -> nn.Module:
     if tp > 1 or one_rank:
         efficient = getattr(model, "variant", "baseline") == "efficient"
         if efficient:  # each rank's fused rows in rank order
-            check_efficient_tp(tp, model.lean, model.recompute)
+            check_efficient_tp(tp, model.lean)
             to_rank_order(model, tp)
         parallelize_module(model, tp_mesh, tp_plan())
         if cfg.tie_embeddings:  # both are Shard(0) over the vocab: the head takes the embedding's DTensor again
@@ -143,7 +155,8 @@ def apply_tp(model: nn.Module, tp_mesh, *, one_rank: bool = False) -> nn.Module:
         if efficient:  # the fused linear cross-entropy on the rank's vocabulary rows (distributed/tp_head.py)
             use_vocab_parallel_head(model, tp_mesh)
         for block in model.layers:
-            parallelize_module(block, tp_mesh, efficient_block_plan(cfg) if efficient else block_plan(cfg))
+            plan = efficient_block_plan(cfg, model.recompute) if efficient else block_plan(cfg)
+            parallelize_module(block, tp_mesh, plan)
             block.attn.heads, block.attn.kv_heads = cfg.heads // tp, cfg.kv_heads // tp
             shard_sinks(block.attn, tp_mesh)
     return model
