@@ -118,12 +118,11 @@ def _scenarios(world: int) -> dict[str, dict]:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def ranks(request):
-    from llm_anatomy.distributed.train_step import spawn
+    from llm_anatomy.distributed.train_step import spawn_named
 
     world = request.param
     scen = _scenarios(world)
-    res = spawn(world, list(scen.values()), timeout_s=300, fn=_model_rank)
-    return world, scen, {name: [res[r][i] for r in range(world)] for i, name in enumerate(scen)}
+    return world, scen, spawn_named(world, scen, timeout_s=300, fn=_model_rank)
 
 
 def _ops(ranks):

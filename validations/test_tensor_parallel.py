@@ -79,12 +79,12 @@ def _scenarios(world: int) -> dict[str, dict]:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def mesh_run(request):
-    from llm_anatomy.distributed.mesh_step import spawn
+    from llm_anatomy.distributed.mesh_step import train
+    from llm_anatomy.distributed.train_step import spawn_named
 
     world = request.param
     scen = _scenarios(world)
-    results = spawn(world, [{k: v for k, v in sc.items() if k != "dp"} for sc in scen.values()], timeout_s=120)
-    return world, scen, {name: [results[r][i] for r in range(world)] for i, name in enumerate(scen)}
+    return world, scen, spawn_named(world, scen, timeout_s=120, fn=train)
 
 
 def check_collectives(world: int, scen: dict, res: dict, claims, variant: str = "baseline") -> None:

@@ -63,13 +63,11 @@ def _scenarios(world: int) -> dict[str, dict]:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def mesh_run(request):
-    from llm_anatomy.distributed.train_step import spawn
+    from llm_anatomy.distributed.train_step import spawn_named
 
     world = request.param
     scen = _scenarios(world)
-    results = spawn(world, [{k: v for k, v in sc.items() if k != "dp"} for sc in scen.values()], timeout_s=300,
-                    fn=_scenario)
-    return world, scen, {name: [results[r][i] for r in range(world)] for i, name in enumerate(scen)}
+    return world, scen, spawn_named(world, scen, timeout_s=300, fn=_scenario)
 
 
 def _drawn(scen: dict) -> dict:

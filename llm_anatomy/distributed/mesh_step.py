@@ -5,8 +5,8 @@ the loss, every collective with the mesh dim it ran on, and the rank's bytes.
         --intermediate 96 --vocab 256 --batch 2 --seq 32 --dtype fp32
 
 The world is dp x tp (dp = world / tp). Rank 0 prints one line per step; --report DIR has every rank write its
-records to DIR/rank<N>.json. `train()` is the loop for library use; `spawn()` runs it in local gloo processes (the
-validation suite uses it), in the style of distributed/train_step.py.
+records to DIR/rank<N>.json. `train()` is the loop for library use; train_step.spawn_named(..., fn=train) runs it in
+local gloo processes (the validation suite does).
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from llm_anatomy.config import ConfigError, ModelConfig, Run
-from llm_anatomy.distributed import train_step
 from llm_anatomy.distributed.counting import CollectiveCounter, rank_memory
 from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank
 from llm_anatomy.distributed.tensor_parallel import (MESH_DIMS, build_mesh, check_tp, full_loss, loss_context,
@@ -117,12 +116,6 @@ def simulate(cfg: ModelConfig, run: Run, tp: int, dp: int, *, rank: int = 0, ste
             targets = torch.zeros(run.batch, run.seq, dtype=torch.long)
             opt = make_optimizer(optimizer, model.parameters(), 1e-3)
             return _steps(model, opt, ids, targets, mesh, steps, with_loss=False)
-
-
-def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> list[list[list[dict]]]:
-    """Run each scenario (keyword arguments of train()) on `world` local gloo processes, all in one launch.
-    Returns results[rank][scenario] = that rank's step records; a failing rank raises here."""
-    return train_step.spawn(world, scenarios, timeout_s=timeout_s, fn=train)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -130,6 +130,14 @@ def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0, fn=Non
         return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def spawn_named(world: int, scenarios: dict[str, dict], *, timeout_s: float = 120.0, fn=None) -> dict[str, list]:
+    """spawn() over named scenarios, each without its "dp" key (the mesh takes dp from the world size): {name:
+    [rank 0's step records, rank 1's, ...]}."""
+    results = spawn(world, [{k: v for k, v in sc.items() if k != "dp"} for sc in scenarios.values()],
+                    timeout_s=timeout_s, fn=fn)
+    return {name: [results[r][i] for r in range(world)] for i, name in enumerate(scenarios)}
+
+
 # ---- CLI --------------------------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own usage errors: one line, exit 2
