@@ -2,8 +2,9 @@
 under efficient/mlp.py's recomputed_tail or efficient/transformer.py's BlockCheckpoint), allocation by allocation.
 
 Inside a checkpoint nothing is saved: what lives is what the code still holds. The block's locals (the router's fp32
-logits and state, the slot order, pos, offs, xs, gate_up, h, y, the output) all live until the block returns, so
-its largest moment is inside it, at one of the allocations below; region_peak replays them in the code's order, the
+logits and state, the slot order, pos, offs, xs, y, the output) all live until the block returns; gate_up, h and the
+expert biases' casts are Experts.forward's locals, gone when it returns y. So the block's largest moment is inside
+it, at one of the allocations below; region_peak replays them in the code's order, the
 order the live-storage traces on CPU show (llm_anatomy.measure.liveness), and returns the largest live sum. Under
 autocast the router's and the shared experts' weight casts stay in autocast's cache to the end of the forward (they
 are counted here when made, and by memory.py's cached casts for the other layers); the stacked experts' casts are
@@ -54,7 +55,7 @@ def moe_casts(cfg: ModelConfig, run: Run, rnd) -> int:
 
 
 # what the region's ops save but its code lets go: kept by a re-run in backward, freed in forward
-RERUN_KEPT = ("topk values", "topk sum", "cast", "x folded", "w folded")
+RERUN_KEPT = ("topk values", "topk sum", "cast", "x folded", "w folded", "gate_up")
 
 
 def region_peak(cfg: ModelConfig, run: Run, rnd, rerun: bool = False) -> int:
@@ -94,12 +95,15 @@ def region_peak(cfg: ModelConfig, run: Run, rnd, rerun: bool = False) -> int:
     v.alloc("order // k", N * I64)
     v.alloc("xs", N * H * c)
     v.free("order // k")
-    if f:  # the biases' casts, locals to the block's end
+    if f:  # the biases' casts, Experts.forward's locals
         v.alloc("bias casts", E * 2 * I * c)
         v.alloc("bias casts", E * H * c)
     _gemm(v, "gate_up", N, H, 2 * I, E, c, f, dt.autocast)
     v.alloc("h", N * I * c)
     _gemm(v, "y", N, I, H, E, c, f, dt.autocast)
+    # Experts.forward returns y: its locals go, but a re-run keeps what an op saved: gate_up (the activation's
+    # input) and h (the down GEMM's, unless it folds a bias and saves the folded copy instead)
+    v.free("gate_up", *(("h", "bias casts") if f else () if rerun else ("h",)))
     v.alloc("out", T * H * c)  # the unpermute
     if Is:
         if dt.autocast:
