@@ -87,6 +87,29 @@ def test_accumulate_epilogue_bandwidth():
     assert _kernel(a, "loss.logits")["memory_s"] == _kernel(b, "loss.logits")["memory_s"]
 
 
+def test_widening_casts_take_the_calibrated_upcast_rate():
+    """A bf16 -> fp32 cast measured at half the copy's rate (fake) sets upcast_bw = 0.5: under autocast every dW's
+    cast back to its fp32 weight (the dense linears', the stacked experts') takes twice its copy-rate time, and the
+    narrowing weight casts, the grouped GEMMs and every other copy keep theirs; a profile without the figure
+    prices it as a copy."""
+    m = dict(_fake_measurements(), upcast_tbps=2.05)
+    p = fit.from_measured(calibrate.build_profile(m, dict(date="fake"), "h200-sxm"))
+    assert p["upcast_bw"] == pytest.approx(0.5)
+    p = dict(p, sustained_ratio={})  # burst rates: the two profiles' steps differ in length, not in regime
+    p0 = dict(p, upcast_bw=1.0)
+    assert fit.from_measured(calibrate.build_profile(_fake_measurements(), dict(date="fake"), "h200-sxm"))[
+        "upcast_bw"] == 1.0
+    cfg = ModelConfig(name="m", hidden=256, layers=1, heads=4, intermediate=512, vocab=1000, experts=8,
+                      experts_per_token=2, expert_intermediate=128)
+    a, b = (timing.estimate_time(cfg, Run(1, 512, "amp"), "efficient", q, with_kernels=True) for q in (p, p0))
+    for name in ("attention.qkv.grad_weight_cast", "moe.experts.gate_up.grad_weight_cast",
+                 "moe.experts.down.grad_weight_cast"):
+        assert _kernel(a, name)["memory_s"] == pytest.approx(2 * _kernel(b, name)["memory_s"]), name
+    for name in ("attention.qkv.weight_cast", "moe.experts.gate_up.weight_cast", "moe.experts.gate_up",
+                 "moe.permute.gather"):
+        assert _kernel(a, name)["memory_s"] == _kernel(b, name)["memory_s"], name
+
+
 def test_misaligned_accumulate_follows_its_own_main_loop():
     """At a misaligned vocab Liger's fp32-accumulating grad_weight runs a fallback kernel whose rate climbs
     with the chunk's K on a curve of its own: fake rows of class 4 on 290 TFLOP/s x matmul_efficiency with

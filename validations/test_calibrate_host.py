@@ -106,7 +106,8 @@ def _fake_calibrate(monkeypatch, measurements: dict, host_step: dict) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
     m = measurements
-    fakes = dict(measure_copy=lambda: m["copy_tbps"], measure_launch=lambda: m["launch_us"],
+    fakes = dict(measure_copy=lambda: m["copy_tbps"], measure_upcast=lambda: m.get("upcast_tbps", m["copy_tbps"] / 2),
+                 measure_launch=lambda: m["launch_us"],
                  measure_host=lambda: (m["host_op_us"], dict(m["host_custom_us"])),
                  measure_host_step=lambda **_: json.loads(json.dumps(host_step)),
                  measure_attention=lambda _d: (m["attention"], []), measure_matmuls=lambda _g, _d: m["matmul_bf16"],

@@ -8,7 +8,7 @@
   it saves only the cos/sin tables.
 - SDPA never materialises the S×S scores: it keeps q, k, v, its output and a logsumexp per row
   (plus backend extras, e.g. an RNG seed/offset on CUDA). GQA goes to the kernel (enable_gqa), so
-  k and v are kept at kv-head size. Its output is laid out (B, S, nh, hd), so the o projection's
+  k and v are kept at kv-head size (in fp32 on CUDA, where no fused kernel takes GQA, they are expanded: kernel_kv). Its output is laid out (B, S, nh, hd), so the o projection's
   input is a view of it, not a copy.
 - In the lean block (Run.lean, without recompute) qkv and o run llm_anatomy.kernels.lean.linear: under autocast their nodes
   keep the fp32 weight, not a bf16 cast of it; backward casts it again (the same bits).
@@ -51,6 +51,17 @@ def backend_context(device: torch.device):
     if device.type == "cuda":
         return sdpa_kernel(CUDA_PRIORITY, set_priority=True)
     return contextlib.nullcontext()
+
+
+def kernel_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool):
+    """(k, v, enable_gqa) as SDPA takes them: GQA goes to the kernel, except in fp32 on CUDA, where no fused backend
+    takes it (cuDNN and flash run 16-bit only; the memory-efficient kernel, the one that runs fp32, has no
+    enable_gqa): there k and v are expanded to the query heads, (B, nkv, S, hd) -> (B, nh, S, hd). The calculator
+    models the 16-bit case (calculator/attention.py refuses fp32 on CUDA)."""
+    if gqa and q.is_cuda and q.dtype == torch.float32:
+        groups = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), False
+    return k, v, gqa
 
 
 def sdpa_backend_name(grad_fn) -> str:
@@ -112,7 +123,8 @@ class Attention(nn.Module):
                                     self.kv_heads, self.q_norm.eps)
         else:
             q, k, v = rope_qkv(qkv, cos, sin, self.heads, self.kv_heads)  # (B, nh|nkv, S, hd), contiguous
-        gqa, hd = self.kv_heads != self.heads, self.head_dim
+        k, v, gqa = kernel_kv(q, k, v, self.kv_heads != self.heads)
+        hd = self.head_dim
         with backend_context(x.device):
             if self.sinks is not None:  # (B, nh, S, hd + pad): the first hd columns are the output
                 mask = attention_mask(S, self.window, True, q.dtype, q.device)

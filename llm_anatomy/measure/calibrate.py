@@ -19,6 +19,7 @@ timing reuses one L2-resident input):
                   dim 64 (B=16, 8 heads, S=4096: the seed) and 128 (B=4, 16 heads: anchor-1b); cuDNN
                   also at S = 1024 and 2048 (same tokens)
   copy_tbps       a 2 GiB device copy, bytes read + written
+  upcast_tbps     a bf16 -> fp32 cast of 1 GiB (torch's unrolled cast kernel), bytes read + written
   launch_us       GPU time per tiny kernel on a full queue (queued behind a long kernel: no host cost)
   kernel_gap      the idle time between two dependent kernels of real size (a profiled GEMM/copy chain;
                   timed last, as the profiler leaves every later launch slower)
@@ -252,6 +253,17 @@ def measure_copy() -> float:
     return 2 * x.numel() * 2 / (ms * 1e-3) / 1e12
 
 
+def measure_upcast() -> float:
+    """A widening cast's rate, bytes read + written: bf16 -> fp32 (what autocast's backward does to each fp32 weight's
+    bf16 gradient), which torch runs in its unrolled cast kernel; Profile.upcast_bw is its ratio to measure_copy."""
+    import torch
+
+    x = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB in, 2 GiB out: far past the L2
+    y = torch.empty(x.shape, device="cuda", dtype=torch.float32)
+    ms = _median_ms(lambda: y.copy_(x), batches=5, per_batch=3)
+    return x.numel() * (2 + 4) / (ms * 1e-3) / 1e12
+
+
 def measure_launch(n: int = 500) -> float:
     """GPU-side µs per kernel on a full eager queue: while the GPU spins in one long kernel, the host
     queues n tiny dependent kernels between two events; the events then time only the GPU running them."""
@@ -320,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     deadline = t0 + a.budget_s
     torch.manual_seed(0)
-    m: dict = dict(copy_tbps=measure_copy(), launch_us=measure_launch())
+    m: dict = dict(copy_tbps=measure_copy(), upcast_tbps=measure_upcast(), launch_us=measure_launch())
     m["host_op_us"], m["host_custom_us"] = measure_host()
     m["host_step"] = measure_host_step(liger_blocks=6)  # Liger's loop in blocks beside the tiny step (~6 s)
     if "liger_ce" in m["host_step"]:  # without liger-kernel, none
@@ -371,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     io.write_atomic(out, json.dumps(data, indent=1) + "\n", parents=True)
     prof = fit.from_measured(data)
     print(f"{name}: bf16 GEMM {prof['matmul_flops']['bfloat16'] / 1e12:.0f} TFLOP/s "
-          f"(k_half {prof['matmul_k_half']:.0f}), copy {m['copy_tbps']:.2f} TB/s, launch {m['launch_us']:.2f} us, host op {m['host_op_us']:.1f} us, "
+          f"(k_half {prof['matmul_k_half']:.0f}), copy {m['copy_tbps']:.2f} TB/s (bf16 -> fp32 cast {m['upcast_tbps']:.2f}), launch {m['launch_us']:.2f} us, host op {m['host_op_us']:.1f} us, "
           f"{len(m['attention'])} attention rows, {len(m['attention_kernels'])} SDPA kernel grids; sustained/burst "
           f"GEMM {prof['sustained_ratio']['matmul']:.3f}, attention {prof['sustained_ratio']['attention']:.3f}, copy "
           f"{prof['sustained_ratio']['memory']:.3f} (SM {prof['clocks'].get('burst_MHz')} -> "

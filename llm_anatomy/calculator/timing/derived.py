@@ -143,7 +143,7 @@ def _derive(k: str, bound: str, base: Profile) -> Profile:
         matmul_flops=f"{b}'s GEMM rate as a fraction of its bf16 peak x this part's peak ({ds.sources['peak_flops']})",
         mfu_peak_flops=f"{b}'s best GEMM as a fraction of its peak x this part's peak",
         matmul_k_half=same_kernels, matmul_misaligned=same_kernels, matmul_fp32_accumulate=same_kernels,
-        matmul_accumulate_bw=same_kernels, grouped_mm=same_kernels,
+        matmul_accumulate_bw=same_kernels, grouped_mm=same_kernels, upcast_bw=same_kernels,
         matmul_misaligned_accumulate=f"{b}'s fallback-kernel rates x the bf16 peak ratio",
         matmul_loop_fit=f"{b}'s back-to-back GEMM fit x the bf16 peak ratio (reports only)",
         hbm_Bps=f"{b}'s copy as a fraction of its datasheet bandwidth x this part's ({ds.sources['hbm_Bps']})",

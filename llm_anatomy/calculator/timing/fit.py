@@ -183,6 +183,9 @@ def from_measured(data: dict) -> Profile:
     if m.get("copy_tbps"):
         p["hbm_Bps"] = m["copy_tbps"] * 1e12
         p["sources"]["hbm_Bps"] = f"{where}: device-to-device copy, bytes read + written"
+    if m.get("upcast_tbps") and m.get("copy_tbps"):
+        p["upcast_bw"] = m["upcast_tbps"] / m["copy_tbps"]
+        p["sources"]["upcast_bw"] = f"{where}: a bf16 -> fp32 cast's bytes read + written over the copy's rate"
     if m.get("launch_us"):
         p["launch_s"] = m["launch_us"] * 1e-6
         p["sources"]["launch_s"] = f"{where}: tiny kernels on a full eager queue"

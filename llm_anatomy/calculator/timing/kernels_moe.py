@@ -92,7 +92,7 @@ def _grouped(o: Ops, name: str, rows: Counter, n: int, k: int, f: int) -> None:
              host="op" if i == 0 else None, grouped="backward")
     if o.amp:  # the stacked weight's cast, and dW's back to fp32
         o.mem(f"{name}.weight_cast", "moe", "forward", E * n * k * p, E * n * (k + f) * c, L)
-        o.mem(f"{name}.grad_weight_cast", "moe", "backward", E * n * (k + f) * c, E * n * k * p, L)
+        o.mem(f"{name}.grad_weight_cast", "moe", "backward", E * n * (k + f) * c, E * n * k * p, L, upcast=True)
 
 
 def efficient_moe(o: Ops, hist=None) -> None:
@@ -135,7 +135,7 @@ def _expert_linear(o: Ops, name: str, n: int, d_in: int, d_out: int, count: int,
     if o.amp:
         for what, _, size in slices:
             o.mem(f"{name}.{what}_cast", "moe", "forward", size * p, size * c, count)
-            o.mem(f"{name}.grad_{what}_cast", "moe", "backward", size * c, size * p, count)
+            o.mem(f"{name}.grad_{what}_cast", "moe", "backward", size * c, size * p, count, upcast=True)
     o.mm(name, "moe", "forward", n, d_out, d_in, count, host=h, extra=d_out * c if len(slices) > 1 else 0)
     o.mm(f"{name}.grad_input", "moe", "backward", n, d_in, d_out, count, host=h)
     o.mm(f"{name}.grad_weight", "moe", "backward", d_out, d_in, n, count, host=h)
@@ -168,7 +168,7 @@ def baseline_moe(o: Ops, mlp, hist=None) -> None:
         o.mem("moe.expert.input_grad_sum", "moe", "backward", 2 * T * H * r, T * H * r, k)
         if o.amp:  # F.linear casts the fp32 rows
             o.mem("moe.expert.input_cast", "moe", "forward", m * H * r, m * H * c, k)
-            o.mem("moe.expert.input_cast.backward", "moe", "backward", m * H * c, m * H * r, k)
+            o.mem("moe.expert.input_cast.backward", "moe", "backward", m * H * c, m * H * r, k, upcast=r > c)
         _expert_linear(o, "moe.expert.gate_up", m, H, 2 * I, k, True)
         chains = ("eager_mlp",) + (("eager_clamp",) if cfg.mlp == "gpt-oss" else ())  # gpt-oss's clamps and +1
         for ph in ("forward", "backward"):

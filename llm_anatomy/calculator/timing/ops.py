@@ -60,10 +60,13 @@ class Ops:
         self.amp = self.dt.autocast
 
     def mem(self, name, comp, phase, read, write, count=1, host="op", sync=False, order=1, fused=(), calls=None,
-            host_ops=0, loop=False):
-        """A memory-bound kernel launched `count` times, each reading and writing these bytes."""
+            host_ops=0, loop=False, upcast=False):
+        """A memory-bound kernel launched `count` times, each reading and writing these bytes. upcast: a widening
+        cast (bf16 -> fp32), which torch runs in its unrolled cast kernel, not the vectorized copy: its backend is
+        "upcast", priced at the profile's upcast_bw (roofline.kernel_terms)."""
         # Kernel(...) with these fields, made as its tuple (a step's lists make a hundred of these per estimate)
-        self.k.append(_tuple_new(Kernel, (name, comp, phase, "memory", count, 0, int(read + write), (), "bfloat16", "",
+        self.k.append(_tuple_new(Kernel, (name, comp, phase, "memory", count, 0, int(read + write), (), "bfloat16",
+                                          "upcast" if upcast else "",
                                           host, calls, host_ops, loop, sync, order, fused, False, "")))
 
     def chain(self, op, prefix, comp, phase, width, rows, count=1, order=1, fused=(), suffix="", stream=None):
@@ -107,11 +110,13 @@ class Ops:
         if bias:
             self.mem(f"{name}.grad_bias", comp, "backward", T * d_out * c, d_out * c, count, order=ob)
         if self.amp and not fp32_grad:
-            self.mem(f"{name}.grad_weight_cast", comp, "backward", d_out * d_in * c, d_out * d_in * p, count, order=ob)
+            self.mem(f"{name}.grad_weight_cast", comp, "backward", d_out * d_in * c, d_out * d_in * p, count, order=ob,
+                     upcast=True)
             if bias:
-                self.mem(f"{name}.grad_bias_cast", comp, "backward", d_out * c, d_out * p, count, order=ob)
+                self.mem(f"{name}.grad_bias_cast", comp, "backward", d_out * c, d_out * p, count, order=ob, upcast=True)
         if cast_in:
-            self.mem(f"{name}.grad_input_cast", comp, "backward", T * d_in * c, T * d_in * in_bytes, count, order=ob)
+            self.mem(f"{name}.grad_input_cast", comp, "backward", T * d_in * c, T * d_in * in_bytes, count, order=ob,
+                     upcast=in_bytes > c)
 
 
 def embedding(o: Ops) -> None:

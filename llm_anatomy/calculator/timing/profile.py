@@ -81,6 +81,10 @@ class Profile(Mapping):
     matmul_misaligned_accumulate: dict = field(default_factory=dict)
     matmul_fp32_accumulate: float = 1.0  # rate ratio of addmm(out_dtype=fp32) over bf16-out; measure_vocab_matmuls
     matmul_accumulate_bw: float = 1.0  # fraction of hbm_Bps an fp32 accumulator's epilogue moves at; same rows
+    # fraction of hbm_Bps a widening cast (bf16 -> fp32, e.g. dW back to an fp32 weight's gradient under autocast)
+    # moves at: torch runs it in its unrolled cast kernel, the narrowing cast and a plain copy vectorized;
+    # calibrate:measure_upcast over measure_copy (1.0 where a profile has none)
+    upcast_bw: float = 1.0
     matmul_fit: tuple = ()  # [{m, n, k, measured_tflops, model_tflops}]: the fit against its points (reports)
     # {"forward" | "backward": torch._grouped_mm's rate / the dense model's rate for one GEMM over its tile-rounded
     # rows}, dimensionless (calibrate_grouped:measure_grouped, fit.grouped_efficiency); empty: 1.0, the dense rate
@@ -172,7 +176,7 @@ _ROWS = {  # measurement list -> {key: kind} every row must carry
     "fused": dict(op=_STR, tokens=_INT, width=_INT, ms=_POS),
     "grouped_mm": dict(role=_STR, n=_INT, k=_INT, ms=_POS),
 }
-_SCALARS = dict(copy_tbps=_POS, launch_us=_POS, host_op_us=_POS)
+_SCALARS = dict(copy_tbps=_POS, launch_us=_POS, host_op_us=_POS, upcast_tbps=_POS)
 
 
 def _ok(v, kind: str) -> bool:

@@ -138,7 +138,7 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
     """One launch's burst-rate terms: (compute seconds, memory seconds, the compute's rate class, its rate,
     the rate's note). The sustained regime rescales them (finish), so a step's kernels are priced once."""
     if kern.kind == "memory" and not kern.accumulate:  # most entries: bytes at the copy bandwidth x the op's efficiency
-        eff = registry.efficiency(prof, *kern.fused) if kern.fused else 1.0
+        eff = registry.efficiency(prof, *kern.fused) if kern.fused else _plain(kern, prof)
         return 0.0, kern.bytes / (prof.hbm_Bps * eff), "matmul", 0.0, ""
     t_c, rate, note = 0.0, 0.0, ""
     if kern.kind == "matmul":
@@ -166,11 +166,17 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
             rate *= attention_wave_efficiency(B, nh, S, prof.sms) if prof.attention else 1.0
     if rate:
         t_c = kern.flops / rate
-    eff = registry.efficiency(prof, *kern.fused) if kern.fused and kern.kind == "memory" else 1.0
+    eff = registry.efficiency(prof, *kern.fused) if kern.fused and kern.kind == "memory" else _plain(kern, prof)
     if kern.accumulate:  # its epilogue streams the fp32 accumulator below copy bandwidth (fit.accumulate_bandwidth)
         eff = prof.matmul_accumulate_bw
     t_m = kern.bytes / (prof.hbm_Bps * eff)
     return t_c, t_m, "attention" if kern.kind == "sdpa" else "matmul", rate, note
+
+
+def _plain(kern: Kernel, prof: Profile) -> float:
+    """A memory kernel's fraction of the copy bandwidth without a registry op: a widening cast (backend "upcast":
+    torch's unrolled cast kernel, bf16 -> fp32) at the calibrated upcast_bw, every other copy at 1."""
+    return prof.upcast_bw if kern.backend == "upcast" else 1.0
 
 
 def step_terms(ks: list[Kernel], prof: Profile) -> tuple[list[tuple], float]:
@@ -184,7 +190,7 @@ def step_terms(ks: list[Kernel], prof: Profile) -> tuple[list[tuple], float]:
         if k.kind == "memory" and not k.accumulate:
             f = k.fused
             if not f:
-                eff = 1.0
+                eff = prof.upcast_bw if k.backend == "upcast" else 1.0
             elif len(f) != 3 or (eff := known.get(f)) is None:  # efficiency's own memo, read first
                 eff = efficiency(prof, *f)
             t_m = k.bytes / (hbm * eff)
