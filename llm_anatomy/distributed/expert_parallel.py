@@ -83,10 +83,13 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)]
 
 
-def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True) -> nn.Module:
+def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
+                        amp: bool = False) -> nn.Module:
     """Expert parallel on every MoE block of the efficient Transformer `model` over the 1-D `mesh`, FSDP2 over the
-    same ranks on everything else (module docstring). The weights must be the same on every rank."""
-    from torch.distributed.fsdp import fully_shard
+    same ranks on everything else (module docstring). The weights must be the same on every rank. amp: FSDP2's
+    MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters) on the rest; the experts stay fp32 and
+    Experts.forward casts them to the router's bf16 (module docstring)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     ep = mesh.size()
     for block in model.layers:
@@ -94,10 +97,11 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_for
     ignored = set(expert_params(model))
     for p in ignored:  # the mean over ranks FSDP2 takes of every other gradient
         p.register_hook(lambda g: g / ep)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
     for block in model.layers:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
                     ignored_params={p for p in block.parameters() if p in ignored})
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=ignored)
     return model
 
 
@@ -111,13 +115,14 @@ def build(cfg: ModelConfig, run: Run, *, seed: int = 0, route: str | None = None
 
     ep = dist.get_world_size()
     check_ep(cfg, run, ep)
-    model = build_model(cfg, "efficient", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
+    model = build_model(cfg, "efficient", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed,
+                        recompute=run.recompute)
     if route is not None:
         from llm_anatomy.measure.routing import force
 
         force(route)(model)
     mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=(MESH_DIM,))
-    return parallelize_experts(model, mesh), mesh
+    return parallelize_experts(model, mesh, amp=run.dtype == "amp"), mesh
 
 
 def train(cfg: ModelConfig, run: Run, *, steps: int = 2, optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0,
