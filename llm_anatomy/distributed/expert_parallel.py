@@ -24,6 +24,17 @@ The all-to-alls are torch's autograd-enabled functional collectives: backward ru
 
 Saved per block beyond the local experts' own tensors on R rows: pos (R,) int64 (the local permute and the
 unsort keep the same tensor); the all-to-alls keep nothing (their backward needs only the split sizes).
+
+Recompute (Run.recompute "mlp" or "full"): the block's non-reentrant checkpoint holds the whole exchange, so it
+keeps only its inputs. Its re-run in backward passes through these hooks again up to the early stop, which lies
+past the combine (the unpermute, or the shared experts' down, saves last): the counts, rows and outputs are sent
+again. The re-run routes the same input, so every rank sends the same splits; were they to differ, a saved
+tensor's shape would too, which the checkpoint's determinism check refuses.
+
+dtype amp: FSDP2's MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters) on the rest, no autocast. The
+experts it ignores stay fp32: MoE computes in its router's dtype (bf16 under the policy) and Experts.forward
+casts each stacked tensor to it for its GEMM, as the one-process block does under autocast; the gradients come
+back through the casts in fp32 and are divided by ep, never reduced.
 """
 from __future__ import annotations
 
