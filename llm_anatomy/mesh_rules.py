@@ -181,8 +181,3 @@ def check_ep(cfg: ModelConfig, run: Run, ep: int, variant: str = "efficient") ->
         raise ConfigError(f"expert parallel needs a mixture-of-experts config ({cfg.name} has experts=0)")
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or cfg.experts % ep:
         raise ConfigError(f"ep must be a positive divisor of experts={cfg.experts}, got {ep!r}")
-    if run.dtype == "amp":
-        raise ConfigError("expert parallel runs dtype fp32 or bf16: FSDP2's amp policy does not cast the experts "
-                          "it ignores (dtype=amp)")
-    if run.recompute != "none":
-        raise ConfigError(f"expert parallel under recompute={run.recompute} is not modelled")

@@ -11,16 +11,30 @@ Model state per rank:
   experts     El of each stacked tensor (gate_up (El, 2I, H), down (El, H, I), their biases): plain local
               parameters, gradients of the same shape, AdamW's two moments and a step per tensor
   the rest    FSDP2's padded dim-0 shards (calculator/sharding.py), the efficient model's fused layout
-Collectives per step (NCCL-tests bytes: an all-to-all counts its input; each MoE layer):
+Collectives per step (NCCL-tests bytes: an all-to-all counts its input; each MoE layer; rows in c):
   forward     all-to-all int32 (E,): the row counts; all-to-all N x H x c: the routed rows out;
               all-to-all R_d x H x c: the expert outputs back
-  backward    the two in reverse: R_d x H x c (the outputs' gradient out), N x H x c (the rows' gradient back)
-  FSDP2       comm.fsdp_collectives on the units without the experts
+  backward    under recompute ("mlp" or "full") the checkpoint's re-run first: the block's forward again up to its
+              early stop (the unpermute's, or the shared experts' down's, saves), past the combine, so all three
+              forward all-to-alls run again with the same splits (the same input routes the same rows: a re-run
+              whose counts differed would change a saved shape, which the checkpoint's check refuses); then
+              the two in reverse: R_d x H x c (the outputs' gradient out), N x H x c (the rows' gradient back)
+  FSDP2       comm.fsdp_collectives on the units without the experts (the re-run gathers nothing: the unit is
+              gathered for its backward already)
 Saved per rank (component "moe"): the one-process efficient block's tensors (calculator/moe_efficient.py) on the
 T local tokens, but the local experts' run on R_d rows: xs, gate_up and h with R_d rows, the weight casts and offs
 of El experts; plus pos (R_d,) int64, the receive side's sort (kept by its permute and its unsort). The unpermute
 still keeps y (N, H) and pos (N,): the rows are back before it. Every other component saves what the one-process
-model saves on the rank's batch.
+model saves on the rank's batch. Under recompute the block's checkpoint keeps only its inputs, as in one process:
+every EP tensor lives inside it.
+
+dtype amp: FSDP2's MixedPrecisionPolicy on the rest (bf16 gathers, fp32 reduce-scatters, no autocast), so a rank
+computes as the bf16 policy does (c = bf16, the residual stream bf16) and each Block casts its floating inputs: the
+fp32 RoPE tables are saved as a bf16 copy per Block (types.ROPE_TABLES). The experts, which FSDP2 ignores, stay fp32
+parameters; Experts.forward casts each stacked tensor to bf16 for its GEMM, which keeps the cast: the block's
+experts save what the one-process amp block's do (its weight casts, and on the grouped path a bias folded into the
+casts), on R_d rows and El experts. Their gradients come back through the casts in fp32 and are never reduced
+(the ep hook divides them); model state is the amp policy's (fp32 parameters, gradients and moments).
 """
 from __future__ import annotations
 
@@ -28,10 +42,11 @@ from dataclasses import replace
 from math import prod
 
 from llm_anatomy.calculator.comm import _row, collective_counts, fsdp_collectives
+from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.moe import balanced, check_histogram
 from llm_anatomy.calculator.sharding import BYTES, optimizer_bytes, param_dtype_name, shard_numel
 from llm_anatomy.calculator.tensor_parallel import tp_unit_shapes
-from llm_anatomy.calculator.types import Saved
+from llm_anatomy.calculator.types import ROPE_TABLES, Saved
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.mesh_rules import check_ep
 
@@ -91,15 +106,16 @@ def rank_memory(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, optimizer: s
 def collectives(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, hist=None) -> list[dict]:
     """Every collective of one training step on `rank`, in comm.py's row format."""
     check(cfg, run, ep, rank)  # one rank runs the all-to-alls too (on itself); FSDP2 then runs none
-    dt = param_dtype_name(run)
+    dt = dtypes(run).compute  # amp: FSDP2's bf16 parameters make the routed rows bf16
     c, L, H = BYTES[dt], cfg.layers, cfg.hidden
     sent = run.tokens * cfg.experts_per_token * H * c
     back = received_rows(cfg, run, ep, hist)[rank] * H * c
-    rows = [_row("all_to_all", "forward", "row counts", L, cfg.experts * 4, "int32"),
-            _row("all_to_all", "forward", "routed rows", L, sent, dt),
-            _row("all_to_all", "forward", "expert outputs", L, back, dt),
-            _row("all_to_all", "backward", "expert output grads", L, back, dt),
-            _row("all_to_all", "backward", "routed row grads", L, sent, dt)]
+    fwd = [("row counts", cfg.experts * 4, "int32"), ("routed rows", sent, dt), ("expert outputs", back, dt)]
+    rows = [_row("all_to_all", "forward", what, L, n, d) for what, n, d in fwd]
+    if run.recompute != "none":  # the checkpoint's re-run, past the combine (module docstring)
+        rows += [_row("all_to_all", "backward", f"{what} (re-run)", L, n, d) for what, n, d in fwd]
+    rows += [_row("all_to_all", "backward", "expert output grads", L, back, dt),
+             _row("all_to_all", "backward", "routed row grads", L, sent, dt)]
     return rows + fsdp_collectives(cfg, run, ep, unit_shapes=units(cfg))
 
 
@@ -108,16 +124,27 @@ def counts(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, hist=None) -> dic
     return collective_counts(collectives(cfg, run, ep, rank, hist))
 
 
+def compute_run(run: Run) -> Run:
+    """The run as a rank computes it: amp is FSDP2's policy, bf16 parameters without autocast (module docstring)."""
+    return replace(run, dtype="bf16") if run.dtype == "amp" else run
+
+
 def moe_saved(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, hist=None, device: str = "cpu") -> list[Saved]:
     """What one rank's MoE blocks keep for backward (module docstring)."""
     from llm_anatomy.calculator.moe_efficient import saved_list
 
     check(cfg, run, ep, rank)
+    block = saved_list(cfg, compute_run(run), device)
+    if run.recompute != "none":  # the checkpoint keeps the block's inputs; the exchange runs inside it
+        return block
+    if run.dtype == "amp":  # the experts' GEMMs on their own bf16 casts, as under autocast
+        block = [s for s in block if not s.name.startswith("moe.experts.")]
+        block += [s for s in saved_list(cfg, run, device) if s.name.startswith("moe.experts.")]
     R, El = received_rows(cfg, run, ep, hist)[rank], cfg.experts // ep
     on_rows = ("moe.experts.xs", "moe.activation.gate_up", "moe.experts.h")
     per_expert = ("moe.experts.gate_up.weight_cast", "moe.experts.down.weight_cast", "moe.experts.offs")
     out = []
-    for s in saved_list(cfg, run, device):
+    for s in block:
         if s.name in on_rows:
             s = replace(s, shape=(R, *s.shape[1:]))
         elif s.name in per_expert:
@@ -128,10 +155,14 @@ def moe_saved(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, hist=None, dev
 
 
 def saved(cfg: ModelConfig, run: Run, ep: int, rank: int = 0, hist=None, device: str = "cpu") -> dict[str, int]:
-    """{component: bytes} one rank saves for backward: the one-process efficient model's on the rank's batch,
-    "moe" from moe_saved."""
+    """{component: bytes} one rank saves for backward: the one-process efficient model's on the rank's batch (as the
+    rank computes it: compute_run), "moe" from moe_saved; under amp each Block's bf16 copy of the RoPE tables."""
     from llm_anatomy.calculator import estimate
 
-    out = {name: comp.saved_bytes for name, comp in estimate(cfg, run, "efficient", device=device).components.items()}
+    out = {}
+    for name, comp in estimate(cfg, compute_run(run), "efficient", device=device).components.items():
+        out[name] = sum(prod(s.shape) * BYTES["bfloat16"] * cfg.layers
+                        if run.dtype == "amp" and s.name in ROPE_TABLES and s.dtype == "float32" else s.bytes
+                        for s in comp.saved)
     out["moe"] = sum(s.bytes for s in moe_saved(cfg, run, ep, rank, hist, device))
     return out

@@ -24,6 +24,17 @@ The all-to-alls are torch's autograd-enabled functional collectives: backward ru
 
 Saved per block beyond the local experts' own tensors on R rows: pos (R,) int64 (the local permute and the
 unsort keep the same tensor); the all-to-alls keep nothing (their backward needs only the split sizes).
+
+Recompute (Run.recompute "mlp" or "full"): the block's non-reentrant checkpoint holds the whole exchange, so it
+keeps only its inputs. Its re-run in backward passes through these hooks again up to the early stop, which lies
+past the combine (the unpermute, or the shared experts' down, saves last): the counts, rows and outputs are sent
+again. The re-run routes the same input, so every rank sends the same splits; were they to differ, a saved
+tensor's shape would too, which the checkpoint's determinism check refuses.
+
+dtype amp: FSDP2's MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters) on the rest, no autocast. The
+experts it ignores stay fp32: MoE computes in its router's dtype (bf16 under the policy) and Experts.forward
+casts each stacked tensor to it for its GEMM, as the one-process block does under autocast; the gradients come
+back through the casts in fp32 and are divided by ep, never reduced.
 """
 from __future__ import annotations
 
@@ -83,10 +94,13 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)]
 
 
-def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True) -> nn.Module:
+def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
+                        amp: bool = False) -> nn.Module:
     """Expert parallel on every MoE block of the efficient Transformer `model` over the 1-D `mesh`, FSDP2 over the
-    same ranks on everything else (module docstring). The weights must be the same on every rank."""
-    from torch.distributed.fsdp import fully_shard
+    same ranks on everything else (module docstring). The weights must be the same on every rank. amp: FSDP2's
+    MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters) on the rest; the experts stay fp32 and
+    Experts.forward casts them to the router's bf16 (module docstring)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     ep = mesh.size()
     for block in model.layers:
@@ -94,10 +108,11 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_for
     ignored = set(expert_params(model))
     for p in ignored:  # the mean over ranks FSDP2 takes of every other gradient
         p.register_hook(lambda g: g / ep)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
     for block in model.layers:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
                     ignored_params={p for p in block.parameters() if p in ignored})
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=ignored)
     return model
 
 
@@ -111,13 +126,14 @@ def build(cfg: ModelConfig, run: Run, *, seed: int = 0, route: str | None = None
 
     ep = dist.get_world_size()
     check_ep(cfg, run, ep)
-    model = build_model(cfg, "efficient", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
+    model = build_model(cfg, "efficient", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed,
+                        recompute=run.recompute)
     if route is not None:
         from llm_anatomy.measure.routing import force
 
         force(route)(model)
     mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=(MESH_DIM,))
-    return parallelize_experts(model, mesh), mesh
+    return parallelize_experts(model, mesh, amp=run.dtype == "amp"), mesh
 
 
 def train(cfg: ModelConfig, run: Run, *, steps: int = 2, optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0,

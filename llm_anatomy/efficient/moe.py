@@ -186,7 +186,9 @@ class MoE(nn.Module):
     def _moe(self, x: Tensor) -> Tensor:
         cfg = self.cfg
         E, K, H = cfg.experts, cfg.experts_per_token, cfg.hidden
-        dt = compute_dtype(self.experts.gate_up)
+        # the router's dtype: autocast's, or the one FSDP2's MixedPrecisionPolicy gathers it in; the experts may be
+        # FSDP2's ignored fp32 parameters (expert parallel under amp), which Experts.forward casts to it
+        dt = compute_dtype(self.router.weight)
         x2 = x.reshape(-1, H).to(dt)  # (T, H)
         logits = self.router(x2).float()  # (T, E), computed in dt, routed in fp32
         probs, w, idx = route(logits, cfg)
