@@ -85,5 +85,84 @@ def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, 
     return out
 
 
-def peak_bound(cfg, run, ep, rank, ph, u, device) -> dict:
-    return dict(peak=0, peak_at="forward", peak_candidates={})
+
+def peak_bound(cfg: ModelConfig, run: Run, ep: int, rank: int, ph: dict, u: dict, device: str) -> dict:
+    """The step's peak on the rank, an upper bound: the largest of three candidates, each the exact bytes it starts
+    from plus the transients of the one-process efficient model on the rank's local view (local_view: El experts,
+    min(K, El) per token, the same T tokens, memory.phases with optimizer None) and of the rows it receives:
+      forward   forward end + one Block's gathered parameters and all-gather buffer twice (the Block running and
+                the one prefetched) + the larger of the loss's transients (the one-process forward peak over its
+                forward end on CUDA; on CPU, where that is not modelled, three (T, V) fp32 tensors: the logits, their
+                exp and their gradient) and the MoE block's on R_d rows (moe_transients);
+      backward  the exact state, the root's gathered parameters, every saved tensor (the most activations a
+                backward moment holds), the larger of the local view's gradient / backward buffers at its walk's
+                peak and every gradient of the rank, FSDP2's buffers (two Blocks' gathered parameters, a unit's
+                reduce-scatter input, twice on CPU where gloo reduces a copy, and its unsharded gradients), the
+                router's (T, E) tensors the local view prices at El columns, and the MoE backward's transients on
+                the rows past the local view's (moe_transients);
+      optimizer backward end + the optimizer step's temporaries (torch's per-tensor AdamW on CPU: two of the
+                largest local tensor; fused AdamW on CUDA: none)."""
+    from llm_anatomy.calculator.memory import phases
+
+    rnd = _rounder(device)
+    c = BYTES[param_dtype_name(run)]
+    T, H, E = run.tokens, cfg.hidden, cfg.experts
+    one = phases(local_view(cfg, ep), run, "efficient", optimizer=None, device=device, stages=False)
+    loss = ((one["forward_peak"] - one["forward_end"]) if one["forward_peak"] is not None
+            else 3 * rnd(T * cfg.vocab * 4))
+    fwd_moe, bwd_moe = moe_transients(cfg, run, ep, ph["received"], rnd)
+    blk, root = u["block"], u["root"]
+    forward = ph["forward_end"] + 2 * (blk["G"] + blk["F"]) + max(loss, fwd_moe)
+    copy = 2 if device == "cpu" else 1
+    fsdp = 2 * blk["G"] + copy * max(root["R"], blk["R"]) + max(root["U"], blk["U"])
+    router = 4 * rnd(T * E * 4)
+    grads = max(one["backward_peak_by_kind"]["gradient / backward buffer"], ph["grads"])
+    backward = (ph["optimizer_end"] + ph["gathered"] + sum(ph["saved"].values()) + rnd(4) + grads + fsdp + router
+                + bwd_moe)
+    optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, ep, rank, device, rnd)
+    cands = dict(forward=forward, backward=backward, optimizer=optimizer)
+    at = max(cands, key=cands.get)
+    return dict(peak=cands[at], peak_at=at, peak_candidates=cands)
+
+
+def local_view(cfg: ModelConfig, ep: int) -> ModelConfig:
+    """The one-process model whose walk prices a rank's non-expert transients: El experts, min(K, El) per token."""
+    from dataclasses import replace
+
+    El = cfg.experts // ep
+    return replace(cfg, experts=El, experts_per_token=min(cfg.experts_per_token, El), name=f"{cfg.name} ep-local")
+
+
+def moe_transients(cfg: ModelConfig, run: Run, ep: int, R: int, rnd) -> tuple[int, int]:
+    """(forward, backward) bytes one MoE layer makes beyond its saved tensors on a rank receiving R rows, c the
+    compute dtype, f the folded bias's columns (moe_efficient.FOLD where the grouped GEMM folds a bias):
+      forward   the one-process block's routing state and router logits (moe_efficient.efficient_moe_transients on
+                the rank's T tokens), the received rows xr and their local sort xl (R, H + f) each, the expert
+                output yl and its arrival-order copy yr (R, H), the combined y (N, H) and the row counts;
+      backward  the same gradients on the R rows past the local view's T min(K, El): d(y) (R, H), d(h)
+                (R, I + f), d(xs) (R, H + f), and the all-to-alls' buffers d(yr), d(xl), d(xr) (R, H) and d(y),
+                d(xs) (N, H) on the send side."""
+    from llm_anatomy.calculator.moe_efficient import FOLD, efficient_moe_transients, grouped_path
+
+    c = BYTES[param_dtype_name(run)]
+    T, H, I, K = run.tokens, cfg.hidden, cfg.expert_intermediate, cfg.experts_per_token
+    N, El = T * K, cfg.experts // ep
+    f = FOLD if cfg.expert_bias and grouped_path(cfg, run, "cuda") else 0
+    one = efficient_moe_transients(cfg, run, device="cuda")
+    routing = sum(rnd(v) for k, v in one.items() if k.startswith("forward."))
+    counts = 2 * rnd(cfg.experts * 4)
+    forward = routing + counts + 2 * rnd(R * (H + f) * c) + 2 * rnd(R * H * c) + rnd(N * H * c)
+    extra = max(0, R - T * min(K, El))
+    backward = (rnd(extra * H * c) + rnd(extra * (I + f) * c) + rnd(extra * (H + f) * c) + 3 * rnd(R * H * c)
+                + 2 * rnd(N * H * c))
+    return forward, backward
+
+
+def _optimizer_temporaries(cfg: ModelConfig, run: Run, ep: int, rank: int, device: str, rnd) -> int:
+    """torch's per-tensor AdamW on CPU: exp_avg_sq.sqrt() and its quotient, two of the largest local tensor at once
+    (fused AdamW on CUDA makes none)."""
+    if device != "cpu":
+        return 0
+    largest = max([lo for _, shapes in ep_calc.units(cfg) for _, s in shapes for lo in [shard_numel(s, ep, rank)[0]]]
+                  + [prod(s) for _, s in ep_calc.local_experts(cfg, ep)])
+    return 2 * rnd(largest * BYTES[param_dtype_name(run)])
