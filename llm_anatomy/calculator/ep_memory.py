@@ -59,14 +59,16 @@ def _saved(cfg: ModelConfig, run: Run, ep: int, rank: int, hist, rnd) -> dict[st
 
 
 def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, optimizer: str = "adamw",
-              device: str = "cuda") -> dict:
+              device: str = "cuda", dp: int | None = None) -> dict:
     """Bytes rank `rank` holds at each phase boundary of a training step after the first, and the step's peak (an
     upper bound: peak_bound). run is the rank's batch; hist as expert_parallel.received_rows takes it (None:
-    balanced)."""
-    ep_calc.check(cfg, run, ep, rank)
+    balanced). dp: the ranks FSDP2 shards the rest over, ep by default (the engine's composition); a multiple of
+    ep prices the planner's replicated expert groups (calculator/ep_mesh.py), rank then the FSDP rank."""
+    ep_calc.check(cfg, run, ep, rank if dp is None else 0)
+    dp = ep if dp is None else dp
     rnd = _rounder(device)
     pb = BYTES[param_dtype_name(run)]
-    u = _units(cfg, ep, rank, rnd, pb)
+    u = _units(cfg, dp, rank, rnd, pb)
     L = cfg.layers
     experts = [prod(s) for _, s in ep_calc.local_experts(cfg, ep)]
     params = u["root"]["P"] + L * u["block"]["P"] + L * sum(rnd(n * pb) for n in experts)
@@ -74,19 +76,19 @@ def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, 
     opt = sum(_state(optimizer, n, pb, rnd) for n in u["root"]["n"]) + L * sum(
         _state(optimizer, n, pb, rnd) for n in u["block"]["n"] + experts)
     inputs = 2 * rnd(8 * run.tokens)
-    mesh = rnd(MESH_RANK_BYTES * ep)
+    mesh = rnd(MESH_RANK_BYTES * dp)
     base = params + opt + inputs + mesh
-    saved = _saved(cfg, run, ep, rank, hist, rnd)
+    saved = _saved(cfg, run, ep, rank % ep, hist, rnd)
     fwd_end = base + sum(saved.values()) + rnd(4) + u["root"]["G"]
     out = dict(params=params, grads=grads, optimizer=opt, inputs=inputs, mesh=mesh, saved=saved,
-               gathered=u["root"]["G"], received=ep_calc.received_rows(cfg, run, ep, hist)[rank],
+               gathered=u["root"]["G"], received=ep_calc.received_rows(cfg, run, ep, hist)[rank % ep],
                forward_end=fwd_end, backward_end=base + grads, optimizer_end=base)
-    out.update(peak_bound(cfg, run, ep, rank, out, u, device))
+    out.update(peak_bound(cfg, run, ep, dp, rank, out, u, device))
     return out
 
 
 
-def peak_bound(cfg: ModelConfig, run: Run, ep: int, rank: int, ph: dict, u: dict, device: str) -> dict:
+def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict, u: dict, device: str) -> dict:
     """The step's peak on the rank, an upper bound: the largest of three candidates, each the exact bytes it starts
     from plus the transients of the one-process efficient model on the rank's local view (local_view: El experts,
     min(K, El) per token, the same T tokens, memory.phases with optimizer None) and of the rows it receives:
@@ -119,7 +121,7 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, rank: int, ph: dict, u: dict
     grads = max(one["backward_peak_by_kind"]["gradient / backward buffer"], ph["grads"])
     backward = (ph["optimizer_end"] + ph["gathered"] + sum(ph["saved"].values()) + rnd(4) + grads + fsdp + router
                 + bwd_moe)
-    optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, ep, rank, device, rnd)
+    optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, ep, dp, rank, device, rnd)
     cands = dict(forward=forward, backward=backward, optimizer=optimizer)
     at = max(cands, key=cands.get)
     return dict(peak=cands[at], peak_at=at, peak_candidates=cands)
@@ -158,11 +160,11 @@ def moe_transients(cfg: ModelConfig, run: Run, ep: int, R: int, rnd) -> tuple[in
     return forward, backward
 
 
-def _optimizer_temporaries(cfg: ModelConfig, run: Run, ep: int, rank: int, device: str, rnd) -> int:
+def _optimizer_temporaries(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, device: str, rnd) -> int:
     """torch's per-tensor AdamW on CPU: exp_avg_sq.sqrt() and its quotient, two of the largest local tensor at once
     (fused AdamW on CUDA makes none)."""
     if device != "cpu":
         return 0
-    largest = max([lo for _, shapes in ep_calc.units(cfg) for _, s in shapes for lo in [shard_numel(s, ep, rank)[0]]]
+    largest = max([lo for _, shapes in ep_calc.units(cfg) for _, s in shapes for lo in [shard_numel(s, dp, rank)[0]]]
                   + [prod(s) for _, s in ep_calc.local_experts(cfg, ep)])
     return 2 * rnd(largest * BYTES[param_dtype_name(run)])
