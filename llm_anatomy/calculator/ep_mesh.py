@@ -88,9 +88,8 @@ def step_time(cfg: ModelConfig, run: Run, gpu: str, ep: int, dp: int, *, gpus_pe
 @lru_cache(maxsize=1024)
 def _step(cfg, run, gpu, ep, dp, gpus_per_node, optimizer) -> tuple:
     from llm_anatomy.calculator.expert_parallel import local_experts, units
-    from llm_anatomy.calculator.timing import estimate_time
 
-    t = estimate_time(cfg, run, "efficient", gpu=gpu, optimizer=optimizer)
+    t = _compute(cfg, run, gpu, optimizer)
     fb = t["steady"]["forward_backward_s"]
     ph = t["phases"]
     a2a = all_to_alls(cfg, run, ep, gpu, gpus_per_node)
@@ -109,6 +108,14 @@ def _step(cfg, run, gpu, ep, dp, gpus_per_node, optimizer) -> tuple:
     return tuple(dict(step_s=step, compute_s=fb, ep_comm_s=a2a["forward_s"] + a2a["backward_s"], host_sync_s=sync,
                       dp_exposed_s=fsdp + replicas, optimizer_s=opt, model_flops=t["mfu"]["model"]
                       * t["forward_backward_s"] * t["mfu"]["peak_flops"]).items())
+
+
+@lru_cache(maxsize=256)
+def _compute(cfg: ModelConfig, run: Run, gpu: str, optimizer: str) -> dict:
+    """The timing model's step of the one-process efficient model on the rank's tokens (the same for every ep)."""
+    from llm_anatomy.calculator.timing import estimate_time
+
+    return estimate_time(cfg, run, "efficient", gpu=gpu, optimizer=optimizer)
 
 
 def _prod(shape) -> int:
