@@ -125,7 +125,8 @@ def search(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int, gpus_per_node: 
             t = _time(cfg, mk(b), variant, gpu, m, k, gpus_per_node, optimizer)
             tokens = m.dp * k * b * seq / t["step_s"]
             parts = {p: t.get(f"{p}_s", 0.0) for p in PARTS}
-            rows.append(MeshCandidate(m.label(), m.dp, m.tp, m.pp, m.ep, m.schedule if m.pp > 1 else None, m.virtual, rc,
+            rows.append(MeshCandidate(m.label(), m.dp, m.tp, m.pp, m.ep, m.schedule if m.pp > 1 else None,
+                                      m.virtual, rc,
                                       lb, b, k, mesh_model.rank_peak(cfg, mk(b), variant, m, k, optimizer=optimizer),
                                       t["step_s"], tokens, t["model_flops"] / t["step_s"] / peak_flops, parts,
                                       _skewed(cfg, mk(b), m, optimizer)))

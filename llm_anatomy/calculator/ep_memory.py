@@ -93,22 +93,23 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
     from plus the transients of the one-process efficient model on the rank's local view (local_view: El experts,
     min(K, El) per token, the same T tokens, memory.phases with optimizer None) and of the rows it receives:
       forward   forward end + one Block's gathered parameters and all-gather buffer twice where there are two
-                Blocks (the Block running and the one prefetched) + the larger of the loss's transients (the one-process forward peak over its
-                forward end on CUDA; on CPU, where that is not modelled, three (T, V) fp32 tensors: the logits, their
-                exp and their gradient) and the MoE block's on R_d rows (moe_transients);
+                Blocks (the Block running and the one prefetched) + the larger of the loss's transients (the
+                one-process forward peak over its forward end on CUDA; on CPU, where that is not modelled, three
+                (T, V) fp32 tensors: the logits, their exp and their gradient) and the MoE block's on R_d rows
+                (moe_transients);
       backward  the exact state, the root's gathered parameters, every saved tensor (the most activations a
                 backward moment holds), the larger of the local view's largest gradient / backward buffers over its
                 walk's stages (every gradient autograd has made by then, unsharded: FSDP2's unsharded gradients are
                 those) and every gradient of the rank, FSDP2's buffers (two Blocks' gathered parameters where there
-                are two, a unit's reduce-scatter input, twice on CPU where gloo reduces a copy), the router's (T, E) tensors the local view prices at El columns, and the MoE backward's transients on
-                the rows past the local view's (moe_transients);
+                are two, a unit's reduce-scatter input, twice on CPU where gloo reduces a copy), the router's
+                (T, E) tensors the local view prices at El columns, and the MoE backward's transients on the rows
+                past the local view's (moe_transients);
       optimizer backward end + the optimizer step's temporaries (torch's per-tensor AdamW on CPU: two of the
                 largest local tensor; fused AdamW on CUDA: none)."""
     from llm_anatomy.calculator.memory import phases
 
     rnd = _rounder(device)
-    c = BYTES[param_dtype_name(run)]
-    T, H, E = run.tokens, cfg.hidden, cfg.experts
+    T, E = run.tokens, cfg.experts
     one = phases(local_view(cfg, ep), run, "efficient", optimizer=None, device=device)
     loss = ((one["forward_peak"] - one["forward_end"]) if one["forward_peak"] is not None
             else 3 * rnd(T * cfg.vocab * 4))

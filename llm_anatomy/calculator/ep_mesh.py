@@ -31,7 +31,6 @@ default balanced histogram, the same on every rank; `skewed_peak` is the worst r
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import lru_cache
 
 from llm_anatomy.calculator import comm
@@ -146,4 +145,4 @@ def skewed_peak(cfg: ModelConfig, run: Run, ep: int, dp: int, *, optimizer: str 
     ep x N rows."""
     from llm_anatomy.calculator.moe import skewed
 
-    return rank_peak(cfg, replace(run), ep, dp, optimizer=optimizer, hist=skewed(cfg, run))["peak"]
+    return rank_peak(cfg, run, ep, dp, optimizer=optimizer, hist=skewed(cfg, run))["peak"]

@@ -64,7 +64,8 @@ class Mesh:
         return self.dp * self.tp * self.pp
 
     def label(self) -> str:
-        dims = " x ".join([f"dp {self.dp}"] + [f"ep {self.ep}"] * (self.ep > 1) + [f"tp {self.tp}"] * (self.tp > 1) + [f"pp {self.pp}"] * (self.pp > 1))
+        dims = " x ".join([f"dp {self.dp}"] + [f"ep {self.ep}"] * (self.ep > 1) + [f"tp {self.tp}"] * (self.tp > 1)
+                          + [f"pp {self.pp}"] * (self.pp > 1))
         if self.pp == 1:
             return dims
         return dims + f" ({self.schedule}" + (f", {self.virtual} chunks)" if self.virtual > 1 else ")")

@@ -115,9 +115,10 @@ def ep_peaks(cfg: ModelConfig, run: Run, *, route: str | None = None, steps: int
 
 def spawn_mesh_peaks(world: int, scenarios: list[dict], *, fn: str = "tp",
                      timeout_s: float = 120.0) -> list[list[list[dict]]]:
-    """Each scenario (keyword arguments of tp_peaks() or, fn="pp" / "ep", pp_peaks() / ep_peaks()) on `world` local one-worker gloo
-    processes (settled.spawn_settled): results[rank][scenario] = the last step's phases."""
+    """Each scenario (keyword arguments of tp_peaks(), or of pp_peaks() / ep_peaks() with fn="pp" / "ep") on `world`
+    local one-worker gloo processes (settled.spawn_settled): results[rank][scenario] = the last step's phases."""
     # the first scenario runs twice and its first run is dropped: a process makes a few bytes of lazy state
     # (the pipeline's first step: 4 bytes) that every later run shares
-    runs = spawn_settled(world, scenarios[:1] + scenarios, {"tp": tp_peaks, "pp": pp_peaks, "ep": ep_peaks}[fn], timeout_s=timeout_s)
+    fns = {"tp": tp_peaks, "pp": pp_peaks, "ep": ep_peaks}
+    runs = spawn_settled(world, scenarios[:1] + scenarios, fns[fn], timeout_s=timeout_s)
     return [rank[1:] for rank in runs]
