@@ -98,10 +98,10 @@ def _step(cfg, run, gpu, ep, dp, gpus_per_node, optimizer) -> tuple:
     fsdp = comm.overlap("fsdp", rows, dp, compute, gpu, gpus_per_node)["exposed_s"] if dp > 1 else 0.0
     replicas = 0.0
     if dp > ep:  # the experts' gradients over the dp / ep groups holding the same experts, ep apart
-        from llm_anatomy.calculator.mesh import _ring_time
-
         nbytes = cfg.layers * sum(_prod(s) for _, s in local_experts(cfg, ep)) * BYTES[param_dtype_name(run)]
-        replicas = _ring_time("all_reduce", nbytes, dp // ep, ep, gpu, gpus_per_node)
+        n = dp // ep  # a ring of n ranks ep apart stays in a node while n x ep <= the GPUs per node
+        lk = comm.link(gpu, n if n * ep <= gpus_per_node else gpus_per_node + 1, gpus_per_node)
+        replicas = lk["alpha_us"] * 1e-6 + nbytes * comm.bus_factor("all_reduce", n) / (lk["GBps"] * 1e9)
     opt = t["optimizer_s"] / dp
     step = fb + a2a["forward_s"] + a2a["backward_s"] + sync + fsdp + replicas + opt
     return tuple(dict(step_s=step, compute_s=fb, ep_comm_s=a2a["forward_s"] + a2a["backward_s"], host_sync_s=sync,
