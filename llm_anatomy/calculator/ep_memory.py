@@ -28,7 +28,7 @@ from math import prod
 from llm_anatomy.calculator import expert_parallel as ep_calc
 from llm_anatomy.calculator.sharding import BYTES, param_dtype_name, shard_numel
 from llm_anatomy.calculator.tp_memory import MESH_RANK_BYTES, _rounder, _state
-from llm_anatomy.config import ModelConfig, Run
+from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 
 def _units(cfg: ModelConfig, ep: int, rank: int, rnd, pb: int) -> dict:
@@ -66,6 +66,8 @@ def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, 
     ep prices the planner's replicated expert groups (calculator/ep_mesh.py), rank then the FSDP rank."""
     ep_calc.check(cfg, run, ep, rank if dp is None else 0)
     dp = ep if dp is None else dp
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp % ep or not 0 <= rank < dp:
+        raise ConfigError(f"dp={dp!r} must be a multiple of ep={ep}, and rank={rank!r} in [0, dp)")
     rnd = _rounder(device)
     pb = BYTES[param_dtype_name(run)]
     u = _units(cfg, dp, rank, rnd, pb)
