@@ -32,6 +32,10 @@ Language Model Training on GPU Clusters", sec. 2.2):
 Gradients are synchronized over dp once per optimizer step, after the last micro-batch (what torch's pipelining
 schedules do to FSDP2 units: set_requires_gradient_sync(False) before it).
 
+Expert parallel (Mesh.ep > 1: a mixture of experts, tp = pp = 1, the experts over ep of the dp ranks):
+step_time and rank_peak are calculator/ep_mesh.py's (all-to-alls, host syncs, FSDP2 on the rest; ep_memory's
+heaviest rank), after mesh_rules.check_ep.
+
 Memory of the heaviest rank (rank_peak): calculator/tp_memory.py's phases of each rank, exact at the phase
 boundaries on gloo and an upper bound at the peak (validations/test_tp_memory.py): without pipeline stages the
 (dp, tp) rank's (TP-local shards, sequence-parallel norms, the collectives' buffers, FSDP's gathered units); with
