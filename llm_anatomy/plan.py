@@ -168,7 +168,8 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
     lean: the efficient variant runs its lean block where it applies (no recompute). global_batch: sequences
     per optimizer step over all GPUs (gradient accumulation follows); tokens: a budget to price. meshes: on
     several GPUs, unless strategies narrows the plan to data parallelism, also the tensor- and pipeline-parallel
-    meshes (plan_mesh.py); `mesh_winner` is the fastest mesh where it beats data parallelism."""
+    meshes (plan_mesh.py), for a mixture of experts the expert-parallel ones (why none ran: `ep_skipped`);
+    `mesh_winner` is the fastest mesh where it beats data parallelism."""
     _check(gpus_n, gpus_per_node, margin, seq)
     check_global_batch(global_batch, gpus_n)
     if tokens is not None and not (isinstance(tokens, (int, float)) and not isinstance(tokens, bool)
@@ -219,9 +220,11 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
             spread[b] = dict(gpu=name, step_s=t["step_s"], tokens_per_s=tps, mfu=t["mfu"],
                              budget=token_budget(tokens, tps, gpus_n))
     mesh_rows = []
-    # a mixture of experts plans data parallelism only: expert parallelism joins the mesh search when it lands
-    if meshes and gpus_n > 1 and not cfg.moe and not narrowed:
-        from llm_anatomy.plan_mesh import search
+    ep_skipped = []  # a mixture of experts: why expert parallel was not searched (mesh_rules.check_ep's words)
+    if meshes and gpus_n > 1 and not narrowed:
+        from llm_anatomy.plan_mesh import ep_refusals, search
+
+        ep_skipped = ep_refusals(cfg, gpus_n, seq, dtype, variant, recomputes, lean)
 
         peak_flops = entry["bf16_tflops" if dtype != "fp32" else "fp32_tflops"] * 1e12
         mesh_rows = search(cfg, gpu=gpu, seq=seq, gpus_n=gpus_n, gpus_per_node=gpus_per_node, budget=budget,
@@ -232,7 +235,7 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
     if mesh_rows and (best is None or mesh_rows[0]["tokens_per_s"] > best.tokens_per_s):
         winner = dict(mesh_rows[0], budget=token_budget(tokens, mesh_rows[0]["tokens_per_s"], gpus_n))
     return dict(config=cfg.to_dict(), variant=variant, lean=lean and variant == "efficient", gpu=gpu, gpu_entry=entry["name"], gpus=gpus_n,
-                meshes=mesh_rows, mesh_winner=winner,
+                meshes=mesh_rows, mesh_winner=winner, ep_skipped=ep_skipped,
                 profile_kind=profile_kind(gpu), range=spread, global_batch=global_batch,
                 budget=token_budget(tokens, best.tokens_per_s, gpus_n) if best else None,
                 gpu_rule=gpus.rule(gpu), gpus_per_node=gpus_per_node, seq=seq, dtype=dtype, optimizer=optimizer, margin=margin,

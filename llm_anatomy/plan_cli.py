@@ -141,6 +141,7 @@ def render(a, out: dict) -> list[str]:
     fmt = lambda r: "  ".join(s.ljust(w) if i < 2 else s.rjust(w) for i, (s, w) in enumerate(zip(r, widths)))  # noqa: E731
     lines += ["", fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, rows), ""]
     lines += mesh_table(out)
+    lines += [f"expert parallel not searched: {x}" for x in out.get("ep_skipped", [])]
     b = out["best"]
     if b is None and out.get("mesh_winner") is None:
         return lines + no_fit(out) + said_defaults(out)
@@ -152,6 +153,9 @@ def render(a, out: dict) -> list[str]:
                      f"({w['tokens_per_s'] / out['gpus']:,.0f} per GPU), {gib(w['peak_bytes'])} GiB on the heaviest "
                      f"rank of {gib(out['budget_bytes'])} GiB, step {w['step_s'] * 1e3:,.1f} ms")
         lines += ["  " + x for x in why(w, out["meshes"][1:])]
+        if w.get("skewed_peak_bytes") is not None:
+            lines.append(f"  its peak is under balanced routing; if every token chose experts 0..K-1 (skewed) rank 0 "
+                         f"would receive ep x the rows and need {gib(w['skewed_peak_bytes'])} GiB")
         if b is not None:
             lines.append(f"  plain data parallelism ({b['strategy']}) reaches {b['tokens_per_s']:,.0f} tokens/s")
         if (bud := w["budget"]) is not None:
@@ -164,11 +168,13 @@ def render(a, out: dict) -> list[str]:
     lines.append(f"details: {estimate_command(a, b, out)}")
     if out.get("meshes"):
         m = out["meshes"][0]
-        lines.append(f"  it beats the fastest tensor/pipeline mesh, {m['mesh']} ({m['tokens_per_s']:,.0f} tokens/s), "
-                     f"which spends {1 - m['parts']['compute'] / m['step_s']:.0%} of its step outside compute: "
-                     f"bubble {m['parts']['bubble'] / m['step_s']:.0%}, tensor-parallel comm "
-                     f"{m['parts']['tp_comm'] / m['step_s']:.0%}, exposed data-parallel comm "
-                     f"{m['parts']['dp_exposed'] / m['step_s']:.0%}")
+        from llm_anatomy.plan_mesh import NAMES, PARTS
+
+        outside = ", ".join(f"{NAMES[k]} {m['parts'].get(k, 0.0) / m['step_s']:.0%}" for k in PARTS[1:-1]
+                            if m["parts"].get(k, 0.0) / m["step_s"] >= 0.005) or "none above 0.5%"
+        lines.append(f"  it beats the fastest mesh, {m['mesh']} ({m['tokens_per_s']:,.0f} tokens/s, recompute "
+                     f"{m['recompute']}), which spends {1 - m['parts']['compute'] / m['step_s']:.0%} of its step "
+                     f"outside compute: {outside}")
     if (bud := out["budget"]) is not None:
         lines.append(f"to train {tokens_text(bud['tokens'])} tokens: {days(bud)} on {out['gpus']:,} "
                      f"GPU{'s' if out['gpus'] > 1 else ''}, "
@@ -189,18 +195,20 @@ def render(a, out: dict) -> list[str]:
 
 
 def mesh_table(out: dict, top: int = 8) -> list[str]:
-    """The fastest tensor- and pipeline-parallel meshes that fit (plan_mesh.py), as text lines."""
+    """The fastest tensor-, pipeline- and expert-parallel meshes that fit (plan_mesh.py), as text lines."""
     if not out.get("meshes"):
         return []
     gib = lambda b: f"{b / GiB:,.2f}"  # noqa: E731
-    head = ("mesh", "recompute", "micro-batch x n", "peak GiB/rank", "step ms", "bubble", "tokens/s", "MFU")
+    head = ("mesh", "recompute", "micro-batch x n", "peak GiB/rank", "step ms", "bubble", "all-to-all", "tokens/s",
+            "MFU")
     rows = [(m["mesh"], m["recompute"] + (" (lean)" if m["lean"] else ""), f"{m['micro_batch']:,} x {m['microbatches']:,}",
              gib(m["peak_bytes"]), f"{m['step_s'] * 1e3:,.1f}", f"{m['parts']['bubble'] / m['step_s']:.0%}",
+             f"{m['parts'].get('ep_comm', 0.0) / m['step_s']:.0%}",
              f"{m['tokens_per_s']:,.0f}", f"{m['mfu']:.1%}") for m in out["meshes"][:top]]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     fmt = lambda r: "  ".join(x.ljust(w) if i < 2 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
     more = len(out["meshes"]) - top
-    return [f"tensor- and pipeline-parallel meshes that fit, fastest first (calculator/mesh.py; {len(out['meshes'])} "
+    return [f"tensor-, pipeline- and expert-parallel meshes that fit, fastest first (calculator/mesh.py; {len(out['meshes'])} "
             "in all" + (f", {more} not shown" if more > 0 else "") + "; times unmeasured on several GPUs):",
             fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, rows), ""]
 

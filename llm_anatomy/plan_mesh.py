@@ -19,6 +19,10 @@ from functools import lru_cache
 from llm_anatomy.calculator import mesh as mesh_model
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
+PARTS = ("compute", "bubble", "tp_comm", "p2p", "ep_comm", "host_sync", "dp_exposed", "optimizer")
+NAMES = dict(compute="compute", bubble="pipeline bubble", tp_comm="tensor-parallel comm", p2p="stage sends",
+             ep_comm="expert-parallel all-to-alls", host_sync="MoE host syncs",
+             dp_exposed="exposed data-parallel comm", optimizer="optimizer")
 MICROBATCHES_PER_STAGE = 4  # micro-batches per pipeline stage without a global batch
 
 
@@ -28,6 +32,7 @@ class MeshCandidate:
     dp: int
     tp: int
     pp: int
+    ep: int
     schedule: str | None
     virtual: int
     recompute: str
@@ -38,7 +43,8 @@ class MeshCandidate:
     step_s: float
     tokens_per_s: float
     mfu: float
-    parts: dict  # seconds: compute, bubble, tp_comm, p2p, dp_exposed, optimizer
+    parts: dict  # seconds: compute, bubble, tp_comm, p2p, ep_comm, host_sync, dp_exposed, optimizer
+    skewed_peak_bytes: int | None = None  # expert parallel: the worst rank's peak under skewed routing
 
 
 def _divisors(n: int) -> list[int]:
@@ -46,7 +52,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def meshes(cfg: ModelConfig, gpus_n: int, gpus_per_node: int) -> list[mesh_model.Mesh]:
-    """Every dp x tp x pp mesh of gpus_n GPUs the model can be split over, except plain data parallelism."""
+    """Every dp x tp x pp mesh of gpus_n GPUs the model can be split over, except plain data parallelism; for a
+    mixture of experts the expert-parallel meshes instead (dp = gpus_n, ep dividing the experts and dp)."""
+    if cfg.moe:
+        return [mesh_model.Mesh(gpus_n, ep=e) for e in _divisors(gpus_n) if e > 1 and cfg.experts % e == 0]
     out = []
     for tp in _divisors(min(gpus_per_node, gpus_n)):
         if gpus_n % tp or cfg.heads % tp or cfg.kv_heads % tp or cfg.intermediate % tp or (cfg.moe and tp > 1):
@@ -115,30 +124,59 @@ def search(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int, gpus_per_node: 
             k = _microbatches(m, b, global_batch)
             t = _time(cfg, mk(b), variant, gpu, m, k, gpus_per_node, optimizer)
             tokens = m.dp * k * b * seq / t["step_s"]
-            parts = {p: t[f"{p}_s"] for p in ("compute", "bubble", "tp_comm", "p2p", "dp_exposed", "optimizer")}
-            rows.append(MeshCandidate(m.label(), m.dp, m.tp, m.pp, m.schedule if m.pp > 1 else None, m.virtual, rc,
+            parts = {p: t.get(f"{p}_s", 0.0) for p in PARTS}
+            rows.append(MeshCandidate(m.label(), m.dp, m.tp, m.pp, m.ep, m.schedule if m.pp > 1 else None,
+                                      m.virtual, rc,
                                       lb, b, k, mesh_model.rank_peak(cfg, mk(b), variant, m, k, optimizer=optimizer),
-                                      t["step_s"], tokens, t["model_flops"] / t["step_s"] / peak_flops, parts))
+                                      t["step_s"], tokens, t["model_flops"] / t["step_s"] / peak_flops, parts,
+                                      _skewed(cfg, mk(b), m, optimizer)))
     rows.sort(key=lambda r: -r.tokens_per_s)
     return [asdict(r) for r in rows]
+
+
+def _skewed(cfg: ModelConfig, run: Run, m: mesh_model.Mesh, optimizer: str) -> int | None:
+    if m.ep == 1:
+        return None
+    from llm_anatomy.calculator.ep_mesh import skewed_peak
+
+    return skewed_peak(cfg, run, m.ep, m.dp, optimizer=optimizer)
+
+
+def ep_refusals(cfg: ModelConfig, gpus_n: int, seq: int, dtype: str, variant: str, recomputes: tuple[str, ...],
+                lean: bool) -> list[str]:
+    """Why expert parallel was skipped, one line each (mesh_rules.check_ep's words): empty when some setting runs."""
+    from llm_anatomy.mesh_rules import check_ep
+
+    eps = [m.ep for m in meshes(cfg, gpus_n, gpus_n)] if cfg.moe else []
+    if not cfg.moe or not eps:
+        return [] if not cfg.moe else [f"no divisor of experts={cfg.experts} from 2 divides --gpus {gpus_n}"]
+    why = []
+    for rc in recomputes:
+        run = Run(batch=1, seq=seq, dtype=dtype, recompute=rc, lean=lean and variant == "efficient" and rc == "none")
+        try:
+            check_ep(cfg, run, eps[0], variant)
+            return []
+        except ConfigError as e:
+            why.append(str(e))
+    return list(dict.fromkeys(why))
 
 
 def why(best: dict, others: list[dict]) -> list[str]:
     """Why the winner wins: where its step goes, and what the runner-up of another shape loses."""
     parts = best["parts"]
     total = best["step_s"]
-    spent = ", ".join(f"{name} {parts[k] / total:.0%}" for k, name in (
-        ("compute", "compute"), ("bubble", "pipeline bubble"), ("tp_comm", "tensor-parallel comm"),
-        ("p2p", "stage sends"), ("dp_exposed", "exposed data-parallel comm"), ("optimizer", "optimizer"))
-        if parts[k] / total >= 0.005)
+    spent = ", ".join(f"{NAMES[k]} {parts.get(k, 0.0) / total:.0%}" for k in PARTS
+                      if parts.get(k, 0.0) / total >= 0.005)
     lines = [f"its step: {spent}" + (f"; recompute {best['recompute']}" if best["recompute"] != "none" else "")]
-    rival = next((o for o in others if (o["tp"], o["pp"]) != (best["tp"], best["pp"])), None)
+    shape = lambda r: (r["tp"], r["pp"], r.get("ep", 1))  # noqa: E731
+    rival = next((o for o in others if shape(o) != shape(best)), None)
     if rival is not None:
-        loss = max(("bubble", "tp_comm", "p2p", "dp_exposed"), key=lambda k: rival["parts"][k] / rival["step_s"]
-                   - parts[k] / total)
+        share = lambda r, k: r["parts"].get(k, 0.0) / r["step_s"]  # noqa: E731
+        loss = max(PARTS[1:-1] + ("compute",), key=lambda k: share(rival, k) - share(best, k))
         names = dict(bubble="its pipeline bubble", tp_comm="tensor-parallel communication", p2p="stage sends",
-                     dp_exposed="exposed data-parallel communication")
+                     ep_comm="expert-parallel all-to-alls", host_sync="the MoE layers' host syncs",
+                     dp_exposed="exposed data-parallel communication", compute="compute (a smaller micro-batch)")
         lines.append(f"next other shape, {rival['mesh']} ({rival['tokens_per_s']:,.0f} tokens/s, micro-batch "
                      f"{rival['micro_batch']}), loses most to {names[loss]} "
-                     f"({rival['parts'][loss] / rival['step_s']:.0%} of its step)")
+                     f"({share(rival, loss):.0%} of its step)")
     return lines

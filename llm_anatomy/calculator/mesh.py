@@ -32,6 +32,10 @@ Language Model Training on GPU Clusters", sec. 2.2):
 Gradients are synchronized over dp once per optimizer step, after the last micro-batch (what torch's pipelining
 schedules do to FSDP2 units: set_requires_gradient_sync(False) before it).
 
+Expert parallel (Mesh.ep > 1: a mixture of experts, tp = pp = 1, the experts over ep of the dp ranks):
+step_time and rank_peak are calculator/ep_mesh.py's (all-to-alls, host syncs, FSDP2 on the rest; ep_memory's
+heaviest rank), after mesh_rules.check_ep.
+
 Memory of the heaviest rank (rank_peak): calculator/tp_memory.py's phases of each rank, exact at the phase
 boundaries on gloo and an upper bound at the peak (validations/test_tp_memory.py): without pipeline stages the
 (dp, tp) rank's (TP-local shards, sequence-parallel norms, the collectives' buffers, FSDP's gathered units); with
@@ -57,13 +61,15 @@ class Mesh:
     pp: int = 1
     schedule: str = "1f1b"  # with pp > 1
     virtual: int = 1  # model chunks per pipeline rank (interleaved-1f1b: 2 or more)
+    ep: int = 1  # expert parallel over ep of the dp ranks (calculator/ep_mesh.py), tp = pp = 1
 
     @property
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp
 
     def label(self) -> str:
-        dims = " x ".join([f"dp {self.dp}"] + [f"tp {self.tp}"] * (self.tp > 1) + [f"pp {self.pp}"] * (self.pp > 1))
+        dims = " x ".join([f"dp {self.dp}"] + [f"ep {self.ep}"] * (self.ep > 1) + [f"tp {self.tp}"] * (self.tp > 1)
+                          + [f"pp {self.pp}"] * (self.pp > 1))
         if self.pp == 1:
             return dims
         return dims + f" ({self.schedule}" + (f", {self.virtual} chunks)" if self.virtual > 1 else ")")
@@ -89,6 +95,8 @@ def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
         raise ConfigError("tp > 1 does not shard OLMoE's whole q/k norm (qk_norm_whole): its mean spans every head")
     if mesh.pp * mesh.virtual > cfg.layers:
         raise ConfigError(f"pp {mesh.pp} x {mesh.virtual} chunks is more stages than layers={cfg.layers}")
+    if mesh.ep > 1 and (mesh.tp > 1 or mesh.pp > 1):
+        raise ConfigError("expert parallel is modelled over the data-parallel ranks alone (tp = pp = 1)")
 
 
 def shard_config(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
@@ -133,6 +141,8 @@ def step_time(cfg: ModelConfig, run: Run, variant: str, gpu: str, mesh: Mesh, mi
     if mesh.pp > 1 and microbatches < mesh.pp:
         raise ConfigError(f"a {mesh.pp}-stage pipeline needs at least {mesh.pp} micro-batches per step, "
                           f"got {microbatches}")
+    if mesh.ep > 1:
+        return _ep_step(cfg, run, variant, gpu, mesh, microbatches, gpus_per_node, optimizer)
     shard = shard_config(cfg, mesh)
     t = estimate_time(shard, run, variant, gpu=gpu, optimizer=optimizer)
     fb = t["steady"]["forward_backward_s"]  # forward + backward of one micro-batch
@@ -164,6 +174,23 @@ def step_time(cfg: ModelConfig, run: Run, variant: str, gpu: str, mesh: Mesh, mi
                 bubble_fraction=bubble_fraction(mesh, microbatches), model_flops=whole["mfu"]["model"]
                 * whole["forward_backward_s"] * whole["mfu"]["peak_flops"] * run.batch * microbatches
                 / (mesh.tp * mesh.pp))
+
+
+def _ep_step(cfg: ModelConfig, run: Run, variant: str, gpu: str, mesh: Mesh, microbatches: int, gpus_per_node: int,
+             optimizer: str) -> dict:
+    """step_time's form of calculator/ep_mesh.py's step: `microbatches` micro-steps (each its all-to-alls, host
+    syncs and FSDP2 collectives: every backward synchronizes) and one optimizer step."""
+    from llm_anatomy.calculator import ep_mesh
+    from llm_anatomy.mesh_rules import check_ep
+
+    check_mesh(cfg, mesh)
+    check_ep(cfg, run, mesh.ep, variant)
+    t = ep_mesh.step_time(cfg, run, gpu, mesh.ep, mesh.dp, gpus_per_node=gpus_per_node, optimizer=optimizer)
+    k = microbatches
+    return dict(step_s=k * (t["step_s"] - t["optimizer_s"]) + t["optimizer_s"], compute_s=k * t["compute_s"],
+                bubble_s=0.0, tp_comm_s=0.0, p2p_s=0.0, ep_comm_s=k * t["ep_comm_s"], host_sync_s=k * t["host_sync_s"],
+                dp_exposed_s=k * t["dp_exposed_s"], optimizer_s=t["optimizer_s"], bubble_fraction=0.0,
+                model_flops=k * t["model_flops"])
 
 
 @lru_cache(maxsize=256)
@@ -200,6 +227,12 @@ def _rank_peak(cfg: ModelConfig, run: Run, variant: str, mesh: Mesh, microbatche
     from llm_anatomy.calculator.tp_memory import pp_phases, tp_phases
 
     check_mesh(cfg, mesh)
+    if mesh.ep > 1:
+        from llm_anatomy.calculator import ep_mesh
+        from llm_anatomy.mesh_rules import check_ep
+
+        check_ep(cfg, run, mesh.ep, variant)
+        return ep_mesh.rank_peak(cfg, run, mesh.ep, mesh.dp, optimizer=optimizer)["peak"]
     if mesh.pp == 1:
         return tp_phases(cfg, run, mesh.tp, mesh.dp, optimizer=optimizer, variant=variant, device="cuda",
                          plan=True)["peak"]

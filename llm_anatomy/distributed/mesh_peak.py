@@ -1,5 +1,5 @@
-"""Per-rank live storage over tensor-parallel (x FSDP2) and pipeline-parallel (x FSDP2) steps: the measured side of
-llm_anatomy.calculator.tp_memory.
+"""Per-rank live storage over tensor-parallel (x FSDP2), pipeline-parallel (x FSDP2) and expert-parallel (x FSDP2)
+steps: the measured side of llm_anatomy.calculator.tp_memory and llm_anatomy.calculator.ep_memory.
 
 Each rank runs the loop of distributed/mesh_step.py (TP) or distributed/pipeline_step.py (PP) inside SettledStorage
 (distributed/settled.py: distributed/peak.py's live storage, a DTensor counted as its local shard and FSDP2's in-place
@@ -9,11 +9,14 @@ thread per process group. Returned: the phases of the last step, each {name, all
 of live storage on this rank:
   TP  forward (the loss returned), backward (loss.backward() done, the loss dropped), optimizer (opt.step()),
       zero_grad (gradients set to None);
-  PP  step (the schedule's forwards and backwards of every micro-batch), optimizer, zero_grad.
+  PP  step (the schedule's forwards and backwards of every micro-batch), optimizer, zero_grad;
+  EP  as TP (distributed/expert_parallel.py's build: the efficient model, its experts split over every rank, FSDP2
+      over the same ranks on the rest; a forced routing where given).
 
     from llm_anatomy.distributed.mesh_peak import spawn_mesh_peaks
     spawn_mesh_peaks(2, [dict(cfg=..., run=..., tp=2)])            # results[rank][scenario] = [phases]
     spawn_mesh_peaks(2, [dict(cfg=..., run=..., pp=2, microbatches=2)], fn="pp")
+    spawn_mesh_peaks(2, [dict(cfg=..., run=..., route="skewed")], fn="ep")
 """
 from __future__ import annotations
 
@@ -94,11 +97,28 @@ def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int 
     return out
 
 
+def ep_peaks(cfg: ModelConfig, run: Run, *, route: str | None = None, steps: int = 2, optimizer: str = "adamw",
+             seed: int = 0) -> list[dict]:
+    """`steps` expert-parallel steps on the initialized (CPU) process group, every rank its own batch; the last
+    one's phases. route: measure/routing.py's forced routing ("balanced", "skewed"), None the router's own."""
+    from llm_anatomy.distributed.expert_parallel import build
+
+    live = SettledStorage()
+    with live:
+        model, mesh = build(cfg, run, seed=seed, route=route)
+        opt = make_optimizer(optimizer, model.parameters(), 1e-3)
+        ids, targets = make_batch(cfg, run, seed=seed + 1 + dist.get_rank())
+        out = step_phases(live, model, opt, ids, targets, steps)
+        del model, mesh, opt, ids, targets
+    return out
+
+
 def spawn_mesh_peaks(world: int, scenarios: list[dict], *, fn: str = "tp",
                      timeout_s: float = 120.0) -> list[list[list[dict]]]:
-    """Each scenario (keyword arguments of tp_peaks() or, fn="pp", pp_peaks()) on `world` local one-worker gloo
-    processes (settled.spawn_settled): results[rank][scenario] = the last step's phases."""
+    """Each scenario (keyword arguments of tp_peaks(), or of pp_peaks() / ep_peaks() with fn="pp" / "ep") on `world`
+    local one-worker gloo processes (settled.spawn_settled): results[rank][scenario] = the last step's phases."""
     # the first scenario runs twice and its first run is dropped: a process makes a few bytes of lazy state
     # (the pipeline's first step: 4 bytes) that every later run shares
-    runs = spawn_settled(world, scenarios[:1] + scenarios, {"tp": tp_peaks, "pp": pp_peaks}[fn], timeout_s=timeout_s)
+    fns = {"tp": tp_peaks, "pp": pp_peaks, "ep": ep_peaks}
+    runs = spawn_settled(world, scenarios[:1] + scenarios, fns[fn], timeout_s=timeout_s)
     return [rank[1:] for rank in runs]
