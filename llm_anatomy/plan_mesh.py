@@ -53,9 +53,11 @@ def _divisors(n: int) -> list[int]:
 
 def meshes(cfg: ModelConfig, gpus_n: int, gpus_per_node: int) -> list[mesh_model.Mesh]:
     """Every dp x tp x pp mesh of gpus_n GPUs the model can be split over, except plain data parallelism; for a
-    mixture of experts the expert-parallel meshes instead (dp = gpus_n, ep dividing the experts and dp)."""
+    mixture of experts the expert-parallel mesh instead: ep = dp = gpus_n where it divides the experts, the layout
+    the engine runs (distributed/expert_parallel.py: FSDP2 over the same ranks). Experts replicated over dp / ep
+    groups (ep < dp) are not built, so not planned."""
     if cfg.moe:
-        return [mesh_model.Mesh(gpus_n, ep=e) for e in _divisors(gpus_n) if e > 1 and cfg.experts % e == 0]
+        return [mesh_model.Mesh(gpus_n, ep=gpus_n)] if gpus_n > 1 and cfg.experts % gpus_n == 0 else []
     out = []
     for tp in _divisors(min(gpus_per_node, gpus_n)):
         if gpus_n % tp or cfg.heads % tp or cfg.kv_heads % tp or cfg.intermediate % tp or (cfg.moe and tp > 1):
@@ -144,17 +146,19 @@ def _skewed(cfg: ModelConfig, run: Run, m: mesh_model.Mesh, optimizer: str) -> i
 
 def ep_refusals(cfg: ModelConfig, gpus_n: int, seq: int, dtype: str, variant: str, recomputes: tuple[str, ...],
                 lean: bool) -> list[str]:
-    """Why expert parallel was skipped, one line each (mesh_rules.check_ep's words): empty when some setting runs."""
-    from llm_anatomy.mesh_rules import check_ep
+    """Why expert parallel was skipped, one line each (ep_mesh.check's words): empty when some setting runs."""
+    from llm_anatomy.calculator.ep_mesh import check
 
     eps = [m.ep for m in meshes(cfg, gpus_n, gpus_n)] if cfg.moe else []
     if not cfg.moe or not eps:
-        return [] if not cfg.moe else [f"no divisor of experts={cfg.experts} from 2 divides --gpus {gpus_n}"]
+        return [] if not cfg.moe else [f"ep = --gpus {gpus_n} does not divide experts={cfg.experts}"]
     why = []
     for rc in recomputes:
         run = Run(batch=1, seq=seq, dtype=dtype, recompute=rc, lean=lean and variant == "efficient" and rc == "none")
         try:
-            check_ep(cfg, run, eps[0], variant)
+            if variant != "efficient":
+                raise ConfigError(f"expert parallel runs the efficient variant's MoE block, not {variant!r}")
+            check(cfg, run, eps[0], gpus_n)
             return []
         except ConfigError as e:
             why.append(str(e))

@@ -1,9 +1,9 @@
 """Claims: `anatomy plan` searches expert parallel for mixture-of-experts configs (plan_mesh.py, calculator/ep_mesh.py).
 
-  - the EP meshes are the divisors of the experts and of the GPUs, 2 or more; the refusals of mesh_rules.check_ep
-    (amp, recompute) are skipped, and said, never raised
-  - where EP pays (Qwen3-30B-A3B on 1,024 H100s, bf16) the winner is an EP mesh, faster than data parallelism, and
-    its peak is calculator/ep_memory.py's heaviest rank exactly
+  - the EP mesh is the one the engine runs, ep = dp = the GPUs, where that divides the experts; what ep_mesh.check
+    refuses (amp and recompute: their per-rank phases are not modelled) is skipped, and said, never raised
+  - where EP pays (Mixtral-8x7B on 8 H100s, bf16, seq 1,024) the winner is an EP mesh, faster than data
+    parallelism, and its peak is calculator/ep_memory.py's heaviest rank exactly
   - a step's parts add up: the all-to-alls per MoE layer (forward 3, backward 2) over the ep group's link, one host
     sync per layer, FSDP2's exposed collectives, the optimizer's share
   - 8 GPUs answer in under 1 s, 1,024 in under 5 s
@@ -27,26 +27,27 @@ from llm_anatomy.plan_mesh import meshes
 from validations.hf_configs import HF_CONFIGS
 
 QWEN = from_hf_config(HF_CONFIGS["Qwen3-30B-A3B"])
+MIXTRAL = from_hf_config(HF_CONFIGS["Mixtral-8x7B-v0.1"])
 SMALL = ModelConfig(name="ep-plan-small", hidden=512, layers=4, heads=8, intermediate=1024, vocab=4096, experts=16,
                     experts_per_token=2, expert_intermediate=256)
 
 
-def test_ep_meshes_are_the_common_divisors():
-    assert [m.ep for m in meshes(SMALL, 8, 8)] == [2, 4, 8]
-    assert [m.ep for m in meshes(SMALL, 64, 8)] == [2, 4, 8, 16]
-    assert all(m.dp == 64 and m.tp == m.pp == 1 for m in meshes(SMALL, 64, 8))
+def test_the_ep_mesh_is_every_gpu():
+    assert [(m.ep, m.dp, m.tp, m.pp) for m in meshes(SMALL, 8, 8)] == [(8, 8, 1, 1)]
+    assert [(m.ep, m.dp) for m in meshes(SMALL, 16, 8)] == [(16, 16)]
+    assert meshes(SMALL, 64, 8) == meshes(SMALL, 1, 8) == []  # 16 experts over 64 GPUs: replicas, not built
     assert meshes(replace(SMALL, experts=3, experts_per_token=1), 8, 8) == []
 
 
 def test_where_ep_pays_the_winner_is_an_ep_mesh_priced_by_its_rank_peak():
-    out = plan(QWEN, gpu="H100", seq=4096, gpus_n=1024, dtype="bf16")
+    out = plan(MIXTRAL, gpu="H100", seq=1024, gpus_n=8, dtype="bf16")
     w = out["mesh_winner"]
     assert w is not None and w["ep"] > 1 and w["tokens_per_s"] > out["best"]["tokens_per_s"]
-    run = Run(batch=w["micro_batch"], seq=4096, dtype="bf16", lean=w["lean"])
-    ph = ep_phases(QWEN, run, w["ep"], dp=w["dp"], device="cuda")
+    run = Run(batch=w["micro_batch"], seq=1024, dtype="bf16", lean=w["lean"])
+    ph = ep_phases(MIXTRAL, run, w["ep"], dp=w["dp"], device="cuda")
     assert w["peak_bytes"] == ph["peak"] <= out["budget_bytes"]
     assert ph["peak"] >= max(ph["forward_end"], ph["backward_end"]) > ph["optimizer_end"]
-    bigger = ep_phases(QWEN, replace(run, batch=run.batch + 1), w["ep"], dp=w["dp"], device="cuda")["peak"]
+    bigger = ep_phases(MIXTRAL, replace(run, batch=run.batch + 1), w["ep"], dp=w["dp"], device="cuda")["peak"]
     assert bigger > out["budget_bytes"] or out["meshes"][0]["micro_batch"] == w["micro_batch"]
     assert w["skewed_peak_bytes"] > w["peak_bytes"]  # rank 0 receives ep x the rows
     for r in out["meshes"]:
@@ -64,8 +65,8 @@ def test_refused_combinations_are_skipped_and_said(capsys):
 
 
 def test_the_cli_prints_ep_in_the_mesh_and_why(capsys):
-    assert main(["plan", "--hf-config", str(HF_CONFIGS["Qwen3-30B-A3B"].parent), "--gpu", "H100", "--gpus", "1024",
-                 "--dtype", "bf16"]) == 0
+    assert main(["plan", "--hf-config", str(HF_CONFIGS["Mixtral-8x7B-v0.1"].parent), "--gpu", "H100", "--gpus", "8",
+                 "--seq", "1024", "--dtype", "bf16"]) == 0
     text = capsys.readouterr().out
     verdict = next(line for line in text.splitlines() if line.startswith("verdict:"))
     assert " x ep " in verdict and "tokens/s" in verdict
