@@ -49,9 +49,6 @@ def _pp_scenarios(pp: int, seed: int) -> list[dict]:
 
 
 MESHES = {"tp2": (2, 1), "tp4": (4, 1), "tp2xdp2": (2, 2)}
-# the spawn's limit on one collective's wait (init_process_group's timeout): no rank lags the others by more than the
-# whole spawn, measured at under 200 s (world 4) with the 2-core machine at a load of about 12; 3x that
-SPAWN_TIMEOUT_S = 600
 
 
 def _spawned(world: int) -> dict:
@@ -63,7 +60,7 @@ def _spawned(world: int) -> dict:
               if tp * dp == world}
     if world == 2:
         groups["pp2"] = [dict(sc, fn="pp") for sc in _pp_scenarios(2, seed=4795)]
-    res = spawn_mesh_peaks(world, [sc for scs in groups.values() for sc in scs], timeout_s=SPAWN_TIMEOUT_S)
+    res = spawn_mesh_peaks(world, [sc for scs in groups.values() for sc in scs])
     out, i = {}, 0
     for name, scs in groups.items():
         out[name] = (scs, [[res[r][i + k] for r in range(world)] for k in range(len(scs))])

@@ -71,11 +71,6 @@ def _scenarios(world: int) -> dict[str, dict]:
     return out
 
 
-# the spawn's limit on one collective's wait (init_process_group's timeout): no rank lags the others by more than the
-# whole spawn, measured at under 200 s (W4) with the 2-core machine at a load of about 12; 3x that
-SPAWN_TIMEOUT_S = 600
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def mesh_run(request):
     """(world, {name: step scenario}, {name: [records per rank]}, {name: [phases per rank]}): each draw's step and
@@ -88,7 +83,7 @@ def mesh_run(request):
     # the phases first, as in a spawn of their own: a fresh process, the first one run twice (spawn_mesh_peaks)
     flat = ([_phase_scenario(sc) for sc in drawn.values()]
             + [dict({k: v for k, v in sc.items() if k != "dp"}, fn=_scenario) for sc in scen.values()])
-    res = spawn_mesh_peaks(world, flat, timeout_s=SPAWN_TIMEOUT_S)
+    res = spawn_mesh_peaks(world, flat)
     phases = {name: [res[r][i] for r in range(world)] for i, name in enumerate(drawn)}
     steps = {name: [res[r][len(drawn) + i] for r in range(world)] for i, name in enumerate(scen)}
     return world, scen, steps, phases
@@ -173,7 +168,7 @@ def test_tp_recompute_phase_ends_exact(mesh_run, claims):
             ph = {p["name"]: p for p in res[name][r]}
             pred = tp_phases(sc["cfg"], sc["run"], tp, world // tp, rank=r, optimizer=sc["optimizer"], device="cpu",
                              reshard_after_forward=sc.get("reshard_after_forward", True), variant=VARIANT)
-            note = f"tp {tp} x dp {world // tp}: {draw_note(sc, rank=r)}"
+            note = f"tp {tp} x dp {world // tp}: {draw_note(_phase_scenario(sc), rank=r)}"
             for phase, at, measured in (("forward_end_held", "forward end", ph["forward"]["allocated"]),
                                         ("backward_end", "backward end", ph["backward"]["allocated"]),
                                         ("optimizer_end", "optimizer end", ph["zero_grad"]["allocated"])):

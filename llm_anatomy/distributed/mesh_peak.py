@@ -24,7 +24,7 @@ from llm_anatomy.config import ModelConfig, Run
 from llm_anatomy.distributed.peak import step_phases
 from llm_anatomy.distributed.settled import SettledStorage, spawn_settled
 from llm_anatomy.distributed.strategies import default_mixed_precision
-from llm_anatomy.distributed.train_step import make_optimizer
+from llm_anatomy.distributed.train_step import SPAWN_TIMEOUT_S, make_optimizer
 from llm_anatomy.models import build_model, make_batch
 
 
@@ -104,7 +104,7 @@ def _run(default: str, fn=None, **kw):
 
 
 def spawn_mesh_peaks(world: int, scenarios: list[dict], *, fn: str = "tp",
-                     timeout_s: float = 120.0) -> list[list]:
+                     timeout_s: float = SPAWN_TIMEOUT_S) -> list[list]:
     """Each scenario (keyword arguments of tp_peaks() or, fn="pp", pp_peaks()) on `world` local one-worker gloo
     processes (settled.spawn_settled): results[rank][scenario] = the last step's phases. A scenario's own "fn" key
     (a name in PEAKS, or a module-level function that returns a rank's records) overrides fn, so one set of

@@ -36,6 +36,7 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from torch.utils._python_dispatch import _disable_current_modes
 
 from llm_anatomy.distributed.peak import RankStorage
+from llm_anatomy.distributed.train_step import SPAWN_TIMEOUT_S
 from llm_anatomy.io import write_atomic
 
 BACKEND = "gloo-one-worker"
@@ -119,7 +120,7 @@ def _rank(rank: int, world: int, init_method: str, scenarios: list[dict], outdir
         dist.destroy_process_group()
 
 
-def spawn_settled(world: int, scenarios: list[dict], fn, *, timeout_s: float = 120.0) -> list[list]:
+def spawn_settled(world: int, scenarios: list[dict], fn, *, timeout_s: float = SPAWN_TIMEOUT_S) -> list[list]:
     """fn(**scenario) for each scenario on `world` local processes of the one-worker gloo backend, a FileStore in a
     temporary folder for the rendezvous: results[rank][scenario]. A failing rank raises here."""
     import torch.multiprocessing as mp
