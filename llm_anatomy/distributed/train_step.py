@@ -100,9 +100,10 @@ def counted_steps(model, opt, ids, targets, steps: int, ctx, *, with_loss: bool 
 
 # ---- local multi-process launch (tests) -------------------------------------------------------
 # A spawned rank's limit on one wait, the rendezvous' or a collective's (init_process_group's timeout): a hang fails
-# after it. A rank waits only on peers that are making progress, so no wait outlasts its whole spawn; the suite's
-# longest spawn measured about 150 s (test_tp_recompute_efficient's world 4: 4 ranks, 80 draws' steps and phases)
-# with the 2-core machine at a load of 15, and a spawn there has waited over 120 s at its start. 4x that spawn.
+# after it. A rank waits only on peers that are making progress, so no wait outlasts its whole spawn. The suite's
+# longest spawn measured 153 s (test_tp_recompute_efficient's world 4: 4 ranks, 40 draws' steps and phases) with
+# the 2-core machine at a load of 15, and test_tensor_parallel's world-4 spawn has hit a 120 s limit under heavy
+# load: 4x the longest spawn.
 SPAWN_TIMEOUT_S = 600.0
 
 
