@@ -77,7 +77,7 @@ def gloo_run(request):
     from llm_anatomy.distributed.train_step import spawn
 
     world = request.param
-    results = spawn(world, list(SCENARIOS.values()), timeout_s=90)
+    results = spawn(world, list(SCENARIOS.values()))
     return world, {name: [results[r][i] for r in range(world)] for i, name in enumerate(SCENARIOS)}
 
 
@@ -147,7 +147,7 @@ PEAK_SCENARIOS = {  # keyword arguments of llm_anatomy.distributed.peak.peaks();
 def gloo_peaks():
     from llm_anatomy.distributed.peak import spawn_peaks
 
-    results = spawn_peaks(2, list(PEAK_SCENARIOS.values()), timeout_s=90)
+    results = spawn_peaks(2, list(PEAK_SCENARIOS.values()))
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(PEAK_SCENARIOS)}
 
 

@@ -48,7 +48,7 @@ def ep_mem(request):
 
     world = request.param
     scen = draw_examples(ep_memory_cases(world), N_DRAWS, seed_=4810 + world)
-    return world, scen, spawn_mesh_peaks(world, scen, fn="ep", timeout_s=300)
+    return world, scen, spawn_mesh_peaks(world, scen, fn="ep")
 
 
 def _pred(sc: dict, world: int, r: int) -> dict:

@@ -101,7 +101,7 @@ def ep_run(request):
 
     world = request.param
     scen = _scenarios(world)
-    return world, scen, spawn_named(world, scen, timeout_s=180, fn=_scenario)
+    return world, scen, spawn_named(world, scen, fn=_scenario)
 
 
 def _draws(scen: dict) -> dict:

@@ -122,7 +122,7 @@ def ranks(request):
 
     world = request.param
     scen = _scenarios(world)
-    return world, scen, spawn_named(world, scen, timeout_s=300, fn=_model_rank)
+    return world, scen, spawn_named(world, scen, fn=_model_rank)
 
 
 def _ops(ranks):

@@ -106,7 +106,7 @@ def _spawned(world: int) -> dict:
 
     groups = _groups(world)
     flat = [sc for g in groups.values() for sc in g] + (list(LOSS_SCENARIOS.values()) if world == 2 else [])
-    res = spawn(world, flat, timeout_s=180)
+    res = spawn(world, flat)
     out, i = {}, 0
     for name, scs in groups.items():
         out[name] = [(sc, [res[r][i + k] for r in range(world)]) for k, sc in enumerate(scs)]

@@ -102,7 +102,7 @@ def gloo_pp2_tp2() -> dict:
 
     groups = {"1f1b": _distinct("1f1b", 34), "interleaved-1f1b": _distinct("interleaved-1f1b", 35)}
     flat = [sc for g in groups.values() for sc in g] + list(LOSS.values())
-    res = spawn(PP * TP, flat, timeout_s=300)
+    res = spawn(PP * TP, flat)
     out, i = {}, 0
     for name, scs in groups.items():
         out[name] = [(sc, [res[r][i + k] for r in range(PP * TP)]) for k, sc in enumerate(scs)]
@@ -228,7 +228,7 @@ def trained(cache, tmp_path_factory) -> dict:
             "resumed": [*PPTP, "--ckpt-dir", str(base / "pp2xtp2"), "--resume", step2, "--out", str(base / "resumed")],
             "on-tp2xdp2": ["--tp", "2", "--ckpt-dir", str(base / "pp2xtp2"), "--resume", step2,
                            "--out", str(base / "on-tp2xdp2")]}
-    codes = train_step.spawn(PP * TP, [dict(args=[*common, *a]) for a in runs.values()], timeout_s=300, fn=_rank_cli)
+    codes = train_step.spawn(PP * TP, [dict(args=[*common, *a]) for a in runs.values()], fn=_rank_cli)
     out = {name: ([codes[r][i] for r in range(PP * TP)], base / name) for i, name in enumerate(runs)}
     data = load_data(None, CFG.vocab, cache_dir=cache, seq=32)
     for name, pdt in (("fp32", None), ("fp64", "float64")):

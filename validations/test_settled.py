@@ -40,6 +40,39 @@ def test_a_settled_boundary_holds_no_collective_buffer(tmp_path):
         dist.destroy_process_group()
 
 
+class _Cycle:
+    """An object that references itself: only the cycle collector frees it (and its tensor)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.me = t, self
+
+
+def test_a_boundary_frees_the_runs_cycles(tmp_path):
+    """A tensor that only a reference cycle made inside the storage holds is gone at the next boundary (the
+    collection walks the run's objects; what existed before is frozen until the storage exits), and an object
+    made before it is still collected after it exits."""
+    import gc
+    import weakref
+
+    register_backend()
+    _group(tmp_path, BACKEND)
+    try:
+        before = _Cycle(torch.ones(8))
+        old = weakref.ref(before)
+        del before
+        live = SettledStorage()
+        with live:
+            start = live.phase("start")["allocated"]
+            cycle = _Cycle(torch.ones(256))
+            assert live.phase("made")["allocated"] == start + 256 * 4
+            del cycle
+            assert live.phase("dropped")["allocated"] == start, "a cycle's tensor still counted at the boundary"
+        gc.collect()
+        assert old() is None, "an object frozen while the storage was entered stays uncollectable after it exits"
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_group_with_two_workers_is_refused(tmp_path):
     """Plain gloo runs two worker threads per group: one barrier cannot prove both have dropped their Work."""
     _group(tmp_path, "gloo")

@@ -84,7 +84,7 @@ def mesh_run(request):
 
     world = request.param
     scen = _scenarios(world)
-    return world, scen, spawn_named(world, scen, timeout_s=120, fn=train)
+    return world, scen, spawn_named(world, scen, fn=train)
 
 
 def check_collectives(world: int, scen: dict, res: dict, claims, variant: str = "baseline") -> None:

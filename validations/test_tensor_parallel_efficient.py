@@ -83,7 +83,7 @@ def mesh_run(request):
 
     world = request.param
     scen = _scenarios(world)
-    return world, scen, spawn_named(world, scen, timeout_s=120, fn=_scenario)
+    return world, scen, spawn_named(world, scen, fn=_scenario)
 
 
 def _draws(scen: dict) -> dict:

@@ -87,7 +87,7 @@ def mesh_run(request):
 
     world = request.param
     scen = _scenarios(world)
-    return world, scen, spawn_named(world, scen, timeout_s=300, fn=train)
+    return world, scen, spawn_named(world, scen, fn=train)
 
 
 def _draws(scen: dict, variant: str) -> dict:

@@ -9,7 +9,8 @@
         backward are wrappers over buffers already counted); the step's peak an upper bound within TP_PEAK_SLACK
     PP  step end (every micro-batch's forward and backward done) and optimizer end exact; the step's peak an upper
         bound within PP_PEAK_SLACK
-All the draws of one mesh run in ONE spawn (module-scoped fixtures), so the file stays fast.
+All the draws of one world size (TP 2 and PP 2; TP 4 and TP 2 x FSDP 2) run in ONE spawn (module-scoped fixtures),
+so the file stays fast.
 """
 from __future__ import annotations
 
@@ -50,21 +51,45 @@ def _pp_scenarios(pp: int, seed: int) -> list[dict]:
 MESHES = {"tp2": (2, 1), "tp4": (4, 1), "tp2xdp2": (2, 2)}
 
 
-@pytest.fixture(scope="module", params=list(MESHES), ids=list(MESHES))
-def tp_run(request):
+def _spawned(world: int) -> dict:
+    """{mesh name: (scenarios, [results per scenario, each per rank])} for every mesh of this world size (PP 2 as
+    "pp2" on world 2), from one spawn."""
     from llm_anatomy.distributed.mesh_peak import spawn_mesh_peaks
 
-    tp, dp = MESHES[request.param]
-    scen = _tp_scenarios(tp, dp, seed=4790 + 10 * tp + dp)
-    return tp, dp, scen, spawn_mesh_peaks(tp * dp, scen, timeout_s=300)
+    groups = {name: _tp_scenarios(tp, dp, seed=4790 + 10 * tp + dp) for name, (tp, dp) in MESHES.items()
+              if tp * dp == world}
+    if world == 2:
+        groups["pp2"] = [dict(sc, fn="pp") for sc in _pp_scenarios(2, seed=4795)]
+    res = spawn_mesh_peaks(world, [sc for scs in groups.values() for sc in scs])
+    out, i = {}, 0
+    for name, scs in groups.items():
+        out[name] = (scs, [[res[r][i + k] for r in range(world)] for k in range(len(scs))])
+        i += len(scs)
+    return out
 
 
 @pytest.fixture(scope="module")
-def pp_run():
-    from llm_anatomy.distributed.mesh_peak import spawn_mesh_peaks
+def gloo_w2():
+    return _spawned(2)
 
-    scen = _pp_scenarios(2, seed=4795)
-    return 2, scen, spawn_mesh_peaks(2, scen, fn="pp", timeout_s=300)
+
+@pytest.fixture(scope="module")
+def gloo_w4():
+    return _spawned(4)
+
+
+@pytest.fixture(params=list(MESHES), ids=list(MESHES))
+def tp_run(request):
+    """(tp, dp, scenarios, results[scenario][rank]) of one TP mesh, from its world size's spawn."""
+    tp, dp = MESHES[request.param]
+    scen, res = request.getfixturevalue(f"gloo_w{tp * dp}")[request.param]
+    return tp, dp, scen, res
+
+
+@pytest.fixture
+def pp_run(gloo_w2):
+    scen, res = gloo_w2["pp2"]
+    return 2, scen, res
 
 
 def _tp_pred(sc: dict, tp: int, dp: int, r: int) -> dict:
@@ -80,7 +105,7 @@ def test_tp_phase_ends_exact(tp_run, claims):
     assert len(scen) >= N_DRAWS
     for i, sc in enumerate(scen):
         for r in range(tp * dp):
-            ph = {p["name"]: p for p in res[r][i]}
+            ph = {p["name"]: p for p in res[i][r]}
             pred = _tp_pred(sc, tp, dp, r)
             note = f"tp {tp} x dp {dp}: {draw_note(sc, rank=r)}"
             for phase, measured in (("forward_end_held", ph["forward"]["allocated"]),
@@ -97,7 +122,7 @@ def test_tp_peak_is_a_bound(tp_run, claims):
     tp, dp, scen, res = tp_run
     for i, sc in enumerate(scen):
         for r in range(tp * dp):
-            measured = max(p["peak"] for p in res[r][i])
+            measured = max(p["peak"] for p in res[i][r])
             pred = _tp_pred(sc, tp, dp, r)
             note = f"tp {tp} x dp {dp}: {draw_note(sc, rank=r)}; predicted at {pred['peak_at']}"
             claims.check("tp rank step peak (upper bound)", component="memory", config=sc["cfg"].name,
@@ -113,7 +138,7 @@ def test_pp_phase_ends_exact(pp_run, claims):
     assert len(scen) >= N_DRAWS
     for i, sc in enumerate(scen):
         for r in range(pp):
-            ph = {p["name"]: p for p in res[r][i]}
+            ph = {p["name"]: p for p in res[i][r]}
             pred = pp_phases(sc["cfg"], sc["run"], pp, r, microbatches=sc["microbatches"], split=sc["split"],
                              device="cpu")
             for phase, measured in (("step_end", ph["step"]["allocated"]),
@@ -130,7 +155,7 @@ def test_pp_peak_is_a_bound(pp_run, claims):
     pp, scen, res = pp_run
     for i, sc in enumerate(scen):
         for r in range(pp):
-            measured = max(p["peak"] for p in res[r][i])
+            measured = max(p["peak"] for p in res[i][r])
             pred = pp_phases(sc["cfg"], sc["run"], pp, r, microbatches=sc["microbatches"], split=sc["split"],
                              device="cpu")
             note = f"pp {pp} 1f1b: {draw_note(sc, rank=r)}"

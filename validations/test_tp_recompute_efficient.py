@@ -9,10 +9,12 @@ and measured on gloo ranks (distributed.mesh_step).
                        loss curve per policy against one process on both dp ranks' batches
   every rank, every step: params/grads/optimizer bytes, saved bytes per component (the checkpoints' kept residual
   stream on the rank's seq / tp rows), (mesh dim, op, dtype, bytes) -> calls (backward's re-runs gather again)
-  live storage         the same meshes, 20 draws each (the policies in turn): forward, backward and optimizer end of
-                       the second step exact on every rank (calculator/tp_memory.py)
+  live storage         the same draws: forward, backward and optimizer end of the second step exact on every rank
+                       (calculator/tp_memory.py)
   fake process group   one rank of a 64-rank mesh per policy: collectives and bytes
-The draws are test_tensor_parallel.py's (tp_cases) with a policy; all the draws of one world size run in ONE spawn.
+The draws are test_tensor_parallel.py's (tp_cases) with a policy. Everything one world size measures (each draw's
+step, its phases and the curves) runs in ONE spawn of the one-worker gloo backend that the phases need
+(distributed/settled.py); a draw is drawn once and measured by both.
 """
 from __future__ import annotations
 
@@ -34,12 +36,12 @@ CURVE_TOL = 1e-5  # relative: reduction order only (test_tensor_parallel.py's CU
 CURVE = dict(cfg=CURVE_CFG, run=Run(batch=2, seq=16, dtype="fp32"), tp=2, steps=4, lr=1e-2)
 
 
-def _draws(world: int, seed: int) -> dict[str, dict]:
+def _draws(world: int) -> dict[str, dict]:
     """N_DRAWS cases of each mesh of this world size, the policies taking turns, named "<mesh>-<policy>-<i>", each
     with its dp."""
     out = {}
     for name, tp, dp in MESHES[world]:
-        for i, case in enumerate(draw_examples(tp_cases(tp, dp), N_DRAWS, seed_=seed + 10 * tp + dp)):
+        for i, case in enumerate(draw_examples(tp_cases(tp, dp), N_DRAWS, seed_=4850 + 10 * tp + dp)):
             rc = POLICIES[i % len(POLICIES)]
             # one step: the step's records (every collective, the bytes after it, the saved) are step 1's
             out[f"{name}-{rc}-{i}"] = dict(case, run=replace(case["run"], recompute=rc), steps=1, dp=dp)
@@ -53,8 +55,16 @@ def _scenario(**kw):
     return train(variant=VARIANT, **kw)
 
 
+def _phase_scenario(case: dict) -> dict:
+    """A draw's live-storage run (mesh_peak.tp_peaks): two steps, the second's phases."""
+    sc = dict(fn="tp", cfg=case["cfg"], run=case["run"], tp=case["tp"], optimizer=case["optimizer"], variant=VARIANT)
+    if case["dp"] > 1:
+        sc["reshard_after_forward"] = case["reshard_after_forward"]
+    return sc
+
+
 def _scenarios(world: int) -> dict[str, dict]:
-    out = _draws(world, 4850)
+    out = _draws(world)
     dp = world // CURVE["tp"]
     for rc in POLICIES:
         out[f"curve-{rc}"] = dict(CURVE, run=replace(CURVE["run"], recompute=rc), dp=dp)
@@ -63,11 +73,20 @@ def _scenarios(world: int) -> dict[str, dict]:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
 def mesh_run(request):
-    from llm_anatomy.distributed.train_step import spawn_named
+    """(world, {name: step scenario}, {name: [records per rank]}, {name: [phases per rank]}): each draw's step and
+    its phases, and the curves, from one spawn."""
+    from llm_anatomy.distributed.mesh_peak import spawn_mesh_peaks
 
     world = request.param
     scen = _scenarios(world)
-    return world, scen, spawn_named(world, scen, timeout_s=300, fn=_scenario)
+    drawn = _drawn(scen)
+    # the phases first, as in a spawn of their own: a fresh process, the first one run twice (spawn_mesh_peaks)
+    flat = ([_phase_scenario(sc) for sc in drawn.values()]
+            + [dict({k: v for k, v in sc.items() if k != "dp"}, fn=_scenario) for sc in scen.values()])
+    res = spawn_mesh_peaks(world, flat)
+    phases = {name: [res[r][i] for r in range(world)] for i, name in enumerate(drawn)}
+    steps = {name: [res[r][len(drawn) + i] for r in range(world)] for i, name in enumerate(scen)}
+    return world, scen, steps, phases
 
 
 def _drawn(scen: dict) -> dict:
@@ -78,7 +97,7 @@ def _drawn(scen: dict) -> dict:
 def test_tp_recompute_collectives_exact(mesh_run, claims):
     """Every collective of every step on every rank, with the mesh dim it ran on, equals the prediction: the
     re-runs' all-gathers (and under "full" o's reduce-scatter) count again in backward."""
-    world, scen, res = mesh_run
+    world, scen, res, _ = mesh_run
     drawn = _drawn(scen)
     assert len(drawn) == N_DRAWS * len(MESHES[world])
     check_collectives(world, drawn, res, claims, VARIANT)
@@ -87,7 +106,7 @@ def test_tp_recompute_collectives_exact(mesh_run, claims):
 @pytest.mark.distributed
 def test_tp_recompute_rank_bytes_exact(mesh_run, claims):
     """Each rank's parameter, gradient and optimizer-state bytes after every step equal the prediction."""
-    world, scen, res = mesh_run
+    world, scen, res, _ = mesh_run
     check_rank_bytes(world, _drawn(scen), res, claims, VARIANT)
 
 
@@ -96,7 +115,7 @@ def test_tp_recompute_saved_bytes_per_component_exact(mesh_run, claims):
     """What each rank's forward saves for backward, per component (local storage), equals tp_saved: the
     checkpoints keep the residual stream (and under "mlp" the attention branch) on the rank's seq / tp rows, and
     what runs outside them as without recompute."""
-    world, scen, res = mesh_run
+    world, scen, res, _ = mesh_run
     check_saved(world, _drawn(scen), res, claims, VARIANT)
 
 
@@ -119,7 +138,7 @@ def _one_process_losses(rc: str, dp: int) -> list[float]:
 def test_tp_recompute_loss_curve_matches_single_process(mesh_run, rc, claims):
     """TP 2 (world 2) and TP 2 x FSDP 2 (world 4), fp32: the TP ranks of a dp rank agree exactly, and the mean over
     the dp ranks equals the one-process efficient model's loss under the same policy within CURVE_TOL, every step."""
-    world, _, res = mesh_run
+    world, _, res, _ = mesh_run
     dp = world // CURVE["tp"]
     single = _one_process_losses(rc, dp)
     assert single[-1] < single[0] - 0.05, f"the curve must move to mean anything: {single}"
@@ -134,43 +153,22 @@ def test_tp_recompute_loss_curve_matches_single_process(mesh_run, rc, claims):
 
 
 # ---- the memory phases of a step (calculator/tp_memory.py against distributed/mesh_peak.py's live storage) --------
-def _phase_scenarios(world: int, seed: int) -> list[dict]:
-    """N_DRAWS cases of each mesh of this world size, the policies in turn."""
-    out = []
-    for _, tp, dp in MESHES[world]:
-        for i, case in enumerate(draw_examples(tp_cases(tp, dp), N_DRAWS, seed_=seed + 10 * tp + dp)):
-            sc = dict(cfg=case["cfg"], run=replace(case["run"], recompute=POLICIES[i % 2]), tp=tp,
-                      optimizer=case["optimizer"], variant=VARIANT)
-            if dp > 1:
-                sc["reshard_after_forward"] = case["reshard_after_forward"]
-            out.append(sc)
-    return out
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["W2", "W4"])
-def phase_run(request):
-    from llm_anatomy.distributed.mesh_peak import spawn_mesh_peaks
-
-    world = request.param
-    scen = _phase_scenarios(world, 4870)
-    return world, scen, spawn_mesh_peaks(world, scen, timeout_s=300)
-
-
 @pytest.mark.distributed
-def test_tp_recompute_phase_ends_exact(phase_run, claims):
+def test_tp_recompute_phase_ends_exact(mesh_run, claims):
     """Forward end, backward end and optimizer end of a step after the first equal tp_phases on every rank: the
     checkpoints' kept residual stream on the rank's rows, the fused tensors' FSDP shards and optimizer state."""
     from llm_anatomy.calculator.tp_memory import tp_phases
 
-    world, scen, res = phase_run
-    assert len(scen) >= N_DRAWS * len(MESHES[world])
-    for i, sc in enumerate(scen):
+    world, scen, _, res = mesh_run
+    drawn = _drawn(scen)
+    assert len(drawn) == N_DRAWS * len(MESHES[world])
+    for name, sc in drawn.items():
         tp = sc["tp"]
         for r in range(world):
-            ph = {p["name"]: p for p in res[r][i]}
+            ph = {p["name"]: p for p in res[name][r]}
             pred = tp_phases(sc["cfg"], sc["run"], tp, world // tp, rank=r, optimizer=sc["optimizer"], device="cpu",
                              reshard_after_forward=sc.get("reshard_after_forward", True), variant=VARIANT)
-            note = f"tp {tp} x dp {world // tp}: {draw_note(sc, rank=r)}"
+            note = f"tp {tp} x dp {world // tp}: {draw_note(_phase_scenario(sc), rank=r)}"
             for phase, at, measured in (("forward_end_held", "forward end", ph["forward"]["allocated"]),
                                         ("backward_end", "backward end", ph["backward"]["allocated"]),
                                         ("optimizer_end", "optimizer end", ph["zero_grad"]["allocated"])):

@@ -111,7 +111,7 @@ def launched(one_process, cache, tmp_path_factory) -> dict[str, tuple[int, Path]
         for name, args in named.items():
             where = ["--out", str(base / name)] if "--ckpt-dir" in args else ["--ckpt-dir", str(base / name)]
             scenarios.append(dict(args=[*common, *args, *where]))
-        codes = train_step.spawn(world, scenarios, timeout_s=300, fn=_rank_cli)
+        codes = train_step.spawn(world, scenarios, fn=_rank_cli)
         for i, name in enumerate(named):
             out[name] = ([codes[r][i] for r in range(world)], base / name)
     return out

@@ -27,7 +27,7 @@ from llm_anatomy.config import ModelConfig, Run
 from llm_anatomy.distributed.peak import step_phases
 from llm_anatomy.distributed.settled import SettledStorage, spawn_settled
 from llm_anatomy.distributed.strategies import default_mixed_precision
-from llm_anatomy.distributed.train_step import make_optimizer
+from llm_anatomy.distributed.train_step import SPAWN_TIMEOUT_S, make_optimizer
 from llm_anatomy.models import build_model, make_batch
 
 
@@ -113,12 +113,31 @@ def ep_peaks(cfg: ModelConfig, run: Run, *, route: str | None = None, steps: int
     return out
 
 
+PEAKS = {"tp": tp_peaks, "pp": pp_peaks, "ep": ep_peaks}
+
+
+def _run(default: str, fn=None, **kw):
+    """One scenario on a spawned rank: its own fn (a name in PEAKS or a module-level function), else `default`."""
+    fn = fn or default
+    return (PEAKS[fn] if isinstance(fn, str) else fn)(**kw)
+
+
 def spawn_mesh_peaks(world: int, scenarios: list[dict], *, fn: str = "tp",
-                     timeout_s: float = 120.0) -> list[list[list[dict]]]:
-    """Each scenario (keyword arguments of tp_peaks(), or of pp_peaks() / ep_peaks() with fn="pp" / "ep") on `world`
-    local one-worker gloo processes (settled.spawn_settled): results[rank][scenario] = the last step's phases."""
-    # the first scenario runs twice and its first run is dropped: a process makes a few bytes of lazy state
-    # (the pipeline's first step: 4 bytes) that every later run shares
-    fns = {"tp": tp_peaks, "pp": pp_peaks, "ep": ep_peaks}
-    runs = spawn_settled(world, scenarios[:1] + scenarios, fns[fn], timeout_s=timeout_s)
-    return [rank[1:] for rank in runs]
+                     timeout_s: float = SPAWN_TIMEOUT_S) -> list[list]:
+    """Each scenario (keyword arguments of tp_peaks(), or of pp_peaks() / ep_peaks() with fn="pp" / "ep") on
+    `world` local one-worker gloo processes (settled.spawn_settled): results[rank][scenario] = the last step's phases. A scenario's own "fn" key
+    (a name in PEAKS, or a module-level function that returns a rank's records) overrides fn, so one set of
+    processes runs every measurement a test file makes of a mesh (each process imports torch: seconds)."""
+    from functools import partial
+
+    # the first scenario of each fn runs twice and its first run is dropped: a process makes a few bytes of lazy
+    # state (the pipeline's first step: 4 bytes) that every later run shares
+    runs, kept, kinds = [], [], set()
+    for sc in scenarios:
+        kind = sc.get("fn", fn)
+        if kind not in kinds:
+            kinds.add(kind)
+            runs.append(sc)
+        kept.append(len(runs))
+        runs.append(sc)
+    return [[rank[i] for i in kept] for rank in spawn_settled(world, runs, partial(_run, fn), timeout_s=timeout_s)]

@@ -23,7 +23,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from llm_anatomy.config import ModelConfig, Run
 from llm_anatomy.distributed.strategies import check_strategy, default_mixed_precision, init_distributed, wrap
-from llm_anatomy.distributed.train_step import make_optimizer
+from llm_anatomy.distributed.train_step import SPAWN_TIMEOUT_S, make_optimizer
 from llm_anatomy.io import write_atomic
 from llm_anatomy.measure.liveness import LiveStorage
 from llm_anatomy.models import autocast_ctx, build_model, make_batch
@@ -121,7 +121,7 @@ def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outd
         dist.destroy_process_group()
 
 
-def spawn_peaks(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> list[list[list[dict]]]:
+def spawn_peaks(world: int, scenarios: list[dict], *, timeout_s: float = SPAWN_TIMEOUT_S) -> list[list[list[dict]]]:
     """Each scenario (keyword arguments of peaks()) on `world` local gloo processes:
     results[rank][scenario] = the last step's phases."""
     import torch.multiprocessing as mp

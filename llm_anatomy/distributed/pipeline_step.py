@@ -35,7 +35,8 @@ from llm_anatomy.distributed.pipeline_tp import MESH_DIMS, build_pp_mesh, tp_sta
 from llm_anatomy.distributed.saved_in_flight import SavedInFlight
 from llm_anatomy.distributed.strategies import default_mixed_precision, exit_rank
 from llm_anatomy.distributed.tensor_parallel import loss_context
-from llm_anatomy.distributed.train_step import _config, _Parser, add_run_arguments, init_launched, make_optimizer
+from llm_anatomy.distributed.train_step import (SPAWN_TIMEOUT_S, _config, _Parser, add_run_arguments, init_launched,
+                                              make_optimizer)
 from llm_anatomy.io import write_atomic
 from llm_anatomy.models import VARIANTS, build_model, make_batch
 
@@ -98,7 +99,7 @@ def local_loss(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
-def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0) -> list[list[list[dict]]]:
+def spawn(world: int, scenarios: list[dict], *, timeout_s: float = SPAWN_TIMEOUT_S) -> list[list[list[dict]]]:
     """Each scenario (keyword arguments of train_pp(), pp x dp = world) on `world` local gloo processes:
     results[rank][scenario] = that rank's step records."""
     from llm_anatomy.distributed import train_step

@@ -99,6 +99,14 @@ def counted_steps(model, opt, ids, targets, steps: int, ctx, *, with_loss: bool 
 
 
 # ---- local multi-process launch (tests) -------------------------------------------------------
+# A spawned rank's limit on one wait, the rendezvous' or a collective's (init_process_group's timeout): a hang fails
+# after it. A rank waits only on peers that are making progress, so no wait outlasts its whole spawn. The suite's
+# longest spawn measured 153 s (test_tp_recompute_efficient's world 4: 4 ranks, 40 draws' steps and phases) with
+# the 2-core machine at a load of 15, and test_tensor_parallel's world-4 spawn has hit a 120 s limit under heavy
+# load: 4x the longest spawn.
+SPAWN_TIMEOUT_S = 600.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,7 +124,7 @@ def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outd
         dist.destroy_process_group()
 
 
-def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0, fn=None) -> list[list[list[dict]]]:
+def spawn(world: int, scenarios: list[dict], *, timeout_s: float = SPAWN_TIMEOUT_S, fn=None) -> list[list[list[dict]]]:
     """Run each scenario (keyword arguments of train(), or of `fn`, a module-level function that returns a
     rank's step records) on `world` local gloo processes.
 
@@ -130,7 +138,7 @@ def spawn(world: int, scenarios: list[dict], *, timeout_s: float = 120.0, fn=Non
         return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def spawn_named(world: int, scenarios: dict[str, dict], *, timeout_s: float = 120.0, fn=None) -> dict[str, list]:
+def spawn_named(world: int, scenarios: dict[str, dict], *, timeout_s: float = SPAWN_TIMEOUT_S, fn=None) -> dict[str, list]:
     """spawn() over named scenarios, each without its "dp" key (the mesh takes dp from the world size): {name:
     [rank 0's step records, rank 1's, ...]}."""
     results = spawn(world, [{k: v for k, v in sc.items() if k != "dp"} for sc in scenarios.values()],
