@@ -125,9 +125,10 @@ def _run(default: str, fn=None, **kw):
 def spawn_mesh_peaks(world: int, scenarios: list[dict], *, fn: str = "tp",
                      timeout_s: float = SPAWN_TIMEOUT_S) -> list[list]:
     """Each scenario (keyword arguments of tp_peaks(), or of pp_peaks() / ep_peaks() with fn="pp" / "ep") on
-    `world` local one-worker gloo processes (settled.spawn_settled): results[rank][scenario] = the last step's phases. A scenario's own "fn" key
-    (a name in PEAKS, or a module-level function that returns a rank's records) overrides fn, so one set of
-    processes runs every measurement a test file makes of a mesh (each process imports torch: seconds)."""
+    `world` local one-worker gloo processes (settled.spawn_settled): results[rank][scenario] = the last step's
+    phases. A scenario's own "fn" key (a name in PEAKS, or a module-level function that returns a rank's records)
+    overrides fn, so one set of processes runs every measurement a test file makes of a mesh (each process imports
+    torch: seconds)."""
     from functools import partial
 
     # the first scenario of each fn runs twice and its first run is dropped: a process makes a few bytes of lazy
