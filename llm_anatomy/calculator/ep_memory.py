@@ -58,6 +58,14 @@ def _saved(cfg: ModelConfig, run: Run, ep: int, rank: int, hist, rnd) -> dict[st
     return out
 
 
+def check_modelled(run: Run) -> None:
+    """ConfigError (one line) for what these phases do not model: the engine runs amp and recompute under expert
+    parallel (distributed/expert_parallel.py), but a rank's phases here are fp32 or bf16 without recompute."""
+    if run.dtype == "amp" or run.recompute != "none":
+        raise ConfigError(f"expert parallel's per-rank memory is modelled for fp32 and bf16 without recompute, not "
+                          f"dtype={run.dtype}, recompute={run.recompute}")
+
+
 def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, optimizer: str = "adamw",
               device: str = "cuda", dp: int | None = None) -> dict:
     """Bytes rank `rank` holds at each phase boundary of a training step after the first, and the step's peak (an
@@ -65,6 +73,7 @@ def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, 
     balanced). dp: the ranks FSDP2 shards the rest over, ep by default (the engine's composition); a multiple of
     ep prices the planner's replicated expert groups (calculator/ep_mesh.py), rank then the FSDP rank."""
     ep_calc.check(cfg, run, ep, rank if dp is None else 0)
+    check_modelled(run)
     dp = ep if dp is None else dp
     if isinstance(dp, bool) or not isinstance(dp, int) or dp % ep or not 0 <= rank < dp:
         raise ConfigError(f"dp={dp!r} must be a multiple of ep={ep}, and rank={rank!r} in [0, dp)")

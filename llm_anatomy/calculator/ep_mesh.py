@@ -42,12 +42,11 @@ def check(cfg: ModelConfig, run: Run, ep: int, dp: int) -> None:
     """mesh_rules.check_ep (via expert_parallel.check), ep dividing the FSDP ranks, and what ep_memory models: fp32
     or bf16 without recompute (the engine runs amp and recompute under ep too; their per-rank phases are not
     modelled, so the plan does not search them)."""
+    from llm_anatomy.calculator.ep_memory import check_modelled
     from llm_anatomy.calculator.expert_parallel import check as check_ep
 
     check_ep(cfg, run, ep)
-    if run.dtype == "amp" or run.recompute != "none":
-        raise ConfigError(f"expert parallel's per-rank memory is modelled for fp32 and bf16 without recompute, not "
-                          f"dtype={run.dtype}, recompute={run.recompute}")
+    check_modelled(run)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < ep or dp % ep:
         raise ConfigError(f"ep={ep} must divide the ranks FSDP shards over, dp={dp}")
 

@@ -73,9 +73,11 @@ class SettledStorage(RankStorage):
     worker frees a buffer (a peak is read after each op without the lock: it can miss a free that lands between
     the op and the read, never an allocation)."""
 
-    def __init__(self):
+    def __init__(self, freeze: bool = True):
         super().__init__()
         self._lock = threading.RLock()  # re-entered when a free happens inside an add (gc in the dict insert)
+        # freeze=False: a run whose cycles can pass through an object made before it (frozen, so never collected)
+        self.freeze = freeze
 
     def _add(self, t: torch.Tensor) -> None:
         with self._lock:
@@ -90,15 +92,17 @@ class SettledStorage(RankStorage):
             super()._resized(st, old)
 
     def __enter__(self):
-        gc.freeze()  # the boundaries' collections walk the run's objects only (module docstring)
+        if self.freeze:
+            gc.freeze()  # the boundaries' collections walk the run's objects only (module docstring)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            gc.collect()  # the run's cycles, while everything older is still frozen
-            gc.unfreeze()
+            if self.freeze:
+                gc.collect()  # the run's cycles, while everything older is still frozen
+                gc.unfreeze()
 
     def phase(self, name: str) -> dict:
         gc.collect()
