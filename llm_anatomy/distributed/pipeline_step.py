@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m llm_anatomy.distributed.pipeline_step", description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks (stages: pp x virtual)")
     p.add_argument("--dp", type=int, help="FSDP2 ranks per stage (default: world size / (pp x tp))")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside each stage (baseline variant)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside each stage")
     p.add_argument("--schedule", default="1f1b", help=", ".join(SCHEDULES))
     # not --virtual: torchrun's own parser takes it for an abbreviation of its --virtual-local-rank
     p.add_argument("--stages-per-rank", type=int, help="interleaved-1f1b's stages per rank (default 2; 1f1b: 1)")
