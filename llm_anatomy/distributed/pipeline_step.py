@@ -46,7 +46,7 @@ def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, tp: int = 1, s
     """`steps` pipeline steps on the initialized process group of pp x dp x tp ranks; this rank's records."""
     check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
     check_mesh(cfg, tp, dp, variant=variant)
-    check_run(run, tp, dp)
+    check_run(run, tp, dp, variant)
     if dist.get_world_size() != pp * dp * tp:
         raise ConfigError(f"pp x dp x tp = {pp * dp * tp} ranks, but the job has {dist.get_world_size()}")
     cuda = dist.get_backend() == "nccl"
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
                   lr=a.lr, seed=a.seed)
         check_pipeline(cfg, run, a.pp, dp, a.schedule, kw["microbatches"], virtual, kw["split"])
         check_mesh(cfg, a.tp, dp, variant=a.variant)
-        check_run(run, a.tp, dp)
+        check_run(run, a.tp, dp, a.variant)
         if a.pp * dp * a.tp != world:
             dims = "pp x dp" + (" x tp" if a.tp > 1 else "")
             raise ConfigError(f"{dims} = {a.pp * dp * a.tp} ranks, but the job has {world} (torchrun --nproc_per_node)")
