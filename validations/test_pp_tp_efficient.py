@@ -9,6 +9,9 @@ variant "efficient" and tp) against what each gloo rank did and held (distribute
     per rank, every step: params / grads / optimizer bytes, every collective (mesh dim, op, dtype, bytes) -> calls
     (the fused head's three fp32 all-reduces per chunk, recompute's re-run all-gathers and reduce-scatters), the
     most bytes of saved activations held at once, the most (stage, micro-batch) chunks holding them
+  phase ends          PP 2 x TP 2, 20 draws of both variants and schedules: each rank's live storage after the
+                      schedule's step and after the optimizer step (distributed/mesh_peak.pp_peaks), exact
+                      (calculator/tp_memory.pp_phases with tp)
   loss curve          PP 2 x TP 2 (1f1b without recompute, interleaved under recompute mlp) against the one-process
                       efficient model on the same batch, within TP's CURVE_TOL per step (reduction order only)
   fake process group  pp 4 x dp 8 x tp 8 under amp (FSDP2's bf16 parameters) and recompute mlp: a rank of the
@@ -16,7 +19,8 @@ variant "efficient" and tp) against what each gloo rank did and held (distribute
   anatomy train       --variant efficient --tp 2 --pp 2 under torchrun on 4 gloo ranks: losses, evals and gradient
                       norms against the one-process efficient run within CURVE_TOL; resumed from its step-2
                       checkpoint (spawned) it repeats steps 3 and 4 bit for bit
-The drawn scenarios, the loss curves and the resume run in ONE spawn, after the one torchrun launch.
+The drawn scenarios, the phase draws, the loss curves and the resume run in ONE spawn (the one-worker gloo backend
+the phase ends are read on), after the one torchrun launch.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import pytest
 from hypothesis import strategies as st
 
 from llm_anatomy.config import Run
+from llm_anatomy.mesh_rules import SCHEDULES
 from validations.test_pipeline_parallel import _distinct
 from validations.test_pp_tp import LOSS_CFG, LOSS_RUN, LOSS_STEPS, PP, TP, N, _check_rank, pp_tp_cases
 from validations.test_tensor_parallel import CURVE_TOL
@@ -50,34 +55,71 @@ LOSS = {"loss-1f1b": dict(cfg=LOSS_CFG, run=LOSS_RUN, pp=PP, tp=TP, schedule="1f
                                  variant="efficient")}
 
 
-def _scenario(args: list[str] | None = None, **kw):
-    """One scenario on a spawned rank: an `anatomy train` command line (args), else train_pp's keywords."""
+@st.composite
+def phase_cases(draw) -> dict:
+    """A PP 2 x TP 2 draw of either variant and schedule, for the phase ends."""
+    variant, schedule = draw(st.sampled_from(["baseline", "efficient"])), draw(st.sampled_from(SCHEDULES))
+    return draw(efficient_cases(schedule)) if variant == "efficient" else draw(pp_tp_cases(schedule))
+
+
+def _scenario(args: list[str] | None = None, phases: bool = False, **kw):
+    """One scenario on a spawned rank: an `anatomy train` command line (args), the live-storage phases of
+    distributed/mesh_peak.pp_peaks (phases), else train_pp's records."""
+    from llm_anatomy.distributed.mesh_peak import pp_peaks
     from llm_anatomy.distributed.pipeline_step import train_pp
     from validations.test_train_mesh import _rank_cli
 
-    return _rank_cli(args) if args is not None else train_pp(**kw)
+    if args is not None:
+        return _rank_cli(args)
+    return pp_peaks(**kw) if phases else train_pp(**kw)
 
 
 @pytest.fixture(scope="module")
 def gloo_efficient(launched) -> dict:
-    """{schedule: [(scenario, [records per rank])]}, {loss name: [records per rank]}, and "resumed": the ranks'
-    exit codes of the launch's resume from step 2, from one 4-rank spawn."""
-    from llm_anatomy.distributed import train_step
+    """{schedule: [(scenario, [records per rank])]}, {loss name: [records per rank]}, "phases": [(scenario, [phases
+    per rank])], and "resumed": the ranks' exit codes of the launch's resume from step 2, from one 4-rank spawn on
+    the one-worker gloo backend (distributed/settled.py: the phase ends are read settled)."""
+    from llm_anatomy.distributed.settled import spawn_settled
 
     groups = {s: _distinct(efficient_cases(s), seed) for s, seed in (("1f1b", 47), ("interleaved-1f1b", 48))}
+    phases = [dict(sc, phases=True) for sc in _distinct(phase_cases(), 49)]
     straight = launched["straight"]
     resume = dict(args=[*launched["args"], "--ckpt-dir", str(straight), "--resume", str(straight / "step-00000002"),
                         "--out", str(launched["resumed"])])
-    flat = [sc for g in groups.values() for sc in g] + list(LOSS.values()) + [resume]
-    res = train_step.spawn(PP * TP, flat, timeout_s=300, fn=_scenario)
-    out, i = {}, 0
-    for name, scs in groups.items():
-        out[name] = [(sc, [res[r][i + k] for r in range(PP * TP)]) for k, sc in enumerate(scs)]
-        i += len(scs)
-    for k, name in enumerate(LOSS):
-        out[name] = [res[r][i + k] for r in range(PP * TP)]
-    out["resumed"] = [res[r][-1] for r in range(PP * TP)]
+    # the phases follow the other runs: the process's lazy state (the pipeline's first step) exists by then
+    flat = [sc for g in groups.values() for sc in g] + list(LOSS.values()) + phases + [resume]
+    res = spawn_settled(PP * TP, flat, _scenario, timeout_s=300)
+    ranks = [[res[r][i] for r in range(PP * TP)] for i in range(len(flat))]  # per scenario, each rank's result
+    n1, n2 = len(groups["1f1b"]), len(groups["interleaved-1f1b"])
+    out = dict(zip(LOSS, ranks[n1 + n2:]), resumed=ranks[-1])
+    for name, scs, first in (("1f1b", groups["1f1b"], 0), ("interleaved-1f1b", groups["interleaved-1f1b"], n1),
+                             ("phases", phases, n1 + n2 + len(LOSS))):
+        out[name] = list(zip(scs, ranks[first:first + len(scs)]))
     return out
+
+
+@pytest.mark.distributed
+def test_pp2_tp2_phase_ends_exact(gloo_efficient, claims):
+    """After the schedule's step and after the optimizer step (the second step), every rank of PP 2 x TP 2 holds
+    the predicted bytes (calculator/tp_memory.pp_phases with tp: the TP-local model state, the receive buffers at
+    the sequence shard, the tp sub-mesh's rank tensor), 20 draws of both variants and schedules."""
+    from llm_anatomy.calculator.tp_memory import pp_phases
+    from validations.draw_notes import draw_note
+
+    scenarios = gloo_efficient["phases"]
+    assert len({sc["cfg"] for sc, _ in scenarios}) >= N
+    assert {sc.get("variant", "baseline") for sc, _ in scenarios} == {"baseline", "efficient"}
+    for sc, ranks in scenarios:
+        for r, got in enumerate(ranks):
+            ph = {p["name"]: p for p in got}
+            pred = pp_phases(sc["cfg"], sc["run"], PP, r // TP, microbatches=sc["microbatches"],
+                             schedule=sc["schedule"], virtual=sc["virtual"], split=sc["split"], device="cpu",
+                             optimizer=sc["optimizer"], variant=sc.get("variant", "baseline"), tp=TP)
+            for phase, measured in (("step_end", ph["step"]["allocated"]),
+                                    ("optimizer_end", ph["zero_grad"]["allocated"])):
+                claims.check(f"pp x tp rank {phase.replace('_', ' ')} bytes", component="memory",
+                             config=sc["cfg"].name, variant=sc.get("variant", "baseline"), predicted=pred[phase],
+                             measured=measured, unit="B", note=f"pp 2 x tp 2: {draw_note(sc, rank=r)}")
 
 
 @pytest.mark.distributed
