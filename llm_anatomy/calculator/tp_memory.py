@@ -285,8 +285,7 @@ def pp_phases(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, mi
     total, the state being few large tensors).
 
     tp > 1 (tensor parallel inside the stages): the TP-local model state (pp_rank_memory with tp), the receive
-    buffers at the sequence shard (micro-batch, S / tp, H), and the tp sub-mesh's rank tensor the stages'
-    DTensors hold; the peak is priced on the TP-local model (tensor_parallel.tp_local_config, as the planner
+    buffers at the sequence shard (micro-batch, S / tp, H), and the tp sub-mesh's rank tensor; the peak is priced on the TP-local model (tensor_parallel.tp_local_config, as the planner
     prices it: calculator/mesh.py) and is not measured under tp."""
     from llm_anatomy.calculator.pipeline_parallel import pp_rank_memory
     from llm_anatomy.calculator.pipeline_schedule import in_flight, saved_peak
@@ -305,8 +304,9 @@ def pp_phases(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, mi
     # gradients into a stage with a next one
     buffers = M * act * sum((s > 0) + (s < n - 1) for s in mine) if pp > 1 else 0
     inputs = 2 * rnd(8 * run.tokens)
-    # the tp sub-mesh the stages' DTensors hold keeps its layout's rank tensor: every tp group's ranks, one int32
-    # per rank of the (pp, dp, tp) world (the pp and dp sub-meshes exist before the model: distributed/mesh_peak.py)
+    # the tp sub-mesh the engine slices (distributed/pipeline_tp.tp_stages) keeps its layout's rank tensor: every
+    # tp group's ranks, one int32 per rank of the (pp, dp, tp) world (the pp and dp sub-meshes exist before the
+    # model: distributed/mesh_peak.pp_peaks)
     mesh = rnd(MESH_RANK_BYTES * pp * dp * tp) if tp > 1 else 0
     state = rnd(mem["params"]) + rnd(mem["optimizer"]) + inputs + buffers + mesh
     step_end = state + rnd(mem["grads"])

@@ -57,9 +57,11 @@ def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int 
              schedule: str = "1f1b", virtual: int = 1, split=None, steps: int = 2, optimizer: str = "adamw",
              seed: int = 0, variant: str = "baseline") -> list[dict]:
     """`steps` pipeline steps on the initialized (CPU) process group of pp x dp x tp ranks; the last one's phases.
-    tp > 1: tensor parallel inside the stages (distributed/pipeline_tp.py), the schedule under loss_context;
-    variant "efficient": its plain block, under run.recompute."""
-    from llm_anatomy.distributed.pipeline_parallel import make_schedule, pipeline_stages
+    tp > 1: tensor parallel inside the stages on the (pp, dp, tp) mesh (distributed/pipeline_tp.py), the schedule
+    under loss_context; variant "efficient" (tp > 1): its plain block, under run.recompute."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, pipeline_stages, shard_stage
     from llm_anatomy.distributed.pipeline_tp import build_pp_mesh, tp_stages
     from llm_anatomy.distributed.tensor_parallel import loss_context
     from llm_anatomy.mesh_rules import check_mesh, check_pipeline, check_run
@@ -67,7 +69,10 @@ def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int 
     check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
     check_mesh(cfg, tp, dp, variant=variant)
     check_run(run, tp, dp, variant)
-    mesh = build_pp_mesh(pp, dp, tp)
+    if tp > 1 or variant != "baseline":
+        mesh = build_pp_mesh(pp, dp, tp)  # the tp sub-mesh is sliced by the engine, inside the count
+    else:
+        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]  # the mesh's own tensors are made before counting starts
     pp_rank, dp_rank = pp_mesh.get_local_rank(), dp_mesh.get_local_rank()
     live = SettledStorage()
@@ -75,7 +80,12 @@ def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int 
         model = build_model(cfg, variant, dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed,
                             recompute=run.recompute)
         pd, rd = default_mixed_precision(run) if dp > 1 else (None, None)
-        mods = tp_stages(model, mesh, virtual=virtual, split=split, param_dtype=pd, reduce_dtype=rd)
+        if tp > 1 or variant != "baseline":
+            mods = tp_stages(model, mesh, virtual=virtual, split=split, param_dtype=pd, reduce_dtype=rd)
+        else:
+            mods = build_stages(model, pp, pp_rank, virtual=virtual, split=split)
+            if dp > 1:
+                mods = [shard_stage(m, dp_mesh, param_dtype=pd, reduce_dtype=rd) for m in mods]
         del model  # the stages hold the modules they run; the others are freed
         ids, targets = make_batch(cfg, run, seed=seed + 1 + dp_rank)
         act = torch.bfloat16 if run.dtype in ("bf16", "amp") else torch.float32
@@ -85,19 +95,16 @@ def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int 
         opt = make_optimizer(optimizer, holder.parameters(), 1e-3)
         first, last = any(m.first for m in mods), any(m.last for m in mods)
         out = []
-        for i in range(steps):  # the boundaries of the last step are read (settled: each a gc pass and barriers)
-            final = i == steps - 1
-            if final:
-                live.phase("start")
+        for _ in range(steps):
+            live.phase("start")
             kw = dict(targets=targets, target=targets) if last else {}
             with loss_context(tp):
                 sched.step(*((ids,) if first else ()), return_outputs=False, **kw)
-            ran = live.phase("step") if final else None
+            ran = live.phase("step")
             opt.step()
-            step = live.phase("optimizer") if final else None
+            step = live.phase("optimizer")
             opt.zero_grad(set_to_none=True)
-            if final:
-                out = [ran, step, live.phase("zero_grad")]
+            out = [ran, step, live.phase("zero_grad")]
         del holder, mods, stages, sched, opt, ids, targets
     return out
 

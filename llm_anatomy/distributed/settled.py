@@ -95,7 +95,6 @@ class SettledStorage(RankStorage):
 def _rank(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float,
           fn) -> None:
     torch.set_num_threads(1)  # the ranks share the cores
-    gc.freeze()  # what the imports made stays: each settled boundary's gc.collect() walks only what the runs make
     register_backend()
     dist.init_process_group(BACKEND, rank=rank, world_size=world, init_method=init_method,
                             timeout=datetime.timedelta(seconds=timeout_s))
