@@ -34,7 +34,11 @@ rounded to the allocator's 512-byte blocks):
     peak            an upper bound: step end + the saved activations the schedule holds at most at once
                     (pipeline_schedule.saved_peak, exact on gloo) + the outputs in-flight micro-batches keep for
                     their backward + one micro-batch's transients (_pp_transients)
-Measured: validations/test_tp_memory.py (live storage on gloo ranks: distributed/mesh_peak.py).
+    with tp > 1     (TP inside the stages, either variant) step end and optimizer end on the TP-local state, the
+                    receive buffers at seq / tp and the tp sub-mesh's rank tensor, exact; the peak is the
+                    planner's figure on the TP-local model, not a measured bound
+Measured: validations/test_tp_memory.py, test_pp_tp_efficient.py (PP x TP phase ends) (live storage on gloo ranks:
+distributed/mesh_peak.py).
 """
 from __future__ import annotations
 
