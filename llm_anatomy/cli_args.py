@@ -131,8 +131,8 @@ def run_from_args(a) -> Run:
         if a.variant == "efficient" and not lean:
             a.config_notes = (*getattr(a, "config_notes", ()), f"the lean block applies without recompute only: "
                               f"--recompute {a.recompute} runs the plain efficient block")
-        elif lean and getattr(a, "tp", 1) > 1 and getattr(a, "pp", 1) == 1:  # TP shards the plain block
-            # (distributed/tensor_parallel); with --pp too the efficient variant is refused (train/mesh.py)
+        elif lean and getattr(a, "tp", 1) > 1:  # TP shards the plain block (distributed/tensor_parallel),
+            # inside pipeline stages too (distributed/pipeline_tp)
             lean = False
             a.config_notes = (*getattr(a, "config_notes", ()), "the lean block runs without tensor parallel only: "
                               f"--tp {a.tp} runs the plain efficient block")

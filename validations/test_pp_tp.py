@@ -114,8 +114,8 @@ def gloo_pp2_tp2() -> dict:
 
 def _check_rank(claims, sc: dict, rec: dict) -> None:
     pr, note = rec["pp_rank"], draw_note(sc, rec)
-    common = dict(virtual=sc["virtual"], split=sc["split"], tp=sc["tp"])
-    kw = dict(config=sc["cfg"].name, variant="baseline pp x tp", device="cpu", note=note)
+    common = dict(virtual=sc["virtual"], split=sc["split"], tp=sc["tp"], variant=sc.get("variant", "baseline"))
+    kw = dict(config=sc["cfg"].name, variant=f"{common['variant']} pp x tp", device="cpu", note=note)
     mem = pp_rank_memory(sc["cfg"], sc["run"], sc["pp"], pr, sc.get("dp", 1), dp_rank=rec["dp_rank"],
                          optimizer=sc["optimizer"], **common)
     for what, component in (("params", "comm"), ("grads", "comm"), ("optimizer", "optimizer")):
@@ -281,14 +281,14 @@ def test_train_pp2_tp2_resume_and_other_mesh(trained):
 
 
 def test_train_pp_tp_refusals_one_line(cache, tmp_path, capsys, monkeypatch):
-    """Before any process group: a mesh that does not divide the world, the efficient variant under TP, seq not
-    divisible by tp; each one line on stderr and exit 2."""
+    """Before any process group: a mesh that does not divide the world, the efficient variant's lean block under
+    TP, seq not divisible by tp; each one line on stderr and exit 2."""
     from llm_anatomy.train import cli
     from validations.test_train_mesh import FLAGS
 
     monkeypatch.setenv("RANK", "0")
     for world, args, says in [(6, PPTP, "--pp 2 x --tp 2 = 4 ranks does not divide the world size 6"),
-                              (4, [*PPTP, "--variant", "efficient"], "baseline variant only"),
+                              (4, [*PPTP, "--variant", "efficient", "--lean"], "without its lean block"),
                               (4, [*PPTP, "--seq", "31"], "seq=31 is not divisible by tp=2")]:
         monkeypatch.setenv("WORLD_SIZE", str(world))
         rc = cli.main([*FLAGS, "--batch", "4", "--cache-dir", str(cache), "--out", str(tmp_path), *args])

@@ -127,10 +127,13 @@ def sink_pad(device: str) -> int:
     return 1 if device == "cpu" else 8
 
 
-def mask_kinds(cfg: ModelConfig) -> int:
+def mask_kinds(cfg: ModelConfig, layers=None) -> int:
     """Additive masks the efficient model builds once per forward and SDPA keeps: one for the windowed layers, one
-    for the full layers when they have sinks (without sinks they run is_causal, no mask)."""
-    return (cfg.windowed_layers > 0) + (cfg.attn_sinks and cfg.windowed_layers < cfg.layers)
+    for the full layers when they have sinks (without sinks they run is_causal, no mask). layers: the indices of
+    the layers a forward runs (a pipeline stage's), else all of them."""
+    ids = range(cfg.layers) if layers is None else layers
+    windowed = sum(cfg.windowed(i) for i in ids)
+    return (windowed > 0) + (cfg.attn_sinks and windowed < len(ids))
 
 
 def _sdpa_saved(cfg: ModelConfig, run: Run, device: str, c: str) -> list[Saved]:

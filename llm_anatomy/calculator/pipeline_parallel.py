@@ -25,6 +25,7 @@ head a root unit, without resharding after forward.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from math import prod
 
 from llm_anatomy.calculator.comm import _row, collective_counts  # noqa: F401  (the row format planners compose)
@@ -33,7 +34,8 @@ from llm_anatomy.calculator.pipeline_schedule import bubble_fraction, in_flight,
 from llm_anatomy.mesh_rules import (SCHEDULES, check_mesh, check_pipeline, check_run, rank_stages,  # noqa: F401
                                    stage_sizes)
 from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
-from llm_anatomy.calculator.tensor_parallel import OPTIMIZER_GRAD_READS, check_optimizer, tp_unit_shapes
+from llm_anatomy.calculator.tensor_parallel import (OPTIMIZER_GRAD_READS, check_optimizer, loss_all_reduces,
+                                                    recompute_collectives, tp_unit_shapes)
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 
@@ -51,12 +53,13 @@ def stage_units(cfg: ModelConfig, layers: int, first: bool, last: bool, variant:
                 tp: int = 1) -> list:
     """The stage's FSDP units, each (name, parameter shapes, how many): its `layers` Blocks (all the same
     shapes, counted rather than listed), then its root (embedding / norm / head), if it has parameters.
-    tp > 1: each tensor's TP-local shape (calculator.tensor_parallel.tp_unit_shapes, the plan of TP alone)."""
+    tp > 1: each tensor's TP-local shape (calculator.tensor_parallel.tp_unit_shapes, the plan of TP alone; the
+    efficient variant's fused qkv and gate_up column-parallel like the projections they fuse)."""
     V, H = cfg.vocab, cfg.hidden
     root = ([(V, H)] if first else []) + ([(H,), (V, H)] if last else [])
     block = _block_shapes(cfg, variant)
     if tp > 1:
-        (_, local_root), (_, local_block) = tp_unit_shapes(cfg, tp)
+        (_, local_root), (_, local_block) = tp_unit_shapes(cfg, tp, variant)
         shape = dict(local_root)
         block = [s for _, s in local_block]
         root = ([shape["embed.weight"]] if first else []) + (
@@ -83,7 +86,7 @@ def pp_rank_memory(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, 
     schedule = "1f1b" if virtual == 1 else "interleaved-1f1b"
     check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
     check_mesh(cfg, tp, dp, variant=variant)
-    check_run(run, tp, dp)
+    check_run(run, tp, dp, variant)
     out = _model_state(cfg, run, pp, rank, dp, virtual, split, optimizer, dp_rank, variant, tp)
     if microbatches is not None:
         out["saved_activations"] = saved_peak(cfg, run, pp, rank, microbatches=microbatches, schedule=schedule,
@@ -121,7 +124,7 @@ def pp_collectives(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, 
     tp > 1: each rank sends its sequence shard, (micro-batch, seq / tp, hidden); tp_stage_rows adds TP's own."""
     per_stage = check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
     check_mesh(cfg, tp, dp, variant=variant)
-    check_run(run, tp, dp)
+    check_run(run, tp, dp, variant)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 1):
         raise ConfigError(f"step must be a positive integer, got {step!r}")
     n, M, mine = len(per_stage), microbatches, rank_stages(pp, rank, virtual)
@@ -151,31 +154,36 @@ def pp_collectives(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, 
                           group="dp")]
     if tp > 1:
         for s in mine:
-            rows += tp_stage_rows(cfg, run, per_stage[s], s == 0, s == n - 1, tp, dp, M, optimizer)
+            rows += tp_stage_rows(cfg, run, per_stage[s], s == 0, s == n - 1, tp, dp, M, optimizer, variant)
     return rows
 
 
 def tp_stage_rows(cfg: ModelConfig, run: Run, layers: int, first: bool, last: bool, tp: int, dp: int,
-                  microbatches: int, optimizer: str = "adamw") -> list[dict]:
+                  microbatches: int, optimizer: str = "adamw", variant: str = "baseline") -> list[dict]:
     """TP's collectives of one stage in one step, group "tp": TP alone's (calculator.tensor_parallel.
     tp_collectives) for the stage's share of the model, run once per micro-batch on its (mb, seq, hidden)
     activations: per Block an all-gather before attention and before the MLP and a reduce-scatter after o and
-    after down, in backward the reverse of each; the embedding's reduce-scatter on the first stage, the head's
-    all-gather and loss_parallel's three fp32 all-reduces on the last. The norms' Partial weight gradients
-    accumulate over the micro-batches with no communication and are all-reduced as under TP alone: once by FSDP
-    (dp > 1), on its unsharded gradient in its reduce dtype, else at each read of the optimizer's step."""
+    after down, in backward the reverse of each, and recompute's re-run collectives (the efficient variant); the
+    embedding's reduce-scatter on the first stage, the head's all-gather and the loss's fp32 all-reduces on the
+    last (loss_parallel's three, or three per chunk of the efficient variant's vocab-parallel fused linear
+    cross-entropy on the micro-batch's rows: tensor_parallel.loss_all_reduces). The norms' Partial weight
+    gradients accumulate over the micro-batches with no communication and are all-reduced as under TP alone: once
+    by FSDP (dp > 1), on its unsharded gradient in its reduce dtype, else at each read of the optimizer's step."""
     check_optimizer(optimizer, tp, dp)
     dts = fsdp_dtypes(run) if dp > 1 else None
     compute = dts["all_gather"] if dts else param_dtype_name(run)
-    M, cb, mb = microbatches, DTYPE_BYTES[compute], run.batch // microbatches
-    act = mb * run.seq * cfg.hidden * cb
+    M, cb = microbatches, DTYPE_BYTES[compute]
+    mb = replace(run, batch=run.batch // microbatches)
+    act = mb.batch * run.seq * cfg.hidden * cb
     gathers, scatters = 2 * layers + last, 2 * layers + first  # forward's, per micro-batch
-    rows = [_row("all_gather", "forward", "attn, mlp, head inputs", gathers * M, act, compute),
-            _row("reduce_scatter", "forward", "embed, o, down outputs", scatters * M, act, compute),
-            _row("all_gather", "backward", "embed, o, down output grads", scatters * M, act, compute),
-            _row("reduce_scatter", "backward", "attn, mlp, head input grads", gathers * M, act, compute)]
+    rows = [_row("all_gather", "forward", "attn, mlp, head inputs", gathers, act, compute),
+            _row("reduce_scatter", "forward", "embed, o, down outputs", scatters, act, compute),
+            _row("all_gather", "backward", "embed, o, down output grads", scatters, act, compute),
+            _row("reduce_scatter", "backward", "attn, mlp, head input grads", gathers, act, compute),
+            *recompute_collectives(mb, layers, act, compute)]
     if last:
-        rows.append(_row("all_reduce", "forward", "loss parallel", 3 * M, mb * run.seq * 4, "float32"))
+        rows += loss_all_reduces(cfg, mb, tp, cb, variant)
+    rows = [dict(r, count=r["count"] * M) for r in rows]  # each micro-batch's
     reads = 1 if dp > 1 else OPTIMIZER_GRAD_READS[optimizer]
     phase = "backward" if dp > 1 else "optimizer"
     # under FSDP the Partial gradients are redistributed on FSDP's unsharded gradient, in its reduce dtype

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 from math import prod
 
-from llm_anatomy.mesh_rules import check_microbatches, check_schedule, rank_stages, stage_sizes
+from llm_anatomy.mesh_rules import check_microbatches, check_schedule, rank_stages, stage_layers, stage_sizes
 from llm_anatomy.calculator.types import BYTES, ROPE_TABLES
 from llm_anatomy.config import ModelConfig, Run
 
@@ -86,25 +86,29 @@ _BATCH_VIEWS = ("embedding.ids", "loss.targets")
 # FSDP2's MixedPrecisionPolicy casts every floating-point forward input of a unit to its param_dtype
 # (cast_forward_inputs): the efficient variant's fp32 RoPE tables (types.ROPE_TABLES) reach each Block as its own
 # bf16 copy
+MASK = "attention.sdpa.mask"  # the efficient attention's additive masks, one per kind a forward's layers use
 
 
 def stage_saved_bytes(cfg: ModelConfig, mb_run: Run, layers: int, first: bool, last: bool,
                       variant: str = "baseline", device: str = "cpu", fsdp_cast: bool = False,
-                      norm_run: Run | None = None) -> tuple[int, dict]:
+                      norm_run: Run | None = None, masks: int | None = None) -> tuple[int, dict]:
     """What one micro-batch (mb_run) saves in a stage of `layers` Blocks: (bytes of its own tensors, {name: elements}
     of its saved views of the batch). Its own: each per-layer saved tensor of the single-process model
     (calculator.estimate) per Block, the RoPE tables once (each stage's forward builds its own), the embedding's on
     the first stage, the final norm's and the loss's on the last. fsdp_cast: the Blocks are FSDP units under a bf16
-    MixedPrecisionPolicy, so fp32 RoPE tables are saved as a bf16 copy per Block. norm_run: the run the norms
-    see when it is not mb_run (sequence parallel runs them on the rank's seq / tp rows)."""
+    MixedPrecisionPolicy, so fp32 RoPE tables are saved as a bf16 copy per Block. norm_run: the run the norms, and
+    recompute's kept residual stream and branch (tensor_parallel.SEQ_SHARDED), see when it is not mb_run (sequence
+    parallel runs them on the rank's seq / tp rows). masks: the efficient attention's additive masks the stage's
+    forward builds (one per kind among its layers: attention.mask_kinds), where not the whole model's."""
     from llm_anatomy.calculator import estimate
+    from llm_anatomy.calculator.tensor_parallel import SEQ_SHARDED
 
     L, n, views = cfg.layers, 0, {}
     comps = estimate(cfg, mb_run, variant, device=device).components
-    if norm_run is not None:
-        comps = dict(comps, norm=estimate(cfg, norm_run, variant, device=device).components["norm"])
+    shard = estimate(cfg, norm_run, variant, device=device).components if norm_run is not None else comps
     for c in comps.values():
-        for s in c.saved:
+        on_shard = [s for s in shard[c.name].saved if c.name == "norm" or s.name in SEQ_SHARDED]
+        for s in on_shard + [s for s in c.saved if not (c.name == "norm" or s.name in SEQ_SHARDED)]:
             b = prod(s.shape) * BYTES[s.dtype]
             if c.name in ("embedding", "loss"):
                 if (first if c.name == "embedding" else last):
@@ -114,6 +118,8 @@ def stage_saved_bytes(cfg: ModelConfig, mb_run: Run, layers: int, first: bool, l
                         n += b * s.count
             elif fsdp_cast and s.name in ROPE_TABLES and s.dtype == "float32":
                 n += b // 2 * layers
+            elif s.name == MASK and masks is not None:
+                n += b * masks
             else:
                 per_layer, rest = divmod(s.count, L)
                 n += b * per_layer * layers
@@ -127,7 +133,9 @@ def saved_peak(cfg: ModelConfig, run: Run, pp: int, rank: int, *, microbatches: 
     """The most bytes of saved activations this rank holds at once over a step (run.batch split into
     `microbatches`). Under the amp policy the stages run FSDP's bf16 parameters, which is the bf16 policy's compute.
     tp > 1: a chunk saves what TP alone saves for its layers (calculator.tensor_parallel.tp_saved): the one-GPU
-    tensors on the rank's share of heads, intermediate and vocab (tp_local_config), the norms' at seq / tp."""
+    tensors on the rank's share of heads, intermediate and vocab (tp_local_config), the norms' and recompute's
+    kept residual stream at seq / tp. Each stage's forward builds the masks its own layers use (mask_kinds)."""
+    from llm_anatomy.calculator.attention import mask_kinds
     from llm_anatomy.calculator.tensor_parallel import tp_local_config
 
     per_stage = stage_sizes(cfg.layers, pp, virtual, split)
@@ -135,7 +143,9 @@ def saved_peak(cfg: ModelConfig, run: Run, pp: int, rank: int, *, microbatches: 
     mb = replace(run, batch=run.batch // microbatches, dtype="bf16" if run.dtype == "amp" else run.dtype)
     cast = run.dtype == "amp"  # amp runs as FSDP's MixedPrecisionPolicy (dp > 1)
     local, norm_run = (tp_local_config(cfg, tp), replace(mb, seq=mb.seq // tp)) if tp > 1 else (cfg, None)
-    chunk = {s: stage_saved_bytes(local, mb, per_stage[s], s == 0, s == n - 1, variant, device, cast, norm_run)
+    ids = stage_layers(cfg.layers, pp, virtual, split)
+    chunk = {s: stage_saved_bytes(local, mb, per_stage[s], s == 0, s == n - 1, variant, device, cast, norm_run,
+                                  mask_kinds(cfg, ids[s]))
              for s in rank_stages(pp, rank, virtual)}
     batch_view = run.batch * run.seq  # elements of the batch's ids or targets
     held, live, peak = 0, {s: 0 for s in chunk}, 0

@@ -34,7 +34,11 @@ rounded to the allocator's 512-byte blocks):
     peak            an upper bound: step end + the saved activations the schedule holds at most at once
                     (pipeline_schedule.saved_peak, exact on gloo) + the outputs in-flight micro-batches keep for
                     their backward + one micro-batch's transients (_pp_transients)
-Measured: validations/test_tp_memory.py (live storage on gloo ranks: distributed/mesh_peak.py).
+    with tp > 1     (TP inside the stages, either variant) step end and optimizer end on the TP-local state, the
+                    receive buffers at seq / tp and the tp sub-mesh's rank tensor, exact; the peak is the
+                    planner's figure on the TP-local model, not a measured bound
+Measured: validations/test_tp_memory.py, test_pp_tp_efficient.py (PP x TP phase ends) (live storage on gloo ranks:
+distributed/mesh_peak.py).
 """
 from __future__ import annotations
 
@@ -278,36 +282,48 @@ def _optimizer_temporaries(cfg: ModelConfig, run: Run, tp: int, dp: int, device:
 # ---- pipeline parallel -----------------------------------------------------------------------------------------
 def pp_phases(cfg: ModelConfig, run: Run, pp: int, rank: int, dp: int = 1, *, microbatches: int,
               schedule: str = "1f1b", virtual: int = 1, split=None, optimizer: str = "adamw",
-              device: str = "cuda", variant: str = "baseline") -> dict:
+              device: str = "cuda", variant: str = "baseline", tp: int = 1) -> dict:
     """Bytes pipeline rank `rank` (dp rank 0 of its row) holds at the end of a step's schedule and of its optimizer
     step, and the step's peak (an upper bound), run.batch split into `microbatches`. Exact on CPU: step_end and
     optimizer_end; the model state is pipeline_parallel.pp_rank_memory's (each tensor rounded on CUDA only in
-    total, the state being few large tensors)."""
+    total, the state being few large tensors).
+
+    tp > 1 (tensor parallel inside the stages): the TP-local model state (pp_rank_memory with tp), the receive
+    buffers at the sequence shard (micro-batch, S / tp, H), and the tp sub-mesh's rank tensor; the peak is priced on the TP-local model (tensor_parallel.tp_local_config, as the planner
+    prices it: calculator/mesh.py) and is not measured under tp."""
     from llm_anatomy.calculator.pipeline_parallel import pp_rank_memory
     from llm_anatomy.calculator.pipeline_schedule import in_flight, saved_peak
+    from llm_anatomy.calculator.tensor_parallel import tp_local_config
     from llm_anatomy.mesh_rules import check_pipeline, rank_stages
 
     per_stage = check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
     rnd = _rounder(device)
     n, M = len(per_stage), microbatches
-    mem = pp_rank_memory(cfg, run, pp, rank, dp, virtual=virtual, split=split, optimizer=optimizer, variant=variant)
+    mem = pp_rank_memory(cfg, run, pp, rank, dp, virtual=virtual, split=split, optimizer=optimizer, variant=variant,
+                         tp=tp)
     mine = rank_stages(pp, rank, virtual)
-    act = rnd((run.batch // M) * run.seq * cfg.hidden * (4 if run.dtype == "fp32" else 2))  # one micro-batch's
+    # one micro-batch's activation between stages (its sequence shard under tp)
+    act = rnd((run.batch // M) * (run.seq // tp) * cfg.hidden * (4 if run.dtype == "fp32" else 2))
     # PipelineStage's receive buffers, one per micro-batch: activations into a stage with a previous one,
     # gradients into a stage with a next one
     buffers = M * act * sum((s > 0) + (s < n - 1) for s in mine) if pp > 1 else 0
     inputs = 2 * rnd(8 * run.tokens)
-    state = rnd(mem["params"]) + rnd(mem["optimizer"]) + inputs + buffers
+    # the tp sub-mesh the engine slices (distributed/pipeline_tp.tp_stages) keeps its layout's rank tensor: every
+    # tp group's ranks, one int32 per rank of the (pp, dp, tp) world (the pp and dp sub-meshes exist before the
+    # model: distributed/mesh_peak.pp_peaks)
+    mesh = rnd(MESH_RANK_BYTES * pp * dp * tp) if tp > 1 else 0
+    state = rnd(mem["params"]) + rnd(mem["optimizer"]) + inputs + buffers + mesh
     step_end = state + rnd(mem["grads"])
     saved = saved_peak(cfg, run, pp, rank, microbatches=M, schedule=schedule, virtual=virtual, split=split,
-                       variant=variant, device=device)
+                       variant=variant, device=device, tp=tp)
     # a stage keeps each in-flight micro-batch's output for its backward (stage.fwd_cache) where a stage follows
     outputs = in_flight(schedule, pp, rank, M, virtual) * act if any(s < n - 1 for s in mine) else 0
-    trans = _pp_transients(cfg, run, M, max(per_stage[s] for s in mine), any(s == n - 1 for s in mine), dp,
+    local = tp_local_config(cfg, tp) if tp > 1 else cfg
+    trans = _pp_transients(local, run, M, max(per_stage[s] for s in mine), any(s == n - 1 for s in mine), dp,
                            device, variant)
     peak = step_end + saved + outputs + trans
     return dict(params=mem["params"], grads=mem["grads"], optimizer=mem["optimizer"], inputs=inputs,
-                buffers=buffers, saved_peak=saved, outputs=outputs, transients=trans,
+                buffers=buffers, mesh=mesh, saved_peak=saved, outputs=outputs, transients=trans,
                 step_end=step_end, optimizer_end=state, peak=peak)
 
 

@@ -56,29 +56,43 @@ def tp_peaks(cfg: ModelConfig, run: Run, tp: int, *, steps: int = 2, optimizer: 
     return out
 
 
-def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int = 1, schedule: str = "1f1b",
-             virtual: int = 1, split=None, steps: int = 2, optimizer: str = "adamw", seed: int = 0) -> list[dict]:
-    """`steps` pipeline steps on the initialized (CPU) process group of pp x dp ranks; the last one's phases."""
+def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int = 1, tp: int = 1,
+             schedule: str = "1f1b", virtual: int = 1, split=None, steps: int = 2, optimizer: str = "adamw",
+             seed: int = 0, variant: str = "baseline") -> list[dict]:
+    """`steps` pipeline steps on the initialized (CPU) process group of pp x dp x tp ranks; the last one's phases.
+    tp > 1: tensor parallel inside the stages on the (pp, dp, tp) mesh (distributed/pipeline_tp.py), the schedule
+    under loss_context; variant "efficient" (tp > 1): its plain block, under run.recompute."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from llm_anatomy.distributed.pipeline_parallel import build_stages, make_schedule, pipeline_stages, shard_stage
-    from llm_anatomy.mesh_rules import check_pipeline
+    from llm_anatomy.distributed.pipeline_tp import build_pp_mesh, tp_stages
+    from llm_anatomy.distributed.tensor_parallel import loss_context
+    from llm_anatomy.mesh_rules import check_mesh, check_pipeline, check_run
 
     check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
-    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    check_mesh(cfg, tp, dp, variant=variant)
+    check_run(run, tp, dp, variant)
+    if tp > 1 or variant != "baseline":
+        mesh = build_pp_mesh(pp, dp, tp)  # the tp sub-mesh is sliced by the engine, inside the count
+    else:
+        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
     pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]  # the mesh's own tensors are made before counting starts
     pp_rank, dp_rank = pp_mesh.get_local_rank(), dp_mesh.get_local_rank()
     live = SettledStorage()
     with live:
-        model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
-        mods = build_stages(model, pp, pp_rank, virtual=virtual, split=split)
+        model = build_model(cfg, variant, dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed,
+                            recompute=run.recompute)
+        pd, rd = default_mixed_precision(run) if dp > 1 else (None, None)
+        if tp > 1 or variant != "baseline":
+            mods = tp_stages(model, mesh, virtual=virtual, split=split, param_dtype=pd, reduce_dtype=rd)
+        else:
+            mods = build_stages(model, pp, pp_rank, virtual=virtual, split=split)
+            if dp > 1:
+                mods = [shard_stage(m, dp_mesh, param_dtype=pd, reduce_dtype=rd) for m in mods]
         del model  # the stages hold the modules they run; the others are freed
-        if dp > 1:
-            pd, rd = default_mixed_precision(run)
-            mods = [shard_stage(m, dp_mesh, param_dtype=pd, reduce_dtype=rd) for m in mods]
         ids, targets = make_batch(cfg, run, seed=seed + 1 + dp_rank)
         act = torch.bfloat16 if run.dtype in ("bf16", "amp") else torch.float32
-        stages = pipeline_stages(mods, pp_rank, pp, ids[:run.batch // microbatches], cfg.hidden, act, pp_mesh)
+        stages = pipeline_stages(mods, pp_rank, pp, ids[:run.batch // microbatches], cfg.hidden, act, pp_mesh, tp)
         sched = make_schedule(schedule, stages, microbatches)
         holder = torch.nn.ModuleList(mods)
         opt = make_optimizer(optimizer, holder.parameters(), 1e-3)
@@ -87,7 +101,8 @@ def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int 
         for _ in range(steps):
             live.phase("start")
             kw = dict(targets=targets, target=targets) if last else {}
-            sched.step(*((ids,) if first else ()), return_outputs=False, **kw)
+            with loss_context(tp):
+                sched.step(*((ids,) if first else ()), return_outputs=False, **kw)
             ran = live.phase("step")
             opt.step()
             step = live.phase("optimizer")

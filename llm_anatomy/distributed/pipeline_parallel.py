@@ -4,7 +4,9 @@ A stage module holds some of the model's own modules, not copies: stage 0 the em
 final norm and the head with its loss (the efficient variant's fused linear cross-entropy), every stage a run of
 consecutive decoder Blocks (llm_anatomy.mesh_rules says which). Blocks keep their model names
 (layers.<i>) in a ModuleDict, as torchtitan's pipeline split does, so a stage's state dict is a slice of the
-model's. Each stage rebuilds the RoPE tables (and the baseline's causal bias) for its own forward.
+model's. Each stage rebuilds the RoPE tables (and the baseline's causal bias) for its own forward, and the
+efficient stage builds each kind of attention mask its layers use once per forward (efficient/attention_sinks.py
+shared_masks, as the efficient model's forward).
 
 The last stage's forward takes the targets as a keyword (the schedule hands a rank's step() keywords, split into
 micro-batches, to every stage it runs) and returns the micro-batch's mean loss; the schedule's loss_fn passes it
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from llm_anatomy.baseline.transformer import compute_dtype, rope_tables
+from llm_anatomy.efficient.attention_sinks import shared_masks
 from llm_anatomy.mesh_rules import check_schedule, rank_stages, stage_layers
 from llm_anatomy.config import ConfigError
 
@@ -42,6 +45,12 @@ class StageModule(nn.Module):
         self.head = model.head if self.last else None
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.variant == "baseline":
+            return self._forward(x, targets)
+        with shared_masks():  # each kind of attention mask built once per stage forward, as the model's forward does
+            return self._forward(x, targets)
+
+    def _forward(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
         S = x.shape[1] * (1 if self.first else self.seq_shards)  # the tables cover the whole sequence
         if self.first:
             x = self.embed(x)  # ids (B, S) -> (B, S, H)

@@ -30,20 +30,21 @@ from llm_anatomy.models import build_model
 
 def simulate_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, tp: int = 1, rank: int = 0,
                 schedule: str = "1f1b", microbatches: int | None = None, virtual: int = 1, split=None,
-                steps: int = 1, optimizer: str = "adamw") -> list[dict]:
-    """Global rank `rank`'s view of `steps` steps on a (pp, dp, tp) mesh of pp x dp x tp ranks (tp innermost)."""
+                steps: int = 1, optimizer: str = "adamw", variant: str = "baseline") -> list[dict]:
+    """Global rank `rank`'s view of `steps` steps on a (pp, dp, tp) mesh of pp x dp x tp ranks (tp innermost);
+    variant "efficient": its plain block under run.recompute."""
     microbatches = microbatches or pp
     check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
-    check_mesh(cfg, tp, dp)
-    check_run(run, tp, dp)
+    check_mesh(cfg, tp, dp, variant=variant)
+    check_run(run, tp, dp, variant)
     world = pp * dp * tp
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ConfigError(f"rank must be in [0, {world}), got {rank!r}")
     with fake_process_group(world, rank):
         mesh = build_pp_mesh(pp, dp, tp)
         pd, rd = default_mixed_precision(run) if dp > 1 else (None, None)
-        model = build_model(cfg, "baseline", device="meta", dtype=torch.bfloat16 if run.dtype == "bf16" else None,
-                            seed=None)
+        model = build_model(cfg, variant, device="meta", dtype=torch.bfloat16 if run.dtype == "bf16" else None,
+                            seed=None, recompute=run.recompute)
         mods = tp_stages(model, mesh, virtual=virtual, split=split, param_dtype=pd, reduce_dtype=rd)
         for m in mods:
             m.to_empty(device="cpu")

@@ -47,7 +47,7 @@ def train_pp(cfg: ModelConfig, run: Run, *, pp: int, dp: int = 1, tp: int = 1, s
     """`steps` pipeline steps on the initialized process group of pp x dp x tp ranks; this rank's records."""
     check_pipeline(cfg, run, pp, dp, schedule, microbatches, virtual, split)
     check_mesh(cfg, tp, dp, variant=variant)
-    check_run(run, tp, dp)
+    check_run(run, tp, dp, variant)
     if dist.get_world_size() != pp * dp * tp:
         raise ConfigError(f"pp x dp x tp = {pp * dp * tp} ranks, but the job has {dist.get_world_size()}")
     cuda = dist.get_backend() == "nccl"
@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m llm_anatomy.distributed.pipeline_step", description=__doc__.split("\n")[0])
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks (stages: pp x virtual)")
     p.add_argument("--dp", type=int, help="FSDP2 ranks per stage (default: world size / (pp x tp))")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside each stage (baseline variant)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks inside each stage")
     p.add_argument("--schedule", default="1f1b", help=", ".join(SCHEDULES))
     # not --virtual: torchrun's own parser takes it for an abbreviation of its --virtual-local-rank
     p.add_argument("--stages-per-rank", type=int, help="interleaved-1f1b's stages per rank (default 2; 1f1b: 1)")
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
                   lr=a.lr, seed=a.seed)
         check_pipeline(cfg, run, a.pp, dp, a.schedule, kw["microbatches"], virtual, kw["split"])
         check_mesh(cfg, a.tp, dp, variant=a.variant)
-        check_run(run, a.tp, dp)
+        check_run(run, a.tp, dp, a.variant)
         if a.pp * dp * a.tp != world:
             dims = "pp x dp" + (" x tp" if a.tp > 1 else "")
             raise ConfigError(f"{dims} = {a.pp * dp * a.tp} ranks, but the job has {world} (torchrun --nproc_per_node)")

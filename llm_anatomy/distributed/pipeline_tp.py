@@ -6,10 +6,18 @@ the plan of TP alone (distributed/tensor_parallel.apply_tp: vocab-parallel embed
 sequence-parallel norms, the head's vocab-sharded logits for loss_parallel), then keeps its pipeline stages
 (distributed/pipeline_parallel.build_stages: the model's own, now DTensor, modules) and FSDP2-shards each over dp.
 
+The efficient variant (without its lean block, which pipeline stages and tp both refuse) takes the same road:
+apply_tp on the whole model puts its fused qkv and gate_up rows in rank order (distributed/tp_layout.py) and
+parallelizes them with efficient_block_plan, and swaps its head for the vocab-parallel fused linear cross-entropy
+(distributed/tp_head.py) before the stages are cut, so the last stage holds that head and every stage the fused
+Blocks; each stage builds its fp32 RoPE tables for the whole sequence (the attention's all-gathered input) and
+its masks once per forward (pipeline_parallel.StageModule).
+
 Between stages the residual stream is the rank's sequence shard, (micro-batch, S / tp, hidden): every Block's
 output and the embedding's are the plan's Shard(1) stream, handed over as the local tensor, so each TP rank of a
 stage sends its shard to the same TP rank of the next stage. The last stage's loss and its backward run under
-loss_parallel (loss_context), which the caller wraps around the schedule's step.
+loss_parallel (loss_context), which the caller wraps around the schedule's step (the efficient head makes no
+DTensor logits and runs the same under it).
 """
 from __future__ import annotations
 
@@ -46,9 +54,6 @@ def tp_stages(model: nn.Module, mesh, *, virtual: int = 1, split=None, param_dty
     """This rank's stage modules: the model tensor-parallel over mesh["tp"], cut into the pipeline's stages,
     each FSDP2-sharded over mesh["dp"] when it has more than one rank."""
     tp, dp, pp = mesh["tp"].size(), mesh["dp"].size(), mesh["pp"].size()
-    if tp > 1 and getattr(model, "variant", "baseline") != "baseline":
-        raise ConfigError("TP inside pipeline stages runs the baseline variant only: the efficient variant's "
-                          "tensor-parallel layout (tp_layout.py) is built for whole models, not stages")
     apply_tp(model, mesh["tp"])
     mods = build_stages(model, pp, mesh["pp"].get_local_rank(), virtual=virtual, split=split)
     for m in mods:

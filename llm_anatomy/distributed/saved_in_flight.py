@@ -15,9 +15,13 @@ from collections import Counter
 import torch
 from torch import nn
 
+from llm_anatomy.distributed.tp_saved import _local
+
 
 def _storage(t: torch.Tensor):
-    return getattr(t, "_local_tensor", t).untyped_storage()  # a DTensor's: its local shard's, what the rank holds
+    # a DTensor's: its local shard's, what the rank holds; a collective's output not yet waited on (an
+    # AsyncCollectiveTensor, as recompute's checkpoints keep the embedding's reduce-scatter output): its buffer's
+    return _local(t).untyped_storage()
 
 
 def _key(t: torch.Tensor) -> int:

@@ -6,7 +6,8 @@
              torch's Schedule1F1B (--pp-schedule 1f1b) or ScheduleInterleaved1F1B (interleaved-1f1b, two stages
              per rank) runs --microbatches micro-batches per step (default pp); the last stage's ranks hold the loss
     both     tensor parallel inside each pipeline stage (llm_anatomy.distributed.pipeline_tp): a (pp, dp, tp) mesh,
-             dp = world / (pp x tp); the schedule runs under loss_parallel; the baseline variant
+             dp = world / (pp x tp); the schedule runs under loss_parallel; either variant (the efficient
+             one without its lean block: its fused head vocab-parallel on the last stage)
 
 Gradient clipping: under TP every parameter is a DTensor and torch.nn.utils.clip_grad_norm_ reduces their norms
 itself. A pipeline rank holds only its stages' gradients, so the norm combines the stages as torchtitan does:
@@ -64,9 +65,6 @@ def check(cfg: ModelConfig, run: Run, variant: str, o: TrainOptions, world: int)
         from llm_anatomy.distributed.tensor_parallel import check_tp
 
         check_tp(cfg, o.tp, dp, variant=variant)
-        if o.pp > 1 and variant != "baseline":  # the rank-order layout is built for whole models, not stages
-            raise ConfigError("--tp with --pp runs the baseline variant only (--variant baseline): the efficient "
-                              "variant's tensor-parallel layout is not built into pipeline stages")
     check_run(run, o.tp, dp, variant)  # sequence parallel splits seq over tp; amp is FSDP's policy: it needs dp > 1
     if o.pp == 1:
         return
