@@ -115,7 +115,9 @@ def search(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int, gpus_per_node: 
         if global_batch is not None and global_batch % m.dp:
             continue
         for rc in recomputes:
-            lb = lean and variant == "efficient" and rc == "none"
+            # the lean block runs without recompute on one process's layout only: tp, pp and ep build the plain
+            # block (mesh_rules.check_efficient_tp, train/mesh.py, expert_parallel.build)
+            lb = lean and variant == "efficient" and rc == "none" and m.tp == m.pp == m.ep == 1
             mk = lambda b: Run(batch=b, seq=seq, dtype=dtype, recompute=rc, lean=lb)  # noqa: E731
             try:
                 b = _fitting_micro_batch(cfg, m, mk, variant, budget, optimizer, global_batch, largest)

@@ -94,6 +94,7 @@ def test_every_kept_mesh_fits_with_its_largest_micro_batch():
         assert M.rank_peak(L8B, run(r["micro_batch"] + 1), "efficient", m, r["microbatches"]) > out["budget_bytes"]
     speeds = [r["tokens_per_s"] for r in out["meshes"]]
     assert speeds == sorted(speeds, reverse=True)
+    assert not any(r["lean"] for r in out["meshes"])  # tp and pp build the plain block (mesh_rules, train/mesh.py)
 
 
 def test_a_global_batch_is_met_on_every_mesh():
