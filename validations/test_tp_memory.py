@@ -200,3 +200,28 @@ def test_bad_input_one_line(call, says):
     with pytest.raises(ConfigError, match=says) as e:
         call()
     assert "\n" not in str(e.value)
+
+
+_MESH_STORAGE = """
+import sys, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from llm_anatomy.distributed.tensor_parallel import build_mesh
+dp, tp = map(int, sys.argv[1:3])
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp * tp)
+m = build_mesh(dp, tp)
+held = {s.data_ptr(): s.nbytes() for s in (x.mesh.untyped_storage() for x in (m, m["dp"], m["tp"]))}
+print(sum(held.values()))
+"""
+
+
+@pytest.mark.parametrize("dp,tp", [(1, 2), (2, 2), (2, 4), (4, 2)])
+def test_the_mesh_keeps_one_rank_tensor_of_the_world(dp, tp):
+    """The premise of tp_phases' mesh term: the engine's (dp, tp) DeviceMesh and its dp and tp sub-meshes share one
+    int32 rank tensor of dp x tp elements (torch's own layout; a fake process group of that world, in a process of
+    its own). tp 4 x dp 2 tells it from one tensor per dim (24 B), which the gloo meshes above cannot."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MESH_STORAGE, str(dp), str(tp)], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert int(out.split()[-1]) == 4 * dp * tp

@@ -14,8 +14,8 @@ rounded to the allocator's 512-byte blocks):
                     (an fp32 scalar)
                     + under FSDP the root's unsharded parameters (it does not reshard after forward), and every
                     Block's when reshard_after_forward is off
-                    + the DeviceMesh's rank tensor of each mesh dim the model's DTensors hold (int32, one element
-                    per rank of the dim: tp, and dp under FSDP)
+                    + the DeviceMesh's rank tensor, which its tp and dp sub-meshes share (int32, one element per
+                    rank of the dp x tp world)
                     = forward_end_held, what the rank holds. `retained` prices, for the bound only, two
                     collectives' outputs as three tensors each: the embedding's reduce-scatter ((B, S / tp, H))
                     and the head's all-gather ((B, S, H)), in the compute dtype; the graph hands them on as
@@ -167,7 +167,9 @@ def tp_phases(cfg: ModelConfig, run: Run, tp: int, dp: int = 1, *, rank: int = 0
     crun = _compute_run(run, dp)
     c = BYTES[param_dtype_name(crun)]  # the compute dtype: amp computes in bf16 on a mesh
     state = _model_state(cfg, run, tp, dp, rank, optimizer, rnd, variant)
-    mesh = (rnd(MESH_RANK_BYTES * tp) if tp > 1 else 0) + (rnd(MESH_RANK_BYTES * dp) if dp > 1 else 0)
+    # the (dp, tp) DeviceMesh (distributed/tensor_parallel.py) keeps its ranks as one int32 tensor that its dp and
+    # tp sub-meshes share (torch 2.13): one element per rank of the world
+    mesh = rnd(MESH_RANK_BYTES * dp * tp) if dp * tp > 1 else 0
     inputs = 2 * rnd(8 * run.tokens)
     # the collectives whose buffers the graph may keep until backward (RETAINED): three tensors each
     rs, ag = (3 * rnd(run.tokens // tp * cfg.hidden * c), 3 * rnd(run.tokens * cfg.hidden * c)) if tp > 1 else (0, 0)
