@@ -169,3 +169,16 @@ def test_a_deep_ddp_model_is_one_run_of_equal_buckets():
     deep, shallow = (comm.ddp_collectives(dataclasses.replace(SEED, layers=L), run) for L in (DEEP, 1000))
     assert [r["bytes_each"] for r in deep] == [r["bytes_each"] for r in shallow]
     assert sum(r["count"] for r in deep) > DEEP // 3
+
+
+@pytest.mark.parametrize("pattern,sinks", [("all", False), ("even", True), ("even", False)])
+def test_a_stages_mask_kinds_need_no_walk_over_its_layers(pattern, sinks):
+    """attention.mask_kinds of a stage (a range of layers) in closed form equals the count over its layers, for every
+    stage of every split of 9 layers (so a million-layer stage costs what a small one costs)."""
+    from llm_anatomy.calculator.attention import mask_kinds
+
+    cfg = ModelConfig(name="w", hidden=64, layers=9, heads=4, intermediate=96, vocab=128, window=16,
+                      window_pattern=pattern, attn_sinks=sinks)
+    for a in range(10):
+        for b in range(a + 1, 10):
+            assert mask_kinds(cfg, range(a, b)) == mask_kinds(cfg, list(range(a, b))), (a, b)

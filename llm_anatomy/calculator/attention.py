@@ -132,7 +132,14 @@ def mask_kinds(cfg: ModelConfig, layers=None) -> int:
     for the full layers when they have sinks (without sinks they run is_causal, no mask). layers: the indices of
     the layers a forward runs (a pipeline stage's), else all of them."""
     ids = range(cfg.layers) if layers is None else layers
-    windowed = sum(cfg.windowed(i) for i in ids)
+    if cfg.window is None:
+        windowed = 0
+    elif cfg.window_pattern == "all":
+        windowed = len(ids)
+    elif isinstance(ids, range) and ids.step == 1:  # the even layers of [a, b), in closed form (a stage of any depth)
+        windowed = (ids.stop + 1) // 2 - (ids.start + 1) // 2 if ids.stop > ids.start else 0
+    else:
+        windowed = sum(cfg.windowed(i) for i in ids)
     return (windowed > 0) + (cfg.attn_sinks and windowed < len(ids))
 
 

@@ -14,9 +14,10 @@ adds saved tensors and a backward only frees them, the most a rank holds is reac
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 from math import prod
 
-from llm_anatomy.mesh_rules import check_microbatches, check_schedule, rank_stages, stage_layers, stage_sizes
+from llm_anatomy.mesh_rules import check_microbatches, check_schedule, rank_stages, stage_sizes
 from llm_anatomy.calculator.types import BYTES, ROPE_TABLES
 from llm_anatomy.config import ModelConfig, Run
 
@@ -143,9 +144,9 @@ def saved_peak(cfg: ModelConfig, run: Run, pp: int, rank: int, *, microbatches: 
     mb = replace(run, batch=run.batch // microbatches, dtype="bf16" if run.dtype == "amp" else run.dtype)
     cast = run.dtype == "amp"  # amp runs as FSDP's MixedPrecisionPolicy (dp > 1)
     local, norm_run = (tp_local_config(cfg, tp), replace(mb, seq=mb.seq // tp)) if tp > 1 else (cfg, None)
-    ids = stage_layers(cfg.layers, pp, virtual, split)
+    first = list(accumulate(per_stage, initial=0))  # each stage's first layer: a stage is a range of layers
     chunk = {s: stage_saved_bytes(local, mb, per_stage[s], s == 0, s == n - 1, variant, device, cast, norm_run,
-                                  mask_kinds(cfg, ids[s]))
+                                  mask_kinds(cfg, range(first[s], first[s + 1])))
              for s in rank_stages(pp, rank, virtual)}
     batch_view = run.batch * run.seq  # elements of the batch's ids or targets
     held, live, peak = 0, {s: 0 for s in chunk}, 0
