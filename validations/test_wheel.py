@@ -36,8 +36,10 @@ def _run(cmd, cwd, env, timeout=600) -> subprocess.CompletedProcess:
 
 
 def _pip(venv: Path, *args) -> bool:
+    # without PYTHONPATH: a checkout on it shows pip this package's egg-info as installed, and pip skips the wheel
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", *args],
-                          capture_output=True, text=True, timeout=900).returncode == 0
+                          capture_output=True, text=True, timeout=900, env=env).returncode == 0
 
 
 @pytest.fixture(scope="module")
