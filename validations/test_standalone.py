@@ -80,7 +80,7 @@ def _tracked_reports() -> list[Path]:
 def _read_by_something() -> set[Path]:
     """Every file the layout names, the step records the step tables show, and the files the real-depth and
     loss-curve sections read beside their record."""
-    from llm_anatomy.report.regenerate import STEP_TABLES
+    from llm_anatomy.report.regenerate import MOE_STEPS, STEP_TABLES
 
     named: set[Path] = set()
 
@@ -94,7 +94,7 @@ def _read_by_something() -> set[Path]:
 
     layout = records._layout(records.ROOT)
     walk({k: v for k, v in layout.items() if k not in ("ROOT", "REPORTS", "H200", "STEPS")})
-    named |= {p for run in STEP_TABLES.values() for p in records.step_records(run)}
+    named |= {p for run in (*STEP_TABLES.values(), MOE_STEPS) for p in records.step_records(run)}
     named |= {p.with_name(n) for p in records.REAL_DEPTH_RUNS for n in ("calibrated.json", "env.json")}
     named.add(records.LOSS_CURVES.with_suffix(".png"))
     return named

@@ -22,6 +22,7 @@ IMG = Path("docs/img")
 CLAIMS_DOC = Path("docs/claims.md")
 # the step tables of docs/results.md: marker -> the records.STEPS run whose step-*.json records it shows
 STEP_TABLES = {"bench-steps": "peers", "bench-steps-rerun": "baseline-peers", "bench-steps-recompute": "recompute"}
+MOE_STEPS = "moe-peers"  # the run the MoE peers table reads (report/steps.py moe_peers_table)
 _LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
 
 
@@ -119,7 +120,7 @@ def _records(put, image, files, root) -> None:
             put(marker, steps_table(steps, records.PEERS_ENV if run == "peers" else None))
     from llm_anatomy.report.steps import moe_peers_table
 
-    put("bench-steps-moe", moe_peers_table(records.step_records("moe-peers")))
+    put("bench-steps-moe", moe_peers_table(records.step_records(MOE_STEPS)))
     put("profile-peers", peers_profile_table(records.PEERS_PROFILES))
     put("power-peers", peers_power_table(records.PEERS_POWER, records.PEERS_POWER_ENV))
     if records.STEP_PROFILE.exists():
