@@ -48,9 +48,8 @@ class _Cycle:
 
 
 def test_a_boundary_frees_the_runs_cycles(tmp_path):
-    """A tensor that only a reference cycle made inside the storage holds is gone at the next boundary (the
-    collection walks the run's objects; what existed before is frozen until the storage exits), and an object
-    made before it is still collected after it exits."""
+    """A tensor that only a reference cycle made inside the storage holds is gone at the next boundary, and a
+    cycle made before it is collected too."""
     import gc
     import weakref
 
@@ -68,7 +67,7 @@ def test_a_boundary_frees_the_runs_cycles(tmp_path):
             del cycle
             assert live.phase("dropped")["allocated"] == start, "a cycle's tensor still counted at the boundary"
         gc.collect()
-        assert old() is None, "an object frozen while the storage was entered stays uncollectable after it exits"
+        assert old() is None, "a cycle made before the storage stays uncollectable after it exits"
     finally:
         dist.destroy_process_group()
 

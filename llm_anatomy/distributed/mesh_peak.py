@@ -118,9 +118,7 @@ def ep_peaks(cfg: ModelConfig, run: Run, *, route: str | None = None, steps: int
     one's phases. route: measure/routing.py's forced routing ("balanced", "skewed"), None the router's own."""
     from llm_anatomy.distributed.expert_parallel import build
 
-    # unfrozen: frozen, a rank of 4 read 544 B over the exact backward end (a cycle of this run through an object
-    # an earlier scenario made, which a frozen collection cannot free); collected whole, exact
-    live = SettledStorage(freeze=False)
+    live = SettledStorage()
     with live:
         model, mesh = build(cfg, run, seed=seed, route=route)
         opt = make_optimizer(optimizer, model.parameters(), 1e-3)

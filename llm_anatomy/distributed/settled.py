@@ -10,11 +10,8 @@ Three things free or count storage off the main thread's order, and each is wait
     worker takes the barrier only after it has dropped every Work it ran before, so their buffers are freed (the
     storage's finalizer runs in the dropping thread, under the GIL) when the barrier's wait() returns;
   - Python's cycle collector frees what only a cycle references (autograd nodes and the tensors they save) when it
-    happens to run: gc.collect() runs first. Every object alive when the storage is entered (the process's own,
-    torch's import-time objects among them) is frozen (gc.freeze) until it exits, so each boundary's collection
-    walks only what the measured run made: a walk over everything takes about a second on a loaded 2-core machine,
-    and a scenario has ten boundaries. A frozen object's storage was made before the run, so it is not counted;
-    the run's own cycles are collected on exit, before the freeze is lifted;
+    happens to run: gc.collect() runs first (over every object: freezing what existed before a run, gc.freeze, made
+    the walk shorter but left exact TP phase ends reading up to 1.7 KB over on gloo, so nothing is frozen);
   - the counters are updated from the worker thread too (a finalizer there, and any op gloo runs there under the
     caller's thread-local state, dispatch modes included), so every update holds one lock.
 
@@ -73,11 +70,9 @@ class SettledStorage(RankStorage):
     worker frees a buffer (a peak is read after each op without the lock: it can miss a free that lands between
     the op and the read, never an allocation)."""
 
-    def __init__(self, freeze: bool = True):
+    def __init__(self):
         super().__init__()
         self._lock = threading.RLock()  # re-entered when a free happens inside an add (gc in the dict insert)
-        # freeze=False: a run whose cycles can pass through an object made before it (frozen, so never collected)
-        self.freeze = freeze
 
     def _add(self, t: torch.Tensor) -> None:
         with self._lock:
@@ -90,19 +85,6 @@ class SettledStorage(RankStorage):
     def _resized(self, st, old: int) -> None:
         with self._lock:
             super()._resized(st, old)
-
-    def __enter__(self):
-        if self.freeze:
-            gc.freeze()  # the boundaries' collections walk the run's objects only (module docstring)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            if self.freeze:
-                gc.collect()  # the run's cycles, while everything older is still frozen
-                gc.unfreeze()
 
     def phase(self, name: str) -> dict:
         gc.collect()
