@@ -3,7 +3,10 @@
 
   gloo, 2 and 4 processes   hypothesis-drawn MoE configs on the grouped-GEMM path the planner prices (bf16, widths
                             multiples of 8, no expert biases: efficient/moe.py's torch._grouped_mm), forced routing
-                            balanced and skewed (measure/routing.py: the skewed rank 0 receives every rank's rows)
+                            balanced and skewed (measure/routing.py: the skewed rank 0 receives every rank's rows);
+                            N_DRAWS bf16 runs without recompute and N_DRAWS more under the SETTINGS in turn (amp:
+                            FSDP2's bf16 gathers and fp32 reduce over fp32 state, the experts cast; recompute mlp and
+                            full: the checkpoints' kept inputs, the all-to-alls re-run in backward)
   every rank, the last of two steps, each boundary read settled (distributed/settled.py):
     forward end, backward end and optimizer end exact; the step's peak an upper bound within EP_PEAK_SLACK
 Each world size runs all its draws in ONE spawn (module-scoped fixture).
@@ -22,11 +25,13 @@ from validations.configs import draw_examples
 from validations.draw_notes import draw_note
 from validations.moe_reference import moe_configs
 
-N_DRAWS = 20  # per world size
+N_DRAWS = 20  # per world size, bf16 without recompute, and as many again under SETTINGS
+SETTINGS = (("amp", "none"), ("amp", "mlp"), ("amp", "full"), ("bf16", "mlp"), ("bf16", "full"))  # (dtype, recompute)
 # the peak is an upper bound: every saved tensor held with every gradient, FSDP's buffers of two Blocks and a
 # unit's reduce-scatter at once, and each all-to-all's buffers beside the MoE block's gradients (ep_memory.
-# peak_bound); at these tiny widths those fixed buffers weigh most, hence the slack (the draws of other seeds
-# while building: 1.06x to 1.79x)
+# peak_bound; under recompute one layer's re-made tensors beside the larger of the re-run's and the backward's
+# transients); at these tiny widths those fixed buffers weigh most, hence the slack (the draws of other seeds
+# while building: 1.06x to 1.79x without, 1.17x to 1.93x under SETTINGS)
 EP_PEAK_SLACK = 2.0
 
 
@@ -48,6 +53,9 @@ def ep_mem(request):
 
     world = request.param
     scen = draw_examples(ep_memory_cases(world), N_DRAWS, seed_=4810 + world)
+    more = draw_examples(ep_memory_cases(world), N_DRAWS, seed_=4820 + world)
+    scen += [dict(sc, run=replace(sc["run"], dtype=d, recompute=rc))
+             for sc, (d, rc) in zip(more, SETTINGS * N_DRAWS)]
     return world, scen, spawn_mesh_peaks(world, scen, fn="ep")
 
 
@@ -60,7 +68,9 @@ def _pred(sc: dict, world: int, r: int) -> dict:
 def test_ep_phase_ends_exact(ep_mem, claims):
     """Forward end, backward end and optimizer end equal the prediction on every rank."""
     world, scen, res = ep_mem
-    assert len(scen) >= N_DRAWS and {sc["route"] for sc in scen} == {"balanced", "skewed"}
+    for part in (scen[:N_DRAWS], scen[N_DRAWS:]):
+        assert len(part) >= N_DRAWS and {sc["route"] for sc in part} == {"balanced", "skewed"}
+    assert {(sc["run"].dtype, sc["run"].recompute) for sc in scen[N_DRAWS:]} == set(SETTINGS)
     for i, sc in enumerate(scen):
         for r in range(world):
             ph = {p["name"]: p for p in res[r][i]}
@@ -97,8 +107,8 @@ def test_skew_loads_rank_zero():
     assert len(set(bal)) == 1 and sk[0] > bal[0] and sk[0] == max(sk)
 
 
-@pytest.mark.parametrize("run,ep,says", [(Run(1, 8, "amp"), 2, "dtype=amp"), (Run(1, 8, "bf16"), 3, "experts"),
-                                         (Run(1, 8, "bf16", recompute="mlp"), 2, "recompute=mlp")])
+@pytest.mark.parametrize("run,ep,says", [(Run(1, 8, "bf16", lean=True), 2, "lean"), (Run(1, 8, "bf16"), 3, "experts"),
+                                         (Run(1, 8, "fp32"), 2, "loop-of-mm")])
 def test_refusals_one_line(run, ep, says):
     cfg = replace(draw_examples(ep_memory_cases(2), 1, seed_=2)[0]["cfg"], experts=4)
     with pytest.raises(ConfigError, match=says) as e:
