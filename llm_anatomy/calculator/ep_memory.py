@@ -150,16 +150,17 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
                 layer's tensors made again (what it saves without recompute) beside the largest of the backward's,
                 the re-run's MoE and, under "full", the re-run block's transients; under amp a local expert
                 tensor's bf16 cast gradient and the fp32 one the ep hook divides (_expert_cast_grads). The local
-                view runs the run's own dtype and recompute (under amp the one-process autocast model: fp32
-                gradients, every expert cast's gradient);
+                view runs as the rank computes (expert_parallel.compute_run: amp as bf16, FSDP2's unsharded
+                gradients being bf16), under the run's recompute; under amp its walk's gradients count every
+                layer's local expert gradients at fp32 (_expert_grads_fp32);
       optimizer backward end + the optimizer step's temporaries (torch's per-tensor AdamW on CPU: two of the
                 largest local tensor; fused AdamW on CUDA: none)."""
     from llm_anatomy.calculator.memory import _block_forward_peak, phases
 
     rnd = _rounder(device)
     T, E = run.tokens, cfg.experts
-    local = local_view(cfg, ep)
-    one = phases(local, run, "efficient", optimizer=None, device=device)
+    local, crun = local_view(cfg, ep), ep_calc.compute_run(run)
+    one = phases(local, crun, "efficient", optimizer=None, device=device)
     loss = ((one["forward_peak"] - one["forward_end"]) if one["forward_peak"] is not None
             else 3 * rnd(T * cfg.vocab * 4))
     fwd_moe, bwd_moe = moe_transients(cfg, run, ep, ph["received"], rnd)
@@ -171,20 +172,28 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
     layer = region = 0
     if run.recompute != "none":
         layer = sum(_saved(cfg, replace(run, recompute="none"), ep, rank % ep, hist, rnd, layers=1).values())
-        region = _block_forward_peak(local, run, device, rnd) if run.recompute == "full" else 0
+        region = _block_forward_peak(local, crun, device, rnd) if run.recompute == "full" else 0
     forward = (ph["forward_end"] + held * (blk["G"] + blk["F"]) + cast
                + max(loss, fwd_moe + layer, layer + region))
     copy = 2 if device == "cpu" else 1
     fsdp = held * blk["G"] + copy * max(root["R"], blk["R"]) + cast
     router = 4 * rnd(T * E * 4)
     walk = max(st["by_kind"]["gradient / backward buffer"] for st in one["backward_stages"])
-    grads = max(walk, ph["grads"])
+    grads = max(walk + _expert_grads_fp32(cfg, run, ep, rnd), ph["grads"])
     backward = (ph["optimizer_end"] + ph["gathered"] + sum(ph["saved"].values()) + rnd(4) + grads + fsdp + router
                 + layer + max(bwd_moe, fwd_moe if layer else 0, region) + _expert_cast_grads(cfg, run, ep, rnd))
     optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, ep, dp, rank, device, rnd)
     cands = dict(forward=forward, backward=backward, optimizer=optimizer)
     at = max(cands, key=cands.get)
     return dict(peak=cands[at], peak_at=at, peak_candidates=cands)
+
+
+def _expert_grads_fp32(cfg: ModelConfig, run: Run, ep: int, rnd) -> int:
+    """amp: what every layer's local expert gradients hold in fp32 beyond the bf16 the local view's walk prices
+    them at (they come back through the casts); 0 otherwise."""
+    if run.dtype != "amp":
+        return 0
+    return cfg.layers * sum(rnd(prod(s) * 4) - rnd(prod(s) * 2) for _, s in ep_calc.local_experts(cfg, ep))
 
 
 def _expert_cast_grads(cfg: ModelConfig, run: Run, ep: int, rnd) -> int:
