@@ -9,6 +9,7 @@
                             full: the checkpoints' kept inputs, the all-to-alls re-run in backward)
   every rank, the last of two steps, each boundary read settled (distributed/settled.py):
     forward end, backward end and optimizer end exact; the step's peak an upper bound within EP_PEAK_SLACK
+    (EP_PEAK_SLACK_AMP under amp)
 Each world size runs all its draws in ONE spawn (module-scoped fixture).
 """
 from __future__ import annotations
@@ -30,9 +31,13 @@ SETTINGS = (("amp", "none"), ("amp", "mlp"), ("amp", "full"), ("bf16", "mlp"), (
 # the peak is an upper bound: every saved tensor held with every gradient, FSDP's buffers of two Blocks and a
 # unit's reduce-scatter at once, and each all-to-all's buffers beside the MoE block's gradients (ep_memory.
 # peak_bound; under recompute one layer's re-made tensors beside the larger of the re-run's and the backward's
-# transients); at these tiny widths those fixed buffers weigh most, hence the slack (the draws of other seeds
-# while building: 1.06x to 1.79x without, 1.17x to 1.93x under SETTINGS)
+# transients); at these tiny widths those fixed buffers weigh most, hence the slack (these draws, every rank: bf16
+# 1.05x to 1.79x without recompute, 1.26x to 1.80x under mlp and full)
 EP_PEAK_SLACK = 2.0
+# under amp those fixed buffers weigh more: a unit's reduce-scatter input is fp32 (the reduce dtype), twice on CPU
+# where gloo reduces a copy, beside the unsharded bf16 gradients and the gathered bf16 Blocks (these draws: 1.24x
+# to 2.11x, the top a skewed rank 0 of ep 4 under recompute mlp)
+EP_PEAK_SLACK_AMP = 2.5
 
 
 @st.composite
@@ -85,7 +90,8 @@ def test_ep_phase_ends_exact(ep_mem, claims):
 
 @pytest.mark.distributed
 def test_ep_peak_is_a_bound(ep_mem, claims):
-    """The step's peak on every rank is at most the prediction, and the prediction at most EP_PEAK_SLACK x it."""
+    """The step's peak on every rank is at most the prediction, and the prediction at most EP_PEAK_SLACK x it
+    (EP_PEAK_SLACK_AMP under amp)."""
     world, scen, res = ep_mem
     for i, sc in enumerate(scen):
         for r in range(world):
@@ -94,7 +100,8 @@ def test_ep_peak_is_a_bound(ep_mem, claims):
             note = f"ep {world}: {draw_note(sc, rank=r)}, route {sc['route']}; predicted at {pred['peak_at']}"
             claims.check("ep rank step peak (upper bound)", component="memory", config=sc["cfg"].name,
                          variant="efficient", predicted=pred["peak"], measured=measured,
-                         tolerance=EP_PEAK_SLACK - 1, unit="B", note=note)
+                         tolerance=(EP_PEAK_SLACK_AMP if sc["run"].dtype == "amp" else EP_PEAK_SLACK) - 1, unit="B",
+                         note=note)
             assert measured <= pred["peak"], f"{note}: measured {measured} B over the bound {pred['peak']} B"
 
 

@@ -138,8 +138,9 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
                 + the largest of the loss's transients (the one-process forward peak over its forward end on CUDA;
                 on CPU, where that is not modelled, three (T, V) fp32 tensors: the logits, their exp and their
                 gradient), the MoE block's on R_d rows (moe_transients) and, under recompute, one layer's tensors
-                inside its checkpoint (what it saves without recompute) with the larger of the MoE block's
-                transients and, under "full", memory._block_forward_peak's on the local view;
+                inside its checkpoint (what each component the checkpoint changes saves without recompute) with
+                the larger of the MoE block's transients and, under "full", memory._block_forward_peak's on the
+                local view;
       backward  the exact state, the root's gathered parameters, every saved tensor (the most activations a
                 backward moment holds), the larger of the local view's largest gradient / backward buffers over its
                 walk's stages (every gradient autograd has made by then, unsharded: FSDP2's unsharded gradients are
@@ -147,7 +148,7 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
                 are two, a unit's reduce-scatter input, twice on CPU where gloo reduces a copy, a unit's bf16
                 casts under amp), the router's (T, E) tensors the local view prices at El columns, the MoE
                 backward's transients on the rows past the local view's (moe_transients); under recompute one
-                layer's tensors made again (what it saves without recompute) beside the largest of the backward's,
+                layer's tensors made again (as in forward) beside the largest of the backward's,
                 the re-run's MoE and, under "full", the re-run block's transients; under amp a local expert
                 tensor's bf16 cast gradient and the fp32 one the ep hook divides (_expert_cast_grads). The local
                 view runs as the rank computes (expert_parallel.compute_run: amp as bf16, FSDP2's unsharded
@@ -167,11 +168,13 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
     blk, root = u["block"], u["root"]
     held = min(2, cfg.layers)  # the Block running and the one prefetched
     cast = max(root["C"], blk["C"])  # amp: a unit's all-gather inputs cast to bf16
-    # recompute: one layer's tensors made again inside its checkpoint (held through the block's backward) beside the
-    # larger of the re-run's transients and the backward's
+    # recompute: one layer's tensors made again inside its checkpoint (held through the block's backward: every
+    # component the checkpoint changes, whole) beside the larger of the re-run's transients and the backward's
     layer = region = 0
     if run.recompute != "none":
-        layer = sum(_saved(cfg, replace(run, recompute="none"), ep, rank % ep, hist, rnd, layers=1).values())
+        kept = _saved(cfg, run, ep, rank % ep, hist, rnd, layers=1)
+        remade = _saved(cfg, replace(run, recompute="none"), ep, rank % ep, hist, rnd, layers=1)
+        layer = sum(b for name, b in remade.items() if b != kept[name])
         region = _block_forward_peak(local, crun, device, rnd) if run.recompute == "full" else 0
     forward = (ph["forward_end"] + held * (blk["G"] + blk["F"]) + cast
                + max(loss, fwd_moe + layer, layer + region))
