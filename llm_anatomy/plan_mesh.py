@@ -156,7 +156,7 @@ def ep_refusals(cfg: ModelConfig, gpus_n: int, seq: int, dtype: str, variant: st
         return [] if not cfg.moe else [f"ep = --gpus {gpus_n} does not divide experts={cfg.experts}"]
     why = []
     for rc in recomputes:
-        run = Run(batch=1, seq=seq, dtype=dtype, recompute=rc, lean=lean and variant == "efficient" and rc == "none")
+        run = Run(batch=1, seq=seq, dtype=dtype, recompute=rc)  # ep builds the plain block (search's lb)
         try:
             if variant != "efficient":
                 raise ConfigError(f"expert parallel runs the efficient variant's MoE block, not {variant!r}")

@@ -1,11 +1,13 @@
 """Claims: `anatomy plan` searches expert parallel for mixture-of-experts configs (plan_mesh.py, calculator/ep_mesh.py).
 
-  - the EP mesh is the one the engine runs, ep = dp = the GPUs, where that divides the experts; what ep_mesh.check
-    refuses (amp and recompute: their per-rank phases are not modelled) is skipped, and said, never raised
+  - the EP mesh is the one the engine runs, ep = dp = the GPUs, where that divides the experts; it is searched under
+    every dtype and recompute the engine runs (amp, the default, included); what ep_mesh.check refuses (the
+    baseline variant, GPUs that do not divide the experts) is skipped, and said, never raised
   - where EP pays (Mixtral-8x7B on 8 H100s, bf16, seq 1,024) the winner is an EP mesh, faster than data
     parallelism, and its peak is calculator/ep_memory.py's heaviest rank exactly
-  - a step's parts add up: the all-to-alls per MoE layer (forward 3, backward 2) over the ep group's link, one host
-    sync per layer, FSDP2's exposed collectives, the optimizer's share
+  - a step's parts add up: the all-to-alls per MoE layer (forward 3, backward 2, and under recompute the forward's 3
+    again; rows in the compute dtype, bf16 under amp) over the ep group's link, one host sync per layer, FSDP2's
+    exposed collectives, the optimizer's share
   - 8 GPUs answer in under 1 s, 1,024 in under 5 s
 """
 from __future__ import annotations
@@ -50,16 +52,28 @@ def test_where_ep_pays_the_winner_is_an_ep_mesh_priced_by_its_rank_peak():
     bigger = ep_phases(MIXTRAL, replace(run, batch=run.batch + 1), w["ep"], dp=w["dp"], device="cuda")["peak"]
     assert bigger > out["budget_bytes"] or out["meshes"][0]["micro_batch"] == w["micro_batch"]
     assert w["skewed_peak_bytes"] > w["peak_bytes"]  # rank 0 receives ep x the rows
+    assert {r["recompute"] for r in out["meshes"]} == {"none", "mlp", "full"}
     for r in out["meshes"]:
-        assert r["recompute"] == "none" and r["peak_bytes"] <= out["budget_bytes"]
+        assert r["peak_bytes"] <= out["budget_bytes"]
+
+
+def test_ep_is_searched_under_amp_and_recompute():
+    """The default dtype, amp, searches EP under every recompute, each row priced by ep_memory's amp phases."""
+    out = plan(SMALL, gpu="H100", seq=1024, gpus_n=8)  # dtype amp by default
+    assert out["ep_skipped"] == [] and {r["recompute"] for r in out["meshes"] if r["ep"] > 1} == {"none", "mlp", "full"}
+    for r in out["meshes"]:
+        run = Run(batch=r["micro_batch"], seq=1024, dtype="amp", recompute=r["recompute"])
+        assert r["peak_bytes"] == ep_phases(SMALL, run, r["ep"], dp=r["dp"], device="cuda")["peak"]
 
 
 def test_refused_combinations_are_skipped_and_said(capsys):
-    """amp (and recompute) are refused by check_ep: no EP mesh, one line saying why, and the plan still answers."""
-    out = plan(SMALL, gpu="H100", seq=1024, gpus_n=8)  # dtype amp by default
-    assert out["meshes"] == [] and any("dtype=amp" in x for x in out["ep_skipped"])
+    """What ep_mesh.check refuses (here the baseline variant) is skipped: one line saying why, and the plan still
+    answers."""
+    out = plan(SMALL, gpu="H100", seq=1024, gpus_n=8, variant="baseline")
+    assert out["meshes"] == [] and any("efficient" in x for x in out["ep_skipped"])
     assert out["best"] is not None
-    assert main(["plan", "--hf-config", str(HF_CONFIGS["Qwen3-30B-A3B"].parent), "--gpu", "H100", "--gpus", "8"]) == 0
+    assert main(["plan", "--hf-config", str(HF_CONFIGS["Qwen3-30B-A3B"].parent), "--gpu", "H100", "--gpus", "8",
+                 "--variant", "baseline"]) == 0
     text = capsys.readouterr().out
     assert "expert parallel not searched: " in text and "verdict:" in text
 
@@ -85,6 +99,9 @@ def test_a_step_adds_up():
         assert t["step_s"] == pytest.approx(t["compute_s"] + t["ep_comm_s"] + t["host_sync_s"] + t["dp_exposed_s"]
                                             + t["optimizer_s"], rel=1e-12)
         assert t["host_sync_s"] > 0 and t["dp_exposed_s"] >= 0
+        # amp sends bf16 rows (FSDP2's gathered parameters); recompute's re-run sends the forward's three again
+        t = ep_mesh.step_time(SMALL, replace(run, dtype="amp", recompute="mlp"), "H100", ep, dp, gpus_per_node=per_node)
+        assert t["ep_comm_s"] == pytest.approx(L * (2 * one(SMALL.experts * 4) + 6 * one(N * H * c)), rel=1e-12)
     near, far = (ep_mesh.all_to_all_time(2**26, 16, "H100", g) for g in (16, 8))
     assert far > near  # 16 ranks over two nodes of 8: the NIC, not NVLink
     m = M.step_time(SMALL, run, "efficient", "H100", M.Mesh(8, ep=8), 3)
@@ -95,7 +112,7 @@ def test_a_step_adds_up():
 @pytest.mark.parametrize("call,says", [
     (lambda: ep_mesh.step_time(SMALL, Run(1, 64, "bf16"), "H100", 3, 3), "ep must be"),
     (lambda: ep_mesh.step_time(SMALL, Run(1, 64, "bf16"), "H100", 4, 6), "dp=6"),
-    (lambda: ep_mesh.rank_peak(SMALL, Run(1, 64, "amp"), 2, 2), "dtype=amp"),
+    (lambda: ep_mesh.rank_peak(SMALL, Run(1, 64, "amp", lean=True), 2, 2), "lean"),
     (lambda: M.rank_peak(SMALL, Run(1, 64, "bf16"), "efficient", M.Mesh(2, pp=2, ep=2), 2), "tp = pp = 1"),
 ])
 def test_bad_ep_meshes_refused_in_one_line(call, says):

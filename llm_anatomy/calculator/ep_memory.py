@@ -8,62 +8,91 @@ skewed one, every token to experts 0..K-1, which is the worst rank of any routin
 allocator's 512-byte blocks on device "cuda" and counted at its storage bytes on "cpu" (what live storage counts).
 
 Phase boundaries of a step after the first (the optimizer state exists), exact on gloo (validations/
-test_ep_memory.py):
+test_ep_memory.py), under every dtype and recompute the engine runs:
   state           parameters: FSDP2's padded dim-0 shards of every non-expert tensor, each its own storage, and the
                   El local experts' rows of each stacked tensor; optimizer state: AdamW's two moments and a step per
                   tensor (of the shards' real rows, calculator/sharding.py), SGD none; the (B, S) int64 ids and
-                  targets; the DeviceMesh's rank tensor (ep int32: the DTensors keep the mesh alive)
+                  targets; the DeviceMesh's rank tensor (ep int32: the DTensors keep the mesh alive). All in the
+                  storage dtype: fp32 under amp (FSDP2's MixedPrecisionPolicy keeps fp32 shards, the ignored experts
+                  stay fp32), bf16 under bf16
   forward end     state + every tensor the rank saves for backward (expert_parallel.moe_saved on R_d rows and El
-                  experts; the other components the one-process efficient model's on T tokens) + the loss (an fp32
-                  scalar) + the root's unsharded parameters (FSDP2 does not reshard the root after forward)
-  backward end    state + the gradients: one flat reduce-scatter output per FSDP unit (the padded shards) and the
-                  local experts' gradients, each its own tensor
+                  experts; the other components the one-process efficient model's on T tokens as the rank computes
+                  them, bf16 under amp, with each Block's bf16 copy of the fp32 RoPE tables; under amp the experts'
+                  bf16 weight casts, which their GEMMs save; under recompute "mlp" / "full" only the checkpoints'
+                  kept inputs, every other tensor, the casts and the exchange's included, living inside them) + the
+                  loss (an fp32 scalar) + the root's unsharded parameters in the all-gather dtype (bf16 under amp:
+                  FSDP2 does not reshard the root after forward)
+  backward end    state + the gradients: one flat reduce-scatter output per FSDP unit (the padded shards, in the
+                  storage dtype: amp reduces in fp32) and the local experts' gradients (fp32 under amp: they come
+                  back through the casts), each its own tensor; every bf16 buffer (gathered parameters, unsharded
+                  gradients, the casts and their gradients) is gone
   optimizer end   the gradients set to None: state
 The step's peak is an upper bound (peak_bound below), stated with its measured slack in the test.
+Not modelled (check_modelled): the lean block, which expert parallel does not build.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from math import prod
 
 from llm_anatomy.calculator import expert_parallel as ep_calc
 from llm_anatomy.calculator.sharding import BYTES, param_dtype_name, shard_numel
 from llm_anatomy.calculator.tp_memory import MESH_RANK_BYTES, _rounder, _state
+from llm_anatomy.calculator.types import ROPE_TABLES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 
-def _units(cfg: ModelConfig, ep: int, rank: int, rnd, pb: int) -> dict:
-    """Per FSDP unit ("root", "block"), one instance: P the padded shards (each its own tensor), S the flat
-    gradient, G the unsharded parameters, F the all-gather's flat output, R the reduce-scatter's flat input, U the
-    unsharded gradients, n the shards' real elements per tensor (the optimizer state's)."""
+def _units(cfg: ModelConfig, run: Run, ep: int, rank: int, rnd) -> dict:
+    """Per FSDP unit ("root", "block"), one instance: P the padded shards (each its own tensor) and S the flat
+    gradient, in the storage dtype; G the unsharded parameters, F the all-gather's flat output, C the all-gather
+    inputs' casts (amp: each shard cast to bf16, each its own tensor; else none) and U the unsharded gradients,
+    in the all-gather dtype; R the reduce-scatter's flat input in the reduce dtype; n the shards' real elements per
+    tensor (the optimizer state's)."""
+    from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes
+
+    pb = BYTES[param_dtype_name(run)]
+    dts = fsdp_dtypes(run)
+    ag, rs = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]]
     out = {}
     for unit, shapes in ep_calc.units(cfg):
         sh = [shard_numel(s, ep, rank) for _, s in shapes]
         padded = sum(pa for _, pa in sh)
         out[unit] = dict(P=sum(rnd(pa * pb) for _, pa in sh), S=rnd(padded * pb),
-                         G=sum(rnd(ep * pa * pb) for _, pa in sh), F=rnd(ep * padded * pb), R=rnd(ep * padded * pb),
-                         U=sum(rnd(prod(s) * pb) for _, s in shapes), n=[lo for lo, _ in sh])
+                         G=sum(rnd(ep * pa * ag) for _, pa in sh), F=rnd(ep * padded * ag),
+                         C=sum(rnd(pa * ag) for _, pa in sh) if ag != pb else 0, R=rnd(ep * padded * rs),
+                         U=sum(rnd(prod(s) * ag) for _, s in shapes), n=[lo for lo, _ in sh])
     return out
 
 
-def _saved(cfg: ModelConfig, run: Run, ep: int, rank: int, hist, rnd) -> dict[str, int]:
+def _saved(cfg: ModelConfig, run: Run, ep: int, rank: int, hist, rnd, layers: int | None = None) -> dict[str, int]:
     """{component: bytes} the rank saves for backward, each tensor rounded (without the ids and targets, which are
-    the inputs themselves)."""
+    the inputs themselves): expert_parallel.saved's rule (the one-process efficient model's as the rank computes it,
+    under amp each Block's bf16 copy of the fp32 RoPE tables, "moe" from moe_saved; under recompute the
+    checkpoints' kept inputs). layers=1: one layer's share of every per-layer tensor (count // L), the others
+    whole."""
+    L = cfg.layers if layers is None else layers
     from llm_anatomy.calculator import estimate
     from llm_anatomy.calculator.backward import INPUTS
 
+    def size(s) -> int:
+        if run.dtype == "amp" and s.name in ROPE_TABLES and s.dtype == "float32":
+            return rnd(prod(s.shape) * BYTES["bfloat16"]) * L
+        n = s.count if layers is None else max(1, s.count * layers // cfg.layers)
+        return rnd(prod(s.shape) * BYTES[s.dtype]) * n
+
     out = {}
-    for name, comp in estimate(cfg, run, "efficient", device="cpu").components.items():
+    for name, comp in estimate(cfg, ep_calc.compute_run(run), "efficient", device="cpu").components.items():
         ss = ep_calc.moe_saved(cfg, run, ep, rank, hist, "cpu") if name == "moe" else comp.saved
-        out[name] = sum(rnd(prod(s.shape) * BYTES[s.dtype]) * s.count for s in ss if s.name not in INPUTS)
+        out[name] = sum(size(s) for s in ss if s.name not in INPUTS)
     return out
 
 
 def check_modelled(run: Run) -> None:
-    """ConfigError (one line) for what these phases do not model: the engine runs amp and recompute under expert
-    parallel (distributed/expert_parallel.py), but a rank's phases here are fp32 or bf16 without recompute."""
-    if run.dtype == "amp" or run.recompute != "none":
-        raise ConfigError(f"expert parallel's per-rank memory is modelled for fp32 and bf16 without recompute, not "
-                          f"dtype={run.dtype}, recompute={run.recompute}")
+    """ConfigError (one line) for what these phases do not model: the lean block (Run.lean without recompute),
+    which expert parallel does not build (distributed/expert_parallel.py builds the plain efficient block)."""
+    if run.lean_block:
+        raise ConfigError("expert parallel builds the plain efficient block, not the lean one (lean=true without "
+                          "recompute)")
 
 
 def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, optimizer: str = "adamw",
@@ -79,7 +108,7 @@ def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, 
         raise ConfigError(f"dp={dp!r} must be a multiple of ep={ep}, and rank={rank!r} in [0, dp)")
     rnd = _rounder(device)
     pb = BYTES[param_dtype_name(run)]
-    u = _units(cfg, dp, rank, rnd, pb)
+    u = _units(cfg, run, dp, rank, rnd)
     L = cfg.layers
     experts = [prod(s) for _, s in ep_calc.local_experts(cfg, ep)]
     params = u["root"]["P"] + L * u["block"]["P"] + L * sum(rnd(n * pb) for n in experts)
@@ -94,57 +123,93 @@ def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, 
     out = dict(params=params, grads=grads, optimizer=opt, inputs=inputs, mesh=mesh, saved=saved,
                gathered=u["root"]["G"], received=ep_calc.received_rows(cfg, run, ep, hist)[rank % ep],
                forward_end=fwd_end, backward_end=base + grads, optimizer_end=base)
-    out.update(peak_bound(cfg, run, ep, dp, rank, out, u, device))
+    out.update(peak_bound(cfg, run, ep, dp, rank, out, u, device, hist))
     return out
 
 
 
-def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict, u: dict, device: str) -> dict:
+def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict, u: dict, device: str,
+               hist=None) -> dict:
     """The step's peak on the rank, an upper bound: the largest of three candidates, each the exact bytes it starts
     from plus the transients of the one-process efficient model on the rank's local view (local_view: El experts,
     min(K, El) per token, the same T tokens, memory.phases with optimizer None) and of the rows it receives:
       forward   forward end + one Block's gathered parameters and all-gather buffer twice where there are two
-                Blocks (the Block running and the one prefetched) + the larger of the loss's transients (the
-                one-process forward peak over its forward end on CUDA; on CPU, where that is not modelled, three
-                (T, V) fp32 tensors: the logits, their exp and their gradient) and the MoE block's on R_d rows
-                (moe_transients);
+                Blocks (the Block running and the one prefetched) + a unit's all-gather inputs cast to bf16 (amp)
+                + the largest of the loss's transients (the one-process forward peak over its forward end on CUDA;
+                on CPU, where that is not modelled, three (T, V) fp32 tensors: the logits, their exp and their
+                gradient), the MoE block's on R_d rows (moe_transients) and, under recompute, one layer's tensors
+                inside its checkpoint (what each component the checkpoint changes saves without recompute) with
+                the larger of the MoE block's transients and, under "full", memory._block_forward_peak's on the
+                local view;
       backward  the exact state, the root's gathered parameters, every saved tensor (the most activations a
                 backward moment holds), the larger of the local view's largest gradient / backward buffers over its
                 walk's stages (every gradient autograd has made by then, unsharded: FSDP2's unsharded gradients are
                 those) and every gradient of the rank, FSDP2's buffers (two Blocks' gathered parameters where there
-                are two, a unit's reduce-scatter input, twice on CPU where gloo reduces a copy), the router's
-                (T, E) tensors the local view prices at El columns, and the MoE backward's transients on the rows
-                past the local view's (moe_transients);
+                are two, a unit's reduce-scatter input, twice on CPU where gloo reduces a copy, a unit's bf16
+                casts under amp), the router's (T, E) tensors the local view prices at El columns, the MoE
+                backward's transients on the rows past the local view's (moe_transients); under recompute one
+                layer's tensors made again (as in forward) beside the largest of the backward's,
+                the re-run's MoE and, under "full", the re-run block's transients; under amp a local expert
+                tensor's bf16 cast gradient and the fp32 one the ep hook divides (_expert_cast_grads). The local
+                view runs as the rank computes (expert_parallel.compute_run: amp as bf16, FSDP2's unsharded
+                gradients being bf16), under the run's recompute; under amp its walk's gradients count every
+                layer's local expert gradients at fp32 (_expert_grads_fp32);
       optimizer backward end + the optimizer step's temporaries (torch's per-tensor AdamW on CPU: two of the
                 largest local tensor; fused AdamW on CUDA: none)."""
-    from llm_anatomy.calculator.memory import phases
+    from llm_anatomy.calculator.memory import _block_forward_peak, phases
 
     rnd = _rounder(device)
     T, E = run.tokens, cfg.experts
-    one = phases(local_view(cfg, ep), run, "efficient", optimizer=None, device=device)
+    local, crun = local_view(cfg, ep), ep_calc.compute_run(run)
+    one = phases(local, crun, "efficient", optimizer=None, device=device)
     loss = ((one["forward_peak"] - one["forward_end"]) if one["forward_peak"] is not None
             else 3 * rnd(T * cfg.vocab * 4))
     fwd_moe, bwd_moe = moe_transients(cfg, run, ep, ph["received"], rnd)
     blk, root = u["block"], u["root"]
     held = min(2, cfg.layers)  # the Block running and the one prefetched
-    forward = ph["forward_end"] + held * (blk["G"] + blk["F"]) + max(loss, fwd_moe)
+    cast = max(root["C"], blk["C"])  # amp: a unit's all-gather inputs cast to bf16
+    # recompute: one layer's tensors made again inside its checkpoint (held through the block's backward: every
+    # component the checkpoint changes, whole) beside the larger of the re-run's transients and the backward's
+    layer = region = 0
+    if run.recompute != "none":
+        kept = _saved(cfg, run, ep, rank % ep, hist, rnd, layers=1)
+        remade = _saved(cfg, replace(run, recompute="none"), ep, rank % ep, hist, rnd, layers=1)
+        layer = sum(b for name, b in remade.items() if b != kept[name])
+        region = _block_forward_peak(local, crun, device, rnd) if run.recompute == "full" else 0
+    forward = (ph["forward_end"] + held * (blk["G"] + blk["F"]) + cast
+               + max(loss, fwd_moe + layer, layer + region))
     copy = 2 if device == "cpu" else 1
-    fsdp = held * blk["G"] + copy * max(root["R"], blk["R"])
+    fsdp = held * blk["G"] + copy * max(root["R"], blk["R"]) + cast
     router = 4 * rnd(T * E * 4)
     walk = max(st["by_kind"]["gradient / backward buffer"] for st in one["backward_stages"])
-    grads = max(walk, ph["grads"])
+    grads = max(walk + _expert_grads_fp32(cfg, run, ep, rnd), ph["grads"])
     backward = (ph["optimizer_end"] + ph["gathered"] + sum(ph["saved"].values()) + rnd(4) + grads + fsdp + router
-                + bwd_moe)
+                + layer + max(bwd_moe, fwd_moe if layer else 0, region) + _expert_cast_grads(cfg, run, ep, rnd))
     optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, ep, dp, rank, device, rnd)
     cands = dict(forward=forward, backward=backward, optimizer=optimizer)
     at = max(cands, key=cands.get)
     return dict(peak=cands[at], peak_at=at, peak_candidates=cands)
 
 
+def _expert_grads_fp32(cfg: ModelConfig, run: Run, ep: int, rnd) -> int:
+    """amp: what every layer's local expert gradients hold in fp32 beyond the bf16 the local view's walk prices
+    them at (they come back through the casts); 0 otherwise."""
+    if run.dtype != "amp":
+        return 0
+    return cfg.layers * sum(rnd(prod(s) * 4) - rnd(prod(s) * 2) for _, s in ep_calc.local_experts(cfg, ep))
+
+
+def _expert_cast_grads(cfg: ModelConfig, run: Run, ep: int, rnd) -> int:
+    """amp: a local expert tensor's gradient through its bf16 cast, the cast's bf16 gradient and the fp32 one the ep
+    hook divides into a new tensor, of the largest local expert tensor; 0 otherwise."""
+    if run.dtype != "amp":
+        return 0
+    n = max(prod(s) for _, s in ep_calc.local_experts(cfg, ep))
+    return rnd(n * BYTES["bfloat16"]) + rnd(n * 4)
+
+
 def local_view(cfg: ModelConfig, ep: int) -> ModelConfig:
     """The one-process model whose walk prices a rank's non-expert transients: El experts, min(K, El) per token."""
-    from dataclasses import replace
-
     El = cfg.experts // ep
     return replace(cfg, experts=El, experts_per_token=min(cfg.experts_per_token, El), name=f"{cfg.name} ep-local")
 
@@ -160,11 +225,12 @@ def moe_transients(cfg: ModelConfig, run: Run, ep: int, R: int, rnd) -> tuple[in
                 d(xs) (N, H) on the send side."""
     from llm_anatomy.calculator.moe_efficient import FOLD, efficient_moe_transients, grouped_path
 
-    c = BYTES[param_dtype_name(run)]
+    crun = ep_calc.compute_run(run)
+    c = BYTES[param_dtype_name(crun)]
     T, H, I, K = run.tokens, cfg.hidden, cfg.expert_intermediate, cfg.experts_per_token
     N, El = T * K, cfg.experts // ep
     f = FOLD if cfg.expert_bias and grouped_path(cfg, run, "cuda") else 0
-    one = efficient_moe_transients(cfg, run, device="cuda")
+    one = efficient_moe_transients(cfg, crun, device="cuda")
     routing = sum(rnd(v) for k, v in one.items() if k.startswith("forward."))
     counts = 2 * rnd(cfg.experts * 4)
     forward = routing + counts + 2 * rnd(R * (H + f) * c) + 2 * rnd(R * H * c) + rnd(N * H * c)

@@ -14,8 +14,10 @@ balanced histogram, the default):
                  (its grouped GEMMs on N rows over all E experts: the same FLOPs as R = N rows over El experts, and
                  the weight reads of E experts where the rank reads El: an over-estimate, stated)
   all-to-all     per MoE layer, forward: the row counts (E int32), the routed rows (N H c), the expert outputs
-                 (R H c); backward: the two row all-to-alls in reverse. Each over the ep group's slowest link
-                 (calculator/comm.py link(): NVLink inside a node, the NIC across), alpha + bytes (ep - 1) / ep /
+                 (R H c); backward: the two row all-to-alls in reverse, and under recompute the checkpoint's
+                 re-run of the forward's three; c the compute dtype (bf16 under amp). Each over the ep group's
+                 slowest link (calculator/comm.py link(): NVLink inside a node, the NIC across), alpha + bytes
+                 (ep - 1) / ep /
                  bandwidth (NCCL-tests' all-to-all bus factor). The engine runs them on the compute stream with
                  compute waiting for them: all exposed
   host sync      per MoE layer, forward: the split sizes are read on the host (all_to_all takes ints), so the
@@ -39,9 +41,8 @@ from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 
 def check(cfg: ModelConfig, run: Run, ep: int, dp: int) -> None:
-    """mesh_rules.check_ep (via expert_parallel.check), ep dividing the FSDP ranks, and what ep_memory models: fp32
-    or bf16 without recompute (the engine runs amp and recompute under ep too; their per-rank phases are not
-    modelled, so the plan does not search them)."""
+    """mesh_rules.check_ep (via expert_parallel.check), ep dividing the FSDP ranks, and what ep_memory models
+    (ep_memory.check_modelled: every dtype and recompute the engine runs, the plain block)."""
     from llm_anatomy.calculator.ep_memory import check_modelled
     from llm_anatomy.calculator.expert_parallel import check as check_ep
 
@@ -61,14 +62,17 @@ def all_to_all_time(nbytes: int, ep: int, gpu: str, gpus_per_node: int) -> float
 
 
 def all_to_alls(cfg: ModelConfig, run: Run, ep: int, gpu: str, gpus_per_node: int, hist=None) -> dict:
-    """Seconds of one step's all-to-alls on the rank that receives the most rows, forward and backward."""
+    """Seconds of one step's all-to-alls on the rank that receives the most rows, forward and backward (rows in the
+    compute dtype: bf16 under amp, FSDP2's gathered parameters; under recompute the checkpoint's re-run sends the
+    forward's three again in backward)."""
+    from llm_anatomy.calculator.dtypes import dtypes
     from llm_anatomy.calculator.expert_parallel import received_rows
 
-    c, H, L = BYTES[param_dtype_name(run)], cfg.hidden, cfg.layers
+    c, H, L = BYTES[dtypes(run).compute], cfg.hidden, cfg.layers
     N, R = run.tokens * cfg.experts_per_token, max(received_rows(cfg, run, ep, hist))
     t = lambda n: all_to_all_time(n, ep, gpu, gpus_per_node)  # noqa: E731
     fwd = L * (t(cfg.experts * 4) + t(N * H * c) + t(R * H * c))
-    bwd = L * (t(R * H * c) + t(N * H * c))
+    bwd = L * (t(R * H * c) + t(N * H * c)) + (fwd if run.recompute != "none" else 0.0)
     return dict(forward_s=fwd, backward_s=bwd)
 
 
