@@ -140,7 +140,11 @@ def _check_rank(claims, sc: dict, rec: dict) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_gloo_pp2_tp2_per_rank_exact(gloo_pp2_tp2, schedule, claims):
-    scenarios = gloo_pp2_tp2[schedule]
+    check_scenarios(claims, gloo_pp2_tp2[schedule])
+
+
+def check_scenarios(claims, scenarios: list) -> None:
+    """At least N distinct drawn configs, tp the inner mesh dim, every step of every rank checked (_check_rank)."""
     assert len({sc["cfg"] for sc, _ in scenarios}) >= N  # distinct drawn configs
     for sc, ranks in scenarios:
         assert [recs[0]["tp_rank"] for recs in ranks] == [0, 1, 0, 1]  # tp is the inner mesh dim

@@ -35,7 +35,8 @@ from hypothesis import strategies as st
 from llm_anatomy.config import Run
 from llm_anatomy.mesh_rules import SCHEDULES
 from validations.test_pipeline_parallel import _distinct
-from validations.test_pp_tp import LOSS_CFG, LOSS_RUN, LOSS_STEPS, PP, TP, N, _check_rank, pp_tp_cases
+from validations.test_pp_tp import (LOSS_CFG, LOSS_RUN, LOSS_STEPS, PP, TP, N, _check_rank, check_scenarios,
+                                     pp_tp_cases)
 from validations.test_tensor_parallel import CURVE_TOL
 from validations.train_cases import cache, one_process_losses, one_thread  # noqa: F401 (module fixtures)
 
@@ -126,14 +127,8 @@ def test_pp2_tp2_phase_ends_exact(gloo_efficient, claims):
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_gloo_pp2_tp2_efficient_per_rank_exact(gloo_efficient, schedule, claims):
     scenarios = gloo_efficient[schedule]
-    assert len({sc["cfg"] for sc, _ in scenarios}) >= N  # distinct drawn configs
     assert {sc["run"].recompute for sc, _ in scenarios} == {"none", "mlp", "full"}
-    for sc, ranks in scenarios:
-        assert [recs[0]["tp_rank"] for recs in ranks] == [0, 1, 0, 1]  # tp is the inner mesh dim
-        for recs in ranks:
-            assert len(recs) == sc["steps"]
-            for rec in recs:
-                _check_rank(claims, sc, rec)
+    check_scenarios(claims, scenarios)
 
 
 @pytest.mark.distributed

@@ -4,9 +4,9 @@ Pure Python: no torch.
 The mesh: dp ranks, FSDP2 over all of them on every tensor but the experts; the experts split over ep ranks
 (ep divides dp and the experts), ep innermost (consecutive ranks: an ep group stays inside a node whenever ep
 divides the GPUs per node), the experts of one ep group replicated over the dp / ep groups. ep = dp is
-distributed/expert_parallel.py's composition (one 1-D mesh of every rank); ep < dp is priced for the plan only:
-each rank holds the same El = E / ep experts and its expert gradients are averaged over the dp / ep replicas by an
-all-reduce (stride ep).
+distributed/expert_parallel.py's composition (one 1-D mesh of every rank); ep < dp is priced here but neither
+built nor planned (plan_mesh.meshes): each rank holds the same El = E / ep experts and its expert gradients are
+averaged over the dp / ep replicas by an all-reduce (stride ep).
 
 Time of one step of a rank (T = micro-batch x seq tokens, N = T K rows sent, R the rows received: N under the
 balanced histogram, the default):
