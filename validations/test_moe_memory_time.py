@@ -122,14 +122,16 @@ def test_moe_matmul_flops_are_the_calculators():
     assert sum(k.flops * k.count for k in ks if k.phase == "backward") == 2 * moe.flops(CFG, run)
 
 
-def test_plan_plans_moe_with_data_parallelism():
+def test_plan_plans_moe_over_data_and_expert_parallelism():
     rc, out, err = run_cli(["plan", "--hf-config", str(HF_CONFIGS["Qwen3-30B-A3B"]), "--gpu", "H100", "--gpus", "8",
                             "--seq", "2048", "--json"], "moe")
     assert rc == 0, err
     d = json.loads(out)
     assert {c["strategy"] for c in d["candidates"]} == {"ddp", "fsdp"}
     assert {c["recompute"] for c in d["candidates"]} == {"none", "mlp", "full"}  # the efficient block's policies
-    assert d["meshes"] == [] and d["best"]["strategy"] == "fsdp" and d["best"]["fits"]
+    # the meshes an MoE is planned over are expert-parallel in the engine's layout (ep = dp = GPUs), nothing else
+    assert d["meshes"] and all((m["dp"], m["ep"], m["tp"], m["pp"]) == (8, 8, 1, 1) for m in d["meshes"])
+    assert d["best"]["strategy"] == "fsdp" and d["best"]["fits"]
 
 
 @pytest.mark.parametrize("variant", ["efficient", "baseline"])
