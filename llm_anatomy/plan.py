@@ -194,10 +194,13 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
 
         for rc in recomputes:
             refuse_phases(cfg, Run(1, seq, dtype, rc, lean=lean and rc == "none"), variant, what="anatomy plan")
-    rows = []
+    rows, skipped = [], []  # skipped: "strategy, recompute: why", settings whose memory phases are not modelled
     for strategy in strategies:
         for rc in recomputes:
             lb = lean and variant == "efficient" and rc == "none"
+            if why := strategy_unmodelled(cfg, Run(1, seq, dtype, rc, lean=lb), variant, strategy):
+                skipped.append(f"{strategy}, recompute {rc}: {why}")
+                continue
             mk = lambda b: Run(batch=b, seq=seq, dtype=dtype, recompute=rc, lean=lb)  # noqa: E731
             need = lambda b: peak_bytes(cfg, mk(b), variant, gpus_n, strategy, optimizer)  # noqa: E731
             b = largest_fitting(lambda b: need(b) <= budget, max_batch(seq))
@@ -208,6 +211,8 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
             t = accumulated(step_time(cfg, mk(b), variant, gpu, gpus_n, strategy, optimizer, gpus_per_node), accum)
             rows.append(Candidate(strategy, rc, lb, b, need(b), True, t["step_s"], t["comm_exposed_s"],
                                   gpus_n * accum * b * seq / t["step_s"], t["mfu"], accum))
+    if not rows:  # every data-parallel setting runs a path the phases do not model (strategy_unmodelled)
+        raise ConfigError(f"anatomy plan: {skipped[0]} not modelled yet (config {cfg.name})")
     fitting = [r for r in rows if r.fits]
     best = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
     spread = None  # a derived profile's plausible range of the best setting (timing/derived.py)
@@ -235,12 +240,25 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
     if mesh_rows and (best is None or mesh_rows[0]["tokens_per_s"] > best.tokens_per_s):
         winner = dict(mesh_rows[0], budget=token_budget(tokens, mesh_rows[0]["tokens_per_s"], gpus_n))
     return dict(config=cfg.to_dict(), variant=variant, lean=lean and variant == "efficient", gpu=gpu, gpu_entry=entry["name"], gpus=gpus_n,
-                meshes=mesh_rows, mesh_winner=winner, ep_skipped=ep_skipped,
+                meshes=mesh_rows, mesh_winner=winner, ep_skipped=ep_skipped, skipped=skipped,
                 profile_kind=profile_kind(gpu), range=spread, global_batch=global_batch,
                 budget=token_budget(tokens, best.tokens_per_s, gpus_n) if best else None,
                 gpu_rule=gpus.rule(gpu), gpus_per_node=gpus_per_node, seq=seq, dtype=dtype, optimizer=optimizer, margin=margin,
                 capacity_bytes=capacity, capacity_source=capacity_source, budget_bytes=budget,
                 candidates=[asdict(r) for r in rows], best=asdict(best) if best else None)
+
+
+def strategy_unmodelled(cfg: ModelConfig, run: Run, variant: str, strategy: str) -> str | None:
+    """What the memory phases do not model for this data-parallel strategy, in words, or None. FSDP2 computes at
+    its all-gather dtype, amp's bf16 parameters without autocast (calculator/sharding.py): for a mixture of experts
+    with expert biases that is the efficient block's loop-of-mm fallback (calculator/moe.py), which DDP and one
+    GPU, under autocast, do not take."""
+    if not cfg.moe or strategy != "fsdp":
+        return None
+    from llm_anatomy.calculator.moe import phases_unmodelled
+
+    crun = Run(run.batch, run.seq, "bf16" if run.dtype in ("amp", "bf16") else "fp32", run.recompute, lean=run.lean)
+    return phases_unmodelled(cfg, crun, variant)
 
 
 def modelled_policies(cfg: ModelConfig, variant: str, seq: int, dtype: str, lean: bool) -> tuple[str, ...]:

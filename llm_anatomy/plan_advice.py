@@ -40,6 +40,15 @@ def _fits(cfg: ModelConfig, kw: dict) -> dict | None:
     return plan(cfg, **kw)["best"]
 
 
+def _fits_modelled(cfg: ModelConfig, kw: dict) -> dict | None:
+    """_fits, or None where kw asks for what the memory phases do not model (a one-line ConfigError): bf16
+    weights run a mixture of experts with expert biases on the loop-of-mm fallback (calculator/moe.py)."""
+    try:
+        return _fits(cfg, kw)
+    except ConfigError:
+        return None
+
+
 def fewest_gpus(cfg: ModelConfig, kw: dict) -> tuple[int, dict] | None:
     """(the fewest GPUs on which the plan fits, its best candidate), or None up to MAX_GPUS. The per-rank
     peak falls as FSDP shards over more ranks, so the first fitting count is found by doubling, then bisection."""
@@ -88,7 +97,7 @@ def advise(cfg: ModelConfig, out: dict, kw: dict) -> dict:
     found = []
     if (g := fewest_gpus(cfg, kw)) is not None:
         found.append(dict(what=f"the fewest GPUs that fit, {g[0]:,}", changes=dict(gpus_n=g[0], strategies=None), best=g[1]))
-    if kw["dtype"] != "bf16" and (b := _fits(cfg, dict(kw, dtype="bf16"))) is not None:
+    if kw["dtype"] != "bf16" and (b := _fits_modelled(cfg, dict(kw, dtype="bf16"))) is not None:
         found.append(dict(what="bf16 weights (parameters, gradients and optimizer state in bf16)",
                           changes=dict(dtype="bf16"), best=b))
     narrowed = kw.get("recomputes") and set(kw["recomputes"]) != set(POLICIES[kw["variant"]])

@@ -142,6 +142,7 @@ def render(a, out: dict) -> list[str]:
     lines += ["", fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, rows), ""]
     lines += mesh_table(out)
     lines += [f"expert parallel not searched: {x}" for x in out.get("ep_skipped", [])]
+    lines += [f"not planned: {x} not modelled yet" for x in out.get("skipped", [])]
     b = out["best"]
     if b is None and out.get("mesh_winner") is None:
         return lines + no_fit(out) + said_defaults(out)
@@ -240,7 +241,9 @@ def no_fit(out: dict) -> list[str]:
     gib = lambda b: f"{b / GiB:,.2f}"  # noqa: E731
     least = min(out["candidates"], key=lambda c: c["peak_bytes"])
     adv = out["advice"]
-    lines = [f"verdict: predicted OOM: nothing fits. The smallest need is {gib(least['peak_bytes'])} GiB per rank "
+    what = ("predicted OOM: nothing fits" if not out.get("skipped") else
+            "nothing planned fits (the settings not planned above are not modelled, so not ruled out)")
+    lines = [f"verdict: {what}. The smallest need is {gib(least['peak_bytes'])} GiB per rank "
              f"({least['strategy']}, recompute {least['recompute']}, micro-batch 1) against a budget of "
              f"{gib(out['budget_bytes'])} GiB.",
              f"weights, gradients and optimizer state alone: {gib(adv['floor_bytes'])} GiB per rank "

@@ -134,3 +134,21 @@ def test_phases_hypothesis(cfg, policy, batch, seq, claims):
     run = Run(batch, seq, policy)
     for variant in ("baseline", "efficient"):
         _check(claims, cfg, run, variant, "adamw", f"hypothesis {cfg.to_dict()} {run}/{variant}")
+
+
+@pytest.mark.parametrize("recompute", ["none", "mlp", "full"])
+@pytest.mark.parametrize("policy", ["fp32", "amp"])
+@pytest.mark.parametrize("pattern, sinks", [("all", False), ("all", True), ("even", False), ("even", True)])
+def test_efficient_shared_masks_deep_exact(pattern, sinks, policy, recompute, claims):
+    """Six layers over a wide vocabulary, where the backward peak is the embedding's (or the final norm's): the
+    forward's masks are shared by every layer of a kind and freed with the first such layer's SDPA node (under
+    "full" each re-run builds its own), so the peak at the end of backward holds every gradient and no mask: exact."""
+    cfg = ModelConfig(name="deep-masks", hidden=32, layers=6, heads=8, kv_heads=2, head_dim=8, intermediate=32,
+                      vocab=4096, qkv_bias=True, o_bias=True, attn_sinks=sinks, window=5, window_pattern=pattern)
+    run = Run(1, 64, policy, recompute=recompute)
+    meas = {p["name"]: p for p in measure_phases_live(cfg, run, "efficient", optimizer="adamw")}
+    pred = phases(cfg, run, "efficient", optimizer="adamw", device="cpu")
+    assert pred["backward_peak_at"] in ("embedding", "final norm"), pred["backward_peak_at"]
+    claims.check("memory.peak in backward", predicted=pred["backward_peak"], measured=meas["backward"]["peak"],
+                 component="model", variant="efficient", unit="B", config=f"deep-masks/{pattern}/sinks={sinks}/"
+                 f"B1S64/{policy}/{recompute}", note=f"measured after {meas['backward']['peak_op']}")

@@ -200,3 +200,18 @@ def test_calibrated_grouped_rows_fit_the_grouped_fraction():
     bad = dict(base="h200-sxm", measurements=dict(grouped_mm=[dict(rows[0], rows=[1.5, 2])]))
     with pytest.raises(ConfigError, match=r"measurements\.grouped_mm\[0\]\.rows"):
         check_measured(bad, "p.json")
+
+
+def test_plan_names_the_strategies_it_cannot_model():
+    """gpt-oss's expert biases under FSDP2's bf16 gathers (no autocast) take the efficient block's loop of mm, whose
+    memory phases are not modelled: the plan keeps DDP's rows, names FSDP's as not planned, and its verdict does
+    not call that an OOM."""
+    rc, out, err = run_cli(["plan", "--hf-config", str(HF_CONFIGS["gpt-oss-20b"]), "--gpu", "H100", "--gpus", "8",
+                            "--seq", "1024", "--json"], "moe")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert {c["strategy"] for c in d["candidates"]} == {"ddp"}
+    assert d["skipped"] and all(s.startswith("fsdp, recompute ") and "loop-of-mm" in s for s in d["skipped"])
+    rc, text, err = run_cli(["plan", "--hf-config", str(HF_CONFIGS["gpt-oss-20b"]), "--gpu", "H100", "--gpus", "8",
+                             "--seq", "1024"], "moe")
+    assert rc == 0 and "not planned: fsdp" in text and "predicted OOM" not in text, text

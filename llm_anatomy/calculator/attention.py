@@ -143,6 +143,14 @@ def mask_kinds(cfg: ModelConfig, layers=None) -> int:
     return (windowed > 0) + (cfg.attn_sinks and windowed < len(ids))
 
 
+def frees_mask(cfg: ModelConfig, layer: int) -> bool:
+    """Does `layer`'s backward free one of mask_kinds' masks: is it the first layer (in forward order) of its kind,
+    the last whose SDPA node keeps the shared mask? The window patterns repeat every two layers, so the layers
+    before it that can share its kind are at most two."""
+    kind = lambda i: "window" if cfg.windowed(i) else "full" if cfg.attn_sinks else None  # noqa: E731
+    return kind(layer) is not None and all(kind(j) != kind(layer) for j in range(min(layer, 2)))
+
+
 def _sdpa_saved(cfg: ModelConfig, run: Run, device: str, c: str) -> list[Saved]:
     """What the SDPA kernel keeps, per device (read off each backend; see reports/h200/probe_sdpa_h200.json).
     With sinks its q, k, v and output are pad columns wider and k, v one key longer (the sinks' key)."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from llm_anatomy.calculator import backward_baseline, backward_efficient
+from llm_anatomy.calculator.attention import frees_mask
 from llm_anatomy.calculator.allocator import BLOCK, rounded
 from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.types import BYTES, Estimate
@@ -252,14 +253,17 @@ def walked(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[
     g = stages.loss(w)
     g = stages.norm(w, "final norm", g)
     L = cfg.layers
-    if not every_layer and L > WALKED_LAYERS:  # layers L - 1, L - 2 and 1 as one walk of L - 1, then 0
+    # the layers walked one by one at the bottom: 0, and 1 where it frees a shared mask (attention.frees_mask)
+    low = 1 if variant == "efficient" and run.recompute != "full" and L > 1 and frees_mask(cfg, 1) else 0
+    if not every_layer and L > WALKED_LAYERS + low:  # layers L - 1, L - 2 .. low + 1 as one walk of L - 1
         act, grad, first = w.act, w.grad, len(w.rec)
         g = stages.layer(w, L - 1, g)
         d_act, d_grad, end = w.act - act, w.grad - grad, len(w.rec)  # one layer's change, its records
-        for layer, n in ((L - 2, 1), (1, L - 2)):  # n: the layers walked before it
+        for layer, n in ((L - 2, 1), (low + 1, L - 2 - low)):  # n: the layers walked before it
             w.rec.append(_Shifted(first, end, f"layer {L - 1} ", f"layer {layer} ", (n * d_act, n * d_grad)))
-        w.act, w.grad = act + (L - 1) * d_act, grad + (L - 1) * d_grad  # after layer 1
-        g = stages.layer(w, 0, g)
+        w.act, w.grad = act + (L - 1 - low) * d_act, grad + (L - 1 - low) * d_grad  # after layer low + 1
+        for layer in range(low, -1, -1):
+            g = stages.layer(w, layer, g)
     else:
         for layer in range(L - 1, -1, -1):
             g = stages.layer(w, layer, g)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from llm_anatomy.calculator import backward_moe
 from llm_anatomy.calculator import attention_fields
-from llm_anatomy.calculator.attention import qk_norm_saved_efficient, sdpa_o_saved
+from llm_anatomy.calculator.attention import frees_mask, qk_norm_saved_efficient, sdpa_o_saved
 from llm_anatomy.calculator.linear import linears_saved
 from llm_anatomy.calculator.mlp import efficient_saved
 from llm_anatomy.kernel_shapes import rms_norm_programs
@@ -92,7 +92,9 @@ def layer(w, i: int, g: int) -> int:
     w.alloc(ws)
     w.peak(tag + "attention.sdpa")
     w.alloc(-ws, -go, nh * w.p if w.cfg.attn_sinks else 0)  # the sinks' gradient: d(q')'s sink column summed
-    w.free("attention.sdpa.")
+    # the forward's masks are shared by the layers of a kind (frees_mask); a "full" re-run builds its own
+    shared = w.recompute != "full" and not frees_mask(w.cfg, i)
+    w.free("attention.sdpa.", keep=("attention.sdpa.mask",) if shared else ())
     dqkv = T * (nh + 2 * nkv) * hd * c
     whole = w.cfg.qk_norm_whole  # OLMoE's norms run before the plain rope_qkv (attention_fields.py)
     if w.cfg.qk_norm and not whole:
