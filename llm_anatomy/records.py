@@ -79,6 +79,10 @@ def _layout(root: Path) -> dict:
         # claims reports written by the suite (`pytest --claims-report`): the CPU run (gzip -n of the JSON) and
         # the GPU-marked run
         CPU_CLAIMS=reports / "cpu" / "claims.json.gz", GPU_CLAIMS=h200 / "claims-gpu.json",
+        # GPU runs of one part of the suite, each its own run (machine, date, command), read where present beside
+        # the whole-suite run: the MoE live claims (validations/test_moe_live.py) and the mesh code paths on CUDA
+        # (validations/test_mesh_cuda.py), both written by `pytest FILE -m gpu --claims-report PATH`
+        GPU_CLAIMS_PARTS=(h200 / "claims-gpu-moe.json", h200 / "claims-gpu-mesh.json"),
         # scripts/probe_memory.py: phase memory of named and drawn configs, both variants, under two allocator
         # settings; under Run.recompute="mlp" (efficient only); and the lean block (Run.lean)
         MEMORY_PROBE={"expandable segments": (mp / "named.json", mp / "drawn.json"),
@@ -144,6 +148,12 @@ def __getattr__(name: str):
     if name in layout:
         return layout[name]
     raise AttributeError(f"module 'llm_anatomy.records' has no attribute {name!r}")
+
+
+def gpu_claims() -> list[Path]:
+    """The GPU claims reports present: the whole-suite run, then each part's (GPU_CLAIMS_PARTS)."""
+    layout = _layout(root())
+    return [p for p in (layout["GPU_CLAIMS"], *layout["GPU_CLAIMS_PARTS"]) if p.exists()]
 
 
 def step_records(run: str) -> list[Path]:

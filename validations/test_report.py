@@ -231,7 +231,7 @@ def test_load_accepts_the_committed_claims_reports():
     from llm_anatomy import records
     from llm_anatomy.report import load
 
-    assert all(rep["rows"] for rep in load([records.CPU_CLAIMS, records.GPU_CLAIMS]))
+    assert all(rep["rows"] for rep in load([records.CPU_CLAIMS, *records.gpu_claims()]))
 
 
 def test_claims_doc_maps_every_claim_to_a_formula_and_code_that_exist():
@@ -240,7 +240,7 @@ def test_claims_doc_maps_every_claim_to_a_formula_and_code_that_exist():
     from llm_anatomy import records
     from llm_anatomy.report import claims_doc, load
 
-    paths = [records.CPU_CLAIMS, records.GPU_CLAIMS]
+    paths = [records.CPU_CLAIMS, *records.gpu_claims()]
     reports = list(zip(paths, load(paths)))
     assert claims_doc.unmapped(reports) == []
     assert claims_doc.unresolved() == []
@@ -369,4 +369,27 @@ def test_readme_summary_is_rendered_from_the_committed_claims_reports():
 
     block = re.search(r"<!-- results-summary:start -->\n(.*?)\n<!-- results-summary:end -->",
                       (records.ROOT / "README.md").read_text(), re.S)
-    assert block and block.group(1) == summary_table(load([records.CPU_CLAIMS]), load([records.GPU_CLAIMS]))
+    assert block and block.group(1) == summary_table(load([records.CPU_CLAIMS]), load(records.gpu_claims()))
+
+
+def test_a_gpu_part_run_joins_the_gpu_claims(tmp_path):
+    """A GPU run of one part of the suite (records.GPU_CLAIMS_PARTS) is read beside the whole-suite run: its rows in
+    the H200 table and the summary, its own source line (machine, date, command)."""
+    import json
+
+    from llm_anatomy import records
+    from llm_anatomy.cli import main
+
+    cpu = dict(date="2026-12-01", machine={}, command="pytest", rows=[_GOOD_ROW])
+    root = _checkout_copy(tmp_path / "out", claims=json.dumps(cpu).encode())
+    part = dict(date="2026-12-06", machine={"gpu": "NVIDIA H200", "torch": "2.11.0"}, command="pytest part-moe",
+                rows=[dict(_GOOD_ROW, claim="moe part claim", device="cuda")])
+    with records.at(root):
+        path = records.GPU_CLAIMS_PARTS[0]
+        path.write_text(json.dumps(part))
+        assert records.gpu_claims() == [path]
+    assert main(["report", "--root", str(root)]) == 0
+    results, readme = (root / "docs" / "results.md").read_text(), (root / "README.md").read_text()
+    h200 = results.split("<!-- claims-h200:start -->")[1].split("<!-- claims-h200:end -->")[0]
+    assert "| moe part claim | cuda |" in h200 and "2026-12-06: `pytest part-moe`" in h200
+    assert "H200 2026-12-06" in readme

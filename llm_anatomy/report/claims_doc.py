@@ -1,7 +1,7 @@
 """docs/claims.md: every claim -> its formula -> the code it measures -> its test -> its data, in three hops.
 
 The claim names, their tests and their devices come from the claims reports (records.CPU_CLAIMS,
-records.GPU_CLAIMS); formula and code come from FAMILIES below, one entry per family of claims, matched on
+records.gpu_claims()); formula and code come from FAMILIES below, one entry per family of claims, matched on
 the claim's name. A reference is `path:symbol`; `resolve` finds the symbol where the path says, else in the
 same folder (a renamed file), else anywhere under anatomy/ where it is defined once. A claim no entry matches
 is listed with "formula: (unmapped)", and validations/test_report.py fails on it.
@@ -185,15 +185,18 @@ def _test(node: str) -> str:
 
 def claims(reports: list[tuple[Path, dict]]) -> dict[str, dict]:
     """claim -> its devices, check counts, tests, and where its measured side comes from."""
-    out: dict[str, dict] = defaultdict(lambda: dict(devices=set(), checks=0, tests=set(), sources=set()))
+    out: dict[str, dict] = defaultdict(lambda: dict(devices=set(), checks=0, tests=set(), sources=set(), runs=set()))
+    gpu_runs = records.gpu_claims()
     for path, rep in reports:
-        gpu_run = path == records.GPU_CLAIMS
+        gpu_run = path in gpu_runs
         for r in rep["rows"]:
             c = out[r["claim"]]
             c["devices"].add(r["device"])
             c["checks"] += 1
             if r.get("test"):
                 c["tests"].add(_test(r["test"]))
+            if gpu_run:
+                c["runs"].add(records.rel(path))
             c["sources"].add("gpu" if gpu_run else "recorded" if "recorded" in r["device"] or
                              r["device"].startswith("cuda") else "live")
     return out
@@ -227,7 +230,7 @@ def render(reports: list[tuple[Path, dict]]) -> str:
         if "live" in c["sources"]:
             src.append("computed live")
         if "gpu" in c["sources"]:
-            src.append(f"measured live on the GPU (`{records.rel(records.GPU_CLAIMS)}`)")
+            src.append("measured live on the GPU (" + ", ".join(f"`{r}`" for r in sorted(c["runs"])) + ")")
         if "recorded" in c["sources"]:
             src += _data(data) or ["a committed record (unmapped)"]
         lines.append(f"| {name} | {', '.join(sorted(c['devices']))} | {c['checks']:,} | "

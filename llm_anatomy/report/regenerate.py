@@ -49,7 +49,7 @@ def regenerate(root: Path | str = ".") -> list[str]:
 
 
 def _regenerate(root: Path) -> list[str]:
-    claim_paths = [p for p in (records.CPU_CLAIMS, records.GPU_CLAIMS) if p.exists()]
+    claim_paths = [p for p in (records.CPU_CLAIMS,) if p.exists()] + records.gpu_claims()
     claim_reports = load(claim_paths)  # before anything is rendered: a malformed file stops the run here
     docs = {doc: read_readme(root / doc) for doc in (README, RESULTS)}
     done, files = [], {}
@@ -78,7 +78,7 @@ def _regenerate(root: Path) -> list[str]:
 
 def _claims(put, image, files, root, claim_paths, claim_reports) -> None:
     cpu = [r for p, r in zip(claim_paths, claim_reports) if p == records.CPU_CLAIMS]
-    gpu = [r for p, r in zip(claim_paths, claim_reports) if p == records.GPU_CLAIMS]
+    gpu = [r for p, r in zip(claim_paths, claim_reports) if p != records.CPU_CLAIMS]
     if cpu:
         put("claims-cpu", claims_table(cpu))
     if gpu:
