@@ -8,10 +8,8 @@ receives per MoE layer (received_rows: N on every rank under the balanced histog
 skewed one, every token to experts 0..K-1, which is the worst rank of any routing). Each tensor is rounded to the
 allocator's 512-byte blocks on device "cuda" and counted at its storage bytes on "cpu" (what live storage counts).
 
-Phase boundaries of a step after the first (the optimizer state exists), exact on gloo for dp = ep (validations/
-test_ep_memory.py), under every dtype and recompute the engine runs; for dp > ep the state's parameter, gradient
-and optimizer bytes are the engine's exactly (calculator/expert_parallel.rank_memory, validations/
-test_expert_parallel_dp.py) and the rest of each boundary follows the same rules, not measured on gloo:
+Phase boundaries of a step after the first (the optimizer state exists), exact on gloo (validations/
+test_ep_memory.py for dp = ep, test_ep_memory_dp.py for dp > ep), under every dtype and recompute the engine runs:
   state           parameters: FSDP2's padded dim-0 shards of every non-expert tensor, each its own storage, and the
                   El local experts' rows of each stacked tensor (dp > ep: their padded dim-0 shards over efsdp,
                   each its own storage; fp32 under amp too, FSDP2's shards); optimizer state: AdamW's two moments and a step per

@@ -22,8 +22,8 @@ efsdp group of g strides ep).
               and reduce-scattered after. A rank's expert gradient before the reduce-scatter sums what every rank
               of its ep group routed there (the all-to-alls' backward); the reduce-scatter sums that over efsdp,
               and FSDP2's own set_gradient_divide_factor(world) divides by world: the mean over every rank's
-              tokens, what one process takes. No hook: FSDP2 owns these gradients. gloo has no PREMUL_SUM, so on
-              gloo set_force_sum_reduction_for_comms(True) makes it a SUM reduce-scatter and a division of the
+              tokens, what one process takes. No hook: FSDP2 owns these gradients. gloo has no PREMUL_SUM, so on a
+              CPU mesh (gloo) set_force_sum_reduction_for_comms(True) makes it a SUM reduce-scatter and a division of the
               output (FSDP2's post-divide); on NCCL FSDP2 reduces with PREMUL_SUM(1 / world).
   the rest    FSDP2 on every Block and the root over the flattened mesh (DeviceMesh._flatten("dp"), torch 2.13:
               one 1-D mesh of every rank, its own process group), so every other parameter is sharded over world.
@@ -130,7 +130,6 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_for
     everything else over every rank (module docstring). The weights must be the same on every rank. amp: FSDP2's
     MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters) on the rest; ep = world: the experts stay fp32 and
     Experts.forward casts them to the router's bf16; ep < world: the experts' FSDP2 unit takes the same policy."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
@@ -146,12 +145,12 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_for
         for p in ignored:  # the mean over ranks FSDP2 takes of every other gradient
             p.register_hook(lambda g, ep=mesh.size(): g / ep)
     else:
-        gloo = dist.get_backend(mesh[EFSDP_DIM].get_group()) == "gloo"
+        cpu = mesh.device_type == "cpu"  # gloo's, whatever its options: no PREMUL_SUM
         for block in model.layers:
             experts = fully_shard(block.mlp.experts, mesh=mesh[EFSDP_DIM], reshard_after_forward=reshard_after_forward,
                                   mp_policy=mp)
             experts.set_gradient_divide_factor(float(mesh.size()))  # the mean over every rank's tokens
-            if gloo:  # gloo has no PREMUL_SUM: a SUM reduce-scatter, then FSDP2 divides the output
+            if cpu:  # gloo has no PREMUL_SUM: a SUM reduce-scatter, then FSDP2 divides the output
                 experts.set_force_sum_reduction_for_comms(True)
     for block in model.layers:
         fully_shard(block, mesh=dp, reshard_after_forward=reshard_after_forward, mp_policy=mp,
