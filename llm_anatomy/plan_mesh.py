@@ -57,7 +57,8 @@ def meshes(cfg: ModelConfig, gpus_n: int, gpus_per_node: int) -> list[mesh_model
     the experts, largest first, the layouts the engine runs (distributed/expert_parallel.py: ep = dp its 1-D
     composition, ep < dp the (efsdp, ep) mesh, the experts FSDP2-sharded over efsdp = dp / ep)."""
     if cfg.moe:
-        return [mesh_model.Mesh(gpus_n, ep=ep) for ep in reversed(_divisors(gpus_n)) if ep > 1 and cfg.experts % ep == 0]
+        return [mesh_model.Mesh(gpus_n, ep=ep) for ep in reversed(_divisors(gpus_n))
+                if ep > 1 and cfg.experts % ep == 0]
     out = []
     for tp in _divisors(min(gpus_per_node, gpus_n)):
         if gpus_n % tp or cfg.heads % tp or cfg.kv_heads % tp or cfg.intermediate % tp or (cfg.moe and tp > 1):

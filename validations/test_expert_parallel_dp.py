@@ -44,8 +44,8 @@ def _scenarios() -> dict[str, dict]:
            for i, c in enumerate(draw_examples(ep_cases(EP), N_DRAWS, seed_=5800))}
     for i, c in enumerate(draw_examples(ep_cases(EP), N_POLICY_DRAWS, seed_=5900)):
         d, r = POLICIES[i % len(POLICIES)]
-        out[f"draw-policy-{i}"] = dict(c, run=replace(c["run"], dtype=d, recompute=r), route=ROUTES[i // len(POLICIES) % 2],
-                                       ep=EP)
+        out[f"draw-policy-{i}"] = dict(c, run=replace(c["run"], dtype=d, recompute=r),
+                                       route=ROUTES[i // len(POLICIES) % 2], ep=EP)
     out.update({f"grads-{c.name}-{p}": dict(kind="grads", cfg=c, run=run, ep=EP) for c in GRAD_CFGS
                 for p, run in GRAD_RUNS.items()})
     out[f"grads-{PAD_CFG.name}-fp32-none"] = dict(kind="grads", cfg=PAD_CFG, run=GRAD_RUN, ep=EP)

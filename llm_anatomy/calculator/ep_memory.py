@@ -12,8 +12,8 @@ Phase boundaries of a step after the first (the optimizer state exists), exact o
 test_ep_memory.py for dp = ep, test_ep_memory_dp.py for dp > ep), under every dtype and recompute the engine runs:
   state           parameters: FSDP2's padded dim-0 shards of every non-expert tensor, each its own storage, and the
                   El local experts' rows of each stacked tensor (dp > ep: their padded dim-0 shards over efsdp,
-                  each its own storage; fp32 under amp too, FSDP2's shards); optimizer state: AdamW's two moments and a step per
-                  tensor (of the shards' real rows, calculator/sharding.py), SGD none; the (B, S) int64 ids and
+                  each its own storage; fp32 under amp too, FSDP2's shards); optimizer state: AdamW's two moments and
+                  a step per tensor (of the shards' real rows, calculator/sharding.py), SGD none; the (B, S) int64 ids and
                   targets; the DeviceMesh's rank tensor (dp int32: the DTensors keep the mesh alive; the (efsdp, ep)
                   mesh, its sub-meshes and its flattened one share it). All in the
                   storage dtype: fp32 under amp (FSDP2's MixedPrecisionPolicy keeps fp32 shards, the ignored experts
@@ -152,11 +152,11 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
                 those) and every gradient of the rank, FSDP2's buffers (two Blocks' gathered parameters where there
                 are two, a unit's reduce-scatter input, twice on CPU where gloo reduces a copy, a unit's bf16
                 casts under amp; dp > ep: the experts unit's gathered parameters beside the Blocks', and its
-                reduce-scatter input among the units'), the router's (T, E) tensors the local view prices at El columns, the MoE
-                backward's transients on the rows past the local view's (moe_transients); under recompute one
-                layer's tensors made again (as in forward) beside the largest of the backward's,
-                the re-run's MoE and, under "full", the re-run block's transients; under amp a local expert
-                tensor's bf16 cast gradient and the fp32 one the ep hook divides (_expert_cast_grads; dp = ep). The local
+                reduce-scatter input among the units'), the router's (T, E) tensors the local view prices at El
+                columns, the MoE backward's transients on the rows past the local view's (moe_transients); under
+                recompute one layer's tensors made again (as in forward) beside the largest of the backward's, the
+                re-run's MoE and, under "full", the re-run block's transients; under amp a local expert tensor's
+                bf16 cast gradient and the fp32 one the ep hook divides (_expert_cast_grads; dp = ep). The local
                 view runs as the rank computes (expert_parallel.compute_run: amp as bf16, FSDP2's unsharded
                 gradients being bf16), under the run's recompute; under amp its walk's gradients count every
                 layer's local expert gradients at fp32 (_expert_grads_fp32; dp = ep: for dp > ep they are FSDP2's

@@ -23,8 +23,8 @@ efsdp group of g strides ep).
               of its ep group routed there (the all-to-alls' backward); the reduce-scatter sums that over efsdp,
               and FSDP2's own set_gradient_divide_factor(world) divides by world: the mean over every rank's
               tokens, what one process takes. No hook: FSDP2 owns these gradients. gloo has no PREMUL_SUM, so on a
-              CPU mesh (gloo) set_force_sum_reduction_for_comms(True) makes it a SUM reduce-scatter and a division of the
-              output (FSDP2's post-divide); on NCCL FSDP2 reduces with PREMUL_SUM(1 / world).
+              CPU mesh (gloo) set_force_sum_reduction_for_comms(True) makes it a SUM reduce-scatter and a division
+              of the output (FSDP2's post-divide); on NCCL FSDP2 reduces with PREMUL_SUM(1 / world).
   the rest    FSDP2 on every Block and the root over the flattened mesh (DeviceMesh._flatten("dp"), torch 2.13:
               one 1-D mesh of every rank, its own process group), so every other parameter is sharded over world.
 
