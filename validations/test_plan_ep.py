@@ -175,3 +175,13 @@ def test_plan_speed(gpus, limit):
         return time.perf_counter() - t0
     best = min(once() for _ in range(3))
     assert best < limit, f"{best:.2f} s"
+
+
+def test_mixtral_on_16_gpus_wins_with_ep_below_dp():
+    """16 GPUs do not divide Mixtral's 8 experts, so only ep < dp plans EP: dp 16 x ep 8 keeps the all-to-alls on
+    NVLink, gathers the experts over 2 ranks, and beats data parallelism (docs/planning.md's figures)."""
+    out = plan(MIXTRAL, gpu="H100", seq=1024, gpus_n=16, dtype="bf16")
+    w = out["mesh_winner"]
+    assert w is not None and (w["dp"], w["ep"]) == (16, 8) and w["tokens_per_s"] > out["best"]["tokens_per_s"]
+    run = Run(batch=w["micro_batch"], seq=1024, dtype="bf16", recompute=w["recompute"])
+    assert w["peak_bytes"] == ep_phases(MIXTRAL, run, 8, dp=16, device="cuda")["peak"] <= out["budget_bytes"]
