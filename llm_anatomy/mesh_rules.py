@@ -172,12 +172,15 @@ def check_pipeline(cfg: ModelConfig, run: Run, pp: int, dp: int, schedule: str, 
     return stage_sizes(cfg.layers, pp, virtual, split)
 
 
-def check_ep(cfg: ModelConfig, run: Run, ep: int, variant: str = "efficient") -> None:
-    """ConfigError (one line, naming the field) for expert parallel over ep ranks that is not run or modelled
-    (llm_anatomy.distributed.expert_parallel, llm_anatomy.calculator.expert_parallel)."""
+def check_ep(cfg: ModelConfig, run: Run, ep: int, variant: str = "efficient", world: int | None = None) -> None:
+    """ConfigError (one line, naming the field) for expert parallel over ep of `world` ranks (world None: ep = world)
+    that is not run or modelled (llm_anatomy.distributed.expert_parallel, llm_anatomy.calculator.expert_parallel):
+    ep divides the experts and the world; ep < world is the (efsdp, ep) mesh, efsdp = world / ep."""
     if variant != "efficient":
         raise ConfigError(f"expert parallel runs the efficient variant's MoE block, not {variant!r}")
     if not cfg.moe:
         raise ConfigError(f"expert parallel needs a mixture-of-experts config ({cfg.name} has experts=0)")
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or cfg.experts % ep:
         raise ConfigError(f"ep must be a positive divisor of experts={cfg.experts}, got {ep!r}")
+    if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < ep or world % ep):
+        raise ConfigError(f"ep={ep} must divide the world size (the ranks FSDP2 shards over), got world={world!r}")

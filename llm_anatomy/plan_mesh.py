@@ -53,11 +53,12 @@ def _divisors(n: int) -> list[int]:
 
 def meshes(cfg: ModelConfig, gpus_n: int, gpus_per_node: int) -> list[mesh_model.Mesh]:
     """Every dp x tp x pp mesh of gpus_n GPUs the model can be split over, except plain data parallelism; for a
-    mixture of experts the expert-parallel mesh instead: ep = dp = gpus_n where it divides the experts, the layout
-    the engine runs (distributed/expert_parallel.py: FSDP2 over the same ranks). Experts replicated over dp / ep
-    groups (ep < dp) are not built, so not planned."""
+    mixture of experts the expert-parallel meshes instead: dp = gpus_n and every ep >= 2 dividing both the GPUs and
+    the experts, largest first, the layouts the engine runs (distributed/expert_parallel.py: ep = dp its 1-D
+    composition, ep < dp the (efsdp, ep) mesh, the experts FSDP2-sharded over efsdp = dp / ep)."""
     if cfg.moe:
-        return [mesh_model.Mesh(gpus_n, ep=gpus_n)] if gpus_n > 1 and cfg.experts % gpus_n == 0 else []
+        return [mesh_model.Mesh(gpus_n, ep=ep) for ep in reversed(_divisors(gpus_n))
+                if ep > 1 and cfg.experts % ep == 0]
     out = []
     for tp in _divisors(min(gpus_per_node, gpus_n)):
         if gpus_n % tp or cfg.heads % tp or cfg.kv_heads % tp or cfg.intermediate % tp or (cfg.moe and tp > 1):
@@ -153,7 +154,7 @@ def ep_refusals(cfg: ModelConfig, gpus_n: int, seq: int, dtype: str, variant: st
 
     eps = [m.ep for m in meshes(cfg, gpus_n, gpus_n)] if cfg.moe else []
     if not cfg.moe or not eps:
-        return [] if not cfg.moe else [f"ep = --gpus {gpus_n} does not divide experts={cfg.experts}"]
+        return [] if not cfg.moe else [f"no ep >= 2 divides both --gpus {gpus_n} and experts={cfg.experts}"]
     why = []
     for rc in recomputes:
         run = Run(batch=1, seq=seq, dtype=dtype, recompute=rc)  # ep builds the plain block (search's lb)

@@ -63,14 +63,15 @@ def ep_cases(draw, ep: int) -> dict:
                 route=draw(st.sampled_from(["balanced", "skewed"])))
 
 
-def _grads(cfg: ModelConfig, run: Run) -> dict:
-    """One step on this rank: its loss, and every gradient whole (FSDP's gathered, the experts' local rows)."""
+def _grads(cfg: ModelConfig, run: Run, ep: int | None = None) -> dict:
+    """One step on this rank (expert parallel over ep ranks, every rank by default): its loss, and every gradient
+    whole (FSDP's gathered; the experts' local rows, gathered over efsdp where ep < world)."""
     import torch.distributed as dist
 
     from llm_anatomy.distributed.expert_parallel import build
     from llm_anatomy.models import make_batch
 
-    model, _ = build(cfg, run, seed=0)
+    model, _ = build(cfg, run, seed=0, ep=ep)
     ids, targets = make_batch(cfg, run, seed=1 + dist.get_rank())
     loss = model(ids, targets)
     loss.backward()

@@ -66,12 +66,14 @@ def link(gpu: str, world: int, gpus_per_node: int = 8) -> dict:
     return dict(slow, name=f"{slow['name']} (across nodes)", alpha_us=e["alpha_inter_us"])
 
 
-def collective_time(op: str, nbytes: int, world: int, gpu: str = "h200-sxm", gpus_per_node: int = 8) -> float:
+def collective_time(op: str, nbytes: int, world: int, gpu: str = "h200-sxm", gpus_per_node: int = 8,
+                    span: int | None = None) -> float:
     """Seconds of one collective: alpha + bytes x bus factor / link bandwidth (alpha-beta model), over
-    the ring's slowest link (link())."""
+    the ring's slowest link (link()). span: the consecutive ranks the group's ring covers (a strided group, as
+    expert parallel's efsdp, covers more than its world), world by default."""
     if world == 1:
         return 0.0
-    lk = link(gpu, world, gpus_per_node)
+    lk = link(gpu, world if span is None else span, gpus_per_node)
     return lk["alpha_us"] * 1e-6 + nbytes * bus_factor(op, world) / (lk["GBps"] * 1e9)
 
 
@@ -165,8 +167,9 @@ def overlap(strategy: str, rows: list[dict], world: int, compute_s: dict, gpu: s
     ends); warm-up broadcasts are exposed. FSDP: the root's forward all-gather has nothing to hide
     behind; Block all-gathers are prefetched under forward (and backward) compute; the root's
     reduce-scatter runs after the last gradient. exposed = those tails + whatever comm exceeds the
-    compute of its phase."""
-    t = [(r, collective_time(r["op"], r["bytes_each"], world, gpu, gpus_per_node)) for r in rows]
+    compute of its phase. A row may carry its own group: "world" (its ranks) and "span" (collective_time's)."""
+    t = [(r, collective_time(r["op"], r["bytes_each"], r.get("world", world), gpu, gpus_per_node, r.get("span")))
+         for r in rows]
     total = sum(x * r["count"] for r, x in t)
     fwd_c, bwd_c = compute_s["forward"], compute_s["backward"]
     if strategy == "ddp":

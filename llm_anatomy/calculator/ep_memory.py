@@ -1,5 +1,6 @@
-"""The memory phases of one rank under expert parallel over ep ranks, FSDP2 over the same ranks on the rest
-(llm_anatomy/distributed/expert_parallel.py). Pure Python: no torch.
+"""The memory phases of one rank under expert parallel over ep of dp ranks, FSDP2 over all dp ranks on the rest
+(llm_anatomy/distributed/expert_parallel.py; dp = ep is its 1-D composition, dp > ep its (efsdp, ep) mesh, efsdp =
+dp / ep, each ep rank's experts FSDP2-sharded over efsdp). Pure Python: no torch.
 
 Notation as calculator/expert_parallel.py's: T = batch x seq tokens per rank, K experts per token, N = T K rows
 a rank sends per MoE layer, E experts, El = E / ep per rank, c the compute dtype's bytes, R_d the rows rank d
@@ -8,11 +9,13 @@ skewed one, every token to experts 0..K-1, which is the worst rank of any routin
 allocator's 512-byte blocks on device "cuda" and counted at its storage bytes on "cpu" (what live storage counts).
 
 Phase boundaries of a step after the first (the optimizer state exists), exact on gloo (validations/
-test_ep_memory.py), under every dtype and recompute the engine runs:
+test_ep_memory.py for dp = ep, test_ep_memory_dp.py for dp > ep), under every dtype and recompute the engine runs:
   state           parameters: FSDP2's padded dim-0 shards of every non-expert tensor, each its own storage, and the
-                  El local experts' rows of each stacked tensor; optimizer state: AdamW's two moments and a step per
-                  tensor (of the shards' real rows, calculator/sharding.py), SGD none; the (B, S) int64 ids and
-                  targets; the DeviceMesh's rank tensor (ep int32: the DTensors keep the mesh alive). All in the
+                  El local experts' rows of each stacked tensor (dp > ep: their padded dim-0 shards over efsdp,
+                  each its own storage; fp32 under amp too, FSDP2's shards); optimizer state: AdamW's two moments and
+                  a step per tensor (of the shards' real rows, calculator/sharding.py), SGD none; the (B, S) int64 ids and
+                  targets; the DeviceMesh's rank tensor (dp int32: the DTensors keep the mesh alive; the (efsdp, ep)
+                  mesh, its sub-meshes and its flattened one share it). All in the
                   storage dtype: fp32 under amp (FSDP2's MixedPrecisionPolicy keeps fp32 shards, the ignored experts
                   stay fp32), bf16 under bf16
   forward end     state + every tensor the rank saves for backward (expert_parallel.moe_saved on R_d rows and El
@@ -23,8 +26,9 @@ test_ep_memory.py), under every dtype and recompute the engine runs:
                   loss (an fp32 scalar) + the root's unsharded parameters in the all-gather dtype (bf16 under amp:
                   FSDP2 does not reshard the root after forward)
   backward end    state + the gradients: one flat reduce-scatter output per FSDP unit (the padded shards, in the
-                  storage dtype: amp reduces in fp32) and the local experts' gradients (fp32 under amp: they come
-                  back through the casts), each its own tensor; every bf16 buffer (gathered parameters, unsharded
+                  storage dtype: amp reduces in fp32) and the local experts' gradients (dp = ep: each its own
+                  tensor, fp32 under amp, back through the casts; dp > ep: the experts unit's flat reduce-scatter
+                  output, its padded shards); every bf16 buffer (gathered parameters, unsharded
                   gradients, the casts and their gradients) is gone
   optimizer end   the gradients set to None: state
 The step's peak is an upper bound (peak_bound below), stated with its measured slack in the test.
@@ -64,7 +68,8 @@ def _units(cfg: ModelConfig, run: Run, ep: int, rank: int, rnd) -> dict:
     return out
 
 
-def _saved(cfg: ModelConfig, run: Run, ep: int, rank: int, hist, rnd, layers: int | None = None) -> dict[str, int]:
+def _saved(cfg: ModelConfig, run: Run, ep: int, rank: int, hist, rnd, layers: int | None = None,
+           world: int | None = None) -> dict[str, int]:
     """{component: bytes} the rank saves for backward, each tensor rounded (without the ids and targets, which are
     the inputs themselves): expert_parallel.saved's rule (the one-process efficient model's as the rank computes it,
     under amp each Block's bf16 copy of the fp32 RoPE tables, "moe" from moe_saved; under recompute the
@@ -82,7 +87,7 @@ def _saved(cfg: ModelConfig, run: Run, ep: int, rank: int, hist, rnd, layers: in
 
     out = {}
     for name, comp in estimate(cfg, ep_calc.compute_run(run), "efficient", device="cpu").components.items():
-        ss = ep_calc.moe_saved(cfg, run, ep, rank, hist, "cpu") if name == "moe" else comp.saved
+        ss = ep_calc.moe_saved(cfg, run, ep, rank, hist, "cpu", world) if name == "moe" else comp.saved
         out[name] = sum(size(s) for s in ss if s.name not in INPUTS)
     return out
 
@@ -99,26 +104,26 @@ def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, 
               device: str = "cuda", dp: int | None = None) -> dict:
     """Bytes rank `rank` holds at each phase boundary of a training step after the first, and the step's peak (an
     upper bound: peak_bound). run is the rank's batch; hist as expert_parallel.received_rows takes it (None:
-    balanced). dp: the ranks FSDP2 shards the rest over, ep by default (the engine's composition); a multiple of
-    ep prices the planner's replicated expert groups (calculator/ep_mesh.py), rank then the FSDP rank."""
-    ep_calc.check(cfg, run, ep, rank if dp is None else 0)
+    balanced). dp: the ranks FSDP2 shards the rest over, ep by default (the engine's 1-D composition); a multiple of
+    ep is the (efsdp, ep) mesh, efsdp = dp / ep, rank then the global rank (its ep rank rank % ep)."""
+    world = None if dp is None or dp == ep else dp  # the (efsdp, ep) mesh when dp > ep
+    ep_calc.check(cfg, run, ep, rank, world)
     check_modelled(run)
     dp = ep if dp is None else dp
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp % ep or not 0 <= rank < dp:
-        raise ConfigError(f"dp={dp!r} must be a multiple of ep={ep}, and rank={rank!r} in [0, dp)")
     rnd = _rounder(device)
     pb = BYTES[param_dtype_name(run)]
     u = _units(cfg, run, dp, rank, rnd)
     L = cfg.layers
-    experts = [prod(s) for _, s in ep_calc.local_experts(cfg, ep)]
-    params = u["root"]["P"] + L * u["block"]["P"] + L * sum(rnd(n * pb) for n in experts)
-    grads = u["root"]["S"] + L * u["block"]["S"] + L * sum(rnd(n * pb) for n in experts)
+    own = ep_calc.expert_shards(cfg, ep, world, rank)  # (held, padded) elements per local expert tensor
+    params = u["root"]["P"] + L * u["block"]["P"] + L * sum(rnd(pa * pb) for _, pa in own)
+    experts_grads = sum(rnd(pa * pb) for _, pa in own) if world is None else rnd(sum(pa for _, pa in own) * pb)
+    grads = u["root"]["S"] + L * u["block"]["S"] + L * experts_grads
     opt = sum(_state(optimizer, n, pb, rnd) for n in u["root"]["n"]) + L * sum(
-        _state(optimizer, n, pb, rnd) for n in u["block"]["n"] + experts)
+        _state(optimizer, n, pb, rnd) for n in u["block"]["n"] + [lo for lo, _ in own])
     inputs = 2 * rnd(8 * run.tokens)
     mesh = rnd(MESH_RANK_BYTES * dp)
     base = params + opt + inputs + mesh
-    saved = _saved(cfg, run, ep, rank % ep, hist, rnd)
+    saved = _saved(cfg, run, ep, rank, hist, rnd, world=world)
     fwd_end = base + sum(saved.values()) + rnd(4) + u["root"]["G"]
     out = dict(params=params, grads=grads, optimizer=opt, inputs=inputs, mesh=mesh, saved=saved,
                gathered=u["root"]["G"], received=ep_calc.received_rows(cfg, run, ep, hist)[rank % ep],
@@ -127,14 +132,14 @@ def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, 
     return out
 
 
-
 def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict, u: dict, device: str,
                hist=None) -> dict:
     """The step's peak on the rank, an upper bound: the largest of three candidates, each the exact bytes it starts
     from plus the transients of the one-process efficient model on the rank's local view (local_view: El experts,
     min(K, El) per token, the same T tokens, memory.phases with optimizer None) and of the rows it receives:
       forward   forward end + one Block's gathered parameters and all-gather buffer twice where there are two
-                Blocks (the Block running and the one prefetched) + a unit's all-gather inputs cast to bf16 (amp)
+                Blocks (the Block running and the one prefetched; dp > ep: the experts unit's too, as many) + a
+                unit's all-gather inputs cast to bf16 (amp)
                 + the largest of the loss's transients (the one-process forward peak over its forward end on CUDA;
                 on CPU, where that is not modelled, three (T, V) fp32 tensors: the logits, their exp and their
                 gradient), the MoE block's on R_d rows (moe_transients) and, under recompute, one layer's tensors
@@ -146,14 +151,16 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
                 walk's stages (every gradient autograd has made by then, unsharded: FSDP2's unsharded gradients are
                 those) and every gradient of the rank, FSDP2's buffers (two Blocks' gathered parameters where there
                 are two, a unit's reduce-scatter input, twice on CPU where gloo reduces a copy, a unit's bf16
-                casts under amp), the router's (T, E) tensors the local view prices at El columns, the MoE
-                backward's transients on the rows past the local view's (moe_transients); under recompute one
-                layer's tensors made again (as in forward) beside the largest of the backward's,
-                the re-run's MoE and, under "full", the re-run block's transients; under amp a local expert
-                tensor's bf16 cast gradient and the fp32 one the ep hook divides (_expert_cast_grads). The local
+                casts under amp; dp > ep: the experts unit's gathered parameters beside the Blocks', and its
+                reduce-scatter input among the units'), the router's (T, E) tensors the local view prices at El
+                columns, the MoE backward's transients on the rows past the local view's (moe_transients); under
+                recompute one layer's tensors made again (as in forward) beside the largest of the backward's, the
+                re-run's MoE and, under "full", the re-run block's transients; under amp a local expert tensor's
+                bf16 cast gradient and the fp32 one the ep hook divides (_expert_cast_grads; dp = ep). The local
                 view runs as the rank computes (expert_parallel.compute_run: amp as bf16, FSDP2's unsharded
                 gradients being bf16), under the run's recompute; under amp its walk's gradients count every
-                layer's local expert gradients at fp32 (_expert_grads_fp32);
+                layer's local expert gradients at fp32 (_expert_grads_fp32; dp = ep: for dp > ep they are FSDP2's
+                bf16 unsharded gradients, as the walk prices them);
       optimizer backward end + the optimizer step's temporaries (torch's per-tensor AdamW on CPU: two of the
                 largest local tensor; fused AdamW on CUDA: none)."""
     from llm_anatomy.calculator.memory import _block_forward_peak, phases
@@ -166,29 +173,47 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
             else 3 * rnd(T * cfg.vocab * 4))
     fwd_moe, bwd_moe = moe_transients(cfg, run, ep, ph["received"], rnd)
     blk, root = u["block"], u["root"]
+    world = None if dp == ep else dp
+    ex = _expert_unit(cfg, run, ep, world, rnd)
     held = min(2, cfg.layers)  # the Block running and the one prefetched
-    cast = max(root["C"], blk["C"])  # amp: a unit's all-gather inputs cast to bf16
+    cast = max(root["C"], blk["C"], ex["C"])  # amp: a unit's all-gather inputs cast to bf16
     # recompute: one layer's tensors made again inside its checkpoint (held through the block's backward: every
     # component the checkpoint changes, whole) beside the larger of the re-run's transients and the backward's
     layer = region = 0
     if run.recompute != "none":
-        kept = _saved(cfg, run, ep, rank % ep, hist, rnd, layers=1)
-        remade = _saved(cfg, replace(run, recompute="none"), ep, rank % ep, hist, rnd, layers=1)
+        kept = _saved(cfg, run, ep, rank, hist, rnd, layers=1, world=world)
+        remade = _saved(cfg, replace(run, recompute="none"), ep, rank, hist, rnd, layers=1, world=world)
         layer = sum(b for name, b in remade.items() if b != kept[name])
         region = _block_forward_peak(local, crun, device, rnd) if run.recompute == "full" else 0
-    forward = (ph["forward_end"] + held * (blk["G"] + blk["F"]) + cast
+    forward = (ph["forward_end"] + held * (blk["G"] + blk["F"] + ex["G"] + ex["F"]) + cast
                + max(loss, fwd_moe + layer, layer + region))
     copy = 2 if device == "cpu" else 1
-    fsdp = held * blk["G"] + copy * max(root["R"], blk["R"]) + cast
+    fsdp = held * (blk["G"] + ex["G"]) + copy * max(root["R"], blk["R"], ex["R"]) + cast
     router = 4 * rnd(T * E * 4)
     walk = max(st["by_kind"]["gradient / backward buffer"] for st in one["backward_stages"])
-    grads = max(walk + _expert_grads_fp32(cfg, run, ep, rnd), ph["grads"])
+    grads = max(walk + (_expert_grads_fp32(cfg, run, ep, rnd) if world is None else 0), ph["grads"])
     backward = (ph["optimizer_end"] + ph["gathered"] + sum(ph["saved"].values()) + rnd(4) + grads + fsdp + router
-                + layer + max(bwd_moe, fwd_moe if layer else 0, region) + _expert_cast_grads(cfg, run, ep, rnd))
+                + layer + max(bwd_moe, fwd_moe if layer else 0, region)
+                + (_expert_cast_grads(cfg, run, ep, rnd) if world is None else 0))
     optimizer = ph["backward_end"] + _optimizer_temporaries(cfg, run, ep, dp, rank, device, rnd)
     cands = dict(forward=forward, backward=backward, optimizer=optimizer)
     at = max(cands, key=cands.get)
     return dict(peak=cands[at], peak_at=at, peak_candidates=cands)
+
+
+def _expert_unit(cfg: ModelConfig, run: Run, ep: int, world: int | None, rnd) -> dict:
+    """One block's experts unit's FSDP2 buffers (dp > ep; zeros when world is None), as _units gives a unit's: G
+    the unsharded parameters and F the all-gather's flat output in the all-gather dtype, C its inputs' bf16 casts
+    (amp), R the reduce-scatter's flat input in the reduce dtype; f = efsdp ranks."""
+    from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes
+
+    if world is None:
+        return dict(G=0, F=0, C=0, R=0)
+    f, pb, dts = ep_calc.efsdp_of(ep, world), BYTES[param_dtype_name(run)], fsdp_dtypes(run)
+    ag, rs = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]]
+    pads = [shard_numel(s, f, 0)[1] for _, s in ep_calc.local_experts(cfg, ep)]
+    return dict(G=sum(rnd(f * pa * ag) for pa in pads), F=rnd(f * sum(pads) * ag),
+                C=sum(rnd(pa * ag) for pa in pads) if ag != pb else 0, R=rnd(f * sum(pads) * rs))
 
 
 def _expert_grads_fp32(cfg: ModelConfig, run: Run, ep: int, rnd) -> int:
@@ -246,5 +271,5 @@ def _optimizer_temporaries(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: i
     if device != "cpu":
         return 0
     largest = max([lo for _, shapes in ep_calc.units(cfg) for _, s in shapes for lo in [shard_numel(s, dp, rank)[0]]]
-                  + [prod(s) for _, s in ep_calc.local_experts(cfg, ep)])
+                  + [lo for lo, _ in ep_calc.expert_shards(cfg, ep, None if dp == ep else dp, rank)])
     return 2 * rnd(largest * BYTES[param_dtype_name(run)])

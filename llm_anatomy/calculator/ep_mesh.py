@@ -1,12 +1,11 @@
 """One rank of an expert-parallel mesh as `anatomy plan` prices it: its step time and its heaviest rank's peak.
 Pure Python: no torch.
 
-The mesh: dp ranks, FSDP2 over all of them on every tensor but the experts; the experts split over ep ranks
-(ep divides dp and the experts), ep innermost (consecutive ranks: an ep group stays inside a node whenever ep
-divides the GPUs per node), the experts of one ep group replicated over the dp / ep groups. ep = dp is
-distributed/expert_parallel.py's composition (one 1-D mesh of every rank); ep < dp is priced here but neither
-built nor planned (plan_mesh.meshes): each rank holds the same El = E / ep experts and its expert gradients are
-averaged over the dp / ep replicas by an all-reduce (stride ep).
+The mesh, distributed/expert_parallel.py's: dp ranks, FSDP2 over all of them on every tensor but the experts; the
+experts split over ep ranks (ep divides dp and the experts), ep innermost (consecutive ranks: an ep group stays
+inside a node whenever ep divides the GPUs per node). ep = dp is the 1-D composition; ep < dp the 2-D mesh
+(efsdp, ep), efsdp = dp / ep: each ep rank's El = E / ep experts FSDP2-sharded over its efsdp group (ranks ep apart,
+spanning (efsdp - 1) ep + 1 consecutive ranks: one node only when dp fits in one).
 
 Time of one step of a rank (T = micro-batch x seq tokens, N = T K rows sent, R the rows received: N under the
 balanced histogram, the default):
@@ -23,11 +22,12 @@ balanced histogram, the default):
   host sync      per MoE layer, forward: the split sizes are read on the host (all_to_all takes ints), so the
                  launch queue drains; the GPU then idles while the host issues the next op: the profile's host_op_s
                  + launch_s
-  FSDP2          expert_parallel.collectives' FSDP rows (the units without the experts), overlapped with the
-                 compute by comm.overlap's FSDP rule
-  expert sync    ep < dp: one all-reduce of the local expert gradients over dp / ep ranks, exposed
-  optimizer      the whole model's optimizer time / dp (each rank steps 1 / dp of the rest and 1 / ep of the experts,
-                 at most its replica group's share: priced as 1 / dp of the whole when ep = dp)
+  FSDP2          expert_parallel.collectives' FSDP rows: the units without the experts over dp, and (ep < dp) the
+                 experts units' all-gathers (forward, backward) and reduce-scatters over efsdp, on their group's
+                 link (its span), all overlapped with the compute by comm.overlap's FSDP rule (one comm stream:
+                 they serialize)
+  optimizer      the whole model's optimizer time / dp (each rank steps 1 / dp of the rest and of the experts: 1 / ep
+                 of them sharded over efsdp)
 Memory: ep_memory.ep_phases of rank 0 on device "cuda" (the heaviest under any routing the planner fits: the
 default balanced histogram, the same on every rank; `skewed_peak` is the worst rank's under skewed routing).
 """
@@ -36,7 +36,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from llm_anatomy.calculator import comm
-from llm_anatomy.calculator.sharding import BYTES, param_dtype_name
+from llm_anatomy.calculator.sharding import BYTES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 
@@ -94,7 +94,7 @@ def step_time(cfg: ModelConfig, run: Run, gpu: str, ep: int, dp: int, *, gpus_pe
 
 @lru_cache(maxsize=1024)
 def _step(cfg, run, gpu, ep, dp, gpus_per_node, optimizer) -> tuple:
-    from llm_anatomy.calculator.expert_parallel import local_experts, units
+    from llm_anatomy.calculator.expert_parallel import expert_collectives, units
 
     t = _compute(cfg, run, gpu, optimizer)
     fb = t["steady"]["forward_backward_s"]
@@ -102,18 +102,14 @@ def _step(cfg, run, gpu, ep, dp, gpus_per_node, optimizer) -> tuple:
     a2a = all_to_alls(cfg, run, ep, gpu, gpus_per_node)
     sync = host_syncs(cfg, gpu)
     rows = comm.fsdp_collectives(cfg, run, dp, unit_shapes=units(cfg))
+    f = dp // ep  # efsdp
+    rows += [dict(r, world=f, span=(f - 1) * ep + 1) for r in expert_collectives(cfg, run, ep, dp if f > 1 else None)]
     compute = dict(forward=ph["forward"]["gpu_s"], backward=ph["backward"]["gpu_s"])
     fsdp = comm.overlap("fsdp", rows, dp, compute, gpu, gpus_per_node)["exposed_s"] if dp > 1 else 0.0
-    replicas = 0.0
-    if dp > ep:  # the experts' gradients over the dp / ep groups holding the same experts, ep apart
-        nbytes = cfg.layers * sum(_prod(s) for _, s in local_experts(cfg, ep)) * BYTES[param_dtype_name(run)]
-        n = dp // ep  # a ring of n ranks ep apart stays in a node while n x ep <= the GPUs per node
-        lk = comm.link(gpu, n if n * ep <= gpus_per_node else gpus_per_node + 1, gpus_per_node)
-        replicas = lk["alpha_us"] * 1e-6 + nbytes * comm.bus_factor("all_reduce", n) / (lk["GBps"] * 1e9)
     opt = t["optimizer_s"] / dp
-    step = fb + a2a["forward_s"] + a2a["backward_s"] + sync + fsdp + replicas + opt
+    step = fb + a2a["forward_s"] + a2a["backward_s"] + sync + fsdp + opt
     return tuple(dict(step_s=step, compute_s=fb, ep_comm_s=a2a["forward_s"] + a2a["backward_s"], host_sync_s=sync,
-                      dp_exposed_s=fsdp + replicas, optimizer_s=opt, model_flops=t["mfu"]["model"]
+                      dp_exposed_s=fsdp, optimizer_s=opt, model_flops=t["mfu"]["model"]
                       * t["forward_backward_s"] * t["mfu"]["peak_flops"]).items())
 
 
@@ -125,16 +121,10 @@ def _compute(cfg: ModelConfig, run: Run, gpu: str, optimizer: str) -> dict:
     return estimate_time(cfg, run, "efficient", gpu=gpu, optimizer=optimizer)
 
 
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def rank_peak(cfg: ModelConfig, run: Run, ep: int, dp: int, *, optimizer: str = "adamw", hist=None) -> dict:
-    """{peak, peak_at} of the heaviest rank on CUDA: ep_memory.ep_phases of rank 0 (the FSDP shards' first rank
-    holds the most rows; under a skewed histogram rank 0 receives the most), FSDP2 over dp ranks."""
+    """{peak, peak_at} of the heaviest rank on CUDA: ep_memory.ep_phases of rank 0 (the FSDP shards' first rank, of
+    the rest over dp and of the experts over efsdp, holds the most rows; under a skewed histogram rank 0 receives
+    the most), FSDP2 over dp ranks."""
     check(cfg, run, ep, dp)
     return dict(_peak(cfg, run, ep, dp, optimizer, None if hist is None else tuple(hist)))
 

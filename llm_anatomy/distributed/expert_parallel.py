@@ -1,15 +1,32 @@
 """Expert parallel (EP) for the efficient mixture-of-experts block, composed with FSDP2 over the same ranks.
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    parallelize_experts(model, mesh)   # each rank: experts [r E/ep, (r+1) E/ep); FSDP2 over the rest
+    mesh = ep_mesh(world, ep)          # 1-D ("ep",) when ep = world, else 2-D ("efsdp", "ep"), ep innermost
+    parallelize_experts(model, mesh)   # each rank: experts [e E/ep, (e+1) E/ep) of its ep rank e; FSDP2 the rest
 
-The composition (torchtitan's when its dp_shard equals ep): one 1-D mesh "ep" of every rank.
+ep = world (torchtitan's composition when its dp_shard equals ep): one 1-D mesh "ep" of every rank.
   experts     ExpertParallel, a ParallelStyle applied by parallelize_module to each block's Experts: rank r keeps
               rows [r El, (r+1) El) of the stacked (E, 2I, H) / (E, H, I) tensors (and biases), El = E / ep, as plain
               local parameters; FSDP2 leaves them alone (ignored_params), so no collective ever reads them whole.
               Their gradients sum the contributions of every rank's tokens, so a hook divides them by ep: the
               mean over ranks that FSDP2's reduce-scatter gives every other parameter.
   the rest    FSDP2 (fully_shard) on every Block and the root, as distributed/strategies.py wraps a model.
+
+ep < world, ep | world (torchtitan's dp_shard_mod_ep layout): a 2-D mesh (efsdp, ep), world = efsdp x ep, ep
+innermost, so global rank g is ep rank g % ep and efsdp rank g // ep (an ep group is ep consecutive ranks; the
+efsdp group of g strides ep).
+    world 8, ep 4:   ep ->   0 1 2 3        experts [0,El) [El,2El) [2El,3El) [3El,E) on columns 0..3
+                 efsdp       4 5 6 7        each column's El experts FSDP2-sharded over its 2 ranks
+  experts     ExpertParallel over mesh["ep"] as above; then fully_shard on each block's Experts over mesh["efsdp"]:
+              FSDP2's dim-0 shards of the El rows (torch.chunk rows, each rank allocating the padded chunk,
+              calculator/sharding.py), gathered for the Experts' forward (and again for backward when resharded)
+              and reduce-scattered after. A rank's expert gradient before the reduce-scatter sums what every rank
+              of its ep group routed there (the all-to-alls' backward); the reduce-scatter sums that over efsdp,
+              and FSDP2's own set_gradient_divide_factor(world) divides by world: the mean over every rank's
+              tokens, what one process takes. No hook: FSDP2 owns these gradients. gloo has no PREMUL_SUM, so on a
+              CPU mesh (gloo) set_force_sum_reduction_for_comms(True) makes it a SUM reduce-scatter and a division
+              of the output (FSDP2's post-divide); on NCCL FSDP2 reduces with PREMUL_SUM(1 / world).
+  the rest    FSDP2 on every Block and the root over the flattened mesh (DeviceMesh._flatten("dp"), torch 2.13:
+              one 1-D mesh of every rank, its own process group), so every other parameter is sharded over world.
 
 One block's forward on a rank (T local tokens, N = T K slots, E experts, El = E / ep, c the compute dtype):
     xs (N, H) sorted by global expert (efficient/moe.py: the experts of rank d are contiguous, so are its rows)
@@ -31,10 +48,11 @@ past the combine (the unpermute, or the shared experts' down, saves last): the c
 again. The re-run routes the same input, so every rank sends the same splits; were they to differ, a saved
 tensor's shape would too, which the checkpoint's determinism check refuses.
 
-dtype amp: FSDP2's MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters) on the rest, no autocast. The
-experts it ignores stay fp32: MoE computes in its router's dtype (bf16 under the policy) and Experts.forward
+dtype amp: FSDP2's MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters) on the rest, no autocast. ep = world:
+the experts it ignores stay fp32: MoE computes in its router's dtype (bf16 under the policy) and Experts.forward
 casts each stacked tensor to it for its GEMM, as the one-process block does under autocast; the gradients come
-back through the casts in fp32 and are divided by ep, never reduced.
+back through the casts in fp32 and are divided by ep, never reduced. ep < world: the experts are an FSDP2 unit
+under the same policy, gathered in bf16 (Experts.forward's casts are then no-ops) and reduce-scattered in fp32.
 """
 from __future__ import annotations
 
@@ -51,6 +69,8 @@ from llm_anatomy.efficient.moe import Experts, Permute, permutation
 from llm_anatomy.mesh_rules import check_ep
 
 MESH_DIM = "ep"
+EFSDP_DIM = "efsdp"  # the ranks of one ep rank, sharding its experts (ep < world)
+DP_DIM = "dp"  # the flattened mesh of every rank, FSDP2's on the rest (ep < world)
 
 
 class ExpertParallel(ParallelStyle):
@@ -94,51 +114,77 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)]
 
 
+def ep_mesh(world: int, ep: int) -> DeviceMesh:
+    """The CPU mesh of `world` ranks for expert parallel over ep (module docstring): 1-D ("ep",) when ep = world,
+    else 2-D ("efsdp", "ep") with ep innermost."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if ep == world:
+        return init_device_mesh("cpu", (ep,), mesh_dim_names=(MESH_DIM,))
+    return init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=(EFSDP_DIM, MESH_DIM))
+
+
 def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
                         amp: bool = False) -> nn.Module:
-    """Expert parallel on every MoE block of the efficient Transformer `model` over the 1-D `mesh`, FSDP2 over the
-    same ranks on everything else (module docstring). The weights must be the same on every rank. amp: FSDP2's
-    MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters) on the rest; the experts stay fp32 and
-    Experts.forward casts them to the router's bf16 (module docstring)."""
+    """Expert parallel on every MoE block of the efficient Transformer `model` over `mesh` (ep_mesh's), FSDP2 on
+    everything else over every rank (module docstring). The weights must be the same on every rank. amp: FSDP2's
+    MixedPrecisionPolicy (bf16 gathers, fp32 reduce-scatters) on the rest; ep = world: the experts stay fp32 and
+    Experts.forward casts them to the router's bf16; ep < world: the experts' FSDP2 unit takes the same policy."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    ep = mesh.size()
-    for block in model.layers:
-        parallelize_module(block, mesh, {"mlp.experts": ExpertParallel()})
-    ignored = set(expert_params(model))
-    for p in ignored:  # the mean over ranks FSDP2 takes of every other gradient
-        p.register_hook(lambda g: g / ep)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if amp else MixedPrecisionPolicy()
+    if mesh.ndim == 1:
+        ep_group, dp = mesh, mesh
+    else:
+        ep_group, dp = mesh[MESH_DIM], mesh._flatten(DP_DIM)
     for block in model.layers:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+        parallelize_module(block, ep_group, {"mlp.experts": ExpertParallel()})
+    ignored = set()
+    if mesh.ndim == 1:
+        ignored = set(expert_params(model))
+        for p in ignored:  # the mean over ranks FSDP2 takes of every other gradient
+            p.register_hook(lambda g, ep=mesh.size(): g / ep)
+    else:
+        cpu = mesh.device_type == "cpu"  # gloo's, whatever its options: no PREMUL_SUM
+        for block in model.layers:
+            experts = fully_shard(block.mlp.experts, mesh=mesh[EFSDP_DIM], reshard_after_forward=reshard_after_forward,
+                                  mp_policy=mp)
+            experts.set_gradient_divide_factor(float(mesh.size()))  # the mean over every rank's tokens
+            if cpu:  # gloo has no PREMUL_SUM: a SUM reduce-scatter, then FSDP2 divides the output
+                experts.set_force_sum_reduction_for_comms(True)
+    for block in model.layers:
+        fully_shard(block, mesh=dp, reshard_after_forward=reshard_after_forward, mp_policy=mp,
                     ignored_params={p for p in block.parameters() if p in ignored})
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=ignored)
+    fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=mp, ignored_params=ignored)
     return model
 
 
-def build(cfg: ModelConfig, run: Run, *, seed: int = 0, route: str | None = None) -> tuple[nn.Module, DeviceMesh]:
-    """The efficient model on the initialized process group, expert parallel over every rank (the same weights on
-    each before the split); route forces every router (measure/routing.py: "balanced", "skewed")."""
+def build(cfg: ModelConfig, run: Run, *, seed: int = 0, route: str | None = None,
+          ep: int | None = None) -> tuple[nn.Module, DeviceMesh]:
+    """The efficient model on the initialized process group, expert parallel over ep ranks (every rank by default;
+    ep < world: the (efsdp, ep) mesh), the same weights on each before the split; route forces every router
+    (measure/routing.py: "balanced", "skewed")."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from llm_anatomy.models import build_model
 
-    ep = dist.get_world_size()
-    check_ep(cfg, run, ep)
+    world = dist.get_world_size()
+    ep = world if ep is None else ep
+    check_ep(cfg, run, ep, world=world)
     model = build_model(cfg, "efficient", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed,
                         recompute=run.recompute)
     if route is not None:
         from llm_anatomy.measure.routing import force
 
         force(route)(model)
-    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=(MESH_DIM,))
+    mesh = ep_mesh(world, ep)
     return parallelize_experts(model, mesh, amp=run.dtype == "amp"), mesh
 
 
 def train(cfg: ModelConfig, run: Run, *, steps: int = 2, optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0,
-          route: str | None = None) -> list[dict]:
-    """`steps` steps of expert parallel on the initialized (gloo) process group, each rank its own batch; one record
+          route: str | None = None, ep: int | None = None) -> list[dict]:
+    """`steps` steps of expert parallel over ep ranks (build's) on the initialized (gloo) process group, each rank
+    its own batch; one record
     per step: loss, collectives [[op, dtype, bytes, calls], ...] of forward + backward + optimizer step, memory
     {params, grads, optimizer} after the step (local storage), and in step 1 saved {component: bytes}."""
     import torch.distributed as dist
@@ -148,7 +194,7 @@ def train(cfg: ModelConfig, run: Run, *, steps: int = 2, optimizer: str = "adamw
     from llm_anatomy.distributed.train_step import make_optimizer
     from llm_anatomy.models import make_batch
 
-    model, _ = build(cfg, run, seed=seed, route=route)
+    model, _ = build(cfg, run, seed=seed, route=route, ep=ep)
     opt = make_optimizer(optimizer, model.parameters(), lr)
     ids, targets = make_batch(cfg, run, seed=seed + 1 + dist.get_rank())
     records = []

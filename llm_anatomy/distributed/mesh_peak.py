@@ -113,14 +113,15 @@ def pp_peaks(cfg: ModelConfig, run: Run, pp: int, *, microbatches: int, dp: int 
 
 
 def ep_peaks(cfg: ModelConfig, run: Run, *, route: str | None = None, steps: int = 2, optimizer: str = "adamw",
-             seed: int = 0) -> list[dict]:
-    """`steps` expert-parallel steps on the initialized (CPU) process group, every rank its own batch; the last
-    one's phases. route: measure/routing.py's forced routing ("balanced", "skewed"), None the router's own."""
+             seed: int = 0, ep: int | None = None) -> list[dict]:
+    """`steps` expert-parallel steps on the initialized (CPU) process group, every rank its own batch, ep over ep
+    ranks (expert_parallel.build's: every rank by default); the last one's phases. route: measure/routing.py's
+    forced routing ("balanced", "skewed"), None the router's own."""
     from llm_anatomy.distributed.expert_parallel import build
 
     live = SettledStorage()
     with live:
-        model, mesh = build(cfg, run, seed=seed, route=route)
+        model, mesh = build(cfg, run, seed=seed, route=route, ep=ep)
         opt = make_optimizer(optimizer, model.parameters(), 1e-3)
         ids, targets = make_batch(cfg, run, seed=seed + 1 + dist.get_rank())
         out = step_phases(live, model, opt, ids, targets, steps)
