@@ -149,8 +149,9 @@ def _skewed(cfg: ModelConfig, run: Run, m: mesh_model.Mesh, optimizer: str) -> i
 
 def ep_refusals(cfg: ModelConfig, gpus_n: int, seq: int, dtype: str, variant: str, recomputes: tuple[str, ...],
                 lean: bool) -> list[str]:
-    """Why expert parallel was skipped, one line each (ep_mesh.check's words): empty when some setting runs."""
-    from llm_anatomy.calculator.ep_mesh import check
+    """Why expert parallel was skipped, one line each (ep_mesh.check's words, or the rank's memory phases'):
+    empty when some setting runs."""
+    from llm_anatomy.calculator.ep_mesh import check, rank_peak
 
     eps = [m.ep for m in meshes(cfg, gpus_n, gpus_n)] if cfg.moe else []
     if not cfg.moe or not eps:
@@ -162,6 +163,7 @@ def ep_refusals(cfg: ModelConfig, gpus_n: int, seq: int, dtype: str, variant: st
             if variant != "efficient":
                 raise ConfigError(f"expert parallel runs the efficient variant's MoE block, not {variant!r}")
             check(cfg, run, eps[0], gpus_n)
+            rank_peak(cfg, run, eps[0], gpus_n)  # what the phases refuse (e.g. the loop of mm)
             return []
         except ConfigError as e:
             why.append(str(e))

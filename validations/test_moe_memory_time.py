@@ -214,6 +214,8 @@ def test_plan_names_the_strategies_it_cannot_model():
     d = json.loads(out)
     assert {c["strategy"] for c in d["candidates"]} == {"ddp"}
     assert d["skipped"] and all(s.startswith("fsdp, recompute ") and "loop-of-mm" in s for s in d["skipped"])
+    # an expert-parallel rank computes under the bf16 policy too: its phases refuse, and the plan says so
+    assert d["meshes"] == [] and any("loop-of-mm" in s for s in d["ep_skipped"]), d["ep_skipped"]
     rc, text, err = run_cli(["plan", "--hf-config", str(HF_CONFIGS["gpt-oss-20b"]), "--gpu", "H100", "--gpus", "8",
                              "--seq", "1024"], "moe")
     assert rc == 0 and "not planned: fsdp" in text and "predicted OOM" not in text, text
