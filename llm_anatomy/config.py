@@ -320,8 +320,7 @@ def _attention_fields_on(cfg: ModelConfig) -> list[str]:
 def unmodelled(cfg: ModelConfig, variant: str = "baseline", run: "Run | None" = None) -> str | None:
     """The first attention field of `cfg` that `variant`'s memory phases do not model for `run` (PHASES_MODELLED;
     the efficient variant's under recompute: none in a mixture-of-experts block), or None."""
-    plain = run is None or run.recompute == "none" or not cfg.moe
-    modelled = PHASES_MODELLED.get(variant, ()) if variant == "baseline" or plain else ()
+    modelled = PHASES_MODELLED.get(variant, ())
     return next((f for f in _attention_fields_on(cfg) if f not in modelled), None)
 
 
