@@ -96,8 +96,9 @@ def layer(w, i: int, g: int) -> int:
     w.alloc(ws)
     w.peak(tag + "attention.sdpa")
     w.alloc(-ws, -go, nh * w.p if w.cfg.attn_sinks else 0)  # the sinks' gradient: d(q')'s sink column summed
-    # the forward's masks are shared by the layers of a kind (frees_mask); a "full" re-run builds its own
-    shared = w.recompute != "full" and not frees_mask(w.cfg, i)
+    # the forward's masks are shared by the layers of a kind (frees_mask); a "full" re-run builds its own, where the
+    # layer has one
+    shared = not frees_mask(w.cfg, i) if w.recompute != "full" else not attention_region.has_mask(w.cfg, i)
     w.free("attention.sdpa.", keep=("attention.sdpa.mask",) if shared else ())
     if w.cfg.attn_sinks:  # F.pad's backward slices d(k') and d(v') to new (B, nkv, S, hd) tensors
         plain = B * nkv * S * hd * c
