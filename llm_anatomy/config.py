@@ -304,8 +304,9 @@ class Run:
 
 
 # What each variant's memory phases model of gpt-oss's and OLMoE's attention fields (the parameters, FLOPs and saved
-# tensors of both variants count every field; both models build them); the efficient variant's under recompute for
-# dense blocks only (checked on CPU: validations/test_gptoss_attention_phases.py). The timing model prices none yet.
+# tensors of both variants count every field; both models build them), the efficient variant's under every recompute
+# policy, in dense and mixture-of-experts blocks (checked on CPU: validations/test_gptoss_attention_phases.py,
+# validations/test_moe_fields_recompute.py). The timing model prices none yet.
 PHASES_MODELLED = {"baseline": ("attn_sinks", "window", "o_bias", "qk_norm_whole"),
                    "efficient": ("attn_sinks", "window", "o_bias", "qk_norm_whole")}
 ATTENTION_FIELDS = ("attn_sinks", "window", "o_bias", "qk_norm_whole")
@@ -317,11 +318,9 @@ def _attention_fields_on(cfg: ModelConfig) -> list[str]:
     return [f for f in ATTENTION_FIELDS if on[f]]
 
 
-def unmodelled(cfg: ModelConfig, variant: str = "baseline", run: "Run | None" = None) -> str | None:
-    """The first attention field of `cfg` that `variant`'s memory phases do not model for `run` (PHASES_MODELLED;
-    the efficient variant's under recompute: none in a mixture-of-experts block), or None."""
-    plain = run is None or run.recompute == "none" or not cfg.moe
-    modelled = PHASES_MODELLED.get(variant, ()) if variant == "baseline" or plain else ()
+def unmodelled(cfg: ModelConfig, variant: str = "baseline") -> str | None:
+    """The first attention field of `cfg` that `variant`'s memory phases do not model (PHASES_MODELLED), or None."""
+    modelled = PHASES_MODELLED.get(variant, ())
     return next((f for f in _attention_fields_on(cfg) if f not in modelled), None)
 
 

@@ -61,16 +61,20 @@ def test_phases_lean_block(name, policy, claims):
     _check(claims, NAMED[name], Run(2, 16, policy, lean=True), "efficient", "adamw", f"{name}/B2S16/{policy}/lean")
 
 
-def test_recompute_in_moe_block_refused_in_one_line():
-    """Under recompute the fields are modelled in dense blocks only: a mixture-of-experts block's re-run with them is
-    not checked, and refused in one line naming the field."""
+def test_recompute_in_moe_block_modelled():
+    """Under recompute the fields are modelled in mixture-of-experts blocks too (validations/test_moe_fields_recompute.py
+    checks them); expert biases without autocast still take the loop of mm, refused in one line."""
+    from dataclasses import replace
+
     from llm_anatomy.calculator.moe import refuse_phases
     from llm_anatomy.config import ConfigError
 
-    with pytest.raises(ConfigError, match="attn_sinks not modelled yet") as e:
-        refuse_phases(NAMED["gptoss-attn-moe"], Run(2, 16, "amp", recompute="mlp"), "efficient", device="cpu")
+    for recompute in ("mlp", "full"):
+        refuse_phases(NAMED["gptoss-attn-moe"], Run(2, 16, "amp", recompute=recompute), "efficient", device="cpu")
+    biased = replace(NAMED["gptoss-attn-moe"], expert_bias=True)
+    with pytest.raises(ConfigError, match="loop-of-mm") as e:
+        refuse_phases(biased, Run(2, 16, "bf16", recompute="mlp"), "efficient", device="cpu")
     assert "\n" not in str(e.value)
-    refuse_phases(NAMED["gptoss-attn"], Run(2, 16, "amp", recompute="mlp"), "efficient", device="cpu")
 
 
 @settings(max_examples=20, deadline=None, derandomize=True, database=None,

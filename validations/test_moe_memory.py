@@ -47,10 +47,11 @@ def check(claims, cfg: ModelConfig, run: Run, optimizer: str | None, config_id: 
               device="cpu", unit="B")
     claims.check("memory.live after forward (MoE)", predicted=pred["forward_end"],
                  measured=meas["forward"]["allocated"], **kw)
-    # exact where the walk puts the peak in an MoE stage; elsewhere the dense stages' bound (test_memory_walk.TOL)
+    # exact where the walk puts the peak in an MoE stage or in attention's re-run (under "full"); elsewhere the
+    # dense stages' bound (test_memory_walk.TOL)
     at = pred["backward_peak_at"]
     claims.check("memory.peak in backward (MoE)", predicted=pred["backward_peak"], measured=meas["backward"]["peak"],
-                 tolerance=0 if " moe." in at else TOL,
+                 tolerance=0 if " moe." in at or " recompute attention." in at else TOL,
                  note=f"predicted peak at {at}; measured after {meas['backward']['peak_op']}", **kw)
     claims.check("memory.live after backward (MoE)", predicted=pred["backward_end"],
                  measured=meas["backward"]["allocated"], **kw)

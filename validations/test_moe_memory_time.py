@@ -220,3 +220,19 @@ def test_plan_names_the_strategies_it_cannot_model():
     rc, text, err = run_cli(["plan", "--hf-config", str(HF_CONFIGS["gpt-oss-20b"]), "--gpu", "H100", "--gpus", "8",
                              "--seq", "1024"], "moe")
     assert rc == 0 and "not planned: fsdp" in text and "predicted OOM" not in text, text
+
+
+def test_plan_lists_recompute_with_attention_fields():
+    """gpt-oss's attention fields (sinks, windows, o bias) and OLMoE's whole q/k norms in MoE blocks are modelled under
+    every recompute policy (validations/test_moe_fields_recompute.py): the plan lists gpt-oss-20b's "mlp" and "full"
+    rows, and plans every policy for OLMoE-1B-7B (whose plan the timing model still refuses: qk_norm_whole's kernels
+    are not priced, config.time_unmodelled)."""
+    from llm_anatomy.hf_config import read_hf_config
+    from llm_anatomy.plan import modelled_policies
+
+    rc, out, err = run_cli(["plan", "--hf-config", str(HF_CONFIGS["gpt-oss-20b"]), "--gpu", "H200", "--gpus", "8",
+                            "--seq", "4096", "--json"], "moe")
+    assert rc == 0, err
+    assert {c["recompute"] for c in json.loads(out)["candidates"]} == {"none", "mlp", "full"}
+    olmoe = read_hf_config(HF_CONFIGS["OLMoE-1B-7B-0924"]).config
+    assert modelled_policies(olmoe, "efficient", 4096, "amp", True) == ("none", "mlp", "full")

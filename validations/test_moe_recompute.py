@@ -201,7 +201,12 @@ def test_backward_reruns_the_moe_forward_kernels(name, recompute, policy):
     cfg = NAMED_MOE[name]
     if policy == "bf16" and cfg.expert_bias:
         pytest.skip("expert biases without autocast take the loop of mm: refused")
-    ks = efficient_kernels(cfg, Run(2, 64, policy, recompute))
+    check_moe_rerun_kernels(cfg, Run(2, 64, policy, recompute))
+
+
+def check_moe_rerun_kernels(cfg, run: Run) -> None:
+    """test_backward_reruns_the_moe_forward_kernels's claim for one config and run (under recompute)."""
+    ks = efficient_kernels(cfg, run)
     # the block's output add (ops.residual: "moe.residual_add", in the checkpoint under "mlp") is the region's
     # last op: the early stop leaves it out, as it does the dense MLP's
     fwd = {k.name: k for k in ks if k.phase == "forward" and k.component == "moe" and k.name.startswith("moe.")

@@ -13,15 +13,17 @@ efficient/attention_sinks.py); backward_efficient.layer calls them.
 from __future__ import annotations
 
 
-def sdpa_grads(w) -> tuple[int, int]:
-    """Bytes of SDPA's d(q) and of each of d(k), d(v): at the sinks' padded widths and one key longer."""
+def width(w) -> int:
+    """SDPA's head width: hd, and with sinks their pad columns."""
     from llm_anatomy.calculator.attention import sink_pad
 
-    B, S, nh, nkv, hd, c = w.B, w.S, w.nh, w.nkv, w.hd, w.c
-    if not w.cfg.attn_sinks:
-        return B * nh * S * hd * c, B * nkv * S * hd * c
-    wd = hd + sink_pad("cuda" if w.cuda else "cpu")
-    return B * nh * S * wd * c, B * nkv * (S + 1) * wd * c
+    return w.hd + (sink_pad("cuda" if w.cuda else "cpu") if w.cfg.attn_sinks else 0)
+
+
+def sdpa_grads(w) -> tuple[int, int]:
+    """Bytes of SDPA's d(q) and of each of d(k), d(v): at the sinks' padded widths and one key longer."""
+    B, S, nh, nkv, c, wd = w.B, w.S, w.nh, w.nkv, w.c, width(w)
+    return B * nh * S * wd * c, B * nkv * (S + w.cfg.attn_sinks) * wd * c
 
 
 def whole_qk_norm(w, tag: str, dqkv: int) -> None:

@@ -200,13 +200,15 @@ class Walk:
 
     # ---- the stages both variants share ----------------------------------------------------------------
     def linear(self, tag: str, din: int, dout: int, grad_out: int, *saved: str, to_residual: bool = False,
-               recast: bool = False) -> int:
+               recast: bool = False, bias: int = 0) -> int:
         """One matmul's backward: the weight gradient (the compute dtype under autocast) and the input
         gradient, then the incoming gradient and the saved tensors go; under autocast the weight
         gradient is copied to the parameter's dtype. recast: a lean matmul (llm_anatomy/kernels/lean.py),
         which casts the weight again for the input gradient, live with both gradients, and on CUDA writes
-        the weight gradient in fp32 itself (lean.fp32_grad: no copy). Returns the bytes of the gradient
-        passed on."""
+        the weight gradient in fp32 itself (lean.fp32_grad: no copy). bias: the elements of addmm's bias,
+        whose gradient (the incoming gradient's column sum) is made after the weight's: under autocast in the
+        compute dtype, live while the weight gradient is copied, then copied itself (a lean matmul's is
+        allocated in the parameter dtype at the end). Returns the bytes of the gradient passed on."""
         T, c, r, p = self.T, self.c, self.r, self.p
         copy = self.amp and not (recast and self.cuda)  # the weight gradient's copy to the parameter dtype
         wg = din * dout * (c if copy else p)
@@ -217,13 +219,15 @@ class Walk:
         if to_residual and r != c:  # the input was an autocast copy of the residual: back to its dtype
             sizes += (T * din * r, -dx)
             dx = T * din * r
+        cast_bias = bias if copy and not recast else 0
         if copy:
-            sizes.append(din * dout * p)
+            sizes += (cast_bias * c, din * dout * p)
             self.alloc(*sizes)
             self.peak(tag + " grad to fp32")
             self.alloc(-wg)
         else:
             self.alloc(*sizes)
+        self.alloc(bias * p, -cast_bias * c)
         return dx
 
     def residual_add(self, g: int, branch: int) -> int:
@@ -255,6 +259,10 @@ def walked(cfg: ModelConfig, run: Run, variant: str, est: Estimate, start: dict[
     L = cfg.layers
     # the layers walked one by one at the bottom: 0, and 1 where it frees a shared mask (attention.frees_mask)
     low = 1 if variant == "efficient" and run.recompute != "full" and L > 1 and frees_mask(cfg, 1) else 0
+    # under "full" each re-run builds its layer's mask: where some layers have one and others not (a window on the
+    # even layers, no sinks) the layers differ, and each is walked
+    every_layer = every_layer or (variant == "efficient" and run.recompute == "full" and cfg.window is not None
+                                  and cfg.window_pattern != "all" and not cfg.attn_sinks)
     if not every_layer and L > WALKED_LAYERS + low:  # layers L - 1, L - 2 .. low + 1 as one walk of L - 1
         act, grad, first = w.act, w.grad, len(w.rec)
         g = stages.layer(w, L - 1, g)

@@ -5,7 +5,7 @@ recompute, the checkpoints' tensors made again. backward.walk runs them."""
 from __future__ import annotations
 
 from llm_anatomy.calculator import backward_moe
-from llm_anatomy.calculator import attention_fields
+from llm_anatomy.calculator import attention_fields, attention_region
 from llm_anatomy.calculator.attention import frees_mask, qk_norm_saved_efficient, sdpa_o_saved
 from llm_anatomy.calculator.linear import linears_saved
 from llm_anatomy.calculator.mlp import efficient_saved
@@ -73,7 +73,7 @@ def layer(w, i: int, g: int) -> int:
     if w.cfg.moe:  # the MoE branch in place of the MLP's (under recompute, backward_moe_recompute re-runs it first)
         gn = backward_moe.layer(w, i, tag, gc, swiglu_down, rerun_attention)  # the shared experts' lean tail is the dense MLP's
     else:
-        gn = mlp(w, tag, gc)
+        gn = mlp(w, i, tag, gc)
     # under recompute the re-made sum goes with the norm (and under "mlp" the checkpoint's branch with it)
     kept = {"none": "norm.", "mlp": ("mlp.x", "mlp.branch", "moe.branch"), "full": "mlp.x"}[w.recompute]
     g = w.residual_add(g, norm(w, tag + "norm 2", gn, kept))
@@ -81,8 +81,12 @@ def layer(w, i: int, g: int) -> int:
     w.begin()
     w.alloc(0 if lean else gc)
     # d(merged heads), (T, heads x hd)
-    go = w.linear(tag + "attention.o", w.cfg.q_dim, H, gc, "attention.o.", recast=lean and w.amp)
-    w.alloc(H * w.p if w.cfg.o_bias else 0)  # o's bias gradient, the column sum of d(out)
+    go = w.linear(tag + "attention.o", w.cfg.q_dim, H, gc, "attention.o.", recast=lean and w.amp,
+                  bias=H if w.cfg.o_bias else 0)  # o's bias gradient, the column sum of d(out)
+    if w.cfg.attn_sinks:  # the merge's backward writes d(out) into a zero padded (B, nh, S, hd + pad); d(merged) goes
+        padded = B * nh * S * attention_fields.width(w) * c
+        w.alloc(padded, -go)
+        go = padded
     w.alloc(kv_exp, kv, kv)  # SDPA's backward: dq, dk, dv
     # under GQA, cuDNN's backward writes dk and dv per query head in fp32 into one workspace, with the
     # fp32 dot(dO, O) row sums, and then sums each group into dk, dv (timing: gqa_reduce):
@@ -92,9 +96,14 @@ def layer(w, i: int, g: int) -> int:
     w.alloc(ws)
     w.peak(tag + "attention.sdpa")
     w.alloc(-ws, -go, nh * w.p if w.cfg.attn_sinks else 0)  # the sinks' gradient: d(q')'s sink column summed
-    # the forward's masks are shared by the layers of a kind (frees_mask); a "full" re-run builds its own
-    shared = w.recompute != "full" and not frees_mask(w.cfg, i)
+    # the forward's masks are shared by the layers of a kind (frees_mask); a "full" re-run builds its own, where the
+    # layer has one
+    shared = not frees_mask(w.cfg, i) if w.recompute != "full" else not attention_region.has_mask(w.cfg, i)
     w.free("attention.sdpa.", keep=("attention.sdpa.mask",) if shared else ())
+    if w.cfg.attn_sinks:  # F.pad's backward slices d(k') and d(v') to new (B, nkv, S, hd) tensors
+        plain = B * nkv * S * hd * c
+        w.alloc(plain, -kv, plain, -kv)
+        kv = plain
     dqkv = T * (nh + 2 * nkv) * hd * c
     whole = w.cfg.qk_norm_whole  # OLMoE's norms run before the plain rope_qkv (attention_fields.py)
     if w.cfg.qk_norm and not whole:
@@ -102,6 +111,8 @@ def layer(w, i: int, g: int) -> int:
     else:
         w.alloc(dqkv)  # rope_qkv's backward: d(qkv)
         w.peak(tag + "attention.rope")
+    if i == 0 and w.recompute != "full":  # the last RoPE node to run lets the tables go (the checkpoints keep them)
+        w.free("attention.rope_cos", "attention.rope_sin")
     w.alloc(-kv_exp, -kv, -kv)
     if whole:
         attention_fields.whole_qk_norm(w, tag, dqkv)
@@ -109,8 +120,8 @@ def layer(w, i: int, g: int) -> int:
         w.free("attention.rope_qkv_norm.qkv")
     if w.recompute == "mlp":  # the qkv matmul's backward asks for its input: the norm runs again
         w.remake("qkv", lambda: linears_saved("attention", T, H, {"qkv": (nh + 2 * nkv) * hd}, w.dt, 1, w.dt.compute))
-    gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.", recast=lean and w.amp)
-    w.alloc((nh + 2 * nkv) * hd * w.p if w.cfg.qkv_bias else 0)  # qkv's bias gradient
+    gn = w.linear(tag + "attention.qkv", H, (nh + 2 * nkv) * hd, dqkv, "attention.qkv.", recast=lean and w.amp,
+                  bias=(nh + 2 * nkv) * hd if w.cfg.qkv_bias else 0)
     if i == 0:
         w.free("attention.rope_")  # the tables are shared by every layer
     # under recompute the checkpoint's block input goes with the first norm (the block's first op)
@@ -119,11 +130,11 @@ def layer(w, i: int, g: int) -> int:
                                   fused=lean and i > 0))
 
 
-def mlp(w, tag: str, gc: int) -> int:
-    """The dense MLP's backward from its incoming gradient (gc bytes); returns the bytes of its d(x)."""
+def mlp(w, i: int, tag: str, gc: int) -> int:
+    """Layer i's dense MLP's backward from its incoming gradient (gc bytes); returns the bytes of its d(x)."""
     T, H, I, c, lean = w.T, w.H, w.I, w.c, w.lean
     if w.recompute == "full":  # the down matmul's backward asks for its input: the block runs again
-        rerun_block(w, tag)
+        rerun_block(w, i, tag)
     elif w.recompute == "mlp":  # the down matmul's backward asks for its input: the checkpoint re-runs the
         w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))  # sum, norm, gate_up, activation
     if lean:
@@ -175,27 +186,32 @@ def swiglu_down(w, tag: str, grad_out: int, I: int | None = None, name: str = "m
         w.alloc(-wg)
 
 
-def rerun_block(w, tag: str) -> None:
+def rerun_block(w, i: int, tag: str) -> None:
     """recompute="full": the block's forward runs again and stops (early stop) once down's input and weight
     cast are saved again, so every tensor the block saves without recompute is live again: one layer's
     qkv input (and cast), SDPA's tensors, o's cast, the residual sum, the MLP's. The block input is the
     checkpoint's own, the RoPE tables the model's: no new storage."""
-    rerun_attention(w, tag)
+    rerun_attention(w, i, tag)
     w.remake("mlp", lambda: efficient_saved(w.cfg, w.run, recomputed=True))
 
 
-def rerun_attention(w, tag: str) -> None:
-    """The attention half of recompute="full"'s re-run (rerun_block; the MoE block's too). Two moments of it
-    carry temporaries: o's output while qkv's output still lives (a local until attention returns), and the
-    residual sum while attention's output lives. With sinks rope_qkv's q, k, v are locals then too (SDPA keeps its
-    padded copies, efficient/attention_sinks.py), as wide as qkv's output."""
+def rerun_attention(w, i: int, tag: str) -> None:
+    """The attention half of recompute="full"'s re-run in layer i (rerun_block; the MoE block's too): each segment's
+    largest moment (attention_region.py's replay, what the ops save kept: o's output while qkv's output lives, a
+    local until attention returns; OLMoE's normed q and k and rope's cat beside rope's q, k, v; with sinks rope's q, k,
+    v beside SDPA's padded copies), then what it saves stays; then the residual sum while attention's output lives,
+    with the bias casts the re-run's autocast caches until it ends. A layer with a mask builds its own."""
     T, H, c, r = w.T, w.H, w.c, w.r
     D = (w.nh + 2 * w.nkv) * w.hd
-    w.remake("block", lambda: linears_saved("attention", T, H, {"qkv": D}, w.dt, 1, w.dt.compute)
-             + qk_norm_saved_efficient(w.cfg, w.run, 1) + sdpa_o_saved(w.cfg, w.run, w.est.device, 1))
-    rope = T * D * c if w.cfg.attn_sinks else 0
-    w.peak(tag + "recompute attention.o", T * D * c, T * H * c, rope, kind="activation")
-    w.peak(tag + "recompute residual add", T * H * c, T * H * r, kind="activation")
+    device = w.est.device
+    for name, live in attention_region.segments(w.cfg, w.run, device, w.rnd, i, rerun=True).items():
+        w.peak(tag + "recompute attention." + name, live, kind="activation")
+    mask = "masked" if attention_region.has_mask(w.cfg, i) else "plain"
+    w.remake("block " + mask, lambda: [s for s in linears_saved("attention", T, H, {"qkv": D}, w.dt, 1, w.dt.compute)
+                                       + qk_norm_saved_efficient(w.cfg, w.run, 1) + sdpa_o_saved(w.cfg, w.run, device, 1)
+                                       if mask == "masked" or s.name != "attention.sdpa.mask"])
+    w.peak(tag + "recompute residual add", T * H * c, T * H * r, attention_region.bias_casts(w.cfg, w.run, w.rnd),
+           kind="activation")
 
 
 def embedding(w) -> None:

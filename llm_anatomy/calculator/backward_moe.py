@@ -43,7 +43,7 @@ def layer(w, i: int, tag: str, gc: int, swiglu_down, rerun_attention) -> int:
     E, K, I = cfg.experts, cfg.experts_per_token, cfg.expert_intermediate
     N, f, TH = T * K, _fold(w), T * H * c
     if w.recompute != "none":  # the checkpoint's re-run makes the block's saved tensors again
-        backward_moe_recompute.rerun(w, tag, rerun_attention)
+        backward_moe_recompute.rerun(w, i, tag, rerun_attention)
     dx = 0  # the (T, H) input gradients made so far, summed as they join
     if cfg.shared_experts:
         _shared(w, tag, cfg.shared_experts * cfg.shared_intermediate, swiglu_down)

@@ -18,19 +18,23 @@ from dataclasses import replace
 from llm_anatomy.calculator.types import Saved
 
 
-def rerun(w, tag: str, rerun_attention) -> None:
-    """The checkpoint's re-run, at the start of the MoE branch's backward (module docstring); rerun_attention(w,
-    tag): the dense block's attention re-run (backward_efficient's), which recompute="full" runs first."""
+def rerun(w, i: int, tag: str, rerun_attention) -> None:
+    """Layer i's checkpoint's re-run, at the start of the MoE branch's backward (module docstring);
+    rerun_attention(w, i, tag): the dense block's attention re-run (backward_efficient's), which recompute="full"
+    runs first, its bias casts cached until the re-run ends."""
+    from llm_anatomy.calculator.attention_region import bias_casts
     from llm_anatomy.calculator.moe_efficient import saved_list
     from llm_anatomy.calculator.moe_region import region_peak
 
     cfg, run = w.cfg, w.run
+    casts = 0
     if w.recompute == "full":
-        rerun_attention(w, tag)
+        rerun_attention(w, i, tag)
+        casts = bias_casts(cfg, run, w.rnd)
 
     def remade() -> list[Saved]:
         kept = saved_list(cfg, replace(run, recompute="none", lean=False), w.est.device)
         return [Saved("mlp.x", (run.batch, run.seq, cfg.hidden), w.dt.residual, 1, "the norm keeps the sum"),
                 *(s for s in kept if s.name != "moe.balance.f")]  # the loss's, once per model: not re-made
-    w.peak(tag + "recompute moe", region_peak(cfg, run, w.rnd, rerun=True), kind="activation")
+    w.peak(tag + "recompute moe", region_peak(cfg, run, w.rnd, rerun=True), casts, kind="activation")
     w.remake("moe", remade)

@@ -27,9 +27,10 @@ from functools import lru_cache
 from math import prod
 
 from llm_anatomy import kernel_shapes
-from llm_anatomy.calculator import estimate, moe_region
+from llm_anatomy.calculator import attention_region, estimate, moe_region
 from llm_anatomy.calculator.allocator import rounded
-from llm_anatomy.calculator.attention import sdpa_o_saved
+from llm_anatomy.calculator.attention import frees_mask, mask_kinds
+from llm_anatomy.calculator.attention_region import has_mask
 from llm_anatomy.calculator.backward import INPUTS, walked
 from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.optimizer import state_breakdown
@@ -139,7 +140,9 @@ def _cached_casts(cfg: ModelConfig, run: Run, rnd, layers: int | None = None) ->
     H, I, D = cfg.hidden, cfg.intermediate, cfg.q_dim + 2 * cfg.kv_dim
     weights = (D * H,) + (() if cfg.moe else (2 * I * H, I * H)) + ((cfg.q_dim * H,) if run.recompute == "full" else ())
     moe = moe_region.moe_casts(cfg, run, rnd) if cfg.moe else 0  # the router's and the shared experts'
-    return (cfg.layers if layers is None else layers) * (sum(rnd(n * BYTES[dt.compute]) for n in weights) + moe)
+    # qkv's and o's bias casts: addmm saves neither, with or without the checkpoint
+    biases = attention_region.bias_casts(cfg, run, rnd)
+    return (cfg.layers if layers is None else layers) * (sum(rnd(n * BYTES[dt.compute]) for n in weights) + moe + biases)
 
 
 def _mlp_region(cfg: ModelConfig, run: Run, rnd) -> int:
@@ -165,23 +168,30 @@ def _mlp_region_transient(cfg: ModelConfig, run: Run, rnd) -> int:
 def _block_forward_peak(cfg: ModelConfig, run: Run, device: str, rnd) -> int:
     """Under recompute="full", what lives beyond the checkpoints' kept inputs at the largest moment inside
     the last block's forward, where the step's forward peak is unless it is in the loss. Inside a
-    checkpoint nothing is saved, so what lives is what the code still holds, and every weight cast made
-    so far (autocast's cache). The larger of:
-      - o's output in attention: the normed input (an argument until attention returns), qkv's output
-        (a local until then), q, k, v and SDPA's output; the earlier layers' casts and this layer's qkv
-        and o casts;
-      - the MLP's largest moment (_mlp_region_transient), every layer's casts made."""
-    dt = dtypes(run)
-    T, H, c = run.tokens, cfg.hidden, BYTES[dt.compute]
-    D = cfg.q_dim + 2 * cfg.kv_dim
-    # q, k, v and SDPA's output; its statistics are not held by the code (and a checkpoint does not save them)
-    sdpa = sum(rnd(prod(s.shape) * BYTES[s.dtype]) for s in sdpa_o_saved(cfg, run, device, 1)
-               if s.name in ("attention.sdpa.q", "attention.sdpa.k", "attention.sdpa.v", "attention.sdpa.out"))
-    casts = _cached_casts(cfg, run, rnd, cfg.layers - 1)
-    if dt.autocast:
-        casts += rnd(D * H * c) + rnd(cfg.q_dim * H * c)
-    attn = rnd(T * H * c) + rnd(T * D * c) + sdpa + rnd(T * H * c) + casts
-    return max(attn, _mlp_region(cfg, run, rnd))
+    checkpoint nothing is saved, so what lives is what the code still holds, every weight and bias cast made
+    so far (autocast's cache), the additive masks built so far (the forward's shared masks: _forward_masks) and
+    a mixture of experts' stashed statistics (moe_region.stash). The larger of:
+      - attention's largest moment (attention_region.py's replay: o's output, or SDPA's, or rope's), the earlier
+        layers' casts and masks;
+      - the MLP's largest moment (_mlp_region), every layer's casts made and every mask."""
+    last = cfg.layers - 1
+    builds = has_mask(cfg, last) and frees_mask(cfg, last)  # the first layer of its kind builds its mask
+    masks = _forward_masks(cfg, run, rnd)
+    before = (_cached_casts(cfg, run, rnd, last) + masks - (_mask_bytes(cfg, run, rnd) if builds else 0)
+              + moe_region.stash(cfg, rnd))
+    attn = before + max(attention_region.segments(cfg, run, device, rnd, last, builds_mask=builds).values())
+    return max(attn, _mlp_region(cfg, run, rnd) + masks)
+
+
+def _mask_bytes(cfg: ModelConfig, run: Run, rnd) -> int:
+    """One additive mask, (S, S + sinks) in the compute dtype."""
+    return rnd(run.seq * (run.seq + cfg.attn_sinks) * BYTES[dtypes(run).compute])
+
+
+def _forward_masks(cfg: ModelConfig, run: Run, rnd) -> int:
+    """Under recompute="full", the masks the forward's shared masks hold once every layer has run (no SDPA node
+    keeps them inside the checkpoints, so the saved list does not count them); otherwise 0 (saved)."""
+    return mask_kinds(cfg) * _mask_bytes(cfg, run, rnd) if run.recompute == "full" else 0
 
 
 def _head_grad_pad(cfg: ModelConfig, run: Run, rnd) -> int:
@@ -239,7 +249,7 @@ def phases(cfg: ModelConfig, run: Run, variant: str = "baseline", optimizer: str
         if run.recompute == "mlp":  # or inside the last layer's MLP checkpoint, before the loss's tensors
             fwd_peak = max(fwd_peak, fwd_end - rnd(4) - after + _mlp_region(cfg, run, rnd))
         elif run.recompute == "full":  # or inside the last block's checkpoint
-            fwd_peak = max(fwd_peak, block_peak)
+            fwd_peak = max(fwd_peak + _forward_masks(cfg, run, rnd), block_peak)
     start = {"parameter": params, "input": inputs, "optimizer state": opt, "activation": saved + rnd(4)}
     w = walked(cfg, run, variant, est, start, rnd, one=one, hist=hist if variant == "baseline" else None)
     top = w.top()  # the first largest candidate

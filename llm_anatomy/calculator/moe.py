@@ -169,7 +169,7 @@ def phases_unmodelled(cfg: ModelConfig, run: Run, variant: str, device: str = "c
     in words, or None: the attention fields (config.unmodelled), and for a mixture of experts the efficient block's
     loop-of-mm fallback (fp32, widths not multiples of 8, expert biases without autocast), whose backward walk is
     not written."""
-    name = unmodelled(cfg, variant, run)  # the attention fields
+    name = unmodelled(cfg, variant)  # the attention fields
     if name or not cfg.moe:
         return name
     from llm_anatomy.calculator.moe_efficient import grouped_path

@@ -24,7 +24,7 @@ from llm_anatomy.config import ModelConfig, Run
 I64, F32, I32 = 8, 4, 4
 
 
-class _Live:
+class Live:
     """Bytes alive by name (each rounded by rnd), and the largest sum seen after an allocation. saved: in a
     re-run in backward, the names an op saves, which the checkpoint keeps where the forward drops them."""
 
@@ -40,7 +40,7 @@ class _Live:
     def free(self, *names: str) -> None:
         for n in names:
             if n not in self.saved:
-                self.now -= self.held.pop(n)
+                self.now -= self.held.pop(n, 0)
 
 
 def moe_casts(cfg: ModelConfig, run: Run, rnd) -> int:
@@ -71,7 +71,7 @@ def region_peak(cfg: ModelConfig, run: Run, rnd, rerun: bool = False) -> int:
     T, H, E, K, I = run.tokens, cfg.hidden, cfg.experts, cfg.experts_per_token, cfg.expert_intermediate
     N, c, r, Is = T * K, BYTES[dt.compute], BYTES[dt.residual], shared_width(cfg)
     f = FOLD if cfg.expert_bias else 0  # moe_efficient.grouped_path: biases fold only on the grouped path
-    v = _Live(rnd, RERUN_KEPT if rerun else ())
+    v = Live(rnd, RERUN_KEPT if rerun else ())
     v.alloc("sum", T * H * r)
     v.alloc("x", T * H * c)  # the norm's output, the block's input
     if dt.autocast:  # cached
@@ -118,13 +118,18 @@ def region_peak(cfg: ModelConfig, run: Run, rnd, rerun: bool = False) -> int:
         v.free("shared gate_up", "shared h")
         v.alloc("sum out", T * H * c)
         v.free("out", "shared out")
-    if rerun:
-        return v.top
-    stash = (cfg.layers - 1) * 2 * rnd(E * F32) - rnd(E * F32) if cfg.router_aux_coef > 0 else 0
-    return v.top + stash
+    return v.top if rerun else v.top + stash(cfg, rnd)
 
 
-def _route(v: _Live, cfg: ModelConfig, T: int, E: int, K: int) -> None:
+def stash(cfg: ModelConfig, rnd) -> int:
+    """With a load-balancing loss, in forward: the (f, P) the layers before the last stash until the loss, less the
+    model's f, which the saved list counts and the loss makes from them (0 without the loss)."""
+    if not (cfg.moe and cfg.router_aux_coef > 0):
+        return 0
+    return (cfg.layers - 1) * 2 * rnd(cfg.experts * F32) - rnd(cfg.experts * F32)
+
+
+def _route(v: Live, cfg: ModelConfig, T: int, E: int, K: int) -> None:
     """efficient/moe.py's route: what stays is the block's local state (probs, weights, indices)."""
     if cfg.router == "softmax-topk":
         v.alloc("probs", T * E * F32)
@@ -141,7 +146,7 @@ def _route(v: _Live, cfg: ModelConfig, T: int, E: int, K: int) -> None:
     v.free("values")
 
 
-def _permutation(v: _Live, N: int, E: int) -> None:
+def _permutation(v: Live, N: int, E: int) -> None:
     """efficient/moe.py's permutation: the stable sort's values go at once; the sorted ids, the aranges and
     searchsorted's int64 row ends go before it returns; order, offs and pos stay."""
     v.alloc("sorted", N * I64)
@@ -158,7 +163,7 @@ def _permutation(v: _Live, N: int, E: int) -> None:
     v.free("arange N", "expert")
 
 
-def _gemm(v: _Live, out: str, N: int, k: int, n: int, E: int, c: int, f: int, cast: bool) -> None:
+def _gemm(v: Live, out: str, N: int, k: int, n: int, E: int, c: int, f: int, cast: bool) -> None:
     """One grouped GEMM (N rows, (n, k) weights per expert, k + f with a folded bias) and its output, kept as a
     local: under autocast the stacked weight's cast first (the weights are in the compute dtype otherwise: no
     copy); a folded bias's ones block, input cat, zeros and weight cat; all but the output go when it returns."""
