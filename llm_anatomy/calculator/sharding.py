@@ -16,6 +16,16 @@ FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.13, _fsdp_param.py `_init_sha
   4. optimizer state is built with zeros_like(param): the DTensor's local tensor is the
      *unpadded* shard, so AdamW state per rank = 8 B x the rows this rank really holds (rank 0
      holds the most), plus torch's 4-byte `step` tensor per parameter tensor.
+  Stacked experts (fsdp_shard_dim): a 3-D tensor with fewer rows on dim 0 than ranks, (E, 2I, H)
+  or (E, H, I) with E < W, is Shard(1) when W divides its dim 1 (llm_anatomy/distributed/
+  strategies.py shard_placement applies the same rule): FSDP2 takes only even non-zero-dim shards,
+  so every rank holds and allocates E x dim1 / W x dim2, no padding; the all-gather and the
+  reduce-scatter move the same W x shard elements as a dim-0 tensor would. Its layout costs two
+  copies (_fsdp_collectives.py): the copy-out gathers into an empty_like temporary of each such
+  tensor and torch.cat's its W chunks on dim 1 into the unsharded parameter (every temporary
+  alive until the copy-out returns); before the reduce-scatter each such gradient is re-chunked
+  on dim 0 into a new tensor (torch.cat), and the loop's `chunks` keeps the last one's original
+  alive until the reduce-scatter returns.
 DDP keeps a full replica: params, grads (.grad, plus DDP's bucket copy, see comm.py) and state.
 """
 from __future__ import annotations
@@ -43,8 +53,17 @@ def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     return max(0, min(chunk, rows - rank * chunk)), chunk
 
 
+def fsdp_shard_dim(shape: Shape, world: int) -> int:
+    """The dim FSDP2 shards a parameter of `shape` on over `world` ranks: 1 for a 3-D tensor with fewer rows on
+    dim 0 than ranks whose dim 1 `world` divides (stacked experts with E < world), else 0 (module docstring)."""
+    return 1 if len(shape) == 3 and shape[0] < world and shape[1] % world == 0 else 0
+
+
 def shard_numel(shape: Shape, world: int, rank: int) -> tuple[int, int]:
-    """(local numel, padded numel) of one parameter's shard on `rank`."""
+    """(local numel, padded numel) of one parameter's shard on `rank`: dim 0's torch.chunk rows, padded; on dim 1
+    (fsdp_shard_dim) an even 1 / world of every expert."""
+    if fsdp_shard_dim(shape, world):
+        return prod(shape) // world, prod(shape) // world
     local, padded = shard_rows(shape[0], world, rank)
     rest = prod(shape[1:])
     return local * rest, padded * rest
@@ -208,16 +227,19 @@ def _rounder(device: str):
 
 def _fsdp_unit_bytes(cfg: ModelConfig, run: Run, world: int, rank: int, rnd) -> dict:
     """Per unit ("root", "block"): G (unsharded, per-parameter tensors), F (the flat all-gather buffer),
-    R (reduce-scatter input), S (sharded gradient), P (sharded parameters), U (unsharded gradients)."""
+    R (reduce-scatter input), S (sharded gradient), P (sharded parameters), U (unsharded gradients);
+    the dim-1 tensors' copies (module docstring): T their copy-out temporaries, K the last one's original
+    gradient, which the reduce-scatter's re-chunking keeps."""
     dts = fsdp_dtypes(run)
     ag, rs, pb = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]], BYTES[dts["param"]]
     out = {}
     for name, params in fsdp_unit_shapes(cfg):
         padded = [shard_numel(s, world, rank)[1] for _, s in params]
+        dim1 = [rnd(prod(s) * ag) for _, s in params if fsdp_shard_dim(s, world)]
         out[name] = dict(
             G=sum(rnd(world * n * ag) for n in padded), F=rnd(world * sum(padded) * ag),
             R=rnd(world * sum(padded) * rs), S=rnd(sum(padded) * pb), P=sum(rnd(n * pb) for n in padded),
-            U=sum(rnd(prod(s) * ag) for _, s in params))
+            U=sum(rnd(prod(s) * ag) for _, s in params), T=sum(dim1), K=dim1[-1] if dim1 else 0)
     return out
 
 
@@ -277,20 +299,28 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
 
     # forward: Block 0's copy-out holds the root's flat buffer, the root's and Block 0's unsharded parameters and
     # Block 0's flat buffer; the last Block's, Block L-2's flat buffer and its own two
-    add("forward: block 0 all-gather", 0, root["F"] + root["G"] + blk["F"] + blk["G"])
+    # (a Block's dim-1 experts add their copy-out temporaries T to each of its copy-outs)
+    add("forward: block 0 all-gather", 0, root["F"] + root["G"] + blk["F"] + blk["G"] + blk["T"])
     if L > 1:
-        add(f"forward: block {L - 1} all-gather", (L - 1) * layer_saved, root["G"] + 2 * blk["F"] + blk["G"])
+        add(f"forward: block {L - 1} all-gather", (L - 1) * layer_saved,
+            root["G"] + 2 * blk["F"] + blk["G"] + blk["T"])
     fpeak = (ph["forward_peak"] or ph["forward_end"]) - ph["params"] - ph["inputs"]
     add("forward: loss", fpeak, root["G"] + blk["F"])
     # backward: the walk's stages, with FSDP's buffers around them; a Block's parameter gradients become its
     # sharded gradient at its post_backward
+    top = None
     for st in ph["backward_stages"]:
         by = st["by_kind"]
         act, grad = by["activation"], by["gradient / backward buffer"]
         i = _stage_layer(st["name"])
         if i is None and not st["name"].startswith("embedding"):  # loss, final norm: the last Block prefetched
             add("backward: " + st["name"], act, root["G"] + blk["F"], grad)
+            top = (act, grad)  # the last one's: what the last Block's backward copy-out starts from
             continue
+        if i == L - 1 and blk["T"] and top is not None:  # that copy-out, with its dim-1 temporaries (a bound:
+            add(f"backward: block {i} all-gather copy-out", top[0],  # the stage's own transients are counted)
+                root["G"] + blk["F"] + blk["G"] + blk["T"], top[1])
+            top = None
         done = L - 1 - i if i is not None else L  # Blocks whose post_backward has run
         grad += done * (blk["S"] - blk["U"])
         if i is None:  # the embedding: every Block reduced, Block 0's reduce-scatter input kept
@@ -310,8 +340,11 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
         done = (L - 1 - i) * blk["S"]
         unsh = root["G"] + (blk["F"] if i > 0 else 0)
         act = i * layer_saved + resid
-        add(f"backward: block {i} reduce-scatter copy-in", act, unsh, head + done + blk["U"], rs=blk["R"])
-        add(f"backward: block {i} reduce-scatter", act, unsh, head + done + blk["S"], rs=copy * blk["R"])
+        # K: the last dim-1 gradient's original, kept by the re-chunking through the reduce-scatter
+        add(f"backward: block {i} reduce-scatter copy-in", act, unsh, head + done + blk["U"] + blk["K"],
+            rs=blk["R"])
+        add(f"backward: block {i} reduce-scatter", act, unsh, head + done + blk["S"] + blk["K"],
+            rs=copy * blk["R"])
     # the root's post_backward, after the embedding's: its parameters resharded, its gradients copied into its
     # reduce-scatter input, then the collective
     add("backward: root reduce-scatter copy-in", 0, 0, L * blk["S"] + root["U"], rs=root["R"])

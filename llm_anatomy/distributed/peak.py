@@ -69,12 +69,19 @@ class RankStorage(LiveStorage):
 
 
 def peaks(cfg: ModelConfig, run: Run, strategy: str, *, steps: int = 3, optimizer: str = "adamw",
-          reshard_after_forward: bool = True, bucket_cap_mb: float | None = None, seed: int = 0) -> list[dict]:
+          reshard_after_forward: bool = True, bucket_cap_mb: float | None = None, seed: int = 0,
+          settled: bool = False) -> list[dict]:
     """Run `steps` steps on the initialized (CPU) process group; the phases of the last one, each
-    {name, allocated, peak, peak_op} in bytes of live storage on this rank."""
+    {name, allocated, peak, peak_op} in bytes of live storage on this rank. settled: read on the one-worker gloo
+    backend's settled boundaries (distributed/settled.py SettledStorage; the ranks launched by spawn_settled)."""
     check_strategy(strategy)
     rank = dist.get_rank()
-    live = RankStorage()
+    if settled:
+        from llm_anatomy.distributed.settled import SettledStorage
+
+        live = SettledStorage()
+    else:
+        live = RankStorage()
     with live:
         model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
         if strategy == "fsdp":
