@@ -71,8 +71,7 @@ def _scenarios() -> dict[str, dict]:
     out = {f"draw-{i}": dict(c, run=replace(c["run"], dtype=DTYPES[i % 3]))
            for i, c in enumerate(draw_examples(fsdp_moe_cases(), N_DRAWS, seed_=6100))}
     out.update({f"grads-{c.name}": dict(kind="grads", cfg=c, run=GRAD_RUN) for c in GRAD_CFGS})
-    out.update({name: dict(sc, kind="peaks", strategy="fsdp", steps=2, settled=True)
-                for name, sc in PEAK_SCENARIOS.items()})
+    out.update({name: dict(sc, kind="peaks", strategy="fsdp", steps=2) for name, sc in PEAK_SCENARIOS.items()})
     return out
 
 
@@ -93,9 +92,12 @@ def _grads(cfg: ModelConfig, run: Run) -> dict:
 
 def _scenario(kind: str = "train", **kw):
     from llm_anatomy.distributed.peak import peaks
+    from llm_anatomy.distributed.settled import SettledStorage
     from llm_anatomy.distributed.train_step import train
 
-    return {"train": train, "grads": _grads, "peaks": peaks}[kind](**kw)
+    if kind == "peaks":  # phase ends read settled (distributed/settled.py)
+        return peaks(**kw, storage=SettledStorage)
+    return {"train": train, "grads": _grads}[kind](**kw)
 
 
 @pytest.fixture(scope="module")
