@@ -1,5 +1,5 @@
 """Claims: FSDP2 over more ranks than experts shards the stacked expert tensors on dim 1 (llm_anatomy/distributed/
-strategies.py shard_placement, torchtitan's rule; calculator/sharding.py fsdp_shard_dim states it for the
+strategies.py shard_placement, torchtitan's rule; calculator/fsdp_shards.py fsdp_shard_dim states it for the
 predictions): a 3-D (E, 2I, H) or (E, H, I) with E < W whose dim 1 W divides is Shard(1), everything else Shard(0).
 
   gloo, 4 processes, fsdp (strategies.wrap)   hypothesis-drawn MoE configs with 2 or 3 experts (the baseline
@@ -10,12 +10,14 @@ predictions): a 3-D (E, 2I, H) or (E, H, I) with E < W whose dim 1 W divides is 
                             placement each tensor got is the rule's; the loss and every gradient of one step equal
                             one process's on the four ranks' batches (fp32, test_expert_parallel's GRAD_TOL: the
                             reduction order only); each rank's live storage at the backward's and the optimizer
-                            step's ends of a step after the first exact, its step peak within test_distributed's 3%
-                            of per_rank_peak
+                            step's ends of a step after the first exact on every draw (settled), and on two configs
+                            whose experts dominate the Block the step peak within test_distributed's 3% of
+                            per_rank_peak
   fake process group, 256 ranks   Mixtral-8x7B (8 experts), one rank: its parameter bytes and one Block's
                             all-gather bytes exactly as predicted
 The ep < world layout's experts over efsdp (El < efsdp: dim 1) are test_expert_parallel_dp.py's and
-test_ep_memory_dp.py's draws with one expert per ep rank. All gloo scenarios run in ONE spawn, on the one-worker gloo backend (distributed/settled.py).
+test_ep_memory_dp.py's draws with one expert per ep rank. All gloo scenarios run in ONE spawn, on the one-worker
+gloo backend (distributed/settled.py).
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import torch
 from hypothesis import strategies as st
 
 from llm_anatomy.calculator.comm import collective_counts, estimate_distributed
-from llm_anatomy.calculator.sharding import fsdp_shard_dim, per_rank_memory, per_rank_peak
+from llm_anatomy.calculator.fsdp_shards import fsdp_shard_dim
+from llm_anatomy.calculator.sharding import per_rank_memory, per_rank_peak
 from llm_anatomy.calculator.tp_memory import MESH_RANK_BYTES
 from llm_anatomy.config import ModelConfig, Run
 from validations.configs import draw_examples
@@ -97,7 +100,10 @@ def _scenario(kind: str = "train", **kw):
 
     if kind == "peaks":  # phase ends read settled (distributed/settled.py)
         return peaks(**kw, storage=SettledStorage)
-    return {"train": train, "grads": _grads}[kind](**kw)
+    if kind == "grads":
+        return _grads(**kw)
+    return dict(steps=train(**kw), phases=peaks(kw["cfg"], kw["run"], "fsdp", steps=2, optimizer=kw["optimizer"],
+                                                storage=SettledStorage))
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +139,7 @@ def test_fsdp_experts_collectives_and_rank_bytes_exact(fsdpx_run, claims):
         for r in range(WORLD):
             e = estimate_distributed(cfg, run, WORLD, "fsdp", rank=r, optimizer=sc["optimizer"])
             pred = collective_counts(e["collectives"])
-            for rec in res[name][r]:
+            for rec in res[name][r]["steps"]:
                 note = f"{name}: {draw_note(sc, rank=r, step=rec['step'])}, E {cfg.experts}, dims {_dims(cfg)}"
                 meas = {(op, dt, b): n for op, dt, b, n in rec["collectives"]}
                 claims.check("fsdp E<W collective bytes per step", component="comm", config=cfg.name,
@@ -182,24 +188,37 @@ def test_fsdp_experts_loss_and_grads_match_one_process(fsdpx_run, cfg, claims):
                       unit="relative", note=f"{n}: |g_fsdp - g_one| / |g_one|")
 
 
+def _check_phase_ends(claims, sc: dict, phases: list, r: int, note: str) -> None:
+    """Live storage at the backward's end and the optimizer step's of a step after the first: the parameters'
+    shards, the optimizer state, the ids and targets, the flat sharded gradients and the mesh's rank tensor."""
+    m = per_rank_memory(sc["cfg"], sc["run"], WORLD, "fsdp", rank=r, optimizer=sc.get("optimizer", "adamw"))
+    end = m["params"] + m["grads"] + m["optimizer"] + 2 * 8 * sc["run"].tokens + MESH_RANK_BYTES * WORLD
+    ph = {p["name"]: p for p in phases}
+    for phase in ("backward", "optimizer"):
+        claims.check(f"fsdp E<W rank {phase} end bytes", component="memory", config=sc["cfg"].name, variant="fsdp",
+                     device="cpu", predicted=end, measured=ph[phase]["allocated"], unit="B", note=note)
+
+
+@pytest.mark.distributed
+def test_fsdp_experts_phase_ends_exact(fsdpx_run, claims):
+    """Every draw, every rank, settled: the backward's and the optimizer step's ends exact."""
+    scen, res = fsdpx_run
+    for name, sc in _draws(scen).items():
+        for r in range(WORLD):
+            note = f"{name}: {draw_note(sc, rank=r)}, dims {_dims(sc['cfg'])}, settled gloo, W={WORLD}"
+            _check_phase_ends(claims, sc, res[name][r]["phases"], r, note)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(PEAK_SCENARIOS))
 def test_fsdp_experts_phase_ends_exact_and_peak(fsdpx_run, name, claims):
-    """A step after the first, on every rank: live storage at the backward's end and the optimizer step's (the
-    parameters' shards, the optimizer state, the ids and targets, the flat sharded gradients and the mesh's rank
-    tensor) exact; the step's peak within 3% of per_rank_peak (test_distributed's bound for FSDP's buffers, here
-    with the dim-1 copies)."""
+    """Two configs whose experts dominate the Block, every rank: the phase ends exact and the step's peak within 3%
+    of per_rank_peak (test_distributed's bound for FSDP's buffers, here with the dim-1 copies)."""
     _, res = fsdpx_run
     sc = PEAK_SCENARIOS[name]
     for r in range(WORLD):
-        ph = {p["name"]: p for p in res[name][r]}
-        m = per_rank_memory(sc["cfg"], sc["run"], WORLD, "fsdp", rank=r)
-        end = m["params"] + m["grads"] + m["optimizer"] + 2 * 8 * sc["run"].tokens + MESH_RANK_BYTES * WORLD
-        note = f"{name}, gloo, W={WORLD}, rank {r}, live storage"
-        for phase in ("backward", "optimizer"):
-            claims.check(f"fsdp E<W rank {phase} end bytes", component="memory", config=sc["cfg"].name,
-                         variant="fsdp", device="cpu", predicted=end, measured=ph[phase]["allocated"], unit="B",
-                         note=note)
+        note = f"{name}, settled gloo, W={WORLD}, rank {r}, live storage"
+        _check_phase_ends(claims, sc, res[name][r], r, note)
         pred = per_rank_peak(sc["cfg"], sc["run"], "baseline", WORLD, "fsdp", rank=r, device="cpu")
         top = max(res[name][r], key=lambda p: p["peak"])
         claims.check("fsdp E<W per-rank step peak", component="comm", config=sc["cfg"].name, variant="fsdp",

@@ -30,7 +30,7 @@ test_ep_memory.py for dp = ep, test_ep_memory_dp.py for dp > ep), under every dt
                   tensor, fp32 under amp, back through the casts; dp > ep: the experts unit's flat reduce-scatter
                   output, its padded shards); every bf16 buffer (gathered parameters, unsharded
                   gradients, the casts and their gradients) is gone
-  (efsdp shards: dim 0's padded rows, or dim 1 where El < efsdp, sharding.fsdp_shard_dim)
+  (efsdp shards: dim 0's padded rows, or dim 1 where El < efsdp, fsdp_shards.fsdp_shard_dim)
   optimizer end   the gradients set to None: state
 The step's peak is an upper bound (peak_bound below), stated with its measured slack in the test.
 Not modelled (check_modelled): the lean block, which expert parallel does not build.
@@ -41,7 +41,8 @@ from dataclasses import replace
 from math import prod
 
 from llm_anatomy.calculator import expert_parallel as ep_calc
-from llm_anatomy.calculator.sharding import BYTES, fsdp_shard_dim, param_dtype_name, shard_numel
+from llm_anatomy.calculator.fsdp_shards import fsdp_shard_dim, shard_numel
+from llm_anatomy.calculator.sharding import BYTES, param_dtype_name
 from llm_anatomy.calculator.tp_memory import MESH_RANK_BYTES, _rounder, _state
 from llm_anatomy.calculator.types import ROPE_TABLES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
@@ -208,7 +209,7 @@ def _expert_unit(cfg: ModelConfig, run: Run, ep: int, world: int | None, rnd) ->
     """One block's experts unit's FSDP2 buffers (dp > ep; zeros when world is None), as _units gives a unit's: G
     the unsharded parameters and F the all-gather's flat output in the all-gather dtype, C its inputs' bf16 casts
     (amp), R the reduce-scatter's flat input in the reduce dtype; f = efsdp ranks. El < efsdp shards the stacked
-    tensors on dim 1 (sharding.fsdp_shard_dim): T their copy-out temporaries (all-gather dtype)."""
+    tensors on dim 1 (fsdp_shards.fsdp_shard_dim): T their copy-out temporaries (all-gather dtype)."""
     from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes
 
     if world is None:

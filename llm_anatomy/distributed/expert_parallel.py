@@ -18,7 +18,7 @@ efsdp group of g strides ep).
                  efsdp       4 5 6 7        each column's El experts FSDP2-sharded over its 2 ranks
   experts     ExpertParallel over mesh["ep"] as above; then fully_shard on each block's Experts over mesh["efsdp"]:
               FSDP2's dim-0 shards of the El rows (torch.chunk rows, each rank allocating the padded chunk,
-              calculator/sharding.py; dim 1 where El < efsdp: strategies.shard_placement), gathered for the
+              calculator/fsdp_shards.py; dim 1 where El < efsdp: strategies.shard_placement), gathered for the
               Experts' forward (and again for backward when resharded) and reduce-scattered after. A rank's
               expert gradient before the reduce-scatter sums what every rank of its ep group routed there (the
               all-to-alls' backward); the reduce-scatter sums that over efsdp,

@@ -77,7 +77,7 @@ def shard_placement(world: int):
     shard and all-gather. FSDP2 takes Shard(1) only when world divides dim 1 (it refuses uneven non-zero-dim
     shards), and then pays a copy of the gathered tensor to lay it out (its all-gather copy-out) and a
     re-chunked copy of its gradient before the reduce-scatter. A 2-D expert bias (E, M) stays on dim 0: its
-    padding is under 0.1% of the Block's all-gather (docs/moe.md). calculator/sharding.py's fsdp_shard_dim
+    padding is under 0.1% of the Block's all-gather (docs/moe.md). calculator/fsdp_shards.py's fsdp_shard_dim
     states the same rule."""
     from torch.distributed.tensor import Shard
 
