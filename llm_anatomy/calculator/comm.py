@@ -29,10 +29,11 @@ FSDP2 (fully_shard per Block, then the root; torch 2.13 _fsdp_collectives.py):
 from __future__ import annotations
 
 from llm_anatomy.calculator import gpus
+from llm_anatomy.calculator.fsdp_shards import shard_numel
 from llm_anatomy.calculator.sharding import (DEFAULT_BUCKET_CAP_MB, DTYPE_BYTES, FIRST_BUCKET_BYTES,  # noqa: F401
                                          REDUCE_DTYPES, check_world, ddp_bucket_limits, ddp_bucket_runs, fsdp_dtypes,
                                          fsdp_unit_shapes, n_tensors, param_dtype_name, per_rank_memory, per_rank_peak,
-                                         shape_counts, shard_numel)
+                                         shape_counts)
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 
 

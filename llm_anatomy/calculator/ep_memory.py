@@ -30,6 +30,7 @@ test_ep_memory.py for dp = ep, test_ep_memory_dp.py for dp > ep), under every dt
                   tensor, fp32 under amp, back through the casts; dp > ep: the experts unit's flat reduce-scatter
                   output, its padded shards); every bf16 buffer (gathered parameters, unsharded
                   gradients, the casts and their gradients) is gone
+  (efsdp shards: dim 0's padded rows, or dim 1 where El < efsdp, fsdp_shards.fsdp_shard_dim)
   optimizer end   the gradients set to None: state
 The step's peak is an upper bound (peak_bound below), stated with its measured slack in the test.
 Not modelled (check_modelled): the lean block, which expert parallel does not build.
@@ -40,7 +41,8 @@ from dataclasses import replace
 from math import prod
 
 from llm_anatomy.calculator import expert_parallel as ep_calc
-from llm_anatomy.calculator.sharding import BYTES, param_dtype_name, shard_numel
+from llm_anatomy.calculator.fsdp_shards import fsdp_shard_dim, shard_numel
+from llm_anatomy.calculator.sharding import BYTES, param_dtype_name
 from llm_anatomy.calculator.tp_memory import MESH_RANK_BYTES, _rounder, _state
 from llm_anatomy.calculator.types import ROPE_TABLES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
@@ -139,7 +141,7 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
     min(K, El) per token, the same T tokens, memory.phases with optimizer None) and of the rows it receives:
       forward   forward end + one Block's gathered parameters and all-gather buffer twice where there are two
                 Blocks (the Block running and the one prefetched; dp > ep: the experts unit's too, as many) + a
-                unit's all-gather inputs cast to bf16 (amp)
+                unit's all-gather inputs cast to bf16 (amp) + the dim-1 experts' copy-out temporaries
                 + the largest of the loss's transients (the one-process forward peak over its forward end on CUDA;
                 on CPU, where that is not modelled, three (T, V) fp32 tensors: the logits, their exp and their
                 gradient), the MoE block's on R_d rows (moe_transients) and, under recompute, one layer's tensors
@@ -152,8 +154,9 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
                 those) and every gradient of the rank, FSDP2's buffers (two Blocks' gathered parameters where there
                 are two, a unit's reduce-scatter input, twice on CPU where gloo reduces a copy, a unit's bf16
                 casts under amp; dp > ep: the experts unit's gathered parameters beside the Blocks', and its
-                reduce-scatter input among the units'), the router's (T, E) tensors the local view prices at El
-                columns, the MoE backward's transients on the rows past the local view's (moe_transients); under
+                reduce-scatter input among the units', and a dim-1 experts unit's copy-out temporaries, which
+                also bound its re-chunked gradient's original), the router's (T, E) tensors the local view prices
+                at El columns, the MoE backward's transients on the rows past the local view's (moe_transients); under
                 recompute one layer's tensors made again (as in forward) beside the largest of the backward's, the
                 re-run's MoE and, under "full", the re-run block's transients; under amp a local expert tensor's
                 bf16 cast gradient and the fp32 one the ep hook divides (_expert_cast_grads; dp = ep). The local
@@ -185,10 +188,11 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
         remade = _saved(cfg, replace(run, recompute="none"), ep, rank, hist, rnd, layers=1, world=world)
         layer = sum(b for name, b in remade.items() if b != kept[name])
         region = _block_forward_peak(local, crun, device, rnd) if run.recompute == "full" else 0
-    forward = (ph["forward_end"] + held * (blk["G"] + blk["F"] + ex["G"] + ex["F"]) + cast
+    forward = (ph["forward_end"] + held * (blk["G"] + blk["F"] + ex["G"] + ex["F"]) + cast + ex["T"]
                + max(loss, fwd_moe + layer, layer + region))
     copy = 2 if device == "cpu" else 1
-    fsdp = held * (blk["G"] + ex["G"]) + copy * max(root["R"], blk["R"], ex["R"]) + cast
+    # ex T: a dim-1 experts unit's copy-out temporaries, which also bound its re-chunked gradient's original
+    fsdp = held * (blk["G"] + ex["G"]) + copy * max(root["R"], blk["R"], ex["R"]) + cast + ex["T"]
     router = 4 * rnd(T * E * 4)
     walk = max(st["by_kind"]["gradient / backward buffer"] for st in one["backward_stages"])
     grads = max(walk + (_expert_grads_fp32(cfg, run, ep, rnd) if world is None else 0), ph["grads"])
@@ -204,16 +208,19 @@ def peak_bound(cfg: ModelConfig, run: Run, ep: int, dp: int, rank: int, ph: dict
 def _expert_unit(cfg: ModelConfig, run: Run, ep: int, world: int | None, rnd) -> dict:
     """One block's experts unit's FSDP2 buffers (dp > ep; zeros when world is None), as _units gives a unit's: G
     the unsharded parameters and F the all-gather's flat output in the all-gather dtype, C its inputs' bf16 casts
-    (amp), R the reduce-scatter's flat input in the reduce dtype; f = efsdp ranks."""
+    (amp), R the reduce-scatter's flat input in the reduce dtype; f = efsdp ranks. El < efsdp shards the stacked
+    tensors on dim 1 (fsdp_shards.fsdp_shard_dim): T their copy-out temporaries (all-gather dtype)."""
     from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes
 
     if world is None:
-        return dict(G=0, F=0, C=0, R=0)
+        return dict(G=0, F=0, C=0, R=0, T=0)
     f, pb, dts = ep_calc.efsdp_of(ep, world), BYTES[param_dtype_name(run)], fsdp_dtypes(run)
     ag, rs = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]]
-    pads = [shard_numel(s, f, 0)[1] for _, s in ep_calc.local_experts(cfg, ep)]
+    shapes = [s for _, s in ep_calc.local_experts(cfg, ep)]
+    pads = [shard_numel(s, f, 0)[1] for s in shapes]
     return dict(G=sum(rnd(f * pa * ag) for pa in pads), F=rnd(f * sum(pads) * ag),
-                C=sum(rnd(pa * ag) for pa in pads) if ag != pb else 0, R=rnd(f * sum(pads) * rs))
+                C=sum(rnd(pa * ag) for pa in pads) if ag != pb else 0, R=rnd(f * sum(pads) * rs),
+                T=sum(rnd(prod(s) * ag) for s in shapes if fsdp_shard_dim(s, f)))
 
 
 def _expert_grads_fp32(cfg: ModelConfig, run: Run, ep: int, rnd) -> int:

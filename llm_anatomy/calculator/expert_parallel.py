@@ -14,7 +14,7 @@ skewed routing (every token to experts 0..K-1) rank 0 receives ep x N rows: the 
 Model state per rank:
   experts     El of each stacked tensor (gate_up (El, 2I, H), down (El, H, I), their biases). efsdp = 1: plain
               local parameters, gradients of the same shape, AdamW's two moments and a step per tensor. efsdp > 1:
-              FSDP2's padded dim-0 shards of those El rows over efsdp (sharding.shard_numel: chunk = ceil(El / efsdp)
+              FSDP2's padded dim-0 shards of those El rows over efsdp (fsdp_shards.shard_numel: chunk = ceil(El / efsdp)
               rows allocated on every rank, rank f holding rows [f chunk, min((f + 1) chunk, El)), possibly none),
               the gradients one flat reduce-scatter output per block (the padded shards), the optimizer state of
               the rows held
@@ -58,7 +58,8 @@ from math import prod
 from llm_anatomy.calculator.comm import _row, collective_counts, fsdp_collectives
 from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.moe import balanced, check_histogram
-from llm_anatomy.calculator.sharding import BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
+from llm_anatomy.calculator.fsdp_shards import shard_numel
+from llm_anatomy.calculator.sharding import BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name
 from llm_anatomy.calculator.tensor_parallel import tp_unit_shapes
 from llm_anatomy.calculator.types import ROPE_TABLES, Saved
 from llm_anatomy.config import ConfigError, ModelConfig, Run

@@ -33,7 +33,8 @@ from llm_anatomy.calculator.param_layout import units
 from llm_anatomy.calculator.pipeline_schedule import bubble_fraction, in_flight, saved_peak  # noqa: F401
 from llm_anatomy.mesh_rules import (SCHEDULES, check_mesh, check_pipeline, check_run, rank_stages,  # noqa: F401
                                    stage_sizes)
-from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
+from llm_anatomy.calculator.fsdp_shards import shard_numel
+from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name
 from llm_anatomy.calculator.tensor_parallel import (OPTIMIZER_GRAD_READS, check_optimizer, loss_all_reduces,
                                                     recompute_collectives, tp_unit_shapes)
 from llm_anatomy.config import ConfigError, ModelConfig, Run

@@ -3,19 +3,8 @@
 The parameter tensors are the baseline module tree's (calculator/param_layout.py), read per distinct
 shape with its count, never per layer: the cost of every figure here is the same at any depth.
 
-FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.13, _fsdp_param.py `_init_sharded_param`):
-  1. every parameter is sharded on dim 0 with torch.chunk semantics: chunk = ceil(d0 / W) rows;
-     rank r holds rows [r*chunk, min((r+1)*chunk, d0)), possibly none (d0 < W*chunk leaves the
-     last ranks short or empty);
-  2. each rank *allocates* the padded chunk, chunk x d1 x ..., whatever it holds ("pre-pad the
-     sharded parameter to avoid padding before all-gather"); the nn.Parameter is a narrow view
-     of that buffer. So parameter storage per rank = padded numel, the same on every rank;
-  3. gradients: the reduce-scatter output is one flat buffer per FSDP unit, sum of the padded
-     shards, in the parameter's (storage) dtype; each sharded grad is an as_strided view into
-     it (_fsdp_collectives.py `foreach_reduce`). Gradient storage = padded numel, like params;
-  4. optimizer state is built with zeros_like(param): the DTensor's local tensor is the
-     *unpadded* shard, so AdamW state per rank = 8 B x the rows this rank really holds (rank 0
-     holds the most), plus torch's 4-byte `step` tensor per parameter tensor.
+FSDP2's shards (dim 0's padded rows, or dim 1 for stacked experts with fewer experts than ranks): calculator/
+fsdp_shards.py.
 DDP keeps a full replica: params, grads (.grad, plus DDP's bucket copy, see comm.py) and state.
 """
 from __future__ import annotations
@@ -24,6 +13,7 @@ from collections.abc import Callable
 from math import prod
 
 from llm_anatomy.calculator.dtypes import dtypes as dtypes_of
+from llm_anatomy.calculator.fsdp_shards import fsdp_shard_dim, shard_numel
 from llm_anatomy.calculator.optimizer import OPTIMIZERS, state_bytes
 from llm_anatomy.calculator.param_layout import (Shape, fsdp_unit_shapes, n_tensors, param_shapes,  # noqa: F401
                                                  shape_counts, units)
@@ -35,19 +25,6 @@ DTYPE_BYTES = {**BYTES, "int32": 4}
 FIRST_BUCKET_BYTES = 1024 * 1024  # dist._DEFAULT_FIRST_BUCKET_BYTES
 DEFAULT_BUCKET_CAP_MB = 25  # DDP's bucket_cap_mb default; DDP's "MB" is MiB (_MB_TO_BYTES = 1024 * 1024)
 REDUCE_DTYPES = ("float32", "bfloat16")
-
-
-def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
-    """(rows this rank holds, padded rows every rank allocates) for torch.chunk-style dim-0 sharding."""
-    chunk = -(-rows // world)
-    return max(0, min(chunk, rows - rank * chunk)), chunk
-
-
-def shard_numel(shape: Shape, world: int, rank: int) -> tuple[int, int]:
-    """(local numel, padded numel) of one parameter's shard on `rank`."""
-    local, padded = shard_rows(shape[0], world, rank)
-    rest = prod(shape[1:])
-    return local * rest, padded * rest
 
 
 def param_dtype_name(run: Run) -> str:
@@ -208,16 +185,19 @@ def _rounder(device: str):
 
 def _fsdp_unit_bytes(cfg: ModelConfig, run: Run, world: int, rank: int, rnd) -> dict:
     """Per unit ("root", "block"): G (unsharded, per-parameter tensors), F (the flat all-gather buffer),
-    R (reduce-scatter input), S (sharded gradient), P (sharded parameters), U (unsharded gradients)."""
+    R (reduce-scatter input), S (sharded gradient), P (sharded parameters), U (unsharded gradients);
+    the dim-1 tensors' copies (fsdp_shards.py): T their copy-out temporaries, K the last one's original
+    gradient, which the reduce-scatter's re-chunking keeps."""
     dts = fsdp_dtypes(run)
     ag, rs, pb = DTYPE_BYTES[dts["all_gather"]], DTYPE_BYTES[dts["reduce"]], BYTES[dts["param"]]
     out = {}
     for name, params in fsdp_unit_shapes(cfg):
         padded = [shard_numel(s, world, rank)[1] for _, s in params]
+        dim1 = [rnd(prod(s) * ag) for _, s in params if fsdp_shard_dim(s, world)]
         out[name] = dict(
             G=sum(rnd(world * n * ag) for n in padded), F=rnd(world * sum(padded) * ag),
             R=rnd(world * sum(padded) * rs), S=rnd(sum(padded) * pb), P=sum(rnd(n * pb) for n in padded),
-            U=sum(rnd(prod(s) * ag) for _, s in params))
+            U=sum(rnd(prod(s) * ag) for _, s in params), T=sum(dim1), K=dim1[-1] if dim1 else 0)
     return out
 
 
@@ -277,20 +257,28 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
 
     # forward: Block 0's copy-out holds the root's flat buffer, the root's and Block 0's unsharded parameters and
     # Block 0's flat buffer; the last Block's, Block L-2's flat buffer and its own two
-    add("forward: block 0 all-gather", 0, root["F"] + root["G"] + blk["F"] + blk["G"])
+    # (a Block's dim-1 experts add their copy-out temporaries T to each of its copy-outs)
+    add("forward: block 0 all-gather", 0, root["F"] + root["G"] + blk["F"] + blk["G"] + blk["T"])
     if L > 1:
-        add(f"forward: block {L - 1} all-gather", (L - 1) * layer_saved, root["G"] + 2 * blk["F"] + blk["G"])
+        add(f"forward: block {L - 1} all-gather", (L - 1) * layer_saved,
+            root["G"] + 2 * blk["F"] + blk["G"] + blk["T"])
     fpeak = (ph["forward_peak"] or ph["forward_end"]) - ph["params"] - ph["inputs"]
     add("forward: loss", fpeak, root["G"] + blk["F"])
     # backward: the walk's stages, with FSDP's buffers around them; a Block's parameter gradients become its
     # sharded gradient at its post_backward
+    top = None
     for st in ph["backward_stages"]:
         by = st["by_kind"]
         act, grad = by["activation"], by["gradient / backward buffer"]
         i = _stage_layer(st["name"])
         if i is None and not st["name"].startswith("embedding"):  # loss, final norm: the last Block prefetched
             add("backward: " + st["name"], act, root["G"] + blk["F"], grad)
+            top = (act, grad)  # the last one's: what the last Block's backward copy-out starts from
             continue
+        if i == L - 1 and blk["T"] and top is not None:  # that copy-out, with its dim-1 temporaries (a bound:
+            add(f"backward: block {i} all-gather copy-out", top[0],  # the stage's own transients are counted)
+                root["G"] + blk["F"] + blk["G"] + blk["T"], top[1])
+            top = None
         done = L - 1 - i if i is not None else L  # Blocks whose post_backward has run
         grad += done * (blk["S"] - blk["U"])
         if i is None:  # the embedding: every Block reduced, Block 0's reduce-scatter input kept
@@ -310,8 +298,11 @@ def per_rank_peak(cfg: ModelConfig, run: Run, variant: str, world_size: int, str
         done = (L - 1 - i) * blk["S"]
         unsh = root["G"] + (blk["F"] if i > 0 else 0)
         act = i * layer_saved + resid
-        add(f"backward: block {i} reduce-scatter copy-in", act, unsh, head + done + blk["U"], rs=blk["R"])
-        add(f"backward: block {i} reduce-scatter", act, unsh, head + done + blk["S"], rs=copy * blk["R"])
+        # K: the last dim-1 gradient's original, kept by the re-chunking through the reduce-scatter
+        add(f"backward: block {i} reduce-scatter copy-in", act, unsh, head + done + blk["U"] + blk["K"],
+            rs=blk["R"])
+        add(f"backward: block {i} reduce-scatter", act, unsh, head + done + blk["S"] + blk["K"],
+            rs=copy * blk["R"])
     # the root's post_backward, after the embedding's: its parameters resharded, its gradients copied into its
     # reduce-scatter input, then the collective
     add("backward: root reduce-scatter copy-in", 0, 0, L * blk["S"] + root["U"], rs=root["R"])

@@ -9,7 +9,8 @@ from math import prod
 
 from llm_anatomy.calculator.comm import _row, fsdp_collectives
 from llm_anatomy.calculator.param_layout import Shape, fsdp_unit_shapes
-from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name, shard_numel
+from llm_anatomy.calculator.fsdp_shards import shard_numel
+from llm_anatomy.calculator.sharding import DTYPE_BYTES, fsdp_dtypes, optimizer_bytes, param_dtype_name
 from llm_anatomy.calculator.types import BYTES, ROPE_TABLES
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy.kernel_shapes import LCE_ALIGN, lce_chunk_rows, lce_forward_bytes, lce_saved_bytes, lce_vocab

@@ -97,7 +97,7 @@ def _model_state(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, optimi
     """Parameters, gradients (after backward) and optimizer state of the rank, each tensor rounded: without FSDP
     every tensor its own storage; under FSDP each parameter its padded shard, each unit's gradients one flat
     reduce-scatter output (calculator/sharding.py)."""
-    from llm_anatomy.calculator.sharding import shard_numel
+    from llm_anatomy.calculator.fsdp_shards import shard_numel
     from llm_anatomy.calculator.tensor_parallel import tp_unit_shapes
 
     pb, dr = BYTES[param_dtype_name(run)], rank // tp
@@ -132,7 +132,8 @@ def _unsharded(cfg: ModelConfig, run: Run, tp: int, dp: int, rank: int, rnd, var
     """FSDP2's buffers per unit ("root", "block") of the TP-local tensors: G the unsharded parameters (padded rows x
     dp, in the all-gather dtype, each its own tensor), R the reduce-scatter input (the same elements in the reduce
     dtype, one flat tensor), U the unsharded gradients (the TP-local tensors, in the all-gather dtype)."""
-    from llm_anatomy.calculator.sharding import fsdp_dtypes, shard_numel
+    from llm_anatomy.calculator.fsdp_shards import shard_numel
+    from llm_anatomy.calculator.sharding import fsdp_dtypes
     from llm_anatomy.calculator.tensor_parallel import tp_unit_shapes
 
     dts = fsdp_dtypes(run)

@@ -18,9 +18,10 @@ efsdp group of g strides ep).
                  efsdp       4 5 6 7        each column's El experts FSDP2-sharded over its 2 ranks
   experts     ExpertParallel over mesh["ep"] as above; then fully_shard on each block's Experts over mesh["efsdp"]:
               FSDP2's dim-0 shards of the El rows (torch.chunk rows, each rank allocating the padded chunk,
-              calculator/sharding.py), gathered for the Experts' forward (and again for backward when resharded)
-              and reduce-scattered after. A rank's expert gradient before the reduce-scatter sums what every rank
-              of its ep group routed there (the all-to-alls' backward); the reduce-scatter sums that over efsdp,
+              calculator/fsdp_shards.py; dim 1 where El < efsdp: strategies.shard_placement), gathered for the
+              Experts' forward (and again for backward when resharded) and reduce-scattered after. A rank's
+              expert gradient before the reduce-scatter sums what every rank of its ep group routed there (the
+              all-to-alls' backward); the reduce-scatter sums that over efsdp,
               and FSDP2's own set_gradient_divide_factor(world) divides by world: the mean over every rank's
               tokens, what one process takes. No hook: FSDP2 owns these gradients. gloo has no PREMUL_SUM, so on a
               CPU mesh (gloo) set_force_sum_reduction_for_comms(True) makes it a SUM reduce-scatter and a division
@@ -65,6 +66,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from llm_anatomy.config import ConfigError, ModelConfig, Run
+from llm_anatomy.distributed.strategies import shard_placement
 from llm_anatomy.efficient.moe import Experts, Permute, permutation
 from llm_anatomy.mesh_rules import check_ep
 
@@ -148,14 +150,16 @@ def parallelize_experts(model: nn.Module, mesh: DeviceMesh, *, reshard_after_for
         cpu = mesh.device_type == "cpu"  # gloo's, whatever its options: no PREMUL_SUM
         for block in model.layers:
             experts = fully_shard(block.mlp.experts, mesh=mesh[EFSDP_DIM], reshard_after_forward=reshard_after_forward,
-                                  mp_policy=mp)
+                                  mp_policy=mp, shard_placement_fn=shard_placement(mesh[EFSDP_DIM].size()))
             experts.set_gradient_divide_factor(float(mesh.size()))  # the mean over every rank's tokens
             if cpu:  # gloo has no PREMUL_SUM: a SUM reduce-scatter, then FSDP2 divides the output
                 experts.set_force_sum_reduction_for_comms(True)
+    place = shard_placement(dp.size())
     for block in model.layers:
         fully_shard(block, mesh=dp, reshard_after_forward=reshard_after_forward, mp_policy=mp,
-                    ignored_params={p for p in block.parameters() if p in ignored})
-    fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=mp, ignored_params=ignored)
+                    ignored_params={p for p in block.parameters() if p in ignored}, shard_placement_fn=place)
+    fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=mp, ignored_params=ignored,
+                shard_placement_fn=place)
     return model
 
 

@@ -69,12 +69,14 @@ class RankStorage(LiveStorage):
 
 
 def peaks(cfg: ModelConfig, run: Run, strategy: str, *, steps: int = 3, optimizer: str = "adamw",
-          reshard_after_forward: bool = True, bucket_cap_mb: float | None = None, seed: int = 0) -> list[dict]:
+          reshard_after_forward: bool = True, bucket_cap_mb: float | None = None, seed: int = 0,
+          storage: type[RankStorage] | None = None) -> list[dict]:
     """Run `steps` steps on the initialized (CPU) process group; the phases of the last one, each
-    {name, allocated, peak, peak_op} in bytes of live storage on this rank."""
+    {name, allocated, peak, peak_op} in bytes of live storage on this rank. storage: the counter's class,
+    RankStorage by default (distributed/settled.py's SettledStorage on its one-worker gloo ranks)."""
     check_strategy(strategy)
     rank = dist.get_rank()
-    live = RankStorage()
+    live = (storage or RankStorage)()
     with live:
         model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
         if strategy == "fsdp":

@@ -92,13 +92,14 @@ def shard_stage(stage: StageModule, dp_mesh, *, param_dtype=None, reduce_dtype=N
     param_dtype / reduce_dtype: 'float32', 'bfloat16' or None, the MixedPrecisionPolicy's."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from llm_anatomy.distributed.strategies import _dtype
+    from llm_anatomy.distributed.strategies import _dtype, shard_placement
 
     mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
                               reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))
+    place = shard_placement(dp_mesh.size())
     for block in stage.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, shard_placement_fn=place)
+    fully_shard(stage, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, shard_placement_fn=place)
     return stage
 
 

@@ -3,8 +3,9 @@
   ddp   torch.nn.parallel.DistributedDataParallel: a full replica per rank, gradients
         all-reduced in buckets during backward.
   fsdp  torch.distributed.fsdp.fully_shard (FSDP2) on every transformer Block, then on the root
-        (embedding, final norm, head). Parameters live sharded on dim 0; each unit is
-        all-gathered before its forward (and again before its backward when
+        (embedding, final norm, head). Parameters live sharded on dim 0, the stacked experts
+        of a mixture of experts with fewer experts than ranks on dim 1 (shard_placement); each
+        unit is all-gathered before its forward (and again before its backward when
         reshard_after_forward), and its gradients reduce-scattered after its backward.
         The root is never resharded after forward: its backward starts right after.
 
@@ -67,6 +68,25 @@ def check_strategy(strategy: str) -> None:
         raise ConfigError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
 
 
+def shard_placement(world: int):
+    """FSDP2's shard_placement_fn for a shard group of `world` ranks (torchtitan's rule for MoE experts):
+    Shard(1) for a 3-D tensor with fewer rows on dim 0 than ranks whose dim 1 `world` divides (the stacked
+    experts (E, 2I, H) and (E, H, I) with E < world), None (FSDP2's default Shard(0)) for everything else.
+
+    Dim 0 would give each rank ceil(E / world) = 1 padded expert: world / E times the tensor in every rank's
+    shard and all-gather. FSDP2 takes Shard(1) only when world divides dim 1 (it refuses uneven non-zero-dim
+    shards), and then pays a copy of the gathered tensor to lay it out (its all-gather copy-out) and a
+    re-chunked copy of its gradient before the reduce-scatter. A 2-D expert bias (E, M) stays on dim 0: its
+    padding is under 0.1% of the Block's all-gather (docs/moe.md). calculator/fsdp_shards.py's fsdp_shard_dim
+    states the same rule."""
+    from torch.distributed.tensor import Shard
+
+    def place(p: torch.Tensor):
+        return Shard(1) if p.ndim == 3 and p.shape[0] < world and p.shape[1] % world == 0 else None
+
+    return place
+
+
 def _check_fsdp_world(model: nn.Module, world: int) -> None:
     # FSDP2 pads every dim-0 shard, so any world size runs; past the largest dim 0, though, some
     # ranks hold nothing at all, which is a mistake, not a configuration.
@@ -116,9 +136,11 @@ def wrap(model: nn.Module, strategy: str, *, param_dtype=None, reduce_dtype=None
 
         mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (world,))
     mp = MixedPrecisionPolicy(param_dtype=pd, reduce_dtype=rd)
+    place = shard_placement(mesh.size())
     for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=place)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, shard_placement_fn=place)
     if gradient_divide_factor is not None:  # a per-unit setting: every FSDP module, not just the root
         from torch.distributed.fsdp import FSDPModule
 

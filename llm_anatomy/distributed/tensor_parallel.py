@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from llm_anatomy.config import ConfigError, ModelConfig
 from llm_anatomy.distributed import tp_kernels  # noqa: F401  (the fused norms' DTensor sharding rules)
-from llm_anatomy.distributed.strategies import _dtype
+from llm_anatomy.distributed.strategies import _dtype, shard_placement
 from llm_anatomy.distributed.tp_head import use_vocab_parallel_head
 from llm_anatomy.distributed.tp_layout import to_rank_order
 from llm_anatomy.mesh_rules import check_efficient_tp, check_mesh
@@ -172,9 +172,11 @@ def parallelize(model: nn.Module, mesh, *, param_dtype=None, reduce_dtype=None,
     if mesh["dp"].size() > 1:
         mp = MixedPrecisionPolicy(param_dtype=_dtype(param_dtype, "param_dtype"),
                                   reduce_dtype=_dtype(reduce_dtype, "reduce_dtype"))
+        place = shard_placement(mesh["dp"].size())
         for block in model.layers:
-            fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False)
+            fully_shard(block, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=place)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=mp, reshard_after_forward=False, shard_placement_fn=place)
     return model
 
 
