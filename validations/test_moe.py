@@ -197,12 +197,20 @@ def test_unmodelled_fields_are_refused_in_one_line(name, change, message, tmp_pa
 @pytest.mark.parametrize("argv, message", [
     (["--variant", "efficient", "--gpu", "H200"], "the timing model: qk_norm_whole not modelled yet"),
     (["--variant", "baseline", "--gpu", "H200"], "the timing model: qk_norm_whole not modelled yet"),
-    (["--variant", "efficient", "--no-lean", "--recompute", "mlp", "--world-size", "8"],
-     ": qk_norm_whole not modelled yet"),
 ])
 def test_what_is_not_modelled_for_moe_is_refused(argv, message):
     rc, _, err = run_cli(["estimate", "--hf-config", str(HF_CONFIGS["OLMoE-1B-7B-0924"]), *argv], "moe")
     assert rc == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_moe_attention_fields_under_recompute_are_estimated():
+    """OLMoE's whole q/k norms in its MoE blocks under the efficient recompute: the memory phases model them
+    (validations/test_moe_fields_recompute.py), so the per-rank estimate answers."""
+    rc, out, err = run_cli(["estimate", "--hf-config", str(HF_CONFIGS["OLMoE-1B-7B-0924"]), "--variant", "efficient",
+                            "--no-lean", "--recompute", "mlp", "--world-size", "8", "--json"], "moe")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["distributed"]["world_size"] == 8 and d["memory"]["phases"]["backward_peak"] > 0
 
 
 def test_efficient_model_builds_experts():
