@@ -212,7 +212,7 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
             rows.append(Candidate(strategy, rc, lb, b, need(b), True, t["step_s"], t["comm_exposed_s"],
                                   gpus_n * accum * b * seq / t["step_s"], t["mfu"], accum))
     if not rows:  # every data-parallel setting runs a path the phases do not model (strategy_unmodelled)
-        raise ConfigError(f"anatomy plan: {skipped[0]} not modelled yet (config {cfg.name})")
+        raise ConfigError(f"{skipped[0]} not modelled yet (config {cfg.name})")
     fitting = [r for r in rows if r.fits]
     best = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
     spread = None  # a derived profile's plausible range of the best setting (timing/derived.py)
