@@ -227,18 +227,23 @@ def test_ep_amp_loss_and_grads_within_bf16_error(ep_run, cfg, policy, claims):
     the bf16 model's own error allows (AMP_FLOOR's comment)."""
     world, _, res = ep_run
     got = res[f"grads-{cfg.name}-{policy}"]
+    check_amp_vs_float64(claims, cfg, world, got, lambda n: _ep_grad(got, n), "ep", f"EP {world}, {policy}")
+
+
+def check_amp_vs_float64(claims, cfg, world: int, got: list[dict], grad, prefix: str, note: str) -> None:
+    """Each rank's loss (got[r]["loss"]) and every whole gradient (grad(name)) against one process's in float64,
+    within twice the bf16 model's own error plus AMP_FLOOR; claims named f"{prefix} amp ... vs float64"."""
     (l64, g64), (l16, g16) = _one_process(cfg, world, torch.float64), _one_process(cfg, world, torch.bfloat16)
     for r in range(world):
         own = abs(l16[r] - l64[r]) / abs(l64[r])
-        claims.within("ep amp loss vs float64", low=0.0, high=2 * own + AMP_FLOOR,
+        claims.within(f"{prefix} amp loss vs float64", low=0.0, high=2 * own + AMP_FLOOR,
                       measured=abs(got[r]["loss"] - l64[r]) / abs(l64[r]), component="loss", config=cfg.name,
-                      variant="efficient", unit="relative", note=f"EP {world}, {policy}, rank {r}; bf16's {own:.3e}")
+                      variant="efficient", unit="relative", note=f"{note}, rank {r}; bf16's {own:.3e}")
     for n, g in g64.items():
         own = _rel(g16[n], g)
-        claims.within("ep amp gradient vs float64", low=0.0, high=2 * own + AMP_FLOOR,
-                      measured=_rel(_ep_grad(got, n), g), component="moe" if ".mlp." in n else "other",
-                      config=cfg.name, variant="efficient", unit="relative", note=f"EP {world}, {policy}, {n}; "
-                      f"bf16's {own:.3e}")
+        claims.within(f"{prefix} amp gradient vs float64", low=0.0, high=2 * own + AMP_FLOOR,
+                      measured=_rel(grad(n), g), component="moe" if ".mlp." in n else "other",
+                      config=cfg.name, variant="efficient", unit="relative", note=f"{note}, {n}; bf16's {own:.3e}")
 
 
 def test_ep_refusals_one_line():

@@ -27,8 +27,8 @@ from llm_anatomy.calculator import expert_parallel as ep_calc
 from llm_anatomy.config import ConfigError, Run
 from validations.configs import draw_examples
 from validations.draw_notes import draw_note
-from validations.test_expert_parallel import (AMP_FLOOR, GRAD_CFGS, GRAD_RUN, GRAD_RUNS, GRAD_TOL, POLICIES,
-                                              _draws, _ep_grad, _hist, _one_process, _rel, _scenario, ep_cases)
+from validations.test_expert_parallel import (GRAD_CFGS, GRAD_RUN, GRAD_RUNS, GRAD_TOL, POLICIES, _draws, _ep_grad,
+                                              _hist, _one_process, _rel, _scenario, check_amp_vs_float64, ep_cases)
 
 WORLD, EP = 4, 2  # efsdp = 2
 N_DRAWS = 20  # fp32 / bf16 without recompute
@@ -125,19 +125,7 @@ def test_epdp_loss_and_grads_match_one_process(epdp_run, cfg, policy, claims):
                           component="moe" if ".mlp." in n else "other", config=cfg.name, variant="efficient",
                           unit="relative", note=f"{note}, {n}: |g_ep - g_one| / |g_one|")
         return
-    import torch
-
-    (l64, g64), (l16, g16) = _one_process(cfg, WORLD, torch.float64), _one_process(cfg, WORLD, torch.bfloat16)
-    for r in range(WORLD):
-        own = abs(l16[r] - l64[r]) / abs(l64[r])
-        claims.within("ep<dp amp loss vs float64", low=0.0, high=2 * own + AMP_FLOOR,
-                      measured=abs(got[r]["loss"] - l64[r]) / abs(l64[r]), component="loss", config=cfg.name,
-                      variant="efficient", unit="relative", note=f"{note}, rank {r}; bf16's {own:.3e}")
-    for n, g in g64.items():
-        own = _rel(g16[n], g)
-        claims.within("ep<dp amp gradient vs float64", low=0.0, high=2 * own + AMP_FLOOR,
-                      measured=_rel(_whole(got, n), g), component="moe" if ".mlp." in n else "other",
-                      config=cfg.name, variant="efficient", unit="relative", note=f"{note}, {n}; bf16's {own:.3e}")
+    check_amp_vs_float64(claims, cfg, WORLD, got, lambda n: _whole(got, n), "ep<dp", note)
 
 
 _QWEN_RANK = """
