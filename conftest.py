@@ -177,7 +177,7 @@ class Claims:
         """A range claim (low <= measured <= high): recorded with the range's midpoint as the prediction
         and its half-width, relative to the midpoint, as the tolerance; passed is the range test itself."""
         mid = (low + high) / 2
-        err = float((mid - measured) / measured) if measured else float("inf")
+        err = float((mid - measured) / measured) if measured else None  # None: no relative figure (JSON has no inf)
         ok = low <= measured <= high
         _ROWS.append(dict(test=self.test_id, claim=claim, component=component, config=config, variant=variant,
                           predicted=float(mid), measured=float(measured), error=err,

@@ -393,3 +393,22 @@ def test_a_gpu_part_run_joins_the_gpu_claims(tmp_path):
     h200 = results.split("<!-- claims-h200:start -->")[1].split("<!-- claims-h200:end -->")[0]
     assert "| moe part claim | cuda |" in h200 and "2026-12-06: `pytest part-moe`" in h200
     assert "H200 2026-12-06" in readme
+
+
+def test_a_range_claim_measured_at_zero_writes_a_finite_report(tmp_path):
+    """A range claim whose measurement is exactly 0 (a gradient equal to one process's) records no relative error
+    (None, not inf: JSON has no infinity) and the plots take the report."""
+    import json
+
+    import conftest
+    from llm_anatomy.report import load
+    from llm_anatomy.report.plots import error_distribution
+
+    before = len(conftest._ROWS)
+    conftest.Claims("validations/test_x.py::test_zero").within("zero range", low=0.0, high=1e-5, measured=0.0,
+                                                               component="moe", config="c", variant="efficient")
+    row = conftest._ROWS.pop()
+    assert len(conftest._ROWS) == before and row["error"] is None
+    p = tmp_path / "claims.json"
+    p.write_text(json.dumps(dict(date="2026-12-05", machine={}, command="pytest", rows=[row]), allow_nan=False))
+    error_distribution(load([p]), tmp_path / "err.png")

@@ -100,7 +100,7 @@ def error_distribution(reports: list[dict], png: Path, label=lambda rep: "") -> 
 
     groups: dict[tuple, list] = defaultdict(list)
     for r in _rows(reports, label):
-        if r["tolerance"] > 0:
+        if r["tolerance"] > 0 and r["error"] is not None:  # None: no relative figure (a zero measurement, an OOM)
             groups[(r["claim"], r["device"], r["tolerance"])].append(r)
     keys = sorted(groups, key=lambda k: (family(k[0]), k[0], k[1]))
     fig, ax = plt.subplots(figsize=(10, 0.42 * len(keys) + 1.4))
