@@ -200,15 +200,21 @@ def test_ep_loss_and_grads_match_one_process(ep_run, cfg, policy, claims):
     re-run computes what its forward did, so recompute adds no error."""
     world, _, res = ep_run
     got = res[f"grads-{cfg.name}-{policy}"]
+    check_vs_one_process(claims, cfg, world, got, lambda n: _ep_grad(got, n), "ep", f"EP {world}, {policy}")
+
+
+def check_vs_one_process(claims, cfg, world: int, got: list[dict], grad, prefix: str, note: str) -> None:
+    """Each rank's loss (got[r]["loss"]) and every whole gradient (grad(name)) equal one process's within GRAD_TOL
+    (relative); claims named f"{prefix} ... vs one process"."""
     losses, grads = _one_process(cfg, world)
     for r in range(world):
-        claims.check("ep loss vs one process", component="loss", config=cfg.name, variant="efficient",
+        claims.check(f"{prefix} loss vs one process", component="loss", config=cfg.name, variant="efficient",
                      predicted=losses[r], measured=got[r]["loss"], tolerance=GRAD_TOL, unit="nats",
-                     note=f"EP {world}, {policy}, rank {r}")
+                     note=f"{note}, rank {r}")
     for n, g in grads.items():
-        claims.within("ep gradient vs one process", low=0.0, high=GRAD_TOL, measured=_rel(_ep_grad(got, n), g),
+        claims.within(f"{prefix} gradient vs one process", low=0.0, high=GRAD_TOL, measured=_rel(grad(n), g),
                       component="moe" if ".mlp." in n else "other", config=cfg.name, variant="efficient",
-                      unit="relative", note=f"EP {world}, {policy}, {n}: |g_ep - g_one| / |g_one|")
+                      unit="relative", note=f"{note}, {n}: |g_ep - g_one| / |g_one|")
 
 
 # dtype amp under EP is FSDP2's policy: bf16 parameters and activations, no autocast (the experts cast to bf16 in

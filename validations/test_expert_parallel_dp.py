@@ -27,8 +27,8 @@ from llm_anatomy.calculator import expert_parallel as ep_calc
 from llm_anatomy.config import ConfigError, Run
 from validations.configs import draw_examples
 from validations.draw_notes import draw_note
-from validations.test_expert_parallel import (GRAD_CFGS, GRAD_RUN, GRAD_RUNS, GRAD_TOL, POLICIES, _draws, _ep_grad,
-                                              _hist, _one_process, _rel, _scenario, check_amp_vs_float64, ep_cases)
+from validations.test_expert_parallel import (GRAD_CFGS, GRAD_RUN, GRAD_RUNS, POLICIES, _draws, _ep_grad, _hist,
+                                              _scenario, check_amp_vs_float64, check_vs_one_process, ep_cases)
 
 WORLD, EP = 4, 2  # efsdp = 2
 N_DRAWS = 20  # fp32 / bf16 without recompute
@@ -115,15 +115,7 @@ def test_epdp_loss_and_grads_match_one_process(epdp_run, cfg, policy, claims):
     got = res[f"grads-{cfg.name}-{policy}"]
     note = f"efsdp x ep 2 x 2, {policy}"
     if policy.startswith("fp32"):
-        losses, grads = _one_process(cfg, WORLD)
-        for r in range(WORLD):
-            claims.check("ep<dp loss vs one process", component="loss", config=cfg.name, variant="efficient",
-                         predicted=losses[r], measured=got[r]["loss"], tolerance=GRAD_TOL, unit="nats",
-                         note=f"{note}, rank {r}")
-        for n, g in grads.items():
-            claims.within("ep<dp gradient vs one process", low=0.0, high=GRAD_TOL, measured=_rel(_whole(got, n), g),
-                          component="moe" if ".mlp." in n else "other", config=cfg.name, variant="efficient",
-                          unit="relative", note=f"{note}, {n}: |g_ep - g_one| / |g_one|")
+        check_vs_one_process(claims, cfg, WORLD, got, lambda n: _whole(got, n), "ep<dp", note)
         return
     check_amp_vs_float64(claims, cfg, WORLD, got, lambda n: _whole(got, n), "ep<dp", note)
 
