@@ -9,7 +9,8 @@ profiled pass) in a process of its own (its profiler leaves CUPTI attached, whic
 launch of this one), and is predicted with the suite's profile (conftest.py suite_profile):
   time.real_depth.gpu.forward_backward, time.real_depth.gpu.step   kernel time within ±10%
   time.real_depth.step        the wall-clock step within ±10% where the model calls the case GPU-bound
-A case the calculator does not fit in this GPU's free memory (the same 85% rule as the draw's) is skipped,
+The cases are drawn to fit this GPU (its total memory; the H200's where none is present); a case the calculator
+does not fit in its free memory (the same 85% rule as the draw's) is skipped,
 quoting its peak. The measured rows (clocks and per-component kernel times included) are written beside the
 claims report as real-depth-live.json.
 """
@@ -32,8 +33,16 @@ LIVE_ROWS = "real-depth-live.json"  # the measured rows, beside the claims repor
 def pytest_generate_tests(metafunc):
     if "live_case" in metafunc.fixturenames:
         n, seed = metafunc.config.getoption("--live-real-depth"), metafunc.config.getoption("--live-seed")
-        cases = real_depth.draw(n, seed) if n > 0 else []
+        cases = real_depth.draw(n, seed, _capacity()) if n > 0 else []
         metafunc.parametrize("live_case", cases, ids=[c.id for c in cases])
+
+
+def _capacity() -> int:
+    """The memory the cases are drawn to fill: this GPU's where one is present (an 80 GB H100 runs cases of its
+    own size, not the H200's, which it would skip), else the H200's (the draw a CPU collection lists)."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else real_depth.H200_CAPACITY
 
 
 def _measure(case: real_depth.Case, keep: Path | None = None) -> dict:

@@ -90,6 +90,7 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
     (r"^pp x tp rank ", ["llm_anatomy/calculator/tp_memory.py:pp_phases"],
      ["llm_anatomy/distributed/mesh_peak.py:pp_peaks"], []),
     (r"^tp \(efficient", ["-"], [_TP, "llm_anatomy/distributed/tp_layout.py:to_rank_order"], []),
+    (r"^tp \(gpt-oss attention\) loss", ["-"], [_TP, "llm_anatomy/distributed/mesh_step.py:train"], []),
     (r"^vocab-parallel linear CE loss", ["-"],
      ["llm_anatomy/kernels/linear_ce_tp.py:vocab_parallel_linear_cross_entropy",
       "llm_anatomy/kernels/linear_ce.py:linear_cross_entropy"], []),

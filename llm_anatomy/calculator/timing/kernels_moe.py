@@ -49,13 +49,13 @@ def router(o: Ops, lean: bool = False) -> None:
     o.mem("moe.router.softmax", "moe", "forward", TE, TE, L * softmaxes)
     o.mem("moe.router.softmax.backward", "moe", "backward", 2 * TE, TE, L * softmaxes)
     o.mem("moe.router.topk", "moe", "forward", TE, TK + T * K * I64, L)
-    o.mem("moe.router.topk.backward", "moe", "backward", TK + T * K * I64, TE, L, calls=2)  # zeros, scatter
+    o.mem("moe.router.topk.backward", "moe", "backward", TK + T * K * I64, TE, L, calls=2 * L)  # zeros, scatter
     if cfg.router == "topk-softmax":  # the softmax over the k logits
         o.mem("moe.router.topk_softmax", "moe", "forward", TK, TK, L)
         o.mem("moe.router.topk_softmax.backward", "moe", "backward", 2 * TK, TK, L)
     elif cfg.norm_topk:  # w / sum(w)
-        o.mem("moe.router.norm_topk", "moe", "forward", 2 * TK, TK + T * 4, L, calls=2)
-        o.mem("moe.router.norm_topk.backward", "moe", "backward", 4 * TK, 2 * TK, L, calls=5)
+        o.mem("moe.router.norm_topk", "moe", "forward", 2 * TK, TK + T * 4, L, calls=2 * L)
+        o.mem("moe.router.norm_topk.backward", "moe", "backward", 4 * TK, 2 * TK, L, calls=5 * L)
     if cfg.router_aux_coef > 0:  # P = mean over the tokens, f from the row ends: small
         o.mem("moe.balance.mean", "moe", "forward", TE, E * 4, L)
         o.mem("moe.balance.mean.backward", "moe", "backward", E * 4, TE, L)
@@ -105,12 +105,12 @@ def efficient_moe(o: Ops, hist=None) -> None:
     f = FOLD if cfg.expert_bias else 0
     router(o, lean)
     # the permutation: a stable argsort of the N expert ids, their gather, searchsorted, the inverse scatter
-    o.mem("moe.permute.argsort", "moe", "forward", 3 * N * I64, 3 * N * I64, L, calls=3)
-    o.mem("moe.permute.index", "moe", "forward", 3 * N * I64 + E * I64, 2 * N * I64 + E * 4, L, calls=4)
+    o.mem("moe.permute.argsort", "moe", "forward", 3 * N * I64, 3 * N * I64, L, calls=3 * L)
+    o.mem("moe.permute.index", "moe", "forward", 3 * N * I64 + E * I64, 2 * N * I64 + E * 4, L, calls=4 * L)
     o.mem("moe.permute.gather", "moe", "forward", N * H * c + N * I64, N * H * c, L)
     o.mem("moe.permute.backward", "moe", "backward", N * H * c + N * I64, T * H * c, L)  # the sum over k rows
     if f:  # the folded bias: x and h with a ones column block, each weight with its bias column
-        o.mem("moe.experts.fold", "moe", "forward", N * (H + I) * c, N * (H + I + 2 * f) * c, L, calls=2)
+        o.mem("moe.experts.fold", "moe", "forward", N * (H + I) * c, N * (H + I + 2 * f) * c, L, calls=2 * L)
     rows = _rows(o, hist)
     _grouped(o, "moe.experts.gate_up", rows, 2 * I, H, f)
     for ph, name in (("forward", "moe.experts.swiglu"), ("backward", "moe.experts.swiglu.backward")):
@@ -143,7 +143,7 @@ def _expert_linear(o: Ops, name: str, n: int, d_in: int, d_out: int, count: int,
         o.mem(f"{name}.grad_bias", "moe", "backward", n * d_out * c, d_out * c, count)
     for what, prefix, size in slices:
         stacked = E * size * p
-        o.mem(f"{name}.{prefix}select_backward", "moe", "backward", size * p, stacked, count, calls=2)
+        o.mem(f"{name}.{prefix}select_backward", "moe", "backward", size * p, stacked, count, calls=2 * count)
         o.mem(f"{name}.{prefix}grad_sum", "moe", "backward", 2 * stacked, stacked, count)
 
 
@@ -159,12 +159,12 @@ def baseline_moe(o: Ops, mlp, hist=None) -> None:
     rows = _rows(o, hist)
     empty = cfg.experts - sum(rows.values())
     if empty:  # an expert no token chose still runs its where (and its sync) before the loop skips it
-        o.mem("moe.expert.where", "moe", "forward", T * K * 8, 0, L * empty, sync=True, calls=3)
+        o.mem("moe.expert.where", "moe", "forward", T * K * 8, 0, L * empty, sync=True, calls=3 * L * empty)
     for m, experts in sorted(rows.items()):
         k = L * experts
-        o.mem("moe.expert.where", "moe", "forward", T * K * 8, m * 16, k, sync=True, calls=3)
+        o.mem("moe.expert.where", "moe", "forward", T * K * 8, m * 16, k, sync=True, calls=3 * k)
         o.mem("moe.expert.gather", "moe", "forward", m * H * r + m * I64, m * H * r, k)
-        o.mem("moe.expert.gather.backward", "moe", "backward", m * H * r + m * I64, T * H * r, k, calls=2)
+        o.mem("moe.expert.gather.backward", "moe", "backward", m * H * r + m * I64, T * H * r, k, calls=2 * k)
         o.mem("moe.expert.input_grad_sum", "moe", "backward", 2 * T * H * r, T * H * r, k)
         if o.amp:  # F.linear casts the fp32 rows
             o.mem("moe.expert.input_cast", "moe", "forward", m * H * r, m * H * c, k)
@@ -176,9 +176,9 @@ def baseline_moe(o: Ops, mlp, hist=None) -> None:
                 o.chain(op, "moe.expert.", "moe", ph, I, m, k, fused=(op, I, m) if c == 2 else ())
         o.mem("moe.expert.chunk.backward", "moe", "backward", 2 * m * I * c, 2 * m * I * c, k)  # cat
         _expert_linear(o, "moe.expert.down", m, I, H, k, True)
-        o.mem("moe.expert.weighting", "moe", "forward", m * H * c + m * 4, m * H * c + m * c, k, calls=3)
-        o.mem("moe.expert.weighting.backward", "moe", "backward", 3 * m * H * c, 2 * m * H * c + m * 4, k, calls=5)
-        o.mem("moe.expert.weight_index.backward", "moe", "backward", m * 4, T * K * 4, k, calls=3)
+        o.mem("moe.expert.weighting", "moe", "forward", m * H * c + m * 4, m * H * c + m * c, k, calls=3 * k)
+        o.mem("moe.expert.weighting.backward", "moe", "backward", 3 * m * H * c, 2 * m * H * c + m * 4, k, calls=5 * k)
+        o.mem("moe.expert.weight_index.backward", "moe", "backward", m * 4, T * K * 4, k, calls=3 * k)
         o.mem("moe.expert.index_add", "moe", "forward", T * H * c + m * H * c, T * H * c, k)
         o.mem("moe.expert.index_add.backward", "moe", "backward", m * H * c + m * I64, m * H * c, k)
     if cfg.shared_experts:
