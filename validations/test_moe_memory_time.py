@@ -175,6 +175,22 @@ def test_baseline_loop_launches_per_expert_with_rows(hist):
     assert sum(k.flops * k.count for k in mms if k.phase == "backward") == 2 * moe.flops(CFG, run)
 
 
+@pytest.mark.parametrize("variant", ["baseline", "efficient"])
+def test_moe_host_calls_are_per_step(variant):
+    """Kernel.calls counts a step's host calls: an MoE entry of several eager ops a launch (torch.where: eq,
+    nonzero and its copy back) states ops x launches, so the baseline's L x E syncing wheres cost 3 L E eager ops
+    of host time, not 3 (test_moe_live's baseline loop on skewed routing, host-bound by this)."""
+    from llm_anatomy.calculator.timing.host import host_seconds
+
+    run = Run(2, 24)
+    ks = [k for k in kernels(CFG, run, variant, None, None, hist=moe.skewed(CFG, run)) if k.name.startswith("moe.")]
+    prof = dict(host_op_s=1.0, host_custom_s={})
+    assert all(k.calls is None or k.calls % k.count == 0 for k in ks), [(k.name, k.calls, k.count) for k in ks]
+    if variant == "baseline":
+        where = [k for k in ks if k.name == "moe.expert.where"]
+        assert sum(host_seconds(k, prof) for k in where) == 3 * CFG.layers * CFG.experts
+
+
 def test_calibrated_grouped_rows_fit_the_grouped_fraction():
     """fit.grouped_efficiency: rows timed at the dense model's time for their tile-rounded rows read 1.0, at twice
     it 0.5 (the median over the queued rows, per role); a measured profile carrying them prices with it, and a
