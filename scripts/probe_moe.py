@@ -32,9 +32,11 @@ HF = Path(__file__).resolve().parent.parent / "validations" / "data" / "hf_confi
 
 
 def cases() -> dict[str, tuple[ModelConfig, Run, tuple[str, ...]]]:
-    """{id: (config, run, variants)}: each real family reduced in depth, then in width, and Qwen3-30B-A3B at its
-    full width 8 layers deep (5.6 B parameters, 90 GB of fp32 weights, gradients and AdamW state)."""
+    """{id: (config, run, variants)}: each real family reduced in depth, then in width, Qwen3-30B-A3B at its
+    full width 8 layers deep (5.6 B parameters, 90 GB of fp32 weights, gradients and AdamW state), and gpt-oss-20b
+    two layers deep (its sinks, its window and its expert biases)."""
     qwen, mixtral = from_hf_config(HF / "Qwen3-30B-A3B"), from_hf_config(HF / "Mixtral-8x7B-v0.1")
+    gptoss = from_hf_config(HF / "gpt-oss-20b")
     both = ("efficient", "baseline")
     return {
         "qwen3moe-L2": (replace(qwen, layers=2), Run(2, 2048), both),
@@ -44,6 +46,7 @@ def cases() -> dict[str, tuple[ModelConfig, Run, tuple[str, ...]]]:
         "mixtral-narrow-L4": (replace(mixtral, layers=4, hidden=1024, heads=8, kv_heads=2, expert_intermediate=3584),
                               Run(4, 2048), both),
         "qwen3moe-L8": (replace(qwen, layers=8), Run(2, 2048), ("efficient",)),
+        "gptoss-L2": (replace(gptoss, layers=2), Run(2, 2048), both),  # a window layer, then a full one
     }
 
 
