@@ -80,11 +80,12 @@ def _layout(root: Path) -> dict:
         # the GPU-marked run
         CPU_CLAIMS=reports / "cpu" / "claims.json.gz", GPU_CLAIMS=h200 / "claims-gpu.json",
         # GPU runs of one part of the suite, each its own run (machine, date, command), read where present beside
-        # the whole-suite run: the MoE live claims (validations/test_moe_live.py), the mesh code paths on CUDA
+        # the whole-suite run: the MoE live claims (validations/test_moe_live.py; moe-gptoss: its gpt-oss cases, run
+        # apart, `-k "gptoss and memory"`), the mesh code paths on CUDA
         # (validations/test_mesh_cuda.py) and the real-depth live claims (validations/test_real_depth_live.py),
         # each written by `pytest FILE -m gpu --claims-report PATH`, under the folder of the GPU that ran it
         GPU_CLAIMS_PARTS=tuple(reports / gpu / f"claims-gpu-{part}.json" for gpu in ("h200", "h100")
-                               for part in ("moe", "mesh", "realdepth")),
+                               for part in ("moe", "moe-gptoss", "mesh", "realdepth")),
         # scripts/probe_memory.py: phase memory of named and drawn configs, both variants, under two allocator
         # settings; under Run.recompute="mlp" (efficient only); and the lean block (Run.lean)
         MEMORY_PROBE={"expandable segments": (mp / "named.json", mp / "drawn.json"),

@@ -60,9 +60,7 @@ def parse(argv) -> argparse.Namespace:
 
 
 class Smi:
-    """nvidia-smi sampling SM clock and board power every 20 ms until stop(); None where it cannot run. The
-    constructor returns after the first sample: nvidia-smi's start (its process and NVML's initialisation) is
-    over before the steps it samples are timed, not inside their first ones."""
+    """nvidia-smi sampling SM clock and board power every 20 ms until stop(); None where it cannot run."""
 
     def __init__(self):
         try:
@@ -71,14 +69,13 @@ class Smi:
                                       stderr=subprocess.DEVNULL, text=True)
         except OSError:
             self.p = None
-        self.first = self.p.stdout.readline() if self.p is not None else ""
 
     def stop(self) -> dict:
         if self.p is None:
             return dict(sm_mhz=None, power_w=None, samples=0)
         self.p.terminate()
         rows = []
-        for line in (self.first + self.p.communicate()[0]).splitlines():
+        for line in self.p.communicate()[0].splitlines():
             try:
                 rows.append([float(v) for v in line.split(",")])
             except ValueError:
