@@ -183,10 +183,12 @@ def render(a, out: dict) -> list[str]:
                          f" (derived range {days(out['range']['high']['budget'])} to "
                          f"{days(out['range']['low']['budget'])})" if out.get("range") else ""))
     if (rg := out.get("range")) is not None:
+        from llm_anatomy.calculator.timing.lookup import measured_hint
+
         lines.append(f"times from a derived profile (the measured H200's kernel efficiencies on {out['gpu']}'s "
                      f"datasheet, docs/derived-gpus.md): plausible range {rg['low']['tokens_per_s']:,.0f} to "
                      f"{rg['high']['tokens_per_s']:,.0f} tokens/s, MFU {rg['low']['mfu']:.1%} to {rg['high']['mfu']:.1%}; "
-                     f"--gpu {out['gpu_entry']}-datasheet times the datasheet roofline")
+                     f"--gpu {out['gpu_entry']}-datasheet times the datasheet roofline" + measured_hint(out["gpu_entry"]))
     if out["profile_kind"] == "datasheet":
         lines.append(f"times from {out['gpu']}'s datasheet figures (no calibration: optimistic; a profile from "
                      "`anatomy calibrate` on the GPU, or h200-measured, is what the timing claims hold to)")

@@ -41,6 +41,12 @@ def profile_stem(base: str) -> str:
     return base.removesuffix("-sxm")
 
 
+def measured_hint(base: str) -> str:
+    """"; --gpu <stem>-measured ..." where the package holds a calibration of this datasheet part, else ""."""
+    name = f"{profile_stem(base)}-measured"
+    return f"; --gpu {name} times this project's calibration of one such GPU" if name in measured_files() else ""
+
+
 def names() -> list[str]:
     return [*gpus.GPUS, *measured_files(), *(f"{k}-{kind}" for k in gpus.GPUS for kind in ("derived", "datasheet"))]
 
