@@ -84,6 +84,9 @@ def _layout(root: Path) -> dict:
         # apart, `-k "gptoss and memory"`), the mesh code paths on CUDA
         # (validations/test_mesh_cuda.py) and the real-depth live claims (validations/test_real_depth_live.py),
         # each written by `pytest FILE -m gpu --claims-report PATH`, under the folder of the GPU that ran it
+        # the user's loop measured on an H100 (the rows the live claims keep beside their report): the real-depth
+        # draw sized to 80 GB and the MoE cases; scripts/compare_h100.py predicts them on the derived H100 profile
+        H100_STEPS=dict(dense=reports / "h100" / "real-depth-live.json", moe=reports / "h100" / "moe-live.json"),
         GPU_CLAIMS_PARTS=tuple(reports / gpu / f"claims-gpu-{part}.json" for gpu in ("h200", "h100")
                                for part in ("moe", "moe-gptoss", "mesh", "realdepth")),
         # scripts/probe_memory.py: phase memory of named and drawn configs, both variants, under two allocator

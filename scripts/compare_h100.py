@@ -22,7 +22,7 @@ from llm_anatomy.calculator import moe
 from llm_anatomy.calculator.timing import estimate_time, get
 
 MEASURED, DERIVED = "h100-measured", "h100-sxm-derived"
-DENSE, MOE = (records.ROOT / "reports" / "h100" / f"{n}-live.json" for n in ("real-depth", "moe"))
+DENSE, MOE = records.H100_STEPS["dense"], records.H100_STEPS["moe"]
 PROFILES = (MEASURED, DERIVED, f"{DERIVED}-low", f"{DERIVED}-high", "h100-sxm-datasheet")
 BF = "bfloat16"
 # (what, unit, the figure of a profile)

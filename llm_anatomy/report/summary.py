@@ -13,7 +13,7 @@ AREAS = (("parameters", r"^(active )?params"),
           r"|^one-rank mesh .*bytes"),
          ("time", r"^(time\.|step time|optimizer step time)"),
          ("training loss and gradients", r"loss|gradient|evals"),
-         ("peak memory and phases", r"^(memory|plan:|optimizer (state|step) bytes|(tp|pp|ep|ep<dp) rank |fsdp E<W rank |(fsdp E<W )?per-rank .*peak"
+         ("peak memory and phases", r"^(memory|plan:|optimizer (state|step) bytes|(tp|pp|pp x tp|ep|ep<dp) rank |fsdp E<W rank |(fsdp E<W )?per-rank .*peak"
           r"|vocab-parallel linear CE peak)"))
 
 
