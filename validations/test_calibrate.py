@@ -3,6 +3,8 @@ misaligned vocab GEMMs, the in-step host scale, and `anatomy calibrate`'s pure p
 files (all on CPU, with fake measurements where a measurement would be needed)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 
 import pytest
@@ -252,7 +254,7 @@ def test_baseline_sxs_chain_takes_its_calibrated_rates():
 
     hbm = 4.0e12
     frac = {"sxs.scale": 0.9, "sxs.mask_add": 0.34, "sxs.float": 0.5, "sxs.softmax": 0.52, "sxs.to_compute": 0.9,
-            "sxs.softmax.backward": 0.45}
+            "sxs.softmax.backward": 0.45, "sxs.sink_cat": 0.4, "sxs.sink_slice_cast": 0.6, "sxs.sink_slice_backward": 0.7}
     assert set(frac) == set(SXS_OPS)
     fused = [dict(op=op, tokens=SXS_ROWS, width=S, queued=True,
                   ms=(sum(fused_bytes(op, S, SXS_ROWS)) / hbm / frac[op] + 2.2e-6) * 1e3) for op in SXS_OPS for S in SXS_SEQS]
@@ -266,6 +268,15 @@ def test_baseline_sxs_chain_takes_its_calibrated_rates():
           "attention.softmax": "sxs.softmax", "attention.to_compute": "sxs.to_compute",
           "attention.to_compute.backward": "sxs.float", "attention.softmax.backward": "sxs.softmax.backward",
           "attention.float.backward": "sxs.to_compute", "attention.scale.backward": "sxs.scale"}
+    for name, op in of.items():
+        assert _kernel(a, name)["memory_s"] == pytest.approx(_kernel(b, name)["memory_s"] / frac[op], rel=1e-3), name
+    # gpt-oss's sinks: the cat, both casts of a strided slice, the slice's backward copy; the softmax over S + 1
+    sinks = replace(cfg, attn_sinks=True)
+    a, b = (timing.estimate_time(sinks, Run(2, 2048), "baseline", q, with_kernels=True) for q in (p, p0))
+    of = {"attention.sinks_cat": "sxs.sink_cat", "attention.to_compute": "sxs.sink_slice_cast",
+          "attention.float.backward": "sxs.sink_slice_cast", "attention.sinks_slice.backward_copy": "sxs.sink_slice_backward",
+          "attention.softmax": "sxs.softmax", "attention.softmax.backward": "sxs.softmax.backward",
+          "attention.float": "sxs.float"}
     for name, op in of.items():
         assert _kernel(a, name)["memory_s"] == pytest.approx(_kernel(b, name)["memory_s"] / frac[op], rel=1e-3), name
     f32 = timing.estimate_time(cfg, Run(2, 2048, "fp32"), "baseline", p, with_kernels=True)

@@ -62,9 +62,11 @@ def baseline_kernels(cfg: ModelConfig, run: Run, hist=None) -> list[Kernel]:
     # calibrate times each of these eager ops over S-wide rows (fused.fused_bytes "sxs.*"): ATen runs the
     # fp32 softmax, the bf16 -> fp32 cast and the broadcast mask add well under the copy roofline
     sxs = lambda op: (op, S, R) if c == 2 or op.startswith("sxs.softmax") else ()  # noqa: E731 (calibrated in bf16)
+    # with sinks both casts to the compute dtype read a strided slice of rows of S + 1 (kernels_fields.py)
+    slice_cast = "sxs.sink_slice_cast" if cfg.attn_sinks else "sxs.to_compute"
     for op, rd, wr, cal in (("scale", U * c, U * c, "sxs.scale"), ("mask_add", U * c, U * c, "sxs.mask_add"),
                             ("float", U * c, U * 4, "sxs.float"), ("softmax", U * 4, U * 4, "sxs.softmax"),
-                            ("to_compute", U * 4, U * c, "sxs.to_compute")):
+                            ("to_compute", U * 4, U * c, slice_cast)):
         if cfg.attn_sinks and op == "softmax":  # the sink joins each row by a cat: rows of S + 1
             baseline_sink_softmax(o, "forward", cal=lambda op, w: (op, w, R))
         elif casts or op not in ("float", "to_compute"):
@@ -76,7 +78,7 @@ def baseline_kernels(cfg: ModelConfig, run: Run, hist=None) -> list[Kernel]:
     o.mm("attention.probs_v.grad_v", "attention", "backward", S, hd, S, L, batch=B * nh)
     for op, rd, wr, cal in (("to_compute.backward", U * c, U * 4, "sxs.float"),
                             ("softmax.backward", 2 * U * 4, U * 4, "sxs.softmax.backward"),
-                            ("float.backward", U * 4, U * c, "sxs.to_compute"), ("scale.backward", U * c, U * c, "sxs.scale")):
+                            ("float.backward", U * 4, U * c, slice_cast), ("scale.backward", U * c, U * c, "sxs.scale")):
         if cfg.attn_sinks and op == "softmax.backward":
             baseline_sink_softmax(o, "backward", cal=lambda op, w: (op, w, R))
         elif casts or op not in ("float.backward", "to_compute.backward"):

@@ -6,7 +6,10 @@ efficient model's SDPA calls, causal or masked; kernels_efficient.py and kernels
   S x keys at the head dim it is called with (ops.masked_attention_flops, what FlopCounterMode counts), priced at
   the profile's masked rate (roofline.masked_rate). Its bytes: q', k', v', the output and the row statistics once
   each, and the (S, keys) mask once per launch: every (batch, head) CTA row reads the same mask, which stays in
-  L2 (8 MiB at S 2048), so HBM sees it once; the L2 traffic is inside the calibrated rate.
+  L2 (8 MiB at S 2048), so HBM sees it once; the L2 traffic is inside the calibrated rate. So are the small
+  kernels cuDNN launches around its main one (memsets, dot(dO, O), dQ's conversion, the GQA reduce): calibrate
+  times the whole call with CUDA events at gpt-oss's GQA (calibrate_sdpa.MASKED_SHAPES), so they are not listed
+  apart (a call without GQA is priced with its reduce inside: an over-estimate of that small kernel).
 - Sinks (attention_sinks.sink_sdpa): q is widened by a cat with the sink column and zeros, k and v padded
   (F.pad: a fill of the output, then a copy of the input into it), the sink key's 1 set in place; SDPA's output
   is sliced to hd and merged over heads by a copy o keeps. Backward: the slice's zeros and copy, F.pad's
@@ -16,7 +19,8 @@ efficient model's SDPA calls, causal or masked; kernels_efficient.py and kernels
   recompute every re-run layer builds its own again (the cache lives only inside the model's forward).
 - OLMoE's whole q/k norms: the fused rms_norm on qkv's q and k columns (strided rows, no copy), a cat of
   (qn, kn, v), the plain rope_qkv; backward as calculator/attention_fields.py walks it.
-- The baseline: sinks join the fp32 softmax by a cat (B, nh, S, S + 1); a window's mask is built once per step
+- The baseline: sinks join the fp32 softmax by a cat (B, nh, S, S + 1), its [..., :-1] slice cast (strided),
+  each at its own calibration (op_bytes "sxs.sink_*"); a window's mask is built once per step
   from the causal one; the whole q/k norms are the eager norm chain over (T, q_dim) and (T, kv_dim).
 """
 from __future__ import annotations
@@ -60,13 +64,13 @@ def _sdpa(o: Ops, L: int, backend: str, wd: int, keys: int, masked: bool, recomp
     if recompute:  # the forward kernel, priced as one (op_phase) though it runs in the backward phase
         o.k.append(Kernel(f"{name}.recompute", "attention", "backward", "sdpa", L, F, qb + kvb + qb + stats + mask,
                           shape, "bfloat16", be, op_phase="forward"))
-        if backend == "cudnn":
+        if backend == "cudnn" and not masked:
             o.mem(f"{name}.memset.recompute", "attention", "backward", 0, stats, L, host=None)
         return
     o.k.append(Kernel(name, "attention", "forward", "sdpa", L, F, qb + kvb + qb + stats + mask, shape, "bfloat16", be))
     o.k.append(Kernel(f"{name}.backward", "attention", "backward", "sdpa", L, 5 * F // 2,
                       2 * (qb + kvb) + 2 * qb + stats + mask, shape, "bfloat16", be))
-    if backend != "cudnn":
+    if backend != "cudnn" or masked:  # the masked rate is the whole call's (its small kernels are inside it)
         return
     # cuDNN's call launches small kernels around its main one (every H200 trace): a memset of its (B, heads, S)
     # fp32 row statistics in each phase; in backward, dot(dO, O) per row, which also zeroes the fp32 dQ
@@ -182,17 +186,19 @@ def baseline_window_mask(o: Ops) -> None:
 def baseline_sink_softmax(o: Ops, phase: str, cal) -> None:
     """The baseline's softmax with sinks (baseline/attention.py): cat(scores.float(), sink) (B, nh, S, S + 1) fp32,
     softmax over it, [..., :-1] a view; backward: the slice's zeros and copy, softmax's backward over S + 1,
-    cat's backward views, the sink's gradient summed over batch and positions. The softmax at the calibrated
-    rate of width S + 1 (cal), the cat, zeros and copy at the copy bandwidth (uncalibrated)."""
+    cat's backward views, the sink's gradient summed over batch and positions. cal(op, width): the calibration
+    of an S x S op (calibrate_aten.sxs_case): the softmax's at width S + 1, the cat's and the slice's backward copy
+    at S (their rows of S + 1 are not 16-byte aligned: ATen's unvectorized kernels); the zeros at the copy rate."""
     B, S, L, nh = o.run.batch, o.run.seq, o.cfg.layers, o.cfg.heads
     R = B * nh * S  # rows
     U, U1 = R * S, R * (S + 1)
     if phase == "forward":
-        o.mem("attention.sinks_cat", "attention", "forward", U * 4 + nh * 4, U1 * 4, L)
+        o.mem("attention.sinks_cat", "attention", "forward", U * 4 + nh * 4, U1 * 4, L, fused=cal("sxs.sink_cat", S))
         o.mem("attention.softmax", "attention", "forward", U1 * 4, U1 * 4, L, fused=cal("sxs.softmax", S + 1))
         return
     o.mem("attention.sinks_slice.backward_zeros", "attention", "backward", 0, U1 * 4, L)
-    o.mem("attention.sinks_slice.backward_copy", "attention", "backward", U * 4, U * 4, L)
+    o.mem("attention.sinks_slice.backward_copy", "attention", "backward", U * 4, U * 4, L,
+          fused=cal("sxs.sink_slice_backward", S))
     o.mem("attention.softmax.backward", "attention", "backward", 2 * U1 * 4, U1 * 4, L,
           fused=cal("sxs.softmax.backward", S + 1))
     o.mem("attention.sinks.grad_sum", "attention", "backward", R * 4, nh * 4, L)

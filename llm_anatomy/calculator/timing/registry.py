@@ -58,7 +58,7 @@ def _add_rms_norm_backward_bytes(width: int, tokens: int) -> int:
 
 _OURS = ("rms_norm.forward", "swiglu.forward", "swiglu.backward", "rope_qkv.forward", "rope_qkv.backward")
 _ATEN = ("residual_add", "sxs.scale", "sxs.mask_add", "sxs.float", "sxs.to_compute", "sxs.softmax",
-         "sxs.softmax.backward", *EAGER_CHAINS)
+         "sxs.softmax.backward", "sxs.sink_cat", "sxs.sink_slice_cast", "sxs.sink_slice_backward", *EAGER_CHAINS)
 OPS: dict[str, Op] = {o.name: o for o in (
     *(Op(n, n) for n in _OURS),
     Op("rms_norm.backward", "rms_norm.backward", nbytes=_rms_norm_backward_bytes, launches=lambda w, t: 2),
