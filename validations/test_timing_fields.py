@@ -190,3 +190,20 @@ def test_calibrate_stores_the_masked_rows_or_says_none(rows, tmp_path, monkeypat
     assert sorted(prof.attention_masked) == sorted({str(r["hd"] + r["pad"]) for r in rows})
     said = any("attention_masked" in d for d in data["provenance"]["dropped"])
     assert said == (not rows) and said == ("WARNING: attention_masked" in capsys.readouterr().err)
+
+
+def test_baseline_sink_ops_take_their_calibrated_rates():
+    """Fake timings (not a measurement) of the S x S ops, each at its own fraction of the copy bandwidth
+    (test_calibrate.SXS_FRAC): with sinks the baseline's cat, both casts of the strided [..., :S] slice and the
+    slice's backward copy take their own ops' rates, the softmax and its backward (over S + 1) theirs."""
+    from validations.test_calibrate import SXS_FRAC, _kernel, sxs_profiles
+
+    p, p0 = sxs_profiles()
+    cfg = ModelConfig(name="b", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=32000, attn_sinks=True)
+    a, b = (estimate_time(cfg, Run(2, 2048), "baseline", q, with_kernels=True) for q in (p, p0))
+    of = {"attention.sinks_cat": "sxs.sink_cat", "attention.to_compute": "sxs.sink_slice_cast",
+          "attention.float.backward": "sxs.sink_slice_cast", "attention.sinks_slice.backward_copy": "sxs.sink_slice_backward",
+          "attention.softmax": "sxs.softmax", "attention.softmax.backward": "sxs.softmax.backward",
+          "attention.float": "sxs.float"}
+    for name, op in of.items():
+        assert _kernel(a, name)["memory_s"] == pytest.approx(_kernel(b, name)["memory_s"] / SXS_FRAC[op], rel=1e-3), name
