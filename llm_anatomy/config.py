@@ -306,7 +306,7 @@ class Run:
 # What each variant's memory phases model of gpt-oss's and OLMoE's attention fields (the parameters, FLOPs and saved
 # tensors of both variants count every field; both models build them), the efficient variant's under every recompute
 # policy, in dense and mixture-of-experts blocks (checked on CPU: validations/test_gptoss_attention_phases.py,
-# validations/test_moe_fields_recompute.py). The timing model prices none yet.
+# validations/test_moe_fields_recompute.py). The timing model prices them too (TIME_MODELLED).
 PHASES_MODELLED = {"baseline": ("attn_sinks", "window", "o_bias", "qk_norm_whole"),
                    "efficient": ("attn_sinks", "window", "o_bias", "qk_norm_whole")}
 ATTENTION_FIELDS = ("attn_sinks", "window", "o_bias", "qk_norm_whole")
@@ -324,9 +324,14 @@ def unmodelled(cfg: ModelConfig, variant: str = "baseline") -> str | None:
     return next((f for f in _attention_fields_on(cfg) if f not in modelled), None)
 
 
+# the attention fields the timing model's kernel lists price, in both variants and every recompute policy
+# (calculator/timing/kernels_fields.py)
+TIME_MODELLED = ("attn_sinks", "window", "o_bias", "qk_norm_whole")
+
+
 def time_unmodelled(cfg: ModelConfig) -> str | None:
-    """The first attention field of `cfg` the timing model's kernel lists do not price yet, or None."""
-    return next(iter(_attention_fields_on(cfg)), None)
+    """The first attention field of `cfg` the timing model's kernel lists do not price, or None."""
+    return next((f for f in _attention_fields_on(cfg) if f not in TIME_MODELLED), None)
 
 
 def _p(name, **kw) -> ModelConfig:

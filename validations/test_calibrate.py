@@ -242,24 +242,30 @@ def test_calibrate_without_cuda_exits_2(capsys, monkeypatch):
     assert err.count("\n") == 1 and "no CUDA" in err
 
 
+SXS_FRAC = {"sxs.scale": 0.9, "sxs.mask_add": 0.34, "sxs.float": 0.5, "sxs.softmax": 0.52, "sxs.to_compute": 0.9,
+            "sxs.softmax.backward": 0.45, "sxs.sink_cat": 0.4, "sxs.sink_slice_cast": 0.6, "sxs.sink_slice_backward": 0.7}
+
+
+def sxs_profiles(hbm: float = 4.0e12):
+    """(a profile with fake timings of every S x S op at SXS_FRAC of the copy bandwidth, one without them)."""
+    from llm_anatomy.calculator.timing.op_bytes import fused_bytes
+    from llm_anatomy.measure.calibrate_aten import SXS_OPS, SXS_ROWS, SXS_SEQS
+
+    assert set(SXS_FRAC) == set(SXS_OPS)
+    fused = [dict(op=op, tokens=SXS_ROWS, width=S, queued=True,
+                  ms=(sum(fused_bytes(op, S, SXS_ROWS)) / hbm / SXS_FRAC[op] + 2.2e-6) * 1e3)
+             for op in SXS_OPS for S in SXS_SEQS]
+    return tuple(fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12, **f),
+                                                           dict(date="fake"), "h200-sxm")) for f in (dict(fused=fused), {}))
+
+
 def test_baseline_sxs_chain_takes_its_calibrated_rates():
     """Fake timings (not a measurement) of the baseline's S x S ops at calibrate's sequence lengths, each
     at its own fraction of the copy bandwidth: the baseline step's kernels of those ops take exactly
     those times at a calibrated S (bytes / (bandwidth x fraction)), the fp32 policy keeps only the
     softmax's, and the efficient model does not change."""
-    from llm_anatomy.calculator.timing.op_bytes import fused_bytes
-    from llm_anatomy.measure.calibrate_aten import SXS_OPS, SXS_ROWS, SXS_SEQS
-
-    hbm = 4.0e12
-    frac = {"sxs.scale": 0.9, "sxs.mask_add": 0.34, "sxs.float": 0.5, "sxs.softmax": 0.52, "sxs.to_compute": 0.9,
-            "sxs.softmax.backward": 0.45}
-    assert set(frac) == set(SXS_OPS)
-    fused = [dict(op=op, tokens=SXS_ROWS, width=S, queued=True,
-                  ms=(sum(fused_bytes(op, S, SXS_ROWS)) / hbm / frac[op] + 2.2e-6) * 1e3) for op in SXS_OPS for S in SXS_SEQS]
-    p = fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), fused=fused, copy_tbps=hbm / 1e12),
-                                                       dict(date="fake"), "h200-sxm"))
-    p0 = fit.from_measured(calibrate.build_profile(dict(_fake_measurements(), copy_tbps=hbm / 1e12),
-                                                        dict(date="fake"), "h200-sxm"))
+    p, p0 = sxs_profiles()
+    frac = SXS_FRAC
     cfg = ModelConfig(name="b", hidden=1024, layers=2, heads=8, intermediate=2816, vocab=32000)
     a, b = (timing.estimate_time(cfg, Run(2, 2048), "baseline", q, with_kernels=True) for q in (p, p0))
     of = {"attention.scale": "sxs.scale", "attention.mask_add": "sxs.mask_add", "attention.float": "sxs.float",

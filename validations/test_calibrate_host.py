@@ -99,6 +99,10 @@ def test_host_step_records_the_loss_it_runs():
 _SDPA_ROWS = json.loads(records.H200_PROFILE.read_text())["measurements"]["attention_kernels"]  # every grid
 
 
+# fake masked-SDPA rows (not measurements), in calibrate_sdpa.measure_masked_attention's fields
+_MASKED = [dict(B=2, heads=64, kv_heads=8, S=2048, keys=2049, hd=64, pad=8, fwd_ms=1.0, fwd_bwd_ms=3.0, backend="cudnn")]
+
+
 def _fake_calibrate(monkeypatch, measurements: dict, host_step: dict) -> None:
     """calibrate.main with every measurement replaced by fake numbers (not a measurement) on a fake H200."""
     import torch
@@ -110,7 +114,9 @@ def _fake_calibrate(monkeypatch, measurements: dict, host_step: dict) -> None:
                  measure_launch=lambda: m["launch_us"],
                  measure_host=lambda: (m["host_op_us"], dict(m["host_custom_us"])),
                  measure_host_step=lambda **_: json.loads(json.dumps(host_step)),
-                 measure_attention=lambda _d: (m["attention"], []), measure_matmuls=lambda _g, _d: m["matmul_bf16"],
+                 measure_attention=lambda _d: (m["attention"], []),
+                 measure_masked_attention=lambda _d, _t: (json.loads(json.dumps(m.get("attention_masked", _MASKED))), []),
+                 measure_matmuls=lambda _g, _d: m["matmul_bf16"],
                  measure_gemms_in_step=lambda _g, _d: [], measure_fused=lambda _d: [], measure_grouped=lambda _d: [],
                  measure_vocab_matmuls=lambda _g, _d: [],
                  measure_sdpa_kernels=lambda _d: json.loads(json.dumps(m.get("attention_kernels", _SDPA_ROWS))),

@@ -94,7 +94,9 @@ def test_committed_h200_profile_is_a_calibration():
     from llm_anatomy.measure.calibrate_kernels import LIGER_VOCABS
 
     fused = {(r["op"], r["width"]) for r in p["fused_rows"]}
-    assert {(op, S) for op in SXS_OPS for S in SXS_SEQS} <= fused and {("liger_ce", V) for V in LIGER_VOCABS} <= fused
+    # the sinks' S x S ops (sxs.sink_*) are not in the packaged calibration: it prices them at the copy bandwidth
+    ops = [op for op in SXS_OPS if not op.startswith("sxs.sink_")]
+    assert {(op, S) for op in ops for S in SXS_SEQS} <= fused and {("liger_ce", V) for V in LIGER_VOCABS} <= fused
     m = json.loads(committed.read_text())["measurements"]
     for row in m["attention"]:
         if row["S"] != 4096 or row["backend"] in p["sdpa_schedule"]:  # those are timed by their schedule, below

@@ -10,8 +10,7 @@ CPU against the live storage (llm_anatomy.measure.liveness) under a forced routi
     forward's shared masks hold) and inside the last layer's re-run in backward (the MoE half; under "full" the
     attention half too), exact;
   - the timing kernel list re-runs the MoE block's forward kernels in backward as without the fields
-    (test_moe_recompute.check_moe_rerun_kernels; the fields' own attention kernels are not priced:
-    config.time_unmodelled).
+    (test_moe_recompute.check_moe_rerun_kernels; the fields' own attention kernels: test_timing_fields.py).
 On named reduced gpt-oss-like and OLMoE-like configs three layers deep (amp, and bf16 where the grouped GEMM runs:
 gpt-oss's expert biases without autocast take the loop of mm, refused in one line), and on 20 drawn configs with the
 fields per policy.

@@ -241,8 +241,7 @@ def test_plan_names_the_strategies_it_cannot_model():
 def test_plan_lists_recompute_with_attention_fields():
     """gpt-oss's attention fields (sinks, windows, o bias) and OLMoE's whole q/k norms in MoE blocks are modelled under
     every recompute policy (validations/test_moe_fields_recompute.py): the plan lists gpt-oss-20b's "mlp" and "full"
-    rows, and plans every policy for OLMoE-1B-7B (whose plan the timing model still refuses: qk_norm_whole's kernels
-    are not priced, config.time_unmodelled)."""
+    rows, and plans every policy for OLMoE-1B-7B."""
     from llm_anatomy.hf_config import read_hf_config
     from llm_anatomy.plan import modelled_policies
 

@@ -18,6 +18,7 @@ timing reuses one L2-resident input):
   attention       causal SDPA fwd and fwd+bwd per backend (cudnn, flash, memory-efficient) at head
                   dim 64 (B=16, 8 heads, S=4096: the seed) and 128 (B=4, 16 heads: anchor-1b); cuDNN
                   also at S = 1024 and 2048 (same tokens)
+  attention_masked  cuDNN SDPA under an additive mask as gpt-oss calls it (calibrate_sdpa.MASKED_SHAPES)
   copy_tbps       a 2 GiB device copy, bytes read + written
   upcast_tbps     a bf16 -> fp32 cast of 1 GiB (torch's unrolled cast kernel), bytes read + written
   launch_us       GPU time per tiny kernel on a full queue (queued behind a long kernel: no host cost)
@@ -66,7 +67,7 @@ from llm_anatomy.kernel_shapes import chunk_rows
 from llm_anatomy.measure.calibrate_host import drop_unmeasured, measure_host, measure_host_step, measure_optimizer_host
 from llm_anatomy.measure.calibrate_grouped import measure_grouped
 from llm_anatomy.measure.calibrate_kernels import measure_fused, measure_gemms_in_step, measure_kernel_gap
-from llm_anatomy.measure.calibrate_sdpa import measure_sdpa_kernels, schedule_shapes
+from llm_anatomy.measure.calibrate_sdpa import MASKED_S, measure_masked_attention, measure_sdpa_kernels, schedule_shapes
 from llm_anatomy.measure.calibrate_sustained import measure_sustained
 
 GRID_PRESETS = ("seed", "anchor-1b", "llama2-7b")
@@ -342,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"anatomy calibrate: WARNING: {line}", file=sys.stderr, flush=True)
     # half of what is left for attention, the rest for the GEMM grid (the host figures above take seconds)
     m["attention"], skipped = measure_attention(time.monotonic() + 0.5 * (deadline - time.monotonic()))
+    m["attention_masked"], more = measure_masked_attention(time.monotonic() + MASKED_S, _median_ms)
+    if skipped.extend(more) or not m["attention_masked"]:
+        dropped.append("attention_masked: no masked SDPA row timed (the profile times no sinks or windows)")
+        print(f"anatomy calibrate: WARNING: {dropped[-1]}", file=sys.stderr, flush=True)
     m["matmul_bf16"] = measure_matmuls(gemm_grid(), time.monotonic() + 0.5 * (deadline - time.monotonic()))
     m["matmul_bf16_in_step"] = measure_gemms_in_step(gemm_grid(), deadline)
     m["fused"] = measure_fused(deadline + 15)  # 32 short rows, ~5 s

@@ -45,6 +45,17 @@ def sxs_case(op: str, S: int, rows: int = SXS_ROWS):
         elif op in ("sxs.softmax", "sxs.to_compute"):
             xs = [torch.randn(rows, S, **f32) for _ in range(n)]
             call = (lambda x: F.softmax(x, dim=-1)) if op == "sxs.softmax" else (lambda x: x.to(torch.bfloat16))  # noqa: E731
+        elif op == "sxs.sink_cat":  # gpt-oss's sinks: cat(scores.float(), sink) into rows of S + 1, fp32
+            xs = [torch.randn(rows, S, **f32) for _ in range(n)]
+            sink = torch.zeros(1, 1, **f32)
+            call = lambda x: torch.cat((x, sink.expand(rows, 1)), dim=-1)  # noqa: E731
+        elif op == "sxs.sink_slice_cast":  # probs[..., :-1].to(bf16): a strided slice of rows of S + 1 (and the
+            xs = [torch.randn(rows, S + 1, **f32) for _ in range(n)]  # cat's backward into scores.float()'s)
+            call = lambda x: x[:, :S].to(torch.bfloat16)  # noqa: E731
+        elif op == "sxs.sink_slice_backward":  # the slice's backward: its gradient copied into rows of S + 1
+            xs = [torch.randn(rows, S, **f32) for _ in range(n)]
+            out = torch.zeros(rows, S + 1, **f32)
+            call = lambda x: out[:, :S].copy_(x)  # noqa: E731
         else:  # sxs.softmax.backward: (grad, softmax output) fp32 -> grad of the input
             xs = [(torch.randn(rows, S, **f32), torch.rand(rows, S, **f32)) for _ in range(n)]
             call = lambda x: torch.ops.aten._softmax_backward_data(x[0], x[1], -1, torch.float32)  # noqa: E731
@@ -53,7 +64,8 @@ def sxs_case(op: str, S: int, rows: int = SXS_ROWS):
     return build
 
 
-SXS_OPS = ("sxs.scale", "sxs.mask_add", "sxs.float", "sxs.softmax", "sxs.to_compute", "sxs.softmax.backward")
+SXS_OPS = ("sxs.scale", "sxs.mask_add", "sxs.float", "sxs.softmax", "sxs.to_compute", "sxs.softmax.backward",
+           "sxs.sink_cat", "sxs.sink_slice_cast", "sxs.sink_slice_backward")
 
 # the eager baseline's RMSNorm, its loss after the lm_head (log_softmax over fp32 logits) and SwiGLU's silu and
 # product, each timed as a whole, forward and backward, as the model runs them under amp: on the H200 they run

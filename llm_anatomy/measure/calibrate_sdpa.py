@@ -94,3 +94,54 @@ def measure_sdpa_kernels(deadline: float, reps: int = 10, shapes=None) -> list[d
     cases.clear()
     torch.cuda.empty_cache()
     return rows_from_kernels(attribute_kernels(*trace_kernels(trace)), shapes, reps)
+
+
+# cuDNN's SDPA under an additive mask, as efficient/attention_sinks.py calls it: (B, heads, kv_heads, S, hd, pad,
+# keys): q (B, heads, S, hd + pad), k and v (B, kv_heads, keys, hd + pad) through enable_gqa, an (S, keys) mask in
+# q's dtype. gpt-oss's shape (64 query heads over 8 kv heads, hd 64 + 8 pad columns, S + 1 keys: the sink's) at
+# three S, the same at hd 128 (32 heads), and a window's call without sinks (hd 64, S keys, no pad); B x heads x
+# S / 128 query blocks fill many waves on any GPU with <= 200 SMs, so each rate is a full wave's
+MASKED_SHAPES = tuple((4096 // S, 64, 8, S, 64, 8, S + 1) for S in (1024, 2048, 4096)) \
+    + tuple((4096 // S, 32, 8, S, 128, 8, S + 1) for S in (1024, 2048, 4096)) + ((2, 64, 8, 2048, 64, 0, 2048),)
+MASKED_S = 30.0  # seconds for the masked rows (7 shapes, fwd and fwd+bwd: a few seconds)
+
+
+def measure_masked_attention(deadline: float, median_ms, shapes=MASKED_SHAPES) -> tuple[list[dict], list[str]]:
+    """Rows {B, heads, kv_heads, S, keys, hd, pad, fwd_ms, fwd_bwd_ms, backend} of the masked SDPA call alone
+    (median_ms: calibrate's CUDA-event timer of back-to-back calls), fwd+bwd through autograd.grad (no
+    accumulation into .grad); a shape the cuDNN kernel does not run is skipped with its reason."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from llm_anatomy.efficient.attention import backend_context, sdpa_backend_name
+    from llm_anatomy.efficient.attention_sinks import attention_mask
+
+    rows, skipped = [], []
+    for B, nh, nkv, S, hd, pad, keys in shapes:
+        if time.monotonic() > deadline:
+            skipped.append(f"masked sdpa hd{hd}+{pad} S{S}: over the time budget")
+            continue
+        dev, wd = torch.device("cuda"), hd + pad
+        q = torch.randn(B, nh, S, wd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(B, nkv, keys, wd, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        g = torch.randn(B, nh, S, wd, device=dev, dtype=torch.bfloat16)
+        mask = attention_mask(S, None, keys == S + 1, torch.bfloat16, dev)  # (S, keys): causal, the sink column
+        with backend_context(dev):
+            fwd = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1 / math.sqrt(hd),  # noqa: E731
+                                                         enable_gqa=nkv != nh)
+            try:
+                backend = sdpa_backend_name(fwd().grad_fn)
+                if backend != "cudnn":
+                    skipped.append(f"masked sdpa hd{hd}+{pad} S{S}: ran {backend}, not cuDNN")
+                    continue
+                fwd_ms = median_ms(fwd, batches=5, per_batch=5)
+                fb_ms = median_ms(lambda: torch.autograd.grad(fwd(), (q, k, v), g), batches=5, per_batch=5)
+            except RuntimeError as e:
+                skipped.append(f"masked sdpa hd{hd}+{pad} S{S}: {str(e).splitlines()[0][:120]}")
+                continue
+        rows.append(dict(B=B, heads=nh, kv_heads=nkv, S=S, keys=keys, hd=hd, pad=pad, fwd_ms=fwd_ms, fwd_bwd_ms=fb_ms,
+                         backend=backend))
+    torch.cuda.empty_cache()
+    return rows, skipped

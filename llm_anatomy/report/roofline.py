@@ -36,7 +36,7 @@ ELEMENTWISE_FLOPS = {
     # the eager baseline's S x S chain (ATen): one multiply, one add, casts, softmax (max, sub, exp, sum,
     # div), its backward (g·y, the row sum, subtract, multiply)
     "sxs.scale": 1, "sxs.mask_add": 1, "sxs.float": 1, "sxs.to_compute": 1, "sxs.softmax": 5,
-    "sxs.softmax.backward": 4,
+    "sxs.softmax.backward": 4, "sxs.sink_cat": 1, "sxs.sink_slice_cast": 1, "sxs.sink_slice_backward": 1,  # copies
     # the baseline's eager chains, per element of their (rows, width): the norm as ours; log_softmax (max, sub,
     # exp, sum, log) and its backward (exp, subtract the one-hot, scale); silu and the product, their backward;
     # gpt-oss's clamps (two, and the +1) and their masks, logical_and and where

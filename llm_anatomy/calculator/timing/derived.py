@@ -7,7 +7,7 @@ Each kernel class's measured fraction of its datasheet roof is kept, and the roo
   GEMMs       rate = (measured asymptotic rate / base bf16 peak) x target bf16 peak; the fp32-accumulate,
               misaligned-vocab and k_half terms carry over unchanged (properties of cuBLAS's kernels'
               main loops and tiles, not of the clock)
-  attention   every measured SDPA rate x target peak / base peak; the CTA schedule's per-block costs
+  attention   every measured SDPA rate (causal and masked) x target peak / base peak; the CTA schedule's per-block costs
               (o, c) x the base's per-SM peak / the target's per-SM peak; its fixed term (a) unchanged
   memory      copy bandwidth = (measured copy / base datasheet bandwidth) x target bandwidth; each calibrated
               op keeps its fraction of the copy bandwidth (its busy time scales with the bandwidth ratio)
@@ -148,6 +148,8 @@ def _derive(k: str, bound: str, base: Profile) -> Profile:
         matmul_loop_fit=f"{b}'s back-to-back GEMM fit x the bf16 peak ratio (reports only)",
         hbm_Bps=f"{b}'s copy as a fraction of its datasheet bandwidth x this part's ({ds.sources['hbm_Bps']})",
         attention=f"{b}'s SDPA rates x the bf16 peak ratio ({peak_ratio:.3f})",
+        attention_masked=(f"{b}'s masked-SDPA rates x the bf16 peak ratio ({peak_ratio:.3f}), as the causal ones"
+                          if base.attention_masked else f"none: {b} has no masked-attention calibration"),
         sdpa_schedule=f"{b}'s CTA costs x the per-SM bf16 peak ratio; the fixed term unchanged",
         fused_rows=f"{b}'s calibrated ops at the same fraction of the copy bandwidth (busy time x bandwidth ratio)",
         launch_s=kept, kernel_gap_s=kept, host_op_s=kept, host_custom_s=kept, optimizer_host=kept, host_step=kept,
@@ -163,6 +165,7 @@ def _derive(k: str, bound: str, base: Profile) -> Profile:
         peak_flops=dict(ds.peak_flops), matmul_flops=gemm,
         mfu_peak_flops=base.mfu_peak_flops / bds.peak_flops["bfloat16"] * ds.peak_flops["bfloat16"],
         hbm_Bps=copy, attention=_attention(base.attention, att), sdpa_schedule=sched,
+        attention_masked=_attention(base.attention_masked, att),
         fused_rows=_fused_rows(base.fused_rows, base, (base.hbm_Bps / copy)),
         matmul_misaligned_accumulate=mis_acc, matmul_fit=(),
         matmul_loop_fit=({} if not base.matmul_loop_fit else dict(
@@ -175,7 +178,7 @@ def _derive(k: str, bound: str, base: Profile) -> Profile:
 def _peak_att(base: Profile) -> float:
     """The base's highest SDPA rate at a full wave (FLOP/s): the band never lifts an SDPA rate past the roof."""
     best = 0.0
-    for hds in base.attention.values():
+    for hds in (*base.attention.values(), base.attention_masked):
         for t in hds.values():
             best = max(best, t.get("fwd", 0.0), t.get("fwd_bwd", 0.0))
     return best

@@ -14,7 +14,7 @@ from functools import lru_cache
 import llm_anatomy.calculator.timing.sdpa_schedule as sdpa_schedule
 from llm_anatomy.calculator.timing.profile import SUSTAINED_RATES, Profile, datasheet
 from llm_anatomy.calculator.timing.roofline import (alignment_class, attention_wave_efficiency, causal_attention_flops,
-                                                matmul_efficiency)
+                                                    masked_attention_flops, matmul_efficiency)
 from llm_anatomy.config import ConfigError
 
 
@@ -221,6 +221,11 @@ def from_measured(data: dict) -> Profile:
         p["attention"] = attention_table(m["attention"], sms)
         p["sources"]["attention"] = f"{where}: causal SDPA per backend, " + "; ".join(
             f"{a['backend']} hd{a['hd']} fwd {a['fwd_ms']} ms, fwd+bwd {a['fwd_bwd_ms']} ms" for a in m["attention"])
+    if m.get("attention_masked"):
+        p["attention_masked"] = masked_table(m["attention_masked"], sms)
+        p["sources"]["attention_masked"] = f"{where}: cuDNN SDPA under an additive mask, " + "; ".join(
+            f"hd{a['hd']}+{a['pad']} S{a['S']} fwd {a['fwd_ms']} ms, fwd+bwd {a['fwd_bwd_ms']} ms"
+            for a in m["attention_masked"])
     if m.get("attention_kernels"):
         p["sdpa_schedule"] = schedule_table(m["attention_kernels"], sms)
         p["sources"]["sdpa_schedule"] = (f"{where}: the main SDPA kernel's duration (profiler) at "
@@ -240,6 +245,21 @@ def attention_table(rows: list[dict], sms: int) -> dict:
         e = out.setdefault(r["backend"], {}).setdefault(str(r["hd"]), {})
         e.update(rates)  # the longest sequence measured: a full wave's rate
         e.setdefault("seq", {})[str(r["S"])] = rates  # and every length, when calibrate measured several
+    return out
+
+
+def masked_table(rows: list[dict], sms: int) -> dict:
+    """{called head dim: {fwd, fwd_bwd, seq: {S: {fwd, fwd_bwd}}}}: FLOP/s at a full wave of the masked SDPA, in
+    the FLOPs FlopCounterMode counts for the call (masked_attention_flops; fwd+bwd 3.5x the forward), from
+    calibrate's {B, heads, S, keys, hd, pad, fwd_ms, fwd_bwd_ms} rows; the longest S is the full-wave rate."""
+    out: dict = {}
+    for r in sorted(rows, key=lambda r: r["S"]):
+        f = masked_attention_flops(r["B"], r["heads"], r["S"], r["keys"], r["hd"] + r["pad"])
+        eff = attention_wave_efficiency(r["B"], r["heads"], r["S"], sms)
+        rates = dict(fwd=f / (r["fwd_ms"] * 1e-3) / eff, fwd_bwd=3.5 * f / (r["fwd_bwd_ms"] * 1e-3) / eff)
+        e = out.setdefault(str(r["hd"] + r["pad"]), {})
+        e.update(rates)
+        e.setdefault("seq", {})[str(r["S"])] = rates
     return out
 
 

@@ -120,7 +120,7 @@ def kernels(cfg: ModelConfig, run: Run, variant: str, sdpa_backend: str | None =
     (calculator/moe.py; default balanced)."""
     # what the memory phases do not model is not timed either: the step is one model (calculator/moe.py)
     refuse_phases(cfg, run, variant, what="the timing model")
-    if name := time_unmodelled(cfg):  # gpt-oss's and OLMoE's attention kernels are not in the lists yet
+    if name := time_unmodelled(cfg):
         raise ConfigError(f"the timing model: {name} not modelled yet (config {cfg.name}); the memory phases are")
     if sdpa_backend is not None and sdpa_backend not in SDPA_BACKENDS:
         raise ConfigError(f"unknown SDPA backend {sdpa_backend!r}; choose from {', '.join(SDPA_BACKENDS)}")

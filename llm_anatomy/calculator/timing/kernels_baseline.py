@@ -4,6 +4,7 @@ Mirrors kernels_efficient.py, component by component.
 """
 from __future__ import annotations
 
+from llm_anatomy.calculator.timing.kernels_fields import baseline_sink_softmax, baseline_window_mask
 from llm_anatomy.calculator.timing.ops import Kernel, Ops, embedding, residual, rope_tables
 from llm_anatomy.config import ModelConfig, Run
 
@@ -27,10 +28,13 @@ def baseline_kernels(cfg: ModelConfig, run: Run, hist=None) -> list[Kernel]:
     q = cfg.q_dim
     for name, width in (("q", q), ("k", Hkv), ("v", Hkv)):
         o.linear(f"attention.{name}", "attention", H, width, L, in_bytes=r, bias=cfg.qkv_bias)
-    if cfg.qk_norm:  # q_norm, k_norm: the eager norm chain over head-rows of hd, from the compute dtype (uncalibrated)
+    if cfg.qk_norm:  # q_norm, k_norm: the eager norm chain over head-rows of hd (OLMoE: rows of the whole
+        # q_dim and kv_dim), from the compute dtype (uncalibrated)
+        whole = cfg.qk_norm_whole
         for name, heads in (("q_norm", nh), ("k_norm", nkv)):
+            width, rows = (heads * hd, T) if whole else (hd, T * heads)
             for ph in ("forward", "backward"):
-                o.chain(f"eager_norm.{ph}", f"attention.{name}.", "attention", ph, hd, T * heads, L, stream=c)
+                o.chain(f"eager_norm.{ph}", f"attention.{name}.", "attention", ph, width, rows, L, stream=c)
     o.mem("attention.qkv_input_grad_sum", "attention", "backward", 2 * T * H * r, T * H * r, 2 * L)  # 3 grads: 2 adds
     for name, heads in (("q", nh), ("k", nkv)):  # x*cos + cat(-x2, x1)*sin (fused.eager_rope_*), calibrated per hd
         for ph, suffix in (("forward", ""), ("backward", ".backward")):
@@ -50,16 +54,22 @@ def baseline_kernels(cfg: ModelConfig, run: Run, hist=None) -> list[Kernel]:
     U = B * nh * S * S  # one S x S score tensor, in elements
     o.mem("attention.causal_mask_full", "attention", "forward", 0, S * S * c, order=0)  # once per step
     o.mem("attention.causal_mask_triu", "attention", "forward", S * S * c, S * S * c, order=0)
+    if cfg.window is not None:
+        baseline_window_mask(o)
     o.mm("attention.scores", "attention", "forward", S, S, hd, L, batch=B * nh)
     casts = c != 4  # scores.float() and probs.to(q.dtype) copy unless the compute dtype is fp32
     R = B * nh * S  # rows of S scores
     # calibrate times each of these eager ops over S-wide rows (fused.fused_bytes "sxs.*"): ATen runs the
     # fp32 softmax, the bf16 -> fp32 cast and the broadcast mask add well under the copy roofline
     sxs = lambda op: (op, S, R) if c == 2 or op.startswith("sxs.softmax") else ()  # noqa: E731 (calibrated in bf16)
+    # with sinks both casts to the compute dtype read a strided slice of rows of S + 1 (kernels_fields.py)
+    slice_cast = "sxs.sink_slice_cast" if cfg.attn_sinks else "sxs.to_compute"
     for op, rd, wr, cal in (("scale", U * c, U * c, "sxs.scale"), ("mask_add", U * c, U * c, "sxs.mask_add"),
                             ("float", U * c, U * 4, "sxs.float"), ("softmax", U * 4, U * 4, "sxs.softmax"),
-                            ("to_compute", U * 4, U * c, "sxs.to_compute")):
-        if casts or op not in ("float", "to_compute"):
+                            ("to_compute", U * 4, U * c, slice_cast)):
+        if cfg.attn_sinks and op == "softmax":  # the sink joins each row by a cat: rows of S + 1
+            baseline_sink_softmax(o, "forward", cal=lambda op, w: (op, w, R))
+        elif casts or op not in ("float", "to_compute"):
             o.mem(f"attention.{op}", "attention", "forward", rd, wr, L, fused=sxs(cal))
     o.mm("attention.probs_v", "attention", "forward", S, hd, S, L, batch=B * nh)
     o.mem("attention.merge_heads_copy", "attention", "forward", T * H * c, T * H * c, L)
@@ -68,12 +78,14 @@ def baseline_kernels(cfg: ModelConfig, run: Run, hist=None) -> list[Kernel]:
     o.mm("attention.probs_v.grad_v", "attention", "backward", S, hd, S, L, batch=B * nh)
     for op, rd, wr, cal in (("to_compute.backward", U * c, U * 4, "sxs.float"),
                             ("softmax.backward", 2 * U * 4, U * 4, "sxs.softmax.backward"),
-                            ("float.backward", U * 4, U * c, "sxs.to_compute"), ("scale.backward", U * c, U * c, "sxs.scale")):
-        if casts or op not in ("float.backward", "to_compute.backward"):
+                            ("float.backward", U * 4, U * c, slice_cast), ("scale.backward", U * c, U * c, "sxs.scale")):
+        if cfg.attn_sinks and op == "softmax.backward":
+            baseline_sink_softmax(o, "backward", cal=lambda op, w: (op, w, R))
+        elif casts or op not in ("float.backward", "to_compute.backward"):
             o.mem(f"attention.{op}", "attention", "backward", rd, wr, L, fused=sxs(cal))
     o.mm("attention.scores.grad_q", "attention", "backward", S, hd, S, L, batch=B * nh)
     o.mm("attention.scores.grad_k", "attention", "backward", S, hd, S, L, batch=B * nh)
-    o.linear("attention.o", "attention", cfg.q_dim, H, L)  # its input (merged heads) is already compute dtype
+    o.linear("attention.o", "attention", cfg.q_dim, H, L, bias=cfg.o_bias)  # its input (merged heads): compute dtype
     residual(o, "attention", L)
     if cfg.moe:  # the per-expert loop in the MLP's place (kernels_moe.py), its residual add credited to it
         from llm_anatomy.calculator.timing.kernels_moe import baseline_moe

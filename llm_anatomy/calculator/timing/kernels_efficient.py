@@ -6,9 +6,10 @@ component by component.
 """
 from __future__ import annotations
 
+from llm_anatomy.calculator.timing.kernels_fields import mask_kernels, sdpa_kernels, sink_kernels, whole_qk_norm_kernels
 from llm_anatomy.calculator.timing.kernels_moe import efficient_moe, efficient_moe_recompute
 from llm_anatomy.calculator.timing.op_bytes import dw_sum_bytes, fused_bytes
-from llm_anatomy.calculator.timing.ops import Kernel, Ops, causal_attention_flops, embedding, residual, rope_tables
+from llm_anatomy.calculator.timing.ops import Kernel, Ops, embedding, residual, rope_tables
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from llm_anatomy import kernel_shapes
 from llm_anatomy.kernel_shapes import chunk_rows, lce_chunk_rows, lce_vocab, rms_norm_programs
@@ -21,8 +22,7 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn", h
     if o.dt.compute != "bfloat16":
         raise ConfigError("the efficient variant's timing is modelled for bf16 compute (amp or bf16), where "
                           "its SDPA backends run")
-    B, S, T, H, L = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers
-    nh, hd, Hkv = cfg.heads, cfg.head_dim, cfg.kv_dim
+    T, H, L, Hkv = run.tokens, cfg.hidden, cfg.layers, cfg.kv_dim
     q = cfg.q_dim  # heads x head_dim: q's and SDPA's output width
     D, c, r = q + 2 * Hkv, o.c, o.r
     embedding(o)
@@ -41,32 +41,20 @@ def efficient_kernels(cfg: ModelConfig, run: Run, sdpa_backend: str = "cudnn", h
     o.mem("norm.rms_norm.dw_sum", "norm", "backward", *dw_sum_bytes(H, T), n_norms, host=None, fused=(*bw, T))
     # attention: one qkv matmul, fused split + RoPE, SDPA, o
     o.linear("attention.qkv", "attention", H, D, L, bias=cfg.qkv_bias, fp32_grad=fused)
-    if cfg.qk_norm:
+    if cfg.qk_norm_whole:  # OLMoE: the fused norm on q's and k's columns, a cat, then the plain RoPE
+        whole_qk_norm_kernels(o)
+    if cfg.qk_norm and not cfg.qk_norm_whole:
         rope_norm_kernels(o)
     else:
         for ph, name in (("forward", "attention.rope_qkv"), ("backward", "attention.rope_qkv.backward")):
             op = (f"rope_qkv.{ph}", D)
             o.mem(name, "attention", ph, *fused_bytes(*op, T, c, r), L, host=op[0], fused=(*op, T))
-    F = causal_attention_flops(B, nh, S, hd)
-    io = T * D * c  # q, k, v
-    o.k.append(Kernel("attention.sdpa", "attention", "forward", "sdpa", L, F, io + T * q * c + B * nh * S * 4,
-                      (B, nh, S, hd), "bfloat16", sdpa_backend))
-    o.k.append(Kernel("attention.sdpa.backward", "attention", "backward", "sdpa", L, 5 * F // 2,
-                      2 * io + 2 * T * q * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend))
-    if sdpa_backend == "cudnn":
-        # cuDNN's call launches small kernels around its main one (every H200 trace): a memset of its
-        # (B, heads, S) fp32 row statistics in each phase; in backward, dot(dO, O) per row, which also
-        # zeroes the fp32 dQ accumulator, then dQ converted to the compute dtype
-        o.mem("attention.sdpa.memset", "attention", "forward", 0, B * nh * S * 4, L, host=None)
-        o.mem("attention.sdpa.backward.memset", "attention", "backward", 0, B * nh * S * 4, L, host=None)
-        o.mem("attention.sdpa.dot_do_o", "attention", "backward", 2 * T * q * c, B * nh * S * 4 + T * q * 4, L,
-              host=None)
-        o.mem("attention.sdpa.convert_dq", "attention", "backward", T * q * 4, T * q * c, L, host=None)
-    if cfg.kv_heads < nh and sdpa_backend == "cudnn":
-        # under GQA cuDNN's backward writes dK, dV per query head in fp32 and sums each group after
-        # (fmha_reduce_head in the H200 traces): read 2 (T, H) fp32, write 2 (T, Hkv) in the compute dtype
-        o.mem("attention.sdpa.gqa_reduce", "attention", "backward", 2 * T * q * 4, 2 * T * Hkv * c, L, host=None)
-    o.linear("attention.o", "attention", q, H, L, fp32_grad=fused)  # its input is a view of SDPA's output: no copy
+    if cfg.attn_sinks:
+        sink_kernels(o)
+    mask_kernels(o)
+    sdpa_kernels(o, sdpa_backend)  # causal layers on the backend, masked ones on cuDNN's masked kernel
+    # its input: a view of SDPA's output (with sinks a copy: sink_kernels); gpt-oss's bias in its epilogue
+    o.linear("attention.o", "attention", q, H, L, bias=cfg.o_bias, fp32_grad=fused)
     # where the residual adds run: in the block ("other"); in the MLP's checkpoint under "mlp"; in the block's
     # checkpoint, a module credited to attention (efficient/transformer.py, BlockCheckpoint), under "full"
     where = {"none": "other", "mlp": "moe" if cfg.moe else "mlp", "full": "attention"}[run.recompute]
@@ -141,8 +129,8 @@ def recompute_kernels(o: Ops, sdpa_backend: str, hist=None) -> None:
     qkv, RoPE, SDPA's forward, o, the sum, gate_up and the activation. The re-run add runs under the label
     of the node that asked for the re-run (down's backward: the MLP), as under "mlp"."""
     cfg, run, c, r = o.cfg, o.run, o.c, o.r
-    B, S, T, H, L, I = run.batch, run.seq, run.tokens, cfg.hidden, cfg.layers, cfg.intermediate
-    nh, hd, D = cfg.heads, cfg.head_dim, cfg.q_dim + 2 * cfg.kv_dim
+    T, H, L, I = run.tokens, cfg.hidden, cfg.layers, cfg.intermediate
+    D = cfg.q_dim + 2 * cfg.kv_dim
     full = run.recompute == "full"
     branch = "moe" if cfg.moe else "mlp"  # the component of the node that asks for the re-run
     fw = ("rms_norm.forward", H)
@@ -151,17 +139,16 @@ def recompute_kernels(o: Ops, sdpa_backend: str, hist=None) -> None:
     if full:
         o.mm("attention.qkv.recompute", "attention", "backward", T, D, H, L)
         rp = ("rope_qkv.forward", D)
-        rope = "rope_qkv_norm" if cfg.qk_norm else "rope_qkv"  # the same bytes with or without the q/k norms
+        if cfg.qk_norm_whole:
+            whole_qk_norm_kernels(o, recompute=True)
+        rope = "rope_qkv_norm" if cfg.qk_norm and not cfg.qk_norm_whole else "rope_qkv"  # the same bytes either way
         o.mem(f"attention.{rope}.recompute", "attention", "backward", *fused_bytes(*rp, T, c, r), L, host=rp[0],
               fused=(*rp, T))
-        F = causal_attention_flops(B, nh, S, hd)
-        # the forward kernel, priced as one (op_phase) though it runs in the backward phase
-        o.k.append(Kernel("attention.sdpa.recompute", "attention", "backward", "sdpa", L, F,
-                          T * D * c + T * cfg.q_dim * c + B * nh * S * 4, (B, nh, S, hd), "bfloat16", sdpa_backend,
-                          op_phase="forward"))
-        if sdpa_backend == "cudnn":
-            o.mem("attention.sdpa.memset.recompute", "attention", "backward", 0, B * nh * S * 4, L, host=None)
-        o.mm("attention.o.recompute", "attention", "backward", T, H, H, L)
+        if cfg.attn_sinks:
+            sink_kernels(o, recompute=True)
+        mask_kernels(o, recompute=True)  # the model's mask cache lives only inside its forward
+        sdpa_kernels(o, sdpa_backend, recompute=True)
+        o.mm("attention.o.recompute", "attention", "backward", T, H, cfg.q_dim, L, extra=H * c if cfg.o_bias else 0)
     # the sum the MLP's norm reads, x + attention's branch (named for the MLP's checkpoint under "mlp");
     # under "full" priced as its forward launch is (fp32 + bf16: the calibrated residual_add)
     if full:
@@ -185,6 +172,8 @@ def recompute_kernels(o: Ops, sdpa_backend: str, hist=None) -> None:
             o.mem(f"{name}.weight_cast.recompute", comp, "backward", n * o.p, n * c, L)
         if cfg.qkv_bias:  # autocast casts qkv's bias with its weight
             o.mem("attention.qkv.bias_cast.recompute", "attention", "backward", D * o.p, D * c, L)
+        if full and cfg.o_bias:  # and o's
+            o.mem("attention.o.bias_cast.recompute", "attention", "backward", H * o.p, H * c, L)
 
 
 def lean_kernels(o: Ops) -> None:

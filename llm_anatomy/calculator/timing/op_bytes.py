@@ -56,6 +56,11 @@ _FUSED = {
     "sxs.to_compute": lambda T, W, c, r: (T * W * 4, T * W * c),
     "sxs.softmax": lambda T, W, c, r: (T * W * 4, T * W * 4),
     "sxs.softmax.backward": lambda T, W, c, r: (2 * T * W * 4, T * W * 4),
+    # with gpt-oss's sinks (W = S; rows of S + 1 are not 16-byte aligned): the fp32 cat with the sink column, the
+    # cast of a strided (T, W) slice of them to the compute dtype, the slice's backward copy into them
+    "sxs.sink_cat": lambda T, W, c, r: (T * W * 4, T * (W + 1) * 4),
+    "sxs.sink_slice_cast": lambda T, W, c, r: (T * W * 4, T * W * c),
+    "sxs.sink_slice_backward": lambda T, W, c, r: (T * W * 4, T * W * 4),
     # a fused optimizer step over T fp32 tensors of W elements: param, grad and state in; param and state out
     # (calculator/optimizer.step_bytes_moved's minimum)
     "optimizer.adamw": lambda T, W, c, r: (T * W * (4 + 4 + 8), T * W * (4 + 8)),

@@ -21,6 +21,15 @@ def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> i
     return 2 * batch * heads * seq * seq * head_dim
 
 
+MASKED = "cudnn-masked"  # the backend of cuDNN's SDPA under an additive mask: its own rate (roofline.masked_rate)
+
+
+def masked_attention_flops(batch: int, heads: int, seq: int, keys: int, head_dim: int) -> int:
+    """Forward FLOPs of SDPA under an additive mask, as FlopCounterMode counts the call: QKᵀ and PV over every
+    (query, key) pair (the kernel skips no block: the mask is data), at the head dim it is called with."""
+    return 4 * batch * heads * seq * keys * head_dim
+
+
 class Kernel(NamedTuple):
     """One kernel entry: immutable, and a tuple underneath (a step builds a hundred of these per estimate;
     a tuple is made several times faster than a frozen dataclass)."""

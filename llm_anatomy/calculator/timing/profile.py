@@ -28,6 +28,8 @@ ASSUMED = dict(
               "node, cudaLaunchKernel); calibrate_host.measure_host measures it",
     attention="no measured attention throughput in a datasheet profile: SDPA is timed as a matmul at the bf16 "
               "peak (a pure roofline, optimistic by design)",
+    attention_masked="no measured attention throughput in a datasheet profile: the masked SDPA (sinks, windows) is "
+                     "timed as a matmul at the bf16 peak, as the causal one (optimistic by design)",
     matmul_k_half="not modelled without measurements (0)",
     optimizer_host="not measured: an optimizer step's host time is one eager op (host_op_s) per kernel launch, "
                    "issued beside the GPU's work; calibrate_host.measure_optimizer_host measures the compiled "
@@ -70,6 +72,13 @@ class Profile(Mapping):
     # {backend: {head_dim: {forward|backward: {a, o, c: seconds}}}}: the causal SDPA kernel's CTA schedule,
     # calibrate_sdpa:measure_sdpa_kernels, fitted by sdpa_schedule.fit
     sdpa_schedule: dict = field(default_factory=dict)
+    # {called head dim: {fwd, fwd_bwd: FLOP/s at a full wave, seq: {S: {fwd, fwd_bwd}}}}: cuDNN's SDPA under an
+    # additive mask (gpt-oss's sinks and windows: efficient/attention_sinks.py), another kernel than the causal
+    # one (it skips no block); FLOPs as FlopCounterMode counts the call (S x keys x the head dim it is called
+    # with, backward 2.5x); calibrate_sdpa:measure_masked_attention, fitted by fit.masked_table. Empty: a profile
+    # with measured causal rates refuses masked attention (roofline.masked_rate); a datasheet one prices it at the
+    # bf16 peak, as its causal SDPA
+    attention_masked: dict = field(default_factory=dict)
     # [{op, width, tokens, ms, ...}]: GPU ms per call of the ops timed per width (registry.OPS);
     # calibrate_kernels:measure_fused
     fused_rows: tuple = ()
@@ -171,6 +180,8 @@ _ROWS = {  # measurement list -> {key: kind} every row must carry
     "matmul_bf16_in_step": dict(m=_INT, n=_INT, k=_INT, tflops=_POS),
     "matmul_vocab": dict(op=_STR, rows=_INT, hidden=_INT, vocab=_INT, tflops=_POS),
     "attention": dict(backend=_STR, B=_INT, heads=_INT, S=_INT, hd=_INT, fwd_ms=_POS, fwd_bwd_ms=_POS),
+    "attention_masked": dict(B=_INT, heads=_INT, kv_heads=_INT, S=_INT, keys=_INT, hd=_INT, pad=_NONNEG,
+                             fwd_ms=_POS, fwd_bwd_ms=_POS),
     "attention_kernels": dict(backend=_STR, B=_INT, heads=_INT, S=_INT, hd=_INT, fwd_kernel_ms=_POS,
                               bwd_kernel_ms=_POS),
     "fused": dict(op=_STR, tokens=_INT, width=_INT, ms=_POS),
@@ -242,6 +253,13 @@ def check_measured(data, where: str) -> dict:
         if not (isinstance(rows, list) and rows and all(_ok(x, _NONNEG) and isinstance(x, int) for x in rows)
                 and sum(rows) > 0):
             raise _bad(where, f"measurements.grouped_mm[{i}].rows", "a list of row counts per expert", rows)
+    for i, r in enumerate(m.get("attention_masked") or ()):  # the call's shape: an int pad, S or S + 1 keys, GQA groups
+        if not isinstance(r["pad"], int):
+            raise _bad(where, f"measurements.attention_masked[{i}].pad", "an integer >= 0", r["pad"])
+        if r["keys"] not in (r["S"], r["S"] + 1):
+            raise _bad(where, f"measurements.attention_masked[{i}].keys", "S or S + 1", r["keys"])
+        if r["heads"] % r["kv_heads"]:
+            raise _bad(where, f"measurements.attention_masked[{i}].kv_heads", "a divisor of heads", r["kv_heads"])
     gap = m.get("kernel_gap")
     if gap is not None and not (isinstance(gap, dict) and _ok(gap.get("gap_us"), _NONNEG)):
         raise _bad(where, "measurements.kernel_gap.gap_us", _NONNEG, gap.get("gap_us") if isinstance(gap, dict) else gap)

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from llm_anatomy.config import ConfigError
 from llm_anatomy.calculator.timing.op_bytes import (EAGER_CHAINS, anatomy_ce_width, dw_sum_bytes,
                                                 embedding_backward_launches, fused_bytes, liger_ce_width)
 
@@ -41,6 +42,9 @@ class Op:
     launches: Callable[[int, int], int] = lambda width, tokens: 1
     # where the profile has no rows of its own: the op whose calibrated efficiency it runs at (same kernel shape)
     like: str | None = None
+    # a measured profile without rows of this op refuses to price it: its kernel runs far from the copy rate (rows
+    # of S + 1 fp32 values are not 16-byte aligned: ATen runs them unvectorized), so 1.0 would be no estimate
+    required: bool = False
 
     def call_bytes(self, width: int, tokens: int) -> int:
         return self.nbytes(width, tokens) if self.nbytes else sum(fused_bytes(self.rows, width, tokens))
@@ -58,7 +62,7 @@ def _add_rms_norm_backward_bytes(width: int, tokens: int) -> int:
 
 _OURS = ("rms_norm.forward", "swiglu.forward", "swiglu.backward", "rope_qkv.forward", "rope_qkv.backward")
 _ATEN = ("residual_add", "sxs.scale", "sxs.mask_add", "sxs.float", "sxs.to_compute", "sxs.softmax",
-         "sxs.softmax.backward", *EAGER_CHAINS)
+         "sxs.softmax.backward", "sxs.sink_cat", "sxs.sink_slice_cast", "sxs.sink_slice_backward", *EAGER_CHAINS)
 OPS: dict[str, Op] = {o.name: o for o in (
     *(Op(n, n) for n in _OURS),
     Op("rms_norm.backward", "rms_norm.backward", nbytes=_rms_norm_backward_bytes, launches=lambda w, t: 2),
@@ -68,7 +72,7 @@ OPS: dict[str, Op] = {o.name: o for o in (
     Op("add_rms_norm.forward", "add_rms_norm.forward", like="rms_norm.forward"),
     Op("add_rms_norm.backward", "add_rms_norm.backward", nbytes=_add_rms_norm_backward_bytes,
        launches=lambda w, t: 2, like="rms_norm.backward"),
-    *(Op(n, n, "aten") for n in _ATEN if n not in EAGER_CHAINS),
+    *(Op(n, n, "aten", required=n.startswith("sxs.sink")) for n in _ATEN if n not in EAGER_CHAINS),
     # the baseline's eager chains: each timed as a whole, one launch per op of the chain
     *(Op(n, n, "aten", launches=lambda w, t, n=n: len(EAGER_CHAINS[n](t, w))) for n in EAGER_CHAINS),
     # Liger's CE kernel: a vocab that is not a multiple of 16 loses Triton's aligned loads (its stride
@@ -131,6 +135,9 @@ def efficiency(prof, name: str, width: int, rows: int | None = None) -> float:
     if not by_rows and op.like:
         eff = efficiency(prof, op.like, width, rows)
     elif not by_rows:
+        if op.required and prof.get("fused_rows"):
+            raise ConfigError(f"gpu profile {prof['name']!r} has no calibration of {name} (the baseline's attention "
+                              "sinks: rows of S + 1 fp32 values, not 16-byte aligned; `anatomy calibrate` measures it)")
         eff = 1.0
     else:
         lanes = op.lanes(width) if op.lanes else width

@@ -7,7 +7,8 @@
            of a bf16 GEMM with a dimension (the vocab) that is not a multiple of 8 (alignment_factor;
            1 for a datasheet profile), x the fp32-accumulate ratio for Liger's grad_weight under amp
   sdpa     the kernel's CTA schedule where the profile fitted one (sdpa_schedule.py), else the
-           profile's rate for that backend and head dim scaled by wave quantization
+           profile's rate for that backend and head dim scaled by wave quantization; under an additive
+           mask (backend MASKED) the masked kernel's own calibrated rate (masked_rate), scaled likewise
   memory   FLOPs ignored (at most ~10 per element, far under the ridge); bytes at the copy bandwidth
            times the op's calibrated efficiency (registry.efficiency; 1 without a calibration)
   launch   a kernel smaller than its launch cost is launch-bound (the queued launch cost); a kernel of
@@ -28,7 +29,7 @@ from functools import lru_cache
 
 import llm_anatomy.calculator.timing.registry as registry
 import llm_anatomy.calculator.timing.sdpa_schedule as sdpa_schedule
-from llm_anatomy.calculator.timing.ops import Kernel, causal_attention_flops  # noqa: F401 (re-exported)
+from llm_anatomy.calculator.timing.ops import MASKED, Kernel, causal_attention_flops, masked_attention_flops  # noqa: F401
 from llm_anatomy.calculator.timing.profile import Profile, from_dict
 from llm_anatomy.config import ConfigError
 
@@ -128,6 +129,29 @@ def sdpa_rate(prof: dict, backend: str, head_dim: int, phase: str, seq: int | No
     return 2.5 / (3.5 / fb - 1 / f), note  # backward = the fwd+bwd time minus the forward time
 
 
+def masked_rate(prof: dict, head_dim: int, phase: str, seq: int) -> tuple[float, str]:
+    """FLOP/s at a full wave of cuDNN's SDPA under an additive mask at the head dim it is called with (sinks: hd +
+    their pad), and where it comes from: the calibrated rate of the nearest head dim in the class cuDNN runs it
+    in (sdpa_schedule.padded_head_dim), interpolated in log(S) as sdpa_rate. A profile with measured causal
+    rates and no masked ones refuses: the masked kernel is another kernel, never priced at the causal rate."""
+    table = prof.get("attention_masked") or {}
+    if not table:
+        if not prof["attention"]:  # a datasheet profile: the bf16 peak, as its causal SDPA (its sources say so)
+            return prof["matmul_flops"]["bfloat16"], "roofline at the bf16 matmul rate (no attention measurement)"
+        raise ConfigError(f"gpu profile {prof['name']!r} has no masked-attention calibration (measurements."
+                          "attention_masked: `anatomy calibrate` measures it), so it cannot time SDPA under an "
+                          "additive mask (attention sinks, sliding windows)")
+    cls = sdpa_schedule.padded_head_dim(head_dim)
+    key = min(table, key=lambda h: (sdpa_schedule.padded_head_dim(int(h)) != cls, abs(int(h) - head_dim)))
+    f, fb = table[key]["fwd"], table[key]["fwd_bwd"]
+    by_seq = table[key].get("seq") or {}
+    if len(by_seq) > 1:
+        f, fb = (registry.log_interp([(math.log(int(s_)), v[k]) for s_, v in by_seq.items()], math.log(seq))
+                 for k in ("fwd", "fwd_bwd"))
+    note = f"{MASKED} hd{key}" + ("" if key == str(head_dim) else f" (nearest measured to hd{head_dim})")
+    return (f if phase == "forward" else 2.5 / (3.5 / fb - 1 / f)), note
+
+
 def launch_term(prof: Profile) -> float:
     """The launch term of a kernel of real size: it waits for the one before to drain (the calibrated
     gap, where measured, else the queued launch cost)."""
@@ -154,6 +178,10 @@ def kernel_terms(kern: Kernel, prof: Profile) -> tuple[float, float, str, float,
                 rate *= prof.matmul_fp32_accumulate
             if kern.fused:  # ("grouped_mm", role): the grouped kernel's calibrated fraction of the dense rate
                 rate *= prof.grouped_mm.get(kern.fused[1], 1.0)
+    elif kern.kind == "sdpa" and kern.backend == MASKED:
+        B, nh, S, hd = kern.shape
+        rate, note = masked_rate(prof, hd, kern.op_phase or kern.phase, S)
+        rate *= attention_wave_efficiency(B, nh, S, prof.sms) if prof.attention else 1.0
     elif kern.kind == "sdpa":
         B, nh, S, hd = kern.shape
         sched, note = sdpa_schedule.lookup(prof, kern.backend, hd)
