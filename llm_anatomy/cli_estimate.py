@@ -220,14 +220,13 @@ def print_estimate(con, out: dict) -> None:
         from llm_anatomy.calculator.timing import lookup as gpus
 
         if (rg := tm.get("range")) is not None:
-            measured_hint = gpus.measured_hint
             con.print(f"derived profile {tm['profile']} (the measured H200's kernel efficiencies on this part's "
                       f"datasheet, docs/derived-gpus.md): plausible range of the steady step "
                       f"{rg['high']['steady_step_s'] * 1e3:,.1f} to {rg['low']['steady_step_s'] * 1e3:,.1f} ms, "
                       f"forward+backward {rg['high']['forward_backward_s'] * 1e3:,.1f} to "
                       f"{rg['low']['forward_backward_s'] * 1e3:,.1f} ms ({rg['low']['tokens_per_s']:,.0f} to "
                       f"{rg['high']['tokens_per_s']:,.0f} tokens/s); --gpu {tm['profile'].removesuffix('-derived')}"
-                      "-datasheet times the datasheet roofline" + measured_hint(tm["profile"].removesuffix("-derived")))
+                      "-datasheet times the datasheet roofline" + gpus.measured_hint(tm["profile"].removesuffix("-derived")))
         measured = f"{gpus.profile_stem(tm['profile'])}-measured"
         if tm["profile_kind"] == "datasheet" and measured in gpus.names():
             con.print(f"(from datasheet figures; --gpu {measured} uses the profile `anatomy calibrate` measured on "

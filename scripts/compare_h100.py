@@ -46,13 +46,11 @@ def steps() -> list[dict]:
     """Each measured H100 step (the wall step of the user's loop), predicted now on every profile of PROFILES."""
     from scripts.probe_moe import cases
 
-    from llm_anatomy.real_depth import case_of
+    from llm_anatomy.real_depth import predicted
 
     out = []
     for r in json.loads(DENSE.read_text())["rows"]:
-        case = case_of(r)
-        pred = {g: estimate_time(case.cfg, case.run, case.variant, g, optimizer="adamw",
-                                 with_kernels=False)["steady"]["step_s"] * 1e3 for g in PROFILES}
+        pred = {g: predicted(r, g)["steady"]["step_s"] * 1e3 for g in PROFILES}
         out.append(dict(case=f"{r['id']}", measured_ms=r["wall"]["step_ms"], **pred))
     cs = cases()
     for r in json.loads(MOE.read_text())["rows"]:
