@@ -44,6 +44,7 @@ _C10D = {
 _FUNCTIONAL = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
                "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
                "broadcast": "broadcast", "broadcast_": "broadcast", "all_to_all_single": "all_to_all"}
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8", torch.bool: "bool"}
 
@@ -56,6 +57,19 @@ def _c10d_group(args) -> str | None:
             return pg_type.unbox(a).group_name
         if isinstance(a, pg_type):
             return a.group_name
+    return None
+
+
+def collective_group(func, args) -> str | None:
+    """The process group's name of a collective op (c10d or functional) that every member of the group issues at
+    the same point; None for any other op, point-to-point and barriers included."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return None
+    ns, name = func.namespace, func._overloadpacket.__name__
+    if ns == "c10d" and name in _C10D and _C10D[name][0] not in ("send", "recv", "barrier"):
+        return _c10d_group(args)
+    if ns in _FUNCTIONAL_NAMESPACES and name in _FUNCTIONAL:
+        return next((a for a in reversed(args) if isinstance(a, str)), None)
     return None
 
 
@@ -91,7 +105,7 @@ class CollectiveCounter(TorchDispatchMode):
             op, i = _C10D[name]
             ts = _tensors(args[i]) if i is not None else []
             self._add(op, ts, _nbytes(ts), _c10d_group(args))
-        elif ns in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd") and name in _FUNCTIONAL:
+        elif ns in _FUNCTIONAL_NAMESPACES and name in _FUNCTIONAL:
             op, ts = _FUNCTIONAL[name], _tensors(args[0])
             n = _nbytes(ts) * (args[1] if op == "all_gather" and name != "all_gather_into_tensor_out" else 1)
             self._add(op, ts, n, next((a for a in reversed(args) if isinstance(a, str)), None))

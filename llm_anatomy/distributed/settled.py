@@ -2,13 +2,22 @@
 claims (distributed/mesh_peak.py).
 
 Three things free or count storage off the main thread's order, and each is waited for or serialised by design:
-  - a gloo Work keeps its tensors (inputs, outputs, the future's value) until the last reference to it goes, and
-    the worker thread that ran it drops its own reference (runLoop's `work` and workInProgress_) only after the
-    Work's future is complete, when the main thread's wait() has already returned. Each process group here runs
-    ONE worker thread (the backend BACKEND: ProcessGroupGloo with Options._threads = 1, for the default group and
-    every DeviceMesh sub-group), and settle() runs a barrier on every group before a boundary is read: the one
-    worker takes the barrier only after it has dropped every Work it ran before, so their buffers are freed (the
-    storage's finalizer runs in the dropping thread, under the GIL) when the barrier's wait() returns;
+  - a gloo Work keeps its tensors (inputs, outputs, the future's value; a reduce-scatter's clone of its input)
+    until its last strong reference goes AND its last weak one: c10's intrusive_ptr runs the destructor, which
+    frees the tensors, only when both counts are zero. The worker thread that ran it drops its strong reference
+    (runLoop's `work` and workInProgress_) after the Work's future is complete, when the main thread's wait() has
+    already returned, and a gloo barrier keeps weak references to every Work in flight when it was issued until
+    the worker drops the barrier. So a barrier cannot order these frees: after one (or two), a reduce-scatter's
+    clone was still freed by the worker on 18 of 200 calls. drain() does: each process group here runs ONE worker
+    thread (the backend BACKEND: ProcessGroupGloo with Options._threads = 1, for the default group and every
+    DeviceMesh sub-group), which takes its queue in order and ends a Work's loop iteration before it takes the
+    next, so when a one-element all-reduce on the group returns, the worker holds nothing of what came before
+    (0 of 600 calls freed off the main thread). SettledStorage drains a collective's group right after the
+    collective is issued (it completes there: gloo's CPU collectives have no overlap whose bytes differ), and
+    settle() drains every group before a boundary is read: a collective's buffers go when the main thread drops
+    them, as with a GPU's stream-ordered allocator, never when the worker is next scheduled (without it, one rank
+    of a loaded machine read a peak 18% over). Point-to-point ops are not drained (their peers reach them at
+    different points); the pipeline claims read phase ends;
   - Python's cycle collector frees what only a cycle references (autograd nodes and the tensors they save) when it
     happens to run: gc.collect() runs first (over every object: freezing what existed before a run, gc.freeze, made
     the walk shorter but left exact TP phase ends reading up to 1.7 KB over on gloo, so nothing is frozen);
@@ -32,6 +41,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 from torch.utils._python_dispatch import _disable_current_modes
 
+from llm_anatomy.distributed.counting import collective_group
 from llm_anatomy.distributed.peak import RankStorage
 from llm_anatomy.distributed.train_step import SPAWN_TIMEOUT_S
 from llm_anatomy.io import write_atomic
@@ -52,23 +62,27 @@ def register_backend() -> None:
         dist.Backend.register_backend(BACKEND, _one_worker_gloo, devices=["cpu"])
 
 
-def settle() -> None:
-    """Wait until every collective this rank ran has been dropped by the worker that ran it: a barrier on every
-    process group the rank belongs to, in creation order (the same on every rank), outside any dispatch mode."""
+def drain(group: dist.ProcessGroup) -> None:
+    """Return once the group's one gloo worker holds no reference to any Work issued before: a one-element
+    all-reduce (no barrier: it keeps weak references; module docstring), outside any dispatch mode."""
+    workers = group._get_backend(torch.device("cpu")).options._threads
+    if workers != 1:  # a second worker could still be ending an earlier Work's iteration
+        raise RuntimeError(f"drain() needs one gloo worker per process group ({BACKEND}); "
+                           f"group {group.group_name} has {workers}")
     with _disable_current_modes():
-        for group in list(dist.distributed_c10d._world.pg_map):
-            workers = group._get_backend(torch.device("cpu")).options._threads
-            if workers != 1:  # a second worker could still hold a Work when the barrier's is done
-                raise RuntimeError(f"settle() needs one gloo worker per process group ({BACKEND}); "
-                                   f"group {group.group_name} has {workers}")
-            dist.barrier(group=group)
+        dist.all_reduce(torch.zeros(1), group=group)
+
+
+def settle() -> None:
+    """Wait until every collective this rank ran has been dropped by the worker that ran it: drain() every
+    process group the rank belongs to, in creation order (the same on every rank)."""
+    for group in list(dist.distributed_c10d._world.pg_map):
+        drain(group)
 
 
 class SettledStorage(RankStorage):
-    """RankStorage whose counters take one lock and whose phase boundaries are read settled: the cycle collector
-    run, then every process group's barrier (module docstring). The peaks inside a phase still follow when gloo's
-    worker frees a buffer (a peak is read after each op without the lock: it can miss a free that lands between
-    the op and the read, never an allocation)."""
+    """RankStorage whose counters take one lock, whose collectives are drained as they are issued, and whose phase
+    boundaries are read settled: the cycle collector run, then every process group drained (module docstring)."""
 
     def __init__(self):
         super().__init__()
@@ -85,6 +99,13 @@ class SettledStorage(RankStorage):
     def _resized(self, st, old: int) -> None:
         with self._lock:
             super()._resized(st, old)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        group = collective_group(func, args)
+        if group is not None:
+            drain(dist.distributed_c10d._resolve_process_group(group))
+        return out
 
     def phase(self, name: str) -> dict:
         gc.collect()
