@@ -154,10 +154,9 @@ def test_baseline_peak_follows_the_routing():
 GLOO_MOE = ModelConfig(name="dist-peak-moe", hidden=48, layers=2, heads=4, kv_heads=2, intermediate=32, vocab=64,
                        experts=2, experts_per_token=2, expert_intermediate=256, shared_experts=1,
                        shared_intermediate=16)
-# DDP only: under FSDP a live-storage peak also counts the collective buffers gloo's worker threads still
-# reference, and when they let go depends on the machine's load (a loaded 2-core run measured one unsharded
-# MoE block more, +6.3%); DDP's buckets live the whole step whatever the threads do
-GLOO_SCENARIOS = {"ddp-fp32-moe": dict(cfg=GLOO_MOE, run=Run(batch=2, seq=32, dtype="fp32"), strategy="ddp", steps=3)}
+# FSDP's collective buffers are read settled (spawn_peaks: distributed/settled.py); DDP's buckets live the whole step
+GLOO_SCENARIOS = {"ddp-fp32-moe": dict(cfg=GLOO_MOE, run=Run(batch=2, seq=32, dtype="fp32"), strategy="ddp", steps=3),
+                  "fsdp-amp-moe": dict(cfg=GLOO_MOE, run=Run(batch=2, seq=32, dtype="amp"), strategy="fsdp", steps=2)}
 
 
 @pytest.fixture(scope="module")

@@ -13,18 +13,14 @@ end and its peak (forward, backward with FSDP's final callbacks, optimizer step)
 from __future__ import annotations
 
 import contextlib
-import json
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from llm_anatomy.config import ModelConfig, Run
-from llm_anatomy.distributed.strategies import check_strategy, default_mixed_precision, init_distributed, wrap
+from llm_anatomy.distributed.strategies import check_strategy, default_mixed_precision, wrap
 from llm_anatomy.distributed.train_step import SPAWN_TIMEOUT_S, make_optimizer
-from llm_anatomy.io import write_atomic
 from llm_anatomy.measure.liveness import LiveStorage
 from llm_anatomy.models import autocast_ctx, build_model, make_batch
 
@@ -114,20 +110,16 @@ def step_phases(live: LiveStorage, model, opt, ids, targets, steps: int, ctx=con
     return out
 
 
-def _worker(rank: int, world: int, init_method: str, scenarios: list[dict], outdir: str, timeout_s: float) -> None:
-    torch.set_num_threads(1)  # W processes share the cores
-    init_distributed("gloo", timeout_s, rank=rank, world_size=world, init_method=init_method)
-    try:
-        write_atomic(Path(outdir) / f"rank{rank}.json", json.dumps([peaks(**sc) for sc in scenarios]))
-    finally:
-        dist.destroy_process_group()
+def _settled_peaks(**scenario) -> list[dict]:
+    from llm_anatomy.distributed.settled import SettledStorage
+
+    return peaks(**scenario, storage=SettledStorage)
 
 
 def spawn_peaks(world: int, scenarios: list[dict], *, timeout_s: float = SPAWN_TIMEOUT_S) -> list[list[list[dict]]]:
-    """Each scenario (keyword arguments of peaks()) on `world` local gloo processes:
-    results[rank][scenario] = the last step's phases."""
-    import torch.multiprocessing as mp
+    """Each scenario (keyword arguments of peaks()) on `world` local one-worker gloo processes, read settled
+    (distributed/settled.py: a collective's buffers go when the caller drops them, not when gloo's worker thread
+    is next scheduled): results[rank][scenario] = the last step's phases."""
+    from llm_anatomy.distributed.settled import spawn_settled
 
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, f"file://{d}/store", scenarios, d, timeout_s), nprocs=world, join=True)
-        return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
+    return spawn_settled(world, scenarios, _settled_peaks, timeout_s=timeout_s)
