@@ -19,8 +19,11 @@ Three things free or count storage off the main thread's order, and each is wait
     of a loaded machine read a peak 18% over). Point-to-point ops are not drained (their peers reach them at
     different points); the pipeline claims read phase ends;
   - Python's cycle collector frees what only a cycle references (autograd nodes and the tensors they save) when it
-    happens to run: gc.collect() runs first (over every object: freezing what existed before a run, gc.freeze, made
-    the walk shorter but left exact TP phase ends reading up to 1.7 KB over on gloo, so nothing is frozen);
+    happens to run: gc.collect() runs first. Each rank freezes (gc.freeze) what exists once its process group is
+    up, before any scenario (imports, the groups), so a boundary's collection walks only what the scenarios made:
+    the settled files' spawns take 2-2.5x less time. Frozen objects are never collected, so nothing is frozen
+    later: a freeze before each run (it keeps what earlier runs left behind) had read TP and EP phase ends up to
+    1.7 KB over;
   - the counters are updated from the worker thread too (a finalizer there, and any op gloo runs there under the
     caller's thread-local state, dispatch modes included), so every update holds one lock.
 
@@ -121,6 +124,8 @@ def _rank(rank: int, world: int, init_method: str, scenarios: list[dict], outdir
     register_backend()
     dist.init_process_group(BACKEND, rank=rank, world_size=world, init_method=init_method,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    gc.collect()
+    gc.freeze()
     try:
         write_atomic(Path(outdir) / f"rank{rank}.json", json.dumps([fn(**sc) for sc in scenarios]))
     finally:
