@@ -1,7 +1,8 @@
 """The mixture-of-experts claims measured now, on this GPU: memory phases and step time of real MoE families.
 
 Cases (scripts/probe_moe.py cases()): Qwen3-30B-A3B and Mixtral-8x7B reduced in depth (full width), then in width,
-and Qwen3-30B-A3B at full width 8 layers deep (5.6 B parameters); the efficient block (grouped GEMMs) and the
+Qwen3-30B-A3B at full width 8 layers deep (5.6 B parameters), gpt-oss-20b two layers deep, and OLMoE-1B-7B four
+layers deep and whole (6.9 B parameters); the efficient block (grouped GEMMs) and the
 baseline's per-expert loop; every router forced (llm_anatomy/measure/routing.py) to the balanced histogram, the
 calculator's default, or the skewed one (every token on experts 0..k-1), and the calculator given the same one.
   memory   llm_anatomy.measure.memory.measure_phases with fused AdamW against calculator/memory.py phases(hist=...):
@@ -11,7 +12,7 @@ calculator's default, or the skewed one (every token on experts 0..k-1), and the
            of its own, against estimate_time(hist=...) on the suite's calibration (conftest.py suite_profile, whose
            grouped_mm rows price the grouped GEMMs): the kernels' GPU time of forward + backward and of the step
            ±10%, and the wall step ±10% where the model calls the step GPU-bound (as test_real_depth_live.py); on
-           TIMED's eight runs (each loop is a process of its own).
+           TIMED's runs (each loop is a process of its own).
 """
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ TIMED = [("qwen3moe-L2", "efficient", "balanced"), ("qwen3moe-L2", "baseline", "
          ("qwen3moe-L2", "efficient", "skewed"), ("qwen3moe-L2", "baseline", "skewed"),
          # gpt-oss-20b two layers deep: its sinks, window and biases (calculator/timing/kernels_fields.py), the
          # efficient model's masked SDPA at the calibration's own masked rate (measurements.attention_masked)
-         ("gptoss-L2", "efficient", "balanced"), ("gptoss-L2", "baseline", "balanced")]
+         ("gptoss-L2", "efficient", "balanced"), ("gptoss-L2", "baseline", "balanced"),
+         # OLMoE-1B-7B: its whole q/k norms (kernels_fields.py); whole, the one full-size MoE model that fits
+         ("olmoe-L4", "efficient", "balanced"), ("olmoe-L4", "baseline", "balanced"), ("olmoe", "efficient", "balanced")]
 # (phase figure, calculator key, measure_phases phase, field)
 FIGURES = (("after forward", "forward_end", "forward", "allocated"), ("peak in forward", "forward_peak", "forward", "peak"),
            ("peak in backward", "backward_peak", "backward", "peak"), ("after backward", "backward_end", "backward", "allocated"),
