@@ -145,7 +145,7 @@ PEAK_SCENARIOS = {  # keyword arguments of llm_anatomy.distributed.peak.peaks();
 
 @pytest.fixture(scope="module")
 def gloo_peaks():
-    from llm_anatomy.distributed.peak import spawn_peaks
+    from llm_anatomy.distributed.settled import spawn_peaks
 
     results = spawn_peaks(2, list(PEAK_SCENARIOS.values()))
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(PEAK_SCENARIOS)}

@@ -161,7 +161,7 @@ GLOO_SCENARIOS = {"ddp-fp32-moe": dict(cfg=GLOO_MOE, run=Run(batch=2, seq=32, dt
 
 @pytest.fixture(scope="module")
 def gloo_moe_peaks():
-    from llm_anatomy.distributed.peak import spawn_peaks
+    from llm_anatomy.distributed.settled import spawn_peaks
 
     results = spawn_peaks(2, list(GLOO_SCENARIOS.values()))
     return {name: [results[r][i] for r in range(2)] for i, name in enumerate(GLOO_SCENARIOS)}

@@ -3,7 +3,7 @@
     strategies   wrap(model, "ddp" | "fsdp", ...), init_distributed(backend, timeout_s)
     train_step   a few training steps under torchrun (python -m llm_anatomy.distributed.train_step)
     counting     CollectiveCounter (what the process group did), rank_memory (what a rank holds)
-    peak         each rank's live storage over a step (spawn_peaks): the measured side of per_rank_peak
+    peak         each rank's live storage over a step (settled.spawn_peaks): the measured side of per_rank_peak
     simulate     one rank of 8..1024 with the fake process group and fake tensors
     report       memory_table(): per-rank bytes of a preset, as markdown
     tensor_parallel  build_mesh(dp, tp), parallelize(model, mesh): TP + SP on DTensor, FSDP2 over dp

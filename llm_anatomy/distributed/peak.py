@@ -7,7 +7,7 @@ everything the rank allocates is counted: the parameters (a DTensor's local shar
 activations, the gradients and the optimizer state. Returned per phase of the last step: the bytes alive at its
 end and its peak (forward, backward with FSDP's final callbacks, optimizer step).
 
-    from llm_anatomy.distributed.peak import spawn_peaks
+    from llm_anatomy.distributed.settled import spawn_peaks       # its ranks read settled
     spawn_peaks(2, [dict(cfg=..., run=..., strategy="fsdp")])   # results[rank][scenario] = [phases]
 """
 from __future__ import annotations
@@ -108,18 +108,3 @@ def step_phases(live: LiveStorage, model, opt, ids, targets, steps: int, ctx=con
         opt.zero_grad(set_to_none=True)
         out = [fwd, bwd, step, live.phase("zero_grad")]
     return out
-
-
-def _settled_peaks(**scenario) -> list[dict]:
-    from llm_anatomy.distributed.settled import SettledStorage
-
-    return peaks(**scenario, storage=SettledStorage)
-
-
-def spawn_peaks(world: int, scenarios: list[dict], *, timeout_s: float = SPAWN_TIMEOUT_S) -> list[list[list[dict]]]:
-    """Each scenario (keyword arguments of peaks()) on `world` local one-worker gloo processes, read settled
-    (distributed/settled.py: a collective's buffers go when the caller drops them, not when gloo's worker thread
-    is next scheduled): results[rank][scenario] = the last step's phases."""
-    from llm_anatomy.distributed.settled import spawn_settled
-
-    return spawn_settled(world, scenarios, _settled_peaks, timeout_s=timeout_s)

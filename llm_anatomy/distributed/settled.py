@@ -27,8 +27,9 @@ Three things free or count storage off the main thread's order, and each is wait
   - the counters are updated from the worker thread too (a finalizer there, and any op gloo runs there under the
     caller's thread-local state, dispatch modes included), so every update holds one lock.
 
-    from llm_anatomy.distributed.settled import SettledStorage, spawn_settled
+    from llm_anatomy.distributed.settled import SettledStorage, spawn_peaks, spawn_settled
     spawn_settled(2, [dict(...)], fn)        # fn(**scenario) on 2 one-worker gloo ranks; results[rank][scenario]
+    spawn_peaks(2, [dict(cfg=..., run=..., strategy="fsdp")])   # distributed/peak.py's peaks(), settled
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from torch.utils._python_dispatch import _disable_current_modes
 
 from llm_anatomy.distributed.counting import collective_group
-from llm_anatomy.distributed.peak import RankStorage
+from llm_anatomy.distributed.peak import RankStorage, peaks
 from llm_anatomy.distributed.train_step import SPAWN_TIMEOUT_S
 from llm_anatomy.io import write_atomic
 
@@ -140,3 +141,14 @@ def spawn_settled(world: int, scenarios: list[dict], fn, *, timeout_s: float = S
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_rank, args=(world, f"file://{d}/store", scenarios, d, timeout_s, fn), nprocs=world, join=True)
         return [json.loads((Path(d) / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _settled_peaks(**scenario) -> list[dict]:
+    return peaks(**scenario, storage=SettledStorage)
+
+
+def spawn_peaks(world: int, scenarios: list[dict], *, timeout_s: float = SPAWN_TIMEOUT_S) -> list[list[list[dict]]]:
+    """Each scenario (keyword arguments of peak.peaks()) on `world` local one-worker gloo processes, read settled
+    (a collective's buffers go when the caller drops them, not when gloo's worker thread is next scheduled):
+    results[rank][scenario] = the last step's phases."""
+    return spawn_settled(world, scenarios, _settled_peaks, timeout_s=timeout_s)
