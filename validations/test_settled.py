@@ -111,7 +111,7 @@ def test_a_boundary_frees_the_runs_cycles(tmp_path):
 
 
 def test_a_group_with_two_workers_is_refused(tmp_path):
-    """Plain gloo runs two worker threads per group: one barrier cannot prove both have dropped their Work."""
+    """Plain gloo runs two worker threads per group: one drain cannot prove both have dropped their Work."""
     _group(tmp_path, "gloo")
     try:
         with pytest.raises(RuntimeError, match="one gloo worker"):

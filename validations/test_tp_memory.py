@@ -4,7 +4,7 @@
   gloo, 2 processes    TP 2 and PP 2 (1F1B), hypothesis-drawn configs and runs
   gloo, 4 processes    TP 4 and TP 2 x FSDP 2, hypothesis-drawn configs and runs
   every rank, the last of two steps, each boundary read settled (distributed/settled.py: one gloo worker thread per
-  process group and a barrier on each before the read, so every collective's buffers are dropped):
+  process group and a one-element all-reduce on each before the read, so every collective's buffers are dropped):
     TP  forward end, backward end and optimizer end exact (the collectives' outputs DTensor's graph keeps until
         backward are wrappers over buffers already counted); the step's peak an upper bound within TP_PEAK_SLACK
     PP  step end (every micro-batch's forward and backward done) and optimizer end exact; the step's peak an upper
