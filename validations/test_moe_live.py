@@ -40,7 +40,8 @@ TIMED = [("qwen3moe-L2", "efficient", "balanced"), ("qwen3moe-L2", "baseline", "
          # efficient model's masked SDPA at the calibration's own masked rate (measurements.attention_masked)
          ("gptoss-L2", "efficient", "balanced"), ("gptoss-L2", "baseline", "balanced"),
          # OLMoE-1B-7B: its whole q/k norms (kernels_fields.py); whole, the one full-size MoE model that fits
-         ("olmoe-L4", "efficient", "balanced"), ("olmoe-L4", "baseline", "balanced"), ("olmoe", "efficient", "balanced")]
+         ("olmoe-L4", "efficient", "balanced"), ("olmoe-L4", "baseline", "balanced"),
+         ("olmoe", "efficient", "balanced")]
 # (phase figure, calculator key, measure_phases phase, field)
 FIGURES = (("after forward", "forward_end", "forward", "allocated"), ("peak in forward", "forward_peak", "forward", "peak"),
            ("peak in backward", "backward_peak", "backward", "peak"), ("after backward", "backward_end", "backward", "allocated"),
