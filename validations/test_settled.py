@@ -2,8 +2,8 @@
 own drains add no bytes, a collective's buffers (gloo's reduce-scatter clones its input) go the moment the caller
 drops them, on the caller's thread, and it refuses a process group it cannot settle (more than one gloo worker).
 One process, a process group of world size 1 (its FileStore in tmp_path), but for the two ranks of the caller's
-thread claim. The settling itself is proven where it matters, on
-gloo ranks: validations/test_tp_memory.py's exact TP phase ends."""
+thread claim. The settling itself is proven where it matters, on gloo ranks: validations/test_tp_memory.py's exact
+TP phase ends."""
 from __future__ import annotations
 
 import datetime
