@@ -26,6 +26,7 @@ INTO = Path("llm_anatomy/calculator/profiles/h200.json")
 ROWS = ("grouped_mm", "attention_masked")  # measurement lists read only by MoE blocks and masked attention
 FUSED_PREFIX = "sxs.sink_"  # the eager baseline's sinks ops, in measurements.fused
 VERSIONS = ("gpu", "torch", "cuda", "triton", "cudnn")
+FIXTURE = "anatomy calibrate (the GPU suite's gpu_profile fixture: validations/profile_cache.py)"
 
 
 def supplement(packaged: dict, calibration: dict) -> tuple[dict, list[str]]:
@@ -50,6 +51,8 @@ def supplement(packaged: dict, calibration: dict) -> tuple[dict, list[str]]:
     if not taken:
         raise ValueError("the packaged profile already has every supplementable class, or the calibration has none")
     keep = {k: cprov.get(k) for k in ("gpu", "date", "host", "command", "torch", "cuda", "triton", "cudnn")}
+    if "key" in calibration:  # the suite's cache file: its command names a temporary folder of that machine
+        keep["command"] = FIXTURE
     out["provenance"]["supplements"] = list(prov.get("supplements", ())) + [dict(keep, rows=taken)]
     return out, taken
 

@@ -53,6 +53,7 @@ def test_only_the_missing_classes_join_and_the_provenance_says_whence():
         {k: v for k, v in pm.items() if k not in ("grouped_mm", "attention_masked", "fused")}
     (sup,) = out["provenance"]["supplements"]
     assert sup["date"] == "2026-12-06 00:00:00 UTC" and sup["rows"] == taken
+    assert sup["command"].startswith("anatomy calibrate (the GPU suite's")  # a cache file's command, no machine path
     with pytest.raises(ValueError, match="already has"):  # a second pass adds nothing: it never replaces
         supplement(out, cal)
 
