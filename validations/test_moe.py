@@ -397,3 +397,26 @@ def test_fuzz_moe_config(name, tmp_path_factory):
             assert isinstance(c["router_aux_coef"], float) and d["params_active"] <= d["params"]
 
     one()
+
+
+def test_the_h100_fields_table_is_the_committed_claims_report():
+    """docs/moe.md's table of gpt-oss's and OLMoE's live H100 steps reads reports/h100/claims-gpu-moe-gptoss.json:
+    each row's predicted / measured kernel and wall times and the wall error, as committed."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    rows = json.loads((root / "reports/h100/claims-gpu-moe-gptoss.json").read_text())["rows"]
+    doc = (root / "docs/moe.md").read_text()
+    names = {"gptoss-L2": "gpt-oss-20b, 2 layers", "olmoe-L4": "OLMoE-1B-7B, 4 layers"}
+    claims = ("time.moe.gpu.forward_backward", "time.moe.gpu.step", "time.moe.step")
+    seen = 0
+    for cid, name in names.items():
+        for variant in ("efficient", "baseline"):
+            got = {r["claim"]: r for r in rows if r["config"] == f"{cid}/balanced (live)" and r["variant"] == variant}
+            cells = [f"{got[c]['predicted']:.1f} / {got[c]['measured']:.1f}" for c in claims]
+            wall = got["time.moe.step"]
+            err = f"{(wall['predicted'] / wall['measured'] - 1) * 100:+.1f}%"
+            line = f"| {name} | {variant} | {' | '.join(cells)} | {err} |"
+            assert line in doc, line
+            seen += 1
+    assert seen == 4
