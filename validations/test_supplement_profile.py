@@ -18,7 +18,8 @@ from scripts.supplement_profile import INTO, main, supplement
 PACKAGED = json.loads(INTO.read_text())
 for _k in ("grouped_mm", "attention_masked"):
     PACKAGED["measurements"].pop(_k, None)
-PACKAGED["measurements"]["fused"] = [r for r in PACKAGED["measurements"]["fused"] if not r["op"].startswith("sxs.sink_")]
+PACKAGED["measurements"]["fused"] = [r for r in PACKAGED["measurements"]["fused"]
+                                    if not r["op"].startswith("sxs.sink_")]
 PACKAGED["provenance"].pop("supplements", None)
 DENSE = [("llama3.2-1b", Run(4, 2048)), ("seed", Run(2, 1024, "amp"))]
 
