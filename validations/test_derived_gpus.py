@@ -111,11 +111,18 @@ def _fractions(p) -> dict:
                 sdpa=p.attention["cudnn"]["128"]["fwd_bwd"] / ds.peak_flops["bfloat16"])
 
 
+# every committed H200 calibration: the packaged one (2026-12-03), the timing probe's (2026-11-30) and the one the
+# committed H200 MoE live claims ran on (2026-12-05): three machines of one model, same versions but the first
+H200_CALIBRATIONS = (MEASURED, str(ROOT / "reports/h200/timing-probe/profile.json"),
+                     str(ROOT / "reports/h200/moe-live-profile.json"))
+
+
 def test_same_generation_spread_covers_the_committed_h200_calibrations():
-    """SPREAD["same"] is at least the spread of the carried fractions between the two committed calibrations."""
-    a, b = _fractions(get(MEASURED)), _fractions(get(str(ROOT / "reports/h200/timing-probe/profile.json")))
-    worst = max(abs(a[k] / b[k] - 1) for k in a)
-    assert 0 < worst <= derived.SPREAD["same"], worst
+    """SPREAD["same"] is at least the widest spread of a carried fraction between two committed H200 calibrations
+    (2.4%: the copy rate, 4.24 against 4.14 TB/s), and within a point of it (it is that spread rounded up)."""
+    fr = [_fractions(get(p)) for p in H200_CALIBRATIONS]
+    worst = max(abs(a[k] / b[k] - 1) for a in fr for b in fr for k in a)
+    assert 0 < worst <= derived.SPREAD["same"] < worst + 0.01, worst
 
 
 def test_names_reach_the_derived_the_datasheet_and_the_bounds():
