@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         packaged, cal = json.loads(a.into.read_text()), json.loads(a.calibration.read_text())
         out, taken = supplement(packaged, cal)
         get(out)  # the merged profile passes the profile check and fits before it is written
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         print(f"supplement_profile: error: {e}", file=sys.stderr)
         return 2
     a.into.write_text(json.dumps(out, indent=1) + "\n")
