@@ -32,7 +32,9 @@ FIXTURE = "anatomy calibrate (the GPU suite's gpu_profile fixture: validations/p
 def supplement(packaged: dict, calibration: dict) -> tuple[dict, list[str]]:
     """(the packaged profile with the calibration's missing rows, what was taken). ValueError on a version
     mismatch or when there is nothing to take."""
-    cal = calibration.get("profile", calibration)
+    cal = calibration.get("profile", calibration) if isinstance(calibration, dict) else None
+    if not (isinstance(cal, dict) and isinstance(cal.get("measurements"), dict) and isinstance(packaged, dict)):
+        raise ValueError("not a calibration: a profile object with measurements (or the suite's cache file) is needed")
     prov, cprov = packaged["provenance"], cal["provenance"]
     off = [f"{k} {prov.get(k)!r} vs {cprov.get(k)!r}" for k in VERSIONS if prov.get(k) != cprov.get(k)]
     if off:
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         packaged, cal = json.loads(a.into.read_text()), json.loads(a.calibration.read_text())
         out, taken = supplement(packaged, cal)
         get(out)  # the merged profile passes the profile check and fits before it is written
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"supplement_profile: error: {e}", file=sys.stderr)
         return 2
     a.into.write_text(json.dumps(out, indent=1) + "\n")
