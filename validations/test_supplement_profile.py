@@ -84,3 +84,6 @@ def test_the_command_writes_a_profile_that_loads_and_refuses_in_one_line(tmp_pat
     assert main([str(cal), "--into", str(into)]) == 2  # nothing left to take
     err = capsys.readouterr().err.strip()
     assert err.startswith("supplement_profile: error:") and "\n" not in err
+    cal.write_text("[1, 2]")  # JSON, but no calibration
+    assert main([str(cal), "--into", str(into)]) == 2
+    assert "not a calibration" in capsys.readouterr().err
