@@ -113,8 +113,7 @@ def _fractions(p) -> dict:
 
 # every committed H200 calibration: the packaged one (2026-12-03), the timing probe's (2026-11-30) and the one the
 # committed H200 MoE live claims ran on (2026-12-05): three machines of one model, same versions but the first
-H200_CALIBRATIONS = (MEASURED, str(ROOT / "reports/h200/timing-probe/profile.json"),
-                     str(ROOT / "reports/h200/moe-live-profile.json"))
+H200_CALIBRATIONS = (MEASURED, str(records.TIMING_PROBE_PROFILE), str(records.MOE_LIVE_PROFILE))
 
 
 def test_same_generation_spread_covers_the_committed_h200_calibrations():
