@@ -22,7 +22,7 @@ Three things free or count storage off the main thread's order, and each is wait
     happens to run: gc.collect() runs first. Each rank freezes (gc.freeze) what exists once its process group is
     up, and again after each scenario has returned and its garbage is collected (the imports, caches and groups
     a scenario leaves), so a boundary's collection walks only what the running scenario made: the settled
-    files' spawns take 4-5x less time than with no freeze. Frozen objects are never collected, which cannot touch
+    files' spawns take 3.8-4.5x less time than with no freeze. Frozen objects are never collected, which cannot touch
     a count: a scenario counts only the storages its own SettledStorage saw allocated, and none of them is alive
     at the freeze after it;
   - the counters are updated from the worker thread too (a finalizer there, and any op gloo runs there under the
