@@ -112,7 +112,7 @@ def _fractions(p) -> dict:
 
 
 # every committed H200 calibration: the packaged one (2026-12-03), the timing probe's (2026-11-30) and the one the
-# committed H200 MoE live claims ran on (2026-12-05): three machines of one model, same versions but the first
+# committed H200 MoE live claims ran on (2026-12-05): three machines of one model, the same software versions
 H200_CALIBRATIONS = (MEASURED, str(records.TIMING_PROBE_PROFILE), str(records.MOE_LIVE_PROFILE))
 
 
