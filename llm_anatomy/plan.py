@@ -39,7 +39,7 @@ class Candidate:
     micro_batch: int  # the largest that fits the budget (and divides a rank's share of a global batch), 0 if none
     peak_bytes: int  # per rank, at micro_batch (at 1 when none fits)
     fits: bool
-    step_s: float | None  # None when nothing fits
+    step_s: float | None  # None when nothing fits, or the profile cannot time it (plan()["untimed"] says why)
     comm_exposed_s: float | None
     tokens_per_s: float | None
     mfu: float | None
@@ -195,6 +195,7 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
         for rc in recomputes:
             refuse_phases(cfg, Run(1, seq, dtype, rc, lean=lean and rc == "none"), variant, what="anatomy plan")
     rows, skipped = [], []  # skipped: "strategy, recompute: why", settings whose memory phases are not modelled
+    untimed = []  # why a setting that fits has no time on this profile
     for strategy in strategies:
         for rc in recomputes:
             lb = lean and variant == "efficient" and rc == "none"
@@ -208,12 +209,18 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
                 rows.append(Candidate(strategy, rc, lb, 0, need(1), False, None, None, None, None))
                 continue
             b, accum = split_global_batch(global_batch, gpus_n, b)
-            t = accumulated(step_time(cfg, mk(b), variant, gpu, gpus_n, strategy, optimizer, gpus_per_node), accum)
+            try:
+                t = accumulated(step_time(cfg, mk(b), variant, gpu, gpus_n, strategy, optimizer, gpus_per_node),
+                                accum)
+            except ConfigError as e:  # it fits; the profile cannot time it (e.g. no masked-attention rows)
+                untimed.append(str(e))
+                rows.append(Candidate(strategy, rc, lb, b, need(b), True, None, None, None, None, accum))
+                continue
             rows.append(Candidate(strategy, rc, lb, b, need(b), True, t["step_s"], t["comm_exposed_s"],
                                   gpus_n * accum * b * seq / t["step_s"], t["mfu"], accum))
     if not rows:  # every data-parallel setting runs a path the phases do not model (strategy_unmodelled)
         raise ConfigError(f"{skipped[0]} not modelled yet (config {cfg.name})")
-    fitting = [r for r in rows if r.fits]
+    fitting = [r for r in rows if r.fits and r.step_s is not None]
     best = max(fitting, key=lambda r: r.tokens_per_s) if fitting else None
     spread = None  # a derived profile's plausible range of the best setting (timing/derived.py)
     if best is not None and (bounds := derived_bounds(gpu)) is not None:
@@ -241,6 +248,7 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
         winner = dict(mesh_rows[0], budget=token_budget(tokens, mesh_rows[0]["tokens_per_s"], gpus_n))
     return dict(config=cfg.to_dict(), variant=variant, lean=lean and variant == "efficient", gpu=gpu, gpu_entry=entry["name"], gpus=gpus_n,
                 meshes=mesh_rows, mesh_winner=winner, ep_skipped=ep_skipped, skipped=skipped,
+                untimed=list(dict.fromkeys(untimed)),
                 profile_kind=profile_kind(gpu), range=spread, global_batch=global_batch,
                 budget=token_budget(tokens, best.tokens_per_s, gpus_n) if best else None,
                 gpu_rule=gpus.rule(gpu), gpus_per_node=gpus_per_node, seq=seq, dtype=dtype, optimizer=optimizer, margin=margin,
@@ -250,9 +258,8 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
 
 def strategy_unmodelled(cfg: ModelConfig, run: Run, variant: str, strategy: str) -> str | None:
     """What the memory phases do not model for this data-parallel strategy, in words, or None. FSDP2 computes at
-    its all-gather dtype, amp's bf16 parameters without autocast (calculator/sharding.py): for a mixture of experts
-    with expert biases that is the efficient block's loop-of-mm fallback (calculator/moe.py), which DDP and one
-    GPU, under autocast, do not take."""
+    its all-gather dtype, amp's bf16 parameters without autocast (calculator/sharding.py), so for a mixture of
+    experts the rule is calculator/moe.py's at that dtype (a path DDP and one GPU, under autocast, may not take)."""
     if not cfg.moe or strategy != "fsdp":
         return None
     from llm_anatomy.calculator.moe import phases_unmodelled

@@ -41,8 +41,8 @@ def _fits(cfg: ModelConfig, kw: dict) -> dict | None:
 
 
 def _fits_modelled(cfg: ModelConfig, kw: dict) -> dict | None:
-    """_fits, or None where kw asks for what the memory phases do not model (a one-line ConfigError): bf16
-    weights run a mixture of experts with expert biases on the loop-of-mm fallback (calculator/moe.py)."""
+    """_fits, or None where kw asks for what the memory phases do not model (a one-line ConfigError): fp32
+    weights run a mixture of experts on the loop-of-mm fallback (calculator/moe.py)."""
     try:
         return _fits(cfg, kw)
     except ConfigError:

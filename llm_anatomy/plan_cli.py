@@ -131,20 +131,27 @@ def render(a, out: dict) -> list[str]:
             "tokens/s", "MFU")
     rows = []
     for c in out["candidates"]:
-        ok = c["fits"]
+        ok, timed = c["fits"], c["step_s"] is not None
         mb = f"{c['micro_batch']:,}" + (f" x {c['accum']:,}" if c["accum"] > 1 else "")
         rows.append((c["strategy"], c["recompute"] + (" (lean)" if c["lean"] else ""), mb if ok else "-", gib(c["peak_bytes"]),
-                     "yes" if ok else "no (at 1)", f"{c['step_s'] * 1e3:,.1f}" if ok else "-",
-                     f"{c['comm_exposed_s'] * 1e3:,.1f}" if ok else "-",
-                     f"{c['tokens_per_s']:,.0f}" if ok else "-", f"{c['mfu']:.1%}" if ok and c["mfu"] else "-"))
+                     "yes" if ok else "no (at 1)", f"{c['step_s'] * 1e3:,.1f}" if timed else "-",
+                     f"{c['comm_exposed_s'] * 1e3:,.1f}" if timed else "-",
+                     f"{c['tokens_per_s']:,.0f}" if timed else "-", f"{c['mfu']:.1%}" if timed and c["mfu"] else "-"))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     fmt = lambda r: "  ".join(s.ljust(w) if i < 2 else s.rjust(w) for i, (s, w) in enumerate(zip(r, widths)))  # noqa: E731
     lines += ["", fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, rows), ""]
     lines += mesh_table(out)
     lines += [f"expert parallel not searched: {x}" for x in out.get("ep_skipped", [])]
     lines += [f"not planned: {x} not modelled yet" for x in out.get("skipped", [])]
+    lines += [f"not timed: {x}" for x in out.get("untimed", [])]
     b = out["best"]
     if b is None and out.get("mesh_winner") is None:
+        if fits := [c for c in out["candidates"] if c["fits"]]:  # it fits; this profile cannot time it
+            top = fits[0]  # the table's order: the least recompute that fits
+            return lines + [f"verdict: fits, not timed on {out['gpu']}: {top['strategy']}, recompute "
+                            f"{top['recompute']}, micro-batch {top['micro_batch']:,}, {gib(top['peak_bytes'])} GiB "
+                            f"per rank of {gib(out['budget_bytes'])} GiB (a profile with the rows named above "
+                            "times it)"] + said_defaults(out)
         return lines + no_fit(out) + said_defaults(out)
     if (w := out.get("mesh_winner")) is not None:
         from llm_anatomy.plan_mesh import why

@@ -63,7 +63,7 @@ def test_phases_lean_block(name, policy, claims):
 
 def test_recompute_in_moe_block_modelled():
     """Under recompute the fields are modelled in mixture-of-experts blocks too (validations/test_moe_fields_recompute.py
-    checks them); expert biases without autocast still take the loop of mm, refused in one line."""
+    checks them), expert biases under bf16 too; fp32 takes the loop of mm, refused in one line."""
     from dataclasses import replace
 
     from llm_anatomy.calculator.moe import refuse_phases
@@ -72,8 +72,9 @@ def test_recompute_in_moe_block_modelled():
     for recompute in ("mlp", "full"):
         refuse_phases(NAMED["gptoss-attn-moe"], Run(2, 16, "amp", recompute=recompute), "efficient", device="cpu")
     biased = replace(NAMED["gptoss-attn-moe"], expert_bias=True)
+    refuse_phases(biased, Run(2, 16, "bf16", recompute="mlp"), "efficient", device="cpu")
     with pytest.raises(ConfigError, match="loop-of-mm") as e:
-        refuse_phases(biased, Run(2, 16, "bf16", recompute="mlp"), "efficient", device="cpu")
+        refuse_phases(biased, Run(2, 16, "fp32", recompute="mlp"), "efficient", device="cpu")
     assert "\n" not in str(e.value)
 
 

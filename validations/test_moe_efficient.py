@@ -160,11 +160,11 @@ def _matmul_ops(cfg, policy):
 @pytest.mark.parametrize("name,policy,expected", [
     ("mixtral-like", "bf16", {"_grouped_mm"}), ("mixtral-like", "amp", {"_grouped_mm"}),
     ("gptoss-like", "amp", {"_grouped_mm"}), ("mixtral-like", "fp32", {"mm"}), ("odd-widths", "bf16", {"addmm"}),
-    ("gptoss-like", "bf16", {"addmm"})])
+    ("gptoss-like", "bf16", {"_grouped_mm"})])
 def test_grouped_path_is_chosen_by_capability(name, policy, expected):
     """bf16 operands with 16-byte strides run torch._grouped_mm (forward and backward), expert biases folded
-    in where the weights are cast (amp); fp32, a width that is not a multiple of 8, or biases on bf16
-    weights, the loop of mm (addmm with biases). (The shared experts' dense MLP is a plain mm too.)"""
+    in where the weights are cast (amp), added after it on bf16 weights; fp32 or a width that is not a multiple
+    of 8, the loop of mm (addmm with biases). (The shared experts' dense MLP is a plain mm too.)"""
     cfg = NAMED_MOE[name]
     ops = _matmul_ops(cfg, policy)
     assert expected <= ops

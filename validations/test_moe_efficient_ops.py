@@ -86,17 +86,21 @@ def test_unpermute_meta_fake_and_opcheck():
         moe_unpermute(y, pos[:5], w)
 
 
-@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+@pytest.mark.parametrize("bias", ["plain", "folded", "added"])
 def test_fallback_matches_grouped_mm(bias):
-    """torch._grouped_mm (a bias folded in as a column of ones) within twice the loop of mm's (addmm's) error
-    against float64, for the output and the gradients of x, the weights and the bias (bf16, an empty group)."""
+    """torch._grouped_mm within twice the loop of mm's (addmm's) error against float64, for the output and the
+    gradients of x, the weights and the bias (bf16, an empty group): plain, with a bias folded in as a column of
+    ones (the weights cast here: fp32 in), and with a bias added after it to each row (ExpertBias: bf16 weights)."""
     g = gen(2)
     offs = torch.tensor([5, 5, 12, 20], dtype=torch.int32)  # expert 1 gets no rows
-    inputs = dict(x=torch.randn(20, 16, generator=g).to(BF16), w=torch.randn(4, 24, 16, generator=g).to(BF16))
-    if bias:
+    rows = torch.tensor([0] * 5 + [2] * 7 + [3] * 8, dtype=torch.int32)
+    w = torch.randn(4, 24, 16, generator=g)
+    inputs = dict(x=torch.randn(20, 16, generator=g).to(BF16), w=w if bias == "folded" else w.to(BF16))
+    if bias != "plain":
         inputs["b"] = torch.randn(4, 24, generator=g).to(BF16)
-    check_accuracy(inputs, lambda t: (grouped_mm(t["x"], t["w"], offs, None, t.get("b")),),
-                   lambda t: (grouped_mm(t["x"], t["w"], offs, offs.tolist(), t.get("b")),))
+    dt = lambda t: None if t["x"].dtype == torch.float64 else BF16  # noqa: E731 (the float64 reference: no cast)
+    check_accuracy(inputs, lambda t: (grouped_mm(t["x"], t["w"], offs, None, t.get("b"), dt(t), rows),),
+                   lambda t: (grouped_mm(t["x"], t["w"], offs, offs.tolist(), t.get("b"), dt(t)),))
 
 
 @pytest.mark.parametrize("name", ["mixtral-like", "gptoss-like"])

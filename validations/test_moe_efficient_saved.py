@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_anatomy.calculator.moe_efficient import (check_histogram, efficient_moe_saved, efficient_moe_transients,
-                                                  grouped_path)
+from llm_anatomy.calculator.moe_efficient import (added_bias, check_histogram, efficient_moe_saved,
+                                                  efficient_moe_transients, fold, grouped_path)
 from llm_anatomy.config import ConfigError, Run
 from llm_anatomy.measure.saved import SavedTensorTracer
 from llm_anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
@@ -97,8 +97,10 @@ def test_grouped_path_rule():
     """The calculator's path rule is the block's (validations/test_moe_efficient.py checks the block's ops)."""
     run = Run(1, 4, "bf16")
     assert grouped_path(NAMED_MOE["mixtral-like"], run) and not grouped_path(NAMED_MOE["odd-widths"], run)
-    assert not grouped_path(NAMED_MOE["gptoss-like"], run)  # expert biases on bf16 weights
-    assert grouped_path(NAMED_MOE["gptoss-like"], Run(1, 4, "amp"))  # folded into the weight casts
+    gptoss, amp = NAMED_MOE["gptoss-like"], Run(1, 4, "amp")
+    assert grouped_path(gptoss, run) and added_bias(gptoss, run) and not fold(gptoss, run)  # bf16 weights: added
+    assert grouped_path(gptoss, amp) and fold(gptoss, amp) == 8 and not added_bias(gptoss, amp)  # folded in casts
+    assert not fold(NAMED_MOE["mixtral-like"], amp) and not added_bias(NAMED_MOE["mixtral-like"], run)
     assert not grouped_path(NAMED_MOE["mixtral-like"], Run(1, 4, "fp32"))
 
 

@@ -11,9 +11,9 @@ CPU against the live storage (llm_anatomy.measure.liveness) under a forced routi
     attention half too), exact;
   - the timing kernel list re-runs the MoE block's forward kernels in backward as without the fields
     (test_moe_recompute.check_moe_rerun_kernels; the fields' own attention kernels: test_timing_fields.py).
-On named reduced gpt-oss-like and OLMoE-like configs three layers deep (amp, and bf16 where the grouped GEMM runs:
-gpt-oss's expert biases without autocast take the loop of mm, refused in one line), and on 20 drawn configs with the
-fields per policy.
+On named reduced gpt-oss-like and OLMoE-like configs three layers deep (amp and bf16: without autocast gpt-oss's
+expert biases are added after the grouped GEMMs; fp32's loop of mm is refused in one line), and on 20 drawn configs
+with the fields per policy.
 """
 from __future__ import annotations
 
@@ -87,11 +87,10 @@ def _inside(claims, cfg: ModelConfig, run: Run, config_id: str, attention: bool 
 def _named_cases():
     for name, cfg in {**NAMED, **ATTENTION_BOUND}.items():
         for policy in ("amp", "bf16"):
-            if not (policy == "bf16" and cfg.expert_bias):
-                for recompute in POLICIES:
-                    for skewed in (False, True) if name in NAMED else (False,):
-                        yield pytest.param(name, policy, recompute, skewed,
-                                           id=f"{name}-{policy}-{recompute}-{'skewed' if skewed else 'balanced'}")
+            for recompute in POLICIES:
+                for skewed in (False, True) if name in NAMED else (False,):
+                    yield pytest.param(name, policy, recompute, skewed,
+                                       id=f"{name}-{policy}-{recompute}-{'skewed' if skewed else 'balanced'}")
 
 
 @pytest.mark.parametrize("name, policy, recompute, skewed", list(_named_cases()))
@@ -106,12 +105,12 @@ def test_named_phases_and_peaks_inside(name, policy, recompute, skewed, claims):
         check_moe_rerun_kernels(cfg, replace(run, batch=2, seq=64))
 
 
-def test_expert_biases_without_autocast_refused_in_one_line():
-    """bf16 with expert biases takes the efficient block's loop of mm, whose walk is not written: refused in one line
-    naming it, under either policy."""
+def test_the_loop_of_mm_refused_in_one_line():
+    """fp32 takes the efficient block's loop of mm, whose walk is not written: refused in one line naming it,
+    under either policy."""
     for recompute in POLICIES:
         with pytest.raises(ConfigError, match="loop-of-mm") as e:
-            refuse_phases(NAMED["gptoss-moe"], Run(2, 16, "bf16", recompute=recompute), "efficient", device="cpu")
+            refuse_phases(NAMED["gptoss-moe"], Run(2, 16, "fp32", recompute=recompute), "efficient", device="cpu")
         assert "\n" not in str(e.value)
 
 
@@ -124,7 +123,7 @@ def _cases(recompute: str):
         a, m = draw(attention_configs()), draw(moe_configs(max_experts=16, aligned=True))
         cfg = replace(m, name="hypothesis-moe-fields", layers=draw(st.integers(1, 3)),
                       **{f: getattr(a, f) for f in ATTENTION})
-        policy = "amp" if cfg.expert_bias else draw(st.sampled_from(["amp", "bf16"]))
+        policy = draw(st.sampled_from(["amp", "bf16"]))
         run = Run(draw(st.integers(1, 2)), draw(st.integers(4, 32)), policy, recompute=recompute)
         return cfg, run, draw(st.sampled_from([None, "adamw"])), draw(st.booleans())
     return cases()

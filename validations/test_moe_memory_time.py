@@ -220,22 +220,29 @@ def test_calibrated_grouped_rows_fit_the_grouped_fraction():
         check_measured(bad, "p.json")
 
 
-def test_plan_names_the_strategies_it_cannot_model():
-    """gpt-oss's expert biases under FSDP2's bf16 gathers (no autocast) take the efficient block's loop of mm, whose
-    memory phases are not modelled: the plan keeps DDP's rows, names FSDP's as not planned, and its verdict does
-    not call that an OOM."""
-    rc, out, err = run_cli(["plan", "--hf-config", str(HF_CONFIGS["gpt-oss-20b"]), "--gpu", "H100", "--gpus", "8",
-                            "--seq", "1024", "--json"], "moe")
+def test_plan_fits_gptoss_under_fsdp_and_says_what_it_cannot_time():
+    """gpt-oss's expert biases under FSDP2's bf16 gathers (no autocast) are added after the grouped GEMMs, whose
+    memory phases are modelled (test_moe_memory.py's bf16 draws): FSDP fits 8 H100s where DDP's whole replicas do
+    not. The H100's derived profile has no masked-attention rows (gpt-oss's sinks and windows): the fitting rows
+    carry no time, the plan says why in one line, and its verdict says what fits without calling it timed or an
+    OOM; expert parallel with expert biases is refused in its words. h100-measured has the rows: the same plan
+    is timed."""
+    argv = ["plan", "--hf-config", str(HF_CONFIGS["gpt-oss-20b"]), "--gpus", "8", "--seq", "1024"]
+    rc, out, err = run_cli([*argv, "--gpu", "H100", "--json"], "moe")
     assert rc == 0, err
     d = json.loads(out)
-    assert {c["strategy"] for c in d["candidates"]} == {"ddp"}
-    assert d["skipped"] and all(s.startswith("fsdp, recompute ") and "loop-of-mm" in s for s in d["skipped"])
-    # an expert-parallel rank's phases price its local view at the bf16 policy, where expert biases are not
-    # modelled (the engine casts its fp32 experts, which that view does not tell): refused, and the plan says so
-    assert d["meshes"] == [] and any("loop-of-mm" in s for s in d["ep_skipped"]), d["ep_skipped"]
-    rc, text, err = run_cli(["plan", "--hf-config", str(HF_CONFIGS["gpt-oss-20b"]), "--gpu", "H100", "--gpus", "8",
-                             "--seq", "1024"], "moe")
-    assert rc == 0 and "not planned: fsdp" in text and "predicted OOM" not in text, text
+    fits = {c["strategy"] for c in d["candidates"] if c["fits"]}
+    assert fits == {"fsdp"} and d["best"] is None and not d["skipped"], d["candidates"]
+    assert all(c["step_s"] is None for c in d["candidates"])
+    assert len(d["untimed"]) == 1 and "masked-attention" in d["untimed"][0]
+    assert d["meshes"] == [] and any("expert biases" in s for s in d["ep_skipped"]), d["ep_skipped"]
+    rc, text, err = run_cli([*argv, "--gpu", "H100"], "moe")
+    assert rc == 0 and "verdict: fits, not timed on H100: fsdp, recompute none" in text, text
+    assert "predicted OOM" not in text and "not timed: gpu profile" in text
+    rc, out, err = run_cli([*argv, "--gpu", "h100-measured", "--json"], "moe")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["best"]["strategy"] == "fsdp" and d["best"]["step_s"] > 0 and not d["untimed"]
 
 
 def test_plan_lists_recompute_with_attention_fields():

@@ -75,8 +75,6 @@ def test_rerun_stashes_nothing(recompute):
 @pytest.mark.parametrize("name", list(ALIGNED))
 def test_moe_recompute_phases_named(name, recompute, policy, optimizer, skewed, claims):
     cfg = ALIGNED[name]
-    if policy == "bf16" and cfg.expert_bias:
-        pytest.skip("expert biases without autocast take the loop of mm: refused (test_moe_memory.test_refused)")
     check(claims, cfg, Run(2, 16, policy, recompute=recompute), optimizer,
           f"{name}/B2S16/{policy}/{optimizer}/recompute={recompute}", skewed)
 
@@ -92,7 +90,7 @@ def _cases(recompute: str):
     @st.composite
     def cases(draw):
         cfg = replace(draw(moe_configs(max_experts=64, aligned=True)), layers=draw(st.integers(1, 3)))
-        policy = "amp" if cfg.expert_bias else draw(st.sampled_from(["amp", "bf16"]))
+        policy = draw(st.sampled_from(["amp", "bf16"]))
         run = Run(draw(st.integers(1, 3)), draw(st.integers(2, 48)), policy, recompute=recompute)
         return cfg, run, draw(st.sampled_from([None, "adamw"])), draw(st.booleans())
     return cases()
@@ -174,8 +172,6 @@ INSIDE = {**ALIGNED, "router-bound": ROUTER_BOUND,
 @pytest.mark.parametrize("name", list(INSIDE))
 def test_peaks_inside_the_checkpoints_exact(name, recompute, policy, claims):
     cfg = INSIDE[name]
-    if policy == "bf16" and cfg.expert_bias:
-        pytest.skip("expert biases without autocast take the loop of mm: refused")
     run = Run(2, 16, policy, recompute=recompute)
     meas = _peaks_inside(cfg, run)
     pred = memory.phases(cfg, run, "efficient", device="cpu", hist=moe.balanced(cfg, run))
@@ -199,8 +195,6 @@ def test_backward_reruns_the_moe_forward_kernels(name, recompute, policy):
     but the load-balancing mean (the re-run stashes nothing) and, with shared experts, their down matmul and the
     sum after it (the early stop); no dense MLP kernel is listed."""
     cfg = NAMED_MOE[name]
-    if policy == "bf16" and cfg.expert_bias:
-        pytest.skip("expert biases without autocast take the loop of mm: refused")
     check_moe_rerun_kernels(cfg, Run(2, 64, policy, recompute))
 
 

@@ -5,7 +5,9 @@ CPU (llm_anatomy.measure.liveness), in autograd's order: the nodes made last run
   shared    the shared experts' dense MLP (made last in forward): down, the in-place SwiGLU, gate_up; its d(x)
             stays until the permute's joins it
   unpermute d(y) (N, H) and d(w) (T, K) fp32; the branch gradient, y and (softmax-topk) the weights go
-  down      the grouped GEMM's weight gradient (E, H, I') in c, then d(h) (N, I'); d(y), h and the weight cast go;
+  down      (a bias added after the GEMM: its gradient, a ones (8, N) times d(y) per expert, (E, 8, H), of which
+            the first row is copied out) the grouped GEMM's weight gradient (E, H, I') in c, then d(h) (N, I');
+            d(y), h and the weight cast go;
             the weight gradient is copied to fp32 under autocast (I' = I + 8 with a folded bias: the bias's
             gradient is a view of the same storage, which lives until the bias's own cast node copies it, after
             gate_up's weight copy)
@@ -30,9 +32,23 @@ def balance(w) -> None:
 
 
 def _fold(w) -> int:
-    from llm_anatomy.calculator.moe_efficient import FOLD, grouped_path
+    from llm_anatomy.calculator.moe_efficient import fold
 
-    return FOLD if w.cfg.expert_bias and grouped_path(w.cfg, w.run, w.est.device) else 0
+    return fold(w.cfg, w.run, w.est.device)
+
+
+def _added_bias(w, tag: str, width: int) -> None:
+    """A bias added after the grouped GEMM (efficient/moe.py's ExpertBias, no autocast), its backward first: a
+    ones (8, N) and the (E, 8, width) grouped GEMM against d(out), whose first row is copied out as the bias's
+    gradient (E, width) in the parameter dtype; the ones and the GEMM's output go."""
+    from llm_anatomy.calculator.moe_efficient import FOLD, added_bias
+
+    if not added_bias(w.cfg, w.run, w.est.device):
+        return
+    E, N, c = w.cfg.experts, w.T * w.cfg.experts_per_token, w.c
+    w.alloc(N * FOLD * c, E * FOLD * width * c, E * width * w.p)
+    w.peak(tag + " bias")
+    w.alloc(-N * FOLD * c, -E * FOLD * width * c)
 
 
 def layer(w, i: int, tag: str, gc: int, swiglu_down, rerun_attention) -> int:
@@ -53,12 +69,14 @@ def layer(w, i: int, tag: str, gc: int, swiglu_down, rerun_attention) -> int:
     w.free("moe.unpermute.y", *(("moe.router.weights",) if cfg.router == "softmax-topk" else ()))
     w.alloc(-gc)
     held = []  # bf16 weight gradients a folded bias's view holds until its cast node runs
+    _added_bias(w, tag + "moe.experts.down", H)
     _gemm(w, tag + "moe.experts.down", E * H * (I + f), N * (I + f) * c, N * H * c, "moe.experts.h",
           "moe.experts.down.weight_cast", E * H * I, held)
     w.free("moe.activation.gate_up")  # d(gate_up) written over it: the same bytes change kind
     w.alloc(N * 2 * I * c)
     w.peak(tag + "moe.activation")
     w.alloc(-N * (I + f) * c)
+    _added_bias(w, tag + "moe.experts.gate_up", 2 * I)
     _gemm(w, tag + "moe.experts.gate_up", E * 2 * I * (H + f), N * (H + f) * c, N * 2 * I * c, "moe.experts.xs",
           "moe.experts.gate_up.weight_cast", E * 2 * I * H, held, "moe.experts.offs")
     for width, wg in zip((H, 2 * I), held):  # the biases' casts: down's made last, so run first

@@ -167,8 +167,7 @@ def _per_layer(cfg: ModelConfig, run: Run, hist) -> list[tuple[int, ...]]:
 def phases_unmodelled(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda") -> str | None:
     """What the memory phases (calculator/memory.py) and the timing model do not model for this config and run,
     in words, or None: the attention fields (config.unmodelled), and for a mixture of experts the efficient block's
-    loop-of-mm fallback (fp32, widths not multiples of 8, expert biases without autocast), whose backward walk is
-    not written."""
+    loop-of-mm fallback (fp32, widths not multiples of 8), whose backward walk is not written."""
     name = unmodelled(cfg, variant)  # the attention fields
     if name or not cfg.moe:
         return name
@@ -176,8 +175,7 @@ def phases_unmodelled(cfg: ModelConfig, run: Run, variant: str, device: str = "c
 
     if variant != "efficient":
         return None
-    return ("the loop-of-mm fallback (fp32, widths not multiples of 8, or expert biases without autocast)"
-            if not grouped_path(cfg, run, device) else None)
+    return "the loop-of-mm fallback (fp32, or widths not multiples of 8)" if not grouped_path(cfg, run, device) else None
 
 
 def refuse_phases(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda", what: str = "the memory phases"

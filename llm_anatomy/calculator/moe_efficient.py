@@ -10,7 +10,8 @@ Is = shared_experts * shared_intermediate, c = the compute dtype. Per layer, wit
   permute     nothing of its own: its backward sums each token's rows by pos, which the unpermute keeps
   experts     xs (N, H), h (N, I) in c (the two GEMMs' inputs), under amp both stacked weights' casts, and on
               the grouped path offs (E,) int32 (the loop of mm keeps no offsets: its slices are views); on the
-              grouped path expert biases fold into the GEMMs: 8 more columns on xs, h and each weight cast
+              grouped path under amp expert biases fold into the GEMMs: 8 more columns on xs, h and each weight
+              cast; without autocast they are added after each GEMM and keep nothing more (offs is kept)
   activation  gate_up (N, 2I) in c: the fused SwiGLU keeps only it and writes d(gate_up) over it
   unpermute   y (N, H) in c, pos (N,) int64, the router's weights (T, K) fp32 (unless softmax's output already is)
   shared      the efficient dense MLP of width Is: its gate_up (T, 2Is), and without the lean block h (T, Is) and,
@@ -39,10 +40,21 @@ FOLD = 8  # the columns a folded bias adds to each GEMM's inner dimension (effic
 
 def grouped_path(cfg: ModelConfig, run: Run, device: str = "cuda") -> bool:
     """Does the block run torch._grouped_mm (efficient/moe.py's _native): bf16 operands, H and I multiples of 8
-    (16-byte strides), and expert biases only where the weights are cast (amp), which lets the GEMM carry the
-    bias as a folded column? Otherwise the loop of mm."""
-    return (dtypes(run).compute == "bfloat16" and (not cfg.expert_bias or dtypes(run).autocast)
-            and device in GROUPED_DEVICES and cfg.hidden % 8 == 0 and cfg.expert_intermediate % 8 == 0)
+    (16-byte strides)? Otherwise the loop of mm."""
+    return (dtypes(run).compute == "bfloat16" and device in GROUPED_DEVICES and cfg.hidden % 8 == 0
+            and cfg.expert_intermediate % 8 == 0)
+
+
+def fold(cfg: ModelConfig, run: Run, device: str = "cuda") -> int:
+    """The columns a folded bias adds to each grouped GEMM's inner dimension: FOLD where the weights are cast
+    (autocast) on the grouped path, else 0 (no biases, the loop of mm, or biases added after the GEMM)."""
+    return FOLD if cfg.expert_bias and dtypes(run).autocast and grouped_path(cfg, run, device) else 0
+
+
+def added_bias(cfg: ModelConfig, run: Run, device: str = "cuda") -> bool:
+    """Are the expert biases added after the grouped GEMMs (efficient/moe.py's ExpertBias): the grouped path on
+    weights already in the compute dtype (the bf16 policy, FSDP2's bf16 gathers)?"""
+    return cfg.expert_bias and not dtypes(run).autocast and grouped_path(cfg, run, device)
 
 
 def param_tensors(cfg: ModelConfig) -> list[int]:
@@ -95,8 +107,7 @@ def saved_list(cfg: ModelConfig, run: Run, device: str = "cuda") -> list[Saved]:
         if cfg.router_aux_coef > 0:
             saved.append(Saved("moe.router.softmax", (T, E), "float32", L,
                                "the load-balancing loss's softmax over every expert keeps its output"))
-    grouped = grouped_path(cfg, run, device)
-    f = FOLD if grouped and cfg.expert_bias else 0  # a folded bias: [x, 1, 0 x 7] and [W, b, 0 x 7]
+    grouped, f = grouped_path(cfg, run, device), fold(cfg, run, device)  # folded: [x, 1, 0 x 7], [W, b, 0 x 7]
     saved += [Saved("moe.experts.xs", (N, H + f), c, L, "the first grouped GEMM keeps its input, the permuted tokens"),
               Saved("moe.activation.gate_up", (N, 2 * I), c, L,
                     "the fused activation keeps gate_up; silu and the clamps are recomputed"),
@@ -152,15 +163,16 @@ def efficient_moe_transients(cfg: ModelConfig, run: Run, histogram=None, device:
     order (N,) and the sorted expert ids (N,) int64, torch.arange for the searchsorted and the inverse); on the
     loop-of-mm path each expert's output block until the cat joins them (N x the GEMM's width, both GEMMs); with
     folded biases the unfolded xs (N, H), h (N, I), the ones block (N, 8) and the plain weight casts until each
-    cat (under amp the casts are new buffers either way: saved, so not listed).
+    cat (under amp the casts are new buffers either way: saved, so not listed); with biases added after the
+    GEMMs each row's expert (N,) int32 (and its arange) and the gathered bias rows (N, width).
     backward: d(y) (N, H) from the unpermute, d(h) (N, I + fold) from the second GEMM (d(gate_up) is written
     over the saved gate_up), d(xs) (N, H + fold) from the first GEMM and d(x) (T, H) from the permute's sum,
-    and the gradients of the stacked weight casts under amp before their fp32 cast."""
+    and the gradients of the stacked weight casts under amp before their fp32 cast; with biases added after
+    the GEMMs, d(bias) as a grouped GEMM of a ones (8, N) against d(out): (E, 8, width)."""
     hist = check_histogram(cfg, run, histogram)
     T, K, H, E, I = run.tokens, cfg.experts_per_token, cfg.hidden, cfg.experts, cfg.expert_intermediate
     N, c, i64 = T * K, BYTES[dtypes(run).compute], BYTES["int64"]
-    grouped = grouped_path(cfg, run, device)
-    f = FOLD if grouped and cfg.expert_bias else 0
+    grouped, f = grouped_path(cfg, run, device), fold(cfg, run, device)
     fwd = {"router.logits": T * E * c, "router.logits_fp32": T * E * 4, "permute.order": N * i64,
            "permute.expert_sorted": N * i64, "permute.arange": (N + E) * i64}
     if not grouped:  # cat's inputs: one block per expert
@@ -169,6 +181,9 @@ def efficient_moe_transients(cfg: ModelConfig, run: Run, histogram=None, device:
         fwd["experts.unfolded"] = (N * (H + I + 2 * FOLD) + E * 3 * I * H) * c
     bwd = {"unpermute.d_y": N * H * c, "experts.d_h": N * (I + f) * c, "experts.d_xs": N * (H + f) * c,
            "permute.d_x": T * H * c}
+    if added_bias(cfg, run, device):  # each row's expert and its gathered bias; d(bias) as a (E, 8, width) GEMM
+        fwd["experts.bias_rows"] = N * (2 * 4 + max(2 * I, H) * c)
+        bwd["experts.d_bias"] = (N * FOLD + E * FOLD * max(2 * I, H)) * c
     if dtypes(run).autocast:
         bwd["experts.d_weight_casts"] = E * (2 * I * (H + f) + H * (I + f)) * c
     return {**{f"forward.{k}": v for k, v in fwd.items()}, **{f"backward.{k}": v for k, v in bwd.items()}}

@@ -9,7 +9,9 @@ order the live-storage traces on CPU show (llm_anatomy.measure.liveness), and re
 autocast the router's and the shared experts' weight casts stay in autocast's cache to the end of the forward (they
 are counted here when made, and by memory.py's cached casts for the other layers); the stacked experts' casts are
 the block's own .to(), freed when their GEMM returns. Where the block folds expert biases into the GEMMs
-(moe_efficient.FOLD), each GEMM's folded input and weight are made by two cats beside the plain ones.
+(moe_efficient.FOLD, under autocast), each GEMM's folded input and weight are made by two cats beside the plain
+ones; where it adds them after the GEMMs (no autocast), each row's expert (N,) int32 lives through both GEMMs and
+each GEMM's gathered bias rows until the in-place add.
 
 Pure Python (no torch): the calculator never reads the model.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from llm_anatomy.calculator.dtypes import dtypes
 from llm_anatomy.calculator.moe import shared_width
-from llm_anatomy.calculator.moe_efficient import FOLD
+from llm_anatomy.calculator.moe_efficient import FOLD, added_bias, fold
 from llm_anatomy.calculator.types import BYTES
 from llm_anatomy.config import ModelConfig, Run
 
@@ -70,7 +72,7 @@ def region_peak(cfg: ModelConfig, run: Run, rnd, rerun: bool = False) -> int:
     dt = dtypes(run)
     T, H, E, K, I = run.tokens, cfg.hidden, cfg.experts, cfg.experts_per_token, cfg.expert_intermediate
     N, c, r, Is = T * K, BYTES[dt.compute], BYTES[dt.residual], shared_width(cfg)
-    f = FOLD if cfg.expert_bias else 0  # moe_efficient.grouped_path: biases fold only on the grouped path
+    f, added = fold(cfg, run), added_bias(cfg, run)  # the grouped path (the phases refuse the loop of mm)
     v = Live(rnd, RERUN_KEPT if rerun else ())
     v.alloc("sum", T * H * r)
     v.alloc("x", T * H * c)  # the norm's output, the block's input
@@ -98,12 +100,16 @@ def region_peak(cfg: ModelConfig, run: Run, rnd, rerun: bool = False) -> int:
     if f:  # the biases' casts, Experts.forward's locals
         v.alloc("bias casts", E * 2 * I * c)
         v.alloc("bias casts", E * H * c)
-    _gemm(v, "gate_up", N, H, 2 * I, E, c, f, dt.autocast)
+    if added:  # each row's expert: searchsorted of an arange over offs
+        v.alloc("rows arange", N * I32)
+        v.alloc("rows", N * I32)
+        v.free("rows arange")
+    _gemm(v, "gate_up", N, H, 2 * I, E, c, f, dt.autocast, added)
     v.alloc("h", N * I * c)
-    _gemm(v, "y", N, I, H, E, c, f, dt.autocast)
+    _gemm(v, "y", N, I, H, E, c, f, dt.autocast, added)
     # Experts.forward returns y: its locals go, but a re-run keeps what an op saved: gate_up (the activation's
     # input) and h (the down GEMM's, unless it folds a bias and saves the folded copy instead)
-    v.free("gate_up", *(("h", "bias casts") if f else () if rerun else ("h",)))
+    v.free("gate_up", "rows", *(("h", "bias casts") if f else () if rerun else ("h",)))
     v.alloc("out", T * H * c)  # the unpermute
     if Is:
         if dt.autocast:
@@ -163,10 +169,11 @@ def _permutation(v: Live, N: int, E: int) -> None:
     v.free("arange N", "expert")
 
 
-def _gemm(v: Live, out: str, N: int, k: int, n: int, E: int, c: int, f: int, cast: bool) -> None:
+def _gemm(v: Live, out: str, N: int, k: int, n: int, E: int, c: int, f: int, cast: bool, added: bool) -> None:
     """One grouped GEMM (N rows, (n, k) weights per expert, k + f with a folded bias) and its output, kept as a
     local: under autocast the stacked weight's cast first (the weights are in the compute dtype otherwise: no
-    copy); a folded bias's ones block, input cat, zeros and weight cat; all but the output go when it returns."""
+    copy); a folded bias's ones block, input cat, zeros and weight cat; all but the output go when it returns.
+    added: the bias rows gathered after it (N, n), gone once added into the output in place."""
     if cast:
         v.alloc("cast", E * n * k * c)
     if f:
@@ -181,5 +188,8 @@ def _gemm(v: Live, out: str, N: int, k: int, n: int, E: int, c: int, f: int, cas
         v.free("x folded", "w folded")
         return
     v.alloc(out, N * n * c)
+    if added:
+        v.alloc("bias rows", N * n * c)
+        v.free("bias rows")
     if cast:
         v.free("cast")

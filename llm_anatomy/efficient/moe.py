@@ -20,11 +20,13 @@ Grouped GEMMs. torch._grouped_mm runs every expert's GEMM in one launch over the
 CUDA sm90+; torch's own loop over the groups on CPU, reading offs in host memory). It takes bf16 operands
 with 16-byte row strides only (H and I multiples of 8), which is also all its meta/fake kernel accepts, and
 no bias: gpt-oss's expert biases ride in the GEMM as an extra input column of ones (_fold_bias) where the
-weights are cast anyway (amp). Where those do not hold (fp32 training, odd widths, biases under the bf16
-policy, GPUs before sm90) the fallback is a loop of one mm (addmm) per expert over the row ends, read to the
-host once per layer forward (one sync; backward reuses the slices autograd recorded). The choice is by
-capability (_native), never a flag; both paths give the same function and keep the same tensors but offs,
-which only the grouped kernel keeps, and the 8 folded columns of xs, h and the weight casts with biases.
+weights are cast anyway (amp); where they are not (the bf16 policy, FSDP2's bf16 gathers) a fold would copy
+every expert's weights, so each row gets its expert's bias added after the GEMM (ExpertBias). Where those do
+not hold (fp32 training, odd widths, GPUs before sm90) the fallback is a loop of one mm (addmm) per expert
+over the row ends, read to the host once per layer forward (one sync; backward reuses the slices autograd
+recorded). The choice is by capability (_native), never a flag; all paths give the same function and keep the
+same tensors but offs, which only the grouped kernel keeps, and the 8 folded columns of xs, h and the weight
+casts with folded biases.
 
 What is saved (T tokens, N = T*K rows, c = compute dtype bytes): the router's input x (T, H) and, under amp,
 its weight cast; the fp32 softmax (T, E) (softmax-topk), or the top-k softmax (T, K) (topk-softmax); top-k's
@@ -88,14 +90,10 @@ class Permute(torch.autograd.Function):
         return moe_unpermute(dxs, pos, dxs.new_ones(pos.numel() // ctx.k, ctx.k)), None, None, None
 
 
-def _native(dtype: torch.dtype, widths: tuple[int, ...], device: torch.device, bias: bool, cast: bool) -> bool:
+def _native(dtype: torch.dtype, widths: tuple[int, ...], device: torch.device) -> bool:
     """Does torch._grouped_mm have a kernel for these operands: bf16, every width a multiple of 8 elements
-    (16-byte strides), on CPU or meta (torch's loop, and its fake kernel) or on CUDA sm90+ (CUTLASS)? Expert
-    biases need the weights cast (amp): the kernel has no bias epilogue (torch raises "Bias not supported yet")
-    and a bias added after it rounds the sum twice, so grouped_mm folds the bias into the GEMM as an extra input
-    column, which costs only 8 more columns on a weight cast the block makes anyway; without a cast it would
-    copy every expert's weights, so the bf16 policy's biases take the addmm loop."""
-    if dtype is not torch.bfloat16 or any(w % 8 for w in widths) or (bias and not cast):
+    (16-byte strides), on CPU or meta (torch's loop, and its fake kernel) or on CUDA sm90+ (CUTLASS)?"""
+    if dtype is not torch.bfloat16 or any(w % 8 for w in widths):
         return False
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (9, 0)
@@ -113,21 +111,46 @@ def _fold_bias(x: Tensor, w: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cat([x, ones], 1), torch.cat([w, bias.unsqueeze(-1), w.new_zeros(*w.shape[:2], PAD - 1)], 2)
 
 
+class ExpertBias(torch.autograd.Function):
+    """out (N, M) rows sorted by expert, in place += bias (E, M) of each row's expert (rows (N,) int32): a bias
+    after the grouped GEMM, which has no bias epilogue (torch raises "Bias not supported yet"), rounding the sum
+    twice where addmm rounds once (one bf16 ulp). Backward: d(bias)[e] is the sum of d(out)'s rows of e, taken
+    as one grouped GEMM of a ones block against d(out) over the same row ends (fp32 sums, one rounding, no
+    atomics, where index_select's own backward is a bf16 atomic index_add); keeps only offs, which the GEMM
+    keeps anyway."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, bias: Tensor, rows: Tensor, offs: Tensor) -> Tensor:
+        ctx.save_for_backward(offs)
+        ctx.mark_dirty(out)
+        return out.add_(bias.index_select(0, rows))
+
+    @staticmethod
+    def backward(ctx, d_out: Tensor):
+        (offs,) = ctx.saved_tensors
+        ones = d_out.new_ones(d_out.shape[0], PAD).t()  # (8, N) column-major: 16-byte strides for any N
+        d_bias = torch._grouped_mm(ones, d_out, offs=offs)  # (E, 8, M), every one of the 8 rows the sum
+        return d_out, d_bias[:, 0].contiguous(), None, None
+
+
 def grouped_mm(x: Tensor, w: Tensor, offs: Tensor, bounds: list[int] | None, bias: Tensor | None = None,
-               dtype: torch.dtype | None = None) -> Tensor:
+               dtype: torch.dtype | None = None, rows: Tensor | None = None) -> Tensor:
     """x (N, K) rows sorted by group, w (E, M, K) (nn.Linear's layout per group), offs (E,) int32 row ends,
     bias (E, M) or None -> (N, M): the rows of group e times w[e]^T, plus bias[e]. bounds None: torch._grouped_mm
-    (one launch; a bias folded into it, _fold_bias); else the fallback, one mm (addmm with a bias, as nn.Linear
-    adds it) per group over the host's copy of offs.
+    (one launch; a bias folded into it where w is cast here (_fold_bias), else added after it to each row of
+    rows (N,) int32, its group (ExpertBias)); else the fallback, one mm (addmm with a bias, as nn.Linear adds it)
+    per group over the host's copy of offs.
     dtype: w is cast here, so the unfolded cast is this frame's own local and dies when the fold replaces it. A
     cast made in the caller's argument list would live as long as the caller's call does wherever CPython runs
     frames through a PEP 523 evaluator (torch.compile installs one; it stays for the process), so its lifetime,
     and the block's peak, would depend on what ran earlier in the process."""
-    w = w if dtype is None else w.to(dtype)
+    cast = dtype is not None and w.dtype != dtype
+    w = w.to(dtype) if cast else w
     if bounds is None:
-        if bias is not None:
+        if bias is not None and cast:
             x, w = _fold_bias(x, w, bias)
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # saves x, the (cast) weight and offs
+        out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)  # saves x, the (cast) weight and offs
+        return out if bias is None or cast else ExpertBias.apply(out, bias, rows, offs)
     out, start = [], 0
     for e, end in enumerate(bounds):  # each mm saves its row slice (a view of x) and w[e]
         wt = w[e].t()
@@ -154,12 +177,15 @@ class Experts(nn.Module):
         """xs (N, H) in dt, rows sorted by expert; offs (E,) int32 the row end of each of this module's experts
         -> y (N, H): two grouped GEMMs around the fused activation."""
         cfg, H, I = self.cfg, self.cfg.hidden, self.cfg.expert_intermediate
-        cast = self.gate_up.dtype != dt  # amp: the stacked weights are cast for the GEMMs
-        bounds = None if _native(dt, (H, I), xs.device, cfg.expert_bias, cast) else offs.tolist()  # one host read
+        bounds = None if _native(dt, (H, I), xs.device) else offs.tolist()  # the loop's one host read
         b_gu, b_down = (None if b is None else b.to(dt) for b in (self.gate_up_bias, self.down_bias))
-        gate_up = grouped_mm(xs, self.gate_up, offs, bounds, b_gu, dt)  # (N, 2I)
+        rows = None  # each row's expert, for biases added after the GEMMs (weights not cast: ExpertBias)
+        if bounds is None and cfg.expert_bias and self.gate_up.dtype == dt:
+            rows = torch.searchsorted(offs, torch.arange(xs.shape[0], device=xs.device, dtype=offs.dtype),
+                                      right=True, out_int32=True)  # (N,) int32, on the device
+        gate_up = grouped_mm(xs, self.gate_up, offs, bounds, b_gu, dt, rows)  # (N, 2I)
         h = swiglu_packed(gate_up, cfg.mlp)  # (N, I)
-        return grouped_mm(h, self.down, offs, bounds, b_down, dt)  # (N, H)
+        return grouped_mm(h, self.down, offs, bounds, b_down, dt, rows)  # (N, H)
 
 
 class MoE(nn.Module):

@@ -77,19 +77,32 @@ def shared(o: Ops, lean: bool = False) -> None:
     o.mem("moe.input_grad_sum", "moe", "backward", 2 * T * H * c, T * H * c, L)
 
 
-def _grouped(o: Ops, name: str, rows: Counter, n: int, k: int, f: int) -> None:
+def _grouped(o: Ops, name: str, rows: Counter, n: int, k: int, f: int, added: bool = False) -> None:
     """One grouped GEMM (N rows by expert, (n, k) weights per expert, k + f with a folded bias), forward and
     backward: the forward (N', n, k) and d(x) (N', k, n) each as one dense GEMM over the tile-rounded rows N' (the
     module's docstring); d(W) as what it is, each expert's own (n, k) reduction over its n_e rows, a batch of
     (n, k, n_e) GEMMs per distinct row count (short reductions run below the rate: the profile's k_half). One
-    launch (host) per grouped GEMM."""
+    launch (host) per grouped GEMM. added: a bias added after it (efficient/moe.py's ExpertBias): the gather of
+    each row's bias and the in-place add; in backward a ones block, d(bias) as the same per-expert reduction at
+    width 8, and its first row's copy."""
     L, E, c, p = o.cfg.layers, o.cfg.experts, o.c, o.p
+    N = sum(r * experts for r, experts in rows.items())
     m = sum(-(-r // GROUPED_TILE_M) * GROUPED_TILE_M * experts for r, experts in rows.items())  # fit.grouped_rows
     o.mm(name, "moe", "forward", m, n, k + f, L, host="op", grouped="forward")
     o.mm(f"{name}.grad_input", "moe", "backward", m, k + f, n, L, host="op", grouped="backward")
     for i, (r, experts) in enumerate(sorted(rows.items())):
         o.mm(f"{name}.grad_weight", "moe", "backward", n, k + f, r, L, batch=experts,
              host="op" if i == 0 else None, grouped="backward")
+    if added:
+        from llm_anatomy.calculator.moe_efficient import FOLD
+
+        o.mem(f"{name}.bias_gather", "moe", "forward", E * n * c + N * 4, N * n * c, L)
+        o.mem(f"{name}.bias_add", "moe", "forward", 2 * N * n * c, N * n * c, L)
+        o.mem(f"{name}.grad_bias_ones", "moe", "backward", 0, N * FOLD * c, L)
+        for i, (r, experts) in enumerate(sorted(rows.items())):
+            o.mm(f"{name}.grad_bias", "moe", "backward", FOLD, n, r, L, batch=experts,
+                 host="op" if i == 0 else None, grouped="backward")
+        o.mem(f"{name}.grad_bias_copy", "moe", "backward", E * n * c, E * n * c, L)
     if o.amp:  # the stacked weight's cast, and dW's back to fp32
         o.mem(f"{name}.weight_cast", "moe", "forward", E * n * k * p, E * n * (k + f) * c, L)
         o.mem(f"{name}.grad_weight_cast", "moe", "backward", E * n * (k + f) * c, E * n * k * p, L, upcast=True)
@@ -97,12 +110,12 @@ def _grouped(o: Ops, name: str, rows: Counter, n: int, k: int, f: int) -> None:
 
 def efficient_moe(o: Ops, hist=None) -> None:
     """The efficient block (llm_anatomy/efficient/moe.py) on its grouped-GEMM path, L layers."""
-    from llm_anatomy.calculator.moe_efficient import FOLD
+    from llm_anatomy.calculator.moe_efficient import added_bias, fold
 
     cfg, run, c = o.cfg, o.run, o.c
     T, L, H, E, K, I = run.tokens, cfg.layers, cfg.hidden, cfg.experts, cfg.experts_per_token, cfg.expert_intermediate
     N, lean = T * K, run.lean_block
-    f = FOLD if cfg.expert_bias else 0
+    f, added = fold(cfg, run), added_bias(cfg, run)  # the grouped path (the phases refuse the loop of mm)
     router(o, lean)
     # the permutation: a stable argsort of the N expert ids, their gather, searchsorted, the inverse scatter
     o.mem("moe.permute.argsort", "moe", "forward", 3 * N * I64, 3 * N * I64, L, calls=3 * L)
@@ -111,12 +124,14 @@ def efficient_moe(o: Ops, hist=None) -> None:
     o.mem("moe.permute.backward", "moe", "backward", N * H * c + N * I64, T * H * c, L)  # the sum over k rows
     if f:  # the folded bias: x and h with a ones column block, each weight with its bias column
         o.mem("moe.experts.fold", "moe", "forward", N * (H + I) * c, N * (H + I + 2 * f) * c, L, calls=2 * L)
+    if added:  # each row's expert: an arange and its searchsorted over offs
+        o.mem("moe.experts.bias_rows", "moe", "forward", N * 4 + E * 4, 2 * N * 4, L, calls=2 * L)
     rows = _rows(o, hist)
-    _grouped(o, "moe.experts.gate_up", rows, 2 * I, H, f)
+    _grouped(o, "moe.experts.gate_up", rows, 2 * I, H, f, added)
     for ph, name in (("forward", "moe.experts.swiglu"), ("backward", "moe.experts.swiglu.backward")):
         op = (f"swiglu.{ph}", I)
         o.mem(name, "moe", ph, *fused_bytes(*op, N, c, o.r), L, host=op[0], fused=(*op, N))
-    _grouped(o, "moe.experts.down", rows, H, I, f)
+    _grouped(o, "moe.experts.down", rows, H, I, f, added)
     o.mem("moe.unpermute", "moe", "forward", N * H * c + N * I64 + T * K * 4, T * H * c, L)
     o.mem("moe.unpermute.backward", "moe", "backward", T * H * c + N * H * c + N * I64 + T * K * 4,
           N * H * c + T * K * 4, L)
