@@ -136,7 +136,8 @@ def render(a, out: dict) -> list[str]:
         rows.append((c["strategy"], c["recompute"] + (" (lean)" if c["lean"] else ""), mb if ok else "-", gib(c["peak_bytes"]),
                      "yes" if ok else "no (at 1)", f"{c['step_s'] * 1e3:,.1f}" if timed else "-",
                      f"{c['comm_exposed_s'] * 1e3:,.1f}" if timed else "-",
-                     f"{c['tokens_per_s']:,.0f}" if timed else "-", f"{c['mfu']:.1%}" if timed and c["mfu"] else "-"))
+                     f"{c['tokens_per_s']:,.0f}" if timed else "-",
+                     f"{c['mfu']:.1%}" if timed and c["mfu"] else "-"))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     fmt = lambda r: "  ".join(s.ljust(w) if i < 2 else s.rjust(w) for i, (s, w) in enumerate(zip(r, widths)))  # noqa: E731
     lines += ["", fmt(head), fmt(tuple("-" * w for w in widths)), *map(fmt, rows), ""]

@@ -175,7 +175,7 @@ def phases_unmodelled(cfg: ModelConfig, run: Run, variant: str, device: str = "c
 
     if variant != "efficient":
         return None
-    return "the loop-of-mm fallback (fp32, or widths not multiples of 8)" if not grouped_path(cfg, run, device) else None
+    return None if grouped_path(cfg, run, device) else "the loop-of-mm fallback (fp32, or widths not multiples of 8)"
 
 
 def refuse_phases(cfg: ModelConfig, run: Run, variant: str, device: str = "cuda", what: str = "the memory phases"
