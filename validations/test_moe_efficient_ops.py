@@ -178,7 +178,7 @@ def test_fullgraph_catches_a_host_read():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["bf16", "amp"])
-@pytest.mark.parametrize("name", ["mixtral-like", "qwen-moe-like"])
+@pytest.mark.parametrize("name", ["mixtral-like", "qwen-moe-like", "gptoss-like"])
 def test_no_host_sync_cuda(name, policy):
     """On the GPU, CUDA's own sync detector: torch.cuda.set_sync_debug_mode("error") raises on any op that
     waits for the device (a copy to the host, .item(), nonzero), through the forward and the backward."""
