@@ -150,7 +150,8 @@ def _block(name, policy):
 
 
 GROUPED_CASES = [("mixtral-like", "bf16"), ("mixtral-like", "amp"), ("qwen-moe-like", "bf16"),
-                 ("qwen-moe-like", "amp"), ("gptoss-like", "amp")]  # gpt-oss: biases folded into the GEMMs
+                 ("qwen-moe-like", "amp"), ("gptoss-like", "amp"),  # gpt-oss: biases folded into the GEMMs
+                 ("gptoss-like", "bf16")]  # and added after them
 
 
 @pytest.mark.parametrize("name,policy", GROUPED_CASES)
