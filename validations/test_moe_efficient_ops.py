@@ -196,7 +196,8 @@ def test_no_host_sync_cuda(name, policy):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("name,policy", [("mixtral-like", "bf16"), ("qwen-moe-like", "amp"), ("gptoss-like", "amp")])
+@pytest.mark.parametrize("name,policy", [("mixtral-like", "bf16"), ("qwen-moe-like", "amp"), ("gptoss-like", "amp"),
+                                       ("gptoss-like", "bf16")])
 def test_block_compiles_fullgraph(name, policy):
     """fullgraph=True raises on a graph break, which any host read of a routing value would cause; the compiled
     block (aot_eager) gives eager's values and gradients bit for bit."""

@@ -123,7 +123,8 @@ class ExpertBias(torch.autograd.Function):
     def forward(ctx, out: Tensor, bias: Tensor, rows: Tensor, offs: Tensor) -> Tensor:
         ctx.save_for_backward(offs)
         ctx.mark_dirty(out)
-        return out.add_(bias.index_select(0, rows))
+        out.add_(bias.index_select(0, rows))
+        return out  # the dirty input itself (torch.compile traces mark_dirty only so)
 
     @staticmethod
     def backward(ctx, d_out: Tensor):
