@@ -34,8 +34,8 @@ HF = Path(__file__).resolve().parent.parent / "validations" / "data" / "hf_confi
 def cases() -> dict[str, tuple[ModelConfig, Run, tuple[str, ...]]]:
     """{id: (config, run, variants)}: each real family reduced in depth, then in width, Qwen3-30B-A3B at its
     full width 8 layers deep (5.6 B parameters, 90 GB of fp32 weights, gradients and AdamW state), gpt-oss-20b
-    two layers deep (its sinks, its window and its expert biases), and OLMoE-1B-7B (its whole q/k norms) four
-    layers deep and whole (6.9 B parameters, 111 GiB predicted: an H200's)."""
+    two layers deep (its sinks, its window and its expert biases; under amp and on bf16 weights), and
+    OLMoE-1B-7B (its whole q/k norms) four layers deep and whole (6.9 B parameters, 111 GiB predicted: an H200's)."""
     qwen, mixtral = from_hf_config(HF / "Qwen3-30B-A3B"), from_hf_config(HF / "Mixtral-8x7B-v0.1")
     gptoss, olmoe = from_hf_config(HF / "gpt-oss-20b"), from_hf_config(HF / "OLMoE-1B-7B-0924")
     both = ("efficient", "baseline")
@@ -48,6 +48,8 @@ def cases() -> dict[str, tuple[ModelConfig, Run, tuple[str, ...]]]:
                               Run(4, 2048), both),
         "qwen3moe-L8": (replace(qwen, layers=8), Run(2, 2048), ("efficient",)),
         "gptoss-L2": (replace(gptoss, layers=2), Run(2, 2048), both),  # a window layer, then a full one
+        # bf16 weights (FSDP2's bf16 gathers compute so): the expert biases added after the grouped GEMMs
+        "gptoss-L2-bf16": (replace(gptoss, layers=2), Run(2, 2048, "bf16"), ("efficient",)),
         "olmoe-L4": (replace(olmoe, layers=4), Run(4, 2048), both),
         "olmoe": (olmoe, Run(4, 2048), ("efficient",)),
     }
