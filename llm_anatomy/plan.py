@@ -242,7 +242,7 @@ def plan(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int = 1, gpus_per_node
         mesh_rows = search(cfg, gpu=gpu, seq=seq, gpus_n=gpus_n, gpus_per_node=gpus_per_node, budget=budget,
                            variant=variant, dtype=dtype, optimizer=optimizer, recomputes=recomputes, lean=lean,
                            global_batch=global_batch, peak_flops=peak_flops,
-                           largest=lambda fits: largest_fitting(fits, max_batch(seq)))
+                           largest=lambda fits: largest_fitting(fits, max_batch(seq)), untimed=untimed)
     winner = None
     if mesh_rows and (best is None or mesh_rows[0]["tokens_per_s"] > best.tokens_per_s):
         winner = dict(mesh_rows[0], budget=token_budget(tokens, mesh_rows[0]["tokens_per_s"], gpus_n))

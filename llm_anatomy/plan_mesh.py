@@ -108,9 +108,10 @@ def _fitting_micro_batch(cfg, m, mk, variant, budget, optimizer, global_batch, l
 
 def search(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int, gpus_per_node: int, budget: int, variant: str,
            dtype: str, optimizer: str, recomputes: tuple[str, ...], lean: bool, global_batch: int | None,
-           peak_flops: float, largest) -> list[dict]:
-    """Every mesh candidate that fits, fastest first. JSON-able. largest(fits): the largest micro-batch for which
-    fits() holds, 0 if none (plan.py's search, bounded by its ceiling)."""
+           peak_flops: float, largest, untimed: list | None = None) -> list[dict]:
+    """Every mesh candidate that fits and the profile times, fastest first. JSON-able. largest(fits): the largest
+    micro-batch for which fits() holds, 0 if none (plan.py's search, bounded by its ceiling). untimed: where the
+    reason a fitting mesh has no time on this profile goes (it is left out of the rows)."""
     rows = []
     for m in meshes(cfg, gpus_n, gpus_per_node):
         if global_batch is not None and global_batch % m.dp:
@@ -127,7 +128,12 @@ def search(cfg: ModelConfig, *, gpu: str, seq: int, gpus_n: int, gpus_per_node: 
             if b == 0:
                 continue
             k = _microbatches(m, b, global_batch)
-            t = _time(cfg, mk(b), variant, gpu, m, k, gpus_per_node, optimizer)
+            try:
+                t = _time(cfg, mk(b), variant, gpu, m, k, gpus_per_node, optimizer)
+            except ConfigError as e:  # it fits; the profile cannot time it (e.g. no masked-attention rows)
+                if untimed is not None:
+                    untimed.append(str(e))
+                continue
             tokens = m.dp * k * b * seq / t["step_s"]
             parts = {p: t.get(f"{p}_s", 0.0) for p in PARTS}
             rows.append(MeshCandidate(m.label(), m.dp, m.tp, m.pp, m.ep, m.schedule if m.pp > 1 else None,

@@ -2,7 +2,8 @@
 (llm_anatomy.calculator.ep_memory) vs live storage on gloo ranks (llm_anatomy.distributed.mesh_peak.ep_peaks).
 
   gloo, 2 and 4 processes   hypothesis-drawn MoE configs on the grouped-GEMM path the planner prices (bf16, widths
-                            multiples of 8, no expert biases: efficient/moe.py's torch._grouped_mm), forced routing
+                            multiples of 8: efficient/moe.py's torch._grouped_mm; expert biases folded into the
+                            experts' casts under amp, added after the GEMMs under bf16), forced routing
                             balanced and skewed (measure/routing.py: the skewed rank 0 receives every rank's rows);
                             N_DRAWS runs, the SETTINGS in turn (bf16; amp: FSDP2's bf16 gathers and fp32 reduce over
                             fp32 state, the experts cast; recompute mlp and full: the checkpoints' kept inputs, the
@@ -45,8 +46,7 @@ def ep_memory_cases(draw, ep: int) -> dict:
     """A drawn MoE config on the grouped-GEMM path whose experts split over ep, a bf16 run and a forced routing."""
     cfg = draw(moe_configs(max_experts=8, aligned=True, layers=draw(st.integers(1, 2))))
     experts = ep * draw(st.integers(1, max(1, 8 // ep)))
-    cfg = replace(cfg, name=f"ep{ep}-mem", experts=experts, expert_bias=False,
-                  experts_per_token=min(cfg.experts_per_token, experts))
+    cfg = replace(cfg, name=f"ep{ep}-mem", experts=experts, experts_per_token=min(cfg.experts_per_token, experts))
     run = Run(batch=draw(st.integers(1, 2)), seq=draw(st.integers(2, 8)), dtype="bf16")
     return dict(cfg=cfg, run=run, optimizer=draw(st.sampled_from(["adamw", "sgd"])),
                 route=draw(st.sampled_from(["balanced", "skewed"])))

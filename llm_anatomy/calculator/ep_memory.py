@@ -33,7 +33,7 @@ test_ep_memory.py for dp = ep, test_ep_memory_dp.py for dp > ep), under every dt
   (efsdp shards: dim 0's padded rows, or dim 1 where El < efsdp, fsdp_shards.fsdp_shard_dim)
   optimizer end   the gradients set to None: state
 The step's peak is an upper bound (peak_bound below), stated with its measured slack in the test.
-Not modelled (check_modelled): the lean block, which expert parallel does not build, and expert biases.
+Not modelled (check_modelled): the lean block, which expert parallel does not build.
 """
 from __future__ import annotations
 
@@ -94,14 +94,9 @@ def _saved(cfg: ModelConfig, run: Run, ep: int, rank: int, hist, rnd, layers: in
     return out
 
 
-def check_modelled(run: Run, cfg: ModelConfig) -> None:
+def check_modelled(run: Run) -> None:
     """ConfigError (one line) for what these phases do not model: the lean block (Run.lean without recompute),
-    which expert parallel does not build (distributed/expert_parallel.py builds the plain efficient block), and
-    expert biases (gpt-oss): the engine's experts fold them under amp (its fp32 experts are cast per forward) and
-    add them after the GEMMs under bf16, which the rank's local view does not tell apart."""
-    if cfg.expert_bias:
-        raise ConfigError(f"expert parallel with expert biases (config {cfg.name}): its memory phases are not "
-                          "modelled yet")
+    which expert parallel does not build (distributed/expert_parallel.py builds the plain efficient block)."""
     if run.lean_block:
         raise ConfigError("expert parallel builds the plain efficient block, not the lean one (lean=true without "
                           "recompute)")
@@ -115,7 +110,7 @@ def ep_phases(cfg: ModelConfig, run: Run, ep: int, *, rank: int = 0, hist=None, 
     ep is the (efsdp, ep) mesh, efsdp = dp / ep, rank then the global rank (its ep rank rank % ep)."""
     world = None if dp is None or dp == ep else dp  # the (efsdp, ep) mesh when dp > ep
     ep_calc.check(cfg, run, ep, rank, world)
-    check_modelled(run, cfg)
+    check_modelled(run)
     dp = ep if dp is None else dp
     rnd = _rounder(device)
     pb = BYTES[param_dtype_name(run)]
@@ -253,14 +248,17 @@ def local_view(cfg: ModelConfig, ep: int) -> ModelConfig:
 
 def moe_transients(cfg: ModelConfig, run: Run, ep: int, R: int, rnd) -> tuple[int, int]:
     """(forward, backward) bytes one MoE layer makes beyond its saved tensors on a rank receiving R rows, c the
-    compute dtype (no expert biases: check_modelled):
+    compute dtype:
       forward   the one-process block's routing state and router logits (moe_efficient.efficient_moe_transients on
                 the rank's T tokens), the received rows xr and their local sort xl (R, H) each, the expert
                 output yl and its arrival-order copy yr (R, H), the combined y (N, H) and the row counts;
       backward  the same gradients on the R rows past the local view's T min(K, El): d(y) (R, H), d(h)
                 (R, I), d(xs) (R, H), and the all-to-alls' buffers d(yr), d(xl), d(xr) (R, H) and d(y),
-                d(xs) (N, H) on the send side."""
-    from llm_anatomy.calculator.moe_efficient import efficient_moe_transients
+                d(xs) (N, H) on the send side.
+    With expert biases under amp (the experts cast, so the bias folds: moe_efficient.FOLD columns) the forward adds
+    the folded copies of the received rows (R, H + f) and of the larger stacked weight (El, 2I, H + f): the one-process
+    transients at the rank's bf16 view hold the added biases' rows instead, so both are in the bound."""
+    from llm_anatomy.calculator.moe_efficient import FOLD, efficient_moe_transients
 
     crun = ep_calc.compute_run(run)
     c = BYTES[param_dtype_name(crun)]
@@ -270,6 +268,8 @@ def moe_transients(cfg: ModelConfig, run: Run, ep: int, R: int, rnd) -> tuple[in
     routing = sum(rnd(v) for k, v in one.items() if k.startswith("forward."))
     counts = 2 * rnd(cfg.experts * 4)
     forward = routing + counts + 4 * rnd(R * H * c) + rnd(N * H * c)  # xr, xl, yl, yr; y
+    if cfg.expert_bias and run.dtype == "amp":
+        forward += rnd(R * (H + FOLD) * c) + rnd(El * 2 * I * (H + FOLD) * c)
     extra = max(0, R - T * min(K, El))
     backward = 2 * rnd(extra * H * c) + rnd(extra * I * c) + 3 * rnd(R * H * c) + 2 * rnd(N * H * c)
     return forward, backward

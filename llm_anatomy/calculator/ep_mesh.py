@@ -47,7 +47,7 @@ def check(cfg: ModelConfig, run: Run, ep: int, dp: int) -> None:
     from llm_anatomy.calculator.expert_parallel import check as check_ep
 
     check_ep(cfg, run, ep)
-    check_modelled(run, cfg)
+    check_modelled(run)
     if isinstance(dp, bool) or not isinstance(dp, int) or dp < ep or dp % ep:
         raise ConfigError(f"ep={ep} must divide the ranks FSDP shards over, dp={dp}")
 
