@@ -163,9 +163,12 @@ def check_rank_peaks(claims, sc: dict, ranks: list, name: str, claim: str = "per
                      "and FSDP buffers") -> None:
     """Each rank's largest live storage (ranks: its phases) against per_rank_peak, within 3%."""
     for r, phases in enumerate(ranks):
-        pred = per_rank_peak(sc["cfg"], sc["run"], "baseline", 2, sc["strategy"], rank=r, device="cpu")
+        pred = per_rank_peak(sc["cfg"], sc["run"], sc.get("variant", "baseline"), 2, sc["strategy"], rank=r,
+                             device="cpu")
         top = max(phases, key=lambda p: p["peak"])
-        claims.check(claim, component="comm", config=sc["cfg"].name, variant=sc["strategy"], device="cpu",
+        claims.check(claim, component="comm", config=sc["cfg"].name,
+                     variant=sc["strategy"] + ("" if sc.get("variant", "baseline") == "baseline" else " efficient"),
+                     device="cpu",
                      predicted=pred["peak"], measured=top["peak"], tolerance=0.03, unit="B",
                      note=f"{name}, gloo, W=2, rank {r}, live storage; predicted at {pred['peak_at']}, "
                           f"measured in {top['name']} after {top['peak_op']}")

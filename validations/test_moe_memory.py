@@ -9,6 +9,9 @@ histogram, or the skewed one (every token to experts 0..k-1), and the phases are
              dropless routing keeps N = T·k rows, so no byte depends on the histogram;
   baseline   the per-expert loop (swiglu, no expert biases) under all three dtype policies: the named configs and
              30 drawn ones; its bytes follow the histogram.
+On two gloo ranks (settled), each rank's step peak within 3% of sharding.per_rank_peak: DDP and FSDP over the
+baseline block, and FSDP over the efficient block with gpt-oss's expert biases (amp's bf16 gathers and bf16 weights:
+the biases added after the grouped GEMMs).
 What the phases do not model is refused in one line (the efficient block's loop-of-mm fallback);
 test_moe_recompute.py holds the efficient block under recompute, test_moe_memory_bias.py the baseline loop with
 expert biases and gpt-oss's activation."""
@@ -152,9 +155,17 @@ def test_baseline_peak_follows_the_routing():
 GLOO_MOE = ModelConfig(name="dist-peak-moe", hidden=48, layers=2, heads=4, kv_heads=2, intermediate=32, vocab=64,
                        experts=2, experts_per_token=2, expert_intermediate=256, shared_experts=1,
                        shared_intermediate=16)
+# gpt-oss's activation, router and expert biases over two wide experts: the efficient block under FSDP2 computes on
+# its bf16 gathers (amp) or bf16 weights, so the biases are added after the grouped GEMMs (efficient/moe.py ExpertBias)
+GLOO_GPTOSS = ModelConfig(name="dist-peak-gptoss", hidden=48, layers=2, heads=4, kv_heads=2, intermediate=32,
+                          vocab=64, mlp="gpt-oss", experts=2, experts_per_token=2, expert_intermediate=256,
+                          router="topk-softmax", expert_bias=True)
 # FSDP's collective buffers are read settled (spawn_peaks: distributed/settled.py); DDP's buckets live the whole step
 GLOO_SCENARIOS = {"ddp-fp32-moe": dict(cfg=GLOO_MOE, run=Run(batch=2, seq=32, dtype="fp32"), strategy="ddp", steps=3),
-                  "fsdp-amp-moe": dict(cfg=GLOO_MOE, run=Run(batch=2, seq=32, dtype="amp"), strategy="fsdp", steps=2)}
+                  "fsdp-amp-moe": dict(cfg=GLOO_MOE, run=Run(batch=2, seq=32, dtype="amp"), strategy="fsdp", steps=2),
+                  **{f"fsdp-{d}-gptoss-efficient": dict(cfg=GLOO_GPTOSS, run=Run(batch=2, seq=32, dtype=d),
+                                                        strategy="fsdp", steps=2, variant="efficient")
+                     for d in ("amp", "bf16")}}
 
 
 @pytest.fixture(scope="module")

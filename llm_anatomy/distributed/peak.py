@@ -66,15 +66,15 @@ class RankStorage(LiveStorage):
 
 def peaks(cfg: ModelConfig, run: Run, strategy: str, *, steps: int = 3, optimizer: str = "adamw",
           reshard_after_forward: bool = True, bucket_cap_mb: float | None = None, seed: int = 0,
-          storage: type[RankStorage] | None = None) -> list[dict]:
-    """Run `steps` steps on the initialized (CPU) process group; the phases of the last one, each
-    {name, allocated, peak, peak_op} in bytes of live storage on this rank. storage: the counter's class,
+          storage: type[RankStorage] | None = None, variant: str = "baseline") -> list[dict]:
+    """Run `steps` steps of the variant's model on the initialized (CPU) process group; the phases of the last
+    one, each {name, allocated, peak, peak_op} in bytes of live storage on this rank. storage: the counter's class,
     RankStorage by default (distributed/settled.py's SettledStorage on its one-worker gloo ranks)."""
     check_strategy(strategy)
     rank = dist.get_rank()
     live = (storage or RankStorage)()
     with live:
-        model = build_model(cfg, "baseline", dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
+        model = build_model(cfg, variant, dtype=torch.bfloat16 if run.dtype == "bf16" else None, seed=seed)
         if strategy == "fsdp":
             pd, rd = default_mixed_precision(run)
             model = wrap(model, "fsdp", param_dtype=pd, reduce_dtype=rd, reshard_after_forward=reshard_after_forward)
