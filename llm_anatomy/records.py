@@ -81,14 +81,15 @@ def _layout(root: Path) -> dict:
         CPU_CLAIMS=reports / "cpu" / "claims.json.gz", GPU_CLAIMS=h200 / "claims-gpu.json",
         # GPU runs of one part of the suite, each its own run (machine, date, command), read where present beside
         # the whole-suite run: the MoE live claims (validations/test_moe_live.py; moe-gptoss: its gpt-oss cases, run
-        # apart, `-k "gptoss and memory"`), the mesh code paths on CUDA
+        # apart, `-k "gptoss or olmoe"`; moe-bf16: gpt-oss on bf16 weights, its expert biases added after the
+        # grouped GEMMs, `-k "test_moe_phase_memory_on_this_gpu and gptoss-L2-bf16"`), the mesh code paths on CUDA
         # (validations/test_mesh_cuda.py) and the real-depth live claims (validations/test_real_depth_live.py),
         # each written by `pytest FILE -m gpu --claims-report PATH`, under the folder of the GPU that ran it
         # the user's loop measured on an H100 (the rows the live claims keep beside their report): the real-depth
         # draw sized to 80 GB and the MoE cases; scripts/compare_h100.py predicts them on the derived H100 profile
         H100_STEPS=dict(dense=reports / "h100" / "real-depth-live.json", moe=reports / "h100" / "moe-live.json"),
         GPU_CLAIMS_PARTS=tuple(reports / gpu / f"claims-gpu-{part}.json" for gpu in ("h200", "h100")
-                               for part in ("moe", "moe-gptoss", "mesh", "realdepth")),
+                               for part in ("moe", "moe-gptoss", "moe-bf16", "mesh", "realdepth")),
         # scripts/probe_memory.py: phase memory of named and drawn configs, both variants, under two allocator
         # settings; under Run.recompute="mlp" (efficient only); and the lean block (Run.lean)
         MEMORY_PROBE={"expandable segments": (mp / "named.json", mp / "drawn.json"),
