@@ -286,7 +286,7 @@ def main(argv=None) -> int:
         out["defaults"] = {k: v for k, v in (("variant", a.variant), ("seq", a.seq)) if k not in given}
         if out["best"] is not None:
             out["estimate_command"] = estimate_command(a, out["best"], out)
-        else:
+        elif not any(c["fits"] for c in out["candidates"]):  # what would fit (a fitting row untimed needs none)
             from llm_anatomy.plan_advice import advise
 
             out["advice"] = advise(cfg, out, kw)
