@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from llm_anatomy.baseline.mlp import MLP, GPT_OSS_LIMIT
 from llm_anatomy.config import ROUTERS, ModelConfig
@@ -95,6 +96,39 @@ def bias_term_scales(ref: ReferenceMoE) -> dict[str, float]:
     for e, gate_up, y in ref.terms:
         gu[e], dn[e] = gate_up.grad.abs().sum(0), y.grad.abs().sum(0)
     return {"experts.gate_up_bias": gu.norm().item(), "experts.down_bias": dn.norm().item()}
+
+
+class Routing(TorchDispatchMode):
+    """One model's routing, recorded, then imposed on other models of the same config: top-k is a discontinuous
+    function, so where two roundings of the router's logits fall on either side of a near-tie they pick different
+    experts, and comparing those models compares two functions, not two roundings. Each router (a MoE block's
+    `router` module, in module order) marks its layer as it runs; while recording, every top-k keeps its indices
+    for that layer; while imposing, every top-k returns the recorded indices and its own input's values at them.
+    It acts below autograd (a dispatch mode), so autograd's own top-k backward scatters to the imposed experts,
+    and it stays active in a checkpoint's re-run, which routes as the forward did (keyed by layer, not by call)."""
+
+    def __init__(self, *models: nn.Module):
+        super().__init__()
+        self.indices: dict[int, torch.Tensor] = {}
+        self.imposing = False
+        self.layer: int | None = None
+        for model in models:
+            routers = [m.router for m in model.modules() if m.__class__.__name__ == "MoE"]
+            for layer, router in enumerate(routers):
+                router.register_forward_pre_hook(lambda _m, _a, layer=layer: setattr(self, "layer", layer))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten.topk.default:
+            return func(*args, **kwargs)
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        assert self.layer is not None and dim in (-1, args[0].dim() - 1), "a top-k outside a router"
+        if not self.imposing:
+            values, idx = func(*args, **kwargs)
+            self.indices[self.layer] = idx.clone()
+            return values, idx
+        idx = self.indices[self.layer].to(args[0].device)
+        return torch.ops.aten.gather.default(args[0], -1, idx), idx.clone()
 
 
 def reference_state_dict(efficient_state: dict) -> dict:

@@ -1,5 +1,6 @@
 """The efficient model: same function as the baseline (to within the baseline's own error), and the
 calculator's saved bytes and FLOPs for it, exact per component."""
+from contextlib import nullcontext
 from dataclasses import replace
 from fractions import Fraction
 
@@ -14,6 +15,7 @@ from llm_anatomy.efficient.transformer import to_baseline_names
 from llm_anatomy.measure.run import measure_flops, measure_saved
 from llm_anatomy.models import autocast_ctx, build_model, make_batch, param_dtype
 from validations.configs import NAMED, POLICIES, accuracy_configs, accuracy_runs, configs, runs
+from validations.moe_reference import Routing
 
 EFFICIENT = ["tiny", "tiny-gqa", "tiny-gptoss-tied"]
 
@@ -46,17 +48,24 @@ def check_matches_baseline(cfg: ModelConfig, run: Run, device="cpu", pooled: tup
     Outputs are the (B·S,) per-token losses; every parameter gradient is checked too. (The mean loss
     alone is one number: its rounding error is one draw, too noisy for a 2× ratio.) The floor,
     4 × fp32 epsilon, covers the fp32 policy, where the baseline's own error can be zero by accident
-    of summation order while the fused kernels sum in another order."""
+    of summation order while the fused kernels sum in another order. MoE configs: every model routes as the
+    baseline in the run's dtype (moe_reference.Routing: top-k's near-ties would otherwise compare two
+    functions), the rule's float64 reference included."""
     ref = build_model(cfg, "baseline", device=device, dtype=torch.float64)
     base = build_model(cfg, "baseline", device=device, dtype=param_dtype(run))
     eff = build_model(cfg, "efficient", device=device, dtype=param_dtype(run), recompute=run.recompute, lean=run.lean)
     eff.load_state_dict(base.state_dict())
     ids, targets = make_batch(cfg, run, device)
     fp64, run_b = Run(run.batch, run.seq, "fp32"), Run(run.batch, run.seq, run.dtype)
-    l_ref, l_b, l_e = (_token_losses(m, ids, targets, r, device) for m, r in ((ref, fp64), (base, run_b), (eff, run)))
-    _, g_ref = _loss_and_grads(ref, ids, targets, fp64, device)
-    _, g_b = _loss_and_grads(base, ids, targets, run_b, device)
-    _, g_e = _loss_and_grads(eff, ids, targets, run, device)
+    routing = Routing(ref, base, eff) if cfg.experts else None
+    with routing or nullcontext():  # MoE: the baseline routes, float64 and the efficient model follow it
+        l_b, (_, g_b) = _token_losses(base, ids, targets, run_b, device), _loss_and_grads(base, ids, targets, run_b,
+                                                                                          device)
+        if routing:
+            routing.imposing = True
+        l_ref, (_, g_ref) = _token_losses(ref, ids, targets, fp64, device), _loss_and_grads(ref, ids, targets, fp64,
+                                                                                            device)
+        l_e, (_, g_e) = _token_losses(eff, ids, targets, run, device), _loss_and_grads(eff, ids, targets, run, device)
     for end in pooled:
         for g in (g_ref, g_b, g_e):
             names = [n for n in g if n.endswith(end)]
