@@ -17,6 +17,7 @@ Each world size runs all its scenarios in ONE spawn.
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 from dataclasses import replace
 
 import pytest
@@ -28,7 +29,7 @@ from llm_anatomy.calculator.moe import skewed
 from llm_anatomy.config import ConfigError, ModelConfig, Run
 from validations.configs import draw_examples
 from validations.draw_notes import draw_note
-from validations.moe_reference import moe_configs
+from validations.moe_reference import Routing, moe_configs
 
 N_DRAWS = 20  # per world size
 # reduction order only: each rank runs the one-process ops on its batch; the expert GEMMs take the rows of every
@@ -64,8 +65,9 @@ def ep_cases(draw, ep: int) -> dict:
 
 
 def _grads(cfg: ModelConfig, run: Run, ep: int | None = None) -> dict:
-    """One step on this rank (expert parallel over ep ranks, every rank by default): its loss, and every gradient
-    whole (FSDP's gathered; the experts' local rows, gathered over efsdp where ep < world)."""
+    """One step on this rank (expert parallel over ep ranks, every rank by default): its loss, every gradient
+    whole (FSDP's gathered; the experts' local rows, gathered over efsdp where ep < world), and each layer's
+    routing of its tokens (moe_reference.Routing), for the one-process models to follow."""
     import torch.distributed as dist
 
     from llm_anatomy.distributed.expert_parallel import build
@@ -73,11 +75,13 @@ def _grads(cfg: ModelConfig, run: Run, ep: int | None = None) -> dict:
 
     model, _ = build(cfg, run, seed=0, ep=ep)
     ids, targets = make_batch(cfg, run, seed=1 + dist.get_rank())
-    loss = model(ids, targets)
-    loss.backward()
+    routing = Routing(model)
+    with routing:
+        loss = model(ids, targets)
+        loss.backward()
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).tolist()
              for n, p in model.named_parameters()}
-    return dict(loss=loss.item(), grads=grads)
+    return dict(loss=loss.item(), grads=grads, routing=[routing.indices[i].tolist() for i in sorted(routing.indices)])
 
 
 def _scenario(kind: str = "train", **kw):
@@ -164,15 +168,29 @@ def test_ep_saved_bytes_per_component_exact(ep_run, claims):
 
 
 @functools.cache
-def _one_process(cfg: ModelConfig, world: int, dtype=None) -> tuple[list[float], dict]:
+def _one_process(cfg: ModelConfig, world: int, dtype=None, routing: tuple | None = None) -> tuple[list[float], dict]:
     """One process on the ranks' batches together (the model in dtype, fp32 by default): each rank's loss, and the
-    gradients of their mean in float64 (the same for every recompute policy: kept for the next)."""
+    gradients of their mean in float64 (the same for every recompute policy: kept for the next). routing (_routed):
+    each rank's batch routed as that rank routed it."""
     from llm_anatomy.models import build_model, make_batch
 
     model = build_model(cfg, "efficient", seed=0, dtype=dtype)
-    losses = [model(*make_batch(cfg, GRAD_RUN, seed=1 + r)) for r in range(world)]
+    imposed = Routing(model)
+    imposed.imposing = True
+    losses = []
+    for r in range(world):
+        imposed.indices = {i: torch.tensor(idx) for i, idx in enumerate(routing[r])} if routing else {}
+        with imposed if routing else nullcontext():
+            losses.append(model(*make_batch(cfg, GRAD_RUN, seed=1 + r)))
     torch.stack(losses).mean().backward()
     return [x.item() for x in losses], {n: p.grad.double() for n, p in model.named_parameters()}
+
+
+def _routed(got: list[dict]) -> tuple:
+    """Each rank's routing of its batch, per layer (T, k), hashable for _one_process's cache. Both one-process
+    models route as the ranks did: top-k is discontinuous, and a near-tie the bf16 ranks decide one way and
+    float64 the other compares two functions, not two roundings (moe_reference.Routing)."""
+    return tuple(tuple(tuple(map(tuple, layer)) for layer in g["routing"]) for g in got)
 
 
 def _ep_grad(got: list, n: str) -> torch.Tensor:
@@ -221,8 +239,8 @@ def check_vs_one_process(claims, cfg, world: int, got: list[dict], grad, prefix:
 # their forward), so its own error is the one-process bf16 model's. DESIGN.md's rule, as test_efficient.py applies
 # it: err(EP amp vs float64) <= 2 x err(one-process bf16 vs float64) + AMP_FLOOR, each rank's loss and each gradient
 # tensor, err the relative norm of the difference; AMP_FLOOR, 4 fp32 epsilons, is for a figure the bf16 model gets
-# right by accident (a loss, summed in fp32, can come out within an ulp of float64). Both models route every token
-# as float64 does on GRAD_CFGS: a near-tie routed otherwise would compare two functions, and fail the rule.
+# right by accident (a loss, summed in fp32, can come out within an ulp of float64). Both one-process models route
+# every token as its rank did (_routed): a near-tie routed otherwise would compare two functions.
 AMP_FLOOR = 4 * torch.finfo(torch.float32).eps
 
 
@@ -239,7 +257,8 @@ def test_ep_amp_loss_and_grads_within_bf16_error(ep_run, cfg, policy, claims):
 def check_amp_vs_float64(claims, cfg, world: int, got: list[dict], grad, prefix: str, note: str) -> None:
     """Each rank's loss (got[r]["loss"]) and every whole gradient (grad(name)) against one process's in float64,
     within twice the bf16 model's own error plus AMP_FLOOR; claims named f"{prefix} amp ... vs float64"."""
-    (l64, g64), (l16, g16) = _one_process(cfg, world, torch.float64), _one_process(cfg, world, torch.bfloat16)
+    routing = _routed(got)
+    (l64, g64), (l16, g16) = (_one_process(cfg, world, dt, routing) for dt in (torch.float64, torch.bfloat16))
     for r in range(world):
         own = abs(l16[r] - l64[r]) / abs(l64[r])
         claims.within(f"{prefix} amp loss vs float64", low=0.0, high=2 * own + AMP_FLOOR,
