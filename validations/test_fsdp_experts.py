@@ -12,7 +12,9 @@ predictions): a 3-D (E, 2I, H) or (E, H, I) with E < W whose dim 1 W divides is 
                             reduction order only); each rank's live storage at the backward's and the optimizer
                             step's ends of a step after the first exact on every draw (settled), and on two configs
                             whose experts dominate the Block the step peak within test_distributed's 3% of
-                            per_rank_peak
+                            per_rank_peak; the efficient gpt-oss-like model's loss on each rank under bf16 and
+                            amp equals one process's bf16 model's (under amp with the RoPE tables cast to bf16 per Block, as
+                            FSDP2's cast_forward_inputs casts them)
   fake process group, 256 ranks   Mixtral-8x7B (8 experts), one rank: its parameter bytes and one Block's
                             all-gather bytes exactly as predicted
 The ep < world layout's experts over efsdp (El < efsdp: dim 1) are test_expert_parallel_dp.py's and
@@ -74,6 +76,7 @@ def _scenarios() -> dict[str, dict]:
     out = {f"draw-{i}": dict(c, run=replace(c["run"], dtype=DTYPES[i % 3]))
            for i, c in enumerate(draw_examples(fsdp_moe_cases(), N_DRAWS, seed_=6100))}
     out.update({f"grads-{c.name}": dict(kind="grads", cfg=c, run=GRAD_RUN) for c in GRAD_CFGS})
+    out.update({f"loss-{d}": dict(kind="loss", cfg=GRAD_CFGS[1], run=replace(GRAD_RUN, dtype=d)) for d in ("bf16", "amp")})
     out.update({name: dict(sc, kind="peaks", strategy="fsdp", steps=2) for name, sc in PEAK_SCENARIOS.items()})
     return out
 
@@ -93,6 +96,20 @@ def _grads(cfg: ModelConfig, run: Run) -> dict:
                 dims={n: p.placements[0].dim for n, p in model.named_parameters()})
 
 
+def _efficient_loss(cfg: ModelConfig, run: Run) -> float:
+    """The efficient model under wrap(fsdp) and the run's MixedPrecisionPolicy: this rank's loss, forward only."""
+    import torch.distributed as dist
+
+    from llm_anatomy.distributed.strategies import default_mixed_precision, wrap
+    from llm_anatomy.models import build_model, make_batch
+
+    pd, rd = default_mixed_precision(run)
+    model = build_model(cfg, "efficient", seed=0, dtype=torch.bfloat16 if run.dtype == "bf16" else None)
+    model = wrap(model, "fsdp", param_dtype=pd, reduce_dtype=rd)
+    with torch.no_grad():
+        return model(*make_batch(cfg, run, seed=1 + dist.get_rank())).item()
+
+
 def _scenario(kind: str = "train", **kw):
     from llm_anatomy.distributed.peak import peaks
     from llm_anatomy.distributed.settled import SettledStorage
@@ -102,6 +119,8 @@ def _scenario(kind: str = "train", **kw):
         return peaks(**kw, storage=SettledStorage)
     if kind == "grads":
         return _grads(**kw)
+    if kind == "loss":
+        return _efficient_loss(**kw)
     return dict(steps=train(**kw), phases=peaks(kw["cfg"], kw["run"], "fsdp", steps=2, optimizer=kw["optimizer"],
                                                 storage=SettledStorage))
 
@@ -278,3 +297,43 @@ def test_mixtral_rank_of_256_fake_process_group(claims):
     claims.check("fsdp E<W block all-gather bytes", component="comm", config=cfg.name, variant="fsdp",
                  predicted=row["bytes_each"], measured=out["block"][0][2], unit="B", note=note)
     assert out["block"] == [["all_gather", row["dtype"], row["bytes_each"], 1]], f"{out['block']} vs {row}"
+
+
+LOSS_TOL = 1e-6  # a twentieth of the RoPE tables' rounding in the amp loss (2e-5); measured: 0 (bit for bit)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype", ["bf16", "amp"])
+def test_fsdp_efficient_loss_is_one_process_bf16(fsdpx_run, dtype, claims):
+    """The efficient gpt-oss-like model (expert biases added after the grouped GEMMs on its bf16 weights) under
+    FSDP2: each rank's loss equals one process's bf16 model's on that rank's batch within LOSS_TOL (measured bit
+    for bit). bf16: the same computation. amp (fp32 shards, bf16 gathers): the same with the RoPE tables in bf16,
+    since FSDP2's MixedPrecisionPolicy casts every floating-point forward input of a unit to its param_dtype
+    (cast_forward_inputs) and each Block takes the model's fp32 tables (cos, sin) as inputs; the one-process model
+    gets that cast from a pre-hook on each Block, and without it misses by more than LOSS_TOL."""
+    from llm_anatomy.models import build_model, make_batch
+
+    _, res = fsdpx_run
+    cfg, run = GRAD_CFGS[1], replace(GRAD_RUN, dtype=dtype)
+    model = build_model(cfg, "efficient", seed=0, dtype=torch.bfloat16)
+
+    def losses() -> list[float]:
+        with torch.no_grad():
+            return [model(*make_batch(cfg, run, seed=1 + r)).item() for r in range(WORLD)]
+
+    got = res[f"loss-{dtype}"]
+    if dtype == "amp":
+        plain = losses()  # fp32 tables
+        assert all(abs(plain[r] - got[r]) > LOSS_TOL * abs(got[r]) for r in range(WORLD)), (plain, got)
+
+        def cast(_block, args, kwargs):
+            bf16 = lambda t: t.to(torch.bfloat16) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+            return tuple(map(bf16, args)), {k: bf16(v) for k, v in kwargs.items()}
+        for block in model.layers:
+            block.register_forward_pre_hook(cast, with_kwargs=True)
+    one = losses()
+    for r in range(WORLD):
+        claims.check(f"fsdp {dtype} efficient loss vs one process bf16", component="loss", config=cfg.name,
+                     variant="efficient", predicted=one[r], measured=got[r], tolerance=LOSS_TOL, unit="nats",
+                     note=f"rank {r}" + (", the one process's RoPE tables cast to bf16 per Block" if dtype == "amp"
+                                         else ""))
