@@ -148,6 +148,23 @@ def test_forensics_on_cpu_live_storage(variant, tmp_path, capsys):
     assert ("recompute mlp" in rep["title"]) == (rep["run"].get("recompute") == "mlp") == ("recompute" in variant)
 
 
+@pytest.mark.parametrize("variant", ["baseline", "efficient"])
+def test_forensics_on_cpu_of_a_mixture_of_experts(variant, tmp_path):
+    """A mixture-of-experts model (a narrow Mixtral read from its committed config): its MoE blocks mark their
+    own component, and what they hold at the peak is credited to "moe"."""
+    from llm_anatomy.measure.forensics_cli import main
+    from validations.hf_configs import HF_CONFIGS
+
+    d = dict(json.loads(HF_CONFIGS["Mixtral-8x7B-v0.1"].read_text()), num_hidden_layers=2, hidden_size=64,
+             intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, num_local_experts=4)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    out = tmp_path / "f.json"
+    assert main(["--hf-config", str(tmp_path), "--batch", "2", "--seq", "16", "--variant", variant, "--device", "cpu",
+                 "--png", str(tmp_path / "f.png"), "--out", str(out)]) == 0
+    pk = json.loads(out.read_text())["peak"]
+    assert pk["by_component"].get("moe", 0) > 0 and "mlp" not in pk["by_component"], pk["by_component"]
+
+
 # ---- CPU: anatomy sweep ------------------------------------------------------------------------------
 def _sweep(tmp_path, *argv):
     from llm_anatomy.sweep import main

@@ -11,8 +11,8 @@ CPU (llm_anatomy.measure.liveness), in autograd's order: the nodes made last run
               and d(w) for the n rows, which the routing weights' index writes into a zero (T, K) fp32, summed
               into the weights' gradient; down's matmul: dW (H, I) and d(h) (n, I), dW copied to fp32 under
               autocast and written into a zero (E, H, I) by the slice's backward, summed into the stacked
-              weight's gradient (two such tensors and their sum live at once); the activation; gate_up's matmul,
-              the same with (E, 2I, H); the gathered input's d(x) (n, H), written into a zero (T, H) in the residual
+              weight's gradient (in place on CUDA; out of place under the CPU's instrument, _sum); the
+              activation; gate_up's matmul, the same with (E, 2I, H); the gathered input's d(x) (n, H), written into a zero (T, H) in the residual
               dtype and summed into the block input's gradient.
             The branch gradient goes with the last index_add's backward (the first expert with rows).
   router    backward_moe.router, then its d(x) summed into the experts' (and the shared MLP's) gradient.
@@ -172,8 +172,13 @@ def _linear(w, tag: str, weight: int, d_in: int, grad_out: int, saved: tuple[int
 
 
 def _sum(w, tag: str, nbytes: int, accumulate: bool) -> None:
-    """A gradient of nbytes joins the one earlier experts left (out of place: the sum, then both go)."""
-    if accumulate:
+    """A gradient of nbytes joins the one earlier experts left, in autograd's InputBuffer. On CUDA it is added into
+    that one in place (the buffer holds the only reference): the new one goes. On CPU the walk gives what the
+    live-storage instrument reads (measure/liveness.py, a TorchDispatchMode): under a dispatch mode the buffer
+    sums out of place, so the sum is made, then both go (a plain CPU run adds in place, as CUDA does)."""
+    if accumulate and w.cuda:
+        w.alloc(-nbytes)
+    elif accumulate:
         w.alloc(nbytes)
         w.peak(tag)
         w.alloc(-2 * nbytes)

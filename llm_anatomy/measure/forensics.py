@@ -30,10 +30,10 @@ from pathlib import Path
 
 from llm_anatomy.io import write_atomic
 
-COMPONENTS = ("embedding", "attention", "norm", "mlp", "loss", "optimizer")
+COMPONENTS = ("embedding", "attention", "norm", "mlp", "moe", "loss", "optimizer")
 PRE_EXISTING = "pre-existing"  # allocated before the recording began (or outside its ring buffer)
-COLOURS = {"embedding": "#8c564b", "attention": "#1f77b4", "norm": "#2ca02c", "mlp": "#ff7f0e", "loss": "#d62728",
-           "optimizer": "#9467bd", "other": "#7f7f7f", PRE_EXISTING: "#c7c7c7"}
+COLOURS = {"embedding": "#8c564b", "attention": "#1f77b4", "norm": "#2ca02c", "mlp": "#ff7f0e", "moe": "#bcbd22",
+           "loss": "#d62728", "optimizer": "#9467bd", "other": "#7f7f7f", PRE_EXISTING: "#c7c7c7"}
 
 # The marker protocol shared with llm_anatomy.measure.memory.record_step: a marker is an allocation of
 # (index + 1) * MARKER_BLOCK bytes made by a function named MARKER_FUNC; the index names a label.
@@ -48,6 +48,8 @@ _FILE_RULES = tuple((re.compile(p), c) for p, c in (
     (r"anatomy/(?:baseline|efficient)/attention\.py$", "attention"),
     (r"anatomy/(?:baseline|efficient)/norm\.py$", "norm"),
     (r"anatomy/(?:baseline|efficient)/mlp\.py$", "mlp"),
+    (r"anatomy/(?:baseline|efficient)/moe\.py$", "moe"),
+    (r"llm_anatomy/kernels/moe_unpermute\.py$", "moe"),
     (r"anatomy/(?:baseline|efficient)/loss\.py$", "loss"),
     (r"llm_anatomy/kernels/rope\.py$", "attention"),
     (r"llm_anatomy/kernels/rms_norm\.py$", "norm"),
