@@ -89,7 +89,8 @@ def _layout(root: Path) -> dict:
         # draw sized to 80 GB and the MoE cases; scripts/compare_h100.py predicts them on the derived H100 profile
         H100_STEPS=dict(dense=reports / "h100" / "real-depth-live.json", moe=reports / "h100" / "moe-live.json"),
         GPU_CLAIMS_PARTS=tuple(reports / gpu / f"claims-gpu-{part}.json" for gpu in ("h200", "h100")
-                               for part in ("moe", "moe-gptoss", "moe-bf16", "moe-mixtral", "mesh", "realdepth")),
+                               for part in ("moe", "moe-gptoss", "moe-bf16", "moe-mixtral", "moe-baseline", "mesh",
+                                            "realdepth")),
         # scripts/probe_memory.py: phase memory of named and drawn configs, both variants, under two allocator
         # settings; under Run.recompute="mlp" (efficient only); and the lean block (Run.lean)
         MEMORY_PROBE={"expandable segments": (mp / "named.json", mp / "drawn.json"),
