@@ -11,9 +11,10 @@ CPU (llm_anatomy.measure.liveness), in autograd's order: the nodes made last run
               and d(w) for the n rows, which the routing weights' index writes into a zero (T, K) fp32, summed
               into the weights' gradient; down's matmul: dW (H, I) and d(h) (n, I), dW copied to fp32 under
               autocast and written into a zero (E, H, I) by the slice's backward, summed into the stacked
-              weight's gradient (in place on CUDA; out of place under the CPU's instrument, _sum); the
-              activation; gate_up's matmul, the same with (E, 2I, H); the gathered input's d(x) (n, H), written into a zero (T, H) in the residual
-              dtype and summed into the block input's gradient.
+              weight's gradient; the activation; gate_up's matmul, the same with (E, 2I, H); the gathered
+              input's d(x) (n, H), written into a zero (T, H) in the residual dtype and summed into the block
+              input's gradient. Each sum is autograd's InputBuffer's: in place on CUDA, out of place under the
+              CPU's instrument (_sum).
             The branch gradient goes with the last index_add's backward (the first expert with rows).
   router    backward_moe.router, then its d(x) summed into the experts' (and the shared MLP's) gradient.
 The per-expert tensors follow that expert's row count: the histogram decides the peak (the largest expert's
