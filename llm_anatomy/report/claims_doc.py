@@ -118,6 +118,8 @@ FAMILIES: list[tuple[str, list[str], list[str], list[str]]] = [
      ["llm_anatomy/hf_config.py:from_hf_config", *_MODELS], []),
     (r"^fsdp E<W (loss|gradient) vs", ["-"], ["llm_anatomy/distributed/strategies.py:shard_placement",
                                                 "llm_anatomy/distributed/strategies.py:wrap"], []),
+    (r"^fsdp (amp|bf16) efficient loss vs one process", ["-"], ["llm_anatomy/distributed/strategies.py:wrap",
+                                                                 "llm_anatomy/efficient/moe.py:ExpertBias"], []),
     (r"^fsdp E<W ", ["llm_anatomy/calculator/fsdp_shards.py:fsdp_shard_dim",
                      "llm_anatomy/calculator/sharding.py:per_rank_memory",
                      "llm_anatomy/calculator/comm.py:fsdp_collectives", "llm_anatomy/calculator/sharding.py:per_rank_peak"],
