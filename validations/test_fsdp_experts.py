@@ -13,8 +13,8 @@ predictions): a 3-D (E, 2I, H) or (E, H, I) with E < W whose dim 1 W divides is 
                             step's ends of a step after the first exact on every draw (settled), and on two configs
                             whose experts dominate the Block the step peak within test_distributed's 3% of
                             per_rank_peak; the efficient gpt-oss-like model's loss on each rank under bf16 and
-                            amp equals one process's bf16 model's (under amp with the RoPE tables cast to bf16 per Block, as
-                            FSDP2's cast_forward_inputs casts them)
+                            amp equals one process's bf16 model's (under amp with the RoPE tables cast to bf16
+                            per Block, as FSDP2's cast_forward_inputs casts them)
   fake process group, 256 ranks   Mixtral-8x7B (8 experts), one rank: its parameter bytes and one Block's
                             all-gather bytes exactly as predicted
 The ep < world layout's experts over efsdp (El < efsdp: dim 1) are test_expert_parallel_dp.py's and
@@ -76,7 +76,8 @@ def _scenarios() -> dict[str, dict]:
     out = {f"draw-{i}": dict(c, run=replace(c["run"], dtype=DTYPES[i % 3]))
            for i, c in enumerate(draw_examples(fsdp_moe_cases(), N_DRAWS, seed_=6100))}
     out.update({f"grads-{c.name}": dict(kind="grads", cfg=c, run=GRAD_RUN) for c in GRAD_CFGS})
-    out.update({f"loss-{d}": dict(kind="loss", cfg=GRAD_CFGS[1], run=replace(GRAD_RUN, dtype=d)) for d in ("bf16", "amp")})
+    out.update({f"loss-{d}": dict(kind="loss", cfg=GRAD_CFGS[1], run=replace(GRAD_RUN, dtype=d))
+                for d in ("bf16", "amp")})
     out.update({name: dict(sc, kind="peaks", strategy="fsdp", steps=2) for name, sc in PEAK_SCENARIOS.items()})
     return out
 
