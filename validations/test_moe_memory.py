@@ -188,11 +188,12 @@ def test_gloo_moe_per_rank_peak(gloo_moe_peaks, name, claims):
 
 
 def test_the_instrument_sums_expert_gradients_out_of_place():
-    """What backward_moe_baseline._sum models per device. Each slice W[e] of a stacked leaf sends a whole-size
+    """What backward.Walk.input_buffer_sum models per device. Each slice W[e] of a stacked leaf sends a whole-size
     gradient to one autograd InputBuffer. A plain run adds each later one into the first in place, as on CUDA: the
     gradient W ends with has taken E - 1 in-place adds (its version counter). Under a TorchDispatchMode (one that
-    only calls each op, or the live-storage instrument the CPU claims are read with) every add is out of place: the
-    gradient is the last sum, a new tensor that no in-place op has touched, which is what the CPU walk counts."""
+    only calls each op, or the live-storage instrument the CPU claims are read with) every add is out of place
+    (ATen's isTensorSubclassLike is true for any tensor while a mode is active): the gradient is the last sum, a
+    new tensor that no in-place op has touched, which is what the CPU walk counts."""
     import contextlib
 
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -6,7 +6,7 @@ efficient/attention_sinks.py); backward_efficient.layer calls them.
 - OLMoE's whole q/k norms: rope_qkv's backward writes d(cat(qn, kn, v)) as one (T, D); cat's backward hands
   views of it on. Autograd runs v's column slice first (its backward: a zero (T, D) with v's gradient written
   in), then k_norm's rms_norm backward (d(kn) (T, kv) and the weight's gradient) and its column slice's zero
-  (T, D), summed with v's into a new (T, D) (the input buffer adds out of place); then q_norm's, the same. d(cat)
+  (T, D), summed with v's (autograd's InputBuffer: backward.Walk.input_buffer_sum); then q_norm's, the same. d(cat)
   goes once q_norm's backward has read it; the saved qkv once both norms' backward ran. Not modelled: on CPU
   the reference rms_norm backward's fp32 temporaries inside each norm's backward (as for the block norms,
   backward_efficient.norm), a few (T, width) at once: where q is much wider than hidden they can be the peak."""
@@ -37,6 +37,4 @@ def whole_qk_norm(w, tag: str, dqkv: int) -> None:
             w.alloc(-dqkv)
             w.free("attention.rope_qkv_norm.qkv")
         w.alloc(dqkv, -T * width * c)  # the columns' zero (T, D), d(x) written in (and gone)
-        w.alloc(dqkv)  # summed with the gradient so far
-        w.peak(tag + "attention." + name + " sum")
-        w.alloc(-dqkv, -dqkv)
+        w.input_buffer_sum(tag + "attention." + name + " sum", dqkv)  # summed with the gradient so far

@@ -230,6 +230,19 @@ class Walk:
         self.alloc(bias * p, -cast_bias * c)
         return dx
 
+    def input_buffer_sum(self, tag: str, nbytes: int) -> None:
+        """A gradient of nbytes joins an earlier one of the same size in autograd's InputBuffer, which adds into
+        the earlier one in place when it holds the only reference and no dispatch mode is active (ATen's
+        isTensorSubclassLike is true for every tensor under a mode). So on CUDA the new one goes; on CPU the walk
+        gives what the live-storage instrument reads (measure/liveness.py, a TorchDispatchMode): the sum is made,
+        then both go (a plain CPU run adds in place, as CUDA does)."""
+        if self.cuda:
+            self.alloc(-nbytes)
+            return
+        self.alloc(nbytes)
+        self.peak(tag)
+        self.alloc(-2 * nbytes)
+
     def residual_add(self, g: int, branch: int) -> int:
         """The branch's gradient joins the skip's: autograd's input buffer adds it in place."""
         self.alloc(-branch)

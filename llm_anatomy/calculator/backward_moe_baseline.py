@@ -14,7 +14,7 @@ CPU (llm_anatomy.measure.liveness), in autograd's order: the nodes made last run
               weight's gradient; the activation; gate_up's matmul, the same with (E, 2I, H); the gathered
               input's d(x) (n, H), written into a zero (T, H) in the residual dtype and summed into the block
               input's gradient. Each sum is autograd's InputBuffer's: in place on CUDA, out of place under the
-              CPU's instrument (_sum).
+              CPU's instrument (backward.Walk.input_buffer_sum).
             The branch gradient goes with the last index_add's backward (the first expert with rows).
   router    backward_moe.router, then its d(x) summed into the experts' (and the shared MLP's) gradient.
 The per-expert tensors follow that expert's row count: the histogram decides the peak (the largest expert's
@@ -83,7 +83,8 @@ def _expert(w, tag: str, n: int, accumulate: bool, branch: int) -> None:
     w.alloc(T * K * 4, T * K * 4)  # the index's backward: a zero (T, K) fp32 and the rows written into it
     w.peak(tag + "routing weights")
     w.alloc(-T * K * 4, -dw)
-    _sum(w, tag + "routing weights sum", T * K * 4, accumulate)
+    if accumulate:
+        w.input_buffer_sum(tag + "routing weights sum", T * K * 4)
     # down: dW (H, I), d(h) (n, I) (and the bias's (H,)); d(y), h and the weight slice's cast go
     bias = cfg.expert_bias
     _linear(w, tag + "down", H * I, nI, nH, (nI, H * I * c if w.amp else 0), E * H * I * p, accumulate,
@@ -97,13 +98,15 @@ def _expert(w, tag: str, n: int, accumulate: bool, branch: int) -> None:
             w.alloc(E * width * p)  # a zero (E, width) with the row written in
             w.peak(tag + "bias select")
             w.alloc(-width * (4 if w.amp else p))  # the row
-            _sum(w, tag + "bias sum", E * width * p, accumulate)
+            if accumulate:
+                w.input_buffer_sum(tag + "bias sum", E * width * p)
     # index_select's backward: a zero (T, H) and the rows added into it; d(x) and the row indices go
     w.alloc(T * H * r, T * H * r)
     w.peak(tag + "input rows")
     w.alloc(-T * H * r, -n * H * r)
     drop(n * 2 * 8)
-    _sum(w, tag + "input grad sum", T * H * r, accumulate)
+    if accumulate:
+        w.input_buffer_sum(tag + "input grad sum", T * H * r)
 
 
 def _swiglu(w, tag: str, m: int, drop) -> None:
@@ -169,17 +172,6 @@ def _linear(w, tag: str, weight: int, d_in: int, grad_out: int, saved: tuple[int
     w.peak(tag + " select")
     if w.amp:
         w.alloc(-weight * p)
-    _sum(w, tag + " sum", stacked, accumulate)
+    if accumulate:
+        w.input_buffer_sum(tag + " sum", stacked)
 
-
-def _sum(w, tag: str, nbytes: int, accumulate: bool) -> None:
-    """A gradient of nbytes joins the one earlier experts left, in autograd's InputBuffer. On CUDA it is added into
-    that one in place (the buffer holds the only reference): the new one goes. On CPU the walk gives what the
-    live-storage instrument reads (measure/liveness.py, a TorchDispatchMode): under a dispatch mode the buffer
-    sums out of place, so the sum is made, then both go (a plain CPU run adds in place, as CUDA does)."""
-    if accumulate and w.cuda:
-        w.alloc(-nbytes)
-    elif accumulate:
-        w.alloc(nbytes)
-        w.peak(tag)
-        w.alloc(-2 * nbytes)
