@@ -14,6 +14,7 @@ adds saved tensors and a backward only frees them, the most a rank holds is reac
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 from itertools import accumulate
 from math import prod
 
@@ -22,7 +23,8 @@ from llm_anatomy.calculator.types import BYTES, ROPE_TABLES
 from llm_anatomy.config import ModelConfig, Run
 
 
-def order(schedule: str, pp: int, rank: int, microbatches: int, virtual: int = 1) -> list[tuple[str, int, int]]:
+@lru_cache(maxsize=64)  # a plan asks for one rank's order at every micro-batch size and policy it tries
+def order(schedule: str, pp: int, rank: int, microbatches: int, virtual: int = 1) -> tuple[tuple[str, int, int], ...]:
     """This rank's compute actions in execution order: ("F" | "B", stage, micro-batch)."""
     check_schedule(schedule, virtual)
     check_microbatches(schedule, pp, microbatches)
@@ -35,7 +37,7 @@ def order(schedule: str, pp: int, rank: int, microbatches: int, virtual: int = 1
         for kind in seq:
             out.append((kind, rank, f if kind == "F" else b))
             f, b = (f + 1, b) if kind == "F" else (f, b + 1)
-        return out
+        return tuple(out)
     per_round = M // max(1, M // pp)
     total = virtual * M
     w = min((virtual - 1) * per_round + 2 * (pp - 1 - rank), total)
@@ -59,9 +61,10 @@ def order(schedule: str, pp: int, rank: int, microbatches: int, virtual: int = 1
         else:
             out += [fwd(k), bwd(k)]
     out += [bwd(k) for k in range(total, total + w)]
-    return out
+    return tuple(out)
 
 
+@lru_cache(maxsize=64)
 def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int = 1) -> int:
     """The most chunks (stage, micro-batch) whose activations this rank holds at once."""
     held = peak = 0
@@ -149,12 +152,23 @@ def saved_peak(cfg: ModelConfig, run: Run, pp: int, rank: int, *, microbatches: 
                                   mask_kinds(cfg, range(first[s], first[s + 1])))
              for s in rank_stages(pp, rank, virtual)}
     batch_view = run.batch * run.seq  # elements of the batch's ids or targets
-    held, live, peak = 0, {s: 0 for s in chunk}, 0
+    views = {s: batch_view * sum(v.values()) for s, (_, v) in chunk.items()}  # held while a chunk of s is in flight
+    if len(chunk) == 1:  # one stage on the rank: its most chunks in flight, and the batch's views
+        (s,) = chunk
+        return in_flight(schedule, pp, rank, microbatches, virtual) * chunk[s][0] + views[s]
+    own = {s: c[0] for s, c in chunk.items()}
+    held, shared, live, peak = 0, 0, {s: 0 for s in chunk}, 0
     for kind, s, _ in order(schedule, pp, rank, microbatches, virtual):
-        own = chunk[s][0]
-        step = 1 if kind == "F" else -1
-        live[s] += step
-        held += step * own
-        shared = sum(batch_view * b for t, (_, v) in chunk.items() if live[t] for b in v.values())
-        peak = max(peak, held + shared)
+        if kind == "F":  # a forward only adds, a backward only frees: the peak is at a forward's end
+            held += own[s]
+            if not live[s]:
+                shared += views[s]
+            live[s] += 1
+            if held + shared > peak:
+                peak = held + shared
+        else:
+            held -= own[s]
+            live[s] -= 1
+            if not live[s]:
+                shared -= views[s]
     return peak
