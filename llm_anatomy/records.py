@@ -102,8 +102,11 @@ def _layout(root: Path) -> dict:
         # calibrated in the same run
         TIMING_PROBE_PROFILE=tp / "profile.json",
         # the GPU suite's calibration under which reports/h200/claims-gpu-moe.json ran (2026-12-05): with the two
-        # above, the H200 calibrations whose spread sets the derived profiles' same-generation range
+        # above and the next, the H200 calibrations whose spread sets the derived profiles' same-generation range
         MOE_LIVE_PROFILE=h200 / "moe-live-profile.json",
+        # the GPU suite's calibration under which reports/h200/claims-gpu-moe-gptoss.json ran (2026-12-06), whose
+        # grouped-GEMM, masked-SDPA and sinks rows supplement the packaged profile (scripts/supplement_profile.py)
+        MOE_GPTOSS_PROFILE=h200 / "moe-gptoss-profile.json",
         TIMING_PROBE={"named": tp / "named.json", "drawn, training-sized": tp / "drawn-training.json",
                       "drawn, small": tp / "drawn-small.json"},
         PEERS_ENV=steps["peers"] / "env.json",  # scripts/env_json.py, same run: cuDNN, Triton and driver versions

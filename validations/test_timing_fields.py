@@ -126,30 +126,44 @@ def test_bad_masked_rows_refused_in_one_line(field, value, says):
         in msg
 
 
-def test_without_rows_a_measured_profile_refuses_a_datasheet_one_states():
+def without_field_rows(tmp_path) -> str:
+    """The packaged H200 calibration less the rows its supplement added (masked SDPA, the sinks' S x S ops), as
+    a profile file: what a calibration taken before those rows existed gives."""
+    doc = json.loads((lookup.PROFILE_DIR / "h200.json").read_text())
+    m = doc["measurements"]
+    m.pop("attention_masked")
+    m["fused"] = [r for r in m["fused"] if not r["op"].startswith("sxs.sink_")]
+    path = tmp_path / "h200-without-field-rows.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_without_rows_a_measured_profile_refuses_a_datasheet_one_states(tmp_path):
     run = Run(2, 2048, "amp")
     cfg = replace(GPTOSS, layers=2)
-    for gpu in ("h200-measured", "h100-sxm"):  # the packaged calibration; a profile derived from it
-        with pytest.raises(ConfigError, match="no masked-attention calibration") as e:
-            estimate_time(cfg, run, "efficient", gpu, with_kernels=False)
-        assert "\n" not in str(e.value) and "attention_masked" in str(e.value)
+    bare = without_field_rows(tmp_path)
+    with pytest.raises(ConfigError, match="no masked-attention calibration") as e:
+        estimate_time(cfg, run, "efficient", bare, with_kernels=False)
+    assert "\n" not in str(e.value) and "attention_masked" in str(e.value)
+    for gpu in ("h200-measured", "h100-sxm"):  # the packaged calibration, supplemented; a profile derived from it
+        assert estimate_time(cfg, run, "efficient", gpu, with_kernels=False)["gpu_s"] > 0
     res = estimate_time(cfg, run, "efficient", "h200-sxm")
     k = next(k for k in res["kernels"] if k["name"] == "attention.sdpa_masked")
     assert "bf16 matmul rate" in k["note"]
     assert "bf16 peak" in lookup.get("h200-sxm").sources["attention_masked"]
-    # the baseline runs no SDPA, but its sinks' unaligned S x S ops need rows of their own: the packaged calibration
-    # has none and refuses in one line naming the op; the datasheet prices them at the copy rate
+    # the baseline runs no SDPA, but its sinks' unaligned S x S ops need rows of their own: a calibration without
+    # them refuses in one line naming the op; the datasheet prices them at the copy rate
     with pytest.raises(ConfigError, match="no calibration of sxs.sink_") as e:
-        estimate_time(cfg, run, "baseline", "h200-measured", with_kernels=False)
+        estimate_time(cfg, run, "baseline", bare, with_kernels=False)
     assert "\n" not in str(e.value)
     assert estimate_time(cfg, run, "baseline", "h200-sxm", with_kernels=False)["gpu_s"] > 0
     with pytest.raises(ConfigError, match="on cuDNN only"):
         step_kernels(cfg, run, "efficient", "flash")
 
 
-def test_estimate_command_refuses_in_one_line():
+def test_estimate_command_refuses_in_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "llm_anatomy.cli", "estimate", "--hf-config", str(HF / "gpt-oss-20b"),
-                        "--gpu", "h200-measured"], capture_output=True, text=True, timeout=120)
+                        "--gpu", without_field_rows(tmp_path)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.count("\n") == 1 and "attention_masked" in p.stderr, p.stderr
 

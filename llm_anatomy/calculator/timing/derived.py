@@ -38,11 +38,12 @@ GENERATION = {"a100-40gb-sxm": "ampere", "a100-80gb-sxm": "ampere", "rtx-3090": 
               "h100-pcie": "hopper", "h200-sxm": "hopper", "b200": "blackwell", "l40s": "ada", "l4": "ada",
               "rtx-4090": "ada"}
 # the fractions' relative spread each way: within the base's generation, the widest spread of the GEMM, copy and
-# SDPA fractions between the three committed H200 calibrations (profiles/h200.json, reports/h200/timing-probe/
-# profile.json, reports/h200/moe-live-profile.json: 2.4%), rounded up; across generations, an assumption
+# SDPA fractions between the four committed H200 calibrations (profiles/h200.json, reports/h200/timing-probe/
+# profile.json, reports/h200/moe-live-profile.json, reports/h200/moe-gptoss-profile.json: 2.8%), rounded up;
+# across generations, an assumption
 SPREAD = dict(same=0.03, other=0.20)
 SPREAD_SOURCE = dict(
-    same="the widest spread of a carried fraction between the three committed H200 calibrations (2.4%, the copy "
+    same="the widest spread of a carried fraction between the four committed H200 calibrations (2.8%, the copy "
          "rate; rounded up to 3%; validations/test_derived_gpus.py recomputes it)",
     other="assumption, not a measurement: another generation's cuBLAS, cuDNN and Triton kernels reach a fraction "
           "of their roof within 20% of Hopper's")
