@@ -335,6 +335,30 @@ def test_the_h100_fields_table_is_the_committed_claims_report():
     assert f"predicted within {worst:.1%} ({min(errs):+.1%} .. {max(errs):+.1%})" in doc, (worst, errs)
 
 
+def test_the_h200_fields_prose_is_the_committed_claims_report():
+    """docs/moe.md's H200 run of gpt-oss's and OLMoE's live cases quotes reports/h200/claims-gpu-moe-gptoss.json: the
+    outcome, the memory figures' worst error (rounded up), the whole OLMoE's backward peak and each wall error."""
+    import math
+
+    from llm_anatomy import records
+
+    rep = json.loads((records.ROOT / "reports/h200/claims-gpu-moe-gptoss.json").read_text())
+    rows, doc = rep["rows"], " ".join((records.ROOT / "docs/moe.md").read_text().split())
+    assert rep["outcome"]["passed"] == 27 and not rep["outcome"]["skipped"] and all(r["passed"] for r in rows)
+    memory = [r for r in rows if r["claim"].startswith("memory.")]
+    assert f"the 60 memory figures is within {math.ceil(max(abs(r['error']) for r in memory) * 1e4) / 100}%" in doc
+    peak = next(r for r in memory if r["config"] == "olmoe/balanced (live)" and "backward" in r["claim"]
+                and "peak" in r["claim"])
+    assert f"{peak['predicted']:,} B predicted, {peak['measured']:,} measured" in doc
+    wall = {(r["config"].split("/")[0], r["variant"]): r["error"] for r in rows if r["claim"] == "time.moe.step"}
+    said = {("gptoss-L2", "efficient"): "gpt-oss efficient", ("gptoss-L2", "baseline"): "baseline",
+            ("olmoe-L4", "efficient"): "four layers efficient", ("olmoe-L4", "baseline"): "baseline",
+            ("olmoe", "efficient"): "OLMoE whole"}
+    for key, words in said.items():
+        err = wall[key] * 100
+        assert f"{words} {err:+.{2 if abs(err) < 0.1 else 1}f}%" in doc, (key, err)
+
+
 def test_the_bf16_gptoss_bound_in_the_prose_is_the_committed_claims_report():
     """docs/moe.md's "within 0.24%" for gpt-oss-20b on bf16 weights (the expert biases added after the grouped GEMMs)
     is the committed H100 report's largest error over its ten memory claims, rounded up to the stated digits."""
